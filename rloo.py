@@ -1,0 +1,1152 @@
+"""REINFORCE Leave-One-Out (RLOO) for RLHF, in one file.
+
+    python rloo.py --model_name_or_path PATH --reward_model_path PATH --dataset_name NAME ...
+    torchrun --nproc_per_node 8 rloo.py --rloo-k 4 ...
+
+One update, on every rank:
+  1. take B prompts and repeat them k times into the (k, B) layout: row j*B + i is sample j of prompt i;
+  2. sample k*B completions, cut each after its first stop token;
+  3. recompute the policy's and the frozen reference's log-probs of those tokens with a forward pass;
+  4. score each completion (reward model and/or reward functions, missing-EOS penalty);
+  5. reward = score - kl_coef * KL(policy || reference); the baseline of each sample is the mean reward
+     of the other k-1 samples of its prompt; advantage = reward - baseline;
+  6. num_ppo_epochs x shuffled minibatches x micro-batches of the clipped surrogate on the sequence-level
+     ratio exp(sum_t logp_new - sum_t logp_old); one optimizer step per minibatch.
+With 1 epoch and 1 minibatch the ratio is 1 and this is REINFORCE with the leave-one-out baseline.
+
+Sections, in order: Args | batch arithmetic | distributed | data | models | rollout | rewards |
+advantages | loss | update | logging | evaluation | main.
+"""
+
+import contextlib
+import copy
+import importlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Literal, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import tyro
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+@dataclass
+class Args:
+    # ----- experiment -----
+    exp_name: str = "rloo"
+    """name of the experiment; the run is named `{exp_name}__{seed}__{unix time}`"""
+    seed: int = 1
+    """random seed; rank r samples with seed + r"""
+    output_dir: str = "models/rloo"
+    """where `metrics.jsonl`, `args.json`, the final policy and its tokenizer are written"""
+    track: bool = False
+    """log to Weights & Biases (with WANDB_MODE=offline it logs without network)"""
+    wandb_project_name: str = "rloo"
+    """the wandb project"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team); None is your default entity"""
+
+    # ----- models -----
+    model_name_or_path: Optional[str] = None
+    """policy tokenizer, and policy weights unless --sft_model_path is given (Hub id or local path)"""
+    sft_model_path: Optional[str] = None
+    """policy and reference weights when they are not at --model_name_or_path (as in TRL's TL;DR recipe)"""
+    reward_model_path: Optional[str] = None
+    """AutoModelForSequenceClassification with one label, read at the last real token; when its own
+    tokenizer differs from the policy's, completions are decoded and re-tokenized for it"""
+    reward_fn: tuple[str, ...] = ()
+    """Python reward functions `package.module:function`, called with prompts, completions,
+    completion_ids and the dataset's other columns (lists); each returns a float or None per completion"""
+    reward_weights: Optional[tuple[float, ...]] = None
+    """one weight per reward source, the reward model first, then each --reward_fn; default all 1.0"""
+    pad_token: Optional[str] = "[PAD]"
+    """token added for padding when the policy tokenizer has none (what TRL's scripts and the N+ details do
+    for Pythia); its id must fit the embedding matrix. None refuses tokenizers without a pad token"""
+    trust_remote_code: bool = False
+    """allow models and tokenizers with custom code from the Hub"""
+    bf16: bool = False
+    """bf16 autocast for every forward pass; fp32 master weights and optimizer; frozen models stored in bf16"""
+    gradient_checkpointing: bool = False
+    """recompute the policy's activations in the backward pass (less memory, ~30% slower training)"""
+
+    # ----- data -----
+    dataset_name: str = "trl-internal-testing/tldr-preference-sft-trl-style"
+    """Hub dataset id, a local .jsonl/.json/.parquet file, or a `save_to_disk` directory"""
+    dataset_config: Optional[str] = None
+    """the Hub dataset's configuration name, if it has several"""
+    dataset_train_split: str = "train"
+    """split to train on (ignored for a single local file)"""
+    dataset_test_split: Optional[str] = None
+    """split (or local file) to evaluate on; None disables evaluation"""
+    prompt_column: str = "prompt"
+    """column holding the prompt: a string, or a list of chat messages (chat template applied);
+    without it, a pre-tokenized `query_token` column is used (the TL;DR dataset's schema)"""
+    max_prompt_length: int = 512
+    """prompts longer than this many tokens are dropped (and counted) when the dataset is loaded"""
+
+    # ----- RLOO -----
+    rloo_k: int = 2
+    """completions sampled per prompt (k >= 2: the baseline of each is the mean of the other k-1)"""
+    kl_coef: float = 0.05
+    """weight of the KL penalty to the reference policy; 0 skips the reference model entirely"""
+    token_level_kl: bool = False
+    """per-token KL penalties with token-level returns (each token's advantage sees the KL of the tokens
+    after it) instead of one sequence-level penalty; the loss then uses per-token ratios"""
+    missing_eos_penalty: Optional[float] = None
+    """subtracted from the score of completions that never emit the stop token ("EOS trick")"""
+    normalize_reward: bool = False
+    """standardize scores over the global batch, then clip them to +-reward_clip_range"""
+    reward_clip_range: float = 10.0
+    """clip range of the normalized scores"""
+    normalize_advantage: bool = False
+    """whiten advantages over the global batch"""
+    cliprange: float = 0.2
+    """PPO clip range of the sequence-level ratio"""
+
+    # ----- generation -----
+    response_length: int = 53
+    """tokens sampled per completion"""
+    temperature: float = 0.7
+    """sampling temperature (top_k=0, top_p=1); logits are divided by it when log-probs are computed"""
+    stop_token: Optional[Literal["eos"]] = "eos"
+    """truncate completions after the first EOS; None keeps all response_length tokens"""
+    stop_token_id: Optional[int] = None
+    """truncate after this token id instead (overrides --stop_token)"""
+    local_rollout_forward_batch_size: int = 64
+    """completions per generation / scoring forward pass, per rank"""
+
+    # ----- optimization -----
+    total_episodes: Optional[int] = None
+    """completions to train on, all ranks together; None is num_train_epochs x the number of prompts"""
+    num_train_epochs: float = 1.0
+    """used only when --total_episodes is None"""
+    per_device_train_batch_size: int = 8
+    """completions per forward/backward pass, per rank (the micro-batch)"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+    num_mini_batches: int = 1
+    """optimizer steps per PPO epoch"""
+    num_ppo_epochs: int = 4
+    """passes over each update's completions"""
+    learning_rate: float = 3e-6
+    """AdamW learning rate"""
+    lr_scheduler_type: Literal["linear", "constant"] = "linear"
+    """linear decay to 0 over the run, or constant"""
+    adam_epsilon: float = 1e-8
+    """AdamW epsilon"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm to this (<= 0: no clipping, the norm is still logged)"""
+
+    # ----- logging and evaluation -----
+    num_sample_generations: int = 10
+    """times per run a table of query / response / score is printed (and logged to wandb)"""
+    num_evals: int = 4
+    """evaluations on --dataset_test_split spread over the run, plus one at the end"""
+    eval_max_prompts: int = 256
+    """test prompts per evaluation (all ranks together)"""
+
+
+class ConfigError(Exception):
+    """Bad input the user can fix; reported as one line and exit status 2."""
+
+
+# ===================================================================== batch arithmetic
+@dataclass(frozen=True)
+class BatchSizes:
+    micro: int  # completions per forward/backward pass, per rank
+    mini: int  # completions per optimizer step, per rank = micro * gradient_accumulation_steps
+    local: int  # completions per update, per rank = mini * num_mini_batches = k * prompts
+    prompts: int  # B: prompts per update, per rank = local / k
+    world: int  # completions per update, all ranks = local * world_size
+
+
+def compute_batch_sizes(args: Args, world_size: int) -> BatchSizes:
+    """The one place where batch sizes are derived; every division is exact or refused."""
+    if args.rloo_k < 2:
+        raise ConfigError(
+            f"rloo_k = {args.rloo_k}: the leave-one-out baseline needs at least 2 completions per prompt; pass --rloo_k 2 or more"
+        )
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"{name} = {getattr(args, name)} must be at least 1")
+    micro = args.per_device_train_batch_size
+    mini = micro * args.gradient_accumulation_steps
+    local = mini * args.num_mini_batches
+    if local % args.rloo_k:
+        raise ConfigError(
+            f"per_device_train_batch_size ({micro}) x gradient_accumulation_steps ({args.gradient_accumulation_steps}) "
+            f"x num_mini_batches ({args.num_mini_batches}) = {local} completions per rank is not divisible by "
+            f"rloo_k ({args.rloo_k}); make the product a multiple of rloo_k"
+        )
+    return BatchSizes(micro=micro, mini=mini, local=local, prompts=local // args.rloo_k, world=local * world_size)
+
+
+def validate_args(args: Args) -> None:
+    """Refuse flags that clash before anything is loaded."""
+    if args.model_name_or_path is None and args.sft_model_path is None:
+        raise ConfigError("no policy: pass --model_name_or_path (and --sft_model_path if the weights live elsewhere)")
+    if args.reward_model_path is None and not args.reward_fn:
+        raise ConfigError("no reward: pass --reward_model_path and/or --reward_fn package.module:function")
+    num_sources = int(args.reward_model_path is not None) + len(args.reward_fn)
+    if args.reward_weights is not None and len(args.reward_weights) != num_sources:
+        raise ConfigError(
+            f"--reward_weights has {len(args.reward_weights)} values but there are {num_sources} reward sources "
+            "(the reward model first, then each --reward_fn)"
+        )
+    if args.temperature <= 0:
+        raise ConfigError(f"temperature = {args.temperature} must be > 0")
+    if args.response_length < 1 or args.max_prompt_length < 1 or args.local_rollout_forward_batch_size < 1:
+        raise ConfigError("response_length, max_prompt_length and local_rollout_forward_batch_size must be >= 1")
+    if args.missing_eos_penalty is not None and args.stop_token is None and args.stop_token_id is None:
+        raise ConfigError("--missing_eos_penalty needs a stop token: pass --stop_token eos or --stop_token_id ID")
+    if args.total_episodes is not None and args.total_episodes < 1:
+        raise ConfigError(f"total_episodes = {args.total_episodes} must be >= 1")
+
+
+# ===================================================================== distributed
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed() -> Dist:
+    """torch.distributed from torchrun's RANK/LOCAL_RANK/WORLD_SIZE: NCCL on GPUs, gloo on CPU."""
+    if "RANK" not in os.environ:  # plain `python rloo.py`
+        return Dist(0, 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend=backend)
+    return Dist(rank, local_rank, world_size, device)
+
+
+def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce when distributed; identity in a single process."""
+    if dist.is_initialized():
+        dist.all_reduce(x, op=op)
+    return x
+
+
+def global_mean_std(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and (unbiased) std of the masked entries of x over all ranks."""
+    mask = torch.ones_like(x, dtype=torch.bool) if mask is None else mask
+    x = x.float() * mask
+    moments = all_reduce(torch.stack([x.sum(), (x * x).sum(), mask.sum().float()]))  # (3,)
+    total, total_sq, count = moments
+    mean = total / count
+    var = (total_sq - count * mean * mean) / (count - 1).clamp(min=1)
+    return mean, var.clamp(min=0).sqrt()
+
+
+# ===================================================================== data
+PROMPT_IDS = "prompt_input_ids"  # the tokenized prompt column this script adds to the dataset
+LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def load_split(name: str, split: str, config: Optional[str]):
+    """A dataset split from a local file, a `save_to_disk` directory or the Hub."""
+    import datasets
+
+    path = Path(name)
+    if path.suffix in LOCAL_FORMATS:
+        if not path.is_file():
+            raise ConfigError(f"dataset file {name} does not exist")
+        return datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
+    if path.is_dir():
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise ConfigError(f"dataset {name} has no split {split!r}; its splits are {list(loaded)}")
+            return loaded[split]
+        return loaded
+    try:
+        return datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # the Hub client raises many types; the user needs the first line of any
+        raise ConfigError(
+            f"could not load dataset {name!r} (split {split!r}) from the Hugging Face Hub: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} - without network, pass a local "
+            ".jsonl/.json/.parquet file or a save_to_disk directory"
+        ) from None
+
+
+def prompt_token_ids(rows: dict, tokenizer, prompt_column: str) -> list[list[int]]:
+    """Token ids of a batch of dataset rows: a string prompt, chat messages, or pre-tokenized `query_token`."""
+    if prompt_column in rows:
+        prompts = rows[prompt_column]
+        if prompts and isinstance(prompts[0], list):  # chat messages
+            if tokenizer.chat_template is None:
+                raise ConfigError(f"column {prompt_column!r} holds chat messages but the tokenizer has no chat template")
+            texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
+            return tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return tokenizer(prompts)["input_ids"]
+    # TL;DR schema: queries pre-tokenized and left-padded with the pad id; strip the padding
+    return [[t for t in ids if t != tokenizer.pad_token_id] for ids in rows["query_token"]]
+
+
+def prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: int, name: str):
+    """Add the PROMPT_IDS column, drop prompts longer than max_prompt_length. Returns (dataset, dropped)."""
+    if prompt_column not in dataset.column_names and "query_token" not in dataset.column_names:
+        raise ConfigError(
+            f"dataset {name} has no {prompt_column!r} column (string or chat messages) and no pre-tokenized "
+            f"'query_token' column; its columns are {dataset.column_names}: pass --prompt_column NAME"
+        )
+    dataset = dataset.map(lambda rows: {PROMPT_IDS: prompt_token_ids(rows, tokenizer, prompt_column)}, batched=True)
+    before = len(dataset)
+    dataset = dataset.filter(lambda ids: 0 < len(ids) <= max_prompt_length, input_columns=PROMPT_IDS)
+    if len(dataset) == 0:
+        raise ConfigError(f"every prompt of {name} is empty or longer than max_prompt_length ({max_prompt_length})")
+    return dataset, before - len(dataset)
+
+
+def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists into (ids, mask), both (N, T_max): generation continues from the right edge."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for i, s in enumerate(sequences):
+        ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s) :] = True
+    return ids.to(device), mask.to(device)
+
+
+class PromptSampler:
+    """Each rank's B prompt indices per update. The dataset is cycled, reshuffled every epoch; every rank
+    computes the same permutation from (seed, epoch) and takes its own slice, so no communication is needed."""
+
+    def __init__(self, num_prompts: int, prompts_per_rank: int, rank: int, world_size: int, seed: int):
+        self.per_update = prompts_per_rank * world_size
+        if num_prompts < self.per_update:
+            raise ConfigError(
+                f"the training split has {num_prompts} prompts, fewer than one update takes "
+                f"({prompts_per_rank} per rank x {world_size} ranks); use a larger dataset or smaller batches"
+            )
+        self.num_prompts, self.prompts_per_rank, self.rank, self.seed = num_prompts, prompts_per_rank, rank, seed
+        self.epoch, self.position = 0, 0
+        self._permutation = self._shuffle()
+
+    def _shuffle(self) -> torch.Tensor:
+        return torch.randperm(self.num_prompts, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+
+    def next_indices(self) -> list[int]:
+        if self.position + self.per_update > self.num_prompts:  # drop the epoch's remainder, reshuffle
+            self.epoch, self.position = self.epoch + 1, 0
+            self._permutation = self._shuffle()
+        start = self.position + self.rank * self.prompts_per_rank
+        self.position += self.per_update
+        return self._permutation[start : start + self.prompts_per_rank].tolist()
+
+
+# ===================================================================== models
+def _from_pretrained(loader: Callable, path: str, what: str, **kwargs):
+    try:
+        return loader(path, **kwargs)
+    except (OSError, ValueError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"could not load {what} from {path!r}: {first_line} - without network, pass a local directory"
+        ) from None
+
+
+def load_tokenizer(path: str, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    return _from_pretrained(
+        AutoTokenizer.from_pretrained, path, "tokenizer", padding_side="left", trust_remote_code=trust_remote_code
+    )
+
+
+def ensure_pad_token(tokenizer, pad_token: Optional[str], embedding_rows: int, name: str) -> None:
+    """Give the tokenizer a pad token that the model can embed, or refuse with the fix."""
+    if tokenizer.pad_token_id is not None:
+        return
+    if pad_token is None:
+        raise ConfigError(
+            f"the tokenizer of {name} has no pad token: save one with a pad token, or pass --pad_token TOKEN"
+        )
+    tokenizer.add_special_tokens({"pad_token": pad_token})
+    if tokenizer.pad_token_id >= embedding_rows:
+        raise ConfigError(
+            f"the tokenizer of {name} has no pad token, and adding {pad_token!r} gives id {tokenizer.pad_token_id}, "
+            f"outside the model's {embedding_rows}-row embedding: save a tokenizer with a pad token (resizing "
+            "the embeddings) or pass --pad_token with a token the tokenizer already has"
+        )
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM
+
+    return _from_pretrained(
+        AutoModelForCausalLM.from_pretrained, path, "policy", dtype=dtype, trust_remote_code=trust_remote_code
+    )
+
+
+def load_reward_model(path: str, dtype: torch.dtype, trust_remote_code: bool):
+    from transformers import AutoModelForSequenceClassification
+
+    model = _from_pretrained(
+        AutoModelForSequenceClassification.from_pretrained,
+        path,
+        "reward model",
+        num_labels=1,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+    )
+    if not hasattr(model, "score"):
+        raise ConfigError(f"reward model {path!r} has no `score` head; use an AutoModelForSequenceClassification model")
+    return model
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """RL needs the sampling policy and the trained policy to be the same function."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def same_vocabulary(a, b) -> bool:
+    """True when token ids mean the same text in both tokenizers (each one's pad token aside)."""
+    vocab_a = {t: i for t, i in a.get_vocab().items() if t != a.pad_token}
+    vocab_b = {t: i for t, i in b.get_vocab().items() if t != b.pad_token}
+    return vocab_a == vocab_b
+
+
+# ===================================================================== rollout
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(N, T) positions counting real tokens only, so left padding does not shift them."""
+    return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def generate(
+    model, queries: torch.Tensor, query_mask: torch.Tensor, max_new_tokens: int, temperature: float,
+    stop_token_id: Optional[int], pad_token_id: int,
+) -> torch.Tensor:
+    """Sample (N, max_new_tokens) tokens after left-padded queries (N, Tq), top_k=0, top_p=1 (temperature 0:
+    greedy). A row is padded after its stop token; the loop ends early once every row has stopped."""
+    attention_mask = query_mask.long()  # (N, Tq), grows by one column per step
+    position_ids = position_ids_from_mask(attention_mask)  # (N, Tq)
+    out = model(input_ids=queries, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+    next_position = position_ids[:, -1:] + 1  # (N, 1)
+    done = torch.zeros(queries.shape[0], dtype=torch.bool, device=queries.device)  # (N,)
+    tokens = torch.full((queries.shape[0], max_new_tokens), pad_token_id, device=queries.device)  # (N, Tr)
+    for t in range(max_new_tokens):
+        logits = out.logits[:, -1].float()  # (N, V)
+        if temperature > 0:
+            token = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1).squeeze(1)  # (N,)
+        else:
+            token = logits.argmax(-1)
+        tokens[:, t] = torch.where(done, pad_token_id, token)
+        if stop_token_id is not None:
+            done |= token == stop_token_id
+        if t == max_new_tokens - 1 or done.all():
+            break
+        attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
+        out = model(
+            input_ids=tokens[:, t : t + 1], attention_mask=attention_mask, position_ids=next_position,
+            past_key_values=out.past_key_values, use_cache=True,
+        )
+        next_position = next_position + 1
+    return tokens
+
+
+def truncate_after_stop(
+    responses: torch.Tensor, stop_token_id: Optional[int], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Everything after the first stop token becomes padding. Returns (responses, mask), both (N, T);
+    the mask is True up to and including the stop token."""
+    if stop_token_id is None:
+        return responses, torch.ones_like(responses, dtype=torch.bool)
+    is_stop = responses == stop_token_id  # (N, T)
+    after_stop = (is_stop.long().cumsum(1) - is_stop.long()) > 0  # (N, T): a stop token strictly before
+    return responses.masked_fill(after_stop, pad_token_id), ~after_stop
+
+
+def forward_logprobs(
+    model, query_responses: torch.Tensor, attention_mask: torch.Tensor, context_length: int, temperature: float,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs (N, Tr) of the response tokens query_responses[:, context_length:] under the model's
+    logits / temperature, as sampled; and the per-token entropy (N, Tr) if asked."""
+    logits = model(
+        input_ids=query_responses, attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+    ).logits  # (N, Tq + Tr, V)
+    logits = logits[:, context_length - 1 : -1].float() / temperature  # (N, Tr, V): position t predicts t+1
+    log_probs = logits.log_softmax(-1)  # (N, Tr, V)
+    responses = query_responses[:, context_length:]  # (N, Tr)
+    logprobs = log_probs.gather(2, responses.unsqueeze(-1)).squeeze(-1)  # (N, Tr)
+    entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None  # (N, Tr)
+    return logprobs, entropy
+
+
+@dataclass
+class Completions:
+    """Sampled completions after left-padded queries; N rows."""
+
+    query_responses: torch.Tensor  # (N, Tq + Tr) token ids
+    attention_mask: torch.Tensor  # (N, Tq + Tr) bool: real query tokens and valid response tokens
+    response_mask: torch.Tensor  # (N, Tr) bool: response tokens up to and including the stop token
+    context_length: int  # Tq
+
+    @property
+    def responses(self) -> torch.Tensor:
+        return self.query_responses[:, self.context_length :]  # (N, Tr)
+
+    def ended(self, stop_token_id: Optional[int]) -> torch.Tensor:
+        """(N,) bool: the completion emitted the stop token."""
+        if stop_token_id is None:
+            return torch.zeros(self.responses.shape[0], dtype=torch.bool, device=self.responses.device)
+        return ((self.responses == stop_token_id) & self.response_mask).any(1)
+
+
+@dataclass
+class Rollout(Completions):
+    """One rank's completions of one update, N = k*B rows in the (k, B) layout, with their log-probs."""
+
+    logprobs: torch.Tensor = None  # (N, Tr) policy log-probs at sampling time (0 on padding)
+    ref_logprobs: Optional[torch.Tensor] = None  # (N, Tr) reference log-probs (0 on padding); None if kl_coef = 0
+
+
+@torch.no_grad()
+def sample_completions(
+    policy, queries: torch.Tensor, query_mask: torch.Tensor, response_length: int, temperature: float,
+    stop_token_id: Optional[int], pad_token_id: int,
+) -> Completions:
+    """Sample one completion per (N, Tq) query and cut it after its first stop token."""
+    responses = generate(policy, queries, query_mask, response_length, temperature, stop_token_id, pad_token_id)
+    responses, response_mask = truncate_after_stop(responses, stop_token_id, pad_token_id)  # (N, Tr) each
+    return Completions(torch.cat([queries, responses], 1), torch.cat([query_mask, response_mask], 1),
+                       response_mask, queries.shape[1])
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase of an update (CUDA synchronized, so GPU time lands in its phase)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.seconds = device, {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
+@torch.no_grad()
+def collect_rollout(
+    policy, ref_policy, queries: torch.Tensor, query_mask: torch.Tensor, args: Args, stop_token_id: Optional[int],
+    pad_token_id: int, autocast, timer: PhaseTimer,
+) -> Rollout:
+    """Sample k completions of each of the B queries (B, Tq) and recompute their log-probs, in chunks of
+    local_rollout_forward_batch_size completions."""
+    queries = queries.repeat(args.rloo_k, 1)  # (k*B, Tq): row j*B + i is sample j of prompt i
+    query_mask = query_mask.repeat(args.rloo_k, 1)  # (k*B, Tq)
+    parts = []
+    for start in range(0, queries.shape[0], args.local_rollout_forward_batch_size):
+        chunk = slice(start, start + args.local_rollout_forward_batch_size)
+        with timer("generation"), autocast():
+            c = sample_completions(policy, queries[chunk], query_mask[chunk], args.response_length,
+                                   args.temperature, stop_token_id, pad_token_id)  # (c, Tq + Tr)
+        # recomputed with the training forward pass, not taken from sampling: the sequence-level ratio is
+        # the exp of a sum, so small sampling-vs-training mismatches would blow up (bf16, fused kernels)
+        with timer("policy_forward"), autocast():
+            logprobs, _ = forward_logprobs(policy, c.query_responses, c.attention_mask, c.context_length,
+                                           args.temperature)  # (c, Tr)
+        ref_logprobs = None
+        if ref_policy is not None:
+            with timer("reference_forward"), autocast():
+                ref_logprobs, _ = forward_logprobs(ref_policy, c.query_responses, c.attention_mask,
+                                                   c.context_length, args.temperature)  # (c, Tr)
+            ref_logprobs = ref_logprobs * c.response_mask
+        parts.append((c.query_responses, c.attention_mask, c.response_mask, logprobs * c.response_mask, ref_logprobs))
+    query_responses, attention_mask, response_mask, logprobs, ref_logprobs = (
+        None if parts[0][i] is None else torch.cat([p[i] for p in parts]) for i in range(5))
+    return Rollout(query_responses, attention_mask, response_mask, queries.shape[1], logprobs, ref_logprobs)
+
+
+# ===================================================================== rewards
+def last_true_index(mask: torch.Tensor) -> torch.Tensor:
+    """(N,) index of the last True of each row of an (N, T) mask: the last real token under any padding."""
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)  # (N, T)
+    return torch.where(mask.bool(), positions, -1).max(dim=1).values
+
+
+@torch.no_grad()
+def reward_model_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(N,) reward of each (N, T) sequence, read at its last real token, whatever the padding side."""
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(
+        input_ids=input_ids.masked_fill(~attention_mask.bool(), 0),  # padding ids may lie outside its vocab
+        attention_mask=attention_mask.long(), position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+    ).last_hidden_state  # (N, T, H)
+    last = last_true_index(attention_mask)  # (N,)
+    return model.score(hidden[torch.arange(hidden.shape[0], device=hidden.device), last]).squeeze(-1).float()
+
+
+def retokenize(
+    prompts: list[str], completions: list[str], ended: list[bool], tokenizer, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt + completion texts in another tokenizer, with its EOS where the completion stopped.
+    Returns right-padded (ids, mask), both (N, T)."""
+    encoded = tokenizer([p + c for p, c in zip(prompts, completions)])["input_ids"]
+    sequences = [ids + [tokenizer.eos_token_id] if e and tokenizer.eos_token_id is not None else ids
+                 for ids, e in zip(encoded, ended)]
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros((len(sequences), width), dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), True
+    return ids.to(device), mask.to(device)
+
+
+def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
+    """Import each `package.module:function` spec."""
+    functions = []
+    for spec in specs:
+        module_name, _, attr = spec.partition(":")
+        if not module_name or not attr:
+            raise ConfigError(f"--reward_fn {spec!r} is not of the form package.module:function")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ConfigError(f"unknown reward function {spec!r}: cannot import {module_name!r} ({e})") from None
+        fn = getattr(module, attr, None)
+        if not callable(fn):
+            raise ConfigError(f"unknown reward function {spec!r}: module {module_name!r} has no function {attr!r}")
+        functions.append((attr, fn))
+    return functions
+
+
+def call_reward_function(name: str, fn: Callable, n: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values (n,) and an applies-mask (n,) from a reward function returning a float or None per completion."""
+    out = list(fn(**kwargs))
+    if len(out) != n or not all(v is None or isinstance(v, (int, float)) for v in out):
+        raise ValueError(f"reward function {name!r} must return {n} floats (or None), got {str(out)[:200]}")
+    applies = torch.tensor([v is not None for v in out])
+    return torch.tensor([0.0 if v is None else float(v) for v in out]), applies
+
+
+def combine_rewards(values: torch.Tensor, applies: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum over the sources that apply. values and applies (S, N), weights (S,) -> (N,)."""
+    if not applies.any(0).all():
+        missing = (~applies.any(0)).nonzero().flatten().tolist()
+        raise ValueError(f"no reward source applies to completions {missing[:10]} (every source returned None)")
+    return (values * applies * weights[:, None]).sum(0)
+
+
+@dataclass
+class RewardSources:
+    """Everything that scores completions: a reward model (with its tokenizer) and reward functions."""
+
+    model: Optional[torch.nn.Module]
+    model_tokenizer: Optional[object]  # None when the policy's token ids can be fed as they are
+    functions: list[tuple[str, Callable]]
+    weights: torch.Tensor  # (S,)
+
+    @property
+    def names(self) -> list[str]:
+        return (["reward_model"] if self.model is not None else []) + [name for name, _ in self.functions]
+
+
+def score_completions(
+    sources: RewardSources, completions: Completions, prompts: list, columns: dict[str, list], tokenizer,
+    stop_token_id: Optional[int], chunk_size: int, autocast,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """(N,) combined score of each completion, and each source's mean. prompts and columns hold the B rows
+    the completions came from; completion row j*B + i belongs to prompt i (B = N for evaluation)."""
+    n, device = completions.responses.shape[0], completions.responses.device
+    completion_ids = [r[m].tolist() for r, m in zip(completions.responses, completions.response_mask)]
+    ended = completions.ended(stop_token_id).tolist()
+    texts = tokenizer.batch_decode(
+        [ids[:-1] if e else ids for ids, e in zip(completion_ids, ended)], skip_special_tokens=True
+    )
+    repeat = lambda xs: [xs[i % len(xs)] for i in range(n)]  # noqa: E731  (B,) -> (k*B,) in the (k, B) layout
+    values, applies = [], []
+    if sources.model is not None:
+        scores = []
+        for start in range(0, n, chunk_size):
+            rows = slice(start, start + chunk_size)
+            if sources.model_tokenizer is None:
+                ids, mask = completions.query_responses[rows], completions.attention_mask[rows]
+            else:
+                query_texts = tokenizer.batch_decode(completions.query_responses[rows, : completions.context_length],
+                                                     skip_special_tokens=True)
+                ids, mask = retokenize(query_texts, texts[rows], ended[rows], sources.model_tokenizer, device)
+            with autocast():
+                scores.append(reward_model_scores(sources.model, ids, mask))
+        values.append(torch.cat(scores).cpu())
+        applies.append(torch.ones(n, dtype=torch.bool))
+    for name, fn in sources.functions:
+        v, a = call_reward_function(
+            name, fn, n, prompts=repeat(prompts), completions=texts, completion_ids=completion_ids,
+            **{column: repeat(vals) for column, vals in columns.items()},
+        )
+        values.append(v)
+        applies.append(a)
+    values, applies = torch.stack(values), torch.stack(applies)  # (S, N) each
+    per_source = {
+        f"reward/{name}/mean": (v[a].mean().item() if a.any() else float("nan"))
+        for name, v, a in zip(sources.names, values, applies)
+    }
+    return combine_rewards(values, applies, sources.weights).to(device), per_source
+
+
+def prompt_values(rows: dict, prompt_column: str, tokenizer) -> list:
+    """What reward functions see as `prompts`: the dataset's prompt column, or the decoded query tokens."""
+    if prompt_column in rows:
+        return rows[prompt_column]
+    return tokenizer.batch_decode(rows[PROMPT_IDS], skip_special_tokens=True)
+
+
+def apply_missing_eos_penalty(scores: torch.Tensor, has_stop: torch.Tensor, penalty: Optional[float]) -> torch.Tensor:
+    """(N,) scores, minus the penalty where the completion never emitted the stop token."""
+    return scores if penalty is None else torch.where(has_stop, scores, scores - penalty)
+
+
+# ===================================================================== advantages
+def leave_one_out_baseline(rewards: torch.Tensor, k: int) -> torch.Tensor:
+    """(k*B,) rewards in the (k, B) layout -> (k*B,) mean reward of the other k-1 samples of the same prompt."""
+    if k < 2:
+        raise ValueError(f"rloo_k = {k}: the leave-one-out baseline needs k >= 2")
+    r = rewards.reshape(k, -1)  # (k, B): row j holds sample j of every prompt
+    return ((r.sum(0, keepdim=True) - r) / (k - 1)).flatten()  # (k*B,)
+
+
+def rloo_advantages(
+    scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, kl_coef: float, k: int, token_level: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """scores (N,), per-token kl (N, Tr) -> (advantages, rlhf_reward (N,), non_score_reward (N,)).
+
+    Sequence level: reward = score - kl_coef * sum_t kl_t; advantages (N,) = reward - baseline.
+    Token level: token t earns -kl_coef * kl_t, the last valid token also earns the score; the advantage
+    (N, Tr) of token t is its return-to-go minus the same baseline. Both give the same rlhf_reward (the
+    return from token 0), and the same advantages when kl_coef = 0."""
+    kl = kl * response_mask
+    non_score_reward = -kl_coef * kl.sum(1)  # (N,)
+    rlhf_reward = scores + non_score_reward  # (N,)
+    baseline = leave_one_out_baseline(rlhf_reward, k)  # (N,)
+    if not token_level:
+        return rlhf_reward - baseline, rlhf_reward, non_score_reward
+    token_rewards = -kl_coef * kl  # (N, Tr)
+    last = last_true_index(response_mask)  # (N,)
+    token_rewards[torch.arange(len(last)), last] += scores
+    returns = token_rewards.flip(1).cumsum(1).flip(1)  # (N, Tr): sum of rewards from token t on
+    return (returns - baseline[:, None]) * response_mask, rlhf_reward, non_score_reward
+
+
+def whiten(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Standardize x with statistics over its masked entries on all ranks."""
+    mean, std = global_mean_std(x, mask)
+    out = (x - mean) / (std + 1e-8)
+    return out if mask is None else out * mask
+
+
+# ===================================================================== loss
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def policy_loss(
+    new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+    cliprange: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate. Log-probs and mask (N, Tr). Advantages (N,): the completion is one action, with the
+    sequence ratio exp(sum_t new - sum_t old). Advantages (N, Tr): each token is an action with its own ratio,
+    and the per-token losses are summed over the completion. Padding never counts. Returns (loss, stats)."""
+    log_ratio = (new_logprobs - old_logprobs) * response_mask  # (N, Tr)
+    sequence_level = advantages.dim() == 1
+    weight = torch.ones_like(advantages) if sequence_level else response_mask.float()  # which entries count
+    if sequence_level:
+        log_ratio = log_ratio.sum(1)  # (N,)
+    ratio = torch.exp(log_ratio)
+    losses = -advantages * ratio
+    losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    per_action = torch.max(losses, losses_clipped)
+    loss = per_action.mean() if sequence_level else (per_action * weight).sum(1).mean()
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((losses_clipped > losses).float(), weight),
+            "approxkl": 0.5 * masked_mean(log_ratio**2, weight),
+            "ratio": masked_mean(ratio, weight),
+        }
+    return loss, stats
+
+
+# ===================================================================== update
+def ppo_update(
+    model, optimizer: torch.optim.Optimizer, rollout: Rollout, advantages: torch.Tensor, args: Args,
+    sizes: BatchSizes, autocast,
+) -> dict[str, float]:
+    """num_ppo_epochs x shuffled minibatches (one optimizer step each) x micro-batches (gradient accumulation;
+    DDP syncs gradients on the last micro-step only). Returns the stats averaged over all micro-steps."""
+    stats: dict[str, list[torch.Tensor]] = {}
+    ratios, grad_norms = [], []
+    max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+    for _ in range(args.num_ppo_epochs):
+        order = torch.randperm(sizes.local, device=advantages.device)  # (N,)
+        for mini_start in range(0, sizes.local, sizes.mini):
+            mini = order[mini_start : mini_start + sizes.mini]  # (mini,)
+            for micro_step, micro_start in enumerate(range(0, sizes.mini, sizes.micro)):
+                idx = mini[micro_start : micro_start + sizes.micro]  # (micro,)
+                last_micro_step = micro_step == args.gradient_accumulation_steps - 1
+                no_sync = model.no_sync if isinstance(model, DDP) and not last_micro_step else contextlib.nullcontext
+                with no_sync(), autocast():
+                    new_logprobs, entropy = forward_logprobs(
+                        model, rollout.query_responses[idx], rollout.attention_mask[idx], rollout.context_length,
+                        args.temperature, with_entropy=True,
+                    )  # (micro, Tr) each
+                    mask = rollout.response_mask[idx]  # (micro, Tr)
+                    loss, step_stats = policy_loss(
+                        new_logprobs, rollout.logprobs[idx], advantages[idx], mask, args.cliprange
+                    )
+                    (loss / args.gradient_accumulation_steps).backward()
+                step_stats.update(loss=loss.detach(), entropy=masked_mean(entropy.detach(), mask))
+                for key, value in step_stats.items():
+                    stats.setdefault(key, []).append(value)
+                ratios.append(torch.exp(((new_logprobs.detach() - rollout.logprobs[idx]) * mask).sum(1)))
+            grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    ratios = torch.cat(ratios)  # (num_ppo_epochs * N,) sequence-level ratios
+    out = {key: torch.stack(values).mean().item() for key, values in stats.items()}
+    out["ratio_var"] = ratios.var().item() if ratios.numel() > 1 else 0.0
+    out["grad_norm"] = torch.stack(grad_norms).mean().item()
+    return out
+
+
+def learning_rate_at(update: int, num_updates: int, args: Args) -> float:
+    """Linear decay from learning_rate (update 1) towards 0, or constant."""
+    if args.lr_scheduler_type == "constant":
+        return args.learning_rate
+    return args.learning_rate * (1.0 - (update - 1) / num_updates)
+
+
+# ===================================================================== logging
+SUM_METRICS = ("val/num_eos_tokens",)
+MIN_METRICS = ("completions/min_length",)
+MAX_METRICS = ("completions/max_length",)
+
+
+def reduce_metrics(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Metrics over all ranks: sums for counts, min/max for extremes, means for everything else."""
+    if not dist.is_initialized():
+        return metrics
+    keys = sorted(metrics)
+    out = {}
+    for op, selected in (
+        (dist.ReduceOp.SUM, [k for k in keys if k not in MIN_METRICS + MAX_METRICS]),
+        (dist.ReduceOp.MIN, [k for k in keys if k in MIN_METRICS]),
+        (dist.ReduceOp.MAX, [k for k in keys if k in MAX_METRICS]),
+    ):
+        if not selected:
+            continue
+        values = all_reduce(torch.tensor([metrics[k] for k in selected], dtype=torch.float64, device=device), op)
+        for key, value in zip(selected, values.tolist()):
+            mean = op == dist.ReduceOp.SUM and key not in SUM_METRICS
+            out[key] = value / dist.get_world_size() if mean else value
+    return out
+
+
+def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, scores: torch.Tensor, k: int) -> dict:
+    """Length and spread statistics of one rank's (N, Tr) completions."""
+    lengths = response_mask.sum(1).float()  # (N,)
+    per_prompt_std = scores.reshape(k, -1).std(0)  # (B,)
+    return {
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": (~has_stop).float().mean().item(),
+        "val/num_eos_tokens": has_stop.sum().item(),
+        "reward_std": per_prompt_std.mean().item(),
+        "frac_reward_zero_std": (per_prompt_std < 1e-6).float().mean().item(),
+    }
+
+
+class RunLogger:
+    """Rank 0's outputs: a compact line per update, metrics.jsonl (appended), wandb, a progress bar, tables."""
+
+    LINE_KEYS = (("objective/scores", "score"), ("objective/rlhf_reward", "rlhf"), ("objective/kl", "kl"),
+                 ("objective/entropy", "ent"), ("policy/clipfrac_avg", "clip"), ("completions/mean_length", "len"),
+                 ("eps", "eps"))
+
+    def __init__(self, args: Args, run_name: str, num_updates: int):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        self.metrics_file = open(Path(args.output_dir) / "metrics.jsonl", "a")
+        self.wandb = None
+        if args.track:
+            import wandb
+
+            self.wandb = wandb
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name,
+                       config=asdict(args), dir=args.output_dir)
+        self.console = Console()
+        self.progress = Progress(TextColumn("update"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                 console=self.console, transient=True)
+        self.task = self.progress.add_task("updates", total=num_updates)
+        self.progress.start()
+        self.num_updates = num_updates
+
+    def log(self, update: int, metrics: dict[str, float]) -> None:
+        self.metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
+        self.metrics_file.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=int(metrics["episode"]))
+        parts = [f"{short} {metrics[key]:.4g}" for key, short in self.LINE_KEYS if key in metrics]
+        times = " ".join(f"{k.split('/')[1]} {v:.1f}s" for k, v in metrics.items() if k.startswith("time/"))
+        self.console.print(f"update {update}/{self.num_updates} episode {int(metrics['episode'])} | "
+                           + " | ".join(parts) + f" | {times}", highlight=False)
+        self.progress.advance(self.task)
+
+    def log_eval(self, update: int, metrics: dict[str, float], episode: int) -> None:
+        self.metrics_file.write(json.dumps({"update": update, "episode": episode, **metrics}) + "\n")
+        self.metrics_file.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=episode)
+        self.console.print("eval | " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()), highlight=False)
+
+    def sample_table(self, rows: list[tuple[str, str, float]], episode: int) -> None:
+        from rich.table import Table
+
+        table = Table(title=f"samples at episode {episode}", show_lines=True)
+        for column in ("query", "response", "score"):
+            table.add_column(column)
+        for query, response, score in rows:
+            table.add_row(query, response, f"{score:.4f}")
+        self.console.print(table)
+        if self.wandb is not None:
+            self.wandb.log({"samples": self.wandb.Table(columns=["query", "response", "score"],
+                                                        data=[list(r) for r in rows])}, step=episode)
+
+    def close(self) -> None:
+        self.progress.stop()
+        self.metrics_file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+# ===================================================================== evaluation
+@torch.no_grad()
+def evaluate(
+    policy, eval_dataset, sources: RewardSources, tokenizer, args: Args, stop_token_id: Optional[int],
+    dist_info: Dist, autocast,
+) -> dict[str, float]:
+    """Mean score of near-greedy (temperature 0.01, as TRL) completions of up to eval_max_prompts test prompts,
+    spread over the ranks."""
+    EVAL_TEMPERATURE = 0.01
+    indices = list(range(dist_info.rank, min(len(eval_dataset), args.eval_max_prompts), dist_info.world_size))
+    total = torch.zeros(4, dtype=torch.float64, device=dist_info.device)  # score sum, length sum, stops, count
+    columns_to_pass = [c for c in eval_dataset.column_names if c not in (PROMPT_IDS, args.prompt_column)]
+    for start in range(0, len(indices), args.local_rollout_forward_batch_size):
+        rows = eval_dataset[indices[start : start + args.local_rollout_forward_batch_size]]
+        queries, query_mask = left_pad(rows[PROMPT_IDS], tokenizer.pad_token_id, dist_info.device)  # (b, Tq)
+        with autocast():
+            completions = sample_completions(policy, queries, query_mask, args.response_length, EVAL_TEMPERATURE,
+                                             stop_token_id, tokenizer.pad_token_id)  # (b, Tq + Tr)
+        scores, _ = score_completions(sources, completions, prompt_values(rows, args.prompt_column, tokenizer),
+                                      {c: rows[c] for c in columns_to_pass}, tokenizer, stop_token_id,
+                                      args.local_rollout_forward_batch_size, autocast)  # (b,)
+        total += torch.tensor([scores.sum().item(), completions.response_mask.sum().item(),
+                               completions.ended(stop_token_id).sum().item(), len(scores)],
+                              dtype=torch.float64, device=dist_info.device)
+    score_sum, length_sum, stops, count = all_reduce(total).tolist()
+    count = max(count, 1.0)
+    return {"eval/scores": score_sum / count, "eval/mean_length": length_sum / count, "eval/eos_frac": stops / count}
+
+
+# ===================================================================== main
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def main(args: Args) -> None:
+    validate_args(args)
+    dist_info = setup_distributed()
+    sizes = compute_batch_sizes(args, dist_info.world_size)
+    device = dist_info.device
+    seed_everything(args.seed)  # identical on every rank: any freshly initialized head must match
+    torch.backends.cuda.matmul.allow_tf32 = True
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
+    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
+
+    # ---- policy, tokenizer, data
+    tokenizer_path = args.model_name_or_path or args.sft_model_path
+    policy_path = args.sft_model_path or args.model_name_or_path
+    tokenizer = load_tokenizer(tokenizer_path, args.trust_remote_code)
+    dataset = load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
+    policy = load_causal_lm(policy_path, torch.float32, args.trust_remote_code).to(device)
+    ensure_pad_token(tokenizer, args.pad_token, policy.get_input_embeddings().num_embeddings, tokenizer_path)
+    policy.config.pad_token_id = tokenizer.pad_token_id
+    stop_token_id = args.stop_token_id if args.stop_token_id is not None else (
+        tokenizer.eos_token_id if args.stop_token == "eos" else None)
+    if args.stop_token == "eos" and stop_token_id is None:
+        raise ConfigError(f"--stop_token eos but the tokenizer of {tokenizer_path} has no EOS token: pass --stop_token_id")
+    dataset, dropped = prepare_prompts(dataset, tokenizer, args.prompt_column, args.max_prompt_length, args.dataset_name)
+    eval_dataset = None
+    if args.dataset_test_split is not None:
+        test_source = args.dataset_test_split if Path(args.dataset_test_split).suffix in LOCAL_FORMATS else args.dataset_name
+        eval_dataset, _ = prepare_prompts(load_split(test_source, args.dataset_test_split, args.dataset_config),
+                                          tokenizer, args.prompt_column, args.max_prompt_length, test_source)
+    total_episodes = args.total_episodes or int(args.num_train_epochs * len(dataset))
+    num_updates = math.ceil(total_episodes / sizes.world)
+    columns_to_pass = [c for c in dataset.column_names if c not in (PROMPT_IDS, args.prompt_column)]
+
+    # ---- reference, rewards
+    ref_policy = None
+    if args.kl_coef != 0:
+        ref_policy = copy.deepcopy(policy).to(frozen_dtype).eval().requires_grad_(False)
+    reward_model, reward_tokenizer = None, None
+    if args.reward_model_path is not None:
+        reward_model = load_reward_model(args.reward_model_path, frozen_dtype, args.trust_remote_code)
+        reward_model = reward_model.to(device).eval().requires_grad_(False)
+        try:
+            own_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code)
+        except ConfigError:  # no tokenizer saved with the reward model: it shares the policy's
+            own_tokenizer = tokenizer
+        reward_tokenizer = None if same_vocabulary(own_tokenizer, tokenizer) else own_tokenizer
+    num_sources = int(reward_model is not None) + len(args.reward_fn)
+    sources = RewardSources(reward_model, reward_tokenizer, load_reward_functions(args.reward_fn),
+                            torch.tensor(args.reward_weights or [1.0] * num_sources))
+    for model in (policy, ref_policy, reward_model):
+        if model is not None:
+            disable_dropout(model)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    # ---- optimizer, DDP; from here on each rank samples differently
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=args.adam_epsilon)
+    model = DDP(policy, device_ids=[device.index] if device.type == "cuda" else None) if dist.is_initialized() else policy
+    seed_everything(args.seed + dist_info.rank)
+    sampler = PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    logger = RunLogger(args, run_name, num_updates) if dist_info.master else None
+    if logger is not None:
+        logger.console.print(
+            f"{run_name}: {num_updates} updates x {sizes.world} completions ({sizes.prompts} prompts x k={args.rloo_k} "
+            f"per rank x {dist_info.world_size} ranks); {len(dataset)} train prompts ({dropped} dropped as longer than "
+            f"{args.max_prompt_length} tokens); reward sources {sources.names}", highlight=False)
+    sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0
+    eval_every = max(1, num_updates // args.num_evals) if args.num_evals > 0 else num_updates
+    start_time = time.time()
+
+    for update in range(1, num_updates + 1):
+        timer = PhaseTimer(device)
+        lr = learning_rate_at(update, num_updates, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        # ---- 1-3. rollout: B prompts x k samples, log-probs under policy and reference
+        rows = dataset[sampler.next_indices()]
+        queries, query_mask = left_pad(rows[PROMPT_IDS], tokenizer.pad_token_id, device)  # (B, Tq) each
+        policy.eval()
+        rollout = collect_rollout(policy, ref_policy, queries, query_mask, args, stop_token_id,
+                                  tokenizer.pad_token_id, autocast, timer)
+        has_stop = rollout.ended(stop_token_id)  # (k*B,)
+
+        # ---- 4. scores
+        with timer("scoring"):
+            raw_scores, source_means = score_completions(
+                sources, rollout, prompt_values(rows, args.prompt_column, tokenizer),
+                {c: rows[c] for c in columns_to_pass}, tokenizer, stop_token_id,
+                args.local_rollout_forward_batch_size, autocast)  # (k*B,)
+            scores = apply_missing_eos_penalty(raw_scores, has_stop, args.missing_eos_penalty)  # (k*B,)
+            if args.normalize_reward:
+                scores = whiten(scores).clamp(-args.reward_clip_range, args.reward_clip_range)
+
+        # ---- 5. KL-penalized rewards, leave-one-out advantages
+        kl = (rollout.logprobs - rollout.ref_logprobs) if ref_policy is not None else torch.zeros_like(rollout.logprobs)
+        advantages, rlhf_reward, non_score_reward = rloo_advantages(
+            scores, kl, rollout.response_mask, args.kl_coef, args.rloo_k, args.token_level_kl)  # adv (k*B,) or (k*B, Tr)
+        if args.normalize_advantage:
+            advantages = whiten(advantages, None if advantages.dim() == 1 else rollout.response_mask)
+
+        # ---- 6. PPO epochs of the clipped surrogate
+        policy.train()  # dropout is off; train mode only switches gradient checkpointing on
+        with timer("training"):
+            train_stats = ppo_update(model, optimizer, rollout, advantages, args, sizes, autocast)
+
+        # ---- logging
+        episode = update * sizes.world
+        metrics = {
+            "objective/kl": (kl * rollout.response_mask).sum(1).mean().item(),
+            "objective/entropy": (-rollout.logprobs * rollout.response_mask).sum(1).mean().item(),
+            "objective/non_score_reward": non_score_reward.mean().item(),
+            "objective/rlhf_reward": rlhf_reward.mean().item(),
+            "objective/scores": scores.mean().item(),
+            "objective/raw_scores": raw_scores.mean().item(),
+            "policy/approxkl_avg": train_stats["approxkl"],
+            "policy/clipfrac_avg": train_stats["clipfrac"],
+            "policy/entropy_avg": train_stats["entropy"],
+            "policy/grad_norm": train_stats["grad_norm"],
+            "loss/policy_avg": train_stats["loss"],
+            "val/ratio": train_stats["ratio"],
+            "val/ratio_var": train_stats["ratio_var"],
+            **completion_metrics(rollout.response_mask, has_stop, scores, args.rloo_k),
+            **{k: v for k, v in source_means.items() if not math.isnan(v)},
+            **{f"time/{phase}": seconds for phase, seconds in timer.seconds.items()},
+        }
+        metrics = reduce_metrics(metrics, device)
+        metrics.update(eps=episode / (time.time() - start_time), lr=lr, episode=episode)
+        if logger is not None:
+            logger.log(update, metrics)
+            if sample_every and (update - 1) % sample_every == 0:
+                shown = range(min(5, sizes.prompts))  # the first sample of the first prompts
+                logger.sample_table([(tokenizer.decode(queries[i][query_mask[i]]),
+                                      tokenizer.decode(rollout.responses[i][rollout.response_mask[i]]),
+                                      scores[i].item()) for i in shown], episode)
+        if eval_dataset is not None and (update % eval_every == 0 or update == num_updates):
+            policy.eval()
+            eval_metrics = evaluate(policy, eval_dataset, sources, tokenizer, args, stop_token_id, dist_info, autocast)
+            if logger is not None:
+                logger.log_eval(update, eval_metrics, episode)
+
+    # ---- save
+    if dist_info.master:
+        policy.save_pretrained(args.output_dir)
+        tokenizer.save_pretrained(args.output_dir)
+        (Path(args.output_dir) / "args.json").write_text(json.dumps(asdict(args), indent=2))
+        logger.console.print(f"saved the policy and tokenizer to {args.output_dir}")
+        logger.close()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def cli() -> None:
+    args = tyro.cli(Args)
+    try:
+        main(args)
+    except ConfigError as e:
+        print(f"rloo.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()
