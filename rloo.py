@@ -606,12 +606,10 @@ def reward_model_scores(model, input_ids: torch.Tensor, attention_mask: torch.Te
     return model.score(hidden[torch.arange(hidden.shape[0], device=hidden.device), last]).squeeze(-1).float()
 
 
-def retokenize(
-    prompts: list[str], completions: list[str], ended: list[bool], tokenizer, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt + completion texts in another tokenizer, with its EOS where the completion stopped.
+def retokenize(texts: list[str], ended: list[bool], tokenizer, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query + completion texts in another tokenizer, with its EOS where the completion stopped.
     Returns right-padded (ids, mask), both (N, T)."""
-    encoded = tokenizer([p + c for p, c in zip(prompts, completions)])["input_ids"]
+    encoded = tokenizer(texts)["input_ids"]
     sequences = [ids + [tokenizer.eos_token_id] if e and tokenizer.eos_token_id is not None else ids
                  for ids, e in zip(encoded, ended)]
     width = max(len(s) for s in sequences)
@@ -680,9 +678,8 @@ def score_completions(
     n, device = completions.responses.shape[0], completions.responses.device
     completion_ids = [r[m].tolist() for r, m in zip(completions.responses, completions.response_mask)]
     ended = completions.ended(stop_token_id).tolist()
-    texts = tokenizer.batch_decode(
-        [ids[:-1] if e else ids for ids, e in zip(completion_ids, ended)], skip_special_tokens=True
-    )
+    without_stop = [ids[:-1] if e else ids for ids, e in zip(completion_ids, ended)]
+    texts = tokenizer.batch_decode(without_stop, skip_special_tokens=True)
     repeat = lambda xs: [xs[i % len(xs)] for i in range(n)]  # noqa: E731  (B,) -> (k*B,) in the (k, B) layout
     values, applies = [], []
     if sources.model is not None:
@@ -691,10 +688,13 @@ def score_completions(
             rows = slice(start, start + chunk_size)
             if sources.model_tokenizer is None:
                 ids, mask = completions.query_responses[rows], completions.attention_mask[rows]
-            else:
-                query_texts = tokenizer.batch_decode(completions.query_responses[rows, : completions.context_length],
-                                                     skip_special_tokens=True)
-                ids, mask = retokenize(query_texts, texts[rows], ended[rows], sources.model_tokenizer, device)
+            else:  # decode query and completion together: the text between them is the tokenizer's to write
+                queries = completions.query_responses[rows, : completions.context_length]
+                query_masks = completions.attention_mask[rows, : completions.context_length]
+                full_texts = tokenizer.batch_decode(
+                    [q[m].tolist() + c for q, m, c in zip(queries, query_masks, without_stop[rows])],
+                    skip_special_tokens=True)
+                ids, mask = retokenize(full_texts, ended[rows], sources.model_tokenizer, device)
             with autocast():
                 scores.append(reward_model_scores(sources.model, ids, mask))
         values.append(torch.cat(scores).cpu())

@@ -12,6 +12,7 @@ import json
 import random
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -158,6 +159,20 @@ def sample_rm_batch(rng: random.Random, batch_size: int) -> tuple[list[str], lis
     return prompts, completions
 
 
+def fit(model: PreTrainedModel, batch_loss: Callable[[], torch.Tensor], steps: int, lr: float) -> None:
+    """AdamW on `batch_loss()` (a fresh batch each step) with the learning rate decayed linearly to 0."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
+    model.train()
+    for _ in range(steps):
+        loss = batch_loss()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+    model.eval()
+
+
 def build_policy(
     tokenizer: PreTrainedTokenizerFast, save_dir: str | Path, steps: int = 300, seed: int = 0, batch_size: int = 64
 ) -> GPTNeoXForCausalLM:
@@ -165,15 +180,13 @@ def build_policy(
     torch.manual_seed(seed)
     rng = random.Random(seed)
     model = GPTNeoXForCausalLM(tiny_config(tokenizer))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(steps):
+
+    def batch_loss() -> torch.Tensor:
         input_ids, completion_mask = encode_pairs(tokenizer, *sample_sft_batch(rng, batch_size))
         labels = input_ids.masked_fill(~completion_mask, -100)  # (B, T)
-        loss = model(input_ids=input_ids, attention_mask=input_ids != tokenizer.pad_token_id, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
+        return model(input_ids=input_ids, attention_mask=input_ids != tokenizer.pad_token_id, labels=labels).loss
+
+    fit(model, batch_loss, steps, lr=3e-3)
     model.save_pretrained(save_dir)
     tokenizer.save_pretrained(save_dir)
     return model
@@ -197,15 +210,13 @@ def build_reward_model(
     torch.manual_seed(seed)
     rng = random.Random(seed)
     model = GPTNeoXForSequenceClassification(tiny_config(tokenizer, num_labels=1))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(steps):
+
+    def batch_loss() -> torch.Tensor:
         prompts, completions = sample_rm_batch(rng, batch_size)
         target = torch.tensor(true_reward(prompts, completions))  # (B,)
-        loss = F.mse_loss(score_pairs(model, tokenizer, prompts, completions), target)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
+        return F.mse_loss(score_pairs(model, tokenizer, prompts, completions), target)
+
+    fit(model, batch_loss, steps, lr=3e-3)
     print(f"reward model: correlation with true score on held-out pairs = {rm_correlation(model, tokenizer):.3f}")
     model.save_pretrained(save_dir)
     tokenizer.save_pretrained(save_dir)

@@ -1,0 +1,229 @@
+"""rloo.py's pieces on tiny real models: generation, reward reading, re-tokenization, one update, data."""
+
+import json
+
+import datasets
+import pytest
+import torch
+
+import rloo
+from conftest import LETTERS, policy_tokenizer, tiny_policy, tiny_reward_model, word_tokenizer
+
+
+def NO_AUTOCAST():
+    return torch.autocast("cpu", enabled=False)
+
+
+def left_padded(tokenizer, texts):
+    return rloo.left_pad([tokenizer(t)["input_ids"] for t in texts], tokenizer.pad_token_id, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- generation
+def test_generation_matches_the_unpadded_greedy_continuation():
+    tokenizer = policy_tokenizer()
+    policy = tiny_policy(len(tokenizer))
+    queries, mask = left_padded(tokenizer, ["a b c d e :", "f :"])  # (2, 6), the second left-padded
+    batched = rloo.generate(policy, queries, mask, 6, temperature=0.0, stop_token_id=None, pad_token_id=0)
+    for row, text in enumerate(["a b c d e :", "f :"]):
+        q, m = left_padded(tokenizer, [text])
+        alone = rloo.generate(policy, q, m, 6, temperature=0.0, stop_token_id=None, pad_token_id=0)
+        assert batched[row].tolist() == alone[0].tolist()
+        # greedy decoding by hand, one full forward per token
+        ids = q
+        for _ in range(6):
+            ids = torch.cat([ids, policy(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+        assert alone[0].tolist() == ids[0, q.shape[1]:].tolist()
+
+
+def test_generation_pads_after_the_stop_token():
+    tokenizer = policy_tokenizer()
+    policy = tiny_policy(len(tokenizer))
+    with torch.no_grad():  # make the EOS (id 1) likely so some rows stop early
+        head = policy.get_output_embeddings().weight  # (V, H)
+        head[1] = head[2:].mean(0) + 2 * head.abs().max()
+    torch.manual_seed(0)
+    queries, mask = left_padded(tokenizer, ["a b :"] * 16)
+    c = rloo.sample_completions(policy, queries, mask, 8, temperature=1.0, stop_token_id=1, pad_token_id=0)
+    assert c.responses.shape == (16, 8)
+    ended = c.ended(1)
+    assert ended.any()
+    for response, valid in zip(c.responses, c.response_mask):
+        stops = (response == 1).nonzero().flatten()
+        if len(stops):
+            assert valid.sum() == stops[0] + 1 and (response[stops[0] + 1:] == 0).all()
+
+
+def test_forward_logprobs_are_the_sampling_distribution():
+    tokenizer = policy_tokenizer()
+    policy = tiny_policy(len(tokenizer))
+    queries, mask = left_padded(tokenizer, ["a b c :", "d :"])
+    c = rloo.sample_completions(policy, queries, mask, 3, temperature=0.7, stop_token_id=None, pad_token_id=0)
+    logprobs, entropy = rloo.forward_logprobs(policy, c.query_responses, c.attention_mask, c.context_length, 0.7,
+                                              with_entropy=True)
+    for row in range(2):  # one unpadded step-by-step forward per token
+        ids = torch.tensor([tokenizer(["a b c :", "d :"][row])["input_ids"]])
+        for t in range(3):
+            dist = (policy(ids).logits[0, -1] / 0.7).log_softmax(-1)
+            token = c.responses[row, t]
+            assert logprobs[row, t].item() == pytest.approx(dist[token].item(), abs=1e-5)
+            assert entropy[row, t].item() == pytest.approx(-(dist.exp() * dist).sum().item(), abs=1e-5)
+            ids = torch.cat([ids, token.view(1, 1)], 1)
+
+
+# ---------------------------------------------------------------- rewards
+def test_reward_is_read_at_the_last_real_token_under_left_and_right_padding():
+    tokenizer = policy_tokenizer()
+    rm = tiny_reward_model(len(tokenizer))
+    texts = ["a b c d e : f g <eos>", "a : b", "c d : e f g h"]
+    sequences = [tokenizer(t)["input_ids"] for t in texts]
+    # query left-padded, response right-padded, as rollouts are laid out
+    rows, masks = [], []  # each row: [left padding][query][response][right padding]
+    width = 14
+    for seq, n_left in zip(sequences, (2, 5, 3)):
+        row = [0] * n_left + seq
+        rows.append(row + [0] * (width - len(row)))
+        masks.append([False] * n_left + [True] * len(seq) + [False] * (width - len(row)))
+    ids, mask = torch.tensor(rows), torch.tensor(masks)
+    scores = rloo.reward_model_scores(rm, ids, mask)
+    for i, seq in enumerate(sequences):
+        alone = rm(torch.tensor([seq])).logits[0, 0]  # no padding at all: HF reads the last token
+        assert scores[i].item() == pytest.approx(alone.item(), abs=1e-5)
+
+
+def test_reward_model_with_another_tokenizer_gets_retokenized_text():
+    policy_tok = policy_tokenizer()
+    other_tok = word_tokenizer(["<eos>", ":", *reversed(LETTERS), "<pad>"])
+    assert rloo.same_vocabulary(policy_tok, policy_tokenizer())
+    assert not rloo.same_vocabulary(policy_tok, other_tok)
+    rm = tiny_reward_model(len(other_tok), seed=3, pad_token_id=other_tok.pad_token_id)
+    queries, query_mask = left_padded(policy_tok, ["a b c :", "d :"])
+    responses = torch.tensor([[5, 6, 1, 0], [7, 8, 9, 10]])  # "d e <eos>" and "f g h i" (no EOS)
+    responses, response_mask = rloo.truncate_after_stop(responses, 1, 0)
+    completions = rloo.Completions(torch.cat([queries, responses], 1), torch.cat([query_mask, response_mask], 1),
+                                   response_mask, queries.shape[1])
+    sources = rloo.RewardSources(rm, other_tok, [], torch.tensor([1.0]))
+    scores, means = rloo.score_completions(sources, completions, ["a b c :", "d :"], {}, policy_tok, 1, 8, NO_AUTOCAST)
+    expected = [rm(torch.tensor([other_tok("a b c : d e")["input_ids"] + [other_tok.eos_token_id]])).logits[0, 0],
+                rm(torch.tensor([other_tok("d : f g h i")["input_ids"]])).logits[0, 0]]
+    assert scores.tolist() == pytest.approx([e.item() for e in expected], abs=1e-5)
+    assert means["reward/reward_model/mean"] == pytest.approx(scores.mean().item(), abs=1e-6)
+
+
+def test_reward_functions_get_texts_ids_and_columns_and_combine_with_weights():
+    tokenizer = policy_tokenizer()
+    queries, query_mask = left_padded(tokenizer, ["a b :", "c :"])  # B = 2, k = 2 -> 4 completions
+    responses = torch.tensor([[2, 1, 0], [4, 4, 1], [2, 3, 4], [4, 1, 0]])  # "a", "c c", "a b c", "c"
+    responses, response_mask = rloo.truncate_after_stop(responses, 1, 0)
+    qr = torch.cat([queries.repeat(2, 1), responses], 1)
+    am = torch.cat([query_mask.repeat(2, 1), response_mask], 1)
+    completions = rloo.Completions(qr, am, response_mask, queries.shape[1])
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, target, **kwargs):
+        seen.update(prompts=prompts, completions=completions, completion_ids=completion_ids, target=target)
+        return [float(len(c.split())) for c in completions]
+
+    from reward_fns import only_even_lengths
+    sources = rloo.RewardSources(None, None, [("spy", spy), ("even", only_even_lengths)], torch.tensor([1.0, 10.0]))
+    scores, means = rloo.score_completions(sources, completions, ["a b :", "c :"], {"target": ["x", "y"]}, tokenizer,
+                                           1, 8, NO_AUTOCAST)
+    assert seen["prompts"] == ["a b :", "c :", "a b :", "c :"]  # the (k, B) layout
+    assert seen["target"] == ["x", "y", "x", "y"]
+    assert seen["completions"] == ["a", "c c", "a b c", "c"]  # EOS and padding removed
+    assert seen["completion_ids"] == [[2, 1], [4, 4, 1], [2, 3, 4], [4, 1]]
+    assert scores.tolist() == [1.0, 2.0 + 10.0, 3.0, 1.0]
+    assert means == {"reward/spy/mean": 1.75, "reward/even/mean": 1.0}
+
+
+# ---------------------------------------------------------------- one update
+def test_one_update_with_positive_advantage_raises_that_completions_logprob():
+    tokenizer = policy_tokenizer()
+    policy = tiny_policy(len(tokenizer))
+    rloo.disable_dropout(policy)
+    torch.manual_seed(0)
+    queries, query_mask = left_padded(tokenizer, ["a b :", "c d e :"])
+    queries, query_mask = queries.repeat(2, 1), query_mask.repeat(2, 1)  # k = 2, B = 2
+    c = rloo.sample_completions(policy, queries, query_mask, 5, 1.0, 1, 0)
+    with torch.no_grad():
+        old, _ = rloo.forward_logprobs(policy, c.query_responses, c.attention_mask, c.context_length, 1.0)
+    old = old * c.response_mask
+    rollout = rloo.Rollout(c.query_responses, c.attention_mask, c.response_mask, c.context_length, old, None)
+    advantages = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    args = rloo.Args(rloo_k=2, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_ppo_epochs=1,
+                     temperature=1.0)
+    sizes = rloo.compute_batch_sizes(args, 1)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
+    stats = rloo.ppo_update(policy, optimizer, rollout, advantages, args, sizes, NO_AUTOCAST)
+    with torch.no_grad():
+        new, _ = rloo.forward_logprobs(policy, c.query_responses, c.attention_mask, c.context_length, 1.0)
+    new_total = (new * c.response_mask).sum(1)
+    assert new_total[0] > old.sum(1)[0] + 1e-3
+    assert stats["ratio"] == pytest.approx(1.0) and stats["clipfrac"] == 0.0  # one epoch: on-policy
+
+
+# ---------------------------------------------------------------- data
+def test_prompt_sources_string_chat_and_pretokenized(tmp_path):
+    tokenizer = policy_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}:"
+    rows = [{"prompt": "a b :", "extra": 1}, {"prompt": "c :", "extra": 2}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = rloo.load_split(str(path), "ignored", None)
+    ds, dropped = rloo.prepare_prompts(ds, tokenizer, "prompt", 16, "p.jsonl")
+    assert ds[rloo.PROMPT_IDS] == [[2, 3, 14], [4, 14]] and dropped == 0 and ds["extra"] == [1, 2]
+
+    chat = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "a b"}]}])
+    chat, _ = rloo.prepare_prompts(chat, tokenizer, "messages", 16, "chat")
+    assert chat[rloo.PROMPT_IDS] == [[2, 3, 14]]
+
+    pretokenized = datasets.Dataset.from_dict({"query_token": [[0, 0, 2, 3, 14], [0, 4, 5, 6, 14]]})
+    pretokenized.save_to_disk(str(tmp_path / "disk"))
+    ds = rloo.load_split(str(tmp_path / "disk"), "train", None)
+    ds, _ = rloo.prepare_prompts(ds, tokenizer, "prompt", 16, "disk")
+    assert ds[rloo.PROMPT_IDS] == [[2, 3, 14], [4, 5, 6, 14]]
+
+    datasets.DatasetDict({"train": chat}).save_to_disk(str(tmp_path / "dict"))
+    assert len(rloo.load_split(str(tmp_path / "dict"), "train", None)) == 1
+    with pytest.raises(rloo.ConfigError, match="no split 'test'"):
+        rloo.load_split(str(tmp_path / "dict"), "test", None)
+
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "p.parquet"))
+    assert len(rloo.load_split(str(tmp_path / "p.parquet"), "train", None)) == 2
+
+
+def test_over_long_prompts_are_dropped_and_counted():
+    tokenizer = policy_tokenizer()
+    ds = datasets.Dataset.from_list([{"prompt": "a b c d :"}, {"prompt": "a :"}, {"prompt": "b c :"}])
+    ds, dropped = rloo.prepare_prompts(ds, tokenizer, "prompt", 3, "d")
+    assert dropped == 1 and len(ds) == 2
+    with pytest.raises(rloo.ConfigError, match="longer than max_prompt_length"):
+        rloo.prepare_prompts(ds, tokenizer, "prompt", 1, "d")
+
+
+def test_missing_prompt_column_is_named():
+    ds = datasets.Dataset.from_list([{"text": "a"}])
+    with pytest.raises(rloo.ConfigError, match="no 'prompt' column .* columns are \\['text'\\]"):
+        rloo.prepare_prompts(ds, policy_tokenizer(), "prompt", 8, "d")
+
+
+def test_sampler_cycles_reshuffles_and_splits_ranks():
+    samplers = [rloo.PromptSampler(10, 2, rank, 2, seed=3) for rank in range(2)]
+    first_epoch = [samplers[r].next_indices() for _ in range(2) for r in range(2)]
+    flat = [i for chunk in first_epoch for i in chunk]
+    assert len(set(flat)) == 8  # ranks never share a prompt within an epoch
+    next_epoch = samplers[0].next_indices()  # 2 left < 4 per update: the remainder is dropped, reshuffled
+    assert samplers[0].epoch == 1 and samplers[0].position == 4
+    assert next_epoch == rloo.PromptSampler(10, 2, 0, 2, seed=4).next_indices()  # epoch 1 = seed + 1 permutation
+    with pytest.raises(rloo.ConfigError, match="has 3 prompts, fewer than one update"):
+        rloo.PromptSampler(3, 2, 0, 2, seed=0)
+
+
+def test_pad_token_is_added_only_when_the_embedding_has_room():
+    tokenizer = word_tokenizer(["<eos>", "a", "b"], pad=None)
+    with pytest.raises(rloo.ConfigError, match="no pad token: save one with a pad token, or pass --pad_token"):
+        rloo.ensure_pad_token(tokenizer, None, 8, "m")
+    with pytest.raises(rloo.ConfigError, match="gives id 3, outside the model's 3-row embedding"):
+        rloo.ensure_pad_token(word_tokenizer(["<eos>", "a", "b"], pad=None), "[PAD]", 3, "m")
+    tokenizer = word_tokenizer(["<eos>", "a", "b"], pad=None)
+    rloo.ensure_pad_token(tokenizer, "[PAD]", 8, "m")
+    assert tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id == 3

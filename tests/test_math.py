@@ -1,0 +1,201 @@
+"""The pure functions of the algorithm, on hand-computed numbers."""
+
+import math
+
+import pytest
+import torch
+
+import rloo
+
+
+# ---------------------------------------------------------------- leave-one-out baseline
+def brute_force_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
+    """Loop over prompts and samples: advantage = reward - mean of the other samples of the same prompt."""
+    b = rewards.numel() // k
+    out = torch.zeros_like(rewards)
+    for i in range(b):  # prompt
+        samples = [rewards[j * b + i] for j in range(k)]  # (k, B) layout: sample j of prompt i at j*B + i
+        for j in range(k):
+            others = [samples[m] for m in range(k) if m != j]
+            out[j * b + i] = samples[j] - sum(others) / (k - 1)
+    return out
+
+
+def test_baseline_worked_example_from_the_docs():
+    # k=4, B=3: rows are samples, columns prompts
+    rewards = torch.tensor([[1, 2, 3], [2, 3, 4], [5, 6, 7], [8, 9, 10]], dtype=torch.float).flatten()
+    advantages = rewards - rloo.leave_one_out_baseline(rewards, k=4)
+    assert advantages[0].item() == pytest.approx(1 - (2 + 5 + 8) / 3)  # prompt 0, sample 0
+    assert advantages[7].item() == pytest.approx(6 - (3 + 2 + 9) / 3)  # prompt 1, sample 2
+    torch.testing.assert_close(advantages, brute_force_advantages(rewards, 4))
+
+
+@pytest.mark.parametrize("k,b", [(2, 1), (2, 5), (3, 4), (4, 3), (8, 2)])
+def test_baseline_matches_brute_force(k, b):
+    rewards = torch.randn(k * b, generator=torch.Generator().manual_seed(k * 10 + b))
+    advantages, _, _ = rloo.rloo_advantages(rewards, torch.zeros(k * b, 3), torch.ones(k * b, 3, dtype=torch.bool),
+                                            kl_coef=0.1, k=k, token_level=False)
+    torch.testing.assert_close(advantages, brute_force_advantages(rewards, k))
+    # the advantages of each prompt's samples sum to zero: the baseline adds no bias on average
+    torch.testing.assert_close(advantages.reshape(k, b).sum(0), torch.zeros(b), atol=1e-5, rtol=0)
+
+
+def test_k_below_two_is_refused():
+    with pytest.raises(ValueError, match="k >= 2"):
+        rloo.leave_one_out_baseline(torch.ones(4), k=1)
+    with pytest.raises(rloo.ConfigError, match="rloo_k = 1"):
+        rloo.compute_batch_sizes(rloo.Args(rloo_k=1), world_size=1)
+
+
+# ---------------------------------------------------------------- batch arithmetic
+def test_batch_sizes_spelled_out():
+    args = rloo.Args(rloo_k=4, per_device_train_batch_size=16, gradient_accumulation_steps=16, num_mini_batches=2)
+    sizes = rloo.compute_batch_sizes(args, world_size=8)
+    assert (sizes.micro, sizes.mini, sizes.local, sizes.prompts, sizes.world) == (16, 256, 512, 128, 4096)
+
+
+def test_indivisible_batch_names_the_numbers():
+    args = rloo.Args(rloo_k=3, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=1)
+    with pytest.raises(rloo.ConfigError) as e:
+        rloo.compute_batch_sizes(args, world_size=1)
+    assert "per_device_train_batch_size (4)" in str(e.value) and "= 8" in str(e.value) and "rloo_k (3)" in str(e.value)
+
+
+# ---------------------------------------------------------------- sequence- vs token-level KL
+def test_sequence_and_token_level_agree_without_kl():
+    scores = torch.tensor([1.0, 0.0, 2.0, 5.0])  # k=2, B=2
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    kl = torch.randn(4, 3)
+    seq, seq_reward, _ = rloo.rloo_advantages(scores, kl, mask, kl_coef=0.0, k=2, token_level=False)
+    tok, tok_reward, _ = rloo.rloo_advantages(scores, kl, mask, kl_coef=0.0, k=2, token_level=True)
+    torch.testing.assert_close(tok, seq[:, None] * mask)  # every valid token carries the sequence advantage
+    torch.testing.assert_close(tok_reward, seq_reward)
+
+
+def test_token_level_kl_differs_where_it_must():
+    scores = torch.tensor([1.0, 3.0])  # k=2, B=1
+    kl = torch.tensor([[0.5, 1.0, 2.0], [0.0, 0.0, 9.0]])  # the 9.0 sits on padding: must be ignored
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    c = 0.1
+    seq, seq_reward, non_score = rloo.rloo_advantages(scores, kl, mask, kl_coef=c, k=2, token_level=False)
+    tok, tok_reward, _ = rloo.rloo_advantages(scores, kl, mask, kl_coef=c, k=2, token_level=True)
+    # same totals: rlhf reward = score - c * sum of valid kl
+    expected_reward = torch.tensor([1.0 - c * 3.5, 3.0])
+    torch.testing.assert_close(seq_reward, expected_reward)
+    torch.testing.assert_close(tok_reward, expected_reward)
+    torch.testing.assert_close(non_score, torch.tensor([-c * 3.5, 0.0]))
+    # sequence level: one advantage per completion
+    torch.testing.assert_close(seq, torch.tensor([expected_reward[0] - 3.0, 3.0 - expected_reward[0]]))
+    # token level: token t's return only holds the KL of tokens t.. (and the score), minus the same baseline
+    returns0 = torch.tensor([1.0 - c * 3.5, 1.0 - c * 3.0, 1.0 - c * 2.0])
+    torch.testing.assert_close(tok[0], returns0 - 3.0)
+    torch.testing.assert_close(tok[1], torch.tensor([3.0, 3.0, 0.0]) - expected_reward[0] * torch.tensor([1, 1, 0]))
+    torch.testing.assert_close(tok[:, 0], seq)  # the first token sees the whole sequence
+    assert not torch.allclose(tok[0, 1:], seq[0].expand(2))  # later tokens differ
+
+
+# ---------------------------------------------------------------- truncation and EOS penalty
+def test_truncate_after_first_stop_token():
+    pad, eos = 0, 1
+    responses = torch.tensor([[5, 1, 6, 1], [5, 6, 7, 8], [1, 5, 5, 5]])
+    out, mask = rloo.truncate_after_stop(responses, eos, pad)
+    assert out.tolist() == [[5, 1, 0, 0], [5, 6, 7, 8], [1, 0, 0, 0]]
+    assert mask.tolist() == [[True, True, False, False], [True] * 4, [True, False, False, False]]
+    same, all_valid = rloo.truncate_after_stop(responses, None, pad)
+    assert same.equal(responses) and all_valid.all()
+
+
+def test_missing_eos_penalty():
+    scores = torch.tensor([1.0, 2.0, 3.0])
+    ended = torch.tensor([True, False, True])
+    assert rloo.apply_missing_eos_penalty(scores, ended, 1.5).tolist() == [1.0, 0.5, 3.0]
+    assert rloo.apply_missing_eos_penalty(scores, ended, None).tolist() == [1.0, 2.0, 3.0]
+
+
+def test_completions_ended_ignores_stop_ids_on_padding():
+    c = rloo.Completions(query_responses=torch.tensor([[9, 5, 1, 0], [9, 5, 6, 1]]),
+                         attention_mask=torch.ones(2, 4, dtype=torch.bool),
+                         response_mask=torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=torch.bool), context_length=1)
+    assert c.ended(1).tolist() == [True, False]
+    assert c.ended(None).tolist() == [False, False]
+
+
+# ---------------------------------------------------------------- the clipped loss
+def test_sequence_level_loss_on_hand_computed_numbers():
+    mask = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)
+    old = torch.tensor([[-1.0, -1.0], [-2.0, 0.0]])
+    new = torch.tensor([[-0.9, -0.8], [-2.5, 7.0]])  # 7.0 sits on padding
+    advantages = torch.tensor([1.0, -2.0])
+    loss, stats = rloo.policy_loss(new, old, advantages, mask, cliprange=0.2)
+    r0, r1 = math.exp(0.3), math.exp(-0.5)  # sequence ratios: exp of summed log-ratios over valid tokens
+    # sample 0: A>0, ratio 1.35 > 1.2 -> clipped to 1.2; sample 1: A<0, ratio 0.61 < 0.8 -> clipped to 0.8
+    expected = (max(-1.0 * r0, -1.0 * 1.2) + max(2.0 * r1, 2.0 * 0.8)) / 2
+    assert loss.item() == pytest.approx(expected)
+    assert stats["clipfrac"].item() == pytest.approx(1.0)
+    assert stats["approxkl"].item() == pytest.approx(0.5 * (0.3**2 + 0.5**2) / 2)
+    assert stats["ratio"].item() == pytest.approx((r0 + r1) / 2)
+
+
+def test_unclipped_loss_is_reinforce_at_ratio_one():
+    logprobs = torch.randn(4, 3, requires_grad=True)
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    advantages = torch.tensor([1.0, -1.0, 0.5, 2.0])
+    loss, stats = rloo.policy_loss(logprobs, logprobs.detach(), advantages, mask, cliprange=0.2)
+    loss.backward()
+    assert stats["clipfrac"].item() == 0 and stats["ratio"].item() == pytest.approx(1.0)
+    # d loss / d logprob_t = -A / N for every token: the REINFORCE gradient with the leave-one-out baseline
+    torch.testing.assert_close(logprobs.grad, -advantages[:, None].expand(4, 3) / 4)
+
+
+def test_padding_never_counts():
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    old = torch.randn(2, 4)
+    new = old + 0.1 * torch.randn(2, 4)
+    noisy_new = torch.where(mask, new, torch.full_like(new, 50.0))
+    noisy_old = torch.where(mask, old, torch.full_like(old, -50.0))
+    for advantages in (torch.tensor([1.0, -1.0]), torch.randn(2, 4)):
+        loss, stats = rloo.policy_loss(new, old, advantages, mask, 0.2)
+        loss2, stats2 = rloo.policy_loss(noisy_new, noisy_old, advantages, mask, 0.2)
+        assert loss.item() == pytest.approx(loss2.item())
+        for key in stats:
+            assert stats[key].item() == pytest.approx(stats2[key].item())
+    # KL and entropy sums use the mask too
+    entropy = torch.tensor([[1.0, 2.0, -99.0, -99.0], [3.0, -99.0, -99.0, -99.0]])
+    assert rloo.masked_mean(entropy, mask).item() == pytest.approx(2.0)
+    kl = torch.tensor([[0.5, 0.5, 9.0, 9.0], [1.0, 9.0, 9.0, 9.0]])
+    _, _, non_score = rloo.rloo_advantages(torch.zeros(2), kl, mask, kl_coef=1.0, k=2, token_level=False)
+    assert non_score.tolist() == [-1.0, -1.0]
+
+
+def test_token_level_loss_uses_per_token_ratios():
+    mask = torch.tensor([[1, 1]], dtype=torch.bool)
+    old = torch.tensor([[-1.0, -1.0]])
+    new = torch.tensor([[-0.5, -1.0]])  # token 0's ratio e^0.5 is clipped, token 1's ratio is 1
+    advantages = torch.tensor([[1.0, 1.0]])
+    loss, stats = rloo.policy_loss(new, old, advantages, mask, cliprange=0.2)
+    assert loss.item() == pytest.approx(-1.2 - 1.0)
+    assert stats["clipfrac"].item() == pytest.approx(0.5)
+
+
+def test_whiten_and_global_stats_single_process():
+    x = torch.tensor([1.0, 2.0, 3.0, 100.0])
+    mask = torch.tensor([True, True, True, False])
+    mean, std = rloo.global_mean_std(x, mask)
+    assert mean.item() == pytest.approx(2.0) and std.item() == pytest.approx(1.0)
+    assert rloo.whiten(x, mask).tolist() == pytest.approx([-1.0, 0.0, 1.0, 0.0], abs=1e-6)
+
+
+def test_combine_rewards_with_none():
+    values = torch.tensor([[1.0, 2.0, 0.0], [10.0, 0.0, 30.0]])
+    applies = torch.tensor([[True, True, False], [True, False, True]])
+    combined = rloo.combine_rewards(values, applies, torch.tensor([1.0, 0.5]))
+    assert combined.tolist() == [6.0, 2.0, 15.0]
+    with pytest.raises(ValueError, match="no reward source applies to completions \\[1\\]"):
+        rloo.combine_rewards(values, torch.tensor([[True, False, True], [False, False, True]]), torch.ones(2))
+
+
+def test_linear_learning_rate_decay():
+    args = rloo.Args(learning_rate=1.0)
+    assert [rloo.learning_rate_at(u, 4, args) for u in (1, 2, 4)] == [1.0, 0.75, 0.25]
+    args.lr_scheduler_type = "constant"
+    assert rloo.learning_rate_at(4, 4, args) == 1.0
