@@ -920,7 +920,7 @@ class RunLogger:
         parts = [f"{short} {metrics[key]:.4g}" for key, short in self.LINE_KEYS if key in metrics]
         times = " ".join(f"{k.split('/')[1]} {v:.1f}s" for k, v in metrics.items() if k.startswith("time/"))
         self.console.print(f"update {update}/{self.num_updates} episode {int(metrics['episode'])} | "
-                           + " | ".join(parts) + f" | {times}", highlight=False)
+                           + " | ".join(parts) + f" | {times}", highlight=False, soft_wrap=True)
         self.progress.advance(self.task)
 
     def log_eval(self, update: int, metrics: dict[str, float], episode: int) -> None:
@@ -928,7 +928,8 @@ class RunLogger:
         self.metrics_file.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=episode)
-        self.console.print("eval | " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()), highlight=False)
+        self.console.print("eval | " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()), highlight=False,
+                           soft_wrap=True)
 
     def sample_table(self, rows: list[tuple[str, str, float]], episode: int) -> None:
         from rich.table import Table
@@ -986,8 +987,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def quiet_hub_progress_bars() -> None:
+    """Loading bars of datasets and transformers would bury the run's own lines (and one-line errors)."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+
+
 def main(args: Args) -> None:
     validate_args(args)
+    reward_functions = load_reward_functions(args.reward_fn)  # a typo fails now, not after loading models
+    quiet_hub_progress_bars()
     dist_info = setup_distributed()
     sizes = compute_batch_sizes(args, dist_info.world_size)
     device = dist_info.device
@@ -1032,7 +1044,7 @@ def main(args: Args) -> None:
             own_tokenizer = tokenizer
         reward_tokenizer = None if same_vocabulary(own_tokenizer, tokenizer) else own_tokenizer
     num_sources = int(reward_model is not None) + len(args.reward_fn)
-    sources = RewardSources(reward_model, reward_tokenizer, load_reward_functions(args.reward_fn),
+    sources = RewardSources(reward_model, reward_tokenizer, reward_functions,
                             torch.tensor(args.reward_weights or [1.0] * num_sources))
     for model in (policy, ref_policy, reward_model):
         if model is not None:
@@ -1051,7 +1063,7 @@ def main(args: Args) -> None:
         logger.console.print(
             f"{run_name}: {num_updates} updates x {sizes.world} completions ({sizes.prompts} prompts x k={args.rloo_k} "
             f"per rank x {dist_info.world_size} ranks); {len(dataset)} train prompts ({dropped} dropped as longer than "
-            f"{args.max_prompt_length} tokens); reward sources {sources.names}", highlight=False)
+            f"{args.max_prompt_length} tokens); reward sources {sources.names}", highlight=False, soft_wrap=True)
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0
     eval_every = max(1, num_updates // args.num_evals) if args.num_evals > 0 else num_updates
     start_time = time.time()

@@ -109,9 +109,9 @@ def write_prompts_jsonl(path: str | Path, n: int, seed: int) -> None:
 # ---------------------------------------------------------------- models
 
 
-def tiny_config(tokenizer: PreTrainedTokenizerFast, **kwargs) -> GPTNeoXConfig:
-    """A ~0.1M-parameter GPT-NeoX config matching `tokenizer`."""
-    return GPTNeoXConfig(
+def tiny_config(tokenizer: PreTrainedTokenizerFast, **overrides) -> GPTNeoXConfig:
+    """A ~0.1M-parameter GPT-NeoX config matching `tokenizer`; `overrides` replace any field."""
+    fields = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
         num_hidden_layers=2,
@@ -125,8 +125,8 @@ def tiny_config(tokenizer: PreTrainedTokenizerFast, **kwargs) -> GPTNeoXConfig:
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.eos_token_id,
-        **kwargs,
     )
+    return GPTNeoXConfig(**(fields | overrides))
 
 
 def encode_pairs(

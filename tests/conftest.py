@@ -80,8 +80,8 @@ def assets(tmp_path_factory) -> dict[str, Path]:
 
 def run_rloo(*args: str, nproc: int = 0, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     """`python rloo.py ARGS`, or `torchrun --nproc_per_node NPROC rloo.py ARGS`, with tests/ importable."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--master_port", "0"] if nproc else [sys.executable]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)
+                ] if nproc else [sys.executable]
     full_env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
                 **(env or {})}
     return subprocess.run([*launcher, str(REPO / "rloo.py"), *map(str, args)], capture_output=True, text=True,

@@ -1,0 +1,148 @@
+"""rloo.py run as users run it: end to end, under torchrun, and on bad input."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import read_metrics, run_rloo, word_tokenizer
+
+TINY_RUN = ("--rloo_k", "4", "--per_device_train_batch_size", "16", "--response_length", "6", "--temperature", "1.0",
+            "--max_prompt_length", "16", "--local_rollout_forward_batch_size", "32", "--num_ppo_epochs", "1")
+
+
+def assert_one_line_error(result, *fragments: str) -> None:
+    """Exit status 2, no traceback, and the last line of stderr says what is wrong and how to fix it."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("rloo.py: error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in error, error
+
+
+def test_reward_rises_end_to_end(assets, tmp_path):
+    out = tmp_path / "run"
+    result = run_rloo("--model_name_or_path", assets["policy"], "--reward_fn", "reward_fns:count_a",
+                      "--dataset_name", assets["train"], "--dataset_test_split", assets["test"], "--output_dir", out,
+                      "--total_episodes", 16 * 40, "--learning_rate", 3e-3, "--kl_coef", 0.01,
+                      "--num_sample_generations", 2, "--num_evals", 2, "--lr_scheduler_type", "constant", *TINY_RUN)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(out)
+    train = [m for m in metrics if "objective/scores" in m]
+    evals = [m for m in metrics if "eval/scores" in m]
+    assert len(train) == 40 and [m["update"] for m in evals] == [20, 40]  # every 40 // 2, the end not twice
+    start = sum(m["objective/scores"] for m in train[:5]) / 5
+    end = sum(m["objective/scores"] for m in train[-5:]) / 5
+    assert end > start + 0.5, (start, end)  # count of `a` among 6 sampled tokens, from ~0.4 at random init
+    for key in ("eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+                "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "policy/entropy_avg", "val/ratio",
+                "val/ratio_var", "val/num_eos_tokens", "lr", "episode", "completions/mean_length",
+                "completions/clipped_ratio", "reward_std", "frac_reward_zero_std", "reward/count_a/mean",
+                "time/generation", "time/scoring", "time/training"):
+        assert key in train[-1], key
+    assert train[-1]["episode"] == 640 and train[0]["val/ratio"] == pytest.approx(1.0, abs=1e-4)
+    assert "samples at episode" in result.stdout and "update 40/40" in result.stdout
+    # the saved policy loads with transformers alone
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert AutoTokenizer.from_pretrained(out).pad_token == "<pad>"
+    assert model.num_parameters() == AutoModelForCausalLM.from_pretrained(assets["policy"]).num_parameters()
+    assert (out / "args.json").exists()
+
+
+def test_reward_model_with_its_own_tokenizer_and_every_option(assets, tmp_path):
+    out = tmp_path / "run"
+    result = run_rloo("--model_name_or_path", assets["policy"], "--reward_model_path", assets["other_rm"],
+                      "--reward_fn", "reward_fns:matches_target", "--reward_weights", "1.0", "0.5",
+                      "--dataset_name", assets["train"], "--output_dir", out, "--total_episodes", 64,
+                      "--token_level_kl", "--normalize_reward", "--normalize_advantage", "--missing_eos_penalty", 1.0,
+                      "--gradient_accumulation_steps", 2, "--num_mini_batches", 2, "--num_ppo_epochs", 2,
+                      "--gradient_checkpointing", "--bf16", *TINY_RUN[:2], "--per_device_train_batch_size", 4,
+                      *TINY_RUN[4:])
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert len(metrics) == 4
+    assert {"reward/reward_model/mean", "reward/matches_target/mean"} <= set(metrics[0])
+    assert "['reward_model', 'matches_target']" in result.stdout
+
+
+def test_two_process_torchrun(assets, tmp_path):
+    out = tmp_path / "run"
+    result = run_rloo("--model_name_or_path", assets["policy"], "--reward_model_path", assets["reward_model"],
+                      "--dataset_name", assets["train"], "--dataset_test_split", assets["test"], "--output_dir", out,
+                      "--total_episodes", 16 * 2 * 3, "--num_evals", 1, *TINY_RUN, nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert [m["episode"] for m in metrics if "eval/scores" not in m] == [32, 64, 96]  # rank 0 alone writes
+    assert "2 ranks" in result.stdout
+    assert (out / "model.safetensors").exists()
+
+
+def test_tracking_with_wandb_offline(assets, tmp_path):
+    out = tmp_path / "run"
+    result = run_rloo("--model_name_or_path", assets["policy"], "--reward_fn", "reward_fns:count_a", "--track",
+                      "--dataset_name", assets["train"], "--output_dir", out, "--total_episodes", 32, *TINY_RUN)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+
+
+# ---------------------------------------------------------------- bad input: one line, exit status 2
+def base(assets, tmp_path) -> list:
+    return ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir",
+            tmp_path / "out", "--reward_fn", "reward_fns:count_a"]
+
+
+def test_k_equal_one_is_refused(assets, tmp_path):
+    assert_one_line_error(run_rloo(*base(assets, tmp_path), "--rloo-k", "1"), "rloo_k = 1", "--rloo_k 2")
+
+
+def test_indivisible_batch_sizes_are_refused(assets, tmp_path):
+    result = run_rloo(*base(assets, tmp_path), "--rloo_k", "3", "--per_device_train_batch_size", "4")
+    assert_one_line_error(result, "per_device_train_batch_size (4)", "= 4 completions", "rloo_k (3)")
+
+
+def test_missing_prompt_column_is_refused(assets, tmp_path):
+    result = run_rloo(*base(assets, tmp_path), "--prompt_column", "question")
+    assert_one_line_error(result, "no 'question' column", "'target'", "--prompt_column")
+
+
+def test_unknown_reward_function_is_refused(assets, tmp_path):
+    args = base(assets, tmp_path)[:-2]
+    assert_one_line_error(run_rloo(*args, "--reward_fn", "reward_fns:nope"), "reward_fns:nope", "no function 'nope'")
+    assert_one_line_error(run_rloo(*args, "--reward_fn", "no_such_module:f"), "cannot import 'no_such_module'")
+
+
+def test_tokenizer_without_pad_token_is_refused(tmp_path):
+    from conftest import tiny_policy
+
+    path = tmp_path / "no_pad"
+    tokenizer = word_tokenizer(["<eos>", "a", "b", ":"], pad=None)
+    tiny_policy(len(tokenizer)).save_pretrained(path)  # the embedding has no spare row for a new token
+    tokenizer.save_pretrained(path)
+    (tmp_path / "d.jsonl").write_text('{"prompt": "a b :"}\n' * 8)
+    result = run_rloo("--model_name_or_path", path, "--dataset_name", tmp_path / "d.jsonl", "--reward_fn",
+                      "reward_fns:count_a", "--output_dir", tmp_path / "out", "--pad_token", "None")
+    assert_one_line_error(result, "has no pad token", "--pad_token")
+    result = run_rloo("--model_name_or_path", path, "--dataset_name", tmp_path / "d.jsonl", "--reward_fn",
+                      "reward_fns:count_a", "--output_dir", tmp_path / "out")
+    assert_one_line_error(result, "has no pad token", "outside the model's 4-row embedding")
+
+
+def test_no_reward_and_clashing_weights_are_refused(assets, tmp_path):
+    args = base(assets, tmp_path)
+    assert_one_line_error(run_rloo(*args[:-2]), "no reward")
+    assert_one_line_error(run_rloo(*args, "--reward_weights", "1", "2"), "2 values but there are 1 reward sources")
+
+
+def test_the_published_command_fails_cleanly_without_the_hub(tmp_path):
+    # TRL's getting-started command, unchanged but for the script name (and the output dir, kept in tmp)
+    result = run_rloo("--dataset_name", "trl-internal-testing/descriptiveness-sentiment-trl-style",
+                      "--dataset_train_split", "descriptiveness", "--learning_rate", "3e-6",
+                      "--output_dir", tmp_path / "models/minimal/rloo", "--per_device_train_batch_size", "64",
+                      "--gradient_accumulation_steps", "1", "--total_episodes", "10000",
+                      "--model_name_or_path", "EleutherAI/pythia-14m", "--reward_model_path", "EleutherAI/pythia-14m",
+                      "--missing_eos_penalty", "1.0")
+    assert_one_line_error(result, "could not load", "without network")
