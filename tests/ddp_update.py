@@ -1,0 +1,46 @@
+"""Two PPO epochs of one minibatch on a fixed global batch of 8 completions, in one process or split over the
+ranks of a torchrun; rank 0 saves the updated parameters to argv[1]. Used by test_distributed.py."""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from conftest import policy_tokenizer, tiny_policy
+import rloo
+
+GLOBAL_COMPLETIONS = 8  # k = 2 samples of B = 4 prompts
+
+
+def main(out_path: str) -> None:
+    dist_info = rloo.setup_distributed()
+    tokenizer = policy_tokenizer()
+    policy = tiny_policy(len(tokenizer), seed=0)
+    torch.manual_seed(123)  # the same global batch on every rank
+    queries, query_mask = rloo.left_pad([tokenizer(p)["input_ids"] for p in ["a b :", "c d e :", "f :", "g h :"]],
+                                        tokenizer.pad_token_id, torch.device("cpu"))
+    queries, query_mask = queries.repeat(2, 1), query_mask.repeat(2, 1)  # (8, Tq)
+    c = rloo.sample_completions(policy, queries, query_mask, 5, 1.0, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logprobs, _ = rloo.forward_logprobs(policy, c.query_responses, c.attention_mask, c.context_length, 1.0)
+    advantages = torch.randn(GLOBAL_COMPLETIONS)
+
+    per_rank = GLOBAL_COMPLETIONS // dist_info.world_size
+    mine = slice(dist_info.rank * per_rank, (dist_info.rank + 1) * per_rank)
+    rollout = rloo.Rollout(c.query_responses[mine], c.attention_mask[mine], c.response_mask[mine], c.context_length,
+                           (logprobs * c.response_mask)[mine], None)
+    args = rloo.Args(rloo_k=2, per_device_train_batch_size=2, gradient_accumulation_steps=per_rank // 2,
+                     num_mini_batches=1, num_ppo_epochs=2, temperature=1.0, max_grad_norm=0.0)
+    sizes = rloo.compute_batch_sizes(args, dist_info.world_size)
+    model = DDP(policy) if dist.is_initialized() else policy
+    optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)  # plain SGD: the update is the gradient itself
+    rloo.ppo_update(model, optimizer, rollout, advantages[mine], args, sizes, lambda: torch.autocast("cpu", enabled=False))
+    if dist_info.master:
+        torch.save(policy.state_dict(), out_path)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
