@@ -522,8 +522,8 @@ class Completions:
 class Rollout(Completions):
     """One rank's completions of one update, N = k*B rows in the (k, B) layout, with their log-probs."""
 
-    logprobs: torch.Tensor = None  # (N, Tr) policy log-probs at sampling time (0 on padding)
-    ref_logprobs: Optional[torch.Tensor] = None  # (N, Tr) reference log-probs (0 on padding); None if kl_coef = 0
+    logprobs: torch.Tensor  # (N, Tr) policy log-probs at sampling time (0 on padding)
+    ref_logprobs: Optional[torch.Tensor]  # (N, Tr) reference log-probs (0 on padding); None if kl_coef = 0
 
 
 @torch.no_grad()
@@ -769,6 +769,11 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
+def sequence_log_ratio(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(N,) log of the completion's probability ratio new / old: the sum of per-token log-ratios over valid tokens."""
+    return ((new_logprobs - old_logprobs) * response_mask).sum(1)
+
+
 def policy_loss(
     new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
     cliprange: float,
@@ -776,11 +781,13 @@ def policy_loss(
     """Clipped surrogate. Log-probs and mask (N, Tr). Advantages (N,): the completion is one action, with the
     sequence ratio exp(sum_t new - sum_t old). Advantages (N, Tr): each token is an action with its own ratio,
     and the per-token losses are summed over the completion. Padding never counts. Returns (loss, stats)."""
-    log_ratio = (new_logprobs - old_logprobs) * response_mask  # (N, Tr)
     sequence_level = advantages.dim() == 1
-    weight = torch.ones_like(advantages) if sequence_level else response_mask.float()  # which entries count
     if sequence_level:
-        log_ratio = log_ratio.sum(1)  # (N,)
+        log_ratio = sequence_log_ratio(new_logprobs, old_logprobs, response_mask)  # (N,)
+        weight = torch.ones_like(advantages)  # which entries count
+    else:
+        log_ratio = (new_logprobs - old_logprobs) * response_mask  # (N, Tr)
+        weight = response_mask.float()
     ratio = torch.exp(log_ratio)
     losses = -advantages * ratio
     losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
@@ -790,7 +797,6 @@ def policy_loss(
         stats = {
             "clipfrac": masked_mean((losses_clipped > losses).float(), weight),
             "approxkl": 0.5 * masked_mean(log_ratio**2, weight),
-            "ratio": masked_mean(ratio, weight),
         }
     return loss, stats
 
@@ -826,12 +832,13 @@ def ppo_update(
                 step_stats.update(loss=loss.detach(), entropy=masked_mean(entropy.detach(), mask))
                 for key, value in step_stats.items():
                     stats.setdefault(key, []).append(value)
-                ratios.append(torch.exp(((new_logprobs.detach() - rollout.logprobs[idx]) * mask).sum(1)))
+                ratios.append(torch.exp(sequence_log_ratio(new_logprobs.detach(), rollout.logprobs[idx], mask)))
             grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    ratios = torch.cat(ratios)  # (num_ppo_epochs * N,) sequence-level ratios
+    ratios = torch.cat(ratios)  # (num_ppo_epochs * N,) sequence-level ratios, whatever the loss's level
     out = {key: torch.stack(values).mean().item() for key, values in stats.items()}
+    out["ratio"] = ratios.mean().item()
     out["ratio_var"] = ratios.var().item() if ratios.numel() > 1 else 0.0
     out["grad_norm"] = torch.stack(grad_norms).mean().item()
     return out
@@ -850,23 +857,27 @@ MIN_METRICS = ("completions/min_length",)
 MAX_METRICS = ("completions/max_length",)
 
 
+def is_optional_metric(key: str, value: float) -> bool:
+    """A reward source's mean is NaN on a rank where the source applied to no completion: no data, not a
+    failure. Every other NaN is reported as NaN, never hidden."""
+    return key.startswith("reward/") and math.isnan(value)
+
+
 def reduce_metrics(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Metrics over all ranks: sums for counts, min/max for extremes, means for everything else."""
-    if not dist.is_initialized():
-        return metrics
+    """Metrics over all ranks: sums for counts, min/max for extremes, means for everything else (a mean over
+    the ranks that have data, for optional metrics). Every rank must pass the same keys."""
     keys = sorted(metrics)
-    out = {}
-    for op, selected in (
-        (dist.ReduceOp.SUM, [k for k in keys if k not in MIN_METRICS + MAX_METRICS]),
-        (dist.ReduceOp.MIN, [k for k in keys if k in MIN_METRICS]),
-        (dist.ReduceOp.MAX, [k for k in keys if k in MAX_METRICS]),
-    ):
-        if not selected:
-            continue
-        values = all_reduce(torch.tensor([metrics[k] for k in selected], dtype=torch.float64, device=device), op)
-        for key, value in zip(selected, values.tolist()):
-            mean = op == dist.ReduceOp.SUM and key not in SUM_METRICS
-            out[key] = value / dist.get_world_size() if mean else value
+    means = [k for k in keys if k not in SUM_METRICS + MIN_METRICS + MAX_METRICS]
+    has_data = [0.0 if is_optional_metric(k, metrics[k]) else 1.0 for k in means]
+    values = [metrics[k] if w else 0.0 for k, w in zip(means, has_data)]
+    sums = all_reduce(torch.tensor(values + has_data + [metrics[k] for k in SUM_METRICS if k in metrics],
+                                   dtype=torch.float64, device=device))
+    out = {k: sums[i].item() / sums[len(means) + i].item() for i, k in enumerate(means) if sums[len(means) + i] > 0}
+    out.update({k: v.item() for k, v in zip([k for k in SUM_METRICS if k in metrics], sums[2 * len(means):])})
+    for op, selected in ((dist.ReduceOp.MIN, MIN_METRICS), (dist.ReduceOp.MAX, MAX_METRICS)):
+        selected = [k for k in selected if k in metrics]
+        extremes = all_reduce(torch.tensor([metrics[k] for k in selected], dtype=torch.float64, device=device), op)
+        out.update(zip(selected, extremes.tolist()))
     return out
 
 
@@ -952,14 +963,13 @@ class RunLogger:
 
 
 # ===================================================================== evaluation
+EVAL_TEMPERATURE = 0.01  # near-greedy, as TRL's evaluation samples
 @torch.no_grad()
 def evaluate(
     policy, eval_dataset, sources: RewardSources, tokenizer, args: Args, stop_token_id: Optional[int],
     dist_info: Dist, autocast,
 ) -> dict[str, float]:
-    """Mean score of near-greedy (temperature 0.01, as TRL) completions of up to eval_max_prompts test prompts,
-    spread over the ranks."""
-    EVAL_TEMPERATURE = 0.01
+    """Mean score of near-greedy completions of up to eval_max_prompts test prompts, spread over the ranks."""
     indices = list(range(dist_info.rank, min(len(eval_dataset), args.eval_max_prompts), dist_info.world_size))
     total = torch.zeros(4, dtype=torch.float64, device=dist_info.device)  # score sum, length sum, stops, count
     columns_to_pass = [c for c in eval_dataset.column_names if c not in (PROMPT_IDS, args.prompt_column)]
@@ -1121,7 +1131,7 @@ def main(args: Args) -> None:
             "val/ratio": train_stats["ratio"],
             "val/ratio_var": train_stats["ratio_var"],
             **completion_metrics(rollout.response_mask, has_stop, scores, args.rloo_k),
-            **{k: v for k, v in source_means.items() if not math.isnan(v)},
+            **source_means,
             **{f"time/{phase}": seconds for phase, seconds in timer.seconds.items()},
         }
         metrics = reduce_metrics(metrics, device)

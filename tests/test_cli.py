@@ -71,11 +71,14 @@ def test_reward_model_with_its_own_tokenizer_and_every_option(assets, tmp_path):
 def test_two_process_torchrun(assets, tmp_path):
     out = tmp_path / "run"
     result = run_rloo("--model_name_or_path", assets["policy"], "--reward_model_path", assets["reward_model"],
+                      "--reward_fn", "reward_fns:only_even_lengths",  # applies to some completions only
                       "--dataset_name", assets["train"], "--dataset_test_split", assets["test"], "--output_dir", out,
                       "--total_episodes", 16 * 2 * 3, "--num_evals", 1, *TINY_RUN, nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(out)
     assert [m["episode"] for m in metrics if "eval/scores" not in m] == [32, 64, 96]  # rank 0 alone writes
+    assert all(m["reward/reward_model/mean"] == m["reward/reward_model/mean"] for m in metrics if "episode" in m
+               and "eval/scores" not in m)  # not NaN
     assert "2 ranks" in result.stdout
     assert (out / "model.safetensors").exists()
 

@@ -133,7 +133,8 @@ def test_sequence_level_loss_on_hand_computed_numbers():
     assert loss.item() == pytest.approx(expected)
     assert stats["clipfrac"].item() == pytest.approx(1.0)
     assert stats["approxkl"].item() == pytest.approx(0.5 * (0.3**2 + 0.5**2) / 2)
-    assert stats["ratio"].item() == pytest.approx((r0 + r1) / 2)
+    ratios = rloo.sequence_log_ratio(new, old, mask).exp()
+    assert ratios.tolist() == pytest.approx([r0, r1])
 
 
 def test_unclipped_loss_is_reinforce_at_ratio_one():
@@ -142,7 +143,7 @@ def test_unclipped_loss_is_reinforce_at_ratio_one():
     advantages = torch.tensor([1.0, -1.0, 0.5, 2.0])
     loss, stats = rloo.policy_loss(logprobs, logprobs.detach(), advantages, mask, cliprange=0.2)
     loss.backward()
-    assert stats["clipfrac"].item() == 0 and stats["ratio"].item() == pytest.approx(1.0)
+    assert stats["clipfrac"].item() == 0 and stats["approxkl"].item() == 0
     # d loss / d logprob_t = -A / N for every token: the REINFORCE gradient with the leave-one-out baseline
     torch.testing.assert_close(logprobs.grad, -advantages[:, None].expand(4, 3) / 4)
 
@@ -192,6 +193,17 @@ def test_combine_rewards_with_none():
     assert combined.tolist() == [6.0, 2.0, 15.0]
     with pytest.raises(ValueError, match="no reward source applies to completions \\[1\\]"):
         rloo.combine_rewards(values, torch.tensor([[True, False, True], [False, False, True]]), torch.ones(2))
+
+
+def test_reduce_metrics_single_process():
+    metrics = {"objective/scores": 1.5, "reward/f/mean": float("nan"), "loss/policy_avg": float("nan"),
+               "val/num_eos_tokens": 3.0, "completions/min_length": 2.0, "completions/max_length": 7.0}
+    out = rloo.reduce_metrics(metrics, torch.device("cpu"))
+    assert "reward/f/mean" not in out  # a source that applied to nothing has no mean
+    assert math.isnan(out["loss/policy_avg"])  # any other NaN is reported, never hidden
+    assert {k: v for k, v in out.items() if k != "loss/policy_avg"} == {
+        "objective/scores": 1.5, "val/num_eos_tokens": 3.0, "completions/min_length": 2.0,
+        "completions/max_length": 7.0}
 
 
 def test_linear_learning_rate_decay():
