@@ -76,7 +76,7 @@ class Args:
     bf16: bool = False
     """bf16 autocast for every forward pass; fp32 master weights and optimizer; frozen models stored in bf16"""
     gradient_checkpointing: bool = False
-    """recompute the policy's activations in the backward pass (less memory, ~30% slower training)"""
+    """recompute the policy's activations in the backward pass: less activation memory, a slower backward"""
 
     # ----- data -----
     dataset_name: str = "trl-internal-testing/tldr-preference-sft-trl-style"
