@@ -17,5 +17,5 @@ def test_readme_explains_every_logged_metric_name():
     readme = (REPO / "README.md").read_text()
     source = (REPO / "rloo.py").read_text()
     logged = set(re.findall(r'"((?:objective|policy|loss|val|completions|eval)/[a-z_]+)"', source))
-    missing = [m for m in sorted(logged) if m.split("/")[1] not in readme]
+    missing = [m for m in sorted(logged) if f"`{m}`" not in readme and f"`{m.split('/')[1]}`" not in readme]
     assert not missing, missing
