@@ -309,9 +309,12 @@ def prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: i
             f"dataset {name} has no {prompt_column!r} column (string or chat messages) and no pre-tokenized "
             f"'query_token' column; its columns are {dataset.column_names}: pass --prompt_column NAME"
         )
-    dataset = dataset.map(lambda rows: {PROMPT_IDS: prompt_token_ids(rows, tokenizer, prompt_column)}, batched=True)
+    # in memory: no cache files for torchrun's ranks to race on
+    dataset = dataset.map(lambda rows: {PROMPT_IDS: prompt_token_ids(rows, tokenizer, prompt_column)}, batched=True,
+                          keep_in_memory=True)
     before = len(dataset)
-    dataset = dataset.filter(lambda ids: 0 < len(ids) <= max_prompt_length, input_columns=PROMPT_IDS)
+    dataset = dataset.filter(lambda ids: 0 < len(ids) <= max_prompt_length, input_columns=PROMPT_IDS,
+                             keep_in_memory=True)
     if len(dataset) == 0:
         raise ConfigError(f"every prompt of {name} is empty or longer than max_prompt_length ({max_prompt_length})")
     return dataset, before - len(dataset)
@@ -1006,6 +1009,60 @@ def quiet_hub_progress_bars() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
+def load_policy(args: Args, device: torch.device):
+    """The policy (fp32 master weights), its frozen reference (None when kl_coef = 0), the tokenizer with a pad
+    token, and the stop token id."""
+    tokenizer_path = args.model_name_or_path or args.sft_model_path
+    tokenizer = load_tokenizer(tokenizer_path, args.trust_remote_code)
+    policy = load_causal_lm(args.sft_model_path or args.model_name_or_path, torch.float32, args.trust_remote_code)
+    ensure_pad_token(tokenizer, args.pad_token, policy.get_input_embeddings().num_embeddings, tokenizer_path)
+    policy.config.pad_token_id = tokenizer.pad_token_id
+    stop_token_id = args.stop_token_id
+    if stop_token_id is None and args.stop_token == "eos":
+        stop_token_id = tokenizer.eos_token_id
+        if stop_token_id is None:
+            raise ConfigError(f"--stop_token eos but the tokenizer of {tokenizer_path} has no EOS: pass --stop_token_id")
+    disable_dropout(policy)
+    policy.to(device)
+    ref_policy = None
+    if args.kl_coef != 0:
+        ref_policy = copy.deepcopy(policy).to(torch.bfloat16 if args.bf16 else torch.float32)
+        ref_policy.eval().requires_grad_(False)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return policy, ref_policy, tokenizer, stop_token_id
+
+
+def load_prompts(args: Args, tokenizer):
+    """Tokenized train prompts, test prompts (None without --dataset_test_split), and how many were dropped."""
+    dataset = load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
+    dataset, dropped = prepare_prompts(dataset, tokenizer, args.prompt_column, args.max_prompt_length, args.dataset_name)
+    eval_dataset = None
+    if args.dataset_test_split is not None:
+        is_file = Path(args.dataset_test_split).suffix in LOCAL_FORMATS
+        source = args.dataset_test_split if is_file else args.dataset_name
+        eval_dataset, _ = prepare_prompts(load_split(source, args.dataset_test_split, args.dataset_config),
+                                          tokenizer, args.prompt_column, args.max_prompt_length, source)
+    return dataset, eval_dataset, dropped
+
+
+def load_reward_sources(args: Args, tokenizer, functions: list[tuple[str, Callable]], device: torch.device):
+    """The reward model (frozen, with its own tokenizer when the vocabularies differ) and the reward functions."""
+    model, model_tokenizer = None, None
+    if args.reward_model_path is not None:
+        model = load_reward_model(args.reward_model_path, torch.bfloat16 if args.bf16 else torch.float32,
+                                  args.trust_remote_code)
+        disable_dropout(model)
+        model = model.to(device).eval().requires_grad_(False)
+        try:
+            own_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code)
+        except ConfigError:  # no tokenizer saved with the reward model: it shares the policy's
+            own_tokenizer = tokenizer
+        model_tokenizer = None if same_vocabulary(own_tokenizer, tokenizer) else own_tokenizer
+    num_sources = int(model is not None) + len(functions)
+    return RewardSources(model, model_tokenizer, functions, torch.tensor(args.reward_weights or [1.0] * num_sources))
+
+
 def main(args: Args) -> None:
     validate_args(args)
     reward_functions = load_reward_functions(args.reward_fn)  # a typo fails now, not after loading models
@@ -1015,52 +1072,16 @@ def main(args: Args) -> None:
     device = dist_info.device
     seed_everything(args.seed)  # identical on every rank: any freshly initialized head must match
     torch.backends.cuda.matmul.allow_tf32 = True
-    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
-    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
 
-    # ---- policy, tokenizer, data
-    tokenizer_path = args.model_name_or_path or args.sft_model_path
-    policy_path = args.sft_model_path or args.model_name_or_path
-    tokenizer = load_tokenizer(tokenizer_path, args.trust_remote_code)
-    dataset = load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
-    policy = load_causal_lm(policy_path, torch.float32, args.trust_remote_code).to(device)
-    ensure_pad_token(tokenizer, args.pad_token, policy.get_input_embeddings().num_embeddings, tokenizer_path)
-    policy.config.pad_token_id = tokenizer.pad_token_id
-    stop_token_id = args.stop_token_id if args.stop_token_id is not None else (
-        tokenizer.eos_token_id if args.stop_token == "eos" else None)
-    if args.stop_token == "eos" and stop_token_id is None:
-        raise ConfigError(f"--stop_token eos but the tokenizer of {tokenizer_path} has no EOS token: pass --stop_token_id")
-    dataset, dropped = prepare_prompts(dataset, tokenizer, args.prompt_column, args.max_prompt_length, args.dataset_name)
-    eval_dataset = None
-    if args.dataset_test_split is not None:
-        test_source = args.dataset_test_split if Path(args.dataset_test_split).suffix in LOCAL_FORMATS else args.dataset_name
-        eval_dataset, _ = prepare_prompts(load_split(test_source, args.dataset_test_split, args.dataset_config),
-                                          tokenizer, args.prompt_column, args.max_prompt_length, test_source)
+    def autocast():
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
+
+    policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device)
+    dataset, eval_dataset, dropped = load_prompts(args, tokenizer)
+    sources = load_reward_sources(args, tokenizer, reward_functions, device)
     total_episodes = args.total_episodes or int(args.num_train_epochs * len(dataset))
     num_updates = math.ceil(total_episodes / sizes.world)
     columns_to_pass = [c for c in dataset.column_names if c not in (PROMPT_IDS, args.prompt_column)]
-
-    # ---- reference, rewards
-    ref_policy = None
-    if args.kl_coef != 0:
-        ref_policy = copy.deepcopy(policy).to(frozen_dtype).eval().requires_grad_(False)
-    reward_model, reward_tokenizer = None, None
-    if args.reward_model_path is not None:
-        reward_model = load_reward_model(args.reward_model_path, frozen_dtype, args.trust_remote_code)
-        reward_model = reward_model.to(device).eval().requires_grad_(False)
-        try:
-            own_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code)
-        except ConfigError:  # no tokenizer saved with the reward model: it shares the policy's
-            own_tokenizer = tokenizer
-        reward_tokenizer = None if same_vocabulary(own_tokenizer, tokenizer) else own_tokenizer
-    num_sources = int(reward_model is not None) + len(args.reward_fn)
-    sources = RewardSources(reward_model, reward_tokenizer, reward_functions,
-                            torch.tensor(args.reward_weights or [1.0] * num_sources))
-    for model in (policy, ref_policy, reward_model):
-        if model is not None:
-            disable_dropout(model)
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     # ---- optimizer, DDP; from here on each rank samples differently
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=args.adam_epsilon)
