@@ -932,7 +932,7 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log(metrics, step=int(metrics["episode"]))
         parts = [f"{short} {metrics[key]:.4g}" for key, short in self.LINE_KEYS if key in metrics]
-        times = " ".join(f"{k.split('/')[1]} {v:.1f}s" for k, v in metrics.items() if k.startswith("time/"))
+        times = " ".join(f"{k.split('/')[1]} {v:.2f}s" for k, v in metrics.items() if k.startswith("time/"))
         self.console.print(f"update {update}/{self.num_updates} episode {int(metrics['episode'])} | "
                            + " | ".join(parts) + f" | {times}", highlight=False, soft_wrap=True)
         self.progress.advance(self.task)

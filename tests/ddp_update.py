@@ -39,6 +39,7 @@ def main(out_path: str) -> None:
     if dist_info.master:
         torch.save(policy.state_dict(), out_path)
     if dist.is_initialized():
+        dist.barrier()  # no rank tears the group down while another still uses it
         dist.destroy_process_group()
 
 

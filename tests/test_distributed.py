@@ -12,7 +12,7 @@ from conftest import REPO, tiny_policy, policy_tokenizer
 def run(script_args: list[str], out) -> None:
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
     result = subprocess.run([sys.executable, *script_args, str(REPO / "tests" / "ddp_update.py"), str(out)],
-                            capture_output=True, text=True, env=env, timeout=300)
+                            capture_output=True, text=True, env=env, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
 
 

@@ -1,0 +1,107 @@
+"""Offline RLOO demo (`make demo`): build the synthetic task, train it with rloo.py, plot and check the result.
+
+    python benchmark/demo.py [--total_episodes N] [--seed S] [--output_dir DIR] [--cache_dir DIR]
+
+Fails (exit status 1) when the reward-model score did not rise by at least MIN_RISE.
+"""
+
+import json
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import tyro
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as transformers_logging
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))  # `python benchmark/demo.py` only puts benchmark/ on the path
+
+from benchmark.plot_metrics import plot_curves, read_metrics  # noqa: E402
+from benchmark.synthetic_task import ensure_assets, mean_true_score  # noqa: E402
+
+MIN_RISE = 0.1  # required gain of the mean score, last 3 updates vs first 3
+
+
+@dataclass
+class Args:
+    cache_dir: str = ".cache/rloo_demo"
+    """where the tokenizer, SFT policy, reward model and prompts are built (reused on later runs)"""
+    output_dir: str = "runs/demo"
+    """rloo.py's output: metrics.jsonl, the trained policy; the demo adds curves.png"""
+    total_episodes: int = 40_000
+    """completions to train on"""
+    seed: int = 1
+    """rloo.py's seed"""
+
+
+def rloo_command(args: Args, assets: dict[str, str]) -> list[str]:
+    """The rloo.py command line of the demo."""
+    flags = {
+        "model_name_or_path": assets["policy"],
+        "reward_model_path": assets["reward_model"],
+        "dataset_name": assets["train"],
+        "dataset_test_split": assets["test"],
+        "output_dir": args.output_dir,
+        "rloo_k": 4,
+        "per_device_train_batch_size": 64,
+        "gradient_accumulation_steps": 1,
+        "num_mini_batches": 1,
+        "num_ppo_epochs": 1,
+        "learning_rate": 3e-4,
+        "kl_coef": 0.05,
+        "response_length": 8,
+        "max_prompt_length": 16,
+        "temperature": 1.0,
+        "total_episodes": args.total_episodes,
+        "local_rollout_forward_batch_size": 128,
+        "missing_eos_penalty": 1.0,
+        "num_sample_generations": 2,
+        "seed": args.seed,
+    }
+    return [sys.executable, "rloo.py"] + [s for key, value in flags.items() for s in (f"--{key}", str(value))]
+
+
+def read_prompts(path: str) -> list[str]:
+    """The prompt column of a .jsonl file."""
+    with open(path) as f:
+        return [json.loads(line)["prompt"] for line in f]
+
+
+def policy_true_score(model_path: str, prompts: list[str]) -> float:
+    """Mean true score of a saved policy: 4 temperature-1 samples per prompt."""
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    return mean_true_score(model, AutoTokenizer.from_pretrained(model_path), prompts, samples_per_prompt=4)
+
+
+def main(args: Args) -> None:
+    start = time.time()
+    transformers_logging.disable_progress_bar()
+    args.output_dir = str(Path(args.output_dir).resolve())  # rloo.py runs from the repo root
+    assets = ensure_assets(Path(args.cache_dir).resolve())
+    metrics_path = Path(args.output_dir) / "metrics.jsonl"
+    metrics_path.unlink(missing_ok=True)  # rloo.py appends
+    command = rloo_command(args, assets)
+    print("$ " + shlex.join(command), flush=True)
+    returncode = subprocess.run(command, cwd=REPO_ROOT).returncode
+    if returncode != 0:
+        sys.exit(f"demo: rloo.py failed with exit status {returncode}")
+
+    scores = [row["objective/scores"] for row in read_metrics(metrics_path)]
+    first, last = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
+    png_path = Path(args.output_dir) / "curves.png"
+    plot_curves(metrics_path, png_path)
+    prompts = read_prompts(assets["test"])
+    sft_true, trained_true = policy_true_score(assets["policy"], prompts), policy_true_score(args.output_dir, prompts)
+    print(f"reward-model score  first 3 updates {first:.3f} -> last 3 updates {last:.3f}")
+    print(f"true score (test prompts, 4 samples each, T=1)  SFT policy {sft_true:.3f} -> RLOO policy {trained_true:.3f}")
+    print(f"curves: {png_path}   total time {time.time() - start:.0f}s")
+    if last - first < MIN_RISE:
+        sys.exit(f"demo: FAILED - the score rose by {last - first:.3f}, less than {MIN_RISE}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
