@@ -1,0 +1,56 @@
+"""The demo's synthetic task and tools, on small settings (the full demo is `make demo`)."""
+
+import json
+import random
+
+import pytest
+import tyro
+
+import rloo
+from benchmark import demo, synthetic_task
+from benchmark.plot_metrics import plot_curves
+
+
+def test_true_score_by_hand():
+    assert synthetic_task.true_score("c a f :", "a c f") == 1.0
+    assert synthetic_task.true_score("c a f :", "a b") == pytest.approx(0.5 * 2 / 3)  # half in prompt, too short
+    assert synthetic_task.true_score("c a f :", "a a a a a a a a") == pytest.approx(1 / 3)  # two letters too many
+    assert synthetic_task.true_score("c a f :", "") == 0.0
+    assert synthetic_task.true_reward(["c a f :"], ["a"], letters=["acf"]) == [pytest.approx(1 / 3)]
+
+
+def test_tokenizer_and_prompts():
+    tokenizer = synthetic_task.build_tokenizer()
+    assert tokenizer("c a f :")["input_ids"] == [4, 2, 7, 14]
+    assert tokenizer.decode([4, 2, 1], skip_special_tokens=True) == "c a"
+    rows = synthetic_task.make_prompt_rows(50, seed=0)
+    assert rows == synthetic_task.make_prompt_rows(50, seed=0)  # deterministic
+    for row in rows:
+        letters = row["prompt"].split()[:-1]
+        assert 3 <= len(letters) <= 6 and len(set(letters)) == len(letters) and row["letters"] == "".join(sorted(letters))
+
+
+def test_sft_policy_is_imperfect_and_improvable(tmp_path):
+    tokenizer = synthetic_task.build_tokenizer()
+    policy = synthetic_task.build_policy(tokenizer, tmp_path / "policy", steps=150)
+    prompts = [row["prompt"] for row in synthetic_task.make_prompt_rows(32, seed=5)]
+    score = synthetic_task.mean_true_score(policy, tokenizer, prompts)
+    assert 0.2 < score < 0.8  # learned something, far from perfect
+
+
+def test_demo_command_uses_only_real_flags():
+    command = demo.rloo_command(demo.Args(), {k: "x" for k in ("policy", "reward_model", "train", "test")})
+    assert command[1] == "rloo.py"
+    args = tyro.cli(rloo.Args, args=command[2:])
+    rloo.compute_batch_sizes(args, world_size=1)  # the demo's batch sizes are consistent
+
+
+def test_plot_curves_writes_a_png(tmp_path):
+    rng = random.Random(0)
+    lines = [{"update": u, "episode": 64 * u, "objective/scores": rng.random(), "objective/rlhf_reward": rng.random(),
+              "objective/kl": rng.random()} for u in range(1, 30)] + [{"update": 29, "episode": 1856, "eval/scores": 1.0}]
+    path = tmp_path / "run" / "metrics.jsonl"
+    path.parent.mkdir()
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    plot_curves([path, path], tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
