@@ -83,13 +83,16 @@ def test_two_process_torchrun(assets, tmp_path):
     assert (out / "model.safetensors").exists()
 
 
-def test_tracking_with_wandb_offline(assets, tmp_path):
+def test_tracking_with_wandb_offline_and_no_reference_without_kl(assets, tmp_path):
     out = tmp_path / "run"
     result = run_rloo("--model_name_or_path", assets["policy"], "--reward_fn", "reward_fns:count_a", "--track",
-                      "--dataset_name", assets["train"], "--output_dir", out, "--total_episodes", 32, *TINY_RUN)
+                      "--kl_coef", 0, "--dataset_name", assets["train"], "--output_dir", out, "--total_episodes", 32,
+                      *TINY_RUN)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+    for line in read_metrics(out):  # kl_coef = 0: the reference model is never built nor run
+        assert "time/reference_forward" not in line and line["objective/kl"] == 0.0
 
 
 # ---------------------------------------------------------------- bad input: one line, exit status 2
