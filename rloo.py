@@ -25,6 +25,9 @@ import json
 import math
 import os
 import random
+import re
+import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -153,6 +156,18 @@ class Args:
     """evaluations on --dataset_test_split spread over the run, plus one at the end"""
     eval_max_prompts: int = 256
     """test prompts per evaluation (all ranks together)"""
+
+    # ----- checkpoints -----
+    save_steps: int = 0
+    """write a resumable checkpoint to output_dir/checkpoints/step_<update> every this many updates
+    (0: only at the end, or when SIGTERM/SIGUSR1 stops the run)"""
+    save_total_limit: Optional[int] = None
+    """keep only the newest this many checkpoints; None keeps all"""
+    resume: bool = False
+    """continue from the latest checkpoint in output_dir if there is one (else start fresh: one command
+    serves the first launch and every requeue)"""
+    resume_from: Optional[str] = None
+    """continue from this checkpoint directory"""
 
 
 class ConfigError(Exception):
@@ -348,6 +363,13 @@ class PromptSampler:
 
     def _shuffle(self) -> torch.Tensor:
         return torch.randperm(self.num_prompts, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._permutation = self._shuffle()
 
     def next_indices(self) -> list[int]:
         if self.position + self.per_update > self.num_prompts:  # drop the epoch's remainder, reshuffle
@@ -813,6 +835,7 @@ def ppo_update(
     DDP syncs gradients on the last micro-step only). Returns the stats averaged over all micro-steps."""
     stats: dict[str, list[torch.Tensor]] = {}
     ratios, grad_norms = [], []
+    device = advantages.device
     max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
     for _ in range(args.num_ppo_epochs):
         order = torch.randperm(sizes.local, device=advantages.device)  # (N,)
@@ -836,7 +859,11 @@ def ppo_update(
                 for key, value in step_stats.items():
                     stats.setdefault(key, []).append(value)
                 ratios.append(torch.exp(sequence_log_ratio(new_logprobs.detach(), rollout.logprobs[idx], mask)))
-            grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            # never step on a non-finite gradient; every rank agrees before any of them steps
+            check_finite({"loss": torch.stack(stats["loss"][-args.gradient_accumulation_steps:]),
+                          "gradient norm": grad_norm}, device)
+            grad_norms.append(grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     ratios = torch.cat(ratios)  # (num_ppo_epochs * N,) sequence-level ratios, whatever the loss's level
@@ -906,7 +933,7 @@ class RunLogger:
                  ("objective/entropy", "ent"), ("policy/clipfrac_avg", "clip"), ("completions/mean_length", "len"),
                  ("eps", "eps"))
 
-    def __init__(self, args: Args, run_name: str, num_updates: int):
+    def __init__(self, args: Args, run_name: str, num_updates: int, start_update: int, wandb_run_id: Optional[str]):
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -918,11 +945,11 @@ class RunLogger:
 
             self.wandb = wandb
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name,
-                       config=asdict(args), dir=args.output_dir)
+                       config=asdict(args), dir=args.output_dir, id=wandb_run_id, resume="allow")
         self.console = Console()
         self.progress = Progress(TextColumn("update"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                                  console=self.console, transient=True)
-        self.task = self.progress.add_task("updates", total=num_updates)
+        self.task = self.progress.add_task("updates", total=num_updates, completed=start_update)
         self.progress.start()
         self.num_updates = num_updates
 
@@ -958,11 +985,164 @@ class RunLogger:
             self.wandb.log({"samples": self.wandb.Table(columns=["query", "response", "score"],
                                                         data=[list(r) for r in rows])}, step=episode)
 
+    @property
+    def wandb_run_id(self) -> Optional[str]:
+        return self.wandb.run.id if self.wandb is not None else None
+
     def close(self) -> None:
         self.progress.stop()
         self.metrics_file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+# ===================================================================== checkpoints and faults
+CHECKPOINTS = "checkpoints"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+TRAINER_STATE = "trainer_state.pt"
+# flags that may change when a run resumes; any other difference would make it another experiment
+RESUMABLE_CHANGES = {"exp_name", "output_dir", "track", "wandb_project_name", "wandb_entity", "trust_remote_code",
+                     "dataset_test_split", "num_sample_generations", "num_evals", "eval_max_prompts",
+                     "local_rollout_forward_batch_size", "gradient_checkpointing", "total_episodes",
+                     "num_train_epochs", "save_steps", "save_total_limit", "resume", "resume_from"}
+
+
+class NonFiniteError(Exception):
+    """A NaN or inf in a quantity that training would otherwise use; raised on every rank at once."""
+
+    def __init__(self, quantity: str, ranks: list[int]):
+        super().__init__(f"non-finite {quantity} on rank {', '.join(map(str, ranks))}")
+        self.quantity, self.ranks = quantity, ranks
+
+
+def check_finite(named: dict[str, Optional[torch.Tensor]], device: torch.device) -> None:
+    """Collective: every rank learns whether any rank holds a NaN/inf in one of the named tensors, so that all
+    of them stop together instead of the healthy ones waiting forever in the next collective."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    bad = torch.zeros(len(named), world_size, device=device)  # (quantities, ranks)
+    for i, value in enumerate(named.values()):
+        if value is not None and not torch.isfinite(value).all():
+            bad[i, rank] = 1.0
+    all_reduce(bad)
+    for (name, _), ranks in zip(named.items(), bad):
+        if ranks.any():
+            raise NonFiniteError(name, ranks.nonzero().flatten().tolist())
+
+
+def dump_batch(path: Path, tokenizer, completions: Completions, scores: torch.Tensor, advantages: torch.Tensor) -> None:
+    """One JSON line per completion of the offending batch: prompt, completion, score, advantage, log-prob sum."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    queries = completions.query_responses[:, : completions.context_length]
+    query_masks = completions.attention_mask[:, : completions.context_length]
+    with open(path, "w") as f:
+        for i in range(len(scores)):
+            response = completions.responses[i][completions.response_mask[i]]
+            f.write(json.dumps({
+                "prompt": tokenizer.decode(queries[i][query_masks[i]]), "completion": tokenizer.decode(response),
+                "score": scores[i].item(), "advantage": advantages[i].sum().item(),
+                "logprob_sum": completions.logprobs[i].sum().item() if isinstance(completions, Rollout) else None,
+            }) + "\n")
+
+
+class StopSignal:
+    """SIGTERM and SIGUSR1 (what SLURM sends before preemption) ask the run to stop after the current update;
+    the handler only records the signal, the update loop decides when to act on it."""
+
+    def __init__(self):
+        self.name: Optional[str] = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._record)
+
+    def _record(self, signum, frame) -> None:
+        self.name = signal.Signals(signum).name
+
+    def requested(self, device: torch.device) -> bool:
+        """Collective: True on every rank as soon as any rank got a signal."""
+        return bool(all_reduce(torch.tensor([float(self.name is not None)], device=device), dist.ReduceOp.MAX).item())
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(output_dir: str, update: int, policy, tokenizer, trainer_state: dict, rank: int,
+                    save_total_limit: Optional[int]) -> Path:
+    """Write output_dir/checkpoints/step_<update>: the policy in HF format (loadable on its own) and its
+    tokenizer, trainer_state.pt (optimizer, counters, data position, args) and every rank's RNG states.
+    Everything goes into a temporary directory first, renamed into place once complete, so a process killed
+    mid-save leaves the previous checkpoints intact and no half-written step_<n>. Multi-node runs need
+    output_dir on a shared filesystem: every rank writes its RNG file there."""
+    root = Path(output_dir) / CHECKPOINTS
+    final, partial = root / f"step_{update}", root / f".tmp_step_{update}"
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # debris of an earlier save that was killed
+        partial.mkdir(parents=True)
+    barrier()
+    torch.save(rng_state(), partial / f"rng_rank{rank}.pt")
+    barrier()
+    if rank == 0:
+        policy.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        torch.save(trainer_state, partial / TRAINER_STATE)
+        shutil.rmtree(final, ignore_errors=True)  # only when resuming from an older step overwrites this one
+        os.replace(partial, final)  # atomic: step_<update> appears complete or not at all
+        steps = sorted(int(m.group(1)) for d in root.iterdir() if (m := STEP_DIR.match(d.name)))
+        for old in steps[: -save_total_limit] if save_total_limit else []:
+            shutil.rmtree(root / f"step_{old}")
+    barrier()
+    return final
+
+
+def latest_checkpoint(output_dir: str) -> Optional[Path]:
+    """The complete step_<n> directory with the largest n; temporary directories are never candidates."""
+    root = Path(output_dir) / CHECKPOINTS
+    steps = [(int(m.group(1)), d) for d in root.glob("step_*") if (m := STEP_DIR.match(d.name))
+             and (d / TRAINER_STATE).is_file()] if root.is_dir() else []
+    return max(steps)[1] if steps else None
+
+
+def resume_checkpoint(args: Args) -> Optional[Path]:
+    """The checkpoint to continue from: --resume_from, or the latest one with --resume (None: start fresh)."""
+    if args.resume_from is not None:
+        path = Path(args.resume_from)
+        if not (path / TRAINER_STATE).is_file():
+            raise ConfigError(f"--resume_from {path}: not a checkpoint (no {TRAINER_STATE}); checkpoints are "
+                              f"{Path(args.output_dir) / CHECKPOINTS}/step_<n>")
+        return path
+    return latest_checkpoint(args.output_dir) if args.resume else None
+
+
+def check_resumable(saved: dict, args: Args, world_size: int, saved_world_size: int) -> list[str]:
+    """Refuse a resume that would silently be another experiment; return the harmless changes to report."""
+    current = asdict(args)
+    changed = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v and k in saved}
+    refused = sorted(k for k in changed if k not in RESUMABLE_CHANGES)
+    if world_size != saved_world_size:
+        refused.append("world size")
+        changed["world size"] = (saved_world_size, world_size)
+    if refused:
+        raise ConfigError("cannot resume: these differ from the checkpoint's run and change its meaning: "
+                          + ", ".join(f"{k} ({changed[k][0]!r} -> {changed[k][1]!r})" for k in refused)
+                          + "; start a new run in another --output_dir instead")
+    return [f"{k} ({old!r} -> {new!r})" for k, (old, new) in sorted(changed.items())
+            if k not in ("resume", "resume_from")]
 
 
 # ===================================================================== evaluation
@@ -1009,12 +1189,13 @@ def quiet_hub_progress_bars() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def load_policy(args: Args, device: torch.device):
-    """The policy (fp32 master weights), its frozen reference (None when kl_coef = 0), the tokenizer with a pad
-    token, and the stop token id."""
+def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = None):
+    """The policy (fp32 master weights; from the checkpoint when resuming), its frozen reference, always the
+    initial policy (None when kl_coef = 0), the tokenizer with a pad token, and the stop token id."""
     tokenizer_path = args.model_name_or_path or args.sft_model_path
+    initial_path = args.sft_model_path or args.model_name_or_path
     tokenizer = load_tokenizer(tokenizer_path, args.trust_remote_code)
-    policy = load_causal_lm(args.sft_model_path or args.model_name_or_path, torch.float32, args.trust_remote_code)
+    policy = load_causal_lm(str(checkpoint or initial_path), torch.float32, args.trust_remote_code)
     ensure_pad_token(tokenizer, args.pad_token, policy.get_input_embeddings().num_embeddings, tokenizer_path)
     policy.config.pad_token_id = tokenizer.pad_token_id
     stop_token_id = args.stop_token_id
@@ -1026,8 +1207,10 @@ def load_policy(args: Args, device: torch.device):
     policy.to(device)
     ref_policy = None
     if args.kl_coef != 0:
-        ref_policy = copy.deepcopy(policy).to(torch.bfloat16 if args.bf16 else torch.float32)
-        ref_policy.eval().requires_grad_(False)
+        ref_policy = copy.deepcopy(policy) if checkpoint is None else \
+            load_causal_lm(initial_path, torch.float32, args.trust_remote_code)
+        disable_dropout(ref_policy)
+        ref_policy.to(device, torch.bfloat16 if args.bf16 else torch.float32).eval().requires_grad_(False)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return policy, ref_policy, tokenizer, stop_token_id
@@ -1070,13 +1253,16 @@ def main(args: Args) -> None:
     dist_info = setup_distributed()
     sizes = compute_batch_sizes(args, dist_info.world_size)
     device = dist_info.device
+    checkpoint = resume_checkpoint(args)
+    resumed = torch.load(checkpoint / TRAINER_STATE, weights_only=False) if checkpoint else None
+    changes = check_resumable(resumed["args"], args, dist_info.world_size, resumed["world_size"]) if resumed else []
     seed_everything(args.seed)  # identical on every rank: any freshly initialized head must match
     torch.backends.cuda.matmul.allow_tf32 = True
 
     def autocast():
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
 
-    policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device)
+    policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device, checkpoint)
     dataset, eval_dataset, dropped = load_prompts(args, tokenizer)
     sources = load_reward_sources(args, tokenizer, reward_functions, device)
     total_episodes = args.total_episodes or int(args.num_train_epochs * len(dataset))
@@ -1088,97 +1274,140 @@ def main(args: Args) -> None:
     model = DDP(policy, device_ids=[device.index] if device.type == "cuda" else None) if dist.is_initialized() else policy
     seed_everything(args.seed + dist_info.rank)
     sampler = PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)
+    start_update, elapsed = 0, 0.0
+    if resumed:
+        optimizer.load_state_dict(resumed["optimizer"])
+        sampler.load_state_dict(resumed["sampler"])
+        set_rng_state(torch.load(checkpoint / f"rng_rank{dist_info.rank}.pt", weights_only=False))
+        start_update, elapsed = resumed["update"], resumed["elapsed"]
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    logger = RunLogger(args, run_name, num_updates) if dist_info.master else None
+    logger = RunLogger(args, run_name, num_updates, start_update, resumed and resumed["wandb_run_id"]) \
+        if dist_info.master else None
     if logger is not None:
+        if resumed:
+            logger.console.print(f"resuming from {checkpoint} after update {start_update}"
+                                 + (f"; changed: {', '.join(changes)}" if changes else ""), highlight=False,
+                                 soft_wrap=True)
         logger.console.print(
             f"{run_name}: {num_updates} updates x {sizes.world} completions ({sizes.prompts} prompts x k={args.rloo_k} "
             f"per rank x {dist_info.world_size} ranks); {len(dataset)} train prompts ({dropped} dropped as longer than "
             f"{args.max_prompt_length} tokens); reward sources {sources.names}", highlight=False, soft_wrap=True)
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0
     eval_every = max(1, num_updates // args.num_evals) if args.num_evals > 0 else num_updates
-    start_time = time.time()
+    stop_signal, stopped = StopSignal(), False
+    start_time = time.time() - elapsed
 
-    for update in range(1, num_updates + 1):
-        timer = PhaseTimer(device)
-        lr = learning_rate_at(update, num_updates, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    try:
+        for update in range(start_update + 1, num_updates + 1):
+            timer = PhaseTimer(device)
+            lr = learning_rate_at(update, num_updates, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
 
-        # ---- 1-3. rollout: B prompts x k samples, log-probs under policy and reference
-        rows = dataset[sampler.next_indices()]
-        queries, query_mask = left_pad(rows[PROMPT_IDS], tokenizer.pad_token_id, device)  # (B, Tq) each
-        policy.eval()
-        rollout = collect_rollout(policy, ref_policy, queries, query_mask, args, stop_token_id,
-                                  tokenizer.pad_token_id, autocast, timer)
-        has_stop = rollout.ended(stop_token_id)  # (k*B,)
-
-        # ---- 4. scores
-        with timer("scoring"):
-            raw_scores, source_means = score_completions(
-                sources, rollout, prompt_values(rows, args.prompt_column, tokenizer),
-                {c: rows[c] for c in columns_to_pass}, tokenizer, stop_token_id,
-                args.local_rollout_forward_batch_size, autocast)  # (k*B,)
-            scores = apply_missing_eos_penalty(raw_scores, has_stop, args.missing_eos_penalty)  # (k*B,)
-            if args.normalize_reward:
-                scores = whiten(scores).clamp(-args.reward_clip_range, args.reward_clip_range)
-
-        # ---- 5. KL-penalized rewards, leave-one-out advantages
-        kl = (rollout.logprobs - rollout.ref_logprobs) if ref_policy is not None else torch.zeros_like(rollout.logprobs)
-        advantages, rlhf_reward, non_score_reward = rloo_advantages(
-            scores, kl, rollout.response_mask, args.kl_coef, args.rloo_k, args.token_level_kl)  # adv (k*B,) or (k*B, Tr)
-        if args.normalize_advantage:
-            advantages = whiten(advantages, None if advantages.dim() == 1 else rollout.response_mask)
-
-        # ---- 6. PPO epochs of the clipped surrogate
-        policy.train()  # dropout is off; train mode only switches gradient checkpointing on
-        with timer("training"):
-            train_stats = ppo_update(model, optimizer, rollout, advantages, args, sizes, autocast)
-
-        # ---- logging
-        episode = update * sizes.world
-        metrics = {
-            "objective/kl": (kl * rollout.response_mask).sum(1).mean().item(),
-            "objective/entropy": (-rollout.logprobs * rollout.response_mask).sum(1).mean().item(),
-            "objective/non_score_reward": non_score_reward.mean().item(),
-            "objective/rlhf_reward": rlhf_reward.mean().item(),
-            "objective/scores": scores.mean().item(),
-            "objective/raw_scores": raw_scores.mean().item(),
-            "policy/approxkl_avg": train_stats["approxkl"],
-            "policy/clipfrac_avg": train_stats["clipfrac"],
-            "policy/entropy_avg": train_stats["entropy"],
-            "policy/grad_norm": train_stats["grad_norm"],
-            "loss/policy_avg": train_stats["loss"],
-            "val/ratio": train_stats["ratio"],
-            "val/ratio_var": train_stats["ratio_var"],
-            **completion_metrics(rollout.response_mask, has_stop, scores, args.rloo_k),
-            **source_means,
-            **{f"time/{phase}": seconds for phase, seconds in timer.seconds.items()},
-        }
-        metrics = reduce_metrics(metrics, device)
-        metrics.update(eps=episode / (time.time() - start_time), lr=lr, episode=episode)
-        if logger is not None:
-            logger.log(update, metrics)
-            if sample_every and (update - 1) % sample_every == 0:
-                shown = range(min(5, sizes.prompts))  # the first sample of the first prompts
-                logger.sample_table([(tokenizer.decode(queries[i][query_mask[i]]),
-                                      tokenizer.decode(rollout.responses[i][rollout.response_mask[i]]),
-                                      scores[i].item()) for i in shown], episode)
-        if eval_dataset is not None and (update % eval_every == 0 or update == num_updates):
+            # ---- 1-3. rollout: B prompts x k samples, log-probs under policy and reference
+            rows = dataset[sampler.next_indices()]
+            queries, query_mask = left_pad(rows[PROMPT_IDS], tokenizer.pad_token_id, device)  # (B, Tq) each
             policy.eval()
-            eval_metrics = evaluate(policy, eval_dataset, sources, tokenizer, args, stop_token_id, dist_info, autocast)
-            if logger is not None:
-                logger.log_eval(update, eval_metrics, episode)
+            rollout = collect_rollout(policy, ref_policy, queries, query_mask, args, stop_token_id,
+                                      tokenizer.pad_token_id, autocast, timer)
+            has_stop = rollout.ended(stop_token_id)  # (k*B,)
 
-    # ---- save
-    if dist_info.master:
-        policy.save_pretrained(args.output_dir)
-        tokenizer.save_pretrained(args.output_dir)
-        (Path(args.output_dir) / "args.json").write_text(json.dumps(asdict(args), indent=2))
-        logger.console.print(f"saved the policy and tokenizer to {args.output_dir}")
-        logger.close()
+            # ---- 4. scores
+            with timer("scoring"):
+                raw_scores, source_means = score_completions(
+                    sources, rollout, prompt_values(rows, args.prompt_column, tokenizer),
+                    {c: rows[c] for c in columns_to_pass}, tokenizer, stop_token_id,
+                    args.local_rollout_forward_batch_size, autocast)  # (k*B,)
+                scores = apply_missing_eos_penalty(raw_scores, has_stop, args.missing_eos_penalty)  # (k*B,)
+                if args.normalize_reward:
+                    scores = whiten(scores).clamp(-args.reward_clip_range, args.reward_clip_range)
+
+            # ---- 5. KL-penalized rewards, leave-one-out advantages
+            kl = rollout.logprobs - rollout.ref_logprobs if ref_policy is not None else torch.zeros_like(rollout.logprobs)
+            advantages, rlhf_reward, non_score_reward = rloo_advantages(
+                scores, kl, rollout.response_mask, args.kl_coef, args.rloo_k, args.token_level_kl)  # (k*B,) or (k*B, Tr)
+            if args.normalize_advantage:
+                advantages = whiten(advantages, None if advantages.dim() == 1 else rollout.response_mask)
+
+            # ---- 6. PPO epochs of the clipped surrogate; a NaN/inf anywhere stops all ranks before any step on it
+            policy.train()  # dropout is off; train mode only switches gradient checkpointing on
+            try:
+                check_finite({"reward": raw_scores, "log-prob": rollout.logprobs,
+                              "reference log-prob": rollout.ref_logprobs}, device)
+                with timer("training"):
+                    train_stats = ppo_update(model, optimizer, rollout, advantages, args, sizes, autocast)
+            except NonFiniteError as e:
+                if dist_info.rank in e.ranks:
+                    dump_batch(Path(args.output_dir) / "nonfinite" / f"update_{update}_rank_{dist_info.rank}.jsonl",
+                               tokenizer, rollout, raw_scores, advantages)
+                raise NonFiniteError(f"{e.quantity} at update {update}", e.ranks) from None
+
+            # ---- logging
+            episode = update * sizes.world
+            metrics = {
+                "objective/kl": (kl * rollout.response_mask).sum(1).mean().item(),
+                "objective/entropy": (-rollout.logprobs * rollout.response_mask).sum(1).mean().item(),
+                "objective/non_score_reward": non_score_reward.mean().item(),
+                "objective/rlhf_reward": rlhf_reward.mean().item(),
+                "objective/scores": scores.mean().item(),
+                "objective/raw_scores": raw_scores.mean().item(),
+                "policy/approxkl_avg": train_stats["approxkl"],
+                "policy/clipfrac_avg": train_stats["clipfrac"],
+                "policy/entropy_avg": train_stats["entropy"],
+                "policy/grad_norm": train_stats["grad_norm"],
+                "loss/policy_avg": train_stats["loss"],
+                "val/ratio": train_stats["ratio"],
+                "val/ratio_var": train_stats["ratio_var"],
+                **completion_metrics(rollout.response_mask, has_stop, scores, args.rloo_k),
+                **source_means,
+                **{f"time/{phase}": seconds for phase, seconds in timer.seconds.items()},
+            }
+            metrics = reduce_metrics(metrics, device)
+            metrics.update(eps=episode / (time.time() - start_time), lr=lr, episode=episode)
+            if logger is not None:
+                logger.log(update, metrics)
+                if sample_every and (update - 1) % sample_every == 0:
+                    shown = range(min(5, sizes.prompts))  # the first sample of the first prompts
+                    logger.sample_table([(tokenizer.decode(queries[i][query_mask[i]]),
+                                          tokenizer.decode(rollout.responses[i][rollout.response_mask[i]]),
+                                          scores[i].item()) for i in shown], episode)
+            if eval_dataset is not None and (update % eval_every == 0 or update == num_updates):
+                policy.eval()
+                eval_metrics = evaluate(policy, eval_dataset, sources, tokenizer, args, stop_token_id, dist_info,
+                                        autocast)
+                if logger is not None:
+                    logger.log_eval(update, eval_metrics, episode)
+
+            # ---- checkpoint: periodically, at the end, and when a signal asks the run to stop
+            stop = stop_signal.requested(device)
+            if stop or update == num_updates or (args.save_steps > 0 and update % args.save_steps == 0):
+                trainer_state = {
+                    "update": update, "episode": episode, "sampler": sampler.state_dict(),
+                    "elapsed": time.time() - start_time, "world_size": dist_info.world_size, "args": asdict(args),
+                    "wandb_run_id": logger.wandb_run_id if logger else None, "optimizer": optimizer.state_dict(),
+                }
+                path = save_checkpoint(args.output_dir, update, policy, tokenizer, trainer_state, dist_info.rank,
+                                       args.save_total_limit)
+            if stop:
+                if logger is not None:
+                    logger.console.print(
+                        f"rloo.py: {stop_signal.name or 'a signal to another rank'} received: stopped after update "
+                        f"{update}, checkpoint saved to {path}; continue with the same command and --resume",
+                        highlight=False, soft_wrap=True)
+                stopped = True
+                break
+
+        # ---- save the final policy (its presence in output_dir marks a finished run)
+        if dist_info.master and not stopped:
+            policy.save_pretrained(args.output_dir)
+            tokenizer.save_pretrained(args.output_dir)
+            (Path(args.output_dir) / "args.json").write_text(json.dumps(asdict(args), indent=2))
+            logger.console.print(f"saved the policy and tokenizer to {args.output_dir}")
+    finally:  # an error on one rank alone must not wait for the others: torchrun stops them
+        if logger is not None:
+            logger.close()
+    barrier()
     if dist.is_initialized():
-        dist.barrier()
         dist.destroy_process_group()
 
 
@@ -1189,6 +1418,10 @@ def cli() -> None:
     except ConfigError as e:
         print(f"rloo.py: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except NonFiniteError as e:
+        print(f"rloo.py: error: {e}: stopped before any optimizer step on it; the offending batch is in "
+              f"{Path(args.output_dir) / 'nonfinite'}", file=sys.stderr)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Reward functions the tests pass to rloo.py as `--reward_fn reward_fns:NAME`."""
 
+import os
+
 
 def count_a(completions, **kwargs):
     """Number of times the letter `a` appears: a reward a random tiny policy can learn in seconds."""
@@ -18,3 +20,19 @@ def only_even_lengths(completions, **kwargs):
 
 def not_a_list(**kwargs):
     return 3.0
+
+
+_calls = 0
+
+
+def nan_at_second_call(completions, **kwargs):
+    """A reward that breaks at the second update: one NaN among finite scores."""
+    global _calls
+    _calls += 1
+    return [float("nan") if _calls == 2 and i == 0 else 1.0 for i in range(len(completions))]
+
+
+def nan_on_rank_one(completions, **kwargs):
+    """Breaks on torchrun's rank 1 only, at its first call: the other rank must not wait forever."""
+    bad = os.environ.get("RANK") == "1"
+    return [float("nan") if bad and i == 0 else float(c.split().count("a")) for i, c in enumerate(completions)]
