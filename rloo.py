@@ -1233,6 +1233,7 @@ def load_reward_sources(args: Args, tokenizer, functions: list[tuple[str, Callab
     """The reward model (frozen, with its own tokenizer when the vocabularies differ) and the reward functions."""
     model, model_tokenizer = None, None
     if args.reward_model_path is not None:
+        seed_everything(args.seed)  # a head missing from the checkpoint starts the same on every rank and resume
         model = load_reward_model(args.reward_model_path, torch.bfloat16 if args.bf16 else torch.float32,
                                   args.trust_remote_code)
         disable_dropout(model)
@@ -1256,7 +1257,6 @@ def main(args: Args) -> None:
     checkpoint = resume_checkpoint(args)
     resumed = torch.load(checkpoint / TRAINER_STATE, weights_only=False) if checkpoint else None
     changes = check_resumable(resumed["args"], args, dist_info.world_size, resumed["world_size"]) if resumed else []
-    seed_everything(args.seed)  # identical on every rank: any freshly initialized head must match
     torch.backends.cuda.matmul.allow_tf32 = True
 
     def autocast():

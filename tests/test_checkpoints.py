@@ -59,6 +59,8 @@ def assert_same_run(full: Path, resumed: Path) -> None:
 def test_signal_saves_and_resume_is_exact(assets, tmp_path, nproc, sig):
     common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--dataset_test_split",
               assets["test"], "--total_episodes", PER_UPDATE * 40 * max(nproc, 1), *RUN]
+    if nproc:  # a causal LM as reward model, as in TRL's getting-started command: its one-label head is new,
+        common += ["--reward_model_path", assets["policy"]]  # and must start the same on every rank and resume
     full, interrupted = tmp_path / "full", tmp_path / "interrupted"
     result = run_rloo(*common, "--output_dir", full, nproc=nproc)
     assert result.returncode == 0, result.stderr[-3000:]
