@@ -547,7 +547,7 @@ class Completions:
 class Rollout(Completions):
     """One rank's completions of one update, N = k*B rows in the (k, B) layout, with their log-probs."""
 
-    logprobs: torch.Tensor  # (N, Tr) policy log-probs at sampling time (0 on padding)
+    logprobs: torch.Tensor  # (N, Tr) log-probs under the policy that sampled, by a forward pass (0 on padding)
     ref_logprobs: Optional[torch.Tensor]  # (N, Tr) reference log-probs (0 on padding); None if kl_coef = 0
 
 

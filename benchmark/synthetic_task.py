@@ -253,24 +253,15 @@ def sample_completions(
     temperature: float = 1.0,
     seed: int = 0,
 ) -> list[str]:
-    """Sample one completion per prompt; the text before the first `<eos>`, special tokens skipped."""
+    """One completion per prompt, sampled exactly as rloo.py samples; the text before `<eos>`."""
+    import rloo  # here, not at the top: rloo.py imports this module for --reward_fn as its __main__
+
     torch.manual_seed(seed)
-    batch = tokenizer(prompts, return_tensors="pt", padding=True)  # left-padded (B, P)
-    output = model.generate(
-        **batch,
-        do_sample=True,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    completions = []
-    for ids in output[:, batch["input_ids"].shape[1] :].tolist():  # (B, <= max_new_tokens)
-        ids = ids[: ids.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in ids else ids
-        completions.append(tokenizer.decode(ids, skip_special_tokens=True))
-    return completions
+    queries, query_mask = rloo.left_pad([tokenizer(p)["input_ids"] for p in prompts], tokenizer.pad_token_id,
+                                        torch.device("cpu"))  # (B, P) each
+    sampled = rloo.sample_completions(model, queries, query_mask, max_new_tokens, temperature,
+                                      tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return [tokenizer.decode(r[m], skip_special_tokens=True) for r, m in zip(sampled.responses, sampled.response_mask)]
 
 
 def mean_true_score(
