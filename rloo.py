@@ -1000,6 +1000,7 @@ class RunLogger:
 CHECKPOINTS = "checkpoints"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.pt"
+PREEMPTED = "preempted"  # in output_dir while a run stopped by a signal waits to be resumed; job scripts requeue on it
 # flags that may change when a run resumes; any other difference would make it another experiment
 RESUMABLE_CHANGES = {"exp_name", "output_dir", "track", "wandb_project_name", "wandb_entity", "trust_remote_code",
                      "dataset_test_split", "num_sample_generations", "num_evals", "eval_max_prompts",
@@ -1284,6 +1285,7 @@ def main(args: Args) -> None:
     logger = RunLogger(args, run_name, num_updates, start_update, resumed and resumed["wandb_run_id"]) \
         if dist_info.master else None
     if logger is not None:
+        (Path(args.output_dir) / PREEMPTED).unlink(missing_ok=True)
         if resumed:
             logger.console.print(f"resuming from {checkpoint} after update {start_update}"
                                  + (f"; changed: {', '.join(changes)}" if changes else ""), highlight=False,
@@ -1390,6 +1392,7 @@ def main(args: Args) -> None:
                                        args.save_total_limit)
             if stop:
                 if logger is not None:
+                    (Path(args.output_dir) / PREEMPTED).write_text(f"{path}\n")
                     logger.console.print(
                         f"rloo.py: {stop_signal.name or 'a signal to another rank'} received: stopped after update "
                         f"{update}, checkpoint saved to {path}; continue with the same command and --resume",

@@ -70,12 +70,13 @@ def test_signal_saves_and_resume_is_exact(assets, tmp_path, nproc, sig):
     if nproc == 0:
         assert returncode == 0  # (torchrun's own agent exits non-zero after forwarding a signal)
     assert not (interrupted / "model.safetensors").exists()  # not a finished run
+    assert (interrupted / "preempted").read_text().strip() == str(rloo.latest_checkpoint(str(interrupted)))
     stopped_at = rloo.latest_checkpoint(str(interrupted))
     assert stopped_at is not None and len(read_metrics(interrupted)) < len(read_metrics(full))
 
     result = run_rloo(*common, "--output_dir", interrupted, "--resume", nproc=nproc)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"resuming from {stopped_at}" in result.stdout
+    assert f"resuming from {stopped_at}" in result.stdout and not (interrupted / "preempted").exists()
     assert_same_run(full, interrupted)  # metrics.jsonl appended line by line, same weights
 
 
