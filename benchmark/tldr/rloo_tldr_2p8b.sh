@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # RLOO on TL;DR with Pythia-2.8B SFT and reward models ("The N+ Implementation Details of RLHF with PPO"),
 # 8 GPUs, DDP. The hyperparameters are those of TRL's 1B run (rloo_tldr_1b.sh): TRL published no 2.8B RLOO
-# run. Usage and environment (SEED, K, OUTPUT_DIR, NPROC, TORCHRUN_ARGS, extra arguments) as rloo_tldr_1b.sh.
+# run. Usage and environment (SEED, K, OUTPUT_DIR, NPROC, TORCHRUN_ARGS, extra arguments) as rloo_tldr_1b.sh,
+# which it runs with the 2.8B models and the batch and memory settings below (the last copy of a flag wins).
 #
 # Batch: 8 per device x 32 accumulation steps x 2 minibatches = 512 completions per GPU (256 prompts x k=2),
 # x 8 GPUs = 4096 completions per update, the 1B run's global batch; 1,000,000 episodes = 245 updates.
@@ -20,35 +21,14 @@
 # layers), 12-25 GB for the micro-batch of 8: it would not fit. If it runs out of memory anyway, pass
 # --per_device_train_batch_size 4 --gradient_accumulation_steps 64 (same global batch).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
-OUTPUT_DIR=${OUTPUT_DIR:-models/$(basename "$0" .sh)${K:+_k$K}_seed${SEED:-1}}
-# TORCHRUN_ARGS is split into words on purpose
-# shellcheck disable=SC2086
-exec torchrun --nproc_per_node "${NPROC:-8}" ${TORCHRUN_ARGS:-} rloo.py \
+here=$(dirname "$0")
+export OUTPUT_DIR=${OUTPUT_DIR:-models/$(basename "$0" .sh)${K:+_k$K}_seed${SEED:-1}}
+exec bash "$here/rloo_tldr_1b.sh" \
     --exp_name rloo_tldr_2p8b \
-    --seed "${SEED:-1}" \
-    --output_dir "$OUTPUT_DIR" \
-    --dataset_name trl-internal-testing/tldr-preference-sft-trl-style \
-    --dataset_test_split validation \
     --model_name_or_path EleutherAI/pythia-2.8b-deduped \
     --sft_model_path cleanrl/EleutherAI_pythia-2.8b-deduped__sft__tldr \
     --reward_model_path cleanrl/EleutherAI_pythia-2.8b-deduped__reward__tldr \
-    --rloo_k "${K:-2}" \
-    --kl_coef 0.03 \
-    --missing_eos_penalty 1.0 \
-    --stop_token eos \
-    --response_length 53 \
-    --temperature 0.7 \
-    --learning_rate 3e-6 \
     --per_device_train_batch_size 8 \
     --gradient_accumulation_steps 32 \
-    --num_mini_batches 2 \
-    --num_ppo_epochs 2 \
-    --total_episodes 1000000 \
-    --local_rollout_forward_batch_size 16 \
     --gradient_checkpointing \
-    --bf16 \
-    --track \
-    --save_steps 10 \
-    --resume \
     "$@"
