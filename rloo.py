@@ -335,14 +335,17 @@ def prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: i
     return dataset, before - len(dataset)
 
 
-def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists into (ids, mask), both (N, T_max): generation continues from the right edge."""
+def pad_sequences(
+    sequences: list[list[int]], pad_id: int, device: torch.device, side: Literal["left", "right"] = "left"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad token lists into (ids, mask), both (N, T_max). Queries are left-padded: generation continues from
+    the right edge."""
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.bool)
     for i, s in enumerate(sequences):
-        ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-        mask[i, width - len(s) :] = True
+        span = slice(width - len(s), width) if side == "left" else slice(0, len(s))
+        ids[i, span], mask[i, span] = torch.tensor(s, dtype=torch.long), True
     return ids.to(device), mask.to(device)
 
 
@@ -637,12 +640,7 @@ def retokenize(texts: list[str], ended: list[bool], tokenizer, device: torch.dev
     encoded = tokenizer(texts)["input_ids"]
     sequences = [ids + [tokenizer.eos_token_id] if e and tokenizer.eos_token_id is not None else ids
                  for ids, e in zip(encoded, ended)]
-    width = max(len(s) for s in sequences)
-    ids = torch.zeros((len(sequences), width), dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
-    for i, s in enumerate(sequences):
-        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), True
-    return ids.to(device), mask.to(device)
+    return pad_sequences(sequences, 0, device, side="right")  # pad id 0: reward_model_scores masks padding
 
 
 def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
@@ -838,7 +836,7 @@ def ppo_update(
     device = advantages.device
     max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
     for _ in range(args.num_ppo_epochs):
-        order = torch.randperm(sizes.local, device=advantages.device)  # (N,)
+        order = torch.randperm(sizes.local, device=device)  # (N,)
         for mini_start in range(0, sizes.local, sizes.mini):
             mini = order[mini_start : mini_start + sizes.mini]  # (mini,)
             for micro_step, micro_start in enumerate(range(0, sizes.mini, sizes.micro)):
@@ -1159,7 +1157,7 @@ def evaluate(
     columns_to_pass = [c for c in eval_dataset.column_names if c not in (PROMPT_IDS, args.prompt_column)]
     for start in range(0, len(indices), args.local_rollout_forward_batch_size):
         rows = eval_dataset[indices[start : start + args.local_rollout_forward_batch_size]]
-        queries, query_mask = left_pad(rows[PROMPT_IDS], tokenizer.pad_token_id, dist_info.device)  # (b, Tq)
+        queries, query_mask = pad_sequences(rows[PROMPT_IDS], tokenizer.pad_token_id, dist_info.device)  # (b, Tq)
         with autocast():
             completions = sample_completions(policy, queries, query_mask, args.response_length, EVAL_TEMPERATURE,
                                              stop_token_id, tokenizer.pad_token_id)  # (b, Tq + Tr)
@@ -1308,7 +1306,7 @@ def main(args: Args) -> None:
 
             # ---- 1-3. rollout: B prompts x k samples, log-probs under policy and reference
             rows = dataset[sampler.next_indices()]
-            queries, query_mask = left_pad(rows[PROMPT_IDS], tokenizer.pad_token_id, device)  # (B, Tq) each
+            queries, query_mask = pad_sequences(rows[PROMPT_IDS], tokenizer.pad_token_id, device)  # (B, Tq) each
             policy.eval()
             rollout = collect_rollout(policy, ref_policy, queries, query_mask, args, stop_token_id,
                                       tokenizer.pad_token_id, autocast, timer)

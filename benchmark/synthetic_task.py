@@ -257,7 +257,7 @@ def sample_completions(
     import rloo  # here, not at the top: rloo.py imports this module for --reward_fn as its __main__
 
     torch.manual_seed(seed)
-    queries, query_mask = rloo.left_pad([tokenizer(p)["input_ids"] for p in prompts], tokenizer.pad_token_id,
+    queries, query_mask = rloo.pad_sequences([tokenizer(p)["input_ids"] for p in prompts], tokenizer.pad_token_id,
                                         torch.device("cpu"))  # (B, P) each
     sampled = rloo.sample_completions(model, queries, query_mask, max_new_tokens, temperature,
                                       tokenizer.eos_token_id, tokenizer.pad_token_id)

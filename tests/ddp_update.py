@@ -18,7 +18,7 @@ def main(out_path: str) -> None:
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer), seed=0)
     torch.manual_seed(123)  # the same global batch on every rank
-    queries, query_mask = rloo.left_pad([tokenizer(p)["input_ids"] for p in ["a b :", "c d e :", "f :", "g h :"]],
+    queries, query_mask = rloo.pad_sequences([tokenizer(p)["input_ids"] for p in ["a b :", "c d e :", "f :", "g h :"]],
                                         tokenizer.pad_token_id, torch.device("cpu"))
     queries, query_mask = queries.repeat(2, 1), query_mask.repeat(2, 1)  # (8, Tq)
     c = rloo.sample_completions(policy, queries, query_mask, 5, 1.0, tokenizer.eos_token_id, tokenizer.pad_token_id)

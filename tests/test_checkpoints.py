@@ -163,7 +163,7 @@ def test_nonfinite_on_one_rank_stops_every_rank(assets, tmp_path):
 def test_no_optimizer_step_on_a_nonfinite_loss():
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer))
-    queries, mask = rloo.left_pad([tokenizer("a b :")["input_ids"]] * 4, 0, torch.device("cpu"))
+    queries, mask = rloo.pad_sequences([tokenizer("a b :")["input_ids"]] * 4, 0, torch.device("cpu"))
     c = rloo.sample_completions(policy, queries, mask, 4, 1.0, 1, 0)
     rollout = rloo.Rollout(c.query_responses, c.attention_mask, c.response_mask, c.context_length,
                            torch.zeros(4, 4), None)

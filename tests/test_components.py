@@ -15,7 +15,7 @@ def NO_AUTOCAST():
 
 
 def left_padded(tokenizer, texts):
-    return rloo.left_pad([tokenizer(t)["input_ids"] for t in texts], tokenizer.pad_token_id, torch.device("cpu"))
+    return rloo.pad_sequences([tokenizer(t)["input_ids"] for t in texts], tokenizer.pad_token_id, torch.device("cpu"))
 
 
 # ---------------------------------------------------------------- generation

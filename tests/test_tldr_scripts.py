@@ -25,11 +25,14 @@ PUBLISHED = {  # TRL's 1B run, shared by every script
     "num_ppo_epochs": 2, "num_mini_batches": 2, "total_episodes": 1_000_000, "local_rollout_forward_batch_size": 16,
     "bf16": True, "track": True, "save_steps": 10, "resume": True, "seed": 1,
 }
+PYTHIA_1B = {
+    "model_name_or_path": "EleutherAI/pythia-1b-deduped",
+    "sft_model_path": "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr",
+    "reward_model_path": "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr",
+}
 PER_SCRIPT = {
     "rloo_tldr_1b.sh": {
-        "model_name_or_path": "EleutherAI/pythia-1b-deduped",
-        "sft_model_path": "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr",
-        "reward_model_path": "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr",
+        **PYTHIA_1B,
         "rloo_k": 2, "learning_rate": 3e-6, "lr_scheduler_type": "linear", "per_device_train_batch_size": 16,
         "gradient_accumulation_steps": 16, "gradient_checkpointing": False, "output_dir": "models/rloo_tldr_1b_seed1",
     },
@@ -41,9 +44,7 @@ PER_SCRIPT = {
         "gradient_accumulation_steps": 32, "gradient_checkpointing": True, "output_dir": "models/rloo_tldr_2p8b_seed1",
     },
     "rloo_tldr_1b_k4_back_to_basics.sh": {
-        "model_name_or_path": "EleutherAI/pythia-1b-deduped",
-        "sft_model_path": "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr",
-        "reward_model_path": "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr",
+        **PYTHIA_1B,
         "rloo_k": 4, "learning_rate": 1e-6, "lr_scheduler_type": "constant", "per_device_train_batch_size": 16,
         "gradient_accumulation_steps": 16, "gradient_checkpointing": False,
         "output_dir": "models/rloo_tldr_1b_k4_back_to_basics_seed1",
