@@ -34,7 +34,7 @@ def main(out_path: str) -> None:
                      num_mini_batches=1, num_ppo_epochs=2, temperature=1.0, max_grad_norm=0.0)
     sizes = rloo.compute_batch_sizes(args, dist_info.world_size)
     model = DDP(policy) if dist.is_initialized() else policy
-    optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)  # plain SGD: the update is the gradient itself
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)  # plain SGD: the update is a multiple of the gradient
     rloo.ppo_update(model, optimizer, rollout, advantages[mine], args, sizes, lambda: torch.autocast("cpu", enabled=False))
     if dist_info.master:
         torch.save(policy.state_dict(), out_path)

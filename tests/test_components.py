@@ -70,6 +70,32 @@ def test_forward_logprobs_are_the_sampling_distribution():
             ids = torch.cat([ids, token.view(1, 1)], 1)
 
 
+class WithoutLogitsToKeep(torch.nn.Module):
+    """A causal LM whose forward has no `logits_to_keep` argument, as some remote-code models."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids, use_cache, past_key_values=None):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=use_cache, past_key_values=past_key_values)
+
+
+def test_models_without_logits_to_keep_give_the_same_samples_and_logprobs():
+    tokenizer = policy_tokenizer()
+    policy = tiny_policy(len(tokenizer))
+    wrapped = WithoutLogitsToKeep(policy)
+    assert rloo.accepts_logits_to_keep(policy) and not rloo.accepts_logits_to_keep(wrapped)
+    queries, mask = left_padded(tokenizer, ["a b c :", "d :"])
+    tokens = [rloo.generate(m, queries, mask, 5, 0.0, None, 0) for m in (policy, wrapped)]
+    assert torch.equal(*tokens)
+    c = rloo.sample_completions(policy, queries, mask, 5, temperature=1.0, stop_token_id=None, pad_token_id=0)
+    kept, full = (rloo.forward_logprobs(m, c.query_responses, c.attention_mask, c.context_length, 1.0)[0]
+                  for m in (policy, wrapped))
+    assert torch.allclose(kept, full, atol=1e-6)
+
+
 # ---------------------------------------------------------------- rewards
 def test_reward_is_read_at_the_last_real_token_under_left_and_right_padding():
     tokenizer = policy_tokenizer()

@@ -197,13 +197,13 @@ def test_combine_rewards_with_none():
 
 def test_reduce_metrics_single_process():
     metrics = {"objective/scores": 1.5, "reward/f/mean": float("nan"), "loss/policy_avg": float("nan"),
-               "val/num_eos_tokens": 3.0, "completions/min_length": 2.0, "completions/max_length": 7.0}
+               "val/num_eos_tokens": 3.0, "completions/min_length": 2.0, "completions/max_length": 7.0, "memory/peak_gib": 2.0}
     out = rloo.reduce_metrics(metrics, torch.device("cpu"))
     assert "reward/f/mean" not in out  # a source that applied to nothing has no mean
     assert math.isnan(out["loss/policy_avg"])  # any other NaN is reported, never hidden
     assert {k: v for k, v in out.items() if k != "loss/policy_avg"} == {
         "objective/scores": 1.5, "val/num_eos_tokens": 3.0, "completions/min_length": 2.0,
-        "completions/max_length": 7.0}
+        "completions/max_length": 7.0, "memory/peak_gib": 2.0}
 
 
 def test_linear_learning_rate_decay():
@@ -211,3 +211,37 @@ def test_linear_learning_rate_decay():
     assert [rloo.learning_rate_at(u, 4, args) for u in (1, 2, 4)] == [1.0, 0.75, 0.25]
     args.lr_scheduler_type = "constant"
     assert rloo.learning_rate_at(4, 4, args) == 1.0
+
+
+# ---------------------------------------------------------------- sampling and log-probs kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selective_log_softmax_matches_log_softmax_values_and_gradient(dtype):
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(3, 5, 11)).to(dtype).requires_grad_()
+    targets = torch.randint(0, 11, (3, 5))
+    weights = torch.randn(3, 5)  # an arbitrary upstream gradient
+    logprobs, entropy = rloo.SelectiveLogSoftmax.apply(logits, targets, 0.7, True)
+    (logprobs * weights).sum().backward()
+    ours = logits.grad.clone()
+    logits.grad = None
+    reference = (logits.float() / 0.7).log_softmax(-1)  # (3, 5, 11)
+    expected = reference.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    (expected * weights).sum().backward()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(logprobs, expected, atol=tol)
+    assert torch.allclose(entropy, -(reference.exp() * reference).sum(-1), atol=tol)
+    assert not entropy.requires_grad
+    assert ours.dtype == dtype and torch.allclose(ours.float(), logits.grad.float(), atol=tol)
+    with torch.no_grad():  # the rollout's call: no entropy, nothing kept
+        again, none = rloo.SelectiveLogSoftmax.apply(logits, targets, 0.7, False)
+    assert none is None and torch.equal(again, logprobs.detach())
+
+
+def test_sample_tokens_follows_the_softmax_and_never_draws_a_masked_token():
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf")]]).expand(200_000, 5)
+    tokens = rloo.sample_tokens(logits, temperature=0.7)  # (200000,)
+    frequencies = torch.bincount(tokens, minlength=5).float() / tokens.numel()
+    expected = torch.softmax(logits[0] / 0.7, -1)
+    assert frequencies[4] == 0  # probability 0
+    assert torch.allclose(frequencies, expected, atol=4e-3)  # ~4 standard errors at the largest probability
