@@ -58,12 +58,13 @@ def load_run(path: str | Path) -> Run:
     return {key: np.array([as_float(row.get(key)) for row in rows]) for key in columns}
 
 
-def curve(run: Run, metric: str) -> Curve | None:
-    """The metric against episode, sorted, rows without a value dropped; where an episode was logged twice (a
-    resumed run repeats the updates after its last checkpoint) the later value. None if it was never logged."""
+def curve(run: Run, metric: str, x: str = "episode") -> Curve | None:
+    """The metric against episode (or another column `x`), sorted, rows without a value dropped; where an episode
+    was logged twice (a resumed run repeats the updates after its last checkpoint) the later value. None if it was
+    never logged."""
     if metric not in run:
         return None
-    episodes, values = run["episode"], run[metric]
+    episodes, values = run[x], run[metric]
     logged = np.isfinite(episodes) & np.isfinite(values)
     if not logged.any():
         return None
@@ -108,11 +109,11 @@ def parse_methods(specs: tuple[str, ...]) -> dict[str, list[Path]]:
     return methods
 
 
-def method_curves(runs: dict[str, Run], metric: str) -> list[Curve]:
+def method_curves(runs: dict[str, Run], metric: str, x: str = "episode") -> list[Curve]:
     """The metric's curve in each of a method's runs; a note for every run without it."""
     curves = []
     for label, run in runs.items():
-        points = curve(run, metric)
+        points = curve(run, metric, x)
         if points is None:
             print(f"plot_runs.py: {label} has no {metric}: left out of that panel")
         else:
@@ -121,27 +122,28 @@ def method_curves(runs: dict[str, Run], metric: str) -> list[Curve]:
 
 
 def plot_grid(methods: dict[str, dict[str, Run]], png_path: Path, metrics: tuple[str, ...] = METRICS,
-              smooth: int = 1, num_points: int = 200) -> None:
-    """One panel per metric; per method, the mean over seeds as a line and the min-max as a band."""
+              smooth: int = 1, num_points: int = 200, x: str = "episode", xlabel: str | None = None) -> None:
+    """One panel per metric against `x` (a column of every run); per method, the mean over seeds as a line and the
+    min-max as a band."""
     cols = min(4, len(metrics))
     rows = math.ceil(len(metrics) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
     colors = {name: f"C{i}" for i, name in enumerate(methods)}
     for ax, metric in zip(axes.flat, metrics):
         for name, runs in methods.items():
-            curves = method_curves(runs, metric)
+            curves = method_curves(runs, metric, x)
             if curves:
                 grid, mean, low, high = aggregate([smooth_curve(c, smooth) for c in curves], num_points)
                 ax.plot(grid, mean, color=colors[name], linewidth=1.5)
                 ax.fill_between(grid, low, high, color=colors[name], alpha=0.2, linewidth=0)
         ax.set_title(metric)
-        ax.set_xlabel("episode")
+        ax.set_xlabel(xlabel or x)
         ax.grid(alpha=0.3)
     for ax in axes.flat[len(metrics):]:
         ax.axis("off")
     handles = [Line2D([], [], color=colors[name], label=f"{name} ({len(runs)} runs)") for name, runs in methods.items()]
     fig.legend(handles=handles, loc="upper center", ncol=len(handles), title="mean over seeds; band: min to max")
-    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.8 / fig.get_figheight()))  # ~0.8 inch on top for the legend
     Path(png_path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png_path, dpi=120)
     plt.close(fig)

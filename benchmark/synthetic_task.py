@@ -27,7 +27,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-ASSETS_VERSION = "v1"  # bump to force `ensure_assets` to rebuild
+ASSETS_VERSION = "v2"  # bump to force `ensure_assets` to rebuild
 LETTERS = "abcdefghijkl"
 SEP = ":"
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
@@ -48,6 +48,16 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token=PAD, eos_token=EOS, unk_token=UNK, padding_side="left"
     )
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, save_dir: str | Path) -> None:
+    """`save_pretrained`, readable by transformers 4.x as well (the benchmark's TRL environment): 5.x names the
+    class `TokenizersBackend`, which 4.x does not know; both load a `PreTrainedTokenizerFast` the same way."""
+    tokenizer.save_pretrained(save_dir)
+    config_path = Path(save_dir) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def format_prompt(letters: list[str]) -> str:
@@ -188,7 +198,7 @@ def build_policy(
 
     fit(model, batch_loss, steps, lr=3e-3)
     model.save_pretrained(save_dir)
-    tokenizer.save_pretrained(save_dir)
+    save_tokenizer(tokenizer, save_dir)
     return model
 
 
@@ -229,7 +239,7 @@ def build_reward_model(
     fit(model, batch_loss, steps, lr=1e-3)
     print(f"reward model: correlation with true score on held-out pairs = {rm_correlation(model, tokenizer):.3f}")
     model.save_pretrained(save_dir)
-    tokenizer.save_pretrained(save_dir)
+    save_tokenizer(tokenizer, save_dir)
     return model
 
 
@@ -280,26 +290,31 @@ def mean_true_score(
 # ---------------------------------------------------------------- assets
 
 
+def asset_paths(cache_dir: str | Path, seed: int = 0) -> dict[str, Path]:
+    """Where `ensure_assets` keeps the task's files; `done` marks a finished build."""
+    root = Path(cache_dir) / f"{ASSETS_VERSION}-seed{seed}"
+    names = {"tokenizer": "tokenizer", "policy": "sft_policy", "reward_model": "reward_model", "train": "train.jsonl",
+             "test": "test.jsonl", "done": "COMPLETE"}
+    return {key: root / name for key, name in names.items()}
+
+
+def build_assets(paths: dict[str, Path], seed: int = 0, policy_steps: int = 500, reward_steps: int = 1000) -> None:
+    """Tokenizer, prompt files, SFT policy and reward model at `paths` (fewer steps: a weaker, faster task)."""
+    start = time.time()
+    paths["done"].parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    save_tokenizer(tokenizer, paths["tokenizer"])
+    write_prompts_jsonl(paths["train"], n=2000, seed=seed)
+    write_prompts_jsonl(paths["test"], n=64, seed=seed + 1)
+    policy = build_policy(tokenizer, paths["policy"], steps=policy_steps, seed=seed)
+    build_reward_model(tokenizer, paths["reward_model"], steps=reward_steps, seed=seed, init_from=policy)
+    paths["done"].write_text(ASSETS_VERSION + "\n")
+    print(f"built synthetic-task assets in {paths['done'].parent} ({time.time() - start:.1f}s)")
+
+
 def ensure_assets(cache_dir: str | Path = ".cache/rloo_demo", seed: int = 0) -> dict[str, str]:
     """Build (or reuse) tokenizer, SFT policy, reward model and prompt files under `cache_dir`."""
-    root = Path(cache_dir) / f"{ASSETS_VERSION}-seed{seed}"
-    paths = {
-        "tokenizer": root / "tokenizer",
-        "policy": root / "sft_policy",
-        "reward_model": root / "reward_model",
-        "train": root / "train.jsonl",
-        "test": root / "test.jsonl",
-    }
-    done = root / "COMPLETE"
-    if not done.exists():
-        start = time.time()
-        root.mkdir(parents=True, exist_ok=True)
-        tokenizer = build_tokenizer()
-        tokenizer.save_pretrained(paths["tokenizer"])
-        write_prompts_jsonl(paths["train"], n=2000, seed=seed)
-        write_prompts_jsonl(paths["test"], n=64, seed=seed + 1)
-        policy = build_policy(tokenizer, paths["policy"], seed=seed)
-        build_reward_model(tokenizer, paths["reward_model"], seed=seed, init_from=policy)
-        done.write_text(ASSETS_VERSION + "\n")
-        print(f"built synthetic-task assets in {root} ({time.time() - start:.1f}s)")
-    return {name: str(path) for name, path in paths.items()}
+    paths = asset_paths(cache_dir, seed)
+    if not paths["done"].exists():
+        build_assets(paths, seed)
+    return {name: str(path) for name, path in paths.items() if name != "done"}

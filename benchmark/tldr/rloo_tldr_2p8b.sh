@@ -13,10 +13,10 @@
 #   bf16 reference policy and reward model: 2 x 2.8B x 2 bytes              11.2
 #   resident                                                               ~67
 #   + during forward/backward: autocast's bf16 copy of the policy weights 5.6, and activations of a micro-batch
-#     of 8 with --gradient_checkpointing ~3 (layer inputs 32 x 8 x 565 tokens x 2560 in fp32 = 1.5, the bf16
-#     logits 8 x 565 x 50k = 0.5, one recomputed layer)                                     -> ~76
+#     of 8 with --gradient_checkpointing ~2.5 (layer inputs 32 x 8 x 565 tokens x 2560 in fp32 = 1.5, the
+#     softmax of the 53 response positions only, 8 x 53 x 50k in fp32 = 0.09, one recomputed layer)  -> ~75
 #   + during generation: that bf16 copy 5.6 and the KV cache of 16 completions 3.0            -> ~76
-#   + during the optimizer step: foreach AdamW's temporary sqrt(v) 11.2                       -> ~78
+#   + during the optimizer step: nothing more (on CUDA rloo.py uses fused AdamW, which needs no temporaries)
 # Without gradient checkpointing a completion of 565 tokens keeps roughly 1.5-3 GB of activations (all 32
 # layers), 12-25 GB for the micro-batch of 8: it would not fit. If it runs out of memory anyway, pass
 # --per_device_train_batch_size 4 --gradient_accumulation_steps 64 (same global batch).

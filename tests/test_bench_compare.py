@@ -1,0 +1,89 @@
+"""The side-by-side benchmarks against TRL (benchmark/throughput.py, learning.py, trl_rloo.py) on minimal settings.
+
+The runs need the TRL environment of `make bench-env`; without it they are skipped, unless REQUIRE_BENCH_ENV=1
+(as in CI, which builds it) makes its absence a failure.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmark import synthetic_task
+from benchmark.trl_rloo import decode_for_monitors
+from conftest import REPO
+
+TRL_PYTHON = REPO / "benchmark" / ".venv-trl" / "bin" / "python"
+
+
+@pytest.fixture
+def trl_python():
+    if not TRL_PYTHON.exists():
+        if os.environ.get("REQUIRE_BENCH_ENV") == "1":
+            pytest.fail(f"no TRL environment at {TRL_PYTHON}: run `make bench-env`")
+        pytest.skip(f"no TRL environment at {TRL_PYTHON}: run `make bench-env`")
+    return TRL_PYTHON
+
+
+def run_script(*args, timeout=600) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=REPO,
+                            timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_monitors_see_what_rloo_py_hands_reward_functions():
+    import torch
+
+    tokenizer = synthetic_task.build_tokenizer()  # <pad>=0 <eos>=1 a..l=2..13 :=14
+    queries = [[0, 0, 4, 2, 14], [3, 5, 6, 7, 14]]  # left-padded "c a :" and "b d e f :"
+    responses = [[2, 4, 1, 0], [3, 3, 3, 3]]  # "a c <eos>" then padding (TRL's truncation); no stop token
+    texts = decode_for_monitors(tokenizer, torch.tensor([q + r for q, r in zip(queries, responses)]), 5, 1)
+    assert texts == {"prompts": ["c a :", "b d e f :"], "completions": ["a c", "b b b b"],
+                     "completion_ids": [[2, 4, 1], [3, 3, 3, 3]]}
+
+
+def test_trl_runner_refuses_what_trl_cannot_do(trl_python, tmp_path):
+    result = subprocess.run([str(trl_python), "benchmark/trl_rloo.py", "--model_name_or_path", "x",
+                             "--reward_model_path", "y", "--max_grad_norm", "1.0"],
+                            capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 2 and "never clips gradients: pass --max_grad_norm 0" in result.stderr
+    result = subprocess.run([str(trl_python), "benchmark/trl_rloo.py", "--reward_model_path", "y", "--max_grad_norm",
+                             "0", "--reward_fn", "benchmark.synthetic_task:true_reward"],
+                            capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 2 and "--reward_weights 1 0" in result.stderr
+
+
+def test_throughput_runs_both_trainers_and_reports_the_ratio(trl_python, tmp_path):
+    run_script("benchmark/throughput.py", "--trl_python", trl_python, "--repeats", "1", "--updates", "2",
+               "--prompt_length", "8", "--response_length", "4", "--per_device_train_batch_size", "2",
+               "--gradient_accumulation_steps", "1", "--num_mini_batches", "2", "--num_ppo_epochs", "1",
+               "--local_rollout_forward_batch_size", "4", "--cache_dir", tmp_path / "cache",
+               "--output_dir", tmp_path / "results", "--runs_dir", tmp_path / "runs")
+    report = json.loads((tmp_path / "results" / "throughput_cpu.json").read_text())
+    result = report["results"]["pythia-14m"]
+    for name in ("rloo.py", "trl"):
+        (run,) = result[name]
+        assert run["updates_measured"] == 1 and run["episodes_per_s"] > 0 and run["peak_rss_gib"] > 0
+        assert run["generation_s"] > 0 and run["training_s"] > 0
+    assert result["ratio"]["min"] == result["ratio"]["median"] > 0
+    assert "rloo.py / TRL" in (tmp_path / "results" / "throughput_cpu.md").read_text()
+
+
+def test_learning_trains_both_and_plots(trl_python, tmp_path):
+    paths = synthetic_task.asset_paths(tmp_path / "cache")
+    synthetic_task.build_assets(paths, policy_steps=30, reward_steps=30)  # weak but quick
+    run_script("benchmark/learning.py", "--trl_python", trl_python, "--seeds", "1", "--total_episodes", "128",
+               "--cache_dir", tmp_path / "cache", "--output_dir", tmp_path / "results", "--runs_dir", tmp_path / "runs")
+    report = json.loads((tmp_path / "results" / "learning.json").read_text())
+    for name in ("rloo.py", "trl"):
+        (result,) = report["results"][name]
+        assert 0 <= result["true_score_sampled"] <= 1 and 0 <= result["true_score_greedy"] <= 1
+        assert result["training_seconds"] > 0
+        rows = [json.loads(line) for line in (tmp_path / "runs" / f"{name.replace('.', '_')}_seed1" / "metrics.jsonl")
+                .read_text().splitlines()]
+        assert len(rows) == 2 and all("reward/true_reward/mean" in row for row in rows)  # 128 / 64 per update
+    for png in ("learning_episodes.png", "learning_seconds.png"):
+        assert (tmp_path / "results" / png).read_bytes()[:4] == b"\x89PNG"
