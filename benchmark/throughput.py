@@ -199,8 +199,16 @@ def summarize_run(metrics_path: Path, args: Args, rss_gib: float) -> dict:
     return out
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def hardware() -> dict:
-    info = {"cpu": platform.processor() or platform.machine(), "cpu_cores": os.cpu_count(),
+    info = {"cpu": cpu_model(), "cpu_cores": os.cpu_count(),
             "torch": torch.__version__, "python": platform.python_version()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
