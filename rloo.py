@@ -40,6 +40,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -81,6 +86,14 @@ class Args:
     """bf16 autocast for every forward pass; fp32 master weights and optimizer; frozen models stored in bf16"""
     gradient_checkpointing: bool = False
     """recompute the policy's activations in the backward pass: less activation memory, a slower backward"""
+    fsdp: bool = False
+    """shard the policy's weights, gradients and optimizer state over the ranks with FSDP2 (one unit per
+    transformer block; bf16 compute with --bf16, fp32 gradient reduction) instead of replicating them with DDP:
+    for policies whose 16 bytes per parameter do not fit one GPU. The reference and reward models stay replicated"""
+    fsdp_generation: Literal["unshard", "per_block"] = "unshard"
+    """with --fsdp, how the rollout sees the sharded policy. unshard: gather every block once per update and keep it
+    for the whole rollout (fast; the full policy in its compute dtype on every rank for that time). per_block:
+    gather each block at each forward, decoding steps included (least memory, one all-gather per block per token)"""
 
     # ----- data -----
     dataset_name: str = "trl-internal-testing/tldr-preference-sft-trl-style"
@@ -253,6 +266,51 @@ def setup_distributed() -> Dist:
         device, backend = torch.device("cpu"), "gloo"
     dist.init_process_group(backend=backend)
     return Dist(rank, local_rank, world_size, device)
+
+
+def shard_policy(policy, bf16: bool):
+    """FSDP2 over all ranks: one unit per transformer block (the classes in the model's `_no_split_modules`), the
+    embeddings and head in the root unit. fp32 master weights; bf16 compute with --bf16; gradients reduced in fp32
+    (they sum log-prob gradients over thousands of tokens)."""
+    block_classes = set(getattr(policy, "_no_split_modules", None) or ())
+    blocks = [m for m in policy.modules() if type(m).__name__ in block_classes]
+    if not blocks:
+        raise ConfigError(f"--fsdp: {type(policy).__name__} names no transformer block class (_no_split_modules) "
+                          "to shard by; drop --fsdp to replicate it with DDP")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+    for block in blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(policy, mp_policy=mp)
+    return policy
+
+
+def gradient_sync(model, enabled: bool):
+    """A context for one micro-step's backward: with DDP, gradients are all-reduced only when `enabled` (the last
+    micro-step of an optimizer step), each rank accumulating its own before. FSDP reduce-scatters at every
+    micro-step, as ZeRO-3 does: more traffic, but accumulation stays sharded and in fp32, and no rank ever holds
+    a full-size gradient."""
+    if isinstance(model, DDP) and not enabled:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def gathered_for_rollout(policy, mode: str):
+    """For sampling and evaluation with an FSDP policy. mode "unshard": every block's weights are gathered at its
+    first forward and kept for the whole block of code, not gathered again at each decoding step. On exit every
+    unit is resharded, the root too: a forward pass without backward leaves the root's weights gathered, and the
+    parameters then registered on the module are not the ones the optimizer holds. Without FSDP, nothing."""
+    units = [m for m in policy.modules() if isinstance(m, FSDPModule)]
+    blocks = [m for m in units if m is not policy] if mode == "unshard" else []
+    for block in blocks:
+        block.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+        for block in blocks:
+            block.set_reshard_after_forward(True, recurse=False)
 
 
 def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -911,8 +969,7 @@ def ppo_update(
             for micro_step, micro_start in enumerate(range(0, sizes.mini, sizes.micro)):
                 idx = mini[micro_start : micro_start + sizes.micro]  # (micro,)
                 last_micro_step = micro_step == args.gradient_accumulation_steps - 1
-                no_sync = model.no_sync if isinstance(model, DDP) and not last_micro_step else contextlib.nullcontext
-                with no_sync(), autocast():
+                with gradient_sync(model, enabled=last_micro_step), autocast():
                     new_logprobs, entropy = forward_logprobs(
                         model, rollout.query_responses[idx], rollout.attention_mask[idx], rollout.context_length,
                         args.temperature, with_entropy=True,
@@ -927,6 +984,8 @@ def ppo_update(
                     stats.setdefault(key, []).append(value)
                 ratios.append(torch.exp(sequence_log_ratio(new_logprobs.detach(), rollout.logprobs[idx], mask)))
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            if isinstance(grad_norm, DTensor):  # FSDP: the norm over every rank's shards
+                grad_norm = grad_norm.full_tensor()
             # never step on a non-finite gradient; every rank agrees before any of them steps
             check_finite({"loss": torch.stack(stats["loss"][-args.gradient_accumulation_steps:]),
                           "gradient norm": grad_norm}, device)
@@ -1072,7 +1131,7 @@ PREEMPTED = "preempted"  # in output_dir while a run stopped by a signal waits t
 RESUMABLE_CHANGES = {"exp_name", "output_dir", "track", "wandb_project_name", "wandb_entity", "trust_remote_code",
                      "dataset_test_split", "num_sample_generations", "num_evals", "eval_max_prompts",
                      "local_rollout_forward_batch_size", "gradient_checkpointing", "total_episodes",
-                     "num_train_epochs", "save_steps", "save_total_limit", "resume", "resume_from"}
+                     "num_train_epochs", "save_steps", "save_total_limit", "resume", "resume_from", "fsdp_generation"}
 
 
 class NonFiniteError(Exception):
@@ -1150,6 +1209,39 @@ def barrier() -> None:
         dist.barrier()
 
 
+def save_policy(policy, tokenizer, path: Path, rank: int) -> None:
+    """The policy in HF format and its tokenizer at `path`, written by rank 0. With FSDP a collective: every rank
+    sends its shards to rank 0's CPU first."""
+    state = None
+    if isinstance(policy, FSDPModule):
+        state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        policy.save_pretrained(path, state_dict=state)
+        tokenizer.save_pretrained(path)
+        if state is not None:  # fully_shard renamed the class FSDP<Model>: record the model's own name
+            config_path = Path(path) / "config.json"
+            config = json.loads(config_path.read_text())
+            config["architectures"] = [name.removeprefix("FSDP") for name in config.get("architectures") or []]
+            config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def optimizer_state(model, optimizer) -> dict:
+    """The optimizer state to checkpoint. With FSDP the full state gathered to rank 0 (a collective), keyed by
+    parameter name, so that it loads whatever the sharding; otherwise the optimizer's own state_dict."""
+    if isinstance(model, FSDPModule):
+        return get_optimizer_state_dict(model, optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return optimizer.state_dict()
+
+
+def load_optimizer_state(model, optimizer, state: dict) -> None:
+    if isinstance(model, FSDPModule):  # every rank reads the full state and keeps its own shard of it
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
+                                 options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(state)
+
+
 def save_checkpoint(output_dir: str, update: int, policy, tokenizer, trainer_state: dict, rank: int,
                     save_total_limit: Optional[int]) -> Path:
     """Write output_dir/checkpoints/step_<update>: the policy in HF format (loadable on its own) and its
@@ -1165,9 +1257,8 @@ def save_checkpoint(output_dir: str, update: int, policy, tokenizer, trainer_sta
     barrier()
     torch.save(rng_state(), partial / f"rng_rank{rank}.pt")
     barrier()
+    save_policy(policy, tokenizer, partial, rank)
     if rank == 0:
-        policy.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
         torch.save(trainer_state, partial / TRAINER_STATE)
         shutil.rmtree(final, ignore_errors=True)  # only when resuming from an older step overwrites this one
         os.replace(partial, final)  # atomic: step_<update> appears complete or not at all
@@ -1320,6 +1411,8 @@ def main(args: Args) -> None:
     reward_functions = load_reward_functions(args.reward_fn)  # a typo fails now, not after loading models
     quiet_hub_progress_bars()
     dist_info = setup_distributed()
+    if args.fsdp and not dist.is_initialized():
+        raise ConfigError("--fsdp shards the policy over torchrun's processes: launch with torchrun")
     sizes = compute_batch_sizes(args, dist_info.world_size)
     device = dist_info.device
     checkpoint = resume_checkpoint(args)
@@ -1337,15 +1430,20 @@ def main(args: Args) -> None:
     num_updates = math.ceil(total_episodes / sizes.world)
     columns_to_pass = [c for c in dataset.column_names if c not in (PROMPT_IDS, args.prompt_column)]
 
-    # ---- optimizer, DDP; from here on each rank samples differently
+    # ---- FSDP or DDP, optimizer; from here on each rank samples differently
+    if args.fsdp:
+        model = shard_policy(policy, args.bf16)  # in place: the policy itself becomes the sharded module
+    elif dist.is_initialized():
+        model = DDP(policy, device_ids=[device.index] if device.type == "cuda" else None)
+    else:
+        model = policy
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=args.adam_epsilon,
                                   fused=device.type == "cuda")  # one kernel per step instead of one per tensor
-    model = DDP(policy, device_ids=[device.index] if device.type == "cuda" else None) if dist.is_initialized() else policy
     seed_everything(args.seed + dist_info.rank)
     sampler = PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)
     start_update, elapsed = 0, 0.0
     if resumed:
-        optimizer.load_state_dict(resumed["optimizer"])
+        load_optimizer_state(model, optimizer, resumed["optimizer"])
         sampler.load_state_dict(resumed["sampler"])
         set_rng_state(torch.load(checkpoint / f"rng_rank{dist_info.rank}.pt", weights_only=False))
         start_update, elapsed = resumed["update"], resumed["elapsed"]
@@ -1378,8 +1476,9 @@ def main(args: Args) -> None:
             rows = dataset[sampler.next_indices()]
             queries, query_mask = pad_sequences(rows[PROMPT_IDS], tokenizer.pad_token_id, device)  # (B, Tq) each
             policy.eval()
-            rollout = collect_rollout(policy, ref_policy, queries, query_mask, args, stop_token_id,
-                                      tokenizer.pad_token_id, autocast, timer)
+            with gathered_for_rollout(policy, args.fsdp_generation):
+                rollout = collect_rollout(policy, ref_policy, queries, query_mask, args, stop_token_id,
+                                          tokenizer.pad_token_id, autocast, timer)
             has_stop = rollout.ended(stop_token_id)  # (k*B,)
 
             # ---- 4. scores
@@ -1444,8 +1543,9 @@ def main(args: Args) -> None:
                                           scores[i].item()) for i in shown], episode)
             if eval_dataset is not None and (update % eval_every == 0 or update == num_updates):
                 policy.eval()
-                eval_metrics = evaluate(policy, eval_dataset, sources, tokenizer, args, stop_token_id, dist_info,
-                                        autocast)
+                with gathered_for_rollout(policy, args.fsdp_generation):
+                    eval_metrics = evaluate(policy, eval_dataset, sources, tokenizer, args, stop_token_id, dist_info,
+                                            autocast)
                 if logger is not None:
                     logger.log_eval(update, eval_metrics, episode)
 
@@ -1455,7 +1555,7 @@ def main(args: Args) -> None:
                 trainer_state = {
                     "update": update, "episode": episode, "sampler": sampler.state_dict(),
                     "elapsed": time.time() - start_time, "world_size": dist_info.world_size, "args": asdict(args),
-                    "wandb_run_id": logger.wandb_run_id if logger else None, "optimizer": optimizer.state_dict(),
+                    "wandb_run_id": logger.wandb_run_id if logger else None, "optimizer": optimizer_state(model, optimizer),
                 }
                 path = save_checkpoint(args.output_dir, update, policy, tokenizer, trainer_state, dist_info.rank,
                                        args.save_total_limit)
@@ -1470,9 +1570,9 @@ def main(args: Args) -> None:
                 break
 
         # ---- save the final policy (its presence in output_dir marks a finished run)
+        if not stopped:
+            save_policy(policy, tokenizer, Path(args.output_dir), dist_info.rank)
         if dist_info.master and not stopped:
-            policy.save_pretrained(args.output_dir)
-            tokenizer.save_pretrained(args.output_dir)
             (Path(args.output_dir) / "args.json").write_text(json.dumps(asdict(args), indent=2))
             logger.console.print(f"saved the policy and tokenizer to {args.output_dir}")
     finally:  # an error on one rank alone must not wait for the others: torchrun stops them

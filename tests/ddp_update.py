@@ -1,5 +1,6 @@
 """Two PPO epochs of one minibatch on a fixed global batch of 8 completions, in one process or split over the
-ranks of a torchrun; rank 0 saves the updated parameters to argv[1]. Used by test_distributed.py."""
+ranks of a torchrun, with DDP or (argv[2] == "fsdp") FSDP2; rank 0 saves the updated parameters to argv[1].
+Used by test_distributed.py."""
 
 import sys
 
@@ -13,7 +14,7 @@ import rloo
 GLOBAL_COMPLETIONS = 8  # k = 2 samples of B = 4 prompts
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, wrapper: str) -> None:
     dist_info = rloo.setup_distributed()
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer), seed=0)
@@ -33,15 +34,22 @@ def main(out_path: str) -> None:
     args = rloo.Args(rloo_k=2, per_device_train_batch_size=2, gradient_accumulation_steps=per_rank // 2,
                      num_mini_batches=1, num_ppo_epochs=2, temperature=1.0, max_grad_norm=0.0)
     sizes = rloo.compute_batch_sizes(args, dist_info.world_size)
-    model = DDP(policy) if dist.is_initialized() else policy
+    if wrapper == "fsdp":
+        model = rloo.shard_policy(policy, bf16=False)
+    else:
+        model = DDP(policy) if dist.is_initialized() else policy
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)  # plain SGD: the update is a multiple of the gradient
     rloo.ppo_update(model, optimizer, rollout, advantages[mine], args, sizes, lambda: torch.autocast("cpu", enabled=False))
+    if wrapper == "fsdp":  # every rank sends its shards
+        state = rloo.get_model_state_dict(policy, options=rloo.StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = policy.state_dict()
     if dist_info.master:
-        torch.save(policy.state_dict(), out_path)
+        torch.save(state, out_path)
     if dist.is_initialized():
         dist.barrier()  # no rank tears the group down while another still uses it
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "ddp")

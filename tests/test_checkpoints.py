@@ -55,10 +55,12 @@ def assert_same_run(full: Path, resumed: Path) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-identical
 
 
-@pytest.mark.parametrize("nproc,sig", [(0, signal.SIGTERM), (2, signal.SIGUSR1)], ids=["python-SIGTERM", "torchrun-SIGUSR1"])
-def test_signal_saves_and_resume_is_exact(assets, tmp_path, nproc, sig):
+@pytest.mark.parametrize("nproc,sig,extra", [(0, signal.SIGTERM, []), (2, signal.SIGUSR1, []),
+                                             (2, signal.SIGUSR1, ["--fsdp", "--fsdp_generation", "per_block"])],
+                         ids=["python-SIGTERM", "torchrun-SIGUSR1", "torchrun-fsdp-SIGUSR1"])
+def test_signal_saves_and_resume_is_exact(assets, tmp_path, nproc, sig, extra):
     common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--dataset_test_split",
-              assets["test"], "--total_episodes", PER_UPDATE * 40 * max(nproc, 1), *RUN]
+              assets["test"], "--total_episodes", PER_UPDATE * 40 * max(nproc, 1), *RUN, *extra]
     if nproc:  # a causal LM as reward model, as in TRL's getting-started command: its one-label head is new,
         common += ["--reward_model_path", assets["policy"]]  # and must start the same on every rank and resume
     full, interrupted = tmp_path / "full", tmp_path / "interrupted"
@@ -78,6 +80,7 @@ def test_signal_saves_and_resume_is_exact(assets, tmp_path, nproc, sig):
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resuming from {stopped_at}" in result.stdout and not (interrupted / "preempted").exists()
     assert_same_run(full, interrupted)  # metrics.jsonl appended line by line, same weights
+    AutoModelForCausalLM.from_pretrained(interrupted)  # a plain HF checkpoint, also when saved from FSDP shards
 
 
 def test_resume_refuses_meaning_changes_reports_harmless_ones_and_continues_wandb(assets, tmp_path):

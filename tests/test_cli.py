@@ -152,3 +152,7 @@ def test_the_published_command_fails_cleanly_without_the_hub(tmp_path):
                       "--model_name_or_path", "EleutherAI/pythia-14m", "--reward_model_path", "EleutherAI/pythia-14m",
                       "--missing_eos_penalty", "1.0")
     assert_one_line_error(result, "could not load", "without network")
+
+
+def test_fsdp_outside_torchrun_is_refused(assets, tmp_path):
+    assert_one_line_error(run_rloo(*base(assets, tmp_path), "--fsdp"), "--fsdp shards", "launch with torchrun")

@@ -96,6 +96,23 @@ def test_models_without_logits_to_keep_give_the_same_samples_and_logprobs():
     assert torch.allclose(kept, full, atol=1e-6)
 
 
+def test_gradient_checkpointing_gives_the_same_gradients():
+    tokenizer = policy_tokenizer()
+    queries, mask = left_padded(tokenizer, ["a b c :", "d :"])
+    c = rloo.sample_completions(tiny_policy(len(tokenizer)), queries, mask, 5, 1.0, None, 0)
+    grads = []
+    for checkpointing in (False, True):
+        policy = tiny_policy(len(tokenizer))
+        if checkpointing:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy.train()  # checkpointing is active in train mode only (dropout is off in these models)
+        logprobs, _ = rloo.forward_logprobs(policy, c.query_responses, c.attention_mask, c.context_length, 1.0)
+        logprobs.sum().backward()
+        grads.append({n: p.grad for n, p in policy.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
 # ---------------------------------------------------------------- rewards
 def test_reward_is_read_at_the_last_real_token_under_left_and_right_padding():
     tokenizer = policy_tokenizer()

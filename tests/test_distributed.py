@@ -1,24 +1,27 @@
-"""A 2-process gloo run updates the parameters exactly as one process does on the same global batch."""
+"""A 2-process gloo run updates the parameters exactly as one process does on the same global batch, with DDP
+and with FSDP2."""
 
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import REPO, tiny_policy, policy_tokenizer
 
 
-def run(script_args: list[str], out) -> None:
+def run(script_args: list[str], out, wrapper: str = "ddp") -> None:
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
-    result = subprocess.run([sys.executable, *script_args, str(REPO / "tests" / "ddp_update.py"), str(out)],
+    result = subprocess.run([sys.executable, *script_args, str(REPO / "tests" / "ddp_update.py"), str(out), wrapper],
                             capture_output=True, text=True, env=env, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def test_two_rank_update_equals_one_rank_update(tmp_path):
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_two_rank_update_equals_one_rank_update(tmp_path, wrapper):
     run([], tmp_path / "one.pt")
-    run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"], tmp_path / "two.pt")
+    run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"], tmp_path / "two.pt", wrapper)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     initial = tiny_policy(len(policy_tokenizer()), seed=0).state_dict()
     moved = 0
