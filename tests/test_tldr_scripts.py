@@ -43,6 +43,14 @@ PER_SCRIPT = {
         "rloo_k": 2, "learning_rate": 3e-6, "lr_scheduler_type": "linear", "per_device_train_batch_size": 8,
         "gradient_accumulation_steps": 32, "gradient_checkpointing": True, "output_dir": "models/rloo_tldr_2p8b_seed1",
     },
+    "rloo_tldr_6p9b.sh": {
+        "model_name_or_path": "EleutherAI/pythia-6.9b-deduped",
+        "sft_model_path": "cleanrl/EleutherAI_pythia-6.9b-deduped__sft__tldr",
+        "reward_model_path": "cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr",
+        "rloo_k": 2, "learning_rate": 3e-6, "lr_scheduler_type": "linear", "per_device_train_batch_size": 8,
+        "gradient_accumulation_steps": 32, "gradient_checkpointing": True, "fsdp": True, "fsdp_generation": "unshard",
+        "output_dir": "models/rloo_tldr_6p9b_seed1",
+    },
     "rloo_tldr_1b_k4_back_to_basics.sh": {
         **PYTHIA_1B,
         "rloo_k": 4, "learning_rate": 1e-6, "lr_scheduler_type": "constant", "per_device_train_batch_size": 16,
@@ -50,7 +58,7 @@ PER_SCRIPT = {
         "output_dir": "models/rloo_tldr_1b_k4_back_to_basics_seed1",
     },
 }
-OVERRIDES = ("SEED", "K", "OUTPUT_DIR", "NPROC", "TORCHRUN_ARGS", "SCRIPT")
+OVERRIDES = ("SEED", "K", "OUTPUT_DIR", "NPROC", "TORCHRUN_ARGS", "SCRIPT", "PYTHIA")
 
 
 @pytest.fixture

@@ -12,22 +12,24 @@
 # Environment: SEED (1); K, the rloo_k (2: the prompts per update change, the completions do not);
 # OUTPUT_DIR, relative to the repo root (models/rloo_tldr_1b_seed<SEED>, with _k<K> before _seed when K is
 # set); NPROC, GPUs (8: fewer shrink the global batch, so raise --gradient_accumulation_steps to keep it);
+# PYTHIA, the model size of the SFT and reward models (1b; the 2.8B and 6.9B scripts set it);
 # TORCHRUN_ARGS, extra torchrun flags (rloo_tldr.sbatch passes its signal handling there). Checkpoints every
 # 10 updates and --resume make the same command start the run and continue it after a preemption.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUTPUT_DIR=${OUTPUT_DIR:-models/$(basename "$0" .sh)${K:+_k$K}_seed${SEED:-1}}
+PYTHIA=${PYTHIA:-1b}
 # TORCHRUN_ARGS is split into words on purpose
 # shellcheck disable=SC2086
 exec torchrun --nproc_per_node "${NPROC:-8}" ${TORCHRUN_ARGS:-} rloo.py \
-    --exp_name rloo_tldr_1b \
+    --exp_name "rloo_tldr_${PYTHIA//./p}" \
     --seed "${SEED:-1}" \
     --output_dir "$OUTPUT_DIR" \
     --dataset_name trl-internal-testing/tldr-preference-sft-trl-style \
     --dataset_test_split validation \
-    --model_name_or_path EleutherAI/pythia-1b-deduped \
-    --sft_model_path cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr \
-    --reward_model_path cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr \
+    --model_name_or_path "EleutherAI/pythia-$PYTHIA-deduped" \
+    --sft_model_path "cleanrl/EleutherAI_pythia-$PYTHIA-deduped__sft__tldr" \
+    --reward_model_path "cleanrl/EleutherAI_pythia-$PYTHIA-deduped__reward__tldr" \
     --rloo_k "${K:-2}" \
     --kl_coef 0.03 \
     --missing_eos_penalty 1.0 \

@@ -2,7 +2,8 @@
 # RLOO on TL;DR with Pythia-2.8B SFT and reward models ("The N+ Implementation Details of RLHF with PPO"),
 # 8 GPUs, DDP. The hyperparameters are those of TRL's 1B run (rloo_tldr_1b.sh): TRL published no 2.8B RLOO
 # run. Usage and environment (SEED, K, OUTPUT_DIR, NPROC, TORCHRUN_ARGS, extra arguments) as rloo_tldr_1b.sh,
-# which it runs with the 2.8B models and the batch and memory settings below (the last copy of a flag wins).
+# which it runs with PYTHIA=2.8b (the 2.8B models; rloo_tldr_6p9b.sh sets 6.9b) and the batch and memory
+# settings below (the last copy of a flag wins).
 #
 # Batch: 8 per device x 32 accumulation steps x 2 minibatches = 512 completions per GPU (256 prompts x k=2),
 # x 8 GPUs = 4096 completions per update, the 1B run's global batch; 1,000,000 episodes = 245 updates.
@@ -23,11 +24,7 @@
 set -euo pipefail
 here=$(dirname "$0")
 export OUTPUT_DIR=${OUTPUT_DIR:-models/$(basename "$0" .sh)${K:+_k$K}_seed${SEED:-1}}
-exec bash "$here/rloo_tldr_1b.sh" \
-    --exp_name rloo_tldr_2p8b \
-    --model_name_or_path EleutherAI/pythia-2.8b-deduped \
-    --sft_model_path cleanrl/EleutherAI_pythia-2.8b-deduped__sft__tldr \
-    --reward_model_path cleanrl/EleutherAI_pythia-2.8b-deduped__reward__tldr \
+PYTHIA=${PYTHIA:-2.8b} exec bash "$here/rloo_tldr_1b.sh" \
     --per_device_train_batch_size 8 \
     --gradient_accumulation_steps 32 \
     --gradient_checkpointing \
