@@ -68,12 +68,13 @@ def test_reward_model_with_its_own_tokenizer_and_every_option(assets, tmp_path):
     assert "['reward_model', 'matches_target']" in result.stdout
 
 
-def test_two_process_torchrun(assets, tmp_path):
+@pytest.mark.parametrize("sharding", [[], ["--fsdp", "--bf16", "--gradient_checkpointing"]], ids=["ddp", "fsdp-bf16"])
+def test_two_process_torchrun(assets, tmp_path, sharding):
     out = tmp_path / "run"
     result = run_rloo("--model_name_or_path", assets["policy"], "--reward_model_path", assets["reward_model"],
                       "--reward_fn", "reward_fns:only_even_lengths",  # applies to some completions only
                       "--dataset_name", assets["train"], "--dataset_test_split", assets["test"], "--output_dir", out,
-                      "--total_episodes", 16 * 2 * 3, "--num_evals", 1, *TINY_RUN, nproc=2)
+                      "--total_episodes", 16 * 2 * 3, "--num_evals", 1, *TINY_RUN, *sharding, nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(out)
     assert [m["episode"] for m in metrics if "eval/scores" not in m] == [32, 64, 96]  # rank 0 alone writes
