@@ -1,0 +1,187 @@
+"""Expected per-GPU memory of an rloo.py run, and which options make it fit. Nothing is loaded but the configs.
+
+    python plan_memory.py --model_name_or_path EleutherAI/pythia-6.9b-deduped --reward_model_path ... \\
+        --per_device_train_batch_size 8 --local_rollout_forward_batch_size 16 --bf16 --world_size 8 --gpu_gib 80
+
+It takes rloo.py's flags (paste your command) plus the world size and the GPU's memory. The arithmetic:
+
+- Resident: the policy's fp32 weights, gradients and AdamW m and v (16 bytes per parameter, divided by the world
+  size with --fsdp), DDP's gradient buckets (4 more bytes, with DDP over more than one rank), the frozen reference
+  and reward models (2 bytes per parameter with --bf16, else 4).
+- Rollout, on top: the KV cache of a chunk (local_rollout_forward_batch_size x (prompt + response) tokens x
+  layers x 2 x hidden), the gathered policy with --fsdp, autocast's bf16 weight copies with --bf16, and the
+  log-prob pass's buffers over the vocabulary.
+- Training, on top: a micro-batch's activations, (10 x hidden + 2 x intermediate) values per token per layer
+  (layer inputs only, plus one recomputed layer, with --gradient_checkpointing), 3.2 fp32 buffers of
+  micro-batch x response x vocabulary for the logits and the selective log-softmax, and bf16 weight copies.
+- Prompts are taken at max_prompt_length. CUDA's own context, cuBLAS workspaces and NCCL buffers (~1-2 GiB)
+  and allocator fragmentation are not in the sum.
+
+The activation constants were measured on GPT-NeoX (Pythia) blocks in fp32 with PyTorch's tracker. The test
+(tests/test_plan_memory.py) checks the weights, gradients and optimizer state exactly and the activations
+within the tolerance the README states, on tiny models.
+"""
+
+import itertools
+import sys
+from dataclasses import dataclass, replace
+
+import torch
+import tyro
+
+import rloo
+
+GIB = 2**30
+LOGIT_BUFFERS = 3.2  # fp32 (N, Tr, V) buffers alive at the training peak: logits, softmax, backward
+BF16_ACTIVATION_FACTOR = 0.6  # bytes of activations under bf16 autocast / fp32 (measured: 0.59)
+
+
+@dataclass
+class PlanArgs(rloo.Args):
+    world_size: int = 8
+    """GPUs the run uses (torchrun's WORLD_SIZE)"""
+    gpu_gib: float = 80.0
+    """memory of one GPU, GiB"""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the arithmetic needs of a model."""
+
+    parameters: int
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+
+
+def model_shape(path: str, sequence_classifier: bool, trust_remote_code: bool) -> Shape:
+    """The model's parameter count (built on the meta device: no memory, no weights) and dimensions."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = rloo._from_pretrained(AutoConfig.from_pretrained, path, "config", trust_remote_code=trust_remote_code)
+    if sequence_classifier:
+        config.num_labels = 1
+    auto = AutoModelForSequenceClassification if sequence_classifier else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(config, trust_remote_code=trust_remote_code)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return Shape(sum(p.numel() for p in model.parameters()), text.hidden_size,
+                 getattr(text, "intermediate_size", 4 * text.hidden_size), text.num_hidden_layers, text.vocab_size)
+
+
+def activation_bytes(tokens: int, shape: Shape, checkpointing: bool, bf16: bool) -> float:
+    """Saved activations of `tokens` tokens through every layer (or, with checkpointing, the layer inputs and one
+    recomputed layer)."""
+    per_layer = tokens * (10 * shape.hidden + 2 * shape.intermediate) * 4  # fp32 values saved for backward
+    if checkpointing:
+        total = shape.layers * tokens * shape.hidden * 4 + per_layer
+    else:
+        total = shape.layers * per_layer
+    return total * (BF16_ACTIVATION_FACTOR if bf16 else 1.0)
+
+
+def plan(args: PlanArgs, policy: Shape, reward: Shape | None) -> dict[str, dict[str, float]]:
+    """Bytes per GPU by component, in three groups: resident, rollout (on top), training (on top)."""
+    shards = args.world_size if args.fsdp else 1
+    frozen = 2 if args.bf16 else 4
+    p = policy.parameters
+    resident = {
+        "policy weights (fp32)": 4 * p / shards,
+        "policy gradients (fp32)": 4 * p / shards,
+        "AdamW m and v (fp32)": 8 * p / shards,
+        "DDP gradient buckets": 4 * p if not args.fsdp and args.world_size > 1 else 0.0,
+        "reference policy": frozen * p if args.kl_coef != 0 else 0.0,
+        "reward model": frozen * reward.parameters if reward is not None else 0.0,
+    }
+    tokens = args.max_prompt_length + args.response_length
+    chunk = args.local_rollout_forward_batch_size
+    block = frozen * p / policy.layers  # one transformer block in the compute dtype
+    if args.fsdp:
+        gathered = frozen * p if args.fsdp_generation == "unshard" else 2 * block
+    else:
+        gathered = 2 * p if args.bf16 else 0.0  # autocast's cached bf16 copies of the weights
+    rollout = {
+        "gathered / bf16 policy weights": gathered,
+        "KV cache of a chunk": chunk * tokens * policy.layers * 2 * policy.hidden * frozen,
+        "log-prob buffers of a chunk": 2 * chunk * args.response_length * policy.vocab * 4,
+    }
+    micro = args.per_device_train_batch_size
+    training = {
+        "gathered / bf16 policy weights": (2 * block + 2 * 4 * p / policy.layers) if args.fsdp
+        else (2 * p if args.bf16 else 0.0),
+        "activations of a micro-batch": activation_bytes(micro * tokens, policy, args.gradient_checkpointing,
+                                                         args.bf16),
+        "logits and log-softmax of a micro-batch": LOGIT_BUFFERS * micro * args.response_length * policy.vocab * 4,
+    }
+    return {"resident": resident, "rollout": rollout, "training": training}
+
+
+def peak_bytes(groups: dict[str, dict[str, float]]) -> float:
+    return sum(groups["resident"].values()) + max(sum(groups["rollout"].values()), sum(groups["training"].values()))
+
+
+def options_that_fit(args: PlanArgs, policy: Shape, reward: Shape | None) -> list[tuple[str, float]]:
+    """Changes to the given flags (fewest first) whose plan fits the GPU; the global batch is kept by trading
+    micro-batch size for gradient accumulation steps."""
+    precision = [("", {})] + ([("--bf16", {"bf16": True})] if not args.bf16 else [])
+    checkpointing = [("", {})] + ([("--gradient_checkpointing", {"gradient_checkpointing": True})]
+                                  if not args.gradient_checkpointing else [])
+    sharding = [("", {})]
+    if args.world_size > 1 and not args.fsdp:
+        sharding.append(("--fsdp", {"fsdp": True}))
+    if args.world_size > 1 and args.fsdp_generation != "per_block":
+        sharding.append(("--fsdp --fsdp_generation per_block", {"fsdp": True, "fsdp_generation": "per_block"}))
+    candidates = []
+    for choice in itertools.product(precision, checkpointing, sharding):
+        changes = {k: v for _, change in choice for k, v in change.items()}
+        for halvings in range(4):
+            micro = args.per_device_train_batch_size >> halvings
+            if micro < 1:
+                break
+            trial = replace(args, **changes, per_device_train_batch_size=micro,
+                            local_rollout_forward_batch_size=max(1, args.local_rollout_forward_batch_size >> halvings))
+            peak = peak_bytes(plan(trial, policy, reward))
+            if peak <= args.gpu_gib * GIB:
+                label = [name for name, _ in choice if name] + ([
+                    f"--per_device_train_batch_size {micro} (x{2**halvings} the accumulation steps) "
+                    f"--local_rollout_forward_batch_size {trial.local_rollout_forward_batch_size}"] if halvings else [])
+                candidates.append((len(label), " ".join(label) or "as given", peak))
+                break
+    return [(label, peak) for _, label, peak in sorted(candidates, key=lambda c: (c[0], c[2]))]
+
+
+def main(args: PlanArgs) -> None:
+    rloo.validate_args(args)
+    rloo.compute_batch_sizes(args, args.world_size)
+    policy_path = args.sft_model_path or args.model_name_or_path
+    policy = model_shape(policy_path, False, args.trust_remote_code)
+    reward = model_shape(args.reward_model_path, True, args.trust_remote_code) if args.reward_model_path else None
+    groups = plan(args, policy, reward)
+    print(f"{policy_path}: {policy.parameters / 1e9:.3g}B parameters; {args.world_size} GPUs of {args.gpu_gib:g} GiB; "
+          f"{'FSDP' if args.fsdp else 'DDP'}{', bf16' if args.bf16 else ''}"
+          f"{', gradient checkpointing' if args.gradient_checkpointing else ''}")
+    for group, parts in groups.items():
+        print(f"  {group} ({sum(parts.values()) / GIB:.1f} GiB{'' if group == 'resident' else ', on top'})")
+        for name, value in parts.items():
+            if value:
+                print(f"    {name:<42} {value / GIB:8.2f} GiB")
+    peak = peak_bytes(groups)
+    verdict = "fits" if peak <= args.gpu_gib * GIB else "does NOT fit"
+    print(f"  peak ~{peak / GIB:.1f} GiB per GPU: {verdict} in {args.gpu_gib:g} GiB "
+          f"(plus ~1-2 GiB of CUDA context, workspaces and fragmentation)")
+    if peak > args.gpu_gib * GIB:
+        fitting = options_that_fit(args, policy, reward)
+        print("  options that fit:" if fitting else "  no combination of --bf16, --gradient_checkpointing, --fsdp and "
+              "smaller micro-batches fits: use more GPUs")
+        for label, value in fitting[:6]:
+            print(f"    {label}: ~{value / GIB:.1f} GiB")
+
+
+if __name__ == "__main__":
+    parsed = tyro.cli(PlanArgs)
+    try:
+        main(parsed)
+    except rloo.ConfigError as e:
+        print(f"plan_memory.py: error: {e}", file=sys.stderr)
+        sys.exit(2)

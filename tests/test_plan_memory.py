@@ -1,0 +1,109 @@
+"""plan_memory.py's arithmetic against what PyTorch's memory tracker measures on tiny GPT-NeoX models (CPU)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+import plan_memory
+import rloo
+from conftest import REPO
+
+ACTIVATION_TOLERANCE = 0.15  # relative, without gradient checkpointing (README)
+
+
+def tiny(tmp_path, hidden=64, layers=4, intermediate=256, vocab=2000):
+    config = GPTNeoXConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                           intermediate_size=intermediate, max_position_embeddings=256)
+    path = tmp_path / f"h{hidden}_l{layers}_i{intermediate}_v{vocab}"
+    config.save_pretrained(path)
+    return path, config
+
+
+def measure_update(config, micro, prompt, response, checkpointing) -> dict[str, dict[str, int]]:
+    """Bytes by kind: at the peak of one forward/backward of `micro` sequences, and after the AdamW step that
+    follows (tracked apart: at the step's own peak the activations are gone)."""
+    torch.manual_seed(0)
+    model = GPTNeoXForCausalLM(config)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(2, config.vocab_size, (micro, prompt + response))
+    named = lambda snapshot: {str(k).split(".")[-1]: v for k, v in next(iter(snapshot.values())).items()}  # noqa: E731
+    backward = MemTracker()
+    backward.track_external(model)
+    with backward:
+        logprobs, _ = rloo.forward_logprobs(model, ids, torch.ones_like(ids, dtype=torch.bool), prompt, 1.0,
+                                            with_entropy=True)
+        logprobs.sum().backward()
+    step = MemTracker()
+    step.track_external(model, optimizer)
+    with step:
+        optimizer.step()
+    return {"peak": named(backward.get_tracker_snapshot("peak")), "now": named(step.get_tracker_snapshot())}
+
+
+def args_for(path, **overrides) -> plan_memory.PlanArgs:
+    return plan_memory.PlanArgs(model_name_or_path=str(path), reward_model_path=str(path), world_size=1,
+                                **overrides)
+
+
+def test_parameter_count_matches_the_real_model(tmp_path):
+    path, config = tiny(tmp_path)
+    shape = plan_memory.model_shape(str(path), False, False)
+    assert shape.parameters == sum(p.numel() for p in GPTNeoXForCausalLM(config).parameters())
+    assert (shape.hidden, shape.intermediate, shape.layers, shape.vocab) == (64, 256, 4, 2000)
+
+
+def test_weights_gradients_and_optimizer_state_exactly(tmp_path):
+    path, config = tiny(tmp_path)
+    shape = plan_memory.model_shape(str(path), False, False)
+    groups = plan_memory.plan(args_for(path, max_prompt_length=20, response_length=10), shape, None)
+    measured = measure_update(config, 2, 20, 10, False)["now"]
+    assert measured["PARAM"] == groups["resident"]["policy weights (fp32)"]
+    assert measured["GRAD"] == groups["resident"]["policy gradients (fp32)"]
+    num_tensors = len(list(GPTNeoXForCausalLM(config).parameters()))  # AdamW's step counters, 4 bytes each
+    assert measured["OPT"] == groups["resident"]["AdamW m and v (fp32)"] + 4 * num_tensors
+
+
+@pytest.mark.parametrize("hidden, layers, intermediate, vocab, micro, prompt, response", [
+    (64, 4, 256, 2000, 4, 40, 20),
+    (128, 2, 512, 4000, 4, 20, 20),
+    (64, 4, 128, 500, 8, 50, 10),   # intermediate = 2 x hidden: the formula's second term
+])
+def test_activations_without_checkpointing(tmp_path, hidden, layers, intermediate, vocab, micro, prompt, response):
+    path, config = tiny(tmp_path, hidden, layers, intermediate, vocab)
+    shape = plan_memory.model_shape(str(path), False, False)
+    groups = plan_memory.plan(args_for(path, per_device_train_batch_size=micro, max_prompt_length=prompt,
+                                       response_length=response), shape, None)
+    predicted = groups["training"]["activations of a micro-batch"] + \
+        groups["training"]["logits and log-softmax of a micro-batch"]
+    peak = measure_update(config, micro, prompt, response, False)["peak"]
+    assert abs(peak["ACT"] + peak["TEMP"] - predicted) <= ACTIVATION_TOLERANCE * predicted
+
+
+def test_activations_with_checkpointing_are_an_upper_bound(tmp_path):
+    path, config = tiny(tmp_path, 128, 8, 512, 2000)
+    shape = plan_memory.model_shape(str(path), False, False)
+    args = args_for(path, per_device_train_batch_size=4, max_prompt_length=40, response_length=20,
+                    gradient_checkpointing=True)
+    training = sum(plan_memory.plan(args, shape, None)["training"].values())
+    peak = measure_update(config, 4, 40, 20, True)["peak"]
+    assert peak["ACT"] + peak["TEMP"] <= training <= 2 * (peak["ACT"] + peak["TEMP"])
+
+
+def test_cli_prints_the_plan_and_the_options_that_fit(tmp_path):
+    path, _ = tiny(tmp_path)
+    result = subprocess.run([sys.executable, "plan_memory.py", "--model_name_or_path", path, "--reward_model_path",
+                             path, "--dataset_name", "unused", "--world_size", "2", "--gpu_gib", "0.02"],
+                            capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert "does NOT fit in 0.02 GiB" in result.stdout and "options that fit:" in result.stdout
+    assert "--fsdp" in result.stdout.split("options that fit:")[1]
+    result = subprocess.run([sys.executable, "plan_memory.py", "--model_name_or_path", path, "--dataset_name", "x",
+                             "--reward_model_path", path, "--rloo_k", "1"], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 2 and "plan_memory.py: error: rloo_k = 1" in result.stderr
