@@ -23,7 +23,6 @@ within the tolerance the README states, on tiny models.
 """
 
 import itertools
-import sys
 from dataclasses import dataclass, replace
 
 import torch
@@ -179,9 +178,4 @@ def main(args: PlanArgs) -> None:
 
 
 if __name__ == "__main__":
-    parsed = tyro.cli(PlanArgs)
-    try:
-        main(parsed)
-    except rloo.ConfigError as e:
-        print(f"plan_memory.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    rloo.run_script(main, tyro.cli(PlanArgs), "plan_memory.py")

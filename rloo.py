@@ -38,7 +38,6 @@ from typing import Callable, Literal, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import tyro
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict,
@@ -1583,13 +1582,20 @@ def main(args: Args) -> None:
         dist.destroy_process_group()
 
 
-def cli() -> None:
-    args = tyro.cli(Args)
+def run_script(main: Callable, args, program: str) -> None:
+    """main(args), with a ConfigError (bad input) turned into one line on stderr and exit status 2. Shared by
+    this project's scripts."""
     try:
         main(args)
     except ConfigError as e:
-        print(f"rloo.py: error: {e}", file=sys.stderr)
+        print(f"{program}: error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def cli() -> None:
+    args = tyro.cli(Args)
+    try:
+        run_script(main, args, "rloo.py")
     except NonFiniteError as e:
         print(f"rloo.py: error: {e}: stopped before any optimizer step on it; the offending batch is in "
               f"{Path(args.output_dir) / 'nonfinite'}", file=sys.stderr)

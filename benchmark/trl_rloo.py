@@ -186,9 +186,4 @@ def main(args: rloo.Args) -> None:
 
 
 if __name__ == "__main__":
-    parsed = tyro.cli(rloo.Args)
-    try:
-        main(parsed)
-    except rloo.ConfigError as e:
-        print(f"trl_rloo.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    rloo.run_script(main, tyro.cli(rloo.Args), "trl_rloo.py")

@@ -1,10 +1,7 @@
 """rloo.py run as users run it: end to end, under torchrun, and on bad input."""
 
-import os
-from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import read_metrics, run_rloo, word_tokenizer

@@ -369,12 +369,7 @@ def main(args: Args) -> dict:
 
 
 def cli() -> None:
-    args = tyro.cli(Args)
-    try:
-        main(args)
-    except rloo.ConfigError as e:
-        print(f"judge.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    rloo.run_script(main, tyro.cli(Args), "judge.py")
 
 
 if __name__ == "__main__":
