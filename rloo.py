@@ -38,6 +38,7 @@ from typing import Callable, Literal, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import tyro
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict,
@@ -1224,27 +1225,33 @@ def save_policy(policy, tokenizer, path: Path, rank: int) -> None:
             config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def optimizer_state(model, optimizer) -> dict:
-    """The optimizer state to checkpoint. With FSDP the full state gathered to rank 0 (a collective), keyed by
-    parameter name, so that it loads whatever the sharding; otherwise the optimizer's own state_dict."""
+OPTIMIZER_SHARDS = "optimizer"  # a checkpoint's directory of sharded optimizer state (FSDP)
+
+
+def save_optimizer_state(model, optimizer, directory: Path, trainer_state: dict) -> None:
+    """With FSDP every rank writes its own shard of the optimizer state under directory/optimizer (a collective,
+    torch.distributed.checkpoint: no rank ever holds the whole); otherwise it goes into trainer_state."""
     if isinstance(model, FSDPModule):
-        return get_optimizer_state_dict(model, optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return optimizer.state_dict()
-
-
-def load_optimizer_state(model, optimizer, state: dict) -> None:
-    if isinstance(model, FSDPModule):  # every rank reads the full state and keeps its own shard of it
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
-                                 options=StateDictOptions(full_state_dict=True))
+        dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(directory / OPTIMIZER_SHARDS))
+        trainer_state["optimizer"] = OPTIMIZER_SHARDS
     else:
-        optimizer.load_state_dict(state)
+        trainer_state["optimizer"] = optimizer.state_dict()
 
 
-def save_checkpoint(output_dir: str, update: int, policy, tokenizer, trainer_state: dict, rank: int,
+def load_optimizer_state(model, optimizer, checkpoint: Path, trainer_state: dict) -> None:
+    if isinstance(model, FSDPModule):  # each rank reads its shard (resharded if the world size differs)
+        state = get_optimizer_state_dict(model, optimizer)  # the layout to fill, with the state allocated
+        dcp.load(state, checkpoint_id=str(checkpoint / OPTIMIZER_SHARDS))
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state)
+    else:
+        optimizer.load_state_dict(trainer_state["optimizer"])
+
+
+def save_checkpoint(output_dir: str, update: int, model, optimizer, tokenizer, trainer_state: dict, rank: int,
                     save_total_limit: Optional[int]) -> Path:
     """Write output_dir/checkpoints/step_<update>: the policy in HF format (loadable on its own) and its
-    tokenizer, trainer_state.pt (optimizer, counters, data position, args) and every rank's RNG states.
+    tokenizer, trainer_state.pt (counters, data position, args; the optimizer, or with FSDP the optimizer/
+    directory of shards) and every rank's RNG states.
     Everything goes into a temporary directory first, renamed into place once complete, so a process killed
     mid-save leaves the previous checkpoints intact and no half-written step_<n>. Multi-node runs need
     output_dir on a shared filesystem: every rank writes its RNG file there."""
@@ -1256,7 +1263,8 @@ def save_checkpoint(output_dir: str, update: int, policy, tokenizer, trainer_sta
     barrier()
     torch.save(rng_state(), partial / f"rng_rank{rank}.pt")
     barrier()
-    save_policy(policy, tokenizer, partial, rank)
+    save_optimizer_state(model, optimizer, partial, trainer_state)
+    save_policy(model.module if isinstance(model, DDP) else model, tokenizer, partial, rank)
     if rank == 0:
         torch.save(trainer_state, partial / TRAINER_STATE)
         shutil.rmtree(final, ignore_errors=True)  # only when resuming from an older step overwrites this one
@@ -1442,7 +1450,7 @@ def main(args: Args) -> None:
     sampler = PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)
     start_update, elapsed = 0, 0.0
     if resumed:
-        load_optimizer_state(model, optimizer, resumed["optimizer"])
+        load_optimizer_state(model, optimizer, checkpoint, resumed)
         sampler.load_state_dict(resumed["sampler"])
         set_rng_state(torch.load(checkpoint / f"rng_rank{dist_info.rank}.pt", weights_only=False))
         start_update, elapsed = resumed["update"], resumed["elapsed"]
@@ -1554,10 +1562,10 @@ def main(args: Args) -> None:
                 trainer_state = {
                     "update": update, "episode": episode, "sampler": sampler.state_dict(),
                     "elapsed": time.time() - start_time, "world_size": dist_info.world_size, "args": asdict(args),
-                    "wandb_run_id": logger.wandb_run_id if logger else None, "optimizer": optimizer_state(model, optimizer),
+                    "wandb_run_id": logger.wandb_run_id if logger else None,
                 }
-                path = save_checkpoint(args.output_dir, update, policy, tokenizer, trainer_state, dist_info.rank,
-                                       args.save_total_limit)
+                path = save_checkpoint(args.output_dir, update, model, optimizer, tokenizer, trainer_state,
+                                       dist_info.rank, args.save_total_limit)
             if stop:
                 if logger is not None:
                     (Path(args.output_dir) / PREEMPTED).write_text(f"{path}\n")
