@@ -1239,7 +1239,7 @@ def save_optimizer_state(model, optimizer, directory: Path, trainer_state: dict)
 
 
 def load_optimizer_state(model, optimizer, checkpoint: Path, trainer_state: dict) -> None:
-    if isinstance(model, FSDPModule):  # each rank reads its shard (resharded if the world size differs)
+    if isinstance(model, FSDPModule):  # each rank reads its own shard
         state = get_optimizer_state_dict(model, optimizer)  # the layout to fill, with the state allocated
         dcp.load(state, checkpoint_id=str(checkpoint / OPTIMIZER_SHARDS))
         set_optimizer_state_dict(model, optimizer, optim_state_dict=state)
