@@ -25,36 +25,30 @@ PUBLISHED = {  # TRL's 1B run, shared by every script
     "num_ppo_epochs": 2, "num_mini_batches": 2, "total_episodes": 1_000_000, "local_rollout_forward_batch_size": 16,
     "bf16": True, "track": True, "save_steps": 10, "resume": True, "seed": 1,
 }
-PYTHIA_1B = {
-    "model_name_or_path": "EleutherAI/pythia-1b-deduped",
-    "sft_model_path": "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr",
-    "reward_model_path": "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr",
-}
+def pythia(size: str) -> dict:
+    """The N+ details work's SFT and reward models of one Pythia size."""
+    return {"model_name_or_path": f"EleutherAI/pythia-{size}-deduped",
+            "sft_model_path": f"cleanrl/EleutherAI_pythia-{size}-deduped__sft__tldr",
+            "reward_model_path": f"cleanrl/EleutherAI_pythia-{size}-deduped__reward__tldr"}
+
+
+TRL_1B_SCHEDULE = {"rloo_k": 2, "learning_rate": 3e-6, "lr_scheduler_type": "linear"}
+LARGE_BATCH = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 32, "gradient_checkpointing": True}
 PER_SCRIPT = {
     "rloo_tldr_1b.sh": {
-        **PYTHIA_1B,
-        "rloo_k": 2, "learning_rate": 3e-6, "lr_scheduler_type": "linear", "per_device_train_batch_size": 16,
-        "gradient_accumulation_steps": 16, "gradient_checkpointing": False, "output_dir": "models/rloo_tldr_1b_seed1",
+        **pythia("1b"), **TRL_1B_SCHEDULE, "per_device_train_batch_size": 16, "gradient_accumulation_steps": 16,
+        "gradient_checkpointing": False, "output_dir": "models/rloo_tldr_1b_seed1",
     },
     "rloo_tldr_2p8b.sh": {
-        "model_name_or_path": "EleutherAI/pythia-2.8b-deduped",
-        "sft_model_path": "cleanrl/EleutherAI_pythia-2.8b-deduped__sft__tldr",
-        "reward_model_path": "cleanrl/EleutherAI_pythia-2.8b-deduped__reward__tldr",
-        "rloo_k": 2, "learning_rate": 3e-6, "lr_scheduler_type": "linear", "per_device_train_batch_size": 8,
-        "gradient_accumulation_steps": 32, "gradient_checkpointing": True, "output_dir": "models/rloo_tldr_2p8b_seed1",
+        **pythia("2.8b"), **TRL_1B_SCHEDULE, **LARGE_BATCH, "fsdp": False, "output_dir": "models/rloo_tldr_2p8b_seed1",
     },
     "rloo_tldr_6p9b.sh": {
-        "model_name_or_path": "EleutherAI/pythia-6.9b-deduped",
-        "sft_model_path": "cleanrl/EleutherAI_pythia-6.9b-deduped__sft__tldr",
-        "reward_model_path": "cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr",
-        "rloo_k": 2, "learning_rate": 3e-6, "lr_scheduler_type": "linear", "per_device_train_batch_size": 8,
-        "gradient_accumulation_steps": 32, "gradient_checkpointing": True, "fsdp": True, "fsdp_generation": "unshard",
+        **pythia("6.9b"), **TRL_1B_SCHEDULE, **LARGE_BATCH, "fsdp": True, "fsdp_generation": "unshard",
         "output_dir": "models/rloo_tldr_6p9b_seed1",
     },
     "rloo_tldr_1b_k4_back_to_basics.sh": {
-        **PYTHIA_1B,
-        "rloo_k": 4, "learning_rate": 1e-6, "lr_scheduler_type": "constant", "per_device_train_batch_size": 16,
-        "gradient_accumulation_steps": 16, "gradient_checkpointing": False,
+        **pythia("1b"), "rloo_k": 4, "learning_rate": 1e-6, "lr_scheduler_type": "constant",
+        "per_device_train_batch_size": 16, "gradient_accumulation_steps": 16, "gradient_checkpointing": False,
         "output_dir": "models/rloo_tldr_1b_k4_back_to_basics_seed1",
     },
 }
