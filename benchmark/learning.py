@@ -17,9 +17,7 @@ Reported per trainer (mean, min and max over seeds):
 """
 
 import json
-import shlex
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -36,8 +34,8 @@ from benchmark import demo  # noqa: E402
 from benchmark.plot_metrics import moving_average  # noqa: E402
 from benchmark.plot_runs import load_run, plot_grid  # noqa: E402
 from benchmark.synthetic_task import ensure_assets, sample_completions, score_pairs, true_reward  # noqa: E402
+from benchmark.throughput import TRAINERS, fresh_run_dir, run_trainer, trainer_commands  # noqa: E402
 
-TRAINERS = ("rloo.py", "trl")
 TRUE_SCORE = "reward/true_reward/mean"
 SMOOTH = 10  # updates in the moving average of the training curves
 
@@ -66,18 +64,6 @@ def trainer_flags(args: Args, assets: dict[str, str], seed: int, output_dir: Pat
     del flags[test_split : test_split + 2]
     return flags + ["--max_grad_norm", "0", "--num_sample_generations", "0",
                     "--reward_fn", "benchmark.synthetic_task:true_reward", "--reward_weights", "1", "0"]
-
-
-def run_trainer(command: list[str], log_path: Path) -> float:
-    """Run a trainer to the end; returns its wall-clock seconds including start-up."""
-    print("$ " + shlex.join(command), flush=True)
-    start = time.time()
-    with open(log_path, "w") as log:
-        returncode = subprocess.run(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
-    if returncode != 0:
-        tail = log_path.read_text().splitlines()[-15:]
-        sys.exit("learning: a trainer failed:\n" + "\n".join(tail) + f"\n(full log: {log_path})")
-    return time.time() - start
 
 
 @torch.no_grad()
@@ -117,9 +103,7 @@ def spread(values: list[float]) -> str:
 def main(args: Args) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    trl_python = REPO_ROOT / args.trl_python
-    if not trl_python.exists():
-        sys.exit(f"learning: no TRL environment at {args.trl_python}: run `make bench-env` or pass --trl_python")
+    commands = trainer_commands(args.trl_python, "learning")
     start = time.time()
     assets = ensure_assets((REPO_ROOT / args.cache_dir).resolve())
     tokenizer = AutoTokenizer.from_pretrained(assets["policy"])
@@ -128,11 +112,9 @@ def main(args: Args) -> None:
     runs = {name: {} for name in TRAINERS}
     results = {name: [] for name in TRAINERS}
     for seed in args.seeds:
-        for name, command in (("rloo.py", [sys.executable, "rloo.py"]), ("trl", [str(trl_python), "benchmark/trl_rloo.py"])):
-            run_dir = REPO_ROOT / args.runs_dir / f"{name.replace('.', '_')}_seed{seed}"
-            (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # rloo.py appends
-            run_dir.mkdir(parents=True, exist_ok=True)
-            wall = run_trainer(command + trainer_flags(args, assets, seed, run_dir), run_dir / "log.txt")
+        for name, command in commands.items():
+            run_dir = fresh_run_dir(REPO_ROOT / args.runs_dir / f"{name.replace('.', '_')}_seed{seed}")
+            wall, _ = run_trainer(command + trainer_flags(args, assets, seed, run_dir), run_dir / "log.txt", "learning")
             runs[name][f"seed {seed}"] = training_curve(run_dir)
             final = evaluate_policy(run_dir, reward_model, tokenizer, prompts)
             results[name].append({"seed": seed, "wall_seconds": wall,

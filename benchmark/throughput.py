@@ -48,7 +48,7 @@ PYTHIA_SHAPES = {
 }
 PYTHIA_VOCAB = 50304
 PHASES = ("generation", "policy_forward", "reference_forward", "scoring", "training")
-IMPLEMENTATIONS = ("rloo.py", "trl")
+TRAINERS = ("rloo.py", "trl")  # the keys of trainer_commands
 
 
 @dataclass
@@ -157,22 +157,40 @@ def trainer_flags(args: Args, assets: dict[str, str], output_dir: Path) -> list[
         "gradient_accumulation_steps": args.gradient_accumulation_steps, "num_mini_batches": args.num_mini_batches,
         "num_ppo_epochs": args.num_ppo_epochs, "local_rollout_forward_batch_size": args.local_rollout_forward_batch_size,
         "total_episodes": batch * args.updates, "learning_rate": 3e-6, "max_grad_norm": 0,
-        "num_sample_generations": 0,
+        "num_sample_generations": 0, "num_evals": 0,
     }
     return [s for key, value in flags.items() for s in (f"--{key}", str(value))] + (["--bf16"] if args.bf16 else [])
 
 
-def run_trainer(command: list[str], log_path: Path) -> float:
-    """Run a trainer to the end; returns its peak RSS in GiB (this child's own, from wait4)."""
+def trainer_commands(trl_python: str, program: str) -> dict[str, list[str]]:
+    """Each trainer's command: rloo.py in this environment, benchmark/trl_rloo.py in the TRL one (exits with the
+    fix when that environment is missing). Shared by throughput.py and learning.py."""
+    path = REPO_ROOT / trl_python
+    if not path.exists():
+        sys.exit(f"{program}: no TRL environment at {trl_python}: run `make bench-env` or pass --trl_python")
+    return {"rloo.py": [sys.executable, "rloo.py"], "trl": [str(path), "benchmark/trl_rloo.py"]}
+
+
+def fresh_run_dir(path: Path) -> Path:
+    """A run directory without an earlier metrics.jsonl (rloo.py appends to it)."""
+    (path / "metrics.jsonl").unlink(missing_ok=True)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def run_trainer(command: list[str], log_path: Path, program: str) -> tuple[float, float]:
+    """Run a trainer to the end, its output in log_path. Returns its wall-clock seconds (start-up included) and
+    its peak RSS in GiB (this child's own, from wait4)."""
     print("$ " + shlex.join(command), flush=True)
+    start = time.time()
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                    env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         _, status, usage = os.wait4(process.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         tail = log_path.read_text().splitlines()[-15:]
-        sys.exit("throughput: a trainer failed:\n" + "\n".join(tail) + f"\n(full log: {log_path})")
-    return usage.ru_maxrss / 2**20  # KiB on Linux
+        sys.exit(f"{program}: a trainer failed:\n" + "\n".join(tail) + f"\n(full log: {log_path})")
+    return time.time() - start, usage.ru_maxrss / 2**20  # KiB on Linux
 
 
 def summarize_run(metrics_path: Path, args: Args, rss_gib: float) -> dict:
@@ -227,7 +245,7 @@ def markdown_table(summary: dict) -> str:
     lines = ["| shape | trainer | episodes/s | tokens/s | s/update | " + " | ".join(PHASES) + " | peak memory GiB |",
              "|---" * (6 + len(PHASES)) + "|"]
     for shape, result in summary.items():
-        for name in IMPLEMENTATIONS:
+        for name in TRAINERS:
             runs = result[name]
             med = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
             memory = med.get("peak_allocated_gib", med["peak_rss_gib"])
@@ -244,23 +262,18 @@ def main(args: Args) -> None:
     unknown = [s for s in args.shapes if s not in PYTHIA_SHAPES]
     if unknown:
         sys.exit(f"throughput: unknown shape(s) {unknown}; choose from {list(PYTHIA_SHAPES)}")
-    trl_python = REPO_ROOT / args.trl_python
-    if not trl_python.exists():
-        sys.exit(f"throughput: no TRL environment at {args.trl_python}: run `make bench-env` or pass --trl_python")
+    commands = trainer_commands(args.trl_python, "throughput")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     start, summary = time.time(), {}
     for shape in args.shapes:
         assets = ensure_shape_assets(shape, (REPO_ROOT / args.cache_dir).resolve(), batch // args.rloo_k * args.updates,
                                      args.prompt_length)
-        results = {name: [] for name in IMPLEMENTATIONS}
+        results = {name: [] for name in TRAINERS}
         for repeat in range(args.repeats):
-            for name, command in (("rloo.py", [sys.executable, "rloo.py", "--num_evals", "0"]),
-                                  ("trl", [str(trl_python), "benchmark/trl_rloo.py"])):
-                run_dir = REPO_ROOT / args.runs_dir / f"{shape}_{name.replace('.', '_')}_{repeat}"
-                (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # rloo.py appends
-                run_dir.mkdir(parents=True, exist_ok=True)
-                rss = run_trainer(command + trainer_flags(args, assets, run_dir), run_dir / "log.txt")
+            for name, command in commands.items():
+                run_dir = fresh_run_dir(REPO_ROOT / args.runs_dir / f"{shape}_{name.replace('.', '_')}_{repeat}")
+                _, rss = run_trainer(command + trainer_flags(args, assets, run_dir), run_dir / "log.txt", "throughput")
                 results[name].append(summarize_run(run_dir / "metrics.jsonl", args, rss))
                 print(f"{shape} {name} repeat {repeat}: {results[name][-1]['episodes_per_s']:.1f} episodes/s", flush=True)
         results["ratio"] = ratio_stats(results["rloo.py"], results["trl"])
