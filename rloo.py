@@ -33,7 +33,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Literal, Optional
+from typing import Callable, ClassVar, Literal, Optional
 
 import numpy as np
 import torch
@@ -50,6 +50,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 @dataclass
 class Args:
+    resumable_changes: ClassVar[frozenset] = frozenset({  # may differ on --resume; any other flag is another experiment
+        "exp_name", "output_dir", "track", "wandb_project_name", "wandb_entity", "trust_remote_code",
+        "dataset_test_split", "num_sample_generations", "num_evals", "eval_max_prompts",
+        "local_rollout_forward_batch_size", "gradient_checkpointing", "total_episodes", "num_train_epochs",
+        "save_steps", "save_total_limit", "resume", "resume_from", "fsdp_generation"})
+
     # ----- experiment -----
     exp_name: str = "rloo"
     """name of the experiment; the run is named `{exp_name}__{seed}__{unix time}`"""
@@ -522,13 +528,13 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
 
 
-def sample_tokens(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def sample_tokens(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """(N,) one token per row of (N, V) logits, from softmax(logits / temperature), by inverse-CDF sampling: one
-    exp, a cumulative sum and one uniform number per row. torch.multinomial draws an exponential variate per
-    vocabulary entry, ~10x slower at V = 50k on CPU."""
+    exp, a cumulative sum and one uniform number per row (from `generator`, else the global RNG). torch.multinomial
+    draws an exponential variate per vocabulary entry, ~10x slower at V = 50k on CPU."""
     scaled = logits / temperature  # (N, V)
     cdf = (scaled - scaled.max(-1, keepdim=True).values).exp_().cumsum_(-1)  # (N, V) unnormalized
-    u = torch.rand(logits.shape[0], 1, device=logits.device) * cdf[:, -1:]  # (N, 1) uniform in [0, total)
+    u = torch.rand(logits.shape[0], 1, device=logits.device, generator=generator) * cdf[:, -1:]  # (N, 1) uniform in [0, total)
     # the first token whose cumulative mass exceeds u; a zero-probability token never does
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=logits.shape[1] - 1)
 
@@ -536,7 +542,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 @torch.no_grad()
 def generate(
     model, queries: torch.Tensor, query_mask: torch.Tensor, max_new_tokens: int, temperature: float,
-    stop_token_id: Optional[int], pad_token_id: int,
+    stop_token_id: Optional[int], pad_token_id: int, generator: Optional[torch.Generator] = None,
 ) -> torch.Tensor:
     """Sample (N, max_new_tokens) tokens after left-padded queries (N, Tq), top_k=0, top_p=1 (temperature 0:
     greedy). A row is padded after its stop token; the loop ends early once every row has stopped."""
@@ -549,7 +555,7 @@ def generate(
     tokens = torch.full((queries.shape[0], max_new_tokens), pad_token_id, device=queries.device)  # (N, Tr)
     for t in range(max_new_tokens):
         logits = out.logits[:, -1].float()  # (N, V)
-        token = sample_tokens(logits, temperature) if temperature > 0 else logits.argmax(-1)  # (N,)
+        token = sample_tokens(logits, temperature, generator) if temperature > 0 else logits.argmax(-1)  # (N,)
         tokens[:, t] = torch.where(done, pad_token_id, token)
         if stop_token_id is not None:
             done |= token == stop_token_id
@@ -671,10 +677,11 @@ class Rollout(Completions):
 @torch.no_grad()
 def sample_completions(
     policy, queries: torch.Tensor, query_mask: torch.Tensor, response_length: int, temperature: float,
-    stop_token_id: Optional[int], pad_token_id: int,
+    stop_token_id: Optional[int], pad_token_id: int, generator: Optional[torch.Generator] = None,
 ) -> Completions:
     """Sample one completion per (N, Tq) query and cut it after its first stop token."""
-    responses = generate(policy, queries, query_mask, response_length, temperature, stop_token_id, pad_token_id)
+    responses = generate(policy, queries, query_mask, response_length, temperature, stop_token_id, pad_token_id,
+                         generator)
     responses, response_mask = truncate_after_stop(responses, stop_token_id, pad_token_id)  # (N, Tr) each
     return Completions(torch.cat([queries, responses], 1), torch.cat([query_mask, response_mask], 1),
                        response_mask, queries.shape[1])
@@ -710,36 +717,87 @@ class PhaseTimer:
         return out
 
 
+def cat_completions(parts: list[Completions]) -> Completions:
+    """Row-wise concatenation of completions of the same query width; every part has the full response width."""
+    return Completions(torch.cat([c.query_responses for c in parts]), torch.cat([c.attention_mask for c in parts]),
+                       torch.cat([c.response_mask for c in parts]), parts[0].context_length)
+
+
+@torch.no_grad()
+def sample_in_chunks(
+    policy, queries: torch.Tensor, query_mask: torch.Tensor, args: Args, stop_token_id: Optional[int],
+    pad_token_id: int, generator: torch.Generator, autocast,
+) -> Completions:
+    """Completions of the (N, Tq) queries, local_rollout_forward_batch_size rows at a time (the KV cache of a
+    chunk is what must fit), drawing from `generator` chunk after chunk."""
+    chunk = args.local_rollout_forward_batch_size
+    with autocast():
+        return cat_completions([
+            sample_completions(policy, queries[i : i + chunk], query_mask[i : i + chunk], args.response_length,
+                               args.temperature, stop_token_id, pad_token_id, generator)  # (c, Tq + Tr)
+            for i in range(0, queries.shape[0], chunk)])
+
+
+class LocalRollouts:
+    """Where each update's completions come from. Here (rloo.py): sampled in this process by the policy being
+    trained, when the update asks for them. rloo_multinode.py substitutes engines in other processes behind the
+    same five methods; `lookahead` batches are asked for ahead of the one being trained on (0: on-policy)."""
+
+    lookahead = 0
+
+    def __init__(self, policy, args: Args, stop_token_id: Optional[int], pad_token_id: int,
+                 generator: torch.Generator, autocast):
+        self.policy, self.args, self.stop_token_id, self.pad_token_id = policy, args, stop_token_id, pad_token_id
+        self.generator, self.autocast, self.queued = generator, autocast, []
+
+    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor) -> None:
+        """Ask for one completion of each (k*B, Tq) query."""
+        self.queued.append((queries, query_mask))
+
+    def take(self) -> tuple[Completions, dict[str, float]]:
+        """The completions of the oldest submitted queries, and metrics about how they were made."""
+        queries, query_mask = self.queued.pop(0)
+        return sample_in_chunks(self.policy, queries, query_mask, self.args, self.stop_token_id, self.pad_token_id,
+                                self.generator, self.autocast), {}
+
+    def behaviour_policy(self, policy):
+        """The module whose log-probs are those of the weights that sampled the batch being taken."""
+        return policy
+
+    def policy_updated(self, update: int, policy) -> dict[str, float]:
+        """Called on every rank after each update's optimizer steps; returns metrics."""
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class RolloutSourceError(Exception):
+    """The completions of an update cannot be had (an engine died): the run checkpoints and stops."""
+
+
 @torch.no_grad()
 def collect_rollout(
-    policy, ref_policy, queries: torch.Tensor, query_mask: torch.Tensor, args: Args, stop_token_id: Optional[int],
-    pad_token_id: int, autocast, timer: PhaseTimer,
+    policy, ref_policy, completions: Completions, args: Args, autocast, timer: PhaseTimer,
 ) -> Rollout:
-    """Sample k completions of each of the B queries (B, Tq) and recompute their log-probs, in chunks of
-    local_rollout_forward_batch_size completions."""
-    queries = queries.repeat(args.rloo_k, 1)  # (k*B, Tq): row j*B + i is sample j of prompt i
-    query_mask = query_mask.repeat(args.rloo_k, 1)  # (k*B, Tq)
-    parts = []
-    for start in range(0, queries.shape[0], args.local_rollout_forward_batch_size):
-        chunk = slice(start, start + args.local_rollout_forward_batch_size)
-        with timer("generation"), autocast():
-            c = sample_completions(policy, queries[chunk], query_mask[chunk], args.response_length,
-                                   args.temperature, stop_token_id, pad_token_id)  # (c, Tq + Tr)
+    """The log-probs of sampled (k*B, Tq + Tr) completions under the policy that sampled them and the
+    reference, in chunks of local_rollout_forward_batch_size completions."""
+    c, chunk = completions, args.local_rollout_forward_batch_size
+    logprobs, ref_logprobs = [], []
+    for i in range(0, c.query_responses.shape[0], chunk):
+        rows = slice(i, i + chunk)
         # recomputed with the training forward pass, not taken from sampling: the sequence-level ratio is
         # the exp of a sum, so small sampling-vs-training mismatches would blow up (bf16, fused kernels)
         with timer("policy_forward"), autocast():
-            logprobs, _ = forward_logprobs(policy, c.query_responses, c.attention_mask, c.context_length,
-                                           args.temperature)  # (c, Tr)
-        ref_logprobs = None
+            logprobs.append(forward_logprobs(policy, c.query_responses[rows], c.attention_mask[rows],
+                                             c.context_length, args.temperature)[0])  # (c, Tr)
         if ref_policy is not None:
             with timer("reference_forward"), autocast():
-                ref_logprobs, _ = forward_logprobs(ref_policy, c.query_responses, c.attention_mask,
-                                                   c.context_length, args.temperature)  # (c, Tr)
-            ref_logprobs = ref_logprobs * c.response_mask
-        parts.append((c.query_responses, c.attention_mask, c.response_mask, logprobs * c.response_mask, ref_logprobs))
-    query_responses, attention_mask, response_mask, logprobs, ref_logprobs = (
-        None if parts[0][i] is None else torch.cat([p[i] for p in parts]) for i in range(5))
-    return Rollout(query_responses, attention_mask, response_mask, queries.shape[1], logprobs, ref_logprobs)
+                ref_logprobs.append(forward_logprobs(ref_policy, c.query_responses[rows], c.attention_mask[rows],
+                                                     c.context_length, args.temperature)[0])  # (c, Tr)
+    return Rollout(c.query_responses, c.attention_mask, c.response_mask, c.context_length,
+                   torch.cat(logprobs) * c.response_mask,  # (k*B, Tr), 0 on padding
+                   torch.cat(ref_logprobs) * c.response_mask if ref_policy is not None else None)
 
 
 # ===================================================================== rewards
@@ -1010,7 +1068,7 @@ def learning_rate_at(update: int, num_updates: int, args: Args) -> float:
 # ===================================================================== logging
 SUM_METRICS = ("val/num_eos_tokens",)
 MIN_METRICS = ("completions/min_length",)
-MAX_METRICS = ("completions/max_length",)
+MAX_METRICS = ("completions/max_length", "time/weight_sync", "time/engine_wait")  # rank 0 syncs engines' weights
 
 
 def is_optional_metric(key: str, value: float) -> bool:
@@ -1127,11 +1185,6 @@ CHECKPOINTS = "checkpoints"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.pt"
 PREEMPTED = "preempted"  # in output_dir while a run stopped by a signal waits to be resumed; job scripts requeue on it
-# flags that may change when a run resumes; any other difference would make it another experiment
-RESUMABLE_CHANGES = {"exp_name", "output_dir", "track", "wandb_project_name", "wandb_entity", "trust_remote_code",
-                     "dataset_test_split", "num_sample_generations", "num_evals", "eval_max_prompts",
-                     "local_rollout_forward_batch_size", "gradient_checkpointing", "total_episodes",
-                     "num_train_epochs", "save_steps", "save_total_limit", "resume", "resume_from", "fsdp_generation"}
 
 
 class NonFiniteError(Exception):
@@ -1189,17 +1242,19 @@ class StopSignal:
         return bool(all_reduce(torch.tensor([float(self.name is not None)], device=device), dist.ReduceOp.MAX).item())
 
 
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+def rng_state(sampling: torch.Generator) -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "sampling": sampling.get_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, sampling: torch.Generator) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    sampling.set_state(state["sampling"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -1248,7 +1303,7 @@ def load_optimizer_state(model, optimizer, checkpoint: Path, trainer_state: dict
 
 
 def save_checkpoint(output_dir: str, update: int, model, optimizer, tokenizer, trainer_state: dict, rank: int,
-                    save_total_limit: Optional[int]) -> Path:
+                    save_total_limit: Optional[int], sampling: torch.Generator) -> Path:
     """Write output_dir/checkpoints/step_<update>: the policy in HF format (loadable on its own) and its
     tokenizer, trainer_state.pt (counters, data position, args; the optimizer, or with FSDP the optimizer/
     directory of shards) and every rank's RNG states.
@@ -1261,7 +1316,7 @@ def save_checkpoint(output_dir: str, update: int, model, optimizer, tokenizer, t
         shutil.rmtree(partial, ignore_errors=True)  # debris of an earlier save that was killed
         partial.mkdir(parents=True)
     barrier()
-    torch.save(rng_state(), partial / f"rng_rank{rank}.pt")
+    torch.save(rng_state(sampling), partial / f"rng_rank{rank}.pt")
     barrier()
     save_optimizer_state(model, optimizer, partial, trainer_state)
     save_policy(model.module if isinstance(model, DDP) else model, tokenizer, partial, rank)
@@ -1299,7 +1354,7 @@ def check_resumable(saved: dict, args: Args, world_size: int, saved_world_size: 
     """Refuse a resume that would silently be another experiment; return the harmless changes to report."""
     current = asdict(args)
     changed = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v and k in saved}
-    refused = sorted(k for k in changed if k not in RESUMABLE_CHANGES)
+    refused = sorted(k for k in changed if k not in args.resumable_changes)
     if world_size != saved_world_size:
         refused.append("world size")
         changed["world size"] = (saved_world_size, world_size)
@@ -1413,7 +1468,9 @@ def load_reward_sources(args: Args, tokenizer, functions: list[tuple[str, Callab
     return RewardSources(model, model_tokenizer, functions, torch.tensor(args.reward_weights or [1.0] * num_sources))
 
 
-def main(args: Args) -> None:
+def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
+    """Train. `make_rollouts(policy, args, stop_token_id, pad_token_id, generator, autocast)` gives the source of
+    completions (see LocalRollouts); rloo_multinode.py passes its engines' client."""
     validate_args(args)
     reward_functions = load_reward_functions(args.reward_fn)  # a typo fails now, not after loading models
     quiet_hub_progress_bars()
@@ -1447,12 +1504,13 @@ def main(args: Args) -> None:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=args.adam_epsilon,
                                   fused=device.type == "cuda")  # one kernel per step instead of one per tensor
     seed_everything(args.seed + dist_info.rank)
+    sampling_rng = torch.Generator(device).manual_seed(args.seed + dist_info.rank)  # only sampling draws from it
     sampler = PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)
     start_update, elapsed = 0, 0.0
     if resumed:
         load_optimizer_state(model, optimizer, checkpoint, resumed)
         sampler.load_state_dict(resumed["sampler"])
-        set_rng_state(torch.load(checkpoint / f"rng_rank{dist_info.rank}.pt", weights_only=False))
+        set_rng_state(torch.load(checkpoint / f"rng_rank{dist_info.rank}.pt", weights_only=False), sampling_rng)
         start_update, elapsed = resumed["update"], resumed["elapsed"]
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     logger = RunLogger(args, run_name, num_updates, start_update, resumed and resumed["wandb_run_id"]) \
@@ -1469,8 +1527,30 @@ def main(args: Args) -> None:
             f"{args.max_prompt_length} tokens); reward sources {sources.names}", highlight=False, soft_wrap=True)
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0
     eval_every = max(1, num_updates // args.num_evals) if args.num_evals > 0 else num_updates
+    rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, sampling_rng, autocast)
     stop_signal, stopped = StopSignal(), False
     start_time = time.time() - elapsed
+    submitted = []  # (prompt rows, queries, query mask, sampler state before drawing them) per batch asked for
+
+    def submit_next_batch() -> None:
+        """Draw B prompts and ask for k completions of each, in the (k, B) layout: row j*B + i is sample j of
+        prompt i."""
+        sampler_state = sampler.state_dict()
+        rows = dataset[sampler.next_indices()]
+        queries, query_mask = pad_sequences(rows[PROMPT_IDS], tokenizer.pad_token_id, device)  # (B, Tq) each
+        rollouts.submit(queries.repeat(args.rloo_k, 1), query_mask.repeat(args.rloo_k, 1))  # (k*B, Tq) each
+        submitted.append((rows, queries, query_mask, sampler_state))
+
+    def checkpoint(update: int) -> Path:
+        """Resumable state after `update`; the data position is the one before any batch not yet trained on."""
+        trainer_state = {
+            "update": update, "episode": update * sizes.world,
+            "sampler": submitted[0][3] if submitted else sampler.state_dict(),
+            "elapsed": time.time() - start_time, "world_size": dist_info.world_size, "args": asdict(args),
+            "wandb_run_id": logger.wandb_run_id if logger else None,
+        }
+        return save_checkpoint(args.output_dir, update, model, optimizer, tokenizer, trainer_state,
+                               dist_info.rank, args.save_total_limit, sampling_rng)
 
     try:
         for update in range(start_update + 1, num_updates + 1):
@@ -1479,13 +1559,20 @@ def main(args: Args) -> None:
             for group in optimizer.param_groups:
                 group["lr"] = lr
 
-            # ---- 1-3. rollout: B prompts x k samples, log-probs under policy and reference
-            rows = dataset[sampler.next_indices()]
-            queries, query_mask = pad_sequences(rows[PROMPT_IDS], tokenizer.pad_token_id, device)  # (B, Tq) each
+            # ---- 1-3. rollout: B prompts x k samples, log-probs under the sampling policy and the reference
             policy.eval()
             with gathered_for_rollout(policy, args.fsdp_generation):
-                rollout = collect_rollout(policy, ref_policy, queries, query_mask, args, stop_token_id,
-                                          tokenizer.pad_token_id, autocast, timer)
+                while len(submitted) <= min(rollouts.lookahead, num_updates - update):
+                    submit_next_batch()
+                try:
+                    with timer("generation"):
+                        completions, rollout_metrics = rollouts.take()  # (k*B, Tq + Tr)
+                except RolloutSourceError as e:  # the last update's state is intact: keep it, then stop
+                    path = checkpoint(update - 1)
+                    raise RolloutSourceError(f"{e}; checkpoint of update {update - 1} saved to {path}") from None
+                rows, queries, query_mask, _ = submitted.pop(0)
+                rollout = collect_rollout(rollouts.behaviour_policy(policy), ref_policy, completions, args,
+                                          autocast, timer)
             has_stop = rollout.ended(stop_token_id)  # (k*B,)
 
             # ---- 4. scores
@@ -1512,6 +1599,7 @@ def main(args: Args) -> None:
                               "reference log-prob": rollout.ref_logprobs}, device)
                 with timer("training"):
                     train_stats = ppo_update(model, optimizer, rollout, advantages, args, sizes, autocast)
+                rollout_metrics.update(rollouts.policy_updated(update, policy))
             except NonFiniteError as e:
                 if dist_info.rank in e.ranks:
                     dump_batch(Path(args.output_dir) / "nonfinite" / f"update_{update}_rank_{dist_info.rank}.jsonl",
@@ -1536,6 +1624,7 @@ def main(args: Args) -> None:
                 "val/ratio_var": train_stats["ratio_var"],
                 **completion_metrics(rollout.response_mask, has_stop, scores, args.rloo_k),
                 **source_means,
+                **rollout_metrics,
                 **timer.metrics(),
                 "time/update": time.perf_counter() - update_start,  # the whole update but evaluation and saving
             }
@@ -1559,13 +1648,7 @@ def main(args: Args) -> None:
             # ---- checkpoint: periodically, at the end, and when a signal asks the run to stop
             stop = stop_signal.requested(device)
             if stop or update == num_updates or (args.save_steps > 0 and update % args.save_steps == 0):
-                trainer_state = {
-                    "update": update, "episode": episode, "sampler": sampler.state_dict(),
-                    "elapsed": time.time() - start_time, "world_size": dist_info.world_size, "args": asdict(args),
-                    "wandb_run_id": logger.wandb_run_id if logger else None,
-                }
-                path = save_checkpoint(args.output_dir, update, model, optimizer, tokenizer, trainer_state,
-                                       dist_info.rank, args.save_total_limit)
+                path = checkpoint(update)
             if stop:
                 if logger is not None:
                     (Path(args.output_dir) / PREEMPTED).write_text(f"{path}\n")
@@ -1583,6 +1666,7 @@ def main(args: Args) -> None:
             (Path(args.output_dir) / "args.json").write_text(json.dumps(asdict(args), indent=2))
             logger.console.print(f"saved the policy and tokenizer to {args.output_dir}")
     finally:  # an error on one rank alone must not wait for the others: torchrun stops them
+        rollouts.close()
         if logger is not None:
             logger.close()
     barrier()

@@ -1,0 +1,179 @@
+"""rloo_multinode.py on CPU: hf engines in separate processes, weights over gloo, no vLLM."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+import rloo
+import rloo_multinode as mn
+from conftest import REPO, policy_tokenizer, read_metrics, tiny_policy
+
+RUN = ("--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train_batch_size", "16",
+       "--response_length", "6", "--temperature", "1.0", "--max_prompt_length", "16",
+       "--local_rollout_forward_batch_size", "12", "--num_ppo_epochs", "2", "--num_mini_batches", "2",
+       "--learning_rate", "3e-3", "--num_sample_generations", "0", "--num_evals", "0")
+PER_UPDATE = 32  # completions per update and rank
+ENGINE_ONLY = ("time/", "eps", "rollout/staleness")  # wall-clock, and what only the engines' run measures
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(script: str, *args, nproc: int = 0, timeout: int = 300, wait: bool = True):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)
+                ] if nproc else [sys.executable]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "HF_HUB_OFFLINE": "1"}
+    command = [*launcher, str(REPO / script), *map(str, args)]
+    if not wait:
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+
+
+def comparable(metrics: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith(ENGINE_ONLY)} for m in metrics]
+
+
+def test_buckets_pack_in_order_and_unpack_to_the_same_tensors():
+    tensors = {"a": torch.randn(3, 4), "b": torch.randn(10), "c": torch.randn(2, 2, 2), "d": torch.randn(1)}
+    buckets = mn.plan_buckets([(k, v.shape) for k, v in tensors.items()], torch.float32, bucket_bytes=64)
+    assert buckets == [[("a", (3, 4))], [("b", (10,))], [("c", (2, 2, 2)), ("d", (1,))]]  # 48 + 40 > 64: split
+    for bucket in buckets:
+        flat = torch.cat([tensors[name].reshape(-1) for name, _ in bucket])
+        for name, tensor in mn.unpack_bucket(flat, bucket):
+            assert torch.equal(tensor, tensors[name])
+    assert len(mn.plan_buckets([(k, v.shape) for k, v in tensors.items()], torch.bfloat16, 2**20)) == 1
+
+
+def tied_llama(vocab_size: int) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+
+
+@pytest.mark.parametrize("architecture", ["gpt_neox", "tied_llama"])
+def test_after_a_sync_every_engine_holds_the_trainers_weights_bit_for_bit(architecture, tmp_path):
+    tokenizer = policy_tokenizer()
+    policy = tiny_policy(len(tokenizer)) if architecture == "gpt_neox" else tied_llama(len(tokenizer))
+    policy.save_pretrained(tmp_path / "policy")
+    args = mn.Args(model_name_or_path=str(tmp_path / "policy"), engine="hf", output_dir=str(tmp_path / "out"),
+                   engine_port=free_port(), sync_bucket_mb=0, engine_timeout=120)  # 0 MB: one bucket per tensor
+    dist_info = rloo.Dist(0, 0, 1, torch.device("cpu"))
+    store, address = mn.control_store(args, dist_info, "cpu")
+    rollouts = mn.EngineRollouts(policy, args, None, 0, torch.Generator(), torch.autocast, dist_info, store,
+                                 mn.launch_engines(args, dist_info, address))
+    try:
+        with torch.no_grad():  # a trained policy: every weight moved away from what the engine loaded
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p))
+        rollouts.policy_updated(1, policy)
+        engine = rollouts.engine_state_dict(0)
+        for name, tensor in policy.state_dict().items():
+            assert torch.equal(engine[name], tensor), name
+        if architecture == "tied_llama":  # one tensor sent, both ends of the tie updated
+            assert torch.equal(engine["lm_head.weight"], policy.model.embed_tokens.weight)
+    finally:
+        rollouts.close()
+
+
+def test_hf_engine_run_equals_rloo_run_with_the_same_seed(assets, tmp_path):
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *RUN,
+              "--total_episodes", 3 * PER_UPDATE, "--kl_coef", 0.05]
+    local = run("rloo.py", *common, "--output_dir", tmp_path / "local")
+    assert local.returncode == 0, local.stderr[-3000:]
+    engines = run("rloo_multinode.py", *common, "--output_dir", tmp_path / "engines", "--engine", "hf",
+                  "--engine_port", free_port())
+    assert engines.returncode == 0, engines.stderr[-3000:]
+    local_metrics, engine_metrics = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "engines")
+    assert comparable(engine_metrics) == comparable(local_metrics)
+    assert [m["rollout/staleness"] for m in engine_metrics] == [0, 0, 0]
+    assert all(m["time/weight_sync"] >= 0 for m in engine_metrics)
+    assert all(abs(m["val/ratio"] - 1) < 0.05 for m in engine_metrics)
+    trained = [AutoModelForCausalLM.from_pretrained(tmp_path / d).state_dict() for d in ("local", "engines")]
+    assert all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0])
+
+
+def test_async_generation_on_two_ranks_trains_one_step_off_policy(assets, tmp_path):
+    out = tmp_path / "async"
+    result = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
+                 *RUN, "--total_episodes", 2 * 3 * PER_UPDATE, "--output_dir", out, "--engine", "hf",
+                 "--num_engines", 2, "--async_generation", "--engine_port", free_port(), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert [m["rollout/staleness"] for m in metrics] == [0, 1, 1]  # the first batch waits for nothing
+    assert all(torch.isfinite(torch.tensor(m["loss/policy_avg"])) for m in metrics)
+    # the ratio is taken against the weights that sampled, not the current ones: off 1 once they differ
+    assert metrics[0]["val/ratio"] == pytest.approx(1.0, abs=0.05)
+    assert json.loads((out / "engines.json").read_text()).keys() == {"0", "1"}
+    assert AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_an_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(assets, tmp_path):
+    out = tmp_path / "dies"
+    trainer = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
+                  *RUN, "--total_episodes", 1000 * PER_UPDATE, "--output_dir", out, "--engine", "hf",
+                  "--engine_port", free_port(), wait=False)
+    deadline = time.time() + 120
+    while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
+        assert time.time() < deadline and trainer.poll() is None, trainer.communicate()[1][-3000:]
+        time.sleep(0.1)
+    os.kill(json.loads((out / "engines.json").read_text())["0"]["pid"], signal.SIGKILL)
+    stdout, stderr = trainer.communicate(timeout=60)  # never a hang
+    assert trainer.returncode == 4, stderr[-3000:]
+    assert "engine 0" in stderr and "checkpoint of update" in stderr and "Traceback" not in stderr
+    checkpoint = rloo.latest_checkpoint(str(out))
+    assert checkpoint is not None and torch.load(checkpoint / rloo.TRAINER_STATE, weights_only=False)["update"] >= 1
+
+
+def test_engine_flags_that_clash_are_refused_in_one_line(assets, tmp_path):
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *RUN,
+              "--output_dir", tmp_path]
+    too_many = run("rloo_multinode.py", *common, "--engine", "hf", "--num_engines", 2)
+    assert too_many.returncode == 2 and "--num_engines 2 > 1 training rank" in too_many.stderr
+    tensor_parallel = run("rloo_multinode.py", *common, "--engine", "hf", "--vllm_tensor_parallel_size", 2)
+    assert tensor_parallel.returncode == 2 and "the hf engine is one device" in tensor_parallel.stderr
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        no_vllm = run("rloo_multinode.py", *common)
+        assert no_vllm.returncode == 2 and "--engine vllm needs vLLM" in no_vllm.stderr
+        assert len(no_vllm.stderr.strip().splitlines()) == 1
+
+
+def test_vllm_api_of_the_pinned_release():
+    """The vLLM symbols and signatures rloo_multinode.py relies on, checked against the installed release."""
+    vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install -r requirements-vllm.txt)")
+    import inspect
+
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    assert vllm.__version__ == mn.VLLM_VERSION
+    assert {"host", "port", "rank", "world_size"} <= set(inspect.signature(StatelessProcessGroup.create).parameters)
+    assert {"src", "stream"} <= set(inspect.signature(PyNcclCommunicator.broadcast).parameters)
+    assert hasattr(vllm.LLM, "collective_rpc") and hasattr(vllm.LLM, "reset_prefix_cache")
+    vllm.SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=4, stop_token_ids=[1], detokenize=False)
+    assert vllm.TokensPrompt(prompt_token_ids=[1, 2]) == {"prompt_token_ids": [1, 2]}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM engines need a GPU")
+def test_vllm_engine_trains_the_tiny_policy(assets, tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install -r requirements-vllm.txt)")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("the trainer and a vLLM engine need two GPUs")
+    result = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
+                 *RUN, "--total_episodes", 2 * PER_UPDATE, "--output_dir", tmp_path, "--engine", "vllm",
+                 "--engine_port", free_port(), "--vllm_gpu_memory_utilization", 0.2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert all(abs(m["val/ratio"] - 1) < 0.05 for m in read_metrics(tmp_path))
