@@ -156,11 +156,14 @@ def unpack_bucket(flat: torch.Tensor, bucket: list) -> list[tuple[str, torch.Ten
     return out
 
 
-def full_parameters(policy) -> list[tuple[str, torch.Tensor]]:
-    """The policy's parameters by their Hugging Face names (tied weights once), unsharded. With FSDP every rank
-    must call this: each parameter is all-gathered when read."""
-    module = policy.module if isinstance(policy, DDP) else policy
-    return [(name, p.full_tensor() if isinstance(p, DTensor) else p) for name, p in module.named_parameters()]
+def unsharded(p: torch.Tensor) -> torch.Tensor:
+    """The whole parameter; with FSDP a collective: every rank must call it, in the same order."""
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
+def named_parameters(policy) -> dict[str, torch.Tensor]:
+    """The policy's parameters by their Hugging Face names, tied weights once (the engines tie them again)."""
+    return dict((policy.module if isinstance(policy, DDP) else policy).named_parameters())
 
 
 # ===================================================================== weight groups
@@ -371,7 +374,7 @@ class EngineRollouts(rloo.LocalRollouts):
             self.behaviour = copy.deepcopy(module).eval().requires_grad_(False)
             self.behaviour_version = 0
         dtype = engine_dtype(args)
-        shapes = [(name, p.shape) for name, p in full_parameters(policy)]
+        shapes = [(name, p.shape) for name, p in named_parameters(policy).items()]  # a DTensor's shape is the full one
         self.buckets, self.dtype = plan_buckets(shapes, dtype, args.sync_bucket_mb * 2**20), dtype
         self.group = None
         if dist_info.master:
@@ -424,26 +427,31 @@ class EngineRollouts(rloo.LocalRollouts):
 
     # ---- weights
     def sync_weights(self, version: int) -> tuple[float, float]:
-        """Collective over the training ranks (FSDP gathers every parameter); rank 0 broadcasts bucket by bucket.
-        Returns rank 0's seconds waiting for the engines to be ready (an engine still sampling an async batch
-        finishes it first) and seconds broadcasting."""
-        parameters = dict(full_parameters(self.policy)) if self.args.fsdp or self.dist_info.master else None
-        if not self.dist_info.master:
+        """Rank 0 broadcasts the weights bucket by bucket; with FSDP every rank gathers each bucket's parameters
+        first (one bucket unsharded at a time, never the whole model). Returns rank 0's seconds waiting for the
+        engines to be ready (an engine still sampling an async batch finishes it first) and seconds sending."""
+        master, wait = self.dist_info.master, 0.0
+        if not master and not self.args.fsdp:
             return 0.0, 0.0
-        start = time.perf_counter()
-        self.command(kind="sync", version=version, buckets=self.buckets, dtype=self.dtype)
-        for index in range(self.args.num_engines):
-            self.wait_for(f"engine/{index}/at_sync/{version}", f"engine {index} to receive weights",
-                          self.args.engine_timeout)
-        ready = time.perf_counter()
-        try:
-            for bucket in self.buckets:
-                self.group.broadcast(torch.cat([parameters[name].detach().reshape(-1).to(self.dtype)
-                                                for name, _ in bucket]))
-        except RuntimeError as e:  # gloo: a peer died or timed out
+        if master:
+            start = time.perf_counter()
+            self.command(kind="sync", version=version, buckets=self.buckets, dtype=self.dtype)
+            for index in range(self.args.num_engines):
+                self.wait_for(f"engine/{index}/at_sync/{version}", f"engine {index} to receive weights",
+                              self.args.engine_timeout)
+            wait = time.perf_counter() - start
+        start, error, parameters = time.perf_counter(), None, named_parameters(self.policy)
+        for bucket in self.buckets:
+            tensors = [unsharded(parameters[name]).detach() for name, _ in bucket]  # (FSDP: all ranks gather)
+            if master and error is None:
+                try:
+                    self.group.broadcast(torch.cat([t.reshape(-1).to(self.dtype) for t in tensors]))
+                except RuntimeError as e:  # a peer died or timed out; keep gathering so no rank hangs
+                    error = e
+        if error is not None:
             self.check_engines()
-            raise EngineError(f"weight sync {version} failed: {e}") from None
-        return ready - start, time.perf_counter() - ready
+            raise EngineError(f"weight sync {version} failed: {error}")
+        return wait, time.perf_counter() - start
 
     def engine_state_dict(self, index: int) -> dict:
         """Rank 0: engine `index`'s weights as it holds them now (to check a sync)."""
@@ -499,7 +507,8 @@ class EngineRollouts(rloo.LocalRollouts):
     def policy_updated(self, update: int, policy) -> dict[str, float]:
         self.version = update
         if self.behaviour is not None:  # batches sampled with these weights are trained on one update later
-            self.snapshots[update] = {name: p.detach().to("cpu", copy=True) for name, p in full_parameters(policy)}
+            self.snapshots[update] = {name: p.detach().to("cpu", copy=True)
+                                      for name, p in named_parameters(policy).items()}  # never FSDP (refused)
         try:
             wait, broadcast = self.sync_weights(update)
         except EngineError as e:  # raised at the next take(), on every rank at once, after a checkpoint

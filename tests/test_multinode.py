@@ -87,13 +87,15 @@ def test_after_a_sync_every_engine_holds_the_trainers_weights_bit_for_bit(archit
         rollouts.close()
 
 
-def test_hf_engine_run_equals_rloo_run_with_the_same_seed(assets, tmp_path):
+@pytest.mark.parametrize("nproc,flags", [(0, []), (2, ["--fsdp", "--num_engines", 2, "--sync_bucket_mb", 1])],
+                         ids=["one_process", "fsdp_two_ranks_two_engines"])
+def test_hf_engine_run_equals_rloo_run_with_the_same_seed(assets, tmp_path, nproc, flags):
     common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *RUN,
-              "--total_episodes", 3 * PER_UPDATE, "--kl_coef", 0.05]
-    local = run("rloo.py", *common, "--output_dir", tmp_path / "local")
+              "--total_episodes", 3 * PER_UPDATE * max(nproc, 1), "--kl_coef", 0.05, *flags[:1]]
+    local = run("rloo.py", *common, "--output_dir", tmp_path / "local", nproc=nproc)
     assert local.returncode == 0, local.stderr[-3000:]
-    engines = run("rloo_multinode.py", *common, "--output_dir", tmp_path / "engines", "--engine", "hf",
-                  "--engine_port", free_port())
+    engines = run("rloo_multinode.py", *common, *flags[1:], "--output_dir", tmp_path / "engines", "--engine", "hf",
+                  "--engine_port", free_port(), nproc=nproc)
     assert engines.returncode == 0, engines.stderr[-3000:]
     local_metrics, engine_metrics = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "engines")
     assert comparable(engine_metrics) == comparable(local_metrics)

@@ -13,15 +13,17 @@
 # OUTPUT_DIR, relative to the repo root (models/rloo_tldr_1b_seed<SEED>, with _k<K> before _seed when K is
 # set); NPROC, GPUs (8: fewer shrink the global batch, so raise --gradient_accumulation_steps to keep it);
 # PYTHIA, the model size of the SFT and reward models (1b; the 2.8B and 6.9B scripts set it);
-# TORCHRUN_ARGS, extra torchrun flags (rloo_tldr.sbatch passes its signal handling there). Checkpoints every
-# 10 updates and --resume make the same command start the run and continue it after a preemption.
+# TORCHRUN_ARGS, extra torchrun flags (rloo_tldr.sbatch passes its signal handling there); TRAINER, the
+# script torchrun runs (rloo.py; rloo_multinode.py with its engine flags after the file name, as
+# rloo_tldr_multinode.sbatch does). Checkpoints every 10 updates and --resume make the same command start the
+# run and continue it after a preemption.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUTPUT_DIR=${OUTPUT_DIR:-models/$(basename "$0" .sh)${K:+_k$K}_seed${SEED:-1}}
 PYTHIA=${PYTHIA:-1b}
 # TORCHRUN_ARGS is split into words on purpose
 # shellcheck disable=SC2086
-exec torchrun --nproc_per_node "${NPROC:-8}" ${TORCHRUN_ARGS:-} rloo.py \
+exec torchrun --nproc_per_node "${NPROC:-8}" ${TORCHRUN_ARGS:-} "${TRAINER:-rloo.py}" \
     --exp_name "rloo_tldr_${PYTHIA//./p}" \
     --seed "${SEED:-1}" \
     --output_dir "$OUTPUT_DIR" \
