@@ -14,6 +14,9 @@ It takes rloo.py's flags (paste your command) plus the world size and the GPU's 
 - Training, on top: a micro-batch's activations, (10 x hidden + 2 x intermediate) values per token per layer
   (layer inputs only, plus one recomputed layer, with --gradient_checkpointing), 3.2 fp32 buffers of
   micro-batch x response x vocabulary for the logits and the selective log-softmax, and bf16 weight copies.
+- --offload (with --fsdp): the policy's weights, gradients and AdamW state and the frozen models stay in CPU
+  memory; the rollout counts the reference and reward models visiting the GPU together (an upper bound: the
+  reward model comes after the reference has left).
 - Prompts are taken at max_prompt_length. CUDA's own context, cuBLAS workspaces and NCCL buffers (~1-2 GiB)
   and allocator fragmentation are not in the sum.
 
@@ -85,13 +88,15 @@ def plan(args: PlanArgs, policy: Shape, reward: Shape | None) -> dict[str, dict[
     shards = args.world_size if args.fsdp else 1
     frozen = 2 if args.bf16 else 4
     p = policy.parameters
+    on_gpu = 0.0 if args.offload else 1.0  # --offload: these live in CPU memory
+    frozen_bytes = (frozen * p if args.kl_coef != 0 else 0.0) + (frozen * reward.parameters if reward else 0.0)
     resident = {
-        "policy weights (fp32)": 4 * p / shards,
-        "policy gradients (fp32)": 4 * p / shards,
-        "AdamW m and v (fp32)": 8 * p / shards,
+        "policy weights (fp32)": on_gpu * 4 * p / shards,
+        "policy gradients (fp32)": on_gpu * 4 * p / shards,
+        "AdamW m and v (fp32)": on_gpu * 8 * p / shards,
         "DDP gradient buckets": 4 * p if not args.fsdp and args.world_size > 1 else 0.0,
-        "reference policy": frozen * p if args.kl_coef != 0 else 0.0,
-        "reward model": frozen * reward.parameters if reward is not None else 0.0,
+        "reference policy": on_gpu * frozen * p if args.kl_coef != 0 else 0.0,
+        "reward model": on_gpu * frozen * reward.parameters if reward is not None else 0.0,
     }
     tokens = args.max_prompt_length + args.response_length
     chunk = args.local_rollout_forward_batch_size
@@ -104,6 +109,7 @@ def plan(args: PlanArgs, policy: Shape, reward: Shape | None) -> dict[str, dict[
         "gathered / bf16 policy weights": gathered,
         "KV cache of a chunk": chunk * tokens * policy.layers * 2 * policy.hidden * frozen,
         "log-prob buffers of a chunk": 2 * chunk * args.response_length * policy.vocab * 4,
+        "offloaded frozen models, visiting": frozen_bytes if args.offload else 0.0,
     }
     micro = args.per_device_train_batch_size
     training = {
@@ -131,6 +137,10 @@ def options_that_fit(args: PlanArgs, policy: Shape, reward: Shape | None) -> lis
         sharding.append(("--fsdp", {"fsdp": True}))
     if args.world_size > 1 and args.fsdp_generation != "per_block":
         sharding.append(("--fsdp --fsdp_generation per_block", {"fsdp": True, "fsdp_generation": "per_block"}))
+    if not args.offload:  # last resort, on any number of GPUs: slower, so listed after the others at equal count
+        sharding += [("--fsdp --offload", {"fsdp": True, "offload": True}),
+                     ("--fsdp --fsdp_generation per_block --offload",
+                      {"fsdp": True, "fsdp_generation": "per_block", "offload": True})]
     candidates = []
     for choice in itertools.product(precision, checkpointing, sharding):
         changes = {k: v for _, change in choice for k, v in change.items()}
@@ -147,7 +157,7 @@ def options_that_fit(args: PlanArgs, policy: Shape, reward: Shape | None) -> lis
                     f"--local_rollout_forward_batch_size {trial.local_rollout_forward_batch_size}"] if halvings else [])
                 candidates.append((len(label), " ".join(label) or "as given", peak))
                 break
-    return [(label, peak) for _, label, peak in sorted(candidates, key=lambda c: (c[0], c[2]))]
+    return [(label, peak) for _, label, peak in sorted(candidates, key=lambda c: (c[0], "--offload" in c[1], c[2]))]
 
 
 def main(args: PlanArgs) -> None:
@@ -159,7 +169,7 @@ def main(args: PlanArgs) -> None:
     groups = plan(args, policy, reward)
     print(f"{policy_path}: {policy.parameters / 1e9:.3g}B parameters; {args.world_size} GPUs of {args.gpu_gib:g} GiB; "
           f"{'FSDP' if args.fsdp else 'DDP'}{', bf16' if args.bf16 else ''}"
-          f"{', gradient checkpointing' if args.gradient_checkpointing else ''}")
+          f"{', gradient checkpointing' if args.gradient_checkpointing else ''}{', offload' if args.offload else ''}")
     for group, parts in groups.items():
         print(f"  {group} ({sum(parts.values()) / GIB:.1f} GiB{'' if group == 'resident' else ', on top'})")
         for name, value in parts.items():
@@ -171,8 +181,8 @@ def main(args: PlanArgs) -> None:
           f"(plus ~1-2 GiB of CUDA context, workspaces and fragmentation)")
     if peak > args.gpu_gib * GIB:
         fitting = options_that_fit(args, policy, reward)
-        print("  options that fit:" if fitting else "  no combination of --bf16, --gradient_checkpointing, --fsdp and "
-              "smaller micro-batches fits: use more GPUs")
+        print("  options that fit:" if fitting else "  no combination of --bf16, --gradient_checkpointing, --fsdp, "
+              "--offload and smaller micro-batches fits: use more GPUs")
         for label, value in fitting[:6]:
             print(f"    {label}: ~{value / GIB:.1f} GiB")
 

@@ -43,7 +43,7 @@ import tyro
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -100,6 +100,11 @@ class Args:
     """with --fsdp, how the rollout sees the sharded policy. unshard: gather every block once per update and keep it
     for the whole rollout (fast; the full policy in its compute dtype on every rank for that time). per_block:
     gather each block at each forward, decoding steps included (least memory, one all-gather per block per token)"""
+    offload: bool = False
+    """with --fsdp, for GPUs too small for the model: the policy's fp32 weight shards, gradients and AdamW state
+    live in CPU memory (FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU), and the frozen reference and
+    reward models too, each brought to the GPU for its forward passes only. Slower: weights cross PCIe at every
+    forward and the optimizer step runs on the CPU"""
 
     # ----- data -----
     dataset_name: str = "trl-internal-testing/tldr-preference-sft-trl-style"
@@ -243,6 +248,9 @@ def validate_args(args: Args) -> None:
         raise ConfigError("response_length, max_prompt_length and local_rollout_forward_batch_size must be >= 1")
     if args.missing_eos_penalty is not None and args.stop_token is None and args.stop_token_id is None:
         raise ConfigError("--missing_eos_penalty needs a stop token: pass --stop_token eos or --stop_token_id ID")
+    if args.offload and not args.fsdp:
+        raise ConfigError("--offload works through FSDP2's CPU offload: add --fsdp (under torchrun; "
+                          "--nproc_per_node 1 for one GPU)")
     if args.total_episodes is not None and args.total_episodes < 1:
         raise ConfigError(f"total_episodes = {args.total_episodes} must be >= 1")
 
@@ -270,24 +278,42 @@ def setup_distributed() -> Dist:
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend=backend)
+    # gloo too on GPUs: collectives on CPU tensors (--offload's gradient shards, their norm) have a backend
+    dist.init_process_group(backend="cuda:nccl,cpu:gloo" if backend == "nccl" else backend)
     return Dist(rank, local_rank, world_size, device)
 
 
-def shard_policy(policy, bf16: bool):
+def shard_policy(policy, bf16: bool, offload: bool = False):
     """FSDP2 over all ranks: one unit per transformer block (the classes in the model's `_no_split_modules`), the
     embeddings and head in the root unit. fp32 master weights; bf16 compute with --bf16; gradients reduced in fp32
-    (they sum log-prob gradients over thousands of tokens)."""
+    (they sum log-prob gradients over thousands of tokens). With `offload` the shards, their gradients and so the
+    optimizer state stay in CPU memory; a unit's weights visit the GPU while it computes."""
     block_classes = set(getattr(policy, "_no_split_modules", None) or ())
     blocks = [m for m in policy.modules() if type(m).__name__ in block_classes]
     if not blocks:
         raise ConfigError(f"--fsdp: {type(policy).__name__} names no transformer block class (_no_split_modules) "
                           "to shard by; drop --fsdp to replicate it with DDP")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+    placement = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     for block in blocks:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(policy, mp_policy=mp)
+        fully_shard(block, mp_policy=mp, offload_policy=placement)
+    fully_shard(policy, mp_policy=mp, offload_policy=placement)
     return policy
+
+
+@contextlib.contextmanager
+def visiting(model, device: torch.device):
+    """A frozen model kept in CPU memory (--offload) comes to `device` for one phase's forward passes and goes back
+    after; a model already there (or None) stays where it is."""
+    home = next(model.parameters()).device if model is not None else device
+    if home == device:
+        yield
+        return
+    model.to(device)
+    try:
+        yield
+    finally:
+        model.to(home)
 
 
 def gradient_sync(model, enabled: bool):
@@ -780,24 +806,24 @@ class RolloutSourceError(Exception):
 def collect_rollout(
     policy, ref_policy, completions: Completions, args: Args, autocast, timer: PhaseTimer,
 ) -> Rollout:
-    """The log-probs of sampled (k*B, Tq + Tr) completions under the policy that sampled them and the
-    reference, in chunks of local_rollout_forward_batch_size completions."""
+    """The log-probs of sampled (k*B, Tq + Tr) completions under the policy that sampled them, then under the
+    reference: one phase after the other, each in chunks of local_rollout_forward_batch_size completions."""
     c, chunk = completions, args.local_rollout_forward_batch_size
-    logprobs, ref_logprobs = [], []
-    for i in range(0, c.query_responses.shape[0], chunk):
-        rows = slice(i, i + chunk)
-        # recomputed with the training forward pass, not taken from sampling: the sequence-level ratio is
-        # the exp of a sum, so small sampling-vs-training mismatches would blow up (bf16, fused kernels)
-        with timer("policy_forward"), autocast():
-            logprobs.append(forward_logprobs(policy, c.query_responses[rows], c.attention_mask[rows],
-                                             c.context_length, args.temperature)[0])  # (c, Tr)
-        if ref_policy is not None:
-            with timer("reference_forward"), autocast():
-                ref_logprobs.append(forward_logprobs(ref_policy, c.query_responses[rows], c.attention_mask[rows],
-                                                     c.context_length, args.temperature)[0])  # (c, Tr)
-    return Rollout(c.query_responses, c.attention_mask, c.response_mask, c.context_length,
-                   torch.cat(logprobs) * c.response_mask,  # (k*B, Tr), 0 on padding
-                   torch.cat(ref_logprobs) * c.response_mask if ref_policy is not None else None)
+
+    def logprobs_of(model) -> torch.Tensor:
+        return torch.cat([forward_logprobs(model, c.query_responses[i : i + chunk], c.attention_mask[i : i + chunk],
+                                           c.context_length, args.temperature)[0]  # (c, Tr)
+                          for i in range(0, c.query_responses.shape[0], chunk)]) * c.response_mask  # 0 on padding
+
+    # recomputed with the training forward pass, not taken from sampling: the sequence-level ratio is the exp of
+    # a sum, so small sampling-vs-training mismatches would blow up (bf16, fused kernels)
+    with timer("policy_forward"), autocast():
+        logprobs = logprobs_of(policy)  # (k*B, Tr)
+    ref_logprobs = None
+    if ref_policy is not None:
+        with timer("reference_forward"), visiting(ref_policy, c.query_responses.device), autocast():
+            ref_logprobs = logprobs_of(ref_policy)  # (k*B, Tr)
+    return Rollout(c.query_responses, c.attention_mask, c.response_mask, c.context_length, logprobs, ref_logprobs)
 
 
 # ===================================================================== rewards
@@ -1425,13 +1451,15 @@ def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = N
         if stop_token_id is None:
             raise ConfigError(f"--stop_token eos but the tokenizer of {tokenizer_path} has no EOS: pass --stop_token_id")
     disable_dropout(policy)
-    policy.to(device)
+    if not args.offload:  # offloaded, fully_shard moves one unit at a time through the GPU as it shards
+        policy.to(device)
+    frozen_home = torch.device("cpu") if args.offload else device
     ref_policy = None
     if args.kl_coef != 0:
         ref_policy = copy.deepcopy(policy) if checkpoint is None else \
             load_causal_lm(initial_path, torch.float32, args.trust_remote_code)
         disable_dropout(ref_policy)
-        ref_policy.to(device, torch.bfloat16 if args.bf16 else torch.float32).eval().requires_grad_(False)
+        ref_policy.to(frozen_home, torch.bfloat16 if args.bf16 else torch.float32).eval().requires_grad_(False)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return policy, ref_policy, tokenizer, stop_token_id
@@ -1458,7 +1486,7 @@ def load_reward_sources(args: Args, tokenizer, functions: list[tuple[str, Callab
         model = load_reward_model(args.reward_model_path, torch.bfloat16 if args.bf16 else torch.float32,
                                   args.trust_remote_code)
         disable_dropout(model)
-        model = model.to(device).eval().requires_grad_(False)
+        model = model.to("cpu" if args.offload else device).eval().requires_grad_(False)
         try:
             own_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code)
         except ConfigError:  # no tokenizer saved with the reward model: it shares the policy's
@@ -1496,13 +1524,13 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
 
     # ---- FSDP or DDP, optimizer; from here on each rank samples differently
     if args.fsdp:
-        model = shard_policy(policy, args.bf16)  # in place: the policy itself becomes the sharded module
+        model = shard_policy(policy, args.bf16, args.offload)  # in place: the policy becomes the sharded module
     elif dist.is_initialized():
         model = DDP(policy, device_ids=[device.index] if device.type == "cuda" else None)
     else:
         model = policy
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=args.adam_epsilon,
-                                  fused=device.type == "cuda")  # one kernel per step instead of one per tensor
+                                  fused=device.type == "cuda" and not args.offload)  # one kernel, not one per tensor
     seed_everything(args.seed + dist_info.rank)
     sampling_rng = torch.Generator(device).manual_seed(args.seed + dist_info.rank)  # only sampling draws from it
     sampler = PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)
@@ -1577,10 +1605,11 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
 
             # ---- 4. scores
             with timer("scoring"):
-                raw_scores, source_means = score_completions(
-                    sources, rollout, prompt_values(rows, args.prompt_column, tokenizer),
-                    {c: rows[c] for c in columns_to_pass}, tokenizer, stop_token_id,
-                    args.local_rollout_forward_batch_size, autocast)  # (k*B,)
+                with visiting(sources.model, device):
+                    raw_scores, source_means = score_completions(
+                        sources, rollout, prompt_values(rows, args.prompt_column, tokenizer),
+                        {c: rows[c] for c in columns_to_pass}, tokenizer, stop_token_id,
+                        args.local_rollout_forward_batch_size, autocast)  # (k*B,)
                 scores = apply_missing_eos_penalty(raw_scores, has_stop, args.missing_eos_penalty)  # (k*B,)
                 if args.normalize_reward:
                     scores = whiten(scores).clamp(-args.reward_clip_range, args.reward_clip_range)
@@ -1639,7 +1668,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                                           scores[i].item()) for i in shown], episode)
             if eval_dataset is not None and (update % eval_every == 0 or update == num_updates):
                 policy.eval()
-                with gathered_for_rollout(policy, args.fsdp_generation):
+                with gathered_for_rollout(policy, args.fsdp_generation), visiting(sources.model, device):
                     eval_metrics = evaluate(policy, eval_dataset, sources, tokenizer, args, stop_token_id, dist_info,
                                             autocast)
                 if logger is not None:

@@ -1,5 +1,5 @@
 """Two PPO epochs of one minibatch on a fixed global batch of 8 completions, in one process or split over the
-ranks of a torchrun, with DDP or (argv[2] == "fsdp") FSDP2; rank 0 saves the updated parameters to argv[1].
+ranks of a torchrun, with DDP or (argv[2] == "fsdp", "fsdp_offload") FSDP2; rank 0 saves the updated parameters to argv[1].
 Used by test_distributed.py."""
 
 import sys
@@ -34,13 +34,13 @@ def main(out_path: str, wrapper: str) -> None:
     args = rloo.Args(rloo_k=2, per_device_train_batch_size=2, gradient_accumulation_steps=per_rank // 2,
                      num_mini_batches=1, num_ppo_epochs=2, temperature=1.0, max_grad_norm=0.0)
     sizes = rloo.compute_batch_sizes(args, dist_info.world_size)
-    if wrapper == "fsdp":
-        model = rloo.shard_policy(policy, bf16=False)
+    if wrapper.startswith("fsdp"):
+        model = rloo.shard_policy(policy, bf16=False, offload=wrapper == "fsdp_offload")
     else:
         model = DDP(policy) if dist.is_initialized() else policy
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)  # plain SGD: the update is a multiple of the gradient
     rloo.ppo_update(model, optimizer, rollout, advantages[mine], args, sizes, lambda: torch.autocast("cpu", enabled=False))
-    if wrapper == "fsdp":  # every rank sends its shards
+    if wrapper.startswith("fsdp"):  # every rank sends its shards
         state = rloo.get_model_state_dict(policy, options=rloo.StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
         state = policy.state_dict()

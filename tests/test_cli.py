@@ -65,7 +65,8 @@ def test_reward_model_with_its_own_tokenizer_and_every_option(assets, tmp_path):
     assert "['reward_model', 'matches_target']" in result.stdout
 
 
-@pytest.mark.parametrize("sharding", [[], ["--fsdp", "--bf16", "--gradient_checkpointing"]], ids=["ddp", "fsdp-bf16"])
+@pytest.mark.parametrize("sharding", [[], ["--fsdp", "--bf16", "--gradient_checkpointing", "--offload"]],
+                         ids=["ddp", "fsdp-bf16-offload"])
 def test_two_process_torchrun(assets, tmp_path, sharding):
     out = tmp_path / "run"
     result = run_rloo("--model_name_or_path", assets["policy"], "--reward_model_path", assets["reward_model"],
@@ -154,3 +155,5 @@ def test_the_published_command_fails_cleanly_without_the_hub(tmp_path):
 
 def test_fsdp_outside_torchrun_is_refused(assets, tmp_path):
     assert_one_line_error(run_rloo(*base(assets, tmp_path), "--fsdp"), "--fsdp shards", "launch with torchrun")
+    assert_one_line_error(run_rloo(*base(assets, tmp_path), "--offload"), "--offload works through FSDP2",
+                          "add --fsdp")

@@ -18,7 +18,7 @@ def run(script_args: list[str], out, wrapper: str = "ddp") -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp", "fsdp_offload"])
 def test_two_rank_update_equals_one_rank_update(tmp_path, wrapper):
     run([], tmp_path / "one.pt")
     run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"], tmp_path / "two.pt", wrapper)

@@ -135,7 +135,14 @@ def test_an_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(assets
     assert trainer.returncode == 4, stderr[-3000:]
     assert "engine 0" in stderr and "checkpoint of update" in stderr and "Traceback" not in stderr
     checkpoint = rloo.latest_checkpoint(str(out))
-    assert checkpoint is not None and torch.load(checkpoint / rloo.TRAINER_STATE, weights_only=False)["update"] >= 1
+    saved = torch.load(checkpoint / rloo.TRAINER_STATE, weights_only=False)["update"] if checkpoint else 0
+    assert saved >= 1
+    # the same command with --resume continues with fresh engines, which start from the checkpoint's weights
+    resumed = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
+                  *RUN, "--total_episodes", (saved + 1) * PER_UPDATE, "--output_dir", out, "--engine", "hf",
+                  "--engine_port", free_port(), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {checkpoint}" in resumed.stdout and read_metrics(out)[-1]["update"] == saved + 1
 
 
 def test_engine_flags_that_clash_are_refused_in_one_line(assets, tmp_path):

@@ -1,6 +1,7 @@
 """plan_memory.py's arithmetic against what PyTorch's memory tracker measures on tiny GPT-NeoX models (CPU)."""
 
 import subprocess
+from dataclasses import replace
 import sys
 
 import pytest
@@ -107,3 +108,16 @@ def test_cli_prints_the_plan_and_the_options_that_fit(tmp_path):
     result = subprocess.run([sys.executable, "plan_memory.py", "--model_name_or_path", path, "--dataset_name", "x",
                              "--reward_model_path", path, "--rloo_k", "1"], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 2 and "plan_memory.py: error: rloo_k = 1" in result.stderr
+
+
+def test_offload_leaves_no_resident_policy_state_and_is_the_one_gpu_answer_for_6p9b():
+    pythia_6p9b = plan_memory.Shape(parameters=6_857_302_016, hidden=4096, intermediate=16384, layers=32, vocab=50304)
+    args = plan_memory.PlanArgs(model_name_or_path="unused", world_size=1, gpu_gib=80, bf16=True,
+                                per_device_train_batch_size=8, local_rollout_forward_batch_size=16, response_length=53)
+    offloaded = plan_memory.plan(replace(args, fsdp=True, offload=True), pythia_6p9b, pythia_6p9b)
+    assert sum(offloaded["resident"].values()) == 0
+    assert offloaded["rollout"]["offloaded frozen models, visiting"] == 2 * 2 * pythia_6p9b.parameters  # bf16 ref + RM
+    assert plan_memory.peak_bytes(plan_memory.plan(args, pythia_6p9b, pythia_6p9b)) > 80 * plan_memory.GIB
+    fitting = [label for label, _ in plan_memory.options_that_fit(args, pythia_6p9b, pythia_6p9b)]
+    assert fitting and all("--offload" in label for label in fitting)  # 16 bytes per parameter cannot stay on one GPU
+    assert plan_memory.peak_bytes(offloaded) < 80 * plan_memory.GIB
