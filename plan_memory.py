@@ -99,7 +99,7 @@ def plan(args: PlanArgs, policy: Shape, reward: Shape | None) -> dict[str, dict[
         "reward model": on_gpu * frozen * reward.parameters if reward is not None else 0.0,
     }
     tokens = args.max_prompt_length + args.response_length
-    chunk = args.local_rollout_forward_batch_size
+    chunk = args.local_rollout_forward_batch_size or 1  # 0: chunks sized to the memory left, so at least one row
     block = frozen * p / policy.layers  # one transformer block in the compute dtype
     if args.fsdp:
         gathered = frozen * p if args.fsdp_generation == "unshard" else 2 * block

@@ -150,7 +150,12 @@ class Args:
     stop_token_id: Optional[int] = None
     """truncate after this token id instead (overrides --stop_token)"""
     local_rollout_forward_batch_size: int = 64
-    """completions per generation / scoring forward pass, per rank"""
+    """completions per generation / log-prob / scoring forward pass, per rank; 0: as many as fit in 90% of the
+    memory free when each phase starts (GPU memory, or RAM on CPU), estimated from the model's config"""
+    compile_generation: bool = False
+    """sample with a KV cache preallocated for max_prompt_length + response_length positions and a torch.compile'd
+    decoding step (CUDA graphs on GPU): no per-token Python, allocation or kernel-launch overhead, which dominates
+    small-batch decoding on GPUs. The first update compiles, once per chunk size. Needs transformers >= 5"""
 
     # ----- optimization -----
     total_episodes: Optional[int] = None
@@ -244,10 +249,14 @@ def validate_args(args: Args) -> None:
         )
     if args.temperature <= 0:
         raise ConfigError(f"temperature = {args.temperature} must be > 0")
-    if args.response_length < 1 or args.max_prompt_length < 1 or args.local_rollout_forward_batch_size < 1:
-        raise ConfigError("response_length, max_prompt_length and local_rollout_forward_batch_size must be >= 1")
+    if args.response_length < 1 or args.max_prompt_length < 1 or args.local_rollout_forward_batch_size < 0:
+        raise ConfigError("response_length and max_prompt_length must be >= 1, local_rollout_forward_batch_size "
+                          ">= 0 (0: sized to the free memory)")
     if args.missing_eos_penalty is not None and args.stop_token is None and args.stop_token_id is None:
         raise ConfigError("--missing_eos_penalty needs a stop token: pass --stop_token eos or --stop_token_id ID")
+    if args.compile_generation and args.fsdp:
+        raise ConfigError("--compile_generation cannot trace FSDP's gathers of a sharded policy yet: drop one of "
+                          "--compile_generation and --fsdp")
     if args.offload and not args.fsdp:
         raise ConfigError("--offload works through FSDP2's CPU offload: add --fsdp (under torchrun; "
                           "--nproc_per_node 1 for one GPU)")
@@ -565,33 +574,82 @@ def sample_tokens(logits: torch.Tensor, temperature: float, generator: Optional[
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=logits.shape[1] - 1)
 
 
+class StaticDecoder:
+    """What --compile_generation decodes with: one KV cache of max_length positions per batch size, kept and reset
+    between calls (CUDA graphs replay on fixed addresses), and the decoding step, compiled. Every batch decodes in
+    max_length positions whatever its prompt width, so the step has one shape per batch size and compiles once."""
+
+    def __init__(self, model, max_length: int, backend: str = "inductor"):
+        from transformers import StaticCache
+
+        if "max_batch_size" in inspect.signature(StaticCache.__init__).parameters:  # transformers 4.x's cache API
+            raise ConfigError("--compile_generation needs transformers >= 5 (a StaticCache that tracks its own "
+                              "position): upgrade transformers or drop the flag")
+        self.model, self.max_length, self.caches = model, max_length, {}
+        cuda_graphs = backend == "inductor" and next(model.parameters()).device.type == "cuda"
+        self.step = torch.compile(model, backend=backend, dynamic=False, mode="reduce-overhead" if cuda_graphs else None)
+
+    def fresh_cache(self, batch_size: int):
+        from transformers import StaticCache
+
+        cache = self.caches.get(batch_size)
+        if cache is None:
+            cache = self.caches[batch_size] = StaticCache(config=self.model.config, max_cache_len=self.max_length)
+            for layer in cache.layers:
+                layer.update = self.in_one_dtype(layer.update)
+        elif cache.is_initialized:
+            cache.reset()
+        return cache
+
+    @staticmethod
+    def in_one_dtype(update: Callable) -> Callable:
+        """A static cache layer holds keys and values in one dtype, but under bf16 autocast the rotated keys arrive
+        in fp32 and the values in bf16: store both in the wider one (the attention casts them as it did before)."""
+
+        def cast_then_update(key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            dtype = torch.promote_types(key_states.dtype, value_states.dtype)
+            return update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
+
+        return cast_then_update
+
+
 @torch.no_grad()
 def generate(
     model, queries: torch.Tensor, query_mask: torch.Tensor, max_new_tokens: int, temperature: float,
     stop_token_id: Optional[int], pad_token_id: int, generator: Optional[torch.Generator] = None,
+    decoder: Optional[StaticDecoder] = None,
 ) -> torch.Tensor:
     """Sample (N, max_new_tokens) tokens after left-padded queries (N, Tq), top_k=0, top_p=1 (temperature 0:
-    greedy). A row is padded after its stop token; the loop ends early once every row has stopped."""
-    attention_mask = query_mask.long()  # (N, Tq), grows by one column per step
-    position_ids = position_ids_from_mask(attention_mask)  # (N, Tq)
-    out = model(input_ids=queries, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+    greedy). A row is padded after its stop token; the loop ends early once every row has stopped. With a
+    `decoder`, in its preallocated cache, by its compiled step."""
+    n, width = queries.shape
+    if decoder is None:  # the cache grows by one position per step
+        cache, step, attention_mask = None, model, query_mask.long()  # (N, Tq), grows by one column per step
+    else:  # (N, L) mask over the whole preallocated cache; positions not yet generated are masked
+        cache, step = decoder.fresh_cache(n), decoder.step
+        attention_mask = torch.nn.functional.pad(query_mask.long(), (0, decoder.max_length - width))
+    position_ids = position_ids_from_mask(query_mask)  # (N, Tq)
+    out = model(input_ids=queries, attention_mask=attention_mask[:, :width], position_ids=position_ids,
+                past_key_values=cache, use_cache=True,
                 **({"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}))  # only the next token's logits
     next_position = position_ids[:, -1:] + 1  # (N, 1)
-    done = torch.zeros(queries.shape[0], dtype=torch.bool, device=queries.device)  # (N,)
-    tokens = torch.full((queries.shape[0], max_new_tokens), pad_token_id, device=queries.device)  # (N, Tr)
+    done = torch.zeros(n, dtype=torch.bool, device=queries.device)  # (N,)
+    tokens = torch.full((n, max_new_tokens), pad_token_id, device=queries.device)  # (N, Tr)
     for t in range(max_new_tokens):
         logits = out.logits[:, -1].float()  # (N, V)
         token = sample_tokens(logits, temperature, generator) if temperature > 0 else logits.argmax(-1)  # (N,)
-        tokens[:, t] = torch.where(done, pad_token_id, token)
+        token = torch.where(done, pad_token_id, token)
+        tokens[:, t] = token
         if stop_token_id is not None:
             done |= token == stop_token_id
         if t == max_new_tokens - 1 or done.all():
             break
-        attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
-        out = model(
-            input_ids=tokens[:, t : t + 1], attention_mask=attention_mask, position_ids=next_position,
-            past_key_values=out.past_key_values, use_cache=True,
-        )
+        if decoder is None:
+            attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
+        else:
+            attention_mask[:, width + t] = 1
+        out = step(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,
+                   past_key_values=out.past_key_values, use_cache=True)
         next_position = next_position + 1
     return tokens
 
@@ -704,10 +762,11 @@ class Rollout(Completions):
 def sample_completions(
     policy, queries: torch.Tensor, query_mask: torch.Tensor, response_length: int, temperature: float,
     stop_token_id: Optional[int], pad_token_id: int, generator: Optional[torch.Generator] = None,
+    decoder: Optional[StaticDecoder] = None,
 ) -> Completions:
     """Sample one completion per (N, Tq) query and cut it after its first stop token."""
     responses = generate(policy, queries, query_mask, response_length, temperature, stop_token_id, pad_token_id,
-                         generator)
+                         generator, decoder)
     responses, response_mask = truncate_after_stop(responses, stop_token_id, pad_token_id)  # (N, Tr) each
     return Completions(torch.cat([queries, responses], 1), torch.cat([query_mask, response_mask], 1),
                        response_mask, queries.shape[1])
@@ -749,18 +808,52 @@ def cat_completions(parts: list[Completions]) -> Completions:
                        torch.cat([c.response_mask for c in parts]), parts[0].context_length)
 
 
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory a new allocation can take now: free GPU memory plus what PyTorch's allocator holds unused, or the
+    available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def forward_bytes_per_row(config, phase: str, prompt_length: int, response_length: int, dtype_bytes: int) -> float:
+    """Peak bytes one completion adds to a no-grad forward pass of this phase: one layer's transient activations
+    (about 4 x hidden + intermediate values per token) and, when sampling, its KV cache of every layer and one
+    step's fp32 logits; for log-probs, the response's fp32 logits and softmax."""
+    hidden, tokens = config.hidden_size, prompt_length + response_length
+    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    per_row = (4 * hidden + intermediate) * tokens * dtype_bytes
+    if phase == "generation":
+        per_row += 2 * config.num_hidden_layers * hidden * tokens * dtype_bytes + 3 * config.vocab_size * 4
+    elif phase == "logprobs":
+        per_row += 2 * response_length * config.vocab_size * 4
+    return per_row
+
+
+def rows_per_forward(args: Args, model, phase: str, device: torch.device, rows: int) -> int:
+    """local_rollout_forward_batch_size, or with 0 the most of `rows` whose forward through `model` fits in 90% of
+    the free memory, measured now (after the previous phase freed its buffers)."""
+    if args.local_rollout_forward_batch_size > 0:
+        return args.local_rollout_forward_batch_size
+    if model is None:  # no forward pass to size
+        return rows
+    per_row = forward_bytes_per_row(model.config, phase, args.max_prompt_length, args.response_length,
+                                    2 if args.bf16 else 4)
+    return max(1, min(rows, int(0.9 * free_memory_bytes(device) // per_row)))
+
+
 @torch.no_grad()
 def sample_in_chunks(
     policy, queries: torch.Tensor, query_mask: torch.Tensor, args: Args, stop_token_id: Optional[int],
-    pad_token_id: int, generator: torch.Generator, autocast,
+    pad_token_id: int, generator: torch.Generator, autocast, decoder: Optional[StaticDecoder] = None,
 ) -> Completions:
     """Completions of the (N, Tq) queries, local_rollout_forward_batch_size rows at a time (the KV cache of a
     chunk is what must fit), drawing from `generator` chunk after chunk."""
-    chunk = args.local_rollout_forward_batch_size
+    chunk = rows_per_forward(args, policy, "generation", queries.device, queries.shape[0])
     with autocast():
         return cat_completions([
             sample_completions(policy, queries[i : i + chunk], query_mask[i : i + chunk], args.response_length,
-                               args.temperature, stop_token_id, pad_token_id, generator)  # (c, Tq + Tr)
+                               args.temperature, stop_token_id, pad_token_id, generator, decoder)  # (c, Tq + Tr)
             for i in range(0, queries.shape[0], chunk)])
 
 
@@ -775,6 +868,8 @@ class LocalRollouts:
                  generator: torch.Generator, autocast):
         self.policy, self.args, self.stop_token_id, self.pad_token_id = policy, args, stop_token_id, pad_token_id
         self.generator, self.autocast, self.queued = generator, autocast, []
+        self.decoder = StaticDecoder(policy, args.max_prompt_length + args.response_length) \
+            if args.compile_generation else None
 
     def submit(self, queries: torch.Tensor, query_mask: torch.Tensor) -> None:
         """Ask for one completion of each (k*B, Tq) query."""
@@ -784,7 +879,7 @@ class LocalRollouts:
         """The completions of the oldest submitted queries, and metrics about how they were made."""
         queries, query_mask = self.queued.pop(0)
         return sample_in_chunks(self.policy, queries, query_mask, self.args, self.stop_token_id, self.pad_token_id,
-                                self.generator, self.autocast), {}
+                                self.generator, self.autocast, self.decoder), {}
 
     def behaviour_policy(self, policy):
         """The module whose log-probs are those of the weights that sampled the batch being taken."""
@@ -808,9 +903,10 @@ def collect_rollout(
 ) -> Rollout:
     """The log-probs of sampled (k*B, Tq + Tr) completions under the policy that sampled them, then under the
     reference: one phase after the other, each in chunks of local_rollout_forward_batch_size completions."""
-    c, chunk = completions, args.local_rollout_forward_batch_size
+    c = completions
 
     def logprobs_of(model) -> torch.Tensor:
+        chunk = rows_per_forward(args, model, "logprobs", c.query_responses.device, c.query_responses.shape[0])
         return torch.cat([forward_logprobs(model, c.query_responses[i : i + chunk], c.attention_mask[i : i + chunk],
                                            c.context_length, args.temperature)[0]  # (c, Tr)
                           for i in range(0, c.query_responses.shape[0], chunk)]) * c.response_mask  # 0 on padding
@@ -1403,15 +1499,17 @@ def evaluate(
     indices = list(range(dist_info.rank, min(len(eval_dataset), args.eval_max_prompts), dist_info.world_size))
     total = torch.zeros(4, dtype=torch.float64, device=dist_info.device)  # score sum, length sum, stops, count
     columns_to_pass = [c for c in eval_dataset.column_names if c not in (PROMPT_IDS, args.prompt_column)]
-    for start in range(0, len(indices), args.local_rollout_forward_batch_size):
-        rows = eval_dataset[indices[start : start + args.local_rollout_forward_batch_size]]
+    chunk = min(rows_per_forward(args, policy, "generation", dist_info.device, len(indices)),
+                rows_per_forward(args, sources.model, "scoring", dist_info.device, len(indices)))
+    for start in range(0, len(indices), max(chunk, 1)):
+        rows = eval_dataset[indices[start : start + chunk]]
         queries, query_mask = pad_sequences(rows[PROMPT_IDS], tokenizer.pad_token_id, dist_info.device)  # (b, Tq)
         with autocast():
             completions = sample_completions(policy, queries, query_mask, args.response_length, EVAL_TEMPERATURE,
                                              stop_token_id, tokenizer.pad_token_id)  # (b, Tq + Tr)
         scores, _ = score_completions(sources, completions, prompt_values(rows, args.prompt_column, tokenizer),
                                       {c: rows[c] for c in columns_to_pass}, tokenizer, stop_token_id,
-                                      args.local_rollout_forward_batch_size, autocast)  # (b,)
+                                      chunk, autocast)  # (b,)
         total += torch.tensor([scores.sum().item(), completions.response_mask.sum().item(),
                                completions.ended(stop_token_id).sum().item(), len(scores)],
                               dtype=torch.float64, device=dist_info.device)
@@ -1609,7 +1707,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                     raw_scores, source_means = score_completions(
                         sources, rollout, prompt_values(rows, args.prompt_column, tokenizer),
                         {c: rows[c] for c in columns_to_pass}, tokenizer, stop_token_id,
-                        args.local_rollout_forward_batch_size, autocast)  # (k*B,)
+                        rows_per_forward(args, sources.model, "scoring", device, len(completions.responses)),
+                        autocast)  # (k*B,)
                 scores = apply_missing_eos_penalty(raw_scores, has_stop, args.missing_eos_penalty)  # (k*B,)
                 if args.normalize_reward:
                     scores = whiten(scores).clamp(-args.reward_clip_range, args.reward_clip_range)

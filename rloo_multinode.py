@@ -235,6 +235,8 @@ class HFEngine:
                                          args.trust_remote_code).to(device).eval().requires_grad_(False)
         rloo.disable_dropout(self.model)
         self.params = dict(self.model.named_parameters())
+        self.decoder = rloo.StaticDecoder(self.model, args.max_prompt_length + args.response_length) \
+            if args.compile_generation else None
 
     def join_weight_group(self, store, rank_offset: int, size: int) -> None:
         self.group = GlooWeightGroup(store, rank_offset, size, self.args.engine_timeout)
@@ -251,7 +253,7 @@ class HFEngine:
         c = rloo.sample_in_chunks(
             self.model, request["queries"].to(self.device), request["query_mask"].to(self.device), self.args,
             request["stop_token_id"], request["pad_token_id"], generator,
-            lambda: torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16))
+            lambda: torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16), self.decoder)
         return {"responses": c.responses.cpu(), "rng_state": generator.get_state()}
 
     def state_dict(self) -> dict:

@@ -57,7 +57,7 @@ def test_reward_model_with_its_own_tokenizer_and_every_option(assets, tmp_path):
                       "--token_level_kl", "--normalize_reward", "--normalize_advantage", "--missing_eos_penalty", 1.0,
                       "--gradient_accumulation_steps", 2, "--num_mini_batches", 2, "--num_ppo_epochs", 2,
                       "--gradient_checkpointing", "--bf16", *TINY_RUN[:2], "--per_device_train_batch_size", 4,
-                      *TINY_RUN[4:])
+                      *TINY_RUN[4:], "--compile_generation", "--local_rollout_forward_batch_size", 0)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(out)
     assert len(metrics) == 4

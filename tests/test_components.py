@@ -35,6 +35,46 @@ def test_generation_matches_the_unpadded_greedy_continuation():
         assert alone[0].tolist() == ids[0, q.shape[1]:].tolist()
 
 
+@pytest.mark.parametrize("backend", [None, "eager"], ids=["static_cache", "static_cache_compiled"])
+def test_static_decoder_samples_the_same_tokens(backend):
+    """--compile_generation's preallocated cache and (dynamo-traced) step give the tokens of the growing cache, with
+    the same random numbers; the cache is reused across calls of one batch size, prompts of any width."""
+    tokenizer = policy_tokenizer()
+    policy = tiny_policy(len(tokenizer))
+    decoder = rloo.StaticDecoder(policy, max_length=12 + 6, **({"backend": backend} if backend else {}))
+    if backend is None:
+        decoder.step = policy  # the static cache alone
+    for texts in (["a b c d e :", "f :", "g h :"], ["a :", "b c d e f g h :", "c :"]):  # widths 6 then 8
+        queries, mask = left_padded(tokenizer, texts)
+        for temperature, stop, bf16 in ((0.0, None, False), (1.0, 1, False), (1.0, None, True)):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # keys fp32, values bf16
+                growing = rloo.generate(policy, queries, mask, 6, temperature, stop, 0,
+                                        torch.Generator().manual_seed(3))
+                static = rloo.generate(policy, queries, mask, 6, temperature, stop, 0,
+                                       torch.Generator().manual_seed(3), decoder)
+            assert torch.equal(static, growing)
+    assert list(decoder.caches) == [3]
+
+
+def test_forward_chunks_are_sized_to_the_free_memory(monkeypatch):
+    tokenizer = policy_tokenizer()
+    policy = tiny_policy(len(tokenizer))
+    config, cpu = policy.config, torch.device("cpu")
+    h, i, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
+    assert rloo.forward_bytes_per_row(config, "generation", 16, 8, 4) == \
+        (4 * h + i) * 24 * 4 + 2 * layers * h * 24 * 4 + 3 * vocab * 4  # activations + KV cache + a step's logits
+    assert rloo.forward_bytes_per_row(config, "logprobs", 16, 8, 2) == (4 * h + i) * 24 * 2 + 2 * 8 * vocab * 4
+    args = rloo.Args(local_rollout_forward_batch_size=0, max_prompt_length=16, response_length=8)
+    per_row = rloo.forward_bytes_per_row(config, "generation", 16, 8, 4)
+    monkeypatch.setattr(rloo, "free_memory_bytes", lambda device: int(10.5 * per_row / 0.9))
+    assert rloo.rows_per_forward(args, policy, "generation", cpu, 64) == 10  # 90% of what is free
+    assert rloo.rows_per_forward(args, policy, "generation", cpu, 4) == 4  # never more than there are
+    assert rloo.rows_per_forward(args, None, "scoring", cpu, 64) == 64  # no model: nothing to size
+    monkeypatch.setattr(rloo, "free_memory_bytes", lambda device: 0)
+    assert rloo.rows_per_forward(args, policy, "logprobs", cpu, 64) == 1  # at least one row, even when full
+    assert rloo.rows_per_forward(rloo.Args(local_rollout_forward_batch_size=16), policy, "generation", cpu, 64) == 16
+
+
 def test_generation_pads_after_the_stop_token():
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer))
