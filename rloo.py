@@ -54,7 +54,7 @@ class Args:
         "exp_name", "output_dir", "track", "wandb_project_name", "wandb_entity", "trust_remote_code",
         "dataset_test_split", "num_sample_generations", "num_evals", "eval_max_prompts",
         "local_rollout_forward_batch_size", "gradient_checkpointing", "total_episodes", "num_train_epochs",
-        "save_steps", "save_total_limit", "resume", "resume_from", "fsdp_generation"})
+        "save_steps", "save_total_limit", "resume", "resume_from", "fsdp_generation", "compile_generation"})
 
     # ----- experiment -----
     exp_name: str = "rloo"

@@ -26,6 +26,7 @@ import contextlib
 import copy
 import datetime
 import io
+import itertools
 import json
 import os
 import socket
@@ -298,6 +299,14 @@ class VLLMEngine:
         return {"responses": responses, "rng_state": request["rng_state"]}  # vLLM seeds its own sampler
 
 
+def wait_for_key(store, key: str) -> bytes:
+    """An engine's wait for the trainer: as long as it takes (the trainer may train, evaluate or save for long),
+    until the key is set or the trainer's store is gone (DistNetworkError)."""
+    while not store.check([key]):
+        time.sleep(POLL_SECONDS)
+    return store.get(key)
+
+
 def heartbeat(host: str, port: int, index: int, stop: threading.Event) -> None:
     """Tick engine/<index>/beats every HEARTBEAT_SECONDS on a connection of its own, so a long generation or a
     busy interpreter never looks like death."""
@@ -332,8 +341,8 @@ def serve(serve_args: ServeArgs) -> None:
         store.set(f"engine/{index}/ready", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
         engine.join_weight_group(store, config["rank_offsets"][index], config["group_size"])
         ranks = list(range(index, config["world_size"], args.num_engines))
-        for step in range(10**12):
-            command = loads(store.get(f"cmd/{step}"))
+        for step in itertools.count():
+            command = loads(wait_for_key(store, f"cmd/{step}"))  # every engine reads every command
             if command["kind"] == "stop":
                 break
             if command["kind"] == "sync":
@@ -341,7 +350,8 @@ def serve(serve_args: ServeArgs) -> None:
                 engine.receive_weights(command["buckets"], command["dtype"])
             elif command["kind"] == "generate":
                 for rank in ranks:
-                    request = loads(store.get(f"gen/{command['batch']}/{rank}"))
+                    request = loads(wait_for_key(store, f"gen/{command['batch']}/{rank}"))
+                    store.delete_key(f"gen/{command['batch']}/{rank}")
                     result = engine.generate(request)
                     store.set(f"out/{command['batch']}/{rank}", dumps(result))
             elif command["kind"] == "state_dict":  # for checking a sync: this engine's weights, to the trainer
@@ -407,9 +417,12 @@ class EngineRollouts(rloo.LocalRollouts):
     def wait_for(self, key: str, what: str, timeout: Optional[float]) -> bytes:
         """The value of `key` once some engine sets it; EngineError if an engine fails meanwhile or `timeout`
         seconds pass (None: as long as the engines are alive)."""
-        start = time.monotonic()
+        start = checked = time.monotonic()
+        self.check_engines()
         while not self.store.check([key]):
-            self.check_engines()
+            if time.monotonic() - checked > HEARTBEAT_SECONDS:  # a few store calls per engine; not at every poll
+                self.check_engines()
+                checked = time.monotonic()
             if timeout is not None and time.monotonic() - start > timeout:
                 raise EngineError(f"no engine answered within --engine_timeout {timeout:.0f} s: waiting for {what}")
             time.sleep(POLL_SECONDS)
