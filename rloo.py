@@ -1667,7 +1667,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         rollouts.submit(queries.repeat(args.rloo_k, 1), query_mask.repeat(args.rloo_k, 1))  # (k*B, Tq) each
         submitted.append((rows, queries, query_mask, sampler_state))
 
-    def checkpoint(update: int) -> Path:
+    def save_state(update: int) -> Path:
         """Resumable state after `update`; the data position is the one before any batch not yet trained on."""
         trainer_state = {
             "update": update, "episode": update * sizes.world,
@@ -1694,7 +1694,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                     with timer("generation"):
                         completions, rollout_metrics = rollouts.take()  # (k*B, Tq + Tr)
                 except RolloutSourceError as e:  # the last update's state is intact: keep it, then stop
-                    path = checkpoint(update - 1)
+                    path = save_state(update - 1)
                     raise RolloutSourceError(f"{e}; checkpoint of update {update - 1} saved to {path}") from None
                 rows, queries, query_mask, _ = submitted.pop(0)
                 rollout = collect_rollout(rollouts.behaviour_policy(policy), ref_policy, completions, args,
@@ -1776,7 +1776,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
             # ---- checkpoint: periodically, at the end, and when a signal asks the run to stop
             stop = stop_signal.requested(device)
             if stop or update == num_updates or (args.save_steps > 0 and update % args.save_steps == 0):
-                path = checkpoint(update)
+                path = save_state(update)
             if stop:
                 if logger is not None:
                     (Path(args.output_dir) / PREEMPTED).write_text(f"{path}\n")
