@@ -79,6 +79,9 @@ class Args:
     """completions per generation / scoring chunk"""
     bf16: bool = False
     """bf16 autocast and frozen models (GPU)"""
+    compile_generation: bool = False
+    """rloo.py only: --compile_generation (static KV cache, compiled decoding step; TRL 0.21 has no equivalent).
+    The compilation falls in the warm-up update"""
     trl_python: str = "benchmark/.venv-trl/bin/python"
     """the Python of the environment with TRL 0.21 (`make bench-env`)"""
     cache_dir: str = ".cache/throughput"
@@ -273,7 +276,9 @@ def main(args: Args) -> None:
         for repeat in range(args.repeats):
             for name, command in commands.items():
                 run_dir = fresh_run_dir(REPO_ROOT / args.runs_dir / f"{shape}_{name.replace('.', '_')}_{repeat}")
-                _, rss = run_trainer(command + trainer_flags(args, assets, run_dir), run_dir / "log.txt", "throughput")
+                own = ["--compile_generation"] if args.compile_generation and name == "rloo.py" else []
+                _, rss = run_trainer(command + trainer_flags(args, assets, run_dir) + own, run_dir / "log.txt",
+                                     "throughput")
                 results[name].append(summarize_run(run_dir / "metrics.jsonl", args, rss))
                 print(f"{shape} {name} repeat {repeat}: {results[name][-1]['episodes_per_s']:.1f} episodes/s", flush=True)
         results["ratio"] = ratio_stats(results["rloo.py"], results["trl"])
