@@ -52,11 +52,11 @@ TRAINERS = ("rloo.py", "trl")  # the keys of trainer_commands
 
 
 @dataclass
-class Args:
+class RunConfig:
+    """The runs' shape and settings, shared with benchmark/options_cost.py."""
+
     shapes: tuple[str, ...] = ("pythia-14m",)
     """model shapes to measure, from: pythia-14m, -70m, -160m, -410m, -1b, -2.8b, -6.9b"""
-    repeats: int = 3
-    """A/B pairs per shape (rloo.py, then TRL, `repeats` times)"""
     updates: int = 4
     """updates per run"""
     warmup_updates: int = 1
@@ -79,11 +79,6 @@ class Args:
     """completions per generation / scoring chunk"""
     bf16: bool = False
     """bf16 autocast and frozen models (GPU)"""
-    compile_generation: bool = False
-    """rloo.py only: --compile_generation (static KV cache, compiled decoding step; TRL 0.21 has no equivalent).
-    The compilation falls in the warm-up update"""
-    trl_python: str = "benchmark/.venv-trl/bin/python"
-    """the Python of the environment with TRL 0.21 (`make bench-env`)"""
     cache_dir: str = ".cache/throughput"
     """where the random-init models and prompts are built (reused)"""
     output_dir: str = "benchmark/results"
@@ -92,6 +87,17 @@ class Args:
     """where each run's directory (metrics.jsonl, log.txt, final policy) goes"""
     seed: int = 1
     """seed of both trainers"""
+
+
+@dataclass
+class Args(RunConfig):
+    repeats: int = 3
+    """A/B pairs per shape (rloo.py, then TRL, `repeats` times)"""
+    compile_generation: bool = False
+    """rloo.py only: --compile_generation (static KV cache, compiled decoding step; TRL 0.21 has no equivalent).
+    The compilation falls in the warm-up update"""
+    trl_python: str = "benchmark/.venv-trl/bin/python"
+    """the Python of the environment with TRL 0.21 (`make bench-env`)"""
 
 
 # ---------------------------------------------------------------- assets
@@ -148,7 +154,7 @@ def ensure_shape_assets(shape: str, cache_dir: Path, num_prompts: int, prompt_le
 # ---------------------------------------------------------------- runs
 
 
-def trainer_flags(args: Args, assets: dict[str, str], output_dir: Path) -> list[str]:
+def trainer_flags(args: RunConfig, assets: dict[str, str], output_dir: Path) -> list[str]:
     """The flags both trainers get. `--max_grad_norm 0`: TRL 0.21 never clips gradients."""
     batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     flags = {
@@ -196,7 +202,7 @@ def run_trainer(command: list[str], log_path: Path, program: str) -> tuple[float
     return time.time() - start, usage.ru_maxrss / 2**20  # KiB on Linux
 
 
-def summarize_run(metrics_path: Path, args: Args, rss_gib: float) -> dict:
+def summarize_run(metrics_path: Path, args: RunConfig, rss_gib: float) -> dict:
     """Averages over the measured updates of one run."""
     with open(metrics_path) as f:
         rows = [json.loads(line) for line in f if line.strip()]

@@ -1,7 +1,11 @@
-"""The demo's synthetic task and tools, on small settings (the full demo is `make demo`)."""
+"""The demo's synthetic task and tools, and the benchmark scripts that need no TRL, on small settings (the full
+demo is `make demo`)."""
 
 import json
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import tyro
@@ -9,6 +13,7 @@ import tyro
 import rloo
 from benchmark import demo, synthetic_task
 from benchmark.plot_metrics import plot_curves
+from conftest import REPO
 
 
 def test_true_score_by_hand():
@@ -54,3 +59,31 @@ def test_plot_curves_writes_a_png(tmp_path):
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     plot_curves([path, path], tmp_path / "curves.png")
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def run_benchmark_script(*args) -> None:
+    result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=REPO, timeout=600,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_options_cost_runs_each_option_set(tmp_path):
+    run_benchmark_script(
+        "benchmark/options_cost.py", "--options", "baseline", "--fsdp --offload (1 process)", "--updates", "2",
+        "--prompt_length", "8", "--response_length", "4", "--per_device_train_batch_size", "2",
+        "--gradient_accumulation_steps", "1", "--num_mini_batches", "2", "--num_ppo_epochs", "1",
+        "--local_rollout_forward_batch_size", "4", "--cache_dir", tmp_path / "cache",
+        "--output_dir", tmp_path / "results", "--runs_dir", tmp_path / "runs")
+    report = json.loads((tmp_path / "results" / "options_cost_cpu.json").read_text())
+    assert list(report["results"]) == ["pythia-14m baseline", "pythia-14m --fsdp --offload (1 process)"]
+    for run in report["results"].values():
+        assert run["updates_measured"] == 1 and run["seconds_per_update"] > 0 and run["peak_rss_gib"] > 0
+
+
+def test_sync_cost_counts_the_parameters_it_sends(tmp_path):
+    run_benchmark_script("benchmark/sync_cost.py", "--shapes", "pythia-70m", "--output", tmp_path / "cost.md")
+    text = (tmp_path / "cost.md").read_text()
+    from benchmark.sync_cost import parameter_count
+    params = parameter_count("pythia-70m")
+    assert 70e6 < params < 71e6  # pythia-70m: 70.4M parameters
+    assert f"| pythia-70m | {params / 1e9:.2f} B | {2 * params / 1e9:.1f} GB |" in text

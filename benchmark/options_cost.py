@@ -1,0 +1,87 @@
+"""What rloo.py's memory and speed options cost on this machine: runs of each option set on a random-init Pythia
+shape, in the configuration of benchmark/throughput.py, reporting seconds per phase and peak memory (CUDA max
+allocated, and the process's peak RSS), medians over interleaved repeats.
+
+    python benchmark/options_cost.py                              # pythia-14m, CPU: the README's table
+    python benchmark/options_cost.py --shapes pythia-1b --bf16    # on a GPU (add --prompt_length 512)
+
+The FSDP sets run under a one-process torchrun (what a one-GPU user launches). On CPU, --offload moves nothing
+(everything already lives in host memory): its row measures the bookkeeping only.
+"""
+
+import json
+import os
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmark.throughput import (  # noqa: E402
+    PHASES, PYTHIA_SHAPES, REPO_ROOT, RunConfig, ensure_shape_assets, fresh_run_dir, hardware, run_trainer,
+    summarize_run, trainer_flags,
+)
+
+OPTION_SETS = {  # name: (launched under torchrun, extra flags)
+    "baseline": (False, []),
+    "--gradient_checkpointing": (False, ["--gradient_checkpointing"]),
+    "--bf16": (False, ["--bf16"]),
+    "--compile_generation": (False, ["--compile_generation"]),
+    "--fsdp (1 process)": (True, ["--fsdp"]),
+    "--fsdp --offload (1 process)": (True, ["--fsdp", "--offload"]),
+}
+
+
+@dataclass
+class Args(RunConfig):
+    options: tuple[str, ...] = tuple(OPTION_SETS)
+    """option sets to run, from the names above"""
+    repeats: int = 2
+    """rounds over the option sets (interleaved); each figure is the median over them"""
+    output_name: str = "options_cost"
+    """results go to output_dir/<output_name>_<device>.json and .md"""
+
+
+def main(args: Args) -> None:
+    unknown = [o for o in args.options if o not in OPTION_SETS] + [s for s in args.shapes if s not in PYTHIA_SHAPES]
+    if unknown:
+        sys.exit(f"options_cost: unknown option set(s) or shape(s) {unknown}; choose from {list(OPTION_SETS)} and "
+                 f"{list(PYTHIA_SHAPES)}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # torchrun would otherwise set 1
+    batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    runs = {}
+    for shape in args.shapes:
+        assets = ensure_shape_assets(shape, (REPO_ROOT / args.cache_dir).resolve(), batch // args.rloo_k * args.updates,
+                                     args.prompt_length)
+        for repeat in range(args.repeats):
+            for index, name in enumerate(args.options):
+                torchrun, flags = OPTION_SETS[name]
+                launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"] \
+                    if torchrun else [sys.executable]
+                run_dir = fresh_run_dir(REPO_ROOT / args.runs_dir / f"options_{shape}_{index}_{repeat}")
+                _, rss = run_trainer(launcher + ["rloo.py"] + trainer_flags(args, assets, run_dir) + flags,
+                                     run_dir / "log.txt", "options_cost")
+                run = summarize_run(run_dir / "metrics.jsonl", args, rss)
+                runs.setdefault(f"{shape} {name}", []).append(run)
+                print(f"{shape} {name} repeat {repeat}: {run['seconds_per_update']:.2f} s/update", flush=True)
+    results = {key: {field: statistics.median(run[field] for run in repeats) for field in repeats[0]}
+               for key, repeats in runs.items()}
+    columns = ["seconds_per_update", *[f"{p}_s" for p in PHASES], "peak_rss_gib", "peak_allocated_gib"]
+    table = "\n".join(["| run | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"] + [
+        f"| {run} | " + " | ".join(f"{r[c]:.2f}" if c in r else "-" for c in columns) + " |"
+        for run, r in results.items()])
+    print(table)
+    output_dir = REPO_ROOT / args.output_dir
+    output_dir.mkdir(parents=True, exist_ok=True)
+    report = {"hardware": hardware(), "config": asdict(args), "results": results, "runs": runs}
+    (output_dir / f"{args.output_name}_{device}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (output_dir / f"{args.output_name}_{device}.md").write_text(
+        f"Hardware: {json.dumps(report['hardware'])}\n\nConfig: {json.dumps(asdict(args))}\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
