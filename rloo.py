@@ -335,6 +335,16 @@ def gradient_sync(model, enabled: bool):
     return contextlib.nullcontext()
 
 
+def set_reshard_after_forward(unit: FSDPModule, reshard: bool) -> None:
+    """FSDPModule.set_reshard_after_forward for one unit. torch < 2.8 (vLLM 0.10's torch 2.7) lacks the method;
+    there the unit's parameter group decides by its post-forward mesh: None keeps the weights gathered."""
+    if hasattr(unit, "set_reshard_after_forward"):
+        unit.set_reshard_after_forward(reshard, recurse=False)
+        return
+    group = unit._get_fsdp_state()._fsdp_param_group
+    group.post_forward_mesh_info = group.mesh_info if reshard else None
+
+
 @contextlib.contextmanager
 def gathered_for_rollout(policy, mode: str):
     """For sampling and evaluation with an FSDP policy. mode "unshard": every block's weights are gathered at its
@@ -344,14 +354,14 @@ def gathered_for_rollout(policy, mode: str):
     units = [m for m in policy.modules() if isinstance(m, FSDPModule)]
     blocks = [m for m in units if m is not policy] if mode == "unshard" else []
     for block in blocks:
-        block.set_reshard_after_forward(False, recurse=False)
+        set_reshard_after_forward(block, False)
     try:
         yield
     finally:
         for unit in units:
             unit.reshard()
         for block in blocks:
-            block.set_reshard_after_forward(True, recurse=False)
+            set_reshard_after_forward(block, True)
 
 
 def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -261,6 +261,16 @@ class HFEngine:
         return {k: v.cpu() for k, v in self.model.state_dict().items()}
 
 
+def vllm_engine_kwargs(args: Args, index: int) -> dict:
+    """vLLM's LLM(...) arguments for engine `index`."""
+    return {"model": args.sft_model_path or args.model_name_or_path,
+            "dtype": str(engine_dtype(args)).removeprefix("torch."), "seed": args.seed + index,
+            "tensor_parallel_size": args.vllm_tensor_parallel_size,
+            "gpu_memory_utilization": args.vllm_gpu_memory_utilization, "enable_prefix_caching": True,
+            "max_model_len": args.max_prompt_length + args.response_length,
+            "trust_remote_code": args.trust_remote_code, "worker_extension_cls": "rloo_multinode.VLLMWorkerExtension"}
+
+
 class VLLMEngine:
     """vLLM's offline LLM on this process's visible GPUs (tensor parallel over vllm_tensor_parallel_size)."""
 
@@ -268,11 +278,7 @@ class VLLMEngine:
         from vllm import LLM
 
         self.args = args
-        self.llm = LLM(model=args.sft_model_path or args.model_name_or_path, dtype=engine_dtype(args),
-                       tensor_parallel_size=args.vllm_tensor_parallel_size, seed=args.seed + index,
-                       gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_prefix_caching=True,
-                       trust_remote_code=args.trust_remote_code, max_model_len=args.max_prompt_length + args.response_length,
-                       worker_extension_cls="rloo_multinode.VLLMWorkerExtension")
+        self.llm = LLM(**vllm_engine_kwargs(args, index))
 
     def join_weight_group(self, store, rank_offset: int, size: int) -> None:
         host, port = store.host, store.port + 1

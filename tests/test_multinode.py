@@ -1,5 +1,6 @@
 """rloo_multinode.py on CPU: hf engines in separate processes, weights over gloo, no vLLM."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -7,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
 
 import pytest
@@ -174,6 +176,14 @@ def test_vllm_api_of_the_pinned_release():
     assert hasattr(vllm.LLM, "collective_rpc") and hasattr(vllm.LLM, "reset_prefix_cache")
     vllm.SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=4, stop_token_ids=[1], detokenize=False)
     assert vllm.TokensPrompt(prompt_token_ids=[1, 2]) == {"prompt_token_ids": [1, 2]}
+    from vllm.distributed.parallel_state import get_world_group  # noqa: F401  (the worker extension's rank)
+    from vllm.engine.arg_utils import EngineArgs
+
+    engine_args = {f.name: f.type for f in dataclasses.fields(EngineArgs)}
+    for bf16 in (False, True):  # every LLM(...) argument the engine passes is one of vLLM's, with a valid dtype
+        kwargs = mn.vllm_engine_kwargs(mn.Args(model_name_or_path="m", bf16=bf16), 0)
+        assert set(kwargs) <= set(engine_args), set(kwargs) - set(engine_args)
+        assert kwargs["dtype"] in typing.get_args(engine_args["dtype"])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM engines need a GPU")
