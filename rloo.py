@@ -307,7 +307,24 @@ def shard_policy(policy, bf16: bool, offload: bool = False):
     for block in blocks:
         fully_shard(block, mp_policy=mp, offload_policy=placement)
     fully_shard(policy, mp_policy=mp, offload_policy=placement)
+    if not reduce_scatter_averages(torch.device("cuda" if torch.cuda.is_available() else "cpu")):
+        # FSDP2 averages fp32 gradients with ReduceOp.AVG; where that sums, have it sum and divide itself
+        units = [m for m in policy.modules() if isinstance(m, FSDPModule)]
+        if not hasattr(policy, "set_force_sum_reduction_for_comms"):
+            raise ConfigError(f"--fsdp: this torch's {dist.get_backend()} reduce-scatter sums where FSDP2 asks it "
+                              "to average, and this FSDP2 cannot work around it: use torch >= 2.8")
+        for unit in units:
+            unit.set_force_sum_reduction_for_comms(True)
     return policy
+
+
+def reduce_scatter_averages(device: torch.device) -> bool:
+    """Whether ReduceOp.AVG averages in this process group's reduce-scatter. gloo in torch 2.7 and 2.8 silently
+    sums instead (NCCL averages)."""
+    out = torch.zeros(1, device=device)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # the newer name
+    reduce_scatter(out, torch.ones(dist.get_world_size(), device=device), op=dist.ReduceOp.AVG)
+    return out.item() == 1.0
 
 
 @contextlib.contextmanager

@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rloo
 
-VLLM_VERSION = "0.10.1.1"  # the release whose API the vLLM engine uses; requirements-vllm.txt pins it
+VLLM_VERSION = "0.10.2"  # the release whose API the vLLM engine uses; requirements-vllm.txt pins it
 HEARTBEAT_SECONDS = 1.0  # an engine proves it is alive this often
 HEARTBEAT_TIMEOUT = 30.0  # an engine silent this long is declared dead
 POLL_SECONDS = 0.01
