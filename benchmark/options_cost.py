@@ -25,20 +25,20 @@ from benchmark.throughput import (  # noqa: E402
     summarize_run, trainer_flags,
 )
 
-OPTION_SETS = {  # name: (launched under torchrun, extra flags)
+OPTION_SETS = {  # name: (launched under a 1-process torchrun, rloo.py flags)
     "baseline": (False, []),
-    "--gradient_checkpointing": (False, ["--gradient_checkpointing"]),
-    "--bf16": (False, ["--bf16"]),
-    "--compile_generation": (False, ["--compile_generation"]),
-    "--fsdp (1 process)": (True, ["--fsdp"]),
-    "--fsdp --offload (1 process)": (True, ["--fsdp", "--offload"]),
+    "gradient_checkpointing": (False, ["--gradient_checkpointing"]),
+    "bf16": (False, ["--bf16"]),
+    "compile_generation": (False, ["--compile_generation"]),
+    "fsdp": (True, ["--fsdp"]),
+    "fsdp_offload": (True, ["--fsdp", "--offload"]),
 }
 
 
 @dataclass
 class Args(RunConfig):
     options: tuple[str, ...] = tuple(OPTION_SETS)
-    """option sets to run, from the names above"""
+    """option sets to run, from: baseline, gradient_checkpointing, bf16, compile_generation, fsdp, fsdp_offload"""
     repeats: int = 2
     """rounds over the option sets (interleaved); each figure is the median over them"""
     output_name: str = "options_cost"
