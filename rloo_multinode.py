@@ -42,7 +42,6 @@ import torch
 import torch.distributed as dist
 import tyro
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rloo
 
@@ -163,8 +162,9 @@ def unsharded(p: torch.Tensor) -> torch.Tensor:
 
 
 def named_parameters(policy) -> dict[str, torch.Tensor]:
-    """The policy's parameters by their Hugging Face names, tied weights once (the engines tie them again)."""
-    return dict((policy.module if isinstance(policy, DDP) else policy).named_parameters())
+    """The policy's parameters by their Hugging Face names, tied weights once (the engines tie them again). rloo.main
+    hands the rollout source the policy itself, never its DDP wrapper."""
+    return dict(policy.named_parameters())
 
 
 # ===================================================================== weight groups
@@ -374,13 +374,15 @@ def serve(serve_args: ServeArgs) -> None:
 
 
 # ===================================================================== trainer side
-class EngineRollouts(rloo.LocalRollouts):
-    """rloo.py's rollout source, served by engines. Every training rank submits its own queries and takes its
-    own completions; rank 0 also writes the command stream and sends the weights."""
+class EngineRollouts:
+    """rloo.py's rollout source (the five methods of rloo.LocalRollouts), served by engines. Every training rank
+    submits its own queries and takes its own completions; rank 0 also writes the command stream and sends the
+    weights."""
 
     def __init__(self, policy, args: Args, stop_token_id: Optional[int], pad_token_id: int,
-                 generator: torch.Generator, autocast, dist_info: rloo.Dist, store, processes: dict):
-        super().__init__(policy, args, stop_token_id, pad_token_id, generator, autocast)
+                 generator: torch.Generator, dist_info: rloo.Dist, store, processes: dict):
+        self.policy, self.args, self.stop_token_id, self.pad_token_id = policy, args, stop_token_id, pad_token_id
+        self.generator, self.queued = generator, []  # (queries, query mask) of each batch in flight
         self.dist_info, self.store, self.processes = dist_info, store, processes
         self.lookahead = 1 if args.async_generation else 0
         self.submitted = self.taken = self.next_command = 0  # batches asked for and received; rank 0's commands
@@ -388,8 +390,7 @@ class EngineRollouts(rloo.LocalRollouts):
         self.batch_versions = []  # the weight version that sampled each batch in flight
         self.beats, self.behaviour, self.snapshots = {}, None, {}
         if args.async_generation:
-            module = policy.module if isinstance(policy, DDP) else policy
-            self.behaviour = copy.deepcopy(module).eval().requires_grad_(False)
+            self.behaviour = copy.deepcopy(policy).eval().requires_grad_(False)
             self.behaviour_version = 0
         dtype = engine_dtype(args)
         shapes = [(name, p.shape) for name, p in named_parameters(policy).items()]  # a DTensor's shape is the full one
@@ -607,13 +608,12 @@ def control_store(args: Args, dist_info: rloo.Dist, device_type: str):
 def make_engine_rollouts(args: Args):
     """rloo.main's rollout source: the control store and, on rank 0, the engines it starts."""
 
-    def make(policy, args_, stop_token_id, pad_token_id, generator, autocast):
+    def make(policy, args_, stop_token_id, pad_token_id, generator, autocast):  # engines sample in their own dtype
         dist_info = rloo.Dist(int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
                               int(os.environ.get("WORLD_SIZE", 1)), generator.device)
         store, address = control_store(args, dist_info, generator.device.type)
         processes = launch_engines(args, dist_info, address) if dist_info.master and args.launch_engines else {}
-        return EngineRollouts(policy, args, stop_token_id, pad_token_id, generator, autocast, dist_info, store,
-                              processes)
+        return EngineRollouts(policy, args, stop_token_id, pad_token_id, generator, dist_info, store, processes)
 
     return make
 

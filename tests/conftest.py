@@ -78,14 +78,24 @@ def assets(tmp_path_factory) -> dict[str, Path]:
     return paths
 
 
-def run_rloo(*args: str, nproc: int = 0, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`python rloo.py ARGS`, or `torchrun --nproc_per_node NPROC rloo.py ARGS`, with tests/ importable."""
+def script_command(script: str, *args, nproc: int = 0) -> list[str]:
+    """`python SCRIPT ARGS`, or `torchrun --nproc_per_node NPROC SCRIPT ARGS`."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)
                 ] if nproc else [sys.executable]
-    full_env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
-                **(env or {})}
-    return subprocess.run([*launcher, str(REPO / "rloo.py"), *map(str, args)], capture_output=True, text=True,
-                          env=full_env, timeout=timeout, cwd=REPO)
+    return [*launcher, str(REPO / script), *map(str, args)]
+
+
+def script_env(env: dict | None = None) -> dict:
+    """The environment of a run: tests/ importable (reward functions), offline."""
+    return {**os.environ, "PYTHONPATH": str(REPO / "tests"), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
+            **(env or {})}
+
+
+def run_rloo(*args: str, nproc: int = 0, env: dict | None = None, timeout: int = 300,
+             script: str = "rloo.py") -> subprocess.CompletedProcess:
+    """`python rloo.py ARGS`, or `torchrun --nproc_per_node NPROC rloo.py ARGS` (or another SCRIPT), to the end."""
+    return subprocess.run(script_command(script, *args, nproc=nproc), capture_output=True, text=True,
+                          env=script_env(env), timeout=timeout, cwd=REPO)
 
 
 def read_metrics(output_dir: Path) -> list[dict]:

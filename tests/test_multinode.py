@@ -6,10 +6,8 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import typing
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import rloo
 import rloo_multinode as mn
-from conftest import REPO, policy_tokenizer, read_metrics, tiny_policy
+from conftest import REPO, policy_tokenizer, read_metrics, run_rloo, script_command, script_env, tiny_policy
 
 RUN = ("--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train_batch_size", "16",
        "--response_length", "6", "--temperature", "1.0", "--max_prompt_length", "16",
@@ -33,14 +31,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(script: str, *args, nproc: int = 0, timeout: int = 300, wait: bool = True):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)
-                ] if nproc else [sys.executable]
-    env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "HF_HUB_OFFLINE": "1"}
-    command = [*launcher, str(REPO / script), *map(str, args)]
-    if not wait:
-        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+def run(script: str, *args, nproc: int = 0, wait: bool = True):
+    """The script run to the end, or with wait=False started and returned running."""
+    if wait:
+        return run_rloo(*args, nproc=nproc, script=script)
+    return subprocess.Popen(script_command(script, *args, nproc=nproc), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=script_env(), cwd=REPO)
 
 
 def comparable(metrics: list[dict]) -> list[dict]:
@@ -73,7 +69,7 @@ def test_after_a_sync_every_engine_holds_the_trainers_weights_bit_for_bit(archit
                    engine_port=free_port(), sync_bucket_mb=0, engine_timeout=120)  # 0 MB: one bucket per tensor
     dist_info = rloo.Dist(0, 0, 1, torch.device("cpu"))
     store, address = mn.control_store(args, dist_info, "cpu")
-    rollouts = mn.EngineRollouts(policy, args, None, 0, torch.Generator(), torch.autocast, dist_info, store,
+    rollouts = mn.EngineRollouts(policy, args, None, 0, torch.Generator(), dist_info, store,
                                  mn.launch_engines(args, dist_info, address))
     try:
         with torch.no_grad():  # a trained policy: every weight moved away from what the engine loaded
