@@ -7,13 +7,16 @@ rank 0 broadcasts the new weights to every engine.
     # engines on other nodes: start them there (they wait for the trainer), then the trainer
     python rloo_multinode.py serve --trainer_address TRAINER_HOST:29600 --engine_index 0
     torchrun ... rloo_multinode.py --num_engines 1 --no-launch_engines [rloo.py flags]
+    # or attach to running `vllm serve` processes (README, "Scaling out", for how to start them)
+    torchrun ... rloo_multinode.py --engine_urls http://HOST_A:8000,http://HOST_B:8000 [rloo.py flags]
 
 What this file adds to rloo.py, nothing else: engine start-up, prompt dispatch and weight sync.
-  - Control: a TCPStore served by trainer rank 0 at MASTER_ADDR:--engine_port. Rank 0 writes one ordered command
-    stream (`generate`, `sync`, `stop`) that every engine follows; rank r writes its queries and reads its
-    completions under keys of its own. Engine r % num_engines serves rank r.
-  - Weights: one process group of trainer rank 0 and every engine worker (gloo for the hf engine, NCCL through
-    vLLM's PyNcclCommunicator for vLLM), packed buckets cast to the engine's dtype.
+  - Control of `serve` engines: a TCPStore served by trainer rank 0 at MASTER_ADDR:--engine_port. Rank 0 writes
+    one ordered command stream (`generate`, `sync`, `stop`) that every engine follows; rank r writes its queries
+    and reads its completions under keys of its own. Engine r % num_engines serves rank r. `vllm serve`
+    processes: the OpenAI completions API for prompts, the development endpoint /collective_rpc for the rest.
+  - Weights: one process group of trainer rank 0 and every engine worker (NCCL through vLLM's PyNcclCommunicator
+    between GPUs, gloo otherwise), packed buckets cast to the engine's dtype.
   - The trainer recomputes every log-prob it trains on (never the engine's), so the PPO ratio is exact.
   - --async_generation: the engines sample batch t+1 with the weights of update t-1 while the trainer trains on
     batch t (one step off-policy); the log-probs of the weights that sampled are recomputed by the trainer from a
@@ -34,7 +37,10 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import ClassVar, Literal, Optional
 
@@ -54,8 +60,8 @@ POLL_SECONDS = 0.01
 @dataclass
 class Args(rloo.Args):
     resumable_changes: ClassVar[frozenset] = rloo.Args.resumable_changes | {
-        "num_engines", "launch_engines", "engine_devices", "engine_port", "engine_timeout", "sync_bucket_mb",
-        "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization"}
+        "num_engines", "engine_urls", "launch_engines", "engine_devices", "engine_port", "engine_timeout",
+        "sync_bucket_mb", "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization"}
 
     # ----- engines -----
     engine: Literal["vllm", "hf"] = "vllm"
@@ -63,6 +69,10 @@ class Args(rloo.Args):
     transformers model sampling with rloo.py's own code (no vLLM needed; CPU clusters, tests)"""
     num_engines: int = 1
     """generation engines; engine r % num_engines serves training rank r, so at most as many as training ranks"""
+    engine_urls: Optional[str] = None
+    """comma-separated base URLs (http://HOST:8000) of running `vllm serve` processes to attach to instead of
+    starting engines (one engine each; see the README for how to start them). The weight group's rendezvous is
+    MASTER_ADDR:engine_port+1, which the servers must reach"""
     launch_engines: bool = True
     """trainer rank 0 starts the engines on its own node (on --engine_devices); with --no-launch_engines they are
     started elsewhere with `python rloo_multinode.py serve --trainer_address HOST:PORT --engine_index I`"""
@@ -103,22 +113,34 @@ class EngineError(rloo.RolloutSourceError):
     """An engine died, failed or stopped answering."""
 
 
+def engine_urls(args: Args) -> list[str]:
+    return [url.strip().rstrip("/") for url in (args.engine_urls or "").split(",") if url.strip()]
+
+
 def validate_engine_args(args: Args, world_size: int) -> None:
     """Refuse engine flags that clash, before anything is loaded."""
     if args.num_engines < 1:
         raise rloo.ConfigError(f"num_engines = {args.num_engines} must be at least 1")
-    if args.num_engines > world_size:
+    urls = engine_urls(args)
+    if urls and args.engine != "vllm":
+        raise rloo.ConfigError("--engine_urls attaches to `vllm serve` processes; drop --engine hf")
+    if urls and args.num_engines not in (1, len(urls)):
+        raise rloo.ConfigError(f"--num_engines {args.num_engines} but {len(urls)} --engine_urls: each URL is one "
+                               "engine; drop --num_engines")
+    engines = len(urls) or args.num_engines
+    if engines > world_size:
         raise rloo.ConfigError(
-            f"--num_engines {args.num_engines} > {world_size} training rank(s): engine r % num_engines serves rank r, "
-            "so the extra engines would idle; use fewer engines, or --vllm_tensor_parallel_size to give each more GPUs")
+            f"{'--num_engines' if not urls else 'engines:'} {engines} > {world_size} training rank(s): engine r % "
+            "num_engines serves rank r, so the extra engines would idle; use fewer engines, or tensor parallelism "
+            "to give each more GPUs")
     if args.engine == "hf" and args.vllm_tensor_parallel_size != 1:
         raise rloo.ConfigError("--vllm_tensor_parallel_size applies to --engine vllm only; the hf engine is one device")
-    if args.engine == "vllm":
+    if args.engine == "vllm" and (not urls or torch.cuda.is_available()):  # vLLM's NCCL communicator on GPUs
         try:
             import vllm  # noqa: F401
         except ImportError:
-            raise rloo.ConfigError(f"--engine vllm needs vLLM {VLLM_VERSION} (pip install -r requirements-vllm.txt); "
-                                   "without it pass --engine hf") from None
+            raise rloo.ConfigError(f"--engine vllm needs vLLM {VLLM_VERSION} on the trainer too (pip install -r "
+                                   "requirements-vllm.txt); without it pass --engine hf") from None
     if args.async_generation and args.fsdp:
         raise rloo.ConfigError("--async_generation keeps an unsharded copy of the sampling weights, which --fsdp "
                                "does not support yet; drop one of the two")
@@ -168,9 +190,22 @@ def named_parameters(policy) -> dict[str, torch.Tensor]:
 
 
 # ===================================================================== weight groups
+def weight_backend(args: Args, device: torch.device) -> str:
+    """NCCL (vLLM's communicator) between a CUDA trainer and vLLM engines; gloo otherwise (hf engines, CPUs)."""
+    return "nccl" if args.engine == "vllm" and device.type == "cuda" else "gloo"
+
+
+def weight_group(backend: str, host: str, port: int, rank: int, size: int, device: torch.device, timeout: float):
+    """Trainer rank 0 (rank 0, which serves the rendezvous at host:port) and every engine worker (1 .. size-1)."""
+    if backend == "nccl":
+        return NcclWeightGroup(host, port, rank, size, device)
+    store = dist.TCPStore(host, port, is_master=rank == 0, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    return GlooWeightGroup(store, rank, size, timeout)
+
+
 class GlooWeightGroup:
-    """Trainer rank 0 (rank 0 here) and the hf engines (1 .. n): a gloo group outside torchrun's, on the control
-    store; every broadcast is bounded by the timeout."""
+    """A gloo group outside torchrun's, on its own store; every broadcast is bounded by the timeout."""
 
     def __init__(self, store, rank: int, size: int, timeout: float):
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("weights", store), rank, size,
@@ -185,7 +220,7 @@ class GlooWeightGroup:
 
 
 class NcclWeightGroup:
-    """Trainer rank 0 (rank 0) and every vLLM worker: vLLM's stateless NCCL group, as its RLHF example builds it."""
+    """vLLM's stateless NCCL group, as its RLHF example builds it."""
 
     def __init__(self, host: str, port: int, rank: int, size: int, device: torch.device):
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
@@ -199,20 +234,31 @@ class NcclWeightGroup:
         return flat
 
 
+def receive_weights(group, buckets: list, dtype: torch.dtype, device: torch.device, load) -> None:
+    """An engine's side of a sync: each bucket received from trainer rank 0, its (name, tensor) pairs to `load`."""
+    for bucket in buckets:
+        flat = torch.empty(sum(int(torch.Size(shape).numel()) for _, shape in bucket), dtype=dtype, device=device)
+        load(unpack_bucket(group.broadcast(flat), bucket))
+
+
 class VLLMWorkerExtension:
-    """Methods vLLM mixes into each of its GPU workers (`worker_extension_cls`): join the weight group, receive a
-    bucket and load it. vLLM's load_weights maps Hugging Face names (and shards them for tensor parallelism)."""
+    """Methods vLLM mixes into each of its workers (`LLM(worker_extension_cls=...)`, or `vllm serve
+    --worker-extension-cls rloo_multinode.VLLMWorkerExtension`), called through collective_rpc: over HTTP for
+    `vllm serve`, so arguments and results are JSON values. vLLM's load_weights maps Hugging Face names (and shards
+    them for tensor parallelism)."""
 
-    def join_weight_group(self, host: str, port: int, rank_offset: int, size: int) -> None:
-        from vllm.distributed.parallel_state import get_world_group
+    def worker_rank(self) -> dict:
+        """This worker's rank in its engine (0 .. tensor_parallel_size - 1): the trainer counts workers with it."""
+        return {"rank": self.rank}
 
-        self.weight_group = NcclWeightGroup(host, port, rank_offset + get_world_group().rank, size, self.device)
+    def join_weight_group(self, host: str, port: int, rank_offset: int, size: int, backend: str,
+                          timeout: float) -> None:
+        self.weight_group = weight_group(backend, host, port, rank_offset + self.rank, size,
+                                         self.model_runner.device, timeout)
 
-    def receive_bucket(self, bucket: list, dtype_name: str) -> None:
-        numel = sum(int(torch.Size(shape).numel()) for _, shape in bucket)
-        flat = torch.empty(numel, dtype=getattr(torch, dtype_name), device=self.device)
-        self.weight_group.broadcast(flat)
-        self.model_runner.model.load_weights(weights=unpack_bucket(flat, bucket))
+    def receive_weights(self, buckets: list, dtype_name: str) -> None:
+        receive_weights(self.weight_group, buckets, getattr(torch, dtype_name), self.model_runner.device,
+                        lambda weights: self.model_runner.model.load_weights(weights=weights))
 
 
 # ===================================================================== engines
@@ -239,14 +285,16 @@ class HFEngine:
         self.decoder = rloo.StaticDecoder(self.model, args.max_prompt_length + args.response_length) \
             if args.compile_generation else None
 
-    def join_weight_group(self, store, rank_offset: int, size: int) -> None:
-        self.group = GlooWeightGroup(store, rank_offset, size, self.args.engine_timeout)
+    def join_weight_group(self, host: str, port: int, rank_offset: int, size: int, backend: str,
+                          timeout: float) -> None:
+        self.group = weight_group(backend, host, port, rank_offset, size, self.device, timeout)
 
     def receive_weights(self, buckets: list, dtype: torch.dtype) -> None:
-        for bucket in buckets:
-            flat = self.group.broadcast(torch.empty(sum(int(torch.Size(s).numel()) for _, s in bucket), dtype=dtype))
-            for name, tensor in unpack_bucket(flat, bucket):
-                self.params[name].data.copy_(tensor)
+        receive_weights(self.group, buckets, dtype, torch.device("cpu"), self.load_weights)
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in weights:
+            self.params[name].data.copy_(tensor)
 
     def generate(self, request: dict) -> dict:
         generator = torch.Generator(self.device)
@@ -271,6 +319,24 @@ def vllm_engine_kwargs(args: Args, index: int) -> dict:
             "trust_remote_code": args.trust_remote_code, "worker_extension_cls": "rloo_multinode.VLLMWorkerExtension"}
 
 
+def vllm_sampling(args: Args, stop_token_id: Optional[int]) -> dict:
+    """vLLM sampling parameters (SamplingParams' and the completions API's names) that draw as rloo.py's sampler
+    does: plain temperature sampling, with no top-k, top-p, min-p or repetition penalty whatever the model's
+    generation config says; response_length tokens unless the stop token comes first, and EOS stops a response
+    only when it is the stop token."""
+    return {"temperature": args.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+            "max_tokens": args.response_length, "stop_token_ids": [] if stop_token_id is None else [stop_token_id],
+            "ignore_eos": True}
+
+
+def padded_responses(token_ids: list[list[int]], length: int, pad_token_id: int) -> torch.Tensor:
+    """(N, length) responses from an engine's token lists, each ending at its stop token or at `length`."""
+    responses = torch.full((len(token_ids), length), pad_token_id, dtype=torch.long)
+    for i, ids in enumerate(token_ids):
+        responses[i, : len(ids[:length])] = torch.tensor(ids[:length], dtype=torch.long)
+    return responses
+
+
 class VLLMEngine:
     """vLLM's offline LLM on this process's visible GPUs (tensor parallel over vllm_tensor_parallel_size)."""
 
@@ -280,29 +346,24 @@ class VLLMEngine:
         self.args = args
         self.llm = LLM(**vllm_engine_kwargs(args, index))
 
-    def join_weight_group(self, store, rank_offset: int, size: int) -> None:
-        host, port = store.host, store.port + 1
-        self.llm.collective_rpc("join_weight_group", args=(host, port, rank_offset, size))
+    def join_weight_group(self, host: str, port: int, rank_offset: int, size: int, backend: str,
+                          timeout: float) -> None:
+        self.llm.collective_rpc("join_weight_group", args=(host, port, rank_offset, size, backend, timeout))
 
     def receive_weights(self, buckets: list, dtype: torch.dtype) -> None:
-        for bucket in buckets:
-            self.llm.collective_rpc("receive_bucket", args=(bucket, str(dtype).removeprefix("torch.")))
+        self.llm.collective_rpc("receive_weights", args=(buckets, str(dtype).removeprefix("torch.")))
         self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
 
     def generate(self, request: dict) -> dict:
         from vllm import SamplingParams, TokensPrompt
 
-        args, stop = self.args, request["stop_token_id"]
-        params = SamplingParams(n=1, temperature=args.temperature, top_p=1.0, top_k=0, max_tokens=args.response_length,
-                                stop_token_ids=[stop] if stop is not None else None, detokenize=False)
+        params = SamplingParams(n=1, detokenize=False, **vllm_sampling(self.args, request["stop_token_id"]))
         prompts = [TokensPrompt(prompt_token_ids=q[m].tolist())
                    for q, m in zip(request["queries"], request["query_mask"].bool())]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        responses = torch.full((len(prompts), args.response_length), request["pad_token_id"], dtype=torch.long)
-        for i, output in enumerate(outputs):
-            ids = list(output.outputs[0].token_ids)[: args.response_length]
-            responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        return {"responses": responses, "rng_state": request["rng_state"]}  # vLLM seeds its own sampler
+        return {"responses": padded_responses([list(o.outputs[0].token_ids) for o in outputs],
+                                              self.args.response_length, request["pad_token_id"]),
+                "rng_state": request["rng_state"]}  # vLLM seeds its own sampler
 
 
 def wait_for_key(store, key: str) -> bytes:
@@ -345,7 +406,8 @@ def serve(serve_args: ServeArgs) -> None:
         else:
             engine = VLLMEngine(args, index)
         store.set(f"engine/{index}/ready", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
-        engine.join_weight_group(store, config["rank_offsets"][index], config["group_size"])
+        engine.join_weight_group(host, int(port) + 1, config["rank_offsets"][index], config["group_size"],
+                                 config["backend"], args.engine_timeout)
         ranks = list(range(index, config["world_size"], args.num_engines))
         for step in itertools.count():
             command = loads(wait_for_key(store, f"cmd/{step}"))  # every engine reads every command
@@ -374,38 +436,20 @@ def serve(serve_args: ServeArgs) -> None:
 
 
 # ===================================================================== trainer side
-class EngineRollouts:
-    """rloo.py's rollout source (the five methods of rloo.LocalRollouts), served by engines. Every training rank
-    submits its own queries and takes its own completions; rank 0 also writes the command stream and sends the
-    weights."""
+class ServedEngines:
+    """Engines running this file's `serve` (started by rank 0 or by hand), driven through the control store: rank 0
+    writes one ordered command stream that every engine follows; rank r writes its queries and reads its
+    completions under keys of its own. Faults: heartbeats, process polling and a `failed` key an engine sets."""
 
-    def __init__(self, policy, args: Args, stop_token_id: Optional[int], pad_token_id: int,
-                 generator: torch.Generator, dist_info: rloo.Dist, store, processes: dict):
-        self.policy, self.args, self.stop_token_id, self.pad_token_id = policy, args, stop_token_id, pad_token_id
-        self.generator, self.queued = generator, []  # (queries, query mask) of each batch in flight
-        self.dist_info, self.store, self.processes = dist_info, store, processes
-        self.lookahead = 1 if args.async_generation else 0
-        self.submitted = self.taken = self.next_command = 0  # batches asked for and received; rank 0's commands
-        self.version = 0  # the policy's update count when the engines last received its weights
-        self.batch_versions = []  # the weight version that sampled each batch in flight
-        self.beats, self.behaviour, self.snapshots = {}, None, {}
-        if args.async_generation:
-            self.behaviour = copy.deepcopy(policy).eval().requires_grad_(False)
-            self.behaviour_version = 0
-        dtype = engine_dtype(args)
-        shapes = [(name, p.shape) for name, p in named_parameters(policy).items()]  # a DTensor's shape is the full one
-        self.buckets, self.dtype = plan_buckets(shapes, dtype, args.sync_bucket_mb * 2**20), dtype
-        self.group = None
-        if dist_info.master:
-            self.wait_for_engines()
-        self.sync_weights(0)  # the engines start from the trainer's weights, whatever they loaded
+    def __init__(self, args: Args, dist_info: rloo.Dist, store, processes: dict[int, subprocess.Popen]):
+        self.args, self.dist_info, self.store, self.processes = args, dist_info, store, processes
+        self.next_command, self.beats = 0, {}  # rank 0's next command; each engine's (beats, since when)
 
-    # ---- rank 0: engines and commands
     def command(self, **command) -> None:
         self.store.set(f"cmd/{self.next_command}", dumps(command))
         self.next_command += 1
 
-    def check_engines(self) -> None:
+    def check(self) -> None:
         """Raise EngineError naming the first engine found dead, failed or silent."""
         if self.store.check(["failed"]):
             raise EngineError(self.store.get("failed").decode())
@@ -425,10 +469,10 @@ class EngineRollouts:
         """The value of `key` once some engine sets it; EngineError if an engine fails meanwhile or `timeout`
         seconds pass (None: as long as the engines are alive)."""
         start = checked = time.monotonic()
-        self.check_engines()
+        self.check()
         while not self.store.check([key]):
             if time.monotonic() - checked > HEARTBEAT_SECONDS:  # a few store calls per engine; not at every poll
-                self.check_engines()
+                self.check()
                 checked = time.monotonic()
             if timeout is not None and time.monotonic() - start > timeout:
                 raise EngineError(f"no engine answered within --engine_timeout {timeout:.0f} s: waiting for {what}")
@@ -437,74 +481,268 @@ class EngineRollouts:
         self.store.delete_key(key)
         return value
 
-    def wait_for_engines(self) -> None:
-        """Every engine loaded and ready; then the weight group is formed, every member at once."""
+    def connect(self, backend: str, device: torch.device):
+        """Rank 0: every engine loaded; then the weight group, every member joining at once."""
         for index in range(self.args.num_engines):
             self.wait_for(f"engine/{index}/ready", f"engine {index} to load its model", self.args.engine_timeout)
-        size = self.store.add("group_size", 0)
-        if self.args.engine == "hf":
-            self.group = GlooWeightGroup(self.store, 0, size, self.args.engine_timeout)
-        else:
-            self.group = NcclWeightGroup(self.store.host, self.store.port + 1, 0, size, self.dist_info.device)
+        return weight_group(backend, self.store.host, self.store.port + 1, 0, self.store.add("group_size", 0),
+                            device, self.args.engine_timeout)
+
+    def send(self, batch: int, request: dict) -> None:
+        self.store.set(f"gen/{batch}/{self.dist_info.rank}", dumps(request))
+        if self.dist_info.master:
+            self.command(kind="generate", batch=batch)
+
+    def receive(self, batch: int) -> dict:
+        return loads(self.wait_for(f"out/{batch}/{self.dist_info.rank}", "completions", None))
+
+    def begin_sync(self, version: int, buckets: list, dtype: torch.dtype) -> None:
+        """Rank 0: every engine waiting for the weights (one still sampling finishes first)."""
+        self.command(kind="sync", version=version, buckets=buckets, dtype=dtype)
+        for index in range(self.args.num_engines):
+            self.wait_for(f"engine/{index}/at_sync/{version}", f"engine {index} to receive weights",
+                          self.args.engine_timeout)
+
+    def end_sync(self) -> None:
+        pass  # each engine resets its own caches
+
+    def explain(self, failure: EngineError) -> EngineError:
+        """The engine's own account of a failed broadcast, when it has one."""
+        try:
+            self.check()
+        except EngineError as e:
+            return e
+        return failure
+
+    def engine_state_dict(self, index: int, version: int) -> dict:
+        """Rank 0: engine `index`'s weights as it holds them now (to check a sync)."""
+        self.command(kind="state_dict", version=version)
+        return loads(self.wait_for(f"engine/{index}/state_dict/{version}", f"engine {index}'s weights",
+                                   self.args.engine_timeout))
+
+    def close(self) -> None:
+        if self.dist_info.master:
+            with contextlib.suppress(dist.DistError):
+                self.command(kind="stop")
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def http_json(url: str, body: Optional[dict], timeout: float):
+    """GET `url` (body None) or POST `body` as JSON; the JSON answer (None if empty). Any failure (refused, reset,
+    timed out, an error status) is an EngineError naming the server."""
+    request = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            data = response.read()
+    except urllib.error.HTTPError as e:
+        hint = ("; start the server with VLLM_SERVER_DEV_MODE=1, which enables it" if e.code == 404
+                and url.rsplit("/", 1)[-1] in ("collective_rpc", "reset_prefix_cache") else "")
+        raise EngineError(f"vLLM server {url} answered {e.code}: {e.read().decode(errors='replace')[:300]}{hint}") \
+            from None
+    except (urllib.error.URLError, OSError) as e:
+        raise EngineError(f"vLLM server {url} failed: {getattr(e, 'reason', e)}") from None
+    return json.loads(data) if data else None
+
+
+def completions_body(model: str, queries: torch.Tensor, query_mask: torch.Tensor, args: Args,
+                     stop_token_id: Optional[int]) -> dict:
+    """A request to vLLM's OpenAI completions API for one completion of each (N, Tq) left-padded query, as token ids
+    (the prompts unpadded), answered with token ids."""
+    prompts = [q[m].tolist() for q, m in zip(queries, query_mask.bool())]
+    return {"model": model, "prompt": prompts, "n": 1, "return_token_ids": True,
+            **vllm_sampling(args, stop_token_id)}
+
+
+class VLLMServers:
+    """Running `vllm serve` processes, attached by address (--engine_urls), started with VLLM_SERVER_DEV_MODE=1 and
+    --worker-extension-cls rloo_multinode.VLLMWorkerExtension. Rank r sends its prompts to server r % n through the
+    OpenAI completions API (token ids in and out); rank 0 has every server's workers join the weight group through
+    the development endpoint /collective_rpc, and sends weights as for the other engines."""
+
+    def __init__(self, args: Args, dist_info: rloo.Dist):
+        self.args, self.dist_info, self.timeout = args, dist_info, args.engine_timeout
+        self.urls = engine_urls(args)
+        self.url = self.urls[dist_info.rank % len(self.urls)]
+        self.requests = ThreadPoolExecutor(1)  # this rank's completions requests, one after the other
+        self.calls = ThreadPoolExecutor(len(self.urls))  # rank 0's calls to every server at once
+        self.pending, self.syncing = {}, []  # batch -> (answer to come, pad id); rank 0's sync calls in progress
+        for url in self.urls if dist_info.master else [self.url]:
+            self.wait_until_up(url)
+        self.model = http_json(f"{self.url}/v1/models", None, self.timeout)["data"][0]["id"]  # the served name
+
+    def wait_until_up(self, url: str) -> None:
+        """A server may still be loading its model: its /health answers once it serves."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                http_json(f"{url}/health", None, self.timeout)
+                return
+            except EngineError as e:
+                if time.monotonic() > deadline:
+                    raise EngineError(f"{e} (not up within --engine_timeout {self.timeout:.0f} s)") from None
+                time.sleep(1.0)
+
+    def rpc(self, url: str, method: str, *args) -> list:
+        """VLLMWorkerExtension.method(*args) on every worker of the server at `url`: one result per worker."""
+        answer = http_json(f"{url}/collective_rpc", {"method": method, "args": list(args), "timeout": self.timeout},
+                           self.timeout)
+        return (answer or {}).get("results", [])
+
+    def connect(self, backend: str, device: torch.device):
+        workers = [len(self.rpc(url, "worker_rank")) for url in self.urls]  # tensor-parallel workers per server
+        offsets = [1 + sum(workers[:i]) for i in range(len(self.urls))]
+        host, port, size = os.environ.get("MASTER_ADDR", "127.0.0.1"), self.args.engine_port + 1, 1 + sum(workers)
+        joins = [self.calls.submit(self.rpc, url, "join_weight_group", host, port, offset, size, backend,
+                                   self.timeout) for url, offset in zip(self.urls, offsets)]
+        group = weight_group(backend, host, port, 0, size, device, self.timeout)  # completes once all have joined
+        for join in joins:
+            join.result()
+        return group
+
+    def send(self, batch: int, request: dict) -> None:
+        body = completions_body(self.model, request["queries"], request["query_mask"], self.args,
+                                request["stop_token_id"])
+        answer = self.requests.submit(http_json, f"{self.url}/v1/completions", body, self.timeout)
+        self.pending[batch] = (answer, request["pad_token_id"])
+
+    def receive(self, batch: int) -> dict:
+        answer, pad_token_id = self.pending.pop(batch)
+        choices = sorted(answer.result()["choices"], key=lambda c: c["index"])  # one per prompt, in prompt order
+        return {"responses": padded_responses([c["token_ids"] for c in choices], self.args.response_length,
+                                              pad_token_id)}  # vLLM seeds its own sampler: no RNG state
+
+    def begin_sync(self, version: int, buckets: list, dtype: torch.dtype) -> None:
+        dtype_name = str(dtype).removeprefix("torch.")
+        self.syncing = [self.calls.submit(self.rpc, url, "receive_weights", buckets, dtype_name) for url in self.urls]
+
+    def end_sync(self) -> None:
+        for call in self.syncing:
+            call.result()
+        for url in self.urls:  # cached prompt KV was computed by the old weights
+            http_json(f"{url}/reset_prefix_cache", {}, self.timeout)
+
+    def explain(self, failure: EngineError) -> EngineError:
+        return EngineError(f"{failure} (servers {', '.join(self.urls)})")
+
+    def close(self) -> None:
+        self.requests.shutdown(wait=False, cancel_futures=True)
+        self.calls.shutdown(wait=False, cancel_futures=True)
+
+
+class EngineRollouts:
+    """rloo.py's rollout source (the five methods of rloo.LocalRollouts), served by engines: those of `serve`
+    (ServedEngines) or `vllm serve` processes (VLLMServers). Every training rank submits its own queries and takes
+    its own completions; rank 0 also sends the weights. The ranks agree on every engine failure, so all stop at the
+    same point."""
+
+    def __init__(self, policy, args: Args, stop_token_id: Optional[int], pad_token_id: int,
+                 generator: torch.Generator, dist_info: rloo.Dist, engines):
+        self.policy, self.args, self.stop_token_id, self.pad_token_id = policy, args, stop_token_id, pad_token_id
+        self.generator, self.queued = generator, []  # (queries, query mask) of each batch in flight
+        self.dist_info, self.engines = dist_info, engines
+        self.lookahead = 1 if args.async_generation else 0
+        self.submitted = self.taken = 0  # batches asked for and received
+        self.results = {}  # completions received before their take() (async: before a sync)
+        self.failure = None  # an engine failure every rank agreed on, raised by the next take()
+        self.version = 0  # the policy's update count when the engines last received its weights
+        self.batch_versions = []  # the weight version that sampled each batch in flight
+        self.behaviour, self.snapshots = None, {}
+        if args.async_generation:
+            self.behaviour = copy.deepcopy(policy).eval().requires_grad_(False)
+            self.behaviour_version = 0
+        dtype = engine_dtype(args)
+        shapes = [(name, p.shape) for name, p in named_parameters(policy).items()]  # a DTensor's shape is the full one
+        self.buckets, self.dtype = plan_buckets(shapes, dtype, args.sync_bucket_mb * 2**20), dtype
+        self.group, error = None, None
+        if dist_info.master:
+            try:
+                self.group = engines.connect(weight_backend(args, dist_info.device), dist_info.device)
+            except EngineError as e:
+                error = e
+        self.failure = self.agree(error)
+        if self.failure is None:
+            self.sync_weights(0)  # the engines start from the trainer's weights, whatever they loaded
+        if self.failure is not None:
+            raise self.failure
+
+    def agree(self, error: Optional[Exception]) -> Optional[EngineError]:
+        """Every rank learns whether any rank met an engine failure (a collective: all ranks call it), and the
+        first such failure's message; None if there was none."""
+        failed = rloo.all_reduce(torch.tensor([float(error is not None)], device=self.dist_info.device),
+                                 dist.ReduceOp.MAX).item()
+        if not failed:
+            return None
+        messages = [str(error) if error is not None else None] * self.dist_info.world_size
+        if self.dist_info.world_size > 1:
+            dist.all_gather_object(messages, messages[0])
+        return EngineError(next(m for m in messages if m is not None))
 
     # ---- weights
     def sync_weights(self, version: int) -> tuple[float, float]:
-        """Rank 0 broadcasts the weights bucket by bucket; with FSDP every rank gathers each bucket's parameters
-        first (one bucket unsharded at a time, never the whole model). Returns rank 0's seconds waiting for the
-        engines to be ready (an engine still sampling an async batch finishes it first) and seconds sending."""
-        master, wait = self.dist_info.master, 0.0
-        if not master and not self.args.fsdp:
-            return 0.0, 0.0
+        """Every rank: the batch still being sampled (async) is finished on the old weights; then rank 0 broadcasts
+        the new ones bucket by bucket (with FSDP every rank gathers each bucket's parameters first, one bucket
+        unsharded at a time, never the whole model); no rank asks for completions before the engines hold them.
+        Returns seconds waiting for the engines and seconds sending."""
+        start, error = time.perf_counter(), None
+        try:
+            for batch in range(self.taken, self.submitted):
+                if batch not in self.results:
+                    self.results[batch] = self.engines.receive(batch)
+        except EngineError as e:
+            error = e
+        self.failure = self.agree(error)
+        if self.failure is not None:
+            return time.perf_counter() - start, 0.0
+        master, error = self.dist_info.master, None
         if master:
-            start = time.perf_counter()
-            self.command(kind="sync", version=version, buckets=self.buckets, dtype=self.dtype)
-            for index in range(self.args.num_engines):
-                self.wait_for(f"engine/{index}/at_sync/{version}", f"engine {index} to receive weights",
-                              self.args.engine_timeout)
-            wait = time.perf_counter() - start
-        start, error, parameters = time.perf_counter(), None, named_parameters(self.policy)
-        for bucket in self.buckets:
+            try:
+                self.engines.begin_sync(version, self.buckets, self.dtype)
+            except EngineError as e:
+                error = e
+        wait, start, parameters = time.perf_counter() - start, time.perf_counter(), named_parameters(self.policy)
+        for bucket in self.buckets if master or self.args.fsdp else []:
             tensors = [unsharded(parameters[name]).detach() for name, _ in bucket]  # (FSDP: all ranks gather)
             if master and error is None:
                 try:
                     self.group.broadcast(torch.cat([t.reshape(-1).to(self.dtype) for t in tensors]))
                 except RuntimeError as e:  # a peer died or timed out; keep gathering so no rank hangs
-                    error = e
-        if error is not None:
-            self.check_engines()
-            raise EngineError(f"weight sync {version} failed: {error}")
+                    error = self.engines.explain(EngineError(f"weight sync {version} failed: {e}"))
+        if master and error is None:
+            try:
+                self.engines.end_sync()
+            except EngineError as e:
+                error = e
+        self.failure = self.agree(error)
         return wait, time.perf_counter() - start
-
-    def engine_state_dict(self, index: int) -> dict:
-        """Rank 0: engine `index`'s weights as it holds them now (to check a sync)."""
-        self.command(kind="state_dict", version=self.version)
-        return loads(self.wait_for(f"engine/{index}/state_dict/{self.version}", f"engine {index}'s weights",
-                                   self.args.engine_timeout))
 
     # ---- the rollout source
     def submit(self, queries: torch.Tensor, query_mask: torch.Tensor) -> None:
-        batch, rank = self.submitted, self.dist_info.rank
-        self.store.set(f"gen/{batch}/{rank}", dumps({
+        self.engines.send(self.submitted, {
             "queries": queries.cpu(), "query_mask": query_mask.cpu(), "stop_token_id": self.stop_token_id,
-            "pad_token_id": self.pad_token_id, "rng_state": self.generator.get_state()}))
-        if self.dist_info.master:
-            self.command(kind="generate", batch=batch)
+            "pad_token_id": self.pad_token_id, "rng_state": self.generator.get_state()})
         self.batch_versions.append(self.version)
         self.submitted += 1
         self.queued.append((queries, query_mask))
 
     def take(self) -> tuple[rloo.Completions, dict[str, float]]:
         queries, query_mask = self.queued.pop(0)
-        try:
-            result = loads(self.wait_for(f"out/{self.taken}/{self.dist_info.rank}", "completions", None))
-            failed = 0.0
-        except EngineError as e:
-            error, failed = e, 1.0
-        # every rank stops at this same point, or none does
-        if rloo.all_reduce(torch.tensor([failed], device=self.dist_info.device), dist.ReduceOp.MAX).item():
-            raise error if failed else EngineError(self.store.get("failed").decode() if self.store.check(["failed"])
-                                                   else "an engine serving another rank failed")
-        self.generator.set_state(result["rng_state"])
+        error = self.failure
+        if error is None:
+            try:
+                result = self.results.pop(self.taken) if self.taken in self.results else \
+                    self.engines.receive(self.taken)
+            except EngineError as e:
+                error = e
+            error = self.agree(error)  # every rank stops at this same point, or none does
+        if error is not None:
+            raise error
+        if "rng_state" in result:  # an engine that drew from this rank's stream hands back where it stopped
+            self.generator.set_state(result["rng_state"])
         responses, response_mask = rloo.truncate_after_stop(result["responses"].to(queries.device),
                                                             self.stop_token_id, self.pad_token_id)  # (k*B, Tr)
         completions = rloo.Completions(torch.cat([queries, responses], 1), torch.cat([query_mask, response_mask], 1),
@@ -531,23 +769,11 @@ class EngineRollouts:
         if self.behaviour is not None:  # batches sampled with these weights are trained on one update later
             self.snapshots[update] = {name: p.detach().to("cpu", copy=True)
                                       for name, p in named_parameters(policy).items()}  # never FSDP (refused)
-        try:
-            wait, broadcast = self.sync_weights(update)
-        except EngineError as e:  # raised at the next take(), on every rank at once, after a checkpoint
-            if not self.store.check(["failed"]):
-                self.store.set("failed", str(e))
-            wait = broadcast = 0.0
+        wait, broadcast = self.sync_weights(update) if self.failure is None else (0.0, 0.0)
         return {"time/engine_wait": wait, "time/weight_sync": broadcast}
 
     def close(self) -> None:
-        if self.dist_info.master:
-            with contextlib.suppress(dist.DistError):
-                self.command(kind="stop")
-        for process in self.processes.values():
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        self.engines.close()
 
 
 # ===================================================================== launching
@@ -589,7 +815,7 @@ def launch_engines(args: Args, dist_info: rloo.Dist, address: str) -> dict[int, 
     return processes
 
 
-def control_store(args: Args, dist_info: rloo.Dist, device_type: str):
+def control_store(args: Args, dist_info: rloo.Dist, device: torch.device):
     """The engines' control store, served by rank 0; rank 0 publishes the run's configuration in it."""
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     store = dist.TCPStore(host, args.engine_port, is_master=dist_info.master, wait_for_workers=False,
@@ -600,20 +826,25 @@ def control_store(args: Args, dist_info: rloo.Dist, device_type: str):
         store.add("group_size", 1 + sum(workers))
         store.set("config", dumps({"args": asdict(args), "world_size": dist_info.world_size,
                                    "rank_offsets": offsets, "group_size": 1 + sum(workers),
-                                   "trainer_device_type": device_type}))
+                                   "trainer_device_type": device.type, "backend": weight_backend(args, device)}))
     return store, f"{host}:{args.engine_port}"
 
 
 # ===================================================================== main
 def make_engine_rollouts(args: Args):
-    """rloo.main's rollout source: the control store and, on rank 0, the engines it starts."""
+    """rloo.main's rollout source: `vllm serve` processes by address, or the control store and, on rank 0, the
+    engines it starts."""
 
     def make(policy, args_, stop_token_id, pad_token_id, generator, autocast):  # engines sample in their own dtype
         dist_info = rloo.Dist(int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
                               int(os.environ.get("WORLD_SIZE", 1)), generator.device)
-        store, address = control_store(args, dist_info, generator.device.type)
-        processes = launch_engines(args, dist_info, address) if dist_info.master and args.launch_engines else {}
-        return EngineRollouts(policy, args, stop_token_id, pad_token_id, generator, dist_info, store, processes)
+        if args.engine_urls:
+            engines = VLLMServers(args, dist_info)
+        else:
+            store, address = control_store(args, dist_info, generator.device)
+            processes = launch_engines(args, dist_info, address) if dist_info.master and args.launch_engines else {}
+            engines = ServedEngines(args, dist_info, store, processes)
+        return EngineRollouts(policy, args, stop_token_id, pad_token_id, generator, dist_info, engines)
 
     return make
 
@@ -631,7 +862,10 @@ def cli() -> None:
     args = tyro.cli(Args)
     try:
         rloo.run_script(main, args, "rloo_multinode.py")
-    except rloo.RolloutSourceError as e:
+    except EngineError as e:  # before the first update: nothing to resume
+        print(f"rloo_multinode.py: error: {e}", file=sys.stderr)
+        sys.exit(4)
+    except rloo.RolloutSourceError as e:  # rloo.main saved a checkpoint first
         print(f"rloo_multinode.py: error: {e}; continue with the same command and --resume once the engines are "
               "healthy", file=sys.stderr)
         sys.exit(4)

@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import typing
 
@@ -68,15 +69,15 @@ def test_after_a_sync_every_engine_holds_the_trainers_weights_bit_for_bit(archit
     args = mn.Args(model_name_or_path=str(tmp_path / "policy"), engine="hf", output_dir=str(tmp_path / "out"),
                    engine_port=free_port(), sync_bucket_mb=0, engine_timeout=120)  # 0 MB: one bucket per tensor
     dist_info = rloo.Dist(0, 0, 1, torch.device("cpu"))
-    store, address = mn.control_store(args, dist_info, "cpu")
-    rollouts = mn.EngineRollouts(policy, args, None, 0, torch.Generator(), dist_info, store,
-                                 mn.launch_engines(args, dist_info, address))
+    store, address = mn.control_store(args, dist_info, torch.device("cpu"))
+    engines = mn.ServedEngines(args, dist_info, store, mn.launch_engines(args, dist_info, address))
+    rollouts = mn.EngineRollouts(policy, args, None, 0, torch.Generator(), dist_info, engines)
     try:
         with torch.no_grad():  # a trained policy: every weight moved away from what the engine loaded
             for p in policy.parameters():
                 p.add_(torch.randn_like(p))
         rollouts.policy_updated(1, policy)
-        engine = rollouts.engine_state_dict(0)
+        engine = engines.engine_state_dict(0, 1)
         for name, tensor in policy.state_dict().items():
             assert torch.equal(engine[name], tensor), name
         if architecture == "tied_llama":  # one tensor sent, both ends of the tie updated
@@ -143,6 +144,78 @@ def test_an_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(assets
     assert f"resuming from {checkpoint}" in resumed.stdout and read_metrics(out)[-1]["update"] == saved + 1
 
 
+def vllm_standin(tmp_path, name: str, policy, *flags) -> tuple[subprocess.Popen, str, object]:
+    """A stand-in `vllm serve` (tests/vllm_standin.py) started on a free port: the process, its URL, its log."""
+    port, log = free_port(), tmp_path / f"{name}.jsonl"
+    process = subprocess.Popen([sys.executable, str(REPO / "tests" / "vllm_standin.py"), "--model", str(policy),
+                                "--port", str(port), "--log", str(log), *map(str, flags)], env=script_env(), cwd=REPO)
+    return process, f"http://127.0.0.1:{port}", log
+
+
+def logged_requests(log) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_attached_vllm_servers_serve_two_ranks_and_hold_the_trainers_weights(assets, tmp_path):
+    out = tmp_path / "attached"
+    servers = [vllm_standin(tmp_path, "a", assets["policy"], "--workers", 2),
+               vllm_standin(tmp_path, "b", assets["policy"])]
+    try:
+        result = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
+                     *RUN, "--output_dir", out, "--num_ppo_epochs", 1, "--num_mini_batches", 1,  # one step per batch,
+                     "--total_episodes", 2 * 2 * PER_UPDATE // 2,  # at the sampling weights; 16 per update and rank
+                     "--engine_urls", ",".join(url for _, url, _ in servers), "--engine_port", free_port(), nproc=2)
+    finally:
+        for process, _, _ in servers:
+            process.kill()
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert [m["rollout/staleness"] for m in metrics] == [0, 0]
+    # the ratio against log-probs the trainer recomputed with the weights the servers sampled with: exactly 1
+    assert all(abs(m["val/ratio"] - 1) < 1e-5 and m["time/weight_sync"] > 0 for m in metrics)
+    trained = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    for (_, _, log), workers in zip(servers, (2, 1)):
+        held = torch.load(log.with_suffix(".pt"))  # every worker's weights after the last sync
+        assert len(held) == workers
+        assert all(torch.equal(worker[name], trained[name]) for worker in held for name in trained)
+        requests = logged_requests(log)
+        assert [r["path"] for r in requests].count("/reset_prefix_cache") == 3  # the start's weights, each update's
+        completions = [r["body"] for r in requests if r["path"] == "/v1/completions"]
+        assert len(completions) == 2  # one per update from the one rank this server serves
+        assert all(c["max_tokens"] == 6 and c["temperature"] == 1.0 and c["stop_token_ids"] == [1] for c in completions)
+
+
+def test_a_vllm_server_that_dies_stops_an_async_run_with_a_checkpoint_and_names_it(assets, tmp_path):
+    out = tmp_path / "dies"
+    server, url, _ = vllm_standin(tmp_path, "a", assets["policy"])
+    trainer = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
+                  *RUN, "--total_episodes", 1000 * PER_UPDATE, "--output_dir", out, "--engine_urls", url,
+                  "--async_generation", "--engine_port", free_port(), wait=False)
+    try:
+        deadline = time.time() + 120
+        while not ((out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= 2):
+            assert time.time() < deadline and trainer.poll() is None, trainer.communicate()[1][-3000:]
+            time.sleep(0.1)
+    finally:
+        server.kill()
+    assert [m["rollout/staleness"] for m in read_metrics(out)[:2]] == [0, 1]
+    _, stderr = trainer.communicate(timeout=60)  # never a hang
+    assert trainer.returncode == 4, stderr[-3000:]
+    assert f"vLLM server {url}" in stderr and "checkpoint of update" in stderr and "Traceback" not in stderr
+
+
+def test_a_vllm_server_without_development_mode_is_refused_with_the_fix(assets, tmp_path):
+    server, url, _ = vllm_standin(tmp_path, "a", assets["policy"], "--no-dev_mode")
+    try:
+        result = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
+                     *RUN, "--total_episodes", PER_UPDATE, "--output_dir", tmp_path / "out", "--engine_urls", url,
+                     "--engine_port", free_port())
+    finally:
+        server.kill()
+    assert result.returncode == 4 and "VLLM_SERVER_DEV_MODE=1" in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+
+
 def test_engine_flags_that_clash_are_refused_in_one_line(assets, tmp_path):
     common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *RUN,
               "--output_dir", tmp_path]
@@ -150,6 +223,14 @@ def test_engine_flags_that_clash_are_refused_in_one_line(assets, tmp_path):
     assert too_many.returncode == 2 and "--num_engines 2 > 1 training rank" in too_many.stderr
     tensor_parallel = run("rloo_multinode.py", *common, "--engine", "hf", "--vllm_tensor_parallel_size", 2)
     assert tensor_parallel.returncode == 2 and "the hf engine is one device" in tensor_parallel.stderr
+    # the same check, in process (rloo.run_script turns a ConfigError into the one line and exit 2 shown above)
+    with pytest.raises(rloo.ConfigError, match="drop --engine hf"):
+        mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", engine_urls="http://a:8000"), 1)
+    with pytest.raises(rloo.ConfigError, match="--num_engines 3 but 2 --engine_urls"):
+        mn.validate_engine_args(mn.Args(model_name_or_path="m", engine_urls="http://a:8000,http://b:8000",
+                                        num_engines=3), 2)
+    with pytest.raises(rloo.ConfigError, match="engines: 2 > 1 training rank"):
+        mn.validate_engine_args(mn.Args(model_name_or_path="m", engine_urls="http://a:8000,http://b:8000"), 1)
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -158,7 +239,7 @@ def test_engine_flags_that_clash_are_refused_in_one_line(assets, tmp_path):
         assert len(no_vllm.stderr.strip().splitlines()) == 1
 
 
-def test_vllm_api_of_the_pinned_release():
+def test_vllm_api_of_the_pinned_release(monkeypatch):
     """The vLLM symbols and signatures rloo_multinode.py relies on, checked against the installed release."""
     vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install -r requirements-vllm.txt)")
     import inspect
@@ -170,9 +251,9 @@ def test_vllm_api_of_the_pinned_release():
     assert {"host", "port", "rank", "world_size"} <= set(inspect.signature(StatelessProcessGroup.create).parameters)
     assert {"src", "stream"} <= set(inspect.signature(PyNcclCommunicator.broadcast).parameters)
     assert hasattr(vllm.LLM, "collective_rpc") and hasattr(vllm.LLM, "reset_prefix_cache")
-    vllm.SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=4, stop_token_ids=[1], detokenize=False)
+    params = vllm.SamplingParams(n=1, detokenize=False, **mn.vllm_sampling(mn.Args(model_name_or_path="m"), None))
+    assert params.ignore_eos and params.top_k == 0 and params.stop_token_ids == []
     assert vllm.TokensPrompt(prompt_token_ids=[1, 2]) == {"prompt_token_ids": [1, 2]}
-    from vllm.distributed.parallel_state import get_world_group  # noqa: F401  (the worker extension's rank)
     from vllm.engine.arg_utils import EngineArgs
 
     engine_args = {f.name: f.type for f in dataclasses.fields(EngineArgs)}
@@ -180,6 +261,33 @@ def test_vllm_api_of_the_pinned_release():
         kwargs = mn.vllm_engine_kwargs(mn.Args(model_name_or_path="m", bf16=bf16), 0)
         assert set(kwargs) <= set(engine_args), set(kwargs) - set(engine_args)
         assert kwargs["dtype"] in typing.get_args(engine_args["dtype"])
+
+    # the worker extension's attributes: its rank and the model runner's device and model
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    assert "self.rank = rank" in inspect.getsource(WorkerBase.__init__)
+    assert "self.device = device" in inspect.getsource(GPUModelRunner.__init__)
+
+    # `vllm serve`: the routes the trainer calls exist in development mode, and a completions request as the trainer
+    # builds it (the fields the stand-in server accepts) samples as rloo.py does, whatever the generation config says
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    from vllm.entrypoints.openai.api_server import router
+    from vllm.entrypoints.openai.protocol import CompletionRequest
+
+    from vllm_standin import COMPLETIONS_FIELDS
+
+    assert {"/health", "/v1/models", "/v1/completions", "/collective_rpc", "/reset_prefix_cache"} <= {
+        route.path for route in router.routes}
+    body = mn.completions_body("m", torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]]),
+                               mn.Args(model_name_or_path="m", response_length=6, temperature=0.7), 1)
+    assert set(body) == COMPLETIONS_FIELDS and COMPLETIONS_FIELDS <= set(CompletionRequest.model_fields)
+    request = CompletionRequest(**body)
+    assert request.prompt == [[5, 6], [7, 8, 9]] and request.return_token_ids
+    params = request.to_sampling_params(6, None, {"top_k": 50, "top_p": 0.9, "repetition_penalty": 1.3})
+    assert (params.temperature, params.top_k, params.top_p, params.min_p, params.repetition_penalty) == (
+        0.7, 0, 1.0, 0.0, 1.0)
+    assert params.ignore_eos and params.stop_token_ids == [1] and params.max_tokens == 6
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM engines need a GPU")
