@@ -54,7 +54,7 @@ PER_SCRIPT = {
     },
 }
 OVERRIDES = ("SEED", "K", "OUTPUT_DIR", "NPROC", "TORCHRUN_ARGS", "SCRIPT", "PYTHIA", "TRAINER", "TP", "PYTHON",
-             "TRAIN_NODES", "ENGINE_PORT", "MASTER_PORT")
+             "TRAIN_NODES", "ENGINE_PORT", "MASTER_PORT", "ENGINES", "SERVE_MODEL", "MAX_MODEL_LEN")
 
 
 @pytest.fixture
@@ -170,32 +170,56 @@ def test_sbatch_default_script_and_output_dir_match_the_1b_script(fake_bin):
     assert run["scontrol"] == []  # no models/rloo_tldr_1b_seed5/preempted: finished or failed, not requeued
 
 
-def test_multinode_sbatch_starts_engines_on_the_last_node_and_trains_on_the_others(fake_bin, tmp_path):
-    """3 nodes, TP=2: node2 runs 4 engines of 2 GPUs; node0 and node1 run torchrun with rank 0 on node0."""
+def run_multinode_sbatch(fake_bin, *args: str, **env: str):
+    """rloo_tldr_multinode.sbatch on 3 stand-in nodes with TP=2; returns the engine lines ("CUDA_VISIBLE_DEVICES
+    argv", sorted) and the trainer's rloo_multinode.py Args."""
     import rloo_multinode
 
     bin_dir, log = fake_bin
     (bin_dir / "scontrol").write_text('#!/bin/sh\nprintf "node0\\nnode1\\nnode2\\n"\n')
     (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
                                   'SLURM_NODEID=0 exec "$@"\n')  # drops srun's options, runs one task
-    engine = bin_dir / "fake_python"
-    engine.write_text(f'#!/bin/sh\necho "$CUDA_VISIBLE_DEVICES $*" >> {log / "engines.log"}\n')
-    engine.chmod(0o755)
+    for engine in ("fake_python", "vllm"):  # the `serve` engines' python, and vLLM's CLI
+        (bin_dir / engine).write_text('#!/bin/sh\necho "$CUDA_VISIBLE_DEVICES ${VLLM_SERVER_DEV_MODE:-} '
+                                      f'${{PYTHONPATH:-}} $*" >> {log / "engines.log"}\n')
+        (bin_dir / engine).chmod(0o755)
     sbatch = TLDR / "rloo_tldr_multinode.sbatch"
     subprocess.run(["bash", "-n", str(sbatch)], check=True)
     clean = {k: v for k, v in os.environ.items() if k not in OVERRIDES}
-    subprocess.run(["bash", str(sbatch), "--async_generation"], cwd=REPO, check=True, timeout=30, env={
+    subprocess.run(["bash", str(sbatch), *args], cwd=REPO, check=True, timeout=30, env={
         **clean, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node[0-2]", "TP": "2",
-        "PYTHON": str(engine)})
-    engines = sorted((log / "engines.log").read_text().splitlines())
-    assert engines == [f"{i * 2},{i * 2 + 1} rloo_multinode.py serve --trainer_address node0:29600 --engine_index {i}"
-                       for i in range(4)]
+        "PYTHON": str(bin_dir / "fake_python"), "PYTHONPATH": "", **env})
+    engines = sorted(" ".join(line.split()) for line in (log / "engines.log").read_text().splitlines())
     record = json.loads((log / "torchrun.json").read_text())
     torchrun = get_args_parser().parse_args(record["argv"])
     assert (torchrun.nnodes, torchrun.node_rank, torchrun.master_addr) == ("2", 0, "node0")
     assert torchrun.nproc_per_node == "8" and torchrun.training_script == "rloo_multinode.py"
     args = tyro.cli(rloo_multinode.Args, args=torchrun.training_script_args)
+    assert {name: getattr(args, name) for name in PUBLISHED} == PUBLISHED  # the 1B run's settings, unchanged
+    return engines, args
+
+
+def test_multinode_sbatch_starts_engines_on_the_last_node_and_trains_on_the_others(fake_bin):
+    """3 nodes, TP=2: node2 runs 4 engines of 2 GPUs; node0 and node1 run torchrun with rank 0 on node0."""
+    import rloo_multinode
+
+    engines, args = run_multinode_sbatch(fake_bin, "--async_generation")
+    assert engines == [f"{i * 2},{i * 2 + 1} rloo_multinode.py serve --trainer_address node0:29600 --engine_index {i}"
+                       for i in range(4)]
     assert (args.engine, args.num_engines, args.vllm_tensor_parallel_size, args.launch_engines) == ("vllm", 4, 2, False)
     assert args.async_generation and args.engine_port == 29600
-    assert {name: getattr(args, name) for name in PUBLISHED} == PUBLISHED  # the 1B run's settings, unchanged
     rloo_multinode.validate_engine_args(dataclasses.replace(args, engine="hf", vllm_tensor_parallel_size=1), 16)
+
+
+def test_multinode_sbatch_with_vllm_serve_engines_attaches_the_trainer_to_them(fake_bin):
+    import rloo_multinode
+
+    engines, args = run_multinode_sbatch(fake_bin, ENGINES="vllm-serve", PYTHIA="2.8b")
+    model = "cleanrl/EleutherAI_pythia-2.8b-deduped__sft__tldr"
+    assert engines == [f"{i * 2},{i * 2 + 1} 1 {REPO} serve {model} --port {8000 + i} --tensor-parallel-size 2 "
+                       f"--seed {i} --dtype bfloat16 --max-model-len 565 --enable-prefix-caching "
+                       "--worker-extension-cls rloo_multinode.VLLMWorkerExtension" for i in range(4)]
+    assert args.engine_urls == ",".join(f"http://node2:{8000 + i}" for i in range(4))
+    assert args.engine == "vllm" and args.num_engines == 1  # one engine per URL
+    assert rloo_multinode.engine_urls(args) == args.engine_urls.split(",")
+    assert f"--max-model-len {args.max_prompt_length + args.response_length}" in engines[0]
