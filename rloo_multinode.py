@@ -13,7 +13,8 @@ rank 0 broadcasts the new weights to every engine.
 What this file adds to rloo.py, nothing else: engine start-up, prompt dispatch and weight sync.
   - Control of `serve` engines: a TCPStore served by trainer rank 0 at MASTER_ADDR:--engine_port. Rank 0 writes
     one ordered command stream (`generate`, `sync`, `stop`) that every engine follows; rank r writes its queries
-    and reads its completions under keys of its own. Engine r % num_engines serves rank r. `vllm serve`
+    and reads its completions under keys of its own. Engine r % num_engines serves rank r (with more engines than
+    ranks, a rank's batch is split over several: engines_of_ranks). `vllm serve`
     processes: the OpenAI completions API for prompts, the development endpoint /collective_rpc for the rest.
   - Weights: one process group of trainer rank 0 and every engine worker (NCCL through vLLM's PyNcclCommunicator
     between GPUs, gloo otherwise), packed buckets cast to the engine's dtype.
@@ -68,7 +69,8 @@ class Args(rloo.Args):
     """vllm: vLLM engines on GPUs (pip install -r requirements-vllm.txt). hf: each engine a process holding a
     transformers model sampling with rloo.py's own code (no vLLM needed; CPU clusters, tests)"""
     num_engines: int = 1
-    """generation engines; engine r % num_engines serves training rank r, so at most as many as training ranks"""
+    """generation engines; engine r % num_engines serves training rank r; more engines than ranks must be a
+    multiple of them, and each rank's batch is split over its engines by prompt"""
     engine_urls: Optional[str] = None
     """comma-separated base URLs (http://HOST:8000) of running `vllm serve` processes to attach to instead of
     starting engines (one engine each; see the README for how to start them). The weight group's rendezvous is
@@ -117,6 +119,21 @@ def engine_urls(args: Args) -> list[str]:
     return [url.strip().rstrip("/") for url in (args.engine_urls or "").split(",") if url.strip()]
 
 
+def engines_of_ranks(world_size: int, num_engines: int) -> list[list[int]]:
+    """The engines that sample each training rank's batches: with at most as many engines as ranks, engine
+    r % num_engines serves rank r; with more (a multiple of the ranks), rank r's batch is split over engines
+    r, r + world_size, ... (each engine sampling the k completions of a share of the prompts)."""
+    if num_engines <= world_size:
+        return [[rank % num_engines] for rank in range(world_size)]
+    return [list(range(rank, num_engines, world_size)) for rank in range(world_size)]
+
+
+def duties(engine: int, world_size: int, num_engines: int) -> list[tuple[int, int]]:
+    """(rank, part) of every batch part engine `engine` samples, in the order it takes them."""
+    return [(rank, part) for rank, engines in enumerate(engines_of_ranks(world_size, num_engines))
+            for part, e in enumerate(engines) if e == engine]
+
+
 def validate_engine_args(args: Args, world_size: int) -> None:
     """Refuse engine flags that clash, before anything is loaded."""
     if args.num_engines < 1:
@@ -128,11 +145,10 @@ def validate_engine_args(args: Args, world_size: int) -> None:
         raise rloo.ConfigError(f"--num_engines {args.num_engines} but {len(urls)} --engine_urls: each URL is one "
                                "engine; drop --num_engines")
     engines = len(urls) or args.num_engines
-    if engines > world_size:
+    if engines > world_size and engines % world_size:
         raise rloo.ConfigError(
-            f"{'--num_engines' if not urls else 'engines:'} {engines} > {world_size} training rank(s): engine r % "
-            "num_engines serves rank r, so the extra engines would idle; use fewer engines, or tensor parallelism "
-            "to give each more GPUs")
+            f"{'--num_engines' if not urls else 'engines:'} {engines} for {world_size} training rank(s): more engines "
+            "than ranks must be a multiple of them (each rank's batch is split evenly over its engines)")
     if args.engine == "hf" and args.vllm_tensor_parallel_size != 1:
         raise rloo.ConfigError("--vllm_tensor_parallel_size applies to --engine vllm only; the hf engine is one device")
     if args.engine == "vllm" and (not urls or torch.cuda.is_available()):  # vLLM's NCCL communicator on GPUs
@@ -408,7 +424,7 @@ def serve(serve_args: ServeArgs) -> None:
         store.set(f"engine/{index}/ready", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
         engine.join_weight_group(host, int(port) + 1, config["rank_offsets"][index], config["group_size"],
                                  config["backend"], args.engine_timeout)
-        ranks = list(range(index, config["world_size"], args.num_engines))
+        parts = duties(index, config["world_size"], args.num_engines)
         for step in itertools.count():
             command = loads(wait_for_key(store, f"cmd/{step}"))  # every engine reads every command
             if command["kind"] == "stop":
@@ -417,11 +433,11 @@ def serve(serve_args: ServeArgs) -> None:
                 store.set(f"engine/{index}/at_sync/{command['version']}", b"1")
                 engine.receive_weights(command["buckets"], command["dtype"])
             elif command["kind"] == "generate":
-                for rank in ranks:
-                    request = loads(wait_for_key(store, f"gen/{command['batch']}/{rank}"))
-                    store.delete_key(f"gen/{command['batch']}/{rank}")
-                    result = engine.generate(request)
-                    store.set(f"out/{command['batch']}/{rank}", dumps(result))
+                for rank, part in parts:
+                    key = f"{command['batch']}/{rank}/{part}"
+                    request = loads(wait_for_key(store, f"gen/{key}"))
+                    store.delete_key(f"gen/{key}")
+                    store.set(f"out/{key}", dumps(engine.generate(request)))
             elif command["kind"] == "state_dict":  # for checking a sync: this engine's weights, to the trainer
                 store.set(f"engine/{index}/state_dict/{command['version']}", dumps(engine.state_dict()))
     except dist.DistNetworkError:  # the trainer's store is gone: it stopped or died; nothing left to serve
@@ -444,6 +460,7 @@ class ServedEngines:
     def __init__(self, args: Args, dist_info: rloo.Dist, store, processes: dict[int, subprocess.Popen]):
         self.args, self.dist_info, self.store, self.processes = args, dist_info, store, processes
         self.next_command, self.beats = 0, {}  # rank 0's next command; each engine's (beats, since when)
+        self.parts = len(engines_of_ranks(dist_info.world_size, args.num_engines)[dist_info.rank])
 
     def command(self, **command) -> None:
         self.store.set(f"cmd/{self.next_command}", dumps(command))
@@ -488,13 +505,16 @@ class ServedEngines:
         return weight_group(backend, self.store.host, self.store.port + 1, 0, self.store.add("group_size", 0),
                             device, self.args.engine_timeout)
 
-    def send(self, batch: int, request: dict) -> None:
-        self.store.set(f"gen/{batch}/{self.dist_info.rank}", dumps(request))
+    def send(self, batch: int, parts: list[dict]) -> None:
+        """This rank's batch, part by part (to its engines in the order of engines_of_ranks)."""
+        for part, request in enumerate(parts):
+            self.store.set(f"gen/{batch}/{self.dist_info.rank}/{part}", dumps(request))
         if self.dist_info.master:
             self.command(kind="generate", batch=batch)
 
-    def receive(self, batch: int) -> dict:
-        return loads(self.wait_for(f"out/{batch}/{self.dist_info.rank}", "completions", None))
+    def receive(self, batch: int) -> list[dict]:
+        return [loads(self.wait_for(f"out/{batch}/{self.dist_info.rank}/{part}", "completions", None))
+                for part in range(self.parts)]
 
     def begin_sync(self, version: int, buckets: list, dtype: torch.dtype) -> None:
         """Rank 0: every engine waiting for the weights (one still sampling finishes first)."""
@@ -567,13 +587,13 @@ class VLLMServers:
     def __init__(self, args: Args, dist_info: rloo.Dist):
         self.args, self.dist_info, self.timeout = args, dist_info, args.engine_timeout
         self.urls = engine_urls(args)
-        self.url = self.urls[dist_info.rank % len(self.urls)]
-        self.requests = ThreadPoolExecutor(1)  # this rank's completions requests, one after the other
+        self.mine = [self.urls[e] for e in engines_of_ranks(dist_info.world_size, len(self.urls))[dist_info.rank]]
+        self.requests = ThreadPoolExecutor(len(self.mine))  # this rank's completions requests, one per server
         self.calls = ThreadPoolExecutor(len(self.urls))  # rank 0's calls to every server at once
-        self.pending, self.syncing = {}, []  # batch -> (answer to come, pad id); rank 0's sync calls in progress
-        for url in self.urls if dist_info.master else [self.url]:
+        self.pending, self.syncing = {}, []  # batch -> [(answer to come, pad id)]; rank 0's sync calls
+        for url in self.urls if dist_info.master else self.mine:
             self.wait_until_up(url)
-        self.model = http_json(f"{self.url}/v1/models", None, self.timeout)["data"][0]["id"]  # the served name
+        self.model = http_json(f"{self.mine[0]}/v1/models", None, self.timeout)["data"][0]["id"]  # the served name
 
     def wait_until_up(self, url: str) -> None:
         """A server may still be loading its model: its /health answers once it serves."""
@@ -604,17 +624,19 @@ class VLLMServers:
             join.result()
         return group
 
-    def send(self, batch: int, request: dict) -> None:
-        body = completions_body(self.model, request["queries"], request["query_mask"], self.args,
-                                request["stop_token_id"])
-        answer = self.requests.submit(http_json, f"{self.url}/v1/completions", body, self.timeout)
-        self.pending[batch] = (answer, request["pad_token_id"])
+    def send(self, batch: int, parts: list[dict]) -> None:
+        self.pending[batch] = [
+            (self.requests.submit(http_json, f"{url}/v1/completions", completions_body(
+                self.model, part["queries"], part["query_mask"], self.args, part["stop_token_id"]), self.timeout),
+             part["pad_token_id"]) for url, part in zip(self.mine, parts)]
 
-    def receive(self, batch: int) -> dict:
-        answer, pad_token_id = self.pending.pop(batch)
-        choices = sorted(answer.result()["choices"], key=lambda c: c["index"])  # one per prompt, in prompt order
-        return {"responses": padded_responses([c["token_ids"] for c in choices], self.args.response_length,
-                                              pad_token_id)}  # vLLM seeds its own sampler: no RNG state
+    def receive(self, batch: int) -> list[dict]:
+        results = []
+        for answer, pad_token_id in self.pending.pop(batch):
+            choices = sorted(answer.result()["choices"], key=lambda c: c["index"])  # one per prompt, in order
+            results.append({"responses": padded_responses([c["token_ids"] for c in choices],
+                                                          self.args.response_length, pad_token_id)})
+        return results  # vLLM seeds its own sampler: no RNG state
 
     def begin_sync(self, version: int, buckets: list, dtype: torch.dtype) -> None:
         dtype_name = str(dtype).removeprefix("torch.")
@@ -634,6 +656,12 @@ class VLLMServers:
         self.calls.shutdown(wait=False, cancel_futures=True)
 
 
+def split_by_prompt(rows: int, k: int, parts: int) -> list[torch.Tensor]:
+    """Row indices of each part of a (k*B,) batch laid out k-major (row j*B + b: sample j of prompt b). A part
+    holds all k samples of its share of the prompts, so an engine's prefix cache computes each prompt once."""
+    return [index.reshape(-1) for index in torch.arange(rows).view(k, rows // k).tensor_split(parts, dim=1)]
+
+
 class EngineRollouts:
     """rloo.py's rollout source (the five methods of rloo.LocalRollouts), served by engines: those of `serve`
     (ServedEngines) or `vllm serve` processes (VLLMServers). Every training rank submits its own queries and takes
@@ -643,8 +671,10 @@ class EngineRollouts:
     def __init__(self, policy, args: Args, stop_token_id: Optional[int], pad_token_id: int,
                  generator: torch.Generator, dist_info: rloo.Dist, engines):
         self.policy, self.args, self.stop_token_id, self.pad_token_id = policy, args, stop_token_id, pad_token_id
-        self.generator, self.queued = generator, []  # (queries, query mask) of each batch in flight
+        self.generator, self.queued = generator, []  # (queries, query mask, each part's rows) of batches in flight
         self.dist_info, self.engines = dist_info, engines
+        self.num_parts = len(engines_of_ranks(dist_info.world_size, len(engine_urls(args)) or args.num_engines)[
+            dist_info.rank])  # this rank's batch is split over this many engines
         self.lookahead = 1 if args.async_generation else 0
         self.submitted = self.taken = 0  # batches asked for and received
         self.results = {}  # completions received before their take() (async: before a sync)
@@ -722,29 +752,39 @@ class EngineRollouts:
 
     # ---- the rollout source
     def submit(self, queries: torch.Tensor, query_mask: torch.Tensor) -> None:
-        self.engines.send(self.submitted, {
-            "queries": queries.cpu(), "query_mask": query_mask.cpu(), "stop_token_id": self.stop_token_id,
-            "pad_token_id": self.pad_token_id, "rng_state": self.generator.get_state()})
+        rows = split_by_prompt(queries.shape[0], self.args.rloo_k, self.num_parts)  # [(k*B/parts,)] row indices
+        if self.num_parts == 1:  # one engine continues this rank's random stream, as rloo.py would draw it
+            states = [self.generator.get_state()]
+        else:  # several at once: each from a seed drawn from the stream
+            states = [torch.Generator(self.generator.device).manual_seed(int(torch.randint(
+                2**62, (), generator=self.generator, device=self.generator.device))).get_state() for _ in rows]
+        cpu_queries, cpu_query_mask = queries.cpu(), query_mask.cpu()
+        self.engines.send(self.submitted, [{
+            "queries": cpu_queries[i], "query_mask": cpu_query_mask[i], "stop_token_id": self.stop_token_id,
+            "pad_token_id": self.pad_token_id, "rng_state": state} for i, state in zip(rows, states)])
         self.batch_versions.append(self.version)
         self.submitted += 1
-        self.queued.append((queries, query_mask))
+        self.queued.append((queries, query_mask, rows))
 
     def take(self) -> tuple[rloo.Completions, dict[str, float]]:
-        queries, query_mask = self.queued.pop(0)
+        queries, query_mask, rows = self.queued.pop(0)
         error = self.failure
         if error is None:
             try:
-                result = self.results.pop(self.taken) if self.taken in self.results else \
+                results = self.results.pop(self.taken) if self.taken in self.results else \
                     self.engines.receive(self.taken)
             except EngineError as e:
                 error = e
             error = self.agree(error)  # every rank stops at this same point, or none does
         if error is not None:
             raise error
-        if "rng_state" in result:  # an engine that drew from this rank's stream hands back where it stopped
-            self.generator.set_state(result["rng_state"])
-        responses, response_mask = rloo.truncate_after_stop(result["responses"].to(queries.device),
-                                                            self.stop_token_id, self.pad_token_id)  # (k*B, Tr)
+        if self.num_parts == 1 and "rng_state" in results[0]:  # where the engine left this rank's random stream
+            self.generator.set_state(results[0]["rng_state"])
+        responses = torch.empty(queries.shape[0], self.args.response_length, dtype=torch.long)  # (k*B, Tr)
+        for i, result in zip(rows, results):
+            responses[i] = result["responses"]
+        responses, response_mask = rloo.truncate_after_stop(responses.to(queries.device), self.stop_token_id,
+                                                            self.pad_token_id)  # (k*B, Tr)
         completions = rloo.Completions(torch.cat([queries, responses], 1), torch.cat([query_mask, response_mask], 1),
                                        response_mask, queries.shape[1])
         sampled_by = self.batch_versions.pop(0)

@@ -105,18 +105,28 @@ def test_hf_engine_run_equals_rloo_run_with_the_same_seed(assets, tmp_path, npro
     assert all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0])
 
 
-def test_async_generation_on_two_ranks_trains_one_step_off_policy(assets, tmp_path):
+def test_engines_of_ranks_split_each_batch_by_prompt():
+    assert mn.engines_of_ranks(4, 2) == [[0], [1], [0], [1]] and mn.engines_of_ranks(2, 6) == [[0, 2, 4], [1, 3, 5]]
+    assert mn.duties(0, 4, 2) == [(0, 0), (2, 0)] and mn.duties(4, 2, 6) == [(0, 2)]
+    parts = mn.split_by_prompt(rows=4 * 5, k=4, parts=2)  # 5 prompts x k=4, row j*5 + b: sample j of prompt b
+    assert [p.tolist() for p in parts] == [[0, 1, 2, 5, 6, 7, 10, 11, 12, 15, 16, 17], [3, 4, 8, 9, 13, 14, 18, 19]]
+
+
+def test_async_generation_on_two_ranks_with_two_engines_each_trains_one_step_off_policy(assets, tmp_path):
     out = tmp_path / "async"
     result = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
-                 *RUN, "--total_episodes", 2 * 3 * PER_UPDATE, "--output_dir", out, "--engine", "hf",
-                 "--num_engines", 2, "--async_generation", "--engine_port", free_port(), nproc=2)
+                 *RUN, "--num_ppo_epochs", 1, "--num_mini_batches", 1,  # one step per batch: 16 per update and rank
+                 "--total_episodes", 2 * 3 * PER_UPDATE // 2, "--output_dir", out, "--engine", "hf",
+                 "--num_engines", 4, "--async_generation", "--engine_port", free_port(), nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(out)
     assert [m["rollout/staleness"] for m in metrics] == [0, 1, 1]  # the first batch waits for nothing
     assert all(torch.isfinite(torch.tensor(m["loss/policy_avg"])) for m in metrics)
-    # the ratio is taken against the weights that sampled, not the current ones: off 1 once they differ
-    assert metrics[0]["val/ratio"] == pytest.approx(1.0, abs=0.05)
-    assert json.loads((out / "engines.json").read_text()).keys() == {"0", "1"}
+    # the ratio is taken against the weights that sampled: the current ones for the first batch (exactly 1), the
+    # previous update's for the others (off 1)
+    assert abs(metrics[0]["val/ratio"] - 1) < 1e-5
+    assert all(abs(m["val/ratio"] - 1) > 1e-4 for m in metrics[1:])
+    assert json.loads((out / "engines.json").read_text()).keys() == {"0", "1", "2", "3"}
     assert AutoModelForCausalLM.from_pretrained(out)
 
 
@@ -185,6 +195,23 @@ def test_attached_vllm_servers_serve_two_ranks_and_hold_the_trainers_weights(ass
         assert all(c["max_tokens"] == 6 and c["temperature"] == 1.0 and c["stop_token_ids"] == [1] for c in completions)
 
 
+def test_one_rank_splits_its_batch_by_prompt_over_two_vllm_servers(assets, tmp_path):
+    servers = [vllm_standin(tmp_path, name, assets["policy"]) for name in "ab"]
+    try:
+        result = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
+                     *RUN, "--total_episodes", PER_UPDATE, "--output_dir", tmp_path / "out",
+                     "--engine_urls", ",".join(url for _, url, _ in servers), "--engine_port", free_port())
+    finally:
+        for process, _, _ in servers:
+            process.kill()
+    assert result.returncode == 0, result.stderr[-3000:]
+    prompts = [[tuple(p) for r in logged_requests(log) if r["path"] == "/v1/completions" for p in r["body"]["prompt"]]
+               for _, _, log in servers]
+    assert [len(p) for p in prompts] == [PER_UPDATE // 2] * 2  # 8 prompts x k=4 per update: 4 prompts each
+    assert all(p.count(q) == 4 for p in prompts for q in p)  # a prompt's k samples on one server
+    assert not set(prompts[0]) & set(prompts[1])
+
+
 def test_a_vllm_server_that_dies_stops_an_async_run_with_a_checkpoint_and_names_it(assets, tmp_path):
     out = tmp_path / "dies"
     server, url, _ = vllm_standin(tmp_path, "a", assets["policy"])
@@ -219,8 +246,6 @@ def test_a_vllm_server_without_development_mode_is_refused_with_the_fix(assets, 
 def test_engine_flags_that_clash_are_refused_in_one_line(assets, tmp_path):
     common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *RUN,
               "--output_dir", tmp_path]
-    too_many = run("rloo_multinode.py", *common, "--engine", "hf", "--num_engines", 2)
-    assert too_many.returncode == 2 and "--num_engines 2 > 1 training rank" in too_many.stderr
     tensor_parallel = run("rloo_multinode.py", *common, "--engine", "hf", "--vllm_tensor_parallel_size", 2)
     assert tensor_parallel.returncode == 2 and "the hf engine is one device" in tensor_parallel.stderr
     # the same check, in process (rloo.run_script turns a ConfigError into the one line and exit 2 shown above)
@@ -229,8 +254,11 @@ def test_engine_flags_that_clash_are_refused_in_one_line(assets, tmp_path):
     with pytest.raises(rloo.ConfigError, match="--num_engines 3 but 2 --engine_urls"):
         mn.validate_engine_args(mn.Args(model_name_or_path="m", engine_urls="http://a:8000,http://b:8000",
                                         num_engines=3), 2)
-    with pytest.raises(rloo.ConfigError, match="engines: 2 > 1 training rank"):
-        mn.validate_engine_args(mn.Args(model_name_or_path="m", engine_urls="http://a:8000,http://b:8000"), 1)
+    with pytest.raises(rloo.ConfigError, match="--num_engines 3 for 2 training rank.*must be a multiple"):
+        mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", num_engines=3), 2)
+    with pytest.raises(rloo.ConfigError, match="engines: 3 for 2 training rank"):
+        mn.validate_engine_args(mn.Args(model_name_or_path="m", engine_urls="http://a,http://b,http://c"), 2)
+    mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", num_engines=4), 2)  # 2 engines per rank
     try:
         import vllm  # noqa: F401
     except ImportError:

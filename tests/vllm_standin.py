@@ -7,7 +7,7 @@ checks the request fields against vLLM's own request model where vLLM is install
 
     python tests/vllm_standin.py --model PATH --port PORT [--workers 2] [--no-dev_mode] --log LOG.jsonl
 
-Each request is logged (path and body, prompts left out) to --log; after every /reset_prefix_cache (the end of a
+Each request is logged (path and body) to --log; after every /reset_prefix_cache (the end of a
 weight sync) every worker's weights are saved to --log with the suffix .pt, as a list.
 """
 
@@ -72,7 +72,7 @@ class StandIn:
 
     def log(self, path: str, body: dict) -> None:
         with self.lock, open(self.args.log, "a") as f:
-            f.write(json.dumps({"path": path, "body": {k: v for k, v in body.items() if k != "prompt"}}) + "\n")
+            f.write(json.dumps({"path": path, "body": body}) + "\n")
 
     def complete(self, body: dict) -> dict:
         unknown = set(body) - COMPLETIONS_FIELDS
