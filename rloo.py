@@ -368,17 +368,24 @@ def gathered_for_rollout(policy, mode: str):
     first forward and kept for the whole block of code, not gathered again at each decoding step. On exit every
     unit is resharded, the root too: a forward pass without backward leaves the root's weights gathered, and the
     parameters then registered on the module are not the ones the optimizer holds. Without FSDP, nothing."""
-    units = [m for m in policy.modules() if isinstance(m, FSDPModule)]
-    blocks = [m for m in units if m is not policy] if mode == "unshard" else []
+    blocks = [m for m in policy.modules() if isinstance(m, FSDPModule) and m is not policy] \
+        if mode == "unshard" else []
     for block in blocks:
         set_reshard_after_forward(block, False)
     try:
         yield
     finally:
-        for unit in units:
-            unit.reshard()
+        reshard(policy)
         for block in blocks:
             set_reshard_after_forward(block, True)
+
+
+def reshard(policy) -> None:
+    """Every FSDP unit of the policy back to its shards: its parameters are the sharded ones again, which the
+    optimizer holds (without FSDP, nothing)."""
+    for unit in policy.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
 
 
 def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -908,9 +915,11 @@ class LocalRollouts:
         return sample_in_chunks(self.policy, queries, query_mask, self.args, self.stop_token_id, self.pad_token_id,
                                 self.generator, self.autocast, self.decoder), {}
 
+    @contextlib.contextmanager
     def behaviour_policy(self, policy):
-        """The module whose log-probs are those of the weights that sampled the batch being taken."""
-        return policy
+        """For a with-block: the module whose log-probs are those of the weights that sampled the batch just taken
+        (the PPO ratio's denominator). Here the policy as it is."""
+        yield policy
 
     def policy_updated(self, update: int, policy) -> dict[str, float]:
         """Called on every rank after each update's optimizer steps; returns metrics."""
@@ -1724,8 +1733,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                     path = save_state(update - 1)
                     raise RolloutSourceError(f"{e}; checkpoint of update {update - 1} saved to {path}") from None
                 rows, queries, query_mask, _ = submitted.pop(0)
-                rollout = collect_rollout(rollouts.behaviour_policy(policy), ref_policy, completions, args,
-                                          autocast, timer)
+                with rollouts.behaviour_policy(policy) as behaviour:
+                    rollout = collect_rollout(behaviour, ref_policy, completions, args, autocast, timer)
             has_stop = rollout.ended(stop_token_id)  # (k*B,)
 
             # ---- 4. scores

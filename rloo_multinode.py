@@ -27,7 +27,6 @@ Sections: Args | weight buckets | weight groups | engines | trainer side | launc
 """
 
 import contextlib
-import copy
 import datetime
 import io
 import itertools
@@ -157,9 +156,6 @@ def validate_engine_args(args: Args, world_size: int) -> None:
         except ImportError:
             raise rloo.ConfigError(f"--engine vllm needs vLLM {VLLM_VERSION} on the trainer too (pip install -r "
                                    "requirements-vllm.txt); without it pass --engine hf") from None
-    if args.async_generation and args.fsdp:
-        raise rloo.ConfigError("--async_generation keeps an unsharded copy of the sampling weights, which --fsdp "
-                               "does not support yet; drop one of the two")
 
 
 # ===================================================================== weight buckets
@@ -197,6 +193,23 @@ def unpack_bucket(flat: torch.Tensor, bucket: list) -> list[tuple[str, torch.Ten
 def unsharded(p: torch.Tensor) -> torch.Tensor:
     """The whole parameter; with FSDP a collective: every rank must call it, in the same order."""
     return p.full_tensor() if isinstance(p, DTensor) else p
+
+
+def local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: its shard with FSDP (a view: writing it writes the parameter)."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def local_copy(policy) -> dict[str, torch.Tensor]:
+    """A CPU copy of this rank's part of every parameter."""
+    return {name: local(p).detach().to("cpu", copy=True) for name, p in named_parameters(policy).items()}
+
+
+@torch.no_grad()
+def load_local(policy, values: dict[str, torch.Tensor]) -> None:
+    """The inverse of local_copy: the parameters' values written in place (the optimizer keeps its tensors)."""
+    for name, p in named_parameters(policy).items():
+        local(p).copy_(values[name])
 
 
 def named_parameters(policy) -> dict[str, torch.Tensor]:
@@ -679,12 +692,10 @@ class EngineRollouts:
         self.submitted = self.taken = 0  # batches asked for and received
         self.results = {}  # completions received before their take() (async: before a sync)
         self.failure = None  # an engine failure every rank agreed on, raised by the next take()
-        self.version = 0  # the policy's update count when the engines last received its weights
+        self.version = 0  # the weights' version on the engines: the syncs since the start (resumed or not)
         self.batch_versions = []  # the weight version that sampled each batch in flight
-        self.behaviour, self.snapshots = None, {}
-        if args.async_generation:
-            self.behaviour = copy.deepcopy(policy).eval().requires_grad_(False)
-            self.behaviour_version = 0
+        self.sampled_by = 0  # ... and the one that sampled the batch last taken
+        self.snapshots = {0: local_copy(policy)} if args.async_generation else {}  # version -> weights on the CPU
         dtype = engine_dtype(args)
         shapes = [(name, p.shape) for name, p in named_parameters(policy).items()]  # a DTensor's shape is the full one
         self.buckets, self.dtype = plan_buckets(shapes, dtype, args.sync_bucket_mb * 2**20), dtype
@@ -787,29 +798,33 @@ class EngineRollouts:
                                                             self.pad_token_id)  # (k*B, Tr)
         completions = rloo.Completions(torch.cat([queries, responses], 1), torch.cat([query_mask, response_mask], 1),
                                        response_mask, queries.shape[1])
-        sampled_by = self.batch_versions.pop(0)
+        self.sampled_by = self.batch_versions.pop(0)
         self.taken += 1
-        self.load_behaviour(sampled_by)
-        return completions, {"rollout/staleness": float(self.version - sampled_by)}
-
-    def load_behaviour(self, version: int) -> None:
-        """Async: the behaviour copy holds the weights of `version`, the ones that sampled the batch just taken."""
-        if self.behaviour is None or self.behaviour_version == version:
-            return
-        self.behaviour.load_state_dict(self.snapshots.pop(version), strict=False)
-        self.behaviour_version = version
-        for old in [v for v in self.snapshots if v < version]:
+        for old in [v for v in self.snapshots if v < self.sampled_by]:  # no batch in flight was sampled by these
             del self.snapshots[old]
+        return completions, {"rollout/staleness": float(self.version - self.sampled_by)}
 
+    @contextlib.contextmanager
     def behaviour_policy(self, policy):
-        return self.behaviour if self.behaviour is not None else policy
+        """The policy holding the weights that sampled the batch just taken. Async, those of an update before: put
+        in place from their CPU copy (this rank's shards with FSDP) for the with-block, the current ones put back
+        after, bit for bit. No second copy of the model on the GPU."""
+        if self.sampled_by == self.version:
+            yield policy
+            return
+        rloo.reshard(policy)  # the shards are the parameters (a forward leaves FSDP units gathered)
+        load_local(policy, self.snapshots[self.sampled_by])
+        try:
+            yield policy
+        finally:
+            rloo.reshard(policy)
+            load_local(policy, self.snapshots[self.version])
 
     def policy_updated(self, update: int, policy) -> dict[str, float]:
-        self.version = update
-        if self.behaviour is not None:  # batches sampled with these weights are trained on one update later
-            self.snapshots[update] = {name: p.detach().to("cpu", copy=True)
-                                      for name, p in named_parameters(policy).items()}  # never FSDP (refused)
-        wait, broadcast = self.sync_weights(update) if self.failure is None else (0.0, 0.0)
+        self.version += 1
+        if self.snapshots:  # async: batches sampled with these weights are trained on one update later
+            self.snapshots[self.version] = local_copy(policy)
+        wait, broadcast = self.sync_weights(self.version) if self.failure is None else (0.0, 0.0)
         return {"time/engine_wait": wait, "time/weight_sync": broadcast}
 
     def close(self) -> None:
