@@ -112,26 +112,28 @@ def test_engines_of_ranks_split_each_batch_by_prompt():
     assert [p.tolist() for p in parts] == [[0, 1, 2, 5, 6, 7, 10, 11, 12, 15, 16, 17], [3, 4, 8, 9, 13, 14, 18, 19]]
 
 
-def test_async_generation_on_two_ranks_with_two_engines_each_trains_one_step_off_policy(assets, tmp_path):
-    """With DDP, and with FSDP (whose ranks put their shards of the sampling weights in place and back)."""
+def test_async_generation_with_two_engines_trains_one_step_off_policy_with_and_without_fsdp(assets, tmp_path):
+    """One rank whose batches are split over 2 engines; without FSDP, and with FSDP (one rank: still shards, and
+    the units gathered by a forward), whose sampling weights are put in place and back shard by shard."""
     metrics = {}
-    for sharding in ([], ["--fsdp"]):
-        out = tmp_path / f"async{''.join(sharding)}"
+    for fsdp in (False, True):
+        out = tmp_path / f"async_fsdp{fsdp}"
         result = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
-                     *RUN, "--num_ppo_epochs", 1, "--num_mini_batches", 1,  # one step per batch, 16 per rank
-                     "--total_episodes", 2 * 3 * PER_UPDATE // 2, "--output_dir", out, "--engine", "hf",
-                     "--num_engines", 4, "--async_generation", "--engine_port", free_port(), *sharding, nproc=2)
+                     *RUN, "--num_ppo_epochs", 1, "--num_mini_batches", 1,  # one step per batch: 16 per update
+                     "--total_episodes", 3 * PER_UPDATE // 2, "--output_dir", out, "--engine", "hf",
+                     "--num_engines", 2, "--async_generation", "--engine_port", free_port(),
+                     *(["--fsdp"] if fsdp else []), nproc=1 if fsdp else 0)
         assert result.returncode == 0, result.stderr[-3000:]
-        metrics[bool(sharding)] = read_metrics(out)
-        assert [m["rollout/staleness"] for m in metrics[bool(sharding)]] == [0, 1, 1]  # the first waits for nothing
+        metrics[fsdp] = read_metrics(out)
+        assert [m["rollout/staleness"] for m in metrics[fsdp]] == [0, 1, 1]  # the first batch waits for nothing
         # the ratio is taken against the weights that sampled: the current ones for the first batch (exactly 1),
         # the previous update's for the others (off 1)
-        assert abs(metrics[bool(sharding)][0]["val/ratio"] - 1) < 1e-5
-        assert all(abs(m["val/ratio"] - 1) > 1e-4 for m in metrics[bool(sharding)][1:])
-        assert json.loads((out / "engines.json").read_text()).keys() == {"0", "1", "2", "3"}
-    for ddp, fsdp in zip(metrics[False], metrics[True]):  # the same run, to float tolerance
+        assert abs(metrics[fsdp][0]["val/ratio"] - 1) < 1e-5
+        assert all(abs(m["val/ratio"] - 1) > 1e-4 for m in metrics[fsdp][1:])
+        assert json.loads((out / "engines.json").read_text()).keys() == {"0", "1"}
+    for plain, sharded in zip(metrics[False], metrics[True]):  # the same run, to float tolerance
         for key in ("val/ratio", "loss/policy_avg", "objective/scores", "objective/kl", "policy/entropy_avg"):
-            assert fsdp[key] == pytest.approx(ddp[key], rel=1e-4, abs=1e-6), key
+            assert sharded[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6), key
 
 
 def test_an_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(assets, tmp_path):
