@@ -28,6 +28,7 @@ Sections: Args | weight buckets | weight groups | engines | trainer side | launc
 
 import contextlib
 import datetime
+import http.client
 import io
 import itertools
 import json
@@ -572,14 +573,14 @@ def http_json(url: str, body: Optional[dict], timeout: float):
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             data = response.read()
+        return json.loads(data) if data else None
     except urllib.error.HTTPError as e:
         hint = ("; start the server with VLLM_SERVER_DEV_MODE=1, which enables it" if e.code == 404
                 and url.rsplit("/", 1)[-1] in ("collective_rpc", "reset_prefix_cache") else "")
         raise EngineError(f"vLLM server {url} answered {e.code}: {e.read().decode(errors='replace')[:300]}{hint}") \
             from None
-    except (urllib.error.URLError, OSError) as e:
-        raise EngineError(f"vLLM server {url} failed: {getattr(e, 'reason', e)}") from None
-    return json.loads(data) if data else None
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:  # ValueError: cut-off JSON
+        raise EngineError(f"vLLM server {url} failed: {type(e).__name__}: {getattr(e, 'reason', e)}") from None
 
 
 def completions_body(model: str, queries: torch.Tensor, query_mask: torch.Tensor, args: Args,
@@ -917,12 +918,11 @@ def cli() -> None:
     args = tyro.cli(Args)
     try:
         rloo.run_script(main, args, "rloo_multinode.py")
-    except EngineError as e:  # before the first update: nothing to resume
-        print(f"rloo_multinode.py: error: {e}", file=sys.stderr)
-        sys.exit(4)
-    except rloo.RolloutSourceError as e:  # rloo.main saved a checkpoint first
-        print(f"rloo_multinode.py: error: {e}; continue with the same command and --resume once the engines are "
-              "healthy", file=sys.stderr)
+    except rloo.RolloutSourceError as e:  # every rank stops with the same error; rank 0 says it
+        if int(os.environ.get("RANK", 0)) == 0:
+            advice = "" if isinstance(e, EngineError) else \
+                "; continue with the same command and --resume once the engines are healthy"  # checkpoint saved
+            print(f"rloo_multinode.py: error: {e}{advice}", file=sys.stderr)
         sys.exit(4)
 
 

@@ -201,40 +201,32 @@ def test_attached_vllm_servers_serve_two_ranks_and_hold_the_trainers_weights(ass
         assert all(c["max_tokens"] == 6 and c["temperature"] == 1.0 and c["stop_token_ids"] == [1] for c in completions)
 
 
-def test_one_rank_splits_its_batch_by_prompt_over_two_vllm_servers(assets, tmp_path):
-    servers = [vllm_standin(tmp_path, name, assets["policy"]) for name in "ab"]
-    try:
-        result = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
-                     *RUN, "--total_episodes", PER_UPDATE, "--output_dir", tmp_path / "out",
-                     "--engine_urls", ",".join(url for _, url, _ in servers), "--engine_port", free_port())
-    finally:
-        for process, _, _ in servers:
-            process.kill()
-    assert result.returncode == 0, result.stderr[-3000:]
-    prompts = [[tuple(p) for r in logged_requests(log) if r["path"] == "/v1/completions" for p in r["body"]["prompt"]]
-               for _, _, log in servers]
-    assert [len(p) for p in prompts] == [PER_UPDATE // 2] * 2  # 8 prompts x k=4 per update: 4 prompts each
-    assert all(p.count(q) == 4 for p in prompts for q in p)  # a prompt's k samples on one server
-    assert not set(prompts[0]) & set(prompts[1])
-
-
-def test_a_vllm_server_that_dies_stops_an_async_run_with_a_checkpoint_and_names_it(assets, tmp_path):
+def test_one_rank_over_two_vllm_servers_splits_by_prompt_and_stops_with_a_checkpoint_when_one_dies(assets, tmp_path):
     out = tmp_path / "dies"
-    server, url, _ = vllm_standin(tmp_path, "a", assets["policy"])
+    servers = [vllm_standin(tmp_path, name, assets["policy"]) for name in "ab"]
     trainer = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
-                  *RUN, "--total_episodes", 1000 * PER_UPDATE, "--output_dir", out, "--engine_urls", url,
-                  "--async_generation", "--engine_port", free_port(), wait=False)
+                  *RUN, "--total_episodes", 1000 * PER_UPDATE, "--output_dir", out,
+                  "--engine_urls", ",".join(url for _, url, _ in servers), "--async_generation",
+                  "--engine_port", free_port(), wait=False)
     try:
         deadline = time.time() + 120
         while not ((out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= 2):
             assert time.time() < deadline and trainer.poll() is None, trainer.communicate()[1][-3000:]
             time.sleep(0.1)
     finally:
-        server.kill()
+        servers[1][0].kill()
     assert [m["rollout/staleness"] for m in read_metrics(out)[:2]] == [0, 1]
     _, stderr = trainer.communicate(timeout=60)  # never a hang
+    servers[0][0].kill()
     assert trainer.returncode == 4, stderr[-3000:]
-    assert f"vLLM server {url}" in stderr and "checkpoint of update" in stderr and "Traceback" not in stderr
+    assert f"vLLM server {servers[1][1]}" in stderr and "checkpoint of update" in stderr and "Traceback" not in stderr
+    # each batch: 8 prompts x k=4, 4 prompts to each server with all their k samples
+    batches = [[r["body"]["prompt"] for r in logged_requests(log) if r["path"] == "/v1/completions"][:2]
+               for _, _, log in servers]
+    for a, b in zip(*batches):
+        assert len(a) == len(b) == PER_UPDATE // 2
+        assert all(a.count(p) == 4 for p in a) and all(b.count(p) == 4 for p in b)
+        assert not {tuple(p) for p in a} & {tuple(p) for p in b}
 
 
 def test_a_vllm_server_without_development_mode_is_refused_with_the_fix(assets, tmp_path):
