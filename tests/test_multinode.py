@@ -326,3 +326,26 @@ def test_vllm_engine_trains_the_tiny_policy(assets, tmp_path):
                  "--engine_port", free_port(), "--vllm_gpu_memory_utilization", 0.2)
     assert result.returncode == 0, result.stderr[-3000:]
     assert all(abs(m["val/ratio"] - 1) < 0.05 for m in read_metrics(tmp_path))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM engines need a GPU")
+def test_trainer_attached_to_a_real_vllm_serve_trains_the_tiny_policy(assets, tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install -r requirements-vllm.txt)")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("the trainer and a vLLM server need two GPUs")
+    port, log = free_port(), open(tmp_path / "vllm_serve.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(assets["policy"]), "--port", str(port),
+         "--dtype", "float32", "--max-model-len", "64", "--gpu-memory-utilization", "0.2", "--enforce-eager",
+         "--worker-extension-cls", "rloo_multinode.VLLMWorkerExtension"], stdout=log, stderr=subprocess.STDOUT,
+        env=script_env({"CUDA_VISIBLE_DEVICES": "1", "VLLM_SERVER_DEV_MODE": "1",
+                        "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}), cwd=REPO)
+    try:
+        result = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
+                     *RUN, "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes", PER_UPDATE,
+                     "--output_dir", tmp_path / "out", "--engine_urls", f"http://127.0.0.1:{port}",
+                     "--engine_port", free_port())
+    finally:
+        server.kill()
+    assert result.returncode == 0, result.stderr[-3000:] + (tmp_path / "vllm_serve.log").read_text()[-3000:]
+    assert all(abs(m["val/ratio"] - 1) < 1e-5 for m in read_metrics(tmp_path / "out"))
