@@ -119,6 +119,11 @@ def engine_urls(args: Args) -> list[str]:
     return [url.strip().rstrip("/") for url in (args.engine_urls or "").split(",") if url.strip()]
 
 
+def engine_count(args: Args) -> int:
+    """One engine per --engine_urls URL, or --num_engines."""
+    return len(engine_urls(args)) or args.num_engines
+
+
 def engines_of_ranks(world_size: int, num_engines: int) -> list[list[int]]:
     """The engines that sample each training rank's batches: with at most as many engines as ranks, engine
     r % num_engines serves rank r; with more (a multiple of the ranks), rank r's batch is split over engines
@@ -144,7 +149,7 @@ def validate_engine_args(args: Args, world_size: int) -> None:
     if urls and args.num_engines not in (1, len(urls)):
         raise rloo.ConfigError(f"--num_engines {args.num_engines} but {len(urls)} --engine_urls: each URL is one "
                                "engine; drop --num_engines")
-    engines = len(urls) or args.num_engines
+    engines = engine_count(args)
     if engines > world_size and engines % world_size:
         raise rloo.ConfigError(
             f"{'--num_engines' if not urls else 'engines:'} {engines} for {world_size} training rank(s): more engines "
@@ -687,8 +692,8 @@ class EngineRollouts:
         self.policy, self.args, self.stop_token_id, self.pad_token_id = policy, args, stop_token_id, pad_token_id
         self.generator, self.queued = generator, []  # (queries, query mask, each part's rows) of batches in flight
         self.dist_info, self.engines = dist_info, engines
-        self.num_parts = len(engines_of_ranks(dist_info.world_size, len(engine_urls(args)) or args.num_engines)[
-            dist_info.rank])  # this rank's batch is split over this many engines
+        # the engines this rank's batches are split over
+        self.num_parts = len(engines_of_ranks(dist_info.world_size, engine_count(args))[dist_info.rank])
         self.lookahead = 1 if args.async_generation else 0
         self.submitted = self.taken = 0  # batches asked for and received
         self.results = {}  # completions received before their take() (async: before a sync)
