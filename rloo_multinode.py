@@ -171,6 +171,11 @@ def engine_dtype(args: Args) -> torch.dtype:
     return torch.bfloat16 if args.engine == "vllm" and args.bf16 else torch.float32
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as vLLM's arguments and JSON carry it: "bfloat16", "float32"."""
+    return str(dtype).removeprefix("torch.")
+
+
 def plan_buckets(named_shapes: list[tuple[str, torch.Size]], dtype: torch.dtype, bucket_bytes: int) -> list[list]:
     """Consecutive parameters grouped into buckets of at most bucket_bytes (a larger parameter alone in its own):
     [[(name, shape), ...], ...]. The same list on both sides tells the receiver how to unpack each broadcast."""
@@ -225,6 +230,11 @@ def named_parameters(policy) -> dict[str, torch.Tensor]:
 
 
 # ===================================================================== weight groups
+def trainer_host() -> str:
+    """Trainer rank 0's address, where the engines' control store and weight group meet it: MASTER_ADDR."""
+    return os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+
 def weight_backend(args: Args, device: torch.device) -> str:
     """NCCL (vLLM's communicator) between a CUDA trainer and vLLM engines; gloo otherwise (hf engines, CPUs)."""
     return "nccl" if args.engine == "vllm" and device.type == "cuda" else "gloo"
@@ -347,7 +357,7 @@ class HFEngine:
 def vllm_engine_kwargs(args: Args, index: int) -> dict:
     """vLLM's LLM(...) arguments for engine `index`."""
     return {"model": args.sft_model_path or args.model_name_or_path,
-            "dtype": str(engine_dtype(args)).removeprefix("torch."), "seed": args.seed + index,
+            "dtype": dtype_name(engine_dtype(args)), "seed": args.seed + index,
             "tensor_parallel_size": args.vllm_tensor_parallel_size,
             "gpu_memory_utilization": args.vllm_gpu_memory_utilization, "enable_prefix_caching": True,
             "max_model_len": args.max_prompt_length + args.response_length,
@@ -368,7 +378,8 @@ def padded_responses(token_ids: list[list[int]], length: int, pad_token_id: int)
     """(N, length) responses from an engine's token lists, each ending at its stop token or at `length`."""
     responses = torch.full((len(token_ids), length), pad_token_id, dtype=torch.long)
     for i, ids in enumerate(token_ids):
-        responses[i, : len(ids[:length])] = torch.tensor(ids[:length], dtype=torch.long)
+        ids = ids[:length]
+        responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
     return responses
 
 
@@ -386,7 +397,7 @@ class VLLMEngine:
         self.llm.collective_rpc("join_weight_group", args=(host, port, rank_offset, size, backend, timeout))
 
     def receive_weights(self, buckets: list, dtype: torch.dtype) -> None:
-        self.llm.collective_rpc("receive_weights", args=(buckets, str(dtype).removeprefix("torch.")))
+        self.llm.collective_rpc("receive_weights", args=(buckets, dtype_name(dtype)))
         self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
 
     def generate(self, request: dict) -> dict:
@@ -479,7 +490,7 @@ class ServedEngines:
     def __init__(self, args: Args, dist_info: rloo.Dist, store, processes: dict[int, subprocess.Popen]):
         self.args, self.dist_info, self.store, self.processes = args, dist_info, store, processes
         self.next_command, self.beats = 0, {}  # rank 0's next command; each engine's (beats, since when)
-        self.parts = len(engines_of_ranks(dist_info.world_size, args.num_engines)[dist_info.rank])
+        self.pending = {}  # batch -> how many parts this rank sent
 
     def command(self, **command) -> None:
         self.store.set(f"cmd/{self.next_command}", dumps(command))
@@ -528,12 +539,13 @@ class ServedEngines:
         """This rank's batch, part by part (to its engines in the order of engines_of_ranks)."""
         for part, request in enumerate(parts):
             self.store.set(f"gen/{batch}/{self.dist_info.rank}/{part}", dumps(request))
+        self.pending[batch] = len(parts)
         if self.dist_info.master:
             self.command(kind="generate", batch=batch)
 
     def receive(self, batch: int) -> list[dict]:
         return [loads(self.wait_for(f"out/{batch}/{self.dist_info.rank}/{part}", "completions", None))
-                for part in range(self.parts)]
+                for part in range(self.pending.pop(batch))]
 
     def begin_sync(self, version: int, buckets: list, dtype: torch.dtype) -> None:
         """Rank 0: every engine waiting for the weights (one still sampling finishes first)."""
@@ -635,7 +647,7 @@ class VLLMServers:
     def connect(self, backend: str, device: torch.device):
         workers = [len(self.rpc(url, "worker_rank")) for url in self.urls]  # tensor-parallel workers per server
         offsets = [1 + sum(workers[:i]) for i in range(len(self.urls))]
-        host, port, size = os.environ.get("MASTER_ADDR", "127.0.0.1"), self.args.engine_port + 1, 1 + sum(workers)
+        host, port, size = trainer_host(), self.args.engine_port + 1, 1 + sum(workers)
         joins = [self.calls.submit(self.rpc, url, "join_weight_group", host, port, offset, size, backend,
                                    self.timeout) for url, offset in zip(self.urls, offsets)]
         group = weight_group(backend, host, port, 0, size, device, self.timeout)  # completes once all have joined
@@ -658,8 +670,8 @@ class VLLMServers:
         return results  # vLLM seeds its own sampler: no RNG state
 
     def begin_sync(self, version: int, buckets: list, dtype: torch.dtype) -> None:
-        dtype_name = str(dtype).removeprefix("torch.")
-        self.syncing = [self.calls.submit(self.rpc, url, "receive_weights", buckets, dtype_name) for url in self.urls]
+        self.syncing = [self.calls.submit(self.rpc, url, "receive_weights", buckets, dtype_name(dtype))
+                        for url in self.urls]
 
     def end_sync(self) -> None:
         for call in self.syncing:
@@ -668,6 +680,12 @@ class VLLMServers:
             http_json(f"{url}/reset_prefix_cache", {}, self.timeout)
 
     def explain(self, failure: EngineError) -> EngineError:
+        """The first server that no longer answers, when one does not."""
+        for url in self.urls:
+            try:
+                http_json(f"{url}/health", None, min(self.timeout, 10.0))
+            except EngineError as e:
+                return e
         return EngineError(f"{failure} (servers {', '.join(self.urls)})")
 
     def close(self) -> None:
@@ -878,7 +896,7 @@ def launch_engines(args: Args, dist_info: rloo.Dist, address: str) -> dict[int, 
 
 def control_store(args: Args, dist_info: rloo.Dist, device: torch.device):
     """The engines' control store, served by rank 0; rank 0 publishes the run's configuration in it."""
-    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    host = trainer_host()
     store = dist.TCPStore(host, args.engine_port, is_master=dist_info.master, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=args.engine_timeout))
     if dist_info.master:
