@@ -40,6 +40,14 @@ def run(script: str, *args, nproc: int = 0, wait: bool = True):
                             stderr=subprocess.PIPE, text=True, env=script_env(), cwd=REPO)
 
 
+def wait_for_updates(trainer: subprocess.Popen, out, count: int, timeout: float) -> None:
+    """Until the running trainer has logged `count` updates to out/metrics.jsonl; a failure if it exits first."""
+    deadline = time.time() + timeout
+    while not ((out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= count):
+        assert time.time() < deadline and trainer.poll() is None, trainer.communicate()[1][-3000:]
+        time.sleep(0.1)
+
+
 def comparable(metrics: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if not k.startswith(ENGINE_ONLY)} for m in metrics]
 
@@ -150,10 +158,7 @@ def test_an_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(assets
     trainer = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
                   *RUN, "--total_episodes", 1000 * PER_UPDATE, "--output_dir", out, "--engine", "hf",
                   "--engine_port", free_port(), wait=False)
-    deadline = time.time() + 120
-    while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
-        assert time.time() < deadline and trainer.poll() is None, trainer.communicate()[1][-3000:]
-        time.sleep(0.1)
+    wait_for_updates(trainer, out, 1, timeout=120)
     os.kill(json.loads((out / "engines.json").read_text())["0"]["pid"], signal.SIGKILL)
     stdout, stderr = trainer.communicate(timeout=60)  # never a hang
     assert trainer.returncode == 4, stderr[-3000:]
@@ -226,10 +231,7 @@ def test_one_rank_over_two_vllm_servers_splits_by_prompt_and_stops_with_a_checkp
                   "--engine_urls", ",".join(url for _, url, _ in servers), "--async_generation",
                   "--engine_port", free_port(), wait=False)
     try:
-        deadline = time.time() + 120
-        while not ((out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= 2):
-            assert time.time() < deadline and trainer.poll() is None, trainer.communicate()[1][-3000:]
-            time.sleep(0.1)
+        wait_for_updates(trainer, out, 2, timeout=120)
     finally:
         servers[1][0].kill()
     assert [m["rollout/staleness"] for m in read_metrics(out)[:2]] == [0, 1]

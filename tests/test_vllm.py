@@ -25,7 +25,7 @@ else:
 import rloo  # noqa: E402
 import rloo_multinode as mn  # noqa: E402
 from conftest import REPO, neox_config, policy_tokenizer, read_metrics, script_env  # noqa: E402
-from test_multinode import RUN, free_port, run  # noqa: E402
+from test_multinode import RUN, free_port, run, wait_for_updates  # noqa: E402
 
 LOGPROB_TOLERANCE = 1e-5  # fp32 on both sides, on CPU: measured after a sync, up to 7e-7 (and 1.4 before it)
 ENGINE_FLAGS = ("--vllm_gpu_memory_utilization", 0.2, "--vllm_enforce_eager")  # on CPU: host memory, no compile
@@ -176,10 +176,7 @@ def test_a_vllm_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(as
     trainer = run("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *RUN,
                   "--total_episodes", 1000 * PER_UPDATE, "--output_dir", tmp_path, "--engine", "vllm",
                   "--engine_port", free_port(), *ENGINE_FLAGS, wait=False)
-    deadline = time.time() + 300
-    while not ((tmp_path / "metrics.jsonl").is_file() and (tmp_path / "metrics.jsonl").read_text().strip()):
-        assert time.time() < deadline and trainer.poll() is None, trainer.communicate()[1][-3000:]
-        time.sleep(0.1)
+    wait_for_updates(trainer, tmp_path, 1, timeout=300)  # vLLM's start-up, then one update
     os.kill(json.loads((tmp_path / "engines.json").read_text())["0"]["pid"], signal.SIGKILL)
     _, stderr = trainer.communicate(timeout=120)  # never a hang
     assert trainer.returncode == 4, stderr[-3000:]
