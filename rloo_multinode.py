@@ -675,7 +675,7 @@ class ServedEngines:
 
     def connect(self, backend: str, packed_bytes: int):
         """Rank 0: every engine loaded; then the weight group, every member joining at once (the engines take their
-        init infos from the run's configuration in the store)."""
+        init infos, packed_bytes included, from the run's configuration in the store)."""
         for index in range(self.args.num_engines):
             self.wait_for(f"engine/{index}/ready", f"engine {index} to load its model", self.args.engine_timeout)
         return trainer_weight_group(backend, self.store.host, self.store.port + 1, self.store.add("group_size", 0),
