@@ -39,6 +39,7 @@ import json
 import math
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -647,6 +648,7 @@ class ServedEngines:
             raise EngineError(self.store.get("failed").decode())
         for index, process in self.processes.items():
             if process.poll() is not None:
+                end_engine(process)
                 raise EngineError(f"engine {index} (pid {process.pid}) exited with status {process.returncode}")
         now = time.monotonic()
         for index in range(self.args.num_engines):
@@ -729,10 +731,9 @@ class ServedEngines:
             with contextlib.suppress(dist.DistError):
                 self.command(kind="stop")
         for process in self.processes.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            end_engine(process)
 
 
 DEV_ROUTES = ("get_world_size", "server_info", "init_weight_transfer_engine", "start_weight_update", "update_weights",
@@ -1071,8 +1072,8 @@ def engine_device_lists(args: Args, dist_info: rloo.Dist) -> list[Optional[str]]
 
 
 def launch_engines(args: Args, dist_info: rloo.Dist, address: str) -> dict[int, subprocess.Popen]:
-    """Rank 0 starts the engines as child processes of this script's `serve` mode; their output goes to
-    output_dir/engine_<i>.log."""
+    """Rank 0 starts the engines as child processes of this script's `serve` mode, each in a process group of its own
+    (end_engine); their output goes to output_dir/engine_<i>.log."""
     processes, placement = {}, {}
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     for index, devices in enumerate(engine_device_lists(args, dist_info)):
@@ -1084,10 +1085,17 @@ def launch_engines(args: Args, dist_info: rloo.Dist, address: str) -> dict[int, 
         processes[index] = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "serve", "--trainer_address", address,
              "--engine_index", str(index)] + (["--device", "cuda:0"] if devices is not None else []),
-            env=env, stdout=log, stderr=subprocess.STDOUT)
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         placement[index] = {"pid": processes[index].pid, "cuda_visible_devices": devices}
     (Path(args.output_dir) / "engines.json").write_text(json.dumps(placement, indent=2))
     return processes
+
+
+def end_engine(process: subprocess.Popen) -> None:
+    """Kill whatever is left of an engine rank 0 started, once it has exited or is given up on: its process group.
+    vLLM's engine-core and worker processes outlive a `serve` process that dies, holding their memory."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def control_store(args: Args, dist_info: rloo.Dist, device: torch.device):

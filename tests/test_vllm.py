@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,6 +75,17 @@ def trainer_logprobs(policy, sequences: list[list[int]]) -> list[list[float]]:
 def max_difference(a: list[list[float]], b: list[list[float]]) -> float:
     assert [len(x) for x in a] == [len(x) for x in b]
     return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+
+
+def live_processes_in_group(pgid: int) -> list[int]:
+    """The pids of the process group's members that still run (zombies, which nobody may reap here, excluded)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            state, _, group = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]  # after "pid (comm)"
+            if state != "Z" and int(group) == pgid:
+                pids.append(int(entry.name))
+    return pids
 
 
 @torch.no_grad()
@@ -177,12 +189,15 @@ def test_a_vllm_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(as
                   "--total_episodes", 1000 * PER_UPDATE, "--output_dir", tmp_path, "--engine", "vllm",
                   "--engine_port", free_port(), *ENGINE_FLAGS, wait=False)
     wait_for_updates(trainer, tmp_path, 1, timeout=300)  # vLLM's start-up, then one update
-    os.kill(json.loads((tmp_path / "engines.json").read_text())["0"]["pid"], signal.SIGKILL)
+    engine = json.loads((tmp_path / "engines.json").read_text())["0"]["pid"]
+    assert len(live_processes_in_group(engine)) >= 3  # `serve`, vLLM's engine core and its worker
+    os.kill(engine, signal.SIGKILL)  # the `serve` process alone: vLLM's processes outlive it
     _, stderr = trainer.communicate(timeout=120)  # never a hang
     assert trainer.returncode == 4, stderr[-3000:]
     assert stderr.strip().splitlines()[-1].startswith("rloo_multinode.py: error: engine 0 (pid "), stderr[-3000:]
     assert "checkpoint of update" in stderr and "Traceback" not in stderr, stderr[-3000:]
     assert rloo.latest_checkpoint(str(tmp_path)) is not None
+    assert live_processes_in_group(engine) == []  # the trainer ended what was left of the engine
 
 
 # ----- `vllm serve`, attached by URL: one real server for the tests below
@@ -212,7 +227,7 @@ def vllm_server(vllm_policy, tmp_path_factory):
          "--enforce-eager", "--gpu-memory-utilization", "0.2", "--enable-prefix-caching",
          "--weight-transfer-config", '{"backend": "gloo"}', "--worker-extension-cls",
          "rloo_multinode.VLLMWorkerExtension", "--api-key", API_KEY],
-        stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO,
+        stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
         env=script_env({"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(REPO), **CPU_ENGINE_ENV}))
     url, deadline = f"http://127.0.0.1:{port}", time.time() + 300
     try:
@@ -224,7 +239,7 @@ def vllm_server(vllm_policy, tmp_path_factory):
             time.sleep(1)
         yield url, log
     finally:
-        server.kill()
+        os.killpg(server.pid, signal.SIGKILL)  # the server and vLLM's engine-core and worker processes
         server.wait()
 
 
@@ -297,7 +312,7 @@ def test_a_run_attached_to_a_stock_vllm_serve_syncs_over_nccl(assets, vllm_polic
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_policy), "--host",
          "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "64", "--enforce-eager",
          "--gpu-memory-utilization", "0.2", "--weight-transfer-config", '{"backend": "nccl"}'],
-        stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO,
+        stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
         env=script_env({"CUDA_VISIBLE_DEVICES": "1", "VLLM_SERVER_DEV_MODE": "1"}))
     url = f"http://127.0.0.1:{port}"
     try:
@@ -312,4 +327,4 @@ def test_a_run_attached_to_a_stock_vllm_serve_syncs_over_nccl(assets, vllm_polic
         served = server_logprobs(url, sequences, key=None)
         assert max_difference(served, trained) < max_difference(initial, trained) / 100  # GPU kernels: not 1e-5
     finally:
-        server.kill()
+        os.killpg(server.pid, signal.SIGKILL)
