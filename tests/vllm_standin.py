@@ -5,8 +5,8 @@ at once. It speaks the part of vLLM 0.32's HTTP server that rloo_multinode.py us
 routes /init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update and
 /shutdown_weight_transfer_engine, and /reset_prefix_cache), and its workers receive weights with the project's own
 GlooWeightReceiver (the receiving end of its gloo backend) into transformers models: the trainer's side and the
-receiver are the code under test, not this file. tests/test_vllm_serve.py checks these routes against vLLM's own
-server, and attaches the trainer to a real one.
+receiver are the code under test, not this file. tests/test_vllm.py attaches the trainer to a real server, which
+answers every one of these routes.
 
     python tests/vllm_standin.py --model PATH --port PORT [--workers 2] [--no-dev_mode] --log LOG.jsonl
 
