@@ -170,17 +170,18 @@ def test_after_a_sync_a_vllm_engine_scores_completions_as_the_trainer_does(vllm_
 
 
 @on_cpu
-def test_a_run_generates_with_a_vllm_engine_and_finishes(assets, vllm_policy, tmp_path):
+def test_a_run_generates_with_a_bf16_vllm_engine_and_finishes(assets, vllm_policy, tmp_path):
+    """With --bf16 the engine runs in bf16 and the weights travel in bf16 (the decisive check above is fp32)."""
     result = run("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *RUN,
                  "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes", 3 * PER_UPDATE // 2,
-                 "--output_dir", tmp_path, "--engine", "vllm", "--engine_port", free_port(), *ENGINE_FLAGS)
+                 "--output_dir", tmp_path, "--engine", "vllm", "--engine_port", free_port(), "--bf16", *ENGINE_FLAGS)
     assert result.returncode == 0, result.stderr[-3000:] + (tmp_path / "engine_0.log").read_text()[-3000:]
     metrics = read_metrics(tmp_path)
     assert [m["update"] for m in metrics] == [1, 2, 3]  # 16 completions each, one optimizer step
     # the ratio is taken against log-probs the trainer recomputed with the weights vLLM sampled with: exactly 1
     assert all(abs(m["val/ratio"] - 1) < 1e-5 and m["time/weight_sync"] > 0 for m in metrics)
     log = (tmp_path / "engine_0.log").read_text()
-    assert "Creating weight transfer engine: GlooWeightTransferEngine" in log
+    assert "Creating weight transfer engine: GlooWeightTransferEngine" in log and "'dtype': 'bfloat16'" in log
 
 
 @on_cpu
