@@ -29,7 +29,6 @@ import itertools
 from dataclasses import dataclass, replace
 
 import torch
-import tyro
 
 import rloo
 
@@ -188,4 +187,4 @@ def main(args: PlanArgs) -> None:
 
 
 if __name__ == "__main__":
-    rloo.run_script(main, tyro.cli(PlanArgs), "plan_memory.py")
+    rloo.run_script(main, rloo.parse_args(PlanArgs, prog="plan_memory.py"), "plan_memory.py")

@@ -38,27 +38,26 @@ from typing import Callable, ClassVar, Literal, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-import tyro
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict,
-)
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+# FSDP2, DTensor and distributed checkpointing are imported by the functions that use them: together they are about
+# half of `import rloo`, and only --fsdp runs need them.
 
 
 @dataclass
 class Args:
     resumable_changes: ClassVar[frozenset] = frozenset({  # may differ on --resume; any other flag is another experiment
-        "exp_name", "output_dir", "track", "wandb_project_name", "wandb_entity", "trust_remote_code",
+        "exp_name", "run_name", "output_dir", "track", "wandb_project_name", "wandb_entity", "trust_remote_code",
         "dataset_test_split", "num_sample_generations", "num_evals", "eval_max_prompts",
         "local_rollout_forward_batch_size", "gradient_checkpointing", "total_episodes", "num_train_epochs",
         "save_steps", "save_total_limit", "resume", "resume_from", "fsdp_generation", "compile_generation"})
 
     # ----- experiment -----
     exp_name: str = "rloo"
-    """name of the experiment; the run is named `{exp_name}__{seed}__{unix time}`"""
+    """name of the experiment; the run is named `{exp_name}__{seed}__{unix time}` unless --run_name is given"""
+    run_name: Optional[str] = None
+    """the run's whole name (wandb, the log's first line), as TRL >= 0.22 takes it; None: `{exp_name}__{seed}__{unix
+    time}`"""
     seed: int = 1
     """random seed; rank r samples with seed + r"""
     output_dir: str = "models/rloo"
@@ -123,9 +122,10 @@ class Args:
 
     # ----- RLOO -----
     rloo_k: int = 2
-    """completions sampled per prompt (k >= 2: the baseline of each is the mean of the other k-1)"""
+    """completions sampled per prompt (k >= 2: the baseline of each is the mean of the other k-1). TRL >= 0.22:
+    --num_generations"""
     kl_coef: float = 0.05
-    """weight of the KL penalty to the reference policy; 0 skips the reference model entirely"""
+    """weight of the KL penalty to the reference policy; 0 skips the reference model entirely. TRL >= 0.22: --beta"""
     token_level_kl: bool = False
     """per-token KL penalties with token-level returns (each token's advantage sees the KL of the tokens
     after it) instead of one sequence-level penalty; the loss then uses per-token ratios"""
@@ -136,13 +136,13 @@ class Args:
     reward_clip_range: float = 10.0
     """clip range of the normalized scores"""
     normalize_advantage: bool = False
-    """whiten advantages over the global batch"""
+    """whiten advantages over the global batch. TRL >= 0.22: --normalize_advantages"""
     cliprange: float = 0.2
-    """PPO clip range of the sequence-level ratio"""
+    """PPO clip range of the sequence-level ratio. TRL >= 0.22: --epsilon"""
 
     # ----- generation -----
     response_length: int = 53
-    """tokens sampled per completion"""
+    """tokens sampled per completion. TRL >= 0.22: --max_completion_length"""
     temperature: float = 0.7
     """sampling temperature (top_k=0, top_p=1); logits are divided by it when log-probs are computed"""
     stop_token: Optional[Literal["eos"]] = "eos"
@@ -167,9 +167,10 @@ class Args:
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
     num_mini_batches: int = 1
-    """optimizer steps per PPO epoch"""
+    """optimizer steps per PPO epoch. TRL >= 0.22's --steps_per_generation S counts micro-batches: it is taken as
+    num_mini_batches = S / gradient_accumulation_steps"""
     num_ppo_epochs: int = 4
-    """passes over each update's completions"""
+    """passes over each update's completions. TRL >= 0.22: --num_iterations"""
     learning_rate: float = 3e-6
     """AdamW learning rate"""
     lr_scheduler_type: Literal["linear", "constant"] = "linear"
@@ -297,6 +298,8 @@ def shard_policy(policy, bf16: bool, offload: bool = False):
     embeddings and head in the root unit. fp32 master weights; bf16 compute with --bf16; gradients reduced in fp32
     (they sum log-prob gradients over thousands of tokens). With `offload` the shards, their gradients and so the
     optimizer state stay in CPU memory; a unit's weights visit the GPU while it computes."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
     block_classes = set(getattr(policy, "_no_split_modules", None) or ())
     blocks = [m for m in policy.modules() if type(m).__name__ in block_classes]
     if not blocks:
@@ -309,7 +312,7 @@ def shard_policy(policy, bf16: bool, offload: bool = False):
     fully_shard(policy, mp_policy=mp, offload_policy=placement)
     if not reduce_scatter_averages(torch.device("cuda" if torch.cuda.is_available() else "cpu")):
         # FSDP2 averages fp32 gradients with ReduceOp.AVG; where that sums, have it sum and divide itself
-        units = [m for m in policy.modules() if isinstance(m, FSDPModule)]
+        units = [m for m in policy.modules() if is_fsdp_unit(m)]
         if not hasattr(policy, "set_force_sum_reduction_for_comms"):
             raise ConfigError(f"--fsdp: this torch's {dist.get_backend()} reduce-scatter sums where FSDP2 asks it "
                               "to average, and this FSDP2 cannot work around it: use torch >= 2.8")
@@ -352,7 +355,14 @@ def gradient_sync(model, enabled: bool):
     return contextlib.nullcontext()
 
 
-def set_reshard_after_forward(unit: FSDPModule, reshard: bool) -> None:
+def is_fsdp_unit(module) -> bool:
+    """isinstance(module, FSDPModule), without importing FSDP2 in runs that never shard: until something imports
+    it, nothing can be one."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
+
+
+def set_reshard_after_forward(unit, reshard: bool) -> None:
     """FSDPModule.set_reshard_after_forward for one unit. torch < 2.8 (vLLM 0.10's torch 2.7) lacks the method;
     there the unit's parameter group decides by its post-forward mesh: None keeps the weights gathered."""
     if hasattr(unit, "set_reshard_after_forward"):
@@ -368,7 +378,7 @@ def gathered_for_rollout(policy, mode: str):
     first forward and kept for the whole block of code, not gathered again at each decoding step. On exit every
     unit is resharded, the root too: a forward pass without backward leaves the root's weights gathered, and the
     parameters then registered on the module are not the ones the optimizer holds. Without FSDP, nothing."""
-    blocks = [m for m in policy.modules() if isinstance(m, FSDPModule) and m is not policy] \
+    blocks = [m for m in policy.modules() if is_fsdp_unit(m) and m is not policy] \
         if mode == "unshard" else []
     for block in blocks:
         set_reshard_after_forward(block, False)
@@ -384,7 +394,7 @@ def reshard(policy) -> None:
     """Every FSDP unit of the policy back to its shards: its parameters are the sharded ones again, which the
     optimizer holds (without FSDP, nothing)."""
     for unit in policy.modules():
-        if isinstance(unit, FSDPModule):
+        if is_fsdp_unit(unit):
             unit.reshard()
 
 
@@ -1200,7 +1210,7 @@ def ppo_update(
                     stats.setdefault(key, []).append(value)
                 ratios.append(torch.exp(sequence_log_ratio(new_logprobs.detach(), rollout.logprobs[idx], mask)))
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            if isinstance(grad_norm, DTensor):  # FSDP: the norm over every rank's shards
+            if is_fsdp_unit(model):  # a DTensor: the norm over every rank's shards
                 grad_norm = grad_norm.full_tensor()
             # never step on a non-finite gradient; every rank agrees before any of them steps
             check_finite({"loss": torch.stack(stats["loss"][-args.gradient_accumulation_steps:]),
@@ -1426,7 +1436,9 @@ def save_policy(policy, tokenizer, path: Path, rank: int) -> None:
     """The policy in HF format and its tokenizer at `path`, written by rank 0. With FSDP a collective: every rank
     sends its shards to rank 0's CPU first."""
     state = None
-    if isinstance(policy, FSDPModule):
+    if is_fsdp_unit(policy):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         policy.save_pretrained(path, state_dict=state)
@@ -1444,7 +1456,10 @@ OPTIMIZER_SHARDS = "optimizer"  # a checkpoint's directory of sharded optimizer 
 def save_optimizer_state(model, optimizer, directory: Path, trainer_state: dict) -> None:
     """With FSDP every rank writes its own shard of the optimizer state under directory/optimizer (a collective,
     torch.distributed.checkpoint: no rank ever holds the whole); otherwise it goes into trainer_state."""
-    if isinstance(model, FSDPModule):
+    if is_fsdp_unit(model):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
         dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(directory / OPTIMIZER_SHARDS))
         trainer_state["optimizer"] = OPTIMIZER_SHARDS
     else:
@@ -1452,7 +1467,10 @@ def save_optimizer_state(model, optimizer, directory: Path, trainer_state: dict)
 
 
 def load_optimizer_state(model, optimizer, checkpoint: Path, trainer_state: dict) -> None:
-    if isinstance(model, FSDPModule):  # each rank reads its own shard
+    if is_fsdp_unit(model):  # each rank reads its own shard
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
         state = get_optimizer_state_dict(model, optimizer)  # the layout to fill, with the state allocated
         dcp.load(state, checkpoint_id=str(checkpoint / OPTIMIZER_SHARDS))
         set_optimizer_state_dict(model, optimizer, optim_state_dict=state)
@@ -1674,7 +1692,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         sampler.load_state_dict(resumed["sampler"])
         set_rng_state(torch.load(checkpoint / f"rng_rank{dist_info.rank}.pt", weights_only=False), sampling_rng)
         start_update, elapsed = resumed["update"], resumed["elapsed"]
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     logger = RunLogger(args, run_name, num_updates, start_update, resumed and resumed["wandb_run_id"]) \
         if dist_info.master else None
     if logger is not None:
@@ -1838,6 +1856,83 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         dist.destroy_process_group()
 
 
+# TRL >= 0.22's names for flags of the same meaning (README, "Flags": both TRL generations' names side by side)
+TRL_NAMES = {"num_generations": "rloo_k", "beta": "kl_coef", "epsilon": "cliprange", "num_iterations": "num_ppo_epochs",
+             "max_completion_length": "response_length", "normalize_advantages": "normalize_advantage"}
+
+
+def with_trl_names_translated(argv: list[str], defaults) -> list[str]:
+    """argv with TRL >= 0.22's flag names written as this script's, and --steps_per_generation S (micro-batches per
+    rank and generation) as --num_mini_batches S / gradient_accumulation_steps. A flag given under both of its names
+    with different values is refused, rather than settled by which comes last."""
+    watched = {*TRL_NAMES, *TRL_NAMES.values(), "steps_per_generation", "num_mini_batches", "gradient_accumulation_steps"}
+    out, given = [], {}  # given: this script's flag name -> {the name used: its value}
+    i = 0
+    while i < len(argv):
+        flag, equals, value = argv[i].partition("=")
+        negated = flag.startswith(("--no-", "--no_"))
+        name = (flag[5:] if negated else flag[2:]).replace("-", "_") if flag.startswith("--") else None
+        if name not in watched:
+            out.append(argv[i])
+            i += 1
+            continue
+        own = TRL_NAMES.get(name, name)
+        takes_next = not equals and not isinstance(getattr(defaults, own, None), bool)
+        if takes_next:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        elif not equals:
+            value = str(not negated)
+        given.setdefault("num_mini_batches" if name == "steps_per_generation" else own, {})[name] = value
+        tokens = argv[i : i + 1 + takes_next]
+        if name in TRL_NAMES:
+            tokens[0] = ("--no-" if negated else "--") + own + (f"={value}" if equals else "")
+        if name != "steps_per_generation":
+            out += tokens
+        i += 1 + takes_next
+    if "steps_per_generation" in given.get("num_mini_batches", {}):
+        steps = given["num_mini_batches"].pop("steps_per_generation")
+        accumulation = given.get("gradient_accumulation_steps", {}).get(
+            "gradient_accumulation_steps", str(defaults.gradient_accumulation_steps))
+        if not (steps.isdigit() and accumulation.isdigit() and int(steps) % int(accumulation) == 0):
+            raise ConfigError(f"--steps_per_generation {steps} (micro-batches per generation) is not a multiple of "
+                              f"gradient_accumulation_steps ({accumulation}); pass --num_mini_batches (optimizer steps "
+                              "per generation) instead")
+        converted = str(int(steps) // int(accumulation))
+        if given["num_mini_batches"].get("num_mini_batches", converted) != converted:
+            raise ConfigError(f"--steps_per_generation {steps} means --num_mini_batches {converted} with "
+                              f"gradient_accumulation_steps {accumulation}, but --num_mini_batches "
+                              f"{given['num_mini_batches']['num_mini_batches']} is given too: pass one of them")
+        out += ["--num_mini_batches", converted]
+    for spellings in given.values():
+        if len({as_number(value) for value in spellings.values()}) > 1:
+            both = " and ".join(f"--{name} {value}" for name, value in spellings.items())
+            raise ConfigError(f"{both} set the same flag to different values: pass one of them")
+    return out
+
+
+def as_number(text: str):
+    """A command-line value as a number where it is one, so that 0.1 and 0.10 compare equal."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def parse_args(cls=None, argv: Optional[list[str]] = None, prog: Optional[str] = None):
+    """The command line parsed into `cls` (default Args) by tyro, TRL >= 0.22's names accepted; a clash between the two
+    names of a flag is one line on stderr and exit status 2, as tyro's own errors are."""
+    import tyro
+
+    cls = cls or Args
+    prog = prog or Path(sys.argv[0]).name
+    try:
+        argv = with_trl_names_translated(list(sys.argv[1:] if argv is None else argv), cls())
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return tyro.cli(cls, args=argv, prog=prog)
+
+
 def run_script(main: Callable, args, program: str) -> None:
     """main(args), with a ConfigError (bad input) turned into one line on stderr and exit status 2. Shared by
     this project's scripts."""
@@ -1849,7 +1944,7 @@ def run_script(main: Callable, args, program: str) -> None:
 
 
 def cli() -> None:
-    args = tyro.cli(Args)
+    args = parse_args(Args, prog="rloo.py")
     try:
         run_script(main, args, "rloo.py")
     except NonFiniteError as e:

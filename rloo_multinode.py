@@ -938,7 +938,7 @@ def cli() -> None:
         serve_args = tyro.cli(ServeArgs, args=sys.argv[2:], prog="rloo_multinode.py serve")
         rloo.run_script(serve, serve_args, "rloo_multinode.py serve")
         return
-    args = tyro.cli(Args)
+    args = rloo.parse_args(Args, prog="rloo_multinode.py")
     try:
         rloo.run_script(main, args, "rloo_multinode.py")
     except rloo.RolloutSourceError as e:  # every rank stops with the same error; rank 0 says it

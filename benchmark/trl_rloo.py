@@ -25,7 +25,6 @@ from dataclasses import fields
 from pathlib import Path
 
 import torch
-import tyro
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -186,4 +185,4 @@ def main(args: rloo.Args) -> None:
 
 
 if __name__ == "__main__":
-    rloo.run_script(main, tyro.cli(rloo.Args), "trl_rloo.py")
+    rloo.run_script(main, rloo.parse_args(rloo.Args, prog="trl_rloo.py"), "trl_rloo.py")

@@ -41,7 +41,9 @@ def main(out_path: str, wrapper: str) -> None:
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)  # plain SGD: the update is a multiple of the gradient
     rloo.ppo_update(model, optimizer, rollout, advantages[mine], args, sizes, lambda: torch.autocast("cpu", enabled=False))
     if wrapper.startswith("fsdp"):  # every rank sends its shards
-        state = rloo.get_model_state_dict(policy, options=rloo.StateDictOptions(full_state_dict=True, cpu_offload=True))
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
         state = policy.state_dict()
     if dist_info.master:
