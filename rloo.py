@@ -31,34 +31,34 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable, ClassVar, Literal, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-import tyro
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict,
-)
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+# FSDP2, DTensor and distributed checkpointing are imported by the functions that use them: together they are about
+# half of `import rloo`, and only --fsdp runs need them.
 
 
 @dataclass
 class Args:
     resumable_changes: ClassVar[frozenset] = frozenset({  # may differ on --resume; any other flag is another experiment
-        "exp_name", "output_dir", "track", "wandb_project_name", "wandb_entity", "trust_remote_code",
+        "exp_name", "run_name", "output_dir", "track", "wandb_project_name", "wandb_entity", "trust_remote_code",
         "dataset_test_split", "num_sample_generations", "num_evals", "eval_max_prompts",
         "local_rollout_forward_batch_size", "gradient_checkpointing", "total_episodes", "num_train_epochs",
-        "save_steps", "save_total_limit", "resume", "resume_from", "fsdp_generation", "compile_generation"})
+        "save_steps", "save_total_limit", "resume", "resume_from", "fsdp_generation", "compile_generation",
+        "share_prompt"})
 
     # ----- experiment -----
     exp_name: str = "rloo"
-    """name of the experiment; the run is named `{exp_name}__{seed}__{unix time}`"""
+    """name of the experiment; the run is named `{exp_name}__{seed}__{unix time}` unless --run_name is given"""
+    run_name: Optional[str] = None
+    """the run's whole name (wandb, the log's first line), as TRL >= 0.22 takes it; None: `{exp_name}__{seed}__{unix
+    time}`"""
     seed: int = 1
     """random seed; rank r samples with seed + r"""
     output_dir: str = "models/rloo"
@@ -123,9 +123,10 @@ class Args:
 
     # ----- RLOO -----
     rloo_k: int = 2
-    """completions sampled per prompt (k >= 2: the baseline of each is the mean of the other k-1)"""
+    """completions sampled per prompt (k >= 2: the baseline of each is the mean of the other k-1). TRL >= 0.22:
+    --num_generations"""
     kl_coef: float = 0.05
-    """weight of the KL penalty to the reference policy; 0 skips the reference model entirely"""
+    """weight of the KL penalty to the reference policy; 0 skips the reference model entirely. TRL >= 0.22: --beta"""
     token_level_kl: bool = False
     """per-token KL penalties with token-level returns (each token's advantage sees the KL of the tokens
     after it) instead of one sequence-level penalty; the loss then uses per-token ratios"""
@@ -136,13 +137,13 @@ class Args:
     reward_clip_range: float = 10.0
     """clip range of the normalized scores"""
     normalize_advantage: bool = False
-    """whiten advantages over the global batch"""
+    """whiten advantages over the global batch. TRL >= 0.22: --normalize_advantages"""
     cliprange: float = 0.2
-    """PPO clip range of the sequence-level ratio"""
+    """PPO clip range of the sequence-level ratio. TRL >= 0.22: --epsilon"""
 
     # ----- generation -----
     response_length: int = 53
-    """tokens sampled per completion"""
+    """tokens sampled per completion. TRL >= 0.22: --max_completion_length"""
     temperature: float = 0.7
     """sampling temperature (top_k=0, top_p=1); logits are divided by it when log-probs are computed"""
     stop_token: Optional[Literal["eos"]] = "eos"
@@ -152,10 +153,17 @@ class Args:
     local_rollout_forward_batch_size: int = 64
     """completions per generation / log-prob / scoring forward pass, per rank; 0: as many as fit in 90% of the
     memory free when each phase starts (GPU memory, or RAM on CPU), estimated from the model's config"""
+    share_prompt: bool = True
+    """compute each prompt once per pass for its k completions, in every phase (prefill, log-probs, reference,
+    reward model, training): a prompt group is one forward row whose responses attend to the prompt and to
+    themselves only, so every completion is computed exactly as alone (float rounding aside). --no-share_prompt
+    computes it once per completion, as TRL does. Where the model's attention cannot take the group's mask
+    (flash-attention, remote code) or the reward model has its own tokenizer, that model runs unshared anyway"""
     compile_generation: bool = False
-    """sample with a KV cache preallocated for max_prompt_length + response_length positions and a torch.compile'd
-    decoding step (CUDA graphs on GPU): no per-token Python, allocation or kernel-launch overhead, which dominates
-    small-batch decoding on GPUs. The first update compiles, once per chunk size. Needs transformers >= 5"""
+    """decode with a torch.compile'd step (CUDA graphs on GPU) in a KV cache of max_prompt_length + response_length
+    positions kept per chunk size: no per-token Python, allocation or kernel-launch overhead, which dominates
+    small-batch decoding on GPUs. The first update compiles, once per chunk size. Without it the step runs eagerly
+    in a cache sized to each chunk's own prompts"""
 
     # ----- optimization -----
     total_episodes: Optional[int] = None
@@ -167,9 +175,10 @@ class Args:
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
     num_mini_batches: int = 1
-    """optimizer steps per PPO epoch"""
+    """optimizer steps per PPO epoch. TRL >= 0.22's --steps_per_generation S counts micro-batches: it is taken as
+    num_mini_batches = S / gradient_accumulation_steps"""
     num_ppo_epochs: int = 4
-    """passes over each update's completions"""
+    """passes over each update's completions. TRL >= 0.22: --num_iterations"""
     learning_rate: float = 3e-6
     """AdamW learning rate"""
     lr_scheduler_type: Literal["linear", "constant"] = "linear"
@@ -297,6 +306,8 @@ def shard_policy(policy, bf16: bool, offload: bool = False):
     embeddings and head in the root unit. fp32 master weights; bf16 compute with --bf16; gradients reduced in fp32
     (they sum log-prob gradients over thousands of tokens). With `offload` the shards, their gradients and so the
     optimizer state stay in CPU memory; a unit's weights visit the GPU while it computes."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
     block_classes = set(getattr(policy, "_no_split_modules", None) or ())
     blocks = [m for m in policy.modules() if type(m).__name__ in block_classes]
     if not blocks:
@@ -309,7 +320,7 @@ def shard_policy(policy, bf16: bool, offload: bool = False):
     fully_shard(policy, mp_policy=mp, offload_policy=placement)
     if not reduce_scatter_averages(torch.device("cuda" if torch.cuda.is_available() else "cpu")):
         # FSDP2 averages fp32 gradients with ReduceOp.AVG; where that sums, have it sum and divide itself
-        units = [m for m in policy.modules() if isinstance(m, FSDPModule)]
+        units = [m for m in policy.modules() if is_fsdp_unit(m)]
         if not hasattr(policy, "set_force_sum_reduction_for_comms"):
             raise ConfigError(f"--fsdp: this torch's {dist.get_backend()} reduce-scatter sums where FSDP2 asks it "
                               "to average, and this FSDP2 cannot work around it: use torch >= 2.8")
@@ -352,7 +363,14 @@ def gradient_sync(model, enabled: bool):
     return contextlib.nullcontext()
 
 
-def set_reshard_after_forward(unit: FSDPModule, reshard: bool) -> None:
+def is_fsdp_unit(module) -> bool:
+    """isinstance(module, FSDPModule), without importing FSDP2 in runs that never shard: until something imports
+    it, nothing can be one."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
+
+
+def set_reshard_after_forward(unit, reshard: bool) -> None:
     """FSDPModule.set_reshard_after_forward for one unit. torch < 2.8 (vLLM 0.10's torch 2.7) lacks the method;
     there the unit's parameter group decides by its post-forward mesh: None keeps the weights gathered."""
     if hasattr(unit, "set_reshard_after_forward"):
@@ -368,7 +386,7 @@ def gathered_for_rollout(policy, mode: str):
     first forward and kept for the whole block of code, not gathered again at each decoding step. On exit every
     unit is resharded, the root too: a forward pass without backward leaves the root's weights gathered, and the
     parameters then registered on the module are not the ones the optimizer holds. Without FSDP, nothing."""
-    blocks = [m for m in policy.modules() if isinstance(m, FSDPModule) and m is not policy] \
+    blocks = [m for m in policy.modules() if is_fsdp_unit(m) and m is not policy] \
         if mode == "unshard" else []
     for block in blocks:
         set_reshard_after_forward(block, False)
@@ -384,7 +402,7 @@ def reshard(policy) -> None:
     """Every FSDP unit of the policy back to its shards: its parameters are the sharded ones again, which the
     optimizer holds (without FSDP, nothing)."""
     for unit in policy.modules():
-        if isinstance(unit, FSDPModule):
+        if is_fsdp_unit(unit):
             unit.reshard()
 
 
@@ -608,83 +626,93 @@ def sample_tokens(logits: torch.Tensor, temperature: float, generator: Optional[
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=logits.shape[1] - 1)
 
 
+def cast_to_one_dtype(update: Callable) -> Callable:
+    """A static cache layer holds keys and values in one dtype, but under bf16 autocast the rotated keys arrive in
+    fp32 and the values in bf16: store both in the wider one (the attention casts them as it did before)."""
+
+    def cast_then_update(key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        dtype = torch.promote_types(key_states.dtype, value_states.dtype)
+        return update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
+
+    return cast_then_update
+
+
+def preallocated_cache(config, max_length: int, prefilled=None, cache=None):
+    """A KV cache of max_length positions per layer (a new one, or `cache` emptied) holding the prefilled keys and
+    values (positions 0..Tq-1): decoding writes one position per step in place. A cache grown by concatenation
+    instead copies every layer's whole cache at every step, most of a decoding step's memory traffic."""
+    from transformers import StaticCache
+
+    if cache is None:
+        cache = StaticCache(config=config, max_cache_len=max_length)
+        for layer in cache.layers:
+            layer.update = cast_to_one_dtype(layer.update)
+    elif cache.is_initialized:
+        cache.reset()
+    for layer, (keys, values, *_) in enumerate(prefilled or ()):
+        cache.update(keys, values, layer)
+    return cache
+
+
 class StaticDecoder:
-    """What --compile_generation decodes with: one KV cache of max_length positions per batch size, kept and reset
-    between calls (CUDA graphs replay on fixed addresses), and the decoding step, compiled. Every batch decodes in
-    max_length positions whatever its prompt width, so the step has one shape per batch size and compiles once."""
+    """What --compile_generation decodes with: one preallocated KV cache of max_length positions per batch size, kept
+    and reset between calls (CUDA graphs replay on fixed addresses), and the decoding step, compiled. Every batch
+    decodes in max_length positions whatever its prompt width, so the step has one shape per batch size and
+    compiles once."""
 
     def __init__(self, model, max_length: int, backend: str = "inductor"):
-        from transformers import StaticCache
-
-        if "max_batch_size" in inspect.signature(StaticCache.__init__).parameters:  # transformers 4.x's cache API
-            raise ConfigError("--compile_generation needs transformers >= 5 (a StaticCache that tracks its own "
-                              "position): upgrade transformers or drop the flag")
         self.model, self.max_length, self.caches = model, max_length, {}
         cuda_graphs = backend == "inductor" and next(model.parameters()).device.type == "cuda"
         self.step = torch.compile(model, backend=backend, dynamic=False, mode="reduce-overhead" if cuda_graphs else None)
 
-    def fresh_cache(self, batch_size: int):
-        from transformers import StaticCache
-
-        cache = self.caches.get(batch_size)
-        if cache is None:
-            cache = self.caches[batch_size] = StaticCache(config=self.model.config, max_cache_len=self.max_length)
-            for layer in cache.layers:
-                layer.update = self.in_one_dtype(layer.update)
-        elif cache.is_initialized:
-            cache.reset()
-        return cache
-
-    @staticmethod
-    def in_one_dtype(update: Callable) -> Callable:
-        """A static cache layer holds keys and values in one dtype, but under bf16 autocast the rotated keys arrive
-        in fp32 and the values in bf16: store both in the wider one (the attention casts them as it did before)."""
-
-        def cast_then_update(key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-            dtype = torch.promote_types(key_states.dtype, value_states.dtype)
-            return update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
-
-        return cast_then_update
+    def cache_holding(self, prefilled, batch_size: int):
+        """This batch size's cache, emptied, then holding the prefilled keys and values."""
+        self.caches[batch_size] = preallocated_cache(self.model.config, self.max_length, prefilled,
+                                                     self.caches.get(batch_size))
+        return self.caches[batch_size]
 
 
 @torch.no_grad()
 def generate(
     model, queries: torch.Tensor, query_mask: torch.Tensor, max_new_tokens: int, temperature: float,
     stop_token_id: Optional[int], pad_token_id: int, generator: Optional[torch.Generator] = None,
-    decoder: Optional[StaticDecoder] = None,
+    decoder: Optional[StaticDecoder] = None, k: int = 1,
 ) -> torch.Tensor:
-    """Sample (N, max_new_tokens) tokens after left-padded queries (N, Tq), top_k=0, top_p=1 (temperature 0:
-    greedy). A row is padded after its stop token; the loop ends early once every row has stopped. With a
-    `decoder`, in its preallocated cache, by its compiled step."""
-    n, width = queries.shape
-    if decoder is None:  # the cache grows by one position per step
-        cache, step, attention_mask = None, model, query_mask.long()  # (N, Tq), grows by one column per step
-    else:  # (N, L) mask over the whole preallocated cache; positions not yet generated are masked
-        cache, step = decoder.fresh_cache(n), decoder.step
-        attention_mask = torch.nn.functional.pad(query_mask.long(), (0, decoder.max_length - width))
-    position_ids = position_ids_from_mask(query_mask)  # (N, Tq)
-    out = model(input_ids=queries, attention_mask=attention_mask[:, :width], position_ids=position_ids,
-                past_key_values=cache, use_cache=True,
-                **({"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}))  # only the next token's logits
-    next_position = position_ids[:, -1:] + 1  # (N, 1)
-    done = torch.zeros(n, dtype=torch.bool, device=queries.device)  # (N,)
-    tokens = torch.full((n, max_new_tokens), pad_token_id, device=queries.device)  # (N, Tr)
+    """Sample k continuations of each of the g left-padded queries (g, Tq): (k*g, max_new_tokens) tokens in the
+    (k, g) layout, row j*g + i continuing query i; top_k=0, top_p=1 (temperature 0: greedy). Each query is prefilled
+    once and its keys and values are read by its k rows, from a preallocated cache of Tq + max_new_tokens positions
+    (with a `decoder`, its own, decoded by its compiled step). A row is padded after its stop token; the loop ends
+    early once every row has stopped."""
+    g, width = queries.shape
+    position_ids = position_ids_from_mask(query_mask)  # (g, Tq)
+    prefill = model(input_ids=queries, attention_mask=query_mask.long(), position_ids=position_ids, use_cache=True,
+                    **({"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}))  # the next token's logits only
+    prompt_of_row = torch.arange(g, device=queries.device).repeat(k)  # (k*g,) the (k, g) layout
+    prefill.past_key_values.reorder_cache(prompt_of_row)  # each layer's (g, heads, Tq, head_dim) -> (k*g, ...)
+    if decoder is None:
+        step, length = model, width + max_new_tokens
+        cache = preallocated_cache(model.config, length, prefill.past_key_values)
+    else:
+        step, length = decoder.step, decoder.max_length
+        cache = decoder.cache_holding(prefill.past_key_values, k * g)
+    # (k*g, L) mask over the whole cache: the prompts' real tokens, then each generated position as it is written
+    attention_mask = torch.nn.functional.pad(query_mask.long()[prompt_of_row], (0, length - width))
+    logits = prefill.logits[:, -1].float()[prompt_of_row]  # (k*g, V): the k rows of a prompt start alike
+    next_position = position_ids[prompt_of_row, -1:] + 1  # (k*g, 1)
+    done = torch.zeros(k * g, dtype=torch.bool, device=queries.device)  # (k*g,)
+    tokens = torch.full((k * g, max_new_tokens), pad_token_id, device=queries.device)  # (k*g, Tr)
     for t in range(max_new_tokens):
-        logits = out.logits[:, -1].float()  # (N, V)
-        token = sample_tokens(logits, temperature, generator) if temperature > 0 else logits.argmax(-1)  # (N,)
+        token = sample_tokens(logits, temperature, generator) if temperature > 0 else logits.argmax(-1)  # (k*g,)
         token = torch.where(done, pad_token_id, token)
         tokens[:, t] = token
         if stop_token_id is not None:
             done |= token == stop_token_id
         if t == max_new_tokens - 1 or done.all():
             break
-        if decoder is None:
-            attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
-        else:
-            attention_mask[:, width + t] = 1
+        attention_mask[:, width + t] = 1
         out = step(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,
-                   past_key_values=out.past_key_values, use_cache=True)
-        next_position = next_position + 1
+                   past_key_values=cache, use_cache=True)
+        logits, next_position = out.logits[:, -1].float(), next_position + 1
     return tokens
 
 
@@ -700,20 +728,150 @@ def truncate_after_stop(
     return responses.masked_fill(after_stop, pad_token_id), ~after_stop
 
 
+def completion_rows(prompts: torch.Tensor, num_prompts: int, k: int) -> torch.Tensor:
+    """(k*g,) the rows, in a (k, B) layout of num_prompts = B prompts, of the completions of g prompts, in the
+    (k, g) layout: row j*g + i of the result is sample j of prompts[i]."""
+    return (torch.arange(k, device=prompts.device)[:, None] * num_prompts + prompts[None, :]).flatten()
+
+
+@dataclass
+class Completions:
+    """k sampled completions of each of B prompts. Each prompt is held once, (B, Tq); the responses are in the
+    (k, B) layout, (k*B, Tr): row j*B + i is sample j of prompt i. Evaluation samples one per prompt (k = 1)."""
+
+    queries: torch.Tensor  # (B, Tq) token ids, left-padded
+    query_mask: torch.Tensor  # (B, Tq) bool: real prompt tokens
+    responses: torch.Tensor  # (k*B, Tr) token ids, padding after the stop token
+    response_mask: torch.Tensor  # (k*B, Tr) bool: response tokens up to and including the stop token
+
+    PER_PROMPT: ClassVar[tuple[str, ...]] = ("queries", "query_mask")  # every other tensor has a row per completion
+
+    @property
+    def k(self) -> int:
+        return self.responses.shape[0] // self.queries.shape[0]
+
+    def ended(self, stop_token_id: Optional[int]) -> torch.Tensor:
+        """(k*B,) bool: the completion emitted the stop token."""
+        if stop_token_id is None:
+            return torch.zeros(self.responses.shape[0], dtype=torch.bool, device=self.responses.device)
+        return ((self.responses == stop_token_id) & self.response_mask).any(1)
+
+    def map_tensors(self, per_prompt: Callable, per_completion: Callable) -> "Completions":
+        """A copy (of the same class) with per_prompt(t) of each per-prompt tensor, per_completion(t) of the others."""
+        return replace(self, **{f.name: None if getattr(self, f.name) is None else
+                                (per_prompt if f.name in self.PER_PROMPT else per_completion)(getattr(self, f.name))
+                                for f in fields(self)})
+
+    def of_prompts(self, prompts: torch.Tensor) -> "Completions":
+        """The completions of g of the prompts (B indices), (k, g) layout, cut to their own widths: the longest of
+        their prompts and of their responses (the padding columns all of them share are dropped)."""
+        rows = completion_rows(prompts, self.queries.shape[0], self.k)  # (k*g,)
+        prompt_width = int(self.query_mask[prompts].sum(1).max())
+        response_width = int(self.response_mask[rows].sum(1).max())
+        return self.map_tensors(lambda t: t[prompts, -prompt_width:], lambda t: t[rows, :response_width])
+
+    def one_per_row(self, rows: torch.Tensor) -> "Completions":
+        """Completions `rows` (indices into k*B) as k = 1 completions, each with its own copy of its prompt (for
+        micro-batches that split prompt groups), cut to their own widths."""
+        prompts = rows % self.queries.shape[0]  # (n,)
+        single = self.map_tensors(lambda t: t[prompts], lambda t: t[rows])
+        return single.of_prompts(torch.arange(len(rows), device=rows.device))
+
+
 def accepts_logits_to_keep(model) -> bool:
-    """Whether the model's forward can compute the logits of the last positions only (transformers' models can;
+    """Whether the model's forward can compute the logits of chosen positions only (transformers' models can;
     remote code may not)."""
     module = model.module if isinstance(model, DDP) else model
     return "logits_to_keep" in inspect.signature(module.forward).parameters
 
 
-def last_logits(model, keep: int, **inputs) -> torch.Tensor:
-    """(N, keep, V) logits of the last `keep` positions only. The LM head's output is the largest activation of a
-    forward pass (V ~ 50k columns per position) and the prompt's positions need none: at TL;DR lengths (512 prompt,
-    53 response tokens) computing only the response's logits is ~10x less of it."""
+def attention_implementation(model) -> Optional[str]:
+    """transformers' name of the model's attention ("sdpa", "eager", "flash_attention_2", ...); None if unknown."""
+    module = model.module if isinstance(model, DDP) else model
+    return getattr(getattr(module, "config", None), "_attn_implementation", None)
+
+
+def takes_grouped_inputs(model) -> bool:
+    """Whether prompt groups can be fed to the model as one row each: its attention must take a 4D mask as it is
+    (transformers' sdpa and eager attention do; flash-attention and remote code may not) and explicit positions."""
+    module = model.module if isinstance(model, DDP) else model
+    return attention_implementation(model) in ("sdpa", "eager") and \
+        "position_ids" in inspect.signature(module.forward).parameters
+
+
+def as_group_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """(k*g, T) rows in the (k, g) layout -> (g, k*T): each prompt's k rows side by side."""
+    return x.view(k, -1, *x.shape[1:]).transpose(0, 1).reshape(-1, k * x.shape[1], *x.shape[2:])
+
+
+def from_group_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """(g, k*T) -> (k*g, T) in the (k, g) layout: the inverse of as_group_rows."""
+    return x.view(x.shape[0], k, -1, *x.shape[2:]).transpose(0, 1).reshape(-1, x.shape[1] // k, *x.shape[2:])
+
+
+def grouped_inputs(c: Completions, pad_id: int = 0, float_mask_dtype: Optional[torch.dtype] = None) -> dict:
+    """One row per prompt, (g, L) with L = Tq + k*Tr: the prompt, then its k responses one after the other. Each
+    response attends to the prompt's real tokens and to its own earlier tokens only, at the positions it would have
+    alone, so every completion is computed exactly as alone while its prompt is computed once. The 4D mask is bool
+    (True: attend), or additive in float_mask_dtype (for eager attention). Padding ids become pad_id."""
+    g, prompt_width = c.queries.shape
+    k, response_width = c.k, c.responses.shape[1]
+    length = prompt_width + k * response_width
+    responses, response_mask = as_group_rows(c.responses, k), as_group_rows(c.response_mask, k)  # (g, k*Tr) each
+    input_ids = torch.cat([c.queries.masked_fill(~c.query_mask, pad_id),
+                           responses.masked_fill(~response_mask, pad_id)], 1)  # (g, L)
+    prompt_lengths = c.query_mask.sum(1, keepdim=True)  # (g, 1)
+    response_positions = prompt_lengths + torch.arange(response_width, device=c.queries.device).repeat(k)  # (g, k*Tr)
+    position_ids = torch.cat([position_ids_from_mask(c.query_mask), response_positions], 1)  # (g, L)
+    segment = torch.cat([torch.full((prompt_width,), -1, device=c.queries.device),  # (L,): -1 prompt, j response j
+                         torch.arange(k, device=c.queries.device).repeat_interleave(response_width)])
+    index = torch.arange(length, device=c.queries.device)
+    visible = (index[:, None] >= index[None, :]) & ((segment[None, :] == -1) | (segment[:, None] == segment[None, :]))
+    real_key = torch.cat([c.query_mask, torch.ones_like(response_mask)], 1)  # (g, L); response padding is never
+    # attended to by a real token (it follows them), so it may stay visible
+    mask = (visible[None] & real_key[:, None, :]) | torch.eye(length, dtype=torch.bool, device=index.device)  # (g, L, L)
+    # (a padding position attends to itself: no row of the softmax is empty; what padding computes is never read)
+    mask = mask[:, None]  # (g, 1, L, L)
+    if float_mask_dtype is not None:
+        mask = torch.zeros(mask.shape, dtype=float_mask_dtype, device=mask.device).masked_fill_(
+            ~mask, torch.finfo(float_mask_dtype).min)
+    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids}
+
+
+def grouped_model_inputs(model, c: Completions) -> dict:
+    """grouped_inputs with the mask in the form the model's attention takes: additive for eager attention."""
+    eager = attention_implementation(model) == "eager"
+    return grouped_inputs(c, float_mask_dtype=torch.float32 if eager else None)
+
+
+def unshared_inputs(c: Completions, pad_id: int = 0) -> dict:
+    """One row per completion, (k*g, Tq + Tr): its prompt (repeated for each of the k), then the response; padding
+    masked. The layout transformers models are built for; --no-share_prompt and models that cannot take
+    grouped_inputs use it."""
+    prompt_of_row = torch.arange(c.queries.shape[0], device=c.queries.device).repeat(c.k)  # (k*g,)
+    attention_mask = torch.cat([c.query_mask[prompt_of_row], c.response_mask], 1)  # (k*g, Tq + Tr)
+    input_ids = torch.cat([c.queries[prompt_of_row], c.responses], 1).masked_fill(~attention_mask, pad_id)
+    return {"input_ids": input_ids, "attention_mask": attention_mask.long(),
+            "position_ids": position_ids_from_mask(attention_mask)}
+
+
+def completion_logits(model, c: Completions, share_prompt: bool) -> torch.Tensor:
+    """The logits predicting each response token, by one forward pass: (g, k*Tr, V), a row per prompt group with
+    its k responses side by side (as_group_rows), when shared; else (k*g, Tr, V). Only the predicting positions'
+    logits are computed: the LM head's output is the largest activation of a forward pass (V ~ 50k columns per
+    position) and the prompt's other positions need none."""
+    k, prompt_width, response_width = c.k, c.queries.shape[1], c.responses.shape[1]
+    offsets = torch.arange(response_width, device=c.queries.device)  # (Tr,)
+    if share_prompt:  # response j's token t is predicted by the prompt's last position (t = 0) or its token t-1
+        inputs = grouped_model_inputs(model, c)
+        starts = prompt_width + torch.arange(k, device=offsets.device)[:, None] * response_width  # (k, 1)
+        predictors = torch.where(offsets == 0, prompt_width - 1, starts + offsets - 1).flatten()  # (k*Tr,)
+    else:
+        inputs = unshared_inputs(c)
+        predictors = prompt_width - 1 + offsets  # (Tr,)
     if accepts_logits_to_keep(model):
-        return model(**inputs, logits_to_keep=keep).logits
-    return model(**inputs).logits[:, -keep:]  # a model without the argument (remote code) computes them all
+        return model(**inputs, logits_to_keep=predictors, use_cache=False).logits
+    return model(**inputs, use_cache=False).logits[:, predictors]  # a model without the argument computes them all
 
 
 class SelectiveLogSoftmax(torch.autograd.Function):
@@ -751,67 +909,66 @@ class SelectiveLogSoftmax(torch.autograd.Function):
 
 
 def forward_logprobs(
-    model, query_responses: torch.Tensor, attention_mask: torch.Tensor, context_length: int, temperature: float,
-    with_entropy: bool = False,
+    model, c: Completions, temperature: float, share_prompt: bool, with_entropy: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Log-probs (N, Tr) of the response tokens query_responses[:, context_length:] under the model's
-    logits / temperature, as sampled; and the per-token entropy (N, Tr), without gradient, if asked."""
-    responses = query_responses[:, context_length:]  # (N, Tr)
-    logits = last_logits(
-        model, responses.shape[1] + 1, input_ids=query_responses, attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask), use_cache=False,
-    )[:, :-1]  # (N, Tr, V): position t predicts token t+1, so the last position predicts nothing
-    return SelectiveLogSoftmax.apply(logits, responses, temperature, with_entropy)
-
-
-@dataclass
-class Completions:
-    """Sampled completions after left-padded queries; N rows."""
-
-    query_responses: torch.Tensor  # (N, Tq + Tr) token ids
-    attention_mask: torch.Tensor  # (N, Tq + Tr) bool: real query tokens and valid response tokens
-    response_mask: torch.Tensor  # (N, Tr) bool: response tokens up to and including the stop token
-    context_length: int  # Tq
-
-    @property
-    def responses(self) -> torch.Tensor:
-        return self.query_responses[:, self.context_length :]  # (N, Tr)
-
-    def ended(self, stop_token_id: Optional[int]) -> torch.Tensor:
-        """(N,) bool: the completion emitted the stop token."""
-        if stop_token_id is None:
-            return torch.zeros(self.responses.shape[0], dtype=torch.bool, device=self.responses.device)
-        return ((self.responses == stop_token_id) & self.response_mask).any(1)
+    """Log-probs (k*g, Tr) of the response tokens under the model's logits / temperature, as sampled; and the
+    per-token entropy (k*g, Tr), without gradient, if asked. Padding positions hold values that must be masked."""
+    logits = completion_logits(model, c, share_prompt)  # (g, k*Tr, V) or (k*g, Tr, V)
+    if not share_prompt:
+        return SelectiveLogSoftmax.apply(logits, c.responses, temperature, with_entropy)
+    # in the logits' own order, so that only the (g, k*Tr) results are reordered, never the (.., V) logits
+    logprobs, entropy = SelectiveLogSoftmax.apply(logits, as_group_rows(c.responses, c.k), temperature, with_entropy)
+    return from_group_rows(logprobs, c.k), None if entropy is None else from_group_rows(entropy, c.k)
 
 
 @dataclass
 class Rollout(Completions):
-    """One rank's completions of one update, N = k*B rows in the (k, B) layout, with their log-probs."""
+    """One rank's completions of one update, k*B rows in the (k, B) layout, with their log-probs."""
 
-    logprobs: torch.Tensor  # (N, Tr) log-probs under the policy that sampled, by a forward pass (0 on padding)
-    ref_logprobs: Optional[torch.Tensor]  # (N, Tr) reference log-probs (0 on padding); None if kl_coef = 0
+    logprobs: Optional[torch.Tensor]  # (k*B, Tr) under the policy that sampled, by a forward pass (0 on padding);
+    # None until the update's own forward fills them, when that is the same forward (on-policy: skip_logprob_pass)
+    ref_logprobs: Optional[torch.Tensor]  # (k*B, Tr) reference log-probs (0 on padding); None if kl_coef = 0
 
 
 @torch.no_grad()
 def sample_completions(
     policy, queries: torch.Tensor, query_mask: torch.Tensor, response_length: int, temperature: float,
     stop_token_id: Optional[int], pad_token_id: int, generator: Optional[torch.Generator] = None,
-    decoder: Optional[StaticDecoder] = None,
+    decoder: Optional[StaticDecoder] = None, k: int = 1,
 ) -> Completions:
-    """Sample one completion per (N, Tq) query and cut it after its first stop token."""
+    """Sample k completions of each (g, Tq) query, (k, g) layout, and cut each after its first stop token."""
     responses = generate(policy, queries, query_mask, response_length, temperature, stop_token_id, pad_token_id,
-                         generator, decoder)
-    responses, response_mask = truncate_after_stop(responses, stop_token_id, pad_token_id)  # (N, Tr) each
-    return Completions(torch.cat([queries, responses], 1), torch.cat([query_mask, response_mask], 1),
-                       response_mask, queries.shape[1])
+                         generator, decoder, k)
+    responses, response_mask = truncate_after_stop(responses, stop_token_id, pad_token_id)  # (k*g, Tr) each
+    return Completions(queries, query_mask, responses, response_mask)
 
 
 class PhaseTimer:
-    """Wall-clock seconds per phase of an update (CUDA synchronized, so GPU time lands in its phase), and on CUDA
-    each phase's peak allocated memory in GiB."""
+    """Per phase of an update (`with timer("generation"): ...`): wall-clock seconds (CUDA synchronized, so GPU time
+    lands in its phase), on CUDA the peak allocated memory in GiB, and the token positions fed through the forward
+    passes of the models it watches (count_tokens_of), padding included: the work done, to set against the least
+    that would do. One per run; start_update() clears it. Forward passes outside any phase count under
+    `default_phase` (None: not counted); a compiled decoding step's (--compile_generation) are not counted."""
 
-    def __init__(self, device: torch.device):
-        self.device, self.seconds, self.peak_gib = device, {}, {}
+    def __init__(self, device: torch.device, default_phase: Optional[str] = None):
+        self.device, self.default_phase, self.phase = device, default_phase, None
+        self.start_update()
+
+    def start_update(self) -> None:
+        self.seconds, self.peak_gib, self.tokens = {}, {}, {}
+
+    def count_tokens_of(self, *models) -> None:
+        for model in models:
+            if model is not None:  # the transformer itself, which every use of the model calls once per pass
+                backbone = getattr(model, getattr(model, "base_model_prefix", ""), model)
+                backbone.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs) -> None:
+        phase = self.phase or self.default_phase
+        if phase is None or torch.compiler.is_compiling():  # a Python side effect would break a compiled graph
+            return
+        input_ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
+        self.tokens[phase] = self.tokens.get(phase, 0) + input_ids.numel()
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
@@ -819,8 +976,11 @@ class PhaseTimer:
         if cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        start = time.perf_counter()
-        yield
+        start, self.phase = time.perf_counter(), phase
+        try:
+            yield
+        finally:
+            self.phase = None
         if cuda:
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device) / 2**30
@@ -828,18 +988,21 @@ class PhaseTimer:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
     def metrics(self) -> dict[str, float]:
-        """`time/<phase>` for every phase; on CUDA `memory/<phase>_gib` and `memory/peak_gib` too."""
+        """`time/<phase>` and `work/<phase>_tokens` for every phase, `work/forward_tokens` over all of them; on CUDA
+        `memory/<phase>_gib` and `memory/peak_gib` too."""
         out = {f"time/{phase}": seconds for phase, seconds in self.seconds.items()}
+        out.update({f"work/{phase}_tokens": float(tokens) for phase, tokens in self.tokens.items()})
+        out["work/forward_tokens"] = float(sum(self.tokens.values()))
         if self.peak_gib:
             out.update({f"memory/{phase}_gib": gib for phase, gib in self.peak_gib.items()})
             out["memory/peak_gib"] = max(self.peak_gib.values())
         return out
 
 
-def cat_completions(parts: list[Completions]) -> Completions:
-    """Row-wise concatenation of completions of the same query width; every part has the full response width."""
-    return Completions(torch.cat([c.query_responses for c in parts]), torch.cat([c.attention_mask for c in parts]),
-                       torch.cat([c.response_mask for c in parts]), parts[0].context_length)
+def minimum_forward_tokens(c: Completions, passes: int) -> float:
+    """The least token positions `passes` forward passes over the completions could feed: every prompt token once,
+    every response token (up to its stop token) once per completion, in each pass."""
+    return float(passes * (int(c.query_mask.sum()) + int(c.response_mask.sum())))
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -850,45 +1013,81 @@ def free_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def forward_bytes_per_row(config, phase: str, prompt_length: int, response_length: int, dtype_bytes: int) -> float:
-    """Peak bytes one completion adds to a no-grad forward pass of this phase: one layer's transient activations
-    (about 4 x hidden + intermediate values per token) and, when sampling, its KV cache of every layer and one
-    step's fp32 logits; for log-probs, the response's fp32 logits and softmax."""
-    hidden, tokens = config.hidden_size, prompt_length + response_length
+def forward_bytes_per_row(config, phase: str, prompt_length: int, response_length: int, dtype_bytes: int,
+                          k: int = 1) -> float:
+    """Peak bytes one completion adds to a no-grad forward pass of this phase, its prompt shared with k-1 others
+    (a prompt group is one forward row of prompt_length + k * response_length tokens): one layer's transient
+    activations (about 4 x hidden + intermediate values per token) and, when sampling, its KV cache of every layer
+    (the prompt's once, read by its k rows) and one step's fp32 logits; for log-probs, the response's fp32 logits
+    and softmax; with k > 1, its share of the group's attention mask and per-head scores."""
+    hidden, tokens = config.hidden_size, prompt_length / k + response_length
     intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
     per_row = (4 * hidden + intermediate) * tokens * dtype_bytes
     if phase == "generation":
-        per_row += 2 * config.num_hidden_layers * hidden * tokens * dtype_bytes + 3 * config.vocab_size * 4
+        per_row += 2 * config.num_hidden_layers * hidden * (prompt_length + response_length) * dtype_bytes \
+            + 3 * config.vocab_size * 4
     elif phase == "logprobs":
         per_row += 2 * response_length * config.vocab_size * 4
+    if k > 1 and phase != "generation":
+        row_length = prompt_length + k * response_length
+        per_row += row_length**2 * (1 + config.num_attention_heads * dtype_bytes) / k
     return per_row
 
 
-def rows_per_forward(args: Args, model, phase: str, device: torch.device, rows: int) -> int:
-    """local_rollout_forward_batch_size, or with 0 the most of `rows` whose forward through `model` fits in 90% of
-    the free memory, measured now (after the previous phase freed its buffers)."""
+def rows_per_forward(args: Args, model, phase: str, device: torch.device, rows: int, k: int = 1) -> int:
+    """local_rollout_forward_batch_size completions, or with 0 the most of `rows` whose forward through `model`
+    fits in 90% of the free memory, measured now (after the previous phase freed its buffers)."""
     if args.local_rollout_forward_batch_size > 0:
         return args.local_rollout_forward_batch_size
     if model is None:  # no forward pass to size
         return rows
     per_row = forward_bytes_per_row(model.config, phase, args.max_prompt_length, args.response_length,
-                                    2 if args.bf16 else 4)
+                                    2 if args.bf16 else 4, k)
     return max(1, min(rows, int(0.9 * free_memory_bytes(device) // per_row)))
+
+
+def chunks_by_prompt_length(query_mask: torch.Tensor, prompts_per_chunk: int) -> list[torch.Tensor]:
+    """The B prompt indices in chunks of prompts_per_chunk, sorted by prompt length, so that each chunk pads to
+    its own longest prompt, not the batch's."""
+    order = torch.argsort(query_mask.sum(1), stable=True)  # (B,)
+    return list(order.split(max(1, prompts_per_chunk)))
+
+
+def in_chunks(c: Completions, completions_per_chunk: int, compute: Callable, width: Optional[int] = None):
+    """compute(chunk) for length-sorted chunks of whole prompt groups (about completions_per_chunk completions
+    each), put back in c's (k*B,) row order: (k*B,) results, or (k*B, width) padded with zeros when each chunk's
+    (k*g, w) results are cut to its own response width w <= width."""
+    out = None
+    for prompts in chunks_by_prompt_length(c.query_mask, completions_per_chunk // c.k):
+        values = compute(c.of_prompts(prompts))  # (k*g,) or (k*g, w)
+        if out is None:
+            out = values.new_zeros((c.responses.shape[0],) + ((width,) if width is not None else ()))
+        rows = completion_rows(prompts, c.queries.shape[0], c.k)
+        if width is None:
+            out[rows] = values
+        else:
+            out[rows, : values.shape[1]] = values
+    return out
 
 
 @torch.no_grad()
 def sample_in_chunks(
-    policy, queries: torch.Tensor, query_mask: torch.Tensor, args: Args, stop_token_id: Optional[int],
+    policy, queries: torch.Tensor, query_mask: torch.Tensor, k: int, args: Args, stop_token_id: Optional[int],
     pad_token_id: int, generator: torch.Generator, autocast, decoder: Optional[StaticDecoder] = None,
 ) -> Completions:
-    """Completions of the (N, Tq) queries, local_rollout_forward_batch_size rows at a time (the KV cache of a
-    chunk is what must fit), drawing from `generator` chunk after chunk."""
-    chunk = rows_per_forward(args, policy, "generation", queries.device, queries.shape[0])
+    """k completions of each of the B (B, Tq) queries, (k, B) layout; local_rollout_forward_batch_size completions
+    (whole prompt groups, length-sorted) at a time: the KV cache of a chunk is what must fit. Chunks draw from
+    `generator` one after the other."""
+    chunk = rows_per_forward(args, policy, "generation", queries.device, k * queries.shape[0], k)
+    responses = torch.full((k * queries.shape[0], args.response_length), pad_token_id, device=queries.device)
     with autocast():
-        return cat_completions([
-            sample_completions(policy, queries[i : i + chunk], query_mask[i : i + chunk], args.response_length,
-                               args.temperature, stop_token_id, pad_token_id, generator, decoder)  # (c, Tq + Tr)
-            for i in range(0, queries.shape[0], chunk)])
+        for prompts in chunks_by_prompt_length(query_mask, chunk // k):
+            width = int(query_mask[prompts].sum(1).max())  # this chunk's longest prompt
+            responses[completion_rows(prompts, queries.shape[0], k)] = generate(
+                policy, queries[prompts, -width:], query_mask[prompts, -width:], args.response_length,
+                args.temperature, stop_token_id, pad_token_id, generator, decoder, k)  # (k*g, Tr)
+    responses, response_mask = truncate_after_stop(responses, stop_token_id, pad_token_id)  # (k*B, Tr) each
+    return Completions(queries, query_mask, responses, response_mask)
 
 
 class LocalRollouts:
@@ -906,14 +1105,14 @@ class LocalRollouts:
             if args.compile_generation else None
 
     def submit(self, queries: torch.Tensor, query_mask: torch.Tensor) -> None:
-        """Ask for one completion of each (k*B, Tq) query."""
+        """Ask for rloo_k completions of each of the (B, Tq) queries."""
         self.queued.append((queries, query_mask))
 
     def take(self) -> tuple[Completions, dict[str, float]]:
         """The completions of the oldest submitted queries, and metrics about how they were made."""
         queries, query_mask = self.queued.pop(0)
-        return sample_in_chunks(self.policy, queries, query_mask, self.args, self.stop_token_id, self.pad_token_id,
-                                self.generator, self.autocast, self.decoder), {}
+        return sample_in_chunks(self.policy, queries, query_mask, self.args.rloo_k, self.args, self.stop_token_id,
+                                self.pad_token_id, self.generator, self.autocast, self.decoder), {}
 
     @contextlib.contextmanager
     def behaviour_policy(self, policy):
@@ -933,29 +1132,42 @@ class RolloutSourceError(Exception):
     """The completions of an update cannot be had (an engine died): the run checkpoints and stops."""
 
 
+def skips_logprob_pass(args: Args, sizes: BatchSizes, lookahead: int) -> bool:
+    """On-policy (one epoch, one minibatch, sampled by the weights being trained), the log-probs of the sampling
+    policy are exactly the training forward's own, detached: the update computes them itself, a micro-batch of
+    whole prompt groups at a time (the leave-one-out baseline needs its group), instead of a separate pass. Not
+    with advantages whitened over the whole batch: they need every completion's log-probs before the first step."""
+    return (args.num_ppo_epochs == 1 and args.num_mini_batches == 1 and lookahead == 0
+            and sizes.micro % args.rloo_k == 0 and not args.normalize_advantage)
+
+
 @torch.no_grad()
 def collect_rollout(
-    policy, ref_policy, completions: Completions, args: Args, autocast, timer: PhaseTimer,
+    policy, ref_policy, completions: Completions, args: Args, share_prompt: bool, with_logprobs: bool, autocast,
+    timer: PhaseTimer,
 ) -> Rollout:
-    """The log-probs of sampled (k*B, Tq + Tr) completions under the policy that sampled them, then under the
-    reference: one phase after the other, each in chunks of local_rollout_forward_batch_size completions."""
+    """The log-probs of sampled completions under the policy that sampled them (unless the update computes them:
+    with_logprobs False), then under the reference: one phase after the other, each in length-sorted chunks of
+    about local_rollout_forward_batch_size completions (whole prompt groups)."""
     c = completions
 
     def logprobs_of(model) -> torch.Tensor:
-        chunk = rows_per_forward(args, model, "logprobs", c.query_responses.device, c.query_responses.shape[0])
-        return torch.cat([forward_logprobs(model, c.query_responses[i : i + chunk], c.attention_mask[i : i + chunk],
-                                           c.context_length, args.temperature)[0]  # (c, Tr)
-                          for i in range(0, c.query_responses.shape[0], chunk)]) * c.response_mask  # 0 on padding
+        chunk = rows_per_forward(args, model, "logprobs", c.responses.device, c.responses.shape[0], c.k)
+        logprobs = in_chunks(c, chunk, lambda part: forward_logprobs(model, part, args.temperature, share_prompt)[0],
+                             width=c.responses.shape[1])  # (k*B, Tr)
+        return logprobs * c.response_mask  # 0 on padding
 
     # recomputed with the training forward pass, not taken from sampling: the sequence-level ratio is the exp of
     # a sum, so small sampling-vs-training mismatches would blow up (bf16, fused kernels)
-    with timer("policy_forward"), autocast():
-        logprobs = logprobs_of(policy)  # (k*B, Tr)
+    logprobs = None
+    if with_logprobs:
+        with timer("policy_forward"), autocast():
+            logprobs = logprobs_of(policy)  # (k*B, Tr)
     ref_logprobs = None
     if ref_policy is not None:
-        with timer("reference_forward"), visiting(ref_policy, c.query_responses.device), autocast():
+        with timer("reference_forward"), visiting(ref_policy, c.responses.device), autocast():
             ref_logprobs = logprobs_of(ref_policy)  # (k*B, Tr)
-    return Rollout(c.query_responses, c.attention_mask, c.response_mask, c.context_length, logprobs, ref_logprobs)
+    return Rollout(c.queries, c.query_mask, c.responses, c.response_mask, logprobs, ref_logprobs)
 
 
 # ===================================================================== rewards
@@ -966,7 +1178,7 @@ def last_true_index(mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reward_model_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """(N,) reward of each (N, T) sequence, read at its last real token, whatever the padding side."""
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(
@@ -975,6 +1187,22 @@ def reward_model_scores(model, input_ids: torch.Tensor, attention_mask: torch.Te
     ).last_hidden_state  # (N, T, H)
     last = last_true_index(attention_mask)  # (N,)
     return model.score(hidden[torch.arange(hidden.shape[0], device=hidden.device), last]).squeeze(-1).float()
+
+
+@torch.no_grad()
+def reward_model_scores(model, c: Completions, share_prompt: bool) -> torch.Tensor:
+    """(k*g,) reward of each completion, read at its last real token (the stop token when it has one). Shared: one
+    forward row per prompt group (grouped_inputs); else one per completion."""
+    if not share_prompt:
+        inputs = unshared_inputs(c)
+        return sequence_rewards(model, inputs["input_ids"], inputs["attention_mask"])
+    (g, prompt_width), k, response_width = c.queries.shape, c.k, c.responses.shape[1]
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(**grouped_model_inputs(model, c), use_cache=False).last_hidden_state  # (g, Tq + k*Tr, H)
+    group = torch.arange(g, device=hidden.device).repeat(k)  # (k*g,) the (k, g) layout
+    sample = torch.arange(k, device=hidden.device).repeat_interleave(g)  # (k*g,)
+    last = prompt_width + sample * response_width + c.response_mask.sum(1) - 1  # (k*g,) in its group's row
+    return model.score(hidden[group, last]).squeeze(-1).float()
 
 
 def retokenize(texts: list[str], ended: list[bool], tokenizer, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1029,6 +1257,7 @@ class RewardSources:
     model_tokenizer: Optional[object]  # None when the policy's token ids can be fed as they are
     functions: list[tuple[str, Callable]]
     weights: torch.Tensor  # (S,)
+    share_prompt: bool = False  # the reward model reads a prompt group as one row (grouped_inputs)
 
     @property
     def names(self) -> list[str]:
@@ -1039,30 +1268,30 @@ def score_completions(
     sources: RewardSources, completions: Completions, prompts: list, columns: dict[str, list], tokenizer,
     stop_token_id: Optional[int], chunk_size: int, autocast,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """(N,) combined score of each completion, and each source's mean. prompts and columns hold the B rows
-    the completions came from; completion row j*B + i belongs to prompt i (B = N for evaluation)."""
-    n, device = completions.responses.shape[0], completions.responses.device
-    completion_ids = [r[m].tolist() for r, m in zip(completions.responses, completions.response_mask)]
-    ended = completions.ended(stop_token_id).tolist()
+    """(k*B,) combined score of each completion, and each source's mean. prompts and columns hold the B rows the
+    completions came from; completion row j*B + i belongs to prompt i."""
+    c, n, device = completions, completions.responses.shape[0], completions.responses.device
+    completion_ids = [r[m].tolist() for r, m in zip(c.responses, c.response_mask)]
+    ended = c.ended(stop_token_id).tolist()
     without_stop = [ids[:-1] if e else ids for ids, e in zip(completion_ids, ended)]
     texts = tokenizer.batch_decode(without_stop, skip_special_tokens=True)
     repeat = lambda xs: [xs[i % len(xs)] for i in range(n)]  # noqa: E731  (B,) -> (k*B,) in the (k, B) layout
     values, applies = [], []
-    if sources.model is not None:
+    if sources.model is not None and sources.model_tokenizer is None:  # the policy's token ids, as they are
+        with autocast():
+            values.append(in_chunks(c, chunk_size, lambda part: reward_model_scores(
+                sources.model, part, sources.share_prompt)).cpu())  # (k*B,)
+        applies.append(torch.ones(n, dtype=torch.bool))
+    elif sources.model is not None:  # decode query and completion together: the text between them is the tokenizer's
+        query_ids = [q[m].tolist() for q, m in zip(c.queries, c.query_mask)]  # (B,) lists
+        full_texts = tokenizer.batch_decode([query_ids[row % len(query_ids)] + ids for row, ids in
+                                             enumerate(without_stop)], skip_special_tokens=True)
         scores = []
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
-            if sources.model_tokenizer is None:
-                ids, mask = completions.query_responses[rows], completions.attention_mask[rows]
-            else:  # decode query and completion together: the text between them is the tokenizer's to write
-                queries = completions.query_responses[rows, : completions.context_length]
-                query_masks = completions.attention_mask[rows, : completions.context_length]
-                full_texts = tokenizer.batch_decode(
-                    [q[m].tolist() + c for q, m, c in zip(queries, query_masks, without_stop[rows])],
-                    skip_special_tokens=True)
-                ids, mask = retokenize(full_texts, ended[rows], sources.model_tokenizer, device)
+            ids, mask = retokenize(full_texts[rows], ended[rows], sources.model_tokenizer, device)
             with autocast():
-                scores.append(reward_model_scores(sources.model, ids, mask))
+                scores.append(sequence_rewards(sources.model, ids, mask))
         values.append(torch.cat(scores).cpu())
         applies.append(torch.ones(n, dtype=torch.bool))
     for name, fn in sources.functions:
@@ -1168,47 +1397,96 @@ def policy_loss(
 
 
 # ===================================================================== update
+def kl_to_reference(rollout: Rollout) -> torch.Tensor:
+    """(k*B, Tr) per-token log-ratio of the sampling policy to the reference (0 without a reference, and on padding)."""
+    if rollout.ref_logprobs is None:
+        return torch.zeros_like(rollout.logprobs)
+    return rollout.logprobs - rollout.ref_logprobs
+
+
+def advantages_of(rollout: Rollout, scores: torch.Tensor, args: Args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Leave-one-out advantages of the rollout's completions ((k*B,), or (k*B, Tr) with token_level_kl) from their
+    scores (k*B,) and KL to the reference; and rlhf_reward and non_score_reward, (k*B,) each. Any subset of whole
+    prompt groups in the (k, g) layout works alike (the baseline reads only a completion's own group)."""
+    advantages, rlhf_reward, non_score_reward = rloo_advantages(
+        scores, kl_to_reference(rollout), rollout.response_mask, args.kl_coef, rollout.k, args.token_level_kl)
+    if args.normalize_advantage:
+        advantages = whiten(advantages, None if advantages.dim() == 1 else rollout.response_mask)
+    return advantages, rlhf_reward, non_score_reward
+
+
+def minibatch_plan(rollout: Rollout, sizes: BatchSizes, k: int) -> list[list[torch.Tensor]]:
+    """One PPO epoch: shuffled minibatches, each a list of micro-batches, each the rows (indices into k*B) it
+    trains on. When a micro-batch holds whole prompt groups (micro a multiple of k), the groups are shuffled, and
+    each minibatch's groups sorted by prompt length before they are cut into micro-batches: each then pads to its
+    own longest prompt, and a minibatch's gradient, a sum over its micro-batches, is the same in any order. Else
+    single completions are shuffled."""
+    num_prompts = rollout.queries.shape[0]
+    if sizes.micro % k:
+        order = torch.randperm(k * num_prompts, device=rollout.responses.device)  # (k*B,) completions
+        return [list(minibatch.split(sizes.micro)) for minibatch in order.split(sizes.mini)]
+    order = torch.randperm(num_prompts, device=rollout.responses.device)  # (B,) prompt groups
+    plan = []
+    for minibatch in order.split(sizes.mini // k):
+        minibatch = minibatch[torch.argsort(rollout.query_mask[minibatch].sum(1), stable=True)]
+        plan.append([completion_rows(groups, num_prompts, k) for groups in minibatch.split(sizes.micro // k)])
+    return plan
+
+
+def micro_batch(rollout: Rollout, rows: torch.Tensor, k: int) -> Rollout:
+    """The rollout of a micro-batch's rows: whole prompt groups (rows from minibatch_plan) keep one prompt per
+    group; other rows get a prompt each."""
+    num_prompts = rollout.queries.shape[0]
+    if len(rows) % k == 0 and torch.equal(rows, completion_rows(rows[: len(rows) // k], num_prompts, k)):
+        return rollout.of_prompts(rows[: len(rows) // k])
+    return rollout.one_per_row(rows)
+
+
 def ppo_update(
-    model, optimizer: torch.optim.Optimizer, rollout: Rollout, advantages: torch.Tensor, args: Args,
-    sizes: BatchSizes, autocast,
+    model, optimizer: torch.optim.Optimizer, rollout: Rollout, scores: torch.Tensor,
+    advantages: Optional[torch.Tensor], args: Args, sizes: BatchSizes, share_prompt: bool, autocast,
 ) -> dict[str, float]:
     """num_ppo_epochs x shuffled minibatches (one optimizer step each) x micro-batches (gradient accumulation;
-    DDP syncs gradients on the last micro-step only). Returns the stats averaged over all micro-steps."""
+    DDP syncs gradients on the last micro-step only), as planned by minibatch_plan. With advantages None (on-policy,
+    skips_logprob_pass), each micro-batch's forward is the sampling policy's: its log-probs, detached, are the
+    ratio's denominator (ratio 1) and give the KL and the advantages of its prompt groups; they are written into
+    rollout.logprobs. Returns the stats averaged over all micro-steps."""
     stats: dict[str, list[torch.Tensor]] = {}
     ratios, grad_norms = [], []
-    device = advantages.device
+    device, k = scores.device, rollout.k
     max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+    if advantages is None:
+        rollout.logprobs = torch.zeros(rollout.responses.shape, device=device)  # (k*B, Tr), filled below
     for _ in range(args.num_ppo_epochs):
-        order = torch.randperm(sizes.local, device=device)  # (N,)
-        for mini_start in range(0, sizes.local, sizes.mini):
-            mini = order[mini_start : mini_start + sizes.mini]  # (mini,)
-            for micro_step, micro_start in enumerate(range(0, sizes.mini, sizes.micro)):
-                idx = mini[micro_start : micro_start + sizes.micro]  # (micro,)
-                last_micro_step = micro_step == args.gradient_accumulation_steps - 1
-                with gradient_sync(model, enabled=last_micro_step), autocast():
-                    new_logprobs, entropy = forward_logprobs(
-                        model, rollout.query_responses[idx], rollout.attention_mask[idx], rollout.context_length,
-                        args.temperature, with_entropy=True,
-                    )  # (micro, Tr) each
-                    mask = rollout.response_mask[idx]  # (micro, Tr)
-                    loss, step_stats = policy_loss(
-                        new_logprobs, rollout.logprobs[idx], advantages[idx], mask, args.cliprange
-                    )
-                    (loss / args.gradient_accumulation_steps).backward()
-                step_stats.update(loss=loss.detach(), entropy=masked_mean(entropy, mask))
+        for minibatch in minibatch_plan(rollout, sizes, k):
+            for micro_step, rows in enumerate(minibatch):
+                batch = micro_batch(rollout, rows, k)  # (n, Tq') prompts, (n', Tr') responses, n' = len(rows)
+                width = batch.responses.shape[1]  # this micro-batch's longest response
+                with gradient_sync(model, enabled=micro_step == len(minibatch) - 1), autocast():
+                    new_logprobs, entropy = forward_logprobs(model, batch, args.temperature, share_prompt,
+                                                             with_entropy=True)  # (n', Tr') each
+                    if advantages is None:
+                        batch.logprobs = new_logprobs.detach() * batch.response_mask
+                        rollout.logprobs[rows, :width] = batch.logprobs
+                        batch_advantages = advantages_of(batch, scores[rows], args)[0]
+                    else:
+                        batch_advantages = advantages[rows] if advantages.dim() == 1 else advantages[rows, :width]
+                    loss, step_stats = policy_loss(new_logprobs, batch.logprobs, batch_advantages,
+                                                   batch.response_mask, args.cliprange)
+                    (loss / len(minibatch)).backward()
+                step_stats.update(loss=loss.detach(), entropy=masked_mean(entropy, batch.response_mask))
                 for key, value in step_stats.items():
                     stats.setdefault(key, []).append(value)
-                ratios.append(torch.exp(sequence_log_ratio(new_logprobs.detach(), rollout.logprobs[idx], mask)))
+                ratios.append(torch.exp(sequence_log_ratio(new_logprobs.detach(), batch.logprobs, batch.response_mask)))
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            if isinstance(grad_norm, DTensor):  # FSDP: the norm over every rank's shards
+            if is_fsdp_unit(model):  # a DTensor: the norm over every rank's shards
                 grad_norm = grad_norm.full_tensor()
             # never step on a non-finite gradient; every rank agrees before any of them steps
-            check_finite({"loss": torch.stack(stats["loss"][-args.gradient_accumulation_steps:]),
-                          "gradient norm": grad_norm}, device)
+            check_finite({"loss": torch.stack(stats["loss"][-len(minibatch):]), "gradient norm": grad_norm}, device)
             grad_norms.append(grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    ratios = torch.cat(ratios)  # (num_ppo_epochs * N,) sequence-level ratios, whatever the loss's level
+    ratios = torch.cat(ratios)  # (num_ppo_epochs * k*B,) sequence-level ratios, whatever the loss's level
     out = {key: torch.stack(values).mean().item() for key, values in stats.items()}
     out["ratio"] = ratios.mean().item()
     out["ratio_var"] = ratios.var().item() if ratios.numel() > 1 else 0.0
@@ -1368,18 +1646,18 @@ def check_finite(named: dict[str, Optional[torch.Tensor]], device: torch.device)
             raise NonFiniteError(name, ranks.nonzero().flatten().tolist())
 
 
-def dump_batch(path: Path, tokenizer, completions: Completions, scores: torch.Tensor, advantages: torch.Tensor) -> None:
-    """One JSON line per completion of the offending batch: prompt, completion, score, advantage, log-prob sum."""
+def dump_batch(path: Path, tokenizer, rollout: Rollout, scores: torch.Tensor, advantages: Optional[torch.Tensor]) -> None:
+    """One JSON line per completion of the offending batch: prompt, completion, score, advantage and log-prob sum
+    (null where the update had not computed them yet)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    queries = completions.query_responses[:, : completions.context_length]
-    query_masks = completions.attention_mask[:, : completions.context_length]
+    num_prompts = rollout.queries.shape[0]
     with open(path, "w") as f:
         for i in range(len(scores)):
-            response = completions.responses[i][completions.response_mask[i]]
+            prompt = rollout.queries[i % num_prompts][rollout.query_mask[i % num_prompts]]
             f.write(json.dumps({
-                "prompt": tokenizer.decode(queries[i][query_masks[i]]), "completion": tokenizer.decode(response),
-                "score": scores[i].item(), "advantage": advantages[i].sum().item(),
-                "logprob_sum": completions.logprobs[i].sum().item() if isinstance(completions, Rollout) else None,
+                "prompt": tokenizer.decode(prompt), "completion": tokenizer.decode(rollout.responses[i][rollout.response_mask[i]]),
+                "score": scores[i].item(), "advantage": None if advantages is None else advantages[i].sum().item(),
+                "logprob_sum": None if rollout.logprobs is None else rollout.logprobs[i].sum().item(),
             }) + "\n")
 
 
@@ -1426,7 +1704,9 @@ def save_policy(policy, tokenizer, path: Path, rank: int) -> None:
     """The policy in HF format and its tokenizer at `path`, written by rank 0. With FSDP a collective: every rank
     sends its shards to rank 0's CPU first."""
     state = None
-    if isinstance(policy, FSDPModule):
+    if is_fsdp_unit(policy):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         policy.save_pretrained(path, state_dict=state)
@@ -1444,7 +1724,10 @@ OPTIMIZER_SHARDS = "optimizer"  # a checkpoint's directory of sharded optimizer 
 def save_optimizer_state(model, optimizer, directory: Path, trainer_state: dict) -> None:
     """With FSDP every rank writes its own shard of the optimizer state under directory/optimizer (a collective,
     torch.distributed.checkpoint: no rank ever holds the whole); otherwise it goes into trainer_state."""
-    if isinstance(model, FSDPModule):
+    if is_fsdp_unit(model):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
         dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(directory / OPTIMIZER_SHARDS))
         trainer_state["optimizer"] = OPTIMIZER_SHARDS
     else:
@@ -1452,7 +1735,10 @@ def save_optimizer_state(model, optimizer, directory: Path, trainer_state: dict)
 
 
 def load_optimizer_state(model, optimizer, checkpoint: Path, trainer_state: dict) -> None:
-    if isinstance(model, FSDPModule):  # each rank reads its own shard
+    if is_fsdp_unit(model):  # each rank reads its own shard
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
         state = get_optimizer_state_dict(model, optimizer)  # the layout to fill, with the state allocated
         dcp.load(state, checkpoint_id=str(checkpoint / OPTIMIZER_SHARDS))
         set_optimizer_state_dict(model, optimizer, optim_state_dict=state)
@@ -1655,6 +1941,9 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     total_episodes = args.total_episodes or int(args.num_train_epochs * len(dataset))
     num_updates = math.ceil(total_episodes / sizes.world)
     columns_to_pass = [c for c in dataset.column_names if c not in (PROMPT_IDS, args.prompt_column)]
+    # each prompt computed once for its k completions, in every phase, where the model can take it (exact)
+    share_prompt = args.share_prompt and takes_grouped_inputs(policy)
+    sources.share_prompt = args.share_prompt and sources.model is not None and takes_grouped_inputs(sources.model)
 
     # ---- FSDP or DDP, optimizer; from here on each rank samples differently
     if args.fsdp:
@@ -1674,7 +1963,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         sampler.load_state_dict(resumed["sampler"])
         set_rng_state(torch.load(checkpoint / f"rng_rank{dist_info.rank}.pt", weights_only=False), sampling_rng)
         start_update, elapsed = resumed["update"], resumed["elapsed"]
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     logger = RunLogger(args, run_name, num_updates, start_update, resumed and resumed["wandb_run_id"]) \
         if dist_info.master else None
     if logger is not None:
@@ -1690,6 +1979,9 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0
     eval_every = max(1, num_updates // args.num_evals) if args.num_evals > 0 else num_updates
     rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, sampling_rng, autocast)
+    logprobs_from_update = skips_logprob_pass(args, sizes, rollouts.lookahead)  # no separate policy_forward phase
+    timer = PhaseTimer(device)
+    timer.count_tokens_of(policy, ref_policy, sources.model)
     stop_signal, stopped = StopSignal(), False
     start_time = time.time() - elapsed
     submitted = []  # (prompt rows, queries, query mask, sampler state before drawing them) per batch asked for
@@ -1700,7 +1992,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         sampler_state = sampler.state_dict()
         rows = dataset[sampler.next_indices()]
         queries, query_mask = pad_sequences(rows[PROMPT_IDS], tokenizer.pad_token_id, device)  # (B, Tq) each
-        rollouts.submit(queries.repeat(args.rloo_k, 1), query_mask.repeat(args.rloo_k, 1))  # (k*B, Tq) each
+        rollouts.submit(queries, query_mask)  # k completions each, returned in the (k, B) layout
         submitted.append((rows, queries, query_mask, sampler_state))
 
     def save_state(update: int) -> Path:
@@ -1716,7 +2008,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
 
     try:
         for update in range(start_update + 1, num_updates + 1):
-            timer, update_start = PhaseTimer(device), time.perf_counter()
+            timer.start_update()
+            update_start = time.perf_counter()
             lr = learning_rate_at(update, num_updates, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -1734,7 +2027,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                     raise RolloutSourceError(f"{e}; checkpoint of update {update - 1} saved to {path}") from None
                 rows, queries, query_mask, _ = submitted.pop(0)
                 with rollouts.behaviour_policy(policy) as behaviour:
-                    rollout = collect_rollout(behaviour, ref_policy, completions, args, autocast, timer)
+                    rollout = collect_rollout(behaviour, ref_policy, completions, args, share_prompt,
+                                              not logprobs_from_update, autocast, timer)  # (k*B, Tr) log-probs
             has_stop = rollout.ended(stop_token_id)  # (k*B,)
 
             # ---- 4. scores
@@ -1743,18 +2037,17 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                     raw_scores, source_means = score_completions(
                         sources, rollout, prompt_values(rows, args.prompt_column, tokenizer),
                         {c: rows[c] for c in columns_to_pass}, tokenizer, stop_token_id,
-                        rows_per_forward(args, sources.model, "scoring", device, len(completions.responses)),
-                        autocast)  # (k*B,)
+                        rows_per_forward(args, sources.model, "scoring", device, len(completions.responses),
+                                         args.rloo_k), autocast)  # (k*B,)
                 scores = apply_missing_eos_penalty(raw_scores, has_stop, args.missing_eos_penalty)  # (k*B,)
                 if args.normalize_reward:
                     scores = whiten(scores).clamp(-args.reward_clip_range, args.reward_clip_range)
 
-            # ---- 5. KL-penalized rewards, leave-one-out advantages
-            kl = rollout.logprobs - rollout.ref_logprobs if ref_policy is not None else torch.zeros_like(rollout.logprobs)
-            advantages, rlhf_reward, non_score_reward = rloo_advantages(
-                scores, kl, rollout.response_mask, args.kl_coef, args.rloo_k, args.token_level_kl)  # (k*B,) or (k*B, Tr)
-            if args.normalize_advantage:
-                advantages = whiten(advantages, None if advantages.dim() == 1 else rollout.response_mask)
+            # ---- 5. KL-penalized rewards, leave-one-out advantages (k*B,) or (k*B, Tr); on-policy, the update
+            # computes them from its own forward (skips_logprob_pass)
+            advantages = rlhf_reward = non_score_reward = None
+            if not logprobs_from_update:
+                advantages, rlhf_reward, non_score_reward = advantages_of(rollout, scores, args)
 
             # ---- 6. PPO epochs of the clipped surrogate; a NaN/inf anywhere stops all ranks before any step on it
             policy.train()  # dropout is off; train mode only switches gradient checkpointing on
@@ -1762,7 +2055,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                 check_finite({"reward": raw_scores, "log-prob": rollout.logprobs,
                               "reference log-prob": rollout.ref_logprobs}, device)
                 with timer("training"):
-                    train_stats = ppo_update(model, optimizer, rollout, advantages, args, sizes, autocast)
+                    train_stats = ppo_update(model, optimizer, rollout, scores, advantages, args, sizes, share_prompt,
+                                             autocast)
                 rollout_metrics.update(rollouts.policy_updated(update, policy))
             except NonFiniteError as e:
                 if dist_info.rank in e.ranks:
@@ -1772,6 +2066,9 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
 
             # ---- logging
             episode = update * sizes.world
+            if logprobs_from_update:  # the update's forward filled the log-probs in: the rewards it trained on
+                advantages, rlhf_reward, non_score_reward = advantages_of(rollout, scores, args)
+            kl = kl_to_reference(rollout)  # (k*B, Tr)
             metrics = {
                 "objective/kl": (kl * rollout.response_mask).sum(1).mean().item(),
                 "objective/entropy": (-rollout.logprobs * rollout.response_mask).sum(1).mean().item(),
@@ -1790,6 +2087,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                 **source_means,
                 **rollout_metrics,
                 **timer.metrics(),
+                "work/minimum_tokens": minimum_forward_tokens(rollout, sum(
+                    args.num_ppo_epochs if phase == "training" else 1 for phase in timer.tokens)),
                 "time/update": time.perf_counter() - update_start,  # the whole update but evaluation and saving
             }
             metrics = reduce_metrics(metrics, device)
@@ -1838,6 +2137,83 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         dist.destroy_process_group()
 
 
+# TRL >= 0.22's names for flags of the same meaning (README, "Flags": both TRL generations' names side by side)
+TRL_NAMES = {"num_generations": "rloo_k", "beta": "kl_coef", "epsilon": "cliprange", "num_iterations": "num_ppo_epochs",
+             "max_completion_length": "response_length", "normalize_advantages": "normalize_advantage"}
+
+
+def with_trl_names_translated(argv: list[str], defaults) -> list[str]:
+    """argv with TRL >= 0.22's flag names written as this script's, and --steps_per_generation S (micro-batches per
+    rank and generation) as --num_mini_batches S / gradient_accumulation_steps. A flag given under both of its names
+    with different values is refused, rather than settled by which comes last."""
+    watched = {*TRL_NAMES, *TRL_NAMES.values(), "steps_per_generation", "num_mini_batches", "gradient_accumulation_steps"}
+    out, given = [], {}  # given: this script's flag name -> {the name used: its value}
+    i = 0
+    while i < len(argv):
+        flag, equals, value = argv[i].partition("=")
+        negated = flag.startswith(("--no-", "--no_"))
+        name = (flag[5:] if negated else flag[2:]).replace("-", "_") if flag.startswith("--") else None
+        if name not in watched:
+            out.append(argv[i])
+            i += 1
+            continue
+        own = TRL_NAMES.get(name, name)
+        takes_next = not equals and not isinstance(getattr(defaults, own, None), bool)
+        if takes_next:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        elif not equals:
+            value = str(not negated)
+        given.setdefault("num_mini_batches" if name == "steps_per_generation" else own, {})[name] = value
+        tokens = argv[i : i + 1 + takes_next]
+        if name in TRL_NAMES:
+            tokens[0] = ("--no-" if negated else "--") + own + (f"={value}" if equals else "")
+        if name != "steps_per_generation":
+            out += tokens
+        i += 1 + takes_next
+    if "steps_per_generation" in given.get("num_mini_batches", {}):
+        steps = given["num_mini_batches"].pop("steps_per_generation")
+        accumulation = given.get("gradient_accumulation_steps", {}).get(
+            "gradient_accumulation_steps", str(defaults.gradient_accumulation_steps))
+        if not (steps.isdigit() and accumulation.isdigit() and int(steps) % int(accumulation) == 0):
+            raise ConfigError(f"--steps_per_generation {steps} (micro-batches per generation) is not a multiple of "
+                              f"gradient_accumulation_steps ({accumulation}); pass --num_mini_batches (optimizer steps "
+                              "per generation) instead")
+        converted = str(int(steps) // int(accumulation))
+        if given["num_mini_batches"].get("num_mini_batches", converted) != converted:
+            raise ConfigError(f"--steps_per_generation {steps} means --num_mini_batches {converted} with "
+                              f"gradient_accumulation_steps {accumulation}, but --num_mini_batches "
+                              f"{given['num_mini_batches']['num_mini_batches']} is given too: pass one of them")
+        out += ["--num_mini_batches", converted]
+    for spellings in given.values():
+        if len({as_number(value) for value in spellings.values()}) > 1:
+            both = " and ".join(f"--{name} {value}" for name, value in spellings.items())
+            raise ConfigError(f"{both} set the same flag to different values: pass one of them")
+    return out
+
+
+def as_number(text: str):
+    """A command-line value as a number where it is one, so that 0.1 and 0.10 compare equal."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def parse_args(cls=None, argv: Optional[list[str]] = None, prog: Optional[str] = None):
+    """The command line parsed into `cls` (default Args) by tyro, TRL >= 0.22's names accepted; a clash between the two
+    names of a flag is one line on stderr and exit status 2, as tyro's own errors are."""
+    import tyro
+
+    cls = cls or Args
+    prog = prog or Path(sys.argv[0]).name
+    try:
+        argv = with_trl_names_translated(list(sys.argv[1:] if argv is None else argv), cls())
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return tyro.cli(cls, args=argv, prog=prog)
+
+
 def run_script(main: Callable, args, program: str) -> None:
     """main(args), with a ConfigError (bad input) turned into one line on stderr and exit status 2. Shared by
     this project's scripts."""
@@ -1849,7 +2225,7 @@ def run_script(main: Callable, args, program: str) -> None:
 
 
 def cli() -> None:
-    args = tyro.cli(Args)
+    args = parse_args(Args, prog="rloo.py")
     try:
         run_script(main, args, "rloo.py")
     except NonFiniteError as e:

@@ -456,8 +456,8 @@ class HFEngine:
         generator = torch.Generator(self.device)
         generator.set_state(request["rng_state"])
         c = rloo.sample_in_chunks(
-            self.model, request["queries"].to(self.device), request["query_mask"].to(self.device), self.args,
-            request["stop_token_id"], request["pad_token_id"], generator,
+            self.model, request["queries"].to(self.device), request["query_mask"].to(self.device), request["k"],
+            self.args, request["stop_token_id"], request["pad_token_id"], generator,
             lambda: torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16), self.decoder)
         return {"responses": c.responses.cpu(), "rng_state": generator.get_state()}
 
@@ -539,7 +539,7 @@ class VLLMEngine:
 
         params = SamplingParams(n=1, detokenize=False, **vllm_sampling(self.args, request["stop_token_id"]))
         prompts = [TokensPrompt(prompt_token_ids=q[m].tolist())
-                   for q, m in zip(request["queries"], request["query_mask"].bool())]
+                   for q, m in zip(request["queries"], request["query_mask"].bool())] * request["k"]  # (k, b) layout
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return {"responses": padded_responses([list(o.outputs[0].token_ids) for o in outputs],
                                               self.args.response_length, request["pad_token_id"]),
@@ -761,11 +761,12 @@ def http_json(url: str, body: Optional[dict], timeout: float):
         raise EngineError(f"vLLM server {url} failed: {type(e).__name__}: {getattr(e, 'reason', e)}") from None
 
 
-def completions_body(model: str, queries: torch.Tensor, query_mask: torch.Tensor, args: Args,
+def completions_body(model: str, queries: torch.Tensor, query_mask: torch.Tensor, k: int, args: Args,
                      stop_token_id: Optional[int]) -> dict:
-    """A request to vLLM's OpenAI completions API for one completion of each (N, Tq) left-padded query, as token ids
+    """A request to vLLM's OpenAI completions API for k completions of each of the b (b, Tq) left-padded queries,
+    one prompt entry each in the (k, b) layout (the server's prefix cache computes a prompt once), as token ids
     (the prompts unpadded), answered with token ids."""
-    prompts = [q[m].tolist() for q, m in zip(queries, query_mask.bool())]
+    prompts = [q[m].tolist() for q, m in zip(queries, query_mask.bool())] * k
     return {"model": model, "prompt": prompts, "n": 1, "return_token_ids": True,
             **vllm_sampling(args, stop_token_id)}
 
@@ -848,7 +849,8 @@ class VLLMServers:
     def send(self, batch: int, parts: list[dict]) -> None:
         self.pending[batch] = [
             (self.requests.submit(http_json, f"{url}/v1/completions", completions_body(
-                self.model, part["queries"], part["query_mask"], self.args, part["stop_token_id"]), self.timeout),
+                self.model, part["queries"], part["query_mask"], part["k"], self.args, part["stop_token_id"]),
+                self.timeout),
              part["pad_token_id"]) for url, part in zip(self.mine, parts)]
 
     def receive(self, batch: int) -> list[dict]:
@@ -890,10 +892,10 @@ class VLLMServers:
         self.calls.shutdown(wait=False, cancel_futures=True)
 
 
-def split_by_prompt(rows: int, k: int, parts: int) -> list[torch.Tensor]:
-    """Row indices of each part of a (k*B,) batch laid out k-major (row j*B + b: sample j of prompt b). A part
-    holds all k samples of its share of the prompts, so an engine's prefix cache computes each prompt once."""
-    return [index.reshape(-1) for index in torch.arange(rows).view(k, rows // k).tensor_split(parts, dim=1)]
+def split_by_prompt(num_prompts: int, parts: int) -> list[torch.Tensor]:
+    """The prompt indices (into B) of each part of a batch: an engine samples all k completions of its share of the
+    prompts, so it computes each prompt once."""
+    return list(torch.arange(num_prompts).tensor_split(parts))
 
 
 class EngineRollouts:
@@ -905,7 +907,7 @@ class EngineRollouts:
     def __init__(self, policy, args: Args, stop_token_id: Optional[int], pad_token_id: int,
                  generator: torch.Generator, dist_info: rloo.Dist, engines):
         self.policy, self.args, self.stop_token_id, self.pad_token_id = policy, args, stop_token_id, pad_token_id
-        self.generator, self.queued = generator, []  # (queries, query mask, each part's rows) of batches in flight
+        self.generator, self.queued = generator, []  # (queries, query mask, each part's prompts) of batches in flight
         self.dist_info, self.engines = dist_info, engines
         # the engines this rank's batches are split over
         self.num_parts = len(engines_of_ranks(dist_info.world_size, engine_count(args))[dist_info.rank])
@@ -984,22 +986,23 @@ class EngineRollouts:
 
     # ---- the rollout source
     def submit(self, queries: torch.Tensor, query_mask: torch.Tensor) -> None:
-        rows = split_by_prompt(queries.shape[0], self.args.rloo_k, self.num_parts)  # [(k*B/parts,)] row indices
+        parts = split_by_prompt(queries.shape[0], self.num_parts)  # [(B/parts,)] prompt indices
         if self.num_parts == 1:  # one engine continues this rank's random stream, as rloo.py would draw it
             states = [self.generator.get_state()]
         else:  # several at once: each from a seed drawn from the stream
             states = [torch.Generator(self.generator.device).manual_seed(int(torch.randint(
-                2**62, (), generator=self.generator, device=self.generator.device))).get_state() for _ in rows]
+                2**62, (), generator=self.generator, device=self.generator.device))).get_state() for _ in parts]
         cpu_queries, cpu_query_mask = queries.cpu(), query_mask.cpu()
         self.engines.send(self.submitted, [{
-            "queries": cpu_queries[i], "query_mask": cpu_query_mask[i], "stop_token_id": self.stop_token_id,
-            "pad_token_id": self.pad_token_id, "rng_state": state} for i, state in zip(rows, states)])
+            "queries": cpu_queries[i], "query_mask": cpu_query_mask[i], "k": self.args.rloo_k,
+            "stop_token_id": self.stop_token_id, "pad_token_id": self.pad_token_id, "rng_state": state}
+            for i, state in zip(parts, states)])
         self.batch_versions.append(self.version)
         self.submitted += 1
-        self.queued.append((queries, query_mask, rows))
+        self.queued.append((queries, query_mask, parts))
 
     def take(self) -> tuple[rloo.Completions, dict[str, float]]:
-        queries, query_mask, rows = self.queued.pop(0)
+        queries, query_mask, parts = self.queued.pop(0)
         error = self.failure
         if error is None:
             try:
@@ -1012,13 +1015,13 @@ class EngineRollouts:
             raise error
         if self.num_parts == 1 and "rng_state" in results[0]:  # where the engine left this rank's random stream
             self.generator.set_state(results[0]["rng_state"])
-        responses = torch.empty(queries.shape[0], self.args.response_length, dtype=torch.long)  # (k*B, Tr)
-        for i, result in zip(rows, results):
-            responses[i] = result["responses"]
+        k, num_prompts = self.args.rloo_k, queries.shape[0]
+        responses = torch.empty(k * num_prompts, self.args.response_length, dtype=torch.long)  # (k*B, Tr)
+        for prompts, result in zip(parts, results):  # each part's (k*b, Tr) in its own (k, b) layout
+            responses[rloo.completion_rows(prompts, num_prompts, k)] = result["responses"]
         responses, response_mask = rloo.truncate_after_stop(responses.to(queries.device), self.stop_token_id,
                                                             self.pad_token_id)  # (k*B, Tr)
-        completions = rloo.Completions(torch.cat([queries, responses], 1), torch.cat([query_mask, response_mask], 1),
-                                       response_mask, queries.shape[1])
+        completions = rloo.Completions(queries, query_mask, responses, response_mask)
         self.sampled_by = self.batch_versions.pop(0)
         self.taken += 1
         for old in [v for v in self.snapshots if v < self.sampled_by]:  # no batch in flight was sampled by these
@@ -1145,7 +1148,7 @@ def cli() -> None:
         serve_args = tyro.cli(ServeArgs, args=sys.argv[2:], prog="rloo_multinode.py serve")
         rloo.run_script(serve, serve_args, "rloo_multinode.py serve")
         return
-    args = tyro.cli(Args)
+    args = rloo.parse_args(Args, prog="rloo_multinode.py")
     try:
         rloo.run_script(main, args, "rloo_multinode.py")
     except rloo.RolloutSourceError as e:  # every rank stops with the same error; rank 0 says it

@@ -77,19 +77,27 @@ def policy_true_score(model_path: str, prompts: list[str]) -> float:
     return mean_true_score(model, AutoTokenizer.from_pretrained(model_path), prompts, samples_per_prompt=4)
 
 
+def stage(text: str) -> None:
+    print(f"== {text}", flush=True)
+
+
 def main(args: Args) -> None:
     start = time.time()
     transformers_logging.disable_progress_bar()
     args.output_dir = str(Path(args.output_dir).resolve())  # rloo.py runs from the repo root
-    assets = ensure_assets(Path(args.cache_dir).resolve())
+    cache_dir = Path(args.cache_dir).resolve()
+    stage(f"the task: tokenizer, prompts, an SFT policy and a reward model (built once, ~40 s; cached in {cache_dir})")
+    assets = ensure_assets(cache_dir)
     metrics_path = Path(args.output_dir) / "metrics.jsonl"
     metrics_path.unlink(missing_ok=True)  # rloo.py appends
     command = rloo_command(args, assets)
+    stage(f"training with rloo.py: {args.total_episodes} completions, a line per update (metrics in {metrics_path})")
     print("$ " + shlex.join(command), flush=True)
     returncode = subprocess.run(command, cwd=REPO_ROOT).returncode
     if returncode != 0:
         sys.exit(f"demo: rloo.py failed with exit status {returncode}")
 
+    stage("scoring the SFT and the trained policy on the test prompts, plotting")
     scores = [row["objective/scores"] for row in read_metrics(metrics_path)]
     first, last = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
     png_path = Path(args.output_dir) / "curves.png"

@@ -37,6 +37,8 @@ OPTION_SETS = {  # name: (launched under a 1-process torchrun, rloo.py flags)
 
 @dataclass
 class Args(RunConfig):
+    rloo_k: int = 2
+    """completions per prompt"""
     options: tuple[str, ...] = tuple(OPTION_SETS)
     """option sets to run, from: baseline, gradient_checkpointing, bf16, compile_generation, fsdp, fsdp_offload"""
     repeats: int = 2
@@ -56,14 +58,14 @@ def main(args: Args) -> None:
     runs = {}
     for shape in args.shapes:
         assets = ensure_shape_assets(shape, (REPO_ROOT / args.cache_dir).resolve(), batch // args.rloo_k * args.updates,
-                                     args.prompt_length)
+                                     args)
         for repeat in range(args.repeats):
             for index, name in enumerate(args.options):
                 torchrun, flags = OPTION_SETS[name]
                 launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"] \
                     if torchrun else [sys.executable]
                 run_dir = fresh_run_dir(REPO_ROOT / args.runs_dir / f"options_{shape}_{index}_{repeat}")
-                _, rss = run_trainer(launcher + ["rloo.py"] + trainer_flags(args, assets, run_dir) + flags,
+                _, rss = run_trainer(launcher + ["rloo.py"] + trainer_flags(args, args.rloo_k, assets, run_dir) + flags,
                                      run_dir / "log.txt", "options_cost")
                 run = summarize_run(run_dir / "metrics.jsonl", args, rss)
                 runs.setdefault(f"{shape} {name}", []).append(run)

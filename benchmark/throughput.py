@@ -1,19 +1,26 @@
 """Throughput of rloo.py and TRL's RLOOTrainer side by side, on the identical configuration.
 
     make bench-env                                   # once: TRL 0.21 in benchmark/.venv-trl
-    python benchmark/throughput.py                   # CPU defaults: pythia-14m shape, 3 x (rloo.py, TRL)
-    python benchmark/throughput.py --shapes pythia-1b --prompt_length 512 --bf16 --per_device_train_batch_size 16
+    python benchmark/throughput.py                   # TL;DR-like lengths, pythia-70m shape, k = 2 and 4
+    python benchmark/throughput.py --lengths fixed --prompt_length 64 --shapes pythia-14m --rloo_ks 2 \
+        --num_ppo_epochs 2 --num_mini_batches 2 --mean_response_length None    # the short-prompt setting
+    python benchmark/throughput.py --shapes pythia-1b --bf16 --per_device_train_batch_size 16    # on a GPU
 
 For each model shape the script builds, from a config and with no download, a random-init policy, a random-init
-reward model of the same shape, a word-level tokenizer covering the vocabulary and prompts of exactly
-`prompt_length` random tokens. It then runs `rloo.py` and `benchmark/trl_rloo.py` (TRL, in its own environment)
-alternately, A B A B, with the same flags: same k, prompts per update, lengths, PPO epochs and minibatches. There is
-no stop token, so every completion has `response_length` tokens in both and the work per update is equal.
+reward model of the same shape, a word-level tokenizer covering the vocabulary, and prompts of random tokens:
+`--lengths tldr` draws each prompt's length like TL;DR's queries (normal, mean 350, standard deviation 60,
+clipped to 64..prompt_length; a stand-in for the real distribution: mean ~347, median ~352, max 512), `fixed`
+makes every prompt prompt_length tokens. With --mean_response_length M the policy's EOS is made likely enough
+(calibrate_stop_token) that responses end after about M tokens (TL;DR's reference summaries: mean ~34, max 53),
+and both trainers stop at it; without, every completion has response_length tokens and the work is equal. It then
+runs `rloo.py` and `benchmark/trl_rloo.py` (TRL, in its own environment) alternately, A B A B, with the same
+flags: same k, prompts per update, lengths, PPO epochs and minibatches.
 
 Per run, over the updates after the warm-up ones: episodes/s (completions per second of update), generated
-tokens/s, seconds per phase, and peak memory (the process's maximum RSS on CPU, the maximum allocated on CUDA).
-Then the ratio rloo.py / TRL of episodes/s over the A/B pairs, min / median / max. Written: a table on stdout,
-`<output_dir>/throughput_<device>.json` and `.md`.
+tokens/s, seconds per phase, the work (token positions fed through the models' forward passes per update, against
+the minimum: every prompt token once per pass, every response token once per completion), and peak memory (the
+process's maximum RSS on CPU, the maximum allocated on CUDA). Then the ratio rloo.py / TRL of episodes/s over the
+A/B pairs, min / median / max. Written: a table on stdout, `<output_dir>/throughput_<device>.json` and `.md`.
 """
 
 import json
@@ -27,6 +34,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal, Optional
 
 import torch
 import tyro
@@ -61,12 +69,16 @@ class RunConfig:
     """updates per run"""
     warmup_updates: int = 1
     """first updates of each run left out of the averages (allocator and kernel warm-up)"""
+    lengths: Literal["tldr", "fixed"] = "fixed"
+    """prompt lengths: tldr, drawn like TL;DR's queries (mean 350, sd 60, clipped to 64..prompt_length); fixed, all
+    prompt_length"""
     prompt_length: int = 64
-    """prompt tokens (TL;DR: 512)"""
+    """the longest prompt, in tokens (TL;DR: 512), and with --lengths fixed every prompt's length"""
     response_length: int = 53
-    """generated tokens per completion (TL;DR: 53)"""
-    rloo_k: int = 2
-    """completions per prompt"""
+    """the most tokens generated per completion (TL;DR: 53)"""
+    mean_response_length: Optional[float] = None
+    """responses end at EOS after about this many tokens (the policy's EOS calibrated to it); None: no stop token,
+    every completion response_length tokens (equal work in both trainers)"""
     per_device_train_batch_size: int = 8
     """completions per forward/backward pass"""
     gradient_accumulation_steps: int = 2
@@ -91,7 +103,25 @@ class RunConfig:
 
 @dataclass
 class Args(RunConfig):
-    repeats: int = 3
+    shapes: tuple[str, ...] = ("pythia-70m",)
+    """model shapes to measure, from: pythia-14m, -70m, -160m, -410m, -1b, -2.8b, -6.9b"""
+    lengths: Literal["tldr", "fixed"] = "tldr"
+    """prompt lengths: tldr, drawn like TL;DR's queries (mean 350, sd 60, clipped to 64..prompt_length); fixed, all
+    prompt_length"""
+    prompt_length: int = 512
+    """the longest prompt, in tokens (TL;DR: 512), and with --lengths fixed every prompt's length"""
+    mean_response_length: Optional[float] = 34.0
+    """responses end at EOS after about this many tokens (the policy's EOS calibrated to it); None: no stop token,
+    every completion response_length tokens (equal work in both trainers)"""
+    rloo_ks: tuple[int, ...] = (2, 4)
+    """completions per prompt: one comparison each, at the same completions per update"""
+    num_mini_batches: int = 1
+    """optimizer steps per PPO epoch"""
+    num_ppo_epochs: int = 1
+    """passes over each batch of completions (1 epoch, 1 minibatch: on-policy)"""
+    updates: int = 3
+    """updates per run"""
+    repeats: int = 2
     """A/B pairs per shape (rloo.py, then TRL, `repeats` times)"""
     compile_generation: bool = False
     """rloo.py only: --compile_generation (static KV cache, compiled decoding step; TRL 0.21 has no equivalent).
@@ -128,25 +158,69 @@ def pythia_config(shape: str, **overrides):
     )
 
 
-def ensure_shape_assets(shape: str, cache_dir: Path, num_prompts: int, prompt_length: int) -> dict[str, str]:
+TLDR_QUERY_MEAN, TLDR_QUERY_SD, SHORTEST_PROMPT = 350, 60, 64
+
+
+def prompt_lengths(lengths: str, num_prompts: int, longest: int, seed: int = 0) -> list[int]:
+    """Each prompt's length: TL;DR-like (normal, mean 350, sd 60, clipped to 64..longest) or all `longest`."""
+    if lengths == "fixed":
+        return [longest] * num_prompts
+    rng = random.Random(seed)
+    return [min(longest, max(SHORTEST_PROMPT, round(rng.gauss(TLDR_QUERY_MEAN, TLDR_QUERY_SD))))
+            for _ in range(num_prompts)]
+
+
+@torch.no_grad()
+def calibrate_stop_token(model, stop_id: int, temperature: float, mean_length: float, max_length: int) -> float:
+    """Make a random-init causal LM emit stop_id often enough that sampled responses end after about mean_length
+    tokens (at most max_length); it otherwise draws it with probability 1/V per token. Its output row becomes
+    alpha * u, u the mean direction of the final hidden states (on random text), alpha set by bisection so that the
+    mean per-token probability p gives that mean for a geometric length capped at max_length:
+    (1 - (1 - p)^max_length) / p = mean_length. Returns p."""
+    low, high = 1e-6, 1.0  # p for the mean length, by bisection (the mean falls as p rises)
+    for _ in range(60):
+        p = (low + high) / 2
+        low, high = (p, high) if (1 - (1 - p) ** max_length) / p > mean_length else (low, p)
+    ids = torch.randint(3, model.config.vocab_size, (8, 128), generator=torch.Generator().manual_seed(0))
+    hidden = model.base_model(input_ids=ids).last_hidden_state.flatten(0, 1)  # (N, H)
+    head = model.get_output_embeddings().weight  # (V, H)
+    others = torch.cat([head[:stop_id], head[stop_id + 1 :]])
+    log_rest = torch.logsumexp(hidden @ others.T / temperature, dim=-1)  # (N,)
+    u = hidden.mean(0) / hidden.mean(0).norm()
+    along = hidden @ u / temperature  # (N,)
+    low_alpha, high_alpha = 0.0, 1e4
+    for _ in range(100):
+        alpha = (low_alpha + high_alpha) / 2
+        stop_probability = torch.sigmoid(alpha * along - log_rest).mean().item()
+        low_alpha, high_alpha = (alpha, high_alpha) if stop_probability < p else (low_alpha, alpha)
+    head[stop_id] = alpha * u
+    return p
+
+
+def ensure_shape_assets(shape: str, cache_dir: Path, num_prompts: int, config: RunConfig) -> dict[str, str]:
     """Random-init policy and reward model of `shape`, their tokenizer, and `num_prompts` prompts (built once)."""
     from transformers import GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
 
     root = cache_dir / shape
-    paths = {"policy": root / "policy", "reward_model": root / "reward_model",
-             "prompts": root / f"prompts_{num_prompts}x{prompt_length}.jsonl"}
+    stops = f"_eos{config.mean_response_length:g}of{config.response_length}" if config.mean_response_length else ""
+    paths = {"policy": root / f"policy{stops}", "reward_model": root / "reward_model",
+             "prompts": root / f"prompts_{config.lengths}_{num_prompts}x{config.prompt_length}.jsonl"}
     tokenizer = None
     for name, model_class, seed, extra in (("policy", GPTNeoXForCausalLM, 0, {}),
                                            ("reward_model", GPTNeoXForSequenceClassification, 1, {"num_labels": 1})):
         if not (paths[name] / "config.json").exists():
             tokenizer = tokenizer or build_tokenizer(PYTHIA_VOCAB)
             torch.manual_seed(seed)
-            model_class(pythia_config(shape, **extra)).save_pretrained(paths[name])
+            model = model_class(pythia_config(shape, **extra))
+            if name == "policy" and config.mean_response_length:
+                calibrate_stop_token(model, tokenizer.eos_token_id, 0.7, config.mean_response_length,
+                                     config.response_length)
+            model.save_pretrained(paths[name])
             save_tokenizer(tokenizer, paths[name])
     if not paths["prompts"].exists():
         rng = random.Random(0)
-        rows = [{"prompt": " ".join(f"w{rng.randrange(3, PYTHIA_VOCAB)}" for _ in range(prompt_length))}
-                for _ in range(num_prompts)]
+        rows = [{"prompt": " ".join(f"w{rng.randrange(3, PYTHIA_VOCAB)}" for _ in range(length))}
+                for length in prompt_lengths(config.lengths, num_prompts, config.prompt_length)]
         paths["prompts"].write_text("".join(json.dumps(row) + "\n" for row in rows))
     return {name: str(path) for name, path in paths.items()}
 
@@ -154,13 +228,14 @@ def ensure_shape_assets(shape: str, cache_dir: Path, num_prompts: int, prompt_le
 # ---------------------------------------------------------------- runs
 
 
-def trainer_flags(args: RunConfig, assets: dict[str, str], output_dir: Path) -> list[str]:
+def trainer_flags(args: RunConfig, k: int, assets: dict[str, str], output_dir: Path) -> list[str]:
     """The flags both trainers get. `--max_grad_norm 0`: TRL 0.21 never clips gradients."""
     batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     flags = {
         "model_name_or_path": assets["policy"], "reward_model_path": assets["reward_model"],
         "dataset_name": assets["prompts"], "output_dir": str(output_dir), "seed": args.seed,
-        "rloo_k": args.rloo_k, "kl_coef": 0.05, "temperature": 0.7, "stop_token": "None",
+        "rloo_k": k, "kl_coef": 0.05, "temperature": 0.7,
+        "stop_token": "eos" if args.mean_response_length else "None",
         "response_length": args.response_length, "max_prompt_length": args.prompt_length,
         "per_device_train_batch_size": args.per_device_train_batch_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps, "num_mini_batches": args.num_mini_batches,
@@ -216,10 +291,14 @@ def summarize_run(metrics_path: Path, args: RunConfig, rss_gib: float) -> dict:
         "updates_measured": len(rows),
         "seconds_per_update": update_s,
         "episodes_per_s": batch / update_s,
-        "generated_tokens_per_s": batch * args.response_length / update_s,
+        "generated_tokens_per_s": batch * statistics.mean(row["completions/mean_length"] for row in rows) / update_s,
+        "mean_response_length": statistics.mean(row["completions/mean_length"] for row in rows),
         "peak_rss_gib": rss_gib,
         **{f"{phase}_s": statistics.mean(row.get(f"time/{phase}", 0.0) for row in rows) for phase in PHASES},
+        "forward_tokens": statistics.mean(row["work/forward_tokens"] for row in rows),
+        "minimum_tokens": statistics.mean(row["work/minimum_tokens"] for row in rows),
     }
+    out["work_x_minimum"] = out["forward_tokens"] / out["minimum_tokens"]
     peaks = [row["memory/peak_gib"] for row in rows if "memory/peak_gib" in row]
     if peaks:
         out["peak_allocated_gib"] = max(peaks)
@@ -251,19 +330,21 @@ def ratio_stats(ours: list[dict], trl: list[dict]) -> dict:
 
 
 def markdown_table(summary: dict) -> str:
-    lines = ["| shape | trainer | episodes/s | tokens/s | s/update | " + " | ".join(PHASES) + " | peak memory GiB |",
-             "|---" * (6 + len(PHASES)) + "|"]
-    for shape, result in summary.items():
+    lines = ["| configuration | trainer | episodes/s | generated tokens/s | s/update | " + " | ".join(PHASES)
+             + " | forward tokens / minimum | peak memory GiB |", "|---" * (7 + len(PHASES)) + "|"]
+    for configuration, result in summary.items():
         for name in TRAINERS:
             runs = result[name]
             med = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
             memory = med.get("peak_allocated_gib", med["peak_rss_gib"])
-            lines.append(f"| {shape} | {name} | {med['episodes_per_s']:.1f} | {med['generated_tokens_per_s']:.0f} | "
-                         f"{med['seconds_per_update']:.2f} | "
-                         + " | ".join(f"{med[f'{phase}_s']:.2f}" for phase in PHASES) + f" | {memory:.2f} |")
+            lines.append(f"| {configuration} | {name} | {med['episodes_per_s']:.2f} | "
+                         f"{med['generated_tokens_per_s']:.0f} | {med['seconds_per_update']:.2f} | "
+                         + " | ".join(f"{med[f'{phase}_s']:.2f}" for phase in PHASES)
+                         + f" | {med['forward_tokens']:,.0f} / {med['minimum_tokens']:,.0f} = "
+                         f"{med['work_x_minimum']:.2f}x | {memory:.2f} |")
         r = result["ratio"]
-        lines.append(f"| {shape} | **rloo.py / TRL** | **{r['median']:.2f}x** (min {r['min']:.2f}, max {r['max']:.2f}) |"
-                     + " |" * (3 + len(PHASES)))
+        lines.append(f"| {configuration} | **rloo.py / TRL** | **{r['median']:.2f}x** (min {r['min']:.2f}, max "
+                     f"{r['max']:.2f}) |" + " |" * (4 + len(PHASES)))
     return "\n".join(lines)
 
 
@@ -276,19 +357,21 @@ def main(args: Args) -> None:
     batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     start, summary = time.time(), {}
     for shape in args.shapes:
-        assets = ensure_shape_assets(shape, (REPO_ROOT / args.cache_dir).resolve(), batch // args.rloo_k * args.updates,
-                                     args.prompt_length)
-        results = {name: [] for name in TRAINERS}
-        for repeat in range(args.repeats):
-            for name, command in commands.items():
-                run_dir = fresh_run_dir(REPO_ROOT / args.runs_dir / f"{shape}_{name.replace('.', '_')}_{repeat}")
-                own = ["--compile_generation"] if args.compile_generation and name == "rloo.py" else []
-                _, rss = run_trainer(command + trainer_flags(args, assets, run_dir) + own, run_dir / "log.txt",
-                                     "throughput")
-                results[name].append(summarize_run(run_dir / "metrics.jsonl", args, rss))
-                print(f"{shape} {name} repeat {repeat}: {results[name][-1]['episodes_per_s']:.1f} episodes/s", flush=True)
-        results["ratio"] = ratio_stats(results["rloo.py"], results["trl"])
-        summary[shape] = results
+        for k in args.rloo_ks:
+            assets = ensure_shape_assets(shape, (REPO_ROOT / args.cache_dir).resolve(), batch // k * args.updates, args)
+            configuration = f"{shape} k={k}"
+            results = {name: [] for name in TRAINERS}
+            for repeat in range(args.repeats):
+                for name, command in commands.items():
+                    run_dir = fresh_run_dir(REPO_ROOT / args.runs_dir / f"{shape}_k{k}_{name.replace('.', '_')}_{repeat}")
+                    own = ["--compile_generation"] if args.compile_generation and name == "rloo.py" else []
+                    _, rss = run_trainer(command + trainer_flags(args, k, assets, run_dir) + own,
+                                         run_dir / "log.txt", "throughput")
+                    results[name].append(summarize_run(run_dir / "metrics.jsonl", args, rss))
+                    print(f"{configuration} {name} repeat {repeat}: {results[name][-1]['episodes_per_s']:.2f} "
+                          "episodes/s", flush=True)
+            results["ratio"] = ratio_stats(results["rloo.py"], results["trl"])
+            summary[configuration] = results
     table = markdown_table(summary)
     print(table)
     output_dir = REPO_ROOT / args.output_dir

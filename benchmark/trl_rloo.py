@@ -25,7 +25,6 @@ from dataclasses import fields
 from pathlib import Path
 
 import torch
-import tyro
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -87,15 +86,24 @@ def decode_for_monitors(tokenizer, query_responses: torch.Tensor, context_length
             "completion_ids": completion_ids}
 
 
-def instrument(trainer_module, device: torch.device, output_dir: Path, monitors, tokenizer, stop_token_id):
-    """Time TRL's phases by wrapping the functions its update calls, evaluate the monitored reward functions on
-    what the reward model scores, and write one metrics.jsonl row per update from a callback. Returns the callback."""
+def instrument(trainer_module, device: torch.device, output_dir: Path, monitors, tokenizer, stop_token_id, models,
+               k: int, num_ppo_epochs: int):
+    """Time TRL's phases by wrapping the functions its update calls, count the tokens its models' forward passes
+    take (as rloo.py counts its own: the rest of the update is `training`), evaluate the monitored reward functions
+    on what the reward model scores, and write one metrics.jsonl row per update from a callback. Returns the
+    callback."""
     from transformers import TrainerCallback
 
-    state = {"timer": rloo.PhaseTimer(device), "logs": {}, "mark": None, "monitored": {}}
+    timer = rloo.PhaseTimer(device, default_phase="training")
+    timer.count_tokens_of(*models)
+    state = {"logs": {}, "mark": None, "monitored": {}, "real_tokens": 0, "mean_length": 0.0}
 
     def get_reward_and_monitor(model, query_responses, pad_token_id, context_length):
-        with state["timer"]("scoring"):  # the monitors too, as in rloo.py, where weight 0 costs the same
+        with timer("scoring"):  # the monitors too, as in rloo.py, where weight 0 costs the same
+            real = query_responses != pad_token_id  # (k*B, Tq + Tr): TRL pads after the stop token
+            # unpadded: each prompt once (TRL's rows repeat it k times), each response
+            state["real_tokens"] = int(real[:, :context_length].sum()) / k + int(real[:, context_length:].sum())
+            state["mean_length"] = real[:, context_length:].sum(1).float().mean().item()
             out = get_reward(model, query_responses, pad_token_id, context_length)
             if monitors:
                 texts = decode_for_monitors(tokenizer, query_responses, context_length, stop_token_id)
@@ -108,7 +116,7 @@ def instrument(trainer_module, device: torch.device, output_dir: Path, monitors,
         def wrapper(*a, **kw):
             if only_without_grad and torch.is_grad_enabled():  # forward() also runs the training passes
                 return fn(*a, **kw)
-            with state["timer"](phase):
+            with timer(phase):
                 return fn(*a, **kw)
         return wrapper
 
@@ -131,10 +139,13 @@ def instrument(trainer_module, device: torch.device, output_dir: Path, monitors,
             state["logs"] = dict(logs or {})
 
         def on_step_end(self, _args, trainer_state, _control, **__):
-            timer, end = state["timer"], now()
+            end = now()
             seconds = end - state["mark"]
             row = {"update": trainer_state.global_step, **state["logs"], **timer.metrics(), "time/update": seconds}
             row["time/training"] = seconds - sum(timer.seconds.values())
+            row["completions/mean_length"] = state["mean_length"]  # a metric TRL 0.21 does not log
+            row["work/minimum_tokens"] = float(state["real_tokens"] * sum(
+                num_ppo_epochs if phase == "training" else 1 for phase in timer.tokens))
             row.update({f"reward/{name}/mean": sum(v) / len(v) for name, v in state["monitored"].items() if v})
             if device.type == "cuda":  # the peak since the last phase began covers the PPO epochs
                 row["memory/peak_gib"] = max(row.get("memory/peak_gib", 0.0),
@@ -144,7 +155,8 @@ def instrument(trainer_module, device: torch.device, output_dir: Path, monitors,
             metrics_file.flush()
             print(f"trl update {row['update']} episode {row.get('episode')} | score "
                   f"{row.get('objective/scores', float('nan')):.4g} | update {seconds:.2f}s", flush=True)
-            state["timer"], state["mark"], state["monitored"] = rloo.PhaseTimer(device), now(), {}
+            timer.start_update()
+            state["mark"], state["monitored"] = now(), {}
 
     return Recorder()
 
@@ -177,7 +189,8 @@ def main(args: rloo.Args) -> None:
         config=config, processing_class=tokenizer, policy=policy, ref_policy=ref_policy, reward_model=reward_model,
         train_dataset=dataset, eval_dataset=dataset.select(range(min(len(dataset), 8))),
         callbacks=[instrument(trainer_module, device, output_dir, rloo.load_reward_functions(args.reward_fn),
-                              tokenizer, stop_token_id)],
+                              tokenizer, stop_token_id, (policy, ref_policy, reward_model), args.rloo_k,
+                              args.num_ppo_epochs)],
     )
     trainer.remove_callback(PrinterCallback)  # it prints every metrics dict; the Recorder prints a line
     trainer.train()
@@ -186,4 +199,4 @@ def main(args: rloo.Args) -> None:
 
 
 if __name__ == "__main__":
-    rloo.run_script(main, tyro.cli(rloo.Args), "trl_rloo.py")
+    rloo.run_script(main, rloo.parse_args(rloo.Args, prog="trl_rloo.py"), "trl_rloo.py")

@@ -56,18 +56,21 @@ def test_trl_runner_refuses_what_trl_cannot_do(trl_python, tmp_path):
     assert result.returncode == 2 and "--reward_weights 1 0" in result.stderr
 
 
-def test_throughput_runs_both_trainers_and_reports_the_ratio(trl_python, tmp_path):
+def test_throughput_runs_both_trainers_and_reports_the_ratio_and_the_work(trl_python, tmp_path):
     run_script("benchmark/throughput.py", "--trl_python", trl_python, "--repeats", "1", "--updates", "2",
-               "--prompt_length", "8", "--response_length", "4", "--per_device_train_batch_size", "2",
-               "--gradient_accumulation_steps", "1", "--num_mini_batches", "2", "--num_ppo_epochs", "1",
-               "--local_rollout_forward_batch_size", "4", "--cache_dir", tmp_path / "cache",
-               "--output_dir", tmp_path / "results", "--runs_dir", tmp_path / "runs")
+               "--shapes", "pythia-14m", "--prompt_length", "72", "--response_length", "6",
+               "--mean_response_length", "3", "--rloo_ks", "2", "--per_device_train_batch_size", "2",
+               "--gradient_accumulation_steps", "2", "--local_rollout_forward_batch_size", "4",
+               "--cache_dir", tmp_path / "cache", "--output_dir", tmp_path / "results", "--runs_dir", tmp_path / "runs")
     report = json.loads((tmp_path / "results" / "throughput_cpu.json").read_text())
-    result = report["results"]["pythia-14m"]
+    result = report["results"]["pythia-14m k=2"]  # TL;DR-like prompt lengths (clipped to 64..72), EOS-prone policy
     for name in ("rloo.py", "trl"):
         (run,) = result[name]
         assert run["updates_measured"] == 1 and run["episodes_per_s"] > 0 and run["peak_rss_gib"] > 0
         assert run["generation_s"] > 0 and run["training_s"] > 0
+        assert run["forward_tokens"] >= run["minimum_tokens"] > 0
+        assert run["mean_response_length"] < 6  # the calibrated EOS ends some responses early
+    assert result["rloo.py"][0]["forward_tokens"] < result["trl"][0]["forward_tokens"]  # prompts once per group
     assert result["ratio"]["min"] == result["ratio"]["median"] > 0
     assert "rloo.py / TRL" in (tmp_path / "results" / "throughput_cpu.md").read_text()
 

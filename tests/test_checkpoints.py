@@ -166,14 +166,13 @@ def test_nonfinite_on_one_rank_stops_every_rank(assets, tmp_path):
 def test_no_optimizer_step_on_a_nonfinite_loss():
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer))
-    queries, mask = rloo.pad_sequences([tokenizer("a b :")["input_ids"]] * 4, 0, torch.device("cpu"))
-    c = rloo.sample_completions(policy, queries, mask, 4, 1.0, 1, 0)
-    rollout = rloo.Rollout(c.query_responses, c.attention_mask, c.response_mask, c.context_length,
-                           torch.zeros(4, 4), None)
+    queries, mask = rloo.pad_sequences([tokenizer("a b :")["input_ids"]] * 2, 0, torch.device("cpu"))
+    c = rloo.sample_completions(policy, queries, mask, 4, 1.0, 1, 0, k=2)  # 4 completions
+    rollout = rloo.Rollout(c.queries, c.query_mask, c.responses, c.response_mask, torch.zeros(4, 4), None)
     args = rloo.Args(rloo_k=2, per_device_train_batch_size=4, num_ppo_epochs=1, temperature=1.0)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1.0)
     with pytest.raises(rloo.NonFiniteError, match="non-finite loss on rank 0"):
-        rloo.ppo_update(policy, optimizer, rollout, torch.tensor([1.0, float("nan"), 0.0, 0.0]), args,
-                        rloo.compute_batch_sizes(args, 1), lambda: torch.autocast("cpu", enabled=False))
+        rloo.ppo_update(policy, optimizer, rollout, torch.zeros(4), torch.tensor([1.0, float("nan"), 0.0, 0.0]),
+                        args, rloo.compute_batch_sizes(args, 1), True, lambda: torch.autocast("cpu", enabled=False))
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())

@@ -157,3 +157,43 @@ def test_fsdp_outside_torchrun_is_refused(assets, tmp_path):
     assert_one_line_error(run_rloo(*base(assets, tmp_path), "--fsdp"), "--fsdp shards", "launch with torchrun")
     assert_one_line_error(run_rloo(*base(assets, tmp_path), "--offload"), "--offload works through FSDP2",
                           "add --fsdp")
+
+
+# ---------------------------------------------------------------- TRL >= 0.22's names
+TRL_VALUES = {"num_generations": ("4", 4), "beta": ("0.03", 0.03), "epsilon": ("0.3", 0.3), "num_iterations": ("2", 2),
+              "max_completion_length": ("17", 17), "normalize_advantages": (None, True)}
+
+
+def test_every_trl_name_sets_rloo_flag():
+    import rloo
+
+    assert set(TRL_VALUES) == set(rloo.TRL_NAMES)  # a new alias gets a case here
+    for trl_name, own in rloo.TRL_NAMES.items():
+        text, expected = TRL_VALUES[trl_name]
+        for spelling in (trl_name, trl_name.replace("_", "-")):
+            args = rloo.parse_args(argv=[f"--{spelling}"] + ([text] if text is not None else []))
+            assert getattr(args, own) == expected, (trl_name, getattr(args, own))
+    assert rloo.parse_args(argv=["--no-normalize_advantages"]).normalize_advantage is False
+    assert rloo.parse_args(argv=["--beta=0.5", "--kl_coef", "0.50"]).kl_coef == 0.5  # equal values: no clash
+    args = rloo.parse_args(argv=["--steps_per_generation", "8", "--gradient_accumulation_steps", "4"])
+    assert (args.num_mini_batches, args.gradient_accumulation_steps) == (2, 4)  # micro-batches -> optimizer steps
+    assert rloo.parse_args(argv=["--steps_per_generation", "3"]).num_mini_batches == 3  # accumulation 1 by default
+    assert rloo.parse_args(argv=["--run_name", "tldr_seed1"]).run_name == "tldr_seed1"
+
+
+@pytest.mark.parametrize("argv,fragments", [
+    (["--rloo_k", "2", "--num_generations", "4"], ["--rloo_k 2 and --num_generations 4", "pass one"]),
+    (["--normalize_advantage", "--no-normalize_advantages"], ["--normalize_advantage True and --normalize_advantages False"]),
+    (["--steps_per_generation", "6", "--gradient_accumulation_steps", "4"], ["--steps_per_generation 6", "not a multiple"]),
+    (["--steps_per_generation", "8", "--gradient_accumulation_steps", "4", "--num_mini_batches", "1"],
+     ["means --num_mini_batches 2", "--num_mini_batches 1 is given too"]),
+], ids=["rloo_k", "bool", "indivisible", "both"])
+def test_a_flag_under_both_names_with_different_values_is_one_line(capsys, argv, fragments):
+    import rloo
+
+    with pytest.raises(SystemExit) as exit_info:
+        rloo.parse_args(argv=argv, prog="rloo.py")
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and error.startswith("rloo.py: error: "), error
+    assert all(f in error for f in fragments), error

@@ -37,8 +37,9 @@ def test_generation_matches_the_unpadded_greedy_continuation():
 
 @pytest.mark.parametrize("backend", [None, "eager"], ids=["static_cache", "static_cache_compiled"])
 def test_static_decoder_samples_the_same_tokens(backend):
-    """--compile_generation's preallocated cache and (dynamo-traced) step give the tokens of the growing cache, with
-    the same random numbers; the cache is reused across calls of one batch size, prompts of any width."""
+    """--compile_generation's cache of fixed length and (dynamo-traced) step give the tokens of the default cache
+    sized to each batch, with the same random numbers; the cache is reused across calls of one batch size, prompts
+    of any width."""
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer))
     decoder = rloo.StaticDecoder(policy, max_length=12 + 6, **({"backend": backend} if backend else {}))
@@ -48,11 +49,11 @@ def test_static_decoder_samples_the_same_tokens(backend):
         queries, mask = left_padded(tokenizer, texts)
         for temperature, stop, bf16 in ((0.0, None, False), (1.0, 1, False), (1.0, None, True)):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # keys fp32, values bf16
-                growing = rloo.generate(policy, queries, mask, 6, temperature, stop, 0,
-                                        torch.Generator().manual_seed(3))
+                sized = rloo.generate(policy, queries, mask, 6, temperature, stop, 0,
+                                      torch.Generator().manual_seed(3))
                 static = rloo.generate(policy, queries, mask, 6, temperature, stop, 0,
                                        torch.Generator().manual_seed(3), decoder)
-            assert torch.equal(static, growing)
+            assert torch.equal(static, sized)
     assert list(decoder.caches) == [3]
 
 
@@ -93,15 +94,15 @@ def test_generation_pads_after_the_stop_token():
             assert valid.sum() == stops[0] + 1 and (response[stops[0] + 1:] == 0).all()
 
 
-def test_forward_logprobs_are_the_sampling_distribution():
+@pytest.mark.parametrize("share_prompt", [True, False], ids=["shared", "unshared"])
+def test_forward_logprobs_are_the_sampling_distribution(share_prompt):
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer))
     queries, mask = left_padded(tokenizer, ["a b c :", "d :"])
-    c = rloo.sample_completions(policy, queries, mask, 3, temperature=0.7, stop_token_id=None, pad_token_id=0)
-    logprobs, entropy = rloo.forward_logprobs(policy, c.query_responses, c.attention_mask, c.context_length, 0.7,
-                                              with_entropy=True)
-    for row in range(2):  # one unpadded step-by-step forward per token
-        ids = torch.tensor([tokenizer(["a b c :", "d :"][row])["input_ids"]])
+    c = rloo.sample_completions(policy, queries, mask, 3, temperature=0.7, stop_token_id=None, pad_token_id=0, k=2)
+    logprobs, entropy = rloo.forward_logprobs(policy, c, 0.7, share_prompt, with_entropy=True)  # (4, 3) each
+    for row in range(4):  # one unpadded step-by-step forward per token; row j*2 + i: sample j of prompt i
+        ids = torch.tensor([tokenizer(["a b c :", "d :"][row % 2])["input_ids"]])
         for t in range(3):
             dist = (policy(ids).logits[0, -1] / 0.7).log_softmax(-1)
             token = c.responses[row, t]
@@ -115,7 +116,7 @@ class WithoutLogitsToKeep(torch.nn.Module):
 
     def __init__(self, model):
         super().__init__()
-        self.model = model
+        self.model, self.config = model, model.config
 
     def forward(self, input_ids, attention_mask, position_ids, use_cache, past_key_values=None):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -130,23 +131,23 @@ def test_models_without_logits_to_keep_give_the_same_samples_and_logprobs():
     queries, mask = left_padded(tokenizer, ["a b c :", "d :"])
     tokens = [rloo.generate(m, queries, mask, 5, 0.0, None, 0) for m in (policy, wrapped)]
     assert torch.equal(*tokens)
-    c = rloo.sample_completions(policy, queries, mask, 5, temperature=1.0, stop_token_id=None, pad_token_id=0)
-    kept, full = (rloo.forward_logprobs(m, c.query_responses, c.attention_mask, c.context_length, 1.0)[0]
-                  for m in (policy, wrapped))
-    assert torch.allclose(kept, full, atol=1e-6)
+    c = rloo.sample_completions(policy, queries, mask, 5, temperature=1.0, stop_token_id=None, pad_token_id=0, k=2)
+    for share_prompt in (True, False):
+        kept, full = (rloo.forward_logprobs(m, c, 1.0, share_prompt)[0] for m in (policy, wrapped))
+        assert torch.allclose(kept, full, atol=1e-6)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
     tokenizer = policy_tokenizer()
     queries, mask = left_padded(tokenizer, ["a b c :", "d :"])
-    c = rloo.sample_completions(tiny_policy(len(tokenizer)), queries, mask, 5, 1.0, None, 0)
+    c = rloo.sample_completions(tiny_policy(len(tokenizer)), queries, mask, 5, 1.0, None, 0, k=2)
     grads = []
     for checkpointing in (False, True):
         policy = tiny_policy(len(tokenizer))
         if checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         policy.train()  # checkpointing is active in train mode only (dropout is off in these models)
-        logprobs, _ = rloo.forward_logprobs(policy, c.query_responses, c.attention_mask, c.context_length, 1.0)
+        logprobs, _ = rloo.forward_logprobs(policy, c, 1.0, share_prompt=True)
         logprobs.sum().backward()
         grads.append({n: p.grad for n, p in policy.named_parameters()})
     for name, grad in grads[0].items():
@@ -167,7 +168,7 @@ def test_reward_is_read_at_the_last_real_token_under_left_and_right_padding():
         rows.append(row + [0] * (width - len(row)))
         masks.append([False] * n_left + [True] * len(seq) + [False] * (width - len(row)))
     ids, mask = torch.tensor(rows), torch.tensor(masks)
-    scores = rloo.reward_model_scores(rm, ids, mask)
+    scores = rloo.sequence_rewards(rm, ids, mask)
     for i, seq in enumerate(sequences):
         alone = rm(torch.tensor([seq])).logits[0, 0]  # no padding at all: HF reads the last token
         assert scores[i].item() == pytest.approx(alone.item(), abs=1e-5)
@@ -182,8 +183,7 @@ def test_reward_model_with_another_tokenizer_gets_retokenized_text():
     queries, query_mask = left_padded(policy_tok, ["a b c :", "d :"])
     responses = torch.tensor([[5, 6, 1, 0], [7, 8, 9, 10]])  # "d e <eos>" and "f g h i" (no EOS)
     responses, response_mask = rloo.truncate_after_stop(responses, 1, 0)
-    completions = rloo.Completions(torch.cat([queries, responses], 1), torch.cat([query_mask, response_mask], 1),
-                                   response_mask, queries.shape[1])
+    completions = rloo.Completions(queries, query_mask, responses, response_mask)
     sources = rloo.RewardSources(rm, other_tok, [], torch.tensor([1.0]))
     scores, means = rloo.score_completions(sources, completions, ["a b c :", "d :"], {}, policy_tok, 1, 8, NO_AUTOCAST)
     expected = [rm(torch.tensor([other_tok("a b c : d e")["input_ids"] + [other_tok.eos_token_id]])).logits[0, 0],
@@ -197,9 +197,7 @@ def test_reward_functions_get_texts_ids_and_columns_and_combine_with_weights():
     queries, query_mask = left_padded(tokenizer, ["a b :", "c :"])  # B = 2, k = 2 -> 4 completions
     responses = torch.tensor([[2, 1, 0], [4, 4, 1], [2, 3, 4], [4, 1, 0]])  # "a", "c c", "a b c", "c"
     responses, response_mask = rloo.truncate_after_stop(responses, 1, 0)
-    qr = torch.cat([queries.repeat(2, 1), responses], 1)
-    am = torch.cat([query_mask.repeat(2, 1), response_mask], 1)
-    completions = rloo.Completions(qr, am, response_mask, queries.shape[1])
+    completions = rloo.Completions(queries, query_mask, responses, response_mask)
     seen = {}
 
     def spy(prompts, completions, completion_ids, target, **kwargs):
@@ -225,20 +223,19 @@ def test_one_update_with_positive_advantage_raises_that_completions_logprob():
     rloo.disable_dropout(policy)
     torch.manual_seed(0)
     queries, query_mask = left_padded(tokenizer, ["a b :", "c d e :"])
-    queries, query_mask = queries.repeat(2, 1), query_mask.repeat(2, 1)  # k = 2, B = 2
-    c = rloo.sample_completions(policy, queries, query_mask, 5, 1.0, 1, 0)
+    c = rloo.sample_completions(policy, queries, query_mask, 5, 1.0, 1, 0, k=2)  # k = 2, B = 2
     with torch.no_grad():
-        old, _ = rloo.forward_logprobs(policy, c.query_responses, c.attention_mask, c.context_length, 1.0)
+        old, _ = rloo.forward_logprobs(policy, c, 1.0, share_prompt=True)
     old = old * c.response_mask
-    rollout = rloo.Rollout(c.query_responses, c.attention_mask, c.response_mask, c.context_length, old, None)
+    rollout = rloo.Rollout(c.queries, c.query_mask, c.responses, c.response_mask, old, None)
     advantages = torch.tensor([1.0, 0.0, 0.0, 0.0])
     args = rloo.Args(rloo_k=2, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_ppo_epochs=1,
                      temperature=1.0)
     sizes = rloo.compute_batch_sizes(args, 1)
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
-    stats = rloo.ppo_update(policy, optimizer, rollout, advantages, args, sizes, NO_AUTOCAST)
+    stats = rloo.ppo_update(policy, optimizer, rollout, torch.zeros(4), advantages, args, sizes, True, NO_AUTOCAST)
     with torch.no_grad():
-        new, _ = rloo.forward_logprobs(policy, c.query_responses, c.attention_mask, c.context_length, 1.0)
+        new, _ = rloo.forward_logprobs(policy, c, 1.0, share_prompt=True)
     new_total = (new * c.response_mask).sum(1)
     assert new_total[0] > old.sum(1)[0] + 1e-3
     assert stats["ratio"] == pytest.approx(1.0) and stats["clipfrac"] == 0.0  # one epoch: on-policy

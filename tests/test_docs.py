@@ -21,3 +21,11 @@ def test_readme_explains_every_logged_metric_name():
     logged |= set(re.findall(r'"(time/[a-z_]+)"', (REPO / "rloo_multinode.py").read_text()))
     missing = [m for m in sorted(logged) if f"`{m}`" not in readme and f"`{m.split('/')[1]}`" not in readme]
     assert not missing, missing
+
+
+def test_readme_maps_every_trl_name():
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("### TRL's names"):]
+    for trl_name, own in rloo.TRL_NAMES.items():
+        assert f"| `--{own}` | `--{trl_name}` |" in table, trl_name
+    assert "`--steps_per_generation`" in table

@@ -113,9 +113,9 @@ def test_missing_eos_penalty():
 
 
 def test_completions_ended_ignores_stop_ids_on_padding():
-    c = rloo.Completions(query_responses=torch.tensor([[9, 5, 1, 0], [9, 5, 6, 1]]),
-                         attention_mask=torch.ones(2, 4, dtype=torch.bool),
-                         response_mask=torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=torch.bool), context_length=1)
+    c = rloo.Completions(queries=torch.tensor([[9]]), query_mask=torch.ones(1, 1, dtype=torch.bool),
+                         responses=torch.tensor([[5, 1, 0], [5, 6, 1]]),  # k = 2 completions of one prompt
+                         response_mask=torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=torch.bool))
     assert c.ended(1).tolist() == [True, False]
     assert c.ended(None).tolist() == [False, False]
 

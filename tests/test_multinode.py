@@ -23,7 +23,8 @@ RUN = ("--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train
        "--local_rollout_forward_batch_size", "12", "--num_ppo_epochs", "2", "--num_mini_batches", "2",
        "--learning_rate", "3e-3", "--num_sample_generations", "0", "--num_evals", "0")
 PER_UPDATE = 32  # completions per update and rank
-ENGINE_ONLY = ("time/", "eps", "rollout/staleness")  # wall-clock, and what only the engines' run measures
+ENGINE_ONLY = ("time/", "eps", "rollout/staleness", "work/")  # wall-clock, what only the engines' run measures, and
+# the trainer's own forward passes (the local run also generates)
 
 
 def free_port() -> int:
@@ -125,8 +126,10 @@ def test_hf_engine_run_equals_rloo_run_with_the_same_seed(assets, tmp_path, npro
 def test_engines_of_ranks_split_each_batch_by_prompt():
     assert mn.engines_of_ranks(4, 2) == [[0], [1], [0], [1]] and mn.engines_of_ranks(2, 6) == [[0, 2, 4], [1, 3, 5]]
     assert mn.duties(0, 4, 2) == [(0, 0), (2, 0)] and mn.duties(4, 2, 6) == [(0, 2)]
-    parts = mn.split_by_prompt(rows=4 * 5, k=4, parts=2)  # 5 prompts x k=4, row j*5 + b: sample j of prompt b
-    assert [p.tolist() for p in parts] == [[0, 1, 2, 5, 6, 7, 10, 11, 12, 15, 16, 17], [3, 4, 8, 9, 13, 14, 18, 19]]
+    parts = mn.split_by_prompt(num_prompts=5, parts=2)  # each engine samples all k completions of its prompts
+    assert [p.tolist() for p in parts] == [[0, 1, 2], [3, 4]]
+    rows = [rloo.completion_rows(p, 5, 4).tolist() for p in parts]  # where they land: row j*5 + b, sample j of b
+    assert rows == [[0, 1, 2, 5, 6, 7, 10, 11, 12, 15, 16, 17], [3, 4, 8, 9, 13, 14, 18, 19]]
 
 
 def test_async_generation_with_two_engines_trains_one_step_off_policy_with_and_without_fsdp(assets, tmp_path):

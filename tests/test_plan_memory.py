@@ -24,22 +24,25 @@ def tiny(tmp_path, hidden=64, layers=4, intermediate=256, vocab=2000):
     return path, config
 
 
-def measure_update(config, micro, prompt, response, checkpointing) -> dict[str, dict[str, int]]:
-    """Bytes by kind: at the peak of one forward/backward of `micro` sequences, and after the AdamW step that
-    follows (tracked apart: at the step's own peak the activations are gone)."""
+def measure_update(config, micro, prompt, response, checkpointing, k=1) -> dict[str, dict[str, int]]:
+    """Bytes by kind: at the peak of one forward/backward of `micro` sequences (k completions of each of
+    micro / k prompts, prompts shared), and after the AdamW step that follows (tracked apart: at the step's own peak
+    the activations are gone)."""
     torch.manual_seed(0)
     model = GPTNeoXForCausalLM(config)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(2, config.vocab_size, (micro, prompt + response))
+    queries = torch.randint(2, config.vocab_size, (micro // k, prompt))
+    responses = torch.randint(2, config.vocab_size, (micro, response))
     named = lambda snapshot: {str(k).split(".")[-1]: v for k, v in next(iter(snapshot.values())).items()}  # noqa: E731
     backward = MemTracker()
     backward.track_external(model)
     with backward:
-        logprobs, _ = rloo.forward_logprobs(model, ids, torch.ones_like(ids, dtype=torch.bool), prompt, 1.0,
-                                            with_entropy=True)
+        c = rloo.Completions(queries, torch.ones_like(queries, dtype=torch.bool), responses,
+                             torch.ones_like(responses, dtype=torch.bool))
+        logprobs, _ = rloo.forward_logprobs(model, c, 1.0, share_prompt=k > 1, with_entropy=True)
         logprobs.sum().backward()
     step = MemTracker()
     step.track_external(model, optimizer)
@@ -71,19 +74,20 @@ def test_weights_gradients_and_optimizer_state_exactly(tmp_path):
     assert measured["OPT"] == groups["resident"]["AdamW m and v (fp32)"] + 4 * num_tensors
 
 
-@pytest.mark.parametrize("hidden, layers, intermediate, vocab, micro, prompt, response", [
-    (64, 4, 256, 2000, 4, 40, 20),
-    (128, 2, 512, 4000, 4, 20, 20),
-    (64, 4, 128, 500, 8, 50, 10),   # intermediate = 2 x hidden: the formula's second term
+@pytest.mark.parametrize("hidden, layers, intermediate, vocab, micro, prompt, response, k", [
+    (64, 4, 256, 2000, 4, 40, 20, 2),
+    (64, 4, 256, 2000, 8, 80, 20, 4),
+    (64, 4, 128, 500, 8, 50, 10, 2),   # intermediate = 2 x hidden: the formula's second term
+    (64, 4, 256, 2000, 4, 40, 20, 1),  # unshared: a row per completion
 ])
-def test_activations_without_checkpointing(tmp_path, hidden, layers, intermediate, vocab, micro, prompt, response):
+def test_activations_without_checkpointing(tmp_path, hidden, layers, intermediate, vocab, micro, prompt, response, k):
     path, config = tiny(tmp_path, hidden, layers, intermediate, vocab)
     shape = plan_memory.model_shape(str(path), False, False)
     groups = plan_memory.plan(args_for(path, per_device_train_batch_size=micro, max_prompt_length=prompt,
-                                       response_length=response), shape, None)
+                                       response_length=response, rloo_k=max(k, 2), share_prompt=k > 1), shape, None)
     predicted = groups["training"]["activations of a micro-batch"] + \
         groups["training"]["logits and log-softmax of a micro-batch"]
-    peak = measure_update(config, micro, prompt, response, False)["peak"]
+    peak = measure_update(config, micro, prompt, response, False, k)["peak"]
     assert abs(peak["ACT"] + peak["TEMP"] - predicted) <= ACTIVATION_TOLERANCE * predicted
 
 
@@ -91,7 +95,7 @@ def test_activations_with_checkpointing_are_an_upper_bound(tmp_path):
     path, config = tiny(tmp_path, 128, 8, 512, 2000)
     shape = plan_memory.model_shape(str(path), False, False)
     args = args_for(path, per_device_train_batch_size=4, max_prompt_length=40, response_length=20,
-                    gradient_checkpointing=True)
+                    gradient_checkpointing=True, share_prompt=False)
     training = sum(plan_memory.plan(args, shape, None)["training"].values())
     peak = measure_update(config, 4, 40, 20, True)["peak"]
     assert peak["ACT"] + peak["TEMP"] <= training <= 2 * (peak["ACT"] + peak["TEMP"])

@@ -129,11 +129,11 @@ def test_pinned_vllm_release_has_the_api_the_engines_use():
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm_standin import COMPLETIONS_FIELDS
 
-    body = mn.completions_body("m", torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]]),
+    body = mn.completions_body("m", torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]]), 2,
                                mn.Args(model_name_or_path="m", response_length=6, temperature=0.7), 1)
     assert set(body) == COMPLETIONS_FIELDS and COMPLETIONS_FIELDS <= set(CompletionRequest.model_fields)
     request = CompletionRequest(**body)
-    assert request.prompt == [[5, 6], [7, 8, 9]] and request.return_token_ids
+    assert request.prompt == [[5, 6], [7, 8, 9]] * 2 and request.return_token_ids  # k=2, in the (k, b) layout
     params = request.to_sampling_params(6, {"top_k": 50, "top_p": 0.9, "repetition_penalty": 1.3})
     assert (params.temperature, params.top_k, params.top_p, params.min_p, params.repetition_penalty) == (
         0.7, 0, 1.0, 0.0, 1.0)
