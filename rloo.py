@@ -959,22 +959,24 @@ class PhaseTimer:
     """Per phase of an update (`with timer("generation"): ...`): wall-clock seconds (CUDA synchronized, so GPU time
     lands in its phase), on CUDA the peak allocated memory in GiB, and the token positions fed through the forward
     passes of the models it watches (count_tokens_of), padding included: the work done, to set against the least
-    that would do. One per run; start_update() clears it. Forward passes outside any phase count under
+    that would do; and the bytes each decoding step must read (every weight, the whole KV cache), to set against the
+    memory bandwidth. One per run; start_update() clears it. Forward passes outside any phase count under
     `default_phase` (None: not counted); a compiled decoding step's (--compile_generation) are not counted."""
 
     def __init__(self, device: torch.device, default_phase: Optional[str] = None):
-        self.device, self.default_phase, self.phase, self.watched = device, default_phase, None, set()
+        self.device, self.default_phase, self.phase = device, default_phase, None
+        self.weight_bytes = {}  # id(backbone) -> bytes of the weights a decoding step reads
         self.start_update()
 
     def start_update(self) -> None:
-        self.seconds, self.peak_gib, self.tokens = {}, {}, {}
+        self.seconds, self.peak_gib, self.tokens, self.decode_bytes = {}, {}, {}, 0
 
     def count_tokens_of(self, *models) -> None:
         for model in models:  # the transformer itself, which every use of the model calls once per pass
             backbone = getattr(model, getattr(model, "base_model_prefix", ""), model)
-            if model is not None and id(backbone) not in self.watched:  # once each
+            if model is not None and id(backbone) not in self.weight_bytes:  # once each
                 backbone.register_forward_pre_hook(self._count, with_kwargs=True)
-                self.watched.add(id(backbone))
+                self.weight_bytes[id(backbone)] = decode_weight_bytes(model)
 
     def _count(self, module, args, kwargs) -> None:
         phase = self.phase or self.default_phase
@@ -982,6 +984,10 @@ class PhaseTimer:
             return
         input_ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
         self.tokens[phase] = self.tokens.get(phase, 0) + input_ids.numel()
+        cache = kwargs.get("past_key_values")
+        if input_ids.shape[1] == 1 and cache is not None:  # a decoding step, after a prefill
+            self.decode_bytes += self.weight_bytes[id(module)] + sum(
+                layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
@@ -1006,10 +1012,20 @@ class PhaseTimer:
         out = {f"time/{phase}": seconds for phase, seconds in self.seconds.items()}
         out.update({f"work/{phase}_tokens": float(tokens) for phase, tokens in self.tokens.items()})
         out["work/forward_tokens"] = float(sum(self.tokens.values()))
+        if self.decode_bytes:
+            out["work/decode_bytes"] = float(self.decode_bytes)
         if self.peak_gib:
             out.update({f"memory/{phase}_gib": gib for phase, gib in self.peak_gib.items()})
             out["memory/peak_gib"] = max(self.peak_gib.values())
         return out
+
+
+def decode_weight_bytes(model) -> int:
+    """Bytes of the weights one decoding step reads: all of them but an untied input embedding, of which a step
+    reads one row per sequence."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    untied = head is None or head.weight is not embedding.weight
+    return sum(p.nbytes for p in model.parameters() if not (untied and p is embedding.weight))
 
 
 def minimum_forward_tokens(c: Completions, passes: int) -> float:

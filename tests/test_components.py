@@ -352,3 +352,22 @@ def test_bf16_generation_needs_bf16_and_a_replicated_policy():
     for flags in ({"bf16_generation": True}, {"bf16_generation": True, "bf16": True, "fsdp": True}):
         with pytest.raises(rloo.ConfigError, match="--bf16_generation samples from a bf16 copy"):
             rloo.validate_args(rloo.Args(model_name_or_path="p", reward_fn=("m:f",), **flags))
+
+
+def test_the_phase_timer_counts_the_tokens_fed_and_the_bytes_each_decoding_step_reads():
+    tokenizer = policy_tokenizer()
+    policy = tiny_policy(len(tokenizer))
+    timer = rloo.PhaseTimer(torch.device("cpu"))
+    timer.count_tokens_of(policy, policy)  # watched once
+    queries, mask = left_padded(tokenizer, ["a b :", "c :"])  # (2, 3)
+    with timer("generation"):
+        rloo.sample_completions(policy, queries, mask, 5, 1.0, None, 0, k=2)
+    policy(input_ids=queries)  # outside any phase: not counted
+    metrics = timer.metrics()
+    assert metrics["work/generation_tokens"] == 2 * 3 + 4 * 4  # the prefill of 2 prompts, 4 steps of 4 rows
+    weights = sum(p.nbytes for p in policy.parameters()) - policy.get_input_embeddings().weight.nbytes
+    config = policy.config
+    cache = 2 * config.num_hidden_layers * 4 * config.hidden_size * (3 + 5) * 4  # K and V, 4 rows of 8 positions, fp32
+    assert metrics["work/decode_bytes"] == 4 * (weights + cache)
+    timer.start_update()
+    assert timer.metrics()["work/forward_tokens"] == 0
