@@ -7,7 +7,8 @@ It takes rloo.py's flags (paste your command) plus the world size and the GPU's 
 
 - Resident: the policy's fp32 weights, gradients and AdamW m and v (16 bytes per parameter, divided by the world
   size with --fsdp), DDP's gradient buckets (4 more bytes, with DDP over more than one rank), the frozen reference
-  and reward models (2 bytes per parameter with --bf16, else 4).
+  and reward models (2 bytes per parameter with --bf16, else 4), and with --bf16_generation the bf16 copy that
+  samples (2 bytes per parameter).
 - Rollout, on top: the KV cache of a chunk (local_rollout_forward_batch_size x (prompt + response) tokens x
   layers x 2 x hidden), the gathered policy with --fsdp, autocast's bf16 weight copies with --bf16, and the
   log-prob pass's buffers over the vocabulary.
@@ -98,6 +99,7 @@ def plan(args: PlanArgs, policy: Shape, reward: Shape | None) -> dict[str, dict[
         "DDP gradient buckets": 4 * p if not args.fsdp and args.world_size > 1 else 0.0,
         "reference policy": on_gpu * frozen * p if args.kl_coef != 0 else 0.0,
         "reward model": on_gpu * frozen * reward.parameters if reward is not None else 0.0,
+        "bf16 sampling copy (--bf16_generation)": 2 * p if args.bf16_generation else 0.0,
     }
     tokens = args.max_prompt_length + args.response_length
     chunk = args.local_rollout_forward_batch_size or 1  # 0: chunks sized to the memory left, so at least one row

@@ -51,7 +51,7 @@ class Args:
         "dataset_test_split", "num_sample_generations", "num_evals", "eval_max_prompts",
         "local_rollout_forward_batch_size", "gradient_checkpointing", "total_episodes", "num_train_epochs",
         "save_steps", "save_total_limit", "resume", "resume_from", "fsdp_generation", "compile_generation",
-        "share_prompt"})
+        "share_prompt", "bf16_generation"})
 
     # ----- experiment -----
     exp_name: str = "rloo"
@@ -159,6 +159,11 @@ class Args:
     themselves only, so every completion is computed exactly as alone (float rounding aside). --no-share_prompt
     computes it once per completion, as TRL does. Where the model's attention cannot take the group's mask
     (flash-attention, remote code) or the reward model has its own tokenizer, that model runs unshared anyway"""
+    bf16_generation: bool = False
+    """with --bf16 (not --fsdp): sample from a bf16 copy of the policy, refreshed after every update, with a bf16 KV
+    cache, instead of from the fp32 weights under autocast: a decoding step reads half the weight bytes and casts
+    nothing. 2 more bytes per parameter. The samples differ from autocast's by bf16 rounding only, and the log-probs
+    trained on are still the trainer's own forward's"""
     compile_generation: bool = False
     """decode with a torch.compile'd step (CUDA graphs on GPU) in a KV cache of max_prompt_length + response_length
     positions kept per chunk size: no per-token Python, allocation or kernel-launch overhead, which dominates
@@ -266,6 +271,9 @@ def validate_args(args: Args) -> None:
     if args.compile_generation and args.fsdp:
         raise ConfigError("--compile_generation cannot trace FSDP's gathers of a sharded policy yet: drop one of "
                           "--compile_generation and --fsdp")
+    if args.bf16_generation and (not args.bf16 or args.fsdp):
+        raise ConfigError("--bf16_generation samples from a bf16 copy of a replicated policy: it needs --bf16, and not "
+                          "--fsdp (whose gathered weights are bf16 already with --bf16)")
     if args.offload and not args.fsdp:
         raise ConfigError("--offload works through FSDP2's CPU offload: add --fsdp (under torchrun; "
                           "--nproc_per_node 1 for one GPU)")
@@ -292,6 +300,10 @@ def setup_distributed() -> Dist:
         return Dist(0, 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if torch.cuda.is_available():
+        gpus, ranks_here = torch.cuda.device_count(), os.environ.get("LOCAL_WORLD_SIZE", "?")
+        if local_rank >= gpus:
+            raise ConfigError(f"{ranks_here} ranks on this node but {gpus} GPU(s) visible: one rank per GPU, so launch "
+                              f"with --nproc_per_node {gpus}; for a CPU (gloo) run, set CUDA_VISIBLE_DEVICES=")
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
@@ -947,21 +959,24 @@ class PhaseTimer:
     """Per phase of an update (`with timer("generation"): ...`): wall-clock seconds (CUDA synchronized, so GPU time
     lands in its phase), on CUDA the peak allocated memory in GiB, and the token positions fed through the forward
     passes of the models it watches (count_tokens_of), padding included: the work done, to set against the least
-    that would do. One per run; start_update() clears it. Forward passes outside any phase count under
+    that would do; and the bytes each decoding step must read (every weight, the whole KV cache), to set against the
+    memory bandwidth. One per run; start_update() clears it. Forward passes outside any phase count under
     `default_phase` (None: not counted); a compiled decoding step's (--compile_generation) are not counted."""
 
     def __init__(self, device: torch.device, default_phase: Optional[str] = None):
         self.device, self.default_phase, self.phase = device, default_phase, None
+        self.weight_bytes = {}  # id(backbone) -> bytes of the weights a decoding step reads
         self.start_update()
 
     def start_update(self) -> None:
-        self.seconds, self.peak_gib, self.tokens = {}, {}, {}
+        self.seconds, self.peak_gib, self.tokens, self.decode_bytes = {}, {}, {}, 0
 
     def count_tokens_of(self, *models) -> None:
-        for model in models:
-            if model is not None:  # the transformer itself, which every use of the model calls once per pass
-                backbone = getattr(model, getattr(model, "base_model_prefix", ""), model)
+        for model in models:  # the transformer itself, which every use of the model calls once per pass
+            backbone = getattr(model, getattr(model, "base_model_prefix", ""), model)
+            if model is not None and id(backbone) not in self.weight_bytes:  # once each
                 backbone.register_forward_pre_hook(self._count, with_kwargs=True)
+                self.weight_bytes[id(backbone)] = decode_weight_bytes(model)
 
     def _count(self, module, args, kwargs) -> None:
         phase = self.phase or self.default_phase
@@ -969,6 +984,10 @@ class PhaseTimer:
             return
         input_ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
         self.tokens[phase] = self.tokens.get(phase, 0) + input_ids.numel()
+        cache = kwargs.get("past_key_values")
+        if input_ids.shape[1] == 1 and cache is not None:  # a decoding step, after a prefill
+            self.decode_bytes += self.weight_bytes[id(module)] + sum(
+                layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
@@ -993,10 +1012,20 @@ class PhaseTimer:
         out = {f"time/{phase}": seconds for phase, seconds in self.seconds.items()}
         out.update({f"work/{phase}_tokens": float(tokens) for phase, tokens in self.tokens.items()})
         out["work/forward_tokens"] = float(sum(self.tokens.values()))
+        if self.decode_bytes:
+            out["work/decode_bytes"] = float(self.decode_bytes)
         if self.peak_gib:
             out.update({f"memory/{phase}_gib": gib for phase, gib in self.peak_gib.items()})
             out["memory/peak_gib"] = max(self.peak_gib.values())
         return out
+
+
+def decode_weight_bytes(model) -> int:
+    """Bytes of the weights one decoding step reads: all of them but an untied input embedding, of which a step
+    reads one row per sequence."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    untied = head is None or head.weight is not embedding.weight
+    return sum(p.nbytes for p in model.parameters() if not (untied and p is embedding.weight))
 
 
 def minimum_forward_tokens(c: Completions, passes: int) -> float:
@@ -1099,9 +1128,12 @@ class LocalRollouts:
 
     def __init__(self, policy, args: Args, stop_token_id: Optional[int], pad_token_id: int,
                  generator: torch.Generator, autocast):
-        self.policy, self.args, self.stop_token_id, self.pad_token_id = policy, args, stop_token_id, pad_token_id
-        self.generator, self.autocast, self.queued = generator, autocast, []
-        self.decoder = StaticDecoder(policy, args.max_prompt_length + args.response_length) \
+        self.args, self.stop_token_id, self.pad_token_id = args, stop_token_id, pad_token_id
+        self.generator, self.queued = generator, []
+        # the module that samples: the policy under autocast, or a bf16 copy of it
+        self.sampler = bf16_copy(policy) if args.bf16_generation else policy
+        self.autocast = contextlib.nullcontext if args.bf16_generation else autocast
+        self.decoder = StaticDecoder(self.sampler, args.max_prompt_length + args.response_length) \
             if args.compile_generation else None
 
     def submit(self, queries: torch.Tensor, query_mask: torch.Tensor) -> None:
@@ -1111,7 +1143,7 @@ class LocalRollouts:
     def take(self) -> tuple[Completions, dict[str, float]]:
         """The completions of the oldest submitted queries, and metrics about how they were made."""
         queries, query_mask = self.queued.pop(0)
-        return sample_in_chunks(self.policy, queries, query_mask, self.args.rloo_k, self.args, self.stop_token_id,
+        return sample_in_chunks(self.sampler, queries, query_mask, self.args.rloo_k, self.args, self.stop_token_id,
                                 self.pad_token_id, self.generator, self.autocast, self.decoder), {}
 
     @contextlib.contextmanager
@@ -1122,10 +1154,24 @@ class LocalRollouts:
 
     def policy_updated(self, update: int, policy) -> dict[str, float]:
         """Called on every rank after each update's optimizer steps; returns metrics."""
+        if self.sampler is not policy:
+            copy_weights(policy, self.sampler)
         return {}
 
     def close(self) -> None:
         pass
+
+
+def bf16_copy(policy):
+    """A frozen bf16 copy of the policy to sample from (--bf16_generation)."""
+    return copy.deepcopy(policy).to(torch.bfloat16).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def copy_weights(source, target) -> None:
+    """target's parameters := source's, cast to target's dtype (the same module structure)."""
+    for to, value in zip(target.parameters(), source.parameters(), strict=True):
+        to.copy_(value)
 
 
 class RolloutSourceError(Exception):
@@ -1841,6 +1887,15 @@ def evaluate(
 
 
 # ===================================================================== main
+def choose_kernels() -> None:
+    """TF32 matmuls, and no cuDNN attention: it builds an execution plan for every new sequence length, and a
+    batch's padded length changes with its prompts (measured on an H100, pythia-1b shape, TL;DR-like lengths: the
+    same work took 2.1-7.0 s per update with it, 2.0-2.2 s without). SDPA's flash and memory-efficient kernels
+    take its place."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -1876,10 +1931,11 @@ def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = N
     frozen_home = torch.device("cpu") if args.offload else device
     ref_policy = None
     if args.kl_coef != 0:
+        frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
         ref_policy = copy.deepcopy(policy) if checkpoint is None else \
-            load_causal_lm(initial_path, torch.float32, args.trust_remote_code)
+            load_causal_lm(initial_path, frozen_dtype, args.trust_remote_code)  # read in its own dtype, not fp32
         disable_dropout(ref_policy)
-        ref_policy.to(frozen_home, torch.bfloat16 if args.bf16 else torch.float32).eval().requires_grad_(False)
+        ref_policy.to(frozen_home, frozen_dtype).eval().requires_grad_(False)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return policy, ref_policy, tokenizer, stop_token_id
@@ -1930,7 +1986,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     checkpoint = resume_checkpoint(args)
     resumed = torch.load(checkpoint / TRAINER_STATE, weights_only=False) if checkpoint else None
     changes = check_resumable(resumed["args"], args, dist_info.world_size, resumed["world_size"]) if resumed else []
-    torch.backends.cuda.matmul.allow_tf32 = True
+    choose_kernels()
 
     def autocast():
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
@@ -1981,7 +2037,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, sampling_rng, autocast)
     logprobs_from_update = skips_logprob_pass(args, sizes, rollouts.lookahead)  # no separate policy_forward phase
     timer = PhaseTimer(device)
-    timer.count_tokens_of(policy, ref_policy, sources.model)
+    timer.count_tokens_of(policy, ref_policy, sources.model, getattr(rollouts, "sampler", None))
     stop_signal, stopped = StopSignal(), False
     start_time = time.time() - elapsed
     submitted = []  # (prompt rows, queries, query mask, sampler state before drawing them) per batch asked for

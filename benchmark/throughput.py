@@ -18,8 +18,10 @@ flags: same k, prompts per update, lengths, PPO epochs and minibatches.
 
 Per run, over the updates after the warm-up ones: episodes/s (completions per second of update), generated
 tokens/s, seconds per phase, the work (token positions fed through the models' forward passes per update, against
-the minimum: every prompt token once per pass, every response token once per completion), and peak memory (the
-process's maximum RSS on CPU, the maximum allocated on CUDA). Then the ratio rloo.py / TRL of episodes/s over the
+the minimum: every prompt token once per pass, every response token once per completion), generation's achieved
+memory bandwidth (the bytes its decoding steps must read, every weight and the whole KV cache each step, over
+its seconds: a lower bound, as those seconds also hold the prefill and sampling; on a known GPU against its HBM
+bandwidth), and peak memory (the process's maximum RSS on CPU, the maximum allocated on CUDA). Then the ratio rloo.py / TRL of episodes/s over the
 A/B pairs, min / median / max. Written: a table on stdout, `<output_dir>/throughput_<device>.json` and `.md`.
 """
 
@@ -113,6 +115,9 @@ class Args(RunConfig):
     mean_response_length: Optional[float] = 34.0
     """responses end at EOS after about this many tokens (the policy's EOS calibrated to it); None: no stop token,
     every completion response_length tokens (equal work in both trainers)"""
+    local_rollout_forward_batch_size: int = 8
+    """completions per generation / scoring chunk, both trainers: the micro-batch, as TRL >= 0.22 sets it (a chunk
+    pads to its own longest prompt and response)"""
     rloo_ks: tuple[int, ...] = (2, 4)
     """completions per prompt: one comparison each, at the same completions per update"""
     num_mini_batches: int = 1
@@ -299,10 +304,25 @@ def summarize_run(metrics_path: Path, args: RunConfig, rss_gib: float) -> dict:
         "minimum_tokens": statistics.mean(row["work/minimum_tokens"] for row in rows),
     }
     out["work_x_minimum"] = out["forward_tokens"] / out["minimum_tokens"]
+    decode_bytes = [row["work/decode_bytes"] for row in rows if "work/decode_bytes" in row]
+    if decode_bytes:  # a lower bound: generation's time also holds the prefill and the sampling
+        out["generation_gb_per_s"] = statistics.mean(decode_bytes) / out["generation_s"] / 1e9
     peaks = [row["memory/peak_gib"] for row in rows if "memory/peak_gib" in row]
     if peaks:
         out["peak_allocated_gib"] = max(peaks)
     return out
+
+
+# HBM bandwidth of the GPUs this project runs on (datasheet figures, TB/s), by a word of torch's device name
+HBM_TB_PER_S = {"H200": 4.8, "H100 PCIe": 2.0, "H100": 3.35, "A100-SXM4-80GB": 2.04, "A100": 1.56}
+
+
+def hbm_bandwidth() -> Optional[float]:
+    """The visible GPU's memory bandwidth in GB/s, when it is one of HBM_TB_PER_S's; else None."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0)
+    return next((tb * 1000 for key, tb in HBM_TB_PER_S.items() if key in name), None)
 
 
 def cpu_model() -> str:
@@ -318,6 +338,7 @@ def hardware() -> dict:
             "torch": torch.__version__, "python": platform.python_version()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
+        info["hbm_gb_per_s"] = hbm_bandwidth()
     return info
 
 
@@ -330,8 +351,10 @@ def ratio_stats(ours: list[dict], trl: list[dict]) -> dict:
 
 
 def markdown_table(summary: dict) -> str:
+    roofline = hbm_bandwidth()
     lines = ["| configuration | trainer | episodes/s | generated tokens/s | s/update | " + " | ".join(PHASES)
-             + " | forward tokens / minimum | peak memory GiB |", "|---" * (7 + len(PHASES)) + "|"]
+             + " | forward tokens / minimum | decoding GB/s" + (f" (of {roofline:.0f})" if roofline else "")
+             + " | peak memory GiB |", "|---" * (8 + len(PHASES)) + "|"]
     for configuration, result in summary.items():
         for name in TRAINERS:
             runs = result[name]
@@ -341,10 +364,11 @@ def markdown_table(summary: dict) -> str:
                          f"{med['generated_tokens_per_s']:.0f} | {med['seconds_per_update']:.2f} | "
                          + " | ".join(f"{med[f'{phase}_s']:.2f}" for phase in PHASES)
                          + f" | {med['forward_tokens']:,.0f} / {med['minimum_tokens']:,.0f} = "
-                         f"{med['work_x_minimum']:.2f}x | {memory:.2f} |")
+                         f"{med['work_x_minimum']:.2f}x | {med.get('generation_gb_per_s', float('nan')):.1f} | "
+                         f"{memory:.2f} |")
         r = result["ratio"]
         lines.append(f"| {configuration} | **rloo.py / TRL** | **{r['median']:.2f}x** (min {r['min']:.2f}, max "
-                     f"{r['max']:.2f}) |" + " |" * (4 + len(PHASES)))
+                     f"{r['max']:.2f}) |" + " |" * (5 + len(PHASES)))
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ logits), `time/reference_forward`, `time/scoring` (the reward model), and `time/
 never clips gradients (so an A/B run passes `--max_grad_norm 0` to rloo.py as well).
 """
 
+import copy
 import json
 import sys
 import time
@@ -96,14 +97,16 @@ def instrument(trainer_module, device: torch.device, output_dir: Path, monitors,
 
     timer = rloo.PhaseTimer(device, default_phase="training")
     timer.count_tokens_of(*models)
-    state = {"logs": {}, "mark": None, "monitored": {}, "real_tokens": 0, "mean_length": 0.0}
+    fresh = {"monitored": {}, "prompt_tokens": 0.0, "response_tokens": 0, "responses": 0}  # per update
+    state = {"logs": {}, "mark": None, **fresh}
 
     def get_reward_and_monitor(model, query_responses, pad_token_id, context_length):
         with timer("scoring"):  # the monitors too, as in rloo.py, where weight 0 costs the same
-            real = query_responses != pad_token_id  # (k*B, Tq + Tr): TRL pads after the stop token
-            # unpadded: each prompt once (TRL's rows repeat it k times), each response
-            state["real_tokens"] = int(real[:, :context_length].sum()) / k + int(real[:, context_length:].sum())
-            state["mean_length"] = real[:, context_length:].sum(1).float().mean().item()
+            real = query_responses != pad_token_id  # (chunk, Tq + Tr): TRL pads after the stop token
+            # unpadded, summed over the update's chunks: each prompt once (TRL's rows repeat it k times), each response
+            state["prompt_tokens"] += int(real[:, :context_length].sum()) / k
+            state["response_tokens"] += int(real[:, context_length:].sum())
+            state["responses"] += real.shape[0]
             out = get_reward(model, query_responses, pad_token_id, context_length)
             if monitors:
                 texts = decode_for_monitors(tokenizer, query_responses, context_length, stop_token_id)
@@ -143,9 +146,9 @@ def instrument(trainer_module, device: torch.device, output_dir: Path, monitors,
             seconds = end - state["mark"]
             row = {"update": trainer_state.global_step, **state["logs"], **timer.metrics(), "time/update": seconds}
             row["time/training"] = seconds - sum(timer.seconds.values())
-            row["completions/mean_length"] = state["mean_length"]  # a metric TRL 0.21 does not log
-            row["work/minimum_tokens"] = float(state["real_tokens"] * sum(
-                num_ppo_epochs if phase == "training" else 1 for phase in timer.tokens))
+            row["completions/mean_length"] = state["response_tokens"] / state["responses"]  # TRL 0.21 does not log it
+            row["work/minimum_tokens"] = (state["prompt_tokens"] + state["response_tokens"]) * sum(
+                num_ppo_epochs if phase == "training" else 1 for phase in timer.tokens)
             row.update({f"reward/{name}/mean": sum(v) / len(v) for name, v in state["monitored"].items() if v})
             if device.type == "cuda":  # the peak since the last phase began covers the PPO epochs
                 row["memory/peak_gib"] = max(row.get("memory/peak_gib", 0.0),
@@ -156,7 +159,7 @@ def instrument(trainer_module, device: torch.device, output_dir: Path, monitors,
             print(f"trl update {row['update']} episode {row.get('episode')} | score "
                   f"{row.get('objective/scores', float('nan')):.4g} | update {seconds:.2f}s", flush=True)
             timer.start_update()
-            state["mark"], state["monitored"] = now(), {}
+            state.update(mark=now(), **copy.deepcopy(fresh))
 
     return Recorder()
 
@@ -174,7 +177,7 @@ def main(args: rloo.Args) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     policy, ref_policy, tokenizer, stop_token_id = rloo.load_policy(args, torch.device("cpu"))
     if ref_policy is None:  # TRL 0.21 always runs a reference model, also at kl_coef 0
-        ref_policy = rloo.copy.deepcopy(policy).eval().requires_grad_(False)
+        ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
     reward_model = rloo.load_reward_model(args.reward_model_path, torch.bfloat16 if args.bf16 else torch.float32,
                                           args.trust_remote_code)
     if not rloo.same_vocabulary(tokenizer, rloo.load_tokenizer(args.reward_model_path, args.trust_remote_code)):

@@ -85,10 +85,19 @@ def script_command(script: str, *args, nproc: int = 0) -> list[str]:
     return [*launcher, str(REPO / script), *map(str, args)]
 
 
+# What the tests mean: the CPU, also on a machine with a GPU (two ranks cannot share one GPU); the GPU tests pass
+# their own CUDA_VISIBLE_DEVICES.
+ON_CPU = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def cpu_env(env: dict | None = None) -> dict:
+    """This process's environment for a subprocess that runs on the CPU, offline, plus `env`."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", **ON_CPU, **(env or {})}
+
+
 def script_env(env: dict | None = None) -> dict:
-    """The environment of a run: tests/ importable (reward functions), offline."""
-    return {**os.environ, "PYTHONPATH": str(REPO / "tests"), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
-            **(env or {})}
+    """The environment of a run: tests/ importable (reward functions), offline, on the CPU."""
+    return cpu_env({"PYTHONPATH": str(REPO / "tests"), "WANDB_MODE": "offline", **(env or {})})
 
 
 def run_rloo(*args: str, nproc: int = 0, env: dict | None = None, timeout: int = 300,

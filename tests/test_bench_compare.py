@@ -13,7 +13,7 @@ import pytest
 
 from benchmark import synthetic_task
 from benchmark.trl_rloo import decode_for_monitors
-from conftest import REPO
+from conftest import REPO, cpu_env
 
 TRL_PYTHON = REPO / "benchmark" / ".venv-trl" / "bin" / "python"
 
@@ -29,7 +29,7 @@ def trl_python():
 
 def run_script(*args, timeout=600) -> subprocess.CompletedProcess:
     result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=REPO,
-                            timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                            timeout=timeout, env=cpu_env())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 

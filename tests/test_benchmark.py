@@ -2,7 +2,6 @@
 demo is `make demo`)."""
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import tyro
 import rloo
 from benchmark import demo, synthetic_task
 from benchmark.plot_metrics import plot_curves
-from conftest import REPO
+from conftest import REPO, cpu_env
 
 
 def test_true_score_by_hand():
@@ -63,7 +62,7 @@ def test_plot_curves_writes_a_png(tmp_path):
 
 def run_benchmark_script(*args) -> None:
     result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=REPO, timeout=600,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                            env=cpu_env())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 

@@ -57,7 +57,7 @@ def test_reward_model_with_its_own_tokenizer_and_every_option(assets, tmp_path):
                       "--token_level_kl", "--normalize_reward", "--normalize_advantage", "--missing_eos_penalty", 1.0,
                       "--gradient_accumulation_steps", 2, "--num_mini_batches", 2, "--num_ppo_epochs", 2,
                       "--gradient_checkpointing", "--bf16", *TINY_RUN[:2], "--per_device_train_batch_size", 4,
-                      *TINY_RUN[4:], "--compile_generation", "--local_rollout_forward_batch_size", 0)
+                      *TINY_RUN[4:], "--compile_generation", "--bf16_generation", "--local_rollout_forward_batch_size", 0)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(out)
     assert len(metrics) == 4
@@ -197,3 +197,30 @@ def test_a_flag_under_both_names_with_different_values_is_one_line(capsys, argv,
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and error.startswith("rloo.py: error: "), error
     assert all(f in error for f in fragments), error
+
+
+# ---------------------------------------------------------------- GPUs
+def test_more_ranks_than_gpus_is_one_line_naming_the_fix(monkeypatch):
+    import torch
+
+    import rloo
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(rloo.ConfigError, match=r"2 ranks on this node but 1 GPU\(s\) visible: .*--nproc_per_node 1; "
+                                               r"for a CPU \(gloo\) run, set CUDA_VISIBLE_DEVICES="):
+        rloo.setup_distributed()  # before any CUDA call: no 'invalid device ordinal' traceback
+
+
+def test_cudnn_attention_is_off_for_steady_times_at_changing_lengths():
+    import torch
+
+    import rloo
+
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    rloo.choose_kernels()  # what main does first
+    assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.matmul.allow_tf32

@@ -307,3 +307,67 @@ def test_pad_token_is_added_only_when_the_embedding_has_room():
     tokenizer = word_tokenizer(["<eos>", "a", "b"], pad=None)
     rloo.ensure_pad_token(tokenizer, "[PAD]", 8, "m")
     assert tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id == 3
+
+
+# ---------------------------------------------------------------- --bf16_generation
+def test_the_bf16_sampling_copy_holds_the_new_weights_after_every_update():
+    tokenizer = policy_tokenizer()
+    policy = tiny_policy(len(tokenizer))
+    args = rloo.Args(bf16=True, bf16_generation=True, rloo_k=2, response_length=4, temperature=1.0,
+                     local_rollout_forward_batch_size=8)
+    rollouts = rloo.LocalRollouts(policy, args, 1, 0, torch.Generator().manual_seed(0), NO_AUTOCAST)
+    assert rollouts.sampler is not policy
+    for update in (1, 2):
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p) * 0.1)  # an optimizer step
+        rollouts.policy_updated(update, policy)
+        for s, p in zip(rollouts.sampler.parameters(), policy.parameters()):
+            assert s.dtype == torch.bfloat16 and torch.equal(s, p.to(torch.bfloat16))
+    queries, mask = left_padded(tokenizer, ["a b :", "c :"])
+    rollouts.submit(queries, mask)
+    completions, _ = rollouts.take()
+    assert completions.responses.shape == (4, 4)
+
+
+def test_the_bf16_copy_samples_from_the_distribution_of_the_fp32_policy_under_autocast():
+    """Along the same token sequences, each next-token distribution of the bf16 copy is within 0.005 total
+    variation of the fp32 weights' under bf16 autocast (what sampling used before): bf16 rounding only (0.0003 here)."""
+    tokenizer = policy_tokenizer()
+    policy = tiny_policy(len(tokenizer))
+    copy = rloo.bf16_copy(policy)
+    queries, mask = left_padded(tokenizer, ["a b c d :", "e :", "f g :"])
+    c = rloo.sample_completions(copy, queries, mask, 8, 1.0, None, 0, torch.Generator().manual_seed(0), k=4)
+    with torch.no_grad():
+        inputs = rloo.unshared_inputs(c)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            reference = policy(**inputs).logits.float().softmax(-1)  # (12, Tq + 8, V)
+        fast = copy(**inputs).logits.float().softmax(-1)
+    positions = slice(queries.shape[1] - 1, -1)  # those that predict a response token
+    total_variation = 0.5 * (fast[:, positions] - reference[:, positions]).abs().sum(-1)  # (12, 8)
+    assert total_variation.max() < 0.005, total_variation.max()
+
+
+def test_bf16_generation_needs_bf16_and_a_replicated_policy():
+    for flags in ({"bf16_generation": True}, {"bf16_generation": True, "bf16": True, "fsdp": True}):
+        with pytest.raises(rloo.ConfigError, match="--bf16_generation samples from a bf16 copy"):
+            rloo.validate_args(rloo.Args(model_name_or_path="p", reward_fn=("m:f",), **flags))
+
+
+def test_the_phase_timer_counts_the_tokens_fed_and_the_bytes_each_decoding_step_reads():
+    tokenizer = policy_tokenizer()
+    policy = tiny_policy(len(tokenizer))
+    timer = rloo.PhaseTimer(torch.device("cpu"))
+    timer.count_tokens_of(policy, policy)  # watched once
+    queries, mask = left_padded(tokenizer, ["a b :", "c :"])  # (2, 3)
+    with timer("generation"):
+        rloo.sample_completions(policy, queries, mask, 5, 1.0, None, 0, k=2)
+    policy(input_ids=queries)  # outside any phase: not counted
+    metrics = timer.metrics()
+    assert metrics["work/generation_tokens"] == 2 * 3 + 4 * 4  # the prefill of 2 prompts, 4 steps of 4 rows
+    weights = sum(p.nbytes for p in policy.parameters()) - policy.get_input_embeddings().weight.nbytes
+    config = policy.config
+    cache = 2 * config.num_hidden_layers * 4 * config.hidden_size * (3 + 5) * 4  # K and V, 4 rows of 8 positions, fp32
+    assert metrics["work/decode_bytes"] == 4 * (weights + cache)
+    timer.start_update()
+    assert timer.metrics()["work/forward_tokens"] == 0

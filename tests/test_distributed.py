@@ -1,18 +1,17 @@
 """A 2-process gloo run updates the parameters exactly as one process does on the same global batch, with DDP
 and with FSDP2."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import REPO, tiny_policy, policy_tokenizer
+from conftest import REPO, cpu_env, tiny_policy, policy_tokenizer
 
 
 def run(script_args: list[str], out, wrapper: str = "ddp") -> None:
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
+    env = cpu_env({"PYTHONPATH": f"{REPO / 'tests'}:{REPO}"})
     result = subprocess.run([sys.executable, *script_args, str(REPO / "tests" / "ddp_update.py"), str(out), wrapper],
                             capture_output=True, text=True, env=env, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,7 +1,6 @@
 """benchmark/tldr/judge.py against a stand-in OpenAI-compatible server on 127.0.0.1 (no network)."""
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -17,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rloo
 from benchmark.tldr import judge
-from conftest import LETTERS, REPO, write_jsonl
+from conftest import LETTERS, REPO, cpu_env, write_jsonl
 
 JUDGE_MODEL = "stand-in-judge"
 SLOTS = re.compile(r"\nSummary A:\n(.*)\n\nSummary B:\n(.*)\n\nFIRST provide", re.DOTALL)
@@ -202,7 +201,7 @@ def tldr_rows() -> list[dict]:
 
 
 def run_judge(*args, env: dict | None = None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    full_env = cpu_env(env)
     return subprocess.run([sys.executable, str(REPO / "benchmark" / "tldr" / "judge.py"), *map(str, args)],
                           capture_output=True, text=True, env=full_env, cwd=REPO, timeout=120)
 
