@@ -350,3 +350,16 @@ def test_trainer_attached_to_a_real_vllm_serve_trains_the_tiny_policy(assets, tm
         server.kill()
     assert result.returncode == 0, result.stderr[-3000:] + (tmp_path / "vllm_serve.log").read_text()[-3000:]
     assert all(abs(m["val/ratio"] - 1) < 1e-5 for m in read_metrics(tmp_path / "out"))
+
+
+def test_an_engine_timeout_of_zero_and_a_port_in_use_are_refused_before_anything_loads():
+    for timeout in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(rloo.ConfigError, match="engine_timeout = .* must be a finite number of seconds > 0"):
+            mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", engine_timeout=timeout), 1)
+    with socket.socket() as taken:  # what an earlier run, or anything else, listening there looks like
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for engine_port in (port, port - 1):  # the control store's port, or the weight group's after it
+            with pytest.raises(rloo.ConfigError, match=rf"--engine_port {engine_port}: port \d+ is in use.* another"):
+                mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", engine_port=engine_port), 1)
