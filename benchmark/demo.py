@@ -62,7 +62,8 @@ def rloo_command(args: Args, assets: dict[str, str]) -> list[str]:
         "num_sample_generations": 2,
         "seed": args.seed,
     }
-    return [sys.executable, "rloo.py"] + [s for key, value in flags.items() for s in (f"--{key}", str(value))]
+    return [sys.executable, "rloo.py"] + [s for key, value in flags.items() for s in (f"--{key}", str(value))] + [
+        "--overwrite_output_dir"]  # an earlier demo's run moves to output_dir/abandoned/
 
 
 def read_prompts(path: str) -> list[str]:
@@ -83,7 +84,6 @@ def main(args: Args) -> None:
     args.output_dir = str(Path(args.output_dir).resolve())  # rloo.py runs from the repo root
     assets = ensure_assets(Path(args.cache_dir).resolve())
     metrics_path = Path(args.output_dir) / "metrics.jsonl"
-    metrics_path.unlink(missing_ok=True)  # rloo.py appends
     command = rloo_command(args, assets)
     print("$ " + shlex.join(command), flush=True)
     returncode = subprocess.run(command, cwd=REPO_ROOT).returncode
