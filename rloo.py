@@ -786,6 +786,11 @@ def prepare_tokenizer(args: Args):
         if stop_token_id is not None and stop_token_id >= vocab_size:
             raise ConfigError(f"stop_token_id = {stop_token_id} is outside the policy's vocabulary of {vocab_size}: "
                               "pass an id below it")
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if positions and args.max_prompt_length + args.response_length > positions and os.environ.get("RANK", "0") == "0":
+        print(f"rloo.py: warning: max_prompt_length + response_length = {args.max_prompt_length + args.response_length}"
+              f" tokens exceed the policy's {positions} positions (max_position_embeddings): longer prompts would "
+              "fail or degrade; lower --max_prompt_length", file=sys.stderr)
     if args.reward_model_path is not None:
         check_reward_model_config(args.reward_model_path, args.trust_remote_code)
     return tokenizer, vocab_size

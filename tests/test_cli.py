@@ -260,7 +260,7 @@ def test_bad_input_is_one_line_before_any_model_loads_and_changes_nothing(case, 
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"update": 1}\n')
     flags = {"model_name_or_path": assets["policy"], "dataset_name": assets["train"], "output_dir": out,
-             "reward_fn": "reward_fns:count_a"}
+             "reward_fn": "reward_fns:count_a", "max_prompt_length": 16, "response_length": 6}
     for name, value in changes.items():
         flags[name] = None if value is None else bad_files.get(value, value)
     watched = flags["output_dir"] if Path(flags["output_dir"]).is_dir() else out
@@ -277,3 +277,12 @@ def test_bad_input_is_one_line_before_any_model_loads_and_changes_nothing(case, 
         assert fragment in lines[0], lines[0]
     assert snapshot(watched) == before
     assert not (out / "checkpoints").exists()
+
+
+def test_a_sequence_longer_than_the_policys_positions_is_warned_about(assets, capsys):
+    args = rloo.Args(model_name_or_path=str(assets["policy"]), max_prompt_length=60, response_length=10)
+    rloo.prepare_tokenizer(args)  # the tiny policy has 64 positions
+    assert ("warning: max_prompt_length + response_length = 70 tokens exceed the policy's 64 positions"
+            in capsys.readouterr().err)
+    rloo.prepare_tokenizer(rloo.Args(model_name_or_path=str(assets["policy"]), max_prompt_length=16, response_length=6))
+    assert capsys.readouterr().err == ""
