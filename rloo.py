@@ -1962,15 +1962,15 @@ def rank0_view(value):
     return shared[0]
 
 
-def file_digests(root: Path, names: Optional[list[str]] = None) -> dict[str, Optional[list]]:
-    """{path relative to root: [bytes, sha256] (None if missing)} of `names`, or of every file under root (as rank 0
+def file_digests(root: Path, names: Optional[list[str]] = None) -> dict[str, Optional[dict]]:
+    """{path relative to root: {"bytes": size, "sha256": hex digest} (None if missing)} of `names`, or of every file under root (as rank 0
     sees them). Collective when distributed: each rank hashes a share (checkpoints are on a filesystem every rank
     sees), so that a save or a resume reads each file once, all ranks in parallel."""
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     if names is None:
         names = rank0_view(sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()))
-    digests = {name: [(root / name).stat().st_size, sha256_of(root / name)] if (root / name).is_file() else None
-               for name in names[rank::world]}
+    digests = {name: {"bytes": (root / name).stat().st_size, "sha256": sha256_of(root / name)}
+               if (root / name).is_file() else None for name in names[rank::world]}
     if world > 1:
         shares = [None] * world
         dist.all_gather_object(shares, digests)
@@ -2021,15 +2021,15 @@ def checkpoint_problem(path: Path) -> Optional[str]:
         if not (path / TRAINER_STATE).is_file():
             return f"no {MANIFEST}: its save did not finish"
     except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{MANIFEST} cannot be read ({first_line(e)})"
+        return f"{MANIFEST} cannot be read ({type(e).__name__}: {first_line(e)})"
     if listed is not None:
         found = file_digests(path, sorted(listed))
-        for name, (size, digest) in sorted(listed.items()):
+        for name, expected in sorted(listed.items()):
             if found[name] is None:
                 return f"{name} is missing"
-            if found[name][0] != size:
-                return f"{name} has {found[name][0]} bytes where the manifest says {size}"
-            if found[name][1] != digest:
+            if found[name]["bytes"] != expected["bytes"]:
+                return f"{name} has {found[name]['bytes']} bytes where the manifest says {expected['bytes']}"
+            if found[name]["sha256"] != expected["sha256"]:
                 return f"{name} differs from the manifest (sha256)"
     return unsafe_metadata(metadata) if metadata.is_file() else None
 
@@ -2204,7 +2204,7 @@ def settle_output_dir(args: Args, start_update: int, skipped: dict) -> list[str]
             return []
         folder = move_aside(args.output_dir, names, "overwritten")
         return [f"--overwrite_output_dir: the earlier run's {', '.join(names)} moved to {folder}"]
-    later = [d for d in checkpoint_dirs(args.output_dir) if int(d.name.removeprefix("step_")) > start_update]
+    later = [d for d in reversed(checkpoint_dirs(args.output_dir)) if int(d.name.removeprefix("step_")) > start_update]
     metrics = root / "metrics.jsonl"
     kept, dropped = [], []
     for line in metrics.read_text().splitlines(keepends=True) if metrics.is_file() else []:
