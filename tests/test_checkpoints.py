@@ -343,15 +343,23 @@ def test_checkpoints_cannot_run_code(tmp_path):
 
 def test_rng_states_survive_a_safe_round_trip(tmp_path):
     sampling = torch.Generator().manual_seed(3)
-    random.seed(1), np.random.seed(2), torch.manual_seed(4)
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(4)
+
+    def draws() -> tuple:
+        return random.random(), np.random.rand(), torch.rand(1).item(), torch.rand(1, generator=sampling).item()
+
     torch.save(rloo.rng_state(sampling), tmp_path / "rng.pt")
-    expected = (random.random(), np.random.rand(), torch.rand(1), torch.rand(1, generator=sampling))
+    expected = draws()
     rloo.set_rng_state(rloo.load_safely(tmp_path / "rng.pt"), sampling)
-    assert (random.random(), np.random.rand(), torch.rand(1), torch.rand(1, generator=sampling)) == expected
+    assert draws() == expected
     legacy = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-              "sampling": sampling.get_state()}  # how earlier versions wrote it: numpy arrays
+              "sampling": sampling.get_state()}  # as earlier versions of rloo.py wrote it: numpy's own arrays
     torch.save(legacy, tmp_path / "legacy.pt")
+    expected = draws()
     rloo.set_rng_state(rloo.load_safely(tmp_path / "legacy.pt"), sampling)
+    assert draws() == expected
 
 
 def fake_run(out: Path, steps: list[int]) -> None:
