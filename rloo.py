@@ -20,15 +20,22 @@ advantages | loss | update | logging | evaluation | main.
 
 import contextlib
 import copy
+import datetime
+import fcntl
+import hashlib
 import importlib
 import inspect
+import itertools
 import json
 import math
+import numbers
 import os
+import pickle
 import random
 import re
 import shutil
 import signal
+import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
@@ -50,8 +57,8 @@ class Args:
         "exp_name", "run_name", "output_dir", "track", "wandb_project_name", "wandb_entity", "trust_remote_code",
         "dataset_test_split", "num_sample_generations", "num_evals", "eval_max_prompts",
         "local_rollout_forward_batch_size", "gradient_checkpointing", "total_episodes", "num_train_epochs",
-        "save_steps", "save_total_limit", "resume", "resume_from", "fsdp_generation", "compile_generation",
-        "share_prompt", "bf16_generation"})
+        "save_steps", "save_total_limit", "resume", "resume_from", "overwrite_output_dir", "ddp_timeout",
+        "fsdp_generation", "compile_generation", "share_prompt", "bf16_generation"})
 
     # ----- experiment -----
     exp_name: str = "rloo"
@@ -204,18 +211,34 @@ class Args:
     # ----- checkpoints -----
     save_steps: int = 0
     """write a resumable checkpoint to output_dir/checkpoints/step_<update> every this many updates
-    (0: only at the end, or when SIGTERM/SIGUSR1 stops the run)"""
+    (0: only at the end, or when a signal stops the run)"""
     save_total_limit: Optional[int] = None
-    """keep only the newest this many checkpoints; None keeps all"""
+    """keep only the newest this many checkpoints (at least 1; the newest is never deleted); None keeps all"""
     resume: bool = False
-    """continue from the latest checkpoint in output_dir if there is one (else start fresh: one command
-    serves the first launch and every requeue)"""
+    """continue from the newest intact checkpoint in output_dir if there is one (else start fresh: one command
+    serves the first launch and every requeue); damaged newer ones are named and set aside"""
     resume_from: Optional[str] = None
-    """continue from this checkpoint directory"""
+    """continue from this checkpoint directory; later checkpoints of output_dir are set aside (another timeline)"""
+    overwrite_output_dir: bool = False
+    """start a new run in an output_dir that holds an earlier run: its checkpoints, metrics and final policy are
+    moved to output_dir/abandoned/ first (nothing is deleted). Without it such a run is refused"""
+    ddp_timeout: float = 600.0
+    """seconds a rank waits for the others (in a collective, or after scoring, evaluation or a save) before the
+    run stops with a line naming the late rank and its phase: a reward function that never returns, a dead node"""
 
 
 class ConfigError(Exception):
     """Bad input the user can fix; reported as one line and exit status 2."""
+
+
+class Fault(Exception):
+    """A failure outside the training state stopped the run (a reward function, the disk, a rank that stopped
+    answering); reported as one line saying what was saved, exit status 4. `announce`: whether this rank prints it
+    (one rank says it for all)."""
+
+    def __init__(self, message: str, announce: bool = True):
+        super().__init__(message)
+        self.announce = announce
 
 
 # ===================================================================== batch arithmetic
@@ -249,6 +272,39 @@ def compute_batch_sizes(args: Args, world_size: int) -> BatchSizes:
     return BatchSizes(micro=micro, mini=mini, local=local, prompts=local // args.rloo_k, world=local * world_size)
 
 
+def number_rules(args: Args) -> list[tuple[str, object, bool, str]]:
+    """(flag, value, whether it is allowed, what it must be) for every number a typo or a NaN makes meaningless
+    without any error later: sampling at temperature inf, a clip range of 0, a negative learning rate."""
+    def finite(x) -> bool:
+        return x is not None and math.isfinite(x)
+
+    a = args
+    return [
+        ("temperature", a.temperature, finite(a.temperature) and a.temperature > 0, "a finite number > 0"),
+        ("cliprange", a.cliprange, finite(a.cliprange) and a.cliprange > 0, "a finite number > 0"),
+        ("learning_rate", a.learning_rate, finite(a.learning_rate) and a.learning_rate >= 0, "a finite number >= 0"),
+        ("adam_epsilon", a.adam_epsilon, finite(a.adam_epsilon) and a.adam_epsilon > 0, "a finite number > 0"),
+        ("kl_coef", a.kl_coef, finite(a.kl_coef) and a.kl_coef >= 0, "a finite number >= 0"),
+        ("max_grad_norm", a.max_grad_norm, not math.isnan(a.max_grad_norm), "a number (<= 0: no clipping)"),
+        ("reward_clip_range", a.reward_clip_range, finite(a.reward_clip_range) and a.reward_clip_range > 0,
+         "a finite number > 0"),
+        ("missing_eos_penalty", a.missing_eos_penalty, a.missing_eos_penalty is None or finite(a.missing_eos_penalty),
+         "a finite number or None"),
+        ("reward_weights", a.reward_weights, all(finite(w) for w in a.reward_weights or ()), "finite numbers"),
+        ("num_train_epochs", a.num_train_epochs, finite(a.num_train_epochs) and a.num_train_epochs > 0,
+         "a finite number > 0"),
+        ("seed", a.seed, 0 <= a.seed < 2**31, "between 0 and 2**31 - 1 (numpy's seeds are unsigned)"),
+        ("stop_token_id", a.stop_token_id, a.stop_token_id is None or a.stop_token_id >= 0, "a token id >= 0 or None"),
+        ("num_sample_generations", a.num_sample_generations, a.num_sample_generations >= 0, ">= 0 (0: none)"),
+        ("num_evals", a.num_evals, a.num_evals >= 0, ">= 0 (0: only at the end)"),
+        ("eval_max_prompts", a.eval_max_prompts, a.eval_max_prompts >= 1, "at least 1"),
+        ("save_steps", a.save_steps, a.save_steps >= 0, ">= 0 (0: only at the end and on a signal)"),
+        ("save_total_limit", a.save_total_limit, a.save_total_limit is None or a.save_total_limit >= 1,
+         "at least 1, or None to keep every checkpoint"),
+        ("ddp_timeout", a.ddp_timeout, finite(a.ddp_timeout) and a.ddp_timeout > 0, "a finite number of seconds > 0"),
+    ]
+
+
 def validate_args(args: Args) -> None:
     """Refuse flags that clash before anything is loaded."""
     if args.model_name_or_path is None and args.sft_model_path is None:
@@ -261,8 +317,11 @@ def validate_args(args: Args) -> None:
             f"--reward_weights has {len(args.reward_weights)} values but there are {num_sources} reward sources "
             "(the reward model first, then each --reward_fn)"
         )
-    if args.temperature <= 0:
-        raise ConfigError(f"temperature = {args.temperature} must be > 0")
+    for name, value, allowed, requirement in number_rules(args):
+        if not allowed:
+            raise ConfigError(f"{name} = {value!r} must be {requirement}")
+    if args.overwrite_output_dir and args.resume:
+        raise ConfigError("--overwrite_output_dir starts over, --resume continues: pass one of them")
     if args.response_length < 1 or args.max_prompt_length < 1 or args.local_rollout_forward_batch_size < 0:
         raise ConfigError("response_length and max_prompt_length must be >= 1, local_rollout_forward_batch_size "
                           ">= 0 (0: sized to the free memory)")
@@ -294,8 +353,13 @@ class Dist:
         return self.rank == 0
 
 
-def setup_distributed() -> Dist:
-    """torch.distributed from torchrun's RANK/LOCAL_RANK/WORLD_SIZE: NCCL on GPUs, gloo on CPU."""
+PEER_TIMEOUT = [1800.0]  # seconds a rank waits for the others: --ddp_timeout, set by setup_distributed
+
+
+def setup_distributed(timeout: float = 1800.0) -> Dist:
+    """torch.distributed from torchrun's RANK/LOCAL_RANK/WORLD_SIZE: NCCL on GPUs, gloo on CPU; a collective that
+    waits longer than `timeout` seconds for another rank fails instead of waiting on."""
+    PEER_TIMEOUT[0] = timeout
     if "RANK" not in os.environ:  # plain `python rloo.py`
         return Dist(0, 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
@@ -309,7 +373,8 @@ def setup_distributed() -> Dist:
     else:
         device, backend = torch.device("cpu"), "gloo"
     # gloo too on GPUs: collectives on CPU tensors (--offload's gradient shards, their norm) have a backend
-    dist.init_process_group(backend="cuda:nccl,cpu:gloo" if backend == "nccl" else backend)
+    dist.init_process_group(backend="cuda:nccl,cpu:gloo" if backend == "nccl" else backend,
+                            timeout=datetime.timedelta(seconds=timeout))
     return Dist(rank, local_rank, world_size, device)
 
 
@@ -447,11 +512,13 @@ def load_split(name: str, split: str, config: Optional[str]):
 
     path = Path(name)
     if path.suffix in LOCAL_FORMATS:
-        if not path.is_file():
-            raise ConfigError(f"dataset file {name} does not exist")
-        return datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
+        return load_local_file(path)
     if path.is_dir():
-        loaded = datasets.load_from_disk(str(path))
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"dataset directory {name} is not a dataset written by save_to_disk "
+                              f"({first_line(e)}); pass such a directory or a .jsonl/.json/.parquet file") from None
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
                 raise ConfigError(f"dataset {name} has no split {split!r}; its splits are {list(loaded)}")
@@ -465,6 +532,75 @@ def load_split(name: str, split: str, config: Optional[str]):
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} - without network, pass a local "
             ".jsonl/.json/.parquet file or a save_to_disk directory"
         ) from None
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def has_splits(name: str) -> bool:
+    """Whether the dataset has named splits: a Hub dataset or a saved DatasetDict does, a single file or a saved
+    Dataset does not (any split name would silently give the whole of it)."""
+    path = Path(name)
+    if path.suffix in LOCAL_FORMATS:
+        return False
+    return not path.is_dir() or (path / "dataset_dict.json").is_file()
+
+
+def load_local_file(path: Path):
+    """A .jsonl/.json/.parquet file as one dataset; a file that cannot be read is named with its first bad line."""
+    import datasets
+
+    if not path.is_file():
+        raise ConfigError(f"dataset file {path} does not exist")
+    if path.stat().st_size == 0:
+        raise ConfigError(f"dataset file {path} is empty")
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs its own copy of a parse error first
+    try:
+        dataset = datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
+    except Exception as e:  # pyarrow's and datasets' many types; the line that is wrong is what the user needs
+        raise ConfigError(f"dataset file {path} cannot be read: {bad_json_line(path) or first_line(e)}") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+    if len(dataset) == 0:
+        raise ConfigError(f"dataset file {path} has no rows")
+    return dataset
+
+
+def bad_json_line(path: Path) -> Optional[str]:
+    """`line N: what is wrong` for the first line of a JSON-lines file that is not a JSON object (or for a .json
+    file that is not JSON at all); None when every line is."""
+    if path.suffix not in (".jsonl", ".json"):
+        return None
+    text = path.read_text(errors="replace")
+    if path.suffix == ".json":
+        try:
+            json.loads(text)
+            return None
+        except json.JSONDecodeError as whole:
+            try:  # JSON lines under a .json name have a valid first line
+                json.loads(next((line for line in text.splitlines() if line.strip()), ""))
+            except json.JSONDecodeError:
+                return f"line {whole.lineno} is not valid JSON ({whole.msg}, column {whole.colno})"
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            return f"line {number} is not valid JSON ({e.msg}, column {e.colno})"
+        if not isinstance(row, dict):
+            return f"line {number} is a JSON {type(row).__name__}, not an object with a prompt column"
+    return None
+
+
+def is_prompt(value) -> bool:
+    """A prompt is a string, or chat messages: a list of {"role": ..., "content": ...} dicts."""
+    if isinstance(value, str):
+        return True
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "content" in m for m in value)
 
 
 def prompt_token_ids(rows: dict, tokenizer, prompt_column: str) -> list[list[int]]:
@@ -481,22 +617,56 @@ def prompt_token_ids(rows: dict, tokenizer, prompt_column: str) -> list[list[int
     return [[t for t in ids if t != tokenizer.pad_token_id] for ids in rows["query_token"]]
 
 
-def prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: int, name: str):
-    """Add the PROMPT_IDS column, drop prompts longer than max_prompt_length. Returns (dataset, dropped)."""
+def check_prompt_values(rows: dict, indices: list[int], prompt_column: str, name: str) -> None:
+    """Refuse, naming the first offending row of a batch, prompts that are neither strings nor chat messages (None,
+    numbers) and pre-tokenized queries that are not lists of token ids."""
+    if prompt_column in rows:
+        column, valid, what = prompt_column, is_prompt, "a string or a list of chat messages"
+    else:
+        column, what = "query_token", "a list of token ids"
+        valid = lambda ids: isinstance(ids, list) and all(isinstance(t, int) for t in ids)  # noqa: E731
+    for row, value in zip(indices, rows[column]):
+        if not valid(value):
+            raise ConfigError(f"dataset {name}, row {row}: column {column!r} holds {repr(value)[:60]}, not {what}")
+
+
+def prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: int, name: str,
+                    vocab_size: Optional[int] = None):
+    """Add the PROMPT_IDS column, drop empty prompts and prompts longer than max_prompt_length. Returns (dataset,
+    dropped), dropped = {"empty": count, "too_long": count}. With `vocab_size`, token ids the policy cannot
+    embed are refused (a tokenizer of another model, pre-tokenized ids of another vocabulary)."""
+    import pyarrow.compute as pc
+
     if prompt_column not in dataset.column_names and "query_token" not in dataset.column_names:
         raise ConfigError(
             f"dataset {name} has no {prompt_column!r} column (string or chat messages) and no pre-tokenized "
             f"'query_token' column; its columns are {dataset.column_names}: pass --prompt_column NAME"
         )
+
+    def tokenize(rows: dict, indices: list[int]) -> dict:
+        check_prompt_values(rows, indices, prompt_column, name)
+        return {PROMPT_IDS: prompt_token_ids(rows, tokenizer, prompt_column)}
+
     # in memory: no cache files for torchrun's ranks to race on
-    dataset = dataset.map(lambda rows: {PROMPT_IDS: prompt_token_ids(rows, tokenizer, prompt_column)}, batched=True,
-                          keep_in_memory=True)
-    before = len(dataset)
-    dataset = dataset.filter(lambda ids: 0 < len(ids) <= max_prompt_length, input_columns=PROMPT_IDS,
-                             keep_in_memory=True)
+    dataset = dataset.map(tokenize, with_indices=True, batched=True, keep_in_memory=True)
+    ids = dataset.with_format("arrow")[PROMPT_IDS]  # lengths and extremes in Arrow: no Python list per token
+    lowest, highest = pc.min_max(pc.list_flatten(ids)).values()
+    if vocab_size is not None and lowest.is_valid and not 0 <= lowest.as_py() <= highest.as_py() < vocab_size:
+        row, bad = next((i, t) for i, row_ids in enumerate(dataset[PROMPT_IDS]) for t in row_ids
+                        if not 0 <= t < vocab_size)
+        raise ConfigError(f"dataset {name}, row {row}: token id {bad} is outside the policy's vocabulary of "
+                          f"{vocab_size}: tokenize with the policy's tokenizer")
+    lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
+    dropped = {"empty": int((lengths == 0).sum()), "too_long": int((lengths > max_prompt_length).sum())}
+    dataset = dataset.select(np.flatnonzero((lengths > 0) & (lengths <= max_prompt_length)), keep_in_memory=True)
     if len(dataset) == 0:
         raise ConfigError(f"every prompt of {name} is empty or longer than max_prompt_length ({max_prompt_length})")
-    return dataset, before - len(dataset)
+    return dataset, dropped
+
+
+def describe_dropped(dropped: dict[str, int], max_prompt_length: int) -> str:
+    return (f"{dropped['too_long']} dropped as longer than {max_prompt_length} tokens"
+            + (f", {dropped['empty']} empty" if dropped["empty"] else ""))
 
 
 def pad_sequences(
@@ -605,6 +775,54 @@ def load_reward_model(path: str, dtype: torch.dtype, trust_remote_code: bool):
     if not hasattr(model, "score"):
         raise ConfigError(f"reward model {path!r} has no `score` head; use an AutoModelForSequenceClassification model")
     return model
+
+
+def load_config(path: str, what: str, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    return _from_pretrained(AutoConfig.from_pretrained, path, what, trust_remote_code=trust_remote_code)
+
+
+def check_reward_model_config(path: str, trust_remote_code: bool) -> None:
+    """A saved classification head must give one score per sequence (a causal LM gets a new one-label head)."""
+    config = load_config(path, "reward model", trust_remote_code)
+    classifier = any(name.endswith("ForSequenceClassification") for name in config.architectures or ())
+    if classifier and config.num_labels != 1:
+        raise ConfigError(f"reward model {path!r} has a {config.num_labels}-label classification head, but a reward is "
+                          "one number per completion: use a reward model saved with num_labels=1")
+
+
+def stop_token_id_of(args: Args, tokenizer, tokenizer_path: str) -> Optional[int]:
+    """--stop_token_id, or the tokenizer's EOS with --stop_token eos, or None."""
+    if args.stop_token_id is not None or args.stop_token != "eos":
+        return args.stop_token_id
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"--stop_token eos but the tokenizer of {tokenizer_path} has no EOS: pass --stop_token_id")
+    return tokenizer.eos_token_id
+
+
+def prepare_tokenizer(args: Args):
+    """The policy's tokenizer with a pad token, and the policy's vocabulary size (None if its config does not say),
+    checked from the models' configs before any weights load: the pad and stop token ids fit the vocabulary, the
+    reward model's head gives one score."""
+    tokenizer_path = args.model_name_or_path or args.sft_model_path
+    tokenizer = load_tokenizer(tokenizer_path, args.trust_remote_code)
+    config = load_config(args.sft_model_path or args.model_name_or_path, "policy", args.trust_remote_code)
+    vocab_size = getattr(config.get_text_config(), "vocab_size", None)
+    if vocab_size is not None:
+        ensure_pad_token(tokenizer, args.pad_token, vocab_size, tokenizer_path)
+        stop_token_id = stop_token_id_of(args, tokenizer, tokenizer_path)
+        if stop_token_id is not None and stop_token_id >= vocab_size:
+            raise ConfigError(f"stop_token_id = {stop_token_id} is outside the policy's vocabulary of {vocab_size}: "
+                              "pass an id below it")
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if positions and args.max_prompt_length + args.response_length > positions and os.environ.get("RANK", "0") == "0":
+        print(f"rloo.py: warning: max_prompt_length + response_length = {args.max_prompt_length + args.response_length}"
+              f" tokens exceed the policy's {positions} positions (max_position_embeddings): longer prompts would "
+              "fail or degrade; lower --max_prompt_length", file=sys.stderr)
+    if args.reward_model_path is not None:
+        check_reward_model_config(args.reward_model_path, args.trust_remote_code)
+    return tokenizer, vocab_size
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -995,6 +1213,7 @@ class PhaseTimer:
         if cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+        note_phase(phase)
         start, self.phase = time.perf_counter(), phase
         try:
             yield
@@ -1260,8 +1479,21 @@ def retokenize(texts: list[str], ended: list[bool], tokenizer, device: torch.dev
     return pad_sequences(sequences, 0, device, side="right")  # pad id 0: reward_model_scores masks padding
 
 
+REWARD_FUNCTION_ARGUMENTS = ("prompts", "completions", "completion_ids")  # and every other dataset column
+
+
+class RewardFunctionError(Fault):
+    """A reward function raised or returned something that is not one number (or None) per completion. The run
+    keeps the last finished update (a checkpoint) and stops; `after_training`: the update in progress had trained
+    already (the failure was in its evaluation)."""
+
+    def __init__(self, message: str, announce: bool = True, after_training: bool = False):
+        super().__init__(message, announce)
+        self.after_training = after_training
+
+
 def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
-    """Import each `package.module:function` spec."""
+    """Import each `package.module:function` spec; each must take **kwargs (it is called with every column)."""
     functions = []
     for spec in specs:
         module_name, _, attr = spec.partition(":")
@@ -1274,15 +1506,55 @@ def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
         fn = getattr(module, attr, None)
         if not callable(fn):
             raise ConfigError(f"unknown reward function {spec!r}: module {module_name!r} has no function {attr!r}")
+        kinds = {p.kind for p in inspect.signature(fn).parameters.values()}
+        if inspect.Parameter.VAR_KEYWORD not in kinds:
+            raise ConfigError(f"reward function {spec!r} takes no **kwargs: it is called with prompts, completions, "
+                              "completion_ids and every other dataset column as keywords; add **kwargs")
         functions.append((attr, fn))
     return functions
 
 
+def check_reward_function_arguments(functions: list[tuple[str, Callable]], splits: list[tuple[str, object]],
+                                    prompt_column: str) -> None:
+    """Each parameter a reward function requires must be one it is given, for each (name, dataset) of `splits`
+    (None: absent): a fixed argument, or a column other than the prompt's (given as `prompts`)."""
+    for dataset_name, dataset in splits:
+        columns = [] if dataset is None else [c for c in dataset.column_names if c not in (PROMPT_IDS, prompt_column)]
+        for name, fn in functions if dataset is not None else ():
+            for parameter in inspect.signature(fn).parameters.values():
+                required = parameter.default is inspect.Parameter.empty and parameter.kind in (
+                    inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+                if required and parameter.name not in (*REWARD_FUNCTION_ARGUMENTS, *columns):
+                    raise ConfigError(f"reward function {name!r} needs {parameter.name!r}, which is neither one of "
+                                      f"{list(REWARD_FUNCTION_ARGUMENTS)} nor a column of dataset {dataset_name} (its "
+                                      f"columns: {columns})")
+
+
+def is_number(value) -> bool:
+    """A Python, numpy or 0-d tensor/array number."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()
+    return isinstance(value, numbers.Real)
+
+
 def call_reward_function(name: str, fn: Callable, n: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Values (n,) and an applies-mask (n,) from a reward function returning a float or None per completion."""
-    out = list(fn(**kwargs))
-    if len(out) != n or not all(v is None or isinstance(v, (int, float)) for v in out):
-        raise ValueError(f"reward function {name!r} must return {n} floats (or None), got {str(out)[:200]}")
+    """Values (n,) and an applies-mask (n,) from a reward function returning a number or None per completion.
+    Whatever it raises, and anything else it returns, becomes a RewardFunctionError naming it."""
+    try:
+        out = fn(**kwargs)
+    except Exception as e:  # the user's code: any type
+        raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {first_line(e)}") from e
+    if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
+        raise RewardFunctionError(f"reward function {name!r} returned {repr(out)[:80]}, not a list of {n} numbers "
+                                  "(or None), one per completion")
+    out = list(out)
+    if len(out) != n:
+        raise RewardFunctionError(f"reward function {name!r} returned {len(out)} values for {n} completions: it must "
+                                  "return one number (or None) per completion")
+    for v in out:
+        if v is not None and not is_number(v):
+            raise RewardFunctionError(f"reward function {name!r} returned {repr(v)[:80]} ({type(v).__name__}) "
+                                      "among its values: each must be a number or None")
     applies = torch.tensor([v is not None for v in out])
     return torch.tensor([0.0 if v is None else float(v) for v in out]), applies
 
@@ -1291,7 +1563,8 @@ def combine_rewards(values: torch.Tensor, applies: torch.Tensor, weights: torch.
     """Weighted sum over the sources that apply. values and applies (S, N), weights (S,) -> (N,)."""
     if not applies.any(0).all():
         missing = (~applies.any(0)).nonzero().flatten().tolist()
-        raise ValueError(f"no reward source applies to completions {missing[:10]} (every source returned None)")
+        raise RewardFunctionError(f"no reward source applies to completions {missing[:10]} (every reward function "
+                                  "returned None for them and there is no reward model)")
     return (values * applies * weights[:, None]).sum(0)
 
 
@@ -1666,7 +1939,14 @@ class RunLogger:
 CHECKPOINTS = "checkpoints"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.pt"
+MANIFEST = "manifest.json"  # written last into a checkpoint: the size and sha256 of each of its other files
 PREEMPTED = "preempted"  # in output_dir while a run stopped by a signal waits to be resumed; job scripts requeue on it
+LOCK = "run.lock"  # flock'ed by the run that writes to output_dir, and holding its pid and host
+ABANDONED = "abandoned"  # output_dir/abandoned/<time>_<why>/: work a run set aside (never deleted)
+RUN_OUTPUTS = (CHECKPOINTS, "metrics.jsonl", "args.json", PREEMPTED, "nonfinite", "wandb")  # and the final policy
+FINAL_POLICY_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "*.bin",
+                      "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
+                      "chat_template.*")  # what save_pretrained writes for a model and its tokenizer
 
 
 class NonFiniteError(Exception):
@@ -1707,26 +1987,66 @@ def dump_batch(path: Path, tokenizer, rollout: Rollout, scores: torch.Tensor, ad
             }) + "\n")
 
 
-class StopSignal:
-    """SIGTERM and SIGUSR1 (what SLURM sends before preemption) ask the run to stop after the current update;
-    the handler only records the signal, the update loop decides when to act on it."""
+class StartupInterrupted(BaseException):
+    """A signal arrived before the first update: there is nothing to save, so the run ends at once. A
+    BaseException, as KeyboardInterrupt is, so that library code's `except Exception` lets it through."""
 
-    def __init__(self):
+    def __init__(self, signal_name: str):
+        super().__init__(f"{signal_name} received during start-up: stopped before the first update, nothing was "
+                         "trained; run the same command again to start")
+        self.signal_name = signal_name
+
+
+class StopSignal:
+    """SIGTERM and SIGUSR1 (what SLURM sends before preemption or the time limit) and SIGINT (Ctrl-C, and what
+    many launchers send) ask the run to stop after the current update with a checkpoint; the handler only records
+    the signal, the update loop decides when to act on it. After a first SIGINT, a second one kills the process at
+    once (the default action, which works even inside a hung collective). Until `training` is set there is nothing
+    to save: a signal ends the run at once (StartupInterrupted), SIGTERM and SIGUSR1 leaving the `preempted` marker
+    so that a job script requeues the run."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+    def __init__(self, output_dir: str, announce: bool):
         self.name: Optional[str] = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        self.training, self.output_dir, self.announce = False, output_dir, announce
+        for sig in self.SIGNALS:
             signal.signal(sig, self._record)
 
     def _record(self, signum, frame) -> None:
-        self.name = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+        name = signal.Signals(signum).name
+        if not self.training:
+            if signum != signal.SIGINT and holds_lock(self.output_dir):
+                (Path(self.output_dir) / PREEMPTED).write_text("stopped during start-up, before any update\n")
+            raise StartupInterrupted(name)
+        self.name = self.name or name
+        if signum == signal.SIGINT and self.announce:  # os.write: print() is not safe inside a signal handler
+            os.write(2, b"rloo.py: SIGINT received: stopping after this update with a checkpoint; Ctrl-C again "
+                        b"exits at once without one\n")
 
     def requested(self, device: torch.device) -> bool:
         """Collective: True on every rank as soon as any rank got a signal."""
         return bool(all_reduce(torch.tensor([float(self.name is not None)], device=device), dist.ReduceOp.MAX).item())
 
 
+@contextlib.contextmanager
+def signals_held():
+    """The stop signals are delivered only after the block: a move of several directories is never cut in half."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, StopSignal.SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, StopSignal.SIGNALS)
+
+
 def rng_state(sampling: torch.Generator) -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "sampling": sampling.get_state()}
+    """Every generator's state, in tensors and plain values only (what torch.load reads with weights_only)."""
+    _, keys, position, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "sampling": sampling.get_state(),
+             "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                       "has_gauss": int(has_gauss), "gauss": float(gauss)}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -1734,16 +2054,173 @@ def rng_state(sampling: torch.Generator) -> dict:
 
 def set_rng_state(state: dict, sampling: torch.Generator) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        np.random.set_state(("MT19937", numpy_state["keys"].numpy().astype(np.uint32), numpy_state["position"],
+                             numpy_state["has_gauss"], numpy_state["gauss"]))
+    else:  # numpy's own tuple, as earlier versions of rloo.py saved it
+        np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])
     sampling.set_state(state["sampling"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+# numpy arrays of numbers, in the RNG files of earlier versions of rloo.py: reconstructing one runs no other code
+NUMPY_ARRAY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), np.ndarray(0).__reduce__()[0]]
+
+
+def load_safely(path: Path):
+    """torch.load with weights_only: tensors and plain Python values only, so that reading a checkpoint from
+    elsewhere can never run code. Raises ConfigError naming the file."""
+    try:
+        with torch.serialization.safe_globals(NUMPY_ARRAY_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        raise ConfigError(f"{path} holds {refused.group(1) if refused else 'an object'}, not only tensors and plain "
+                          "values: refused, as loading it could run code") from None
+    except Exception as e:  # a truncated or foreign file: zip, EOF and OS errors
+        raise ConfigError(f"{path} cannot be read ({first_line(e)})") from None
+
+
+# ---- ranks waiting for each other: who is late, and where
+PHASE = ["start-up", time.time()]  # this rank's phase and since when, published for the other ranks
+BARRIERS = [0]  # barriers passed by this rank; every rank passes the same ones in the same order
+
+
+def process_group_store():
+    """The store the ranks rendezvoused through (torchrun's), or None outside torchrun."""
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):  # a private API: without it, plain barriers
+        return None
+
+
+def note_phase(name: str) -> None:
+    """Record the phase this rank is in (with several ranks, in the store too): a rank that waits too long for
+    another can then say what that one is doing."""
+    PHASE[:] = [name, time.time()]
+    store = process_group_store()
+    if store is not None:
+        store.set(f"rloo/phase/{dist.get_rank()}", json.dumps(PHASE))
+
+
+def wait_for_peers(what: str) -> None:
+    """A barrier of all ranks through the store, at most --ddp_timeout long. A rank that has not arrived by then
+    (a reward function that never returns, a dead node) makes every waiting rank raise a Fault naming it and the
+    phase it is in, said once by the lowest waiting rank; a collective would wait as long, then fail without
+    saying which rank nor where."""
+    store = process_group_store()
+    if store is None:
+        if dist.is_initialized():
+            dist.barrier()
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    BARRIERS[0] += 1
+    key, waiting = f"rloo/barrier/{BARRIERS[0]}", f"waiting for the other ranks after {what}"
+    note_phase(waiting)
+    if store.add(key, 1) == world:
+        store.set(f"{key}/all", "1")
+    try:
+        store.wait([f"{key}/all"], datetime.timedelta(seconds=PEER_TIMEOUT[0]))
+    except RuntimeError:  # DistStoreError: the wait timed out
+        now, phases = time.time(), {}
+        for r in range(world):
+            phases[r] = json.loads(store.get(f"rloo/phase/{r}")) if store.check([f"rloo/phase/{r}"]) \
+                else ["start-up", None]
+        late = [r for r in range(world) if phases[r][0] != waiting]
+        where = "; ".join(f"rank {r} is in {phases[r][0]!r}" + (f" since {now - phases[r][1]:.0f} s" if phases[r][1]
+                                                                  else "") for r in late)
+        raise Fault(f"the other ranks waited --ddp_timeout {PEER_TIMEOUT[0]:g} s after {what}: {where} (stuck: a "
+                    "reward function that never returns, a dead node; or slower than that: raise --ddp_timeout); "
+                    "nothing saved, a checkpoint needs every rank", announce=rank == min(set(range(world)) - set(late),
+                                                                             default=rank)) from None
+    note_phase(f"after {what}")
+
+
+def barrier(what: str = "a barrier") -> None:
+    wait_for_peers(what)
+
+
+@contextlib.contextmanager
+def reward_faults(device: torch.device, what: str, after_training: bool = False):
+    """Around the scoring of completions: a RewardFunctionError on any rank is raised on every rank together, with
+    the failing rank's message (said once, by rank 0), instead of the others waiting for it in the next collective;
+    a rank that has not finished within --ddp_timeout is named (wait_for_peers)."""
+    error = None
+    try:
+        yield
+    except RewardFunctionError as e:
+        error = e
+    if not dist.is_initialized():
+        if error is not None:
+            error.after_training = after_training
+            raise error
+        return
+    wait_for_peers(what)
+    if not all_reduce(torch.tensor([float(error is not None)], device=device), dist.ReduceOp.MAX).item():
+        return
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else str(error))
+    rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
+    raise RewardFunctionError(f"{message} (rank {rank}, {what})", announce=dist.get_rank() == 0,
+                              after_training=after_training) from None
+
+
+# ---- output_dir: one run at a time, nothing deleted
+LOCKS: dict[str, object] = {}  # resolved output_dir -> the lock file this process holds (until it exits)
+
+
+def lock_output_dir(output_dir: str) -> None:
+    """An exclusive advisory lock (flock) on output_dir/run.lock, held until this process exits; the OS releases it
+    then, so a crash never leaves a stale lock. A second run into the same output_dir (a job submitted twice, a
+    requeue while the old job still runs) stops here, naming the holder's pid and host."""
+    path = Path(output_dir)
+    if str(path.resolve()) in LOCKS:
+        return
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        lock = open(path / LOCK, "a+")
+    except OSError as e:
+        raise ConfigError(f"cannot write to --output_dir {output_dir}: {e.strerror or e}") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "a process that has not written its pid yet"
+        lock.close()
+        raise ConfigError(f"--output_dir {output_dir} is in use by another run ({holder}): wait for it to end or "
+                          "stop it, or pass another --output_dir") from None
+    except OSError as e:  # a filesystem without locks (Lustre without -o flock, some NFS setups)
+        print(f"rloo.py: warning: cannot lock --output_dir {output_dir} ({e.strerror or e}): a second run into it "
+              "would not be stopped", file=sys.stderr)
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    lock.flush()
+    LOCKS[str(path.resolve())] = lock
+
+
+def holds_lock(output_dir: str) -> bool:
+    return str(Path(output_dir).resolve()) in LOCKS
+
+
+def take_output_dir(output_dir: str, rank: int) -> None:
+    """Before anything is read from output_dir, rank 0 makes it this run's: locked (lock_output_dir), the marker of
+    an earlier stop removed (a resume that then fails or is refused is not requeued forever), the temporary
+    directories of killed saves removed (they can be as large as a checkpoint)."""
+    path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--output_dir {output_dir} is a file: pass a directory")
+    if rank != 0:
+        return
+    lock_output_dir(output_dir)
+    (path / PREEMPTED).unlink(missing_ok=True)
+    for debris in (path / CHECKPOINTS).glob(".tmp_step_*"):
+        shutil.rmtree(debris, ignore_errors=True)
 
 
 def save_policy(policy, tokenizer, path: Path, rank: int) -> None:
@@ -1792,52 +2269,295 @@ def load_optimizer_state(model, optimizer, checkpoint: Path, trainer_state: dict
         optimizer.load_state_dict(trainer_state["optimizer"])
 
 
+try:  # what a failed write raises: OSError from Python, RuntimeError from torch.save, SafetensorError
+    from safetensors import SafetensorError
+    WRITE_ERRORS: tuple = (OSError, RuntimeError, SafetensorError)
+except ImportError:
+    WRITE_ERRORS = (OSError, RuntimeError)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def rank0_view(value):
+    """Rank 0's value on every rank: one listing of a shared directory, whichever node's cache is behind."""
+    if not dist.is_initialized():
+        return value
+    shared = [value]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def file_digests(root: Path, names: Optional[list[str]] = None) -> dict[str, Optional[dict]]:
+    """{path relative to root: {"bytes": size, "sha256": hex digest} (None if missing)} of `names`, or of every file under root (as rank 0
+    sees them). Collective when distributed: each rank hashes a share (checkpoints are on a filesystem every rank
+    sees), so that a save or a resume reads each file once, all ranks in parallel."""
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    if names is None:
+        names = rank0_view(sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()))
+    digests = {name: {"bytes": (root / name).stat().st_size, "sha256": sha256_of(root / name)}
+               if (root / name).is_file() else None for name in names[rank::world]}
+    if world > 1:
+        shares = [None] * world
+        dist.all_gather_object(shares, digests)
+        digests = {name: value for share in shares for name, value in share.items()}
+    return digests
+
+
+# what the metadata of torch.distributed.checkpoint's optimizer shards is made of: nothing that runs code
+DCP_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict")} | {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "MetadataIndex",
+        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Reads a pickle, refusing every global but those of DCP_METADATA_GLOBALS and torch's dtypes."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in DCP_METADATA_GLOBALS or module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                      torch.dtype):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def unsafe_metadata(path: Path) -> Optional[str]:
+    """Why torch.distributed.checkpoint must not unpickle this .metadata file (it uses plain pickle), or None."""
+    try:
+        with open(path, "rb") as f:
+            MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        return f"{path.name} refers to {e}, which could run code when loaded"
+    except Exception as e:  # truncated, or not a pickle at all
+        return f"{path.name} cannot be read ({first_line(e)})"
+    return None
+
+
+def checkpoint_problem(path: Path) -> Optional[str]:
+    """Why a checkpoint cannot be resumed from, or None when it is intact: its manifest (written last, so missing
+    after a save that did not finish) is unreadable, a file it lists is missing or differs in size or sha256, or
+    its optimizer shards' metadata refers to code. A checkpoint of an earlier rloo.py has no manifest: its trainer
+    state is checked when it is read. Collective when distributed."""
+    metadata = path / OPTIMIZER_SHARDS / ".metadata"
+    try:
+        listed = json.loads((path / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        listed = None
+        if not (path / TRAINER_STATE).is_file():
+            return f"no {MANIFEST}: its save did not finish"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} cannot be read ({type(e).__name__}: {first_line(e)})"
+    if listed is not None:
+        found = file_digests(path, sorted(listed))
+        for name, expected in sorted(listed.items()):
+            if found[name] is None:
+                return f"{name} is missing"
+            if found[name]["bytes"] != expected["bytes"]:
+                return f"{name} has {found[name]['bytes']} bytes where the manifest says {expected['bytes']}"
+            if found[name]["sha256"] != expected["sha256"]:
+                return f"{name} differs from the manifest (sha256)"
+    return unsafe_metadata(metadata) if metadata.is_file() else None
+
+
+def steps_to_prune(steps: list[int], keep: Optional[int], newest: int) -> list[int]:
+    """The checkpoints --save_total_limit `keep` removes: all but the newest `keep`, never `newest` (the one just
+    written); None keeps all."""
+    if keep is None:
+        return []
+    if keep < 1:
+        raise ValueError(f"save_total_limit = {keep} would remove the checkpoint just written")
+    others = sorted(s for s in steps if s != newest)
+    return others[: max(0, len(others) - (keep - 1))]
+
+
 def save_checkpoint(output_dir: str, update: int, model, optimizer, tokenizer, trainer_state: dict, rank: int,
-                    save_total_limit: Optional[int], sampling: torch.Generator) -> Path:
+                    save_total_limit: Optional[int], sampling: torch.Generator, rng: Optional[dict] = None) -> Path:
     """Write output_dir/checkpoints/step_<update>: the policy in HF format (loadable on its own) and its
     tokenizer, trainer_state.pt (counters, data position, args; the optimizer, or with FSDP the optimizer/
-    directory of shards) and every rank's RNG states.
+    directory of shards), every rank's RNG states (`rng`, default: as they are now) and, last, manifest.json
+    with the size and sha256 of every file, by which a resume tells an intact checkpoint from a damaged one.
     Everything goes into a temporary directory first, renamed into place once complete, so a process killed
-    mid-save leaves the previous checkpoints intact and no half-written step_<n>. Multi-node runs need
-    output_dir on a shared filesystem: every rank writes its RNG file there."""
+    mid-save leaves the previous checkpoints intact and no half-written step_<n>; a save that fails (a full disk)
+    removes its temporary directory and raises a Fault saying so. Multi-node runs need output_dir on a shared
+    filesystem: every rank writes its RNG file there."""
     root = Path(output_dir) / CHECKPOINTS
     final, partial = root / f"step_{update}", root / f".tmp_step_{update}"
+    what = f"saving checkpoint step_{update}"
+    note_phase(what)
+    try:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # debris of an earlier save that was killed
+            partial.mkdir(parents=True)
+        barrier(what)
+        torch.save(rng if rng is not None else rng_state(sampling), partial / f"rng_rank{rank}.pt")
+        barrier(what)
+        save_optimizer_state(model, optimizer, partial, trainer_state)
+        save_policy(model.module if isinstance(model, DDP) else model, tokenizer, partial, rank)
+        if rank == 0:
+            torch.save(trainer_state, partial / TRAINER_STATE)
+        barrier(what)
+        digests = file_digests(partial)
+        if rank == 0:
+            (partial / MANIFEST).write_text(json.dumps({"files": digests}, indent=1) + "\n")
+    except WRITE_ERRORS as e:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        previous, free = latest_checkpoint(output_dir), shutil.disk_usage(root).free / 2**30
+        raise Fault(f"could not write checkpoint step_{update} ({free:.3g} GiB free on its filesystem): "
+                    f"{first_line(e)}; the partial one is removed and "
+                    + (f"the newest, {previous}, is intact" if previous else "there is no earlier checkpoint")
+                    + ": free space (or fix the filesystem) and continue with --resume") from e
     if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # debris of an earlier save that was killed
-        partial.mkdir(parents=True)
-    barrier()
-    torch.save(rng_state(sampling), partial / f"rng_rank{rank}.pt")
-    barrier()
-    save_optimizer_state(model, optimizer, partial, trainer_state)
-    save_policy(model.module if isinstance(model, DDP) else model, tokenizer, partial, rank)
-    if rank == 0:
-        torch.save(trainer_state, partial / TRAINER_STATE)
-        shutil.rmtree(final, ignore_errors=True)  # only when resuming from an older step overwrites this one
+        shutil.rmtree(final, ignore_errors=True)  # the same update of this timeline, written again after a fault
         os.replace(partial, final)  # atomic: step_<update> appears complete or not at all
-        steps = sorted(int(m.group(1)) for d in root.iterdir() if (m := STEP_DIR.match(d.name)))
-        for old in steps[: -save_total_limit] if save_total_limit else []:
+        steps = [int(m.group(1)) for d in root.iterdir() if (m := STEP_DIR.match(d.name))]
+        for old in steps_to_prune(steps, save_total_limit, update):
             shutil.rmtree(root / f"step_{old}")
-    barrier()
+    barrier(what)
     return final
 
 
-def latest_checkpoint(output_dir: str) -> Optional[Path]:
-    """The complete step_<n> directory with the largest n; temporary directories are never candidates."""
+def save_final_policy(policy, tokenizer, output_dir: str, rank: int) -> None:
+    """The finished run's policy and tokenizer in output_dir (save_policy); a failed write says how to redo it."""
+    try:
+        save_policy(policy, tokenizer, Path(output_dir), rank)
+    except WRITE_ERRORS as e:
+        raise Fault(f"could not write the final policy to {output_dir}: {first_line(e)}; the final checkpoint "
+                    f"{latest_checkpoint(output_dir)} is intact: free space and run the same command with --resume "
+                    "to write it") from e
+
+
+def checkpoint_dirs(output_dir: str) -> list[Path]:
+    """The complete step_<n> directories, newest first; temporary directories are never candidates."""
     root = Path(output_dir) / CHECKPOINTS
     steps = [(int(m.group(1)), d) for d in root.glob("step_*") if (m := STEP_DIR.match(d.name))
-             and (d / TRAINER_STATE).is_file()] if root.is_dir() else []
-    return max(steps)[1] if steps else None
+             and ((d / MANIFEST).is_file() or (d / TRAINER_STATE).is_file())] if root.is_dir() else []
+    return [d for _, d in sorted(steps, reverse=True)]
 
 
-def resume_checkpoint(args: Args) -> Optional[Path]:
-    """The checkpoint to continue from: --resume_from, or the latest one with --resume (None: start fresh)."""
+def latest_checkpoint(output_dir: str) -> Optional[Path]:
+    """The complete step_<n> directory with the largest n (not verified: see resume_checkpoint)."""
+    return next(iter(checkpoint_dirs(output_dir)), None)
+
+
+def read_checkpoint(path: Path) -> tuple[Optional[dict], Optional[str]]:
+    """(its trainer state, None), or (None, why it cannot be resumed from). Collective when distributed."""
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        return None, problem
+    try:
+        return load_safely(path / TRAINER_STATE), None
+    except ConfigError as e:
+        return None, str(e)
+
+
+@dataclass
+class Resumption:
+    checkpoint: Optional[Path]  # None: start fresh
+    state: Optional[dict]  # its trainer state
+    skipped: dict  # {damaged checkpoint newer than `checkpoint`: why}
+
+
+def resume_checkpoint(args: Args) -> Resumption:
+    """Where the run starts: --resume_from, or with --resume the newest intact checkpoint of output_dir (the
+    damaged newer ones it skips are named), or nothing. Refused: a damaged --resume_from; --resume when no
+    checkpoint is intact; and a run that would mix with an earlier one in output_dir (unless
+    --overwrite_output_dir sets that one aside). Collective when distributed."""
+    ours = rank0_view(checkpoint_dirs(args.output_dir))
+    earlier = f"an earlier run (checkpoints up to {ours[0].name})" if ours else "a finished run (args.json)"
+    set_aside = f"--overwrite_output_dir to move it to {Path(args.output_dir) / ABANDONED}/ and start over"
     if args.resume_from is not None:
         path = Path(args.resume_from)
         if not (path / TRAINER_STATE).is_file():
             raise ConfigError(f"--resume_from {path}: not a checkpoint (no {TRAINER_STATE}); checkpoints are "
                               f"{Path(args.output_dir) / CHECKPOINTS}/step_<n>")
-        return path
-    return latest_checkpoint(args.output_dir) if args.resume else None
+        state, problem = read_checkpoint(path)
+        if problem is not None:
+            raise ConfigError(f"--resume_from {path} is damaged: {problem}; pass another checkpoint")
+        if ours and path.resolve().parent != (Path(args.output_dir) / CHECKPOINTS).resolve() \
+                and not args.overwrite_output_dir:
+            raise ConfigError(f"--output_dir {args.output_dir} holds {earlier}, not {path}'s: pass another "
+                              f"--output_dir, or {set_aside}")
+        return Resumption(path, state, {})
+    if args.resume:
+        skipped = {}
+        for path in ours:
+            state, problem = read_checkpoint(path)
+            if problem is None:
+                return Resumption(path, state, skipped)
+            skipped[path] = problem
+        if skipped:
+            raise ConfigError(f"--resume: no checkpoint in {Path(args.output_dir) / CHECKPOINTS} is intact ("
+                              + "; ".join(f"{p.name}: {why}" for p, why in skipped.items())
+                              + f"): pass --resume_from a checkpoint elsewhere, or without --resume, {set_aside}")
+        return Resumption(None, None, {})
+    if (ours or (Path(args.output_dir) / "args.json").is_file()) and not args.overwrite_output_dir:
+        raise ConfigError(f"--output_dir {args.output_dir} holds {earlier}: pass --resume to continue it, another "
+                          f"--output_dir, or {set_aside}")
+    return Resumption(None, None, {})
+
+
+def move_aside(output_dir: str, names: list[str], why: str) -> Path:
+    """Move these entries of output_dir (paths relative to it) into a new output_dir/abandoned/<time>_<why>/,
+    where they keep their relative paths. Signals wait until every entry has moved."""
+    root = Path(output_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    folder = root / ABANDONED / f"{stamp}_{why}"
+    for n in itertools.count(2):
+        if not folder.exists():
+            break
+        folder = root / ABANDONED / f"{stamp}_{why}_{n}"
+    with signals_held():
+        for name in names:
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(root / name, folder / name)
+    return folder
+
+
+def settle_output_dir(args: Args, start_update: int, skipped: dict) -> list[str]:
+    """Rank 0, before the run writes anything: what output_dir holds beyond the update the run starts from is
+    moved to output_dir/abandoned/ (nothing is deleted). With --overwrite_output_dir, the earlier run's outputs.
+    Otherwise the checkpoints of later updates (another timeline, after --resume_from an older one, or damaged ones
+    --resume skipped) and the metrics.jsonl lines after that update (those of a timeline abandoned, or updates
+    that a killed run logged but did not checkpoint). Then --resume and metrics.jsonl only ever see the timeline
+    being continued. Returns the lines to print."""
+    root = Path(args.output_dir)
+    if args.overwrite_output_dir:
+        names = [n for n in RUN_OUTPUTS if (root / n).exists()]
+        names += sorted({p.name for pattern in FINAL_POLICY_FILES for p in root.glob(pattern) if p.is_file()})
+        if not names:
+            return []
+        folder = move_aside(args.output_dir, names, "overwritten")
+        return [f"--overwrite_output_dir: the earlier run's {', '.join(names)} moved to {folder}"]
+    later = [d for d in reversed(checkpoint_dirs(args.output_dir)) if int(d.name.removeprefix("step_")) > start_update]
+    metrics = root / "metrics.jsonl"
+    kept, dropped = [], []
+    for line in metrics.read_text().splitlines(keepends=True) if metrics.is_file() else []:
+        try:
+            (kept if json.loads(line)["update"] <= start_update else dropped).append(line)
+        except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+            dropped.append(line)
+    if not later and not dropped:
+        return []
+    folder = move_aside(args.output_dir, [f"{CHECKPOINTS}/{d.name}" for d in later], f"after_update_{start_update}")
+    if dropped:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "metrics.jsonl").write_text("".join(dropped))
+        (root / "metrics.jsonl.tmp").write_text("".join(kept))
+        os.replace(root / "metrics.jsonl.tmp", metrics)
+    reasons = [f"{d.name}: {skipped[d]}" for d in later if d in skipped]
+    (folder / "why.txt").write_text(f"set aside when a run continued from update {start_update}, on "
+                                    f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n" + "".join(f"{r}\n" for r in reasons))
+    lines = [f"skipped damaged checkpoint {r}" for r in reasons]
+    return lines + [f"continuing from update {start_update}: moved what lies after it ("
+                    + ", ".join([d.name for d in later] + ([f"{len(dropped)} metrics.jsonl lines"] if dropped else []))
+                    + f") to {folder}"]
 
 
 def check_resumable(saved: dict, args: Args, world_size: int, saved_world_size: int) -> list[str]:
@@ -1869,18 +2589,20 @@ def evaluate(
     columns_to_pass = [c for c in eval_dataset.column_names if c not in (PROMPT_IDS, args.prompt_column)]
     chunk = min(rows_per_forward(args, policy, "generation", dist_info.device, len(indices)),
                 rows_per_forward(args, sources.model, "scoring", dist_info.device, len(indices)))
-    for start in range(0, len(indices), max(chunk, 1)):
-        rows = eval_dataset[indices[start : start + chunk]]
-        queries, query_mask = pad_sequences(rows[PROMPT_IDS], tokenizer.pad_token_id, dist_info.device)  # (b, Tq)
-        with autocast():
-            completions = sample_completions(policy, queries, query_mask, args.response_length, EVAL_TEMPERATURE,
-                                             stop_token_id, tokenizer.pad_token_id)  # (b, Tq + Tr)
-        scores, _ = score_completions(sources, completions, prompt_values(rows, args.prompt_column, tokenizer),
-                                      {c: rows[c] for c in columns_to_pass}, tokenizer, stop_token_id,
-                                      chunk, autocast)  # (b,)
-        total += torch.tensor([scores.sum().item(), completions.response_mask.sum().item(),
-                               completions.ended(stop_token_id).sum().item(), len(scores)],
-                              dtype=torch.float64, device=dist_info.device)
+    note_phase("evaluation")
+    with reward_faults(dist_info.device, "evaluation", after_training=True):
+        for start in range(0, len(indices), max(chunk, 1)):
+            rows = eval_dataset[indices[start : start + chunk]]
+            queries, query_mask = pad_sequences(rows[PROMPT_IDS], tokenizer.pad_token_id, dist_info.device)  # (b, Tq)
+            with autocast():
+                completions = sample_completions(policy, queries, query_mask, args.response_length, EVAL_TEMPERATURE,
+                                                 stop_token_id, tokenizer.pad_token_id)  # (b, Tq + Tr)
+            scores, _ = score_completions(sources, completions, prompt_values(rows, args.prompt_column, tokenizer),
+                                          {c: rows[c] for c in columns_to_pass}, tokenizer, stop_token_id,
+                                          chunk, autocast)  # (b,)
+            total += torch.tensor([scores.sum().item(), completions.response_mask.sum().item(),
+                                   completions.ended(stop_token_id).sum().item(), len(scores)],
+                                  dtype=torch.float64, device=dist_info.device)
     score_sum, length_sum, stops, count = all_reduce(total).tolist()
     count = max(count, 1.0)
     return {"eval/scores": score_sum / count, "eval/mean_length": length_sum / count, "eval/eos_frac": stops / count}
@@ -1911,20 +2633,18 @@ def quiet_hub_progress_bars() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = None):
+def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = None, tokenizer=None):
     """The policy (fp32 master weights; from the checkpoint when resuming), its frozen reference, always the
-    initial policy (None when kl_coef = 0), the tokenizer with a pad token, and the stop token id."""
+    initial policy (None when kl_coef = 0), the tokenizer with a pad token (`tokenizer` when prepare_tokenizer
+    gave it already), and the stop token id."""
     tokenizer_path = args.model_name_or_path or args.sft_model_path
     initial_path = args.sft_model_path or args.model_name_or_path
-    tokenizer = load_tokenizer(tokenizer_path, args.trust_remote_code)
+    if tokenizer is None:
+        tokenizer, _ = prepare_tokenizer(args)
     policy = load_causal_lm(str(checkpoint or initial_path), torch.float32, args.trust_remote_code)
     ensure_pad_token(tokenizer, args.pad_token, policy.get_input_embeddings().num_embeddings, tokenizer_path)
     policy.config.pad_token_id = tokenizer.pad_token_id
-    stop_token_id = args.stop_token_id
-    if stop_token_id is None and args.stop_token == "eos":
-        stop_token_id = tokenizer.eos_token_id
-        if stop_token_id is None:
-            raise ConfigError(f"--stop_token eos but the tokenizer of {tokenizer_path} has no EOS: pass --stop_token_id")
+    stop_token_id = stop_token_id_of(args, tokenizer, tokenizer_path)
     disable_dropout(policy)
     if not args.offload:  # offloaded, fully_shard moves one unit at a time through the GPU as it shards
         policy.to(device)
@@ -1941,16 +2661,26 @@ def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = N
     return policy, ref_policy, tokenizer, stop_token_id
 
 
-def load_prompts(args: Args, tokenizer):
-    """Tokenized train prompts, test prompts (None without --dataset_test_split), and how many were dropped."""
+def load_prompts(args: Args, tokenizer, vocab_size: Optional[int] = None):
+    """Tokenized train prompts, test prompts (None without --dataset_test_split), and how many were dropped (see
+    prepare_prompts)."""
+    test_is_file = args.dataset_test_split is not None and Path(args.dataset_test_split).suffix in LOCAL_FORMATS
+    for flag, split in (("--dataset_train_split", args.dataset_train_split), ("--dataset_test_split",
+                                                                               args.dataset_test_split)):
+        if split not in (None, "train") and not (flag == "--dataset_test_split" and test_is_file) \
+                and not has_splits(args.dataset_name):
+            fix = "pass the test prompts as a file: --dataset_test_split test.jsonl" \
+                if flag == "--dataset_test_split" else f"drop {flag}"
+            raise ConfigError(f"{flag} {split}: dataset {args.dataset_name} has no splits (a single file or saved "
+                              f"Dataset is one split, whatever its name); {fix}")
     dataset = load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
-    dataset, dropped = prepare_prompts(dataset, tokenizer, args.prompt_column, args.max_prompt_length, args.dataset_name)
+    dataset, dropped = prepare_prompts(dataset, tokenizer, args.prompt_column, args.max_prompt_length,
+                                       args.dataset_name, vocab_size)
     eval_dataset = None
     if args.dataset_test_split is not None:
-        is_file = Path(args.dataset_test_split).suffix in LOCAL_FORMATS
-        source = args.dataset_test_split if is_file else args.dataset_name
+        source = args.dataset_test_split if test_is_file else args.dataset_name
         eval_dataset, _ = prepare_prompts(load_split(source, args.dataset_test_split, args.dataset_config),
-                                          tokenizer, args.prompt_column, args.max_prompt_length, source)
+                                          tokenizer, args.prompt_column, args.max_prompt_length, source, vocab_size)
     return dataset, eval_dataset, dropped
 
 
@@ -1975,24 +2705,29 @@ def load_reward_sources(args: Args, tokenizer, functions: list[tuple[str, Callab
 def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     """Train. `make_rollouts(policy, args, stop_token_id, pad_token_id, generator, autocast)` gives the source of
     completions (see LocalRollouts); rloo_multinode.py passes its engines' client."""
+    stop_signal = StopSignal(args.output_dir, announce=os.environ.get("RANK", "0") == "0")  # until training: exit
     validate_args(args)
     reward_functions = load_reward_functions(args.reward_fn)  # a typo fails now, not after loading models
     quiet_hub_progress_bars()
-    dist_info = setup_distributed()
+    dist_info = setup_distributed(args.ddp_timeout)
     if args.fsdp and not dist.is_initialized():
         raise ConfigError("--fsdp shards the policy over torchrun's processes: launch with torchrun")
     sizes = compute_batch_sizes(args, dist_info.world_size)
     device = dist_info.device
-    checkpoint = resume_checkpoint(args)
-    resumed = torch.load(checkpoint / TRAINER_STATE, weights_only=False) if checkpoint else None
+    take_output_dir(args.output_dir, dist_info.rank)  # locked: a second run into it stops here
+    start = resume_checkpoint(args)  # verified; --resume falls back past damaged checkpoints
+    checkpoint, resumed = start.checkpoint, start.state
     changes = check_resumable(resumed["args"], args, dist_info.world_size, resumed["world_size"]) if resumed else []
     choose_kernels()
 
     def autocast():
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
 
-    policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device, checkpoint)
-    dataset, eval_dataset, dropped = load_prompts(args, tokenizer)
+    tokenizer, vocab_size = prepare_tokenizer(args)  # and the models' configs checked: before any weights load
+    dataset, eval_dataset, dropped = load_prompts(args, tokenizer, vocab_size)
+    check_reward_function_arguments(reward_functions, [(args.dataset_name, dataset),
+                                                       (args.dataset_test_split, eval_dataset)], args.prompt_column)
+    policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device, checkpoint, tokenizer)
     sources = load_reward_sources(args, tokenizer, reward_functions, device)
     total_episodes = args.total_episodes or int(args.num_train_epochs * len(dataset))
     num_updates = math.ceil(total_episodes / sizes.world)
@@ -2017,28 +2752,31 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     if resumed:
         load_optimizer_state(model, optimizer, checkpoint, resumed)
         sampler.load_state_dict(resumed["sampler"])
-        set_rng_state(torch.load(checkpoint / f"rng_rank{dist_info.rank}.pt", weights_only=False), sampling_rng)
+        set_rng_state(load_safely(checkpoint / f"rng_rank{dist_info.rank}.pt"), sampling_rng)
         start_update, elapsed = resumed["update"], resumed["elapsed"]
+    notes = settle_output_dir(args, start_update, start.skipped) if dist_info.master else []
     run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     logger = RunLogger(args, run_name, num_updates, start_update, resumed and resumed["wandb_run_id"]) \
         if dist_info.master else None
     if logger is not None:
-        (Path(args.output_dir) / PREEMPTED).unlink(missing_ok=True)
+        for note in notes:
+            logger.console.print(note, highlight=False, soft_wrap=True)
         if resumed:
             logger.console.print(f"resuming from {checkpoint} after update {start_update}"
                                  + (f"; changed: {', '.join(changes)}" if changes else ""), highlight=False,
                                  soft_wrap=True)
         logger.console.print(
             f"{run_name}: {num_updates} updates x {sizes.world} completions ({sizes.prompts} prompts x k={args.rloo_k} "
-            f"per rank x {dist_info.world_size} ranks); {len(dataset)} train prompts ({dropped} dropped as longer than "
-            f"{args.max_prompt_length} tokens); reward sources {sources.names}", highlight=False, soft_wrap=True)
+            f"per rank x {dist_info.world_size} ranks); {len(dataset)} train prompts "
+            f"({describe_dropped(dropped, args.max_prompt_length)}); reward sources {sources.names}", highlight=False,
+            soft_wrap=True)
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0
     eval_every = max(1, num_updates // args.num_evals) if args.num_evals > 0 else num_updates
+    stop_signal.training, stopped = True, False  # from here on a signal stops the run after an update
     rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, sampling_rng, autocast)
     logprobs_from_update = skips_logprob_pass(args, sizes, rollouts.lookahead)  # no separate policy_forward phase
     timer = PhaseTimer(device)
     timer.count_tokens_of(policy, ref_policy, sources.model, getattr(rollouts, "sampler", None))
-    stop_signal, stopped = StopSignal(), False
     start_time = time.time() - elapsed
     submitted = []  # (prompt rows, queries, query mask, sampler state before drawing them) per batch asked for
 
@@ -2051,21 +2789,31 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         rollouts.submit(queries, query_mask)  # k completions each, returned in the (k, B) layout
         submitted.append((rows, queries, query_mask, sampler_state))
 
-    def save_state(update: int) -> Path:
-        """Resumable state after `update`; the data position is the one before any batch not yet trained on."""
+    def save_state(update: int, resume_point: Optional[tuple] = None) -> Path:
+        """Resumable state after `update`; the data position is the one before any batch not yet trained on. Or
+        `resume_point`: the sampler's and the generators' states taken at the start of the next update."""
+        sampler_state, rng = resume_point or (submitted[0][3] if submitted else sampler.state_dict(), None)
         trainer_state = {
-            "update": update, "episode": update * sizes.world,
-            "sampler": submitted[0][3] if submitted else sampler.state_dict(),
+            "update": update, "episode": update * sizes.world, "sampler": sampler_state,
             "elapsed": time.time() - start_time, "world_size": dist_info.world_size, "args": asdict(args),
             "wandb_run_id": logger.wandb_run_id if logger else None,
         }
         return save_checkpoint(args.output_dir, update, model, optimizer, tokenizer, trainer_state,
-                               dist_info.rank, args.save_total_limit, sampling_rng)
+                               dist_info.rank, args.save_total_limit, sampling_rng, rng)
+
+    def keep_last_finished(finished: int, resume_point: Optional[tuple]) -> str:
+        """After a fault: the state after update `finished` saved (unless it is already), and how to continue."""
+        if finished == start_update:  # nothing new: the run can start again as it did
+            return "no update had finished since the start, nothing new to save; fix it and run the same command"
+        path = Path(args.output_dir) / CHECKPOINTS / f"step_{finished}"  # saved already when save_steps divides it
+        path = path if path.is_dir() else save_state(finished, resume_point)
+        return f"checkpoint of update {finished} saved to {path}; fix it, then continue with --resume"
 
     try:
         for update in range(start_update + 1, num_updates + 1):
             timer.start_update()
             update_start = time.perf_counter()
+            resume_point = (submitted[0][3] if submitted else sampler.state_dict(), rng_state(sampling_rng))
             lr = learning_rate_at(update, num_updates, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -2089,7 +2837,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
 
             # ---- 4. scores
             with timer("scoring"):
-                with visiting(sources.model, device):
+                with visiting(sources.model, device), reward_faults(device, f"scoring of update {update}"):
                     raw_scores, source_means = score_completions(
                         sources, rollout, prompt_values(rows, args.prompt_column, tokenizer),
                         {c: rows[c] for c in columns_to_pass}, tokenizer, stop_token_id,
@@ -2180,15 +2928,19 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
 
         # ---- save the final policy (its presence in output_dir marks a finished run)
         if not stopped:
-            save_policy(policy, tokenizer, Path(args.output_dir), dist_info.rank)
+            save_final_policy(policy, tokenizer, args.output_dir, dist_info.rank)
         if dist_info.master and not stopped:
             (Path(args.output_dir) / "args.json").write_text(json.dumps(asdict(args), indent=2))
             logger.console.print(f"saved the policy and tokenizer to {args.output_dir}")
+    except RewardFunctionError as e:  # every rank at once: keep the last finished update, then stop
+        finished = update if e.after_training else update - 1
+        raise RewardFunctionError(f"{e}; {keep_last_finished(finished, None if e.after_training else resume_point)}",
+                                  e.announce) from None
     finally:  # an error on one rank alone must not wait for the others: torchrun stops them
         rollouts.close()
         if logger is not None:
             logger.close()
-    barrier()
+    barrier("the end of the run")
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -2271,13 +3023,22 @@ def parse_args(cls=None, argv: Optional[list[str]] = None, prog: Optional[str] =
 
 
 def run_script(main: Callable, args, program: str) -> None:
-    """main(args), with a ConfigError (bad input) turned into one line on stderr and exit status 2. Shared by
-    this project's scripts."""
+    """main(args), with bad input (ConfigError) turned into one line on stderr and exit status 2, a fault that
+    stopped the run (Fault) into one line and exit status 4, and a signal before training into one line and exit
+    status 0 (130 for SIGINT). Shared by this project's scripts."""
     try:
         main(args)
     except ConfigError as e:
         print(f"{program}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Fault as e:
+        if e.announce:
+            print(f"{program}: error: {e}", file=sys.stderr)
+        sys.exit(4)
+    except StartupInterrupted as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{program}: {e}", file=sys.stderr)
+        sys.exit(130 if e.signal_name == "SIGINT" else 0)
 
 
 def cli() -> None:

@@ -159,7 +159,14 @@ def validate_engine_args(args: Args, world_size: int) -> None:
     """Refuse engine flags that clash, before anything is loaded."""
     if args.num_engines < 1:
         raise rloo.ConfigError(f"num_engines = {args.num_engines} must be at least 1")
+    if not 0 < args.engine_timeout < float("inf"):
+        raise rloo.ConfigError(f"engine_timeout = {args.engine_timeout} must be a finite number of seconds > 0")
     urls = engine_urls(args)
+    if os.environ.get("RANK", "0") == "0":  # rank 0 serves the control store and the weight group's rendezvous
+        for port in (args.engine_port + 1,) if urls else (args.engine_port, args.engine_port + 1):
+            if port_in_use(port):
+                raise rloo.ConfigError(f"--engine_port {args.engine_port}: port {port} is in use on this host "
+                                       f"(the run uses --engine_port and the one after it): pass another --engine_port")
     if urls and args.engine != "vllm":
         raise rloo.ConfigError("--engine_urls attaches to `vllm serve` processes; drop --engine hf")
     if urls and args.num_engines not in (1, len(urls)):
@@ -178,6 +185,17 @@ def validate_engine_args(args: Args, world_size: int) -> None:
         except ImportError:
             raise rloo.ConfigError(f"--engine vllm needs vLLM {VLLM_VERSION} on the trainer too (pip install -r "
                                    "requirements-vllm.txt); without it pass --engine hf") from None
+
+
+def port_in_use(port: int) -> bool:
+    """Whether a process listens on this TCP port here (bound as TCPStore binds, so a port in TIME_WAIT is free)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return True
+    return False
 
 
 # ===================================================================== weight buckets

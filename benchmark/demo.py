@@ -62,7 +62,8 @@ def rloo_command(args: Args, assets: dict[str, str]) -> list[str]:
         "num_sample_generations": 2,
         "seed": args.seed,
     }
-    return [sys.executable, "rloo.py"] + [s for key, value in flags.items() for s in (f"--{key}", str(value))]
+    return [sys.executable, "rloo.py"] + [s for key, value in flags.items() for s in (f"--{key}", str(value))] + [
+        "--overwrite_output_dir"]  # an earlier demo's run moves to output_dir/abandoned/
 
 
 def read_prompts(path: str) -> list[str]:
@@ -89,7 +90,6 @@ def main(args: Args) -> None:
     stage(f"the task: tokenizer, prompts, an SFT policy and a reward model (built once, ~40 s; cached in {cache_dir})")
     assets = ensure_assets(cache_dir)
     metrics_path = Path(args.output_dir) / "metrics.jsonl"
-    metrics_path.unlink(missing_ok=True)  # rloo.py appends
     command = rloo_command(args, assets)
     stage(f"training with rloo.py: {args.total_episodes} completions, a line per update (metrics in {metrics_path})")
     print("$ " + shlex.join(command), flush=True)

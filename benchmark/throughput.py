@@ -30,6 +30,7 @@ import os
 import platform
 import random
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -261,9 +262,9 @@ def trainer_commands(trl_python: str, program: str) -> dict[str, list[str]]:
 
 
 def fresh_run_dir(path: Path) -> Path:
-    """A run directory without an earlier metrics.jsonl (rloo.py appends to it)."""
-    (path / "metrics.jsonl").unlink(missing_ok=True)
-    path.mkdir(parents=True, exist_ok=True)
+    """An empty run directory: rloo.py refuses to start over a directory that holds an earlier run."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
     return path
 
 

@@ -1,20 +1,26 @@
 """Checkpoints that survive preemption, exact resume, and stopping loudly on NaN/inf."""
 
+import json
 import os
+import pickle
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import rloo
-from conftest import REPO, policy_tokenizer, read_metrics, run_rloo, tiny_policy
+from conftest import REPO, policy_tokenizer, read_metrics, run_rloo, script_command, script_env, tiny_policy
 
 RUN = ("--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train_batch_size", "16",
        "--response_length", "6", "--temperature", "1.0", "--max_prompt_length", "16",
@@ -36,14 +42,16 @@ def launch(args: list, nproc: int = 0) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
 
 
-def interrupt_after_first_update(args: list, sig: signal.Signals, nproc: int = 0) -> tuple[int, str, str]:
-    """Start a run, send it a real signal once it has logged an update, wait for it to end."""
+def interrupt_after_first_update(args: list, sig: signal.Signals, nproc: int = 0,
+                                 meanwhile: Callable = lambda process: None) -> tuple[int, str, str]:
+    """Start a run, once it has logged an update call `meanwhile` and send it a real signal, wait for it to end."""
     process = launch(args, nproc)
     metrics = Path(args[args.index("--output_dir") + 1]) / "metrics.jsonl"
     deadline = time.time() + 120
     while not (metrics.exists() and metrics.read_text().count("\n") >= 1) and process.poll() is None:
         assert time.time() < deadline, "the run never logged an update"
         time.sleep(0.05)
+    meanwhile(process)
     process.send_signal(sig)
     stdout, stderr = process.communicate(timeout=120)
     return process.returncode, stdout, stderr
@@ -55,9 +63,9 @@ def assert_same_run(full: Path, resumed: Path) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-identical
 
 
-@pytest.mark.parametrize("nproc,sig,extra", [(0, signal.SIGTERM, []), (2, signal.SIGUSR1, []),
+@pytest.mark.parametrize("nproc,sig,extra", [(0, signal.SIGINT, []), (2, signal.SIGUSR1, []),
                                              (2, signal.SIGUSR1, ["--fsdp", "--fsdp_generation", "per_block"])],
-                         ids=["python-SIGTERM", "torchrun-SIGUSR1", "torchrun-fsdp-SIGUSR1"])
+                         ids=["python-SIGINT", "torchrun-SIGUSR1", "torchrun-fsdp-SIGUSR1"])
 def test_signal_saves_and_resume_is_exact(assets, tmp_path, nproc, sig, extra):
     common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--dataset_test_split",
               assets["test"], "--total_episodes", PER_UPDATE * 40 * max(nproc, 1), *RUN, *extra]
@@ -67,7 +75,15 @@ def test_signal_saves_and_resume_is_exact(assets, tmp_path, nproc, sig, extra):
     result = run_rloo(*common, "--output_dir", full, nproc=nproc)
     assert result.returncode == 0, result.stderr[-3000:]
 
-    returncode, stdout, stderr = interrupt_after_first_update([*common, "--output_dir", interrupted], sig, nproc)
+    def second_run_is_refused(first: subprocess.Popen) -> None:  # a job submitted twice, a requeue too early
+        first.send_signal(signal.SIGSTOP)  # holding its lock, it must not finish meanwhile
+        second = run_rloo(*common, "--output_dir", interrupted, "--resume")
+        first.send_signal(signal.SIGCONT)
+        assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr[-3000:]
+        assert f"is in use by another run (pid {first.pid} on {socket.gethostname()}, since " in second.stderr
+
+    returncode, stdout, stderr = interrupt_after_first_update([*common, "--output_dir", interrupted], sig, nproc,
+                                                              second_run_is_refused if nproc == 0 else lambda p: None)
     assert f"{sig.name} received: stopped after update" in stdout, stdout[-2000:] + stderr[-3000:]
     if nproc == 0:
         assert returncode == 0  # (torchrun's own agent exits non-zero after forwarding a signal)
@@ -83,6 +99,11 @@ def test_signal_saves_and_resume_is_exact(assets, tmp_path, nproc, sig, extra):
     AutoModelForCausalLM.from_pretrained(interrupted)  # a plain HF checkpoint, also when saved from FSDP shards
 
 
+def files_of(directory: Path) -> dict:
+    return {str(p.relative_to(directory)): p.stat().st_mtime_ns for p in directory.rglob("*")
+            if p.is_file() and p.name != rloo.LOCK}
+
+
 def test_resume_refuses_meaning_changes_reports_harmless_ones_and_continues_wandb(assets, tmp_path):
     out = tmp_path / "run"
     common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir", out,
@@ -92,9 +113,11 @@ def test_resume_refuses_meaning_changes_reports_harmless_ones_and_continues_wand
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_3"]  # the newest 2
     assert AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step_3")  # loadable on its own
 
+    (out / "preempted").write_text(f"{out / 'checkpoints' / 'step_3'}\n")  # as a stop by a signal leaves it
     refused = run_rloo(*common, "--total_episodes", PER_UPDATE * 4, "--resume", "--rloo_k", 2, "--learning_rate", 1e-3)
     assert refused.returncode == 2
     assert "rloo_k (4 -> 2)" in refused.stderr and "learning_rate (0.003 -> 0.001)" in refused.stderr
+    assert not (out / "preempted").exists()  # a job script requeueing on it would fail the same way forever
 
     result = run_rloo(*common, "--total_episodes", PER_UPDATE * 4, "--resume", "--num_evals", 1)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -103,6 +126,43 @@ def test_resume_refuses_meaning_changes_reports_harmless_ones_and_continues_wand
     assert [m["update"] for m in read_metrics(out)] == [1, 2, 3, 4]  # appended, never truncated
     run_ids = {p.name.rsplit("-", 1)[1] for p in (out / "wandb").glob("offline-run-*")}
     assert len(list((out / "wandb").glob("offline-run-*"))) == 2 and len(run_ids) == 1  # the same wandb run
+
+
+def test_no_flag_restart_or_damage_loses_a_checkpoint(assets, tmp_path):
+    out = tmp_path / "run"
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir", out, *RUN]
+    result = run_rloo(*common, "--total_episodes", PER_UPDATE * 4, "--save_steps", 1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoints = out / "checkpoints"
+    before = files_of(out)
+
+    # a fresh run into a directory holding a run: refused, nothing touched
+    fresh = run_rloo(*common, "--total_episodes", PER_UPDATE * 4)
+    assert fresh.returncode == 2 and files_of(out) == before
+    assert ("holds an earlier run (checkpoints up to step_4): pass --resume to continue it, another --output_dir, "
+            "or --overwrite_output_dir") in fresh.stderr.strip().splitlines()[-1]
+
+    # a damaged newest checkpoint: --resume names it, sets it aside and continues from the newest intact one
+    model = checkpoints / "step_4" / "model.safetensors"
+    model.write_bytes(model.read_bytes()[:1000])
+    result = run_rloo(*common, "--total_episodes", PER_UPDATE * 5, "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "skipped damaged checkpoint step_4: model.safetensors has 1000 bytes where the manifest says" in result.stdout
+    assert f"resuming from {checkpoints / 'step_3'} after update 3" in result.stdout
+    (aside,) = (out / "abandoned").iterdir()
+    assert (aside / "checkpoints" / "step_4" / "model.safetensors").stat().st_size == 1000  # kept, as it was
+    assert [m["update"] for m in read_metrics(aside)] == [4]
+    assert [m["update"] for m in read_metrics(out)] == [1, 2, 3, 4, 5]  # one timeline: update 4 once
+
+    # --resume_from an older step: the later checkpoints are another timeline, never pruned in place of this one's
+    # nor picked by a later --resume
+    result = run_rloo(*common, "--total_episodes", PER_UPDATE * 4, "--resume_from", checkpoints / "step_2",
+                      "--save_total_limit", 1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [p.name for p in checkpoints.iterdir()] == ["step_4"] and rloo.latest_checkpoint(str(out)).name == "step_4"
+    (branched,) = [p for p in (out / "abandoned").iterdir() if p != aside]
+    assert sorted(p.name for p in (branched / "checkpoints").iterdir()) == ["step_3", "step_5"]  # step_5: the last
+    assert [m["update"] for m in read_metrics(out)] == [1, 2, 3, 4]
 
 
 def test_resume_from_a_path_and_without_checkpoint(assets, tmp_path):
@@ -176,3 +236,277 @@ def test_no_optimizer_step_on_a_nonfinite_loss():
         rloo.ppo_update(policy, optimizer, rollout, torch.zeros(4), torch.tensor([1.0, float("nan"), 0.0, 0.0]),
                         args, rloo.compute_batch_sizes(args, 1), True, lambda: torch.autocast("cpu", enabled=False))
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
+
+
+# ---------------------------------------------------------------- checkpoints in this process
+def saved_steps(out: Path, steps, keep=None) -> tuple:
+    """Checkpoints of a tiny policy at these steps in out/checkpoints, as a run writes them."""
+    tokenizer = policy_tokenizer()
+    policy = tiny_policy(len(tokenizer))
+    optimizer = torch.optim.AdamW(policy.parameters())
+    for step in steps:
+        rloo.save_checkpoint(str(out), step, policy, optimizer, tokenizer, {"update": step}, 0, keep,
+                             torch.Generator())
+    return policy, optimizer, tokenizer
+
+
+def test_save_total_limit_keeps_the_newest_and_never_deletes_it(tmp_path):
+    assert rloo.steps_to_prune([1, 2, 3], 2, newest=3) == [1]
+    assert rloo.steps_to_prune([1, 2, 3], 1, newest=3) == [1, 2]
+    assert rloo.steps_to_prune([4, 9], 1, newest=4) == [9]  # the one just written stays, whatever its number
+    assert rloo.steps_to_prune([1, 2], None, newest=2) == []
+    for limit in (0, -1):  # refused as flags too (test_cli.py)
+        with pytest.raises(ValueError, match="would remove the checkpoint just written"):
+            rloo.steps_to_prune([1, 2], limit, newest=2)
+    saved_steps(tmp_path, [1, 2, 3], keep=1)
+    assert [p.name for p in rloo.checkpoint_dirs(str(tmp_path))] == ["step_3"]
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+DAMAGE = {"truncated weights": (lambda step: truncate(step / "model.safetensors"), "model.safetensors has"),
+          "truncated trainer state": (lambda step: truncate(step / "trainer_state.pt"), "trainer_state.pt has"),
+          "a missing rank file": (lambda step: (step / "rng_rank0.pt").unlink(), "rng_rank0.pt is missing"),
+          "no manifest": (lambda step: (step / "manifest.json").rename(step / "kept"), "its save did not finish")}
+
+
+@pytest.mark.parametrize("damage", DAMAGE, ids=list(DAMAGE))
+def test_resume_skips_a_damaged_newest_checkpoint_and_names_it(tmp_path, damage):
+    saved_steps(tmp_path, [1, 2, 3])
+    damage_step, reason = DAMAGE[damage]
+    step_3 = tmp_path / "checkpoints" / "step_3"
+    damage_step(step_3)
+    if damage == "no manifest":  # ... and no trainer state: not a checkpoint at all, never a candidate
+        (step_3 / "trainer_state.pt").unlink()
+        assert rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True)).skipped == {}
+        return
+    start = rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True))
+    assert start.checkpoint == tmp_path / "checkpoints" / "step_2" and start.state["update"] == 2
+    assert list(start.skipped) == [step_3] and reason in start.skipped[step_3]
+    with pytest.raises(rloo.ConfigError, match=f"--resume_from {step_3} is damaged: {reason}"):
+        rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume_from=str(step_3)))
+    notes = rloo.settle_output_dir(rloo.Args(output_dir=str(tmp_path), resume=True), 2, start.skipped)
+    assert any(f"skipped damaged checkpoint step_3: {reason}" in note for note in notes)
+    (aside,) = (tmp_path / "abandoned").iterdir()  # moved, not deleted
+    assert (aside / "checkpoints" / "step_3").is_dir() and reason in (aside / "why.txt").read_text()
+    assert rloo.latest_checkpoint(str(tmp_path)) == tmp_path / "checkpoints" / "step_2"
+
+
+def test_a_checkpoint_without_manifest_from_an_earlier_rloo_is_still_resumed(tmp_path):
+    saved_steps(tmp_path, [1])
+    (tmp_path / "checkpoints" / "step_1" / "manifest.json").unlink()
+    start = rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True))
+    assert start.checkpoint.name == "step_1" and start.state["update"] == 1
+
+
+class Payload:
+    """Unpickled, it creates the file `marker` (open(marker, "w")): any code could run in its place."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def forge_manifest(step: Path) -> None:
+    """What a checkpoint made elsewhere can do: list its files, payload included, with their true hashes."""
+    (step / "manifest.json").unlink()
+    (step / "manifest.json").write_text(json.dumps({"files": rloo.file_digests(step)}))
+
+
+def test_checkpoints_cannot_run_code(tmp_path):
+    policy, optimizer, _ = saved_steps(tmp_path, [1])
+    step, marker = tmp_path / "checkpoints" / "step_1", tmp_path / "ran"
+    torch.save({"update": 1, "note": Payload(marker)}, step / "trainer_state.pt")
+    torch.save({"python": Payload(marker)}, step / "rng_rank0.pt")
+    forge_manifest(step)
+    assert rloo.checkpoint_problem(step) is None  # the manifest matches: only what the files hold can tell
+    with pytest.raises(rloo.ConfigError, match="trainer_state.pt holds io.open, not only tensors"):
+        rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume_from=str(step)))
+    with pytest.raises(rloo.ConfigError, match="rng_rank0.pt holds io.open"):
+        rloo.load_safely(step / "rng_rank0.pt")
+    # torch.distributed.checkpoint unpickles its metadata with pickle: read by an allow-list first
+    dcp.save({"optimizer": optimizer.state_dict()}, checkpoint_id=str(step / "optimizer"))
+    forge_manifest(step)
+    assert rloo.unsafe_metadata(step / "optimizer" / ".metadata") is None  # a real one passes
+    (step / "optimizer" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    forge_manifest(step)
+    assert "refers to io.open, which could run code" in rloo.checkpoint_problem(step)
+    assert not marker.exists()
+    torch.load(step / "trainer_state.pt", weights_only=False)  # what loading used to do
+    assert marker.exists()  # the payload is real
+
+
+def test_rng_states_survive_a_safe_round_trip(tmp_path):
+    sampling = torch.Generator().manual_seed(3)
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(4)
+
+    def draws() -> tuple:
+        return random.random(), np.random.rand(), torch.rand(1).item(), torch.rand(1, generator=sampling).item()
+
+    torch.save(rloo.rng_state(sampling), tmp_path / "rng.pt")
+    expected = draws()
+    rloo.set_rng_state(rloo.load_safely(tmp_path / "rng.pt"), sampling)
+    assert draws() == expected
+    legacy = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+              "sampling": sampling.get_state()}  # as earlier versions of rloo.py wrote it: numpy's own arrays
+    torch.save(legacy, tmp_path / "legacy.pt")
+    expected = draws()
+    rloo.set_rng_state(rloo.load_safely(tmp_path / "legacy.pt"), sampling)
+    assert draws() == expected
+
+
+def fake_run(out: Path, steps: list[int]) -> None:
+    """What rloo.py leaves in output_dir, in outline: checkpoints, metrics, a final policy, a plot of the user's."""
+    for step in steps:
+        (out / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (out / "checkpoints" / f"step_{step}" / "manifest.json").write_text('{"files": {}}')
+    lines = [json.dumps({"update": step}) + "\n" for step in range(1, max(steps) + 1)]
+    (out / "metrics.jsonl").write_text("".join(lines) + '{"update": 4, "objective/sc')  # the last one cut short
+    for name in ("args.json", "model.safetensors", "config.json", "tokenizer.json", "curves.png"):
+        (out / name).write_text("{}")
+
+
+def test_another_timeline_is_moved_aside_and_an_overwrite_deletes_nothing(tmp_path):
+    fake_run(tmp_path, [1, 2, 3])
+    with pytest.raises(rloo.ConfigError, match="holds an earlier run .checkpoints up to step_3.: pass --resume"):
+        rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path)))
+    saved_steps(tmp_path / "other_run", [1])  # another run's checkpoint would mix two runs in one directory
+    with pytest.raises(rloo.ConfigError, match="holds an earlier run .*, not .*other_run.*'s: pass another"):
+        rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path),
+                                         resume_from=str(tmp_path / "other_run" / "checkpoints" / "step_1")))
+    # --resume_from step_1: steps 2, 3 and the metrics after update 1 are another timeline
+    notes = rloo.settle_output_dir(rloo.Args(output_dir=str(tmp_path), resume_from="step_1"), 1, {})
+    (aside,) = (tmp_path / "abandoned").iterdir()
+    assert aside.name.endswith("_after_update_1") and str(aside) in notes[-1]
+    assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == ["step_2", "step_3"]
+    assert [p.name for p in rloo.checkpoint_dirs(str(tmp_path))] == ["step_1"]
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"update": 1}\n'
+    assert (aside / "metrics.jsonl").read_text().splitlines()[0] == '{"update": 2}'
+    assert rloo.settle_output_dir(rloo.Args(output_dir=str(tmp_path)), 1, {}) == []  # nothing later: nothing moved
+    # --overwrite_output_dir: the earlier run's outputs move aside, the user's own files stay
+    rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), overwrite_output_dir=True))
+    rloo.settle_output_dir(rloo.Args(output_dir=str(tmp_path), overwrite_output_dir=True), 0, {})
+    overwritten = next(p for p in (tmp_path / "abandoned").iterdir() if p.name.endswith("_overwritten"))
+    assert sorted(p.name for p in overwritten.iterdir()) == ["args.json", "checkpoints", "config.json",
+                                                            "metrics.jsonl", "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["abandoned", "curves.png", "other_run"]
+
+
+def test_a_signal_during_start_up_stops_at_once_and_marks_a_preemption(tmp_path):
+    saved = {sig: signal.getsignal(sig) for sig in rloo.StopSignal.SIGNALS}
+    try:
+        stop = rloo.StopSignal(str(tmp_path), announce=False)
+        rloo.lock_output_dir(str(tmp_path))  # the marker is written only by the run holding output_dir
+        with pytest.raises(rloo.StartupInterrupted, match="SIGTERM received during start-up: .*nothing was trained"):
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert (tmp_path / "preempted").exists()
+        stop.training = True  # from then on a signal is only recorded, for the update loop to act on
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.name == "SIGUSR1"
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp_path):
+    script = (
+        "import resource, signal, sys, torch\n"
+        "from conftest import policy_tokenizer, tiny_policy\n"
+        "import rloo\n"
+        "rloo.quiet_hub_progress_bars()\n"
+        "out, tokenizer = sys.argv[1], policy_tokenizer()\n"
+        "policy = tiny_policy(len(tokenizer))\n"
+        "optimizer = torch.optim.AdamW(policy.parameters())\n"
+        "rloo.save_checkpoint(out, 1, policy, optimizer, tokenizer, {'update': 1}, 0, None, torch.Generator())\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails (EFBIG), as on a full disk\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))\n"
+        "state = {'update': 2, 'ballast': torch.zeros(1 << 20)}  # 4 MB\n"
+        "rloo.run_script(lambda _: rloo.save_checkpoint(out, 2, policy, optimizer, tokenizer, state, 0, None,\n"
+        "                                               torch.Generator()), None, 'rloo.py')\n")
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env,
+                            timeout=120)
+    assert result.returncode == 4 and result.stderr.strip().count("\n") == 0, result.stderr[-3000:]
+    step_1 = tmp_path / "checkpoints" / "step_1"
+    assert "rloo.py: error: could not write checkpoint step_2 (" in result.stderr
+    assert "free on its filesystem): " in result.stderr and f"the newest, {step_1}, is intact" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]  # the partial one removed
+    assert rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True)).checkpoint == step_1
+
+
+def test_a_failing_or_stuck_rank_stops_every_rank_with_one_line_naming_it(tmp_path):
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(REPO / "tests" / "peers.py"), str(tmp_path / "seen.json"), "2"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen["failed"] == ["reward function 'judge' raised ConnectionError: the judge does not answer (rank 1, "
+                              "scoring of update 1)", True]  # on rank 0 too, which said it
+    message, announce = seen["stuck"]
+    assert announce and message.startswith("the other ranks waited --ddp_timeout 2 s after scoring of update 2: "
+                                           "rank 1 is in 'scoring' since ")
+    assert "nothing saved, a checkpoint needs every rank" in message
+
+
+def test_a_reward_function_that_raises_stops_with_the_last_update_saved_and_resume_is_exact(assets, tmp_path):
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *RUN[2:],
+              "--reward_fn", "reward_fns:count_a_failing", "--total_episodes", PER_UPDATE * 3]
+    full, run = tmp_path / "full", tmp_path / "run"
+    result = run_rloo(*common, "--output_dir", full)
+    assert result.returncode == 0, result.stderr[-3000:]
+    failed = run_rloo(*common, "--output_dir", run, env={"REWARD_FAILS_AT_CALL": "3"})  # in update 3
+    assert failed.returncode == 4 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    assert failed.stderr.strip().splitlines()[-1] == (
+        "rloo.py: error: reward function 'count_a_failing' raised ConnectionError: the judge at http://judge:8000 "
+        f"does not answer; checkpoint of update 2 saved to {run / 'checkpoints' / 'step_2'}; fix it, then continue "
+        "with --resume")
+    result = run_rloo(*common, "--output_dir", run, "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_run(full, run)  # the saved state is the one before update 3 began: data position and RNGs
+
+
+def test_ctrl_c_twice_exits_at_once_and_a_signal_during_start_up_trains_nothing(assets, tmp_path):
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *RUN[2:],
+              "--total_episodes", PER_UPDATE * 40, "--save_steps", 1]
+    out, stderr_path = tmp_path / "run", tmp_path / "stderr"
+    with open(stderr_path, "w") as stderr:  # a second of reward per update: the signals land inside one
+        process = subprocess.Popen(script_command("rloo.py", *common, "--output_dir", out, "--reward_fn",
+                                                  "reward_fns:count_a_slowly"),
+                                   stdout=subprocess.DEVNULL, stderr=stderr, env=script_env(), cwd=REPO)
+        deadline = time.time() + 120
+        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text()):
+            assert time.time() < deadline and process.poll() is None, stderr_path.read_text()[-3000:]
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        while "rloo.py: SIGINT received: stopping after this update with a checkpoint; Ctrl-C again exits at once " \
+                "without one" not in stderr_path.read_text():
+            assert time.time() < deadline and process.poll() is None, stderr_path.read_text()[-3000:]
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=60)
+    assert process.returncode == -signal.SIGINT  # killed in the middle of the update, which is not saved
+    logged = len(read_metrics(out))
+    assert rloo.latest_checkpoint(str(out)).name == f"step_{logged}" and not (out / "preempted").exists()
+
+    ready = tmp_path / "importing"
+    process = subprocess.Popen(script_command("rloo.py", *common, "--output_dir", tmp_path / "start", "--reward_fn",
+                                              "reward_fns_blocking_import:count_a"), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=script_env({"BLOCKING_IMPORT_READY": str(ready)}),
+                               cwd=REPO)
+    deadline = time.time() + 120
+    while not ready.exists():
+        assert time.time() < deadline and process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0 and stderr.strip().splitlines() == [
+        "rloo.py: SIGTERM received during start-up: stopped before the first update, nothing was trained; run the "
+        "same command again to start"]
+    assert not (tmp_path / "start").exists()

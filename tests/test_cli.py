@@ -1,10 +1,15 @@
 """rloo.py run as users run it: end to end, under torchrun, and on bad input."""
 
+import signal
+from pathlib import Path
 
+import datasets
 import pytest
+import tyro
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import read_metrics, run_rloo, word_tokenizer
+import rloo
+from conftest import neox_config, read_metrics, run_rloo, word_tokenizer
 
 TINY_RUN = ("--rloo_k", "4", "--per_device_train_batch_size", "16", "--response_length", "6", "--temperature", "1.0",
             "--max_prompt_length", "16", "--local_rollout_forward_batch_size", "32", "--num_ppo_epochs", "1")
@@ -224,3 +229,125 @@ def test_cudnn_attention_is_off_for_steady_times_at_changing_lengths():
     torch.backends.cuda.enable_cudnn_sdp(True)
     rloo.choose_kernels()  # what main does first
     assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.matmul.allow_tf32
+# ---------------------------------------------------------------- bad input, table-driven, in this process
+def snapshot(directory: Path) -> dict:
+    """Every file under directory with its size and modification time; the lock file is the run's, not data."""
+    return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in directory.rglob("*") if p.is_file() and p.name != rloo.LOCK}
+
+
+@pytest.fixture(scope="module")
+def bad_files(assets, tmp_path_factory) -> dict[str, Path]:
+    """Broken datasets and models, one of each kind."""
+    root = tmp_path_factory.mktemp("bad")
+    files = {name: root / name for name in ("malformed.jsonl", "empty.jsonl", "none.jsonl", "numbers.jsonl",
+                                            "list_line.jsonl", "malformed.json")}
+    files["malformed.jsonl"].write_text('{"prompt": "a :"}\n{"prompt": "b :"\n{"prompt": "c :"}\n')
+    files["empty.jsonl"].write_text("")
+    files["none.jsonl"].write_text('{"prompt": "a :"}\n{"prompt": null}\n')
+    files["numbers.jsonl"].write_text('{"prompt": 1}\n{"prompt": 2}\n')
+    files["list_line.jsonl"].write_text('{"prompt": "a :"}\n["b :"]\n')
+    files["malformed.json"].write_text('[{"prompt": "a :"},\n {"prompt": }]\n')
+    files["not_a_dataset"] = root / "not_a_dataset"
+    files["not_a_dataset"].mkdir()
+    (files["not_a_dataset"] / "notes.txt").write_text("hello\n")
+    files["foreign_ids"] = root / "foreign_ids"
+    datasets.Dataset.from_dict({"query_token": [[0, 2, 3], [4, 99, 5]]}).save_to_disk(str(files["foreign_ids"]))
+    files["two_label_rm"] = root / "two_label_rm"  # only its config is read before the refusal
+    neox_config(15, num_labels=2, architectures=["GPTNeoXForSequenceClassification"]).save_pretrained(
+        files["two_label_rm"])
+    files["a_file"] = root / "a_file"
+    files["a_file"].write_text("not a directory\n")
+    files["earlier_run"] = root / "earlier_run"
+    (files["earlier_run"] / "checkpoints" / "step_3").mkdir(parents=True)
+    (files["earlier_run"] / "checkpoints" / "step_3" / rloo.MANIFEST).write_text('{"files": {}}\n')
+    return files
+
+
+BAD_INPUTS = {  # case: (flags that replace or add to a valid command, fragments of the one error line)
+    "save_total_limit -1": ({"save_total_limit": "-1"}, ["save_total_limit = -1", "at least 1"]),
+    "save_total_limit 0": ({"save_total_limit": "0"}, ["save_total_limit = 0", "None to keep every"]),
+    "save_steps -1": ({"save_steps": "-1"}, ["save_steps = -1"]),
+    "temperature inf": ({"temperature": "inf"}, ["temperature = inf", "finite number > 0"]),
+    "temperature nan": ({"temperature": "nan"}, ["temperature = nan"]),
+    "temperature -1": ({"temperature": "-1"}, ["temperature = -1.0"]),
+    "cliprange 0": ({"cliprange": "0"}, ["cliprange = 0.0", "> 0"]),
+    "learning_rate -1e-3": ({"learning_rate": "-1e-3"}, ["learning_rate = -0.001", ">= 0"]),
+    "learning_rate nan": ({"learning_rate": "nan"}, ["learning_rate = nan"]),
+    "kl_coef nan": ({"kl_coef": "nan"}, ["kl_coef = nan"]),
+    "eval_max_prompts 0": ({"eval_max_prompts": "0"}, ["eval_max_prompts = 0", "at least 1"]),
+    "num_train_epochs 0": ({"num_train_epochs": "0"}, ["num_train_epochs = 0.0"]),
+    "seed -1": ({"seed": "-1"}, ["seed = -1"]),
+    "ddp_timeout 0": ({"ddp_timeout": "0"}, ["ddp_timeout = 0.0", "seconds > 0"]),
+    "overwrite and resume": ({"overwrite_output_dir": None, "resume": None}, ["--overwrite_output_dir", "--resume"]),
+    "reward function without **kwargs": ({"reward_fn": "reward_fns:without_kwargs"},
+                                         ["'reward_fns:without_kwargs' takes no **kwargs", "add **kwargs"]),
+    "reward function needs a missing column": ({"reward_fn": "reward_fns:needs_answer"},
+                                               ["'needs_answer' needs 'answer'", "'target'"]),
+    "output_dir is a file": ({"output_dir": "a_file"}, ["a_file is a file", "pass a directory"]),
+    "output_dir holds an earlier run": ({"output_dir": "earlier_run"},
+                                        ["holds an earlier run (checkpoints up to step_3)", "--resume",
+                                         "--overwrite_output_dir"]),
+    "stop_token_id outside the vocabulary": ({"stop_token_id": "99"}, ["stop_token_id = 99", "vocabulary of 15"]),
+    "test split of a single file": ({"dataset_test_split": "validation"},
+                                    ["--dataset_test_split validation", "has no splits", "test.jsonl"]),
+    "train split of a single file": ({"dataset_train_split": "descriptiveness"},
+                                     ["--dataset_train_split descriptiveness", "has no splits"]),
+    "malformed jsonl line": ({"dataset_name": "malformed.jsonl"}, ["malformed.jsonl", "line 2 is not valid JSON"]),
+    "malformed json": ({"dataset_name": "malformed.json"}, ["malformed.json cannot be read", "line 2"]),
+    "a jsonl line that is a list": ({"dataset_name": "list_line.jsonl"}, ["line 2 is a JSON list"]),
+    "empty file": ({"dataset_name": "empty.jsonl"}, ["empty.jsonl is empty"]),
+    "a None prompt": ({"dataset_name": "none.jsonl"}, ["none.jsonl, row 1", "None", "a string or a list of chat"]),
+    "numbers as prompts": ({"dataset_name": "numbers.jsonl"}, ["numbers.jsonl, row 0", "1"]),
+    "a directory that is not a dataset": ({"dataset_name": "not_a_dataset"},
+                                          ["not_a_dataset is not a dataset written by save_to_disk"]),
+    "token ids outside the vocabulary": ({"dataset_name": "foreign_ids"},
+                                         ["foreign_ids, row 1", "token id 99", "vocabulary of 15"]),
+    "reward model with two labels": ({"reward_model_path": "two_label_rm"},
+                                     ["two_label_rm", "2-label classification head", "num_labels=1"]),
+}
+
+
+@pytest.fixture
+def signal_handlers_kept():
+    """rloo.main installs its signal handlers in this process: put pytest's back."""
+    saved = {sig: signal.getsignal(sig) for sig in rloo.StopSignal.SIGNALS}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=list(BAD_INPUTS))
+def test_bad_input_is_one_line_before_any_model_loads_and_changes_nothing(case, assets, bad_files, tmp_path, capfd,
+                                                                          signal_handlers_kept):
+    changes, fragments = BAD_INPUTS[case]
+    out = tmp_path / "out"  # what an earlier attempt without checkpoints leaves
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"update": 1}\n')
+    flags = {"model_name_or_path": assets["policy"], "dataset_name": assets["train"], "output_dir": out,
+             "reward_fn": "reward_fns:count_a", "max_prompt_length": 16, "response_length": 6}
+    for name, value in changes.items():
+        flags[name] = None if value is None else bad_files.get(value, value)
+    watched = flags["output_dir"] if Path(flags["output_dir"]).is_dir() else out
+    before = snapshot(watched)
+    argv = [s for name, value in flags.items() for s in (f"--{name}", *([] if value is None else [str(value)]))]
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exit_status:
+        rloo.run_script(rloo.main, tyro.cli(rloo.Args, args=argv), "rloo.py")
+    stderr = capfd.readouterr().err
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert exit_status.value.code == 2 and len(lines) == 1, stderr
+    assert lines[0].startswith("rloo.py: error: "), stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert snapshot(watched) == before
+    assert not (out / "checkpoints").exists()
+
+
+def test_a_sequence_longer_than_the_policys_positions_is_warned_about(assets, capsys):
+    args = rloo.Args(model_name_or_path=str(assets["policy"]), max_prompt_length=60, response_length=10)
+    rloo.prepare_tokenizer(args)  # the tiny policy has 64 positions
+    assert ("warning: max_prompt_length + response_length = 70 tokens exceed the policy's 64 positions"
+            in capsys.readouterr().err)
+    rloo.prepare_tokenizer(rloo.Args(model_name_or_path=str(assets["policy"]), max_prompt_length=16, response_length=6))
+    assert capsys.readouterr().err == ""

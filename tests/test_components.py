@@ -3,6 +3,7 @@
 import json
 
 import datasets
+import numpy as np
 import pytest
 import torch
 
@@ -216,6 +217,20 @@ def test_reward_functions_get_texts_ids_and_columns_and_combine_with_weights():
     assert means == {"reward/spy/mean": 1.75, "reward/even/mean": 1.0}
 
 
+def test_reward_function_values_numpy_accepted_and_every_misuse_named():
+    call = lambda fn: rloo.call_reward_function("f", lambda **kwargs: fn(), 3, completions=["a", "b", "c"])  # noqa
+    values, applies = call(lambda: [np.float32(0.5), np.int64(2), None])  # numpy scalars, as from np.mean
+    assert values.tolist() == [0.5, 2.0, 0.0] and applies.tolist() == [True, True, False]
+    assert call(lambda: np.array([1.0, 2.0, 3.0]))[0].tolist() == [1.0, 2.0, 3.0]
+    assert call(lambda: torch.tensor([1.0, 2.0, 3.0]))[0].tolist() == [1.0, 2.0, 3.0]
+    for returns, message in ((lambda: 1 / 0, "'f' raised ZeroDivisionError: division by zero"),
+                             (lambda: 3.0, "'f' returned 3.0, not a list of 3 numbers"),
+                             (lambda: [1.0, 2.0], "'f' returned 2 values for 3 completions"),
+                             (lambda: [1.0, "2", 3.0], "'f' returned '2' .str. among its values")):
+        with pytest.raises(rloo.RewardFunctionError, match=message):
+            call(returns)
+
+
 # ---------------------------------------------------------------- one update
 def test_one_update_with_positive_advantage_raises_that_completions_logprob():
     tokenizer = policy_tokenizer()
@@ -250,7 +265,8 @@ def test_prompt_sources_string_chat_and_pretokenized(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ds = rloo.load_split(str(path), "ignored", None)
     ds, dropped = rloo.prepare_prompts(ds, tokenizer, "prompt", 16, "p.jsonl")
-    assert ds[rloo.PROMPT_IDS] == [[2, 3, 14], [4, 14]] and dropped == 0 and ds["extra"] == [1, 2]
+    assert ds[rloo.PROMPT_IDS] == [[2, 3, 14], [4, 14]] and dropped == {"empty": 0, "too_long": 0}
+    assert ds["extra"] == [1, 2]
 
     chat = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "a b"}]}])
     chat, _ = rloo.prepare_prompts(chat, tokenizer, "messages", 16, "chat")
@@ -271,11 +287,12 @@ def test_prompt_sources_string_chat_and_pretokenized(tmp_path):
     assert len(rloo.load_split(str(tmp_path / "p.parquet"), "train", None)) == 2
 
 
-def test_over_long_prompts_are_dropped_and_counted():
+def test_over_long_and_empty_prompts_are_dropped_and_counted_apart():
     tokenizer = policy_tokenizer()
-    ds = datasets.Dataset.from_list([{"prompt": "a b c d :"}, {"prompt": "a :"}, {"prompt": "b c :"}])
+    ds = datasets.Dataset.from_list([{"prompt": "a b c d :"}, {"prompt": "a :"}, {"prompt": ""}, {"prompt": "b c :"}])
     ds, dropped = rloo.prepare_prompts(ds, tokenizer, "prompt", 3, "d")
-    assert dropped == 1 and len(ds) == 2
+    assert dropped == {"empty": 1, "too_long": 1} and ds["prompt"] == ["a :", "b c :"]
+    assert rloo.describe_dropped(dropped, 3) == "1 dropped as longer than 3 tokens, 1 empty"
     with pytest.raises(rloo.ConfigError, match="longer than max_prompt_length"):
         rloo.prepare_prompts(ds, tokenizer, "prompt", 1, "d")
 

@@ -191,7 +191,7 @@ def test_combine_rewards_with_none():
     applies = torch.tensor([[True, True, False], [True, False, True]])
     combined = rloo.combine_rewards(values, applies, torch.tensor([1.0, 0.5]))
     assert combined.tolist() == [6.0, 2.0, 15.0]
-    with pytest.raises(ValueError, match="no reward source applies to completions \\[1\\]"):
+    with pytest.raises(rloo.RewardFunctionError, match="no reward source applies to completions \\[1\\]"):
         rloo.combine_rewards(values, torch.tensor([[True, False, True], [False, False, True]]), torch.ones(2))
 
 

@@ -336,3 +336,16 @@ def test_a_pickle_sent_to_the_control_store_is_refused_and_runs_nothing(tmp_path
     assert engine.returncode == 2, engine.stderr[-3000:]
     assert engine.stderr.strip().startswith("rloo_multinode.py serve: error: refused a control-store message")
     assert len(engine.stderr.strip().splitlines()) == 1 and not marker.exists()
+
+
+def test_an_engine_timeout_of_zero_and_a_port_in_use_are_refused_before_anything_loads():
+    for timeout in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(rloo.ConfigError, match="engine_timeout = .* must be a finite number of seconds > 0"):
+            mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", engine_timeout=timeout), 1)
+    with socket.socket() as taken:  # what an earlier run, or anything else, listening there looks like
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for engine_port in (port, port - 1):  # the control store's port, or the weight group's after it
+            with pytest.raises(rloo.ConfigError, match=rf"--engine_port {engine_port}: port \d+ is in use.* another"):
+                mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", engine_port=engine_port), 1)
