@@ -1021,7 +1021,7 @@ def attention_implementation(model) -> Optional[str]:
     return getattr(getattr(module, "config", None), "_attn_implementation", None)
 
 
-def takes_grouped_inputs(model) -> bool:
+def takes_grouped_rows(model) -> bool:
     """Whether prompt groups can be fed to the model as one row each: its attention must take a 4D mask as it is
     (transformers' sdpa and eager attention do; flash-attention and remote code may not) and explicit positions."""
     module = model.module if isinstance(model, DDP) else model
@@ -1029,55 +1029,81 @@ def takes_grouped_inputs(model) -> bool:
         "position_ids" in inspect.signature(module.forward).parameters
 
 
-def as_group_rows(x: torch.Tensor, k: int) -> torch.Tensor:
-    """(k*g, T) rows in the (k, g) layout -> (g, k*T): each prompt's k rows side by side."""
-    return x.view(k, -1, *x.shape[1:]).transpose(0, 1).reshape(-1, k * x.shape[1], *x.shape[2:])
+@dataclass
+class GroupedRows:
+    """A forward pass's inputs with one row per prompt group, (g, L): the prompt (left-padded), then its k responses
+    back to back, each at its own length, the row right-padded to the longest group. The 4D mask lets each response
+    attend to the prompt's real tokens and to its own earlier tokens only, and its positions count on from the
+    prompt's, so every completion is computed exactly as alone while its prompt is computed once."""
+
+    input_ids: torch.Tensor  # (g, L)
+    position_ids: torch.Tensor  # (g, L)
+    attention_mask: torch.Tensor  # (g, 1, L, L) bool (True: attend), or additive floats for eager attention
+    predictors: torch.Tensor  # (P,) the positions whose logits are computed, the same in every row: the prompt's last
+    # position k times (it predicts each response's first token), then every response position but the row's last
+    targets: torch.Tensor  # (g, P) the token each predictor predicts in its row (0 where it predicts nothing)
+    slots: torch.Tensor  # (k*g, Tr) which of the P predictors predicts each response token, (k, g) layout
+    last_positions: torch.Tensor  # (k*g,) each completion's last token in its group's row
+
+    def model_inputs(self) -> dict:
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "position_ids": self.position_ids}
 
 
-def from_group_rows(x: torch.Tensor, k: int) -> torch.Tensor:
-    """(g, k*T) -> (k*g, T) in the (k, g) layout: the inverse of as_group_rows."""
-    return x.view(x.shape[0], k, -1, *x.shape[2:]).transpose(0, 1).reshape(-1, x.shape[1] // k, *x.shape[2:])
+def grouped_rows(c: Completions, float_mask_dtype: Optional[torch.dtype] = None) -> GroupedRows:
+    """The completions as GroupedRows; padding ids become 0 (they may lie outside a reward model's vocabulary)."""
+    (g, prompt_width), k, response_width, device = c.queries.shape, c.k, c.responses.shape[1], c.queries.device
+    lengths = c.response_mask.sum(1).view(k, g).T  # (g, k) each response's own length
+    starts = prompt_width + lengths.cumsum(1) - lengths  # (g, k) where each response begins in its row
+    length = prompt_width + int(lengths.sum(1).max())  # L
+    t = torch.arange(response_width, device=device)  # (Tr,)
+    real = t < lengths[:, :, None]  # (g, k, Tr) the response tokens, of every (group, sample)
+    where = (starts[:, :, None] + t)[real]  # (n,) their positions in their rows
+    row = torch.arange(g, device=device)[:, None, None].expand_as(real)[real]  # (n,) and their rows
+    sample = torch.arange(k, device=device)[None, :, None].expand_as(real)[real]  # (n,) and which response
+    responses = c.responses.view(k, g, response_width).transpose(0, 1)  # (g, k, Tr)
 
-
-def grouped_inputs(c: Completions, pad_id: int = 0, float_mask_dtype: Optional[torch.dtype] = None) -> dict:
-    """One row per prompt, (g, L) with L = Tq + k*Tr: the prompt, then its k responses one after the other. Each
-    response attends to the prompt's real tokens and to its own earlier tokens only, at the positions it would have
-    alone, so every completion is computed exactly as alone while its prompt is computed once. The 4D mask is bool
-    (True: attend), or additive in float_mask_dtype (for eager attention). Padding ids become pad_id."""
-    g, prompt_width = c.queries.shape
-    k, response_width = c.k, c.responses.shape[1]
-    length = prompt_width + k * response_width
-    responses, response_mask = as_group_rows(c.responses, k), as_group_rows(c.response_mask, k)  # (g, k*Tr) each
-    input_ids = torch.cat([c.queries.masked_fill(~c.query_mask, pad_id),
-                           responses.masked_fill(~response_mask, pad_id)], 1)  # (g, L)
-    prompt_lengths = c.query_mask.sum(1, keepdim=True)  # (g, 1)
-    response_positions = prompt_lengths + torch.arange(response_width, device=c.queries.device).repeat(k)  # (g, k*Tr)
-    position_ids = torch.cat([position_ids_from_mask(c.query_mask), response_positions], 1)  # (g, L)
-    segment = torch.cat([torch.full((prompt_width,), -1, device=c.queries.device),  # (L,): -1 prompt, j response j
-                         torch.arange(k, device=c.queries.device).repeat_interleave(response_width)])
-    index = torch.arange(length, device=c.queries.device)
-    visible = (index[:, None] >= index[None, :]) & ((segment[None, :] == -1) | (segment[:, None] == segment[None, :]))
-    real_key = torch.cat([c.query_mask, torch.ones_like(response_mask)], 1)  # (g, L); response padding is never
-    # attended to by a real token (it follows them), so it may stay visible
-    mask = (visible[None] & real_key[:, None, :]) | torch.eye(length, dtype=torch.bool, device=index.device)  # (g, L, L)
-    # (a padding position attends to itself: no row of the softmax is empty; what padding computes is never read)
+    input_ids = torch.zeros(g, length, dtype=torch.long, device=device)
+    input_ids[:, :prompt_width] = c.queries.masked_fill(~c.query_mask, 0)
+    input_ids[row, where] = responses[real]
+    position_ids = torch.zeros_like(input_ids)
+    position_ids[:, :prompt_width] = position_ids_from_mask(c.query_mask)
+    position_ids[row, where] = (c.query_mask.sum(1)[:, None, None] + t).expand_as(real)[real]
+    segment = torch.full_like(input_ids, -2)  # (g, L): -1 the prompt, j response j, -2 the row's padding
+    segment[:, :prompt_width] = -1
+    segment[row, where] = sample
+    index = torch.arange(length, device=device)
+    prompt_key = torch.cat([c.query_mask, torch.zeros(g, length - prompt_width, dtype=torch.bool, device=device)], 1)
+    own_key = (segment[:, :, None] == segment[:, None, :]) & (segment[:, None, :] >= 0)  # (g, L, L) same response
+    mask = (index[:, None] >= index[None, :]) & (prompt_key[:, None, :] | own_key)  # (g, L, L)
+    mask |= torch.eye(length, dtype=torch.bool, device=device)  # padding attends to itself: no softmax row is empty
     mask = mask[:, None]  # (g, 1, L, L)
     if float_mask_dtype is not None:
-        mask = torch.zeros(mask.shape, dtype=float_mask_dtype, device=mask.device).masked_fill_(
+        mask = torch.zeros(mask.shape, dtype=float_mask_dtype, device=device).masked_fill_(
             ~mask, torch.finfo(float_mask_dtype).min)
-    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids}
+
+    # logits: the prompt's last position once per response (its first token), then the positions in between
+    predictors = torch.cat([torch.full((k,), prompt_width - 1, device=device),
+                            torch.arange(prompt_width, length - 1, device=device)])  # (P,)
+    slots = torch.where(t == 0, torch.arange(k, device=device)[None, :, None],
+                        k + starts[:, :, None] - prompt_width + t - 1)  # (g, k, Tr); past a response's end: unread
+    slots = slots.clamp(max=len(predictors) - 1)
+    targets = torch.zeros(g, len(predictors), dtype=torch.long, device=device)
+    targets[row, slots[real]] = responses[real]
+    return GroupedRows(input_ids, position_ids, mask, predictors, targets,
+                       slots.transpose(0, 1).reshape(k * g, response_width),
+                       (starts + lengths - 1).T.reshape(k * g))
 
 
-def grouped_model_inputs(model, c: Completions) -> dict:
-    """grouped_inputs with the mask in the form the model's attention takes: additive for eager attention."""
+def grouped_rows_for(model, c: Completions) -> GroupedRows:
+    """grouped_rows with the mask in the form the model's attention takes: additive for eager attention."""
     eager = attention_implementation(model) == "eager"
-    return grouped_inputs(c, float_mask_dtype=torch.float32 if eager else None)
+    return grouped_rows(c, float_mask_dtype=torch.float32 if eager else None)
 
 
 def unshared_inputs(c: Completions, pad_id: int = 0) -> dict:
     """One row per completion, (k*g, Tq + Tr): its prompt (repeated for each of the k), then the response; padding
     masked. The layout transformers models are built for; --no-share_prompt and models that cannot take
-    grouped_inputs use it."""
+    grouped_rows use it."""
     prompt_of_row = torch.arange(c.queries.shape[0], device=c.queries.device).repeat(c.k)  # (k*g,)
     attention_mask = torch.cat([c.query_mask[prompt_of_row], c.response_mask], 1)  # (k*g, Tq + Tr)
     input_ids = torch.cat([c.queries[prompt_of_row], c.responses], 1).masked_fill(~attention_mask, pad_id)
@@ -1085,23 +1111,12 @@ def unshared_inputs(c: Completions, pad_id: int = 0) -> dict:
             "position_ids": position_ids_from_mask(attention_mask)}
 
 
-def completion_logits(model, c: Completions, share_prompt: bool) -> torch.Tensor:
-    """The logits predicting each response token, by one forward pass: (g, k*Tr, V), a row per prompt group with
-    its k responses side by side (as_group_rows), when shared; else (k*g, Tr, V). Only the predicting positions'
-    logits are computed: the LM head's output is the largest activation of a forward pass (V ~ 50k columns per
-    position) and the prompt's other positions need none."""
-    k, prompt_width, response_width = c.k, c.queries.shape[1], c.responses.shape[1]
-    offsets = torch.arange(response_width, device=c.queries.device)  # (Tr,)
-    if share_prompt:  # response j's token t is predicted by the prompt's last position (t = 0) or its token t-1
-        inputs = grouped_model_inputs(model, c)
-        starts = prompt_width + torch.arange(k, device=offsets.device)[:, None] * response_width  # (k, 1)
-        predictors = torch.where(offsets == 0, prompt_width - 1, starts + offsets - 1).flatten()  # (k*Tr,)
-    else:
-        inputs = unshared_inputs(c)
-        predictors = prompt_width - 1 + offsets  # (Tr,)
+def logits_at(model, positions: torch.Tensor, **inputs) -> torch.Tensor:
+    """(rows, len(positions), V): the logits of those positions only, by one forward pass. The LM head's output is
+    the largest activation of a forward pass (V ~ 50k columns per position) and a prompt's positions need none."""
     if accepts_logits_to_keep(model):
-        return model(**inputs, logits_to_keep=predictors, use_cache=False).logits
-    return model(**inputs, use_cache=False).logits[:, predictors]  # a model without the argument computes them all
+        return model(**inputs, logits_to_keep=positions, use_cache=False).logits
+    return model(**inputs, use_cache=False).logits[:, positions]  # a model without the argument computes them all
 
 
 class SelectiveLogSoftmax(torch.autograd.Function):
@@ -1143,12 +1158,16 @@ def forward_logprobs(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (k*g, Tr) of the response tokens under the model's logits / temperature, as sampled; and the
     per-token entropy (k*g, Tr), without gradient, if asked. Padding positions hold values that must be masked."""
-    logits = completion_logits(model, c, share_prompt)  # (g, k*Tr, V) or (k*g, Tr, V)
-    if not share_prompt:
+    if not share_prompt:  # position Tq - 1 + t predicts response token t
+        positions = c.queries.shape[1] - 1 + torch.arange(c.responses.shape[1], device=c.responses.device)  # (Tr,)
+        logits = logits_at(model, positions, **unshared_inputs(c))  # (k*g, Tr, V)
         return SelectiveLogSoftmax.apply(logits, c.responses, temperature, with_entropy)
-    # in the logits' own order, so that only the (g, k*Tr) results are reordered, never the (.., V) logits
-    logprobs, entropy = SelectiveLogSoftmax.apply(logits, as_group_rows(c.responses, c.k), temperature, with_entropy)
-    return from_group_rows(logprobs, c.k), None if entropy is None else from_group_rows(entropy, c.k)
+    rows = grouped_rows_for(model, c)
+    logits = logits_at(model, rows.predictors, **rows.model_inputs())  # (g, P, V)
+    # in the logits' own layout, so that only the (g, P) results are rearranged, never the (.., V) logits
+    logprobs, entropy = SelectiveLogSoftmax.apply(logits, rows.targets, temperature, with_entropy)  # (g, P) each
+    group = torch.arange(c.queries.shape[0], device=logits.device).repeat(c.k)[:, None]  # (k*g, 1)
+    return logprobs[group, rows.slots], None if entropy is None else entropy[group, rows.slots]
 
 
 @dataclass
@@ -1457,16 +1476,15 @@ def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
 @torch.no_grad()
 def reward_model_scores(model, c: Completions, share_prompt: bool) -> torch.Tensor:
     """(k*g,) reward of each completion, read at its last real token (the stop token when it has one). Shared: one
-    forward row per prompt group (grouped_inputs); else one per completion."""
+    forward row per prompt group (grouped_rows); else one per completion."""
     if not share_prompt:
         inputs = unshared_inputs(c)
         return sequence_rewards(model, inputs["input_ids"], inputs["attention_mask"])
-    (g, prompt_width), k, response_width = c.queries.shape, c.k, c.responses.shape[1]
+    rows = grouped_rows_for(model, c)
     backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(**grouped_model_inputs(model, c), use_cache=False).last_hidden_state  # (g, Tq + k*Tr, H)
-    group = torch.arange(g, device=hidden.device).repeat(k)  # (k*g,) the (k, g) layout
-    sample = torch.arange(k, device=hidden.device).repeat_interleave(g)  # (k*g,)
-    last = prompt_width + sample * response_width + c.response_mask.sum(1) - 1  # (k*g,) in its group's row
+    hidden = backbone(**rows.model_inputs(), use_cache=False).last_hidden_state  # (g, L, H)
+    group = torch.arange(c.queries.shape[0], device=hidden.device).repeat(c.k)  # (k*g,) the (k, g) layout
+    last = rows.last_positions  # (k*g,)
     return model.score(hidden[group, last]).squeeze(-1).float()
 
 
@@ -1576,7 +1594,7 @@ class RewardSources:
     model_tokenizer: Optional[object]  # None when the policy's token ids can be fed as they are
     functions: list[tuple[str, Callable]]
     weights: torch.Tensor  # (S,)
-    share_prompt: bool = False  # the reward model reads a prompt group as one row (grouped_inputs)
+    share_prompt: bool = False  # the reward model reads a prompt group as one row (grouped_rows)
 
     @property
     def names(self) -> list[str]:
@@ -2733,8 +2751,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     num_updates = math.ceil(total_episodes / sizes.world)
     columns_to_pass = [c for c in dataset.column_names if c not in (PROMPT_IDS, args.prompt_column)]
     # each prompt computed once for its k completions, in every phase, where the model can take it (exact)
-    share_prompt = args.share_prompt and takes_grouped_inputs(policy)
-    sources.share_prompt = args.share_prompt and sources.model is not None and takes_grouped_inputs(sources.model)
+    share_prompt = args.share_prompt and takes_grouped_rows(policy)
+    sources.share_prompt = args.share_prompt and sources.model is not None and takes_grouped_rows(sources.model)
 
     # ---- FSDP or DDP, optimizer; from here on each rank samples differently
     if args.fsdp:

@@ -68,21 +68,23 @@ def test_logprobs_entropy_rewards_loss_and_gradients_equal_unshared(k, attention
         torch.testing.assert_close(results[True][name], value, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_grouped_rows_hide_the_other_responses_and_count_positions_from_the_prompt():
+def test_grouped_rows_put_responses_back_to_back_hide_them_from_each_other_and_count_from_the_prompt():
     c = rloo.Completions(queries=torch.tensor([[0, 7, 8]]), query_mask=torch.tensor([[False, True, True]]),
                          responses=torch.tensor([[3, 4], [5, 0]]),  # k = 2; the second stopped after one token
                          response_mask=torch.tensor([[True, True], [True, False]]))
-    inputs = rloo.grouped_inputs(c)
-    assert inputs["input_ids"].tolist() == [[0, 7, 8, 3, 4, 5, 0]]
-    assert inputs["position_ids"].tolist() == [[0, 0, 1, 2, 3, 2, 3]]  # each response continues the prompt alone
-    visible = inputs["attention_mask"][0, 0].int().tolist()
-    assert visible == [[1, 0, 0, 0, 0, 0, 0],  # padding sees only itself
-                       [0, 1, 0, 0, 0, 0, 0],
-                       [0, 1, 1, 0, 0, 0, 0],
-                       [0, 1, 1, 1, 0, 0, 0],  # response 0
-                       [0, 1, 1, 1, 1, 0, 0],
-                       [0, 1, 1, 0, 0, 1, 0],  # response 1: the prompt and itself, never response 0
-                       [0, 1, 1, 0, 0, 1, 1]]
+    rows = rloo.grouped_rows(c)
+    assert rows.input_ids.tolist() == [[0, 7, 8, 3, 4, 5]]  # each response at its own length, no padding between
+    assert rows.position_ids.tolist() == [[0, 0, 1, 2, 3, 2]]  # each response continues the prompt alone
+    assert rows.attention_mask[0, 0].int().tolist() == [[1, 0, 0, 0, 0, 0],  # padding sees only itself
+                                                         [0, 1, 0, 0, 0, 0],
+                                                         [0, 1, 1, 0, 0, 0],
+                                                         [0, 1, 1, 1, 0, 0],  # response 0
+                                                         [0, 1, 1, 1, 1, 0],
+                                                         [0, 1, 1, 0, 0, 1]]  # response 1: the prompt and itself
+    assert rows.predictors.tolist() == [2, 2, 3, 4]  # the prompt's last position once per response, then the rest
+    assert rows.targets.tolist() == [[3, 5, 4, 0]]  # what each predicts; the row's last token predicts nothing
+    assert rows.slots.tolist() == [[0, 2], [1, 3]]  # response 0: 3 (from 2), 4 (from 3); response 1: 5 (from 2)
+    assert rows.last_positions.tolist() == [4, 5]  # where each completion's reward is read
 
 
 def rollout_of(k: int, num_prompts: int) -> rloo.Rollout:
