@@ -132,6 +132,9 @@ class Args(RunConfig):
     compile_generation: bool = False
     """rloo.py only: --compile_generation (static KV cache, compiled decoding step; TRL 0.21 has no equivalent).
     The compilation falls in the warm-up update"""
+    bf16_generation: bool = False
+    """rloo.py only: --bf16_generation (sampling from a bf16 copy of the policy, refreshed after each update; the
+    trained policy and every log-prob stay fp32). TRL 0.21 has no equivalent"""
     trl_python: str = "benchmark/.venv-trl/bin/python"
     """the Python of the environment with TRL 0.21 (`make bench-env`)"""
 
@@ -389,7 +392,8 @@ def main(args: Args) -> None:
             for repeat in range(args.repeats):
                 for name, command in commands.items():
                     run_dir = fresh_run_dir(REPO_ROOT / args.runs_dir / f"{shape}_k{k}_{name.replace('.', '_')}_{repeat}")
-                    own = ["--compile_generation"] if args.compile_generation and name == "rloo.py" else []
+                    own = [f"--{flag}" for flag in ("compile_generation", "bf16_generation")
+                           if name == "rloo.py" and getattr(args, flag)]
                     _, rss = run_trainer(command + trainer_flags(args, k, assets, run_dir) + own,
                                          run_dir / "log.txt", "throughput")
                     results[name].append(summarize_run(run_dir / "metrics.jsonl", args, rss))
