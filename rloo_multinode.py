@@ -922,6 +922,8 @@ class EngineRollouts:
     its own completions; rank 0 also sends the weights. The ranks agree on every engine failure, so all stop at the
     same point."""
 
+    max_metrics = ("time/weight_sync", "time/engine_wait")  # rank 0 alone syncs the weights: its time, not a mean
+
     def __init__(self, policy, args: Args, stop_token_id: Optional[int], pad_token_id: int,
                  generator: torch.Generator, dist_info: rloo.Dist, engines):
         self.policy, self.args, self.stop_token_id, self.pad_token_id = policy, args, stop_token_id, pad_token_id
