@@ -4,9 +4,10 @@
     torchrun --nproc_per_node 8 rloo.py --rloo-k 4 ...
 
 One update, on every rank:
-  1. take B prompts and repeat them k times into the (k, B) layout: row j*B + i is sample j of prompt i;
-  2. sample k*B completions, cut each after its first stop token;
-  3. recompute the policy's and the frozen reference's log-probs of those tokens with a forward pass;
+  1. draw B prompts; each gets k completions, kept in the (k, B) layout: row j*B + i is sample j of prompt i;
+  2. sample the k*B completions, cut each after its first stop token;
+  3. recompute the policy's and the frozen reference's log-probs of those tokens with a forward pass (on-policy,
+     the training forward gives the policy's); every pass computes each prompt once for its k completions;
   4. score each completion (reward model and/or reward functions, missing-EOS penalty);
   5. reward = score - kl_coef * KL(policy || reference); the baseline of each sample is the mean reward
      of the other k-1 samples of its prompt; advantage = reward - baseline;
@@ -14,8 +15,31 @@ One update, on every rank:
      ratio exp(sum_t logp_new - sum_t logp_old); one optimizer step per minibatch.
 With 1 epoch and 1 minibatch the ratio is 1 and this is REINFORCE with the leave-one-out baseline.
 
-Sections, in order: Args | batch arithmetic | distributed | data | models | rollout | rewards |
-advantages | loss | update | logging | evaluation | main.
+Shapes: B prompts per rank and update; k = rloo_k completions each; N = k*B completions, in the (k, B) layout
+(row j*B + i is sample j of prompt i); Tq the batch's longest prompt (left-padded), Tr its longest response
+(right-padded, at most response_length); V the vocabulary; g prompt groups in a chunk or micro-batch, L the length
+of a grouped row (a prompt, then its k responses back to back), P the positions whose logits it computes; S reward
+sources.
+
+Sections, in the order a run needs them ([A] the algorithm, [P] plumbing):
+  Args                     the flags, TRL <= 0.21's names (TRL >= 0.22's accepted: see "command line")
+  batch arithmetic    [A]  micro / mini / local / B / all ranks, derived once; the flags' numeric checks
+  distributed         [P]  torchrun ranks, FSDP2 sharding, DDP gradient sync, all-reduce
+  data                [A]  a dataset or file -> tokenized prompts; the sampler that draws B per update
+  models              [A]  tokenizer, policy, frozen reference, the kernels chosen
+  rollout             [A]  1-3: sampling with a KV cache, Completions, grouped rows (each prompt computed once
+                           for its k completions), log-probs, the rollout source (LocalRollouts)
+  rewards             [A]  4: reward model and reward functions, combined; the missing-EOS penalty
+  advantages          [A]  5: KL-penalized reward, the leave-one-out baseline
+  loss                [A]  6: the clipped surrogate on the sequence-level ratio
+  update              [A]  6: PPO epochs x shuffled minibatches x micro-batches; no step on a NaN
+  measuring           [P]  phase times, token-forwards against the minimum, free memory -> chunk sizes
+  logging             [P]  metrics over ranks, console, metrics.jsonl, wandb
+  faults              [P]  stop signals, late ranks, failing reward functions
+  checkpoints         [P]  one run per output_dir, verified saves, resume, nothing deleted
+  evaluation          [A]  near-greedy completions of test prompts, scored
+  set-up and main     [A]  set_up, then each update: sample, score, advantages, train, log, evaluate, save
+  command line        [P]  TRL >= 0.22's names, one-line errors and exit statuses
 """
 
 import contextlib
@@ -38,7 +62,7 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, ClassVar, Literal, Optional
 
@@ -248,7 +272,7 @@ class BatchSizes:
     mini: int  # completions per optimizer step, per rank = micro * gradient_accumulation_steps
     local: int  # completions per update, per rank = mini * num_mini_batches = k * prompts
     prompts: int  # B: prompts per update, per rank = local / k
-    world: int  # completions per update, all ranks = local * world_size
+    all_ranks: int  # completions per update, all ranks = local * world_size
 
 
 def compute_batch_sizes(args: Args, world_size: int) -> BatchSizes:
@@ -269,7 +293,8 @@ def compute_batch_sizes(args: Args, world_size: int) -> BatchSizes:
             f"x num_mini_batches ({args.num_mini_batches}) = {local} completions per rank is not divisible by "
             f"rloo_k ({args.rloo_k}); make the product a multiple of rloo_k"
         )
-    return BatchSizes(micro=micro, mini=mini, local=local, prompts=local // args.rloo_k, world=local * world_size)
+    return BatchSizes(micro=micro, mini=mini, local=local, prompts=local // args.rloo_k,
+                      all_ranks=local * world_size)
 
 
 def number_rules(args: Args) -> list[tuple[str, object, bool, str]]:
@@ -535,6 +560,7 @@ def load_split(name: str, split: str, config: Optional[str]):
 
 
 def first_line(e: BaseException) -> str:
+    """An exception's message in one line, for one-line errors."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
@@ -669,6 +695,29 @@ def describe_dropped(dropped: dict[str, int], max_prompt_length: int) -> str:
             + (f", {dropped['empty']} empty" if dropped["empty"] else ""))
 
 
+def load_prompts(args: Args, tokenizer, vocab_size: Optional[int] = None):
+    """Tokenized train prompts, test prompts (None without --dataset_test_split), and how many were dropped (see
+    prepare_prompts)."""
+    test_is_file = args.dataset_test_split is not None and Path(args.dataset_test_split).suffix in LOCAL_FORMATS
+    for flag, split in (("--dataset_train_split", args.dataset_train_split), ("--dataset_test_split",
+                                                                               args.dataset_test_split)):
+        if split not in (None, "train") and not (flag == "--dataset_test_split" and test_is_file) \
+                and not has_splits(args.dataset_name):
+            fix = "pass the test prompts as a file: --dataset_test_split test.jsonl" \
+                if flag == "--dataset_test_split" else f"drop {flag}"
+            raise ConfigError(f"{flag} {split}: dataset {args.dataset_name} has no splits (a single file or saved "
+                              f"Dataset is one split, whatever its name); {fix}")
+    dataset = load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
+    dataset, dropped = prepare_prompts(dataset, tokenizer, args.prompt_column, args.max_prompt_length,
+                                       args.dataset_name, vocab_size)
+    eval_dataset = None
+    if args.dataset_test_split is not None:
+        source = args.dataset_test_split if test_is_file else args.dataset_name
+        eval_dataset, _ = prepare_prompts(load_split(source, args.dataset_test_split, args.dataset_config),
+                                          tokenizer, args.prompt_column, args.max_prompt_length, source, vocab_size)
+    return dataset, eval_dataset, dropped
+
+
 def pad_sequences(
     sequences: list[list[int]], pad_id: int, device: torch.device, side: Literal["left", "right"] = "left"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -694,7 +743,10 @@ class PromptSampler:
                 f"the training split has {num_prompts} prompts, fewer than one update takes "
                 f"({prompts_per_rank} per rank x {world_size} ranks); use a larger dataset or smaller batches"
             )
-        self.num_prompts, self.prompts_per_rank, self.rank, self.seed = num_prompts, prompts_per_rank, rank, seed
+        self.num_prompts = num_prompts
+        self.prompts_per_rank = prompts_per_rank
+        self.rank = rank
+        self.seed = seed
         self.epoch, self.position = 0, 0
         self._permutation = self._shuffle()
 
@@ -722,9 +774,8 @@ def _from_pretrained(loader: Callable, path: str, what: str, **kwargs):
     try:
         return loader(path, **kwargs)
     except (OSError, ValueError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(
-            f"could not load {what} from {path!r}: {first_line} - without network, pass a local directory"
+            f"could not load {what} from {path!r}: {first_line(e)} - without network, pass a local directory"
         ) from None
 
 
@@ -837,6 +888,43 @@ def same_vocabulary(a, b) -> bool:
     vocab_a = {t: i for t, i in a.get_vocab().items() if t != a.pad_token}
     vocab_b = {t: i for t, i in b.get_vocab().items() if t != b.pad_token}
     return vocab_a == vocab_b
+
+
+def choose_kernels() -> None:
+    """TF32 matmuls, and no cuDNN attention: it builds an execution plan for every new sequence length, and a
+    batch's padded length changes with its prompts (measured on an H100, pythia-1b shape, TL;DR-like lengths: the
+    same work took 2.1-7.0 s per update with it, 2.0-2.2 s without). SDPA's flash and memory-efficient kernels
+    take its place."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = None, tokenizer=None):
+    """The policy (fp32 master weights; from the checkpoint when resuming), its frozen reference, always the
+    initial policy (None when kl_coef = 0), the tokenizer with a pad token (`tokenizer` when prepare_tokenizer
+    gave it already), and the stop token id."""
+    tokenizer_path = args.model_name_or_path or args.sft_model_path
+    initial_path = args.sft_model_path or args.model_name_or_path
+    if tokenizer is None:
+        tokenizer, _ = prepare_tokenizer(args)
+    policy = load_causal_lm(str(checkpoint or initial_path), torch.float32, args.trust_remote_code)
+    ensure_pad_token(tokenizer, args.pad_token, policy.get_input_embeddings().num_embeddings, tokenizer_path)
+    policy.config.pad_token_id = tokenizer.pad_token_id
+    stop_token_id = stop_token_id_of(args, tokenizer, tokenizer_path)
+    disable_dropout(policy)
+    if not args.offload:  # offloaded, fully_shard moves one unit at a time through the GPU as it shards
+        policy.to(device)
+    frozen_home = torch.device("cpu") if args.offload else device
+    ref_policy = None
+    if args.kl_coef != 0:
+        frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
+        ref_policy = copy.deepcopy(policy) if checkpoint is None else \
+            load_causal_lm(initial_path, frozen_dtype, args.trust_remote_code)  # read in its own dtype, not fp32
+        disable_dropout(ref_policy)
+        ref_policy.to(frozen_home, frozen_dtype).eval().requires_grad_(False)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return policy, ref_policy, tokenizer, stop_token_id
 
 
 # ===================================================================== rollout
@@ -1192,127 +1280,6 @@ def sample_completions(
     return Completions(queries, query_mask, responses, response_mask)
 
 
-class PhaseTimer:
-    """Per phase of an update (`with timer("generation"): ...`): wall-clock seconds (CUDA synchronized, so GPU time
-    lands in its phase), on CUDA the peak allocated memory in GiB, and the token positions fed through the forward
-    passes of the models it watches (count_tokens_of), padding included: the work done, to set against the least
-    that would do; and the bytes each decoding step must read (every weight, the whole KV cache), to set against the
-    memory bandwidth. One per run; start_update() clears it. Forward passes outside any phase count under
-    `default_phase` (None: not counted); a compiled decoding step's (--compile_generation) are not counted."""
-
-    def __init__(self, device: torch.device, default_phase: Optional[str] = None):
-        self.device, self.default_phase, self.phase = device, default_phase, None
-        self.weight_bytes = {}  # id(backbone) -> bytes of the weights a decoding step reads
-        self.start_update()
-
-    def start_update(self) -> None:
-        self.seconds, self.peak_gib, self.tokens, self.decode_bytes = {}, {}, {}, 0
-
-    def count_tokens_of(self, *models) -> None:
-        for model in models:  # the transformer itself, which every use of the model calls once per pass
-            backbone = getattr(model, getattr(model, "base_model_prefix", ""), model)
-            if model is not None and id(backbone) not in self.weight_bytes:  # once each
-                backbone.register_forward_pre_hook(self._count, with_kwargs=True)
-                self.weight_bytes[id(backbone)] = decode_weight_bytes(model)
-
-    def _count(self, module, args, kwargs) -> None:
-        phase = self.phase or self.default_phase
-        if phase is None or torch.compiler.is_compiling():  # a Python side effect would break a compiled graph
-            return
-        input_ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
-        self.tokens[phase] = self.tokens.get(phase, 0) + input_ids.numel()
-        cache = kwargs.get("past_key_values")
-        if input_ids.shape[1] == 1 and cache is not None:  # a decoding step, after a prefill
-            self.decode_bytes += self.weight_bytes[id(module)] + sum(
-                layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        note_phase(phase)
-        start, self.phase = time.perf_counter(), phase
-        try:
-            yield
-        finally:
-            self.phase = None
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device) / 2**30
-            self.peak_gib[phase] = max(peak, self.peak_gib.get(phase, 0.0))
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
-
-    def metrics(self) -> dict[str, float]:
-        """`time/<phase>` and `work/<phase>_tokens` for every phase, `work/forward_tokens` over all of them; on CUDA
-        `memory/<phase>_gib` and `memory/peak_gib` too."""
-        out = {f"time/{phase}": seconds for phase, seconds in self.seconds.items()}
-        out.update({f"work/{phase}_tokens": float(tokens) for phase, tokens in self.tokens.items()})
-        out["work/forward_tokens"] = float(sum(self.tokens.values()))
-        if self.decode_bytes:
-            out["work/decode_bytes"] = float(self.decode_bytes)
-        if self.peak_gib:
-            out.update({f"memory/{phase}_gib": gib for phase, gib in self.peak_gib.items()})
-            out["memory/peak_gib"] = max(self.peak_gib.values())
-        return out
-
-
-def decode_weight_bytes(model) -> int:
-    """Bytes of the weights one decoding step reads: all of them but an untied input embedding, of which a step
-    reads one row per sequence."""
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    untied = head is None or head.weight is not embedding.weight
-    return sum(p.nbytes for p in model.parameters() if not (untied and p is embedding.weight))
-
-
-def minimum_forward_tokens(c: Completions, passes: int) -> float:
-    """The least token positions `passes` forward passes over the completions could feed: every prompt token once,
-    every response token (up to its stop token) once per completion, in each pass."""
-    return float(passes * (int(c.query_mask.sum()) + int(c.response_mask.sum())))
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    """Memory a new allocation can take now: free GPU memory plus what PyTorch's allocator holds unused, or the
-    available RAM."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def forward_bytes_per_row(config, phase: str, prompt_length: int, response_length: int, dtype_bytes: int,
-                          k: int = 1) -> float:
-    """Peak bytes one completion adds to a no-grad forward pass of this phase, its prompt shared with k-1 others
-    (a prompt group is one forward row of prompt_length + k * response_length tokens): one layer's transient
-    activations (about 4 x hidden + intermediate values per token) and, when sampling, its KV cache of every layer
-    (the prompt's once, read by its k rows) and one step's fp32 logits; for log-probs, the response's fp32 logits
-    and softmax; with k > 1, its share of the group's attention mask and per-head scores."""
-    hidden, tokens = config.hidden_size, prompt_length / k + response_length
-    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
-    per_row = (4 * hidden + intermediate) * tokens * dtype_bytes
-    if phase == "generation":
-        per_row += 2 * config.num_hidden_layers * hidden * (prompt_length + response_length) * dtype_bytes \
-            + 3 * config.vocab_size * 4
-    elif phase == "logprobs":
-        per_row += 2 * response_length * config.vocab_size * 4
-    if k > 1 and phase != "generation":
-        row_length = prompt_length + k * response_length
-        per_row += row_length**2 * (1 + config.num_attention_heads * dtype_bytes) / k
-    return per_row
-
-
-def rows_per_forward(args: Args, model, phase: str, device: torch.device, rows: int, k: int = 1) -> int:
-    """local_rollout_forward_batch_size completions, or with 0 the most of `rows` whose forward through `model`
-    fits in 90% of the free memory, measured now (after the previous phase freed its buffers)."""
-    if args.local_rollout_forward_batch_size > 0:
-        return args.local_rollout_forward_batch_size
-    if model is None:  # no forward pass to size
-        return rows
-    per_row = forward_bytes_per_row(model.config, phase, args.max_prompt_length, args.response_length,
-                                    2 if args.bf16 else 4, k)
-    return max(1, min(rows, int(0.9 * free_memory_bytes(device) // per_row)))
-
-
 def chunks_by_prompt_length(query_mask: torch.Tensor, prompts_per_chunk: int) -> list[torch.Tensor]:
     """The B prompt indices in chunks of prompts_per_chunk, sorted by prompt length, so that each chunk pads to
     its own longest prompt, not the batch's."""
@@ -1363,11 +1330,15 @@ class LocalRollouts:
     same five methods; `lookahead` batches are asked for ahead of the one being trained on (0: on-policy)."""
 
     lookahead = 0
+    max_metrics: tuple[str, ...] = ()  # metrics of its own that are reduced over ranks by their maximum
 
     def __init__(self, policy, args: Args, stop_token_id: Optional[int], pad_token_id: int,
                  generator: torch.Generator, autocast):
-        self.args, self.stop_token_id, self.pad_token_id = args, stop_token_id, pad_token_id
-        self.generator, self.queued = generator, []
+        self.args = args
+        self.stop_token_id = stop_token_id
+        self.pad_token_id = pad_token_id
+        self.generator = generator
+        self.queued = []
         # the module that samples: the policy under autocast, or a bf16 copy of it
         self.sampler = bf16_copy(policy) if args.bf16_generation else policy
         self.autocast = contextlib.nullcontext if args.bf16_generation else autocast
@@ -1428,7 +1399,7 @@ def skips_logprob_pass(args: Args, sizes: BatchSizes, lookahead: int) -> bool:
 @torch.no_grad()
 def collect_rollout(
     policy, ref_policy, completions: Completions, args: Args, share_prompt: bool, with_logprobs: bool, autocast,
-    timer: PhaseTimer,
+    timer: "PhaseTimer",
 ) -> Rollout:
     """The log-probs of sampled completions under the policy that sampled them (unless the update computes them:
     with_logprobs False), then under the reference: one phase after the other, each in length-sorted chunks of
@@ -1601,13 +1572,34 @@ class RewardSources:
         return (["reward_model"] if self.model is not None else []) + [name for name, _ in self.functions]
 
 
+def load_reward_sources(args: Args, tokenizer, functions: list[tuple[str, Callable]], device: torch.device):
+    """The reward model (frozen, with its own tokenizer when the vocabularies differ) and the reward functions."""
+    model, model_tokenizer = None, None
+    if args.reward_model_path is not None:
+        seed_everything(args.seed)  # a head missing from the checkpoint starts the same on every rank and resume
+        model = load_reward_model(args.reward_model_path, torch.bfloat16 if args.bf16 else torch.float32,
+                                  args.trust_remote_code)
+        disable_dropout(model)
+        model = model.to("cpu" if args.offload else device).eval().requires_grad_(False)
+        try:
+            own_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code)
+        except ConfigError:  # no tokenizer saved with the reward model: it shares the policy's
+            own_tokenizer = tokenizer
+        model_tokenizer = None if same_vocabulary(own_tokenizer, tokenizer) else own_tokenizer
+    num_sources = int(model is not None) + len(functions)
+    return RewardSources(model, model_tokenizer, functions, torch.tensor(args.reward_weights or [1.0] * num_sources))
+
+
 def score_completions(
-    sources: RewardSources, completions: Completions, prompts: list, columns: dict[str, list], tokenizer,
+    sources: RewardSources, completions: Completions, rows: dict[str, list], prompt_column: str, tokenizer,
     stop_token_id: Optional[int], chunk_size: int, autocast,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """(k*B,) combined score of each completion, and each source's mean. prompts and columns hold the B rows the
-    completions came from; completion row j*B + i belongs to prompt i."""
+    """(k*B,) combined score of each completion, and each source's mean. `rows`: the B dataset rows the completions
+    came from (completion row j*B + i belongs to prompt i); reward functions get their prompts (prompt_values) and
+    every other column."""
     c, n, device = completions, completions.responses.shape[0], completions.responses.device
+    prompts = prompt_values(rows, prompt_column, tokenizer)  # (B,)
+    columns = {column: values for column, values in rows.items() if column not in (PROMPT_IDS, prompt_column)}
     completion_ids = [r[m].tolist() for r, m in zip(c.responses, c.response_mask)]
     ended = c.ended(stop_token_id).tolist()
     without_stop = [ids[:-1] if e else ids for ids, e in zip(completion_ids, ended)]
@@ -1741,15 +1733,22 @@ def kl_to_reference(rollout: Rollout) -> torch.Tensor:
     return rollout.logprobs - rollout.ref_logprobs
 
 
-def advantages_of(rollout: Rollout, scores: torch.Tensor, args: Args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Leave-one-out advantages of the rollout's completions ((k*B,), or (k*B, Tr) with token_level_kl) from their
-    scores (k*B,) and KL to the reference; and rlhf_reward and non_score_reward, (k*B,) each. Any subset of whole
-    prompt groups in the (k, g) layout works alike (the baseline reads only a completion's own group)."""
+@dataclass
+class Advantages:
+    advantages: torch.Tensor  # (k*B,), or (k*B, Tr) with token_level_kl
+    rlhf_reward: torch.Tensor  # (k*B,) score - kl_coef * KL
+    non_score_reward: torch.Tensor  # (k*B,) -kl_coef * KL
+
+
+def advantages_of(rollout: Rollout, scores: torch.Tensor, args: Args) -> Advantages:
+    """Leave-one-out advantages of the rollout's completions from their scores (k*B,) and KL to the reference. Any
+    subset of whole prompt groups in the (k, g) layout works alike (the baseline reads only a completion's own
+    group)."""
     advantages, rlhf_reward, non_score_reward = rloo_advantages(
         scores, kl_to_reference(rollout), rollout.response_mask, args.kl_coef, rollout.k, args.token_level_kl)
     if args.normalize_advantage:
         advantages = whiten(advantages, None if advantages.dim() == 1 else rollout.response_mask)
-    return advantages, rlhf_reward, non_score_reward
+    return Advantages(advantages, rlhf_reward, non_score_reward)
 
 
 def minibatch_plan(rollout: Rollout, sizes: BatchSizes, k: int) -> list[list[torch.Tensor]]:
@@ -1779,6 +1778,44 @@ def micro_batch(rollout: Rollout, rows: torch.Tensor, k: int) -> Rollout:
     return rollout.one_per_row(rows)
 
 
+class NonFiniteError(Exception):
+    """A NaN or inf in a quantity that training would otherwise use; raised on every rank at once."""
+
+    def __init__(self, quantity: str, ranks: list[int]):
+        super().__init__(f"non-finite {quantity} on rank {', '.join(map(str, ranks))}")
+        self.quantity, self.ranks = quantity, ranks
+
+
+def check_finite(named: dict[str, Optional[torch.Tensor]], device: torch.device) -> None:
+    """Collective: every rank learns whether any rank holds a NaN/inf in one of the named tensors, so that all
+    of them stop together instead of the healthy ones waiting forever in the next collective."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    bad = torch.zeros(len(named), world_size, device=device)  # (quantities, ranks)
+    for i, value in enumerate(named.values()):
+        if value is not None and not torch.isfinite(value).all():
+            bad[i, rank] = 1.0
+    all_reduce(bad)
+    for (name, _), ranks in zip(named.items(), bad):
+        if ranks.any():
+            raise NonFiniteError(name, ranks.nonzero().flatten().tolist())
+
+
+def dump_batch(path: Path, tokenizer, rollout: Rollout, scores: torch.Tensor, advantages: Optional[torch.Tensor]) -> None:
+    """One JSON line per completion of the offending batch: prompt, completion, score, advantage and log-prob sum
+    (null where the update had not computed them yet)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    num_prompts = rollout.queries.shape[0]
+    with open(path, "w") as f:
+        for i in range(len(scores)):
+            prompt = rollout.queries[i % num_prompts][rollout.query_mask[i % num_prompts]]
+            f.write(json.dumps({
+                "prompt": tokenizer.decode(prompt), "completion": tokenizer.decode(rollout.responses[i][rollout.response_mask[i]]),
+                "score": scores[i].item(), "advantage": None if advantages is None else advantages[i].sum().item(),
+                "logprob_sum": None if rollout.logprobs is None else rollout.logprobs[i].sum().item(),
+            }) + "\n")
+
+
 def ppo_update(
     model, optimizer: torch.optim.Optimizer, rollout: Rollout, scores: torch.Tensor,
     advantages: Optional[torch.Tensor], args: Args, sizes: BatchSizes, share_prompt: bool, autocast,
@@ -1805,7 +1842,7 @@ def ppo_update(
                     if advantages is None:
                         batch.logprobs = new_logprobs.detach() * batch.response_mask
                         rollout.logprobs[rows, :width] = batch.logprobs
-                        batch_advantages = advantages_of(batch, scores[rows], args)[0]
+                        batch_advantages = advantages_of(batch, scores[rows], args).advantages
                     else:
                         batch_advantages = advantages[rows] if advantages.dim() == 1 else advantages[rows, :width]
                     loss, step_stats = policy_loss(new_logprobs, batch.logprobs, batch_advantages,
@@ -1838,10 +1875,137 @@ def learning_rate_at(update: int, num_updates: int, args: Args) -> float:
     return args.learning_rate * (1.0 - (update - 1) / num_updates)
 
 
+# ===================================================================== measuring: phase times, work, memory, chunk sizes
+class PhaseTimer:
+    """Per phase of an update (`with timer("generation"): ...`): wall-clock seconds (CUDA synchronized, so GPU time
+    lands in its phase), on CUDA the peak allocated memory in GiB, and the token positions fed through the forward
+    passes of the models it watches (count_tokens_of), padding included: the work done, to set against the least
+    that would do; and the bytes each decoding step must read (every weight, the whole KV cache), to set against the
+    memory bandwidth. One per run; start_update() clears it. Forward passes outside any phase count under
+    `default_phase` (None: not counted); a compiled decoding step's (--compile_generation) are not counted."""
+
+    def __init__(self, device: torch.device, default_phase: Optional[str] = None):
+        self.device = device
+        self.default_phase = default_phase
+        self.phase = None
+        self.weight_bytes = {}  # id(backbone) -> bytes of the weights a decoding step reads
+        self.start_update()
+
+    def start_update(self) -> None:
+        self.seconds = {}
+        self.peak_gib = {}
+        self.tokens = {}
+        self.decode_bytes = 0
+
+    def count_tokens_of(self, *models) -> None:
+        for model in models:  # the transformer itself, which every use of the model calls once per pass
+            backbone = getattr(model, getattr(model, "base_model_prefix", ""), model)
+            if model is not None and id(backbone) not in self.weight_bytes:  # once each
+                backbone.register_forward_pre_hook(self._count, with_kwargs=True)
+                self.weight_bytes[id(backbone)] = decode_weight_bytes(model)
+
+    def _count(self, module, args, kwargs) -> None:
+        phase = self.phase or self.default_phase
+        if phase is None or torch.compiler.is_compiling():  # a Python side effect would break a compiled graph
+            return
+        input_ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
+        self.tokens[phase] = self.tokens.get(phase, 0) + input_ids.numel()
+        cache = kwargs.get("past_key_values")
+        if input_ids.shape[1] == 1 and cache is not None:  # a decoding step, after a prefill
+            self.decode_bytes += self.weight_bytes[id(module)] + sum(
+                layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        note_phase(phase)
+        start, self.phase = time.perf_counter(), phase
+        try:
+            yield
+        finally:
+            self.phase = None
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+            self.peak_gib[phase] = max(peak, self.peak_gib.get(phase, 0.0))
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        """`time/<phase>` and `work/<phase>_tokens` for every phase, `work/forward_tokens` over all of them; on CUDA
+        `memory/<phase>_gib` and `memory/peak_gib` too."""
+        out = {f"time/{phase}": seconds for phase, seconds in self.seconds.items()}
+        out.update({f"work/{phase}_tokens": float(tokens) for phase, tokens in self.tokens.items()})
+        out["work/forward_tokens"] = float(sum(self.tokens.values()))
+        if self.decode_bytes:
+            out["work/decode_bytes"] = float(self.decode_bytes)
+        if self.peak_gib:
+            out.update({f"memory/{phase}_gib": gib for phase, gib in self.peak_gib.items()})
+            out["memory/peak_gib"] = max(self.peak_gib.values())
+        return out
+
+
+def decode_weight_bytes(model) -> int:
+    """Bytes of the weights one decoding step reads: all of them but an untied input embedding, of which a step
+    reads one row per sequence."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    untied = head is None or head.weight is not embedding.weight
+    return sum(p.nbytes for p in model.parameters() if not (untied and p is embedding.weight))
+
+
+def minimum_forward_tokens(c: Completions, passes: int) -> float:
+    """The least token positions `passes` forward passes over the completions could feed: every prompt token once,
+    every response token (up to its stop token) once per completion, in each pass."""
+    return float(passes * (int(c.query_mask.sum()) + int(c.response_mask.sum())))
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory a new allocation can take now: free GPU memory plus what PyTorch's allocator holds unused, or the
+    available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def forward_bytes_per_row(config, phase: str, prompt_length: int, response_length: int, dtype_bytes: int,
+                          k: int = 1) -> float:
+    """Peak bytes one completion adds to a no-grad forward pass of this phase, its prompt shared with k-1 others
+    (a prompt group is one forward row of prompt_length + k * response_length tokens): one layer's transient
+    activations (about 4 x hidden + intermediate values per token) and, when sampling, its KV cache of every layer
+    (the prompt's once, read by its k rows) and one step's fp32 logits; for log-probs, the response's fp32 logits
+    and softmax; with k > 1, its share of the group's attention mask and per-head scores."""
+    hidden, tokens = config.hidden_size, prompt_length / k + response_length
+    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    per_row = (4 * hidden + intermediate) * tokens * dtype_bytes
+    if phase == "generation":
+        per_row += 2 * config.num_hidden_layers * hidden * (prompt_length + response_length) * dtype_bytes \
+            + 3 * config.vocab_size * 4
+    elif phase == "logprobs":
+        per_row += 2 * response_length * config.vocab_size * 4
+    if k > 1 and phase != "generation":
+        row_length = prompt_length + k * response_length
+        per_row += row_length**2 * (1 + config.num_attention_heads * dtype_bytes) / k
+    return per_row
+
+
+def rows_per_forward(args: Args, model, phase: str, device: torch.device, rows: int, k: int = 1) -> int:
+    """local_rollout_forward_batch_size completions, or with 0 the most of `rows` whose forward through `model`
+    fits in 90% of the free memory, measured now (after the previous phase freed its buffers)."""
+    if args.local_rollout_forward_batch_size > 0:
+        return args.local_rollout_forward_batch_size
+    if model is None:  # no forward pass to size
+        return rows
+    per_row = forward_bytes_per_row(model.config, phase, args.max_prompt_length, args.response_length,
+                                    2 if args.bf16 else 4, k)
+    return max(1, min(rows, int(0.9 * free_memory_bytes(device) // per_row)))
+
+
 # ===================================================================== logging
 SUM_METRICS = ("val/num_eos_tokens",)
 MIN_METRICS = ("completions/min_length",)
-MAX_METRICS = ("completions/max_length", "time/weight_sync", "time/engine_wait")  # rank 0 syncs engines' weights
+MAX_METRICS = ("completions/max_length",)
 
 
 def is_optional_metric(key: str, value: float) -> bool:
@@ -1850,11 +2014,12 @@ def is_optional_metric(key: str, value: float) -> bool:
     return key.startswith("reward/") and math.isnan(value)
 
 
-def reduce_metrics(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
+def reduce_metrics(metrics: dict[str, float], device: torch.device, max_metrics: tuple[str, ...] = ()) -> dict[str, float]:
     """Metrics over all ranks: sums for counts, min/max for extremes and peak memory, means for everything else
-    (a mean over the ranks that have data, for optional metrics). Every rank must pass the same keys."""
+    (a mean over the ranks that have data, for optional metrics); also the maximum of `max_metrics` (the rollout
+    source's). Every rank must pass the same keys."""
     keys = sorted(metrics)
-    maxima = [k for k in keys if k in MAX_METRICS or k.startswith("memory/")]  # peak memory: the fullest rank
+    maxima = [k for k in keys if k in MAX_METRICS + max_metrics or k.startswith("memory/")]  # peak memory: the fullest rank
     means = [k for k in keys if k not in SUM_METRICS + MIN_METRICS + tuple(maxima)]
     has_data = [0.0 if is_optional_metric(k, metrics[k]) else 1.0 for k in means]
     values = [metrics[k] if w else 0.0 for k, w in zip(means, has_data)]
@@ -1953,7 +2118,7 @@ class RunLogger:
             self.wandb.finish()
 
 
-# ===================================================================== checkpoints and faults
+# ===================================================================== faults: signals, late ranks, reward functions
 CHECKPOINTS = "checkpoints"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.pt"
@@ -1965,44 +2130,6 @@ RUN_OUTPUTS = (CHECKPOINTS, "metrics.jsonl", "args.json", PREEMPTED, "nonfinite"
 FINAL_POLICY_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "*.bin",
                       "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
                       "chat_template.*")  # what save_pretrained writes for a model and its tokenizer
-
-
-class NonFiniteError(Exception):
-    """A NaN or inf in a quantity that training would otherwise use; raised on every rank at once."""
-
-    def __init__(self, quantity: str, ranks: list[int]):
-        super().__init__(f"non-finite {quantity} on rank {', '.join(map(str, ranks))}")
-        self.quantity, self.ranks = quantity, ranks
-
-
-def check_finite(named: dict[str, Optional[torch.Tensor]], device: torch.device) -> None:
-    """Collective: every rank learns whether any rank holds a NaN/inf in one of the named tensors, so that all
-    of them stop together instead of the healthy ones waiting forever in the next collective."""
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    bad = torch.zeros(len(named), world_size, device=device)  # (quantities, ranks)
-    for i, value in enumerate(named.values()):
-        if value is not None and not torch.isfinite(value).all():
-            bad[i, rank] = 1.0
-    all_reduce(bad)
-    for (name, _), ranks in zip(named.items(), bad):
-        if ranks.any():
-            raise NonFiniteError(name, ranks.nonzero().flatten().tolist())
-
-
-def dump_batch(path: Path, tokenizer, rollout: Rollout, scores: torch.Tensor, advantages: Optional[torch.Tensor]) -> None:
-    """One JSON line per completion of the offending batch: prompt, completion, score, advantage and log-prob sum
-    (null where the update had not computed them yet)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    num_prompts = rollout.queries.shape[0]
-    with open(path, "w") as f:
-        for i in range(len(scores)):
-            prompt = rollout.queries[i % num_prompts][rollout.query_mask[i % num_prompts]]
-            f.write(json.dumps({
-                "prompt": tokenizer.decode(prompt), "completion": tokenizer.decode(rollout.responses[i][rollout.response_mask[i]]),
-                "score": scores[i].item(), "advantage": None if advantages is None else advantages[i].sum().item(),
-                "logprob_sum": None if rollout.logprobs is None else rollout.logprobs[i].sum().item(),
-            }) + "\n")
 
 
 class StartupInterrupted(BaseException):
@@ -2027,7 +2154,9 @@ class StopSignal:
 
     def __init__(self, output_dir: str, announce: bool):
         self.name: Optional[str] = None
-        self.training, self.output_dir, self.announce = False, output_dir, announce
+        self.training = False
+        self.output_dir = output_dir
+        self.announce = announce
         for sig in self.SIGNALS:
             signal.signal(sig, self._record)
 
@@ -2057,49 +2186,6 @@ def signals_held():
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, StopSignal.SIGNALS)
-
-
-def rng_state(sampling: torch.Generator) -> dict:
-    """Every generator's state, in tensors and plain values only (what torch.load reads with weights_only)."""
-    _, keys, position, has_gauss, gauss = np.random.get_state()
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "sampling": sampling.get_state(),
-             "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
-                       "has_gauss": int(has_gauss), "gauss": float(gauss)}}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict, sampling: torch.Generator) -> None:
-    random.setstate(state["python"])
-    numpy_state = state["numpy"]
-    if isinstance(numpy_state, dict):
-        np.random.set_state(("MT19937", numpy_state["keys"].numpy().astype(np.uint32), numpy_state["position"],
-                             numpy_state["has_gauss"], numpy_state["gauss"]))
-    else:  # numpy's own tuple, as earlier versions of rloo.py saved it
-        np.random.set_state(numpy_state)
-    torch.set_rng_state(state["torch"])
-    sampling.set_state(state["sampling"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-# numpy arrays of numbers, in the RNG files of earlier versions of rloo.py: reconstructing one runs no other code
-NUMPY_ARRAY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), np.ndarray(0).__reduce__()[0]]
-
-
-def load_safely(path: Path):
-    """torch.load with weights_only: tensors and plain Python values only, so that reading a checkpoint from
-    elsewhere can never run code. Raises ConfigError naming the file."""
-    try:
-        with torch.serialization.safe_globals(NUMPY_ARRAY_GLOBALS):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        raise ConfigError(f"{path} holds {refused.group(1) if refused else 'an object'}, not only tensors and plain "
-                          "values: refused, as loading it could run code") from None
-    except Exception as e:  # a truncated or foreign file: zip, EOF and OS errors
-        raise ConfigError(f"{path} cannot be read ({first_line(e)})") from None
 
 
 # ---- ranks waiting for each other: who is late, and where
@@ -2188,6 +2274,7 @@ def reward_faults(device: torch.device, what: str, after_training: bool = False)
                               after_training=after_training) from None
 
 
+# ===================================================================== checkpoints: output_dir, save, verify, resume
 # ---- output_dir: one run at a time, nothing deleted
 LOCKS: dict[str, object] = {}  # resolved output_dir -> the lock file this process holds (until it exits)
 
@@ -2239,6 +2326,49 @@ def take_output_dir(output_dir: str, rank: int) -> None:
     (path / PREEMPTED).unlink(missing_ok=True)
     for debris in (path / CHECKPOINTS).glob(".tmp_step_*"):
         shutil.rmtree(debris, ignore_errors=True)
+
+
+# numpy arrays of numbers, in the RNG files of earlier versions of rloo.py: reconstructing one runs no other code
+NUMPY_ARRAY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), np.ndarray(0).__reduce__()[0]]
+
+
+def rng_state(sampling: torch.Generator) -> dict:
+    """Every generator's state, in tensors and plain values only (what torch.load reads with weights_only)."""
+    _, keys, position, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "sampling": sampling.get_state(),
+             "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                       "has_gauss": int(has_gauss), "gauss": float(gauss)}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict, sampling: torch.Generator) -> None:
+    random.setstate(state["python"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        np.random.set_state(("MT19937", numpy_state["keys"].numpy().astype(np.uint32), numpy_state["position"],
+                             numpy_state["has_gauss"], numpy_state["gauss"]))
+    else:  # numpy's own tuple, as earlier versions of rloo.py saved it
+        np.random.set_state(numpy_state)
+    torch.set_rng_state(state["torch"])
+    sampling.set_state(state["sampling"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def load_safely(path: Path):
+    """torch.load with weights_only: tensors and plain Python values only, so that reading a checkpoint from
+    elsewhere can never run code. Raises ConfigError naming the file."""
+    try:
+        with torch.serialization.safe_globals(NUMPY_ARRAY_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        raise ConfigError(f"{path} holds {refused.group(1) if refused else 'an object'}, not only tensors and plain "
+                          "values: refused, as loading it could run code") from None
+    except Exception as e:  # a truncated or foreign file: zip, EOF and OS errors
+        raise ConfigError(f"{path} cannot be read ({first_line(e)})") from None
 
 
 def save_policy(policy, tokenizer, path: Path, rank: int) -> None:
@@ -2604,7 +2734,6 @@ def evaluate(
     """Mean score of near-greedy completions of up to eval_max_prompts test prompts, spread over the ranks."""
     indices = list(range(dist_info.rank, min(len(eval_dataset), args.eval_max_prompts), dist_info.world_size))
     total = torch.zeros(4, dtype=torch.float64, device=dist_info.device)  # score sum, length sum, stops, count
-    columns_to_pass = [c for c in eval_dataset.column_names if c not in (PROMPT_IDS, args.prompt_column)]
     chunk = min(rows_per_forward(args, policy, "generation", dist_info.device, len(indices)),
                 rows_per_forward(args, sources.model, "scoring", dist_info.device, len(indices)))
     note_phase("evaluation")
@@ -2615,8 +2744,7 @@ def evaluate(
             with autocast():
                 completions = sample_completions(policy, queries, query_mask, args.response_length, EVAL_TEMPERATURE,
                                                  stop_token_id, tokenizer.pad_token_id)  # (b, Tq + Tr)
-            scores, _ = score_completions(sources, completions, prompt_values(rows, args.prompt_column, tokenizer),
-                                          {c: rows[c] for c in columns_to_pass}, tokenizer, stop_token_id,
+            scores, _ = score_completions(sources, completions, rows, args.prompt_column, tokenizer, stop_token_id,
                                           chunk, autocast)  # (b,)
             total += torch.tensor([scores.sum().item(), completions.response_mask.sum().item(),
                                    completions.ended(stop_token_id).sum().item(), len(scores)],
@@ -2626,16 +2754,7 @@ def evaluate(
     return {"eval/scores": score_sum / count, "eval/mean_length": length_sum / count, "eval/eos_frac": stops / count}
 
 
-# ===================================================================== main
-def choose_kernels() -> None:
-    """TF32 matmuls, and no cuDNN attention: it builds an execution plan for every new sequence length, and a
-    batch's padded length changes with its prompts (measured on an H100, pythia-1b shape, TL;DR-like lengths: the
-    same work took 2.1-7.0 s per update with it, 2.0-2.2 s without). SDPA's flash and memory-efficient kernels
-    take its place."""
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cuda.enable_cudnn_sdp(False)
-
-
+# ===================================================================== set-up and main
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -2651,79 +2770,50 @@ def quiet_hub_progress_bars() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = None, tokenizer=None):
-    """The policy (fp32 master weights; from the checkpoint when resuming), its frozen reference, always the
-    initial policy (None when kl_coef = 0), the tokenizer with a pad token (`tokenizer` when prepare_tokenizer
-    gave it already), and the stop token id."""
-    tokenizer_path = args.model_name_or_path or args.sft_model_path
-    initial_path = args.sft_model_path or args.model_name_or_path
-    if tokenizer is None:
-        tokenizer, _ = prepare_tokenizer(args)
-    policy = load_causal_lm(str(checkpoint or initial_path), torch.float32, args.trust_remote_code)
-    ensure_pad_token(tokenizer, args.pad_token, policy.get_input_embeddings().num_embeddings, tokenizer_path)
-    policy.config.pad_token_id = tokenizer.pad_token_id
-    stop_token_id = stop_token_id_of(args, tokenizer, tokenizer_path)
-    disable_dropout(policy)
-    if not args.offload:  # offloaded, fully_shard moves one unit at a time through the GPU as it shards
-        policy.to(device)
-    frozen_home = torch.device("cpu") if args.offload else device
-    ref_policy = None
-    if args.kl_coef != 0:
-        frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
-        ref_policy = copy.deepcopy(policy) if checkpoint is None else \
-            load_causal_lm(initial_path, frozen_dtype, args.trust_remote_code)  # read in its own dtype, not fp32
-        disable_dropout(ref_policy)
-        ref_policy.to(frozen_home, frozen_dtype).eval().requires_grad_(False)
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return policy, ref_policy, tokenizer, stop_token_id
+@dataclass
+class PromptBatch:
+    """B prompts drawn for one update, their k completions asked for and not yet trained on."""
+
+    rows: dict  # the dataset's B rows: PROMPT_IDS, the prompt column, any column a reward function takes
+    queries: torch.Tensor  # (B, Tq) left-padded to this batch's longest prompt
+    query_mask: torch.Tensor  # (B, Tq)
+    sampler_state: dict  # the sampler before drawing them: where a resume starts while the batch is in flight
 
 
-def load_prompts(args: Args, tokenizer, vocab_size: Optional[int] = None):
-    """Tokenized train prompts, test prompts (None without --dataset_test_split), and how many were dropped (see
-    prepare_prompts)."""
-    test_is_file = args.dataset_test_split is not None and Path(args.dataset_test_split).suffix in LOCAL_FORMATS
-    for flag, split in (("--dataset_train_split", args.dataset_train_split), ("--dataset_test_split",
-                                                                               args.dataset_test_split)):
-        if split not in (None, "train") and not (flag == "--dataset_test_split" and test_is_file) \
-                and not has_splits(args.dataset_name):
-            fix = "pass the test prompts as a file: --dataset_test_split test.jsonl" \
-                if flag == "--dataset_test_split" else f"drop {flag}"
-            raise ConfigError(f"{flag} {split}: dataset {args.dataset_name} has no splits (a single file or saved "
-                              f"Dataset is one split, whatever its name); {fix}")
-    dataset = load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
-    dataset, dropped = prepare_prompts(dataset, tokenizer, args.prompt_column, args.max_prompt_length,
-                                       args.dataset_name, vocab_size)
-    eval_dataset = None
-    if args.dataset_test_split is not None:
-        source = args.dataset_test_split if test_is_file else args.dataset_name
-        eval_dataset, _ = prepare_prompts(load_split(source, args.dataset_test_split, args.dataset_config),
-                                          tokenizer, args.prompt_column, args.max_prompt_length, source, vocab_size)
-    return dataset, eval_dataset, dropped
+@dataclass
+class Run:
+    """Everything set_up gives the update loop. Only `queued` changes as batches are drawn and trained on."""
+
+    args: Args
+    dist_info: Dist
+    sizes: BatchSizes
+    policy: torch.nn.Module  # the trained model's own modules: sampling, log-probs, saving
+    trained: torch.nn.Module  # the policy as training calls it: DDP-wrapped, or itself (one process, FSDP2 in place)
+    ref_policy: Optional[torch.nn.Module]  # frozen initial policy; None when kl_coef = 0
+    optimizer: torch.optim.Optimizer
+    tokenizer: object
+    stop_token_id: Optional[int]
+    sources: RewardSources
+    dataset: object  # tokenized train prompts
+    eval_dataset: Optional[object]
+    sampler: PromptSampler
+    sampling_rng: torch.Generator  # only sampling draws from it
+    rollouts: LocalRollouts  # the source of completions (rloo_multinode.py: its engines)
+    share_prompt: bool  # each prompt computed once for its k completions in the policy's passes
+    logprobs_from_update: bool  # on-policy: no separate policy_forward phase (skips_logprob_pass)
+    timer: PhaseTimer
+    logger: Optional[RunLogger]  # rank 0 only
+    autocast: Callable
+    num_updates: int
+    start_update: int  # 0, or the update the checkpoint resumed from
+    start_time: float  # wall clock minus the resumed run's elapsed time
+    queued: list[PromptBatch] = field(default_factory=list)
 
 
-def load_reward_sources(args: Args, tokenizer, functions: list[tuple[str, Callable]], device: torch.device):
-    """The reward model (frozen, with its own tokenizer when the vocabularies differ) and the reward functions."""
-    model, model_tokenizer = None, None
-    if args.reward_model_path is not None:
-        seed_everything(args.seed)  # a head missing from the checkpoint starts the same on every rank and resume
-        model = load_reward_model(args.reward_model_path, torch.bfloat16 if args.bf16 else torch.float32,
-                                  args.trust_remote_code)
-        disable_dropout(model)
-        model = model.to("cpu" if args.offload else device).eval().requires_grad_(False)
-        try:
-            own_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code)
-        except ConfigError:  # no tokenizer saved with the reward model: it shares the policy's
-            own_tokenizer = tokenizer
-        model_tokenizer = None if same_vocabulary(own_tokenizer, tokenizer) else own_tokenizer
-    num_sources = int(model is not None) + len(functions)
-    return RewardSources(model, model_tokenizer, functions, torch.tensor(args.reward_weights or [1.0] * num_sources))
-
-
-def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
-    """Train. `make_rollouts(policy, args, stop_token_id, pad_token_id, generator, autocast)` gives the source of
-    completions (see LocalRollouts); rloo_multinode.py passes its engines' client."""
-    stop_signal = StopSignal(args.output_dir, announce=os.environ.get("RANK", "0") == "0")  # until training: exit
+def set_up(args: Args, make_rollouts: Callable) -> Run:
+    """Check the flags, start the ranks, lock output_dir, find the checkpoint to resume from, load data and models
+    (the cheap checks first: a typo fails before any weights load), wrap the policy for training, restore the
+    resumed state, and start logging and the rollout source."""
     validate_args(args)
     reward_functions = load_reward_functions(args.reward_fn)  # a typo fails now, not after loading models
     quiet_hub_progress_bars()
@@ -2746,223 +2836,288 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     check_reward_function_arguments(reward_functions, [(args.dataset_name, dataset),
                                                        (args.dataset_test_split, eval_dataset)], args.prompt_column)
     policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device, checkpoint, tokenizer)
+    seed_everything(args.seed)  # a reward head missing from its checkpoint starts the same on every rank and resume
     sources = load_reward_sources(args, tokenizer, reward_functions, device)
-    total_episodes = args.total_episodes or int(args.num_train_epochs * len(dataset))
-    num_updates = math.ceil(total_episodes / sizes.world)
-    columns_to_pass = [c for c in dataset.column_names if c not in (PROMPT_IDS, args.prompt_column)]
+    num_updates = math.ceil((args.total_episodes or int(args.num_train_epochs * len(dataset))) / sizes.all_ranks)
     # each prompt computed once for its k completions, in every phase, where the model can take it (exact)
     share_prompt = args.share_prompt and takes_grouped_rows(policy)
     sources.share_prompt = args.share_prompt and sources.model is not None and takes_grouped_rows(sources.model)
 
-    # ---- FSDP or DDP, optimizer; from here on each rank samples differently
     if args.fsdp:
-        model = shard_policy(policy, args.bf16, args.offload)  # in place: the policy becomes the sharded module
+        trained = shard_policy(policy, args.bf16, args.offload)  # in place: the policy becomes the sharded module
     elif dist.is_initialized():
-        model = DDP(policy, device_ids=[device.index] if device.type == "cuda" else None)
+        trained = DDP(policy, device_ids=[device.index] if device.type == "cuda" else None)
     else:
-        model = policy
+        trained = policy
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=args.adam_epsilon,
                                   fused=device.type == "cuda" and not args.offload)  # one kernel, not one per tensor
-    seed_everything(args.seed + dist_info.rank)
-    sampling_rng = torch.Generator(device).manual_seed(args.seed + dist_info.rank)  # only sampling draws from it
+    seed_everything(args.seed + dist_info.rank)  # from here on each rank samples differently
+    sampling_rng = torch.Generator(device).manual_seed(args.seed + dist_info.rank)
     sampler = PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)
     start_update, elapsed = 0, 0.0
     if resumed:
-        load_optimizer_state(model, optimizer, checkpoint, resumed)
+        load_optimizer_state(trained, optimizer, checkpoint, resumed)
         sampler.load_state_dict(resumed["sampler"])
         set_rng_state(load_safely(checkpoint / f"rng_rank{dist_info.rank}.pt"), sampling_rng)
         start_update, elapsed = resumed["update"], resumed["elapsed"]
+
     notes = settle_output_dir(args, start_update, start.skipped) if dist_info.master else []
     run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     logger = RunLogger(args, run_name, num_updates, start_update, resumed and resumed["wandb_run_id"]) \
         if dist_info.master else None
     if logger is not None:
+        if resumed:
+            notes.append(f"resuming from {checkpoint} after update {start_update}"
+                         + (f"; changed: {', '.join(changes)}" if changes else ""))
+        notes.append(f"{run_name}: {num_updates} updates x {sizes.all_ranks} completions ({sizes.prompts} prompts x "
+                     f"k={args.rloo_k} per rank x {dist_info.world_size} ranks); {len(dataset)} train prompts "
+                     f"({describe_dropped(dropped, args.max_prompt_length)}); reward sources {sources.names}")
         for note in notes:
             logger.console.print(note, highlight=False, soft_wrap=True)
-        if resumed:
-            logger.console.print(f"resuming from {checkpoint} after update {start_update}"
-                                 + (f"; changed: {', '.join(changes)}" if changes else ""), highlight=False,
-                                 soft_wrap=True)
-        logger.console.print(
-            f"{run_name}: {num_updates} updates x {sizes.world} completions ({sizes.prompts} prompts x k={args.rloo_k} "
-            f"per rank x {dist_info.world_size} ranks); {len(dataset)} train prompts "
-            f"({describe_dropped(dropped, args.max_prompt_length)}); reward sources {sources.names}", highlight=False,
-            soft_wrap=True)
-    sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0
-    eval_every = max(1, num_updates // args.num_evals) if args.num_evals > 0 else num_updates
-    stop_signal.training, stopped = True, False  # from here on a signal stops the run after an update
     rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, sampling_rng, autocast)
-    logprobs_from_update = skips_logprob_pass(args, sizes, rollouts.lookahead)  # no separate policy_forward phase
     timer = PhaseTimer(device)
     timer.count_tokens_of(policy, ref_policy, sources.model, getattr(rollouts, "sampler", None))
-    start_time = time.time() - elapsed
-    submitted = []  # (prompt rows, queries, query mask, sampler state before drawing them) per batch asked for
+    return Run(args=args, dist_info=dist_info, sizes=sizes, policy=policy, trained=trained, ref_policy=ref_policy,
+               optimizer=optimizer, tokenizer=tokenizer, stop_token_id=stop_token_id, sources=sources,
+               dataset=dataset, eval_dataset=eval_dataset, sampler=sampler, sampling_rng=sampling_rng,
+               rollouts=rollouts, share_prompt=share_prompt,
+               logprobs_from_update=skips_logprob_pass(args, sizes, rollouts.lookahead), timer=timer, logger=logger,
+               autocast=autocast, num_updates=num_updates, start_update=start_update, start_time=time.time() - elapsed)
 
-    def submit_next_batch() -> None:
-        """Draw B prompts and ask for k completions of each, in the (k, B) layout: row j*B + i is sample j of
-        prompt i."""
-        sampler_state = sampler.state_dict()
-        rows = dataset[sampler.next_indices()]
-        queries, query_mask = pad_sequences(rows[PROMPT_IDS], tokenizer.pad_token_id, device)  # (B, Tq) each
-        rollouts.submit(queries, query_mask)  # k completions each, returned in the (k, B) layout
-        submitted.append((rows, queries, query_mask, sampler_state))
 
-    def save_state(update: int, resume_point: Optional[tuple] = None) -> Path:
-        """Resumable state after `update`; the data position is the one before any batch not yet trained on. Or
-        `resume_point`: the sampler's and the generators' states taken at the start of the next update."""
-        sampler_state, rng = resume_point or (submitted[0][3] if submitted else sampler.state_dict(), None)
-        trainer_state = {
-            "update": update, "episode": update * sizes.world, "sampler": sampler_state,
-            "elapsed": time.time() - start_time, "world_size": dist_info.world_size, "args": asdict(args),
-            "wandb_run_id": logger.wandb_run_id if logger else None,
-        }
-        return save_checkpoint(args.output_dir, update, model, optimizer, tokenizer, trainer_state,
-                               dist_info.rank, args.save_total_limit, sampling_rng, rng)
+def queue_batch(run: Run) -> None:
+    """Draw B prompts and ask the rollout source for k completions of each."""
+    sampler_state = run.sampler.state_dict()
+    rows = run.dataset[run.sampler.next_indices()]
+    queries, query_mask = pad_sequences(rows[PROMPT_IDS], run.tokenizer.pad_token_id, run.dist_info.device)  # (B, Tq)
+    run.rollouts.submit(queries, query_mask)  # k completions each, returned in the (k, B) layout
+    run.queued.append(PromptBatch(rows, queries, query_mask, sampler_state))
 
-    def keep_last_finished(finished: int, resume_point: Optional[tuple]) -> str:
-        """After a fault: the state after update `finished` saved (unless it is already), and how to continue."""
-        if finished == start_update:  # nothing new: the run can start again as it did
-            return "no update had finished since the start, nothing new to save; fix it and run the same command"
-        path = Path(args.output_dir) / CHECKPOINTS / f"step_{finished}"  # saved already when save_steps divides it
-        path = path if path.is_dir() else save_state(finished, resume_point)
-        return f"checkpoint of update {finished} saved to {path}; fix it, then continue with --resume"
 
+def resume_point(run: Run) -> tuple[dict, dict]:
+    """Where an update starts: the sampler before the oldest batch not trained on, and the sampling generator."""
+    return (run.queued[0].sampler_state if run.queued else run.sampler.state_dict()), rng_state(run.sampling_rng)
+
+
+def save_state(run: Run, update: int, start_of_next: Optional[tuple[dict, dict]] = None) -> Path:
+    """A resumable checkpoint after `update`. The data position is the one before any batch not yet trained on;
+    with `start_of_next` (a resume_point), the sampler and generators as the next update found them."""
+    sampler_state, rng = start_of_next or (resume_point(run)[0], None)
+    trainer_state = {
+        "update": update, "episode": update * run.sizes.all_ranks, "sampler": sampler_state,
+        "elapsed": time.time() - run.start_time, "world_size": run.dist_info.world_size, "args": asdict(run.args),
+        "wandb_run_id": run.logger.wandb_run_id if run.logger else None,
+    }
+    return save_checkpoint(run.args.output_dir, update, run.trained, run.optimizer, run.tokenizer, trainer_state,
+                           run.dist_info.rank, run.args.save_total_limit, run.sampling_rng, rng)
+
+
+def keep_last_finished(run: Run, finished: int, start_of_next: Optional[tuple[dict, dict]]) -> str:
+    """After a fault: the state after update `finished` saved (unless it is already), and how to continue."""
+    if finished == run.start_update:  # nothing new: the run can start again as it did
+        return "no update had finished since the start, nothing new to save; fix it and run the same command"
+    path = Path(run.args.output_dir) / CHECKPOINTS / f"step_{finished}"  # saved already when save_steps divides it
+    path = path if path.is_dir() else save_state(run, finished, start_of_next)
+    return f"checkpoint of update {finished} saved to {path}; fix it, then continue with --resume"
+
+
+def sample(run: Run, update: int) -> tuple[PromptBatch, Rollout, dict[str, float]]:
+    """1-3. k completions of B prompts, and their log-probs under the sampling policy and the reference. The
+    rollout source may sample ahead (rollouts.lookahead batches, rloo_multinode.py's --async_generation): the
+    queue is topped up first, then the oldest batch is taken."""
+    run.policy.eval()
+    with gathered_for_rollout(run.policy, run.args.fsdp_generation):
+        while len(run.queued) <= min(run.rollouts.lookahead, run.num_updates - update):
+            queue_batch(run)
+        try:
+            with run.timer("generation"):
+                completions, rollout_metrics = run.rollouts.take()  # (B, Tq) queries, (k*B, Tr) responses
+        except RolloutSourceError as e:  # the last update's state is intact: keep it, then stop
+            path = save_state(run, update - 1)
+            raise RolloutSourceError(f"{e}; checkpoint of update {update - 1} saved to {path}") from None
+        batch = run.queued.pop(0)
+        with run.rollouts.behaviour_policy(run.policy) as behaviour:
+            rollout = collect_rollout(behaviour, run.ref_policy, completions, run.args, run.share_prompt,
+                                      not run.logprobs_from_update, run.autocast, run.timer)  # (k*B, Tr) log-probs
+    return batch, rollout, rollout_metrics
+
+
+@dataclass
+class Scores:
+    raw: torch.Tensor  # (k*B,) the reward sources' combined score
+    shaped: torch.Tensor  # (k*B,) minus the missing-EOS penalty, whitened if asked: what the update trains on
+    source_means: dict[str, float]  # reward/{source}/mean
+
+
+def score(run: Run, batch: PromptBatch, rollout: Rollout, has_stop: torch.Tensor, update: int) -> Scores:
+    """4. Score every completion (reward model and reward functions), then the missing-EOS penalty."""
+    args, device = run.args, run.dist_info.device
+    with run.timer("scoring"):
+        with visiting(run.sources.model, device), reward_faults(device, f"scoring of update {update}"):
+            chunk = rows_per_forward(args, run.sources.model, "scoring", device, len(rollout.responses), args.rloo_k)
+            raw, source_means = score_completions(run.sources, rollout, batch.rows, args.prompt_column,
+                                                  run.tokenizer, run.stop_token_id, chunk, run.autocast)  # (k*B,)
+        shaped = apply_missing_eos_penalty(raw, has_stop, args.missing_eos_penalty)  # (k*B,)
+        if args.normalize_reward:
+            shaped = whiten(shaped).clamp(-args.reward_clip_range, args.reward_clip_range)
+    return Scores(raw, shaped, source_means)
+
+
+def train(run: Run, rollout: Rollout, scores: Scores, returns: Optional[Advantages], update: int) -> dict:
+    """6. PPO epochs of the clipped surrogate (ppo_update); a NaN/inf in the batch or a gradient stops every rank
+    before any optimizer step on it, with the offending batch written out. Then the rollout source learns the new
+    weights (rloo_multinode.py: the engines' sync)."""
+    args, device, rank = run.args, run.dist_info.device, run.dist_info.rank
+    advantages = None if returns is None else returns.advantages  # None: the update computes them
+    run.policy.train()  # dropout is off; train mode only switches gradient checkpointing on
     try:
-        for update in range(start_update + 1, num_updates + 1):
-            timer.start_update()
+        check_finite({"reward": scores.raw, "log-prob": rollout.logprobs,
+                      "reference log-prob": rollout.ref_logprobs}, device)
+        with run.timer("training"):
+            stats = ppo_update(run.trained, run.optimizer, rollout, scores.shaped, advantages, args, run.sizes,
+                               run.share_prompt, run.autocast)
+    except NonFiniteError as e:
+        if rank in e.ranks:
+            dump_batch(Path(args.output_dir) / "nonfinite" / f"update_{update}_rank_{rank}.jsonl", run.tokenizer,
+                       rollout, scores.raw, advantages)
+        raise NonFiniteError(f"{e.quantity} at update {update}", e.ranks) from None
+    return stats
+
+
+def update_metrics(run: Run, rollout: Rollout, has_stop: torch.Tensor, scores: Scores, returns: Advantages,
+                   train_stats: dict, rollout_metrics: dict) -> dict[str, float]:
+    """This rank's metrics of one update, under TRL's names."""
+    kl = kl_to_reference(rollout)  # (k*B, Tr)
+    return {
+        "objective/kl": (kl * rollout.response_mask).sum(1).mean().item(),
+        "objective/entropy": (-rollout.logprobs * rollout.response_mask).sum(1).mean().item(),
+        "objective/non_score_reward": returns.non_score_reward.mean().item(),
+        "objective/rlhf_reward": returns.rlhf_reward.mean().item(),
+        "objective/scores": scores.shaped.mean().item(),
+        "objective/raw_scores": scores.raw.mean().item(),
+        "policy/approxkl_avg": train_stats["approxkl"],
+        "policy/clipfrac_avg": train_stats["clipfrac"],
+        "policy/entropy_avg": train_stats["entropy"],
+        "policy/grad_norm": train_stats["grad_norm"],
+        "loss/policy_avg": train_stats["loss"],
+        "val/ratio": train_stats["ratio"],
+        "val/ratio_var": train_stats["ratio_var"],
+        **completion_metrics(rollout.response_mask, has_stop, scores.shaped, run.args.rloo_k),
+        **scores.source_means,
+        **rollout_metrics,
+        **run.timer.metrics(),
+        "work/minimum_tokens": minimum_forward_tokens(rollout, sum(
+            run.args.num_ppo_epochs if phase == "training" else 1 for phase in run.timer.tokens)),
+    }
+
+
+def log_update(run: Run, update: int, metrics: dict[str, float], batch: PromptBatch, rollout: Rollout,
+               scores: Scores) -> None:
+    """Metrics over all ranks to the console, metrics.jsonl and wandb (rank 0), with a few samples now and then."""
+    episode = update * run.sizes.all_ranks
+    metrics = reduce_metrics(metrics, run.dist_info.device, run.rollouts.max_metrics)
+    metrics.update(eps=episode / (time.time() - run.start_time), lr=run.optimizer.param_groups[0]["lr"],
+                   episode=episode)
+    if run.logger is None:
+        return
+    run.logger.log(update, metrics)
+    args = run.args
+    sample_every = max(1, run.num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0
+    if sample_every and (update - 1) % sample_every == 0:
+        shown = range(min(5, run.sizes.prompts))  # the first sample of the first prompts
+        decode = run.tokenizer.decode
+        run.logger.sample_table([(decode(batch.queries[i][batch.query_mask[i]]),
+                                  decode(rollout.responses[i][rollout.response_mask[i]]), scores.shaped[i].item())
+                                 for i in shown], episode)
+
+
+def evaluate_if_due(run: Run, update: int) -> None:
+    """num_evals times over the run, and after the last update, with --dataset_test_split."""
+    args = run.args
+    eval_every = max(1, run.num_updates // args.num_evals) if args.num_evals > 0 else run.num_updates
+    if run.eval_dataset is None or not (update % eval_every == 0 or update == run.num_updates):
+        return
+    run.policy.eval()
+    with gathered_for_rollout(run.policy, args.fsdp_generation), visiting(run.sources.model, run.dist_info.device):
+        eval_metrics = evaluate(run.policy, run.eval_dataset, run.sources, run.tokenizer, args, run.stop_token_id,
+                                run.dist_info, run.autocast)
+    if run.logger is not None:
+        run.logger.log_eval(update, eval_metrics, update * run.sizes.all_ranks)
+
+
+def save_if_due(run: Run, update: int, stop_signal: StopSignal) -> bool:
+    """A checkpoint every save_steps updates, after the last, and when a signal asks the run to stop; whether it
+    stops."""
+    args = run.args
+    stop = stop_signal.requested(run.dist_info.device)
+    if stop or update == run.num_updates or (args.save_steps > 0 and update % args.save_steps == 0):
+        path = save_state(run, update)
+    if stop and run.logger is not None:
+        (Path(args.output_dir) / PREEMPTED).write_text(f"{path}\n")
+        run.logger.console.print(
+            f"rloo.py: {stop_signal.name or 'a signal to another rank'} received: stopped after update {update}, "
+            f"checkpoint saved to {path}; continue with the same command and --resume", highlight=False,
+            soft_wrap=True)
+    return stop
+
+
+def save_final(run: Run) -> None:
+    """The final policy, its tokenizer and args.json: their presence in output_dir marks a finished run."""
+    save_final_policy(run.policy, run.tokenizer, run.args.output_dir, run.dist_info.rank)
+    if run.dist_info.master:
+        (Path(run.args.output_dir) / "args.json").write_text(json.dumps(asdict(run.args), indent=2))
+        run.logger.console.print(f"saved the policy and tokenizer to {run.args.output_dir}")
+
+
+def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
+    """Train. `make_rollouts(policy, args, stop_token_id, pad_token_id, generator, autocast)` gives the source of
+    completions (see LocalRollouts); rloo_multinode.py passes its engines' client."""
+    stop_signal = StopSignal(args.output_dir, announce=os.environ.get("RANK", "0") == "0")  # until training: exit
+    run = set_up(args, make_rollouts)
+    stop_signal.training = True  # from here on a signal stops the run after an update, with a checkpoint
+    stopped = False
+    try:
+        for update in range(run.start_update + 1, run.num_updates + 1):
+            run.timer.start_update()
             update_start = time.perf_counter()
-            resume_point = (submitted[0][3] if submitted else sampler.state_dict(), rng_state(sampling_rng))
-            lr = learning_rate_at(update, num_updates, args)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            start_of_update = resume_point(run)  # kept by a reward function's fault before training
+            for group in run.optimizer.param_groups:
+                group["lr"] = learning_rate_at(update, run.num_updates, args)
 
-            # ---- 1-3. rollout: B prompts x k samples, log-probs under the sampling policy and the reference
-            policy.eval()
-            with gathered_for_rollout(policy, args.fsdp_generation):
-                while len(submitted) <= min(rollouts.lookahead, num_updates - update):
-                    submit_next_batch()
-                try:
-                    with timer("generation"):
-                        completions, rollout_metrics = rollouts.take()  # (k*B, Tq + Tr)
-                except RolloutSourceError as e:  # the last update's state is intact: keep it, then stop
-                    path = save_state(update - 1)
-                    raise RolloutSourceError(f"{e}; checkpoint of update {update - 1} saved to {path}") from None
-                rows, queries, query_mask, _ = submitted.pop(0)
-                with rollouts.behaviour_policy(policy) as behaviour:
-                    rollout = collect_rollout(behaviour, ref_policy, completions, args, share_prompt,
-                                              not logprobs_from_update, autocast, timer)  # (k*B, Tr) log-probs
-            has_stop = rollout.ended(stop_token_id)  # (k*B,)
+            batch, rollout, rollout_metrics = sample(run, update)  # 1-3. (k*B, Tr) responses and log-probs
+            has_stop = rollout.ended(run.stop_token_id)  # (k*B,)
+            scores = score(run, batch, rollout, has_stop, update)  # 4. (k*B,)
+            # 5. KL-penalized rewards, leave-one-out advantages (k*B,) or (k*B, Tr). On-policy, the update computes
+            # them from its own forward (skips_logprob_pass) and they are read after it
+            returns = None if run.logprobs_from_update else advantages_of(rollout, scores.shaped, args)
+            train_stats = train(run, rollout, scores, returns, update)  # 6.
+            rollout_metrics.update(run.rollouts.policy_updated(update, run.policy))
+            if returns is None:  # the update filled rollout.logprobs in: the rewards it trained on
+                returns = advantages_of(rollout, scores.shaped, args)
 
-            # ---- 4. scores
-            with timer("scoring"):
-                with visiting(sources.model, device), reward_faults(device, f"scoring of update {update}"):
-                    raw_scores, source_means = score_completions(
-                        sources, rollout, prompt_values(rows, args.prompt_column, tokenizer),
-                        {c: rows[c] for c in columns_to_pass}, tokenizer, stop_token_id,
-                        rows_per_forward(args, sources.model, "scoring", device, len(completions.responses),
-                                         args.rloo_k), autocast)  # (k*B,)
-                scores = apply_missing_eos_penalty(raw_scores, has_stop, args.missing_eos_penalty)  # (k*B,)
-                if args.normalize_reward:
-                    scores = whiten(scores).clamp(-args.reward_clip_range, args.reward_clip_range)
-
-            # ---- 5. KL-penalized rewards, leave-one-out advantages (k*B,) or (k*B, Tr); on-policy, the update
-            # computes them from its own forward (skips_logprob_pass)
-            advantages = rlhf_reward = non_score_reward = None
-            if not logprobs_from_update:
-                advantages, rlhf_reward, non_score_reward = advantages_of(rollout, scores, args)
-
-            # ---- 6. PPO epochs of the clipped surrogate; a NaN/inf anywhere stops all ranks before any step on it
-            policy.train()  # dropout is off; train mode only switches gradient checkpointing on
-            try:
-                check_finite({"reward": raw_scores, "log-prob": rollout.logprobs,
-                              "reference log-prob": rollout.ref_logprobs}, device)
-                with timer("training"):
-                    train_stats = ppo_update(model, optimizer, rollout, scores, advantages, args, sizes, share_prompt,
-                                             autocast)
-                rollout_metrics.update(rollouts.policy_updated(update, policy))
-            except NonFiniteError as e:
-                if dist_info.rank in e.ranks:
-                    dump_batch(Path(args.output_dir) / "nonfinite" / f"update_{update}_rank_{dist_info.rank}.jsonl",
-                               tokenizer, rollout, raw_scores, advantages)
-                raise NonFiniteError(f"{e.quantity} at update {update}", e.ranks) from None
-
-            # ---- logging
-            episode = update * sizes.world
-            if logprobs_from_update:  # the update's forward filled the log-probs in: the rewards it trained on
-                advantages, rlhf_reward, non_score_reward = advantages_of(rollout, scores, args)
-            kl = kl_to_reference(rollout)  # (k*B, Tr)
-            metrics = {
-                "objective/kl": (kl * rollout.response_mask).sum(1).mean().item(),
-                "objective/entropy": (-rollout.logprobs * rollout.response_mask).sum(1).mean().item(),
-                "objective/non_score_reward": non_score_reward.mean().item(),
-                "objective/rlhf_reward": rlhf_reward.mean().item(),
-                "objective/scores": scores.mean().item(),
-                "objective/raw_scores": raw_scores.mean().item(),
-                "policy/approxkl_avg": train_stats["approxkl"],
-                "policy/clipfrac_avg": train_stats["clipfrac"],
-                "policy/entropy_avg": train_stats["entropy"],
-                "policy/grad_norm": train_stats["grad_norm"],
-                "loss/policy_avg": train_stats["loss"],
-                "val/ratio": train_stats["ratio"],
-                "val/ratio_var": train_stats["ratio_var"],
-                **completion_metrics(rollout.response_mask, has_stop, scores, args.rloo_k),
-                **source_means,
-                **rollout_metrics,
-                **timer.metrics(),
-                "work/minimum_tokens": minimum_forward_tokens(rollout, sum(
-                    args.num_ppo_epochs if phase == "training" else 1 for phase in timer.tokens)),
-                "time/update": time.perf_counter() - update_start,  # the whole update but evaluation and saving
-            }
-            metrics = reduce_metrics(metrics, device)
-            metrics.update(eps=episode / (time.time() - start_time), lr=lr, episode=episode)
-            if logger is not None:
-                logger.log(update, metrics)
-                if sample_every and (update - 1) % sample_every == 0:
-                    shown = range(min(5, sizes.prompts))  # the first sample of the first prompts
-                    logger.sample_table([(tokenizer.decode(queries[i][query_mask[i]]),
-                                          tokenizer.decode(rollout.responses[i][rollout.response_mask[i]]),
-                                          scores[i].item()) for i in shown], episode)
-            if eval_dataset is not None and (update % eval_every == 0 or update == num_updates):
-                policy.eval()
-                with gathered_for_rollout(policy, args.fsdp_generation), visiting(sources.model, device):
-                    eval_metrics = evaluate(policy, eval_dataset, sources, tokenizer, args, stop_token_id, dist_info,
-                                            autocast)
-                if logger is not None:
-                    logger.log_eval(update, eval_metrics, episode)
-
-            # ---- checkpoint: periodically, at the end, and when a signal asks the run to stop
-            stop = stop_signal.requested(device)
-            if stop or update == num_updates or (args.save_steps > 0 and update % args.save_steps == 0):
-                path = save_state(update)
-            if stop:
-                if logger is not None:
-                    (Path(args.output_dir) / PREEMPTED).write_text(f"{path}\n")
-                    logger.console.print(
-                        f"rloo.py: {stop_signal.name or 'a signal to another rank'} received: stopped after update "
-                        f"{update}, checkpoint saved to {path}; continue with the same command and --resume",
-                        highlight=False, soft_wrap=True)
+            metrics = update_metrics(run, rollout, has_stop, scores, returns, train_stats, rollout_metrics)
+            metrics["time/update"] = time.perf_counter() - update_start  # the whole update but evaluation and saving
+            log_update(run, update, metrics, batch, rollout, scores)
+            evaluate_if_due(run, update)
+            if save_if_due(run, update, stop_signal):
                 stopped = True
                 break
-
-        # ---- save the final policy (its presence in output_dir marks a finished run)
         if not stopped:
-            save_final_policy(policy, tokenizer, args.output_dir, dist_info.rank)
-        if dist_info.master and not stopped:
-            (Path(args.output_dir) / "args.json").write_text(json.dumps(asdict(args), indent=2))
-            logger.console.print(f"saved the policy and tokenizer to {args.output_dir}")
+            save_final(run)
     except RewardFunctionError as e:  # every rank at once: keep the last finished update, then stop
         finished = update if e.after_training else update - 1
-        raise RewardFunctionError(f"{e}; {keep_last_finished(finished, None if e.after_training else resume_point)}",
-                                  e.announce) from None
+        where = keep_last_finished(run, finished, None if e.after_training else start_of_update)
+        raise RewardFunctionError(f"{e}; {where}", e.announce) from None
     finally:  # an error on one rank alone must not wait for the others: torchrun stops them
-        rollouts.close()
-        if logger is not None:
-            logger.close()
+        run.rollouts.close()
+        if run.logger is not None:
+            run.logger.close()
     barrier("the end of the run")
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
+# ===================================================================== command line
 # TRL >= 0.22's names for flags of the same meaning (README, "Flags": both TRL generations' names side by side)
 TRL_NAMES = {"num_generations": "rloo_k", "beta": "kl_coef", "epsilon": "cliprange", "num_iterations": "num_ppo_epochs",
              "max_completion_length": "response_length", "normalize_advantages": "normalize_advantage"}

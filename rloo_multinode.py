@@ -48,10 +48,10 @@ import time
 import urllib.error
 import urllib.request
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import ClassVar, Literal, Optional
+from typing import ClassVar, Literal, NamedTuple, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -165,8 +165,9 @@ def validate_engine_args(args: Args, world_size: int) -> None:
     if os.environ.get("RANK", "0") == "0":  # rank 0 serves the control store and the weight group's rendezvous
         for port in (args.engine_port + 1,) if urls else (args.engine_port, args.engine_port + 1):
             if port_in_use(port):
-                raise rloo.ConfigError(f"--engine_port {args.engine_port}: port {port} is in use on this host "
-                                       f"(the run uses --engine_port and the one after it): pass another --engine_port")
+                raise rloo.ConfigError(
+                    f"--engine_port {args.engine_port}: port {port} is in use on this host (the run uses "
+                    "--engine_port and the one after it): pass another --engine_port")
     if urls and args.engine != "vllm":
         raise rloo.ConfigError("--engine_urls attaches to `vllm serve` processes; drop --engine hf")
     if urls and args.num_engines not in (1, len(urls)):
@@ -174,11 +175,13 @@ def validate_engine_args(args: Args, world_size: int) -> None:
                                "engine; drop --num_engines")
     engines = engine_count(args)
     if engines > world_size and engines % world_size:
+        what = "--num_engines" if not urls else "engines:"
         raise rloo.ConfigError(
-            f"{'--num_engines' if not urls else 'engines:'} {engines} for {world_size} training rank(s): more engines "
-            "than ranks must be a multiple of them (each rank's batch is split evenly over its engines)")
+            f"{what} {engines} for {world_size} training rank(s): more engines than ranks must be a multiple of "
+            "them (each rank's batch is split evenly over its engines)")
     if args.engine == "hf" and args.vllm_tensor_parallel_size != 1:
-        raise rloo.ConfigError("--vllm_tensor_parallel_size applies to --engine vllm only; the hf engine is one device")
+        raise rloo.ConfigError(
+            "--vllm_tensor_parallel_size applies to --engine vllm only; the hf engine is one device")
     if args.engine == "vllm" and (not urls or torch.cuda.is_available()):  # vLLM's NCCL communicator on GPUs
         try:
             import vllm  # noqa: F401
@@ -228,37 +231,50 @@ def weights_info(named_shapes: list[tuple[str, torch.Size]], dtype: torch.dtype)
             "shapes": [list(shape) for _, shape in named_shapes]}
 
 
-def plan_buckets(info: dict, bucket_bytes: int) -> list[list[tuple[str, tuple, torch.dtype]]]:
-    """The parameters of an update info in consecutive buckets [[(name, shape, dtype), ...], ...]; a bucket ends
+class BucketEntry(NamedTuple):
+    """One parameter in a bucket (a tuple: `name, shape, dtype = entry` reads it too)."""
+
+    name: str  # its Hugging Face name
+    shape: tuple[int, ...]  # its full shape
+    dtype: torch.dtype  # its wire dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.itemsize * math.prod(self.shape)
+
+
+def plan_buckets(info: dict, bucket_bytes: int) -> list[list[BucketEntry]]:
+    """The parameters of an update info in consecutive buckets [[BucketEntry, ...], ...]; a bucket ends
     with the parameter that takes it past bucket_bytes (vLLM's packed broadcast does the same, so its receiver cuts
     the stream where the trainer does). Both ends compute it from the update info alone."""
     buckets, current, size = [], [], 0
     for name, dtype, shape in zip(info["names"], info["dtype_names"], info["shapes"], strict=True):
         dtype, shape = parse_dtype(dtype), tuple(int(s) for s in shape)
-        current.append((name, shape, dtype))
-        size += dtype.itemsize * math.prod(shape)
+        entry = BucketEntry(name, shape, dtype)
+        current.append(entry)
+        size += entry.nbytes
         if size > bucket_bytes:
             buckets.append(current)
             current, size = [], 0
     return buckets + [current] if current else buckets
 
 
-def bucket_nbytes(bucket: list) -> int:
-    return sum(dtype.itemsize * math.prod(shape) for _, shape, dtype in bucket)
+def bucket_nbytes(bucket: list[BucketEntry]) -> int:
+    return sum(entry.nbytes for entry in bucket)
 
 
-def pack_bucket(tensors: list[torch.Tensor], bucket: list) -> torch.Tensor:
+def pack_bucket(tensors: list[torch.Tensor], bucket: list[BucketEntry]) -> torch.Tensor:
     """A bucket's parameters as the (bytes,) uint8 tensor that travels: each cast to its wire dtype, end to end."""
-    return torch.cat([t.detach().to(dtype).reshape(-1).view(torch.uint8) for t, (_, _, dtype) in zip(tensors, bucket)])
+    return torch.cat([t.detach().to(entry.dtype).reshape(-1).view(torch.uint8)
+                      for t, entry in zip(tensors, bucket)])
 
 
-def unpack_bucket(flat: torch.Tensor, bucket: list) -> list[tuple[str, torch.Tensor]]:
+def unpack_bucket(flat: torch.Tensor, bucket: list[BucketEntry]) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) views of a received (bytes,) uint8 bucket, in the bucket's order."""
     out, offset = [], 0
-    for name, shape, dtype in bucket:
-        nbytes = dtype.itemsize * math.prod(shape)
-        out.append((name, flat[offset : offset + nbytes].view(dtype).view(shape)))
-        offset += nbytes
+    for entry in bucket:
+        out.append((entry.name, flat[offset : offset + entry.nbytes].view(entry.dtype).view(entry.shape)))
+        offset += entry.nbytes
     return out
 
 
@@ -357,12 +373,13 @@ class GlooWeightReceiver:
 
     def __init__(self, info: dict, rank: int):
         self.packed_bytes = int(info["packed_buffer_size_bytes"])
-        self.group = GlooWeightGroup(info["master_address"], int(info["master_port"]), rank, int(info["world_size"]),
-                                     float(info["timeout"]))
+        self.group = GlooWeightGroup(info["master_address"], int(info["master_port"]), rank,
+                                     int(info["world_size"]), float(info["timeout"]))
 
     def receive(self, info: dict, load) -> None:
         for bucket in plan_buckets(info, self.packed_bytes):
-            load(unpack_bucket(self.group.broadcast(torch.empty(bucket_nbytes(bucket), dtype=torch.uint8)), bucket))
+            flat = self.group.broadcast(torch.empty(bucket_nbytes(bucket), dtype=torch.uint8))
+            load(unpack_bucket(flat, bucket))
 
 
 class VLLMWorkerExtension:
@@ -438,6 +455,29 @@ def loads(data: bytes):
             "--engine_port on a private network") from None
 
 
+class Engine(Protocol):
+    """What `serve` asks of an engine (HFEngine, VLLMEngine): vLLM's weight-transfer calls, sampling, log-probs.
+    Besides, `serve` asks the hf engine alone for its `state_dict` (HFEngine.state_dict, to check a sync)."""
+
+    def init_weight_transfer_engine(self, info: dict) -> None:
+        """Join the weight group its init info (init_info) describes; once, at start-up."""
+
+    def start_weight_update(self) -> None:
+        """Make ready to take a sync's weights."""
+
+    def update_weights(self, info: dict) -> None:
+        """Receive and load every bucket of a sync (update info: weights_info) as trainer rank 0 broadcasts it."""
+
+    def finish_weight_update(self) -> None:
+        """Complete the sync: the new weights sample from now on (vLLM: its prefix cache emptied)."""
+
+    def generate(self, request: dict) -> dict:
+        """k completions of each query: {"responses": (k*b, Tr) in the (k, b) layout, "rng_state"}."""
+
+    def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p(token t | tokens < t) of every token but the first of each sequence, at temperature 1."""
+
+
 class HFEngine:
     """A transformers copy of the policy that samples with rloo.py's own sampler, chunk by chunk, from the
     requesting rank's sampling RNG state: with the same weights it draws the very tokens rloo.py would. It takes
@@ -499,7 +539,8 @@ def vllm_engine_kwargs(args: Args, index: int, backend: str) -> dict:
             "dtype": dtype_name(engine_dtype(args)), "seed": args.seed + index,
             "tensor_parallel_size": args.vllm_tensor_parallel_size,
             "gpu_memory_utilization": args.vllm_gpu_memory_utilization, "enable_prefix_caching": True,
-            "enforce_eager": args.vllm_enforce_eager, "max_model_len": args.max_prompt_length + args.response_length,
+            "enforce_eager": args.vllm_enforce_eager,
+            "max_model_len": args.max_prompt_length + args.response_length,
             "trust_remote_code": args.trust_remote_code, "weight_transfer_config": {"backend": backend},
             "worker_extension_cls": "rloo_multinode.VLLMWorkerExtension"}
 
@@ -510,8 +551,8 @@ def vllm_sampling(args: Args, stop_token_id: Optional[int]) -> dict:
     generation config says; response_length tokens unless the stop token comes first, and EOS stops a response
     only when it is the stop token."""
     return {"temperature": args.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
-            "max_tokens": args.response_length, "stop_token_ids": [] if stop_token_id is None else [stop_token_id],
-            "ignore_eos": True}
+            "max_tokens": args.response_length,
+            "stop_token_ids": [] if stop_token_id is None else [stop_token_id], "ignore_eos": True}
 
 
 def padded_responses(token_ids: list[list[int]], length: int, pad_token_id: int) -> torch.Tensor:
@@ -557,8 +598,8 @@ class VLLMEngine:
 
         params = SamplingParams(n=1, detokenize=False, **vllm_sampling(self.args, request["stop_token_id"]))
         prompts = [TokensPrompt(prompt_token_ids=q[m].tolist())
-                   for q, m in zip(request["queries"], request["query_mask"].bool())] * request["k"]  # (k, b) layout
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+                   for q, m in zip(request["queries"], request["query_mask"].bool())]
+        outputs = self.llm.generate(prompts * request["k"], params, use_tqdm=False)  # (k, b) layout
         return {"responses": padded_responses([list(o.outputs[0].token_ids) for o in outputs],
                                               self.args.response_length, request["pad_token_id"]),
                 "rng_state": request["rng_state"]}  # vLLM seeds its own sampler
@@ -568,7 +609,8 @@ class VLLMEngine:
         from vllm import SamplingParams, TokensPrompt
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in sequences], params, use_tqdm=False)
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in sequences]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [prompt_logprobs(o.prompt_logprobs, ids) for o, ids in zip(outputs, sequences)]
 
 
@@ -603,11 +645,13 @@ def serve(serve_args: ServeArgs) -> None:
     stop_beating = threading.Event()
     threading.Thread(target=heartbeat, args=(host, int(port), index, stop_beating), daemon=True).start()
     try:
+        engine: Engine
         if args.engine == "hf":
             device = torch.device(serve_args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
             if device.type != config["trainer_device_type"]:
-                raise rloo.ConfigError(f"the hf engine samples from the trainer's RNG state, so it must run on the "
-                                       f"trainer's device type ({config['trainer_device_type']}), not {device.type}")
+                raise rloo.ConfigError(
+                    f"the hf engine samples from the trainer's RNG state, so it must run on the trainer's device "
+                    f"type ({config['trainer_device_type']}), not {device.type}")
             engine = HFEngine(args, device)
         else:
             engine = VLLMEngine(args, index, config["backend"])
@@ -646,6 +690,32 @@ def serve(serve_args: ServeArgs) -> None:
 
 
 # ===================================================================== trainer side
+class EngineClient(Protocol):
+    """What EngineRollouts asks of its engines (ServedEngines: `serve` engines through the control store;
+    VLLMServers: `vllm serve` processes over HTTP). Failures raise EngineError."""
+
+    def connect(self, backend: str, packed_bytes: int) -> GlooWeightGroup | NcclWeightGroup:
+        """Rank 0: wait until every engine is up, then open the weight group with them; returns rank 0's end."""
+
+    def send(self, batch: int, parts: list[dict]) -> None:
+        """Hand batch `batch` of this rank to its engines, one request per part (in engines_of_ranks' order)."""
+
+    def receive(self, batch: int) -> list[dict]:
+        """Wait for a batch sent: each part's {"responses": (k*b, Tr)} (served engines add its "rng_state")."""
+
+    def begin_sync(self, version: int, info: dict) -> None:
+        """Rank 0: every engine has started weight update `version` (update info `info`), ready for the buckets."""
+
+    def end_sync(self, version: int) -> None:
+        """Rank 0, after the last bucket: the engines finish the update before they sample again."""
+
+    def explain(self, failure: EngineError) -> EngineError:
+        """Rank 0: the error to report for a failed broadcast, with the engines' own account when they have one."""
+
+    def close(self) -> None:
+        """Every rank, at the end: let go of the engines (rank 0: stop them, or free the servers' weight group)."""
+
+
 class ServedEngines:
     """Engines running this file's `serve` (started by rank 0 or by hand), driven through the control store: rank 0
     writes one ordered command stream that every engine follows; rank r writes its queries and reads its
@@ -654,7 +724,7 @@ class ServedEngines:
     def __init__(self, args: Args, dist_info: rloo.Dist, store, processes: dict[int, subprocess.Popen]):
         self.args, self.dist_info, self.store, self.processes = args, dist_info, store, processes
         self.next_command, self.beats = 0, {}  # rank 0's next command; each engine's (beats, since when)
-        self.pending = {}  # batch -> how many parts this rank sent
+        self.parts_sent: dict[int, int] = {}  # batch -> how many parts this rank sent (and receives)
 
     def command(self, **command) -> None:
         self.store.set(f"cmd/{self.next_command}", dumps(command))
@@ -693,25 +763,25 @@ class ServedEngines:
         self.store.delete_key(key)
         return value
 
-    def connect(self, backend: str, packed_bytes: int):
+    def connect(self, backend: str, packed_bytes: int) -> GlooWeightGroup | NcclWeightGroup:
         """Rank 0: every engine loaded; then the weight group, every member joining at once (the engines take their
         init infos, packed_bytes included, from the run's configuration in the store)."""
         for index in range(self.args.num_engines):
             self.wait_for(f"engine/{index}/ready", f"engine {index} to load its model", self.args.engine_timeout)
-        return trainer_weight_group(backend, self.store.host, self.store.port + 1, self.store.add("group_size", 0),
-                                    self.args.engine_timeout)
+        size = self.store.add("group_size", 0)
+        return trainer_weight_group(backend, self.store.host, self.store.port + 1, size, self.args.engine_timeout)
 
     def send(self, batch: int, parts: list[dict]) -> None:
         """This rank's batch, part by part (to its engines in the order of engines_of_ranks)."""
         for part, request in enumerate(parts):
             self.store.set(f"gen/{batch}/{self.dist_info.rank}/{part}", dumps(request))
-        self.pending[batch] = len(parts)
+        self.parts_sent[batch] = len(parts)
         if self.dist_info.master:
             self.command(kind="generate", batch=batch)
 
     def receive(self, batch: int) -> list[dict]:
         return [loads(self.wait_for(f"out/{batch}/{self.dist_info.rank}/{part}", "completions", None))
-                for part in range(self.pending.pop(batch))]
+                for part in range(self.parts_sent.pop(batch))]
 
     def begin_sync(self, version: int, info: dict) -> None:
         """Rank 0: every engine has started the weight update and waits for the buckets (one still sampling
@@ -754,8 +824,9 @@ class ServedEngines:
             end_engine(process)
 
 
-DEV_ROUTES = ("get_world_size", "server_info", "init_weight_transfer_engine", "start_weight_update", "update_weights",
-              "finish_weight_update", "shutdown_weight_transfer_engine", "reset_prefix_cache")  # VLLM_SERVER_DEV_MODE=1
+# the routes a vLLM server has only with VLLM_SERVER_DEV_MODE=1
+DEV_ROUTES = ("get_world_size", "server_info", "init_weight_transfer_engine", "start_weight_update",
+              "update_weights", "finish_weight_update", "shutdown_weight_transfer_engine", "reset_prefix_cache")
 
 
 def http_json(url: str, body: Optional[dict], timeout: float):
@@ -764,17 +835,21 @@ def http_json(url: str, body: Optional[dict], timeout: float):
     headers = {"Content-Type": "application/json"}
     if os.environ.get(API_KEY_VARIABLE):
         headers["Authorization"] = f"Bearer {os.environ[API_KEY_VARIABLE]}"
-    request = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(), headers=headers)
+    payload = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=payload, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             data = response.read()
         return json.loads(data) if data else None
     except urllib.error.HTTPError as e:
         route = url.rsplit("/", 1)[-1].split("?")[0]
-        hint = ("; start the server with VLLM_SERVER_DEV_MODE=1, which enables it" if e.code == 404 and route in
-                DEV_ROUTES else f"; set {API_KEY_VARIABLE} to the server's --api-key" if e.code == 401 else "")
-        raise EngineError(f"vLLM server {url} answered {e.code}: {e.read().decode(errors='replace')[:300]}{hint}") \
-            from None
+        hint = ""
+        if e.code == 404 and route in DEV_ROUTES:
+            hint = "; start the server with VLLM_SERVER_DEV_MODE=1, which enables it"
+        elif e.code == 401:
+            hint = f"; set {API_KEY_VARIABLE} to the server's --api-key"
+        answer = e.read().decode(errors="replace")[:300]
+        raise EngineError(f"vLLM server {url} answered {e.code}: {answer}{hint}") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:  # ValueError: cut-off JSON
         raise EngineError(f"vLLM server {url} failed: {type(e).__name__}: {getattr(e, 'reason', e)}") from None
 
@@ -793,6 +868,14 @@ def weight_transfer_flag(backend: str) -> str:
     return f"--weight-transfer-config '{{\"backend\": \"{backend}\"}}'"
 
 
+@dataclass
+class AnswerDue:
+    """A completions request sent to a `vllm serve` server (VLLMServers.send), its answer still to come."""
+
+    answer: Future  # http_json's result: the server's JSON answer
+    pad_token_id: int  # what pads the part's responses
+
+
 class VLLMServers:
     """Running `vllm serve` processes, attached by address (--engine_urls), started with VLLM_SERVER_DEV_MODE=1 and
     vLLM's weight transfer (`--weight-transfer-config '{"backend": "nccl"}'`; on CPUs "gloo", with
@@ -805,14 +888,17 @@ class VLLMServers:
     def __init__(self, args: Args, dist_info: rloo.Dist):
         self.args, self.dist_info, self.timeout = args, dist_info, args.engine_timeout
         self.urls = engine_urls(args)
-        self.mine = [self.urls[e] for e in engines_of_ranks(dist_info.world_size, len(self.urls))[dist_info.rank]]
+        my_engines = engines_of_ranks(dist_info.world_size, len(self.urls))[dist_info.rank]
+        self.mine = [self.urls[e] for e in my_engines]  # the servers of this rank's batches
         self.requests = ThreadPoolExecutor(len(self.mine))  # this rank's completions requests, one per server
         self.calls = ThreadPoolExecutor(len(self.urls))  # rank 0's calls to every server at once
-        self.pending, self.updating = {}, []  # batch -> [(answer to come, pad id)]; rank 0's update_weights calls
+        self.answers_due: dict[int, list[AnswerDue]] = {}  # batch -> its parts' requests, answers to come
+        self.updating: list[Future] = []  # rank 0's update_weights calls of the sync under way
         self.connected = False
         for url in self.urls if dist_info.master else self.mine:
             self.wait_until_up(url)
-        self.model = http_json(f"{self.mine[0]}/v1/models", None, self.timeout)["data"][0]["id"]  # the served name
+        # the served model's name
+        self.model = http_json(f"{self.mine[0]}/v1/models", None, self.timeout)["data"][0]["id"]
 
     def wait_until_up(self, url: str) -> None:
         """A server may still be loading its model: its /health answers once it serves."""
@@ -836,18 +922,19 @@ class VLLMServers:
         config = http_json(f"{url}/server_info?config_format=json", None, self.timeout)["vllm_config"]
         served = (config.get("weight_transfer_config") or {}).get("backend")
         if served != backend:
-            fix = weight_transfer_flag(backend) + (" --worker-extension-cls rloo_multinode.VLLMWorkerExtension"
-                                                   if backend == "gloo" else "")  # which registers gloo with vLLM
-            raise EngineError(f"vLLM server {url} " + (f"takes weights over {served}" if served else
-                                                      "has no weight transfer") + f" but this trainer sends them "
-                              f"over {backend} (nccl from a CUDA trainer, gloo from a CPU one): restart it with {fix}")
+            fix = weight_transfer_flag(backend)
+            if backend == "gloo":  # the worker extension registers gloo with vLLM
+                fix += " --worker-extension-cls rloo_multinode.VLLMWorkerExtension"
+            takes = f"takes weights over {served}" if served else "has no weight transfer"
+            raise EngineError(f"vLLM server {url} {takes} but this trainer sends them over {backend} (nccl from a "
+                              f"CUDA trainer, gloo from a CPU one): restart it with {fix}")
         longest = config["model_config"]["max_model_len"]
         needed = self.args.max_prompt_length + self.args.response_length
         if longest < needed:
-            raise EngineError(f"vLLM server {url} has --max-model-len {longest} but a prompt and its response take up "
-                              f"to {needed} tokens: restart it with --max-model-len {needed}")
+            raise EngineError(f"vLLM server {url} has --max-model-len {longest} but a prompt and its response "
+                              f"take up to {needed} tokens: restart it with --max-model-len {needed}")
 
-    def connect(self, backend: str, packed_bytes: int):
+    def connect(self, backend: str, packed_bytes: int) -> GlooWeightGroup | NcclWeightGroup:
         """Rank 0: each server's workers (tensor x pipeline x data parallel) join the weight group after the
         trainer's rank 0, in the order of the URLs."""
         for url in self.urls:
@@ -855,9 +942,11 @@ class VLLMServers:
         workers = [http_json(f"{url}/get_world_size", None, self.timeout)["world_size"] for url in self.urls]
         offsets = [1 + sum(workers[:i]) for i in range(len(self.urls))]
         host, port, size = trainer_host(), self.args.engine_port + 1, 1 + sum(workers)
-        joins = [self.calls.submit(http_json, f"{url}/init_weight_transfer_engine", {"init_info": init_info(
-            backend, host, port, offset, size, packed_bytes, self.timeout)}, self.timeout)
-            for url, offset in zip(self.urls, offsets)]
+        joins = []
+        for url, offset in zip(self.urls, offsets):
+            info = init_info(backend, host, port, offset, size, packed_bytes, self.timeout)
+            joins.append(self.calls.submit(http_json, f"{url}/init_weight_transfer_engine", {"init_info": info},
+                                           self.timeout))
         group = trainer_weight_group(backend, host, port, size, self.timeout)  # complete once all have joined
         for join in joins:
             join.result()
@@ -865,25 +954,27 @@ class VLLMServers:
         return group
 
     def send(self, batch: int, parts: list[dict]) -> None:
-        self.pending[batch] = [
-            (self.requests.submit(http_json, f"{url}/v1/completions", completions_body(
-                self.model, part["queries"], part["query_mask"], part["k"], self.args, part["stop_token_id"]),
-                self.timeout),
-             part["pad_token_id"]) for url, part in zip(self.mine, parts)]
+        answers_due = []
+        for url, part in zip(self.mine, parts):
+            body = completions_body(self.model, part["queries"], part["query_mask"], part["k"], self.args,
+                                    part["stop_token_id"])
+            answer = self.requests.submit(http_json, f"{url}/v1/completions", body, self.timeout)
+            answers_due.append(AnswerDue(answer, part["pad_token_id"]))
+        self.answers_due[batch] = answers_due
 
     def receive(self, batch: int) -> list[dict]:
         results = []
-        for answer, pad_token_id in self.pending.pop(batch):
-            choices = sorted(answer.result()["choices"], key=lambda c: c["index"])  # one per prompt, in order
+        for due in self.answers_due.pop(batch):
+            choices = sorted(due.answer.result()["choices"], key=lambda c: c["index"])  # one per prompt, in order
             results.append({"responses": padded_responses([c["token_ids"] for c in choices],
-                                                          self.args.response_length, pad_token_id)})
+                                                          self.args.response_length, due.pad_token_id)})
         return results  # vLLM seeds its own sampler: no RNG state
 
     def begin_sync(self, version: int, info: dict) -> None:
         """Rank 0: every server has started the update; their update_weights calls wait for the buckets."""
         self.on_all("start_weight_update")
-        self.updating = [self.calls.submit(http_json, f"{url}/update_weights", {"update_info": info}, self.timeout)
-                         for url in self.urls]
+        self.updating = [self.calls.submit(http_json, f"{url}/update_weights", {"update_info": info},
+                                           self.timeout) for url in self.urls]
 
     def end_sync(self, version: int) -> None:
         for call in self.updating:
@@ -916,16 +1007,28 @@ def split_by_prompt(num_prompts: int, parts: int) -> list[torch.Tensor]:
     return list(torch.arange(num_prompts).tensor_split(parts))
 
 
+@dataclass
+class BatchInFlight:
+    """A batch submitted to the engines and not yet taken."""
+
+    queries: torch.Tensor  # (B, Tq), on the trainer's device
+    query_mask: torch.Tensor  # (B, Tq)
+    parts: list[torch.Tensor]  # the prompt indices into B of each part (split_by_prompt), one part per engine
+
+
 class EngineRollouts:
     """rloo.py's rollout source (the five methods of rloo.LocalRollouts), served by engines: those of `serve`
     (ServedEngines) or `vllm serve` processes (VLLMServers). Every training rank submits its own queries and takes
     its own completions; rank 0 also sends the weights. The ranks agree on every engine failure, so all stop at the
     same point."""
 
+    max_metrics = ("time/weight_sync", "time/engine_wait")  # rank 0 alone syncs the weights: its time, not a mean
+
     def __init__(self, policy, args: Args, stop_token_id: Optional[int], pad_token_id: int,
-                 generator: torch.Generator, dist_info: rloo.Dist, engines):
+                 generator: torch.Generator, dist_info: rloo.Dist, engines: EngineClient):
         self.policy, self.args, self.stop_token_id, self.pad_token_id = policy, args, stop_token_id, pad_token_id
-        self.generator, self.queued = generator, []  # (queries, query mask, each part's prompts) of batches in flight
+        self.generator = generator
+        self.queued: list[BatchInFlight] = []  # the batches in flight, oldest first
         self.dist_info, self.engines = dist_info, engines
         # the engines this rank's batches are split over
         self.num_parts = len(engines_of_ranks(dist_info.world_size, engine_count(args))[dist_info.rank])
@@ -937,7 +1040,8 @@ class EngineRollouts:
         self.batch_versions = []  # the weight version that sampled each batch in flight
         self.sampled_by = 0  # ... and the one that sampled the batch last taken
         self.snapshots = {0: local_copy(policy)} if args.async_generation else {}  # version -> weights on the CPU
-        shapes = [(name, p.shape) for name, p in named_parameters(policy).items()]  # a DTensor's shape is the full one
+        # a DTensor's shape is the full one
+        shapes = [(name, p.shape) for name, p in named_parameters(policy).items()]
         self.info, packed_bytes = weights_info(shapes, engine_dtype(args)), args.sync_bucket_mb * 2**20
         self.buckets = plan_buckets(self.info, packed_bytes)
         self.group, error = None, None
@@ -986,9 +1090,10 @@ class EngineRollouts:
                 self.engines.begin_sync(version, self.info)
             except EngineError as e:
                 error = e
-        wait, start, parameters = time.perf_counter() - start, time.perf_counter(), named_parameters(self.policy)
+        wait, start = time.perf_counter() - start, time.perf_counter()
+        parameters = named_parameters(self.policy)
         for bucket in self.buckets if master or self.args.fsdp else []:
-            tensors = [unsharded(parameters[name]) for name, _, _ in bucket]  # (FSDP: all ranks gather)
+            tensors = [unsharded(parameters[entry.name]) for entry in bucket]  # (FSDP: all ranks gather)
             if master and error is None:
                 try:
                     self.group.broadcast(pack_bucket(tensors, bucket))
@@ -1008,8 +1113,9 @@ class EngineRollouts:
         if self.num_parts == 1:  # one engine continues this rank's random stream, as rloo.py would draw it
             states = [self.generator.get_state()]
         else:  # several at once: each from a seed drawn from the stream
-            states = [torch.Generator(self.generator.device).manual_seed(int(torch.randint(
-                2**62, (), generator=self.generator, device=self.generator.device))).get_state() for _ in parts]
+            seeds = [int(torch.randint(2**62, (), generator=self.generator, device=self.generator.device))
+                     for _ in parts]
+            states = [torch.Generator(self.generator.device).manual_seed(seed).get_state() for seed in seeds]
         cpu_queries, cpu_query_mask = queries.cpu(), query_mask.cpu()
         self.engines.send(self.submitted, [{
             "queries": cpu_queries[i], "query_mask": cpu_query_mask[i], "k": self.args.rloo_k,
@@ -1017,10 +1123,11 @@ class EngineRollouts:
             for i, state in zip(parts, states)])
         self.batch_versions.append(self.version)
         self.submitted += 1
-        self.queued.append((queries, query_mask, parts))
+        self.queued.append(BatchInFlight(queries, query_mask, parts))
 
     def take(self) -> tuple[rloo.Completions, dict[str, float]]:
-        queries, query_mask, parts = self.queued.pop(0)
+        in_flight = self.queued.pop(0)
+        queries = in_flight.queries  # (B, Tq)
         error = self.failure
         if error is None:
             try:
@@ -1035,11 +1142,11 @@ class EngineRollouts:
             self.generator.set_state(results[0]["rng_state"])
         k, num_prompts = self.args.rloo_k, queries.shape[0]
         responses = torch.empty(k * num_prompts, self.args.response_length, dtype=torch.long)  # (k*B, Tr)
-        for prompts, result in zip(parts, results):  # each part's (k*b, Tr) in its own (k, b) layout
+        for prompts, result in zip(in_flight.parts, results):  # each part's (k*b, Tr) in its own (k, b) layout
             responses[rloo.completion_rows(prompts, num_prompts, k)] = result["responses"]
         responses, response_mask = rloo.truncate_after_stop(responses.to(queries.device), self.stop_token_id,
                                                             self.pad_token_id)  # (k*B, Tr)
-        completions = rloo.Completions(queries, query_mask, responses, response_mask)
+        completions = rloo.Completions(queries, in_flight.query_mask, responses, response_mask)
         self.sampled_by = self.batch_versions.pop(0)
         self.taken += 1
         for old in [v for v in self.snapshots if v < self.sampled_by]:  # no batch in flight was sampled by these
@@ -1129,11 +1236,11 @@ def control_store(args: Args, dist_info: rloo.Dist, device: torch.device):
         offsets = [1 + sum(workers[:i]) for i in range(args.num_engines)]
         backend, size = weight_backend(args, device), 1 + sum(workers)
         store.add("group_size", size)
+        init_infos = [init_info(backend, host, args.engine_port + 1, offset, size, args.sync_bucket_mb * 2**20,
+                                args.engine_timeout) for offset in offsets]
         store.set("config", dumps({"args": asdict(args), "world_size": dist_info.world_size,
-                                   "trainer_device_type": device.type, "backend": backend, "init_infos": [
-                                       init_info(backend, host, args.engine_port + 1, offset, size,
-                                                 args.sync_bucket_mb * 2**20, args.engine_timeout)
-                                       for offset in offsets]}))
+                                   "trainer_device_type": device.type, "backend": backend,
+                                   "init_infos": init_infos}))
     return store, f"{host}:{args.engine_port}"
 
 
@@ -1145,11 +1252,13 @@ def make_engine_rollouts(args: Args):
     def make(policy, args_, stop_token_id, pad_token_id, generator, autocast):  # engines sample in their own dtype
         dist_info = rloo.Dist(int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
                               int(os.environ.get("WORLD_SIZE", 1)), generator.device)
+        engines: EngineClient
         if args.engine_urls:
             engines = VLLMServers(args, dist_info)
         else:
             store, address = control_store(args, dist_info, generator.device)
-            processes = launch_engines(args, dist_info, address) if dist_info.master and args.launch_engines else {}
+            starts_engines = dist_info.master and args.launch_engines
+            processes = launch_engines(args, dist_info, address) if starts_engines else {}
             engines = ServedEngines(args, dist_info, store, processes)
         return EngineRollouts(policy, args, stop_token_id, pad_token_id, generator, dist_info, engines)
 

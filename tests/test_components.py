@@ -186,7 +186,8 @@ def test_reward_model_with_another_tokenizer_gets_retokenized_text():
     responses, response_mask = rloo.truncate_after_stop(responses, 1, 0)
     completions = rloo.Completions(queries, query_mask, responses, response_mask)
     sources = rloo.RewardSources(rm, other_tok, [], torch.tensor([1.0]))
-    scores, means = rloo.score_completions(sources, completions, ["a b c :", "d :"], {}, policy_tok, 1, 8, NO_AUTOCAST)
+    scores, means = rloo.score_completions(sources, completions, {"prompt": ["a b c :", "d :"]}, "prompt",
+                                           policy_tok, 1, 8, NO_AUTOCAST)
     expected = [rm(torch.tensor([other_tok("a b c : d e")["input_ids"] + [other_tok.eos_token_id]])).logits[0, 0],
                 rm(torch.tensor([other_tok("d : f g h i")["input_ids"]])).logits[0, 0]]
     assert scores.tolist() == pytest.approx([e.item() for e in expected], abs=1e-5)
@@ -202,15 +203,17 @@ def test_reward_functions_get_texts_ids_and_columns_and_combine_with_weights():
     seen = {}
 
     def spy(prompts, completions, completion_ids, target, **kwargs):
-        seen.update(prompts=prompts, completions=completions, completion_ids=completion_ids, target=target)
+        seen.update(prompts=prompts, completions=completions, completion_ids=completion_ids, target=target,
+                    others=sorted(kwargs))
         return [float(len(c.split())) for c in completions]
 
     from reward_fns import only_even_lengths
     sources = rloo.RewardSources(None, None, [("spy", spy), ("even", only_even_lengths)], torch.tensor([1.0, 10.0]))
-    scores, means = rloo.score_completions(sources, completions, ["a b :", "c :"], {"target": ["x", "y"]}, tokenizer,
-                                           1, 8, NO_AUTOCAST)
+    rows = {"prompt": ["a b :", "c :"], "target": ["x", "y"], rloo.PROMPT_IDS: [[2, 3, 5], [4, 5]]}  # dataset rows
+    scores, means = rloo.score_completions(sources, completions, rows, "prompt", tokenizer, 1, 8, NO_AUTOCAST)
     assert seen["prompts"] == ["a b :", "c :", "a b :", "c :"]  # the (k, B) layout
     assert seen["target"] == ["x", "y", "x", "y"]
+    assert seen["others"] == []  # not the token ids, not the prompt column a second time
     assert seen["completions"] == ["a", "c c", "a b c", "c"]  # EOS and padding removed
     assert seen["completion_ids"] == [[2, 1], [4, 4, 1], [2, 3, 4], [4, 1]]
     assert scores.tolist() == [1.0, 2.0 + 10.0, 3.0, 1.0]

@@ -51,7 +51,7 @@ def test_k_below_two_is_refused():
 def test_batch_sizes_spelled_out():
     args = rloo.Args(rloo_k=4, per_device_train_batch_size=16, gradient_accumulation_steps=16, num_mini_batches=2)
     sizes = rloo.compute_batch_sizes(args, world_size=8)
-    assert (sizes.micro, sizes.mini, sizes.local, sizes.prompts, sizes.world) == (16, 256, 512, 128, 4096)
+    assert (sizes.micro, sizes.mini, sizes.local, sizes.prompts, sizes.all_ranks) == (16, 256, 512, 128, 4096)
 
 
 def test_indivisible_batch_names_the_numbers():

@@ -144,7 +144,7 @@ def trained(share_prompt: bool, c: rloo.Completions, logprobs_from_update: bool,
         logprobs = None if logprobs_from_update else rloo.forward_logprobs(policy, c, 1.0, share_prompt)[0] * c.response_mask
     rollout = rloo.Rollout(c.queries, c.query_mask, c.responses, c.response_mask, logprobs, ref * c.response_mask)
     scores = torch.randn(c.responses.shape[0], generator=torch.Generator().manual_seed(2))
-    advantages = None if logprobs_from_update else rloo.advantages_of(rollout, scores, args)[0]
+    advantages = None if logprobs_from_update else rloo.advantages_of(rollout, scores, args).advantages
     torch.manual_seed(7)
     stats = rloo.ppo_update(policy, torch.optim.SGD(policy.parameters(), lr=1.0), rollout, scores, advantages, args,
                             sizes, share_prompt, NO_AUTOCAST)

@@ -117,10 +117,10 @@ def test_script_runs_the_published_settings_from_any_directory(script, fake_bin,
     rloo.validate_args(args)
     sizes = rloo.compute_batch_sizes(args, world_size=8)
     text = script.read_text()
-    assert sizes.world == claimed(text, r"= (\d+) completions per update") == 4096
+    assert sizes.all_ranks == claimed(text, r"= (\d+) completions per update") == 4096
     assert sizes.local == claimed(text, r"= (\d+) completions per GPU") == 512
     assert sizes.prompts == claimed(text, r"\((\d+) prompts x k=") == 512 // args.rloo_k
-    assert math.ceil(args.total_episodes / sizes.world) == claimed(text, r"episodes = (\d+) updates") == 245
+    assert math.ceil(args.total_episodes / sizes.all_ranks) == claimed(text, r"episodes = (\d+) updates") == 245
     assert args.total_episodes == claimed(text, r"([\d,]+) episodes =")
 
 
