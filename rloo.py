@@ -279,7 +279,8 @@ def compute_batch_sizes(args: Args, world_size: int) -> BatchSizes:
     """The one place where batch sizes are derived; every division is exact or refused."""
     if args.rloo_k < 2:
         raise ConfigError(
-            f"rloo_k = {args.rloo_k}: the leave-one-out baseline needs at least 2 completions per prompt; pass --rloo_k 2 or more"
+            f"rloo_k = {args.rloo_k}: the leave-one-out baseline needs at least 2 completions per prompt; "
+            "pass --rloo_k 2 or more"
         )
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs"):
         if getattr(args, name) < 1:
@@ -635,7 +636,8 @@ def prompt_token_ids(rows: dict, tokenizer, prompt_column: str) -> list[list[int
         prompts = rows[prompt_column]
         if prompts and isinstance(prompts[0], list):  # chat messages
             if tokenizer.chat_template is None:
-                raise ConfigError(f"column {prompt_column!r} holds chat messages but the tokenizer has no chat template")
+                raise ConfigError(f"column {prompt_column!r} holds chat messages but the tokenizer has no chat "
+                                  "template")
             texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
             return tokenizer(texts, add_special_tokens=False)["input_ids"]
         return tokenizer(prompts)["input_ids"]
@@ -933,13 +935,15 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
 
 
-def sample_tokens(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def sample_tokens(logits: torch.Tensor, temperature: float,
+                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """(N,) one token per row of (N, V) logits, from softmax(logits / temperature), by inverse-CDF sampling: one
     exp, a cumulative sum and one uniform number per row (from `generator`, else the global RNG). torch.multinomial
     draws an exponential variate per vocabulary entry, ~10x slower at V = 50k on CPU."""
     scaled = logits / temperature  # (N, V)
     cdf = (scaled - scaled.max(-1, keepdim=True).values).exp_().cumsum_(-1)  # (N, V) unnormalized
-    u = torch.rand(logits.shape[0], 1, device=logits.device, generator=generator) * cdf[:, -1:]  # (N, 1) uniform in [0, total)
+    # (N, 1) uniform in [0, total)
+    u = torch.rand(logits.shape[0], 1, device=logits.device, generator=generator) * cdf[:, -1:]
     # the first token whose cumulative mass exceeds u; a zero-probability token never does
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=logits.shape[1] - 1)
 
@@ -981,7 +985,8 @@ class StaticDecoder:
     def __init__(self, model, max_length: int, backend: str = "inductor"):
         self.model, self.max_length, self.caches = model, max_length, {}
         cuda_graphs = backend == "inductor" and next(model.parameters()).device.type == "cuda"
-        self.step = torch.compile(model, backend=backend, dynamic=False, mode="reduce-overhead" if cuda_graphs else None)
+        self.step = torch.compile(model, backend=backend, dynamic=False,
+                                  mode="reduce-overhead" if cuda_graphs else None)
 
     def cache_holding(self, prefilled, batch_size: int):
         """This batch size's cache, emptied, then holding the prefilled keys and values."""
@@ -1459,7 +1464,8 @@ def reward_model_scores(model, c: Completions, share_prompt: bool) -> torch.Tens
     return model.score(hidden[group, last]).squeeze(-1).float()
 
 
-def retokenize(texts: list[str], ended: list[bool], tokenizer, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def retokenize(texts: list[str], ended: list[bool], tokenizer,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Query + completion texts in another tokenizer, with its EOS where the completion stopped.
     Returns right-padded (ids, mask), both (N, T)."""
     encoded = tokenizer(texts)["input_ids"]
@@ -1693,7 +1699,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def sequence_log_ratio(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+def sequence_log_ratio(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                       response_mask: torch.Tensor) -> torch.Tensor:
     """(N,) log of the completion's probability ratio new / old: the sum of per-token log-ratios over valid tokens."""
     return ((new_logprobs - old_logprobs) * response_mask).sum(1)
 
@@ -1801,7 +1808,8 @@ def check_finite(named: dict[str, Optional[torch.Tensor]], device: torch.device)
             raise NonFiniteError(name, ranks.nonzero().flatten().tolist())
 
 
-def dump_batch(path: Path, tokenizer, rollout: Rollout, scores: torch.Tensor, advantages: Optional[torch.Tensor]) -> None:
+def dump_batch(path: Path, tokenizer, rollout: Rollout, scores: torch.Tensor,
+               advantages: Optional[torch.Tensor]) -> None:
     """One JSON line per completion of the offending batch: prompt, completion, score, advantage and log-prob sum
     (null where the update had not computed them yet)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1809,8 +1817,9 @@ def dump_batch(path: Path, tokenizer, rollout: Rollout, scores: torch.Tensor, ad
     with open(path, "w") as f:
         for i in range(len(scores)):
             prompt = rollout.queries[i % num_prompts][rollout.query_mask[i % num_prompts]]
+            completion = rollout.responses[i][rollout.response_mask[i]]
             f.write(json.dumps({
-                "prompt": tokenizer.decode(prompt), "completion": tokenizer.decode(rollout.responses[i][rollout.response_mask[i]]),
+                "prompt": tokenizer.decode(prompt), "completion": tokenizer.decode(completion),
                 "score": scores[i].item(), "advantage": None if advantages is None else advantages[i].sum().item(),
                 "logprob_sum": None if rollout.logprobs is None else rollout.logprobs[i].sum().item(),
             }) + "\n")
@@ -1875,7 +1884,7 @@ def learning_rate_at(update: int, num_updates: int, args: Args) -> float:
     return args.learning_rate * (1.0 - (update - 1) / num_updates)
 
 
-# ===================================================================== measuring: phase times, work, memory, chunk sizes
+# ===================================================================== measuring: phase times, work, memory
 class PhaseTimer:
     """Per phase of an update (`with timer("generation"): ...`): wall-clock seconds (CUDA synchronized, so GPU time
     lands in its phase), on CUDA the peak allocated memory in GiB, and the token positions fed through the forward
@@ -1965,7 +1974,8 @@ def free_memory_bytes(device: torch.device) -> int:
     """Memory a new allocation can take now: free GPU memory plus what PyTorch's allocator holds unused, or the
     available RAM."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # cached by torch
+        return torch.cuda.mem_get_info(device)[0] + reusable
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -2014,12 +2024,14 @@ def is_optional_metric(key: str, value: float) -> bool:
     return key.startswith("reward/") and math.isnan(value)
 
 
-def reduce_metrics(metrics: dict[str, float], device: torch.device, max_metrics: tuple[str, ...] = ()) -> dict[str, float]:
+def reduce_metrics(metrics: dict[str, float], device: torch.device,
+                   max_metrics: tuple[str, ...] = ()) -> dict[str, float]:
     """Metrics over all ranks: sums for counts, min/max for extremes and peak memory, means for everything else
     (a mean over the ranks that have data, for optional metrics); also the maximum of `max_metrics` (the rollout
     source's). Every rank must pass the same keys."""
     keys = sorted(metrics)
-    maxima = [k for k in keys if k in MAX_METRICS + max_metrics or k.startswith("memory/")]  # peak memory: the fullest rank
+    # peak memory: the fullest rank's
+    maxima = [k for k in keys if k in MAX_METRICS + max_metrics or k.startswith("memory/")]
     means = [k for k in keys if k not in SUM_METRICS + MIN_METRICS + tuple(maxima)]
     has_data = [0.0 if is_optional_metric(k, metrics[k]) else 1.0 for k in means]
     values = [metrics[k] if w else 0.0 for k, w in zip(means, has_data)]
@@ -2442,9 +2454,9 @@ def rank0_view(value):
 
 
 def file_digests(root: Path, names: Optional[list[str]] = None) -> dict[str, Optional[dict]]:
-    """{path relative to root: {"bytes": size, "sha256": hex digest} (None if missing)} of `names`, or of every file under root (as rank 0
-    sees them). Collective when distributed: each rank hashes a share (checkpoints are on a filesystem every rank
-    sees), so that a save or a resume reads each file once, all ranks in parallel."""
+    """{path relative to root: {"bytes": size, "sha256": hex digest} (None if missing)} of `names`, or of every
+    file under root (as rank 0 sees them). Collective when distributed: each rank hashes a share (checkpoints are
+    on a filesystem every rank sees), so that a save or a resume reads each file once, all ranks in parallel."""
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     if names is None:
         names = rank0_view(sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()))
@@ -3127,7 +3139,8 @@ def with_trl_names_translated(argv: list[str], defaults) -> list[str]:
     """argv with TRL >= 0.22's flag names written as this script's, and --steps_per_generation S (micro-batches per
     rank and generation) as --num_mini_batches S / gradient_accumulation_steps. A flag given under both of its names
     with different values is refused, rather than settled by which comes last."""
-    watched = {*TRL_NAMES, *TRL_NAMES.values(), "steps_per_generation", "num_mini_batches", "gradient_accumulation_steps"}
+    watched = {*TRL_NAMES, *TRL_NAMES.values(), "steps_per_generation", "num_mini_batches",
+               "gradient_accumulation_steps"}
     out, given = [], {}  # given: this script's flag name -> {the name used: its value}
     i = 0
     while i < len(argv):
