@@ -2845,6 +2845,7 @@ def set_up(args: Args, make_rollouts: Callable) -> Run:
 
     tokenizer, vocab_size = prepare_tokenizer(args)  # and the models' configs checked: before any weights load
     dataset, eval_dataset, dropped = load_prompts(args, tokenizer, vocab_size)
+    sampler = PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)  # too few?
     check_reward_function_arguments(reward_functions, [(args.dataset_name, dataset),
                                                        (args.dataset_test_split, eval_dataset)], args.prompt_column)
     policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device, checkpoint, tokenizer)
@@ -2865,7 +2866,6 @@ def set_up(args: Args, make_rollouts: Callable) -> Run:
                                   fused=device.type == "cuda" and not args.offload)  # one kernel, not one per tensor
     seed_everything(args.seed + dist_info.rank)  # from here on each rank samples differently
     sampling_rng = torch.Generator(device).manual_seed(args.seed + dist_info.rank)
-    sampler = PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)
     start_update, elapsed = 0, 0.0
     if resumed:
         load_optimizer_state(trained, optimizer, checkpoint, resumed)

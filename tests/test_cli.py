@@ -248,6 +248,8 @@ def bad_files(assets, tmp_path_factory) -> dict[str, Path]:
     files["numbers.jsonl"].write_text('{"prompt": 1}\n{"prompt": 2}\n')
     files["list_line.jsonl"].write_text('{"prompt": "a :"}\n["b :"]\n')
     files["malformed.json"].write_text('[{"prompt": "a :"},\n {"prompt": }]\n')
+    files["three_prompts.jsonl"] = root / "three_prompts.jsonl"
+    files["three_prompts.jsonl"].write_text("".join(f'{{"prompt": "{p} :"}}\n' for p in ("a b", "c", "d e")))
     files["not_a_dataset"] = root / "not_a_dataset"
     files["not_a_dataset"].mkdir()
     (files["not_a_dataset"] / "notes.txt").write_text("hello\n")
@@ -303,6 +305,8 @@ BAD_INPUTS = {  # case: (flags that replace or add to a valid command, fragments
                                           ["not_a_dataset is not a dataset written by save_to_disk"]),
     "token ids outside the vocabulary": ({"dataset_name": "foreign_ids"},
                                          ["foreign_ids, row 1", "token id 99", "vocabulary of 15"]),
+    "fewer prompts than one update": ({"dataset_name": "three_prompts.jsonl"},
+                                      ["has 3 prompts, fewer than one update takes", "smaller batches"]),
     "reward model with two labels": ({"reward_model_path": "two_label_rm"},
                                      ["two_label_rm", "2-label classification head", "num_labels=1"]),
 }
@@ -319,8 +323,10 @@ def signal_handlers_kept():
 
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=list(BAD_INPUTS))
 def test_bad_input_is_one_line_before_any_model_loads_and_changes_nothing(case, assets, bad_files, tmp_path, capfd,
-                                                                          signal_handlers_kept):
+                                                                          signal_handlers_kept, monkeypatch):
     changes, fragments = BAD_INPUTS[case]
+    for loader in ("load_causal_lm", "load_reward_model"):  # any weights loaded: the check came too late
+        monkeypatch.setattr(rloo, loader, lambda *args, **kwargs: pytest.fail("a model loaded before the error"))
     out = tmp_path / "out"  # what an earlier attempt without checkpoints leaves
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"update": 1}\n')
