@@ -2906,15 +2906,20 @@ def queue_batch(run: Run) -> None:
     run.queued.append(PromptBatch(rows, queries, query_mask, sampler_state))
 
 
+def data_position(run: Run) -> dict:
+    """The sampler's state before the oldest batch not yet trained on."""
+    return run.queued[0].sampler_state if run.queued else run.sampler.state_dict()
+
+
 def resume_point(run: Run) -> tuple[dict, dict]:
-    """Where an update starts: the sampler before the oldest batch not trained on, and the sampling generator."""
-    return (run.queued[0].sampler_state if run.queued else run.sampler.state_dict()), rng_state(run.sampling_rng)
+    """Where an update starts: the data position, and every generator's state."""
+    return data_position(run), rng_state(run.sampling_rng)
 
 
 def save_state(run: Run, update: int, start_of_next: Optional[tuple[dict, dict]] = None) -> Path:
     """A resumable checkpoint after `update`. The data position is the one before any batch not yet trained on;
     with `start_of_next` (a resume_point), the sampler and generators as the next update found them."""
-    sampler_state, rng = start_of_next or (resume_point(run)[0], None)
+    sampler_state, rng = start_of_next or (data_position(run), None)  # without: the generators as they are now
     trainer_state = {
         "update": update, "episode": update * run.sizes.all_ranks, "sampler": sampler_state,
         "elapsed": time.time() - run.start_time, "world_size": run.dist_info.world_size, "args": asdict(run.args),
