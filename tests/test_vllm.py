@@ -12,7 +12,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +25,8 @@ else:
 import rloo  # noqa: E402
 import rloo_multinode as mn  # noqa: E402
 from conftest import REPO, neox_config, policy_tokenizer, read_metrics, script_env  # noqa: E402
-from test_multinode import RUN, free_port, run, wait_for_updates  # noqa: E402
+from test_multinode import (RUN, SECRET, free_port, live_processes_in_group, run,  # noqa: E402
+                            wait_for_updates)
 
 LOGPROB_TOLERANCE = 1e-5  # fp32 on both sides, on CPU: measured after a sync, up to 7e-7 (and 1.4 before it)
 ENGINE_FLAGS = ("--vllm_gpu_memory_utilization", 0.2, "--vllm_enforce_eager")  # on CPU: host memory, no compile
@@ -75,17 +75,6 @@ def trainer_logprobs(policy, sequences: list[list[int]]) -> list[list[float]]:
 def max_difference(a: list[list[float]], b: list[list[float]]) -> float:
     assert [len(x) for x in a] == [len(x) for x in b]
     return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
-
-
-def live_processes_in_group(pgid: int) -> list[int]:
-    """The pids of the process group's members that still run (zombies, which nobody may reap here, excluded)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError, ValueError):
-            state, _, group = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]  # after "pid (comm)"
-            if state != "Z" and int(group) == pgid:
-                pids.append(int(entry.name))
-    return pids
 
 
 @torch.no_grad()
@@ -149,8 +138,8 @@ def test_after_a_sync_a_vllm_engine_scores_completions_as_the_trainer_does(vllm_
                    engine_port=free_port(), engine_timeout=300, max_prompt_length=16, response_length=6,
                    sync_bucket_mb=1, vllm_gpu_memory_utilization=0.2, vllm_enforce_eager=True)  # 1 MB: 2 buckets
     dist_info = rloo.Dist(0, 0, 1, torch.device("cpu"))
-    store, address = mn.control_store(args, dist_info, torch.device("cpu"))
-    engines = mn.ServedEngines(args, dist_info, store, mn.launch_engines(args, dist_info, address))
+    store = mn.control_store(args, dist_info, torch.device("cpu"), mn.secret_key(SECRET))
+    engines = mn.ServedEngines(args, dist_info, store, mn.launch_engines(args, dist_info, store, SECRET))
     rollouts = mn.EngineRollouts(policy, args, None, 0, torch.Generator(), dist_info, engines)  # syncs version 0
     try:
         sequences = fixed_sequences()
