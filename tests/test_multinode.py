@@ -543,3 +543,20 @@ def test_an_engine_timeout_of_zero_and_a_port_in_use_are_refused_before_anything
         for engine_port in (port, port - 1):  # the control store's port, or the weight group's after it
             with pytest.raises(rloo.ConfigError, match=rf"--engine_port {engine_port}: port \d+ is in use.* another"):
                 mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", engine_port=engine_port), 1)
+
+
+def test_a_master_addr_not_of_this_host_and_a_missing_or_short_secret_are_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.1")  # TEST-NET-1: no address of this host
+    with pytest.raises(rloo.ConfigError, match=r"^MASTER_ADDR 192.0.2.1: rank 0 cannot listen there .* set MASTER"):
+        mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", engine_port=free_port()), 1)
+    monkeypatch.delenv("MASTER_ADDR")
+    monkeypatch.setenv(mn.SECRET_VARIABLE, "short")
+    with pytest.raises(rloo.ConfigError, match=r"^\$RLOO_ENGINE_SECRET has 5 characters, too few for a secret"):
+        mn.check_engine_secret(mn.Args(model_name_or_path="m", engine="hf"))
+    serve_args = mn.ServeArgs(trainer_address=f"127.0.0.1:{free_port()}", engine_index=0, model="m")
+    with pytest.raises(rloo.ConfigError, match="has 5 characters"):  # before it connects
+        mn.serve(serve_args)
+    monkeypatch.delenv(mn.SECRET_VARIABLE)
+    with pytest.raises(rloo.ConfigError, match=r"^\$RLOO_ENGINE_SECRET is not set: an engine started by hand"):
+        mn.serve(serve_args)
+    mn.check_engine_secret(mn.Args(model_name_or_path="m", engine="hf"))  # engines it starts: the trainer draws one
