@@ -754,7 +754,7 @@ def engine_args(serve_args: ServeArgs, trainer_args: dict) -> Args:
         raise rloo.ConfigError(f"{has} runs with --trust_remote_code but {lacks} does not: an engine runs a model's "
                                "own code only when its command line says so; start both the same way")
     return replace(args, model_name_or_path=serve_args.model, sft_model_path=None,
-                               trust_remote_code=serve_args.trust_remote_code)
+                   trust_remote_code=serve_args.trust_remote_code)
 
 
 def serve(serve_args: ServeArgs) -> None:
