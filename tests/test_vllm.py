@@ -142,8 +142,9 @@ def test_after_a_sync_a_vllm_engine_scores_completions_as_the_trainer_does(vllm_
     engines = mn.ServedEngines(args, dist_info, store, mn.launch_engines(args, dist_info, store, SECRET))
     rollouts = mn.EngineRollouts(policy, args, None, 0, torch.Generator(), dist_info, engines)  # syncs version 0
     try:
-        engine_sockets = listening_sockets(live_processes_in_group(engines.processes[0].pid))
+        engine_sockets = listening_sockets(live_processes_in_group(engines.processes[0].pid))  # vLLM's own
         print(f"listening in the vLLM engine's processes: {sorted(set(engine_sockets.values()))}")
+        assert not [s for s in engine_sockets.values() if s[0] in ("0.0.0.0", "::")]
         sequences = fixed_sequences()
         loaded = max_difference(engines.engine_logprobs(0, 0, sequences), trainer_logprobs(policy, sequences))
         perturb(policy)
