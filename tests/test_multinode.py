@@ -477,6 +477,10 @@ def test_the_trainer_and_its_engines_listen_on_master_addr_never_on_every_interf
         assert served.get(args.engine_port) == served.get(args.engine_port + 1) == "127.0.0.1", served
         wildcard = [s for s in [*trainer.values(), *engine.values()] if s[0] in ("0.0.0.0", "::")]
         assert not wildcard
+        # launched with the trainer's stop signals held (so a signal cannot come between its start and its record),
+        # the engine releases them: a SIGTERM sent to it still ends it
+        status = Path(f"/proc/{engines.processes[0].pid}/status").read_text()
+        assert int(re.search(r"^SigBlk:\s*(\w+)", status, re.M).group(1), 16) == 0
     finally:
         rollouts.close()
 
