@@ -5,7 +5,8 @@ rank 0 broadcasts the new weights to every engine.
     # one node: 6 training GPUs, engines on GPUs 6 and 7, started by the script
     torchrun --nproc_per_node 6 rloo_multinode.py --num_engines 2 --engine_devices 6,7 [rloo.py flags]
     # engines on other nodes: start them there (they wait for the trainer), then the trainer
-    python rloo_multinode.py serve --trainer_address TRAINER_HOST:29600 --engine_index 0
+    export RLOO_ENGINE_SECRET=$(openssl rand -hex 32)  # the same in the engines' and the trainer's environment
+    python rloo_multinode.py serve --trainer_address TRAINER_HOST:29600 --engine_index 0 --model SFT_MODEL
     torchrun ... rloo_multinode.py --num_engines 1 --no-launch_engines [rloo.py flags]
     # or attach to running `vllm serve` processes (README, "Scaling out", for how to start them)
     torchrun ... rloo_multinode.py --engine_urls http://HOST_A:8000,http://HOST_B:8000 [rloo.py flags]
@@ -20,8 +21,11 @@ What this file adds to rloo.py, nothing else: engine start-up, prompt dispatch a
     finish_weight_update at each sync) over one process group of trainer rank 0 and every engine worker: vLLM's own
     NCCL backend between GPUs, this file's gloo backend otherwise (registered with vLLM by name, as vLLM registers
     its own); packed buckets of Hugging Face weights cast to the engine's dtype.
-  - Trust: control-store messages are plain data (torch.load with weights_only), never code; the store, like
-    torchrun's, is unauthenticated, and so are vLLM's development routes: both belong on a private network.
+  - Trust: the control store and the weight group's rendezvous listen on MASTER_ADDR's address alone; every
+    control-store message is JSON and raw tensors (no pickle) under an HMAC-SHA256 tag of the run's secret
+    ($RLOO_ENGINE_SECRET, or one rank 0 draws and hands the engines it starts in their environment), and one
+    without a valid tag stops the run; an engine loads only the model its own command line names, trusting its code
+    only with its own --trust_remote_code. vLLM's development routes are unauthenticated: a private network.
   - The trainer recomputes every log-prob it trains on (never the engine's), so the PPO ratio is exact.
   - --async_generation: the engines sample batch t+1 with the weights of update t-1 while the trainer trains on
     batch t (one step off-policy); the log-probs of the weights that sampled are recomputed by the trainer from a
@@ -32,13 +36,15 @@ Sections: Args | weight buckets | weight groups | engines | trainer side | launc
 
 import contextlib
 import datetime
+import errno
+import hashlib
+import hmac
 import http.client
-import io
 import itertools
 import json
 import math
 import os
-import pickle
+import secrets
 import signal
 import socket
 import subprocess
@@ -47,12 +53,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import ClassVar, Literal, NamedTuple, Optional, Protocol
 
+import safetensors
+import safetensors.torch
 import torch
 import torch.distributed as dist
 import tyro
@@ -62,6 +69,8 @@ import rloo
 
 VLLM_VERSION = "0.32"  # the vLLM release series whose API the vLLM engines use; requirements-vllm.txt pins it
 API_KEY_VARIABLE = "VLLM_API_KEY"  # the trainer sends it to `vllm serve --api-key` (which reads the same variable)
+SECRET_VARIABLE = "RLOO_ENGINE_SECRET"  # the control store's secret: the trainer's (rank 0's) and every engine's
+NEW_SECRET = "export RLOO_ENGINE_SECRET=$(openssl rand -hex 32)"
 HEARTBEAT_SECONDS = 1.0  # an engine proves it is alive this often
 HEARTBEAT_TIMEOUT = 30.0  # an engine silent this long is declared dead
 POLL_SECONDS = 0.01
@@ -117,6 +126,11 @@ class ServeArgs:
     """HOST:PORT of the trainer's control store: trainer rank 0's MASTER_ADDR and --engine_port"""
     engine_index: int
     """this engine's index, 0 .. num_engines - 1"""
+    model: str
+    """the policy this engine loads: the trainer's --sft_model_path, or its --model_name_or_path without one. Taken
+    from here, never from the network: a trainer that asks for another is refused"""
+    trust_remote_code: bool = False
+    """run the model's own code (as the trainer's --trust_remote_code); a trainer that differs is refused"""
     device: Optional[str] = None
     """hf engine: torch device (default cuda if available, else cpu); vLLM engines use CUDA_VISIBLE_DEVICES"""
     connect_timeout: float = 3600.0
@@ -128,7 +142,8 @@ class EngineError(rloo.RolloutSourceError):
 
 
 class UntrustedMessageError(rloo.ConfigError):
-    """A control-store message that is not plain data: refused, never unpickled."""
+    """A control-store message without a valid tag of the run's secret, or not in this file's format: refused before
+    anything reads it."""
 
 
 def engine_urls(args: Args) -> list[str]:
@@ -164,10 +179,7 @@ def validate_engine_args(args: Args, world_size: int) -> None:
     urls = engine_urls(args)
     if os.environ.get("RANK", "0") == "0":  # rank 0 serves the control store and the weight group's rendezvous
         for port in (args.engine_port + 1,) if urls else (args.engine_port, args.engine_port + 1):
-            if port_in_use(port):
-                raise rloo.ConfigError(
-                    f"--engine_port {args.engine_port}: port {port} is in use on this host (the run uses "
-                    "--engine_port and the one after it): pass another --engine_port")
+            check_port(trainer_host(), port, args.engine_port)
     if urls and args.engine != "vllm":
         raise rloo.ConfigError("--engine_urls attaches to `vllm serve` processes; drop --engine hf")
     if urls and args.num_engines not in (1, len(urls)):
@@ -190,15 +202,71 @@ def validate_engine_args(args: Args, world_size: int) -> None:
                                    "requirements-vllm.txt); without it pass --engine hf") from None
 
 
-def port_in_use(port: int) -> bool:
-    """Whether a process listens on this TCP port here (bound as TCPStore binds, so a port in TIME_WAIT is free)."""
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("", port))
-        except OSError:
-            return True
-    return False
+def check_port(host: str, port: int, engine_port: int) -> None:
+    """Refuse a port rank 0 cannot listen on at host's address: in use, or host not an address of this machine."""
+    try:
+        os.close(listening_socket(host, port, listen=False))
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise rloo.ConfigError(
+                f"--engine_port {engine_port}: port {port} is in use on this host (the run uses --engine_port and "
+                "the one after it): pass another --engine_port") from None
+        raise rloo.ConfigError(
+            f"MASTER_ADDR {host}: rank 0 cannot listen there for the engines ({e.strerror or e}): set MASTER_ADDR to "
+            "this host's address on the network the engines reach (127.0.0.1 when they run here)") from None
+
+
+def listening_socket(host: str, port: int, listen: bool = True) -> int:
+    """The file descriptor of a TCP socket bound to host's address alone (a port in TIME_WAIT is free, as for
+    TCPStore), listening unless told not to; the caller owns it."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        if listen:
+            sock.listen()
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()
+
+
+def tcp_store(host: str, port: int, master: bool, timeout: float) -> dist.TCPStore:
+    """A TCPStore at host:port whose server end (master) listens on host's address alone: left to bind its own
+    socket, TCPStore's server listens on every interface whatever host says, so it is handed one bound here."""
+    fd = listening_socket(host, port) if master else None
+    try:
+        return dist.TCPStore(host, port, is_master=master, wait_for_workers=False, master_listen_fd=fd,
+                             timeout=datetime.timedelta(seconds=timeout))
+    except BaseException:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        raise
+
+
+def environment_secret() -> Optional[str]:
+    """$RLOO_ENGINE_SECRET, the control store's secret, when set; refused when too short to be one."""
+    secret = os.environ.get(SECRET_VARIABLE)
+    if secret is not None and len(secret) < 32:
+        raise rloo.ConfigError(f"${SECRET_VARIABLE} has {len(secret)} characters, too few for a secret: use at "
+                               f"least 32 ({NEW_SECRET})")
+    return secret
+
+
+def check_engine_secret(args: Args) -> None:
+    """Rank 0, before anything loads: engines started by hand need the run's secret, which they cannot learn from
+    a trainer that draws its own."""
+    if os.environ.get("RANK", "0") == "0" and not engine_urls(args) and environment_secret() is None \
+            and not args.launch_engines:
+        raise rloo.ConfigError(f"--no-launch_engines: the engines started by hand must share the run's secret: "
+                               f"{NEW_SECRET} in the trainer's environment and every engine's")
+
+
+def secret_key(secret: str) -> bytes:
+    """The control store's HMAC key, from its secret."""
+    return hashlib.sha256(secret.encode()).digest()
 
 
 # ===================================================================== weight buckets
@@ -342,8 +410,7 @@ class GlooWeightGroup:
     timeout."""
 
     def __init__(self, host: str, port: int, rank: int, size: int, timeout: float):
-        self.store = dist.TCPStore(host, port, is_master=rank == 0, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=timeout))
+        self.store = tcp_store(host, port, rank == 0, timeout)
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("weights", self.store), rank, size,
                                            datetime.timedelta(seconds=timeout))
         self.options = dist.BroadcastOptions()
@@ -435,24 +502,61 @@ if "vllm" in sys.modules:  # this file imported inside a vLLM process (a worker 
 
 
 # ===================================================================== engines
-def dumps(obj) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
+def dumps(message: dict) -> bytes:
+    """A control-store message (a dict) as bytes, in the safetensors format: its tensor values as tensors, the rest
+    as JSON in the metadata. No pickle: reading one builds tensors and JSON values, nothing else."""
+    tensors = {k: v.detach().cpu().clone().contiguous() for k, v in message.items() if isinstance(v, torch.Tensor)}
+    rest = {k: v for k, v in message.items() if k not in tensors}
+    return safetensors.torch.save(tensors, metadata={"json": json.dumps(rest)})
 
 
-def loads(data: bytes):
-    """A control-store message: plain data only (tensors, numbers, strings, lists, dicts), never code. Anyone who
-    reaches the store could write into it, so a message that would build any other object is refused."""
+def loads(data: bytes) -> dict:
+    """The inverse of dumps; anything else (a pickle, damaged bytes) is refused."""
     try:
-        with warnings.catch_warnings():  # torch.save writes protocol 2; a note on any other is noise before refusing
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            return torch.load(io.BytesIO(data), weights_only=True)
-    except pickle.UnpicklingError:
+        header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])  # safetensors: length, JSON header
+        return json.loads(header["__metadata__"]["json"]) | safetensors.torch.load(data)
+    except (ValueError, KeyError, TypeError, safetensors.SafetensorError):
         raise UntrustedMessageError(
-            "refused a control-store message that is not plain data (tensors, numbers, strings, lists, dicts) but "
-            "would build other objects: this project never sends one, so something else writes to the store; keep "
-            "--engine_port on a private network") from None
+            "refused a control-store message that is not plain data (JSON and tensors) in this project's format: "
+            "this project never sends one, so something else writes to the store; keep --engine_port on a private "
+            "network") from None
+
+
+class ControlStore:
+    """The engines' control store (a TCPStore) whose every value is an HMAC-SHA256 tag of the run's secret over its
+    key and payload, then the payload (dumps). A value without the tag (forged, damaged, or moved from another key)
+    is refused before it is read. Anyone who reaches the port can still read, delete or overwrite values: what they
+    write stops the run instead of steering it, so the port still belongs on a private network."""
+
+    TAG_BYTES = 32  # SHA-256
+
+    def __init__(self, store: dist.TCPStore, key: bytes):
+        self.store, self.key = store, key
+        self.host, self.port = store.host, store.port
+
+    def tag(self, key: str, payload: bytes) -> bytes:
+        return hmac.new(self.key, key.encode() + b"\0" + payload, hashlib.sha256).digest()
+
+    def set(self, key: str, message: dict) -> None:
+        payload = dumps(message)
+        self.store.set(key, self.tag(key, payload) + payload)
+
+    def get(self, key: str) -> dict:
+        """The message under `key`, waiting for it as TCPStore.get does."""
+        data = self.store.get(key)
+        tag, payload = data[: self.TAG_BYTES], data[self.TAG_BYTES :]
+        if not hmac.compare_digest(tag, self.tag(key, payload)):
+            raise UntrustedMessageError(
+                f"refused a control-store message under {key!r} at {self.host}:{self.port}: it has no valid tag of "
+                f"this run's secret (${SECRET_VARIABLE}), so something other than this run's trainer and engines "
+                "wrote it; keep --engine_port on a private network and give the engines the trainer's secret")
+        return loads(payload)
+
+    def check(self, key: str) -> bool:
+        return self.store.check([key])
+
+    def delete_key(self, key: str) -> None:
+        self.store.delete_key(key)
 
 
 class Engine(Protocol):
@@ -614,37 +718,61 @@ class VLLMEngine:
         return [prompt_logprobs(o.prompt_logprobs, ids) for o, ids in zip(outputs, sequences)]
 
 
-def wait_for_key(store, key: str) -> bytes:
+def wait_for_key(store: ControlStore, key: str) -> dict:
     """An engine's wait for the trainer: as long as it takes (the trainer may train, evaluate or save for long),
     until the key is set or the trainer's store is gone (DistNetworkError)."""
-    while not store.check([key]):
+    while not store.check(key):
         time.sleep(POLL_SECONDS)
     return store.get(key)
 
 
-def heartbeat(host: str, port: int, index: int, stop: threading.Event) -> None:
-    """Tick engine/<index>/beats every HEARTBEAT_SECONDS on a connection of its own, so a long generation or a
-    busy interpreter never looks like death."""
-    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60))
-    while not stop.wait(HEARTBEAT_SECONDS):
+def heartbeat(host: str, port: int, key: bytes, index: int, stop: threading.Event) -> None:
+    """Set engine/<index>/beat to a count that grows every HEARTBEAT_SECONDS, on a connection of its own, so a long
+    generation or a busy interpreter never looks like death (and a replayed older beat never looks like life)."""
+    store = ControlStore(tcp_store(host, port, False, 60.0), key)
+    for beat in itertools.count(1):
+        if stop.wait(HEARTBEAT_SECONDS):
+            return
         try:
-            store.add(f"engine/{index}/beats", 1)
+            store.set(f"engine/{index}/beat", {"beat": beat})
         except dist.DistError:  # the trainer is gone; the main loop notices too
             return
 
 
+def engine_args(serve_args: ServeArgs, trainer_args: dict) -> Args:
+    """The run's settings as the trainer sent them, but the model and whether to run its code from this engine's own
+    command line: a trainer asking for another model, or for code the engine was not started to trust, is refused
+    with the difference."""
+    args = Args(**trainer_args)
+    policy = args.sft_model_path or args.model_name_or_path
+    if policy != serve_args.model:
+        raise rloo.ConfigError(f"the trainer's policy is {policy!r} but this engine was started with --model "
+                               f"{serve_args.model!r}: an engine loads only the model its command line names; start "
+                               f"it with --model {policy}")
+    if args.trust_remote_code != serve_args.trust_remote_code:
+        has, lacks = ("the trainer", "this engine") if args.trust_remote_code else ("this engine", "the trainer")
+        raise rloo.ConfigError(f"{has} runs with --trust_remote_code but {lacks} does not: an engine runs a model's "
+                               "own code only when its command line says so; start both the same way")
+    return replace(args, model_name_or_path=serve_args.model, sft_model_path=None,
+                   trust_remote_code=serve_args.trust_remote_code)
+
+
 def serve(serve_args: ServeArgs) -> None:
     """One engine: connect, load, join the weight group, then follow the trainer's command stream until `stop`."""
+    secret = environment_secret()
+    if secret is None:
+        raise rloo.ConfigError(f"${SECRET_VARIABLE} is not set: an engine started by hand needs the trainer's "
+                               f"secret in its environment ({NEW_SECRET}, the same in the trainer's)")
     host, port = serve_args.trainer_address.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False,
-                          timeout=datetime.timedelta(seconds=serve_args.connect_timeout))
+    key = secret_key(secret)
+    store = ControlStore(tcp_store(host, int(port), False, serve_args.connect_timeout), key)
     index = serve_args.engine_index
     rloo.quiet_hub_progress_bars()
-    config = loads(store.get("config"))  # blocks until the trainer has published it
-    args = Args(**config["args"])
     stop_beating = threading.Event()
-    threading.Thread(target=heartbeat, args=(host, int(port), index, stop_beating), daemon=True).start()
     try:
+        config = store.get("config")  # blocks until the trainer has published it
+        args = engine_args(serve_args, config["args"])
+        threading.Thread(target=heartbeat, args=(host, int(port), key, index, stop_beating), daemon=True).start()
         engine: Engine
         if args.engine == "hf":
             device = torch.device(serve_args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -655,35 +783,35 @@ def serve(serve_args: ServeArgs) -> None:
             engine = HFEngine(args, device)
         else:
             engine = VLLMEngine(args, index, config["backend"])
-        store.set(f"engine/{index}/ready", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+        store.set(f"engine/{index}/ready", {"pid": os.getpid(), "host": socket.gethostname()})
         engine.init_weight_transfer_engine(config["init_infos"][index])
         parts = duties(index, config["world_size"], args.num_engines)
         for step in itertools.count():
-            command = loads(wait_for_key(store, f"cmd/{step}"))  # every engine reads every command
+            command = wait_for_key(store, f"cmd/{step}")  # every engine reads every command
             if command["kind"] == "stop":
                 break
             if command["kind"] == "sync":
                 engine.start_weight_update()
-                store.set(f"engine/{index}/at_sync/{command['version']}", b"1")
+                store.set(f"engine/{index}/at_sync/{command['version']}", {})
                 engine.update_weights(command["info"])  # until trainer rank 0 has broadcast every bucket
                 engine.finish_weight_update()
             elif command["kind"] == "generate":
                 for rank, part in parts:
-                    key = f"{command['batch']}/{rank}/{part}"
-                    request = loads(wait_for_key(store, f"gen/{key}"))
-                    store.delete_key(f"gen/{key}")
-                    store.set(f"out/{key}", dumps(engine.generate(request)))
+                    part_of = f"{command['batch']}/{rank}/{part}"
+                    request = wait_for_key(store, f"gen/{part_of}")
+                    store.delete_key(f"gen/{part_of}")
+                    store.set(f"out/{part_of}", engine.generate(request))
             elif command["kind"] == "logprobs":  # for checking a sync: this engine's log-probs of given sequences
                 store.set(f"engine/{index}/logprobs/{command['version']}",
-                          json.dumps(engine.logprobs(command["sequences"])))
+                          {"logprobs": engine.logprobs(command["sequences"])})
             elif command["kind"] == "state_dict":  # hf engine, for checking a sync: its weights, to the trainer
-                store.set(f"engine/{index}/state_dict/{command['version']}", dumps(engine.state_dict()))
+                store.set(f"engine/{index}/state_dict/{command['version']}", engine.state_dict())
     except dist.DistNetworkError:  # the trainer's store is gone: it stopped or died; nothing left to serve
         return
     except Exception as e:
         with contextlib.suppress(dist.DistError):
-            store.set("failed", f"engine {index} ({socket.gethostname()}, pid {os.getpid()}) failed: "
-                                f"{type(e).__name__}: {e}")
+            store.set("failed", {"error": f"engine {index} ({socket.gethostname()}, pid {os.getpid()}) failed: "
+                                          f"{type(e).__name__}: {e}"})
         raise
     finally:
         stop_beating.set()
@@ -721,45 +849,54 @@ class ServedEngines:
     writes one ordered command stream that every engine follows; rank r writes its queries and reads its
     completions under keys of its own. Faults: heartbeats, process polling and a `failed` key an engine sets."""
 
-    def __init__(self, args: Args, dist_info: rloo.Dist, store, processes: dict[int, subprocess.Popen]):
+    def __init__(self, args: Args, dist_info: rloo.Dist, store: ControlStore,
+                 processes: dict[int, subprocess.Popen]):
         self.args, self.dist_info, self.store, self.processes = args, dist_info, store, processes
-        self.next_command, self.beats = 0, {}  # rank 0's next command; each engine's (beats, since when)
+        self.next_command, self.beats = 0, {}  # rank 0's next command; each engine's (last beat, since when)
         self.parts_sent: dict[int, int] = {}  # batch -> how many parts this rank sent (and receives)
 
     def command(self, **command) -> None:
-        self.store.set(f"cmd/{self.next_command}", dumps(command))
+        self.store.set(f"cmd/{self.next_command}", command)
         self.next_command += 1
+
+    def read(self, key: str) -> dict:
+        """An engine's message; one without the run's tag is an engine failure, which every rank agrees on."""
+        try:
+            return self.store.get(key)
+        except UntrustedMessageError as e:
+            raise EngineError(str(e)) from None
 
     def check(self) -> None:
         """Raise EngineError naming the first engine found dead, failed or silent."""
-        if self.store.check(["failed"]):
-            raise EngineError(self.store.get("failed").decode())
+        if self.store.check("failed"):
+            raise EngineError(self.read("failed")["error"])
         for index, process in self.processes.items():
             if process.poll() is not None:
                 end_engine(process)
                 raise EngineError(f"engine {index} (pid {process.pid}) exited with status {process.returncode}")
         now = time.monotonic()
         for index in range(self.args.num_engines):
-            beats = self.store.add(f"engine/{index}/beats", 0)
-            last_beats, since = self.beats.get(index, (-1, now))
-            if beats != last_beats:
-                self.beats[index] = (beats, now)
+            key = f"engine/{index}/beat"
+            beat = self.read(key)["beat"] if self.store.check(key) else 0
+            last_beat, since = self.beats.get(index, (-1, now))
+            if beat > last_beat:
+                self.beats[index] = (beat, now)
             elif now - since > HEARTBEAT_TIMEOUT:
                 raise EngineError(f"engine {index} sent no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s")
 
-    def wait_for(self, key: str, what: str, timeout: Optional[float]) -> bytes:
-        """The value of `key` once some engine sets it; EngineError if an engine fails meanwhile or `timeout`
+    def wait_for(self, key: str, what: str, timeout: Optional[float]) -> dict:
+        """The message under `key` once some engine sets it; EngineError if an engine fails meanwhile or `timeout`
         seconds pass (None: as long as the engines are alive)."""
         start = checked = time.monotonic()
         self.check()
-        while not self.store.check([key]):
+        while not self.store.check(key):
             if time.monotonic() - checked > HEARTBEAT_SECONDS:  # a few store calls per engine; not at every poll
                 self.check()
                 checked = time.monotonic()
             if timeout is not None and time.monotonic() - start > timeout:
                 raise EngineError(f"no engine answered within --engine_timeout {timeout:.0f} s: waiting for {what}")
             time.sleep(POLL_SECONDS)
-        value = self.store.get(key)
+        value = self.read(key)
         self.store.delete_key(key)
         return value
 
@@ -768,19 +905,19 @@ class ServedEngines:
         init infos, packed_bytes included, from the run's configuration in the store)."""
         for index in range(self.args.num_engines):
             self.wait_for(f"engine/{index}/ready", f"engine {index} to load its model", self.args.engine_timeout)
-        size = self.store.add("group_size", 0)
+        size = 1 + sum(engine_workers(self.args))
         return trainer_weight_group(backend, self.store.host, self.store.port + 1, size, self.args.engine_timeout)
 
     def send(self, batch: int, parts: list[dict]) -> None:
         """This rank's batch, part by part (to its engines in the order of engines_of_ranks)."""
         for part, request in enumerate(parts):
-            self.store.set(f"gen/{batch}/{self.dist_info.rank}/{part}", dumps(request))
+            self.store.set(f"gen/{batch}/{self.dist_info.rank}/{part}", request)
         self.parts_sent[batch] = len(parts)
         if self.dist_info.master:
             self.command(kind="generate", batch=batch)
 
     def receive(self, batch: int) -> list[dict]:
-        return [loads(self.wait_for(f"out/{batch}/{self.dist_info.rank}/{part}", "completions", None))
+        return [self.wait_for(f"out/{batch}/{self.dist_info.rank}/{part}", "completions", None)
                 for part in range(self.parts_sent.pop(batch))]
 
     def begin_sync(self, version: int, info: dict) -> None:
@@ -805,14 +942,14 @@ class ServedEngines:
     def engine_state_dict(self, index: int, version: int) -> dict:
         """Rank 0: hf engine `index`'s weights as it holds them now (to check a sync)."""
         self.command(kind="state_dict", version=version)
-        return loads(self.wait_for(f"engine/{index}/state_dict/{version}", f"engine {index}'s weights",
-                                   self.args.engine_timeout))
+        return self.wait_for(f"engine/{index}/state_dict/{version}", f"engine {index}'s weights",
+                             self.args.engine_timeout)
 
     def engine_logprobs(self, index: int, version: int, sequences: list[list[int]]) -> list[list[float]]:
         """Rank 0: engine `index`'s log p(token t | tokens < t) of each sequence, t >= 1 (to check a sync)."""
         self.command(kind="logprobs", version=version, sequences=sequences)
-        return json.loads(self.wait_for(f"engine/{index}/logprobs/{version}", f"engine {index}'s log-probs",
-                                        self.args.engine_timeout))
+        return self.wait_for(f"engine/{index}/logprobs/{version}", f"engine {index}'s log-probs",
+                             self.args.engine_timeout)["logprobs"]
 
     def close(self) -> None:
         if self.dist_info.master:
@@ -1199,21 +1336,29 @@ def engine_device_lists(args: Args, dist_info: rloo.Dist) -> list[Optional[str]]
     return [",".join(devices[i * per_engine : (i + 1) * per_engine]) for i in range(args.num_engines)]
 
 
-def launch_engines(args: Args, dist_info: rloo.Dist, address: str) -> dict[int, subprocess.Popen]:
+def launch_engines(args: Args, dist_info: rloo.Dist, store: ControlStore, secret: str,
+                   processes: Optional[dict[int, subprocess.Popen]] = None) -> dict[int, subprocess.Popen]:
     """Rank 0 starts the engines as child processes of this script's `serve` mode, each in a process group of its own
-    (end_engine); their output goes to output_dir/engine_<i>.log."""
-    processes, placement = {}, {}
+    (end_engine), with the run's secret in its environment (a command line is public); their output goes to
+    output_dir/engine_<i>.log. Each is recorded in `processes` as it starts, so the caller ends it on every way out."""
+    processes = {} if processes is None else processes
+    placement = {}
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     for index, devices in enumerate(engine_device_lists(args, dist_info)):
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        env[SECRET_VARIABLE] = secret
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = devices
+        command = [sys.executable, str(Path(__file__).resolve()), "serve", "--trainer_address",
+                   f"{store.host}:{store.port}", "--engine_index", str(index), "--connect_timeout",
+                   str(args.engine_timeout), "--model", args.sft_model_path or args.model_name_or_path]
+        command += (["--trust_remote_code"] if args.trust_remote_code else []) + (
+            ["--device", "cuda:0"] if devices is not None else [])
         log = open(Path(args.output_dir) / f"engine_{index}.log", "w")
-        processes[index] = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "serve", "--trainer_address", address,
-             "--engine_index", str(index)] + (["--device", "cuda:0"] if devices is not None else []),
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with rloo.signals_held():  # a signal between the start and the record would leave the engine unrecorded
+            processes[index] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                start_new_session=True)  # and with them held: serve releases them
         placement[index] = {"pid": processes[index].pid, "cuda_visible_devices": devices}
     (Path(args.output_dir) / "engines.json").write_text(json.dumps(placement, indent=2))
     return processes
@@ -1226,28 +1371,39 @@ def end_engine(process: subprocess.Popen) -> None:
         os.killpg(process.pid, signal.SIGKILL)
 
 
-def control_store(args: Args, dist_info: rloo.Dist, device: torch.device):
-    """The engines' control store, served by rank 0; rank 0 publishes the run's configuration in it."""
+def engine_workers(args: Args) -> list[int]:
+    """The weight group's members of each engine rank 0 drives through the control store."""
+    return [1 if args.engine == "hf" else args.vllm_tensor_parallel_size] * args.num_engines
+
+
+def shared_key(secret: str, dist_info: rloo.Dist) -> bytes:
+    """The control store's key from rank 0's secret, on every rank (over torchrun's group)."""
+    key = torch.tensor(list(secret_key(secret)), dtype=torch.uint8, device=dist_info.device)  # (32,)
+    if dist_info.world_size > 1:
+        dist.broadcast(key, src=0)
+    return bytes(key.tolist())
+
+
+def control_store(args: Args, dist_info: rloo.Dist, device: torch.device, key: bytes) -> ControlStore:
+    """The engines' control store, served by rank 0 at MASTER_ADDR (listening there alone); rank 0 publishes the
+    run's configuration in it."""
     host = trainer_host()
-    store = dist.TCPStore(host, args.engine_port, is_master=dist_info.master, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=args.engine_timeout))
+    store = ControlStore(tcp_store(host, args.engine_port, dist_info.master, args.engine_timeout), key)
     if dist_info.master:
-        workers = [1 if args.engine == "hf" else args.vllm_tensor_parallel_size] * args.num_engines
+        workers = engine_workers(args)
         offsets = [1 + sum(workers[:i]) for i in range(args.num_engines)]
         backend, size = weight_backend(args, device), 1 + sum(workers)
-        store.add("group_size", size)
         init_infos = [init_info(backend, host, args.engine_port + 1, offset, size, args.sync_bucket_mb * 2**20,
                                 args.engine_timeout) for offset in offsets]
-        store.set("config", dumps({"args": asdict(args), "world_size": dist_info.world_size,
-                                   "trainer_device_type": device.type, "backend": backend,
-                                   "init_infos": init_infos}))
-    return store, f"{host}:{args.engine_port}"
+        store.set("config", {"args": asdict(args), "world_size": dist_info.world_size,
+                             "trainer_device_type": device.type, "backend": backend, "init_infos": init_infos})
+    return store
 
 
 # ===================================================================== main
-def make_engine_rollouts(args: Args):
+def make_engine_rollouts(args: Args, launched: dict[int, subprocess.Popen]):
     """rloo.main's rollout source: `vllm serve` processes by address, or the control store and, on rank 0, the
-    engines it starts."""
+    engines it starts (recorded in `launched` as they start)."""
 
     def make(policy, args_, stop_token_id, pad_token_id, generator, autocast):  # engines sample in their own dtype
         dist_info = rloo.Dist(int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
@@ -1256,10 +1412,11 @@ def make_engine_rollouts(args: Args):
         if args.engine_urls:
             engines = VLLMServers(args, dist_info)
         else:
-            store, address = control_store(args, dist_info, generator.device)
-            starts_engines = dist_info.master and args.launch_engines
-            processes = launch_engines(args, dist_info, address) if starts_engines else {}
-            engines = ServedEngines(args, dist_info, store, processes)
+            secret = environment_secret() or secrets.token_hex(32)  # rank 0's is the run's
+            store = control_store(args, dist_info, generator.device, shared_key(secret, dist_info))
+            if dist_info.master and args.launch_engines:
+                launch_engines(args, dist_info, store, secret, launched)
+            engines = ServedEngines(args, dist_info, store, launched)
         return EngineRollouts(policy, args, stop_token_id, pad_token_id, generator, dist_info, engines)
 
     return make
@@ -1267,11 +1424,20 @@ def make_engine_rollouts(args: Args):
 
 def main(args: Args) -> None:
     validate_engine_args(args, int(os.environ.get("WORLD_SIZE", 1)))
-    rloo.main(args, make_rollouts=make_engine_rollouts(args))
+    check_engine_secret(args)
+    launched: dict[int, subprocess.Popen] = {}
+    try:
+        rloo.main(args, make_rollouts=make_engine_rollouts(args, launched))
+    finally:  # every way out, from their start on: rloo.main closes the rollout source only once start-up is over
+        with rloo.signals_held():
+            for process in launched.values():
+                end_engine(process)
 
 
 def cli() -> None:
     if sys.argv[1:2] == ["serve"]:
+        # engines rank 0 starts inherit its stop signals held (launch_engines); one started by hand changes nothing
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, rloo.StopSignal.SIGNALS)
         serve_args = tyro.cli(ServeArgs, args=sys.argv[2:], prog="rloo_multinode.py serve")
         rloo.run_script(serve, serve_args, "rloo_multinode.py serve")
         return

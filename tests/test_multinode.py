@@ -1,5 +1,6 @@
 """rloo_multinode.py on CPU: hf engines in separate processes, weights over gloo, no vLLM."""
 
+import contextlib
 import json
 import os
 import pickle
@@ -9,6 +10,8 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +28,7 @@ RUN = ("--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train
 PER_UPDATE = 32  # completions per update and rank
 ENGINE_ONLY = ("time/", "eps", "rollout/staleness", "work/")  # wall-clock, what only the engines' run measures, and
 # the trainer's own forward passes (the local run also generates)
+SECRET = "tests-secret-" + "0" * 32  # a run's control-store secret, as a user exports it
 
 
 def free_port() -> int:
@@ -87,8 +91,8 @@ def test_after_a_sync_every_engine_holds_the_trainers_weights_bit_for_bit(archit
     args = mn.Args(model_name_or_path=str(tmp_path / "policy"), engine="hf", output_dir=str(tmp_path / "out"),
                    engine_port=free_port(), sync_bucket_mb=0, engine_timeout=120)  # 0 MB: one bucket per tensor
     dist_info = rloo.Dist(0, 0, 1, torch.device("cpu"))
-    store, address = mn.control_store(args, dist_info, torch.device("cpu"))
-    engines = mn.ServedEngines(args, dist_info, store, mn.launch_engines(args, dist_info, address))
+    store = mn.control_store(args, dist_info, torch.device("cpu"), mn.secret_key(SECRET))
+    engines = mn.ServedEngines(args, dist_info, store, mn.launch_engines(args, dist_info, store, SECRET))
     rollouts = mn.EngineRollouts(policy, args, None, 0, torch.Generator(), dist_info, engines)
     try:
         with torch.no_grad():  # a trained policy: every weight moved away from what the engine loaded
@@ -317,6 +321,14 @@ class RunsCode:
         return os.system, (f"touch {self.marker}",)
 
 
+def serve_engine(port: int, *flags, secret: str = SECRET, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`rloo_multinode.py serve` for the control store at 127.0.0.1:port, run to its end."""
+    return subprocess.run([sys.executable, str(REPO / "rloo_multinode.py"), "serve", "--trainer_address",
+                           f"127.0.0.1:{port}", "--engine_index", "0", "--connect_timeout", "60", *map(str, flags)],
+                          capture_output=True, text=True, env=script_env({mn.SECRET_VARIABLE: secret, **(env or {})}),
+                          cwd=REPO, timeout=120)
+
+
 def test_a_pickle_sent_to_the_control_store_is_refused_and_runs_nothing(tmp_path):
     marker = tmp_path / "code_ran"
     payload = pickle.dumps(RunsCode(marker), protocol=2)  # torch.save's protocol
@@ -324,18 +336,204 @@ def test_a_pickle_sent_to_the_control_store_is_refused_and_runs_nothing(tmp_path
         mn.loads(payload)
     with pytest.raises(mn.UntrustedMessageError, match="not plain data"):
         mn.loads(pickle.dumps(RunsCode(marker)))  # Python's default protocol
-    assert mn.loads(mn.dumps({"queries": torch.ones(2, 3), "rng_state": torch.Generator().get_state(),
-                              "info": {"names": ["a"], "shapes": [[1]]}}))["info"]["names"] == ["a"]
+    request = mn.loads(mn.dumps({"queries": torch.ones(2, 3), "rng_state": torch.Generator().get_state(),
+                                 "info": {"names": ["a"], "shapes": [[1]]}}))
+    assert request["info"]["names"] == ["a"] and torch.equal(request["queries"], torch.ones(2, 3))
     # an engine reading it where the trainer publishes the run's configuration: one line, exit 2, no command run
     port = free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     store.set("config", payload)
-    engine = subprocess.run([sys.executable, str(REPO / "rloo_multinode.py"), "serve", "--trainer_address",
-                             f"127.0.0.1:{port}", "--engine_index", "0"], capture_output=True, text=True,
-                            env=script_env(), cwd=REPO, timeout=120)
+    engine = serve_engine(port, "--model", "m")
     assert engine.returncode == 2, engine.stderr[-3000:]
     assert engine.stderr.strip().startswith("rloo_multinode.py serve: error: refused a control-store message")
     assert len(engine.stderr.strip().splitlines()) == 1 and not marker.exists()
+
+
+def remote_code_model(path: Path, marker: Path) -> Path:
+    """A model directory whose configuration names code of its own (auto_map), which touches `marker` when
+    imported: what a configuration naming another model, with trust_remote_code, would run."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "runs_code", "auto_map": {
+        "AutoConfig": "runs_code.Config", "AutoModelForCausalLM": "runs_code.Model"}}))
+    (path / "runs_code.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
+    return path
+
+
+@pytest.mark.parametrize("case", ["unsigned", "wrong_secret", "another_model", "remote_code"])
+def test_an_engine_refuses_a_configuration_not_signed_by_the_run_or_naming_another_model_or_code(
+        assets, tmp_path, case):
+    """The run's configuration as an engine finds it in the store: without the run's tag (written by someone
+    who reaches the port), or signed but asking for a model or code other than the engine's command line names.
+    The engine stops in one line, exit 2, loads nothing, and leaves its account for the trainer."""
+    marker = tmp_path / "code_ran"
+    elsewhere = remote_code_model(tmp_path / "elsewhere", marker)
+    wanted = elsewhere if case in ("another_model", "remote_code") else assets["policy"]
+    config = {"args": asdict(mn.Args(model_name_or_path=str(wanted), engine="hf",
+                                     trust_remote_code=case in ("another_model", "remote_code"))),
+              "world_size": 1, "trainer_device_type": "cpu", "backend": "gloo", "init_infos": []}
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    another = "another run's secret " + "0" * 32
+    signer = mn.ControlStore(store, mn.secret_key(another if case == "wrong_secret" else SECRET))
+    if case == "unsigned":
+        store.set("config", mn.dumps(config))
+    else:
+        signer.set("config", config)
+    engine_model = elsewhere if case == "remote_code" else assets["policy"]  # the same model, not its code
+    engine = serve_engine(port, "--model", engine_model, env={"HF_HOME": str(tmp_path / "hf")})
+    expected = {"unsigned": "refused a control-store message under 'config' at 127.0.0.1",
+                "wrong_secret": "refused a control-store message under 'config' at 127.0.0.1",
+                "another_model": f"the trainer's policy is '{elsewhere}' but this engine was started with --model "
+                                 f"'{assets['policy']}'",
+                "remote_code": "the trainer runs with --trust_remote_code but this engine does not"}[case]
+    assert engine.returncode == 2, engine.stderr[-3000:]
+    assert engine.stderr.strip().startswith(f"rloo_multinode.py serve: error: {expected}"), engine.stderr[-3000:]
+    assert len(engine.stderr.strip().splitlines()) == 1 and not marker.exists()
+    # the trainer's check() reads this: the engine's own account, under the run's tag
+    account = mn.ControlStore(store, mn.secret_key(SECRET)).get("failed")["error"]
+    assert account.startswith("engine 0 (") and expected in account
+
+
+def test_the_trainer_refuses_a_forged_or_moved_engine_message_and_a_replayed_heartbeat(tmp_path):
+    args = mn.Args(model_name_or_path="m", engine="hf", engine_port=free_port(), output_dir=str(tmp_path))
+    dist_info = rloo.Dist(0, 0, 1, torch.device("cpu"))
+    store = mn.control_store(args, dist_info, torch.device("cpu"), mn.secret_key(SECRET))
+    engines = mn.ServedEngines(args, dist_info, store, {})
+    engine = mn.ControlStore(torch.distributed.TCPStore("127.0.0.1", args.engine_port), mn.secret_key(SECRET))
+    engine.set("engine/0/beat", {"beat": 2})
+    engines.check()
+    old_beat = store.store.get("engine/0/beat")
+    engine.set("engine/0/beat", {"beat": 3})
+    engines.check()
+    last = engines.beats[0]  # (3, since when)
+    store.store.set("engine/0/beat", old_beat)  # an older beat replayed: no sign of life
+    engines.check()
+    assert engines.beats[0] == last and last[0] == 3
+    engine.set("out/0/0/0", {"responses": torch.zeros(2, 3, dtype=torch.long)})
+    store.store.set("out/1/0/0", store.store.get("out/0/0/0"))  # batch 0's completions offered as batch 1's
+    engines.parts_sent = {1: 1}
+    with pytest.raises(mn.EngineError, match="refused a control-store message under 'out/1/0/0'"):
+        engines.receive(1)
+    store.store.set("failed", b"engine 0 failed: stop the run")  # anyone who reaches the port could write this
+    with pytest.raises(mn.EngineError, match="^refused a control-store message under 'failed' at 127.0.0.1"):
+        engines.check()
+
+
+def ip_address(hex_address: str) -> str:
+    """An address as /proc/net/tcp(6) writes it (32-bit words in host order, little-endian here), as text."""
+    raw = bytes.fromhex(hex_address)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, words)
+
+
+def listening_sockets(pids: list[int]) -> dict[int, tuple[str, int]]:
+    """Every listening TCP socket the processes hold: {inode: (address, port)}."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:["):
+                        inodes.add(int(target[len("socket:[") : -1]))
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[9]) in inodes:  # 0A: LISTEN
+                address, port = fields[1].rsplit(":", 1)
+                found[int(fields[9])] = (ip_address(address), int(port, 16))
+    return found
+
+
+def live_processes_in_group(pgid: int) -> list[int]:
+    """The pids of the process group's members that still run (zombies, which nobody may reap here, excluded)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            state, _, group = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]  # after "pid (comm)"
+            if state != "Z" and int(group) == pgid:
+                pids.append(int(entry.name))
+    return pids
+
+
+def test_the_trainer_and_its_engines_listen_on_master_addr_never_on_every_interface(tmp_path):
+    """One node (MASTER_ADDR unset: 127.0.0.1): the control store and the weight group's rendezvous listen on
+    loopback; no socket of the trainer or its engine, gloo's own included, listens on a wildcard address."""
+    policy = tiny_policy(len(policy_tokenizer()))
+    policy.save_pretrained(tmp_path / "policy")
+    args = mn.Args(model_name_or_path=str(tmp_path / "policy"), engine="hf", output_dir=str(tmp_path / "out"),
+                   engine_port=free_port(), engine_timeout=120)
+    dist_info = rloo.Dist(0, 0, 1, torch.device("cpu"))
+    before = listening_sockets([os.getpid()])
+    store = mn.control_store(args, dist_info, torch.device("cpu"), mn.secret_key(SECRET))
+    engines = mn.ServedEngines(args, dist_info, store, mn.launch_engines(args, dist_info, store, SECRET))
+    rollouts = mn.EngineRollouts(policy, args, None, 0, torch.Generator(), dist_info, engines)  # group joined
+    try:
+        trainer = {inode: s for inode, s in listening_sockets([os.getpid()]).items() if inode not in before}
+        engine = listening_sockets(live_processes_in_group(engines.processes[0].pid))
+        print(f"listening: trainer {sorted(trainer.values())}, engine {sorted(engine.values())}")
+        served = {port: address for address, port in trainer.values()}
+        assert served.get(args.engine_port) == served.get(args.engine_port + 1) == "127.0.0.1", served
+        wildcard = [s for s in [*trainer.values(), *engine.values()] if s[0] in ("0.0.0.0", "::")]
+        assert not wildcard
+        # launched with the trainer's stop signals held (so a signal cannot come between its start and its record),
+        # the engine releases them: a SIGTERM sent to it still ends it
+        status = Path(f"/proc/{engines.processes[0].pid}/status").read_text()
+        assert int(re.search(r"^SigBlk:\s*(\w+)", status, re.M).group(1), 16) == 0
+    finally:
+        rollouts.close()
+
+
+@pytest.mark.parametrize("how", ["error", "signal"])
+def test_engines_started_at_start_up_are_ended_when_start_up_fails_or_is_signalled(assets, tmp_path, how):
+    """An engine is started, then start-up fails (an engine timeout of 1 s, shorter than its start) or the trainer
+    gets SIGTERM while it waits for the engine: the engine's whole process group ends with the trainer."""
+    out = tmp_path / "out"
+    trainer = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
+                  *RUN, "--total_episodes", PER_UPDATE, "--output_dir", out, "--engine", "hf",
+                  "--engine_port", free_port(), *(["--engine_timeout", 1] if how == "error" else []), wait=False)
+    deadline = time.time() + 120
+    while not (out / "engines.json").is_file():
+        assert trainer.poll() is None and time.time() < deadline, trainer.communicate()[1][-3000:]
+        time.sleep(0.05)
+    engine = json.loads((out / "engines.json").read_text())["0"]["pid"]
+    if how == "signal":
+        trainer.send_signal(signal.SIGTERM)
+    _, stderr = trainer.communicate(timeout=60)
+    if how == "error":
+        assert trainer.returncode == 4 and "no engine answered within --engine_timeout 1 s" in stderr, stderr[-3000:]
+    else:
+        assert trainer.returncode == 0 and "SIGTERM received during start-up" in stderr, stderr[-3000:]
+    deadline = time.time() + 5  # the trainer kills the group as it exits; a moment for the kernel
+    while live_processes_in_group(engine) and time.time() < deadline:
+        time.sleep(0.1)
+    assert live_processes_in_group(engine) == []
+
+
+def test_an_engine_started_by_hand_with_the_secret_and_the_model_serves_a_run(assets, tmp_path, monkeypatch):
+    """The README's several-node lines on one machine: the engine first (it waits), then the trainer with
+    --no-launch_engines; both have the secret in their environment, the engine the model on its command line."""
+    port, out, log = free_port(), tmp_path / "out", tmp_path / "engine.log"
+    engine = subprocess.Popen([sys.executable, str(REPO / "rloo_multinode.py"), "serve", "--trainer_address",
+                               f"127.0.0.1:{port}", "--engine_index", "0", "--model", str(assets["policy"])],
+                              stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO,
+                              env=script_env({mn.SECRET_VARIABLE: SECRET}))
+    try:
+        common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *RUN,
+                  "--total_episodes", PER_UPDATE, "--output_dir", out, "--engine", "hf", "--engine_port", port,
+                  "--no-launch_engines"]
+        monkeypatch.delenv(mn.SECRET_VARIABLE, raising=False)
+        refused = run("rloo_multinode.py", *common)  # without the secret: one line, before anything loads
+        assert refused.returncode == 2 and f"{mn.SECRET_VARIABLE}=$(openssl rand -hex 32)" in refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-3000:]
+        monkeypatch.setenv(mn.SECRET_VARIABLE, SECRET)
+        result = run("rloo_multinode.py", *common)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert [m["update"] for m in read_metrics(out)] == [1]
+        assert engine.wait(timeout=60) == 0, log.read_text()[-3000:]  # stopped by the trainer
+    finally:
+        engine.kill()
 
 
 def test_an_engine_timeout_of_zero_and_a_port_in_use_are_refused_before_anything_loads():
@@ -349,3 +547,20 @@ def test_an_engine_timeout_of_zero_and_a_port_in_use_are_refused_before_anything
         for engine_port in (port, port - 1):  # the control store's port, or the weight group's after it
             with pytest.raises(rloo.ConfigError, match=rf"--engine_port {engine_port}: port \d+ is in use.* another"):
                 mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", engine_port=engine_port), 1)
+
+
+def test_a_master_addr_not_of_this_host_and_a_missing_or_short_secret_are_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.1")  # TEST-NET-1: no address of this host
+    with pytest.raises(rloo.ConfigError, match=r"^MASTER_ADDR 192.0.2.1: rank 0 cannot listen there .* set MASTER"):
+        mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", engine_port=free_port()), 1)
+    monkeypatch.delenv("MASTER_ADDR")
+    monkeypatch.setenv(mn.SECRET_VARIABLE, "short")
+    with pytest.raises(rloo.ConfigError, match=r"^\$RLOO_ENGINE_SECRET has 5 characters, too few for a secret"):
+        mn.check_engine_secret(mn.Args(model_name_or_path="m", engine="hf"))
+    serve_args = mn.ServeArgs(trainer_address=f"127.0.0.1:{free_port()}", engine_index=0, model="m")
+    with pytest.raises(rloo.ConfigError, match="has 5 characters"):  # before it connects
+        mn.serve(serve_args)
+    monkeypatch.delenv(mn.SECRET_VARIABLE)
+    with pytest.raises(rloo.ConfigError, match=r"^\$RLOO_ENGINE_SECRET is not set: an engine started by hand"):
+        mn.serve(serve_args)
+    mn.check_engine_secret(mn.Args(model_name_or_path="m", engine="hf"))  # engines it starts: the trainer draws one

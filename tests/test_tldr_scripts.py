@@ -212,8 +212,10 @@ def test_multinode_sbatch_starts_engines_on_the_last_node_and_trains_on_the_othe
     import rloo_multinode
 
     engines, args = run_multinode_sbatch(fake_bin, "--async_generation")
-    assert engines == [f"{i * 2},{i * 2 + 1} rloo_multinode.py serve --trainer_address node0:29600 --engine_index {i}"
-                       for i in range(4)]
+    model = "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr"  # the trainer's --sft_model_path
+    assert engines == [f"{i * 2},{i * 2 + 1} rloo_multinode.py serve --trainer_address node0:29600 --engine_index {i} "
+                       f"--model {model}" for i in range(4)]
+    assert args.sft_model_path == model
     assert (args.engine, args.num_engines, args.vllm_tensor_parallel_size, args.launch_engines) == ("vllm", 4, 2, False)
     assert args.async_generation and args.engine_port == 29600
     rloo_multinode.validate_engine_args(dataclasses.replace(args, engine="hf", vllm_tensor_parallel_size=1), 16)

@@ -12,7 +12,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +25,8 @@ else:
 import rloo  # noqa: E402
 import rloo_multinode as mn  # noqa: E402
 from conftest import REPO, neox_config, policy_tokenizer, read_metrics, script_env  # noqa: E402
-from test_multinode import RUN, free_port, run, wait_for_updates  # noqa: E402
+from test_multinode import (RUN, SECRET, free_port, listening_sockets, live_processes_in_group,  # noqa: E402
+                            run, wait_for_updates)
 
 LOGPROB_TOLERANCE = 1e-5  # fp32 on both sides, on CPU: measured after a sync, up to 7e-7 (and 1.4 before it)
 ENGINE_FLAGS = ("--vllm_gpu_memory_utilization", 0.2, "--vllm_enforce_eager")  # on CPU: host memory, no compile
@@ -75,17 +75,6 @@ def trainer_logprobs(policy, sequences: list[list[int]]) -> list[list[float]]:
 def max_difference(a: list[list[float]], b: list[list[float]]) -> float:
     assert [len(x) for x in a] == [len(x) for x in b]
     return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
-
-
-def live_processes_in_group(pgid: int) -> list[int]:
-    """The pids of the process group's members that still run (zombies, which nobody may reap here, excluded)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError, ValueError):
-            state, _, group = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]  # after "pid (comm)"
-            if state != "Z" and int(group) == pgid:
-                pids.append(int(entry.name))
-    return pids
 
 
 @torch.no_grad()
@@ -149,10 +138,13 @@ def test_after_a_sync_a_vllm_engine_scores_completions_as_the_trainer_does(vllm_
                    engine_port=free_port(), engine_timeout=300, max_prompt_length=16, response_length=6,
                    sync_bucket_mb=1, vllm_gpu_memory_utilization=0.2, vllm_enforce_eager=True)  # 1 MB: 2 buckets
     dist_info = rloo.Dist(0, 0, 1, torch.device("cpu"))
-    store, address = mn.control_store(args, dist_info, torch.device("cpu"))
-    engines = mn.ServedEngines(args, dist_info, store, mn.launch_engines(args, dist_info, address))
+    store = mn.control_store(args, dist_info, torch.device("cpu"), mn.secret_key(SECRET))
+    engines = mn.ServedEngines(args, dist_info, store, mn.launch_engines(args, dist_info, store, SECRET))
     rollouts = mn.EngineRollouts(policy, args, None, 0, torch.Generator(), dist_info, engines)  # syncs version 0
     try:
+        engine_sockets = listening_sockets(live_processes_in_group(engines.processes[0].pid))  # vLLM's own
+        print(f"listening in the vLLM engine's processes: {sorted(set(engine_sockets.values()))}")
+        assert not [s for s in engine_sockets.values() if s[0] in ("0.0.0.0", "::")]
         sequences = fixed_sequences()
         loaded = max_difference(engines.engine_logprobs(0, 0, sequences), trainer_logprobs(policy, sequences))
         perturb(policy)
@@ -199,6 +191,29 @@ def test_a_vllm_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(as
     assert "checkpoint of update" in stderr and "Traceback" not in stderr, stderr[-3000:]
     assert rloo.latest_checkpoint(str(tmp_path)) is not None
     assert live_processes_in_group(engine) == []  # the trainer ended what was left of the engine
+
+
+@on_cpu
+def test_a_vllm_engine_started_at_start_up_is_ended_by_a_sigterm_while_it_loads(assets, vllm_policy, tmp_path):
+    """SIGTERM to the trainer while its vLLM engine loads (vLLM's engine core already started): nothing was
+    trained, and none of the engine's processes is left."""
+    trainer = run("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *RUN,
+                  "--total_episodes", PER_UPDATE, "--output_dir", tmp_path, "--engine", "vllm",
+                  "--engine_port", free_port(), *ENGINE_FLAGS, wait=False)
+    deadline, engine = time.time() + 300, None
+    while engine is None or len(live_processes_in_group(engine)) < 2:  # `serve`, then vLLM's engine core
+        assert trainer.poll() is None and time.time() < deadline, trainer.communicate()[1][-3000:]
+        if engine is None and (tmp_path / "engines.json").is_file():
+            engine = json.loads((tmp_path / "engines.json").read_text())["0"]["pid"]
+        time.sleep(0.2)
+    print(f"processes of the engine when signalled: {len(live_processes_in_group(engine))}")
+    trainer.send_signal(signal.SIGTERM)
+    _, stderr = trainer.communicate(timeout=120)
+    assert trainer.returncode == 0 and "SIGTERM received during start-up" in stderr, stderr[-3000:]
+    deadline = time.time() + 10
+    while live_processes_in_group(engine) and time.time() < deadline:
+        time.sleep(0.2)
+    assert live_processes_in_group(engine) == []
 
 
 # ----- `vllm serve`, attached by URL: one real server for the tests below
