@@ -1007,8 +1007,9 @@ def generate(
     """Sample k continuations of each of the g left-padded queries (g, Tq): (k*g, max_new_tokens) tokens in the
     (k, g) layout, row j*g + i continuing query i; top_k=0, top_p=1 (temperature 0: greedy). Each query is prefilled
     once and its keys and values are read by its k rows, from a preallocated cache of Tq + max_new_tokens positions
-    (with a `decoder`, its own, decoded by its compiled step). A row is padded after its stop token; the loop ends
-    early once every row has stopped."""
+    (with a `decoder`, its own, decoded by its compiled step; a model with state-space or recurrent layers decodes
+    eagerly with its prefill's own cache, its state copied to the k rows). A row is padded after its stop token; the
+    loop ends early once every row has stopped."""
     from transformers import DynamicCache
 
     g, width = queries.shape
@@ -1021,9 +1022,10 @@ def generate(
                     **({"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}))  # the next token's logits only
     prompt_of_row = torch.arange(g, device=queries.device).repeat(k)  # (k*g,) the (k, g) layout
     prefill.past_key_values.reorder_cache(prompt_of_row)  # each layer's (g, heads, Tq, head_dim) -> (k*g, ...)
-    if decoder is None:
+    grown = attention_windows(model) is None  # state-space / recurrent layers: the copy below would drop their state
+    if grown or decoder is None:
         step, length = model, width + max_new_tokens
-        cache = preallocated_cache(model.config, length, prefill.past_key_values)
+        cache = prefill.past_key_values if grown else preallocated_cache(model.config, length, prefill.past_key_values)
     else:
         step, length = decoder.step, decoder.max_length
         cache = decoder.cache_holding(prefill.past_key_values, k * g)
@@ -1042,8 +1044,8 @@ def generate(
         if t == max_new_tokens - 1 or done.all():
             break
         attention_mask[:, width + t] = 1
-        out = step(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,
-                   past_key_values=cache, use_cache=True)
+        out = step(input_ids=token[:, None], attention_mask=attention_mask[:, : width + t + 1] if grown else
+                   attention_mask, position_ids=next_position, past_key_values=cache, use_cache=True)
         logits, next_position = out.logits[:, -1].float(), next_position + 1
     return tokens
 
