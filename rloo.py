@@ -1332,11 +1332,15 @@ def sharing_probe(prompt_ids: list[int], max_prompt_length: int, response_length
 @torch.no_grad()
 def sharing_error(model, probe: Completions, reward_model: bool) -> float:
     """The largest difference between the probe's log-probs (a reward model's: scores) computed on grouped rows and
-    on one row per completion, in the weights' dtype."""
+    on one row per completion, in the weights' dtype, one prompt group at a time, where the model's weights are."""
+    device = next(model.parameters()).device
+    probe = probe.map_tensors(lambda t: t.to(device), lambda t: t.to(device))
     if reward_model:
-        shared, alone = (reward_model_scores(model, probe, share) for share in (True, False))  # (k*g,) each
+        shared, alone = (in_chunks(probe, probe.k, lambda part: reward_model_scores(model, part, share))
+                         for share in (True, False))  # (k*g,) each
     else:
-        shared, alone = (forward_logprobs(model, probe, 1.0, share)[0][probe.response_mask] for share in (True, False))
+        shared, alone = (in_chunks(probe, probe.k, lambda part: forward_logprobs(model, part, 1.0, share)[0],
+                                   width=probe.responses.shape[1])[probe.response_mask] for share in (True, False))
     return float((shared.float() - alone.float()).abs().max())
 
 
@@ -2962,8 +2966,9 @@ def set_up(args: Args, make_rollouts: Callable) -> Run:
     probe, sharing_notes = sharing_probe(dataset[0][PROMPT_IDS], args.max_prompt_length, args.response_length,
                                          device), []
     share_prompt = shares_prompts(policy, "policy", args.share_prompt, probe, False, sharing_notes)
-    sources.share_prompt = sources.model is not None and sources.model_tokenizer is None and shares_prompts(
-        sources.model, "reward model", args.share_prompt, probe, True, sharing_notes)
+    with visiting(sources.model, device):  # --offload: a frozen model's forward passes are on the GPU
+        sources.share_prompt = sources.model is not None and sources.model_tokenizer is None and shares_prompts(
+            sources.model, "reward model", args.share_prompt, probe, True, sharing_notes)
 
     if args.fsdp:
         trained = shard_policy(policy, args.bf16, args.offload)  # in place: the policy becomes the sharded module
