@@ -1016,13 +1016,14 @@ def generate(
     position_ids = position_ids_from_mask(query_mask)  # (g, Tq)
     # a sliding layer's own prefill cache keeps only its last window - 1 keys and the preallocated cache would count
     # from there: keep every key, the preallocated cache keeps the window it needs and counts from the prompt's end
-    windowed = any(window is not None for window in (attention_windows(model) or {}).values())
+    windows = attention_windows(model)
+    windowed = any(window is not None for window in (windows or {}).values())
     prefill = model(input_ids=queries, attention_mask=query_mask.long(), position_ids=position_ids, use_cache=True,
                     past_key_values=DynamicCache() if windowed else None,
                     **({"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}))  # the next token's logits only
     prompt_of_row = torch.arange(g, device=queries.device).repeat(k)  # (k*g,) the (k, g) layout
     prefill.past_key_values.reorder_cache(prompt_of_row)  # each layer's (g, heads, Tq, head_dim) -> (k*g, ...)
-    grown = attention_windows(model) is None  # state-space / recurrent layers: the copy below would drop their state
+    grown = windows is None  # state-space / recurrent layers: the copy below would drop their state
     if grown or decoder is None:
         step, length = model, width + max_new_tokens
         cache = prefill.past_key_values if grown else preallocated_cache(model.config, length, prefill.past_key_values)
@@ -1206,15 +1207,16 @@ def grouped_rows(c: Completions, float_mask_dtype: Optional[torch.dtype] = None,
     own_key = (segment[:, :, None] == segment[:, None, :]) & (segment[:, None, :] >= 0)  # (g, L, L) same response
     mask = (index[:, None] >= index[None, :]) & (prompt_key[:, None, :] | own_key)  # (g, L, L)
     mask |= torch.eye(length, dtype=torch.bool, device=device)  # padding attends to itself: no softmax row is empty
-    masks = {}  # window -> (g, 1, L, L); a window no row outgrows is no window
-    for window in {w if w is not None and w < length else None for w in (windows or {None: None}).values()}:
-        within = mask if window is None else \
-            mask & (position_ids[:, :, None] - position_ids[:, None, :] < window)  # as alone: i - window < j <= i
-        masks[window] = within[:, None] if float_mask_dtype is None else torch.zeros(
-            within[:, None].shape, dtype=float_mask_dtype, device=device).masked_fill_(
-            ~within[:, None], torch.finfo(float_mask_dtype).min)
-    mask = next(iter(masks.values())) if len(masks) == 1 else \
-        {kind: masks[w if w is not None and w < length else None] for kind, w in windows.items()}
+    windows = {kind: w if w is not None and w < length else None  # a window no row outgrows is no window
+               for kind, w in (windows or {None: None}).items()}
+    masks = {}  # window -> (g, 1, L, L)
+    for window in set(windows.values()):
+        within = (mask if window is None else  # as alone: pos_q - window < pos_k <= pos_q
+                  mask & (position_ids[:, :, None] - position_ids[:, None, :] < window))[:, None]
+        masks[window] = within if float_mask_dtype is None else torch.zeros(
+            within.shape, dtype=float_mask_dtype, device=device).masked_fill_(
+            ~within, torch.finfo(float_mask_dtype).min)
+    mask = next(iter(masks.values())) if len(masks) == 1 else {kind: masks[w] for kind, w in windows.items()}
 
     # logits: the prompt's last position once per response (its first token), then the positions in between
     predictors = torch.cat([torch.full((k,), prompt_width - 1, device=device),
@@ -1323,8 +1325,9 @@ def sharing_probe(prompt_ids: list[int], max_prompt_length: int, response_length
 
     queries, query_mask = pad_sequences([draw(n).tolist() for n in (max_prompt_length, max(1, max_prompt_length // 3))],
                                         0, device)  # (2, Tq)
-    lengths = torch.tensor([1, 0, 0, 1]) * (response_length - response_length // 2 - 1) + response_length // 2 + 1
-    response_mask = (torch.arange(response_length) < lengths[:, None]).to(device)  # (k*g, Tr), k = g = 2
+    long, short = response_length, response_length // 2 + 1
+    lengths = torch.tensor([long, short, short, long])  # (k*g,), k = g = 2: each group one of each
+    response_mask = (torch.arange(response_length) < lengths[:, None]).to(device)  # (k*g, Tr)
     responses = draw(4 * response_length).view(4, response_length).to(device).masked_fill(~response_mask, 0)
     return Completions(queries, query_mask, responses, response_mask)
 
@@ -2963,8 +2966,8 @@ def set_up(args: Args, make_rollouts: Callable) -> Run:
     sources = load_reward_sources(args, tokenizer, reward_functions, device)
     num_updates = math.ceil((args.total_episodes or int(args.num_train_epochs * len(dataset))) / sizes.all_ranks)
     # each prompt computed once for its k completions, in every phase, where the model can take it exactly
-    probe, sharing_notes = sharing_probe(dataset[0][PROMPT_IDS], args.max_prompt_length, args.response_length,
-                                         device), []
+    probe = sharing_probe(dataset[0][PROMPT_IDS], args.max_prompt_length, args.response_length, device)
+    sharing_notes = []  # printed with the other start-up notes
     share_prompt = shares_prompts(policy, "policy", args.share_prompt, probe, False, sharing_notes)
     with visiting(sources.model, device):  # --offload: a frozen model's forward passes are on the GPU
         sources.share_prompt = sources.model is not None and sources.model_tokenizer is None and shares_prompts(
