@@ -262,6 +262,8 @@ def test_every_architecture_shares_exactly_or_says_it_does_not(family):
         if hasattr(transformers, type(policy).__name__.replace("ForCausalLM", "ForSequenceClassification")) else None
     if fallback is not None:  # off, in one line; refused when asked for
         assert fallback in rloo.why_not_shared(policy)
+        assert rloo.sharing_error(policy, probe, False) > 1e-3  # grouped rows would be wrong: each response sees the
+        # ones before it through the state
         assert not rloo.shares_prompts(policy, "policy", None, probe, False, notes)
         assert notes == [f"prompt sharing is off for the policy: {rloo.why_not_shared(policy)}; it computes one row "
                          "per completion"]
@@ -290,7 +292,7 @@ def test_every_architecture_shares_exactly_or_says_it_does_not(family):
 
 @pytest.mark.parametrize("broken", ["window dropped", "responses see each other"])
 def test_the_start_up_check_catches_a_broken_mask_and_falls_back(broken, monkeypatch):
-    policy, family = tiny("gemma2"), "gemma2"
+    policy = tiny("gemma2")
     probe = rloo.sharing_probe(policy_tokenizer()(PROMPTS[0])["input_ids"], 8, 6, torch.device("cpu"))
     assert rloo.shares_prompts(policy, "policy", None, probe, False, [])
     grouped_rows = rloo.grouped_rows
