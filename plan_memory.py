@@ -115,7 +115,8 @@ def plan(args: PlanArgs, policy: Shape, reward: Shape | None) -> dict[str, dict[
         "offloaded frozen models, visiting": frozen_bytes if args.offload else 0.0,
     }
     micro = args.per_device_train_batch_size
-    shared = args.share_prompt and micro % args.rloo_k == 0  # whole prompt groups: each prompt once per row
+    # whole prompt groups: each prompt once per row (None, the default: on where the model can take it)
+    shared = args.share_prompt is not False and micro % args.rloo_k == 0
     micro_tokens = micro * (args.max_prompt_length / args.rloo_k + args.response_length) if shared else micro * tokens
     training = {
         "gathered / bf16 policy weights": (2 * block + 2 * 4 * p / policy.layers) if args.fsdp

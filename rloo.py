@@ -69,6 +69,7 @@ from typing import Callable, ClassVar, Literal, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+import tyro
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 # FSDP2, DTensor and distributed checkpointing are imported by the functions that use them: together they are about
@@ -184,12 +185,14 @@ class Args:
     local_rollout_forward_batch_size: int = 64
     """completions per generation / log-prob / scoring forward pass, per rank; 0: as many as fit in 90% of the
     memory free when each phase starts (GPU memory, or RAM on CPU), estimated from the model's config"""
-    share_prompt: bool = True
+    share_prompt: tyro.conf.DisallowNone[Optional[bool]] = None
     """compute each prompt once per pass for its k completions, in every phase (prefill, log-probs, reference,
     reward model, training): a prompt group is one forward row whose responses attend to the prompt and to
-    themselves only, so every completion is computed exactly as alone (float rounding aside). --no-share_prompt
-    computes it once per completion, as TRL does. Where the model's attention cannot take the group's mask
-    (flash-attention, remote code) or the reward model has its own tokenizer, that model runs unshared anyway"""
+    themselves only, within each layer's sliding window counted as alone, so every completion is computed exactly
+    as alone (float rounding aside). Default: on for each model that can take the group's mask (attention layers
+    only, sdpa or eager) and passes a start-up check (shared vs unshared log-probs / scores of a few completions),
+    else off for it with one line saying why; --share_prompt refuses such a model; --no-share_prompt computes it once
+    per completion, as TRL does. A reward model with its own tokenizer always runs unshared"""
     bf16_generation: bool = False
     """with --bf16 (not --fsdp): sample from a bf16 copy of the policy, refreshed after every update, with a bf16 KV
     cache, instead of from the fp32 weights under autocast: a decoding step reads half the weight bytes and casts
@@ -1004,17 +1007,26 @@ def generate(
     """Sample k continuations of each of the g left-padded queries (g, Tq): (k*g, max_new_tokens) tokens in the
     (k, g) layout, row j*g + i continuing query i; top_k=0, top_p=1 (temperature 0: greedy). Each query is prefilled
     once and its keys and values are read by its k rows, from a preallocated cache of Tq + max_new_tokens positions
-    (with a `decoder`, its own, decoded by its compiled step). A row is padded after its stop token; the loop ends
-    early once every row has stopped."""
+    (with a `decoder`, its own, decoded by its compiled step; a model with state-space or recurrent layers decodes
+    eagerly with its prefill's own cache, its state copied to the k rows). A row is padded after its stop token; the
+    loop ends early once every row has stopped."""
+    from transformers import DynamicCache
+
     g, width = queries.shape
     position_ids = position_ids_from_mask(query_mask)  # (g, Tq)
+    # a sliding layer's own prefill cache keeps only its last window - 1 keys and the preallocated cache would count
+    # from there: keep every key, the preallocated cache keeps the window it needs and counts from the prompt's end
+    windows = attention_windows(model)
+    windowed = any(window is not None for window in (windows or {}).values())
     prefill = model(input_ids=queries, attention_mask=query_mask.long(), position_ids=position_ids, use_cache=True,
+                    past_key_values=DynamicCache() if windowed else None,
                     **({"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}))  # the next token's logits only
     prompt_of_row = torch.arange(g, device=queries.device).repeat(k)  # (k*g,) the (k, g) layout
     prefill.past_key_values.reorder_cache(prompt_of_row)  # each layer's (g, heads, Tq, head_dim) -> (k*g, ...)
-    if decoder is None:
+    grown = windows is None  # state-space / recurrent layers: the copy below would drop their state
+    if grown or decoder is None:
         step, length = model, width + max_new_tokens
-        cache = preallocated_cache(model.config, length, prefill.past_key_values)
+        cache = prefill.past_key_values if grown else preallocated_cache(model.config, length, prefill.past_key_values)
     else:
         step, length = decoder.step, decoder.max_length
         cache = decoder.cache_holding(prefill.past_key_values, k * g)
@@ -1033,8 +1045,8 @@ def generate(
         if t == max_new_tokens - 1 or done.all():
             break
         attention_mask[:, width + t] = 1
-        out = step(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,
-                   past_key_values=cache, use_cache=True)
+        out = step(input_ids=token[:, None], attention_mask=attention_mask[:, : width + t + 1] if grown else
+                   attention_mask, position_ids=next_position, past_key_values=cache, use_cache=True)
         logits, next_position = out.logits[:, -1].float(), next_position + 1
     return tokens
 
@@ -1114,12 +1126,34 @@ def attention_implementation(model) -> Optional[str]:
     return getattr(getattr(module, "config", None), "_attn_implementation", None)
 
 
-def takes_grouped_rows(model) -> bool:
-    """Whether prompt groups can be fed to the model as one row each: its attention must take a 4D mask as it is
-    (transformers' sdpa and eager attention do; flash-attention and remote code may not) and explicit positions."""
+def attention_windows(model) -> Optional[dict]:
+    """The sliding window (None: none) of each type of layer, as the model's forward takes one 4D mask per type in
+    `config.layer_types` ({"full_attention": None, "sliding_attention": 128}), or {None: window} where one mask serves
+    every layer (Mistral: `config.sliding_window` or None); None where some layer is not attention (state-space,
+    recurrent, linear attention: its state reads the whole row in order, so no mask can keep responses apart)."""
+    config = (model.module if isinstance(model, DDP) else model).config
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return {None: getattr(config, "sliding_window", None)}
+    if not set(types) <= {"full_attention", "sliding_attention"}:
+        return None
+    return {kind: config.sliding_window if kind == "sliding_attention" else None for kind in set(types)}
+
+
+def why_not_shared(model) -> Optional[str]:
+    """Why prompt groups cannot be fed to the model as one row each (None: they can): its attention must take a 4D
+    mask as it is (transformers' sdpa and eager attention do; flash-attention and remote code may not), explicit
+    positions, and every layer must be attention."""
     module = model.module if isinstance(model, DDP) else model
-    return attention_implementation(model) in ("sdpa", "eager") and \
-        "position_ids" in inspect.signature(module.forward).parameters
+    config = getattr(module, "config", None)
+    if attention_implementation(model) not in ("sdpa", "eager"):
+        return f"its attention ({attention_implementation(model)}) may not take a custom 4D mask"
+    if "position_ids" not in inspect.signature(module.forward).parameters:
+        return "its forward takes no position_ids"
+    if attention_windows(model) is None:
+        kinds = sorted(set(config.layer_types) - {"full_attention", "sliding_attention"})
+        return f"its {'/'.join(kinds)} layers read the whole row in order, so responses would see each other"
+    return None
 
 
 @dataclass
@@ -1131,7 +1165,8 @@ class GroupedRows:
 
     input_ids: torch.Tensor  # (g, L)
     position_ids: torch.Tensor  # (g, L)
-    attention_mask: torch.Tensor  # (g, 1, L, L) bool (True: attend), or additive floats for eager attention
+    attention_mask: torch.Tensor | dict  # (g, 1, L, L) bool (True: attend), or additive floats for eager attention;
+    # one per layer type ({"sliding_attention": mask, ...}) where the model's layers have different windows
     predictors: torch.Tensor  # (P,) the positions whose logits are computed, the same in every row: the prompt's last
     # position k times (it predicts each response's first token), then every response position but the row's last
     targets: torch.Tensor  # (g, P) the token each predictor predicts in its row (0 where it predicts nothing)
@@ -1142,8 +1177,11 @@ class GroupedRows:
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "position_ids": self.position_ids}
 
 
-def grouped_rows(c: Completions, float_mask_dtype: Optional[torch.dtype] = None) -> GroupedRows:
-    """The completions as GroupedRows; padding ids become 0 (they may lie outside a reward model's vocabulary)."""
+def grouped_rows(c: Completions, float_mask_dtype: Optional[torch.dtype] = None,
+                 windows: Optional[dict] = None) -> GroupedRows:
+    """The completions as GroupedRows; padding ids become 0 (they may lie outside a reward model's vocabulary).
+    `windows` (attention_windows): a sliding layer's query sees a key only within its window, counted in the
+    positions the completion has alone (in the row, other responses may sit between them)."""
     (g, prompt_width), k, response_width, device = c.queries.shape, c.k, c.responses.shape[1], c.queries.device
     lengths = c.response_mask.sum(1).view(k, g).T  # (g, k) each response's own length
     starts = prompt_width + lengths.cumsum(1) - lengths  # (g, k) where each response begins in its row
@@ -1169,10 +1207,16 @@ def grouped_rows(c: Completions, float_mask_dtype: Optional[torch.dtype] = None)
     own_key = (segment[:, :, None] == segment[:, None, :]) & (segment[:, None, :] >= 0)  # (g, L, L) same response
     mask = (index[:, None] >= index[None, :]) & (prompt_key[:, None, :] | own_key)  # (g, L, L)
     mask |= torch.eye(length, dtype=torch.bool, device=device)  # padding attends to itself: no softmax row is empty
-    mask = mask[:, None]  # (g, 1, L, L)
-    if float_mask_dtype is not None:
-        mask = torch.zeros(mask.shape, dtype=float_mask_dtype, device=device).masked_fill_(
-            ~mask, torch.finfo(float_mask_dtype).min)
+    windows = {kind: w if w is not None and w < length else None  # a window no row outgrows is no window
+               for kind, w in (windows or {None: None}).items()}
+    masks = {}  # window -> (g, 1, L, L)
+    for window in set(windows.values()):
+        within = (mask if window is None else  # as alone: pos_q - window < pos_k <= pos_q
+                  mask & (position_ids[:, :, None] - position_ids[:, None, :] < window))[:, None]
+        masks[window] = within if float_mask_dtype is None else torch.zeros(
+            within.shape, dtype=float_mask_dtype, device=device).masked_fill_(
+            ~within, torch.finfo(float_mask_dtype).min)
+    mask = next(iter(masks.values())) if len(masks) == 1 else {kind: masks[w] for kind, w in windows.items()}
 
     # logits: the prompt's last position once per response (its first token), then the positions in between
     predictors = torch.cat([torch.full((k,), prompt_width - 1, device=device),
@@ -1188,9 +1232,10 @@ def grouped_rows(c: Completions, float_mask_dtype: Optional[torch.dtype] = None)
 
 
 def grouped_rows_for(model, c: Completions) -> GroupedRows:
-    """grouped_rows with the mask in the form the model's attention takes: additive for eager attention."""
+    """grouped_rows with the mask in the form the model's attention takes: additive for eager attention, windowed
+    and one per layer type as its layers are."""
     eager = attention_implementation(model) == "eager"
-    return grouped_rows(c, float_mask_dtype=torch.float32 if eager else None)
+    return grouped_rows(c, float_mask_dtype=torch.float32 if eager else None, windows=attention_windows(model))
 
 
 def unshared_inputs(c: Completions, pad_id: int = 0) -> dict:
@@ -1261,6 +1306,74 @@ def forward_logprobs(
     logprobs, entropy = SelectiveLogSoftmax.apply(logits, rows.targets, temperature, with_entropy)  # (g, P) each
     group = torch.arange(c.queries.shape[0], device=logits.device).repeat(c.k)[:, None]  # (k*g, 1)
     return logprobs[group, rows.slots], None if entropy is None else entropy[group, rows.slots]
+
+
+SHARING_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}  # by the weights' dtype
+
+
+def sharing_probe(prompt_ids: list[int], max_prompt_length: int, response_length: int,
+                  device: torch.device) -> Completions:
+    """What the start-up check computes both ways: two prompts (max_prompt_length tokens and a third as many,
+    left-padded) with two responses each (response_length tokens and about half as many, side by side in a group),
+    their tokens drawn from a train prompt's by a fixed generator: rows as long as training's longest, so that a
+    window the grouped rows get wrong shows."""
+    generator = torch.Generator().manual_seed(0)
+    pool = torch.tensor(prompt_ids)
+
+    def draw(n: int) -> torch.Tensor:
+        return pool[torch.randint(len(pool), (n,), generator=generator)]
+
+    queries, query_mask = pad_sequences([draw(n).tolist() for n in (max_prompt_length, max(1, max_prompt_length // 3))],
+                                        0, device)  # (2, Tq)
+    long, short = response_length, response_length // 2 + 1
+    lengths = torch.tensor([long, short, short, long])  # (k*g,), k = g = 2: each group one of each
+    response_mask = (torch.arange(response_length) < lengths[:, None]).to(device)  # (k*g, Tr)
+    responses = draw(4 * response_length).view(4, response_length).to(device).masked_fill(~response_mask, 0)
+    return Completions(queries, query_mask, responses, response_mask)
+
+
+@torch.no_grad()
+def sharing_error(model, probe: Completions, reward_model: bool) -> float:
+    """The largest difference between the probe's log-probs (a reward model's: scores) computed on grouped rows and
+    on one row per completion, in the weights' dtype, one prompt group at a time, where the model's weights are."""
+    device = next(model.parameters()).device
+    probe = probe.map_tensors(lambda t: t.to(device), lambda t: t.to(device))
+    if reward_model:
+        shared, alone = (in_chunks(probe, probe.k, lambda part: reward_model_scores(model, part, share))
+                         for share in (True, False))  # (k*g,) each
+    else:
+        shared, alone = (in_chunks(probe, probe.k, lambda part: forward_logprobs(model, part, 1.0, share)[0],
+                                   width=probe.responses.shape[1])[probe.response_mask] for share in (True, False))
+    return float((shared.float() - alone.float()).abs().max())
+
+
+def shares_prompts(model, name: str, requested: Optional[bool], probe: Completions, reward_model: bool,
+                   notes: list[str]) -> bool:
+    """Whether `model` computes each prompt group as one row (--share_prompt: `requested`, None by default): where
+    it can (why_not_shared) and the probe's grouped rows give its unshared results within SHARING_TOLERANCE, so
+    that an architecture nobody tested cannot train on wrong gradients. Else a note says why (a ConfigError where
+    --share_prompt asked for it)."""
+    if requested is False:
+        return False
+    why = why_not_shared(model)
+    if why is None:
+        tolerance = SHARING_TOLERANCE.get(next(model.parameters()).dtype, 5e-2)
+        try:
+            error = sharing_error(model, probe, reward_model)
+            if not error <= tolerance:  # NaN fails too
+                why = (f"the start-up check found its grouped rows' {'scores' if reward_model else 'log-probs'} "
+                       f"{error:.2g} away from one row per completion's (tolerance {tolerance:g})")
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # an attention that cannot take the grouped rows at all
+            why = f"its forward fails on grouped rows ({first_line(e)})"
+    if why is None:
+        return True
+    if requested:
+        raise ConfigError(f"--share_prompt: the {name} cannot share prompts exactly: {why}; "
+                          "leave the flag out (it then computes one row per completion)")
+    notes.append(f"prompt sharing is off for the {name}: {why}; it computes one row per completion")
+    return False
 
 
 @dataclass
@@ -2852,9 +2965,13 @@ def set_up(args: Args, make_rollouts: Callable) -> Run:
     seed_everything(args.seed)  # a reward head missing from its checkpoint starts the same on every rank and resume
     sources = load_reward_sources(args, tokenizer, reward_functions, device)
     num_updates = math.ceil((args.total_episodes or int(args.num_train_epochs * len(dataset))) / sizes.all_ranks)
-    # each prompt computed once for its k completions, in every phase, where the model can take it (exact)
-    share_prompt = args.share_prompt and takes_grouped_rows(policy)
-    sources.share_prompt = args.share_prompt and sources.model is not None and takes_grouped_rows(sources.model)
+    # each prompt computed once for its k completions, in every phase, where the model can take it exactly
+    probe = sharing_probe(dataset[0][PROMPT_IDS], args.max_prompt_length, args.response_length, device)
+    sharing_notes = []  # printed with the other start-up notes
+    share_prompt = shares_prompts(policy, "policy", args.share_prompt, probe, False, sharing_notes)
+    with visiting(sources.model, device):  # --offload: a frozen model's forward passes are on the GPU
+        sources.share_prompt = sources.model is not None and sources.model_tokenizer is None and shares_prompts(
+            sources.model, "reward model", args.share_prompt, probe, True, sharing_notes)
 
     if args.fsdp:
         trained = shard_policy(policy, args.bf16, args.offload)  # in place: the policy becomes the sharded module
@@ -2874,6 +2991,7 @@ def set_up(args: Args, make_rollouts: Callable) -> Run:
         start_update, elapsed = resumed["update"], resumed["elapsed"]
 
     notes = settle_output_dir(args, start_update, start.skipped) if dist_info.master else []
+    notes += sharing_notes
     run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     logger = RunLogger(args, run_name, num_updates, start_update, resumed and resumed["wandb_run_id"]) \
         if dist_info.master else None

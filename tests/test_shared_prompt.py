@@ -1,13 +1,15 @@
 """Each prompt computed once for its k completions gives what computing it once per completion gives, in every
-phase: sampling, log-probs and entropy, reward scores, the loss and its gradients, a whole update (fp32, CPU)."""
+phase: sampling, log-probs and entropy, reward scores, the loss and its gradients, a whole update (fp32, CPU), on
+every architecture of the table; where it cannot (state-space layers) sharing is off and says so."""
 
 from collections import Counter
 
 import pytest
 import torch
+import transformers
 
 import rloo
-from conftest import policy_tokenizer, tiny_policy, tiny_reward_model
+from conftest import policy_tokenizer, read_metrics, run_rloo, tiny_policy, tiny_reward_model
 
 PROMPTS = ["a b c d e f :", "g :", "h i :"]  # 3 prompts of 7, 2 and 3 tokens
 
@@ -190,3 +192,142 @@ def test_chunks_of_whole_groups_pad_to_their_own_lengths():
     chunked = rloo.in_chunks(c, 2, logprobs, width=c.responses.shape[1]) * c.response_mask  # one group per chunk
     assert widths == [2, 3, 7]  # no chunk padded to the batch's longest prompt
     torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-5)
+
+
+# tiny models of today's architectures (2 layers, hidden 32); a window of 4 is shorter than every prompt + response
+TINY = {"vocab_size": len(policy_tokenizer()), "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64, "pad_token_id": 0,
+        "eos_token_id": 1, "bos_token_id": 1}
+ARCHITECTURES = {  # family: (config, None if it shares prompts, else what its fallback line says)
+    "llama": (transformers.LlamaConfig(**TINY), None),  # full attention
+    "mistral": (transformers.MistralConfig(**TINY, sliding_window=4), None),  # every layer sliding
+    "gemma2": (transformers.Gemma2Config(**TINY, head_dim=8, sliding_window=4), None),  # sliding / full, soft-capping
+    "gpt_oss": (transformers.GptOssConfig(**TINY, head_dim=8, sliding_window=4, num_local_experts=4,
+                                          num_experts_per_tok=2), None),  # sliding / full, sinks, experts, eager
+    "qwen3_moe": (transformers.Qwen3MoeConfig(**TINY, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=16), None),  # mixture of experts
+    "falcon_h1": (transformers.FalconH1Config(**TINY, head_dim=8, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,
+                                              mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=8),
+                  "its hybrid layers read the whole row in order"),  # attention + state-space in each layer
+}
+
+
+def tiny(family: str, head: str = "ForCausalLM", seed: int = 0, likely_eos: bool = True):
+    config, _ = ARCHITECTURES[family]
+    torch.manual_seed(seed)
+    name = type(config).__name__.removesuffix("Config") + head
+    model = getattr(transformers, name)(type(config)(**config.to_dict(), num_labels=1)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers if family == "falcon_h1" else ():
+            layer.mamba.out_proj.weight *= 300  # at init the state-space half barely moves the logits: a lost state
+            # would not change a greedy token
+        if head == "ForCausalLM" and likely_eos:
+            model.get_output_embeddings().weight[1] *= 3  # responses of uneven lengths
+    return model
+
+
+def greedy_without_cache(model, queries: torch.Tensor, query_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """(N, steps) greedy tokens, each from a whole forward pass of the sequence so far: what sampling must draw."""
+    tokens = []
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = model(input_ids=queries, attention_mask=query_mask.long(),
+                           position_ids=rloo.position_ids_from_mask(query_mask)).logits[:, -1]  # (N, V)
+        tokens.append(logits.argmax(-1))
+        queries = torch.cat([queries, tokens[-1][:, None]], 1)
+        query_mask = torch.cat([query_mask, torch.ones_like(query_mask[:, :1])], 1)
+    return torch.stack(tokens, 1)
+
+
+@pytest.mark.parametrize("family", ARCHITECTURES)
+def test_every_architecture_shares_exactly_or_says_it_does_not(family):
+    tokenizer, k = policy_tokenizer(), 3
+    policy, fallback = tiny(family), ARCHITECTURES[family][1]
+    queries, query_mask = rloo.pad_sequences([tokenizer(p)["input_ids"] for p in PROMPTS], 0, torch.device("cpu"))
+    # sampling: one prefill per prompt draws what k prefills draw, and greedy decoding what no cache at all gives
+    for temperature in (0.0, 1.0):
+        shared = rloo.generate(policy, queries, query_mask, 6, temperature, None, 0, torch.Generator().manual_seed(5),
+                               k=k)  # (k*B, Tr)
+        repeated = rloo.generate(policy, queries.repeat(k, 1), query_mask.repeat(k, 1), 6, temperature, None, 0,
+                                 torch.Generator().manual_seed(5))
+        assert torch.equal(shared, repeated)
+    unbiased = tiny(family, likely_eos=False)  # its greedy tokens are not all EOS
+    assert torch.equal(rloo.generate(unbiased, queries, query_mask, 8, 0.0, None, 0),
+                       greedy_without_cache(unbiased, queries, query_mask, 8))
+    c = rloo.sample_completions(policy, queries, query_mask, 6, 1.0, 1, 0, torch.Generator().manual_seed(0), k=k)
+    assert len(set(c.response_mask.sum(1).tolist())) > 1 and c.query_mask.sum(1).max() + 6 > 4  # rows > window
+
+    probe, notes = rloo.sharing_probe(tokenizer(PROMPTS[0])["input_ids"], 8, 6, torch.device("cpu")), []
+    reward_model = tiny(family, "ForSequenceClassification", seed=1) \
+        if hasattr(transformers, type(policy).__name__.replace("ForCausalLM", "ForSequenceClassification")) else None
+    if fallback is not None:  # off, in one line; refused when asked for
+        assert fallback in rloo.why_not_shared(policy)
+        assert rloo.sharing_error(policy, probe, False) > 1e-3  # grouped rows would be wrong: each response sees the
+        # ones before it through the state
+        assert not rloo.shares_prompts(policy, "policy", None, probe, False, notes)
+        assert notes == [f"prompt sharing is off for the policy: {rloo.why_not_shared(policy)}; it computes one row "
+                         "per completion"]
+        with pytest.raises(rloo.ConfigError, match="--share_prompt: the policy cannot share prompts exactly"):
+            rloo.shares_prompts(policy, "policy", True, probe, False, notes)
+        return
+    assert rloo.shares_prompts(policy, "policy", None, probe, False, notes) and notes == []  # the start-up check
+    if reward_model is not None:
+        assert rloo.shares_prompts(reward_model, "reward model", None, probe, True, notes) and notes == []
+    advantages = torch.randn(c.responses.shape[0], generator=torch.Generator().manual_seed(1))
+    results = {}
+    for share_prompt in (True, False):
+        policy.zero_grad()
+        logprobs, entropy = rloo.forward_logprobs(policy, c, 1.0, share_prompt, with_entropy=True)  # (k*B, Tr)
+        loss, _ = rloo.policy_loss(logprobs, torch.zeros(c.responses.shape), advantages, c.response_mask, 0.2)
+        loss.backward()
+        results[share_prompt] = {
+            "logprobs": logprobs.detach() * c.response_mask, "entropy": entropy * c.response_mask,
+            "rewards": torch.zeros(1) if reward_model is None else rloo.reward_model_scores(reward_model, c,
+                                                                                              share_prompt),
+            **{name: p.grad.clone() for name, p in policy.named_parameters() if p.grad is not None}}
+    assert results[True].keys() == results[False].keys()
+    for name, value in results[False].items():
+        torch.testing.assert_close(results[True][name], value, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("broken", ["window dropped", "responses see each other"])
+def test_the_start_up_check_catches_a_broken_mask_and_falls_back(broken, monkeypatch):
+    policy = tiny("gemma2")
+    probe = rloo.sharing_probe(policy_tokenizer()(PROMPTS[0])["input_ids"], 8, 6, torch.device("cpu"))
+    assert rloo.shares_prompts(policy, "policy", None, probe, False, [])
+    grouped_rows = rloo.grouped_rows
+
+    def broken_rows(c, float_mask_dtype=None, windows=None):
+        if broken == "window dropped":
+            return grouped_rows(c, float_mask_dtype)
+        rows = grouped_rows(c, float_mask_dtype, windows)  # sdpa: boolean masks, one per layer type
+        length = rows.input_ids.shape[1]
+        earlier = torch.ones(length, length, dtype=torch.bool).tril()  # (L, L): the other responses' tokens too
+        rows.attention_mask = {kind: mask | earlier for kind, mask in rows.attention_mask.items()}
+        return rows
+
+    monkeypatch.setattr(rloo, "grouped_rows", broken_rows)
+    notes = []
+    assert not rloo.shares_prompts(policy, "policy", None, probe, False, notes)
+    assert len(notes) == 1 and notes[0].startswith("prompt sharing is off for the policy: the start-up check found "
+                                                   "its grouped rows' log-probs "), notes
+    with pytest.raises(rloo.ConfigError, match="start-up check"):
+        rloo.shares_prompts(policy, "policy", True, probe, False, [])
+    assert not rloo.shares_prompts(policy, "policy", False, probe, False, [])  # --no-share_prompt: no check needed
+
+
+def test_a_state_space_policy_trains_unshared_with_one_line_and_share_prompt_is_refused(assets, tmp_path):
+    path = tmp_path / "falcon_h1"
+    tiny("falcon_h1").save_pretrained(path)
+    policy_tokenizer().save_pretrained(path)
+    common = ("--model_name_or_path", path, "--reward_fn", "reward_fns:count_a", "--dataset_name", assets["train"],
+              "--total_episodes", 8, "--rloo_k", 4, "--per_device_train_batch_size", 8, "--response_length", 6,
+              "--max_prompt_length", 16, "--num_ppo_epochs", 1)
+    result = run_rloo(*common, "--output_dir", tmp_path / "default")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "prompt sharing is off for the policy: its hybrid layers read the whole row in order, so responses would " \
+           "see each other; it computes one row per completion" in result.stdout
+    assert len(read_metrics(tmp_path / "default")) == 1
+    result = run_rloo(*common, "--output_dir", tmp_path / "forced", "--share_prompt")
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
+        "rloo.py: error: --share_prompt: the policy cannot share prompts exactly: its hybrid layers"), result.stderr
