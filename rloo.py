@@ -244,8 +244,8 @@ class Args:
     resume_from: Optional[str] = None
     """continue from this checkpoint directory; later checkpoints of output_dir are set aside (another timeline)"""
     overwrite_output_dir: bool = False
-    """start a new run in an output_dir that holds an earlier run: its checkpoints, metrics and final policy are
-    moved to output_dir/abandoned/ first (nothing is deleted). Without it such a run is refused"""
+    """start a new run in an output_dir that holds an earlier run or files it did not write: all it holds is moved
+    to output_dir/abandoned/ first (nothing is deleted). Without it such a run is refused"""
     ddp_timeout: float = 600.0
     """seconds a rank waits for the others (in a collective, or after scoring, evaluation or a save) before the
     run stops with a line naming the late rank and its phase: a reward function that never returns, a dead node"""
@@ -2146,7 +2146,8 @@ MANIFEST = "manifest.json"  # written last into a checkpoint: the size and sha25
 PREEMPTED = "preempted"  # in output_dir while a run stopped by a signal waits to be resumed; job scripts requeue on it
 LOCK = "run.lock"  # flock'ed by the run that writes to output_dir, and holding its pid and host
 ABANDONED = "abandoned"  # output_dir/abandoned/<time>_<why>/: work a run set aside (never deleted)
-RUN_OUTPUTS = (CHECKPOINTS, "metrics.jsonl", PREEMPTED, "nonfinite", "wandb")  # what a run writes before it ends
+RUN_OUTPUTS = (CHECKPOINTS, "metrics.jsonl*", PREEMPTED, "nonfinite", "wandb", LOCK, ABANDONED,  # what a run writes
+               "engine_*.log", "engines.json")  # before it ends (the last two: rloo_multinode.py's engines)
 
 
 class StartupInterrupted(BaseException):
@@ -2503,7 +2504,8 @@ def model_identity(path: str) -> dict:
         return {"files": file_digests(root, rank0_view(names))}
     from transformers.utils import cached_file
 
-    return {"revision": Path(cached_file(path, "config.json")).parent.name}  # .../snapshots/<commit>/config.json
+    config = _from_pretrained(cached_file, path, "policy", filename="config.json")  # .../snapshots/<commit>/
+    return {"revision": Path(config).parent.name}
 
 
 def check_same_reference(saved: Optional[dict], current: dict, path: str) -> None:
@@ -2720,7 +2722,7 @@ def check_output_dir_holds_no_input(args: Args, ours: list[Path], set_aside: str
                               "pass another --output_dir")
     if ours or args.overwrite_output_dir:
         return
-    foreign = rank0_view(sorted(p.name for p in root.iterdir() if p.name not in (*RUN_OUTPUTS, LOCK, ABANDONED))
+    foreign = rank0_view(sorted(p.name for p in root.iterdir() if not any(p.match(n) for n in RUN_OUTPUTS))
                          if root.is_dir() else [])
     if foreign:
         raise ConfigError(f"--output_dir {root} holds files this run did not write ({', '.join(foreign[:4])}"

@@ -392,6 +392,50 @@ def test_a_checkpoint_cannot_choose_the_code_that_runs(tmp_path):
         assert all(torch.equal(value, expected[name][key]) for key, value in model.state_dict().items()), name
 
 
+def hub_snapshot(cache: Path, commit: str) -> None:
+    """org/tiny in a Hugging Face cache, its main branch at `commit` (as a download leaves it)."""
+    (cache / "models--org--tiny" / "snapshots" / commit).mkdir(parents=True)
+    (cache / "models--org--tiny" / "snapshots" / commit / "config.json").write_text("{}")
+    (cache / "models--org--tiny" / "refs").mkdir(exist_ok=True)
+    (cache / "models--org--tiny" / "refs" / "main").write_text(commit)
+
+
+def hub_identity(cache: Path) -> dict:
+    """model_identity("org/tiny") in a process whose Hugging Face cache is `cache` (read when it starts)."""
+    code = "import json, rloo; print(json.dumps(rloo.model_identity('org/tiny')))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                            env={**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+    return json.loads(result.stdout)
+
+
+REFERENCE_CHANGES = {  # what happens to the frozen reference between a save and a resume: the error's fragment
+    "weights edited": (lambda root: truncate(root / "model.safetensors"), "these files differ: model.safetensors"),
+    "a file added": (lambda root: (root / "extra.py").write_text(""), "these files differ: extra.py"),
+    "config edited": (lambda root: (root / "config.json").write_text("{}"), "these files differ: config.json"),
+    "a new Hub revision": (lambda cache: hub_snapshot(cache, "b" * 40), f"revision {'a' * 40} -> {'b' * 40}"),
+}
+
+
+@pytest.mark.parametrize("change", REFERENCE_CHANGES, ids=list(REFERENCE_CHANGES))
+def test_a_resume_refuses_a_frozen_reference_that_changed(tmp_path, change):
+    tokenizer = policy_tokenizer()
+    if change == "a new Hub revision":
+        hub_snapshot(tmp_path, "a" * 40)
+        identity = lambda: hub_identity(tmp_path)  # noqa: E731
+    else:
+        tiny_policy(len(tokenizer)).save_pretrained(tmp_path)
+        tokenizer.save_pretrained(tmp_path)
+        identity = lambda: rloo.model_identity(str(tmp_path))  # noqa: E731
+    saved = identity()
+    rloo.check_same_reference(saved, identity(), "m")  # unchanged: resumes
+    rloo.check_same_reference(None, saved, "m")  # a checkpoint of an earlier rloo.py: not recorded
+    apply, fragment = REFERENCE_CHANGES[change]
+    apply(tmp_path)
+    with pytest.raises(rloo.ConfigError, match=re.escape(f"the frozen reference m is not the model the checkpoint's "
+                                                         f"run started from ({fragment}): restore that model")):
+        rloo.check_same_reference(saved, identity(), "m")
+
+
 def test_rng_states_survive_a_safe_round_trip(tmp_path):
     sampling = torch.Generator().manual_seed(3)
     random.seed(1)

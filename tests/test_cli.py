@@ -287,6 +287,11 @@ def bad_files(assets, tmp_path_factory) -> dict[str, Path]:
     (files["earlier_run"] / "checkpoints" / "step_3" / rloo.MANIFEST).write_text('{"files": {}}\n')
     files["policy"], files["a_model"], files["new_dir"] = assets["policy"], root / "a_model", root / "new" / "dir"
     tiny_policy(15).save_pretrained(files["a_model"])
+    files["leftovers"] = root / "leftovers"  # what runs that stopped before their first checkpoint leave
+    for name in ("wandb/run/x", "nonfinite/update_1_rank_0.jsonl", "metrics.jsonl", "engine_0.log",
+                 "engines.json", "abandoned/x/config.json"):
+        (files["leftovers"] / name).parent.mkdir(parents=True, exist_ok=True)
+        (files["leftovers"] / name).write_text("{}\n")
     for name, edited in (("resumable", None), ("edited_reference", "model.safetensors")):
         files[name] = root / name  # the run of the table's valid command, checkpointed after update 5 of 8 episodes
         reference = {"files": rloo.file_digests(assets["policy"])}  # its files' sha256
@@ -329,12 +334,15 @@ BAD_INPUTS = {  # case: (flags that replace or add to a valid command, fragments
     "output_dir is the policy's directory": ({"output_dir": "policy", "overwrite_output_dir": None},
                                              ["is the --model_name_or_path", "write over its input model"]),
     "output_dir holds a model": ({"output_dir": "a_model"},
-                                 ["holds files this run did not write (config.json, generation_config.json, model.safetensors)",
+                                 ["holds files this run did not write (config.json, generation_config.json, model.",
                                   "--overwrite_output_dir to move them to"]),
     "output_dir holds a model, with --resume": ({"output_dir": "a_model", "resume": None},
                                                 ["holds files this run did not write (config.json"]),
     "a refused run into a new output_dir": ({"output_dir": "new_dir", "dataset_name": "empty.jsonl"},
                                             ["empty.jsonl is empty"]),
+    "output_dir holds what runs leave before a checkpoint": ({"output_dir": "leftovers",
+                                                              "dataset_name": "empty.jsonl"},
+                                                             ["empty.jsonl is empty"]),  # not refused for them
     "total_episodes below the checkpoint": ({"output_dir": "resumable", "resume": None, "total_episodes": "16"},
                                             ["step_5 is after update 5, but this run ends after update 2",
                                              "--total_episodes 40 or more"]),
