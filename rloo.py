@@ -2596,7 +2596,9 @@ def checkpoint_problem(path: Path) -> Optional[str]:
                 else:
                     with safe_open(file, "pt"):
                         pass
-            except (ConfigError, *WRITE_ERRORS) as e:
+            except ConfigError as e:  # load_safely's line, which names the file
+                return str(e).removeprefix(f"{path}/")
+            except WRITE_ERRORS as e:
                 return f"{file.name} cannot be read ({first_line(e)})"
     return unsafe_metadata(metadata) if metadata.is_file() else None
 
@@ -2717,9 +2719,10 @@ def check_output_dir_holds_no_input(args: Args, ours: list[Path], set_aside: str
     checkpoints or --overwrite_output_dir sets them aside, next to files it did not write (a model, say)."""
     root = Path(args.output_dir)
     for flag in ("model_name_or_path", "sft_model_path", "reward_model_path"):
-        if getattr(args, flag) and Path(getattr(args, flag)).resolve() == root.resolve():
-            raise ConfigError(f"--output_dir {root} is the --{flag}: the run would write over its input model; "
-                              "pass another --output_dir")
+        model = Path(getattr(args, flag) or "")
+        if getattr(args, flag) and model.exists() and root.resolve() in (model.resolve(), *model.resolve().parents):
+            raise ConfigError(f"--output_dir {root} is or holds the --{flag} {model}: the run would write over "
+                              "its input model; pass another --output_dir")
     if ours or args.overwrite_output_dir:
         return
     foreign = rank0_view(sorted(p.name for p in root.iterdir() if not any(p.match(n) for n in RUN_OUTPUTS))

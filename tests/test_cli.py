@@ -286,6 +286,7 @@ def bad_files(assets, tmp_path_factory) -> dict[str, Path]:
     (files["earlier_run"] / "checkpoints" / "step_3").mkdir(parents=True)
     (files["earlier_run"] / "checkpoints" / "step_3" / rloo.MANIFEST).write_text('{"files": {}}\n')
     files["policy"], files["a_model"], files["new_dir"] = assets["policy"], root / "a_model", root / "new" / "dir"
+    files["above_policy"] = assets["policy"].parent
     tiny_policy(15).save_pretrained(files["a_model"])
     files["leftovers"] = root / "leftovers"  # what runs that stopped before their first checkpoint leave
     for name in ("wandb/run/x", "nonfinite/update_1_rank_0.jsonl", "metrics.jsonl", "engine_0.log",
@@ -332,7 +333,9 @@ BAD_INPUTS = {  # case: (flags that replace or add to a valid command, fragments
                                         ["holds an earlier run (checkpoints up to step_3)", "--resume",
                                          "--overwrite_output_dir"]),
     "output_dir is the policy's directory": ({"output_dir": "policy", "overwrite_output_dir": None},
-                                             ["is the --model_name_or_path", "write over its input model"]),
+                                             ["is or holds the --model_name_or_path", "write over its input model"]),
+    "output_dir holds the policy's directory": ({"output_dir": "above_policy", "overwrite_output_dir": None},
+                                                ["is or holds the --model_name_or_path"]),
     "output_dir holds a model": ({"output_dir": "a_model"},
                                  ["holds files this run did not write (config.json, generation_config.json, model.",
                                   "--overwrite_output_dir to move them to"]),
