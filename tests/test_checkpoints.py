@@ -269,6 +269,27 @@ def test_save_total_limit_keeps_the_newest_and_never_deletes_it(tmp_path):
     assert [p.name for p in rloo.checkpoint_dirs(str(tmp_path))] == ["step_3"]
 
 
+def no_hard_links(source, target):
+    raise OSError(18, "Invalid cross-device link")
+
+
+@pytest.mark.parametrize("link", [os.link, no_hard_links], ids=["hard links", "a filesystem without them"])
+def test_the_final_policy_is_the_final_checkpoints_stored_once_where_the_filesystem_can(tmp_path, monkeypatch, link):
+    policy, _, tokenizer = saved_steps(tmp_path, [1])
+    step = tmp_path / "checkpoints" / "step_1"
+    (tmp_path / "model.safetensors").write_text("this run's, of an earlier finish")
+    monkeypatch.setattr(os, "link", link)
+    rloo.save_final_policy(policy, tokenizer, str(tmp_path), 0, step)
+    names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
+    assert names == sorted(p.name for p in step.iterdir() if p.name not in ("trainer_state.pt", "manifest.json")
+                           and not p.name.startswith("rng_rank") and p.is_file())
+    for name in names:
+        assert (tmp_path / name).samefile(step / name) == (link is not no_hard_links), name
+        assert (tmp_path / name).read_bytes() == (step / name).read_bytes(), name
+    assert rloo.checkpoint_problem(step) is None
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).num_parameters() == policy.num_parameters()
+
+
 def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
