@@ -2495,9 +2495,8 @@ def file_digests(root: Path, names: Optional[list[str]] = None) -> dict[str, Opt
 
 
 def model_identity(path: str) -> dict:
-    """What a model is, for the frozen reference: a local directory's files (top level, hidden ones aside) with
-    their sha256, or a Hub model's revision: the commit of the snapshot it loads from. Collective when
-    distributed (file_digests)."""
+    """What a model is: a local directory's files (top level, hidden ones aside) with their sha256, or a Hub
+    model's revision: the commit of the snapshot it loads from. Collective when distributed (file_digests)."""
     root = Path(path)
     if root.is_dir():
         names = sorted(p.name for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
@@ -2508,9 +2507,9 @@ def model_identity(path: str) -> dict:
     return {"revision": Path(config).parent.name}
 
 
-def check_same_reference(saved: Optional[dict], current: dict, path: str) -> None:
-    """On resume: the frozen reference must be the model the checkpoint's run started from (None: a checkpoint
-    of an earlier rloo.py, which did not record it)."""
+def check_same_initial_model(saved: Optional[dict], current: dict, path: str) -> None:
+    """On resume: the initial model (the frozen reference, and the architecture and code the resumed policy loads
+    with) must be the one the checkpoint's run started from (None: an earlier rloo.py's, which did not record it)."""
     if saved is None or saved == current:
         return
     if "files" in saved and "files" in current:
@@ -2519,8 +2518,9 @@ def check_same_reference(saved: Optional[dict], current: dict, path: str) -> Non
         what = "these files differ: " + ", ".join(names)
     else:
         what = f"revision {saved.get('revision', 'a local directory')} -> {current.get('revision', 'a directory')}"
-    raise ConfigError(f"cannot resume: the frozen reference {path} is not the model the checkpoint's run started "
-                      f"from ({what}): restore that model, or start a new run in another --output_dir")
+    raise ConfigError(f"cannot resume: the initial model {path} (the frozen reference) is not the one the "
+                      f"checkpoint's run started from ({what}): restore that model, or start a new run in another "
+                      "--output_dir")
 
 
 # what the metadata of torch.distributed.checkpoint's optimizer shards is made of: nothing that runs code
@@ -2911,7 +2911,7 @@ class Run:
     policy: torch.nn.Module  # the trained model's own modules: sampling, log-probs, saving
     trained: torch.nn.Module  # the policy as training calls it: DDP-wrapped, or itself (one process, FSDP2 in place)
     ref_policy: Optional[torch.nn.Module]  # frozen initial policy; None when kl_coef = 0
-    reference: Optional[dict]  # its model_identity, saved with each checkpoint and checked on resume
+    initial_model: dict  # the initial model's model_identity, saved with each checkpoint and checked on resume
     optimizer: torch.optim.Optimizer
     tokenizer: object
     stop_token_id: Optional[int]
@@ -2963,9 +2963,10 @@ def set_up(args: Args, make_rollouts: Callable) -> Run:
         raise ConfigError(f"cannot resume: {checkpoint} is after update {resumed['update']}, but this run ends after "
                           f"update {num_updates}: pass --total_episodes {resumed['update'] * sizes.all_ranks} or more, "
                           "or --resume_from an earlier checkpoint")
-    reference = model_identity(args.sft_model_path or args.model_name_or_path) if args.kl_coef != 0 else None
+    initial_model = model_identity(args.sft_model_path or args.model_name_or_path)
     if resumed:
-        check_same_reference(resumed.get("reference"), reference, args.sft_model_path or args.model_name_or_path)
+        check_same_initial_model(resumed.get("initial_model"), initial_model,
+                                 args.sft_model_path or args.model_name_or_path)
     policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device, checkpoint, tokenizer)
     seed_everything(args.seed)  # a reward head missing from its checkpoint starts the same on every rank and resume
     sources = load_reward_sources(args, tokenizer, reward_functions, device)
@@ -3007,7 +3008,7 @@ def set_up(args: Args, make_rollouts: Callable) -> Run:
     timer = PhaseTimer(device)
     timer.count_tokens_of(policy, ref_policy, sources.model, getattr(rollouts, "sampler", None))
     return Run(args=args, dist_info=dist_info, sizes=sizes, policy=policy, trained=trained, ref_policy=ref_policy,
-               reference=reference,
+               initial_model=initial_model,
                optimizer=optimizer, tokenizer=tokenizer, stop_token_id=stop_token_id, sources=sources,
                dataset=dataset, eval_dataset=eval_dataset, sampler=sampler, sampling_rng=sampling_rng,
                rollouts=rollouts, share_prompt=share_prompt,
@@ -3041,7 +3042,7 @@ def save_state(run: Run, update: int, start_of_next: Optional[tuple[dict, dict]]
     trainer_state = {
         "update": update, "episode": update * run.sizes.all_ranks, "sampler": sampler_state,
         "elapsed": time.time() - run.start_time, "world_size": run.dist_info.world_size, "args": asdict(run.args),
-        "wandb_run_id": run.logger.wandb_run_id if run.logger else None, "reference": run.reference,
+        "wandb_run_id": run.logger.wandb_run_id if run.logger else None, "initial_model": run.initial_model,
     }
     return save_checkpoint(run.args.output_dir, update, run.trained, run.optimizer, run.tokenizer, trainer_state,
                            run.dist_info.rank, run.args.save_total_limit, run.sampling_rng, rng)

@@ -429,7 +429,7 @@ def hub_identity(cache: Path) -> dict:
     return json.loads(result.stdout)
 
 
-REFERENCE_CHANGES = {  # what happens to the frozen reference between a save and a resume: the error's fragment
+INITIAL_MODEL_CHANGES = {  # what happens to the initial model between a save and a resume: the error's fragment
     "weights edited": (lambda root: truncate(root / "model.safetensors"), "these files differ: model.safetensors"),
     "a file added": (lambda root: (root / "extra.py").write_text(""), "these files differ: extra.py"),
     "config edited": (lambda root: (root / "config.json").write_text("{}"), "these files differ: config.json"),
@@ -437,8 +437,8 @@ REFERENCE_CHANGES = {  # what happens to the frozen reference between a save and
 }
 
 
-@pytest.mark.parametrize("change", REFERENCE_CHANGES, ids=list(REFERENCE_CHANGES))
-def test_a_resume_refuses_a_frozen_reference_that_changed(tmp_path, change):
+@pytest.mark.parametrize("change", INITIAL_MODEL_CHANGES, ids=list(INITIAL_MODEL_CHANGES))
+def test_a_resume_refuses_an_initial_model_that_changed(tmp_path, change):
     tokenizer = policy_tokenizer()
     if change == "a new Hub revision":
         hub_snapshot(tmp_path, "a" * 40)
@@ -448,13 +448,13 @@ def test_a_resume_refuses_a_frozen_reference_that_changed(tmp_path, change):
         tokenizer.save_pretrained(tmp_path)
         identity = lambda: rloo.model_identity(str(tmp_path))  # noqa: E731
     saved = identity()
-    rloo.check_same_reference(saved, identity(), "m")  # unchanged: resumes
-    rloo.check_same_reference(None, saved, "m")  # a checkpoint of an earlier rloo.py: not recorded
-    apply, fragment = REFERENCE_CHANGES[change]
+    rloo.check_same_initial_model(saved, identity(), "m")  # unchanged: resumes
+    rloo.check_same_initial_model(None, saved, "m")  # a checkpoint of an earlier rloo.py: not recorded
+    apply, fragment = INITIAL_MODEL_CHANGES[change]
     apply(tmp_path)
-    with pytest.raises(rloo.ConfigError, match=re.escape(f"the frozen reference m is not the model the checkpoint's "
-                                                         f"run started from ({fragment}): restore that model")):
-        rloo.check_same_reference(saved, identity(), "m")
+    with pytest.raises(rloo.ConfigError, match=re.escape(f"the initial model m (the frozen reference) is not the one "
+                                                         f"the checkpoint's run started from ({fragment}): restore")):
+        rloo.check_same_initial_model(saved, identity(), "m")
 
 
 def test_rng_states_survive_a_safe_round_trip(tmp_path):

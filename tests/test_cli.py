@@ -249,11 +249,11 @@ def argv_of(flags: dict) -> list[str]:
     return [s for name, value in flags.items() for s in (f"--{name}", *([] if value is None else [str(value)]))]
 
 
-def checkpoint_of(output_dir: Path, update: int, args: rloo.Args, reference: dict) -> Path:
-    """A checkpoint after `update` of a run with these args and this frozen reference, as save_state writes it."""
+def checkpoint_of(output_dir: Path, update: int, args: rloo.Args, initial_model: dict) -> Path:
+    """A checkpoint after `update` of a run with these args and this initial model, as save_state writes it."""
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer))
-    state = {"update": update, "world_size": 1, "args": asdict(args), "reference": reference}
+    state = {"update": update, "world_size": 1, "args": asdict(args), "initial_model": initial_model}
     return rloo.save_checkpoint(str(output_dir), update, policy, torch.optim.AdamW(policy.parameters()), tokenizer,
                                 state, 0, None, torch.Generator())
 
@@ -293,12 +293,13 @@ def bad_files(assets, tmp_path_factory) -> dict[str, Path]:
                  "engines.json", "abandoned/x/config.json"):
         (files["leftovers"] / name).parent.mkdir(parents=True, exist_ok=True)
         (files["leftovers"] / name).write_text("{}\n")
-    for name, edited in (("resumable", None), ("edited_reference", "model.safetensors")):
+    for name, edited in (("resumable", None), ("edited_initial_model", "model.safetensors")):
         files[name] = root / name  # the run of the table's valid command, checkpointed after update 5 of 8 episodes
-        reference = {"files": rloo.file_digests(assets["policy"])}  # its files' sha256
+        initial_model = {"files": rloo.file_digests(assets["policy"])}  # its files' sha256
         if edited:
-            reference["files"][edited]["sha256"] = "0" * 64
-        checkpoint_of(files[name], 5, tyro.cli(rloo.Args, args=argv_of(valid_flags(assets, files[name]))), reference)
+            initial_model["files"][edited]["sha256"] = "0" * 64
+        args = tyro.cli(rloo.Args, args=argv_of(valid_flags(assets, files[name])))
+        checkpoint_of(files[name], 5, args, initial_model)
     step = checkpoint_of(root / "pickled", 1, rloo.Args(), {})
     torch.save(tiny_policy(15).state_dict(), step / "pytorch_model.bin")  # the weights as a pickle
     (step / "model.safetensors").unlink()
@@ -349,9 +350,9 @@ BAD_INPUTS = {  # case: (flags that replace or add to a valid command, fragments
     "total_episodes below the checkpoint": ({"output_dir": "resumable", "resume": None, "total_episodes": "16"},
                                             ["step_5 is after update 5, but this run ends after update 2",
                                              "--total_episodes 40 or more"]),
-    "the frozen reference edited": ({"output_dir": "edited_reference", "resume": None},
-                                    ["the frozen reference", "these files differ: model.safetensors",
-                                     "restore that model"]),
+    "the initial model edited": ({"output_dir": "edited_initial_model", "resume": None},
+                                 ["the initial model", "(the frozen reference)", "these files differ: model.safetensors",
+                                  "restore that model"]),
     "weights in a pickle": ({"resume_from": "pickled_step"},
                             ["step_1 is damaged: no weights in safetensors (pytorch_model.bin instead)",
                              "a pickle is never loaded"]),
