@@ -294,7 +294,7 @@ def bad_files(assets, tmp_path_factory) -> dict[str, Path]:
         (files["leftovers"] / name).parent.mkdir(parents=True, exist_ok=True)
         (files["leftovers"] / name).write_text("{}\n")
     for name, edited in (("resumable", None), ("edited_initial_model", "model.safetensors")):
-        files[name] = root / name  # the run of the table's valid command, checkpointed after update 5 of 8 episodes
+        files[name] = root / name  # the table's valid command, checkpointed after update 5 (8 episodes each)
         initial_model = {"files": rloo.file_digests(assets["policy"])}  # its files' sha256
         if edited:
             initial_model["files"][edited]["sha256"] = "0" * 64
