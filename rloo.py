@@ -247,8 +247,8 @@ class Args:
     resume_from: Optional[str] = None
     """continue from this checkpoint directory; later checkpoints of output_dir are set aside (another timeline)"""
     overwrite_output_dir: bool = False
-    """start a new run in an output_dir that holds an earlier run: its checkpoints, metrics and final policy are
-    moved to output_dir/abandoned/ first (nothing is deleted). Without it such a run is refused"""
+    """start a new run in an output_dir that holds an earlier run or files it did not write: all it holds is moved
+    to output_dir/abandoned/ first (nothing is deleted). Without it such a run is refused"""
     ddp_timeout: float = 600.0
     """seconds a rank waits for the others (in a collective, or after scoring, evaluation or a save) before the
     run stops with a line naming the late rank and its phase: a reward function that never returns, a dead node"""
@@ -809,12 +809,20 @@ def ensure_pad_token(tokenizer, pad_token: Optional[str], embedding_rows: int, n
         )
 
 
-def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool):
+def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool, weights: Optional[Path] = None):
+    """The model at `path`; with `weights` (a checkpoint), only its weights, in safetensors, come from there: the
+    architecture and any remote code still come from `path`, so that a checkpoint can choose no code to run."""
     from transformers import AutoModelForCausalLM
 
-    return _from_pretrained(
-        AutoModelForCausalLM.from_pretrained, path, "policy", dtype=dtype, trust_remote_code=trust_remote_code
-    )
+    if weights is None:
+        return _from_pretrained(
+            AutoModelForCausalLM.from_pretrained, path, "policy", dtype=dtype, trust_remote_code=trust_remote_code
+        )
+    config = load_config(path, "policy", trust_remote_code)
+    with torch.device("meta"):  # the class only: nothing allocated
+        model_class = type(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
+    return _from_pretrained(model_class.from_pretrained, str(weights), "policy", config=config, dtype=dtype,
+                            use_safetensors=True)
 
 
 def load_reward_model(path: str, dtype: torch.dtype, trust_remote_code: bool):
@@ -912,7 +920,7 @@ def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = N
     initial_path = args.sft_model_path or args.model_name_or_path
     if tokenizer is None:
         tokenizer, _ = prepare_tokenizer(args)
-    policy = load_causal_lm(str(checkpoint or initial_path), torch.float32, args.trust_remote_code)
+    policy = load_causal_lm(initial_path, torch.float32, args.trust_remote_code, weights=checkpoint)
     ensure_pad_token(tokenizer, args.pad_token, policy.get_input_embeddings().num_embeddings, tokenizer_path)
     policy.config.pad_token_id = tokenizer.pad_token_id
     stop_token_id = stop_token_id_of(args, tokenizer, tokenizer_path)
@@ -2251,10 +2259,8 @@ MANIFEST = "manifest.json"  # written last into a checkpoint: the size and sha25
 PREEMPTED = "preempted"  # in output_dir while a run stopped by a signal waits to be resumed; job scripts requeue on it
 LOCK = "run.lock"  # flock'ed by the run that writes to output_dir, and holding its pid and host
 ABANDONED = "abandoned"  # output_dir/abandoned/<time>_<why>/: work a run set aside (never deleted)
-RUN_OUTPUTS = (CHECKPOINTS, "metrics.jsonl", "args.json", PREEMPTED, "nonfinite", "wandb")  # and the final policy
-FINAL_POLICY_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "*.bin",
-                      "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
-                      "chat_template.*")  # what save_pretrained writes for a model and its tokenizer
+RUN_OUTPUTS = (CHECKPOINTS, "metrics.jsonl*", PREEMPTED, "nonfinite", "wandb", LOCK, ABANDONED,  # what a run writes
+               "engine_*.log", "engines.json")  # before it ends (the last two: rloo_multinode.py's engines)
 
 
 class StartupInterrupted(BaseException):
@@ -2401,7 +2407,7 @@ def reward_faults(device: torch.device, what: str, after_training: bool = False)
 
 # ===================================================================== checkpoints: output_dir, save, verify, resume
 # ---- output_dir: one run at a time, nothing deleted
-LOCKS: dict[str, object] = {}  # resolved output_dir -> the lock file this process holds (until it exits)
+LOCKS: dict[str, dict] = {}  # resolved output_dir -> {"file": the lock file held (until exit), "created": its dirs}
 
 
 def lock_output_dir(output_dir: str) -> None:
@@ -2411,6 +2417,7 @@ def lock_output_dir(output_dir: str) -> None:
     path = Path(output_dir)
     if str(path.resolve()) in LOCKS:
         return
+    created = [d for d in (path, *path.parents) if not d.exists()]  # the deepest first
     try:
         path.mkdir(parents=True, exist_ok=True)
         lock = open(path / LOCK, "a+")
@@ -2431,7 +2438,22 @@ def lock_output_dir(output_dir: str) -> None:
     lock.truncate()
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     lock.flush()
-    LOCKS[str(path.resolve())] = lock
+    LOCKS[str(path.resolve())] = {"file": lock, "created": created}
+
+
+def release_output_dir(output_dir: str) -> None:
+    """After a refused start, so that it leaves nothing behind: the lock file removed, and the directories made
+    for it if they are empty."""
+    held = LOCKS.pop(str(Path(output_dir).resolve()), None)
+    if held is None:
+        return
+    (Path(output_dir) / LOCK).unlink(missing_ok=True)
+    held["file"].close()
+    for directory in held["created"]:
+        try:
+            directory.rmdir()
+        except OSError:  # not empty
+            break
 
 
 def holds_lock(output_dir: str) -> bool:
@@ -2507,6 +2529,9 @@ def save_policy(policy, tokenizer, path: Path, rank: int) -> None:
     if rank == 0:
         policy.save_pretrained(path, state_dict=state)
         tokenizer.save_pretrained(path)
+        mode = (Path(path) / "config.json").stat().st_mode & 0o777  # what the umask gives a file
+        for weights in Path(path).glob("*.safetensors"):  # written through a temporary file, 0600
+            weights.chmod(mode)
         if state is not None:  # fully_shard renamed the class FSDP<Model>: record the model's own name
             config_path = Path(path) / "config.json"
             config = json.loads(config_path.read_text())
@@ -2582,6 +2607,35 @@ def file_digests(root: Path, names: Optional[list[str]] = None) -> dict[str, Opt
     return digests
 
 
+def model_identity(path: str) -> dict:
+    """What a model is: a local directory's files (top level, hidden ones aside) with their sha256, or a Hub
+    model's revision: the commit of the snapshot it loads from. Collective when distributed (file_digests)."""
+    root = Path(path)
+    if root.is_dir():
+        names = sorted(p.name for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
+        return {"files": file_digests(root, rank0_view(names))}
+    from transformers.utils import cached_file
+
+    config = _from_pretrained(cached_file, path, "policy", filename="config.json")  # .../snapshots/<commit>/
+    return {"revision": Path(config).parent.name}
+
+
+def check_same_initial_model(saved: Optional[dict], current: dict, path: str) -> None:
+    """On resume: the initial model (the frozen reference, and the architecture and code the resumed policy loads
+    with) must be the one the checkpoint's run started from (None: an earlier rloo.py's, which did not record it)."""
+    if saved is None or saved == current:
+        return
+    if "files" in saved and "files" in current:
+        names = sorted(n for n in saved["files"].keys() | current["files"].keys()
+                       if saved["files"].get(n) != current["files"].get(n))
+        what = "these files differ: " + ", ".join(names)
+    else:
+        what = f"revision {saved.get('revision', 'a local directory')} -> {current.get('revision', 'a directory')}"
+    raise ConfigError(f"cannot resume: the initial model {path} (the frozen reference) is not the one the "
+                      f"checkpoint's run started from ({what}): restore that model, or start a new run in another "
+                      "--output_dir")
+
+
 # what the metadata of torch.distributed.checkpoint's optimizer shards is made of: nothing that runs code
 DCP_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
                         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict")} | {
@@ -2614,9 +2668,10 @@ def unsafe_metadata(path: Path) -> Optional[str]:
 
 def checkpoint_problem(path: Path) -> Optional[str]:
     """Why a checkpoint cannot be resumed from, or None when it is intact: its manifest (written last, so missing
-    after a save that did not finish) is unreadable, a file it lists is missing or differs in size or sha256, or
-    its optimizer shards' metadata refers to code. A checkpoint of an earlier rloo.py has no manifest: its trainer
-    state is checked when it is read. Collective when distributed."""
+    after a save that did not finish) is unreadable, a file it lists is missing or differs in size or sha256, its
+    weights are not in safetensors (a pickle is never loaded), or its optimizer shards' metadata refers to code.
+    A checkpoint of an earlier rloo.py has no manifest: each of its weights and RNG files must read to its end (its
+    trainer state is checked when it is read). Collective when distributed."""
     metadata = path / OPTIMIZER_SHARDS / ".metadata"
     try:
         listed = json.loads((path / MANIFEST).read_text())["files"]
@@ -2635,6 +2690,29 @@ def checkpoint_problem(path: Path) -> Optional[str]:
                 return f"{name} has {found[name]['bytes']} bytes where the manifest says {expected['bytes']}"
             if found[name]["sha256"] != expected["sha256"]:
                 return f"{name} differs from the manifest (sha256)"
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        others = [p.name for p in sorted(path.iterdir()) if p.suffix in (".bin", ".pt", ".pth", ".ckpt")
+                  and not p.name.startswith("rng_rank") and p.name != TRAINER_STATE]
+        return f"no weights in safetensors ({', '.join(others) or 'none'} instead): a pickle is never loaded"
+    if listed is None:
+        from safetensors import safe_open
+
+        index = path / "model.safetensors.index.json"
+        shards = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else set()
+        if missing := sorted(shards - {p.name for p in weights}):
+            return f"{missing[0]} is missing"
+        for file in weights + sorted(path.glob("rng_rank*.pt")):
+            try:
+                if file.suffix == ".pt":
+                    load_safely(file)
+                else:
+                    with safe_open(file, "pt"):
+                        pass
+            except ConfigError as e:  # load_safely's line, which names the file
+                return str(e).removeprefix(f"{path}/")
+            except WRITE_ERRORS as e:
+                return f"{file.name} cannot be read ({first_line(e)})"
     return unsafe_metadata(metadata) if metadata.is_file() else None
 
 
@@ -2696,10 +2774,22 @@ def save_checkpoint(output_dir: str, update: int, model, optimizer, tokenizer, t
     return final
 
 
-def save_final_policy(policy, tokenizer, output_dir: str, rank: int) -> None:
-    """The finished run's policy and tokenizer in output_dir (save_policy); a failed write says how to redo it."""
+def save_final_policy(policy, tokenizer, output_dir: str, rank: int, checkpoint: Optional[Path] = None) -> None:
+    """The finished run's policy and tokenizer in output_dir: hard links to those of `checkpoint`, the final one
+    (stored once; a change to either shows in the checkpoint's manifest), copies where the filesystem has no hard
+    links, or written (save_policy) when there is no checkpoint. A failed write says how to redo it."""
     try:
-        save_policy(policy, tokenizer, Path(output_dir), rank)
+        if checkpoint is None:
+            save_policy(policy, tokenizer, Path(output_dir), rank)
+        elif rank == 0:
+            for file in sorted(checkpoint.iterdir()):
+                if not file.is_file() or file.name in (TRAINER_STATE, MANIFEST) or file.name.startswith("rng_rank"):
+                    continue
+                (Path(output_dir) / file.name).unlink(missing_ok=True)  # this run's own, of an earlier finish
+                try:
+                    os.link(file, Path(output_dir) / file.name)
+                except OSError:
+                    shutil.copy2(file, Path(output_dir) / file.name)
     except WRITE_ERRORS as e:
         raise Fault(f"could not write the final policy to {output_dir}: {first_line(e)}; the final checkpoint "
                     f"{latest_checkpoint(output_dir)} is intact: free space and run the same command with --resume "
@@ -2737,14 +2827,34 @@ class Resumption:
     skipped: dict  # {damaged checkpoint newer than `checkpoint`: why}
 
 
+def check_output_dir_holds_no_input(args: Args, ours: list[Path], set_aside: str) -> None:
+    """The run never writes into an input model's directory, nor, unless it continues output_dir's own
+    checkpoints or --overwrite_output_dir sets them aside, next to files it did not write (a model, say)."""
+    root = Path(args.output_dir)
+    for flag in ("model_name_or_path", "sft_model_path", "reward_model_path"):
+        model = Path(getattr(args, flag) or "")
+        if getattr(args, flag) and model.exists() and root.resolve() in (model.resolve(), *model.resolve().parents):
+            raise ConfigError(f"--output_dir {root} is or holds the --{flag} {model}: the run would write over "
+                              "its input model; pass another --output_dir")
+    if ours or args.overwrite_output_dir:
+        return
+    foreign = rank0_view(sorted(p.name for p in root.iterdir() if not any(p.match(n) for n in RUN_OUTPUTS))
+                         if root.is_dir() else [])
+    if foreign:
+        raise ConfigError(f"--output_dir {root} holds files this run did not write ({', '.join(foreign[:4])}"
+                          + (", ..." if len(foreign) > 4 else "") + "): pass a new or empty --output_dir, or "
+                          + set_aside)
+
+
 def resume_checkpoint(args: Args) -> Resumption:
     """Where the run starts: --resume_from, or with --resume the newest intact checkpoint of output_dir (the
     damaged newer ones it skips are named), or nothing. Refused: a damaged --resume_from; --resume when no
-    checkpoint is intact; and a run that would mix with an earlier one in output_dir (unless
-    --overwrite_output_dir sets that one aside). Collective when distributed."""
+    checkpoint is intact; and a run that would mix with an earlier one or with other files in output_dir (unless
+    --overwrite_output_dir sets them aside). Collective when distributed."""
     ours = rank0_view(checkpoint_dirs(args.output_dir))
-    earlier = f"an earlier run (checkpoints up to {ours[0].name})" if ours else "a finished run (args.json)"
-    set_aside = f"--overwrite_output_dir to move it to {Path(args.output_dir) / ABANDONED}/ and start over"
+    set_aside = f"--overwrite_output_dir to move them to {Path(args.output_dir) / ABANDONED}/ and start over"
+    check_output_dir_holds_no_input(args, ours, set_aside)
+    earlier = f"an earlier run (checkpoints up to {ours[0].name})" if ours else ""
     if args.resume_from is not None:
         path = Path(args.resume_from)
         if not (path / TRAINER_STATE).is_file():
@@ -2770,7 +2880,7 @@ def resume_checkpoint(args: Args) -> Resumption:
                               + "; ".join(f"{p.name}: {why}" for p, why in skipped.items())
                               + f"): pass --resume_from a checkpoint elsewhere, or without --resume, {set_aside}")
         return Resumption(None, None, {})
-    if (ours or (Path(args.output_dir) / "args.json").is_file()) and not args.overwrite_output_dir:
+    if ours and not args.overwrite_output_dir:
         raise ConfigError(f"--output_dir {args.output_dir} holds {earlier}: pass --resume to continue it, another "
                           f"--output_dir, or {set_aside}")
     return Resumption(None, None, {})
@@ -2795,19 +2905,18 @@ def move_aside(output_dir: str, names: list[str], why: str) -> Path:
 
 def settle_output_dir(args: Args, start_update: int, skipped: dict) -> list[str]:
     """Rank 0, before the run writes anything: what output_dir holds beyond the update the run starts from is
-    moved to output_dir/abandoned/ (nothing is deleted). With --overwrite_output_dir, the earlier run's outputs.
+    moved to output_dir/abandoned/ (nothing is deleted). With --overwrite_output_dir, all it holds.
     Otherwise the checkpoints of later updates (another timeline, after --resume_from an older one, or damaged ones
     --resume skipped) and the metrics.jsonl lines after that update (those of a timeline abandoned, or updates
     that a killed run logged but did not checkpoint). Then --resume and metrics.jsonl only ever see the timeline
     being continued. Returns the lines to print."""
     root = Path(args.output_dir)
     if args.overwrite_output_dir:
-        names = [n for n in RUN_OUTPUTS if (root / n).exists()]
-        names += sorted({p.name for pattern in FINAL_POLICY_FILES for p in root.glob(pattern) if p.is_file()})
+        names = sorted(p.name for p in root.iterdir() if p.name not in (LOCK, ABANDONED))
         if not names:
             return []
         folder = move_aside(args.output_dir, names, "overwritten")
-        return [f"--overwrite_output_dir: the earlier run's {', '.join(names)} moved to {folder}"]
+        return [f"--overwrite_output_dir: what it held ({', '.join(names)}) moved to {folder}"]
     later = [d for d in reversed(checkpoint_dirs(args.output_dir)) if int(d.name.removeprefix("step_")) > start_update]
     metrics = root / "metrics.jsonl"
     kept, dropped = [], []
@@ -2915,6 +3024,7 @@ class Run:
     policy: torch.nn.Module  # the trained model's own modules: sampling, log-probs, saving
     trained: torch.nn.Module  # the policy as training calls it: DDP-wrapped, or itself (one process, FSDP2 in place)
     ref_policy: Optional[torch.nn.Module]  # frozen initial policy; None when kl_coef = 0
+    initial_model: dict  # the initial model's model_identity, saved with each checkpoint and checked on resume
     optimizer: torch.optim.Optimizer
     tokenizer: object
     stop_token_id: Optional[int]
@@ -2961,10 +3071,18 @@ def set_up(args: Args, make_rollouts: Callable) -> Run:
     sampler = PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)  # too few?
     check_reward_function_arguments(reward_functions, [(args.dataset_name, dataset),
                                                        (args.dataset_test_split, eval_dataset)], args.prompt_column)
+    num_updates = math.ceil((args.total_episodes or int(args.num_train_epochs * len(dataset))) / sizes.all_ranks)
+    if resumed and resumed["update"] > num_updates:
+        raise ConfigError(f"cannot resume: {checkpoint} is after update {resumed['update']}, but this run ends after "
+                          f"update {num_updates}: pass --total_episodes {resumed['update'] * sizes.all_ranks} or more, "
+                          "or --resume_from an earlier checkpoint")
+    initial_model = model_identity(args.sft_model_path or args.model_name_or_path)
+    if resumed:
+        check_same_initial_model(resumed.get("initial_model"), initial_model,
+                                 args.sft_model_path or args.model_name_or_path)
     policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device, checkpoint, tokenizer)
     seed_everything(args.seed)  # a reward head missing from its checkpoint starts the same on every rank and resume
     sources = load_reward_sources(args, tokenizer, reward_functions, device)
-    num_updates = math.ceil((args.total_episodes or int(args.num_train_epochs * len(dataset))) / sizes.all_ranks)
     # each prompt computed once for its k completions, in every phase, where the model can take it exactly
     probe = sharing_probe(dataset[0][PROMPT_IDS], args.max_prompt_length, args.response_length, device)
     sharing_notes = []  # printed with the other start-up notes
@@ -3008,6 +3126,7 @@ def set_up(args: Args, make_rollouts: Callable) -> Run:
     timer = PhaseTimer(device)
     timer.count_tokens_of(policy, ref_policy, sources.model, getattr(rollouts, "sampler", None))
     return Run(args=args, dist_info=dist_info, sizes=sizes, policy=policy, trained=trained, ref_policy=ref_policy,
+               initial_model=initial_model,
                optimizer=optimizer, tokenizer=tokenizer, stop_token_id=stop_token_id, sources=sources,
                dataset=dataset, eval_dataset=eval_dataset, sampler=sampler, sampling_rng=sampling_rng,
                rollouts=rollouts, share_prompt=share_prompt,
@@ -3041,7 +3160,7 @@ def save_state(run: Run, update: int, start_of_next: Optional[tuple[dict, dict]]
     trainer_state = {
         "update": update, "episode": update * run.sizes.all_ranks, "sampler": sampler_state,
         "elapsed": time.time() - run.start_time, "world_size": run.dist_info.world_size, "args": asdict(run.args),
-        "wandb_run_id": run.logger.wandb_run_id if run.logger else None,
+        "wandb_run_id": run.logger.wandb_run_id if run.logger else None, "initial_model": run.initial_model,
     }
     return save_checkpoint(run.args.output_dir, update, run.trained, run.optimizer, run.tokenizer, trainer_state,
                            run.dist_info.rank, run.args.save_total_limit, run.sampling_rng, rng)
@@ -3198,7 +3317,9 @@ def save_if_due(run: Run, update: int, stop_signal: StopSignal) -> bool:
 
 def save_final(run: Run) -> None:
     """The final policy, its tokenizer and args.json: their presence in output_dir marks a finished run."""
-    save_final_policy(run.policy, run.tokenizer, run.args.output_dir, run.dist_info.rank)
+    final = Path(run.args.output_dir) / CHECKPOINTS / f"step_{run.num_updates}"  # this timeline's, or none
+    save_final_policy(run.policy, run.tokenizer, run.args.output_dir, run.dist_info.rank,
+                      final if rank0_view(final.is_dir()) else None)
     if run.dist_info.master:
         (Path(run.args.output_dir) / "args.json").write_text(json.dumps(asdict(run.args), indent=2))
         run.logger.console.print(f"saved the policy and tokenizer to {run.args.output_dir}")
@@ -3208,7 +3329,11 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     """Train. `make_rollouts(policy, args, stop_token_id, pad_token_id, generator, autocast)` gives the source of
     completions (see LocalRollouts); rloo_multinode.py passes its engines' client."""
     stop_signal = StopSignal(args.output_dir, announce=os.environ.get("RANK", "0") == "0")  # until training: exit
-    run = set_up(args, make_rollouts)
+    try:
+        run = set_up(args, make_rollouts)
+    except ConfigError:
+        release_output_dir(args.output_dir)  # a refused run leaves nothing behind
+        raise
     stop_signal.training = True  # from here on a signal stops the run after an update, with a checkpoint
     stopped = False
     try:

@@ -4,6 +4,7 @@ import json
 import os
 import pickle
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -112,6 +113,10 @@ def test_resume_refuses_meaning_changes_reports_harmless_ones_and_continues_wand
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_3"]  # the newest 2
     assert AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step_3")  # loadable on its own
+    final = out / "checkpoints" / "step_3"
+    assert (out / "model.safetensors").samefile(final / "model.safetensors")  # the final policy stored once
+    assert len({p.stat().st_mode for p in (out / "model.safetensors", out / "config.json", out / "metrics.jsonl",
+                                           final / "trainer_state.pt")}) == 1  # weights readable as the others
 
     (out / "preempted").write_text(f"{out / 'checkpoints' / 'step_3'}\n")  # as a stop by a signal leaves it
     refused = run_rloo(*common, "--total_episodes", PER_UPDATE * 4, "--resume", "--rloo_k", 2, "--learning_rate", 1e-3)
@@ -124,6 +129,8 @@ def test_resume_refuses_meaning_changes_reports_harmless_ones_and_continues_wand
     assert ("changed: num_evals (3 -> 1), save_steps (1 -> 0), save_total_limit (2 -> None), "
             "total_episodes (96 -> 128)") in result.stdout
     assert [m["update"] for m in read_metrics(out)] == [1, 2, 3, 4]  # appended, never truncated
+    assert (out / "model.safetensors").samefile(out / "checkpoints" / "step_4" / "model.safetensors")
+    assert rloo.checkpoint_problem(final) is None  # its policy files unchanged by the new final policy
     run_ids = {p.name.rsplit("-", 1)[1] for p in (out / "wandb").glob("offline-run-*")}
     assert len(list((out / "wandb").glob("offline-run-*"))) == 2 and len(run_ids) == 1  # the same wandb run
 
@@ -262,14 +269,55 @@ def test_save_total_limit_keeps_the_newest_and_never_deletes_it(tmp_path):
     assert [p.name for p in rloo.checkpoint_dirs(str(tmp_path))] == ["step_3"]
 
 
+def no_hard_links(source, target):
+    raise OSError(18, "Invalid cross-device link")
+
+
+@pytest.mark.parametrize("link", [os.link, no_hard_links], ids=["hard links", "a filesystem without them"])
+def test_the_final_policy_is_the_final_checkpoints_stored_once_where_the_filesystem_can(tmp_path, monkeypatch, link):
+    policy, _, tokenizer = saved_steps(tmp_path, [1])
+    step = tmp_path / "checkpoints" / "step_1"
+    (tmp_path / "model.safetensors").write_text("this run's, of an earlier finish")
+    monkeypatch.setattr(os, "link", link)
+    rloo.save_final_policy(policy, tokenizer, str(tmp_path), 0, step)
+    names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
+    assert names == sorted(p.name for p in step.iterdir() if p.name not in ("trainer_state.pt", "manifest.json")
+                           and not p.name.startswith("rng_rank") and p.is_file())
+    for name in names:
+        assert (tmp_path / name).samefile(step / name) == (link is not no_hard_links), name
+        assert (tmp_path / name).read_bytes() == (step / name).read_bytes(), name
+    assert rloo.checkpoint_problem(step) is None
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).num_parameters() == policy.num_parameters()
+
+
 def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def without_manifest(damage: Callable) -> Callable:
+    """A checkpoint copied without its manifest (or of an earlier rloo.py), then damaged."""
+    return lambda step: ((step / "manifest.json").unlink(), damage(step))
+
+
+def pickled_weights(step: Path) -> None:
+    """The weights as a pickle (pytorch_model.bin) that would run code, listed by a true manifest."""
+    torch.save({"gpt_neox.embed_in.weight": Payload(step.parent.parent / "ran")}, step / "pytorch_model.bin")
+    (step / "model.safetensors").unlink()
+    forge_manifest(step)
 
 
 DAMAGE = {"truncated weights": (lambda step: truncate(step / "model.safetensors"), "model.safetensors has"),
           "truncated trainer state": (lambda step: truncate(step / "trainer_state.pt"), "trainer_state.pt has"),
           "a missing rank file": (lambda step: (step / "rng_rank0.pt").unlink(), "rng_rank0.pt is missing"),
-          "no manifest": (lambda step: (step / "manifest.json").rename(step / "kept"), "its save did not finish")}
+          "no manifest": (lambda step: (step / "manifest.json").rename(step / "kept"), "its save did not finish"),
+          "no manifest, truncated weights": (without_manifest(lambda step: truncate(step / "model.safetensors")),
+                                             "model.safetensors cannot be read"),
+          "no manifest, truncated rank file": (without_manifest(lambda step: truncate(step / "rng_rank0.pt")),
+                                               "rng_rank0.pt cannot be read"),
+          "no manifest, weights missing": (without_manifest(lambda step: (step / "model.safetensors").unlink()),
+                                           "no weights in safetensors (none instead)"),
+          "weights in a pickle": (pickled_weights, "no weights in safetensors (pytorch_model.bin instead): a pickle "
+                                                   "is never loaded")}
 
 
 @pytest.mark.parametrize("damage", DAMAGE, ids=list(DAMAGE))
@@ -285,13 +333,14 @@ def test_resume_skips_a_damaged_newest_checkpoint_and_names_it(tmp_path, damage)
     start = rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True))
     assert start.checkpoint == tmp_path / "checkpoints" / "step_2" and start.state["update"] == 2
     assert list(start.skipped) == [step_3] and reason in start.skipped[step_3]
-    with pytest.raises(rloo.ConfigError, match=f"--resume_from {step_3} is damaged: {reason}"):
+    with pytest.raises(rloo.ConfigError, match=re.escape(f"--resume_from {step_3} is damaged: {reason}")):
         rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume_from=str(step_3)))
     notes = rloo.settle_output_dir(rloo.Args(output_dir=str(tmp_path), resume=True), 2, start.skipped)
     assert any(f"skipped damaged checkpoint step_3: {reason}" in note for note in notes)
     (aside,) = (tmp_path / "abandoned").iterdir()  # moved, not deleted
     assert (aside / "checkpoints" / "step_3").is_dir() and reason in (aside / "why.txt").read_text()
     assert rloo.latest_checkpoint(str(tmp_path)) == tmp_path / "checkpoints" / "step_2"
+    assert not (tmp_path / "ran").exists()  # nothing was unpickled
 
 
 def test_a_checkpoint_without_manifest_from_an_earlier_rloo_is_still_resumed(tmp_path):
@@ -338,6 +387,74 @@ def test_checkpoints_cannot_run_code(tmp_path):
     assert not marker.exists()
     torch.load(step / "trainer_state.pt", weights_only=False)  # what loading used to do
     assert marker.exists()  # the payload is real
+
+
+def test_a_checkpoint_cannot_choose_the_code_that_runs(tmp_path):
+    """--resume --trust_remote_code: the architecture and any remote code come from the initial model, only the
+    weights from the checkpoint."""
+    tokenizer = policy_tokenizer()
+    initial = tmp_path / "initial"
+    tiny_policy(len(tokenizer), seed=1).save_pretrained(initial)
+    tokenizer.save_pretrained(initial)
+    trained, _, _ = saved_steps(tmp_path / "run", [1])
+    step, marker = tmp_path / "run" / "checkpoints" / "step_1", tmp_path / "ran"
+    (step / "evil.py").write_text(f"open({str(marker)!r}, 'w')\nfrom transformers import GPTNeoXForCausalLM as Evil\n")
+    config = json.loads((step / "config.json").read_text())
+    (step / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModelForCausalLM": "evil.Evil"}}))
+    forge_manifest(step)
+    args = rloo.Args(model_name_or_path=str(initial), output_dir=str(tmp_path / "run"), resume=True,
+                     trust_remote_code=True)
+    start = rloo.resume_checkpoint(args)
+    assert start.checkpoint == step
+    policy, reference, _, _ = rloo.load_policy(args, torch.device("cpu"), start.checkpoint, tokenizer)
+    assert not marker.exists()
+    expected = {"policy": trained.state_dict(), "reference": AutoModelForCausalLM.from_pretrained(initial).state_dict()}
+    for name, model in (("policy", policy), ("reference", reference)):
+        assert all(torch.equal(value, expected[name][key]) for key, value in model.state_dict().items()), name
+
+
+def hub_snapshot(cache: Path, commit: str) -> None:
+    """org/tiny in a Hugging Face cache, its main branch at `commit` (as a download leaves it)."""
+    (cache / "models--org--tiny" / "snapshots" / commit).mkdir(parents=True)
+    (cache / "models--org--tiny" / "snapshots" / commit / "config.json").write_text("{}")
+    (cache / "models--org--tiny" / "refs").mkdir(exist_ok=True)
+    (cache / "models--org--tiny" / "refs" / "main").write_text(commit)
+
+
+def hub_identity(cache: Path) -> dict:
+    """model_identity("org/tiny") in a process whose Hugging Face cache is `cache` (read when it starts)."""
+    code = "import json, rloo; print(json.dumps(rloo.model_identity('org/tiny')))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                            env={**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+    return json.loads(result.stdout)
+
+
+INITIAL_MODEL_CHANGES = {  # what happens to the initial model between a save and a resume: the error's fragment
+    "weights edited": (lambda root: truncate(root / "model.safetensors"), "these files differ: model.safetensors"),
+    "a file added": (lambda root: (root / "extra.py").write_text(""), "these files differ: extra.py"),
+    "config edited": (lambda root: (root / "config.json").write_text("{}"), "these files differ: config.json"),
+    "a new Hub revision": (lambda cache: hub_snapshot(cache, "b" * 40), f"revision {'a' * 40} -> {'b' * 40}"),
+}
+
+
+@pytest.mark.parametrize("change", INITIAL_MODEL_CHANGES, ids=list(INITIAL_MODEL_CHANGES))
+def test_a_resume_refuses_an_initial_model_that_changed(tmp_path, change):
+    tokenizer = policy_tokenizer()
+    if change == "a new Hub revision":
+        hub_snapshot(tmp_path, "a" * 40)
+        identity = lambda: hub_identity(tmp_path)  # noqa: E731
+    else:
+        tiny_policy(len(tokenizer)).save_pretrained(tmp_path)
+        tokenizer.save_pretrained(tmp_path)
+        identity = lambda: rloo.model_identity(str(tmp_path))  # noqa: E731
+    saved = identity()
+    rloo.check_same_initial_model(saved, identity(), "m")  # unchanged: resumes
+    rloo.check_same_initial_model(None, saved, "m")  # a checkpoint of an earlier rloo.py: not recorded
+    apply, fragment = INITIAL_MODEL_CHANGES[change]
+    apply(tmp_path)
+    with pytest.raises(rloo.ConfigError, match=re.escape(f"the initial model m (the frozen reference) is not the one "
+                                                         f"the checkpoint's run started from ({fragment}): restore")):
+        rloo.check_same_initial_model(saved, identity(), "m")
 
 
 def test_rng_states_survive_a_safe_round_trip(tmp_path):
@@ -389,13 +506,14 @@ def test_another_timeline_is_moved_aside_and_an_overwrite_deletes_nothing(tmp_pa
     assert (tmp_path / "metrics.jsonl").read_text() == '{"update": 1}\n'
     assert (aside / "metrics.jsonl").read_text().splitlines()[0] == '{"update": 2}'
     assert rloo.settle_output_dir(rloo.Args(output_dir=str(tmp_path)), 1, {}) == []  # nothing later: nothing moved
-    # --overwrite_output_dir: the earlier run's outputs move aside, the user's own files stay
+    # --overwrite_output_dir: all it holds moves aside (the user's own files too: the run could write over them)
     rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), overwrite_output_dir=True))
     rloo.settle_output_dir(rloo.Args(output_dir=str(tmp_path), overwrite_output_dir=True), 0, {})
     overwritten = next(p for p in (tmp_path / "abandoned").iterdir() if p.name.endswith("_overwritten"))
-    assert sorted(p.name for p in overwritten.iterdir()) == ["args.json", "checkpoints", "config.json",
-                                                            "metrics.jsonl", "model.safetensors", "tokenizer.json"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["abandoned", "curves.png", "other_run"]
+    assert sorted(p.name for p in overwritten.iterdir()) == ["args.json", "checkpoints", "config.json", "curves.png",
+                                                            "metrics.jsonl", "model.safetensors", "other_run",
+                                                            "tokenizer.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["abandoned"]
 
 
 def test_a_signal_during_start_up_stops_at_once_and_marks_a_preemption(tmp_path):

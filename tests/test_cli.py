@@ -1,15 +1,18 @@
 """rloo.py run as users run it: end to end, under torchrun, and on bad input."""
 
+import json
 import signal
+from dataclasses import asdict
 from pathlib import Path
 
 import datasets
 import pytest
+import torch
 import tyro
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rloo
-from conftest import neox_config, read_metrics, run_rloo, word_tokenizer
+from conftest import neox_config, policy_tokenizer, read_metrics, run_rloo, tiny_policy, word_tokenizer
 
 TINY_RUN = ("--rloo_k", "4", "--per_device_train_batch_size", "16", "--response_length", "6", "--temperature", "1.0",
             "--max_prompt_length", "16", "--local_rollout_forward_batch_size", "32", "--num_ppo_epochs", "1")
@@ -236,9 +239,28 @@ def snapshot(directory: Path) -> dict:
             for p in directory.rglob("*") if p.is_file() and p.name != rloo.LOCK}
 
 
+def valid_flags(assets, output_dir: Path) -> dict:
+    """A valid command, as {flag: value}."""
+    return {"model_name_or_path": assets["policy"], "dataset_name": assets["train"], "output_dir": output_dir,
+            "reward_fn": "reward_fns:count_a", "max_prompt_length": 16, "response_length": 6}
+
+
+def argv_of(flags: dict) -> list[str]:
+    return [s for name, value in flags.items() for s in (f"--{name}", *([] if value is None else [str(value)]))]
+
+
+def checkpoint_of(output_dir: Path, update: int, args: rloo.Args, initial_model: dict) -> Path:
+    """A checkpoint after `update` of a run with these args and this initial model, as save_state writes it."""
+    tokenizer = policy_tokenizer()
+    policy = tiny_policy(len(tokenizer))
+    state = {"update": update, "world_size": 1, "args": asdict(args), "initial_model": initial_model}
+    return rloo.save_checkpoint(str(output_dir), update, policy, torch.optim.AdamW(policy.parameters()), tokenizer,
+                                state, 0, None, torch.Generator())
+
+
 @pytest.fixture(scope="module")
 def bad_files(assets, tmp_path_factory) -> dict[str, Path]:
-    """Broken datasets and models, one of each kind."""
+    """Broken datasets, models, checkpoints and output directories, one of each kind."""
     root = tmp_path_factory.mktemp("bad")
     files = {name: root / name for name in ("malformed.jsonl", "empty.jsonl", "none.jsonl", "numbers.jsonl",
                                             "list_line.jsonl", "malformed.json")}
@@ -263,6 +285,27 @@ def bad_files(assets, tmp_path_factory) -> dict[str, Path]:
     files["earlier_run"] = root / "earlier_run"
     (files["earlier_run"] / "checkpoints" / "step_3").mkdir(parents=True)
     (files["earlier_run"] / "checkpoints" / "step_3" / rloo.MANIFEST).write_text('{"files": {}}\n')
+    files["policy"], files["a_model"], files["new_dir"] = assets["policy"], root / "a_model", root / "new" / "dir"
+    files["above_policy"] = assets["policy"].parent
+    tiny_policy(15).save_pretrained(files["a_model"])
+    files["leftovers"] = root / "leftovers"  # what runs that stopped before their first checkpoint leave
+    for name in ("wandb/run/x", "nonfinite/update_1_rank_0.jsonl", "metrics.jsonl", "engine_0.log",
+                 "engines.json", "abandoned/x/config.json"):
+        (files["leftovers"] / name).parent.mkdir(parents=True, exist_ok=True)
+        (files["leftovers"] / name).write_text("{}\n")
+    for name, edited in (("resumable", None), ("edited_initial_model", "model.safetensors")):
+        files[name] = root / name  # the table's valid command, checkpointed after update 5 (8 episodes each)
+        initial_model = {"files": rloo.file_digests(assets["policy"])}  # its files' sha256
+        if edited:
+            initial_model["files"][edited]["sha256"] = "0" * 64
+        args = tyro.cli(rloo.Args, args=argv_of(valid_flags(assets, files[name])))
+        checkpoint_of(files[name], 5, args, initial_model)
+    step = checkpoint_of(root / "pickled", 1, rloo.Args(), {})
+    torch.save(tiny_policy(15).state_dict(), step / "pytorch_model.bin")  # the weights as a pickle
+    (step / "model.safetensors").unlink()
+    (step / rloo.MANIFEST).unlink()
+    (step / rloo.MANIFEST).write_text(json.dumps({"files": rloo.file_digests(step)}))  # true to what it holds
+    files["pickled_step"] = step
     return files
 
 
@@ -290,6 +333,29 @@ BAD_INPUTS = {  # case: (flags that replace or add to a valid command, fragments
     "output_dir holds an earlier run": ({"output_dir": "earlier_run"},
                                         ["holds an earlier run (checkpoints up to step_3)", "--resume",
                                          "--overwrite_output_dir"]),
+    "output_dir is the policy's directory": ({"output_dir": "policy", "overwrite_output_dir": None},
+                                             ["is or holds the --model_name_or_path", "write over its input model"]),
+    "output_dir holds the policy's directory": ({"output_dir": "above_policy", "overwrite_output_dir": None},
+                                                ["is or holds the --model_name_or_path"]),
+    "output_dir holds a model": ({"output_dir": "a_model"},
+                                 ["holds files this run did not write (config.json, generation_config.json, model.",
+                                  "--overwrite_output_dir to move them to"]),
+    "output_dir holds a model, with --resume": ({"output_dir": "a_model", "resume": None},
+                                                ["holds files this run did not write (config.json"]),
+    "a refused run into a new output_dir": ({"output_dir": "new_dir", "dataset_name": "empty.jsonl"},
+                                            ["empty.jsonl is empty"]),
+    "output_dir holds what runs leave before a checkpoint": ({"output_dir": "leftovers",
+                                                              "dataset_name": "empty.jsonl"},
+                                                             ["empty.jsonl is empty"]),  # not refused for them
+    "total_episodes below the checkpoint": ({"output_dir": "resumable", "resume": None, "total_episodes": "16"},
+                                            ["step_5 is after update 5, but this run ends after update 2",
+                                             "--total_episodes 40 or more"]),
+    "the initial model edited": ({"output_dir": "edited_initial_model", "resume": None},
+                                 ["the initial model", "(the frozen reference)", "these files differ: model.safetensors",
+                                  "restore that model"]),
+    "weights in a pickle": ({"resume_from": "pickled_step"},
+                            ["step_1 is damaged: no weights in safetensors (pytorch_model.bin instead)",
+                             "a pickle is never loaded"]),
     "stop_token_id outside the vocabulary": ({"stop_token_id": "99"}, ["stop_token_id = 99", "vocabulary of 15"]),
     "test split of a single file": ({"dataset_test_split": "validation"},
                                     ["--dataset_test_split validation", "has no splits", "test.jsonl"]),
@@ -330,13 +396,13 @@ def test_bad_input_is_one_line_before_any_model_loads_and_changes_nothing(case, 
     out = tmp_path / "out"  # what an earlier attempt without checkpoints leaves
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"update": 1}\n')
-    flags = {"model_name_or_path": assets["policy"], "dataset_name": assets["train"], "output_dir": out,
-             "reward_fn": "reward_fns:count_a", "max_prompt_length": 16, "response_length": 6}
+    flags = valid_flags(assets, out)
     for name, value in changes.items():
         flags[name] = None if value is None else bad_files.get(value, value)
-    watched = flags["output_dir"] if Path(flags["output_dir"]).is_dir() else out
-    before = snapshot(watched)
-    argv = [s for name, value in flags.items() for s in (f"--{name}", *([] if value is None else [str(value)]))]
+    output_dir = Path(flags["output_dir"])
+    watched = output_dir if output_dir.is_dir() else out
+    before, existed = snapshot(watched), [output_dir.exists(), output_dir.parent.exists()]
+    argv = argv_of(flags)
     capfd.readouterr()
     with pytest.raises(SystemExit) as exit_status:
         rloo.run_script(rloo.main, tyro.cli(rloo.Args, args=argv), "rloo.py")
@@ -348,6 +414,7 @@ def test_bad_input_is_one_line_before_any_model_loads_and_changes_nothing(case, 
         assert fragment in lines[0], lines[0]
     assert snapshot(watched) == before
     assert not (out / "checkpoints").exists()
+    assert not (watched / rloo.LOCK).exists() and [output_dir.exists(), output_dir.parent.exists()] == existed
 
 
 def test_a_sequence_longer_than_the_policys_positions_is_warned_about(assets, capsys):
