@@ -61,10 +61,11 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Callable, ClassVar, Literal, Optional
+from typing import Callable, ClassVar, Literal, Optional, get_args, get_origin, get_type_hints
 
 import numpy as np
 import torch
@@ -82,7 +83,7 @@ class Args:
         "dataset_test_split", "num_sample_generations", "num_evals", "eval_max_prompts",
         "local_rollout_forward_batch_size", "gradient_checkpointing", "total_episodes", "num_train_epochs",
         "save_steps", "save_total_limit", "resume", "resume_from", "overwrite_output_dir", "ddp_timeout",
-        "fsdp_generation", "compile_generation", "share_prompt", "bf16_generation"})
+        "fsdp_generation", "compile_generation", "share_prompt", "bf16_generation", "reward_fn_timeout"})
 
     # ----- experiment -----
     exp_name: str = "rloo"
@@ -114,6 +115,9 @@ class Args:
     completion_ids and the dataset's other columns (lists); each returns a float or None per completion"""
     reward_weights: Optional[tuple[float, ...]] = None
     """one weight per reward source, the reward model first, then each --reward_fn; default all 1.0"""
+    reward_fn_timeout: Optional[float] = None
+    """seconds one call of a reward function may take before the run stops as if it had raised (a checkpoint, exit
+    4); below --ddp_timeout, so that it is caught before the other ranks stop waiting. None: half of --ddp_timeout"""
     pad_token: Optional[str] = "[PAD]"
     """token added for padding when the policy tokenizer has none (what TRL's scripts and the N+ details do
     for Pythia); its id must fit the embedding matrix. None refuses tokenizers without a pad token"""
@@ -298,11 +302,15 @@ def compute_batch_sizes(args: Args, world_size: int) -> BatchSizes:
                       all_ranks=local * world_size)
 
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4e38: beyond it a value is inf in the tensors it meets
+
+
 def number_rules(args: Args) -> list[tuple[str, object, bool, str]]:
     """(flag, value, whether it is allowed, what it must be) for every number a typo or a NaN makes meaningless
-    without any error later: sampling at temperature inf, a clip range of 0, a negative learning rate."""
+    without any error later: sampling at temperature inf, a clip range of 0, a negative learning rate, a KL
+    coefficient that float32 makes inf."""
     def finite(x) -> bool:
-        return x is not None and math.isfinite(x)
+        return x is not None and abs(x) <= FLOAT32_MAX  # nan too
 
     a = args
     return [
@@ -328,6 +336,9 @@ def number_rules(args: Args) -> list[tuple[str, object, bool, str]]:
         ("save_total_limit", a.save_total_limit, a.save_total_limit is None or a.save_total_limit >= 1,
          "at least 1, or None to keep every checkpoint"),
         ("ddp_timeout", a.ddp_timeout, finite(a.ddp_timeout) and a.ddp_timeout > 0, "a finite number of seconds > 0"),
+        ("reward_fn_timeout", a.reward_fn_timeout, a.reward_fn_timeout is None or (
+            finite(a.reward_fn_timeout) and 0 < a.reward_fn_timeout < a.ddp_timeout),
+         f"a number of seconds > 0 and below --ddp_timeout ({a.ddp_timeout:g}; raise it too), or None"),
     ]
 
 
@@ -1478,13 +1489,15 @@ REWARD_FUNCTION_ARGUMENTS = ("prompts", "completions", "completion_ids")  # and 
 
 
 class RewardFunctionError(Fault):
-    """A reward function raised or returned something that is not one number (or None) per completion. The run
+    """A reward function raised, hung or returned something that is not one number (or None) per completion. The run
     keeps the last finished update (a checkpoint) and stops; `after_training`: the update in progress had trained
-    already (the failure was in its evaluation)."""
+    already (the failure was in its evaluation). `signal_name`: no failure, a stop signal came while a reward
+    function ran (stop_signals_at_once): the same checkpoint, then the exit of a signal."""
 
-    def __init__(self, message: str, announce: bool = True, after_training: bool = False):
+    def __init__(self, message: str, announce: bool = True, after_training: bool = False,
+                 signal_name: Optional[str] = None):
         super().__init__(message, announce)
-        self.after_training = after_training
+        self.after_training, self.signal_name = after_training, signal_name
 
 
 def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
@@ -1498,6 +1511,9 @@ def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
             module = importlib.import_module(module_name)
         except ImportError as e:
             raise ConfigError(f"unknown reward function {spec!r}: cannot import {module_name!r} ({e})") from None
+        except (Exception, SystemExit) as e:  # a SyntaxError, anything the module's own code raises
+            raise ConfigError(f"reward function {spec!r}: importing {module_name!r} failed with {type(e).__name__}: "
+                              f"{first_line(e)}") from None
         fn = getattr(module, attr, None)
         if not callable(fn):
             raise ConfigError(f"unknown reward function {spec!r}: module {module_name!r} has no function {attr!r}")
@@ -1532,13 +1548,34 @@ def is_number(value) -> bool:
     return isinstance(value, numbers.Real)
 
 
-def call_reward_function(name: str, fn: Callable, n: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+def call_reward_function(name: str, fn: Callable, n: int, timeout: Optional[float] = None, /,
+                         **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Values (n,) and an applies-mask (n,) from a reward function returning a number or None per completion.
-    Whatever it raises, and anything else it returns, becomes a RewardFunctionError naming it."""
-    try:
-        out = fn(**kwargs)
-    except Exception as e:  # the user's code: any type
+    Whatever it raises (SystemExit included), anything else it returns, a value outside float32's range, and not
+    returning within `timeout` seconds become a RewardFunctionError naming it. It runs in a thread of its own while
+    this one waits, so that neither a function stuck in C code or a sleep nor its own `except` clauses can keep a
+    stop signal from acting (stop_signals_at_once); it gets its own copies of the arguments to change as it likes."""
+    kwargs, outcome = copy.deepcopy(kwargs), {}
+    cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None  # per thread in CUDA
+
+    def call() -> None:
+        try:
+            if cuda_device is not None:
+                torch.cuda.set_device(cuda_device)
+            outcome["out"] = fn(**kwargs)
+        except BaseException as e:  # the user's code: any type, sys.exit included
+            outcome["error"] = e
+
+    thread = threading.Thread(target=call, name=f"reward function {name}", daemon=True)  # abandoned if it hangs
+    with stop_signals_at_once():
+        thread.start()
+        thread.join(timeout)
+    if thread.is_alive():
+        raise RewardFunctionError(f"reward function {name!r} did not return within --reward_fn_timeout {timeout:g} s")
+    if "error" in outcome:
+        e = outcome["error"]
         raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {first_line(e)}") from e
+    out = outcome["out"]
     if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
         raise RewardFunctionError(f"reward function {name!r} returned {repr(out)[:80]}, not a list of {n} numbers "
                                   "(or None), one per completion")
@@ -1546,10 +1583,13 @@ def call_reward_function(name: str, fn: Callable, n: int, **kwargs) -> tuple[tor
     if len(out) != n:
         raise RewardFunctionError(f"reward function {name!r} returned {len(out)} values for {n} completions: it must "
                                   "return one number (or None) per completion")
-    for v in out:
+    for i, v in enumerate(out):
         if v is not None and not is_number(v):
             raise RewardFunctionError(f"reward function {name!r} returned {repr(v)[:80]} ({type(v).__name__}) "
                                       "among its values: each must be a number or None")
+        if v is not None and not abs(float(v)) <= FLOAT32_MAX:  # nan and inf too
+            raise RewardFunctionError(f"reward function {name!r} returned {float(v)!r} for completion {i}: each "
+                                      f"value must be a finite float32 (at most {FLOAT32_MAX:.4g} in magnitude)")
     applies = torch.tensor([v is not None for v in out])
     return torch.tensor([0.0 if v is None else float(v) for v in out]), applies
 
@@ -1572,6 +1612,7 @@ class RewardSources:
     functions: list[tuple[str, Callable]]
     weights: torch.Tensor  # (S,)
     share_prompt: bool = False  # the reward model reads a prompt group as one row (grouped_rows)
+    timeout: Optional[float] = None  # seconds a reward function's call may take (--reward_fn_timeout)
 
     @property
     def names(self) -> list[str]:
@@ -1593,7 +1634,8 @@ def load_reward_sources(args: Args, tokenizer, functions: list[tuple[str, Callab
             own_tokenizer = tokenizer
         model_tokenizer = None if same_vocabulary(own_tokenizer, tokenizer) else own_tokenizer
     num_sources = int(model is not None) + len(functions)
-    return RewardSources(model, model_tokenizer, functions, torch.tensor(args.reward_weights or [1.0] * num_sources))
+    return RewardSources(model, model_tokenizer, functions, torch.tensor(args.reward_weights or [1.0] * num_sources),
+                         timeout=args.reward_fn_timeout or args.ddp_timeout / 2)
 
 
 def score_completions(
@@ -1631,7 +1673,7 @@ def score_completions(
         applies.append(torch.ones(n, dtype=torch.bool))
     for name, fn in sources.functions:
         v, a = call_reward_function(
-            name, fn, n, prompts=repeat(prompts), completions=texts, completion_ids=completion_ids,
+            name, fn, n, sources.timeout, prompts=repeat(prompts), completions=texts, completion_ids=completion_ids,
             **{column: repeat(vals) for column, vals in columns.items()},
         )
         values.append(v)
@@ -2167,6 +2209,7 @@ class StopSignal:
     def __init__(self, output_dir: str, announce: bool):
         self.name: Optional[str] = None
         self.training = False
+        self.at_once = False  # the main thread only waits for a reward function (stop_signals_at_once)
         self.output_dir = output_dir
         self.announce = announce
         for sig in self.SIGNALS:
@@ -2181,6 +2224,8 @@ class StopSignal:
                 (Path(self.output_dir) / PREEMPTED).write_text("stopped during start-up, before any update\n")
             raise StartupInterrupted(name)
         self.name = self.name or name
+        if self.at_once:  # the function may never return: stop now, from the state at the start of the update
+            raise RewardFunctionError(f"{name} received while a reward function ran", signal_name=name)
         if signum == signal.SIGINT and self.announce:  # os.write: print() is not safe inside a signal handler
             os.write(2, b"rloo.py: SIGINT received: stopping after this update with a checkpoint; Ctrl-C again "
                         b"exits at once without one\n")
@@ -2198,6 +2243,21 @@ def signals_held():
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, StopSignal.SIGNALS)
+
+
+@contextlib.contextmanager
+def stop_signals_at_once():
+    """While the main thread only waits for a reward function (running in a thread of its own), a stop signal stops
+    the run at once, raising there, instead of after the update: the function may be stuck for good."""
+    stop = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+    if not isinstance(stop, StopSignal) or not stop.training or threading.current_thread() != threading.main_thread():
+        yield
+        return
+    stop.at_once = True
+    try:
+        yield
+    finally:
+        stop.at_once = False
 
 
 # ---- ranks waiting for each other: who is late, and where
@@ -2280,10 +2340,11 @@ def reward_faults(device: torch.device, what: str, after_training: bool = False)
     if not all_reduce(torch.tensor([float(error is not None)], device=device), dist.ReduceOp.MAX).item():
         return
     messages = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if error is None else str(error))
-    rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
+    dist.all_gather_object(messages, None if error is None else (str(error), error.signal_name))
+    rank, (message, signal_name) = min(((r, m) for r, m in enumerate(messages) if m is not None),
+                                       key=lambda failed: failed[1][1] is not None)  # a failure before a signal
     raise RewardFunctionError(f"{message} (rank {rank}, {what})", announce=dist.get_rank() == 0,
-                              after_training=after_training) from None
+                              after_training=after_training, signal_name=signal_name) from None
 
 
 # ===================================================================== checkpoints: output_dir, save, verify, resume
@@ -3124,7 +3185,14 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     except RewardFunctionError as e:  # every rank at once: keep the last finished update, then stop
         finished = update if e.after_training else update - 1
         where = keep_last_finished(run, finished, None if e.after_training else start_of_update)
-        raise RewardFunctionError(f"{e}; {where}", e.announce) from None
+        if e.signal_name is None:
+            raise RewardFunctionError(f"{e}; {where}", e.announce) from None
+        if run.logger is not None:  # a signal, as save_if_due says it, and the marker job scripts requeue on
+            saved = where.split("; ")[0]
+            (Path(args.output_dir) / PREEMPTED).write_text(f"{saved}\n")
+            run.logger.console.print(f"rloo.py: {e.signal_name} received while a reward function ran: stopped at once; "
+                                     f"{saved}; continue with the same command and --resume", highlight=False,
+                                     soft_wrap=True)
     finally:  # an error on one rank alone must not wait for the others: torchrun stops them
         run.rollouts.close()
         if run.logger is not None:
@@ -3141,53 +3209,60 @@ TRL_NAMES = {"num_generations": "rloo_k", "beta": "kl_coef", "epsilon": "clipran
 
 
 def with_trl_names_translated(argv: list[str], defaults) -> list[str]:
-    """argv with TRL >= 0.22's flag names written as this script's, and --steps_per_generation S (micro-batches per
-    rank and generation) as --num_mini_batches S / gradient_accumulation_steps. A flag given under both of its names
-    with different values is refused, rather than settled by which comes last."""
-    watched = {*TRL_NAMES, *TRL_NAMES.values(), "steps_per_generation", "num_mini_batches",
-               "gradient_accumulation_steps"}
-    out, given = [], {}  # given: this script's flag name -> {the name used: its value}
+    """argv with TRL >= 0.22's flag names written as this script's, --steps_per_generation S (micro-batches per rank
+    and generation) as --num_mini_batches S / gradient_accumulation_steps, and the values of a list flag given several
+    times (--reward_fn a --reward_fn b) gathered into one: all count, where tyro would keep the last. Any other flag
+    given twice (under one name or both) with different values is refused, rather than settled by which comes last."""
+    hints = get_type_hints(type(defaults))
+    lists = {name for name, hint in hints.items() if tuple in {get_origin(hint), *map(get_origin, get_args(hint))}}
+    out, given, items = [], {}, {}  # given: flag -> [(the name used, its value)]; items: list flag -> its values
     i = 0
     while i < len(argv):
         flag, equals, value = argv[i].partition("=")
         negated = flag.startswith(("--no-", "--no_"))
         name = (flag[5:] if negated else flag[2:]).replace("-", "_") if flag.startswith("--") else None
-        if name not in watched:
+        own = TRL_NAMES.get(name, name)
+        if own not in hints and own != "steps_per_generation":  # not a flag: tyro says what is wrong with it
             out.append(argv[i])
             i += 1
             continue
-        own = TRL_NAMES.get(name, name)
+        if own in lists:
+            end = i + 1 if equals else next((j for j in range(i + 1, len(argv)) if argv[j].startswith("--")),
+                                            len(argv))
+            items.setdefault(own, []).extend([value] if equals else argv[i + 1 : end])
+            i = end
+            continue
         takes_next = not equals and not isinstance(getattr(defaults, own, None), bool)
         if takes_next:
             value = argv[i + 1] if i + 1 < len(argv) else ""
         elif not equals:
             value = str(not negated)
-        given.setdefault("num_mini_batches" if name == "steps_per_generation" else own, {})[name] = value
+        given.setdefault(own, []).append((name, value))
         tokens = argv[i : i + 1 + takes_next]
         if name in TRL_NAMES:
             tokens[0] = ("--no-" if negated else "--") + own + (f"={value}" if equals else "")
         if name != "steps_per_generation":
             out += tokens
         i += 1 + takes_next
-    if "steps_per_generation" in given.get("num_mini_batches", {}):
-        steps = given["num_mini_batches"].pop("steps_per_generation")
-        accumulation = given.get("gradient_accumulation_steps", {}).get(
-            "gradient_accumulation_steps", str(defaults.gradient_accumulation_steps))
+    for spellings in given.values():
+        if len({as_number(value) for _, value in spellings}) > 1:
+            both = " and ".join(f"--{name} {value}" for name, value in dict.fromkeys(spellings))
+            raise ConfigError(f"{both} set the same flag to different values: pass one of them")
+    if "steps_per_generation" in given:
+        steps = given["steps_per_generation"][0][1]
+        default_accumulation = [(None, str(defaults.gradient_accumulation_steps))]
+        accumulation = given.get("gradient_accumulation_steps", default_accumulation)[0][1]
         if not (steps.isdigit() and accumulation.isdigit() and int(steps) % int(accumulation) == 0):
             raise ConfigError(f"--steps_per_generation {steps} (micro-batches per generation) is not a multiple of "
                               f"gradient_accumulation_steps ({accumulation}); pass --num_mini_batches (optimizer steps "
                               "per generation) instead")
         converted = str(int(steps) // int(accumulation))
-        if given["num_mini_batches"].get("num_mini_batches", converted) != converted:
+        if given.get("num_mini_batches", [(None, converted)])[0][1] != converted:
             raise ConfigError(f"--steps_per_generation {steps} means --num_mini_batches {converted} with "
                               f"gradient_accumulation_steps {accumulation}, but --num_mini_batches "
-                              f"{given['num_mini_batches']['num_mini_batches']} is given too: pass one of them")
+                              f"{given['num_mini_batches'][0][1]} is given too: pass one of them")
         out += ["--num_mini_batches", converted]
-    for spellings in given.values():
-        if len({as_number(value) for value in spellings.values()}) > 1:
-            both = " and ".join(f"--{name} {value}" for name, value in spellings.items())
-            raise ConfigError(f"{both} set the same flag to different values: pass one of them")
-    return out
+    return out + [token for name, values in items.items() for token in (f"--{name}", *values)]
 
 
 def as_number(text: str):

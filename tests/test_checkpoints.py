@@ -200,25 +200,25 @@ def test_sigkill_during_saves_never_leaves_a_broken_latest_checkpoint(tmp_path):
     assert rloo.latest_checkpoint(str(out)) == latest
 
 
-def test_nonfinite_reward_stops_the_run_and_saves_the_batch(assets, tmp_path):
+def test_nonfinite_loss_stops_the_run_and_saves_the_batch(assets, tmp_path):
     out = tmp_path / "run"
     result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir", out,
-                      "--total_episodes", PER_UPDATE * 5, *RUN[2:], "--reward_fn", "reward_fns:nan_at_second_call")
+                      "--total_episodes", PER_UPDATE * 5, *RUN[2:], "--reward_fn", "reward_fns:huge_at_second_call")
     assert result.returncode == 3, result.stderr[-3000:]
     error = result.stderr.strip().splitlines()[-1]
-    assert "non-finite reward at update 2 on rank 0" in error and "Traceback" not in result.stderr
+    assert "non-finite loss at update 2 on rank 0" in error and "Traceback" not in result.stderr
     assert [m["update"] for m in read_metrics(out)] == [1]
     dump = (out / "nonfinite" / "update_2_rank_0.jsonl").read_text().splitlines()
-    assert len(dump) == PER_UPDATE and '"score": NaN' in dump[0] and '"prompt": ' in dump[0] and '"completion": ' in dump[0]
+    assert len(dump) == PER_UPDATE and '"score": 3' in dump[0] and '"prompt": ' in dump[0] and '"completion": ' in dump[0]
 
 
 def test_nonfinite_on_one_rank_stops_every_rank(assets, tmp_path):
     out = tmp_path / "run"
     result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir", out,
-                      "--total_episodes", PER_UPDATE * 2 * 4, *RUN[2:], "--reward_fn", "reward_fns:nan_on_rank_one", nproc=2,
+                      "--total_episodes", PER_UPDATE * 2 * 4, *RUN[2:], "--reward_fn", "reward_fns:huge_on_rank_one", nproc=2,
                       timeout=120)
     assert result.returncode != 0
-    assert "non-finite reward at update 1 on rank 1" in result.stderr
+    assert "non-finite loss at update 1 on rank 1" in result.stderr
     assert (out / "nonfinite" / "update_1_rank_1.jsonl").exists()
     assert not (out / "nonfinite" / "update_1_rank_0.jsonl").exists()
 
@@ -470,6 +470,53 @@ def test_a_reward_function_that_raises_stops_with_the_last_update_saved_and_resu
     result = run_rloo(*common, "--output_dir", run, "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_run(full, run)  # the saved state is the one before update 3 began: data position and RNGs
+
+
+FIX = "; fix it, then continue with --resume"
+REWARD_FAULTS = {  # case: (what the reward function does at its 3rd call, the signal sent while it hangs, flags,
+    # exit status, the run's last line after "rloo.py: " with {step_2} for the checkpoint's path)
+    "sys.exit(0)": ("exit", None, [], 4, "error: reward function 'misbehaving' raised SystemExit: 0; checkpoint of "
+                                         "update 2 saved to {step_2}" + FIX),
+    "nan": ("nan", None, [], 4, "error: reward function 'misbehaving' returned nan for completion 0: each value must "
+                                "be a finite float32 (at most 3.403e+38 in magnitude); checkpoint of update 2 saved to "
+                                "{step_2}" + FIX),
+    "1e39": ("huge", None, [], 4, "error: reward function 'misbehaving' returned 1e+39 for completion 0: each value "
+                                  "must be a finite float32 (at most 3.403e+38 in magnitude); checkpoint of update 2 "
+                                  "saved to {step_2}" + FIX),
+    "hangs past --reward_fn_timeout": ("hang", None, ["--reward_fn_timeout", 3], 4,
+                                       "error: reward function 'misbehaving' did not return within --reward_fn_timeout "
+                                       "3 s; checkpoint of update 2 saved to {step_2}" + FIX),
+    "SIGTERM while it hangs": ("hang", signal.SIGTERM, [], 0, "SIGTERM received while a reward function ran: stopped "
+                               "at once; checkpoint of update 2 saved to {step_2}; continue with the same command and "
+                               "--resume"),
+    "SIGINT while it hangs": ("hang", signal.SIGINT, [], 0, "SIGINT received while a reward function ran: stopped at "
+                              "once; checkpoint of update 2 saved to {step_2}; continue with the same command and "
+                              "--resume"),
+}
+
+
+@pytest.mark.parametrize("case", REWARD_FAULTS, ids=list(REWARD_FAULTS))
+def test_a_reward_function_that_exits_returns_no_float32_or_hangs_stops_with_the_last_update_saved(assets, tmp_path,
+                                                                                                  case):
+    behaviour, sig, flags, status, line = REWARD_FAULTS[case]
+    out, hanging = tmp_path / "run", tmp_path / "hanging"
+    env = script_env({"REWARD_MISBEHAVES_AT_CALL": "3", "REWARD_MISBEHAVIOUR": behaviour, "REWARD_HANGING": hanging})
+    process = subprocess.Popen(script_command("rloo.py", "--model_name_or_path", assets["policy"], "--dataset_name",
+                                              assets["train"], "--output_dir", out, *RUN[2:], "--reward_fn",
+                                              "reward_fns:misbehaving", "--total_episodes", PER_UPDATE * 4, *flags),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    if sig is not None:
+        deadline = time.time() + 120
+        while not hanging.exists():
+            assert time.time() < deadline and process.poll() is None, process.communicate()[1][-3000:]
+            time.sleep(0.05)
+        process.send_signal(sig)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == status and "Traceback" not in stderr, stderr[-3000:]
+    said = (stdout if status == 0 else stderr).strip().splitlines()[-1]
+    assert said == "rloo.py: " + line.format(step_2=out / "checkpoints" / "step_2")
+    assert rloo.latest_checkpoint(str(out)).name == "step_2" and [m["update"] for m in read_metrics(out)] == [1, 2]
+    assert (out / "preempted").exists() == (status == 0)  # a signal: requeue; a fault: fix it first
 
 
 def test_ctrl_c_twice_exits_at_once_and_a_signal_during_start_up_trains_nothing(assets, tmp_path):
