@@ -2102,6 +2102,10 @@ def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, scor
     }
 
 
+class MetricsWriteError(Fault):
+    """metrics.jsonl could not be written (a full disk, a quota): the run stops, with a checkpoint where it can."""
+
+
 class RunLogger:
     """Rank 0's outputs: a compact line per update, metrics.jsonl (appended), wandb, a progress bar, tables."""
 
@@ -2114,7 +2118,8 @@ class RunLogger:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        self.metrics_file = open(Path(args.output_dir) / "metrics.jsonl", "a")
+        self.metrics_path = Path(args.output_dir) / "metrics.jsonl"
+        open(self.metrics_path, "a").close()
         self.wandb = None
         if args.track:
             import wandb
@@ -2130,8 +2135,7 @@ class RunLogger:
         self.num_updates = num_updates
 
     def log(self, update: int, metrics: dict[str, float]) -> None:
-        self.metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
-        self.metrics_file.flush()
+        self.write_metrics({"update": update, **metrics})
         if self.wandb is not None:
             self.wandb.log(metrics, step=int(metrics["episode"]))
         parts = [f"{short} {metrics[key]:.4g}" for key, short in self.LINE_KEYS if key in metrics]
@@ -2141,12 +2145,23 @@ class RunLogger:
         self.progress.advance(self.task)
 
     def log_eval(self, update: int, metrics: dict[str, float], episode: int) -> None:
-        self.metrics_file.write(json.dumps({"update": update, "episode": episode, **metrics}) + "\n")
-        self.metrics_file.flush()
+        self.write_metrics({"update": update, "episode": episode, **metrics})
         if self.wandb is not None:
             self.wandb.log(metrics, step=episode)
         self.console.print("eval | " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()), highlight=False,
                            soft_wrap=True)
+
+    def write_metrics(self, record: dict) -> None:
+        """One line of metrics.jsonl, whole or not at all: a write that fails (a full disk, a quota) is cut off again
+        and stops the run (MetricsWriteError)."""
+        size = self.metrics_path.stat().st_size
+        try:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.truncate(self.metrics_path, size)
+            raise MetricsWriteError(f"could not write {self.metrics_path} ({e.strerror or e})") from None
 
     def sample_table(self, rows: list[tuple[str, str, float]], episode: int) -> None:
         from rich.table import Table
@@ -2167,7 +2182,6 @@ class RunLogger:
 
     def close(self) -> None:
         self.progress.stop()
-        self.metrics_file.close()
         if self.wandb is not None:
             self.wandb.finish()
 
@@ -3193,6 +3207,10 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
             run.logger.console.print(f"rloo.py: {e.signal_name} received while a reward function ran: stopped at once; "
                                      f"{saved}; continue with the same command and --resume", highlight=False,
                                      soft_wrap=True)
+    except MetricsWriteError as e:  # rank 0's alone: a checkpoint needs every rank
+        where = "no checkpoint: it needs every rank (torchrun stops the others)" if dist.is_initialized() else \
+            keep_last_finished(run, update, None)
+        raise MetricsWriteError(f"{e} after update {update}; {where}") from None
     finally:  # an error on one rank alone must not wait for the others: torchrun stops them
         run.rollouts.close()
         if run.logger is not None:

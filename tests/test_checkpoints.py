@@ -440,6 +440,35 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp
     assert rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True)).checkpoint == step_1
 
 
+def test_a_full_disk_outside_a_save_stops_with_a_checkpoint_and_one_line(assets, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").symlink_to("/dev/full")  # every write fails with ENOSPC, as on a full disk
+    result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir", out,
+                      *RUN, "--total_episodes", PER_UPDATE * 3)
+    assert result.returncode == 4 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"rloo.py: error: could not write {out / 'metrics.jsonl'} (No space left on device) after update 1; "
+        f"checkpoint of update 1 saved to {out / 'checkpoints' / 'step_1'}; fix it, then continue with --resume")
+    assert rloo.latest_checkpoint(str(out)).name == "step_1"
+    script = (  # a line that does not fit is cut off again: metrics.jsonl never ends in half a line
+        "import resource, signal, sys\n"
+        "from pathlib import Path\n"
+        "import rloo\n"
+        "logger = object.__new__(rloo.RunLogger)\n"
+        "logger.metrics_path = Path(sys.argv[1])\n"
+        "logger.metrics_path.touch()\n"
+        "logger.write_metrics({'update': 1})\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails (EFBIG)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))\n"
+        "rloo.run_script(lambda _: logger.write_metrics({'update': 2, 'text': 'x' * 10000}), None, 'rloo.py')\n")
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "metrics.jsonl")], capture_output=True,
+                            text=True, env=env, timeout=120)
+    assert result.returncode == 4 and result.stderr.startswith("rloo.py: error: could not write "), result.stderr
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"update": 1}\n'
+
+
 def test_a_failing_or_stuck_rank_stops_every_rank_with_one_line_naming_it(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
