@@ -3309,7 +3309,7 @@ def parse_args(cls=None, argv: Optional[list[str]] = None, prog: Optional[str] =
 def run_script(main: Callable, args, program: str) -> None:
     """main(args), with bad input (ConfigError) turned into one line on stderr and exit status 2, a fault that
     stopped the run (Fault) into one line and exit status 4, and a signal before training into one line and exit
-    status 0 (130 for SIGINT). Shared by this project's scripts."""
+    status 0 (130 for SIGINT; under torchrun 128 + the signal's number). Shared by this project's scripts."""
     try:
         main(args)
     except ConfigError as e:
@@ -3320,9 +3320,13 @@ def run_script(main: Callable, args, program: str) -> None:
             print(f"{program}: error: {e}", file=sys.stderr)
         sys.exit(4)
     except StartupInterrupted as e:
-        if os.environ.get("RANK", "0") == "0":
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
             print(f"{program}: {e}", file=sys.stderr)
-        sys.exit(130 if e.signal_name == "SIGINT" else 0)
+            sys.exit(130 if e.signal_name == "SIGINT" else 0)
+        # under torchrun each rank that got it says so and fails: an exit 0 would leave a rank that did not get it
+        # waiting for this one, and torchrun stops the others when one fails
+        print(f"{program}: rank {os.environ['RANK']}: {e}", file=sys.stderr, flush=True)
+        os._exit(128 + signal.Signals[e.signal_name])
 
 
 def cli() -> None:

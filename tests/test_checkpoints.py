@@ -469,6 +469,27 @@ def test_a_full_disk_outside_a_save_stops_with_a_checkpoint_and_one_line(assets,
     assert (tmp_path / "metrics.jsonl").read_text() == '{"update": 1}\n'
 
 
+def test_a_signal_to_one_rank_during_start_up_stops_every_rank_with_one_line(assets, tmp_path):
+    ready = tmp_path / "importing"  # rank 1 alone still imports its reward module: rank 0 waits for it
+    process = subprocess.Popen(script_command("rloo.py", "--model_name_or_path", assets["policy"], "--dataset_name",
+                                              assets["train"], *RUN[2:], "--output_dir", tmp_path / "run",
+                                              "--reward_fn", "reward_fns_blocking_import:count_a", nproc=2),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                               env=script_env({"BLOCKING_IMPORT_READY": str(ready), "BLOCKING_IMPORT_RANK": "1"}))
+    deadline = time.time() + 120
+    while not ready.exists():
+        assert time.time() < deadline and process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.05)
+    started = time.time()
+    os.kill(int(ready.read_text()), signal.SIGTERM)  # rank 1's process, not torchrun's
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode != 0 and time.time() - started < 60, stderr[-3000:]  # not --ddp_timeout (600 s) later
+    assert [line for line in stderr.splitlines() if line.startswith("rloo.py")] == [
+        "rloo.py: rank 1: SIGTERM received during start-up: stopped before the first update, nothing was trained; run "
+        "the same command again to start"]
+    assert str(REPO / "rloo.py") + '", line' not in stderr  # no traceback from a rank (torchrun prints its own)
+
+
 def test_a_failing_or_stuck_rank_stops_every_rank_with_one_line_naming_it(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
