@@ -499,6 +499,12 @@ def test_a_failing_or_stuck_rank_stops_every_rank_with_one_line_naming_it(tmp_pa
     seen = json.loads((tmp_path / "seen.json").read_text())
     assert seen["failed"] == ["reward function 'judge' raised ConnectionError: the judge does not answer (rank 1, "
                               "scoring of update 1)", True]  # on rank 0 too, which said it
+    assert seen["hung"] == ["reward function 'judge' did not return within --reward_fn_timeout 1 s (rank 1, scoring "
+                            "of hung)", None, True]
+    assert seen["signalled"] == ["SIGTERM received while a reward function ran (rank 1, scoring of signalled)",
+                                 "SIGTERM", True]  # rank 0 stops too, though it got no signal
+    assert seen["failed and signalled"] == ["reward function 'judge' raised ConnectionError: the judge does not "
+                                            "answer (rank 0, scoring of failed and signalled)", None, True]
     message, announce = seen["stuck"]
     assert announce and message.startswith("the other ranks waited --ddp_timeout 2 s after scoring of update 2: "
                                            "rank 1 is in 'scoring' since ")
