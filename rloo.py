@@ -3229,57 +3229,60 @@ TRL_NAMES = {"num_generations": "rloo_k", "beta": "kl_coef", "epsilon": "clipran
 def with_trl_names_translated(argv: list[str], defaults) -> list[str]:
     """argv with TRL >= 0.22's flag names written as this script's, --steps_per_generation S (micro-batches per rank
     and generation) as --num_mini_batches S / gradient_accumulation_steps, and the values of a list flag given several
-    times (--reward_fn a --reward_fn b) gathered into one: all count, where tyro would keep the last. Any other flag
-    given twice (under one name or both) with different values is refused, rather than settled by which comes last."""
+    times (--reward_fn a --reward_fn b) gathered into one: all count, where tyro would keep the last. A flag given
+    under both of its names with different values is refused, rather than settled by which comes last; under one
+    name, the last value wins (argparse's rule: a launch script's "$@" overrides its defaults)."""
+    watched = {*TRL_NAMES, *TRL_NAMES.values(), "steps_per_generation", "num_mini_batches",
+               "gradient_accumulation_steps"}
     hints = get_type_hints(type(defaults))
     lists = {name for name, hint in hints.items() if tuple in {get_origin(hint), *map(get_origin, get_args(hint))}}
-    out, given, items = [], {}, {}  # given: flag -> [(the name used, its value)]; items: list flag -> its values
+    out, given, items = [], {}, {}  # given: this script's flag name -> {the name used: its value}; items: a list's
     i = 0
     while i < len(argv):
         flag, equals, value = argv[i].partition("=")
         negated = flag.startswith(("--no-", "--no_"))
         name = (flag[5:] if negated else flag[2:]).replace("-", "_") if flag.startswith("--") else None
-        own = TRL_NAMES.get(name, name)
-        if own not in hints and own != "steps_per_generation":  # not a flag: tyro says what is wrong with it
+        if name in lists:
+            end = i + 1 if equals else next((j for j in range(i + 1, len(argv)) if argv[j].startswith("--")),
+                                            len(argv))
+            items.setdefault(name, []).extend([value] if equals else argv[i + 1 : end])
+            i = end
+            continue
+        if name not in watched:
             out.append(argv[i])
             i += 1
             continue
-        if own in lists:
-            end = i + 1 if equals else next((j for j in range(i + 1, len(argv)) if argv[j].startswith("--")),
-                                            len(argv))
-            items.setdefault(own, []).extend([value] if equals else argv[i + 1 : end])
-            i = end
-            continue
+        own = TRL_NAMES.get(name, name)
         takes_next = not equals and not isinstance(getattr(defaults, own, None), bool)
         if takes_next:
             value = argv[i + 1] if i + 1 < len(argv) else ""
         elif not equals:
             value = str(not negated)
-        given.setdefault(own, []).append((name, value))
+        given.setdefault("num_mini_batches" if name == "steps_per_generation" else own, {})[name] = value
         tokens = argv[i : i + 1 + takes_next]
         if name in TRL_NAMES:
             tokens[0] = ("--no-" if negated else "--") + own + (f"={value}" if equals else "")
         if name != "steps_per_generation":
             out += tokens
         i += 1 + takes_next
-    for spellings in given.values():
-        if len({as_number(value) for _, value in spellings}) > 1:
-            both = " and ".join(f"--{name} {value}" for name, value in dict.fromkeys(spellings))
-            raise ConfigError(f"{both} set the same flag to different values: pass one of them")
-    if "steps_per_generation" in given:
-        steps = given["steps_per_generation"][0][1]
-        default_accumulation = [(None, str(defaults.gradient_accumulation_steps))]
-        accumulation = given.get("gradient_accumulation_steps", default_accumulation)[0][1]
+    if "steps_per_generation" in given.get("num_mini_batches", {}):
+        steps = given["num_mini_batches"].pop("steps_per_generation")
+        accumulation = given.get("gradient_accumulation_steps", {}).get(
+            "gradient_accumulation_steps", str(defaults.gradient_accumulation_steps))
         if not (steps.isdigit() and accumulation.isdigit() and int(steps) % int(accumulation) == 0):
             raise ConfigError(f"--steps_per_generation {steps} (micro-batches per generation) is not a multiple of "
                               f"gradient_accumulation_steps ({accumulation}); pass --num_mini_batches (optimizer steps "
                               "per generation) instead")
         converted = str(int(steps) // int(accumulation))
-        if given.get("num_mini_batches", [(None, converted)])[0][1] != converted:
+        if given["num_mini_batches"].get("num_mini_batches", converted) != converted:
             raise ConfigError(f"--steps_per_generation {steps} means --num_mini_batches {converted} with "
                               f"gradient_accumulation_steps {accumulation}, but --num_mini_batches "
-                              f"{given['num_mini_batches'][0][1]} is given too: pass one of them")
+                              f"{given['num_mini_batches']['num_mini_batches']} is given too: pass one of them")
         out += ["--num_mini_batches", converted]
+    for spellings in given.values():
+        if len({as_number(value) for value in spellings.values()}) > 1:
+            both = " and ".join(f"--{name} {value}" for name, value in spellings.items())
+            raise ConfigError(f"{both} set the same flag to different values: pass one of them")
     return out + [token for name, values in items.items() for token in (f"--{name}", *values)]
 
 
