@@ -1556,13 +1556,15 @@ def call_reward_function(name: str, fn: Callable, n: int, timeout: Optional[floa
     this one waits, so that neither a function stuck in C code or a sleep nor its own `except` clauses can keep a
     stop signal from acting (stop_signals_at_once); it gets its own copies of the arguments to change as it likes."""
     kwargs, outcome = copy.deepcopy(kwargs), {}
-    cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None  # per thread in CUDA
+    cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None  # both are per thread
+    grad_enabled = torch.is_grad_enabled()
 
     def call() -> None:
         try:
             if cuda_device is not None:
                 torch.cuda.set_device(cuda_device)
-            outcome["out"] = fn(**kwargs)
+            with torch.set_grad_enabled(grad_enabled):
+                outcome["out"] = fn(**kwargs)
         except BaseException as e:  # the user's code: any type, sys.exit included
             outcome["error"] = e
 

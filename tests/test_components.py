@@ -233,6 +233,8 @@ def test_reward_function_values_numpy_accepted_and_every_misuse_named():
     assert values.tolist() == [0.5, 2.0, 0.0] and applies.tolist() == [True, True, False]
     assert call(lambda: np.array([1.0, 2.0, 3.0]))[0].tolist() == [1.0, 2.0, 3.0]
     assert call(lambda: torch.tensor([1.0, 2.0, 3.0]))[0].tolist() == [1.0, 2.0, 3.0]
+    with torch.no_grad():  # as evaluation calls it: so does the function, in its own thread
+        assert call(lambda: [float(torch.is_grad_enabled())] * 3)[0].tolist() == [0.0] * 3
     for returns, message in ((lambda: 1 / 0, "'f' raised ZeroDivisionError: division by zero"),
                              (lambda: 3.0, "'f' returned 3.0, not a list of 3 numbers"),
                              (lambda: [1.0, 2.0], "'f' returned 2 values for 3 completions"),
