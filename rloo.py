@@ -116,8 +116,7 @@ class Args:
     reward_weights: Optional[tuple[float, ...]] = None
     """one weight per reward source, the reward model first, then each --reward_fn; default all 1.0"""
     reward_fn_timeout: Optional[float] = None
-    """seconds one call of a reward function may take before the run stops as if it had raised (a checkpoint, exit
-    4); below --ddp_timeout, so that it is caught before the other ranks stop waiting. None: half of --ddp_timeout"""
+    """seconds a reward function's call may take, then the run stops as if it raised; < --ddp_timeout; None: half"""
     pad_token: Optional[str] = "[PAD]"
     """token added for padding when the policy tokenizer has none (what TRL's scripts and the N+ details do
     for Pythia); its id must fit the embedding matrix. None refuses tokenizers without a pad token"""
@@ -1832,9 +1831,10 @@ def micro_batch(rollout: Rollout, rows: torch.Tensor, k: int) -> Rollout:
 class NonFiniteError(Exception):
     """A NaN or inf in a quantity that training would otherwise use; raised on every rank at once."""
 
-    def __init__(self, quantity: str, ranks: list[int]):
+    def __init__(self, quantity: str, ranks: list[int], unwritten: Optional[str] = None):
         super().__init__(f"non-finite {quantity} on rank {', '.join(map(str, ranks))}")
         self.quantity, self.ranks = quantity, ranks
+        self.unwritten = unwritten  # why the offending batch could not be written (a full disk), if it could not
 
 
 def check_finite(named: dict[str, Optional[torch.Tensor]], device: torch.device) -> None:
@@ -3071,10 +3071,14 @@ def train(run: Run, rollout: Rollout, scores: Scores, returns: Optional[Advantag
             stats = ppo_update(run.trained, run.optimizer, rollout, scores.shaped, advantages, args, run.sizes,
                                run.share_prompt, run.autocast)
     except NonFiniteError as e:
+        unwritten = None
         if rank in e.ranks:
-            dump_batch(Path(args.output_dir) / "nonfinite" / f"update_{update}_rank_{rank}.jsonl", run.tokenizer,
-                       rollout, scores.raw, advantages)
-        raise NonFiniteError(f"{e.quantity} at update {update}", e.ranks) from None
+            try:
+                dump_batch(Path(args.output_dir) / "nonfinite" / f"update_{update}_rank_{rank}.jsonl", run.tokenizer,
+                           rollout, scores.raw, advantages)
+            except OSError as error:  # a full disk: the run stops all the same, and says the batch is not there
+                unwritten = error.strerror or str(error)
+        raise NonFiniteError(f"{e.quantity} at update {update}", e.ranks, unwritten) from None
     return stats
 
 
@@ -3331,7 +3335,8 @@ def run_script(main: Callable, args, program: str) -> None:
         # under torchrun each rank that got it says so and fails: an exit 0 would leave a rank that did not get it
         # waiting for this one, and torchrun stops the others when one fails
         print(f"{program}: rank {os.environ['RANK']}: {e}", file=sys.stderr, flush=True)
-        os._exit(128 + signal.Signals[e.signal_name])
+        sys.stdout.flush()
+        os._exit(128 + signal.Signals[e.signal_name])  # not sys.exit: no process group teardown that waits
 
 
 def cli() -> None:
@@ -3339,8 +3344,10 @@ def cli() -> None:
     try:
         run_script(main, args, "rloo.py")
     except NonFiniteError as e:
-        print(f"rloo.py: error: {e}: stopped before any optimizer step on it; the offending batch is in "
-              f"{Path(args.output_dir) / 'nonfinite'}", file=sys.stderr)
+        where = Path(args.output_dir) / "nonfinite"
+        print(f"rloo.py: error: {e}: stopped before any optimizer step on it; the offending batch is in {where}"
+              if e.unwritten is None else f"rloo.py: error: {e}: stopped before any optimizer step on it; the "
+              f"offending batch could not be written to {where} ({e.unwritten})", file=sys.stderr)
         sys.exit(3)
 
 

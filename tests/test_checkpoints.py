@@ -200,14 +200,22 @@ def test_sigkill_during_saves_never_leaves_a_broken_latest_checkpoint(tmp_path):
     assert rloo.latest_checkpoint(str(out)) == latest
 
 
-def test_nonfinite_loss_stops_the_run_and_saves_the_batch(assets, tmp_path):
+@pytest.mark.parametrize("disk_full", [False, True], ids=["batch-written", "disk-full"])
+def test_nonfinite_loss_stops_the_run_and_saves_the_batch(assets, tmp_path, disk_full):
     out = tmp_path / "run"
+    if disk_full:  # the batch's file cannot be written (ENOSPC): the run stops all the same, and says so
+        (out / "nonfinite").mkdir(parents=True)
+        (out / "nonfinite" / "update_2_rank_0.jsonl").symlink_to("/dev/full")
     result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir", out,
                       "--total_episodes", PER_UPDATE * 5, *RUN[2:], "--reward_fn", "reward_fns:huge_at_second_call")
     assert result.returncode == 3, result.stderr[-3000:]
     error = result.stderr.strip().splitlines()[-1]
     assert "non-finite loss at update 2 on rank 0" in error and "Traceback" not in result.stderr
     assert [m["update"] for m in read_metrics(out)] == [1]
+    if disk_full:
+        assert error.endswith(f"the offending batch could not be written to {out / 'nonfinite'} (No space left on "
+                              "device)")
+        return
     dump = (out / "nonfinite" / "update_2_rank_0.jsonl").read_text().splitlines()
     assert len(dump) == PER_UPDATE and '"score": 3' in dump[0] and '"prompt": ' in dump[0] and '"completion": ' in dump[0]
 
