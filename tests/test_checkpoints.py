@@ -1,5 +1,6 @@
 """Checkpoints that survive preemption, exact resume, and stopping loudly on NaN/inf."""
 
+import contextlib
 import json
 import os
 import pickle
@@ -483,14 +484,19 @@ def test_a_signal_to_one_rank_during_start_up_stops_every_rank_with_one_line(ass
                                               assets["train"], *RUN[2:], "--output_dir", tmp_path / "run",
                                               "--reward_fn", "reward_fns_blocking_import:count_a", nproc=2),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                               env=script_env({"BLOCKING_IMPORT_READY": str(ready), "BLOCKING_IMPORT_RANK": "1"}))
-    deadline = time.time() + 120
-    while not ready.exists():
-        assert time.time() < deadline and process.poll() is None, process.communicate()[1][-3000:]
-        time.sleep(0.05)
-    started = time.time()
-    os.kill(int(ready.read_text()), signal.SIGTERM)  # rank 1's process, not torchrun's
-    _, stderr = process.communicate(timeout=120)
+                               env=script_env({"BLOCKING_IMPORT_READY": str(ready), "BLOCKING_IMPORT_RANK": "1"}),
+                               start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not ready.exists():
+            assert time.time() < deadline and process.poll() is None, process.communicate()[1][-3000:]
+            time.sleep(0.05)
+        started = time.time()
+        os.kill(int(ready.read_text()), signal.SIGTERM)  # rank 1's process, not torchrun's
+        _, stderr = process.communicate(timeout=120)
+    finally:  # torchrun and its ranks do not outlive the test
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode != 0 and time.time() - started < 60, stderr[-3000:]  # not --ddp_timeout (600 s) later
     assert [line for line in stderr.splitlines() if line.startswith("rloo.py")] == [
         "rloo.py: rank 1: SIGTERM received during start-up: stopped before the first update, nothing was trained; run "
@@ -569,13 +575,16 @@ def test_a_reward_function_that_exits_returns_no_float32_or_hangs_stops_with_the
                                               assets["train"], "--output_dir", out, *RUN[2:], "--reward_fn",
                                               "reward_fns:misbehaving", "--total_episodes", PER_UPDATE * 4, *flags),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
-    if sig is not None:
-        deadline = time.time() + 120
-        while not hanging.exists():
-            assert time.time() < deadline and process.poll() is None, process.communicate()[1][-3000:]
-            time.sleep(0.05)
-        process.send_signal(sig)
-    stdout, stderr = process.communicate(timeout=120)
+    try:
+        if sig is not None:
+            deadline = time.time() + 120
+            while not hanging.exists():
+                assert time.time() < deadline and process.poll() is None, process.communicate()[1][-3000:]
+                time.sleep(0.05)
+            process.send_signal(sig)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:  # a run that hangs does not outlive the test
+        process.kill()
     assert process.returncode == status and "Traceback" not in stderr, stderr[-3000:]
     said = (stdout if status == 0 else stderr).strip().splitlines()[-1]
     assert said == "rloo.py: " + line.format(step_2=out / "checkpoints" / "step_2")
