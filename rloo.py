@@ -63,6 +63,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, ClassVar, Literal, Optional, get_args, get_origin, get_type_hints
@@ -2333,6 +2334,19 @@ def wait_for_peers(what: str) -> None:
     note_phase(f"after {what}")
 
 
+STOPPED_ALONE = "rloo/stopped_alone"  # set by a rank that stops on its own: the others' failed collectives echo it
+
+
+def stopped_alone(mark: bool = False) -> bool:
+    """Whether a rank has marked (with `mark`: marks) in the store that it stops on its own, having said why."""
+    store = process_group_store()
+    with contextlib.suppress(RuntimeError):  # the store is gone too: nothing to say or learn
+        if store is not None and mark:
+            store.set(STOPPED_ALONE, "1")
+        return store is not None and store.check([STOPPED_ALONE])
+    return False
+
+
 def barrier(what: str = "a barrier") -> None:
     wait_for_peers(what)
 
@@ -3335,8 +3349,16 @@ def run_script(main: Callable, args, program: str) -> None:
         # under torchrun each rank that got it says so and fails: an exit 0 would leave a rank that did not get it
         # waiting for this one, and torchrun stops the others when one fails
         print(f"{program}: rank {os.environ['RANK']}: {e}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
+        stopped_alone(mark=True)
         os._exit(128 + signal.Signals[e.signal_name])  # not sys.exit: no process group teardown that waits
+    except RuntimeError as e:  # under torchrun, a collective cut short by a rank that is gone: one line, not a trace
+        frames = traceback.extract_tb(e.__traceback__)
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1 or "torch/distributed/" not in frames[-1].filename:
+            raise
+        if not stopped_alone():  # else that rank has said why already
+            print(f"{program}: rank {os.environ['RANK']}: error: a collective failed: another rank stopped or was "
+                  f"lost: {first_line(e)}", file=sys.stderr, flush=True)
+        os._exit(4)
 
 
 def cli() -> None:

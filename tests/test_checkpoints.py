@@ -478,19 +478,39 @@ def test_a_full_disk_outside_a_save_stops_with_a_checkpoint_and_one_line(assets,
     assert (tmp_path / "metrics.jsonl").read_text() == '{"update": 1}\n'
 
 
-def test_a_signal_to_one_rank_during_start_up_stops_every_rank_with_one_line(assets, tmp_path):
-    ready = tmp_path / "importing"  # rank 1 alone still imports its reward module: rank 0 waits for it
+BLOCK_AFTER_INIT = """import os, time
+from pathlib import Path
+import torch.distributed as dist
+if os.environ.get("RANK") == "1":  # rank 1 stalls once the process group exists; rank 0 loads the models, then waits
+    init_process_group = dist.init_process_group
+    def stalling(*args, **kwargs):
+        init_process_group(*args, **kwargs)
+        Path(os.environ["BLOCKING_IMPORT_READY"]).write_text(f"{os.getpid()}\\n")
+        time.sleep(60)
+    dist.init_process_group = stalling
+"""
+
+
+@pytest.mark.parametrize("where", ["reward module import", "after init_process_group"])
+def test_a_signal_to_one_rank_during_start_up_stops_every_rank_with_one_line(assets, tmp_path, where):
+    ready, hook = tmp_path / "stalled", tmp_path / "hook"  # rank 1 alone stalls in start-up: rank 0 waits for it
+    env = script_env({"BLOCKING_IMPORT_READY": str(ready), "BLOCKING_IMPORT_RANK": "1"})
+    if where == "after init_process_group":  # a sitecustomize of this test's own, for its ranks only
+        hook.mkdir()
+        (hook / "sitecustomize.py").write_text(BLOCK_AFTER_INIT)
+        env["PYTHONPATH"] = f"{hook}:{env['PYTHONPATH']}"
+    reward_fn = "reward_fns_blocking_import:count_a" if where == "reward module import" else "reward_fns:count_a"
     process = subprocess.Popen(script_command("rloo.py", "--model_name_or_path", assets["policy"], "--dataset_name",
                                               assets["train"], *RUN[2:], "--output_dir", tmp_path / "run",
-                                              "--reward_fn", "reward_fns_blocking_import:count_a", nproc=2),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                               env=script_env({"BLOCKING_IMPORT_READY": str(ready), "BLOCKING_IMPORT_RANK": "1"}),
+                                              "--reward_fn", reward_fn, nproc=2),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
                                start_new_session=True)
     try:
         deadline = time.time() + 120
         while not ready.exists():
             assert time.time() < deadline and process.poll() is None, process.communicate()[1][-3000:]
             time.sleep(0.05)
+        time.sleep(2)  # rank 0 meanwhile loads what it can and waits in a collective for rank 1
         started = time.time()
         os.kill(int(ready.read_text()), signal.SIGTERM)  # rank 1's process, not torchrun's
         _, stderr = process.communicate(timeout=120)
