@@ -3356,8 +3356,8 @@ def run_script(main: Callable, args, program: str) -> None:
         if int(os.environ.get("WORLD_SIZE", "1")) == 1 or "torch/distributed/" not in frames[-1].filename:
             raise
         if not stopped_alone():  # else that rank has said why already
-            print(f"{program}: rank {os.environ['RANK']}: error: a collective failed: another rank stopped or was "
-                  f"lost: {first_line(e)}", file=sys.stderr, flush=True)
+            print(f"{program}: rank {os.environ['RANK']}: error: a collective failed (a rank stopped, was lost or "
+                  f"timed out): {first_line(e)}", file=sys.stderr, flush=True)
         os._exit(4)
 
 
