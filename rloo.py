@@ -61,10 +61,12 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
+import traceback
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Callable, ClassVar, Literal, Optional
+from typing import Callable, ClassVar, Literal, Optional, get_args, get_origin, get_type_hints
 
 import numpy as np
 import torch
@@ -83,7 +85,7 @@ class Args:
         "dataset_test_split", "num_sample_generations", "num_evals", "eval_max_prompts",
         "local_rollout_forward_batch_size", "gradient_checkpointing", "total_episodes", "num_train_epochs",
         "save_steps", "save_total_limit", "resume", "resume_from", "overwrite_output_dir", "ddp_timeout",
-        "fsdp_generation", "compile_generation", "share_prompt", "bf16_generation"})
+        "fsdp_generation", "compile_generation", "share_prompt", "bf16_generation", "reward_fn_timeout"})
 
     # ----- experiment -----
     exp_name: str = "rloo"
@@ -115,6 +117,8 @@ class Args:
     completion_ids and the dataset's other columns (lists); each returns a float or None per completion"""
     reward_weights: Optional[tuple[float, ...]] = None
     """one weight per reward source, the reward model first, then each --reward_fn; default all 1.0"""
+    reward_fn_timeout: Optional[float] = None
+    """seconds a reward function's call may take, then the run stops as if it raised; < --ddp_timeout; None: half"""
     pad_token: Optional[str] = "[PAD]"
     """token added for padding when the policy tokenizer has none (what TRL's scripts and the N+ details do
     for Pythia); its id must fit the embedding matrix. None refuses tokenizers without a pad token"""
@@ -301,11 +305,15 @@ def compute_batch_sizes(args: Args, world_size: int) -> BatchSizes:
                       all_ranks=local * world_size)
 
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4e38: beyond it a value is inf in the tensors it meets
+
+
 def number_rules(args: Args) -> list[tuple[str, object, bool, str]]:
     """(flag, value, whether it is allowed, what it must be) for every number a typo or a NaN makes meaningless
-    without any error later: sampling at temperature inf, a clip range of 0, a negative learning rate."""
+    without any error later: sampling at temperature inf, a clip range of 0, a negative learning rate, a KL
+    coefficient that float32 makes inf."""
     def finite(x) -> bool:
-        return x is not None and math.isfinite(x)
+        return x is not None and abs(x) <= FLOAT32_MAX  # nan too
 
     a = args
     return [
@@ -331,6 +339,9 @@ def number_rules(args: Args) -> list[tuple[str, object, bool, str]]:
         ("save_total_limit", a.save_total_limit, a.save_total_limit is None or a.save_total_limit >= 1,
          "at least 1, or None to keep every checkpoint"),
         ("ddp_timeout", a.ddp_timeout, finite(a.ddp_timeout) and a.ddp_timeout > 0, "a finite number of seconds > 0"),
+        ("reward_fn_timeout", a.reward_fn_timeout, a.reward_fn_timeout is None or (
+            finite(a.reward_fn_timeout) and 0 < a.reward_fn_timeout < a.ddp_timeout),
+         f"a number of seconds > 0 and below --ddp_timeout ({a.ddp_timeout:g}; raise it too), or None"),
     ]
 
 
@@ -1599,13 +1610,15 @@ REWARD_FUNCTION_ARGUMENTS = ("prompts", "completions", "completion_ids")  # and 
 
 
 class RewardFunctionError(Fault):
-    """A reward function raised or returned something that is not one number (or None) per completion. The run
+    """A reward function raised, hung or returned something that is not one number (or None) per completion. The run
     keeps the last finished update (a checkpoint) and stops; `after_training`: the update in progress had trained
-    already (the failure was in its evaluation)."""
+    already (the failure was in its evaluation). `signal_name`: no failure, a stop signal came while a reward
+    function ran (stop_signals_at_once): the same checkpoint, then the exit of a signal."""
 
-    def __init__(self, message: str, announce: bool = True, after_training: bool = False):
+    def __init__(self, message: str, announce: bool = True, after_training: bool = False,
+                 signal_name: Optional[str] = None):
         super().__init__(message, announce)
-        self.after_training = after_training
+        self.after_training, self.signal_name = after_training, signal_name
 
 
 def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
@@ -1619,6 +1632,9 @@ def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
             module = importlib.import_module(module_name)
         except ImportError as e:
             raise ConfigError(f"unknown reward function {spec!r}: cannot import {module_name!r} ({e})") from None
+        except (Exception, SystemExit) as e:  # a SyntaxError, anything the module's own code raises
+            raise ConfigError(f"reward function {spec!r}: importing {module_name!r} failed with {type(e).__name__}: "
+                              f"{first_line(e)}") from None
         fn = getattr(module, attr, None)
         if not callable(fn):
             raise ConfigError(f"unknown reward function {spec!r}: module {module_name!r} has no function {attr!r}")
@@ -1653,13 +1669,36 @@ def is_number(value) -> bool:
     return isinstance(value, numbers.Real)
 
 
-def call_reward_function(name: str, fn: Callable, n: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+def call_reward_function(name: str, fn: Callable, n: int, timeout: Optional[float] = None, /,
+                         **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Values (n,) and an applies-mask (n,) from a reward function returning a number or None per completion.
-    Whatever it raises, and anything else it returns, becomes a RewardFunctionError naming it."""
-    try:
-        out = fn(**kwargs)
-    except Exception as e:  # the user's code: any type
+    Whatever it raises (SystemExit included), anything else it returns, a value outside float32's range, and not
+    returning within `timeout` seconds become a RewardFunctionError naming it. It runs in a thread of its own while
+    this one waits, so that neither a function stuck in C code or a sleep nor its own `except` clauses can keep a
+    stop signal from acting (stop_signals_at_once); it gets its own copies of the arguments to change as it likes."""
+    kwargs, outcome = copy.deepcopy(kwargs), {}
+    cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None  # both are per thread
+    grad_enabled = torch.is_grad_enabled()
+
+    def call() -> None:
+        try:
+            if cuda_device is not None:
+                torch.cuda.set_device(cuda_device)
+            with torch.set_grad_enabled(grad_enabled):
+                outcome["out"] = fn(**kwargs)
+        except BaseException as e:  # the user's code: any type, sys.exit included
+            outcome["error"] = e
+
+    thread = threading.Thread(target=call, name=f"reward function {name}", daemon=True)  # abandoned if it hangs
+    with stop_signals_at_once():
+        thread.start()
+        thread.join(timeout)
+    if thread.is_alive():
+        raise RewardFunctionError(f"reward function {name!r} did not return within --reward_fn_timeout {timeout:g} s")
+    if "error" in outcome:
+        e = outcome["error"]
         raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {first_line(e)}") from e
+    out = outcome["out"]
     if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
         raise RewardFunctionError(f"reward function {name!r} returned {repr(out)[:80]}, not a list of {n} numbers "
                                   "(or None), one per completion")
@@ -1667,10 +1706,13 @@ def call_reward_function(name: str, fn: Callable, n: int, **kwargs) -> tuple[tor
     if len(out) != n:
         raise RewardFunctionError(f"reward function {name!r} returned {len(out)} values for {n} completions: it must "
                                   "return one number (or None) per completion")
-    for v in out:
+    for i, v in enumerate(out):
         if v is not None and not is_number(v):
             raise RewardFunctionError(f"reward function {name!r} returned {repr(v)[:80]} ({type(v).__name__}) "
                                       "among its values: each must be a number or None")
+        if v is not None and not abs(float(v)) <= FLOAT32_MAX:  # nan and inf too
+            raise RewardFunctionError(f"reward function {name!r} returned {float(v)!r} for completion {i}: each "
+                                      f"value must be a finite float32 (at most {FLOAT32_MAX:.4g} in magnitude)")
     applies = torch.tensor([v is not None for v in out])
     return torch.tensor([0.0 if v is None else float(v) for v in out]), applies
 
@@ -1693,6 +1735,7 @@ class RewardSources:
     functions: list[tuple[str, Callable]]
     weights: torch.Tensor  # (S,)
     share_prompt: bool = False  # the reward model reads a prompt group as one row (grouped_rows)
+    timeout: Optional[float] = None  # seconds a reward function's call may take (--reward_fn_timeout)
 
     @property
     def names(self) -> list[str]:
@@ -1714,7 +1757,8 @@ def load_reward_sources(args: Args, tokenizer, functions: list[tuple[str, Callab
             own_tokenizer = tokenizer
         model_tokenizer = None if same_vocabulary(own_tokenizer, tokenizer) else own_tokenizer
     num_sources = int(model is not None) + len(functions)
-    return RewardSources(model, model_tokenizer, functions, torch.tensor(args.reward_weights or [1.0] * num_sources))
+    return RewardSources(model, model_tokenizer, functions, torch.tensor(args.reward_weights or [1.0] * num_sources),
+                         timeout=args.reward_fn_timeout or args.ddp_timeout / 2)
 
 
 def score_completions(
@@ -1752,7 +1796,7 @@ def score_completions(
         applies.append(torch.ones(n, dtype=torch.bool))
     for name, fn in sources.functions:
         v, a = call_reward_function(
-            name, fn, n, prompts=repeat(prompts), completions=texts, completion_ids=completion_ids,
+            name, fn, n, sources.timeout, prompts=repeat(prompts), completions=texts, completion_ids=completion_ids,
             **{column: repeat(vals) for column, vals in columns.items()},
         )
         values.append(v)
@@ -1909,9 +1953,10 @@ def micro_batch(rollout: Rollout, rows: torch.Tensor, k: int) -> Rollout:
 class NonFiniteError(Exception):
     """A NaN or inf in a quantity that training would otherwise use; raised on every rank at once."""
 
-    def __init__(self, quantity: str, ranks: list[int]):
+    def __init__(self, quantity: str, ranks: list[int], unwritten: Optional[str] = None):
         super().__init__(f"non-finite {quantity} on rank {', '.join(map(str, ranks))}")
         self.quantity, self.ranks = quantity, ranks
+        self.unwritten = unwritten  # why the offending batch could not be written (a full disk), if it could not
 
 
 def check_finite(named: dict[str, Optional[torch.Tensor]], device: torch.device) -> None:
@@ -2181,6 +2226,10 @@ def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, scor
     }
 
 
+class MetricsWriteError(Fault):
+    """metrics.jsonl could not be written (a full disk, a quota): the run stops, with a checkpoint where it can."""
+
+
 class RunLogger:
     """Rank 0's outputs: a compact line per update, metrics.jsonl (appended), wandb, a progress bar, tables."""
 
@@ -2193,7 +2242,8 @@ class RunLogger:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        self.metrics_file = open(Path(args.output_dir) / "metrics.jsonl", "a")
+        self.metrics_path = Path(args.output_dir) / "metrics.jsonl"
+        open(self.metrics_path, "a").close()
         self.wandb = None
         if args.track:
             import wandb
@@ -2209,8 +2259,7 @@ class RunLogger:
         self.num_updates = num_updates
 
     def log(self, update: int, metrics: dict[str, float]) -> None:
-        self.metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
-        self.metrics_file.flush()
+        self.write_metrics({"update": update, **metrics})
         if self.wandb is not None:
             self.wandb.log(metrics, step=int(metrics["episode"]))
         parts = [f"{short} {metrics[key]:.4g}" for key, short in self.LINE_KEYS if key in metrics]
@@ -2220,12 +2269,23 @@ class RunLogger:
         self.progress.advance(self.task)
 
     def log_eval(self, update: int, metrics: dict[str, float], episode: int) -> None:
-        self.metrics_file.write(json.dumps({"update": update, "episode": episode, **metrics}) + "\n")
-        self.metrics_file.flush()
+        self.write_metrics({"update": update, "episode": episode, **metrics})
         if self.wandb is not None:
             self.wandb.log(metrics, step=episode)
         self.console.print("eval | " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()), highlight=False,
                            soft_wrap=True)
+
+    def write_metrics(self, record: dict) -> None:
+        """One line of metrics.jsonl, whole or not at all: a write that fails (a full disk, a quota) is cut off again
+        and stops the run (MetricsWriteError)."""
+        size = self.metrics_path.stat().st_size
+        try:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.truncate(self.metrics_path, size)
+            raise MetricsWriteError(f"could not write {self.metrics_path} ({e.strerror or e})") from None
 
     def sample_table(self, rows: list[tuple[str, str, float]], episode: int) -> None:
         from rich.table import Table
@@ -2246,7 +2306,6 @@ class RunLogger:
 
     def close(self) -> None:
         self.progress.stop()
-        self.metrics_file.close()
         if self.wandb is not None:
             self.wandb.finish()
 
@@ -2286,6 +2345,7 @@ class StopSignal:
     def __init__(self, output_dir: str, announce: bool):
         self.name: Optional[str] = None
         self.training = False
+        self.at_once = False  # the main thread only waits for a reward function (stop_signals_at_once)
         self.output_dir = output_dir
         self.announce = announce
         for sig in self.SIGNALS:
@@ -2300,6 +2360,8 @@ class StopSignal:
                 (Path(self.output_dir) / PREEMPTED).write_text("stopped during start-up, before any update\n")
             raise StartupInterrupted(name)
         self.name = self.name or name
+        if self.at_once:  # the function may never return: stop now, from the state at the start of the update
+            raise RewardFunctionError(f"{name} received while a reward function ran", signal_name=name)
         if signum == signal.SIGINT and self.announce:  # os.write: print() is not safe inside a signal handler
             os.write(2, b"rloo.py: SIGINT received: stopping after this update with a checkpoint; Ctrl-C again "
                         b"exits at once without one\n")
@@ -2317,6 +2379,21 @@ def signals_held():
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, StopSignal.SIGNALS)
+
+
+@contextlib.contextmanager
+def stop_signals_at_once():
+    """While the main thread only waits for a reward function (running in a thread of its own), a stop signal stops
+    the run at once, raising there, instead of after the update: the function may be stuck for good."""
+    stop = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+    if not isinstance(stop, StopSignal) or not stop.training or threading.current_thread() != threading.main_thread():
+        yield
+        return
+    stop.at_once = True
+    try:
+        yield
+    finally:
+        stop.at_once = False
 
 
 # ---- ranks waiting for each other: who is late, and where
@@ -2376,6 +2453,19 @@ def wait_for_peers(what: str) -> None:
     note_phase(f"after {what}")
 
 
+STOPPED_ALONE = "rloo/stopped_alone"  # set by a rank that stops on its own: the others' failed collectives echo it
+
+
+def stopped_alone(mark: bool = False) -> bool:
+    """Whether a rank has marked (with `mark`: marks) in the store that it stops on its own, having said why."""
+    store = process_group_store()
+    with contextlib.suppress(RuntimeError):  # the store is gone too: nothing to say or learn
+        if store is not None and mark:
+            store.set(STOPPED_ALONE, "1")
+        return store is not None and store.check([STOPPED_ALONE])
+    return False
+
+
 def barrier(what: str = "a barrier") -> None:
     wait_for_peers(what)
 
@@ -2399,10 +2489,11 @@ def reward_faults(device: torch.device, what: str, after_training: bool = False)
     if not all_reduce(torch.tensor([float(error is not None)], device=device), dist.ReduceOp.MAX).item():
         return
     messages = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if error is None else str(error))
-    rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
+    dist.all_gather_object(messages, None if error is None else (str(error), error.signal_name))
+    rank, (message, signal_name) = min(((r, m) for r, m in enumerate(messages) if m is not None),
+                                       key=lambda failed: failed[1][1] is not None)  # a failure before a signal
     raise RewardFunctionError(f"{message} (rank {rank}, {what})", announce=dist.get_rank() == 0,
-                              after_training=after_training) from None
+                              after_training=after_training, signal_name=signal_name) from None
 
 
 # ===================================================================== checkpoints: output_dir, save, verify, resume
@@ -3231,10 +3322,14 @@ def train(run: Run, rollout: Rollout, scores: Scores, returns: Optional[Advantag
             stats = ppo_update(run.trained, run.optimizer, rollout, scores.shaped, advantages, args, run.sizes,
                                run.share_prompt, run.autocast)
     except NonFiniteError as e:
+        unwritten = None
         if rank in e.ranks:
-            dump_batch(Path(args.output_dir) / "nonfinite" / f"update_{update}_rank_{rank}.jsonl", run.tokenizer,
-                       rollout, scores.raw, advantages)
-        raise NonFiniteError(f"{e.quantity} at update {update}", e.ranks) from None
+            try:
+                dump_batch(Path(args.output_dir) / "nonfinite" / f"update_{update}_rank_{rank}.jsonl", run.tokenizer,
+                           rollout, scores.raw, advantages)
+            except OSError as error:  # a full disk: the run stops all the same, and says the batch is not there
+                unwritten = error.strerror or str(error)
+        raise NonFiniteError(f"{e.quantity} at update {update}", e.ranks, unwritten) from None
     return stats
 
 
@@ -3367,7 +3462,18 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     except RewardFunctionError as e:  # every rank at once: keep the last finished update, then stop
         finished = update if e.after_training else update - 1
         where = keep_last_finished(run, finished, None if e.after_training else start_of_update)
-        raise RewardFunctionError(f"{e}; {where}", e.announce) from None
+        if e.signal_name is None:
+            raise RewardFunctionError(f"{e}; {where}", e.announce) from None
+        if run.logger is not None:  # a signal, as save_if_due says it, and the marker job scripts requeue on
+            saved = where.split("; ")[0]
+            (Path(args.output_dir) / PREEMPTED).write_text(f"{saved}\n")
+            run.logger.console.print(f"rloo.py: {e.signal_name} received while a reward function ran: stopped at once; "
+                                     f"{saved}; continue with the same command and --resume", highlight=False,
+                                     soft_wrap=True)
+    except MetricsWriteError as e:  # rank 0's alone: a checkpoint needs every rank
+        where = "no checkpoint: it needs every rank (torchrun stops the others)" if dist.is_initialized() else \
+            keep_last_finished(run, update, None)
+        raise MetricsWriteError(f"{e} after update {update}; {where}") from None
     finally:  # an error on one rank alone must not wait for the others: torchrun stops them
         run.rollouts.close()
         if run.logger is not None:
@@ -3384,17 +3490,27 @@ TRL_NAMES = {"num_generations": "rloo_k", "beta": "kl_coef", "epsilon": "clipran
 
 
 def with_trl_names_translated(argv: list[str], defaults) -> list[str]:
-    """argv with TRL >= 0.22's flag names written as this script's, and --steps_per_generation S (micro-batches per
-    rank and generation) as --num_mini_batches S / gradient_accumulation_steps. A flag given under both of its names
-    with different values is refused, rather than settled by which comes last."""
+    """argv with TRL >= 0.22's flag names written as this script's, --steps_per_generation S (micro-batches per rank
+    and generation) as --num_mini_batches S / gradient_accumulation_steps, and the values of a list flag given several
+    times (--reward_fn a --reward_fn b) gathered into one: all count, where tyro would keep the last. A flag given
+    under both of its names with different values is refused, rather than settled by which comes last; under one
+    name, the last value wins (argparse's rule: a launch script's "$@" overrides its defaults)."""
     watched = {*TRL_NAMES, *TRL_NAMES.values(), "steps_per_generation", "num_mini_batches",
                "gradient_accumulation_steps"}
-    out, given = [], {}  # given: this script's flag name -> {the name used: its value}
+    hints = get_type_hints(type(defaults))
+    lists = {name for name, hint in hints.items() if tuple in {get_origin(hint), *map(get_origin, get_args(hint))}}
+    out, given, items = [], {}, {}  # given: this script's flag name -> {the name used: its value}; items: a list's
     i = 0
     while i < len(argv):
         flag, equals, value = argv[i].partition("=")
         negated = flag.startswith(("--no-", "--no_"))
         name = (flag[5:] if negated else flag[2:]).replace("-", "_") if flag.startswith("--") else None
+        if name in lists:
+            end = i + 1 if equals else next((j for j in range(i + 1, len(argv)) if argv[j].startswith("--")),
+                                            len(argv))
+            items.setdefault(name, []).extend([value] if equals else argv[i + 1 : end])
+            i = end
+            continue
         if name not in watched:
             out.append(argv[i])
             i += 1
@@ -3430,7 +3546,7 @@ def with_trl_names_translated(argv: list[str], defaults) -> list[str]:
         if len({as_number(value) for value in spellings.values()}) > 1:
             both = " and ".join(f"--{name} {value}" for name, value in spellings.items())
             raise ConfigError(f"{both} set the same flag to different values: pass one of them")
-    return out
+    return out + [token for name, values in items.items() for token in (f"--{name}", *values)]
 
 
 def as_number(text: str):
@@ -3459,7 +3575,7 @@ def parse_args(cls=None, argv: Optional[list[str]] = None, prog: Optional[str] =
 def run_script(main: Callable, args, program: str) -> None:
     """main(args), with bad input (ConfigError) turned into one line on stderr and exit status 2, a fault that
     stopped the run (Fault) into one line and exit status 4, and a signal before training into one line and exit
-    status 0 (130 for SIGINT). Shared by this project's scripts."""
+    status 0 (130 for SIGINT; under torchrun 128 + the signal's number). Shared by this project's scripts."""
     try:
         main(args)
     except ConfigError as e:
@@ -3470,9 +3586,22 @@ def run_script(main: Callable, args, program: str) -> None:
             print(f"{program}: error: {e}", file=sys.stderr)
         sys.exit(4)
     except StartupInterrupted as e:
-        if os.environ.get("RANK", "0") == "0":
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
             print(f"{program}: {e}", file=sys.stderr)
-        sys.exit(130 if e.signal_name == "SIGINT" else 0)
+            sys.exit(130 if e.signal_name == "SIGINT" else 0)
+        # under torchrun each rank that got it says so and fails: an exit 0 would leave a rank that did not get it
+        # waiting for this one, and torchrun stops the others when one fails
+        print(f"{program}: rank {os.environ['RANK']}: {e}", file=sys.stderr, flush=True)
+        stopped_alone(mark=True)
+        os._exit(128 + signal.Signals[e.signal_name])  # not sys.exit: no process group teardown that waits
+    except RuntimeError as e:  # under torchrun, a collective cut short by a rank that is gone: one line, not a trace
+        frames = traceback.extract_tb(e.__traceback__)
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1 or "torch/distributed/" not in frames[-1].filename:
+            raise
+        if not stopped_alone():  # else that rank has said why already
+            print(f"{program}: rank {os.environ['RANK']}: error: a collective failed (a rank stopped, was lost or "
+                  f"timed out): {first_line(e)}", file=sys.stderr, flush=True)
+        os._exit(4)
 
 
 def cli() -> None:
@@ -3480,8 +3609,10 @@ def cli() -> None:
     try:
         run_script(main, args, "rloo.py")
     except NonFiniteError as e:
-        print(f"rloo.py: error: {e}: stopped before any optimizer step on it; the offending batch is in "
-              f"{Path(args.output_dir) / 'nonfinite'}", file=sys.stderr)
+        where = Path(args.output_dir) / "nonfinite"
+        print(f"rloo.py: error: {e}: stopped before any optimizer step on it; the offending batch is in {where}"
+              if e.unwritten is None else f"rloo.py: error: {e}: stopped before any optimizer step on it; the "
+              f"offending batch could not be written to {where} ({e.unwritten})", file=sys.stderr)
         sys.exit(3)
 
 

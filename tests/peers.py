@@ -1,11 +1,15 @@
 """Two gloo ranks under torchrun, scoring as rloo.py's update does. First a reward function that raises on rank 1
-only: both ranks stop with rank 1's error. Then rank 1 stalls in the scoring of the next update: rank 0 stops
-after --ddp_timeout (argv[2] seconds) with a Fault naming rank 1 and its phase. Rank 0 writes what it saw to
+only: both ranks stop with rank 1's error. Then rank 1's reward function hangs: past its timeout (both ranks stop
+with its error); until rank 1 gets a SIGTERM (both stop as for a signal); the same while rank 0's raises (its failure
+wins). Then rank 1 stalls in the scoring of the next update: rank 0 stops after --ddp_timeout (argv[2] seconds)
+with a Fault naming rank 1 and its phase. Rank 0 writes what it saw to
 argv[1] as JSON. Used by test_checkpoints.py."""
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +30,21 @@ if __name__ == "__main__":
                 rloo.call_reward_function("judge", judge, 2, completions=["a", "b"])
     except rloo.RewardFunctionError as e:
         seen["failed"] = [str(e), e.announce]
+    stop = rloo.StopSignal(str(Path(sys.argv[1]).parent), announce=False)
+    stop.training = True  # a signal while a reward function runs stops the run at once, on every rank
+    for phase, timeout, signalled, rank_0_fails in (("hung", 1.0, False, False), ("signalled", 30.0, True, False),
+                                                    ("failed and signalled", 30.0, True, True)):
+        try:  # rank 1's function hangs, past its timeout or until rank 1 gets a SIGTERM
+            with rloo.reward_faults(dist_info.device, f"scoring of {phase}"):
+                if dist_info.rank == 1:
+                    if signalled:
+                        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+                    rloo.call_reward_function("judge", lambda **kwargs: time.sleep(3600), 2, timeout,
+                                              completions=["a", "b"])
+                elif rank_0_fails:
+                    rloo.call_reward_function("judge", judge, 2, timeout, completions=["a", "b"])
+        except rloo.RewardFunctionError as e:
+            seen[phase] = [str(e), e.signal_name, e.announce]
     try:
         with rloo.reward_faults(dist_info.device, "scoring of update 2"):
             rloo.note_phase("scoring")

@@ -1,7 +1,9 @@
 """Reward functions the tests pass to rloo.py as `--reward_fn reward_fns:NAME`."""
 
 import os
+import sys
 import time
+from pathlib import Path
 
 
 def count_a(completions, **kwargs):
@@ -26,17 +28,24 @@ def not_a_list(**kwargs):
 _calls = 0
 
 
+def huge_at_second_call(completions, **kwargs):
+    """A reward that breaks the update at the second call: 3e38 is a float32, but the baseline's sum of k of them is
+    inf, and so is the loss."""
+    global _calls
+    _calls += 1
+    return [3e38 if _calls == 2 else 1.0 for _ in completions]
+
+
+def huge_on_rank_one(completions, **kwargs):
+    """Breaks the loss on torchrun's rank 1 only, at its first call: the other rank must not wait forever."""
+    return [3e38 if os.environ.get("RANK") == "1" else float(c.split().count("a")) for c in completions]
+
+
 def nan_at_second_call(completions, **kwargs):
-    """A reward that breaks at the second update: one NaN among finite scores."""
+    """A reward function's bug at the second call: one NaN among finite scores."""
     global _calls
     _calls += 1
     return [float("nan") if _calls == 2 and i == 0 else 1.0 for i in range(len(completions))]
-
-
-def nan_on_rank_one(completions, **kwargs):
-    """Breaks on torchrun's rank 1 only, at its first call: the other rank must not wait forever."""
-    bad = os.environ.get("RANK") == "1"
-    return [float("nan") if bad and i == 0 else float(c.split().count("a")) for i, c in enumerate(completions)]
 
 
 _count_a_calls = 0
@@ -63,3 +72,22 @@ def without_kwargs(completions):
 
 def needs_answer(completions, answer, **kwargs):
     return [float(c == a) for c, a in zip(completions, answer)]
+
+
+_misbehaving_calls = 0
+
+
+def misbehaving(completions, **kwargs):
+    """count_a, until the call numbered REWARD_MISBEHAVES_AT_CALL does REWARD_MISBEHAVIOUR: exit (sys.exit(0)), nan,
+    huge (1e39: inf in float32), or hang (forever, in a sleep, after writing the file REWARD_HANGING)."""
+    global _misbehaving_calls
+    _misbehaving_calls += 1
+    if str(_misbehaving_calls) == os.environ.get("REWARD_MISBEHAVES_AT_CALL"):
+        behaviour = os.environ["REWARD_MISBEHAVIOUR"]
+        if behaviour == "exit":
+            sys.exit(0)
+        if behaviour in ("nan", "huge"):
+            return [float("nan") if behaviour == "nan" else 1e39] + [1.0] * (len(completions) - 1)
+        Path(os.environ["REWARD_HANGING"]).write_text("hanging\n")
+        time.sleep(3600)
+    return count_a(completions)

@@ -1,5 +1,6 @@
 """Checkpoints that survive preemption, exact resume, and stopping loudly on NaN/inf."""
 
+import contextlib
 import json
 import os
 import pickle
@@ -207,25 +208,34 @@ def test_sigkill_during_saves_never_leaves_a_broken_latest_checkpoint(tmp_path):
     assert rloo.latest_checkpoint(str(out)) == latest
 
 
-def test_nonfinite_reward_stops_the_run_and_saves_the_batch(assets, tmp_path):
+@pytest.mark.parametrize("disk_full", [False, True], ids=["batch-written", "disk-full"])
+def test_nonfinite_loss_stops_the_run_and_saves_the_batch(assets, tmp_path, disk_full):
     out = tmp_path / "run"
+    if disk_full:  # the batch's file cannot be written (ENOSPC): the run stops all the same, and says so
+        (out / "nonfinite").mkdir(parents=True)
+        (out / "nonfinite" / "update_2_rank_0.jsonl").symlink_to("/dev/full")
     result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir", out,
-                      "--total_episodes", PER_UPDATE * 5, *RUN[2:], "--reward_fn", "reward_fns:nan_at_second_call")
+                      "--total_episodes", PER_UPDATE * 5, *RUN[2:], "--reward_fn", "reward_fns:huge_at_second_call")
     assert result.returncode == 3, result.stderr[-3000:]
     error = result.stderr.strip().splitlines()[-1]
-    assert "non-finite reward at update 2 on rank 0" in error and "Traceback" not in result.stderr
+    assert "non-finite loss at update 2 on rank 0" in error and "Traceback" not in result.stderr
     assert [m["update"] for m in read_metrics(out)] == [1]
+    if disk_full:
+        assert error.endswith(f"the offending batch could not be written to {out / 'nonfinite'} (No space left on "
+                              "device)")
+        return
     dump = (out / "nonfinite" / "update_2_rank_0.jsonl").read_text().splitlines()
-    assert len(dump) == PER_UPDATE and '"score": NaN' in dump[0] and '"prompt": ' in dump[0] and '"completion": ' in dump[0]
+    assert len(dump) == PER_UPDATE and all(f'"{key}": ' in dump[0] for key in ("prompt", "completion"))
+    assert '"score": 3' in dump[0]  # 3e38
 
 
 def test_nonfinite_on_one_rank_stops_every_rank(assets, tmp_path):
     out = tmp_path / "run"
     result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir", out,
-                      "--total_episodes", PER_UPDATE * 2 * 4, *RUN[2:], "--reward_fn", "reward_fns:nan_on_rank_one", nproc=2,
-                      timeout=120)
+                      "--total_episodes", PER_UPDATE * 2 * 4, *RUN[2:], "--reward_fn", "reward_fns:huge_on_rank_one",
+                      nproc=2, timeout=120)
     assert result.returncode != 0
-    assert "non-finite reward at update 1 on rank 1" in result.stderr
+    assert "non-finite loss at update 1 on rank 1" in result.stderr
     assert (out / "nonfinite" / "update_1_rank_1.jsonl").exists()
     assert not (out / "nonfinite" / "update_1_rank_0.jsonl").exists()
 
@@ -558,6 +568,91 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp
     assert rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True)).checkpoint == step_1
 
 
+def test_a_full_disk_outside_a_save_stops_with_a_checkpoint_and_one_line(assets, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").symlink_to("/dev/full")  # every write fails with ENOSPC, as on a full disk
+    result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir", out,
+                      *RUN, "--total_episodes", PER_UPDATE * 3)
+    assert result.returncode == 4 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"rloo.py: error: could not write {out / 'metrics.jsonl'} (No space left on device) after update 1; "
+        f"checkpoint of update 1 saved to {out / 'checkpoints' / 'step_1'}; fix it, then continue with --resume")
+    assert rloo.latest_checkpoint(str(out)).name == "step_1"
+    script = (  # a line that does not fit is cut off again: metrics.jsonl never ends in half a line
+        "import resource, signal, sys\n"
+        "from pathlib import Path\n"
+        "import rloo\n"
+        "logger = object.__new__(rloo.RunLogger)\n"
+        "logger.metrics_path = Path(sys.argv[1])\n"
+        "logger.metrics_path.touch()\n"
+        "logger.write_metrics({'update': 1})\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails (EFBIG)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))\n"
+        "rloo.run_script(lambda _: logger.write_metrics({'update': 2, 'text': 'x' * 10000}), None, 'rloo.py')\n")
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "metrics.jsonl")], capture_output=True,
+                            text=True, env=env, timeout=120)
+    assert result.returncode == 4 and result.stderr.startswith("rloo.py: error: could not write "), result.stderr
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"update": 1}\n'
+
+
+BLOCK_AFTER_INIT = """import os, time
+from pathlib import Path
+import torch.distributed as dist
+if os.environ.get("RANK") == "1":  # rank 1 stalls once the process group exists; rank 0 loads the models, then waits
+    init_process_group = dist.init_process_group
+    def stalling(*args, **kwargs):
+        init_process_group(*args, **kwargs)
+        Path(os.environ["BLOCKING_IMPORT_READY"]).write_text(f"{os.getpid()}\\n")
+        time.sleep(60)
+    dist.init_process_group = stalling
+"""
+
+
+STOPPED_IN_START_UP = "rloo.py: rank 1: SIGTERM received during start-up: stopped before the first update, nothing " \
+    "was trained; run the same command again to start"
+START_UP_CASES = {  # case: (where rank 1 stalls, the signal it gets, the one line, whole or its start)
+    "SIGTERM in the reward module's import": ("reward module import", signal.SIGTERM, STOPPED_IN_START_UP),
+    "SIGTERM after init_process_group": ("after init_process_group", signal.SIGTERM, STOPPED_IN_START_UP),
+    "SIGKILL after init_process_group": ("after init_process_group", signal.SIGKILL, "rloo.py: rank 0: error: a "
+                                         "collective failed (a rank stopped, was lost or timed out): [/"),
+}
+
+
+@pytest.mark.parametrize("case", START_UP_CASES, ids=list(START_UP_CASES))
+def test_a_signal_to_one_rank_during_start_up_stops_every_rank_with_one_line(assets, tmp_path, case):
+    where, sig, line = START_UP_CASES[case]
+    ready, hook = tmp_path / "stalled", tmp_path / "hook"  # rank 1 alone stalls in start-up: rank 0 waits for it
+    env = script_env({"BLOCKING_IMPORT_READY": str(ready), "BLOCKING_IMPORT_RANK": "1"})
+    if where == "after init_process_group":  # a sitecustomize of this test's own, for its ranks only
+        hook.mkdir()
+        (hook / "sitecustomize.py").write_text(BLOCK_AFTER_INIT)
+        env["PYTHONPATH"] = f"{hook}:{env['PYTHONPATH']}"
+    reward_fn = "reward_fns_blocking_import:count_a" if where == "reward module import" else "reward_fns:count_a"
+    process = subprocess.Popen(script_command("rloo.py", "--model_name_or_path", assets["policy"], "--dataset_name",
+                                              assets["train"], *RUN[2:], "--output_dir", tmp_path / "run",
+                                              "--reward_fn", reward_fn, nproc=2),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+                               start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not ready.exists():
+            assert time.time() < deadline and process.poll() is None, process.communicate()[1][-3000:]
+            time.sleep(0.05)
+        time.sleep(2)  # rank 0 meanwhile loads what it can and waits in a collective for rank 1
+        started = time.time()
+        os.kill(int(ready.read_text()), sig)  # rank 1's process, not torchrun's
+        _, stderr = process.communicate(timeout=120)
+    finally:  # torchrun and its ranks do not outlive the test
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode != 0 and time.time() - started < 60, stderr[-3000:]  # not --ddp_timeout (600 s) later
+    said = [said for said in stderr.splitlines() if said.startswith("rloo.py")]  # SIGKILL: rank 0 says what it saw
+    assert len(said) == 1 and said[0].startswith(line) and (sig == signal.SIGKILL or said[0] == line), stderr[-3000:]
+    assert str(REPO / "rloo.py") + '", line' not in stderr  # no traceback from a rank (torchrun prints its own)
+
+
 def test_a_failing_or_stuck_rank_stops_every_rank_with_one_line_naming_it(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -567,6 +662,12 @@ def test_a_failing_or_stuck_rank_stops_every_rank_with_one_line_naming_it(tmp_pa
     seen = json.loads((tmp_path / "seen.json").read_text())
     assert seen["failed"] == ["reward function 'judge' raised ConnectionError: the judge does not answer (rank 1, "
                               "scoring of update 1)", True]  # on rank 0 too, which said it
+    assert seen["hung"] == ["reward function 'judge' did not return within --reward_fn_timeout 1 s (rank 1, scoring "
+                            "of hung)", None, True]
+    assert seen["signalled"] == ["SIGTERM received while a reward function ran (rank 1, scoring of signalled)",
+                                 "SIGTERM", True]  # rank 0 stops too, though it got no signal
+    assert seen["failed and signalled"] == ["reward function 'judge' raised ConnectionError: the judge does not "
+                                            "answer (rank 0, scoring of failed and signalled)", None, True]
     message, announce = seen["stuck"]
     assert announce and message.startswith("the other ranks waited --ddp_timeout 2 s after scoring of update 2: "
                                            "rank 1 is in 'scoring' since ")
@@ -588,6 +689,56 @@ def test_a_reward_function_that_raises_stops_with_the_last_update_saved_and_resu
     result = run_rloo(*common, "--output_dir", run, "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_run(full, run)  # the saved state is the one before update 3 began: data position and RNGs
+
+
+FIX = "; fix it, then continue with --resume"
+REWARD_FAULTS = {  # case: (what the reward function does at its 3rd call, the signal sent while it hangs, flags,
+    # exit status, the run's last line after "rloo.py: " with {step_2} for the checkpoint's path)
+    "sys.exit(0)": ("exit", None, [], 4, "error: reward function 'misbehaving' raised SystemExit: 0; checkpoint of "
+                                         "update 2 saved to {step_2}" + FIX),
+    "nan": ("nan", None, [], 4, "error: reward function 'misbehaving' returned nan for completion 0: each value must "
+                                "be a finite float32 (at most 3.403e+38 in magnitude); checkpoint of update 2 saved to "
+                                "{step_2}" + FIX),
+    "1e39": ("huge", None, [], 4, "error: reward function 'misbehaving' returned 1e+39 for completion 0: each value "
+                                  "must be a finite float32 (at most 3.403e+38 in magnitude); checkpoint of update 2 "
+                                  "saved to {step_2}" + FIX),
+    "hangs past --reward_fn_timeout": ("hang", None, ["--reward_fn_timeout", 3], 4,
+                                       "error: reward function 'misbehaving' did not return within --reward_fn_timeout "
+                                       "3 s; checkpoint of update 2 saved to {step_2}" + FIX),
+    "SIGTERM while it hangs": ("hang", signal.SIGTERM, [], 0, "SIGTERM received while a reward function ran: stopped "
+                               "at once; checkpoint of update 2 saved to {step_2}; continue with the same command and "
+                               "--resume"),
+    "SIGINT while it hangs": ("hang", signal.SIGINT, [], 0, "SIGINT received while a reward function ran: stopped at "
+                              "once; checkpoint of update 2 saved to {step_2}; continue with the same command and "
+                              "--resume"),
+}
+
+
+@pytest.mark.parametrize("case", REWARD_FAULTS, ids=list(REWARD_FAULTS))
+def test_a_reward_function_that_exits_returns_no_float32_or_hangs_stops_with_the_last_update_saved(assets, tmp_path,
+                                                                                                  case):
+    behaviour, sig, flags, status, line = REWARD_FAULTS[case]
+    out, hanging = tmp_path / "run", tmp_path / "hanging"
+    env = script_env({"REWARD_MISBEHAVES_AT_CALL": "3", "REWARD_MISBEHAVIOUR": behaviour, "REWARD_HANGING": hanging})
+    process = subprocess.Popen(script_command("rloo.py", "--model_name_or_path", assets["policy"], "--dataset_name",
+                                              assets["train"], "--output_dir", out, *RUN[2:], "--reward_fn",
+                                              "reward_fns:misbehaving", "--total_episodes", PER_UPDATE * 4, *flags),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    try:
+        if sig is not None:
+            deadline = time.time() + 120
+            while not hanging.exists():
+                assert time.time() < deadline and process.poll() is None, process.communicate()[1][-3000:]
+                time.sleep(0.05)
+            process.send_signal(sig)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:  # a run that hangs does not outlive the test
+        process.kill()
+    assert process.returncode == status and "Traceback" not in stderr, stderr[-3000:]
+    said = (stdout if status == 0 else stderr).strip().splitlines()[-1]
+    assert said == "rloo.py: " + line.format(step_2=out / "checkpoints" / "step_2")
+    assert rloo.latest_checkpoint(str(out)).name == "step_2" and [m["update"] for m in read_metrics(out)] == [1, 2]
+    assert (out / "preempted").exists() == (status == 0)  # a signal: requeue; a fault: fix it first
 
 
 def test_ctrl_c_twice_exits_at_once_and_a_signal_during_start_up_trains_nothing(assets, tmp_path):

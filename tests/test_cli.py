@@ -195,7 +195,8 @@ def test_every_trl_name_sets_rloo_flag():
     (["--steps_per_generation", "6", "--gradient_accumulation_steps", "4"], ["--steps_per_generation 6", "not a multiple"]),
     (["--steps_per_generation", "8", "--gradient_accumulation_steps", "4", "--num_mini_batches", "1"],
      ["means --num_mini_batches 2", "--num_mini_batches 1 is given too"]),
-], ids=["rloo_k", "bool", "indivisible", "both"])
+    (["--kl_coef=0.1", "--beta", "0.1", "--kl-coef", "0.2"], ["--kl_coef 0.2 and --beta 0.1"]),  # the last of each
+], ids=["rloo_k", "bool", "indivisible", "both", "thrice"])
 def test_a_flag_under_both_names_with_different_values_is_one_line(capsys, argv, fragments):
     import rloo
 
@@ -205,6 +206,17 @@ def test_a_flag_under_both_names_with_different_values_is_one_line(capsys, argv,
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and error.startswith("rloo.py: error: "), error
     assert all(f in error for f in fragments), error
+
+
+def test_a_list_flag_given_several_times_keeps_every_value_and_another_flag_its_last():
+    import rloo
+
+    args = rloo.parse_args(argv=["--reward_fn", "m:a", "--seed", "3", "--reward-fn=m:b", "--reward_fn", "m:c", "m:d",
+                                 "--reward_weights", "1", "--fsdp", "--reward_weights", "-0.5", "2", "--seed", "4",
+                                 "--no-fsdp"])
+    assert args.reward_fn == ("m:a", "m:b", "m:c", "m:d")  # the README's repeatable --reward_fn: each counts
+    assert args.reward_weights == (1.0, -0.5, 2.0)
+    assert args.seed == 4 and args.fsdp is False  # any other flag: the last wins, as a launch script's "$@" expects
 
 
 # ---------------------------------------------------------------- GPUs
@@ -280,6 +292,11 @@ def bad_files(assets, tmp_path_factory) -> dict[str, Path]:
     files["two_label_rm"] = root / "two_label_rm"  # only its config is read before the refusal
     neox_config(15, num_labels=2, architectures=["GPTNeoXForSequenceClassification"]).save_pretrained(
         files["two_label_rm"])
+    files["modules"] = root / "modules"  # reward modules that fail at import
+    files["modules"].mkdir()
+    (files["modules"] / "syntax_error.py").write_text("def f(completions, **kwargs)\n    return [0.0]\n")
+    (files["modules"] / "raises_at_import.py").write_text("raise RuntimeError('set JUDGE_KEY first')\n")
+    (files["modules"] / "exits_at_import.py").write_text("import sys\nsys.exit('needs a GPU')\n")
     files["a_file"] = root / "a_file"
     files["a_file"].write_text("not a directory\n")
     files["earlier_run"] = root / "earlier_run"
@@ -320,6 +337,12 @@ BAD_INPUTS = {  # case: (flags that replace or add to a valid command, fragments
     "learning_rate -1e-3": ({"learning_rate": "-1e-3"}, ["learning_rate = -0.001", ">= 0"]),
     "learning_rate nan": ({"learning_rate": "nan"}, ["learning_rate = nan"]),
     "kl_coef nan": ({"kl_coef": "nan"}, ["kl_coef = nan"]),
+    "kl_coef beyond float32": ({"kl_coef": "1e39"}, ["kl_coef = 1e+39", "a finite number >= 0"]),
+    "learning_rate beyond float32": ({"learning_rate": "1e50"}, ["learning_rate = 1e+50"]),
+    "reward_weights beyond float32": ({"reward_weights": "-1e39"}, ["reward_weights = (-1e+39,)", "finite numbers"]),
+    "reward_fn_timeout beyond ddp_timeout": ({"reward_fn_timeout": "600"},
+                                             ["reward_fn_timeout = 600.0", "below --ddp_timeout (600; raise it too)"]),
+    "reward_fn_timeout 0": ({"reward_fn_timeout": "0"}, ["reward_fn_timeout = 0.0", "seconds > 0"]),
     "eval_max_prompts 0": ({"eval_max_prompts": "0"}, ["eval_max_prompts = 0", "at least 1"]),
     "num_train_epochs 0": ({"num_train_epochs": "0"}, ["num_train_epochs = 0.0"]),
     "seed -1": ({"seed": "-1"}, ["seed = -1"]),
@@ -327,6 +350,13 @@ BAD_INPUTS = {  # case: (flags that replace or add to a valid command, fragments
     "overwrite and resume": ({"overwrite_output_dir": None, "resume": None}, ["--overwrite_output_dir", "--resume"]),
     "reward function without **kwargs": ({"reward_fn": "reward_fns:without_kwargs"},
                                          ["'reward_fns:without_kwargs' takes no **kwargs", "add **kwargs"]),
+    "reward module with a SyntaxError": ({"reward_fn": "syntax_error:f"},
+                                         ["'syntax_error:f': importing 'syntax_error' failed with SyntaxError: "
+                                          "expected ':' (syntax_error.py, line 1)"]),
+    "reward module raising at import": ({"reward_fn": "raises_at_import:f"},
+                                        ["importing 'raises_at_import' failed with RuntimeError: set JUDGE_KEY first"]),
+    "reward module exiting at import": ({"reward_fn": "exits_at_import:f"},
+                                        ["importing 'exits_at_import' failed with SystemExit: needs a GPU"]),
     "reward function needs a missing column": ({"reward_fn": "reward_fns:needs_answer"},
                                                ["'needs_answer' needs 'answer'", "'target'"]),
     "output_dir is a file": ({"output_dir": "a_file"}, ["a_file is a file", "pass a directory"]),
@@ -393,6 +423,7 @@ def test_bad_input_is_one_line_before_any_model_loads_and_changes_nothing(case, 
     changes, fragments = BAD_INPUTS[case]
     for loader in ("load_causal_lm", "load_reward_model"):  # any weights loaded: the check came too late
         monkeypatch.setattr(rloo, loader, lambda *args, **kwargs: pytest.fail("a model loaded before the error"))
+    monkeypatch.syspath_prepend(bad_files["modules"])
     out = tmp_path / "out"  # what an earlier attempt without checkpoints leaves
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"update": 1}\n')

@@ -1,6 +1,8 @@
 """rloo.py's pieces on tiny real models: generation, reward reading, re-tokenization, one update, data."""
 
 import json
+import sys
+import time
 
 import datasets
 import numpy as np
@@ -207,8 +209,13 @@ def test_reward_functions_get_texts_ids_and_columns_and_combine_with_weights():
                     others=sorted(kwargs))
         return [float(len(c.split())) for c in completions]
 
+    def meddle(prompts, completions, completion_ids, target, **kwargs):  # changes what it is given, in place
+        completions.reverse(), prompts.clear(), completion_ids[0].append(99), target.__setitem__(0, "z")
+        return [0.0] * len(completions)
+
     from reward_fns import only_even_lengths
-    sources = rloo.RewardSources(None, None, [("spy", spy), ("even", only_even_lengths)], torch.tensor([1.0, 10.0]))
+    sources = rloo.RewardSources(None, None, [("meddle", meddle), ("spy", spy), ("even", only_even_lengths)],
+                                 torch.tensor([1.0, 1.0, 10.0]))
     rows = {"prompt": ["a b :", "c :"], "target": ["x", "y"], rloo.PROMPT_IDS: [[2, 3, 5], [4, 5]]}  # dataset rows
     scores, means = rloo.score_completions(sources, completions, rows, "prompt", tokenizer, 1, 8, NO_AUTOCAST)
     assert seen["prompts"] == ["a b :", "c :", "a b :", "c :"]  # the (k, B) layout
@@ -217,7 +224,7 @@ def test_reward_functions_get_texts_ids_and_columns_and_combine_with_weights():
     assert seen["completions"] == ["a", "c c", "a b c", "c"]  # EOS and padding removed
     assert seen["completion_ids"] == [[2, 1], [4, 4, 1], [2, 3, 4], [4, 1]]
     assert scores.tolist() == [1.0, 2.0 + 10.0, 3.0, 1.0]
-    assert means == {"reward/spy/mean": 1.75, "reward/even/mean": 1.0}
+    assert means == {"reward/meddle/mean": 0.0, "reward/spy/mean": 1.75, "reward/even/mean": 1.0}
 
 
 def test_reward_function_values_numpy_accepted_and_every_misuse_named():
@@ -226,12 +233,21 @@ def test_reward_function_values_numpy_accepted_and_every_misuse_named():
     assert values.tolist() == [0.5, 2.0, 0.0] and applies.tolist() == [True, True, False]
     assert call(lambda: np.array([1.0, 2.0, 3.0]))[0].tolist() == [1.0, 2.0, 3.0]
     assert call(lambda: torch.tensor([1.0, 2.0, 3.0]))[0].tolist() == [1.0, 2.0, 3.0]
+    with torch.no_grad():  # as evaluation calls it: so does the function, in its own thread
+        assert call(lambda: [float(torch.is_grad_enabled())] * 3)[0].tolist() == [0.0] * 3
     for returns, message in ((lambda: 1 / 0, "'f' raised ZeroDivisionError: division by zero"),
                              (lambda: 3.0, "'f' returned 3.0, not a list of 3 numbers"),
                              (lambda: [1.0, 2.0], "'f' returned 2 values for 3 completions"),
-                             (lambda: [1.0, "2", 3.0], "'f' returned '2' .str. among its values")):
+                             (lambda: [1.0, "2", 3.0], "'f' returned '2' .str. among its values"),
+                             (lambda: sys.exit(0), "'f' raised SystemExit: 0"),
+                             (lambda: sys.exit(), "'f' raised SystemExit: SystemExit"),
+                             (lambda: [1.0, 1e39, 0.0], "'f' returned 1e.39 for completion 1: each value must be a "
+                                                        "finite float32"),
+                             (lambda: [1.0, None, np.inf], "'f' returned inf for completion 2"),
+                             (lambda: [np.float64("nan"), 2.0, 3.0], "'f' returned nan for completion 0"),
+                             (lambda: time.sleep(30), "'f' did not return within --reward_fn_timeout 0.2 s")):
         with pytest.raises(rloo.RewardFunctionError, match=message):
-            call(returns)
+            rloo.call_reward_function("f", lambda **kwargs: returns(), 3, 0.2, completions=["a", "b", "c"])
 
 
 # ---------------------------------------------------------------- one update

@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-import tyro
 from torch.distributed.run import get_args_parser
 
 import rloo
@@ -78,7 +77,8 @@ def fake_bin(tmp_path):
 
 def launch(fake_bin, command: list, cwd, **env: str) -> dict:
     """Run a script with the stand-ins first on PATH; returns torchrun's argv, parsed by torchrun's own parser
-    into `torchrun` and by rloo.py's into `args`, its working directory and the scontrol calls."""
+    into `torchrun` and by rloo.py's (parse_args: TRL's names, repeated flags) into `args`, its working directory
+    and the scontrol calls."""
     bin_dir, log = fake_bin
     clean = {k: v for k, v in os.environ.items() if k not in OVERRIDES}
     subprocess.run(["bash", *map(str, command)], cwd=cwd, check=True, timeout=30,
@@ -86,7 +86,7 @@ def launch(fake_bin, command: list, cwd, **env: str) -> dict:
     record = json.loads((log / "torchrun.json").read_text())
     torchrun = get_args_parser().parse_args(record["argv"])
     scontrol = log / "scontrol.log"
-    return {"torchrun": torchrun, "args": tyro.cli(rloo.Args, args=torchrun.training_script_args),
+    return {"torchrun": torchrun, "args": rloo.parse_args(rloo.Args, argv=torchrun.training_script_args),
             "cwd": record["cwd"], "scontrol": scontrol.read_text().splitlines() if scontrol.exists() else []}
 
 
@@ -202,7 +202,7 @@ def run_multinode_sbatch(fake_bin, *args: str, **env: str):
     torchrun = get_args_parser().parse_args(record["argv"])
     assert (torchrun.nnodes, torchrun.node_rank, torchrun.master_addr) == ("2", 0, "node0")
     assert torchrun.nproc_per_node == "8" and torchrun.training_script == "rloo_multinode.py"
-    args = tyro.cli(rloo_multinode.Args, args=torchrun.training_script_args)
+    args = rloo.parse_args(rloo_multinode.Args, argv=torchrun.training_script_args)
     assert {name: getattr(args, name) for name in PUBLISHED} == PUBLISHED  # the 1B run's settings, unchanged
     return engines, args
 
