@@ -10,6 +10,8 @@ rank 0 broadcasts the new weights to every engine.
     torchrun ... rloo_multinode.py --num_engines 1 --no-launch_engines [rloo.py flags]
     # or attach to running `vllm serve` processes (README, "Scaling out", for how to start them)
     torchrun ... rloo_multinode.py --engine_urls http://HOST_A:8000,http://HOST_B:8000 [rloo.py flags]
+    # or a vLLM engine inside every training process, on its own GPU (ColocatedRollouts)
+    torchrun --nproc_per_node 8 rloo_multinode.py --vllm_mode colocate --vllm_enable_sleep_mode [rloo.py flags]
 
 What this file adds to rloo.py, nothing else: engine start-up, prompt dispatch and weight sync.
   - Control of `serve` engines: a TCPStore served by trainer rank 0 at MASTER_ADDR:--engine_port. Rank 0 writes
