@@ -6,7 +6,7 @@ a vLLM engine in a process of its own (--vllm_mode server, started by rank 0).
     .venv-vllm/bin/python benchmark/generation_modes.py
     # on one GPU: the engine of server mode needs a second GPU (--engine_devices), colocated shares the first
     python benchmark/generation_modes.py --bf16 --hidden_size 2048 --layers 16 --heads 8 \
-        --per_device_train_batch_size 16 --gpu_memory_utilization 0.3
+        --per_device_train_batch_size 16 --gpu_memory_utilization 0.3 [--vllm_enable_sleep_mode]
 
 The policy is a random-init Llama (a model vLLM implements itself: a colocated engine refuses models vLLM runs
 through its Transformers backend, GPT-NeoX among them) of the given shape with Pythia's vocabulary, its EOS
@@ -61,6 +61,8 @@ class Args(RunConfig):
     """rounds of the three runs"""
     gpu_memory_utilization: float = 0.2
     """--vllm_gpu_memory_utilization of both vLLM modes (on CPUs a share of host memory)"""
+    vllm_enable_sleep_mode: bool = False
+    """the colocated run with --vllm_enable_sleep_mode (GPUs only)"""
     cache_dir: str = ".cache/generation_modes"
     runs_dir: str = "runs/generation_modes"
 
@@ -101,7 +103,9 @@ def mode_command(mode: str, args: Args) -> list[str]:
         return [sys.executable, "rloo.py"]
     vllm = ["--vllm_gpu_memory_utilization", str(args.gpu_memory_utilization)] + (
         [] if torch.cuda.is_available() else ["--vllm_enforce_eager"])  # on CPUs: minutes less start-up
-    mode_flags = ["--vllm_mode", "colocate"] if mode == "colocate" else ["--num_engines", "1"]
+    mode_flags = ["--vllm_mode", "colocate"] + (["--vllm_enable_sleep_mode"] if args.vllm_enable_sleep_mode else [])
+    if mode == "server":
+        mode_flags = ["--num_engines", "1"]
     return [sys.executable, "rloo_multinode.py", *mode_flags, *vllm]
 
 
