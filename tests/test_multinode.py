@@ -591,3 +591,19 @@ def test_colocated_flags_that_clash_are_refused_in_one_line(assets, tmp_path):
         no_vllm = run("rloo_multinode.py", *common)
         assert no_vllm.returncode == 2 and "--vllm_mode colocate needs vLLM" in no_vllm.stderr, no_vllm.stderr
         assert len(no_vllm.stderr.strip().splitlines()) == 1
+
+
+def test_the_generation_modes_benchmark_passes_only_real_flags():
+    """benchmark/generation_modes.py's three commands parse as rloo.py's and rloo_multinode.py's flags."""
+    import tyro
+
+    from benchmark import generation_modes as gm
+    from benchmark.throughput import trainer_flags
+
+    args = gm.Args(vllm_enable_sleep_mode=True)
+    flags = trainer_flags(args, args.rloo_k, {"policy": "p", "reward_model": "r", "prompts": "d"}, Path("out"))
+    for mode in gm.MODES:
+        command = gm.mode_command(mode, args)
+        parsed = tyro.cli(rloo.Args if mode == "rloo.py" else mn.Args, args=command[2:] + flags)
+        assert getattr(parsed, "vllm_mode", None) == {"rloo.py": None, "colocate": "colocate", "server": "server"}[mode]
+    assert "--vllm_enable_sleep_mode" in gm.mode_command("colocate", args)
