@@ -243,9 +243,9 @@ def assert_every_load_exact(out, rank: int, versions: list[int]) -> None:
     checks = [json.loads(line) for line in (out / f"sync_check_rank{rank}.jsonl").read_text().splitlines()]
     after = [c for c in checks if c["when"] == "after the load"]
     before = [c for c in checks if c["when"] == "before the load"]
-    print(f"rank {rank}: max |vLLM - trainer| log-prob after each load "
-          f"{max(c['difference'] for c in after):.2e} (sampled tokens {max(c['sampled_difference'] for c in after):.2e}),"
-          f" before it at least {min(c['difference'] for c in before):.2e}")
+    print(f"rank {rank}: max |vLLM - trainer| log-prob after each load {max(c['difference'] for c in after):.2e} "
+          f"(sampled tokens {max(c['sampled_difference'] for c in after):.2e}), before it at least "
+          f"{min(c['difference'] for c in before):.2e}")
     assert [c["version"] for c in after] == versions
     assert all(c["difference"] < LOGPROB_TOLERANCE and c["sampled_difference"] < LOGPROB_TOLERANCE for c in after)
     assert before and all(c["difference"] > 100 * LOGPROB_TOLERANCE for c in before)
