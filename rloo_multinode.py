@@ -576,7 +576,8 @@ class Engine(Protocol):
         """Complete the sync: the new weights sample from now on (vLLM: its prefix cache emptied)."""
 
     def generate(self, request: dict) -> dict:
-        """k completions of each query: {"responses": (k*b, Tr) in the (k, b) layout, "rng_state"}."""
+        """k completions of each query: {"responses": (k*b, Tr) in the (k, b) layout, "sampler_logprobs" (k*b, Tr),
+        "rng_state"}."""
 
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token t | tokens < t) of every token but the first of each sequence, at temperature 1."""
@@ -621,7 +622,8 @@ class HFEngine:
             self.model, request["queries"].to(self.device), request["query_mask"].to(self.device), request["k"],
             self.args, request["stop_token_id"], request["pad_token_id"], generator,
             lambda: torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16), self.decoder)
-        return {"responses": c.responses.cpu(), "rng_state": generator.get_state()}
+        return {"responses": c.responses.cpu(), "sampler_logprobs": c.sampler_logprobs.cpu(),
+                "rng_state": generator.get_state()}
 
     @torch.no_grad()
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
@@ -646,6 +648,7 @@ def vllm_engine_kwargs(args: Args, index: int, backend: str) -> dict:
             "enforce_eager": args.vllm_enforce_eager,
             "max_model_len": args.max_prompt_length + args.response_length,
             "trust_remote_code": args.trust_remote_code, "weight_transfer_config": {"backend": backend},
+            "logprobs_mode": "processed_logprobs",  # the sampled tokens' log-probs at the temperature, as trained
             "worker_extension_cls": "rloo_multinode.VLLMWorkerExtension"}
 
 
@@ -659,12 +662,14 @@ def vllm_sampling(args: Args, stop_token_id: Optional[int]) -> dict:
             "stop_token_ids": [] if stop_token_id is None else [stop_token_id], "ignore_eos": True}
 
 
-def padded_responses(token_ids: list[list[int]], length: int, pad_token_id: int) -> torch.Tensor:
-    """(N, length) responses from an engine's token lists, each ending at its stop token or at `length`."""
-    responses = torch.full((len(token_ids), length), pad_token_id, dtype=torch.long)
+def padded_responses(token_ids: list[list[int]], length: int, pad_token_id: int,
+                     dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """(N, length) responses from an engine's token lists, each ending at its stop token or at `length` (or, with
+    a float dtype, the sampled tokens' log-probs, padded with pad_token_id = 0)."""
+    responses = torch.full((len(token_ids), length), pad_token_id, dtype=dtype)
     for i, ids in enumerate(token_ids):
         ids = ids[:length]
-        responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        responses[i, : len(ids)] = torch.tensor(ids, dtype=dtype)
     return responses
 
 
@@ -700,12 +705,15 @@ class VLLMEngine:
     def generate(self, request: dict) -> dict:
         from vllm import SamplingParams, TokensPrompt
 
-        params = SamplingParams(n=1, detokenize=False, **vllm_sampling(self.args, request["stop_token_id"]))
+        params = SamplingParams(n=1, detokenize=False, logprobs=0,  # the sampled token's log-prob only
+                                **vllm_sampling(self.args, request["stop_token_id"]))
         prompts = [TokensPrompt(prompt_token_ids=q[m].tolist())
                    for q, m in zip(request["queries"], request["query_mask"].bool())]
-        outputs = self.llm.generate(prompts * request["k"], params, use_tqdm=False)  # (k, b) layout
-        return {"responses": padded_responses([list(o.outputs[0].token_ids) for o in outputs],
-                                              self.args.response_length, request["pad_token_id"]),
+        outputs = [o.outputs[0] for o in self.llm.generate(prompts * request["k"], params, use_tqdm=False)]  # (k, b)
+        logprobs = [[position[token].logprob for position, token in zip(o.logprobs, o.token_ids)] for o in outputs]
+        return {"responses": padded_responses([list(o.token_ids) for o in outputs], self.args.response_length,
+                                              request["pad_token_id"]),
+                "sampler_logprobs": padded_responses(logprobs, self.args.response_length, 0, torch.float32),
                 "rng_state": request["rng_state"]}  # vLLM seeds its own sampler
 
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
@@ -829,7 +837,8 @@ class EngineClient(Protocol):
         """Hand batch `batch` of this rank to its engines, one request per part (in engines_of_ranks' order)."""
 
     def receive(self, batch: int) -> list[dict]:
-        """Wait for a batch sent: each part's {"responses": (k*b, Tr)} (served engines add its "rng_state")."""
+        """Wait for a batch sent: each part's {"responses": (k*b, Tr), "sampler_logprobs": (k*b, Tr)} (served
+        engines add its "rng_state")."""
 
     def begin_sync(self, version: int, info: dict) -> None:
         """Rank 0: every engine has started weight update `version` (update info `info`), ready for the buckets."""
@@ -997,7 +1006,7 @@ def completions_body(model: str, queries: torch.Tensor, query_mask: torch.Tensor
     one prompt entry each in the (k, b) layout (the server's prefix cache computes a prompt once), as token ids
     (the prompts unpadded), answered with token ids."""
     prompts = [q[m].tolist() for q, m in zip(queries, query_mask.bool())] * k
-    return {"model": model, "prompt": prompts, "n": 1, "return_token_ids": True,
+    return {"model": model, "prompt": prompts, "n": 1, "return_token_ids": True, "logprobs": 0,
             **vllm_sampling(args, stop_token_id)}
 
 
@@ -1065,6 +1074,9 @@ class VLLMServers:
             takes = f"takes weights over {served}" if served else "has no weight transfer"
             raise EngineError(f"vLLM server {url} {takes} but this trainer sends them over {backend} (nccl from a "
                               f"CUDA trainer, gloo from a CPU one): restart it with {fix}")
+        if config["model_config"].get("logprobs_mode") != "processed_logprobs":  # raw: at temperature 1
+            raise EngineError(f"vLLM server {url} returns log-probs before the temperature, not the ones trained on: "
+                              "restart it with --logprobs-mode processed_logprobs")
         longest = config["model_config"]["max_model_len"]
         needed = self.args.max_prompt_length + self.args.response_length
         if longest < needed:
@@ -1104,7 +1116,9 @@ class VLLMServers:
         for due in self.answers_due.pop(batch):
             choices = sorted(due.answer.result()["choices"], key=lambda c: c["index"])  # one per prompt, in order
             results.append({"responses": padded_responses([c["token_ids"] for c in choices],
-                                                          self.args.response_length, due.pad_token_id)})
+                                                          self.args.response_length, due.pad_token_id),
+                            "sampler_logprobs": padded_responses([c["logprobs"]["token_logprobs"] for c in choices],
+                                                                 self.args.response_length, 0, torch.float32)})
         return results  # vLLM seeds its own sampler: no RNG state
 
     def begin_sync(self, version: int, info: dict) -> None:
@@ -1279,11 +1293,17 @@ class EngineRollouts:
             self.generator.set_state(results[0]["rng_state"])
         k, num_prompts = self.args.rloo_k, queries.shape[0]
         responses = torch.empty(k * num_prompts, self.args.response_length, dtype=torch.long)  # (k*B, Tr)
+        sampler_logprobs = torch.zeros(responses.shape)  # (k*B, Tr) what each engine's sampler gave its tokens
+        measured = all("sampler_logprobs" in result for result in results)
         for prompts, result in zip(in_flight.parts, results):  # each part's (k*b, Tr) in its own (k, b) layout
             responses[rloo.completion_rows(prompts, num_prompts, k)] = result["responses"]
+            if measured:
+                sampler_logprobs[rloo.completion_rows(prompts, num_prompts, k)] = result["sampler_logprobs"]
         responses, response_mask = rloo.truncate_after_stop(responses.to(queries.device), self.stop_token_id,
                                                             self.pad_token_id)  # (k*B, Tr)
-        completions = rloo.Completions(queries, in_flight.query_mask, responses, response_mask)
+        completions = rloo.Completions(queries, in_flight.query_mask, responses, response_mask,
+                                       sampler_logprobs=sampler_logprobs.to(queries.device) * response_mask
+                                       if measured else None)
         self.sampled_by = self.batch_versions.pop(0)
         self.taken += 1
         for old in [v for v in self.snapshots if v < self.sampled_by]:  # no batch in flight was sampled by these

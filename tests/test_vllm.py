@@ -127,6 +127,7 @@ def test_pinned_vllm_release_has_the_api_the_engines_use():
     assert (params.temperature, params.top_k, params.top_p, params.min_p, params.repetition_penalty) == (
         0.7, 0, 1.0, 0.0, 1.0)
     assert params.ignore_eos and params.stop_token_ids == [1] and params.max_tokens == 6
+    assert params.logprobs == 0  # the sampled token's log-prob (after the temperature: --logprobs-mode processed_logprobs)
 
 
 @on_cpu
@@ -242,7 +243,7 @@ def vllm_server(vllm_policy, tmp_path_factory):
          "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "64", "--seed", "0",
          "--enforce-eager", "--gpu-memory-utilization", "0.2", "--enable-prefix-caching",
          "--weight-transfer-config", '{"backend": "gloo"}', "--worker-extension-cls",
-         "rloo_multinode.VLLMWorkerExtension", "--api-key", API_KEY],
+         "rloo_multinode.VLLMWorkerExtension", "--logprobs-mode", "processed_logprobs", "--api-key", API_KEY],
         stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
         env=script_env({"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(REPO), **CPU_ENGINE_ENV}))
     url, deadline = f"http://127.0.0.1:{port}", time.time() + 300
