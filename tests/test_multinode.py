@@ -119,7 +119,12 @@ def test_hf_engine_run_equals_rloo_run_with_the_same_seed(assets, tmp_path, npro
                   "--engine_port", free_port(), nproc=nproc)
     assert engines.returncode == 0, engines.stderr[-3000:]
     local_metrics, engine_metrics = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "engines")
-    assert comparable(engine_metrics) == comparable(local_metrics)
+    # the same numbers, but the engines' own log-probs of their tokens: another process's kernels round otherwise
+    for engine, local in zip(comparable(engine_metrics), comparable(local_metrics), strict=True):
+        mismatch = [k for k in local if k.startswith("mismatch/")]
+        assert mismatch and [engine.pop(k) for k in mismatch] == pytest.approx([local.pop(k) for k in mismatch],
+                                                                              rel=1e-6, abs=1e-7)
+        assert engine == local
     assert [m["rollout/staleness"] for m in engine_metrics] == [0, 0, 0]
     assert all(m["time/weight_sync"] >= 0 for m in engine_metrics)
     assert all(abs(m["val/ratio"] - 1) < 0.05 for m in engine_metrics)
