@@ -176,6 +176,16 @@ class Args:
     """whiten advantages over the global batch. TRL >= 0.22: --normalize_advantages"""
     cliprange: float = 0.2
     """PPO clip range of the sequence-level ratio. TRL >= 0.22: --epsilon"""
+    vllm_importance_sampling_correction: bool = False
+    """weight each completion's loss (each token's, in token modes) by its truncated importance ratio of the trainer's
+    old log-probs (the PPO ratio's denominator) to the sampler's own (a bf16 copy, engines, vLLM): corrects the
+    sampler/trainer mismatch that the mismatch/* metrics measure. TRL GRPO's flag"""
+    vllm_importance_sampling_mode: Literal["sequence_truncate", "sequence_mask", "token_truncate", "token_mask"] = \
+        "sequence_truncate"
+    """sequence: one ratio exp(sum_t logp_trainer - logp_sampler) per completion; token: one per token (needs
+    --token_level_kl, whose loss has per-token actions). truncate: min(ratio, cap); mask: the ratio, 0 above the cap"""
+    vllm_importance_sampling_cap: float = 3.0
+    """the cap C of --vllm_importance_sampling_correction"""
 
     # ----- generation -----
     response_length: int = 53
@@ -319,6 +329,8 @@ def number_rules(args: Args) -> list[tuple[str, object, bool, str]]:
     return [
         ("temperature", a.temperature, finite(a.temperature) and a.temperature > 0, "a finite number > 0"),
         ("cliprange", a.cliprange, finite(a.cliprange) and a.cliprange > 0, "a finite number > 0"),
+        ("vllm_importance_sampling_cap", a.vllm_importance_sampling_cap,
+         finite(a.vllm_importance_sampling_cap) and a.vllm_importance_sampling_cap > 0, "a finite number > 0"),
         ("learning_rate", a.learning_rate, finite(a.learning_rate) and a.learning_rate >= 0, "a finite number >= 0"),
         ("adam_epsilon", a.adam_epsilon, finite(a.adam_epsilon) and a.adam_epsilon > 0, "a finite number > 0"),
         ("kl_coef", a.kl_coef, finite(a.kl_coef) and a.kl_coef >= 0, "a finite number >= 0"),
@@ -373,6 +385,10 @@ def validate_args(args: Args) -> None:
     if args.bf16_generation and (not args.bf16 or args.fsdp):
         raise ConfigError("--bf16_generation samples from a bf16 copy of a replicated policy: it needs --bf16, and not "
                           "--fsdp (whose gathered weights are bf16 already with --bf16)")
+    if args.vllm_importance_sampling_mode.startswith("token") and not args.token_level_kl:
+        raise ConfigError(f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} weights tokens, but "
+                          "the sequence-level loss has one action per completion: add --token_level_kl or pass a "
+                          "sequence_ mode")
     if args.offload and not args.fsdp:
         raise ConfigError("--offload works through FSDP2's CPU offload: add --fsdp (under torchrun; "
                           "--nproc_per_node 1 for one GPU)")
@@ -1021,14 +1037,15 @@ class StaticDecoder:
 def generate(
     model, queries: torch.Tensor, query_mask: torch.Tensor, max_new_tokens: int, temperature: float,
     stop_token_id: Optional[int], pad_token_id: int, generator: Optional[torch.Generator] = None,
-    decoder: Optional[StaticDecoder] = None, k: int = 1,
+    decoder: Optional[StaticDecoder] = None, k: int = 1, logprobs_out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Sample k continuations of each of the g left-padded queries (g, Tq): (k*g, max_new_tokens) tokens in the
     (k, g) layout, row j*g + i continuing query i; top_k=0, top_p=1 (temperature 0: greedy). Each query is prefilled
     once and its keys and values are read by its k rows, from a preallocated cache of Tq + max_new_tokens positions
     (with a `decoder`, its own, decoded by its compiled step; a model with state-space or recurrent layers decodes
     eagerly with its prefill's own cache, its state copied to the k rows). A row is padded after its stop token; the
-    loop ends early once every row has stopped."""
+    loop ends early once every row has stopped. `logprobs_out` (k*g, max_new_tokens), if given, receives the
+    sampler's log-prob of each drawn token, log_softmax(logits / temperature) as the trainer computes it."""
     from transformers import DynamicCache
 
     g, width = queries.shape
@@ -1059,6 +1076,9 @@ def generate(
         token = sample_tokens(logits, temperature, generator) if temperature > 0 else logits.argmax(-1)  # (k*g,)
         token = torch.where(done, pad_token_id, token)
         tokens[:, t] = token
+        if logprobs_out is not None:  # what the sampler gave the token it drew: for the mismatch metrics (k*g,)
+            scaled = logits / temperature  # (k*g, V)
+            logprobs_out[:, t] = scaled.gather(1, token[:, None])[:, 0] - scaled.logsumexp(-1)
         if stop_token_id is not None:
             done |= token == stop_token_id
         if t == max_new_tokens - 1 or done.all():
@@ -1097,6 +1117,9 @@ class Completions:
     query_mask: torch.Tensor  # (B, Tq) bool: real prompt tokens
     responses: torch.Tensor  # (k*B, Tr) token ids, padding after the stop token
     response_mask: torch.Tensor  # (k*B, Tr) bool: response tokens up to and including the stop token
+    # (k*B, Tr) the sampler's own log-probs of the tokens it drew (0 on padding), as it computed them while sampling
+    # (a bf16 copy, an engine, vLLM): compared with the trainer's (mismatch/*); None where the sampler gave none
+    sampler_logprobs: Optional[torch.Tensor] = field(default=None, kw_only=True)
 
     PER_PROMPT: ClassVar[tuple[str, ...]] = ("queries", "query_mask")  # every other tensor has a row per completion
 
@@ -1451,14 +1474,19 @@ def sample_in_chunks(
     `generator` one after the other."""
     chunk = rows_per_forward(args, policy, "generation", queries.device, k * queries.shape[0], k)
     responses = torch.full((k * queries.shape[0], args.response_length), pad_token_id, device=queries.device)
+    sampler_logprobs = torch.zeros(responses.shape, device=queries.device)  # (k*B, Tr)
     with autocast():
         for prompts in chunks_by_prompt_length(query_mask, chunk // k):
             width = int(query_mask[prompts].sum(1).max())  # this chunk's longest prompt
-            responses[completion_rows(prompts, queries.shape[0], k)] = generate(
+            rows = completion_rows(prompts, queries.shape[0], k)
+            logprobs = sampler_logprobs.new_zeros(len(rows), args.response_length)  # (k*g, Tr)
+            responses[rows] = generate(
                 policy, queries[prompts, -width:], query_mask[prompts, -width:], args.response_length,
-                args.temperature, stop_token_id, pad_token_id, generator, decoder, k)  # (k*g, Tr)
+                args.temperature, stop_token_id, pad_token_id, generator, decoder, k, logprobs)  # (k*g, Tr)
+            sampler_logprobs[rows] = logprobs
     responses, response_mask = truncate_after_stop(responses, stop_token_id, pad_token_id)  # (k*B, Tr) each
-    return Completions(queries, query_mask, responses, response_mask)
+    return Completions(queries, query_mask, responses, response_mask,
+                       sampler_logprobs=sampler_logprobs * response_mask)  # 0 on padding
 
 
 class LocalRollouts:
@@ -1559,7 +1587,8 @@ def collect_rollout(
     if ref_policy is not None:
         with timer("reference_forward"), visiting(ref_policy, c.responses.device), autocast():
             ref_logprobs = logprobs_of(ref_policy)  # (k*B, Tr)
-    return Rollout(c.queries, c.query_mask, c.responses, c.response_mask, logprobs, ref_logprobs)
+    return Rollout(c.queries, c.query_mask, c.responses, c.response_mask, logprobs, ref_logprobs,
+                   sampler_logprobs=c.sampler_logprobs)
 
 
 # ===================================================================== rewards
@@ -1870,13 +1899,27 @@ def sequence_log_ratio(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
     return ((new_logprobs - old_logprobs) * response_mask).sum(1)
 
 
+def importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, response_mask: torch.Tensor,
+                       mode: str, cap: float) -> torch.Tensor:
+    """Truncated importance sampling (Yao et al. 2025; TRL GRPO's modes) of samples drawn by a sampler that is not the
+    trainer's forward: the ratio p_trainer / p_sampler of each completion (N,) (sequence modes) or token (N, Tr)
+    (token modes; 1 on padding), cut to `cap` (truncate) or zeroed above it (mask). Constants of the loss."""
+    log_ratio = (old_logprobs - sampler_logprobs) * response_mask  # (N, Tr)
+    ratio = (log_ratio.sum(1) if mode.startswith("sequence") else log_ratio).exp()  # (N,) or (N, Tr)
+    if mode.endswith("truncate"):
+        return ratio.clamp(max=cap)
+    return torch.where(ratio <= cap, ratio, 0.0)  # an infinite ratio too
+
+
 def policy_loss(
     new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
-    cliprange: float,
+    cliprange: float, is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate. Log-probs and mask (N, Tr). Advantages (N,): the completion is one action, with the
     sequence ratio exp(sum_t new - sum_t old). Advantages (N, Tr): each token is an action with its own ratio,
-    and the per-token losses are summed over the completion. Padding never counts. Returns (loss, stats)."""
+    and the per-token losses are summed over the completion. Padding never counts. Each action's clipped loss is
+    multiplied by its importance weight (importance_weights: (N,), or (N, Tr) per token), if given. Returns (loss,
+    stats)."""
     sequence_level = advantages.dim() == 1
     if sequence_level:
         log_ratio = sequence_log_ratio(new_logprobs, old_logprobs, response_mask)  # (N,)
@@ -1888,6 +1931,8 @@ def policy_loss(
     losses = -advantages * ratio
     losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
     per_action = torch.max(losses, losses_clipped)
+    if is_weights is not None:  # a sequence's weight is each of its tokens' in the per-token loss
+        per_action = per_action * (is_weights if is_weights.dim() == per_action.dim() else is_weights[:, None])
     loss = per_action.mean() if sequence_level else (per_action * weight).sum(1).mean()
     with torch.no_grad():
         stats = {
@@ -1991,6 +2036,17 @@ def dump_batch(path: Path, tokenizer, rollout: Rollout, scores: torch.Tensor,
             }) + "\n")
 
 
+def is_weights_of(batch: Rollout, args: Args) -> Optional[torch.Tensor]:
+    """The importance weights of a micro-batch with --vllm_importance_sampling_correction, else None."""
+    if not args.vllm_importance_sampling_correction:
+        return None
+    if batch.sampler_logprobs is None:
+        raise ConfigError("--vllm_importance_sampling_correction needs the sampler's log-probs, which this rollout "
+                          "source does not return: drop the flag")
+    return importance_weights(batch.logprobs, batch.sampler_logprobs, batch.response_mask,
+                              args.vllm_importance_sampling_mode, args.vllm_importance_sampling_cap)
+
+
 def ppo_update(
     model, optimizer: torch.optim.Optimizer, rollout: Rollout, scores: torch.Tensor,
     advantages: Optional[torch.Tensor], args: Args, sizes: BatchSizes, share_prompt: bool, autocast,
@@ -2021,7 +2077,7 @@ def ppo_update(
                     else:
                         batch_advantages = advantages[rows] if advantages.dim() == 1 else advantages[rows, :width]
                     loss, step_stats = policy_loss(new_logprobs, batch.logprobs, batch_advantages,
-                                                   batch.response_mask, args.cliprange)
+                                                   batch.response_mask, args.cliprange, is_weights_of(batch, args))
                     (loss / len(minibatch)).backward()
                 step_stats.update(loss=loss.detach(), entropy=masked_mean(entropy, batch.response_mask))
                 for key, value in step_stats.items():
@@ -2181,7 +2237,8 @@ def rows_per_forward(args: Args, model, phase: str, device: torch.device, rows: 
 # ===================================================================== logging
 SUM_METRICS = ("val/num_eos_tokens",)
 MIN_METRICS = ("completions/min_length",)
-MAX_METRICS = ("completions/max_length",)
+MAX_METRICS = ("completions/max_length", "mismatch/logprob_diff_max")
+MISMATCH_WARNING = 0.05  # mismatch/clipfrac above which the log says so, once a run
 
 
 def is_optional_metric(key: str, value: float) -> bool:
@@ -2230,6 +2287,29 @@ class MetricsWriteError(Fault):
     """metrics.jsonl could not be written (a full disk, a quota): the run stops, with a checkpoint where it can."""
 
 
+def mismatch_metrics(rollout: Rollout, args: Args) -> dict[str, float]:
+    """How far the sampler's log-probs of its tokens are from the trainer's (the PPO ratio's denominator), for one
+    rank's (k*B, Tr) rollout: per valid token, and as the sequence ratio p_trainer / p_sampler (the importance
+    weight that --vllm_importance_sampling_correction truncates)."""
+    mask = rollout.response_mask
+    diff = (rollout.logprobs - rollout.sampler_logprobs).double() * mask  # (k*B, Tr)
+    ratio = diff.sum(1).exp()  # (k*B,)
+    out = {"mismatch/logprob_diff_mean": (diff.abs().sum() / mask.sum().clamp(min=1)).item(),
+           "mismatch/logprob_diff_max": diff.abs().max().item(),
+           "mismatch/ratio_mean": ratio.mean().item(),
+           "mismatch/ratio_std": ratio.std().item() if ratio.numel() > 1 else 0.0,
+           "mismatch/clipfrac": ((ratio - 1).abs() > args.cliprange).double().mean().item()}
+    if args.vllm_importance_sampling_correction:
+        weights = importance_weights(rollout.logprobs.double(), rollout.sampler_logprobs.double(), mask,
+                                     args.vllm_importance_sampling_mode, args.vllm_importance_sampling_cap)
+        raw = ratio if weights.dim() == 1 else diff.exp()  # (k*B,) or (k*B, Tr)
+        counted = torch.ones_like(weights) if weights.dim() == 1 else mask.double()  # the weights that act
+        n = counted.sum().clamp(min=1)
+        out["mismatch/is_weight_mean"] = ((weights * counted).sum() / n).item()
+        out["mismatch/is_capped_frac"] = (((raw > args.vllm_importance_sampling_cap) * counted).sum() / n).item()
+    return out
+
+
 class RunLogger:
     """Rank 0's outputs: a compact line per update, metrics.jsonl (appended), wandb, a progress bar, tables."""
 
@@ -2257,6 +2337,7 @@ class RunLogger:
         self.task = self.progress.add_task("updates", total=num_updates, completed=start_update)
         self.progress.start()
         self.num_updates = num_updates
+        self.mismatch_warned = False
 
     def log(self, update: int, metrics: dict[str, float]) -> None:
         self.write_metrics({"update": update, **metrics})
@@ -2266,6 +2347,13 @@ class RunLogger:
         times = " ".join(f"{k.split('/')[1]} {v:.2f}s" for k, v in metrics.items() if k.startswith("time/"))
         self.console.print(f"update {update}/{self.num_updates} episode {int(metrics['episode'])} | "
                            + " | ".join(parts) + f" | {times}", highlight=False, soft_wrap=True)
+        if metrics.get("mismatch/clipfrac", 0.0) > MISMATCH_WARNING and not self.mismatch_warned:
+            self.mismatch_warned = True
+            self.console.print(
+                f"warning: the sampler and the trainer disagree: {metrics['mismatch/clipfrac']:.0%} of completions "
+                f"have p_trainer / p_sampler outside the clip band (per-token |log-prob difference| mean "
+                f"{metrics['mismatch/logprob_diff_mean']:.2g}, max {metrics['mismatch/logprob_diff_max']:.2g}); see "
+                "--vllm_importance_sampling_correction (said once a run)", highlight=False, soft_wrap=True)
         self.progress.advance(self.task)
 
     def log_eval(self, update: int, metrics: dict[str, float], episode: int) -> None:
@@ -3352,6 +3440,7 @@ def update_metrics(run: Run, rollout: Rollout, has_stop: torch.Tensor, scores: S
         "val/ratio": train_stats["ratio"],
         "val/ratio_var": train_stats["ratio_var"],
         **completion_metrics(rollout.response_mask, has_stop, scores.shaped, run.args.rloo_k),
+        **({} if rollout.sampler_logprobs is None else mismatch_metrics(rollout, run.args)),
         **scores.source_means,
         **rollout_metrics,
         **run.timer.metrics(),

@@ -635,7 +635,8 @@ class Engine(Protocol):
         """Complete the sync: the new weights sample from now on (vLLM: its prefix cache emptied)."""
 
     def generate(self, request: dict) -> dict:
-        """k completions of each query: {"responses": (k*b, Tr) in the (k, b) layout, "rng_state"}."""
+        """k completions of each query: {"responses": (k*b, Tr) in the (k, b) layout, "sampler_logprobs" (k*b, Tr),
+        "rng_state"}."""
 
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token t | tokens < t) of every token but the first of each sequence, at temperature 1."""
@@ -680,7 +681,8 @@ class HFEngine:
             self.model, request["queries"].to(self.device), request["query_mask"].to(self.device), request["k"],
             self.args, request["stop_token_id"], request["pad_token_id"], generator,
             lambda: torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16), self.decoder)
-        return {"responses": c.responses.cpu(), "rng_state": generator.get_state()}
+        return {"responses": c.responses.cpu(), "sampler_logprobs": c.sampler_logprobs.cpu(),
+                "rng_state": generator.get_state()}
 
     @torch.no_grad()
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
@@ -724,9 +726,10 @@ def vllm_sampling(args: Args, stop_token_id: Optional[int]) -> dict:
             "stop_token_ids": [] if stop_token_id is None else [stop_token_id], "ignore_eos": True}
 
 
-def padded_responses(token_ids: list[list], length: int, pad_token_id, dtype=torch.long) -> torch.Tensor:
-    """(N, length) responses from an engine's token lists (or their log-probs, dtype float), each ending at its stop
-    token or at `length`."""
+def padded_responses(token_ids: list[list[int]], length: int, pad_token_id: int,
+                     dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """(N, length) responses from an engine's token lists, each ending at its stop token or at `length` (or, with
+    a float dtype, the sampled tokens' log-probs, padded with pad_token_id = 0)."""
     responses = torch.full((len(token_ids), length), pad_token_id, dtype=dtype)
     for i, ids in enumerate(token_ids):
         ids = ids[:length]
@@ -764,7 +767,7 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
 
     def generate(self, request: dict) -> dict:
-        """As Engine.generate, and "logprobs": (k*b, Tr) each drawn token's log-prob at the sampling temperature (0
+        """As Engine.generate, and "sampler_logprobs": (k*b, Tr) each drawn token's log-prob at the sampling temperature (0
         after a response's end). With request["seeds"], one per completion in the (k, b) layout, each completion is
         drawn from its own seed (the same weights and seeds, the same tokens); without, from vLLM's seeded sampler."""
         from vllm import SamplingParams, TokensPrompt
@@ -777,7 +780,7 @@ class VLLMEngine:
         outputs = [o.outputs[0] for o in self.llm.generate(prompts, params, use_tqdm=False)]
         length = self.args.response_length
         out = {"responses": padded_responses([list(o.token_ids) for o in outputs], length, request["pad_token_id"]),
-               "logprobs": padded_responses([[p[t].logprob for p, t in zip(o.logprobs, o.token_ids)]
+               "sampler_logprobs": padded_responses([[p[t].logprob for p, t in zip(o.logprobs, o.token_ids)]
                                              for o in outputs], length, 0.0, torch.float32)}
         return out | ({"rng_state": request["rng_state"]} if "rng_state" in request else {})  # vLLM seeds its own
 
@@ -902,7 +905,8 @@ class EngineClient(Protocol):
         """Hand batch `batch` of this rank to its engines, one request per part (in engines_of_ranks' order)."""
 
     def receive(self, batch: int) -> list[dict]:
-        """Wait for a batch sent: each part's {"responses": (k*b, Tr)} (served engines add its "rng_state")."""
+        """Wait for a batch sent: each part's {"responses": (k*b, Tr), "sampler_logprobs": (k*b, Tr)} (served
+        engines add its "rng_state")."""
 
     def begin_sync(self, version: int, info: dict) -> None:
         """Rank 0: every engine has started weight update `version` (update info `info`), ready for the buckets."""
@@ -1070,7 +1074,7 @@ def completions_body(model: str, queries: torch.Tensor, query_mask: torch.Tensor
     one prompt entry each in the (k, b) layout (the server's prefix cache computes a prompt once), as token ids
     (the prompts unpadded), answered with token ids."""
     prompts = [q[m].tolist() for q, m in zip(queries, query_mask.bool())] * k
-    return {"model": model, "prompt": prompts, "n": 1, "return_token_ids": True,
+    return {"model": model, "prompt": prompts, "n": 1, "return_token_ids": True, "logprobs": 0,
             **vllm_sampling(args, stop_token_id)}
 
 
@@ -1138,6 +1142,9 @@ class VLLMServers:
             takes = f"takes weights over {served}" if served else "has no weight transfer"
             raise EngineError(f"vLLM server {url} {takes} but this trainer sends them over {backend} (nccl from a "
                               f"CUDA trainer, gloo from a CPU one): restart it with {fix}")
+        if config["model_config"].get("logprobs_mode") != "processed_logprobs":  # raw: at temperature 1
+            raise EngineError(f"vLLM server {url} returns log-probs before the temperature, not the ones trained on: "
+                              "restart it with --logprobs-mode processed_logprobs")
         longest = config["model_config"]["max_model_len"]
         needed = self.args.max_prompt_length + self.args.response_length
         if longest < needed:
@@ -1177,7 +1184,9 @@ class VLLMServers:
         for due in self.answers_due.pop(batch):
             choices = sorted(due.answer.result()["choices"], key=lambda c: c["index"])  # one per prompt, in order
             results.append({"responses": padded_responses([c["token_ids"] for c in choices],
-                                                          self.args.response_length, due.pad_token_id)})
+                                                          self.args.response_length, due.pad_token_id),
+                            "sampler_logprobs": padded_responses([c["logprobs"]["token_logprobs"] for c in choices],
+                                                                 self.args.response_length, 0, torch.float32)})
         return results  # vLLM seeds its own sampler: no RNG state
 
     def begin_sync(self, version: int, info: dict) -> None:
@@ -1353,11 +1362,17 @@ class EngineRollouts:
             self.generator.set_state(results[0]["rng_state"])
         k, num_prompts = self.args.rloo_k, queries.shape[0]
         responses = torch.empty(k * num_prompts, self.args.response_length, dtype=torch.long)  # (k*B, Tr)
+        sampler_logprobs = torch.zeros(responses.shape)  # (k*B, Tr) what each engine's sampler gave its tokens
+        measured = all("sampler_logprobs" in result for result in results)
         for prompts, result in zip(in_flight.parts, results):  # each part's (k*b, Tr) in its own (k, b) layout
             responses[rloo.completion_rows(prompts, num_prompts, k)] = result["responses"]
+            if measured:
+                sampler_logprobs[rloo.completion_rows(prompts, num_prompts, k)] = result["sampler_logprobs"]
         responses, response_mask = rloo.truncate_after_stop(responses.to(queries.device), self.stop_token_id,
                                                             self.pad_token_id)  # (k*B, Tr)
-        completions = rloo.Completions(queries, in_flight.query_mask, responses, response_mask)
+        completions = rloo.Completions(queries, in_flight.query_mask, responses, response_mask,
+                                       sampler_logprobs=sampler_logprobs.to(queries.device) * response_mask
+                                       if measured else None)
         self.sampled_by = self.batch_versions.pop(0)
         self.taken += 1
         for old in [v for v in self.snapshots if v < self.sampled_by]:  # no batch in flight was sampled by these
@@ -1409,7 +1424,6 @@ class ColocatedRollouts:
         self.generator, self.dist_info = generator, dist_info
         self.queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # (B, Tq) queries and mask, oldest first
         self.version, self.engine_version = 0, None  # the updates the policy has had; those whose weights it holds
-        self.sampled_logprobs = None  # (k*B, Tr) the engine's log-probs of the tokens it drew, batch last taken
         shapes = [(name, p.shape) for name, p in named_parameters(policy).items()]  # a DTensor's: the full one
         self.buckets = plan_buckets(weights_info(shapes, engine_dtype(args)), args.sync_bucket_mb * 2**20)
         check_native_in_vllm(policy)
@@ -1482,8 +1496,9 @@ class ColocatedRollouts:
             raise failure
         responses, response_mask = rloo.truncate_after_stop(result["responses"].to(queries.device),
                                                             self.stop_token_id, self.pad_token_id)  # (k*B, Tr)
-        self.sampled_logprobs = result["logprobs"].to(queries.device) * response_mask  # (k*B, Tr)
-        return rloo.Completions(queries, query_mask, responses, response_mask), {"time/weight_sync": sync}
+        sampler_logprobs = result["sampler_logprobs"].to(queries.device) * response_mask  # (k*B, Tr)
+        return rloo.Completions(queries, query_mask, responses, response_mask, sampler_logprobs=sampler_logprobs), \
+            {"time/weight_sync": sync}
 
     @contextlib.contextmanager
     def behaviour_policy(self, policy):

@@ -17,7 +17,7 @@ def test_readme_lists_every_flag():
 def test_readme_explains_every_logged_metric_name():
     readme = (REPO / "README.md").read_text()
     source = (REPO / "rloo.py").read_text() + (REPO / "rloo_multinode.py").read_text()
-    logged = set(re.findall(r'"((?:objective|policy|loss|val|completions|eval|rollout)/[a-z_]+)"', source))
+    logged = set(re.findall(r'"((?:objective|policy|loss|val|completions|eval|rollout|mismatch)/[a-z_]+)"', source))
     logged |= set(re.findall(r'"(time/[a-z_]+)"', (REPO / "rloo_multinode.py").read_text()))
     missing = [m for m in sorted(logged) if f"`{m}`" not in readme and f"`{m.split('/')[1]}`" not in readme]
     assert not missing, missing

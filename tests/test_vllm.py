@@ -127,6 +127,7 @@ def test_pinned_vllm_release_has_the_api_the_engines_use():
     assert (params.temperature, params.top_k, params.top_p, params.min_p, params.repetition_penalty) == (
         0.7, 0, 1.0, 0.0, 1.0)
     assert params.ignore_eos and params.stop_token_ids == [1] and params.max_tokens == 6
+    assert params.logprobs == 0  # the sampled token's log-prob (the server's --logprobs-mode: processed_logprobs)
 
 
 @on_cpu
@@ -170,6 +171,9 @@ def test_a_run_generates_with_a_bf16_vllm_engine_and_finishes(assets, vllm_polic
     assert result.returncode == 0, result.stderr[-3000:] + (tmp_path / "engine_0.log").read_text()[-3000:]
     metrics = read_metrics(tmp_path)
     assert [m["update"] for m in metrics] == [1, 2, 3]  # 16 completions each, one optimizer step
+    print("mismatch of the bf16 vLLM engine:", [{k: v for k, v in m.items() if k.startswith("mismatch/")}
+                                                for m in metrics])
+    assert all(0 < m["mismatch/logprob_diff_mean"] < 0.1 for m in metrics)  # bf16 kernels against bf16 autocast
     # the ratio is taken against log-probs the trainer recomputed with the weights vLLM sampled with: exactly 1
     assert all(abs(m["val/ratio"] - 1) < 1e-5 and m["time/weight_sync"] > 0 for m in metrics)
     log = (tmp_path / "engine_0.log").read_text()
@@ -320,7 +324,7 @@ def vllm_server(vllm_policy, tmp_path_factory):
          "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "64", "--seed", "0",
          "--enforce-eager", "--gpu-memory-utilization", "0.2", "--enable-prefix-caching",
          "--weight-transfer-config", '{"backend": "gloo"}', "--worker-extension-cls",
-         "rloo_multinode.VLLMWorkerExtension", "--api-key", API_KEY],
+         "rloo_multinode.VLLMWorkerExtension", "--logprobs-mode", "processed_logprobs", "--api-key", API_KEY],
         stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
         env=script_env({"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(REPO), **CPU_ENGINE_ENV}))
     url, deadline = f"http://127.0.0.1:{port}", time.time() + 300
@@ -375,10 +379,14 @@ def test_a_run_attached_to_a_vllm_server_leaves_it_scoring_as_the_trained_policy
     monkeypatch.setenv(mn.API_KEY_VARIABLE, API_KEY)
     result = run("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *RUN,
                  "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes", PER_UPDATE // 2,
-                 "--output_dir", tmp_path, "--engine_urls", url, "--engine_port", free_port())
+                 "--output_dir", tmp_path, "--engine_urls", url, "--engine_port", free_port(), "--temperature", 0.7)
     assert result.returncode == 0, result.stderr[-3000:] + log.read_text()[-3000:]
     [metrics] = read_metrics(tmp_path)
     assert abs(metrics["val/ratio"] - 1) < 1e-5 and metrics["time/weight_sync"] > 0
+    # the server's log-probs of the tokens it drew are the trainer's at temperature 0.7 (vLLM's default
+    # --logprobs-mode, raw_logprobs, would give them at temperature 1)
+    print(f"max |vLLM server - trainer| log-prob of the sampled tokens: {metrics['mismatch/logprob_diff_max']:.2e}")
+    assert metrics["mismatch/logprob_diff_max"] < LOGPROB_TOLERANCE
     trained = trainer_logprobs(rloo.load_causal_lm(str(tmp_path), torch.float32, False).eval(), sequences)
     after = server_logprobs(url, sequences)
     print(f"max |vLLM server - trained policy| log-prob: before the run {max_difference(before, trained):.2e}, "

@@ -32,7 +32,7 @@ import rloo_multinode as mn  # noqa: E402
 
 # the completions fields rloo_multinode.py sends, all of them fields of vLLM 0.32's CompletionRequest
 COMPLETIONS_FIELDS = {"model", "prompt", "n", "return_token_ids", "temperature", "top_p", "top_k", "min_p",
-                      "repetition_penalty", "max_tokens", "stop_token_ids", "ignore_eos"}
+                      "repetition_penalty", "max_tokens", "stop_token_ids", "ignore_eos", "logprobs"}
 GET_ROUTES = {"/health", "/v1/models", "/get_world_size", "/server_info"}
 POST_ROUTES = {"/v1/completions", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
                "/finish_weight_update", "/shutdown_weight_transfer_engine", "/reset_prefix_cache"}
@@ -50,6 +50,8 @@ class StandInArgs:
     weight_transfer: Optional[str] = "gloo"
     """the weight-transfer backend /server_info reports (None: started without --weight-transfer-config)"""
     max_model_len: int = 64
+    logprobs_mode: str = "processed_logprobs"
+    """what /server_info reports as the server's --logprobs-mode"""
     seed: int = 0
 
 
@@ -96,7 +98,8 @@ class StandIn:
             return {"world_size": self.args.workers}
         backend = self.args.weight_transfer
         return {"vllm_config": {"weight_transfer_config": backend and {"backend": backend},  # /server_info
-                                "model_config": {"max_model_len": self.args.max_model_len}}}
+                                "model_config": {"max_model_len": self.args.max_model_len,
+                                                 "logprobs_mode": self.args.logprobs_mode}}}
 
     def post(self, path: str, body: dict):
         if path == "/v1/completions":
@@ -128,14 +131,18 @@ class StandIn:
         queries = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # (N, Tq), left-padded
         mask = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts])
         stop = body["stop_token_ids"][0] if body["stop_token_ids"] else None
+        logprobs = torch.zeros(len(prompts), length)  # (N, length) the sampled tokens' (processed_logprobs)
         with self.lock:
             tokens = rloo.generate(self.workers[0].model, queries, mask, length, body["temperature"], stop, 0,
-                                   self.generator)  # (N, length)
+                                   self.generator, logprobs_out=logprobs)  # (N, length)
         choices = []
-        for i, row in enumerate(tokens.tolist()):
+        for i, (row, row_logprobs) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
             end = row.index(stop) + 1 if stop is not None and stop in row else length  # vLLM stops at the stop token
             choices.append({"index": i, "text": "", "token_ids": row[:end],
                             "finish_reason": "stop" if end < length or row[-1] == stop else "length"})
+            if body.get("logprobs") is not None:  # vLLM's CompletionLogProbs
+                choices[-1]["logprobs"] = {"token_logprobs": row_logprobs[:end], "tokens": [""] * end,
+                                           "top_logprobs": [{}] * end, "text_offset": [0] * end}
         return {"id": "cmpl-standin", "object": "text_completion", "model": body["model"], "choices": choices}
 
 
