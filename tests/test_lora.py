@@ -2,6 +2,7 @@
 
 import json
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -76,7 +77,7 @@ def test_a_lora_run_resumes_bit_identical_and_both_saved_forms_load(assets, tmp_
     """With evaluation, gradient checkpointing, prompt sharing, two PPO epochs of two minibatches, and a trained
     lm_head copy: a run stopped by a signal after its first update and resumed ends as the uninterrupted one."""
     common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--dataset_test_split",
-              assets["test"], "--total_episodes", 32 * 6, *RUN, *LORA, "--lora_modules_to_save", "lm_head",
+              assets["test"], "--total_episodes", 32 * 4, *RUN, *LORA, "--lora_modules_to_save", "lm_head",
               "--num_ppo_epochs", "2", "--num_mini_batches", "2", "--num_evals", "2", "--gradient_checkpointing",
               "--merge_lora"]
     full, interrupted = tmp_path / "full", tmp_path / "interrupted"
@@ -130,20 +131,19 @@ def test_the_demo_task_learns_with_lora(tmp_path):
 
     tokenizer = synthetic_task.build_tokenizer()
     policy_dir = tmp_path / "policy"
-    sft = synthetic_task.build_policy(tokenizer, policy_dir, steps=40)  # a weaker start, built faster
+    sft = synthetic_task.build_policy(tokenizer, policy_dir, steps=150)  # as test_benchmark.py builds it
     synthetic_task.write_prompts_jsonl(tmp_path / "train.jsonl", 512, seed=0)
     prompts = [row["prompt"] for row in synthetic_task.make_prompt_rows(64, seed=5)]
     out = tmp_path / "out"
     result = run_rloo("--model_name_or_path", policy_dir, "--dataset_name", tmp_path / "train.jsonl",
                       "--reward_fn", "benchmark.synthetic_task:true_reward", "--output_dir", out, "--use_peft",
-                      "--lora_target_modules", "all-linear", "--rloo_k", "4", "--per_device_train_batch_size", "32",
+                      "--lora_target_modules", "all-linear", "--rloo_k", "4", "--per_device_train_batch_size", "64",
                       "--num_ppo_epochs", "1", "--learning_rate", "3e-3", "--response_length", "8",
-                      "--max_prompt_length", "16", "--temperature", "1.0", "--total_episodes", str(32 * 15),
+                      "--max_prompt_length", "16", "--temperature", "1.0", "--total_episodes", str(64 * 12),
                       "--num_sample_generations", "0", "--merge_lora", env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
     assert result.returncode == 0, result.stderr[-3000:]
     before = synthetic_task.mean_true_score(sft, tokenizer, prompts)
     after = synthetic_task.mean_true_score(AutoModelForCausalLM.from_pretrained(out / rloo.MERGED), tokenizer, prompts)
-    print("true score", before, after)
     assert after > before + 0.05, (before, after)
 
 
@@ -152,3 +152,20 @@ def test_rloo_multinode_with_lora_is_refused_before_models_load(assets, tmp_path
     with pytest.raises(rloo.ConfigError, match="--use_peft with rloo_multinode.py is not supported yet"):
         rloo.set_up(args, make_rollouts=lambda *a: pytest.fail("engines started"))
     assert not (tmp_path / "out").exists()
+
+
+def test_plan_memory_counts_the_adapters_state_and_no_reference(assets):
+    import plan_memory
+
+    args = plan_memory.PlanArgs(model_name_or_path=str(assets["policy"]), use_peft=True, lora_r=4, lora_alpha=8,
+                                world_size=2)
+    shape = plan_memory.model_shape(str(assets["policy"]), False, False, args)
+    policy, ref, _, _ = rloo.load_policy(lora_args(assets), torch.device("cpu"))
+    assert shape.parameters == sum(p.numel() for p in policy.parameters())  # the base and its adapters
+    assert shape.trainable == sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    resident = plan_memory.plan(args, shape, None)["resident"]
+    assert resident["AdamW m and v (fp32)"] == 8 * shape.trainable and resident["reference policy"] == 0.0
+    assert resident["DDP gradient buckets"] == 4 * shape.trainable
+    full = plan_memory.plan(replace(args, use_peft=False), plan_memory.model_shape(args.model_name_or_path, False,
+                                                                                    False), None)["resident"]
+    assert full["reference policy"] == 4 * plan_memory.model_shape(args.model_name_or_path, False, False).parameters
