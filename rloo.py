@@ -389,9 +389,9 @@ def validate_args(args: Args) -> None:
         raise ConfigError(f"total_episodes = {args.total_episodes} must be >= 1")
     # ----- LoRA (--use_peft) -----
     if args.use_peft:
-        for flag, why in (("fsdp", "shard the adapters' base"), ("bf16_generation", "sample from a bf16 copy")):
-            if getattr(args, flag):
-                raise ConfigError(f"--use_peft with --{flag} is not supported yet: it cannot {why}; drop one of them")
+        if args.fsdp:
+            raise ConfigError("--use_peft with --fsdp is not supported yet: the adapters' base is not sharded; drop "
+                              "--fsdp (LoRA's states are small: DDP replicates them)")
         if args.lora_r < 1 or args.lora_alpha <= 0 or not 0 <= args.lora_dropout < 1:
             raise ConfigError(f"--lora_r {args.lora_r}, --lora_alpha {args.lora_alpha}, --lora_dropout "
                               f"{args.lora_dropout}: the rank must be >= 1, alpha > 0 and dropout in [0, 1)")

@@ -73,6 +73,23 @@ def test_only_adapters_train_and_the_reference_is_the_untouched_base(assets):
         pass
 
 
+def test_the_bf16_sampling_copy_holds_the_adapters_and_follows_them(assets):
+    """--bf16_generation with LoRA: the bf16 copy is of the policy with its adapters, refreshed by copy_weights."""
+    policy, ref, _, _ = rloo.load_policy(lora_args(assets, bf16=True, bf16_generation=True), torch.device("cpu"))
+    sampler = rloo.bf16_copy(policy)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if ".lora_B." in name:
+                p.normal_()  # as if trained: the adapters change the function
+    rloo.copy_weights(policy, sampler)
+    ids = torch.tensor([[3, 4, 5, 14, 6]])
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = policy(input_ids=ids).logits.float()
+        assert (sampler(input_ids=ids).logits.float() - autocast).abs().max() < 0.02  # bf16 rounding only
+        assert (ref(input_ids=ids).logits.float() - autocast).abs().max() > 0.1  # the adapters count
+
+
 def test_a_lora_run_resumes_bit_identical_and_both_saved_forms_load(assets, tmp_path):
     """With evaluation, gradient checkpointing, prompt sharing, two PPO epochs of two minibatches, and a trained
     lm_head copy: a run stopped by a signal after its first update and resumed ends as the uninterrupted one."""
@@ -110,11 +127,11 @@ def test_a_lora_run_resumes_bit_identical_and_both_saved_forms_load(assets, tmp_
 
 
 def test_torchrun_lora_on_policy_with_bf16(assets, tmp_path):
-    """Two DDP ranks, bf16 autocast, the on-policy fast path (one epoch, one minibatch): ranks stay in step (DDP
-    averages the adapters' gradients) and the run's adapter loads."""
+    """Two DDP ranks, bf16 autocast, sampling from a bf16 copy, the on-policy fast path (one epoch, one minibatch):
+    the run ends and its adapter (of every linear layer) loads."""
     out = tmp_path / "out"
     result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir",
-                      out, "--total_episodes", 2 * 16 * 3, *RUN, *LORA, "--num_ppo_epochs", "1", "--bf16",
+                      out, "--total_episodes", 2 * 16 * 3, *RUN, *LORA, "--num_ppo_epochs", "1", "--bf16", "--bf16_generation",
                       "--lora_target_modules", "all-linear", nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(out)
