@@ -22,8 +22,8 @@ RUN = ("--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train
 
 
 def lora_args(assets, **changes) -> rloo.Args:
-    return rloo.Args(model_name_or_path=str(assets["policy"]), reward_fn=("reward_fns:count_a",), use_peft=True,
-                     lora_r=4, lora_alpha=8, **changes)
+    return rloo.Args(**{"model_name_or_path": str(assets["policy"]), "reward_fn": ("reward_fns:count_a",),
+                        "use_peft": True, "lora_r": 4, "lora_alpha": 8, **changes})
 
 
 def some_completions(vocab_size: int) -> rloo.Completions:
@@ -186,3 +186,16 @@ def test_plan_memory_counts_the_adapters_state_and_no_reference(assets):
     full = plan_memory.plan(replace(args, use_peft=False), plan_memory.model_shape(args.model_name_or_path, False,
                                                                                     False), None)["resident"]
     assert full["reference policy"] == 4 * plan_memory.model_shape(args.model_name_or_path, False, False).parameters
+
+
+def test_an_adapter_that_does_not_match_the_flags_is_refused_and_a_matching_one_loads_exactly(assets, tmp_path):
+    policy, _, tokenizer, _ = rloo.load_policy(lora_args(assets), torch.device("cpu"))
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.requires_grad:
+                p.normal_()
+    rloo.save_policy(policy, tokenizer, tmp_path, 0)
+    loaded, _, _, _ = rloo.load_policy(lora_args(assets), torch.device("cpu"), checkpoint=tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(policy.state_dict().values(), loaded.state_dict().values()))
+    with pytest.raises(rloo.ConfigError, match="cannot resume: the adapter in .* does not match --lora_"):
+        rloo.load_policy(lora_args(assets, lora_r=8), torch.device("cpu"), checkpoint=tmp_path)
