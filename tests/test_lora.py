@@ -131,8 +131,8 @@ def test_torchrun_lora_on_policy_with_bf16(assets, tmp_path):
     the run ends and its adapter (of every linear layer) loads."""
     out = tmp_path / "out"
     result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir",
-                      out, "--total_episodes", 2 * 16 * 3, *RUN, *LORA, "--num_ppo_epochs", "1", "--bf16", "--bf16_generation",
-                      "--lora_target_modules", "all-linear", nproc=2)
+                      out, "--total_episodes", 2 * 16 * 3, *RUN, *LORA, "--num_ppo_epochs", "1", "--bf16",
+                      "--bf16_generation", "--lora_target_modules", "all-linear", nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(out)
     assert len(metrics) == 3 and abs(metrics[0]["objective/kl"]) < 1e-6
