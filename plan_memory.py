@@ -17,6 +17,9 @@ It takes rloo.py's flags (paste your command) plus the world size and the GPU's 
   micro-batch x response x vocabulary for the logits and the selective log-softmax, and bf16 weight copies. With
   shared prompts (--share_prompt, when a micro-batch holds whole prompt groups) a micro-batch is
   micro / k rows of prompt + k x response tokens; else micro rows of prompt + response.
+- --use_peft (LoRA): the base's fp32 weights stay, but gradients, AdamW state and DDP's buckets are those of the
+  adapters (and --lora_modules_to_save) only, counted on the model with peft's adapters added; there is no
+  reference (the base with the adapters off is the reference). Activations are taken as full fine-tuning's.
 - --offload (with --fsdp): the policy's weights, gradients and AdamW state and the frozen models stay in CPU
   memory; the rollout counts the reference and reward models visiting the GPU together (an upper bound: the
   reward model comes after the reference has left).
@@ -57,10 +60,13 @@ class Shape:
     intermediate: int
     layers: int
     vocab: int
+    trainable: int | None = None  # with --use_peft, the adapters' (and --lora_modules_to_save's); None: all
 
 
-def model_shape(path: str, sequence_classifier: bool, trust_remote_code: bool) -> Shape:
-    """The model's parameter count (built on the meta device: no memory, no weights) and dimensions."""
+def model_shape(path: str, sequence_classifier: bool, trust_remote_code: bool,
+                lora: rloo.Args | None = None) -> Shape:
+    """The model's parameter count (built on the meta device: no memory, no weights; with `lora`, the Args of a
+    --use_peft run, its adapters added as rloo.py adds them) and dimensions."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     config = rloo._from_pretrained(AutoConfig.from_pretrained, path, "config", trust_remote_code=trust_remote_code)
@@ -69,9 +75,14 @@ def model_shape(path: str, sequence_classifier: bool, trust_remote_code: bool) -
     auto = AutoModelForSequenceClassification if sequence_classifier else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto.from_config(config, trust_remote_code=trust_remote_code)
+        if lora is not None:
+            model.add_adapter(rloo.lora_config(lora))
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return Shape(sum(p.numel() for p in model.parameters()), text.hidden_size,
-                 getattr(text, "intermediate_size", 4 * text.hidden_size), text.num_hidden_layers, text.vocab_size)
+    parameters = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if lora is not None else None
+    return Shape(parameters, text.hidden_size,
+                 getattr(text, "intermediate_size", 4 * text.hidden_size), text.num_hidden_layers, text.vocab_size,
+                 trainable)
 
 
 def activation_bytes(tokens: float, shape: Shape, checkpointing: bool, bf16: bool) -> float:
@@ -90,14 +101,16 @@ def plan(args: PlanArgs, policy: Shape, reward: Shape | None) -> dict[str, dict[
     shards = args.world_size if args.fsdp else 1
     frozen = 2 if args.bf16 else 4
     p = policy.parameters
+    trained = p if policy.trainable is None else policy.trainable
+    with_reference = args.kl_coef != 0 and not args.use_peft  # LoRA's reference is the base itself
     on_gpu = 0.0 if args.offload else 1.0  # --offload: these live in CPU memory
-    frozen_bytes = (frozen * p if args.kl_coef != 0 else 0.0) + (frozen * reward.parameters if reward else 0.0)
+    frozen_bytes = (frozen * p if with_reference else 0.0) + (frozen * reward.parameters if reward else 0.0)
     resident = {
         "policy weights (fp32)": on_gpu * 4 * p / shards,
-        "policy gradients (fp32)": on_gpu * 4 * p / shards,
-        "AdamW m and v (fp32)": on_gpu * 8 * p / shards,
-        "DDP gradient buckets": 4 * p if not args.fsdp and args.world_size > 1 else 0.0,
-        "reference policy": on_gpu * frozen * p if args.kl_coef != 0 else 0.0,
+        "policy gradients (fp32)": on_gpu * 4 * trained / shards,
+        "AdamW m and v (fp32)": on_gpu * 8 * trained / shards,
+        "DDP gradient buckets": 4 * trained if not args.fsdp and args.world_size > 1 else 0.0,
+        "reference policy": on_gpu * frozen * p if with_reference else 0.0,
         "reward model": on_gpu * frozen * reward.parameters if reward is not None else 0.0,
         "bf16 sampling copy (--bf16_generation)": 2 * p if args.bf16_generation else 0.0,
     }
@@ -139,11 +152,11 @@ def options_that_fit(args: PlanArgs, policy: Shape, reward: Shape | None) -> lis
     checkpointing = [("", {})] + ([("--gradient_checkpointing", {"gradient_checkpointing": True})]
                                   if not args.gradient_checkpointing else [])
     sharding = [("", {})]
-    if args.world_size > 1 and not args.fsdp:
+    if args.world_size > 1 and not args.fsdp and not args.use_peft:  # LoRA: not with --fsdp yet
         sharding.append(("--fsdp", {"fsdp": True}))
-    if args.world_size > 1 and args.fsdp_generation != "per_block":
+    if args.world_size > 1 and args.fsdp_generation != "per_block" and not args.use_peft:
         sharding.append(("--fsdp --fsdp_generation per_block", {"fsdp": True, "fsdp_generation": "per_block"}))
-    if not args.offload:  # last resort, on any number of GPUs: slower, so listed after the others at equal count
+    if not args.offload and not args.use_peft:  # last resort, on any GPU count: slower, so listed after the others
         sharding += [("--fsdp --offload", {"fsdp": True, "offload": True}),
                      ("--fsdp --fsdp_generation per_block --offload",
                       {"fsdp": True, "fsdp_generation": "per_block", "offload": True})]
@@ -170,10 +183,12 @@ def main(args: PlanArgs) -> None:
     rloo.validate_args(args)
     rloo.compute_batch_sizes(args, args.world_size)
     policy_path = args.sft_model_path or args.model_name_or_path
-    policy = model_shape(policy_path, False, args.trust_remote_code)
+    policy = model_shape(policy_path, False, args.trust_remote_code, args if args.use_peft else None)
     reward = model_shape(args.reward_model_path, True, args.trust_remote_code) if args.reward_model_path else None
     groups = plan(args, policy, reward)
-    print(f"{policy_path}: {policy.parameters / 1e9:.3g}B parameters; {args.world_size} GPUs of {args.gpu_gib:g} GiB; "
+    lora = f" ({policy.trainable / 1e6:.3g}M in LoRA adapters)" if policy.trainable is not None else ""
+    print(f"{policy_path}: {policy.parameters / 1e9:.3g}B parameters{lora}; {args.world_size} GPUs of "
+          f"{args.gpu_gib:g} GiB; "
           f"{'FSDP' if args.fsdp else 'DDP'}{', bf16' if args.bf16 else ''}"
           f"{', gradient checkpointing' if args.gradient_checkpointing else ''}{', offload' if args.offload else ''}")
     for group, parts in groups.items():
@@ -188,7 +203,8 @@ def main(args: PlanArgs) -> None:
     if peak > args.gpu_gib * GIB:
         fitting = options_that_fit(args, policy, reward)
         print("  options that fit:" if fitting else "  no combination of --bf16, --gradient_checkpointing, --fsdp, "
-              "--offload and smaller micro-batches fits: use more GPUs")
+              "--offload and smaller micro-batches fits: use more GPUs"
+              + (" (--use_peft: tried --bf16, --gradient_checkpointing and micro-batches)" if args.use_peft else ""))
         for label, value in fitting[:6]:
             print(f"    {label}: ~{value / GIB:.1f} GiB")
 

@@ -46,6 +46,7 @@ import contextlib
 import copy
 import datetime
 import fcntl
+import functools
 import hashlib
 import importlib
 import inspect
@@ -85,7 +86,8 @@ class Args:
         "dataset_test_split", "num_sample_generations", "num_evals", "eval_max_prompts",
         "local_rollout_forward_batch_size", "gradient_checkpointing", "total_episodes", "num_train_epochs",
         "save_steps", "save_total_limit", "resume", "resume_from", "overwrite_output_dir", "ddp_timeout",
-        "fsdp_generation", "compile_generation", "share_prompt", "bf16_generation", "reward_fn_timeout"})
+        "fsdp_generation", "compile_generation", "share_prompt", "bf16_generation", "reward_fn_timeout",
+        "merge_lora"})
 
     # ----- experiment -----
     exp_name: str = "rloo"
@@ -109,6 +111,25 @@ class Args:
     """policy tokenizer, and policy weights unless --sft_model_path is given (Hub id or local path)"""
     sft_model_path: Optional[str] = None
     """policy and reference weights when they are not at --model_name_or_path (as in TRL's TL;DR recipe)"""
+    use_peft: bool = False
+    """train LoRA adapters (peft) on the frozen base instead of every weight; the reference is the same module with
+    the adapters switched off (no second copy). Checkpoints and the final policy hold the adapter in peft's format"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_r"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input, in the training forward passes only (sampling and log-prob passes run in eval
+    mode). TRL's default is 0.05; here 0, so that the trained policy is the one that sampled, as every other dropout
+    is off"""
+    lora_target_modules: Optional[tuple[str, ...]] = None
+    """module names to adapt, or `all-linear`; None: peft's default for the architecture (attention projections,
+    e.g. q_proj and v_proj for Llama, query_key_value for GPT-NeoX)"""
+    lora_modules_to_save: Optional[tuple[str, ...]] = None
+    """modules trained in full beside the adapters and saved with them (e.g. lm_head)"""
+    merge_lora: bool = False
+    """with --use_peft: also write the base with the adapters merged in, in transformers' format (fp32), to
+    output_dir/merged at the end"""
     reward_model_path: Optional[str] = None
     """AutoModelForSequenceClassification with one label, read at the last real token; when its own
     tokenizer differs from the policy's, completions are decoded and re-tokenized for it"""
@@ -394,6 +415,16 @@ def validate_args(args: Args) -> None:
                           "--nproc_per_node 1 for one GPU)")
     if args.total_episodes is not None and args.total_episodes < 1:
         raise ConfigError(f"total_episodes = {args.total_episodes} must be >= 1")
+    # ----- LoRA (--use_peft) -----
+    if args.use_peft:
+        if args.fsdp:
+            raise ConfigError("--use_peft with --fsdp is not supported yet: the adapters' base is not sharded; drop "
+                              "--fsdp (LoRA's states are small: DDP replicates them)")
+        if args.lora_r < 1 or args.lora_alpha <= 0 or not 0 <= args.lora_dropout < 1:
+            raise ConfigError(f"--lora_r {args.lora_r}, --lora_alpha {args.lora_alpha}, --lora_dropout "
+                              f"{args.lora_dropout}: the rank must be >= 1, alpha > 0 and dropout in [0, 1)")
+    elif args.merge_lora:
+        raise ConfigError("--merge_lora merges LoRA adapters into the base: add --use_peft")
 
 
 # ===================================================================== distributed
@@ -939,24 +970,114 @@ def choose_kernels() -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's names, as transformers' save_pretrained writes an adapter
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def lora_config(args: Args):
+    """peft's LoraConfig from the --lora_* flags (TRL's ModelConfig names; one target name is passed as a string,
+    as TRL does, so that `all-linear` means every linear layer)."""
+    from peft import LoraConfig
+
+    targets = args.lora_target_modules
+    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, task_type="CAUSAL_LM",
+                      target_modules=targets[0] if targets and len(targets) == 1 else targets and list(targets),
+                      modules_to_save=args.lora_modules_to_save and list(args.lora_modules_to_save))
+
+
+def add_adapters(policy, args: Args, checkpoint: Optional[Path]) -> None:
+    """LoRA adapters injected into the policy's own modules by peft (through transformers' add_adapter, so that
+    the policy keeps its class, config and forward), fp32 like the base's master weights (--bf16 autocasts them as
+    it does the base); only they require grad. Initialized from --seed, or read from the checkpoint's adapter."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    with torch.random.fork_rng(devices=[]):  # the same initial adapter on every rank, from --seed alone
+        torch.manual_seed(args.seed)
+        try:
+            policy.add_adapter(lora_config(args))
+        except ValueError as e:  # no target modules known for the architecture, or a name that matches nothing
+            raise ConfigError(f"--use_peft: {first_line(e)} - pass --lora_target_modules (module names, or "
+                              "all-linear)") from None
+    if checkpoint is None:
+        return
+    prefix = "base_model.model."  # what peft's format prepends to the model's own parameter names
+    saved = {name.removeprefix(prefix): value for name, value in load_file(checkpoint / ADAPTER_WEIGHTS).items()}
+    expected = policy.get_adapter_state_dict()
+    if saved.keys() != expected.keys() or any(saved[n].shape != expected[n].shape for n in saved):
+        raise ConfigError(f"cannot resume: the adapter in {checkpoint} does not match --lora_* ({len(saved)} tensors "
+                          f"for {len(expected)}): resume with the checkpoint's run's flags")
+    set_peft_model_state_dict(policy, saved, adapter_name="default")
+
+
+def peft_layers(model) -> list[torch.nn.Module]:
+    """The modules peft put adapters (or trained copies, --lora_modules_to_save) in."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    return [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
+
+
+class AdaptersOff(torch.nn.Module):
+    """The frozen reference of a LoRA policy: the policy itself called with its adapters switched off, without
+    gradient, so the base's weights are never copied. It holds no weights of its own: the policy is not a submodule
+    (.to(), .train(), state_dict() never reach it), parameters() are the policy's (where `visiting` looks for
+    them), and every other attribute, the config and the backbone included, is the policy's. Its forward takes
+    what the policy's forward takes."""
+
+    def __init__(self, policy: torch.nn.Module):
+        super().__init__()
+        self._policy = (policy,)  # in a tuple: not registered as a submodule
+        self.forward = functools.wraps(policy.forward)(functools.partial(AdaptersOff._forward, self))  # its signature
+
+    def _forward(self, *args, **kwargs):
+        policy = self._policy[0]
+        layers = peft_layers(policy)
+        with torch.no_grad():
+            for layer in layers:
+                layer.enable_adapters(False)
+            try:
+                return policy(*args, **kwargs)
+            finally:  # back on, trainable again (peft's enable_adapters sets requires_grad as it was)
+                for layer in layers:
+                    layer.enable_adapters(True)
+
+    def parameters(self, recurse: bool = True):
+        return self._policy[0].parameters(recurse)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "_policy":
+                raise
+            return getattr(self._policy[0], name)
+
+
 def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = None, tokenizer=None):
-    """The policy (fp32 master weights; from the checkpoint when resuming), its frozen reference, always the
-    initial policy (None when kl_coef = 0), the tokenizer with a pad token (`tokenizer` when prepare_tokenizer
-    gave it already), and the stop token id."""
+    """The policy (fp32 master weights; from the checkpoint when resuming; with --use_peft the base from
+    --model_name_or_path with LoRA adapters, from the checkpoint when resuming), its frozen reference, always the
+    initial policy (None when kl_coef = 0; with --use_peft, AdaptersOff), the tokenizer with a pad token
+    (`tokenizer` when prepare_tokenizer gave it already), and the stop token id."""
     tokenizer_path = args.model_name_or_path or args.sft_model_path
     initial_path = args.sft_model_path or args.model_name_or_path
     if tokenizer is None:
         tokenizer, _ = prepare_tokenizer(args)
-    policy = load_causal_lm(initial_path, torch.float32, args.trust_remote_code, weights=checkpoint)
+    policy = load_causal_lm(initial_path, torch.float32, args.trust_remote_code,
+                            weights=None if args.use_peft else checkpoint)  # with LoRA: the base, never trained
     ensure_pad_token(tokenizer, args.pad_token, policy.get_input_embeddings().num_embeddings, tokenizer_path)
     policy.config.pad_token_id = tokenizer.pad_token_id
     stop_token_id = stop_token_id_of(args, tokenizer, tokenizer_path)
     disable_dropout(policy)
+    if args.use_peft:
+        add_adapters(policy, args, checkpoint)
     if not args.offload:  # offloaded, fully_shard moves one unit at a time through the GPU as it shards
         policy.to(device)
     frozen_home = torch.device("cpu") if args.offload else device
     ref_policy = None
-    if args.kl_coef != 0:
+    if args.kl_coef != 0 and args.use_peft:
+        ref_policy = AdaptersOff(policy)
+    elif args.kl_coef != 0:
         frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
         ref_policy = copy.deepcopy(policy) if checkpoint is None else \
             load_causal_lm(initial_path, frozen_dtype, args.trust_remote_code)  # read in its own dtype, not fp32
@@ -2406,6 +2527,7 @@ MANIFEST = "manifest.json"  # written last into a checkpoint: the size and sha25
 PREEMPTED = "preempted"  # in output_dir while a run stopped by a signal waits to be resumed; job scripts requeue on it
 LOCK = "run.lock"  # flock'ed by the run that writes to output_dir, and holding its pid and host
 ABANDONED = "abandoned"  # output_dir/abandoned/<time>_<why>/: work a run set aside (never deleted)
+MERGED = "merged"  # output_dir/merged: --merge_lora's policy, written with the final one
 RUN_OUTPUTS = (CHECKPOINTS, "metrics.jsonl*", PREEMPTED, "nonfinite", "wandb", LOCK, ABANDONED,  # what a run writes
                "engine_*.log", "engines.json")  # before it ends (the last two: rloo_multinode.py's engines)
 
@@ -2698,8 +2820,8 @@ def load_safely(path: Path):
 
 
 def save_policy(policy, tokenizer, path: Path, rank: int) -> None:
-    """The policy in HF format and its tokenizer at `path`, written by rank 0. With FSDP a collective: every rank
-    sends its shards to rank 0's CPU first."""
+    """The policy in HF format (with --use_peft, its adapter in peft's format) and its tokenizer at `path`, written
+    by rank 0. With FSDP a collective: every rank sends its shards to rank 0's CPU first."""
     state = None
     if is_fsdp_unit(policy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -2708,7 +2830,8 @@ def save_policy(policy, tokenizer, path: Path, rank: int) -> None:
     if rank == 0:
         policy.save_pretrained(path, state_dict=state)
         tokenizer.save_pretrained(path)
-        mode = (Path(path) / "config.json").stat().st_mode & 0o777  # what the umask gives a file
+        written = Path(path) / ("config.json" if (Path(path) / "config.json").is_file() else ADAPTER_CONFIG)
+        mode = written.stat().st_mode & 0o777  # what the umask gives a file
         for weights in Path(path).glob("*.safetensors"):  # written through a temporary file, 0600
             weights.chmod(mode)
         if state is not None:  # fully_shard renamed the class FSDP<Model>: record the model's own name
@@ -2975,6 +3098,23 @@ def save_final_policy(policy, tokenizer, output_dir: str, rank: int, checkpoint:
                     "to write it") from e
 
 
+def save_merged_policy(args: Args, config, tokenizer) -> None:
+    """--merge_lora: the base with output_dir's final adapter merged in by peft (a fresh fp32 copy of the base, in
+    CPU memory), in transformers' format with the tokenizer, at output_dir/merged; loads without peft."""
+    from peft import PeftModel
+
+    merged_dir = Path(args.output_dir) / MERGED
+    base = load_causal_lm(args.sft_model_path or args.model_name_or_path, torch.float32, args.trust_remote_code)
+    merged = PeftModel.from_pretrained(base, args.output_dir).merge_and_unload()
+    merged.config.pad_token_id = config.pad_token_id
+    try:
+        merged.save_pretrained(merged_dir)
+        tokenizer.save_pretrained(merged_dir)
+    except WRITE_ERRORS as e:
+        raise Fault(f"could not write the merged policy to {merged_dir}: {first_line(e)}; the adapter in "
+                    f"{args.output_dir} is intact: merge it with peft's merge_and_unload") from e
+
+
 def checkpoint_dirs(output_dir: str) -> list[Path]:
     """The complete step_<n> directories, newest first; temporary directories are never candidates."""
     root = Path(output_dir) / CHECKPOINTS
@@ -3229,6 +3369,9 @@ def set_up(args: Args, make_rollouts: Callable) -> Run:
     (the cheap checks first: a typo fails before any weights load), wrap the policy for training, restore the
     resumed state, and start logging and the rollout source."""
     validate_args(args)
+    if args.use_peft and make_rollouts is not LocalRollouts:
+        raise ConfigError("--use_peft with rloo_multinode.py is not supported yet: its engines would need the merged "
+                          "weights after every update; train LoRA adapters with rloo.py")
     reward_functions = load_reward_functions(args.reward_fn)  # a typo fails now, not after loading models
     quiet_hub_progress_bars()
     dist_info = setup_distributed(args.ddp_timeout)
@@ -3276,7 +3419,8 @@ def set_up(args: Args, make_rollouts: Callable) -> Run:
         trained = DDP(policy, device_ids=[device.index] if device.type == "cuda" else None)
     else:
         trained = policy
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=args.adam_epsilon,
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # all of them, or with --use_peft the adapters
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=args.adam_epsilon,
                                   fused=device.type == "cuda" and not args.offload)  # one kernel, not one per tensor
     seed_everything(args.seed + dist_info.rank)  # from here on each rank samples differently
     sampling_rng = torch.Generator(device).manual_seed(args.seed + dist_info.rank)
@@ -3293,6 +3437,11 @@ def set_up(args: Args, make_rollouts: Callable) -> Run:
     logger = RunLogger(args, run_name, num_updates, start_update, resumed and resumed["wandb_run_id"]) \
         if dist_info.master else None
     if logger is not None:
+        if args.use_peft:
+            trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+            total = sum(p.numel() for p in policy.parameters())
+            notes.append(f"LoRA: {trainable:,} trainable parameters of {total:,}; adapted modules "
+                         f"{sorted(policy.peft_config['default'].target_modules)}")
         if resumed:
             notes.append(f"resuming from {checkpoint} after update {start_update}"
                          + (f"; changed: {', '.join(changes)}" if changes else ""))
@@ -3504,6 +3653,8 @@ def save_final(run: Run) -> None:
     final = Path(run.args.output_dir) / CHECKPOINTS / f"step_{run.num_updates}"  # this timeline's, or none
     save_final_policy(run.policy, run.tokenizer, run.args.output_dir, run.dist_info.rank,
                       final if rank0_view(final.is_dir()) else None)
+    if run.args.merge_lora and run.dist_info.master:
+        save_merged_policy(run.args, run.policy.config, run.tokenizer)
     if run.dist_info.master:
         (Path(run.args.output_dir) / "args.json").write_text(json.dumps(asdict(run.args), indent=2))
         run.logger.console.print(f"saved the policy and tokenizer to {run.args.output_dir}")

@@ -32,6 +32,7 @@ OPTION_SETS = {  # name: (launched under a 1-process torchrun, rloo.py flags)
     "compile_generation": (False, ["--compile_generation"]),
     "fsdp": (True, ["--fsdp"]),
     "fsdp_offload": (True, ["--fsdp", "--offload"]),
+    "lora": (False, ["--use_peft"]),
 }
 
 
@@ -40,7 +41,7 @@ class Args(RunConfig):
     rloo_k: int = 2
     """completions per prompt"""
     options: tuple[str, ...] = tuple(OPTION_SETS)
-    """option sets to run, from: baseline, gradient_checkpointing, bf16, compile_generation, fsdp, fsdp_offload"""
+    """option sets to run, from: baseline, gradient_checkpointing, bf16, compile_generation, fsdp, fsdp_offload, lora"""
     repeats: int = 2
     """rounds over the option sets (interleaved); each figure is the median over them"""
     output_name: str = "options_cost"

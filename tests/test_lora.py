@@ -1,0 +1,201 @@
+"""--use_peft: LoRA adapters on a frozen base, the reference the base itself with the adapters off."""
+
+import json
+import signal
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import rloo
+from conftest import REPO, read_metrics, run_rloo
+from test_checkpoints import comparable, interrupt_after_first_update
+
+LORA = ("--use_peft", "--lora_r", "4", "--lora_alpha", "8")
+RUN = ("--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train_batch_size", "16",
+       "--response_length", "6", "--temperature", "1.0", "--max_prompt_length", "16",
+       "--local_rollout_forward_batch_size", "32", "--learning_rate", "1e-2", "--num_sample_generations", "0")
+
+
+def lora_args(assets, **changes) -> rloo.Args:
+    return rloo.Args(**{"model_name_or_path": str(assets["policy"]), "reward_fn": ("reward_fns:count_a",),
+                        "use_peft": True, "lora_r": 4, "lora_alpha": 8, **changes})
+
+
+def some_completions(vocab_size: int) -> rloo.Completions:
+    generator = torch.Generator().manual_seed(0)
+    queries = torch.randint(2, vocab_size, (2, 5), generator=generator)  # (g, Tq)
+    query_mask = torch.ones_like(queries, dtype=torch.bool)
+    query_mask[1, :2] = False  # a left-padded prompt
+    responses = torch.randint(2, vocab_size, (4, 3), generator=generator)  # (k*g, Tr), k = 2
+    return rloo.Completions(queries, query_mask, responses, torch.ones_like(responses, dtype=torch.bool))
+
+
+def test_only_adapters_train_and_the_reference_is_the_untouched_base(assets):
+    args = lora_args(assets, lora_modules_to_save=("lm_head",))
+    policy, ref, tokenizer, _ = rloo.load_policy(args, torch.device("cpu"))
+    base = AutoModelForCausalLM.from_pretrained(assets["policy"], dtype=torch.float32)
+    initial = {name: p.detach().clone() for name, p in policy.named_parameters()}
+    trained = [name for name, p in policy.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_" in n or ".modules_to_save." in n for n in trained)
+    assert list(ref.state_dict()) == [] and not list(ref.children())  # no second copy: the policy's own weights
+    assert ref.config is policy.config and rloo.accepts_logits_to_keep(ref) and rloo.why_not_shared(ref) is None
+    assert rloo.attention_windows(ref) == rloo.attention_windows(policy)
+
+    c = some_completions(len(tokenizer))
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
+    policy.train()
+    for _ in range(3):
+        logprobs, _ = rloo.forward_logprobs(policy, c, 1.0, share_prompt=True)  # (k*g, Tr)
+        optimizer.zero_grad()
+        (-logprobs.sum()).backward()
+        optimizer.step()
+    policy.eval()
+    changed = {name for name, p in policy.named_parameters() if not torch.equal(p, initial[name])}
+    assert changed == set(trained)  # every adapter (and lm_head's trained copy) moved, nothing else
+    base_weights = base.state_dict()
+    for name, p in policy.named_parameters():
+        if name not in trained:  # the base, wrapped by peft: same tensors, bit-identical to the saved model
+            own = name.replace(".base_layer", "").replace(".original_module", "")
+            assert torch.equal(p, base_weights[own]), name
+
+    with torch.no_grad():
+        for share in (True, False):
+            reference = rloo.forward_logprobs(ref, c, 0.7, share)[0]
+            assert torch.equal(reference, rloo.forward_logprobs(base, c, 0.7, share)[0])  # the base's, exactly
+            assert not torch.allclose(reference, rloo.forward_logprobs(policy, c, 0.7, share)[0])  # adapters on again
+    assert [n for n, p in policy.named_parameters() if p.requires_grad] == trained  # still the ones to train
+    with rloo.visiting(ref, torch.device("cpu")):  # finds the policy's weights where they are
+        pass
+
+
+def test_the_bf16_sampling_copy_holds_the_adapters_and_follows_them(assets):
+    """--bf16_generation with LoRA: the bf16 copy is of the policy with its adapters, refreshed by copy_weights."""
+    policy, ref, _, _ = rloo.load_policy(lora_args(assets, bf16=True, bf16_generation=True), torch.device("cpu"))
+    sampler = rloo.bf16_copy(policy)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if ".lora_B." in name:
+                p.normal_()  # as if trained: the adapters change the function
+    rloo.copy_weights(policy, sampler)
+    ids = torch.tensor([[3, 4, 5, 14, 6]])
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = policy(input_ids=ids).logits.float()
+        assert (sampler(input_ids=ids).logits.float() - autocast).abs().max() < 0.02  # bf16 rounding only
+        assert (ref(input_ids=ids).logits.float() - autocast).abs().max() > 0.1  # the adapters count
+
+
+def test_a_lora_run_resumes_bit_identical_and_both_saved_forms_load(assets, tmp_path):
+    """With evaluation, gradient checkpointing, prompt sharing, two PPO epochs of two minibatches, and a trained
+    lm_head copy: a run stopped by a signal after its first update and resumed ends as the uninterrupted one."""
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--dataset_test_split",
+              assets["test"], "--total_episodes", 32 * 4, *RUN, *LORA, "--lora_modules_to_save", "lm_head",
+              "--num_ppo_epochs", "2", "--num_mini_batches", "2", "--num_evals", "2", "--gradient_checkpointing",
+              "--merge_lora"]
+    full, interrupted = tmp_path / "full", tmp_path / "interrupted"
+    result = run_rloo(*common, "--output_dir", full)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "LoRA: " in result.stdout and "trainable parameters of" in result.stdout
+    returncode, stdout, stderr = interrupt_after_first_update([*common, "--output_dir", interrupted], signal.SIGINT)
+    assert returncode == 0 and "SIGINT received: stopped after update" in stdout, stdout[-2000:] + stderr[-3000:]
+    stopped_at = rloo.latest_checkpoint(str(interrupted))
+    assert sorted(p.name for p in stopped_at.glob("*.safetensors")) == [rloo.ADAPTER_WEIGHTS]  # the adapter only
+    result = run_rloo(*common, "--output_dir", interrupted, "--resume")
+    assert result.returncode == 0 and f"resuming from {stopped_at}" in result.stdout, result.stderr[-3000:]
+    metrics = read_metrics(full)
+    assert comparable(read_metrics(interrupted)) == comparable(metrics)
+    assert any("eval/scores" in m for m in metrics) and metrics[0]["objective/kl"] == 0.0  # lora_B starts at 0
+    a, b = load_file(full / rloo.ADAPTER_WEIGHTS), load_file(interrupted / rloo.ADAPTER_WEIGHTS)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-identical
+
+    # the adapter in peft's format on the base, and the merged model with transformers alone, compute the same
+    assert json.loads((full / rloo.ADAPTER_CONFIG).read_text())["r"] == 4
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(assets["policy"]), full).eval()
+    merged = AutoModelForCausalLM.from_pretrained(full / rloo.MERGED).eval()
+    base = AutoModelForCausalLM.from_pretrained(assets["policy"]).eval()
+    ids = torch.tensor([[3, 4, 5, 14, 6, 7]])
+    with torch.no_grad():
+        logits = adapted(input_ids=ids).logits
+        torch.testing.assert_close(merged(input_ids=ids).logits, logits, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(base(input_ids=ids).logits, logits)  # it learned something
+    assert (full / rloo.MERGED / "tokenizer.json").is_file()
+
+
+def test_torchrun_lora_on_policy_with_bf16(assets, tmp_path):
+    """Two DDP ranks, bf16 autocast, sampling from a bf16 copy, the on-policy fast path (one epoch, one minibatch):
+    the run ends and its adapter (of every linear layer) loads."""
+    out = tmp_path / "out"
+    result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir",
+                      out, "--total_episodes", 2 * 16 * 3, *RUN, *LORA, "--num_ppo_epochs", "1", "--bf16",
+                      "--bf16_generation", "--lora_target_modules", "all-linear", nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert len(metrics) == 3 and abs(metrics[0]["objective/kl"]) < 1e-6
+    config = json.loads((out / rloo.ADAPTER_CONFIG).read_text())
+    adapted = {name.split(".")[-1] for name in config["target_modules"]}  # all-linear: every one but the head
+    assert adapted == {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"}
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(assets["policy"]), out)
+
+
+def test_the_demo_task_learns_with_lora(tmp_path):
+    """The demo's synthetic task, its true score as the reward: a LoRA run raises the true score of its samples."""
+    from benchmark import synthetic_task
+
+    tokenizer = synthetic_task.build_tokenizer()
+    policy_dir = tmp_path / "policy"
+    sft = synthetic_task.build_policy(tokenizer, policy_dir, steps=150)  # as test_benchmark.py builds it
+    synthetic_task.write_prompts_jsonl(tmp_path / "train.jsonl", 512, seed=0)
+    prompts = [row["prompt"] for row in synthetic_task.make_prompt_rows(64, seed=5)]
+    out = tmp_path / "out"
+    result = run_rloo("--model_name_or_path", policy_dir, "--dataset_name", tmp_path / "train.jsonl",
+                      "--reward_fn", "benchmark.synthetic_task:true_reward", "--output_dir", out, "--use_peft",
+                      "--lora_target_modules", "all-linear", "--rloo_k", "4", "--per_device_train_batch_size", "64",
+                      "--num_ppo_epochs", "1", "--learning_rate", "3e-3", "--response_length", "8",
+                      "--max_prompt_length", "16", "--temperature", "1.0", "--total_episodes", str(64 * 12),
+                      "--num_sample_generations", "0", "--merge_lora", env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    before = synthetic_task.mean_true_score(sft, tokenizer, prompts)
+    after = synthetic_task.mean_true_score(AutoModelForCausalLM.from_pretrained(out / rloo.MERGED), tokenizer, prompts)
+    assert after > before + 0.05, (before, after)
+
+
+def test_rloo_multinode_with_lora_is_refused_before_models_load(assets, tmp_path):
+    args = lora_args(assets, dataset_name=str(assets["train"]), output_dir=str(tmp_path / "out"))
+    with pytest.raises(rloo.ConfigError, match="--use_peft with rloo_multinode.py is not supported yet"):
+        rloo.set_up(args, make_rollouts=lambda *a: pytest.fail("engines started"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_plan_memory_counts_the_adapters_state_and_no_reference(assets):
+    import plan_memory
+
+    args = plan_memory.PlanArgs(model_name_or_path=str(assets["policy"]), use_peft=True, lora_r=4, lora_alpha=8,
+                                world_size=2)
+    shape = plan_memory.model_shape(str(assets["policy"]), False, False, args)
+    policy, ref, _, _ = rloo.load_policy(lora_args(assets), torch.device("cpu"))
+    assert shape.parameters == sum(p.numel() for p in policy.parameters())  # the base and its adapters
+    assert shape.trainable == sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    resident = plan_memory.plan(args, shape, None)["resident"]
+    assert resident["AdamW m and v (fp32)"] == 8 * shape.trainable and resident["reference policy"] == 0.0
+    assert resident["DDP gradient buckets"] == 4 * shape.trainable
+    full = plan_memory.plan(replace(args, use_peft=False), plan_memory.model_shape(args.model_name_or_path, False,
+                                                                                    False), None)["resident"]
+    assert full["reference policy"] == 4 * plan_memory.model_shape(args.model_name_or_path, False, False).parameters
+
+
+def test_an_adapter_that_does_not_match_the_flags_is_refused_and_a_matching_one_loads_exactly(assets, tmp_path):
+    policy, _, tokenizer, _ = rloo.load_policy(lora_args(assets), torch.device("cpu"))
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.requires_grad:
+                p.normal_()
+    rloo.save_policy(policy, tokenizer, tmp_path, 0)
+    loaded, _, _, _ = rloo.load_policy(lora_args(assets), torch.device("cpu"), checkpoint=tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(policy.state_dict().values(), loaded.state_dict().values()))
+    with pytest.raises(rloo.ConfigError, match="cannot resume: the adapter in .* does not match --lora_"):
+        rloo.load_policy(lora_args(assets, lora_r=8), torch.device("cpu"), checkpoint=tmp_path)
