@@ -767,8 +767,8 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
 
     def generate(self, request: dict) -> dict:
-        """As Engine.generate, and "sampler_logprobs": (k*b, Tr) each drawn token's log-prob at the sampling temperature (0
-        after a response's end). With request["seeds"], one per completion in the (k, b) layout, each completion is
+        """As Engine.generate, and "sampler_logprobs": (k*b, Tr) each drawn token's log-prob at the sampling
+        temperature (0 after a response's end). With request["seeds"], one per completion in the (k, b) layout, each completion is
         drawn from its own seed (the same weights and seeds, the same tokens); without, from vLLM's seeded sampler."""
         from vllm import SamplingParams, TokensPrompt
 

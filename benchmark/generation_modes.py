@@ -119,7 +119,7 @@ def main(args: Args) -> None:
         for mode in MODES:
             run_dir = fresh_run_dir(REPO_ROOT / args.runs_dir / f"{mode.replace('.', '_')}_{repeat}")
             _, rss = run_trainer(mode_command(mode, args) + trainer_flags(args, args.rloo_k, assets, run_dir),
-                                 run_dir / "log.txt", "generation_modes")
+                                 run_dir.parent / f"{run_dir.name}.log", "generation_modes")
             results[mode].append(summarize_run(run_dir / "metrics.jsonl", args, rss))
             print(f"{mode} repeat {repeat}: {results[mode][-1]['seconds_per_update']:.2f} s/update", flush=True)
     rows = ["| generation | s/update | generation s | training s | episodes/s | mean response length |",

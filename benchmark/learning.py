@@ -53,7 +53,7 @@ class Args:
     output_dir: str = "benchmark/results"
     """where the table, JSON and PNGs go"""
     runs_dir: str = "runs/learning"
-    """where each run's directory (metrics.jsonl, log.txt, final policy) goes"""
+    """where each run's directory (metrics.jsonl, final policy) and its log (<directory>.log, beside it) go"""
 
 
 def trainer_flags(args: Args, assets: dict[str, str], seed: int, output_dir: Path) -> list[str]:
@@ -114,7 +114,8 @@ def main(args: Args) -> None:
     for seed in args.seeds:
         for name, command in commands.items():
             run_dir = fresh_run_dir(REPO_ROOT / args.runs_dir / f"{name.replace('.', '_')}_seed{seed}")
-            wall, _ = run_trainer(command + trainer_flags(args, assets, seed, run_dir), run_dir / "log.txt", "learning")
+            wall, _ = run_trainer(command + trainer_flags(args, assets, seed, run_dir),
+                                  run_dir.parent / f"{run_dir.name}.log", "learning")
             runs[name][f"seed {seed}"] = training_curve(run_dir)
             final = evaluate_policy(run_dir, reward_model, tokenizer, prompts)
             results[name].append({"seed": seed, "wall_seconds": wall,

@@ -67,7 +67,7 @@ def main(args: Args) -> None:
                     if torchrun else [sys.executable]
                 run_dir = fresh_run_dir(REPO_ROOT / args.runs_dir / f"options_{shape}_{index}_{repeat}")
                 _, rss = run_trainer(launcher + ["rloo.py"] + trainer_flags(args, args.rloo_k, assets, run_dir) + flags,
-                                     run_dir / "log.txt", "options_cost")
+                                     run_dir.parent / f"{run_dir.name}.log", "options_cost")
                 run = summarize_run(run_dir / "metrics.jsonl", args, rss)
                 runs.setdefault(f"{shape} {name}", []).append(run)
                 print(f"{shape} {name} repeat {repeat}: {run['seconds_per_update']:.2f} s/update", flush=True)

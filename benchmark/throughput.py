@@ -99,7 +99,7 @@ class RunConfig:
     output_dir: str = "benchmark/results"
     """where the JSON and Markdown results go"""
     runs_dir: str = "runs/throughput"
-    """where each run's directory (metrics.jsonl, log.txt, final policy) goes"""
+    """where each run's directory (metrics.jsonl, final policy) and its log (<directory>.log, beside it) go"""
     seed: int = 1
     """seed of both trainers"""
 
@@ -395,7 +395,7 @@ def main(args: Args) -> None:
                     own = [f"--{flag}" for flag in ("compile_generation", "bf16_generation")
                            if name == "rloo.py" and getattr(args, flag)]
                     _, rss = run_trainer(command + trainer_flags(args, k, assets, run_dir) + own,
-                                         run_dir / "log.txt", "throughput")
+                                         run_dir.parent / f"{run_dir.name}.log", "throughput")
                     results[name].append(summarize_run(run_dir / "metrics.jsonl", args, rss))
                     print(f"{configuration} {name} repeat {repeat}: {results[name][-1]['episodes_per_s']:.2f} "
                           "episodes/s", flush=True)

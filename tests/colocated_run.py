@@ -38,7 +38,8 @@ class WatchedRollouts(mn.ColocatedRollouts):
         if loads:  # and the sampler's own log-probs of the tokens it drew against the trainer's, at its temperature
             with torch.no_grad():
                 trainer, _ = rloo.forward_logprobs(self.policy, completions, self.args.temperature, False)  # (k*B, Tr)
-            sampled = (completions.sampler_logprobs - trainer).abs().masked_fill(~completions.response_mask, 0).max().item()
+            sampled = (completions.sampler_logprobs - trainer).abs().masked_fill(~completions.response_mask, 0)
+            sampled = sampled.max().item()
             self.record("after the load", sampled_difference=sampled)
         return completions, metrics
 
