@@ -22,7 +22,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -34,7 +34,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from benchmark.synthetic_task import save_tokenizer  # noqa: E402
 from benchmark.throughput import (PYTHIA_VOCAB, RunConfig, build_tokenizer, calibrate_stop_token,  # noqa: E402
-                                  fresh_run_dir, hardware, prompt_lengths, run_trainer, summarize_run, trainer_flags)
+                                  fresh_run_dir, prompt_lengths, run_trainer, summarize_run, trainer_flags,
+                                  write_report)
 
 MODES = ("rloo.py", "colocate", "server")
 
@@ -130,14 +131,7 @@ def main(args: Args) -> None:
                     f"{mean['training_s']:.2f} | {mean['episodes_per_s']:.2f} | {mean['mean_response_length']:.1f} |")
     table = "\n".join(rows)
     print(table)
-    output_dir = REPO_ROOT / args.output_dir
-    output_dir.mkdir(parents=True, exist_ok=True)
-    report = {"hardware": hardware(), "config": asdict(args), "completions_per_update": batch, "results": results,
-              "seconds": time.time() - start}
-    (output_dir / f"generation_modes_{device}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (output_dir / f"generation_modes_{device}.md").write_text(
-        f"Hardware: {json.dumps(report['hardware'])}\n\nConfig: {json.dumps(asdict(args))}\n\n{table}\n")
-    print(f"wrote {output_dir}/generation_modes_{device}.json and .md ({time.time() - start:.0f}s)")
+    write_report(f"generation_modes_{device}", args, batch, results, table, start)
 
 
 if __name__ == "__main__":

@@ -403,14 +403,20 @@ def main(args: Args) -> None:
             summary[configuration] = results
     table = markdown_table(summary)
     print(table)
+    write_report(f"throughput_{device}", args, batch, summary, table, start)
+
+
+def write_report(name: str, args, batch: int, results: dict, table: str, start: float) -> None:
+    """args.output_dir/<name>.json (hardware, config, results) and <name>.md (the table); generation_modes.py's
+    too."""
     output_dir = REPO_ROOT / args.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
-    report = {"hardware": hardware(), "config": asdict(args), "completions_per_update": batch, "results": summary,
+    report = {"hardware": hardware(), "config": asdict(args), "completions_per_update": batch, "results": results,
               "seconds": time.time() - start}
-    (output_dir / f"throughput_{device}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (output_dir / f"throughput_{device}.md").write_text(
+    (output_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (output_dir / f"{name}.md").write_text(
         f"Hardware: {json.dumps(report['hardware'])}\n\nConfig: {json.dumps(asdict(args))}\n\n{table}\n")
-    print(f"wrote {output_dir}/throughput_{device}.json and .md ({time.time() - start:.0f}s)")
+    print(f"wrote {output_dir}/{name}.json and .md ({time.time() - start:.0f}s)")
 
 
 if __name__ == "__main__":
