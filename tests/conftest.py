@@ -109,3 +109,14 @@ def run_rloo(*args: str, nproc: int = 0, env: dict | None = None, timeout: int =
 
 def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def synthetic_sft(tmp_path_factory) -> dict:
+    """The demo's synthetic task: its tokenizer and an SFT policy of 150 steps (weak, improvable), built once."""
+    from benchmark import synthetic_task
+
+    tokenizer = synthetic_task.build_tokenizer()
+    path = tmp_path_factory.mktemp("synthetic_sft") / "policy"
+    return {"tokenizer": tokenizer, "policy": synthetic_task.build_policy(tokenizer, path, steps=150), "path": path}
+

@@ -34,9 +34,8 @@ def test_tokenizer_and_prompts():
         assert 3 <= len(letters) <= 6 and len(set(letters)) == len(letters) and row["letters"] == "".join(sorted(letters))
 
 
-def test_sft_policy_is_imperfect_and_improvable(tmp_path):
-    tokenizer = synthetic_task.build_tokenizer()
-    policy = synthetic_task.build_policy(tokenizer, tmp_path / "policy", steps=150)
+def test_sft_policy_is_imperfect_and_improvable(synthetic_sft):
+    tokenizer, policy = synthetic_sft["tokenizer"], synthetic_sft["policy"]
     prompts = [row["prompt"] for row in synthetic_task.make_prompt_rows(32, seed=5)]
     score = synthetic_task.mean_true_score(policy, tokenizer, prompts)
     assert 0.2 < score < 0.8  # learned something, far from perfect

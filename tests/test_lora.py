@@ -142,13 +142,11 @@ def test_torchrun_lora_on_policy_with_bf16(assets, tmp_path):
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(assets["policy"]), out)
 
 
-def test_the_demo_task_learns_with_lora(tmp_path):
+def test_the_demo_task_learns_with_lora(tmp_path, synthetic_sft):
     """The demo's synthetic task, its true score as the reward: a LoRA run raises the true score of its samples."""
     from benchmark import synthetic_task
 
-    tokenizer = synthetic_task.build_tokenizer()
-    policy_dir = tmp_path / "policy"
-    sft = synthetic_task.build_policy(tokenizer, policy_dir, steps=150)  # as test_benchmark.py builds it
+    tokenizer, sft, policy_dir = synthetic_sft["tokenizer"], synthetic_sft["policy"], synthetic_sft["path"]
     synthetic_task.write_prompts_jsonl(tmp_path / "train.jsonl", 512, seed=0)
     prompts = [row["prompt"] for row in synthetic_task.make_prompt_rows(64, seed=5)]
     out = tmp_path / "out"
