@@ -102,8 +102,10 @@ def test_a_lora_run_resumes_bit_identical_and_both_saved_forms_load(assets, tmp_
     assert result.returncode == 0, result.stderr[-3000:]
     assert "LoRA: " in result.stdout and "trainable parameters of" in result.stdout
     returncode, stdout, stderr = interrupt_after_first_update([*common, "--output_dir", interrupted], signal.SIGINT)
-    assert returncode == 0 and "SIGINT received: stopped after update" in stdout, stdout[-2000:] + stderr[-3000:]
+    # a fast run may be inside a later update, or in its reward function (stopped at once, its start kept)
+    assert returncode == 0 and "SIGINT received" in stdout, stdout[-2000:] + stderr[-3000:]
     stopped_at = rloo.latest_checkpoint(str(interrupted))
+    assert stopped_at.name != "step_4"  # stopped before the end
     assert sorted(p.name for p in stopped_at.glob("*.safetensors")) == [rloo.ADAPTER_WEIGHTS]  # the adapter only
     result = run_rloo(*common, "--output_dir", interrupted, "--resume")
     assert result.returncode == 0 and f"resuming from {stopped_at}" in result.stdout, result.stderr[-3000:]
