@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+import plumbing
 import rloo
 
 GIB = 2**30
@@ -69,7 +70,7 @@ def model_shape(path: str, sequence_classifier: bool, trust_remote_code: bool,
     --use_peft run, its adapters added as rloo.py adds them) and dimensions."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    config = rloo._from_pretrained(AutoConfig.from_pretrained, path, "config", trust_remote_code=trust_remote_code)
+    config = plumbing._from_pretrained(AutoConfig.from_pretrained, path, "config", trust_remote_code=trust_remote_code)
     if sequence_classifier:
         config.num_labels = 1
     auto = AutoModelForSequenceClassification if sequence_classifier else AutoModelForCausalLM
@@ -180,7 +181,7 @@ def options_that_fit(args: PlanArgs, policy: Shape, reward: Shape | None) -> lis
 
 
 def main(args: PlanArgs) -> None:
-    rloo.validate_args(args)
+    plumbing.validate_args(args)
     rloo.compute_batch_sizes(args, args.world_size)
     policy_path = args.sft_model_path or args.model_name_or_path
     policy = model_shape(policy_path, False, args.trust_remote_code, args if args.use_peft else None)
@@ -210,4 +211,4 @@ def main(args: PlanArgs) -> None:
 
 
 if __name__ == "__main__":
-    rloo.run_script(main, rloo.parse_args(PlanArgs, prog="plan_memory.py"), "plan_memory.py")
+    plumbing.run_script(main, plumbing.parse_args(PlanArgs, prog="plan_memory.py"), "plan_memory.py")

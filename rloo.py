@@ -44,36 +44,24 @@ Sections, in the order a run needs them ([A] the algorithm, [P] plumbing):
 
 import contextlib
 import copy
-import datetime
-import fcntl
 import functools
-import hashlib
-import importlib
 import inspect
-import itertools
 import json
 import math
-import numbers
 import os
-import pickle
-import random
-import re
-import shutil
-import signal
-import socket
 import sys
-import threading
 import time
-import traceback
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Callable, ClassVar, Literal, Optional, get_args, get_origin, get_type_hints
+from typing import Callable, ClassVar, Literal, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+import plumbing
 
 # FSDP2, DTensor and distributed checkpointing are imported by the functions that use them: together they are about
 # half of `import rloo`, and only --fsdp runs need them.
@@ -289,20 +277,6 @@ class Args:
     run stops with a line naming the late rank and its phase: a reward function that never returns, a dead node"""
 
 
-class ConfigError(Exception):
-    """Bad input the user can fix; reported as one line and exit status 2."""
-
-
-class Fault(Exception):
-    """A failure outside the training state stopped the run (a reward function, the disk, a rank that stopped
-    answering); reported as one line saying what was saved, exit status 4. `announce`: whether this rank prints it
-    (one rank says it for all)."""
-
-    def __init__(self, message: str, announce: bool = True):
-        super().__init__(message)
-        self.announce = announce
-
-
 # ===================================================================== batch arithmetic
 @dataclass(frozen=True)
 class BatchSizes:
@@ -316,18 +290,18 @@ class BatchSizes:
 def compute_batch_sizes(args: Args, world_size: int) -> BatchSizes:
     """The one place where batch sizes are derived; every division is exact or refused."""
     if args.rloo_k < 2:
-        raise ConfigError(
+        raise plumbing.ConfigError(
             f"rloo_k = {args.rloo_k}: the leave-one-out baseline needs at least 2 completions per prompt; "
             "pass --rloo_k 2 or more"
         )
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs"):
         if getattr(args, name) < 1:
-            raise ConfigError(f"{name} = {getattr(args, name)} must be at least 1")
+            raise plumbing.ConfigError(f"{name} = {getattr(args, name)} must be at least 1")
     micro = args.per_device_train_batch_size
     mini = micro * args.gradient_accumulation_steps
     local = mini * args.num_mini_batches
     if local % args.rloo_k:
-        raise ConfigError(
+        raise plumbing.ConfigError(
             f"per_device_train_batch_size ({micro}) x gradient_accumulation_steps ({args.gradient_accumulation_steps}) "
             f"x num_mini_batches ({args.num_mini_batches}) = {local} completions per rank is not divisible by "
             f"rloo_k ({args.rloo_k}); make the product a multiple of rloo_k"
@@ -336,185 +310,7 @@ def compute_batch_sizes(args: Args, world_size: int) -> BatchSizes:
                       all_ranks=local * world_size)
 
 
-FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4e38: beyond it a value is inf in the tensors it meets
-
-
-def number_rules(args: Args) -> list[tuple[str, object, bool, str]]:
-    """(flag, value, whether it is allowed, what it must be) for every number a typo or a NaN makes meaningless
-    without any error later: sampling at temperature inf, a clip range of 0, a negative learning rate, a KL
-    coefficient that float32 makes inf."""
-    def finite(x) -> bool:
-        return x is not None and abs(x) <= FLOAT32_MAX  # nan too
-
-    a = args
-    return [
-        ("temperature", a.temperature, finite(a.temperature) and a.temperature > 0, "a finite number > 0"),
-        ("cliprange", a.cliprange, finite(a.cliprange) and a.cliprange > 0, "a finite number > 0"),
-        ("vllm_importance_sampling_cap", a.vllm_importance_sampling_cap,
-         finite(a.vllm_importance_sampling_cap) and a.vllm_importance_sampling_cap > 0, "a finite number > 0"),
-        ("learning_rate", a.learning_rate, finite(a.learning_rate) and a.learning_rate >= 0, "a finite number >= 0"),
-        ("adam_epsilon", a.adam_epsilon, finite(a.adam_epsilon) and a.adam_epsilon > 0, "a finite number > 0"),
-        ("kl_coef", a.kl_coef, finite(a.kl_coef) and a.kl_coef >= 0, "a finite number >= 0"),
-        ("max_grad_norm", a.max_grad_norm, not math.isnan(a.max_grad_norm), "a number (<= 0: no clipping)"),
-        ("reward_clip_range", a.reward_clip_range, finite(a.reward_clip_range) and a.reward_clip_range > 0,
-         "a finite number > 0"),
-        ("missing_eos_penalty", a.missing_eos_penalty, a.missing_eos_penalty is None or finite(a.missing_eos_penalty),
-         "a finite number or None"),
-        ("reward_weights", a.reward_weights, all(finite(w) for w in a.reward_weights or ()), "finite numbers"),
-        ("num_train_epochs", a.num_train_epochs, finite(a.num_train_epochs) and a.num_train_epochs > 0,
-         "a finite number > 0"),
-        ("seed", a.seed, 0 <= a.seed < 2**31, "between 0 and 2**31 - 1 (numpy's seeds are unsigned)"),
-        ("stop_token_id", a.stop_token_id, a.stop_token_id is None or a.stop_token_id >= 0, "a token id >= 0 or None"),
-        ("num_sample_generations", a.num_sample_generations, a.num_sample_generations >= 0, ">= 0 (0: none)"),
-        ("num_evals", a.num_evals, a.num_evals >= 0, ">= 0 (0: only at the end)"),
-        ("eval_max_prompts", a.eval_max_prompts, a.eval_max_prompts >= 1, "at least 1"),
-        ("save_steps", a.save_steps, a.save_steps >= 0, ">= 0 (0: only at the end and on a signal)"),
-        ("save_total_limit", a.save_total_limit, a.save_total_limit is None or a.save_total_limit >= 1,
-         "at least 1, or None to keep every checkpoint"),
-        ("ddp_timeout", a.ddp_timeout, finite(a.ddp_timeout) and a.ddp_timeout > 0, "a finite number of seconds > 0"),
-        ("reward_fn_timeout", a.reward_fn_timeout, a.reward_fn_timeout is None or (
-            finite(a.reward_fn_timeout) and 0 < a.reward_fn_timeout < a.ddp_timeout),
-         f"a number of seconds > 0 and below --ddp_timeout ({a.ddp_timeout:g}; raise it too), or None"),
-    ]
-
-
-def validate_args(args: Args) -> None:
-    """Refuse flags that clash before anything is loaded."""
-    if args.model_name_or_path is None and args.sft_model_path is None:
-        raise ConfigError("no policy: pass --model_name_or_path (and --sft_model_path if the weights live elsewhere)")
-    if args.reward_model_path is None and not args.reward_fn:
-        raise ConfigError("no reward: pass --reward_model_path and/or --reward_fn package.module:function")
-    num_sources = int(args.reward_model_path is not None) + len(args.reward_fn)
-    if args.reward_weights is not None and len(args.reward_weights) != num_sources:
-        raise ConfigError(
-            f"--reward_weights has {len(args.reward_weights)} values but there are {num_sources} reward sources "
-            "(the reward model first, then each --reward_fn)"
-        )
-    for name, value, allowed, requirement in number_rules(args):
-        if not allowed:
-            raise ConfigError(f"{name} = {value!r} must be {requirement}")
-    if args.overwrite_output_dir and args.resume:
-        raise ConfigError("--overwrite_output_dir starts over, --resume continues: pass one of them")
-    if args.response_length < 1 or args.max_prompt_length < 1 or args.local_rollout_forward_batch_size < 0:
-        raise ConfigError("response_length and max_prompt_length must be >= 1, local_rollout_forward_batch_size "
-                          ">= 0 (0: sized to the free memory)")
-    if args.missing_eos_penalty is not None and args.stop_token is None and args.stop_token_id is None:
-        raise ConfigError("--missing_eos_penalty needs a stop token: pass --stop_token eos or --stop_token_id ID")
-    if args.compile_generation and args.fsdp:
-        raise ConfigError("--compile_generation cannot trace FSDP's gathers of a sharded policy yet: drop one of "
-                          "--compile_generation and --fsdp")
-    if args.bf16_generation and (not args.bf16 or args.fsdp):
-        raise ConfigError("--bf16_generation samples from a bf16 copy of a replicated policy: it needs --bf16, and not "
-                          "--fsdp (whose gathered weights are bf16 already with --bf16)")
-    if args.vllm_importance_sampling_mode.startswith("token") and not args.token_level_kl:
-        raise ConfigError(f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} weights tokens, but "
-                          "the sequence-level loss has one action per completion: add --token_level_kl or pass a "
-                          "sequence_ mode")
-    if args.offload and not args.fsdp:
-        raise ConfigError("--offload works through FSDP2's CPU offload: add --fsdp (under torchrun; "
-                          "--nproc_per_node 1 for one GPU)")
-    if args.total_episodes is not None and args.total_episodes < 1:
-        raise ConfigError(f"total_episodes = {args.total_episodes} must be >= 1")
-    # ----- LoRA (--use_peft) -----
-    if args.use_peft:
-        if args.fsdp:
-            raise ConfigError("--use_peft with --fsdp is not supported yet: the adapters' base is not sharded; drop "
-                              "--fsdp (LoRA's states are small: DDP replicates them)")
-        if args.lora_r < 1 or args.lora_alpha <= 0 or not 0 <= args.lora_dropout < 1:
-            raise ConfigError(f"--lora_r {args.lora_r}, --lora_alpha {args.lora_alpha}, --lora_dropout "
-                              f"{args.lora_dropout}: the rank must be >= 1, alpha > 0 and dropout in [0, 1)")
-    elif args.merge_lora:
-        raise ConfigError("--merge_lora merges LoRA adapters into the base: add --use_peft")
-
-
 # ===================================================================== distributed
-@dataclass(frozen=True)
-class Dist:
-    rank: int
-    local_rank: int
-    world_size: int
-    device: torch.device
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
-
-PEER_TIMEOUT = [1800.0]  # seconds a rank waits for the others: --ddp_timeout, set by setup_distributed
-
-
-def setup_distributed(timeout: float = 1800.0) -> Dist:
-    """torch.distributed from torchrun's RANK/LOCAL_RANK/WORLD_SIZE: NCCL on GPUs, gloo on CPU; a collective that
-    waits longer than `timeout` seconds for another rank fails instead of waiting on."""
-    PEER_TIMEOUT[0] = timeout
-    if "RANK" not in os.environ:  # plain `python rloo.py`
-        return Dist(0, 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    if torch.cuda.is_available():
-        gpus, ranks_here = torch.cuda.device_count(), os.environ.get("LOCAL_WORLD_SIZE", "?")
-        if local_rank >= gpus:
-            raise ConfigError(f"{ranks_here} ranks on this node but {gpus} GPU(s) visible: one rank per GPU, so launch "
-                              f"with --nproc_per_node {gpus}; for a CPU (gloo) run, set CUDA_VISIBLE_DEVICES=")
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    # gloo too on GPUs: collectives on CPU tensors (--offload's gradient shards, their norm) have a backend
-    dist.init_process_group(backend="cuda:nccl,cpu:gloo" if backend == "nccl" else backend,
-                            timeout=datetime.timedelta(seconds=timeout))
-    return Dist(rank, local_rank, world_size, device)
-
-
-def shard_policy(policy, bf16: bool, offload: bool = False):
-    """FSDP2 over all ranks: one unit per transformer block (the classes in the model's `_no_split_modules`), the
-    embeddings and head in the root unit. fp32 master weights; bf16 compute with --bf16; gradients reduced in fp32
-    (they sum log-prob gradients over thousands of tokens). With `offload` the shards, their gradients and so the
-    optimizer state stay in CPU memory; a unit's weights visit the GPU while it computes."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    block_classes = set(getattr(policy, "_no_split_modules", None) or ())
-    blocks = [m for m in policy.modules() if type(m).__name__ in block_classes]
-    if not blocks:
-        raise ConfigError(f"--fsdp: {type(policy).__name__} names no transformer block class (_no_split_modules) "
-                          "to shard by; drop --fsdp to replicate it with DDP")
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
-    placement = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
-    for block in blocks:
-        fully_shard(block, mp_policy=mp, offload_policy=placement)
-    fully_shard(policy, mp_policy=mp, offload_policy=placement)
-    if not reduce_scatter_averages(torch.device("cuda" if torch.cuda.is_available() else "cpu")):
-        # FSDP2 averages fp32 gradients with ReduceOp.AVG; where that sums, have it sum and divide itself
-        units = [m for m in policy.modules() if is_fsdp_unit(m)]
-        if not hasattr(policy, "set_force_sum_reduction_for_comms"):
-            raise ConfigError(f"--fsdp: this torch's {dist.get_backend()} reduce-scatter sums where FSDP2 asks it "
-                              "to average, and this FSDP2 cannot work around it: use torch >= 2.8")
-        for unit in units:
-            unit.set_force_sum_reduction_for_comms(True)
-    return policy
-
-
-def reduce_scatter_averages(device: torch.device) -> bool:
-    """Whether ReduceOp.AVG averages in this process group's reduce-scatter. gloo in torch 2.7 and 2.8 silently
-    sums instead (NCCL averages)."""
-    out = torch.zeros(1, device=device)
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # the newer name
-    reduce_scatter(out, torch.ones(dist.get_world_size(), device=device), op=dist.ReduceOp.AVG)
-    return out.item() == 1.0
-
-
-@contextlib.contextmanager
-def visiting(model, device: torch.device):
-    """A frozen model kept in CPU memory (--offload) comes to `device` for one phase's forward passes and goes back
-    after; a model already there (or None) stays where it is."""
-    home = next(model.parameters()).device if model is not None else device
-    if home == device:
-        yield
-        return
-    model.to(device)
-    try:
-        yield
-    finally:
-        model.to(home)
 
 
 def gradient_sync(model, enabled: bool):
@@ -527,61 +323,11 @@ def gradient_sync(model, enabled: bool):
     return contextlib.nullcontext()
 
 
-def is_fsdp_unit(module) -> bool:
-    """isinstance(module, FSDPModule), without importing FSDP2 in runs that never shard: until something imports
-    it, nothing can be one."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
-
-
-def set_reshard_after_forward(unit, reshard: bool) -> None:
-    """FSDPModule.set_reshard_after_forward for one unit. torch < 2.8 (vLLM 0.10's torch 2.7) lacks the method;
-    there the unit's parameter group decides by its post-forward mesh: None keeps the weights gathered."""
-    if hasattr(unit, "set_reshard_after_forward"):
-        unit.set_reshard_after_forward(reshard, recurse=False)
-        return
-    group = unit._get_fsdp_state()._fsdp_param_group
-    group.post_forward_mesh_info = group.mesh_info if reshard else None
-
-
-@contextlib.contextmanager
-def gathered_for_rollout(policy, mode: str):
-    """For sampling and evaluation with an FSDP policy. mode "unshard": every block's weights are gathered at its
-    first forward and kept for the whole block of code, not gathered again at each decoding step. On exit every
-    unit is resharded, the root too: a forward pass without backward leaves the root's weights gathered, and the
-    parameters then registered on the module are not the ones the optimizer holds. Without FSDP, nothing."""
-    blocks = [m for m in policy.modules() if is_fsdp_unit(m) and m is not policy] \
-        if mode == "unshard" else []
-    for block in blocks:
-        set_reshard_after_forward(block, False)
-    try:
-        yield
-    finally:
-        reshard(policy)
-        for block in blocks:
-            set_reshard_after_forward(block, True)
-
-
-def reshard(policy) -> None:
-    """Every FSDP unit of the policy back to its shards: its parameters are the sharded ones again, which the
-    optimizer holds (without FSDP, nothing)."""
-    for unit in policy.modules():
-        if is_fsdp_unit(unit):
-            unit.reshard()
-
-
-def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce when distributed; identity in a single process."""
-    if dist.is_initialized():
-        dist.all_reduce(x, op=op)
-    return x
-
-
 def global_mean_std(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and (unbiased) std of the masked entries of x over all ranks."""
     mask = torch.ones_like(x, dtype=torch.bool) if mask is None else mask
     x = x.float() * mask
-    moments = all_reduce(torch.stack([x.sum(), (x * x).sum(), mask.sum().float()]))  # (3,)
+    moments = plumbing.all_reduce(torch.stack([x.sum(), (x * x).sum(), mask.sum().float()]))  # (3,)
     total, total_sq, count = moments
     mean = total / count
     var = (total_sq - count * mean * mean) / (count - 1).clamp(min=1)
@@ -589,106 +335,6 @@ def global_mean_std(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> tup
 
 
 # ===================================================================== data
-PROMPT_IDS = "prompt_input_ids"  # the tokenized prompt column this script adds to the dataset
-LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-
-
-def load_split(name: str, split: str, config: Optional[str]):
-    """A dataset split from a local file, a `save_to_disk` directory or the Hub."""
-    import datasets
-
-    path = Path(name)
-    if path.suffix in LOCAL_FORMATS:
-        return load_local_file(path)
-    if path.is_dir():
-        try:
-            loaded = datasets.load_from_disk(str(path))
-        except (FileNotFoundError, ValueError) as e:
-            raise ConfigError(f"dataset directory {name} is not a dataset written by save_to_disk "
-                              f"({first_line(e)}); pass such a directory or a .jsonl/.json/.parquet file") from None
-        if isinstance(loaded, datasets.DatasetDict):
-            if split not in loaded:
-                raise ConfigError(f"dataset {name} has no split {split!r}; its splits are {list(loaded)}")
-            return loaded[split]
-        return loaded
-    try:
-        return datasets.load_dataset(name, config, split=split)
-    except Exception as e:  # the Hub client raises many types; the user needs the first line of any
-        raise ConfigError(
-            f"could not load dataset {name!r} (split {split!r}) from the Hugging Face Hub: "
-            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} - without network, pass a local "
-            ".jsonl/.json/.parquet file or a save_to_disk directory"
-        ) from None
-
-
-def first_line(e: BaseException) -> str:
-    """An exception's message in one line, for one-line errors."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def has_splits(name: str) -> bool:
-    """Whether the dataset has named splits: a Hub dataset or a saved DatasetDict does, a single file or a saved
-    Dataset does not (any split name would silently give the whole of it)."""
-    path = Path(name)
-    if path.suffix in LOCAL_FORMATS:
-        return False
-    return not path.is_dir() or (path / "dataset_dict.json").is_file()
-
-
-def load_local_file(path: Path):
-    """A .jsonl/.json/.parquet file as one dataset; a file that cannot be read is named with its first bad line."""
-    import datasets
-
-    if not path.is_file():
-        raise ConfigError(f"dataset file {path} does not exist")
-    if path.stat().st_size == 0:
-        raise ConfigError(f"dataset file {path} is empty")
-    verbosity = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs its own copy of a parse error first
-    try:
-        dataset = datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
-    except Exception as e:  # pyarrow's and datasets' many types; the line that is wrong is what the user needs
-        raise ConfigError(f"dataset file {path} cannot be read: {bad_json_line(path) or first_line(e)}") from None
-    finally:
-        datasets.logging.set_verbosity(verbosity)
-    if len(dataset) == 0:
-        raise ConfigError(f"dataset file {path} has no rows")
-    return dataset
-
-
-def bad_json_line(path: Path) -> Optional[str]:
-    """`line N: what is wrong` for the first line of a JSON-lines file that is not a JSON object (or for a .json
-    file that is not JSON at all); None when every line is."""
-    if path.suffix not in (".jsonl", ".json"):
-        return None
-    text = path.read_text(errors="replace")
-    if path.suffix == ".json":
-        try:
-            json.loads(text)
-            return None
-        except json.JSONDecodeError as whole:
-            try:  # JSON lines under a .json name have a valid first line
-                json.loads(next((line for line in text.splitlines() if line.strip()), ""))
-            except json.JSONDecodeError:
-                return f"line {whole.lineno} is not valid JSON ({whole.msg}, column {whole.colno})"
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            return f"line {number} is not valid JSON ({e.msg}, column {e.colno})"
-        if not isinstance(row, dict):
-            return f"line {number} is a JSON {type(row).__name__}, not an object with a prompt column"
-    return None
-
-
-def is_prompt(value) -> bool:
-    """A prompt is a string, or chat messages: a list of {"role": ..., "content": ...} dicts."""
-    if isinstance(value, str):
-        return True
-    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "content" in m for m in value)
 
 
 def prompt_token_ids(rows: dict, tokenizer, prompt_column: str) -> list[list[int]]:
@@ -697,26 +343,13 @@ def prompt_token_ids(rows: dict, tokenizer, prompt_column: str) -> list[list[int
         prompts = rows[prompt_column]
         if prompts and isinstance(prompts[0], list):  # chat messages
             if tokenizer.chat_template is None:
-                raise ConfigError(f"column {prompt_column!r} holds chat messages but the tokenizer has no chat "
+                raise plumbing.ConfigError(f"column {prompt_column!r} holds chat messages but the tokenizer has no chat "
                                   "template")
             texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
             return tokenizer(texts, add_special_tokens=False)["input_ids"]
         return tokenizer(prompts)["input_ids"]
     # TL;DR schema: queries pre-tokenized and left-padded with the pad id; strip the padding
     return [[t for t in ids if t != tokenizer.pad_token_id] for ids in rows["query_token"]]
-
-
-def check_prompt_values(rows: dict, indices: list[int], prompt_column: str, name: str) -> None:
-    """Refuse, naming the first offending row of a batch, prompts that are neither strings nor chat messages (None,
-    numbers) and pre-tokenized queries that are not lists of token ids."""
-    if prompt_column in rows:
-        column, valid, what = prompt_column, is_prompt, "a string or a list of chat messages"
-    else:
-        column, what = "query_token", "a list of token ids"
-        valid = lambda ids: isinstance(ids, list) and all(isinstance(t, int) for t in ids)  # noqa: E731
-    for row, value in zip(indices, rows[column]):
-        if not valid(value):
-            raise ConfigError(f"dataset {name}, row {row}: column {column!r} holds {repr(value)[:60]}, not {what}")
 
 
 def prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: int, name: str,
@@ -727,56 +360,51 @@ def prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: i
     import pyarrow.compute as pc
 
     if prompt_column not in dataset.column_names and "query_token" not in dataset.column_names:
-        raise ConfigError(
+        raise plumbing.ConfigError(
             f"dataset {name} has no {prompt_column!r} column (string or chat messages) and no pre-tokenized "
             f"'query_token' column; its columns are {dataset.column_names}: pass --prompt_column NAME"
         )
 
     def tokenize(rows: dict, indices: list[int]) -> dict:
-        check_prompt_values(rows, indices, prompt_column, name)
-        return {PROMPT_IDS: prompt_token_ids(rows, tokenizer, prompt_column)}
+        plumbing.check_prompt_values(rows, indices, prompt_column, name)
+        return {plumbing.PROMPT_IDS: prompt_token_ids(rows, tokenizer, prompt_column)}
 
     # in memory: no cache files for torchrun's ranks to race on
     dataset = dataset.map(tokenize, with_indices=True, batched=True, keep_in_memory=True)
-    ids = dataset.with_format("arrow")[PROMPT_IDS]  # lengths and extremes in Arrow: no Python list per token
+    ids = dataset.with_format("arrow")[plumbing.PROMPT_IDS]  # lengths and extremes in Arrow: no Python list per token
     lowest, highest = pc.min_max(pc.list_flatten(ids)).values()
     if vocab_size is not None and lowest.is_valid and not 0 <= lowest.as_py() <= highest.as_py() < vocab_size:
-        row, bad = next((i, t) for i, row_ids in enumerate(dataset[PROMPT_IDS]) for t in row_ids
+        row, bad = next((i, t) for i, row_ids in enumerate(dataset[plumbing.PROMPT_IDS]) for t in row_ids
                         if not 0 <= t < vocab_size)
-        raise ConfigError(f"dataset {name}, row {row}: token id {bad} is outside the policy's vocabulary of "
+        raise plumbing.ConfigError(f"dataset {name}, row {row}: token id {bad} is outside the policy's vocabulary of "
                           f"{vocab_size}: tokenize with the policy's tokenizer")
     lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
     dropped = {"empty": int((lengths == 0).sum()), "too_long": int((lengths > max_prompt_length).sum())}
     dataset = dataset.select(np.flatnonzero((lengths > 0) & (lengths <= max_prompt_length)), keep_in_memory=True)
     if len(dataset) == 0:
-        raise ConfigError(f"every prompt of {name} is empty or longer than max_prompt_length ({max_prompt_length})")
+        raise plumbing.ConfigError(f"every prompt of {name} is empty or longer than max_prompt_length ({max_prompt_length})")
     return dataset, dropped
-
-
-def describe_dropped(dropped: dict[str, int], max_prompt_length: int) -> str:
-    return (f"{dropped['too_long']} dropped as longer than {max_prompt_length} tokens"
-            + (f", {dropped['empty']} empty" if dropped["empty"] else ""))
 
 
 def load_prompts(args: Args, tokenizer, vocab_size: Optional[int] = None):
     """Tokenized train prompts, test prompts (None without --dataset_test_split), and how many were dropped (see
     prepare_prompts)."""
-    test_is_file = args.dataset_test_split is not None and Path(args.dataset_test_split).suffix in LOCAL_FORMATS
+    test_is_file = args.dataset_test_split is not None and Path(args.dataset_test_split).suffix in plumbing.LOCAL_FORMATS
     for flag, split in (("--dataset_train_split", args.dataset_train_split), ("--dataset_test_split",
                                                                                args.dataset_test_split)):
         if split not in (None, "train") and not (flag == "--dataset_test_split" and test_is_file) \
-                and not has_splits(args.dataset_name):
+                and not plumbing.has_splits(args.dataset_name):
             fix = "pass the test prompts as a file: --dataset_test_split test.jsonl" \
                 if flag == "--dataset_test_split" else f"drop {flag}"
-            raise ConfigError(f"{flag} {split}: dataset {args.dataset_name} has no splits (a single file or saved "
+            raise plumbing.ConfigError(f"{flag} {split}: dataset {args.dataset_name} has no splits (a single file or saved "
                               f"Dataset is one split, whatever its name); {fix}")
-    dataset = load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
+    dataset = plumbing.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     dataset, dropped = prepare_prompts(dataset, tokenizer, args.prompt_column, args.max_prompt_length,
                                        args.dataset_name, vocab_size)
     eval_dataset = None
     if args.dataset_test_split is not None:
         source = args.dataset_test_split if test_is_file else args.dataset_name
-        eval_dataset, _ = prepare_prompts(load_split(source, args.dataset_test_split, args.dataset_config),
+        eval_dataset, _ = prepare_prompts(plumbing.load_split(source, args.dataset_test_split, args.dataset_config),
                                           tokenizer, args.prompt_column, args.max_prompt_length, source, vocab_size)
     return dataset, eval_dataset, dropped
 
@@ -802,7 +430,7 @@ class PromptSampler:
     def __init__(self, num_prompts: int, prompts_per_rank: int, rank: int, world_size: int, seed: int):
         self.per_update = prompts_per_rank * world_size
         if num_prompts < self.per_update:
-            raise ConfigError(
+            raise plumbing.ConfigError(
                 f"the training split has {num_prompts} prompts, fewer than one update takes "
                 f"({prompts_per_rank} per rank x {world_size} ranks); use a larger dataset or smaller batches"
             )
@@ -833,38 +461,14 @@ class PromptSampler:
 
 
 # ===================================================================== models
-def _from_pretrained(loader: Callable, path: str, what: str, **kwargs):
-    try:
-        return loader(path, **kwargs)
-    except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"could not load {what} from {path!r}: {first_line(e)} - without network, pass a local directory"
-        ) from None
 
 
 def load_tokenizer(path: str, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
-    return _from_pretrained(
+    return plumbing._from_pretrained(
         AutoTokenizer.from_pretrained, path, "tokenizer", padding_side="left", trust_remote_code=trust_remote_code
     )
-
-
-def ensure_pad_token(tokenizer, pad_token: Optional[str], embedding_rows: int, name: str) -> None:
-    """Give the tokenizer a pad token that the model can embed, or refuse with the fix."""
-    if tokenizer.pad_token_id is not None:
-        return
-    if pad_token is None:
-        raise ConfigError(
-            f"the tokenizer of {name} has no pad token: save one with a pad token, or pass --pad_token TOKEN"
-        )
-    tokenizer.add_special_tokens({"pad_token": pad_token})
-    if tokenizer.pad_token_id >= embedding_rows:
-        raise ConfigError(
-            f"the tokenizer of {name} has no pad token, and adding {pad_token!r} gives id {tokenizer.pad_token_id}, "
-            f"outside the model's {embedding_rows}-row embedding: save a tokenizer with a pad token (resizing "
-            "the embeddings) or pass --pad_token with a token the tokenizer already has"
-        )
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool, weights: Optional[Path] = None):
@@ -873,20 +477,20 @@ def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool, weigh
     from transformers import AutoModelForCausalLM
 
     if weights is None:
-        return _from_pretrained(
+        return plumbing._from_pretrained(
             AutoModelForCausalLM.from_pretrained, path, "policy", dtype=dtype, trust_remote_code=trust_remote_code
         )
-    config = load_config(path, "policy", trust_remote_code)
+    config = plumbing.load_config(path, "policy", trust_remote_code)
     with torch.device("meta"):  # the class only: nothing allocated
         model_class = type(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
-    return _from_pretrained(model_class.from_pretrained, str(weights), "policy", config=config, dtype=dtype,
+    return plumbing._from_pretrained(model_class.from_pretrained, str(weights), "policy", config=config, dtype=dtype,
                             use_safetensors=True)
 
 
 def load_reward_model(path: str, dtype: torch.dtype, trust_remote_code: bool):
     from transformers import AutoModelForSequenceClassification
 
-    model = _from_pretrained(
+    model = plumbing._from_pretrained(
         AutoModelForSequenceClassification.from_pretrained,
         path,
         "reward model",
@@ -895,23 +499,8 @@ def load_reward_model(path: str, dtype: torch.dtype, trust_remote_code: bool):
         trust_remote_code=trust_remote_code,
     )
     if not hasattr(model, "score"):
-        raise ConfigError(f"reward model {path!r} has no `score` head; use an AutoModelForSequenceClassification model")
+        raise plumbing.ConfigError(f"reward model {path!r} has no `score` head; use an AutoModelForSequenceClassification model")
     return model
-
-
-def load_config(path: str, what: str, trust_remote_code: bool):
-    from transformers import AutoConfig
-
-    return _from_pretrained(AutoConfig.from_pretrained, path, what, trust_remote_code=trust_remote_code)
-
-
-def check_reward_model_config(path: str, trust_remote_code: bool) -> None:
-    """A saved classification head must give one score per sequence (a causal LM gets a new one-label head)."""
-    config = load_config(path, "reward model", trust_remote_code)
-    classifier = any(name.endswith("ForSequenceClassification") for name in config.architectures or ())
-    if classifier and config.num_labels != 1:
-        raise ConfigError(f"reward model {path!r} has a {config.num_labels}-label classification head, but a reward is "
-                          "one number per completion: use a reward model saved with num_labels=1")
 
 
 def stop_token_id_of(args: Args, tokenizer, tokenizer_path: str) -> Optional[int]:
@@ -919,7 +508,7 @@ def stop_token_id_of(args: Args, tokenizer, tokenizer_path: str) -> Optional[int
     if args.stop_token_id is not None or args.stop_token != "eos":
         return args.stop_token_id
     if tokenizer.eos_token_id is None:
-        raise ConfigError(f"--stop_token eos but the tokenizer of {tokenizer_path} has no EOS: pass --stop_token_id")
+        raise plumbing.ConfigError(f"--stop_token eos but the tokenizer of {tokenizer_path} has no EOS: pass --stop_token_id")
     return tokenizer.eos_token_id
 
 
@@ -929,13 +518,13 @@ def prepare_tokenizer(args: Args):
     reward model's head gives one score."""
     tokenizer_path = args.model_name_or_path or args.sft_model_path
     tokenizer = load_tokenizer(tokenizer_path, args.trust_remote_code)
-    config = load_config(args.sft_model_path or args.model_name_or_path, "policy", args.trust_remote_code)
+    config = plumbing.load_config(args.sft_model_path or args.model_name_or_path, "policy", args.trust_remote_code)
     vocab_size = getattr(config.get_text_config(), "vocab_size", None)
     if vocab_size is not None:
-        ensure_pad_token(tokenizer, args.pad_token, vocab_size, tokenizer_path)
+        plumbing.ensure_pad_token(tokenizer, args.pad_token, vocab_size, tokenizer_path)
         stop_token_id = stop_token_id_of(args, tokenizer, tokenizer_path)
         if stop_token_id is not None and stop_token_id >= vocab_size:
-            raise ConfigError(f"stop_token_id = {stop_token_id} is outside the policy's vocabulary of {vocab_size}: "
+            raise plumbing.ConfigError(f"stop_token_id = {stop_token_id} is outside the policy's vocabulary of {vocab_size}: "
                               "pass an id below it")
     positions = getattr(config.get_text_config(), "max_position_embeddings", None)
     if positions and args.max_prompt_length + args.response_length > positions and os.environ.get("RANK", "0") == "0":
@@ -943,7 +532,7 @@ def prepare_tokenizer(args: Args):
               f" tokens exceed the policy's {positions} positions (max_position_embeddings): longer prompts would "
               "fail or degrade; lower --max_prompt_length", file=sys.stderr)
     if args.reward_model_path is not None:
-        check_reward_model_config(args.reward_model_path, args.trust_remote_code)
+        plumbing.check_reward_model_config(args.reward_model_path, args.trust_remote_code)
     return tokenizer, vocab_size
 
 
@@ -952,26 +541,6 @@ def disable_dropout(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-
-
-def same_vocabulary(a, b) -> bool:
-    """True when token ids mean the same text in both tokenizers (each one's pad token aside)."""
-    vocab_a = {t: i for t, i in a.get_vocab().items() if t != a.pad_token}
-    vocab_b = {t: i for t, i in b.get_vocab().items() if t != b.pad_token}
-    return vocab_a == vocab_b
-
-
-def choose_kernels() -> None:
-    """TF32 matmuls, and no cuDNN attention: it builds an execution plan for every new sequence length, and a
-    batch's padded length changes with its prompts (measured on an H100, pythia-1b shape, TL;DR-like lengths: the
-    same work took 2.1-7.0 s per update with it, 2.0-2.2 s without). SDPA's flash and memory-efficient kernels
-    take its place."""
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cuda.enable_cudnn_sdp(False)
-
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's names, as transformers' save_pretrained writes an adapter
-ADAPTER_CONFIG = "adapter_config.json"
 
 
 def lora_config(args: Args):
@@ -997,15 +566,15 @@ def add_adapters(policy, args: Args, checkpoint: Optional[Path]) -> None:
         try:
             policy.add_adapter(lora_config(args))
         except ValueError as e:  # no target modules known for the architecture, or a name that matches nothing
-            raise ConfigError(f"--use_peft: {first_line(e)} - pass --lora_target_modules (module names, or "
+            raise plumbing.ConfigError(f"--use_peft: {plumbing.first_line(e)} - pass --lora_target_modules (module names, or "
                               "all-linear)") from None
     if checkpoint is None:
         return
     prefix = "base_model.model."  # what peft's format prepends to the model's own parameter names
-    saved = {name.removeprefix(prefix): value for name, value in load_file(checkpoint / ADAPTER_WEIGHTS).items()}
+    saved = {name.removeprefix(prefix): value for name, value in load_file(checkpoint / plumbing.ADAPTER_WEIGHTS).items()}
     expected = policy.get_adapter_state_dict()
     if saved.keys() != expected.keys() or any(saved[n].shape != expected[n].shape for n in saved):
-        raise ConfigError(f"cannot resume: the adapter in {checkpoint} does not match --lora_* ({len(saved)} tensors "
+        raise plumbing.ConfigError(f"cannot resume: the adapter in {checkpoint} does not match --lora_* ({len(saved)} tensors "
                           f"for {len(expected)}): resume with the checkpoint's run's flags")
     set_peft_model_state_dict(policy, saved, adapter_name="default")
 
@@ -1065,7 +634,7 @@ def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = N
         tokenizer, _ = prepare_tokenizer(args)
     policy = load_causal_lm(initial_path, torch.float32, args.trust_remote_code,
                             weights=None if args.use_peft else checkpoint)  # with LoRA: the base, never trained
-    ensure_pad_token(tokenizer, args.pad_token, policy.get_input_embeddings().num_embeddings, tokenizer_path)
+    plumbing.ensure_pad_token(tokenizer, args.pad_token, policy.get_input_embeddings().num_embeddings, tokenizer_path)
     policy.config.pad_token_id = tokenizer.pad_token_id
     stop_token_id = stop_token_id_of(args, tokenizer, tokenizer_path)
     disable_dropout(policy)
@@ -1529,11 +1098,11 @@ def shares_prompts(model, name: str, requested: Optional[bool], probe: Completio
         except torch.OutOfMemoryError:
             raise
         except Exception as e:  # an attention that cannot take the grouped rows at all
-            why = f"its forward fails on grouped rows ({first_line(e)})"
+            why = f"its forward fails on grouped rows ({plumbing.first_line(e)})"
     if why is None:
         return True
     if requested:
-        raise ConfigError(f"--share_prompt: the {name} cannot share prompts exactly: {why}; "
+        raise plumbing.ConfigError(f"--share_prompt: the {name} cannot share prompts exactly: {why}; "
                           "leave the flag out (it then computes one row per completion)")
     notes.append(f"prompt sharing is off for the {name}: {why}; it computes one row per completion")
     return False
@@ -1593,7 +1162,7 @@ def sample_in_chunks(
     """k completions of each of the B (B, Tq) queries, (k, B) layout; local_rollout_forward_batch_size completions
     (whole prompt groups, length-sorted) at a time: the KV cache of a chunk is what must fit. Chunks draw from
     `generator` one after the other."""
-    chunk = rows_per_forward(args, policy, "generation", queries.device, k * queries.shape[0], k)
+    chunk = plumbing.rows_per_forward(args, policy, "generation", queries.device, k * queries.shape[0], k)
     responses = torch.full((k * queries.shape[0], args.response_length), pad_token_id, device=queries.device)
     sampler_logprobs = torch.zeros(responses.shape, device=queries.device)  # (k*B, Tr)
     with autocast():
@@ -1669,10 +1238,6 @@ def copy_weights(source, target) -> None:
         to.copy_(value)
 
 
-class RolloutSourceError(Exception):
-    """The completions of an update cannot be had (an engine died): the run checkpoints and stops."""
-
-
 def skips_logprob_pass(args: Args, sizes: BatchSizes, lookahead: int) -> bool:
     """On-policy (one epoch, one minibatch, sampled by the weights being trained), the log-probs of the sampling
     policy are exactly the training forward's own, detached: the update computes them itself, a micro-batch of
@@ -1685,7 +1250,7 @@ def skips_logprob_pass(args: Args, sizes: BatchSizes, lookahead: int) -> bool:
 @torch.no_grad()
 def collect_rollout(
     policy, ref_policy, completions: Completions, args: Args, share_prompt: bool, with_logprobs: bool, autocast,
-    timer: "PhaseTimer",
+    timer: plumbing.PhaseTimer,
 ) -> Rollout:
     """The log-probs of sampled completions under the policy that sampled them (unless the update computes them:
     with_logprobs False), then under the reference: one phase after the other, each in length-sorted chunks of
@@ -1693,7 +1258,7 @@ def collect_rollout(
     c = completions
 
     def logprobs_of(model) -> torch.Tensor:
-        chunk = rows_per_forward(args, model, "logprobs", c.responses.device, c.responses.shape[0], c.k)
+        chunk = plumbing.rows_per_forward(args, model, "logprobs", c.responses.device, c.responses.shape[0], c.k)
         logprobs = in_chunks(c, chunk, lambda part: forward_logprobs(model, part, args.temperature, share_prompt)[0],
                              width=c.responses.shape[1])  # (k*B, Tr)
         return logprobs * c.response_mask  # 0 on padding
@@ -1706,7 +1271,7 @@ def collect_rollout(
             logprobs = logprobs_of(policy)  # (k*B, Tr)
     ref_logprobs = None
     if ref_policy is not None:
-        with timer("reference_forward"), visiting(ref_policy, c.responses.device), autocast():
+        with timer("reference_forward"), plumbing.visiting(ref_policy, c.responses.device), autocast():
             ref_logprobs = logprobs_of(ref_policy)  # (k*B, Tr)
     return Rollout(c.queries, c.query_mask, c.responses, c.response_mask, logprobs, ref_logprobs,
                    sampler_logprobs=c.sampler_logprobs)
@@ -1756,122 +1321,11 @@ def retokenize(texts: list[str], ended: list[bool], tokenizer,
     return pad_sequences(sequences, 0, device, side="right")  # pad id 0: reward_model_scores masks padding
 
 
-REWARD_FUNCTION_ARGUMENTS = ("prompts", "completions", "completion_ids")  # and every other dataset column
-
-
-class RewardFunctionError(Fault):
-    """A reward function raised, hung or returned something that is not one number (or None) per completion. The run
-    keeps the last finished update (a checkpoint) and stops; `after_training`: the update in progress had trained
-    already (the failure was in its evaluation). `signal_name`: no failure, a stop signal came while a reward
-    function ran (stop_signals_at_once): the same checkpoint, then the exit of a signal."""
-
-    def __init__(self, message: str, announce: bool = True, after_training: bool = False,
-                 signal_name: Optional[str] = None):
-        super().__init__(message, announce)
-        self.after_training, self.signal_name = after_training, signal_name
-
-
-def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
-    """Import each `package.module:function` spec; each must take **kwargs (it is called with every column)."""
-    functions = []
-    for spec in specs:
-        module_name, _, attr = spec.partition(":")
-        if not module_name or not attr:
-            raise ConfigError(f"--reward_fn {spec!r} is not of the form package.module:function")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise ConfigError(f"unknown reward function {spec!r}: cannot import {module_name!r} ({e})") from None
-        except (Exception, SystemExit) as e:  # a SyntaxError, anything the module's own code raises
-            raise ConfigError(f"reward function {spec!r}: importing {module_name!r} failed with {type(e).__name__}: "
-                              f"{first_line(e)}") from None
-        fn = getattr(module, attr, None)
-        if not callable(fn):
-            raise ConfigError(f"unknown reward function {spec!r}: module {module_name!r} has no function {attr!r}")
-        kinds = {p.kind for p in inspect.signature(fn).parameters.values()}
-        if inspect.Parameter.VAR_KEYWORD not in kinds:
-            raise ConfigError(f"reward function {spec!r} takes no **kwargs: it is called with prompts, completions, "
-                              "completion_ids and every other dataset column as keywords; add **kwargs")
-        functions.append((attr, fn))
-    return functions
-
-
-def check_reward_function_arguments(functions: list[tuple[str, Callable]], splits: list[tuple[str, object]],
-                                    prompt_column: str) -> None:
-    """Each parameter a reward function requires must be one it is given, for each (name, dataset) of `splits`
-    (None: absent): a fixed argument, or a column other than the prompt's (given as `prompts`)."""
-    for dataset_name, dataset in splits:
-        columns = [] if dataset is None else [c for c in dataset.column_names if c not in (PROMPT_IDS, prompt_column)]
-        for name, fn in functions if dataset is not None else ():
-            for parameter in inspect.signature(fn).parameters.values():
-                required = parameter.default is inspect.Parameter.empty and parameter.kind in (
-                    inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-                if required and parameter.name not in (*REWARD_FUNCTION_ARGUMENTS, *columns):
-                    raise ConfigError(f"reward function {name!r} needs {parameter.name!r}, which is neither one of "
-                                      f"{list(REWARD_FUNCTION_ARGUMENTS)} nor a column of dataset {dataset_name} (its "
-                                      f"columns: {columns})")
-
-
-def is_number(value) -> bool:
-    """A Python, numpy or 0-d tensor/array number."""
-    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
-        value = value.item()
-    return isinstance(value, numbers.Real)
-
-
-def call_reward_function(name: str, fn: Callable, n: int, timeout: Optional[float] = None, /,
-                         **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Values (n,) and an applies-mask (n,) from a reward function returning a number or None per completion.
-    Whatever it raises (SystemExit included), anything else it returns, a value outside float32's range, and not
-    returning within `timeout` seconds become a RewardFunctionError naming it. It runs in a thread of its own while
-    this one waits, so that neither a function stuck in C code or a sleep nor its own `except` clauses can keep a
-    stop signal from acting (stop_signals_at_once); it gets its own copies of the arguments to change as it likes."""
-    kwargs, outcome = copy.deepcopy(kwargs), {}
-    cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None  # both are per thread
-    grad_enabled = torch.is_grad_enabled()
-
-    def call() -> None:
-        try:
-            if cuda_device is not None:
-                torch.cuda.set_device(cuda_device)
-            with torch.set_grad_enabled(grad_enabled):
-                outcome["out"] = fn(**kwargs)
-        except BaseException as e:  # the user's code: any type, sys.exit included
-            outcome["error"] = e
-
-    thread = threading.Thread(target=call, name=f"reward function {name}", daemon=True)  # abandoned if it hangs
-    with stop_signals_at_once():
-        thread.start()
-        thread.join(timeout)
-    if thread.is_alive():
-        raise RewardFunctionError(f"reward function {name!r} did not return within --reward_fn_timeout {timeout:g} s")
-    if "error" in outcome:
-        e = outcome["error"]
-        raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {first_line(e)}") from e
-    out = outcome["out"]
-    if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
-        raise RewardFunctionError(f"reward function {name!r} returned {repr(out)[:80]}, not a list of {n} numbers "
-                                  "(or None), one per completion")
-    out = list(out)
-    if len(out) != n:
-        raise RewardFunctionError(f"reward function {name!r} returned {len(out)} values for {n} completions: it must "
-                                  "return one number (or None) per completion")
-    for i, v in enumerate(out):
-        if v is not None and not is_number(v):
-            raise RewardFunctionError(f"reward function {name!r} returned {repr(v)[:80]} ({type(v).__name__}) "
-                                      "among its values: each must be a number or None")
-        if v is not None and not abs(float(v)) <= FLOAT32_MAX:  # nan and inf too
-            raise RewardFunctionError(f"reward function {name!r} returned {float(v)!r} for completion {i}: each "
-                                      f"value must be a finite float32 (at most {FLOAT32_MAX:.4g} in magnitude)")
-    applies = torch.tensor([v is not None for v in out])
-    return torch.tensor([0.0 if v is None else float(v) for v in out]), applies
-
-
 def combine_rewards(values: torch.Tensor, applies: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Weighted sum over the sources that apply. values and applies (S, N), weights (S,) -> (N,)."""
     if not applies.any(0).all():
         missing = (~applies.any(0)).nonzero().flatten().tolist()
-        raise RewardFunctionError(f"no reward source applies to completions {missing[:10]} (every reward function "
+        raise plumbing.RewardFunctionError(f"no reward source applies to completions {missing[:10]} (every reward function "
                                   "returned None for them and there is no reward model)")
     return (values * applies * weights[:, None]).sum(0)
 
@@ -1896,16 +1350,16 @@ def load_reward_sources(args: Args, tokenizer, functions: list[tuple[str, Callab
     """The reward model (frozen, with its own tokenizer when the vocabularies differ) and the reward functions."""
     model, model_tokenizer = None, None
     if args.reward_model_path is not None:
-        seed_everything(args.seed)  # a head missing from the checkpoint starts the same on every rank and resume
+        plumbing.seed_everything(args.seed)  # a head missing from the checkpoint starts the same on every rank and resume
         model = load_reward_model(args.reward_model_path, torch.bfloat16 if args.bf16 else torch.float32,
                                   args.trust_remote_code)
         disable_dropout(model)
         model = model.to("cpu" if args.offload else device).eval().requires_grad_(False)
         try:
             own_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code)
-        except ConfigError:  # no tokenizer saved with the reward model: it shares the policy's
+        except plumbing.ConfigError:  # no tokenizer saved with the reward model: it shares the policy's
             own_tokenizer = tokenizer
-        model_tokenizer = None if same_vocabulary(own_tokenizer, tokenizer) else own_tokenizer
+        model_tokenizer = None if plumbing.same_vocabulary(own_tokenizer, tokenizer) else own_tokenizer
     num_sources = int(model is not None) + len(functions)
     return RewardSources(model, model_tokenizer, functions, torch.tensor(args.reward_weights or [1.0] * num_sources),
                          timeout=args.reward_fn_timeout or args.ddp_timeout / 2)
@@ -1920,7 +1374,7 @@ def score_completions(
     every other column."""
     c, n, device = completions, completions.responses.shape[0], completions.responses.device
     prompts = prompt_values(rows, prompt_column, tokenizer)  # (B,)
-    columns = {column: values for column, values in rows.items() if column not in (PROMPT_IDS, prompt_column)}
+    columns = {column: values for column, values in rows.items() if column not in (plumbing.PROMPT_IDS, prompt_column)}
     completion_ids = [r[m].tolist() for r, m in zip(c.responses, c.response_mask)]
     ended = c.ended(stop_token_id).tolist()
     without_stop = [ids[:-1] if e else ids for ids, e in zip(completion_ids, ended)]
@@ -1945,7 +1399,7 @@ def score_completions(
         values.append(torch.cat(scores).cpu())
         applies.append(torch.ones(n, dtype=torch.bool))
     for name, fn in sources.functions:
-        v, a = call_reward_function(
+        v, a = plumbing.call_reward_function(
             name, fn, n, sources.timeout, prompts=repeat(prompts), completions=texts, completion_ids=completion_ids,
             **{column: repeat(vals) for column, vals in columns.items()},
         )
@@ -1963,7 +1417,7 @@ def prompt_values(rows: dict, prompt_column: str, tokenizer) -> list:
     """What reward functions see as `prompts`: the dataset's prompt column, or the decoded query tokens."""
     if prompt_column in rows:
         return rows[prompt_column]
-    return tokenizer.batch_decode(rows[PROMPT_IDS], skip_special_tokens=True)
+    return tokenizer.batch_decode(rows[plumbing.PROMPT_IDS], skip_special_tokens=True)
 
 
 def apply_missing_eos_penalty(scores: torch.Tensor, has_stop: torch.Tensor, penalty: Optional[float]) -> torch.Tensor:
@@ -2116,53 +1570,12 @@ def micro_batch(rollout: Rollout, rows: torch.Tensor, k: int) -> Rollout:
     return rollout.one_per_row(rows)
 
 
-class NonFiniteError(Exception):
-    """A NaN or inf in a quantity that training would otherwise use; raised on every rank at once."""
-
-    def __init__(self, quantity: str, ranks: list[int], unwritten: Optional[str] = None):
-        super().__init__(f"non-finite {quantity} on rank {', '.join(map(str, ranks))}")
-        self.quantity, self.ranks = quantity, ranks
-        self.unwritten = unwritten  # why the offending batch could not be written (a full disk), if it could not
-
-
-def check_finite(named: dict[str, Optional[torch.Tensor]], device: torch.device) -> None:
-    """Collective: every rank learns whether any rank holds a NaN/inf in one of the named tensors, so that all
-    of them stop together instead of the healthy ones waiting forever in the next collective."""
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    bad = torch.zeros(len(named), world_size, device=device)  # (quantities, ranks)
-    for i, value in enumerate(named.values()):
-        if value is not None and not torch.isfinite(value).all():
-            bad[i, rank] = 1.0
-    all_reduce(bad)
-    for (name, _), ranks in zip(named.items(), bad):
-        if ranks.any():
-            raise NonFiniteError(name, ranks.nonzero().flatten().tolist())
-
-
-def dump_batch(path: Path, tokenizer, rollout: Rollout, scores: torch.Tensor,
-               advantages: Optional[torch.Tensor]) -> None:
-    """One JSON line per completion of the offending batch: prompt, completion, score, advantage and log-prob sum
-    (null where the update had not computed them yet)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    num_prompts = rollout.queries.shape[0]
-    with open(path, "w") as f:
-        for i in range(len(scores)):
-            prompt = rollout.queries[i % num_prompts][rollout.query_mask[i % num_prompts]]
-            completion = rollout.responses[i][rollout.response_mask[i]]
-            f.write(json.dumps({
-                "prompt": tokenizer.decode(prompt), "completion": tokenizer.decode(completion),
-                "score": scores[i].item(), "advantage": None if advantages is None else advantages[i].sum().item(),
-                "logprob_sum": None if rollout.logprobs is None else rollout.logprobs[i].sum().item(),
-            }) + "\n")
-
-
 def is_weights_of(batch: Rollout, args: Args) -> Optional[torch.Tensor]:
     """The importance weights of a micro-batch with --vllm_importance_sampling_correction, else None."""
     if not args.vllm_importance_sampling_correction:
         return None
     if batch.sampler_logprobs is None:
-        raise ConfigError("--vllm_importance_sampling_correction needs the sampler's log-probs, which this rollout "
+        raise plumbing.ConfigError("--vllm_importance_sampling_correction needs the sampler's log-probs, which this rollout "
                           "source does not return: drop the flag")
     return importance_weights(batch.logprobs, batch.sampler_logprobs, batch.response_mask,
                               args.vllm_importance_sampling_mode, args.vllm_importance_sampling_cap)
@@ -2205,10 +1618,10 @@ def ppo_update(
                     stats.setdefault(key, []).append(value)
                 ratios.append(torch.exp(sequence_log_ratio(new_logprobs.detach(), batch.logprobs, batch.response_mask)))
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            if is_fsdp_unit(model):  # a DTensor: the norm over every rank's shards
+            if plumbing.is_fsdp_unit(model):  # a DTensor: the norm over every rank's shards
                 grad_norm = grad_norm.full_tensor()
             # never step on a non-finite gradient; every rank agrees before any of them steps
-            check_finite({"loss": torch.stack(stats["loss"][-len(minibatch):]), "gradient norm": grad_norm}, device)
+            plumbing.check_finite({"loss": torch.stack(stats["loss"][-len(minibatch):]), "gradient norm": grad_norm}, device)
             grad_norms.append(grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -2228,184 +1641,9 @@ def learning_rate_at(update: int, num_updates: int, args: Args) -> float:
 
 
 # ===================================================================== measuring: phase times, work, memory
-class PhaseTimer:
-    """Per phase of an update (`with timer("generation"): ...`): wall-clock seconds (CUDA synchronized, so GPU time
-    lands in its phase), on CUDA the peak allocated memory in GiB, and the token positions fed through the forward
-    passes of the models it watches (count_tokens_of), padding included: the work done, to set against the least
-    that would do; and the bytes each decoding step must read (every weight, the whole KV cache), to set against the
-    memory bandwidth. One per run; start_update() clears it. Forward passes outside any phase count under
-    `default_phase` (None: not counted); a compiled decoding step's (--compile_generation) are not counted."""
-
-    def __init__(self, device: torch.device, default_phase: Optional[str] = None):
-        self.device = device
-        self.default_phase = default_phase
-        self.phase = None
-        self.weight_bytes = {}  # id(backbone) -> bytes of the weights a decoding step reads
-        self.start_update()
-
-    def start_update(self) -> None:
-        self.seconds = {}
-        self.peak_gib = {}
-        self.tokens = {}
-        self.decode_bytes = 0
-
-    def count_tokens_of(self, *models) -> None:
-        for model in models:  # the transformer itself, which every use of the model calls once per pass
-            backbone = getattr(model, getattr(model, "base_model_prefix", ""), model)
-            if model is not None and id(backbone) not in self.weight_bytes:  # once each
-                backbone.register_forward_pre_hook(self._count, with_kwargs=True)
-                self.weight_bytes[id(backbone)] = decode_weight_bytes(model)
-
-    def _count(self, module, args, kwargs) -> None:
-        phase = self.phase or self.default_phase
-        if phase is None or torch.compiler.is_compiling():  # a Python side effect would break a compiled graph
-            return
-        input_ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
-        self.tokens[phase] = self.tokens.get(phase, 0) + input_ids.numel()
-        cache = kwargs.get("past_key_values")
-        if input_ids.shape[1] == 1 and cache is not None:  # a decoding step, after a prefill
-            self.decode_bytes += self.weight_bytes[id(module)] + sum(
-                layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        note_phase(phase)
-        start, self.phase = time.perf_counter(), phase
-        try:
-            yield
-        finally:
-            self.phase = None
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device) / 2**30
-            self.peak_gib[phase] = max(peak, self.peak_gib.get(phase, 0.0))
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
-
-    def metrics(self) -> dict[str, float]:
-        """`time/<phase>` and `work/<phase>_tokens` for every phase, `work/forward_tokens` over all of them; on CUDA
-        `memory/<phase>_gib` and `memory/peak_gib` too."""
-        out = {f"time/{phase}": seconds for phase, seconds in self.seconds.items()}
-        out.update({f"work/{phase}_tokens": float(tokens) for phase, tokens in self.tokens.items()})
-        out["work/forward_tokens"] = float(sum(self.tokens.values()))
-        if self.decode_bytes:
-            out["work/decode_bytes"] = float(self.decode_bytes)
-        if self.peak_gib:
-            out.update({f"memory/{phase}_gib": gib for phase, gib in self.peak_gib.items()})
-            out["memory/peak_gib"] = max(self.peak_gib.values())
-        return out
-
-
-def decode_weight_bytes(model) -> int:
-    """Bytes of the weights one decoding step reads: all of them but an untied input embedding, of which a step
-    reads one row per sequence."""
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    untied = head is None or head.weight is not embedding.weight
-    return sum(p.nbytes for p in model.parameters() if not (untied and p is embedding.weight))
-
-
-def minimum_forward_tokens(c: Completions, passes: int) -> float:
-    """The least token positions `passes` forward passes over the completions could feed: every prompt token once,
-    every response token (up to its stop token) once per completion, in each pass."""
-    return float(passes * (int(c.query_mask.sum()) + int(c.response_mask.sum())))
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    """Memory a new allocation can take now: free GPU memory plus what PyTorch's allocator holds unused, or the
-    available RAM."""
-    if device.type == "cuda":
-        reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # cached by torch
-        return torch.cuda.mem_get_info(device)[0] + reusable
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def forward_bytes_per_row(config, phase: str, prompt_length: int, response_length: int, dtype_bytes: int,
-                          k: int = 1) -> float:
-    """Peak bytes one completion adds to a no-grad forward pass of this phase, its prompt shared with k-1 others
-    (a prompt group is one forward row of prompt_length + k * response_length tokens): one layer's transient
-    activations (about 4 x hidden + intermediate values per token) and, when sampling, its KV cache of every layer
-    (the prompt's once, read by its k rows) and one step's fp32 logits; for log-probs, the response's fp32 logits
-    and softmax; with k > 1, its share of the group's attention mask and per-head scores."""
-    hidden, tokens = config.hidden_size, prompt_length / k + response_length
-    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
-    per_row = (4 * hidden + intermediate) * tokens * dtype_bytes
-    if phase == "generation":
-        per_row += 2 * config.num_hidden_layers * hidden * (prompt_length + response_length) * dtype_bytes \
-            + 3 * config.vocab_size * 4
-    elif phase == "logprobs":
-        per_row += 2 * response_length * config.vocab_size * 4
-    if k > 1 and phase != "generation":
-        row_length = prompt_length + k * response_length
-        per_row += row_length**2 * (1 + config.num_attention_heads * dtype_bytes) / k
-    return per_row
-
-
-def rows_per_forward(args: Args, model, phase: str, device: torch.device, rows: int, k: int = 1) -> int:
-    """local_rollout_forward_batch_size completions, or with 0 the most of `rows` whose forward through `model`
-    fits in 90% of the free memory, measured now (after the previous phase freed its buffers)."""
-    if args.local_rollout_forward_batch_size > 0:
-        return args.local_rollout_forward_batch_size
-    if model is None:  # no forward pass to size
-        return rows
-    per_row = forward_bytes_per_row(model.config, phase, args.max_prompt_length, args.response_length,
-                                    2 if args.bf16 else 4, k)
-    return max(1, min(rows, int(0.9 * free_memory_bytes(device) // per_row)))
 
 
 # ===================================================================== logging
-SUM_METRICS = ("val/num_eos_tokens",)
-MIN_METRICS = ("completions/min_length",)
-MAX_METRICS = ("completions/max_length", "mismatch/logprob_diff_max")
-MISMATCH_WARNING = 0.05  # mismatch/clipfrac above which the log says so, once a run
-
-
-def is_optional_metric(key: str, value: float) -> bool:
-    """A reward source's mean is NaN on a rank where the source applied to no completion: no data, not a
-    failure. Every other NaN is reported as NaN, never hidden."""
-    return key.startswith("reward/") and math.isnan(value)
-
-
-def reduce_metrics(metrics: dict[str, float], device: torch.device,
-                   max_metrics: tuple[str, ...] = ()) -> dict[str, float]:
-    """Metrics over all ranks: sums for counts, min/max for extremes and peak memory, means for everything else
-    (a mean over the ranks that have data, for optional metrics); also the maximum of `max_metrics` (the rollout
-    source's). Every rank must pass the same keys."""
-    keys = sorted(metrics)
-    # peak memory: the fullest rank's
-    maxima = [k for k in keys if k in MAX_METRICS + max_metrics or k.startswith("memory/")]
-    means = [k for k in keys if k not in SUM_METRICS + MIN_METRICS + tuple(maxima)]
-    has_data = [0.0 if is_optional_metric(k, metrics[k]) else 1.0 for k in means]
-    values = [metrics[k] if w else 0.0 for k, w in zip(means, has_data)]
-    sums = all_reduce(torch.tensor(values + has_data + [metrics[k] for k in SUM_METRICS if k in metrics],
-                                   dtype=torch.float64, device=device))
-    out = {k: sums[i].item() / sums[len(means) + i].item() for i, k in enumerate(means) if sums[len(means) + i] > 0}
-    out.update({k: v.item() for k, v in zip([k for k in SUM_METRICS if k in metrics], sums[2 * len(means):])})
-    for op, selected in ((dist.ReduceOp.MIN, [k for k in MIN_METRICS if k in metrics]), (dist.ReduceOp.MAX, maxima)):
-        extremes = all_reduce(torch.tensor([metrics[k] for k in selected], dtype=torch.float64, device=device), op)
-        out.update(zip(selected, extremes.tolist()))
-    return out
-
-
-def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, scores: torch.Tensor, k: int) -> dict:
-    """Length and spread statistics of one rank's (N, Tr) completions."""
-    lengths = response_mask.sum(1).float()  # (N,)
-    per_prompt_std = scores.reshape(k, -1).std(0)  # (B,)
-    return {
-        "completions/mean_length": lengths.mean().item(),
-        "completions/min_length": lengths.min().item(),
-        "completions/max_length": lengths.max().item(),
-        "completions/clipped_ratio": (~has_stop).float().mean().item(),
-        "val/num_eos_tokens": has_stop.sum().item(),
-        "reward_std": per_prompt_std.mean().item(),
-        "frac_reward_zero_std": (per_prompt_std < 1e-6).float().mean().item(),
-    }
-
-
-class MetricsWriteError(Fault):
-    """metrics.jsonl could not be written (a full disk, a quota): the run stops, with a checkpoint where it can."""
 
 
 def mismatch_metrics(rollout: Rollout, args: Args) -> dict[str, float]:
@@ -2431,671 +1669,10 @@ def mismatch_metrics(rollout: Rollout, args: Args) -> dict[str, float]:
     return out
 
 
-class RunLogger:
-    """Rank 0's outputs: a compact line per update, metrics.jsonl (appended), wandb, a progress bar, tables."""
-
-    LINE_KEYS = (("objective/scores", "score"), ("objective/rlhf_reward", "rlhf"), ("objective/kl", "kl"),
-                 ("objective/entropy", "ent"), ("policy/clipfrac_avg", "clip"), ("completions/mean_length", "len"),
-                 ("eps", "eps"))
-
-    def __init__(self, args: Args, run_name: str, num_updates: int, start_update: int, wandb_run_id: Optional[str]):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        self.metrics_path = Path(args.output_dir) / "metrics.jsonl"
-        open(self.metrics_path, "a").close()
-        self.wandb = None
-        if args.track:
-            import wandb
-
-            self.wandb = wandb
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name,
-                       config=asdict(args), dir=args.output_dir, id=wandb_run_id, resume="allow")
-        self.console = Console()
-        self.progress = Progress(TextColumn("update"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                 console=self.console, transient=True)
-        self.task = self.progress.add_task("updates", total=num_updates, completed=start_update)
-        self.progress.start()
-        self.num_updates = num_updates
-        self.mismatch_warned = False
-
-    def log(self, update: int, metrics: dict[str, float]) -> None:
-        self.write_metrics({"update": update, **metrics})
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=int(metrics["episode"]))
-        parts = [f"{short} {metrics[key]:.4g}" for key, short in self.LINE_KEYS if key in metrics]
-        times = " ".join(f"{k.split('/')[1]} {v:.2f}s" for k, v in metrics.items() if k.startswith("time/"))
-        self.console.print(f"update {update}/{self.num_updates} episode {int(metrics['episode'])} | "
-                           + " | ".join(parts) + f" | {times}", highlight=False, soft_wrap=True)
-        if metrics.get("mismatch/clipfrac", 0.0) > MISMATCH_WARNING and not self.mismatch_warned:
-            self.mismatch_warned = True
-            self.console.print(
-                f"warning: the sampler and the trainer disagree: {metrics['mismatch/clipfrac']:.0%} of completions "
-                f"have p_trainer / p_sampler outside the clip band (per-token |log-prob difference| mean "
-                f"{metrics['mismatch/logprob_diff_mean']:.2g}, max {metrics['mismatch/logprob_diff_max']:.2g}); see "
-                "--vllm_importance_sampling_correction (said once a run)", highlight=False, soft_wrap=True)
-        self.progress.advance(self.task)
-
-    def log_eval(self, update: int, metrics: dict[str, float], episode: int) -> None:
-        self.write_metrics({"update": update, "episode": episode, **metrics})
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=episode)
-        self.console.print("eval | " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()), highlight=False,
-                           soft_wrap=True)
-
-    def write_metrics(self, record: dict) -> None:
-        """One line of metrics.jsonl, whole or not at all: a write that fails (a full disk, a quota) is cut off again
-        and stops the run (MetricsWriteError)."""
-        size = self.metrics_path.stat().st_size
-        try:
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                os.truncate(self.metrics_path, size)
-            raise MetricsWriteError(f"could not write {self.metrics_path} ({e.strerror or e})") from None
-
-    def sample_table(self, rows: list[tuple[str, str, float]], episode: int) -> None:
-        from rich.table import Table
-
-        table = Table(title=f"samples at episode {episode}", show_lines=True)
-        for column in ("query", "response", "score"):
-            table.add_column(column)
-        for query, response, score in rows:
-            table.add_row(query, response, f"{score:.4f}")
-        self.console.print(table)
-        if self.wandb is not None:
-            self.wandb.log({"samples": self.wandb.Table(columns=["query", "response", "score"],
-                                                        data=[list(r) for r in rows])}, step=episode)
-
-    @property
-    def wandb_run_id(self) -> Optional[str]:
-        return self.wandb.run.id if self.wandb is not None else None
-
-    def close(self) -> None:
-        self.progress.stop()
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
 # ===================================================================== faults: signals, late ranks, reward functions
-CHECKPOINTS = "checkpoints"
-STEP_DIR = re.compile(r"^step_(\d+)$")
-TRAINER_STATE = "trainer_state.pt"
-MANIFEST = "manifest.json"  # written last into a checkpoint: the size and sha256 of each of its other files
-PREEMPTED = "preempted"  # in output_dir while a run stopped by a signal waits to be resumed; job scripts requeue on it
-LOCK = "run.lock"  # flock'ed by the run that writes to output_dir, and holding its pid and host
-ABANDONED = "abandoned"  # output_dir/abandoned/<time>_<why>/: work a run set aside (never deleted)
-MERGED = "merged"  # output_dir/merged: --merge_lora's policy, written with the final one
-RUN_OUTPUTS = (CHECKPOINTS, "metrics.jsonl*", PREEMPTED, "nonfinite", "wandb", LOCK, ABANDONED,  # what a run writes
-               "engine_*.log", "engines.json")  # before it ends (the last two: rloo_multinode.py's engines)
-
-
-class StartupInterrupted(BaseException):
-    """A signal arrived before the first update: there is nothing to save, so the run ends at once. A
-    BaseException, as KeyboardInterrupt is, so that library code's `except Exception` lets it through."""
-
-    def __init__(self, signal_name: str):
-        super().__init__(f"{signal_name} received during start-up: stopped before the first update, nothing was "
-                         "trained; run the same command again to start")
-        self.signal_name = signal_name
-
-
-class StopSignal:
-    """SIGTERM and SIGUSR1 (what SLURM sends before preemption or the time limit) and SIGINT (Ctrl-C, and what
-    many launchers send) ask the run to stop after the current update with a checkpoint; the handler only records
-    the signal, the update loop decides when to act on it. After a first SIGINT, a second one kills the process at
-    once (the default action, which works even inside a hung collective). Until `training` is set there is nothing
-    to save: a signal ends the run at once (StartupInterrupted), SIGTERM and SIGUSR1 leaving the `preempted` marker
-    so that a job script requeues the run."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-    def __init__(self, output_dir: str, announce: bool):
-        self.name: Optional[str] = None
-        self.training = False
-        self.at_once = False  # the main thread only waits for a reward function (stop_signals_at_once)
-        self.output_dir = output_dir
-        self.announce = announce
-        for sig in self.SIGNALS:
-            signal.signal(sig, self._record)
-
-    def _record(self, signum, frame) -> None:
-        if signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-        name = signal.Signals(signum).name
-        if not self.training:
-            if signum != signal.SIGINT and holds_lock(self.output_dir):
-                (Path(self.output_dir) / PREEMPTED).write_text("stopped during start-up, before any update\n")
-            raise StartupInterrupted(name)
-        self.name = self.name or name
-        if self.at_once:  # the function may never return: stop now, from the state at the start of the update
-            raise RewardFunctionError(f"{name} received while a reward function ran", signal_name=name)
-        if signum == signal.SIGINT and self.announce:  # os.write: print() is not safe inside a signal handler
-            os.write(2, b"rloo.py: SIGINT received: stopping after this update with a checkpoint; Ctrl-C again "
-                        b"exits at once without one\n")
-
-    def requested(self, device: torch.device) -> bool:
-        """Collective: True on every rank as soon as any rank got a signal."""
-        return bool(all_reduce(torch.tensor([float(self.name is not None)], device=device), dist.ReduceOp.MAX).item())
-
-
-@contextlib.contextmanager
-def signals_held():
-    """The stop signals are delivered only after the block: a move of several directories is never cut in half."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, StopSignal.SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, StopSignal.SIGNALS)
-
-
-@contextlib.contextmanager
-def stop_signals_at_once():
-    """While the main thread only waits for a reward function (running in a thread of its own), a stop signal stops
-    the run at once, raising there, instead of after the update: the function may be stuck for good."""
-    stop = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
-    if not isinstance(stop, StopSignal) or not stop.training or threading.current_thread() != threading.main_thread():
-        yield
-        return
-    stop.at_once = True
-    try:
-        yield
-    finally:
-        stop.at_once = False
-
-
-# ---- ranks waiting for each other: who is late, and where
-PHASE = ["start-up", time.time()]  # this rank's phase and since when, published for the other ranks
-BARRIERS = [0]  # barriers passed by this rank; every rank passes the same ones in the same order
-
-
-def process_group_store():
-    """The store the ranks rendezvoused through (torchrun's), or None outside torchrun."""
-    if not dist.is_initialized():
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (AttributeError, RuntimeError, ValueError):  # a private API: without it, plain barriers
-        return None
-
-
-def note_phase(name: str) -> None:
-    """Record the phase this rank is in (with several ranks, in the store too): a rank that waits too long for
-    another can then say what that one is doing."""
-    PHASE[:] = [name, time.time()]
-    store = process_group_store()
-    if store is not None:
-        store.set(f"rloo/phase/{dist.get_rank()}", json.dumps(PHASE))
-
-
-def wait_for_peers(what: str) -> None:
-    """A barrier of all ranks through the store, at most --ddp_timeout long. A rank that has not arrived by then
-    (a reward function that never returns, a dead node) makes every waiting rank raise a Fault naming it and the
-    phase it is in, said once by the lowest waiting rank; a collective would wait as long, then fail without
-    saying which rank nor where."""
-    store = process_group_store()
-    if store is None:
-        if dist.is_initialized():
-            dist.barrier()
-        return
-    rank, world = dist.get_rank(), dist.get_world_size()
-    BARRIERS[0] += 1
-    key, waiting = f"rloo/barrier/{BARRIERS[0]}", f"waiting for the other ranks after {what}"
-    note_phase(waiting)
-    if store.add(key, 1) == world:
-        store.set(f"{key}/all", "1")
-    try:
-        store.wait([f"{key}/all"], datetime.timedelta(seconds=PEER_TIMEOUT[0]))
-    except RuntimeError:  # DistStoreError: the wait timed out
-        now, phases = time.time(), {}
-        for r in range(world):
-            phases[r] = json.loads(store.get(f"rloo/phase/{r}")) if store.check([f"rloo/phase/{r}"]) \
-                else ["start-up", None]
-        late = [r for r in range(world) if phases[r][0] != waiting]
-        where = "; ".join(f"rank {r} is in {phases[r][0]!r}" + (f" since {now - phases[r][1]:.0f} s" if phases[r][1]
-                                                                  else "") for r in late)
-        raise Fault(f"the other ranks waited --ddp_timeout {PEER_TIMEOUT[0]:g} s after {what}: {where} (stuck: a "
-                    "reward function that never returns, a dead node; or slower than that: raise --ddp_timeout); "
-                    "nothing saved, a checkpoint needs every rank", announce=rank == min(set(range(world)) - set(late),
-                                                                             default=rank)) from None
-    note_phase(f"after {what}")
-
-
-STOPPED_ALONE = "rloo/stopped_alone"  # set by a rank that stops on its own: the others' failed collectives echo it
-
-
-def stopped_alone(mark: bool = False) -> bool:
-    """Whether a rank has marked (with `mark`: marks) in the store that it stops on its own, having said why."""
-    store = process_group_store()
-    with contextlib.suppress(RuntimeError):  # the store is gone too: nothing to say or learn
-        if store is not None and mark:
-            store.set(STOPPED_ALONE, "1")
-        return store is not None and store.check([STOPPED_ALONE])
-    return False
-
-
-def barrier(what: str = "a barrier") -> None:
-    wait_for_peers(what)
-
-
-@contextlib.contextmanager
-def reward_faults(device: torch.device, what: str, after_training: bool = False):
-    """Around the scoring of completions: a RewardFunctionError on any rank is raised on every rank together, with
-    the failing rank's message (said once, by rank 0), instead of the others waiting for it in the next collective;
-    a rank that has not finished within --ddp_timeout is named (wait_for_peers)."""
-    error = None
-    try:
-        yield
-    except RewardFunctionError as e:
-        error = e
-    if not dist.is_initialized():
-        if error is not None:
-            error.after_training = after_training
-            raise error
-        return
-    wait_for_peers(what)
-    if not all_reduce(torch.tensor([float(error is not None)], device=device), dist.ReduceOp.MAX).item():
-        return
-    messages = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if error is None else (str(error), error.signal_name))
-    rank, (message, signal_name) = min(((r, m) for r, m in enumerate(messages) if m is not None),
-                                       key=lambda failed: failed[1][1] is not None)  # a failure before a signal
-    raise RewardFunctionError(f"{message} (rank {rank}, {what})", announce=dist.get_rank() == 0,
-                              after_training=after_training, signal_name=signal_name) from None
 
 
 # ===================================================================== checkpoints: output_dir, save, verify, resume
-# ---- output_dir: one run at a time, nothing deleted
-LOCKS: dict[str, dict] = {}  # resolved output_dir -> {"file": the lock file held (until exit), "created": its dirs}
-
-
-def lock_output_dir(output_dir: str) -> None:
-    """An exclusive advisory lock (flock) on output_dir/run.lock, held until this process exits; the OS releases it
-    then, so a crash never leaves a stale lock. A second run into the same output_dir (a job submitted twice, a
-    requeue while the old job still runs) stops here, naming the holder's pid and host."""
-    path = Path(output_dir)
-    if str(path.resolve()) in LOCKS:
-        return
-    created = [d for d in (path, *path.parents) if not d.exists()]  # the deepest first
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        lock = open(path / LOCK, "a+")
-    except OSError as e:
-        raise ConfigError(f"cannot write to --output_dir {output_dir}: {e.strerror or e}") from None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "a process that has not written its pid yet"
-        lock.close()
-        raise ConfigError(f"--output_dir {output_dir} is in use by another run ({holder}): wait for it to end or "
-                          "stop it, or pass another --output_dir") from None
-    except OSError as e:  # a filesystem without locks (Lustre without -o flock, some NFS setups)
-        print(f"rloo.py: warning: cannot lock --output_dir {output_dir} ({e.strerror or e}): a second run into it "
-              "would not be stopped", file=sys.stderr)
-    lock.seek(0)
-    lock.truncate()
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    lock.flush()
-    LOCKS[str(path.resolve())] = {"file": lock, "created": created}
-
-
-def release_output_dir(output_dir: str) -> None:
-    """After a refused start, so that it leaves nothing behind: the lock file removed, and the directories made
-    for it if they are empty."""
-    held = LOCKS.pop(str(Path(output_dir).resolve()), None)
-    if held is None:
-        return
-    (Path(output_dir) / LOCK).unlink(missing_ok=True)
-    held["file"].close()
-    for directory in held["created"]:
-        try:
-            directory.rmdir()
-        except OSError:  # not empty
-            break
-
-
-def holds_lock(output_dir: str) -> bool:
-    return str(Path(output_dir).resolve()) in LOCKS
-
-
-def take_output_dir(output_dir: str, rank: int) -> None:
-    """Before anything is read from output_dir, rank 0 makes it this run's: locked (lock_output_dir), the marker of
-    an earlier stop removed (a resume that then fails or is refused is not requeued forever), the temporary
-    directories of killed saves removed (they can be as large as a checkpoint)."""
-    path = Path(output_dir)
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"--output_dir {output_dir} is a file: pass a directory")
-    if rank != 0:
-        return
-    lock_output_dir(output_dir)
-    (path / PREEMPTED).unlink(missing_ok=True)
-    for debris in (path / CHECKPOINTS).glob(".tmp_step_*"):
-        shutil.rmtree(debris, ignore_errors=True)
-
-
-# numpy arrays of numbers, in the RNG files of earlier versions of rloo.py: reconstructing one runs no other code
-NUMPY_ARRAY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), np.ndarray(0).__reduce__()[0]]
-
-
-def rng_state(sampling: torch.Generator) -> dict:
-    """Every generator's state, in tensors and plain values only (what torch.load reads with weights_only)."""
-    _, keys, position, has_gauss, gauss = np.random.get_state()
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "sampling": sampling.get_state(),
-             "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
-                       "has_gauss": int(has_gauss), "gauss": float(gauss)}}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict, sampling: torch.Generator) -> None:
-    random.setstate(state["python"])
-    numpy_state = state["numpy"]
-    if isinstance(numpy_state, dict):
-        np.random.set_state(("MT19937", numpy_state["keys"].numpy().astype(np.uint32), numpy_state["position"],
-                             numpy_state["has_gauss"], numpy_state["gauss"]))
-    else:  # numpy's own tuple, as earlier versions of rloo.py saved it
-        np.random.set_state(numpy_state)
-    torch.set_rng_state(state["torch"])
-    sampling.set_state(state["sampling"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def load_safely(path: Path):
-    """torch.load with weights_only: tensors and plain Python values only, so that reading a checkpoint from
-    elsewhere can never run code. Raises ConfigError naming the file."""
-    try:
-        with torch.serialization.safe_globals(NUMPY_ARRAY_GLOBALS):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        raise ConfigError(f"{path} holds {refused.group(1) if refused else 'an object'}, not only tensors and plain "
-                          "values: refused, as loading it could run code") from None
-    except Exception as e:  # a truncated or foreign file: zip, EOF and OS errors
-        raise ConfigError(f"{path} cannot be read ({first_line(e)})") from None
-
-
-def save_policy(policy, tokenizer, path: Path, rank: int) -> None:
-    """The policy in HF format (with --use_peft, its adapter in peft's format) and its tokenizer at `path`, written
-    by rank 0. With FSDP a collective: every rank sends its shards to rank 0's CPU first."""
-    state = None
-    if is_fsdp_unit(policy):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:
-        policy.save_pretrained(path, state_dict=state)
-        tokenizer.save_pretrained(path)
-        written = Path(path) / ("config.json" if (Path(path) / "config.json").is_file() else ADAPTER_CONFIG)
-        mode = written.stat().st_mode & 0o777  # what the umask gives a file
-        for weights in Path(path).glob("*.safetensors"):  # written through a temporary file, 0600
-            weights.chmod(mode)
-        if state is not None:  # fully_shard renamed the class FSDP<Model>: record the model's own name
-            config_path = Path(path) / "config.json"
-            config = json.loads(config_path.read_text())
-            config["architectures"] = [name.removeprefix("FSDP") for name in config.get("architectures") or []]
-            config_path.write_text(json.dumps(config, indent=2) + "\n")
-
-
-OPTIMIZER_SHARDS = "optimizer"  # a checkpoint's directory of sharded optimizer state (FSDP)
-
-
-def save_optimizer_state(model, optimizer, directory: Path, trainer_state: dict) -> None:
-    """With FSDP every rank writes its own shard of the optimizer state under directory/optimizer (a collective,
-    torch.distributed.checkpoint: no rank ever holds the whole); otherwise it goes into trainer_state."""
-    if is_fsdp_unit(model):
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(directory / OPTIMIZER_SHARDS))
-        trainer_state["optimizer"] = OPTIMIZER_SHARDS
-    else:
-        trainer_state["optimizer"] = optimizer.state_dict()
-
-
-def load_optimizer_state(model, optimizer, checkpoint: Path, trainer_state: dict) -> None:
-    if is_fsdp_unit(model):  # each rank reads its own shard
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-        state = get_optimizer_state_dict(model, optimizer)  # the layout to fill, with the state allocated
-        dcp.load(state, checkpoint_id=str(checkpoint / OPTIMIZER_SHARDS))
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=state)
-    else:
-        optimizer.load_state_dict(trainer_state["optimizer"])
-
-
-try:  # what a failed write raises: OSError from Python, RuntimeError from torch.save, SafetensorError
-    from safetensors import SafetensorError
-    WRITE_ERRORS: tuple = (OSError, RuntimeError, SafetensorError)
-except ImportError:
-    WRITE_ERRORS = (OSError, RuntimeError)
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def rank0_view(value):
-    """Rank 0's value on every rank: one listing of a shared directory, whichever node's cache is behind."""
-    if not dist.is_initialized():
-        return value
-    shared = [value]
-    dist.broadcast_object_list(shared, src=0)
-    return shared[0]
-
-
-def file_digests(root: Path, names: Optional[list[str]] = None) -> dict[str, Optional[dict]]:
-    """{path relative to root: {"bytes": size, "sha256": hex digest} (None if missing)} of `names`, or of every
-    file under root (as rank 0 sees them). Collective when distributed: each rank hashes a share (checkpoints are
-    on a filesystem every rank sees), so that a save or a resume reads each file once, all ranks in parallel."""
-    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-    if names is None:
-        names = rank0_view(sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()))
-    digests = {name: {"bytes": (root / name).stat().st_size, "sha256": sha256_of(root / name)}
-               if (root / name).is_file() else None for name in names[rank::world]}
-    if world > 1:
-        shares = [None] * world
-        dist.all_gather_object(shares, digests)
-        digests = {name: value for share in shares for name, value in share.items()}
-    return digests
-
-
-def model_identity(path: str) -> dict:
-    """What a model is: a local directory's files (top level, hidden ones aside) with their sha256, or a Hub
-    model's revision: the commit of the snapshot it loads from. Collective when distributed (file_digests)."""
-    root = Path(path)
-    if root.is_dir():
-        names = sorted(p.name for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
-        return {"files": file_digests(root, rank0_view(names))}
-    from transformers.utils import cached_file
-
-    config = _from_pretrained(cached_file, path, "policy", filename="config.json")  # .../snapshots/<commit>/
-    return {"revision": Path(config).parent.name}
-
-
-def check_same_initial_model(saved: Optional[dict], current: dict, path: str) -> None:
-    """On resume: the initial model (the frozen reference, and the architecture and code the resumed policy loads
-    with) must be the one the checkpoint's run started from (None: an earlier rloo.py's, which did not record it)."""
-    if saved is None or saved == current:
-        return
-    if "files" in saved and "files" in current:
-        names = sorted(n for n in saved["files"].keys() | current["files"].keys()
-                       if saved["files"].get(n) != current["files"].get(n))
-        what = "these files differ: " + ", ".join(names)
-    else:
-        what = f"revision {saved.get('revision', 'a local directory')} -> {current.get('revision', 'a directory')}"
-    raise ConfigError(f"cannot resume: the initial model {path} (the frozen reference) is not the one the "
-                      f"checkpoint's run started from ({what}): restore that model, or start a new run in another "
-                      "--output_dir")
-
-
-# what the metadata of torch.distributed.checkpoint's optimizer shards is made of: nothing that runs code
-DCP_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict")} | {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "MetadataIndex",
-        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")}
-
-
-class MetadataUnpickler(pickle.Unpickler):
-    """Reads a pickle, refusing every global but those of DCP_METADATA_GLOBALS and torch's dtypes."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) in DCP_METADATA_GLOBALS or module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                      torch.dtype):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-
-def unsafe_metadata(path: Path) -> Optional[str]:
-    """Why torch.distributed.checkpoint must not unpickle this .metadata file (it uses plain pickle), or None."""
-    try:
-        with open(path, "rb") as f:
-            MetadataUnpickler(f).load()
-    except pickle.UnpicklingError as e:
-        return f"{path.name} refers to {e}, which could run code when loaded"
-    except Exception as e:  # truncated, or not a pickle at all
-        return f"{path.name} cannot be read ({first_line(e)})"
-    return None
-
-
-def checkpoint_problem(path: Path) -> Optional[str]:
-    """Why a checkpoint cannot be resumed from, or None when it is intact: its manifest (written last, so missing
-    after a save that did not finish) is unreadable, a file it lists is missing or differs in size or sha256, its
-    weights are not in safetensors (a pickle is never loaded), or its optimizer shards' metadata refers to code.
-    A checkpoint of an earlier rloo.py has no manifest: each of its weights and RNG files must read to its end (its
-    trainer state is checked when it is read). Collective when distributed."""
-    metadata = path / OPTIMIZER_SHARDS / ".metadata"
-    try:
-        listed = json.loads((path / MANIFEST).read_text())["files"]
-    except FileNotFoundError:
-        listed = None
-        if not (path / TRAINER_STATE).is_file():
-            return f"no {MANIFEST}: its save did not finish"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{MANIFEST} cannot be read ({type(e).__name__}: {first_line(e)})"
-    if listed is not None:
-        found = file_digests(path, sorted(listed))
-        for name, expected in sorted(listed.items()):
-            if found[name] is None:
-                return f"{name} is missing"
-            if found[name]["bytes"] != expected["bytes"]:
-                return f"{name} has {found[name]['bytes']} bytes where the manifest says {expected['bytes']}"
-            if found[name]["sha256"] != expected["sha256"]:
-                return f"{name} differs from the manifest (sha256)"
-    weights = sorted(path.glob("*.safetensors"))
-    if not weights:
-        others = [p.name for p in sorted(path.iterdir()) if p.suffix in (".bin", ".pt", ".pth", ".ckpt")
-                  and not p.name.startswith("rng_rank") and p.name != TRAINER_STATE]
-        return f"no weights in safetensors ({', '.join(others) or 'none'} instead): a pickle is never loaded"
-    if listed is None:
-        from safetensors import safe_open
-
-        index = path / "model.safetensors.index.json"
-        shards = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else set()
-        if missing := sorted(shards - {p.name for p in weights}):
-            return f"{missing[0]} is missing"
-        for file in weights + sorted(path.glob("rng_rank*.pt")):
-            try:
-                if file.suffix == ".pt":
-                    load_safely(file)
-                else:
-                    with safe_open(file, "pt"):
-                        pass
-            except ConfigError as e:  # load_safely's line, which names the file
-                return str(e).removeprefix(f"{path}/")
-            except WRITE_ERRORS as e:
-                return f"{file.name} cannot be read ({first_line(e)})"
-    return unsafe_metadata(metadata) if metadata.is_file() else None
-
-
-def steps_to_prune(steps: list[int], keep: Optional[int], newest: int) -> list[int]:
-    """The checkpoints --save_total_limit `keep` removes: all but the newest `keep`, never `newest` (the one just
-    written); None keeps all."""
-    if keep is None:
-        return []
-    if keep < 1:
-        raise ValueError(f"save_total_limit = {keep} would remove the checkpoint just written")
-    others = sorted(s for s in steps if s != newest)
-    return others[: max(0, len(others) - (keep - 1))]
-
-
-def save_checkpoint(output_dir: str, update: int, model, optimizer, tokenizer, trainer_state: dict, rank: int,
-                    save_total_limit: Optional[int], sampling: torch.Generator, rng: Optional[dict] = None) -> Path:
-    """Write output_dir/checkpoints/step_<update>: the policy in HF format (loadable on its own) and its
-    tokenizer, trainer_state.pt (counters, data position, args; the optimizer, or with FSDP the optimizer/
-    directory of shards), every rank's RNG states (`rng`, default: as they are now) and, last, manifest.json
-    with the size and sha256 of every file, by which a resume tells an intact checkpoint from a damaged one.
-    Everything goes into a temporary directory first, renamed into place once complete, so a process killed
-    mid-save leaves the previous checkpoints intact and no half-written step_<n>; a save that fails (a full disk)
-    removes its temporary directory and raises a Fault saying so. Multi-node runs need output_dir on a shared
-    filesystem: every rank writes its RNG file there."""
-    root = Path(output_dir) / CHECKPOINTS
-    final, partial = root / f"step_{update}", root / f".tmp_step_{update}"
-    what = f"saving checkpoint step_{update}"
-    note_phase(what)
-    try:
-        if rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)  # debris of an earlier save that was killed
-            partial.mkdir(parents=True)
-        barrier(what)
-        torch.save(rng if rng is not None else rng_state(sampling), partial / f"rng_rank{rank}.pt")
-        barrier(what)
-        save_optimizer_state(model, optimizer, partial, trainer_state)
-        save_policy(model.module if isinstance(model, DDP) else model, tokenizer, partial, rank)
-        if rank == 0:
-            torch.save(trainer_state, partial / TRAINER_STATE)
-        barrier(what)
-        digests = file_digests(partial)
-        if rank == 0:
-            (partial / MANIFEST).write_text(json.dumps({"files": digests}, indent=1) + "\n")
-    except WRITE_ERRORS as e:
-        if rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        previous, free = latest_checkpoint(output_dir), shutil.disk_usage(root).free / 2**30
-        raise Fault(f"could not write checkpoint step_{update} ({free:.3g} GiB free on its filesystem): "
-                    f"{first_line(e)}; the partial one is removed and "
-                    + (f"the newest, {previous}, is intact" if previous else "there is no earlier checkpoint")
-                    + ": free space (or fix the filesystem) and continue with --resume") from e
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)  # the same update of this timeline, written again after a fault
-        os.replace(partial, final)  # atomic: step_<update> appears complete or not at all
-        steps = [int(m.group(1)) for d in root.iterdir() if (m := STEP_DIR.match(d.name))]
-        for old in steps_to_prune(steps, save_total_limit, update):
-            shutil.rmtree(root / f"step_{old}")
-    barrier(what)
-    return final
-
-
-def save_final_policy(policy, tokenizer, output_dir: str, rank: int, checkpoint: Optional[Path] = None) -> None:
-    """The finished run's policy and tokenizer in output_dir: hard links to those of `checkpoint`, the final one
-    (stored once; a change to either shows in the checkpoint's manifest), copies where the filesystem has no hard
-    links, or written (save_policy) when there is no checkpoint. A failed write says how to redo it."""
-    try:
-        if checkpoint is None:
-            save_policy(policy, tokenizer, Path(output_dir), rank)
-        elif rank == 0:
-            for file in sorted(checkpoint.iterdir()):
-                if not file.is_file() or file.name in (TRAINER_STATE, MANIFEST) or file.name.startswith("rng_rank"):
-                    continue
-                (Path(output_dir) / file.name).unlink(missing_ok=True)  # this run's own, of an earlier finish
-                try:
-                    os.link(file, Path(output_dir) / file.name)
-                except OSError:
-                    shutil.copy2(file, Path(output_dir) / file.name)
-    except WRITE_ERRORS as e:
-        raise Fault(f"could not write the final policy to {output_dir}: {first_line(e)}; the final checkpoint "
-                    f"{latest_checkpoint(output_dir)} is intact: free space and run the same command with --resume "
-                    "to write it") from e
 
 
 def save_merged_policy(args: Args, config, tokenizer) -> None:
@@ -3103,178 +1680,16 @@ def save_merged_policy(args: Args, config, tokenizer) -> None:
     CPU memory), in transformers' format with the tokenizer, at output_dir/merged; loads without peft."""
     from peft import PeftModel
 
-    merged_dir = Path(args.output_dir) / MERGED
+    merged_dir = Path(args.output_dir) / plumbing.MERGED
     base = load_causal_lm(args.sft_model_path or args.model_name_or_path, torch.float32, args.trust_remote_code)
     merged = PeftModel.from_pretrained(base, args.output_dir).merge_and_unload()
     merged.config.pad_token_id = config.pad_token_id
     try:
         merged.save_pretrained(merged_dir)
         tokenizer.save_pretrained(merged_dir)
-    except WRITE_ERRORS as e:
-        raise Fault(f"could not write the merged policy to {merged_dir}: {first_line(e)}; the adapter in "
+    except plumbing.WRITE_ERRORS as e:
+        raise plumbing.Fault(f"could not write the merged policy to {merged_dir}: {plumbing.first_line(e)}; the adapter in "
                     f"{args.output_dir} is intact: merge it with peft's merge_and_unload") from e
-
-
-def checkpoint_dirs(output_dir: str) -> list[Path]:
-    """The complete step_<n> directories, newest first; temporary directories are never candidates."""
-    root = Path(output_dir) / CHECKPOINTS
-    steps = [(int(m.group(1)), d) for d in root.glob("step_*") if (m := STEP_DIR.match(d.name))
-             and ((d / MANIFEST).is_file() or (d / TRAINER_STATE).is_file())] if root.is_dir() else []
-    return [d for _, d in sorted(steps, reverse=True)]
-
-
-def latest_checkpoint(output_dir: str) -> Optional[Path]:
-    """The complete step_<n> directory with the largest n (not verified: see resume_checkpoint)."""
-    return next(iter(checkpoint_dirs(output_dir)), None)
-
-
-def read_checkpoint(path: Path) -> tuple[Optional[dict], Optional[str]]:
-    """(its trainer state, None), or (None, why it cannot be resumed from). Collective when distributed."""
-    problem = checkpoint_problem(path)
-    if problem is not None:
-        return None, problem
-    try:
-        return load_safely(path / TRAINER_STATE), None
-    except ConfigError as e:
-        return None, str(e)
-
-
-@dataclass
-class Resumption:
-    checkpoint: Optional[Path]  # None: start fresh
-    state: Optional[dict]  # its trainer state
-    skipped: dict  # {damaged checkpoint newer than `checkpoint`: why}
-
-
-def check_output_dir_holds_no_input(args: Args, ours: list[Path], set_aside: str) -> None:
-    """The run never writes into an input model's directory, nor, unless it continues output_dir's own
-    checkpoints or --overwrite_output_dir sets them aside, next to files it did not write (a model, say)."""
-    root = Path(args.output_dir)
-    for flag in ("model_name_or_path", "sft_model_path", "reward_model_path"):
-        model = Path(getattr(args, flag) or "")
-        if getattr(args, flag) and model.exists() and root.resolve() in (model.resolve(), *model.resolve().parents):
-            raise ConfigError(f"--output_dir {root} is or holds the --{flag} {model}: the run would write over "
-                              "its input model; pass another --output_dir")
-    if ours or args.overwrite_output_dir:
-        return
-    foreign = rank0_view(sorted(p.name for p in root.iterdir() if not any(p.match(n) for n in RUN_OUTPUTS))
-                         if root.is_dir() else [])
-    if foreign:
-        raise ConfigError(f"--output_dir {root} holds files this run did not write ({', '.join(foreign[:4])}"
-                          + (", ..." if len(foreign) > 4 else "") + "): pass a new or empty --output_dir, or "
-                          + set_aside)
-
-
-def resume_checkpoint(args: Args) -> Resumption:
-    """Where the run starts: --resume_from, or with --resume the newest intact checkpoint of output_dir (the
-    damaged newer ones it skips are named), or nothing. Refused: a damaged --resume_from; --resume when no
-    checkpoint is intact; and a run that would mix with an earlier one or with other files in output_dir (unless
-    --overwrite_output_dir sets them aside). Collective when distributed."""
-    ours = rank0_view(checkpoint_dirs(args.output_dir))
-    set_aside = f"--overwrite_output_dir to move them to {Path(args.output_dir) / ABANDONED}/ and start over"
-    check_output_dir_holds_no_input(args, ours, set_aside)
-    earlier = f"an earlier run (checkpoints up to {ours[0].name})" if ours else ""
-    if args.resume_from is not None:
-        path = Path(args.resume_from)
-        if not (path / TRAINER_STATE).is_file():
-            raise ConfigError(f"--resume_from {path}: not a checkpoint (no {TRAINER_STATE}); checkpoints are "
-                              f"{Path(args.output_dir) / CHECKPOINTS}/step_<n>")
-        state, problem = read_checkpoint(path)
-        if problem is not None:
-            raise ConfigError(f"--resume_from {path} is damaged: {problem}; pass another checkpoint")
-        if ours and path.resolve().parent != (Path(args.output_dir) / CHECKPOINTS).resolve() \
-                and not args.overwrite_output_dir:
-            raise ConfigError(f"--output_dir {args.output_dir} holds {earlier}, not {path}'s: pass another "
-                              f"--output_dir, or {set_aside}")
-        return Resumption(path, state, {})
-    if args.resume:
-        skipped = {}
-        for path in ours:
-            state, problem = read_checkpoint(path)
-            if problem is None:
-                return Resumption(path, state, skipped)
-            skipped[path] = problem
-        if skipped:
-            raise ConfigError(f"--resume: no checkpoint in {Path(args.output_dir) / CHECKPOINTS} is intact ("
-                              + "; ".join(f"{p.name}: {why}" for p, why in skipped.items())
-                              + f"): pass --resume_from a checkpoint elsewhere, or without --resume, {set_aside}")
-        return Resumption(None, None, {})
-    if ours and not args.overwrite_output_dir:
-        raise ConfigError(f"--output_dir {args.output_dir} holds {earlier}: pass --resume to continue it, another "
-                          f"--output_dir, or {set_aside}")
-    return Resumption(None, None, {})
-
-
-def move_aside(output_dir: str, names: list[str], why: str) -> Path:
-    """Move these entries of output_dir (paths relative to it) into a new output_dir/abandoned/<time>_<why>/,
-    where they keep their relative paths. Signals wait until every entry has moved."""
-    root = Path(output_dir)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    folder = root / ABANDONED / f"{stamp}_{why}"
-    for n in itertools.count(2):
-        if not folder.exists():
-            break
-        folder = root / ABANDONED / f"{stamp}_{why}_{n}"
-    with signals_held():
-        for name in names:
-            (folder / name).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(root / name, folder / name)
-    return folder
-
-
-def settle_output_dir(args: Args, start_update: int, skipped: dict) -> list[str]:
-    """Rank 0, before the run writes anything: what output_dir holds beyond the update the run starts from is
-    moved to output_dir/abandoned/ (nothing is deleted). With --overwrite_output_dir, all it holds.
-    Otherwise the checkpoints of later updates (another timeline, after --resume_from an older one, or damaged ones
-    --resume skipped) and the metrics.jsonl lines after that update (those of a timeline abandoned, or updates
-    that a killed run logged but did not checkpoint). Then --resume and metrics.jsonl only ever see the timeline
-    being continued. Returns the lines to print."""
-    root = Path(args.output_dir)
-    if args.overwrite_output_dir:
-        names = sorted(p.name for p in root.iterdir() if p.name not in (LOCK, ABANDONED))
-        if not names:
-            return []
-        folder = move_aside(args.output_dir, names, "overwritten")
-        return [f"--overwrite_output_dir: what it held ({', '.join(names)}) moved to {folder}"]
-    later = [d for d in reversed(checkpoint_dirs(args.output_dir)) if int(d.name.removeprefix("step_")) > start_update]
-    metrics = root / "metrics.jsonl"
-    kept, dropped = [], []
-    for line in metrics.read_text().splitlines(keepends=True) if metrics.is_file() else []:
-        try:
-            (kept if json.loads(line)["update"] <= start_update else dropped).append(line)
-        except (ValueError, KeyError, TypeError):  # a line cut short by a kill
-            dropped.append(line)
-    if not later and not dropped:
-        return []
-    folder = move_aside(args.output_dir, [f"{CHECKPOINTS}/{d.name}" for d in later], f"after_update_{start_update}")
-    if dropped:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "metrics.jsonl").write_text("".join(dropped))
-        (root / "metrics.jsonl.tmp").write_text("".join(kept))
-        os.replace(root / "metrics.jsonl.tmp", metrics)
-    reasons = [f"{d.name}: {skipped[d]}" for d in later if d in skipped]
-    (folder / "why.txt").write_text(f"set aside when a run continued from update {start_update}, on "
-                                    f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n" + "".join(f"{r}\n" for r in reasons))
-    lines = [f"skipped damaged checkpoint {r}" for r in reasons]
-    return lines + [f"continuing from update {start_update}: moved what lies after it ("
-                    + ", ".join([d.name for d in later] + ([f"{len(dropped)} metrics.jsonl lines"] if dropped else []))
-                    + f") to {folder}"]
-
-
-def check_resumable(saved: dict, args: Args, world_size: int, saved_world_size: int) -> list[str]:
-    """Refuse a resume that would silently be another experiment; return the harmless changes to report."""
-    current = asdict(args)
-    changed = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v and k in saved}
-    refused = sorted(k for k in changed if k not in args.resumable_changes)
-    if world_size != saved_world_size:
-        refused.append("world size")
-        changed["world size"] = (saved_world_size, world_size)
-    if refused:
-        raise ConfigError("cannot resume: these differ from the checkpoint's run and change its meaning: "
-                          + ", ".join(f"{k} ({changed[k][0]!r} -> {changed[k][1]!r})" for k in refused)
-                          + "; start a new run in another --output_dir instead")
-    return [f"{k} ({old!r} -> {new!r})" for k, (old, new) in sorted(changed.items())
-            if k not in ("resume", "resume_from")]
 
 
 # ===================================================================== evaluation
@@ -3282,18 +1697,18 @@ EVAL_TEMPERATURE = 0.01  # near-greedy, as TRL's evaluation samples
 @torch.no_grad()
 def evaluate(
     policy, eval_dataset, sources: RewardSources, tokenizer, args: Args, stop_token_id: Optional[int],
-    dist_info: Dist, autocast,
+    dist_info: plumbing.Dist, autocast,
 ) -> dict[str, float]:
     """Mean score of near-greedy completions of up to eval_max_prompts test prompts, spread over the ranks."""
     indices = list(range(dist_info.rank, min(len(eval_dataset), args.eval_max_prompts), dist_info.world_size))
     total = torch.zeros(4, dtype=torch.float64, device=dist_info.device)  # score sum, length sum, stops, count
-    chunk = min(rows_per_forward(args, policy, "generation", dist_info.device, len(indices)),
-                rows_per_forward(args, sources.model, "scoring", dist_info.device, len(indices)))
-    note_phase("evaluation")
-    with reward_faults(dist_info.device, "evaluation", after_training=True):
+    chunk = min(plumbing.rows_per_forward(args, policy, "generation", dist_info.device, len(indices)),
+                plumbing.rows_per_forward(args, sources.model, "scoring", dist_info.device, len(indices)))
+    plumbing.note_phase("evaluation")
+    with plumbing.reward_faults(dist_info.device, "evaluation", after_training=True):
         for start in range(0, len(indices), max(chunk, 1)):
             rows = eval_dataset[indices[start : start + chunk]]
-            queries, query_mask = pad_sequences(rows[PROMPT_IDS], tokenizer.pad_token_id, dist_info.device)  # (b, Tq)
+            queries, query_mask = pad_sequences(rows[plumbing.PROMPT_IDS], tokenizer.pad_token_id, dist_info.device)  # (b, Tq)
             with autocast():
                 completions = sample_completions(policy, queries, query_mask, args.response_length, EVAL_TEMPERATURE,
                                                  stop_token_id, tokenizer.pad_token_id)  # (b, Tq + Tr)
@@ -3302,25 +1717,12 @@ def evaluate(
             total += torch.tensor([scores.sum().item(), completions.response_mask.sum().item(),
                                    completions.ended(stop_token_id).sum().item(), len(scores)],
                                   dtype=torch.float64, device=dist_info.device)
-    score_sum, length_sum, stops, count = all_reduce(total).tolist()
+    score_sum, length_sum, stops, count = plumbing.all_reduce(total).tolist()
     count = max(count, 1.0)
     return {"eval/scores": score_sum / count, "eval/mean_length": length_sum / count, "eval/eos_frac": stops / count}
 
 
 # ===================================================================== set-up and main
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def quiet_hub_progress_bars() -> None:
-    """Loading bars of datasets and transformers would bury the run's own lines (and one-line errors)."""
-    import datasets
-    import transformers
-
-    datasets.disable_progress_bars()
-    transformers.utils.logging.disable_progress_bar()
 
 
 @dataclass
@@ -3338,7 +1740,7 @@ class Run:
     """Everything set_up gives the update loop. Only `queued` changes as batches are drawn and trained on."""
 
     args: Args
-    dist_info: Dist
+    dist_info: plumbing.Dist
     sizes: BatchSizes
     policy: torch.nn.Module  # the trained model's own modules: sampling, log-probs, saving
     trained: torch.nn.Module  # the policy as training calls it: DDP-wrapped, or itself (one process, FSDP2 in place)
@@ -3355,8 +1757,8 @@ class Run:
     rollouts: LocalRollouts  # the source of completions (rloo_multinode.py: its engines)
     share_prompt: bool  # each prompt computed once for its k completions in the policy's passes
     logprobs_from_update: bool  # on-policy: no separate policy_forward phase (skips_logprob_pass)
-    timer: PhaseTimer
-    logger: Optional[RunLogger]  # rank 0 only
+    timer: plumbing.PhaseTimer
+    logger: Optional[plumbing.RunLogger]  # rank 0 only
     autocast: Callable
     num_updates: int
     start_update: int  # 0, or the update the checkpoint resumed from
@@ -3368,22 +1770,22 @@ def set_up(args: Args, make_rollouts: Callable) -> Run:
     """Check the flags, start the ranks, lock output_dir, find the checkpoint to resume from, load data and models
     (the cheap checks first: a typo fails before any weights load), wrap the policy for training, restore the
     resumed state, and start logging and the rollout source."""
-    validate_args(args)
+    plumbing.validate_args(args)
     if args.use_peft and make_rollouts is not LocalRollouts:
-        raise ConfigError("--use_peft with rloo_multinode.py is not supported yet: its engines would need the merged "
+        raise plumbing.ConfigError("--use_peft with rloo_multinode.py is not supported yet: its engines would need the merged "
                           "weights after every update; train LoRA adapters with rloo.py")
-    reward_functions = load_reward_functions(args.reward_fn)  # a typo fails now, not after loading models
-    quiet_hub_progress_bars()
-    dist_info = setup_distributed(args.ddp_timeout)
+    reward_functions = plumbing.load_reward_functions(args.reward_fn)  # a typo fails now, not after loading models
+    plumbing.quiet_hub_progress_bars()
+    dist_info = plumbing.setup_distributed(args.ddp_timeout)
     if args.fsdp and not dist.is_initialized():
-        raise ConfigError("--fsdp shards the policy over torchrun's processes: launch with torchrun")
+        raise plumbing.ConfigError("--fsdp shards the policy over torchrun's processes: launch with torchrun")
     sizes = compute_batch_sizes(args, dist_info.world_size)
     device = dist_info.device
-    take_output_dir(args.output_dir, dist_info.rank)  # locked: a second run into it stops here
-    start = resume_checkpoint(args)  # verified; --resume falls back past damaged checkpoints
+    plumbing.take_output_dir(args.output_dir, dist_info.rank)  # locked: a second run into it stops here
+    start = plumbing.resume_checkpoint(args)  # verified; --resume falls back past damaged checkpoints
     checkpoint, resumed = start.checkpoint, start.state
-    changes = check_resumable(resumed["args"], args, dist_info.world_size, resumed["world_size"]) if resumed else []
-    choose_kernels()
+    changes = plumbing.check_resumable(resumed["args"], args, dist_info.world_size, resumed["world_size"]) if resumed else []
+    plumbing.choose_kernels()
 
     def autocast():
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
@@ -3391,30 +1793,30 @@ def set_up(args: Args, make_rollouts: Callable) -> Run:
     tokenizer, vocab_size = prepare_tokenizer(args)  # and the models' configs checked: before any weights load
     dataset, eval_dataset, dropped = load_prompts(args, tokenizer, vocab_size)
     sampler = PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)  # too few?
-    check_reward_function_arguments(reward_functions, [(args.dataset_name, dataset),
+    plumbing.check_reward_function_arguments(reward_functions, [(args.dataset_name, dataset),
                                                        (args.dataset_test_split, eval_dataset)], args.prompt_column)
     num_updates = math.ceil((args.total_episodes or int(args.num_train_epochs * len(dataset))) / sizes.all_ranks)
     if resumed and resumed["update"] > num_updates:
-        raise ConfigError(f"cannot resume: {checkpoint} is after update {resumed['update']}, but this run ends after "
+        raise plumbing.ConfigError(f"cannot resume: {checkpoint} is after update {resumed['update']}, but this run ends after "
                           f"update {num_updates}: pass --total_episodes {resumed['update'] * sizes.all_ranks} or more, "
                           "or --resume_from an earlier checkpoint")
-    initial_model = model_identity(args.sft_model_path or args.model_name_or_path)
+    initial_model = plumbing.model_identity(args.sft_model_path or args.model_name_or_path)
     if resumed:
-        check_same_initial_model(resumed.get("initial_model"), initial_model,
+        plumbing.check_same_initial_model(resumed.get("initial_model"), initial_model,
                                  args.sft_model_path or args.model_name_or_path)
     policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device, checkpoint, tokenizer)
-    seed_everything(args.seed)  # a reward head missing from its checkpoint starts the same on every rank and resume
+    plumbing.seed_everything(args.seed)  # a reward head missing from its checkpoint starts the same on every rank and resume
     sources = load_reward_sources(args, tokenizer, reward_functions, device)
     # each prompt computed once for its k completions, in every phase, where the model can take it exactly
-    probe = sharing_probe(dataset[0][PROMPT_IDS], args.max_prompt_length, args.response_length, device)
+    probe = sharing_probe(dataset[0][plumbing.PROMPT_IDS], args.max_prompt_length, args.response_length, device)
     sharing_notes = []  # printed with the other start-up notes
     share_prompt = shares_prompts(policy, "policy", args.share_prompt, probe, False, sharing_notes)
-    with visiting(sources.model, device):  # --offload: a frozen model's forward passes are on the GPU
+    with plumbing.visiting(sources.model, device):  # --offload: a frozen model's forward passes are on the GPU
         sources.share_prompt = sources.model is not None and sources.model_tokenizer is None and shares_prompts(
             sources.model, "reward model", args.share_prompt, probe, True, sharing_notes)
 
     if args.fsdp:
-        trained = shard_policy(policy, args.bf16, args.offload)  # in place: the policy becomes the sharded module
+        trained = plumbing.shard_policy(policy, args.bf16, args.offload)  # in place: the policy becomes the sharded module
     elif dist.is_initialized():
         trained = DDP(policy, device_ids=[device.index] if device.type == "cuda" else None)
     else:
@@ -3422,19 +1824,19 @@ def set_up(args: Args, make_rollouts: Callable) -> Run:
     trainable = [p for p in policy.parameters() if p.requires_grad]  # all of them, or with --use_peft the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=args.adam_epsilon,
                                   fused=device.type == "cuda" and not args.offload)  # one kernel, not one per tensor
-    seed_everything(args.seed + dist_info.rank)  # from here on each rank samples differently
+    plumbing.seed_everything(args.seed + dist_info.rank)  # from here on each rank samples differently
     sampling_rng = torch.Generator(device).manual_seed(args.seed + dist_info.rank)
     start_update, elapsed = 0, 0.0
     if resumed:
-        load_optimizer_state(trained, optimizer, checkpoint, resumed)
+        plumbing.load_optimizer_state(trained, optimizer, checkpoint, resumed)
         sampler.load_state_dict(resumed["sampler"])
-        set_rng_state(load_safely(checkpoint / f"rng_rank{dist_info.rank}.pt"), sampling_rng)
+        plumbing.set_rng_state(plumbing.load_safely(checkpoint / f"rng_rank{dist_info.rank}.pt"), sampling_rng)
         start_update, elapsed = resumed["update"], resumed["elapsed"]
 
-    notes = settle_output_dir(args, start_update, start.skipped) if dist_info.master else []
+    notes = plumbing.settle_output_dir(args, start_update, start.skipped) if dist_info.master else []
     notes += sharing_notes
     run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    logger = RunLogger(args, run_name, num_updates, start_update, resumed and resumed["wandb_run_id"]) \
+    logger = plumbing.RunLogger(args, run_name, num_updates, start_update, resumed and resumed["wandb_run_id"]) \
         if dist_info.master else None
     if logger is not None:
         if args.use_peft:
@@ -3447,11 +1849,11 @@ def set_up(args: Args, make_rollouts: Callable) -> Run:
                          + (f"; changed: {', '.join(changes)}" if changes else ""))
         notes.append(f"{run_name}: {num_updates} updates x {sizes.all_ranks} completions ({sizes.prompts} prompts x "
                      f"k={args.rloo_k} per rank x {dist_info.world_size} ranks); {len(dataset)} train prompts "
-                     f"({describe_dropped(dropped, args.max_prompt_length)}); reward sources {sources.names}")
+                     f"({plumbing.describe_dropped(dropped, args.max_prompt_length)}); reward sources {sources.names}")
         for note in notes:
             logger.console.print(note, highlight=False, soft_wrap=True)
     rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, sampling_rng, autocast)
-    timer = PhaseTimer(device)
+    timer = plumbing.PhaseTimer(device)
     timer.count_tokens_of(policy, ref_policy, sources.model, getattr(rollouts, "sampler", None))
     return Run(args=args, dist_info=dist_info, sizes=sizes, policy=policy, trained=trained, ref_policy=ref_policy,
                initial_model=initial_model,
@@ -3466,7 +1868,7 @@ def queue_batch(run: Run) -> None:
     """Draw B prompts and ask the rollout source for k completions of each."""
     sampler_state = run.sampler.state_dict()
     rows = run.dataset[run.sampler.next_indices()]
-    queries, query_mask = pad_sequences(rows[PROMPT_IDS], run.tokenizer.pad_token_id, run.dist_info.device)  # (B, Tq)
+    queries, query_mask = pad_sequences(rows[plumbing.PROMPT_IDS], run.tokenizer.pad_token_id, run.dist_info.device)  # (B, Tq)
     run.rollouts.submit(queries, query_mask)  # k completions each, returned in the (k, B) layout
     run.queued.append(PromptBatch(rows, queries, query_mask, sampler_state))
 
@@ -3478,7 +1880,7 @@ def data_position(run: Run) -> dict:
 
 def resume_point(run: Run) -> tuple[dict, dict]:
     """Where an update starts: the data position, and every generator's state."""
-    return data_position(run), rng_state(run.sampling_rng)
+    return data_position(run), plumbing.rng_state(run.sampling_rng)
 
 
 def save_state(run: Run, update: int, start_of_next: Optional[tuple[dict, dict]] = None) -> Path:
@@ -3490,7 +1892,7 @@ def save_state(run: Run, update: int, start_of_next: Optional[tuple[dict, dict]]
         "elapsed": time.time() - run.start_time, "world_size": run.dist_info.world_size, "args": asdict(run.args),
         "wandb_run_id": run.logger.wandb_run_id if run.logger else None, "initial_model": run.initial_model,
     }
-    return save_checkpoint(run.args.output_dir, update, run.trained, run.optimizer, run.tokenizer, trainer_state,
+    return plumbing.save_checkpoint(run.args.output_dir, update, run.trained, run.optimizer, run.tokenizer, trainer_state,
                            run.dist_info.rank, run.args.save_total_limit, run.sampling_rng, rng)
 
 
@@ -3498,7 +1900,7 @@ def keep_last_finished(run: Run, finished: int, start_of_next: Optional[tuple[di
     """After a fault: the state after update `finished` saved (unless it is already), and how to continue."""
     if finished == run.start_update:  # nothing new: the run can start again as it did
         return "no update had finished since the start, nothing new to save; fix it and run the same command"
-    path = Path(run.args.output_dir) / CHECKPOINTS / f"step_{finished}"  # saved already when save_steps divides it
+    path = Path(run.args.output_dir) / plumbing.CHECKPOINTS / f"step_{finished}"  # saved already when save_steps divides it
     path = path if path.is_dir() else save_state(run, finished, start_of_next)
     return f"checkpoint of update {finished} saved to {path}; fix it, then continue with --resume"
 
@@ -3508,15 +1910,15 @@ def sample(run: Run, update: int) -> tuple[PromptBatch, Rollout, dict[str, float
     rollout source may sample ahead (rollouts.lookahead batches, rloo_multinode.py's --async_generation): the
     queue is topped up first, then the oldest batch is taken."""
     run.policy.eval()
-    with gathered_for_rollout(run.policy, run.args.fsdp_generation):
+    with plumbing.gathered_for_rollout(run.policy, run.args.fsdp_generation):
         while len(run.queued) <= min(run.rollouts.lookahead, run.num_updates - update):
             queue_batch(run)
         try:
             with run.timer("generation"):
                 completions, rollout_metrics = run.rollouts.take()  # (B, Tq) queries, (k*B, Tr) responses
-        except RolloutSourceError as e:  # the last update's state is intact: keep it, then stop
+        except plumbing.RolloutSourceError as e:  # the last update's state is intact: keep it, then stop
             path = save_state(run, update - 1)
-            raise RolloutSourceError(f"{e}; checkpoint of update {update - 1} saved to {path}") from None
+            raise plumbing.RolloutSourceError(f"{e}; checkpoint of update {update - 1} saved to {path}") from None
         batch = run.queued.pop(0)
         with run.rollouts.behaviour_policy(run.policy) as behaviour:
             rollout = collect_rollout(behaviour, run.ref_policy, completions, run.args, run.share_prompt,
@@ -3535,8 +1937,8 @@ def score(run: Run, batch: PromptBatch, rollout: Rollout, has_stop: torch.Tensor
     """4. Score every completion (reward model and reward functions), then the missing-EOS penalty."""
     args, device = run.args, run.dist_info.device
     with run.timer("scoring"):
-        with visiting(run.sources.model, device), reward_faults(device, f"scoring of update {update}"):
-            chunk = rows_per_forward(args, run.sources.model, "scoring", device, len(rollout.responses), args.rloo_k)
+        with plumbing.visiting(run.sources.model, device), plumbing.reward_faults(device, f"scoring of update {update}"):
+            chunk = plumbing.rows_per_forward(args, run.sources.model, "scoring", device, len(rollout.responses), args.rloo_k)
             raw, source_means = score_completions(run.sources, rollout, batch.rows, args.prompt_column,
                                                   run.tokenizer, run.stop_token_id, chunk, run.autocast)  # (k*B,)
         shaped = apply_missing_eos_penalty(raw, has_stop, args.missing_eos_penalty)  # (k*B,)
@@ -3553,20 +1955,20 @@ def train(run: Run, rollout: Rollout, scores: Scores, returns: Optional[Advantag
     advantages = None if returns is None else returns.advantages  # None: the update computes them
     run.policy.train()  # dropout is off; train mode only switches gradient checkpointing on
     try:
-        check_finite({"reward": scores.raw, "log-prob": rollout.logprobs,
+        plumbing.check_finite({"reward": scores.raw, "log-prob": rollout.logprobs,
                       "reference log-prob": rollout.ref_logprobs}, device)
         with run.timer("training"):
             stats = ppo_update(run.trained, run.optimizer, rollout, scores.shaped, advantages, args, run.sizes,
                                run.share_prompt, run.autocast)
-    except NonFiniteError as e:
+    except plumbing.NonFiniteError as e:
         unwritten = None
         if rank in e.ranks:
             try:
-                dump_batch(Path(args.output_dir) / "nonfinite" / f"update_{update}_rank_{rank}.jsonl", run.tokenizer,
+                plumbing.dump_batch(Path(args.output_dir) / "nonfinite" / f"update_{update}_rank_{rank}.jsonl", run.tokenizer,
                            rollout, scores.raw, advantages)
             except OSError as error:  # a full disk: the run stops all the same, and says the batch is not there
                 unwritten = error.strerror or str(error)
-        raise NonFiniteError(f"{e.quantity} at update {update}", e.ranks, unwritten) from None
+        raise plumbing.NonFiniteError(f"{e.quantity} at update {update}", e.ranks, unwritten) from None
     return stats
 
 
@@ -3588,12 +1990,12 @@ def update_metrics(run: Run, rollout: Rollout, has_stop: torch.Tensor, scores: S
         "loss/policy_avg": train_stats["loss"],
         "val/ratio": train_stats["ratio"],
         "val/ratio_var": train_stats["ratio_var"],
-        **completion_metrics(rollout.response_mask, has_stop, scores.shaped, run.args.rloo_k),
+        **plumbing.completion_metrics(rollout.response_mask, has_stop, scores.shaped, run.args.rloo_k),
         **({} if rollout.sampler_logprobs is None else mismatch_metrics(rollout, run.args)),
         **scores.source_means,
         **rollout_metrics,
         **run.timer.metrics(),
-        "work/minimum_tokens": minimum_forward_tokens(rollout, sum(
+        "work/minimum_tokens": plumbing.minimum_forward_tokens(rollout, sum(
             run.args.num_ppo_epochs if phase == "training" else 1 for phase in run.timer.tokens)),
     }
 
@@ -3602,7 +2004,7 @@ def log_update(run: Run, update: int, metrics: dict[str, float], batch: PromptBa
                scores: Scores) -> None:
     """Metrics over all ranks to the console, metrics.jsonl and wandb (rank 0), with a few samples now and then."""
     episode = update * run.sizes.all_ranks
-    metrics = reduce_metrics(metrics, run.dist_info.device, run.rollouts.max_metrics)
+    metrics = plumbing.reduce_metrics(metrics, run.dist_info.device, run.rollouts.max_metrics)
     metrics.update(eps=episode / (time.time() - run.start_time), lr=run.optimizer.param_groups[0]["lr"],
                    episode=episode)
     if run.logger is None:
@@ -3625,14 +2027,14 @@ def evaluate_if_due(run: Run, update: int) -> None:
     if run.eval_dataset is None or not (update % eval_every == 0 or update == run.num_updates):
         return
     run.policy.eval()
-    with gathered_for_rollout(run.policy, args.fsdp_generation), visiting(run.sources.model, run.dist_info.device):
+    with plumbing.gathered_for_rollout(run.policy, args.fsdp_generation), plumbing.visiting(run.sources.model, run.dist_info.device):
         eval_metrics = evaluate(run.policy, run.eval_dataset, run.sources, run.tokenizer, args, run.stop_token_id,
                                 run.dist_info, run.autocast)
     if run.logger is not None:
         run.logger.log_eval(update, eval_metrics, update * run.sizes.all_ranks)
 
 
-def save_if_due(run: Run, update: int, stop_signal: StopSignal) -> bool:
+def save_if_due(run: Run, update: int, stop_signal: plumbing.StopSignal) -> bool:
     """A checkpoint every save_steps updates, after the last, and when a signal asks the run to stop; whether it
     stops."""
     args = run.args
@@ -3640,7 +2042,7 @@ def save_if_due(run: Run, update: int, stop_signal: StopSignal) -> bool:
     if stop or update == run.num_updates or (args.save_steps > 0 and update % args.save_steps == 0):
         path = save_state(run, update)
     if stop and run.logger is not None:
-        (Path(args.output_dir) / PREEMPTED).write_text(f"{path}\n")
+        (Path(args.output_dir) / plumbing.PREEMPTED).write_text(f"{path}\n")
         run.logger.console.print(
             f"rloo.py: {stop_signal.name or 'a signal to another rank'} received: stopped after update {update}, "
             f"checkpoint saved to {path}; continue with the same command and --resume", highlight=False,
@@ -3650,9 +2052,9 @@ def save_if_due(run: Run, update: int, stop_signal: StopSignal) -> bool:
 
 def save_final(run: Run) -> None:
     """The final policy, its tokenizer and args.json: their presence in output_dir marks a finished run."""
-    final = Path(run.args.output_dir) / CHECKPOINTS / f"step_{run.num_updates}"  # this timeline's, or none
-    save_final_policy(run.policy, run.tokenizer, run.args.output_dir, run.dist_info.rank,
-                      final if rank0_view(final.is_dir()) else None)
+    final = Path(run.args.output_dir) / plumbing.CHECKPOINTS / f"step_{run.num_updates}"  # this timeline's, or none
+    plumbing.save_final_policy(run.policy, run.tokenizer, run.args.output_dir, run.dist_info.rank,
+                      final if plumbing.rank0_view(final.is_dir()) else None)
     if run.args.merge_lora and run.dist_info.master:
         save_merged_policy(run.args, run.policy.config, run.tokenizer)
     if run.dist_info.master:
@@ -3663,11 +2065,11 @@ def save_final(run: Run) -> None:
 def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     """Train. `make_rollouts(policy, args, stop_token_id, pad_token_id, generator, autocast)` gives the source of
     completions (see LocalRollouts); rloo_multinode.py passes its engines' client."""
-    stop_signal = StopSignal(args.output_dir, announce=os.environ.get("RANK", "0") == "0")  # until training: exit
+    stop_signal = plumbing.StopSignal(args.output_dir, announce=os.environ.get("RANK", "0") == "0")  # until training: exit
     try:
         run = set_up(args, make_rollouts)
-    except ConfigError:
-        release_output_dir(args.output_dir)  # a refused run leaves nothing behind
+    except plumbing.ConfigError:
+        plumbing.release_output_dir(args.output_dir)  # a refused run leaves nothing behind
         raise
     stop_signal.training = True  # from here on a signal stops the run after an update, with a checkpoint
     stopped = False
@@ -3699,156 +2101,38 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                 break
         if not stopped:
             save_final(run)
-    except RewardFunctionError as e:  # every rank at once: keep the last finished update, then stop
+    except plumbing.RewardFunctionError as e:  # every rank at once: keep the last finished update, then stop
         finished = update if e.after_training else update - 1
         where = keep_last_finished(run, finished, None if e.after_training else start_of_update)
         if e.signal_name is None:
-            raise RewardFunctionError(f"{e}; {where}", e.announce) from None
+            raise plumbing.RewardFunctionError(f"{e}; {where}", e.announce) from None
         if run.logger is not None:  # a signal, as save_if_due says it, and the marker job scripts requeue on
             saved = where.split("; ")[0]
-            (Path(args.output_dir) / PREEMPTED).write_text(f"{saved}\n")
+            (Path(args.output_dir) / plumbing.PREEMPTED).write_text(f"{saved}\n")
             run.logger.console.print(f"rloo.py: {e.signal_name} received while a reward function ran: stopped at once; "
                                      f"{saved}; continue with the same command and --resume", highlight=False,
                                      soft_wrap=True)
-    except MetricsWriteError as e:  # rank 0's alone: a checkpoint needs every rank
+    except plumbing.MetricsWriteError as e:  # rank 0's alone: a checkpoint needs every rank
         where = "no checkpoint: it needs every rank (torchrun stops the others)" if dist.is_initialized() else \
             keep_last_finished(run, update, None)
-        raise MetricsWriteError(f"{e} after update {update}; {where}") from None
+        raise plumbing.MetricsWriteError(f"{e} after update {update}; {where}") from None
     finally:  # an error on one rank alone must not wait for the others: torchrun stops them
         run.rollouts.close()
         if run.logger is not None:
             run.logger.close()
-    barrier("the end of the run")
+    plumbing.barrier("the end of the run")
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 # ===================================================================== command line
-# TRL >= 0.22's names for flags of the same meaning (README, "Flags": both TRL generations' names side by side)
-TRL_NAMES = {"num_generations": "rloo_k", "beta": "kl_coef", "epsilon": "cliprange", "num_iterations": "num_ppo_epochs",
-             "max_completion_length": "response_length", "normalize_advantages": "normalize_advantage"}
-
-
-def with_trl_names_translated(argv: list[str], defaults) -> list[str]:
-    """argv with TRL >= 0.22's flag names written as this script's, --steps_per_generation S (micro-batches per rank
-    and generation) as --num_mini_batches S / gradient_accumulation_steps, and the values of a list flag given several
-    times (--reward_fn a --reward_fn b) gathered into one: all count, where tyro would keep the last. A flag given
-    under both of its names with different values is refused, rather than settled by which comes last; under one
-    name, the last value wins (argparse's rule: a launch script's "$@" overrides its defaults)."""
-    watched = {*TRL_NAMES, *TRL_NAMES.values(), "steps_per_generation", "num_mini_batches",
-               "gradient_accumulation_steps"}
-    hints = get_type_hints(type(defaults))
-    lists = {name for name, hint in hints.items() if tuple in {get_origin(hint), *map(get_origin, get_args(hint))}}
-    out, given, items = [], {}, {}  # given: this script's flag name -> {the name used: its value}; items: a list's
-    i = 0
-    while i < len(argv):
-        flag, equals, value = argv[i].partition("=")
-        negated = flag.startswith(("--no-", "--no_"))
-        name = (flag[5:] if negated else flag[2:]).replace("-", "_") if flag.startswith("--") else None
-        if name in lists:
-            end = i + 1 if equals else next((j for j in range(i + 1, len(argv)) if argv[j].startswith("--")),
-                                            len(argv))
-            items.setdefault(name, []).extend([value] if equals else argv[i + 1 : end])
-            i = end
-            continue
-        if name not in watched:
-            out.append(argv[i])
-            i += 1
-            continue
-        own = TRL_NAMES.get(name, name)
-        takes_next = not equals and not isinstance(getattr(defaults, own, None), bool)
-        if takes_next:
-            value = argv[i + 1] if i + 1 < len(argv) else ""
-        elif not equals:
-            value = str(not negated)
-        given.setdefault("num_mini_batches" if name == "steps_per_generation" else own, {})[name] = value
-        tokens = argv[i : i + 1 + takes_next]
-        if name in TRL_NAMES:
-            tokens[0] = ("--no-" if negated else "--") + own + (f"={value}" if equals else "")
-        if name != "steps_per_generation":
-            out += tokens
-        i += 1 + takes_next
-    if "steps_per_generation" in given.get("num_mini_batches", {}):
-        steps = given["num_mini_batches"].pop("steps_per_generation")
-        accumulation = given.get("gradient_accumulation_steps", {}).get(
-            "gradient_accumulation_steps", str(defaults.gradient_accumulation_steps))
-        if not (steps.isdigit() and accumulation.isdigit() and int(steps) % int(accumulation) == 0):
-            raise ConfigError(f"--steps_per_generation {steps} (micro-batches per generation) is not a multiple of "
-                              f"gradient_accumulation_steps ({accumulation}); pass --num_mini_batches (optimizer steps "
-                              "per generation) instead")
-        converted = str(int(steps) // int(accumulation))
-        if given["num_mini_batches"].get("num_mini_batches", converted) != converted:
-            raise ConfigError(f"--steps_per_generation {steps} means --num_mini_batches {converted} with "
-                              f"gradient_accumulation_steps {accumulation}, but --num_mini_batches "
-                              f"{given['num_mini_batches']['num_mini_batches']} is given too: pass one of them")
-        out += ["--num_mini_batches", converted]
-    for spellings in given.values():
-        if len({as_number(value) for value in spellings.values()}) > 1:
-            both = " and ".join(f"--{name} {value}" for name, value in spellings.items())
-            raise ConfigError(f"{both} set the same flag to different values: pass one of them")
-    return out + [token for name, values in items.items() for token in (f"--{name}", *values)]
-
-
-def as_number(text: str):
-    """A command-line value as a number where it is one, so that 0.1 and 0.10 compare equal."""
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
-def parse_args(cls=None, argv: Optional[list[str]] = None, prog: Optional[str] = None):
-    """The command line parsed into `cls` (default Args) by tyro, TRL >= 0.22's names accepted; a clash between the two
-    names of a flag is one line on stderr and exit status 2, as tyro's own errors are."""
-    import tyro
-
-    cls = cls or Args
-    prog = prog or Path(sys.argv[0]).name
-    try:
-        argv = with_trl_names_translated(list(sys.argv[1:] if argv is None else argv), cls())
-    except ConfigError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    return tyro.cli(cls, args=argv, prog=prog)
-
-
-def run_script(main: Callable, args, program: str) -> None:
-    """main(args), with bad input (ConfigError) turned into one line on stderr and exit status 2, a fault that
-    stopped the run (Fault) into one line and exit status 4, and a signal before training into one line and exit
-    status 0 (130 for SIGINT; under torchrun 128 + the signal's number). Shared by this project's scripts."""
-    try:
-        main(args)
-    except ConfigError as e:
-        print(f"{program}: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except Fault as e:
-        if e.announce:
-            print(f"{program}: error: {e}", file=sys.stderr)
-        sys.exit(4)
-    except StartupInterrupted as e:
-        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            print(f"{program}: {e}", file=sys.stderr)
-            sys.exit(130 if e.signal_name == "SIGINT" else 0)
-        # under torchrun each rank that got it says so and fails: an exit 0 would leave a rank that did not get it
-        # waiting for this one, and torchrun stops the others when one fails
-        print(f"{program}: rank {os.environ['RANK']}: {e}", file=sys.stderr, flush=True)
-        stopped_alone(mark=True)
-        os._exit(128 + signal.Signals[e.signal_name])  # not sys.exit: no process group teardown that waits
-    except RuntimeError as e:  # under torchrun, a collective cut short by a rank that is gone: one line, not a trace
-        frames = traceback.extract_tb(e.__traceback__)
-        if int(os.environ.get("WORLD_SIZE", "1")) == 1 or "torch/distributed/" not in frames[-1].filename:
-            raise
-        if not stopped_alone():  # else that rank has said why already
-            print(f"{program}: rank {os.environ['RANK']}: error: a collective failed (a rank stopped, was lost or "
-                  f"timed out): {first_line(e)}", file=sys.stderr, flush=True)
-        os._exit(4)
 
 
 def cli() -> None:
-    args = parse_args(Args, prog="rloo.py")
+    args = plumbing.parse_args(Args, prog="rloo.py")
     try:
-        run_script(main, args, "rloo.py")
-    except NonFiniteError as e:
+        plumbing.run_script(main, args, "rloo.py")
+    except plumbing.NonFiniteError as e:
         where = Path(args.output_dir) / "nonfinite"
         print(f"rloo.py: error: {e}: stopped before any optimizer step on it; the offending batch is in {where}"
               if e.unwritten is None else f"rloo.py: error: {e}: stopped before any optimizer step on it; the "

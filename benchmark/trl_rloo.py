@@ -30,6 +30,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+import plumbing
 import rloo  # noqa: E402
 
 # rloo.py flags whose non-default values TRL 0.21's trainer cannot reproduce
@@ -42,13 +43,13 @@ def check_supported(args: rloo.Args) -> None:
     changed = [f"--{f.name}" for f in fields(rloo.Args)
                if f.name in UNSUPPORTED and getattr(args, f.name) != getattr(default, f.name)]
     if changed:
-        raise rloo.ConfigError(f"TRL 0.21's RLOOTrainer has no equivalent of {', '.join(changed)}: drop them")
+        raise plumbing.ConfigError(f"TRL 0.21's RLOOTrainer has no equivalent of {', '.join(changed)}: drop them")
     if args.max_grad_norm != 0:
-        raise rloo.ConfigError("TRL 0.21's RLOOTrainer never clips gradients: pass --max_grad_norm 0 (to both)")
+        raise plumbing.ConfigError("TRL 0.21's RLOOTrainer never clips gradients: pass --max_grad_norm 0 (to both)")
     if args.reward_model_path is None:
-        raise rloo.ConfigError("TRL 0.21's RLOOTrainer needs a reward model: pass --reward_model_path")
+        raise plumbing.ConfigError("TRL 0.21's RLOOTrainer needs a reward model: pass --reward_model_path")
     if args.reward_fn and tuple(args.reward_weights or ()) != (1.0,) + (0.0,) * len(args.reward_fn):
-        raise rloo.ConfigError("TRL 0.21's RLOOTrainer scores with the reward model alone: --reward_fn can only be "
+        raise plumbing.ConfigError("TRL 0.21's RLOOTrainer scores with the reward model alone: --reward_fn can only be "
                                "monitored, with --reward_weights 1 0 ... (the reward model 1, each function 0)")
 
 
@@ -95,7 +96,7 @@ def instrument(trainer_module, device: torch.device, output_dir: Path, monitors,
     callback."""
     from transformers import TrainerCallback
 
-    timer = rloo.PhaseTimer(device, default_phase="training")
+    timer = plumbing.PhaseTimer(device, default_phase="training")
     timer.count_tokens_of(*models)
     fresh = {"monitored": {}, "prompt_tokens": 0.0, "response_tokens": 0, "responses": 0}  # per update
     state = {"logs": {}, "mark": None, **fresh}
@@ -111,7 +112,7 @@ def instrument(trainer_module, device: torch.device, output_dir: Path, monitors,
             if monitors:
                 texts = decode_for_monitors(tokenizer, query_responses, context_length, stop_token_id)
                 for name, fn in monitors:
-                    values, applies = rloo.call_reward_function(name, fn, query_responses.shape[0], **texts)
+                    values, applies = plumbing.call_reward_function(name, fn, query_responses.shape[0], **texts)
                     state["monitored"].setdefault(name, []).extend(values[applies].tolist())
         return out
 
@@ -173,17 +174,17 @@ def main(args: rloo.Args) -> None:
     check_supported(args)
     rloo.compute_batch_sizes(args, world_size=1)  # the same clash errors as rloo.py
     transformers.set_seed(args.seed)  # trl 0.21's trainer seeds only its prompt order
-    rloo.quiet_hub_progress_bars()
+    plumbing.quiet_hub_progress_bars()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     policy, ref_policy, tokenizer, stop_token_id = rloo.load_policy(args, torch.device("cpu"))
     if ref_policy is None:  # TRL 0.21 always runs a reference model, also at kl_coef 0
         ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
     reward_model = rloo.load_reward_model(args.reward_model_path, torch.bfloat16 if args.bf16 else torch.float32,
                                           args.trust_remote_code)
-    if not rloo.same_vocabulary(tokenizer, rloo.load_tokenizer(args.reward_model_path, args.trust_remote_code)):
-        raise rloo.ConfigError("TRL 0.21's RLOOTrainer needs the reward model to share the policy's tokenizer")
+    if not plumbing.same_vocabulary(tokenizer, rloo.load_tokenizer(args.reward_model_path, args.trust_remote_code)):
+        raise plumbing.ConfigError("TRL 0.21's RLOOTrainer needs the reward model to share the policy's tokenizer")
     dataset, _, _ = rloo.load_prompts(args, tokenizer)
-    dataset = dataset.select_columns([rloo.PROMPT_IDS]).rename_column(rloo.PROMPT_IDS, "input_ids")
+    dataset = dataset.select_columns([plumbing.PROMPT_IDS]).rename_column(plumbing.PROMPT_IDS, "input_ids")
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     config = trl_config(args, use_cpu=device.type == "cpu")
@@ -191,7 +192,7 @@ def main(args: rloo.Args) -> None:
     trainer = RLOOTrainer(
         config=config, processing_class=tokenizer, policy=policy, ref_policy=ref_policy, reward_model=reward_model,
         train_dataset=dataset, eval_dataset=dataset.select(range(min(len(dataset), 8))),
-        callbacks=[instrument(trainer_module, device, output_dir, rloo.load_reward_functions(args.reward_fn),
+        callbacks=[instrument(trainer_module, device, output_dir, plumbing.load_reward_functions(args.reward_fn),
                               tokenizer, stop_token_id, (policy, ref_policy, reward_model), args.rloo_k,
                               args.num_ppo_epochs)],
     )
@@ -202,4 +203,4 @@ def main(args: rloo.Args) -> None:
 
 
 if __name__ == "__main__":
-    rloo.run_script(main, rloo.parse_args(rloo.Args, prog="trl_rloo.py"), "trl_rloo.py")
+    plumbing.run_script(main, plumbing.parse_args(rloo.Args, prog="trl_rloo.py"), "trl_rloo.py")

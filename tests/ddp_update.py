@@ -9,13 +9,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import policy_tokenizer, tiny_policy
+import plumbing
 import rloo
 
 GLOBAL_PROMPTS, K = 4, 2  # 8 completions
 
 
 def main(out_path: str, wrapper: str) -> None:
-    dist_info = rloo.setup_distributed()
+    dist_info = plumbing.setup_distributed()
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer), seed=0)
     torch.manual_seed(123)  # the same global batch on every rank
@@ -36,7 +37,7 @@ def main(out_path: str, wrapper: str) -> None:
                      num_mini_batches=1, num_ppo_epochs=2, temperature=1.0, max_grad_norm=0.0)
     sizes = rloo.compute_batch_sizes(args, dist_info.world_size)
     if wrapper.startswith("fsdp"):
-        model = rloo.shard_policy(policy, bf16=False, offload=wrapper == "fsdp_offload")
+        model = plumbing.shard_policy(policy, bf16=False, offload=wrapper == "fsdp_offload")
     else:
         model = DDP(policy) if dist.is_initialized() else policy
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)  # plain SGD: the update is a multiple of the gradient

@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-import rloo
+import plumbing
 
 
 def judge(completions, **kwargs):
@@ -21,37 +21,37 @@ def judge(completions, **kwargs):
 
 
 if __name__ == "__main__":
-    dist_info = rloo.setup_distributed(timeout=float(sys.argv[2]))
+    dist_info = plumbing.setup_distributed(timeout=float(sys.argv[2]))
     seen = {}
     try:
-        with rloo.reward_faults(dist_info.device, "scoring of update 1"):
-            rloo.note_phase("scoring")
+        with plumbing.reward_faults(dist_info.device, "scoring of update 1"):
+            plumbing.note_phase("scoring")
             if dist_info.rank == 1:
-                rloo.call_reward_function("judge", judge, 2, completions=["a", "b"])
-    except rloo.RewardFunctionError as e:
+                plumbing.call_reward_function("judge", judge, 2, completions=["a", "b"])
+    except plumbing.RewardFunctionError as e:
         seen["failed"] = [str(e), e.announce]
-    stop = rloo.StopSignal(str(Path(sys.argv[1]).parent), announce=False)
+    stop = plumbing.StopSignal(str(Path(sys.argv[1]).parent), announce=False)
     stop.training = True  # a signal while a reward function runs stops the run at once, on every rank
     for phase, timeout, signalled, rank_0_fails in (("hung", 1.0, False, False), ("signalled", 30.0, True, False),
                                                     ("failed and signalled", 30.0, True, True)):
         try:  # rank 1's function hangs, past its timeout or until rank 1 gets a SIGTERM
-            with rloo.reward_faults(dist_info.device, f"scoring of {phase}"):
+            with plumbing.reward_faults(dist_info.device, f"scoring of {phase}"):
                 if dist_info.rank == 1:
                     if signalled:
                         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
-                    rloo.call_reward_function("judge", lambda **kwargs: time.sleep(3600), 2, timeout,
+                    plumbing.call_reward_function("judge", lambda **kwargs: time.sleep(3600), 2, timeout,
                                               completions=["a", "b"])
                 elif rank_0_fails:
-                    rloo.call_reward_function("judge", judge, 2, timeout, completions=["a", "b"])
-        except rloo.RewardFunctionError as e:
+                    plumbing.call_reward_function("judge", judge, 2, timeout, completions=["a", "b"])
+        except plumbing.RewardFunctionError as e:
             seen[phase] = [str(e), e.signal_name, e.announce]
     try:
-        with rloo.reward_faults(dist_info.device, "scoring of update 2"):
-            rloo.note_phase("scoring")
+        with plumbing.reward_faults(dist_info.device, "scoring of update 2"):
+            plumbing.note_phase("scoring")
             if dist_info.rank == 1:
                 time.sleep(float(sys.argv[2]) + 3)
                 os._exit(0)  # never arrives
-    except rloo.Fault as e:
+    except plumbing.Fault as e:
         seen["stuck"] = [str(e), e.announce]
     if dist_info.rank == 0:
         Path(sys.argv[1]).write_text(json.dumps(seen))

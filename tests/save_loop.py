@@ -7,7 +7,7 @@ import sys
 import torch
 
 from conftest import policy_tokenizer, tiny_policy
-import rloo
+import plumbing
 
 if __name__ == "__main__":
     tokenizer = policy_tokenizer()
@@ -15,5 +15,5 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(policy.parameters())
     ballast = torch.randn(4_000_000)  # 16 MB of state, so that a save takes long enough to be interrupted
     for step in itertools.count(1):
-        rloo.save_checkpoint(sys.argv[1], step, policy, optimizer, tokenizer, {"update": step, "ballast": ballast}, 0, 3,
+        plumbing.save_checkpoint(sys.argv[1], step, policy, optimizer, tokenizer, {"update": step, "ballast": ballast}, 0, 3,
                              torch.Generator())

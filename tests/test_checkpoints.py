@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+import plumbing
 import rloo
 from conftest import REPO, policy_tokenizer, read_metrics, run_rloo, script_command, script_env, tiny_policy
 
@@ -90,8 +91,8 @@ def test_signal_saves_and_resume_is_exact(assets, tmp_path, nproc, sig, extra):
     if nproc == 0:
         assert returncode == 0  # (torchrun's own agent exits non-zero after forwarding a signal)
     assert not (interrupted / "model.safetensors").exists()  # not a finished run
-    assert (interrupted / "preempted").read_text().strip() == str(rloo.latest_checkpoint(str(interrupted)))
-    stopped_at = rloo.latest_checkpoint(str(interrupted))
+    assert (interrupted / "preempted").read_text().strip() == str(plumbing.latest_checkpoint(str(interrupted)))
+    stopped_at = plumbing.latest_checkpoint(str(interrupted))
     assert stopped_at is not None and len(read_metrics(interrupted)) < len(read_metrics(full))
 
     result = run_rloo(*common, "--output_dir", interrupted, "--resume", nproc=nproc)
@@ -103,7 +104,7 @@ def test_signal_saves_and_resume_is_exact(assets, tmp_path, nproc, sig, extra):
 
 def files_of(directory: Path) -> dict:
     return {str(p.relative_to(directory)): p.stat().st_mtime_ns for p in directory.rglob("*")
-            if p.is_file() and p.name != rloo.LOCK}
+            if p.is_file() and p.name != plumbing.LOCK}
 
 
 def test_resume_refuses_meaning_changes_reports_harmless_ones_and_continues_wandb(assets, tmp_path):
@@ -131,7 +132,7 @@ def test_resume_refuses_meaning_changes_reports_harmless_ones_and_continues_wand
             "total_episodes (96 -> 128)") in result.stdout
     assert [m["update"] for m in read_metrics(out)] == [1, 2, 3, 4]  # appended, never truncated
     assert (out / "model.safetensors").samefile(out / "checkpoints" / "step_4" / "model.safetensors")
-    assert rloo.checkpoint_problem(final) is None  # its policy files unchanged by the new final policy
+    assert plumbing.checkpoint_problem(final) is None  # its policy files unchanged by the new final policy
     run_ids = {p.name.rsplit("-", 1)[1] for p in (out / "wandb").glob("offline-run-*")}
     assert len(list((out / "wandb").glob("offline-run-*"))) == 2 and len(run_ids) == 1  # the same wandb run
 
@@ -167,7 +168,7 @@ def test_no_flag_restart_or_damage_loses_a_checkpoint(assets, tmp_path):
     result = run_rloo(*common, "--total_episodes", PER_UPDATE * 4, "--resume_from", checkpoints / "step_2",
                       "--save_total_limit", 1)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert [p.name for p in checkpoints.iterdir()] == ["step_4"] and rloo.latest_checkpoint(str(out)).name == "step_4"
+    assert [p.name for p in checkpoints.iterdir()] == ["step_4"] and plumbing.latest_checkpoint(str(out)).name == "step_4"
     (branched,) = [p for p in (out / "abandoned").iterdir() if p != aside]
     assert sorted(p.name for p in (branched / "checkpoints").iterdir()) == ["step_3", "step_5"]  # step_5: the last
     assert [m["update"] for m in read_metrics(out)] == [1, 2, 3, 4]
@@ -191,21 +192,21 @@ def test_sigkill_during_saves_never_leaves_a_broken_latest_checkpoint(tmp_path):
     for attempt in range(4):
         process = subprocess.Popen([sys.executable, str(REPO / "tests" / "save_loop.py"), str(out)], env=env)
         deadline = time.time() + 60
-        while rloo.latest_checkpoint(str(out)) is None or attempt == 0 and len(list((out / "checkpoints").glob("step_*"))) < 2:
+        while plumbing.latest_checkpoint(str(out)) is None or attempt == 0 and len(list((out / "checkpoints").glob("step_*"))) < 2:
             assert time.time() < deadline and process.poll() is None
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 0.5))
         process.send_signal(signal.SIGKILL)
         process.wait()
-        latest = rloo.latest_checkpoint(str(out))
+        latest = plumbing.latest_checkpoint(str(out))
         assert latest is not None and latest.name.startswith("step_")
-        state = torch.load(latest / rloo.TRAINER_STATE, weights_only=False)
+        state = torch.load(latest / plumbing.TRAINER_STATE, weights_only=False)
         assert f"step_{state['update']}" == latest.name
         assert AutoModelForCausalLM.from_pretrained(latest).num_parameters() > 0
     # debris of a killed save, and a directory that merely looks like a checkpoint, are never picked up
     (out / "checkpoints" / ".tmp_step_999").mkdir(exist_ok=True)
     (out / "checkpoints" / "step_1000").mkdir()
-    assert rloo.latest_checkpoint(str(out)) == latest
+    assert plumbing.latest_checkpoint(str(out)) == latest
 
 
 @pytest.mark.parametrize("disk_full", [False, True], ids=["batch-written", "disk-full"])
@@ -249,7 +250,7 @@ def test_no_optimizer_step_on_a_nonfinite_loss():
     args = rloo.Args(rloo_k=2, per_device_train_batch_size=4, num_ppo_epochs=1, temperature=1.0)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1.0)
-    with pytest.raises(rloo.NonFiniteError, match="non-finite loss on rank 0"):
+    with pytest.raises(plumbing.NonFiniteError, match="non-finite loss on rank 0"):
         rloo.ppo_update(policy, optimizer, rollout, torch.zeros(4), torch.tensor([1.0, float("nan"), 0.0, 0.0]),
                         args, rloo.compute_batch_sizes(args, 1), True, lambda: torch.autocast("cpu", enabled=False))
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
@@ -262,21 +263,21 @@ def saved_steps(out: Path, steps, keep=None) -> tuple:
     policy = tiny_policy(len(tokenizer))
     optimizer = torch.optim.AdamW(policy.parameters())
     for step in steps:
-        rloo.save_checkpoint(str(out), step, policy, optimizer, tokenizer, {"update": step}, 0, keep,
+        plumbing.save_checkpoint(str(out), step, policy, optimizer, tokenizer, {"update": step}, 0, keep,
                              torch.Generator())
     return policy, optimizer, tokenizer
 
 
 def test_save_total_limit_keeps_the_newest_and_never_deletes_it(tmp_path):
-    assert rloo.steps_to_prune([1, 2, 3], 2, newest=3) == [1]
-    assert rloo.steps_to_prune([1, 2, 3], 1, newest=3) == [1, 2]
-    assert rloo.steps_to_prune([4, 9], 1, newest=4) == [9]  # the one just written stays, whatever its number
-    assert rloo.steps_to_prune([1, 2], None, newest=2) == []
+    assert plumbing.steps_to_prune([1, 2, 3], 2, newest=3) == [1]
+    assert plumbing.steps_to_prune([1, 2, 3], 1, newest=3) == [1, 2]
+    assert plumbing.steps_to_prune([4, 9], 1, newest=4) == [9]  # the one just written stays, whatever its number
+    assert plumbing.steps_to_prune([1, 2], None, newest=2) == []
     for limit in (0, -1):  # refused as flags too (test_cli.py)
         with pytest.raises(ValueError, match="would remove the checkpoint just written"):
-            rloo.steps_to_prune([1, 2], limit, newest=2)
+            plumbing.steps_to_prune([1, 2], limit, newest=2)
     saved_steps(tmp_path, [1, 2, 3], keep=1)
-    assert [p.name for p in rloo.checkpoint_dirs(str(tmp_path))] == ["step_3"]
+    assert [p.name for p in plumbing.checkpoint_dirs(str(tmp_path))] == ["step_3"]
 
 
 def no_hard_links(source, target):
@@ -289,14 +290,14 @@ def test_the_final_policy_is_the_final_checkpoints_stored_once_where_the_filesys
     step = tmp_path / "checkpoints" / "step_1"
     (tmp_path / "model.safetensors").write_text("this run's, of an earlier finish")
     monkeypatch.setattr(os, "link", link)
-    rloo.save_final_policy(policy, tokenizer, str(tmp_path), 0, step)
+    plumbing.save_final_policy(policy, tokenizer, str(tmp_path), 0, step)
     names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
     assert names == sorted(p.name for p in step.iterdir() if p.name not in ("trainer_state.pt", "manifest.json")
                            and not p.name.startswith("rng_rank") and p.is_file())
     for name in names:
         assert (tmp_path / name).samefile(step / name) == (link is not no_hard_links), name
         assert (tmp_path / name).read_bytes() == (step / name).read_bytes(), name
-    assert rloo.checkpoint_problem(step) is None
+    assert plumbing.checkpoint_problem(step) is None
     assert AutoModelForCausalLM.from_pretrained(tmp_path).num_parameters() == policy.num_parameters()
 
 
@@ -338,25 +339,25 @@ def test_resume_skips_a_damaged_newest_checkpoint_and_names_it(tmp_path, damage)
     damage_step(step_3)
     if damage == "no manifest":  # ... and no trainer state: not a checkpoint at all, never a candidate
         (step_3 / "trainer_state.pt").unlink()
-        assert rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True)).skipped == {}
+        assert plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True)).skipped == {}
         return
-    start = rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True))
+    start = plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True))
     assert start.checkpoint == tmp_path / "checkpoints" / "step_2" and start.state["update"] == 2
     assert list(start.skipped) == [step_3] and reason in start.skipped[step_3]
-    with pytest.raises(rloo.ConfigError, match=re.escape(f"--resume_from {step_3} is damaged: {reason}")):
-        rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume_from=str(step_3)))
-    notes = rloo.settle_output_dir(rloo.Args(output_dir=str(tmp_path), resume=True), 2, start.skipped)
+    with pytest.raises(plumbing.ConfigError, match=re.escape(f"--resume_from {step_3} is damaged: {reason}")):
+        plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume_from=str(step_3)))
+    notes = plumbing.settle_output_dir(rloo.Args(output_dir=str(tmp_path), resume=True), 2, start.skipped)
     assert any(f"skipped damaged checkpoint step_3: {reason}" in note for note in notes)
     (aside,) = (tmp_path / "abandoned").iterdir()  # moved, not deleted
     assert (aside / "checkpoints" / "step_3").is_dir() and reason in (aside / "why.txt").read_text()
-    assert rloo.latest_checkpoint(str(tmp_path)) == tmp_path / "checkpoints" / "step_2"
+    assert plumbing.latest_checkpoint(str(tmp_path)) == tmp_path / "checkpoints" / "step_2"
     assert not (tmp_path / "ran").exists()  # nothing was unpickled
 
 
 def test_a_checkpoint_without_manifest_from_an_earlier_rloo_is_still_resumed(tmp_path):
     saved_steps(tmp_path, [1])
     (tmp_path / "checkpoints" / "step_1" / "manifest.json").unlink()
-    start = rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True))
+    start = plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True))
     assert start.checkpoint.name == "step_1" and start.state["update"] == 1
 
 
@@ -373,7 +374,7 @@ class Payload:
 def forge_manifest(step: Path) -> None:
     """What a checkpoint made elsewhere can do: list its files, payload included, with their true hashes."""
     (step / "manifest.json").unlink()
-    (step / "manifest.json").write_text(json.dumps({"files": rloo.file_digests(step)}))
+    (step / "manifest.json").write_text(json.dumps({"files": plumbing.file_digests(step)}))
 
 
 def test_checkpoints_cannot_run_code(tmp_path):
@@ -382,18 +383,18 @@ def test_checkpoints_cannot_run_code(tmp_path):
     torch.save({"update": 1, "note": Payload(marker)}, step / "trainer_state.pt")
     torch.save({"python": Payload(marker)}, step / "rng_rank0.pt")
     forge_manifest(step)
-    assert rloo.checkpoint_problem(step) is None  # the manifest matches: only what the files hold can tell
-    with pytest.raises(rloo.ConfigError, match="trainer_state.pt holds io.open, not only tensors"):
-        rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume_from=str(step)))
-    with pytest.raises(rloo.ConfigError, match="rng_rank0.pt holds io.open"):
-        rloo.load_safely(step / "rng_rank0.pt")
+    assert plumbing.checkpoint_problem(step) is None  # the manifest matches: only what the files hold can tell
+    with pytest.raises(plumbing.ConfigError, match="trainer_state.pt holds io.open, not only tensors"):
+        plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume_from=str(step)))
+    with pytest.raises(plumbing.ConfigError, match="rng_rank0.pt holds io.open"):
+        plumbing.load_safely(step / "rng_rank0.pt")
     # torch.distributed.checkpoint unpickles its metadata with pickle: read by an allow-list first
     dcp.save({"optimizer": optimizer.state_dict()}, checkpoint_id=str(step / "optimizer"))
     forge_manifest(step)
-    assert rloo.unsafe_metadata(step / "optimizer" / ".metadata") is None  # a real one passes
+    assert plumbing.unsafe_metadata(step / "optimizer" / ".metadata") is None  # a real one passes
     (step / "optimizer" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     forge_manifest(step)
-    assert "refers to io.open, which could run code" in rloo.checkpoint_problem(step)
+    assert "refers to io.open, which could run code" in plumbing.checkpoint_problem(step)
     assert not marker.exists()
     torch.load(step / "trainer_state.pt", weights_only=False)  # what loading used to do
     assert marker.exists()  # the payload is real
@@ -414,7 +415,7 @@ def test_a_checkpoint_cannot_choose_the_code_that_runs(tmp_path):
     forge_manifest(step)
     args = rloo.Args(model_name_or_path=str(initial), output_dir=str(tmp_path / "run"), resume=True,
                      trust_remote_code=True)
-    start = rloo.resume_checkpoint(args)
+    start = plumbing.resume_checkpoint(args)
     assert start.checkpoint == step
     policy, reference, _, _ = rloo.load_policy(args, torch.device("cpu"), start.checkpoint, tokenizer)
     assert not marker.exists()
@@ -433,7 +434,7 @@ def hub_snapshot(cache: Path, commit: str) -> None:
 
 def hub_identity(cache: Path) -> dict:
     """model_identity("org/tiny") in a process whose Hugging Face cache is `cache` (read when it starts)."""
-    code = "import json, rloo; print(json.dumps(rloo.model_identity('org/tiny')))"
+    code = "import json, rloo; print(json.dumps(plumbing.model_identity('org/tiny')))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                             env={**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
     return json.loads(result.stdout)
@@ -456,15 +457,15 @@ def test_a_resume_refuses_an_initial_model_that_changed(tmp_path, change):
     else:
         tiny_policy(len(tokenizer)).save_pretrained(tmp_path)
         tokenizer.save_pretrained(tmp_path)
-        identity = lambda: rloo.model_identity(str(tmp_path))  # noqa: E731
+        identity = lambda: plumbing.model_identity(str(tmp_path))  # noqa: E731
     saved = identity()
-    rloo.check_same_initial_model(saved, identity(), "m")  # unchanged: resumes
-    rloo.check_same_initial_model(None, saved, "m")  # a checkpoint of an earlier rloo.py: not recorded
+    plumbing.check_same_initial_model(saved, identity(), "m")  # unchanged: resumes
+    plumbing.check_same_initial_model(None, saved, "m")  # a checkpoint of an earlier rloo.py: not recorded
     apply, fragment = INITIAL_MODEL_CHANGES[change]
     apply(tmp_path)
-    with pytest.raises(rloo.ConfigError, match=re.escape(f"the initial model m (the frozen reference) is not the one "
+    with pytest.raises(plumbing.ConfigError, match=re.escape(f"the initial model m (the frozen reference) is not the one "
                                                          f"the checkpoint's run started from ({fragment}): restore")):
-        rloo.check_same_initial_model(saved, identity(), "m")
+        plumbing.check_same_initial_model(saved, identity(), "m")
 
 
 def test_rng_states_survive_a_safe_round_trip(tmp_path):
@@ -476,15 +477,15 @@ def test_rng_states_survive_a_safe_round_trip(tmp_path):
     def draws() -> tuple:
         return random.random(), np.random.rand(), torch.rand(1).item(), torch.rand(1, generator=sampling).item()
 
-    torch.save(rloo.rng_state(sampling), tmp_path / "rng.pt")
+    torch.save(plumbing.rng_state(sampling), tmp_path / "rng.pt")
     expected = draws()
-    rloo.set_rng_state(rloo.load_safely(tmp_path / "rng.pt"), sampling)
+    plumbing.set_rng_state(plumbing.load_safely(tmp_path / "rng.pt"), sampling)
     assert draws() == expected
     legacy = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
               "sampling": sampling.get_state()}  # as earlier versions of rloo.py wrote it: numpy's own arrays
     torch.save(legacy, tmp_path / "legacy.pt")
     expected = draws()
-    rloo.set_rng_state(rloo.load_safely(tmp_path / "legacy.pt"), sampling)
+    plumbing.set_rng_state(plumbing.load_safely(tmp_path / "legacy.pt"), sampling)
     assert draws() == expected
 
 
@@ -501,24 +502,24 @@ def fake_run(out: Path, steps: list[int]) -> None:
 
 def test_another_timeline_is_moved_aside_and_an_overwrite_deletes_nothing(tmp_path):
     fake_run(tmp_path, [1, 2, 3])
-    with pytest.raises(rloo.ConfigError, match="holds an earlier run .checkpoints up to step_3.: pass --resume"):
-        rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path)))
+    with pytest.raises(plumbing.ConfigError, match="holds an earlier run .checkpoints up to step_3.: pass --resume"):
+        plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path)))
     saved_steps(tmp_path / "other_run", [1])  # another run's checkpoint would mix two runs in one directory
-    with pytest.raises(rloo.ConfigError, match="holds an earlier run .*, not .*other_run.*'s: pass another"):
-        rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path),
+    with pytest.raises(plumbing.ConfigError, match="holds an earlier run .*, not .*other_run.*'s: pass another"):
+        plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path),
                                          resume_from=str(tmp_path / "other_run" / "checkpoints" / "step_1")))
     # --resume_from step_1: steps 2, 3 and the metrics after update 1 are another timeline
-    notes = rloo.settle_output_dir(rloo.Args(output_dir=str(tmp_path), resume_from="step_1"), 1, {})
+    notes = plumbing.settle_output_dir(rloo.Args(output_dir=str(tmp_path), resume_from="step_1"), 1, {})
     (aside,) = (tmp_path / "abandoned").iterdir()
     assert aside.name.endswith("_after_update_1") and str(aside) in notes[-1]
     assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == ["step_2", "step_3"]
-    assert [p.name for p in rloo.checkpoint_dirs(str(tmp_path))] == ["step_1"]
+    assert [p.name for p in plumbing.checkpoint_dirs(str(tmp_path))] == ["step_1"]
     assert (tmp_path / "metrics.jsonl").read_text() == '{"update": 1}\n'
     assert (aside / "metrics.jsonl").read_text().splitlines()[0] == '{"update": 2}'
-    assert rloo.settle_output_dir(rloo.Args(output_dir=str(tmp_path)), 1, {}) == []  # nothing later: nothing moved
+    assert plumbing.settle_output_dir(rloo.Args(output_dir=str(tmp_path)), 1, {}) == []  # nothing later: nothing moved
     # --overwrite_output_dir: all it holds moves aside (the user's own files too: the run could write over them)
-    rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), overwrite_output_dir=True))
-    rloo.settle_output_dir(rloo.Args(output_dir=str(tmp_path), overwrite_output_dir=True), 0, {})
+    plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), overwrite_output_dir=True))
+    plumbing.settle_output_dir(rloo.Args(output_dir=str(tmp_path), overwrite_output_dir=True), 0, {})
     overwritten = next(p for p in (tmp_path / "abandoned").iterdir() if p.name.endswith("_overwritten"))
     assert sorted(p.name for p in overwritten.iterdir()) == ["args.json", "checkpoints", "config.json", "curves.png",
                                                             "metrics.jsonl", "model.safetensors", "other_run",
@@ -527,11 +528,11 @@ def test_another_timeline_is_moved_aside_and_an_overwrite_deletes_nothing(tmp_pa
 
 
 def test_a_signal_during_start_up_stops_at_once_and_marks_a_preemption(tmp_path):
-    saved = {sig: signal.getsignal(sig) for sig in rloo.StopSignal.SIGNALS}
+    saved = {sig: signal.getsignal(sig) for sig in plumbing.StopSignal.SIGNALS}
     try:
-        stop = rloo.StopSignal(str(tmp_path), announce=False)
-        rloo.lock_output_dir(str(tmp_path))  # the marker is written only by the run holding output_dir
-        with pytest.raises(rloo.StartupInterrupted, match="SIGTERM received during start-up: .*nothing was trained"):
+        stop = plumbing.StopSignal(str(tmp_path), announce=False)
+        plumbing.lock_output_dir(str(tmp_path))  # the marker is written only by the run holding output_dir
+        with pytest.raises(plumbing.StartupInterrupted, match="SIGTERM received during start-up: .*nothing was trained"):
             os.kill(os.getpid(), signal.SIGTERM)
         assert (tmp_path / "preempted").exists()
         stop.training = True  # from then on a signal is only recorded, for the update loop to act on
@@ -547,15 +548,15 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp
         "import resource, signal, sys, torch\n"
         "from conftest import policy_tokenizer, tiny_policy\n"
         "import rloo\n"
-        "rloo.quiet_hub_progress_bars()\n"
+        "plumbing.quiet_hub_progress_bars()\n"
         "out, tokenizer = sys.argv[1], policy_tokenizer()\n"
         "policy = tiny_policy(len(tokenizer))\n"
         "optimizer = torch.optim.AdamW(policy.parameters())\n"
-        "rloo.save_checkpoint(out, 1, policy, optimizer, tokenizer, {'update': 1}, 0, None, torch.Generator())\n"
+        "plumbing.save_checkpoint(out, 1, policy, optimizer, tokenizer, {'update': 1}, 0, None, torch.Generator())\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails (EFBIG), as on a full disk\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))\n"
         "state = {'update': 2, 'ballast': torch.zeros(1 << 20)}  # 4 MB\n"
-        "rloo.run_script(lambda _: rloo.save_checkpoint(out, 2, policy, optimizer, tokenizer, state, 0, None,\n"
+        "plumbing.run_script(lambda _: plumbing.save_checkpoint(out, 2, policy, optimizer, tokenizer, state, 0, None,\n"
         "                                               torch.Generator()), None, 'rloo.py')\n")
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
     result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env,
@@ -565,7 +566,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp
     assert "rloo.py: error: could not write checkpoint step_2 (" in result.stderr
     assert "free on its filesystem): " in result.stderr and f"the newest, {step_1}, is intact" in result.stderr
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]  # the partial one removed
-    assert rloo.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True)).checkpoint == step_1
+    assert plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True)).checkpoint == step_1
 
 
 def test_a_full_disk_outside_a_save_stops_with_a_checkpoint_and_one_line(assets, tmp_path):
@@ -578,18 +579,18 @@ def test_a_full_disk_outside_a_save_stops_with_a_checkpoint_and_one_line(assets,
     assert result.stderr.strip().splitlines()[-1] == (
         f"rloo.py: error: could not write {out / 'metrics.jsonl'} (No space left on device) after update 1; "
         f"checkpoint of update 1 saved to {out / 'checkpoints' / 'step_1'}; fix it, then continue with --resume")
-    assert rloo.latest_checkpoint(str(out)).name == "step_1"
+    assert plumbing.latest_checkpoint(str(out)).name == "step_1"
     script = (  # a line that does not fit is cut off again: metrics.jsonl never ends in half a line
         "import resource, signal, sys\n"
         "from pathlib import Path\n"
         "import rloo\n"
-        "logger = object.__new__(rloo.RunLogger)\n"
+        "logger = object.__new__(plumbing.RunLogger)\n"
         "logger.metrics_path = Path(sys.argv[1])\n"
         "logger.metrics_path.touch()\n"
         "logger.write_metrics({'update': 1})\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails (EFBIG)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))\n"
-        "rloo.run_script(lambda _: logger.write_metrics({'update': 2, 'text': 'x' * 10000}), None, 'rloo.py')\n")
+        "plumbing.run_script(lambda _: logger.write_metrics({'update': 2, 'text': 'x' * 10000}), None, 'rloo.py')\n")
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
     result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "metrics.jsonl")], capture_output=True,
                             text=True, env=env, timeout=120)
@@ -737,7 +738,7 @@ def test_a_reward_function_that_exits_returns_no_float32_or_hangs_stops_with_the
     assert process.returncode == status and "Traceback" not in stderr, stderr[-3000:]
     said = (stdout if status == 0 else stderr).strip().splitlines()[-1]
     assert said == "rloo.py: " + line.format(step_2=out / "checkpoints" / "step_2")
-    assert rloo.latest_checkpoint(str(out)).name == "step_2" and [m["update"] for m in read_metrics(out)] == [1, 2]
+    assert plumbing.latest_checkpoint(str(out)).name == "step_2" and [m["update"] for m in read_metrics(out)] == [1, 2]
     assert (out / "preempted").exists() == (status == 0)  # a signal: requeue; a fault: fix it first
 
 
@@ -762,7 +763,7 @@ def test_ctrl_c_twice_exits_at_once_and_a_signal_during_start_up_trains_nothing(
         process.wait(timeout=60)
     assert process.returncode == -signal.SIGINT  # killed in the middle of the update, which is not saved
     logged = len(read_metrics(out))
-    assert rloo.latest_checkpoint(str(out)).name == f"step_{logged}" and not (out / "preempted").exists()
+    assert plumbing.latest_checkpoint(str(out)).name == f"step_{logged}" and not (out / "preempted").exists()
 
     ready = tmp_path / "importing"
     process = subprocess.Popen(script_command("rloo.py", *common, "--output_dir", tmp_path / "start", "--reward_fn",

@@ -11,6 +11,7 @@ import torch
 import tyro
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import plumbing
 import rloo
 from conftest import neox_config, policy_tokenizer, read_metrics, run_rloo, tiny_policy, word_tokenizer
 
@@ -175,18 +176,18 @@ TRL_VALUES = {"num_generations": ("4", 4), "beta": ("0.03", 0.03), "epsilon": ("
 def test_every_trl_name_sets_rloo_flag():
     import rloo
 
-    assert set(TRL_VALUES) == set(rloo.TRL_NAMES)  # a new alias gets a case here
-    for trl_name, own in rloo.TRL_NAMES.items():
+    assert set(TRL_VALUES) == set(plumbing.TRL_NAMES)  # a new alias gets a case here
+    for trl_name, own in plumbing.TRL_NAMES.items():
         text, expected = TRL_VALUES[trl_name]
         for spelling in (trl_name, trl_name.replace("_", "-")):
-            args = rloo.parse_args(argv=[f"--{spelling}"] + ([text] if text is not None else []))
+            args = plumbing.parse_args(rloo.Args, argv=[f"--{spelling}"] + ([text] if text is not None else []))
             assert getattr(args, own) == expected, (trl_name, getattr(args, own))
-    assert rloo.parse_args(argv=["--no-normalize_advantages"]).normalize_advantage is False
-    assert rloo.parse_args(argv=["--beta=0.5", "--kl_coef", "0.50"]).kl_coef == 0.5  # equal values: no clash
-    args = rloo.parse_args(argv=["--steps_per_generation", "8", "--gradient_accumulation_steps", "4"])
+    assert plumbing.parse_args(rloo.Args, argv=["--no-normalize_advantages"]).normalize_advantage is False
+    assert plumbing.parse_args(rloo.Args, argv=["--beta=0.5", "--kl_coef", "0.50"]).kl_coef == 0.5  # equal values: no clash
+    args = plumbing.parse_args(rloo.Args, argv=["--steps_per_generation", "8", "--gradient_accumulation_steps", "4"])
     assert (args.num_mini_batches, args.gradient_accumulation_steps) == (2, 4)  # micro-batches -> optimizer steps
-    assert rloo.parse_args(argv=["--steps_per_generation", "3"]).num_mini_batches == 3  # accumulation 1 by default
-    assert rloo.parse_args(argv=["--run_name", "tldr_seed1"]).run_name == "tldr_seed1"
+    assert plumbing.parse_args(rloo.Args, argv=["--steps_per_generation", "3"]).num_mini_batches == 3  # accumulation 1 by default
+    assert plumbing.parse_args(rloo.Args, argv=["--run_name", "tldr_seed1"]).run_name == "tldr_seed1"
 
 
 @pytest.mark.parametrize("argv,fragments", [
@@ -201,7 +202,7 @@ def test_a_flag_under_both_names_with_different_values_is_one_line(capsys, argv,
     import rloo
 
     with pytest.raises(SystemExit) as exit_info:
-        rloo.parse_args(argv=argv, prog="rloo.py")
+        plumbing.parse_args(rloo.Args, argv=argv, prog="rloo.py")
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and error.startswith("rloo.py: error: "), error
@@ -211,7 +212,7 @@ def test_a_flag_under_both_names_with_different_values_is_one_line(capsys, argv,
 def test_a_list_flag_given_several_times_keeps_every_value_and_another_flag_its_last():
     import rloo
 
-    args = rloo.parse_args(argv=["--reward_fn", "m:a", "--seed", "3", "--reward-fn=m:b", "--reward_fn", "m:c", "m:d",
+    args = plumbing.parse_args(rloo.Args, argv=["--reward_fn", "m:a", "--seed", "3", "--reward-fn=m:b", "--reward_fn", "m:c", "m:d",
                                  "--reward_weights", "1", "--fsdp", "--reward_weights", "-0.5", "2", "--seed", "4",
                                  "--no-fsdp"])
     assert args.reward_fn == ("m:a", "m:b", "m:c", "m:d")  # the README's repeatable --reward_fn: each counts
@@ -223,32 +224,28 @@ def test_a_list_flag_given_several_times_keeps_every_value_and_another_flag_its_
 def test_more_ranks_than_gpus_is_one_line_naming_the_fix(monkeypatch):
     import torch
 
-    import rloo
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with pytest.raises(rloo.ConfigError, match=r"2 ranks on this node but 1 GPU\(s\) visible: .*--nproc_per_node 1; "
+    with pytest.raises(plumbing.ConfigError, match=r"2 ranks on this node but 1 GPU\(s\) visible: .*--nproc_per_node 1; "
                                                r"for a CPU \(gloo\) run, set CUDA_VISIBLE_DEVICES="):
-        rloo.setup_distributed()  # before any CUDA call: no 'invalid device ordinal' traceback
+        plumbing.setup_distributed()  # before any CUDA call: no 'invalid device ordinal' traceback
 
 
 def test_cudnn_attention_is_off_for_steady_times_at_changing_lengths():
     import torch
 
-    import rloo
-
     torch.backends.cuda.enable_cudnn_sdp(True)
-    rloo.choose_kernels()  # what main does first
+    plumbing.choose_kernels()  # what main does first
     assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.matmul.allow_tf32
 # ---------------------------------------------------------------- bad input, table-driven, in this process
 def snapshot(directory: Path) -> dict:
     """Every file under directory with its size and modification time; the lock file is the run's, not data."""
     return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in directory.rglob("*") if p.is_file() and p.name != rloo.LOCK}
+            for p in directory.rglob("*") if p.is_file() and p.name != plumbing.LOCK}
 
 
 def valid_flags(assets, output_dir: Path) -> dict:
@@ -266,7 +263,7 @@ def checkpoint_of(output_dir: Path, update: int, args: rloo.Args, initial_model:
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer))
     state = {"update": update, "world_size": 1, "args": asdict(args), "initial_model": initial_model}
-    return rloo.save_checkpoint(str(output_dir), update, policy, torch.optim.AdamW(policy.parameters()), tokenizer,
+    return plumbing.save_checkpoint(str(output_dir), update, policy, torch.optim.AdamW(policy.parameters()), tokenizer,
                                 state, 0, None, torch.Generator())
 
 
@@ -301,7 +298,7 @@ def bad_files(assets, tmp_path_factory) -> dict[str, Path]:
     files["a_file"].write_text("not a directory\n")
     files["earlier_run"] = root / "earlier_run"
     (files["earlier_run"] / "checkpoints" / "step_3").mkdir(parents=True)
-    (files["earlier_run"] / "checkpoints" / "step_3" / rloo.MANIFEST).write_text('{"files": {}}\n')
+    (files["earlier_run"] / "checkpoints" / "step_3" / plumbing.MANIFEST).write_text('{"files": {}}\n')
     files["policy"], files["a_model"], files["new_dir"] = assets["policy"], root / "a_model", root / "new" / "dir"
     files["above_policy"] = assets["policy"].parent
     tiny_policy(15).save_pretrained(files["a_model"])
@@ -312,7 +309,7 @@ def bad_files(assets, tmp_path_factory) -> dict[str, Path]:
         (files["leftovers"] / name).write_text("{}\n")
     for name, edited in (("resumable", None), ("edited_initial_model", "model.safetensors")):
         files[name] = root / name  # the table's valid command, checkpointed after update 5 (8 episodes each)
-        initial_model = {"files": rloo.file_digests(assets["policy"])}  # its files' sha256
+        initial_model = {"files": plumbing.file_digests(assets["policy"])}  # its files' sha256
         if edited:
             initial_model["files"][edited]["sha256"] = "0" * 64
         args = tyro.cli(rloo.Args, args=argv_of(valid_flags(assets, files[name])))
@@ -320,8 +317,8 @@ def bad_files(assets, tmp_path_factory) -> dict[str, Path]:
     step = checkpoint_of(root / "pickled", 1, rloo.Args(), {})
     torch.save(tiny_policy(15).state_dict(), step / "pytorch_model.bin")  # the weights as a pickle
     (step / "model.safetensors").unlink()
-    (step / rloo.MANIFEST).unlink()
-    (step / rloo.MANIFEST).write_text(json.dumps({"files": rloo.file_digests(step)}))  # true to what it holds
+    (step / plumbing.MANIFEST).unlink()
+    (step / plumbing.MANIFEST).write_text(json.dumps({"files": plumbing.file_digests(step)}))  # true to what it holds
     files["pickled_step"] = step
     return files
 
@@ -418,7 +415,7 @@ BAD_INPUTS = {  # case: (flags that replace or add to a valid command, fragments
 @pytest.fixture
 def signal_handlers_kept():
     """rloo.main installs its signal handlers in this process: put pytest's back."""
-    saved = {sig: signal.getsignal(sig) for sig in rloo.StopSignal.SIGNALS}
+    saved = {sig: signal.getsignal(sig) for sig in plumbing.StopSignal.SIGNALS}
     yield
     for sig, handler in saved.items():
         signal.signal(sig, handler)
@@ -443,7 +440,7 @@ def test_bad_input_is_one_line_before_any_model_loads_and_changes_nothing(case, 
     argv = argv_of(flags)
     capfd.readouterr()
     with pytest.raises(SystemExit) as exit_status:
-        rloo.run_script(rloo.main, tyro.cli(rloo.Args, args=argv), "rloo.py")
+        plumbing.run_script(rloo.main, tyro.cli(rloo.Args, args=argv), "rloo.py")
     stderr = capfd.readouterr().err
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert exit_status.value.code == 2 and len(lines) == 1, stderr
@@ -452,7 +449,7 @@ def test_bad_input_is_one_line_before_any_model_loads_and_changes_nothing(case, 
         assert fragment in lines[0], lines[0]
     assert snapshot(watched) == before
     assert not (out / "checkpoints").exists()
-    assert not (watched / rloo.LOCK).exists() and [output_dir.exists(), output_dir.parent.exists()] == existed
+    assert not (watched / plumbing.LOCK).exists() and [output_dir.exists(), output_dir.parent.exists()] == existed
 
 
 def test_a_sequence_longer_than_the_policys_positions_is_warned_about(assets, capsys):

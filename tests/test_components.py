@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import plumbing
 import rloo
 from conftest import LETTERS, policy_tokenizer, tiny_policy, tiny_reward_model, word_tokenizer
 
@@ -65,18 +66,18 @@ def test_forward_chunks_are_sized_to_the_free_memory(monkeypatch):
     policy = tiny_policy(len(tokenizer))
     config, cpu = policy.config, torch.device("cpu")
     h, i, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
-    assert rloo.forward_bytes_per_row(config, "generation", 16, 8, 4) == \
+    assert plumbing.forward_bytes_per_row(config, "generation", 16, 8, 4) == \
         (4 * h + i) * 24 * 4 + 2 * layers * h * 24 * 4 + 3 * vocab * 4  # activations + KV cache + a step's logits
-    assert rloo.forward_bytes_per_row(config, "logprobs", 16, 8, 2) == (4 * h + i) * 24 * 2 + 2 * 8 * vocab * 4
+    assert plumbing.forward_bytes_per_row(config, "logprobs", 16, 8, 2) == (4 * h + i) * 24 * 2 + 2 * 8 * vocab * 4
     args = rloo.Args(local_rollout_forward_batch_size=0, max_prompt_length=16, response_length=8)
-    per_row = rloo.forward_bytes_per_row(config, "generation", 16, 8, 4)
-    monkeypatch.setattr(rloo, "free_memory_bytes", lambda device: int(10.5 * per_row / 0.9))
-    assert rloo.rows_per_forward(args, policy, "generation", cpu, 64) == 10  # 90% of what is free
-    assert rloo.rows_per_forward(args, policy, "generation", cpu, 4) == 4  # never more than there are
-    assert rloo.rows_per_forward(args, None, "scoring", cpu, 64) == 64  # no model: nothing to size
-    monkeypatch.setattr(rloo, "free_memory_bytes", lambda device: 0)
-    assert rloo.rows_per_forward(args, policy, "logprobs", cpu, 64) == 1  # at least one row, even when full
-    assert rloo.rows_per_forward(rloo.Args(local_rollout_forward_batch_size=16), policy, "generation", cpu, 64) == 16
+    per_row = plumbing.forward_bytes_per_row(config, "generation", 16, 8, 4)
+    monkeypatch.setattr(plumbing, "free_memory_bytes", lambda device: int(10.5 * per_row / 0.9))
+    assert plumbing.rows_per_forward(args, policy, "generation", cpu, 64) == 10  # 90% of what is free
+    assert plumbing.rows_per_forward(args, policy, "generation", cpu, 4) == 4  # never more than there are
+    assert plumbing.rows_per_forward(args, None, "scoring", cpu, 64) == 64  # no model: nothing to size
+    monkeypatch.setattr(plumbing, "free_memory_bytes", lambda device: 0)
+    assert plumbing.rows_per_forward(args, policy, "logprobs", cpu, 64) == 1  # at least one row, even when full
+    assert plumbing.rows_per_forward(rloo.Args(local_rollout_forward_batch_size=16), policy, "generation", cpu, 64) == 16
 
 
 def test_generation_pads_after_the_stop_token():
@@ -180,8 +181,8 @@ def test_reward_is_read_at_the_last_real_token_under_left_and_right_padding():
 def test_reward_model_with_another_tokenizer_gets_retokenized_text():
     policy_tok = policy_tokenizer()
     other_tok = word_tokenizer(["<eos>", ":", *reversed(LETTERS), "<pad>"])
-    assert rloo.same_vocabulary(policy_tok, policy_tokenizer())
-    assert not rloo.same_vocabulary(policy_tok, other_tok)
+    assert plumbing.same_vocabulary(policy_tok, policy_tokenizer())
+    assert not plumbing.same_vocabulary(policy_tok, other_tok)
     rm = tiny_reward_model(len(other_tok), seed=3, pad_token_id=other_tok.pad_token_id)
     queries, query_mask = left_padded(policy_tok, ["a b c :", "d :"])
     responses = torch.tensor([[5, 6, 1, 0], [7, 8, 9, 10]])  # "d e <eos>" and "f g h i" (no EOS)
@@ -216,7 +217,7 @@ def test_reward_functions_get_texts_ids_and_columns_and_combine_with_weights():
     from reward_fns import only_even_lengths
     sources = rloo.RewardSources(None, None, [("meddle", meddle), ("spy", spy), ("even", only_even_lengths)],
                                  torch.tensor([1.0, 1.0, 10.0]))
-    rows = {"prompt": ["a b :", "c :"], "target": ["x", "y"], rloo.PROMPT_IDS: [[2, 3, 5], [4, 5]]}  # dataset rows
+    rows = {"prompt": ["a b :", "c :"], "target": ["x", "y"], plumbing.PROMPT_IDS: [[2, 3, 5], [4, 5]]}  # dataset rows
     scores, means = rloo.score_completions(sources, completions, rows, "prompt", tokenizer, 1, 8, NO_AUTOCAST)
     assert seen["prompts"] == ["a b :", "c :", "a b :", "c :"]  # the (k, B) layout
     assert seen["target"] == ["x", "y", "x", "y"]
@@ -228,7 +229,7 @@ def test_reward_functions_get_texts_ids_and_columns_and_combine_with_weights():
 
 
 def test_reward_function_values_numpy_accepted_and_every_misuse_named():
-    call = lambda fn: rloo.call_reward_function("f", lambda **kwargs: fn(), 3, completions=["a", "b", "c"])  # noqa
+    call = lambda fn: plumbing.call_reward_function("f", lambda **kwargs: fn(), 3, completions=["a", "b", "c"])  # noqa
     values, applies = call(lambda: [np.float32(0.5), np.int64(2), None])  # numpy scalars, as from np.mean
     assert values.tolist() == [0.5, 2.0, 0.0] and applies.tolist() == [True, True, False]
     assert call(lambda: np.array([1.0, 2.0, 3.0]))[0].tolist() == [1.0, 2.0, 3.0]
@@ -246,8 +247,8 @@ def test_reward_function_values_numpy_accepted_and_every_misuse_named():
                              (lambda: [1.0, None, np.inf], "'f' returned inf for completion 2"),
                              (lambda: [np.float64("nan"), 2.0, 3.0], "'f' returned nan for completion 0"),
                              (lambda: time.sleep(30), "'f' did not return within --reward_fn_timeout 0.2 s")):
-        with pytest.raises(rloo.RewardFunctionError, match=message):
-            rloo.call_reward_function("f", lambda **kwargs: returns(), 3, 0.2, completions=["a", "b", "c"])
+        with pytest.raises(plumbing.RewardFunctionError, match=message):
+            plumbing.call_reward_function("f", lambda **kwargs: returns(), 3, 0.2, completions=["a", "b", "c"])
 
 
 # ---------------------------------------------------------------- one update
@@ -282,28 +283,28 @@ def test_prompt_sources_string_chat_and_pretokenized(tmp_path):
     rows = [{"prompt": "a b :", "extra": 1}, {"prompt": "c :", "extra": 2}]
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ds = rloo.load_split(str(path), "ignored", None)
+    ds = plumbing.load_split(str(path), "ignored", None)
     ds, dropped = rloo.prepare_prompts(ds, tokenizer, "prompt", 16, "p.jsonl")
-    assert ds[rloo.PROMPT_IDS] == [[2, 3, 14], [4, 14]] and dropped == {"empty": 0, "too_long": 0}
+    assert ds[plumbing.PROMPT_IDS] == [[2, 3, 14], [4, 14]] and dropped == {"empty": 0, "too_long": 0}
     assert ds["extra"] == [1, 2]
 
     chat = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "a b"}]}])
     chat, _ = rloo.prepare_prompts(chat, tokenizer, "messages", 16, "chat")
-    assert chat[rloo.PROMPT_IDS] == [[2, 3, 14]]
+    assert chat[plumbing.PROMPT_IDS] == [[2, 3, 14]]
 
     pretokenized = datasets.Dataset.from_dict({"query_token": [[0, 0, 2, 3, 14], [0, 4, 5, 6, 14]]})
     pretokenized.save_to_disk(str(tmp_path / "disk"))
-    ds = rloo.load_split(str(tmp_path / "disk"), "train", None)
+    ds = plumbing.load_split(str(tmp_path / "disk"), "train", None)
     ds, _ = rloo.prepare_prompts(ds, tokenizer, "prompt", 16, "disk")
-    assert ds[rloo.PROMPT_IDS] == [[2, 3, 14], [4, 5, 6, 14]]
+    assert ds[plumbing.PROMPT_IDS] == [[2, 3, 14], [4, 5, 6, 14]]
 
     datasets.DatasetDict({"train": chat}).save_to_disk(str(tmp_path / "dict"))
-    assert len(rloo.load_split(str(tmp_path / "dict"), "train", None)) == 1
-    with pytest.raises(rloo.ConfigError, match="no split 'test'"):
-        rloo.load_split(str(tmp_path / "dict"), "test", None)
+    assert len(plumbing.load_split(str(tmp_path / "dict"), "train", None)) == 1
+    with pytest.raises(plumbing.ConfigError, match="no split 'test'"):
+        plumbing.load_split(str(tmp_path / "dict"), "test", None)
 
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "p.parquet"))
-    assert len(rloo.load_split(str(tmp_path / "p.parquet"), "train", None)) == 2
+    assert len(plumbing.load_split(str(tmp_path / "p.parquet"), "train", None)) == 2
 
 
 def test_over_long_and_empty_prompts_are_dropped_and_counted_apart():
@@ -311,14 +312,14 @@ def test_over_long_and_empty_prompts_are_dropped_and_counted_apart():
     ds = datasets.Dataset.from_list([{"prompt": "a b c d :"}, {"prompt": "a :"}, {"prompt": ""}, {"prompt": "b c :"}])
     ds, dropped = rloo.prepare_prompts(ds, tokenizer, "prompt", 3, "d")
     assert dropped == {"empty": 1, "too_long": 1} and ds["prompt"] == ["a :", "b c :"]
-    assert rloo.describe_dropped(dropped, 3) == "1 dropped as longer than 3 tokens, 1 empty"
-    with pytest.raises(rloo.ConfigError, match="longer than max_prompt_length"):
+    assert plumbing.describe_dropped(dropped, 3) == "1 dropped as longer than 3 tokens, 1 empty"
+    with pytest.raises(plumbing.ConfigError, match="longer than max_prompt_length"):
         rloo.prepare_prompts(ds, tokenizer, "prompt", 1, "d")
 
 
 def test_missing_prompt_column_is_named():
     ds = datasets.Dataset.from_list([{"text": "a"}])
-    with pytest.raises(rloo.ConfigError, match="no 'prompt' column .* columns are \\['text'\\]"):
+    with pytest.raises(plumbing.ConfigError, match="no 'prompt' column .* columns are \\['text'\\]"):
         rloo.prepare_prompts(ds, policy_tokenizer(), "prompt", 8, "d")
 
 
@@ -330,18 +331,18 @@ def test_sampler_cycles_reshuffles_and_splits_ranks():
     next_epoch = samplers[0].next_indices()  # 2 left < 4 per update: the remainder is dropped, reshuffled
     assert samplers[0].epoch == 1 and samplers[0].position == 4
     assert next_epoch == rloo.PromptSampler(10, 2, 0, 2, seed=4).next_indices()  # epoch 1 = seed + 1 permutation
-    with pytest.raises(rloo.ConfigError, match="has 3 prompts, fewer than one update"):
+    with pytest.raises(plumbing.ConfigError, match="has 3 prompts, fewer than one update"):
         rloo.PromptSampler(3, 2, 0, 2, seed=0)
 
 
 def test_pad_token_is_added_only_when_the_embedding_has_room():
     tokenizer = word_tokenizer(["<eos>", "a", "b"], pad=None)
-    with pytest.raises(rloo.ConfigError, match="no pad token: save one with a pad token, or pass --pad_token"):
-        rloo.ensure_pad_token(tokenizer, None, 8, "m")
-    with pytest.raises(rloo.ConfigError, match="gives id 3, outside the model's 3-row embedding"):
-        rloo.ensure_pad_token(word_tokenizer(["<eos>", "a", "b"], pad=None), "[PAD]", 3, "m")
+    with pytest.raises(plumbing.ConfigError, match="no pad token: save one with a pad token, or pass --pad_token"):
+        plumbing.ensure_pad_token(tokenizer, None, 8, "m")
+    with pytest.raises(plumbing.ConfigError, match="gives id 3, outside the model's 3-row embedding"):
+        plumbing.ensure_pad_token(word_tokenizer(["<eos>", "a", "b"], pad=None), "[PAD]", 3, "m")
     tokenizer = word_tokenizer(["<eos>", "a", "b"], pad=None)
-    rloo.ensure_pad_token(tokenizer, "[PAD]", 8, "m")
+    plumbing.ensure_pad_token(tokenizer, "[PAD]", 8, "m")
     assert tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id == 3
 
 
@@ -386,14 +387,14 @@ def test_the_bf16_copy_samples_from_the_distribution_of_the_fp32_policy_under_au
 
 def test_bf16_generation_needs_bf16_and_a_replicated_policy():
     for flags in ({"bf16_generation": True}, {"bf16_generation": True, "bf16": True, "fsdp": True}):
-        with pytest.raises(rloo.ConfigError, match="--bf16_generation samples from a bf16 copy"):
-            rloo.validate_args(rloo.Args(model_name_or_path="p", reward_fn=("m:f",), **flags))
+        with pytest.raises(plumbing.ConfigError, match="--bf16_generation samples from a bf16 copy"):
+            plumbing.validate_args(rloo.Args(model_name_or_path="p", reward_fn=("m:f",), **flags))
 
 
 def test_the_phase_timer_counts_the_tokens_fed_and_the_bytes_each_decoding_step_reads():
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer))
-    timer = rloo.PhaseTimer(torch.device("cpu"))
+    timer = plumbing.PhaseTimer(torch.device("cpu"))
     timer.count_tokens_of(policy, policy)  # watched once
     queries, mask = left_padded(tokenizer, ["a b :", "c :"])  # (2, 3)
     with timer("generation"):

@@ -3,7 +3,7 @@
 import dataclasses
 import re
 
-import rloo
+import plumbing
 import rloo_multinode
 from conftest import REPO
 
@@ -26,6 +26,6 @@ def test_readme_explains_every_logged_metric_name():
 def test_readme_maps_every_trl_name():
     readme = (REPO / "README.md").read_text()
     table = readme[readme.index("### TRL's names"):]
-    for trl_name, own in rloo.TRL_NAMES.items():
+    for trl_name, own in plumbing.TRL_NAMES.items():
         assert f"| `--{own}` | `--{trl_name}` |" in table, trl_name
     assert "`--steps_per_generation`" in table

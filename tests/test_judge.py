@@ -14,7 +14,7 @@ import torch
 import tyro
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import rloo
+import plumbing
 from benchmark.tldr import judge
 from conftest import LETTERS, REPO, cpu_env, write_jsonl
 
@@ -272,8 +272,8 @@ def test_unreachable_endpoint_is_a_one_line_error(assets, tldr_rows, tmp_path):
 def test_bad_dataset_and_model_are_config_errors(assets, tldr_rows, tmp_path):
     renamed = write_jsonl(tmp_path / "renamed.jsonl", [{"post": r["prompt"], "summary": r["completion"]}
                                                        for r in tldr_rows])
-    with pytest.raises(rloo.ConfigError, match=r"no column 'prompt' or 'completion'.*--prompt_column NAME"):
+    with pytest.raises(plumbing.ConfigError, match=r"no column 'prompt' or 'completion'.*--prompt_column NAME"):
         judge.main(judge.Args(model_name_or_path=str(assets["policy"]), dataset_name=str(renamed)))
     data = write_jsonl(tmp_path / "tldr.jsonl", tldr_rows)
-    with pytest.raises(rloo.ConfigError, match="could not load tokenizer from"):
+    with pytest.raises(plumbing.ConfigError, match="could not load tokenizer from"):
         judge.main(judge.Args(model_name_or_path=str(tmp_path / "no_such_model"), dataset_name=str(data)))

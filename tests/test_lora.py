@@ -11,6 +11,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+import plumbing
 import rloo
 from conftest import REPO, read_metrics, run_rloo
 from test_checkpoints import comparable, interrupt_after_first_update
@@ -69,7 +70,7 @@ def test_only_adapters_train_and_the_reference_is_the_untouched_base(assets):
             assert torch.equal(reference, rloo.forward_logprobs(base, c, 0.7, share)[0])  # the base's, exactly
             assert not torch.allclose(reference, rloo.forward_logprobs(policy, c, 0.7, share)[0])  # adapters on again
     assert [n for n, p in policy.named_parameters() if p.requires_grad] == trained  # still the ones to train
-    with rloo.visiting(ref, torch.device("cpu")):  # finds the policy's weights where they are
+    with plumbing.visiting(ref, torch.device("cpu")):  # finds the policy's weights where they are
         pass
 
 
@@ -104,28 +105,28 @@ def test_a_lora_run_resumes_bit_identical_and_both_saved_forms_load(assets, tmp_
     returncode, stdout, stderr = interrupt_after_first_update([*common, "--output_dir", interrupted], signal.SIGINT)
     # a fast run may be inside a later update, or in its reward function (stopped at once, its start kept)
     assert returncode == 0 and "SIGINT received" in stdout, stdout[-2000:] + stderr[-3000:]
-    stopped_at = rloo.latest_checkpoint(str(interrupted))
+    stopped_at = plumbing.latest_checkpoint(str(interrupted))
     assert stopped_at.name != "step_4"  # stopped before the end
-    assert sorted(p.name for p in stopped_at.glob("*.safetensors")) == [rloo.ADAPTER_WEIGHTS]  # the adapter only
+    assert sorted(p.name for p in stopped_at.glob("*.safetensors")) == [plumbing.ADAPTER_WEIGHTS]  # the adapter only
     result = run_rloo(*common, "--output_dir", interrupted, "--resume")
     assert result.returncode == 0 and f"resuming from {stopped_at}" in result.stdout, result.stderr[-3000:]
     metrics = read_metrics(full)
     assert comparable(read_metrics(interrupted)) == comparable(metrics)
     assert any("eval/scores" in m for m in metrics) and metrics[0]["objective/kl"] == 0.0  # lora_B starts at 0
-    a, b = load_file(full / rloo.ADAPTER_WEIGHTS), load_file(interrupted / rloo.ADAPTER_WEIGHTS)
+    a, b = load_file(full / plumbing.ADAPTER_WEIGHTS), load_file(interrupted / plumbing.ADAPTER_WEIGHTS)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-identical
 
     # the adapter in peft's format on the base, and the merged model with transformers alone, compute the same
-    assert json.loads((full / rloo.ADAPTER_CONFIG).read_text())["r"] == 4
+    assert json.loads((full / plumbing.ADAPTER_CONFIG).read_text())["r"] == 4
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(assets["policy"]), full).eval()
-    merged = AutoModelForCausalLM.from_pretrained(full / rloo.MERGED).eval()
+    merged = AutoModelForCausalLM.from_pretrained(full / plumbing.MERGED).eval()
     base = AutoModelForCausalLM.from_pretrained(assets["policy"]).eval()
     ids = torch.tensor([[3, 4, 5, 14, 6, 7]])
     with torch.no_grad():
         logits = adapted(input_ids=ids).logits
         torch.testing.assert_close(merged(input_ids=ids).logits, logits, atol=1e-5, rtol=1e-5)
         assert not torch.allclose(base(input_ids=ids).logits, logits)  # it learned something
-    assert (full / rloo.MERGED / "tokenizer.json").is_file()
+    assert (full / plumbing.MERGED / "tokenizer.json").is_file()
 
 
 def test_torchrun_lora_on_policy_with_bf16(assets, tmp_path):
@@ -138,7 +139,7 @@ def test_torchrun_lora_on_policy_with_bf16(assets, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(out)
     assert len(metrics) == 3 and abs(metrics[0]["objective/kl"]) < 1e-6
-    config = json.loads((out / rloo.ADAPTER_CONFIG).read_text())
+    config = json.loads((out / plumbing.ADAPTER_CONFIG).read_text())
     adapted = {name.split(".")[-1] for name in config["target_modules"]}  # all-linear: every one but the head
     assert adapted == {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"}
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(assets["policy"]), out)
@@ -160,13 +161,13 @@ def test_the_demo_task_learns_with_lora(tmp_path, synthetic_sft):
                       "--num_sample_generations", "0", "--merge_lora", env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
     assert result.returncode == 0, result.stderr[-3000:]
     before = synthetic_task.mean_true_score(sft, tokenizer, prompts)
-    after = synthetic_task.mean_true_score(AutoModelForCausalLM.from_pretrained(out / rloo.MERGED), tokenizer, prompts)
+    after = synthetic_task.mean_true_score(AutoModelForCausalLM.from_pretrained(out / plumbing.MERGED), tokenizer, prompts)
     assert after > before + 0.05, (before, after)
 
 
 def test_rloo_multinode_with_lora_is_refused_before_models_load(assets, tmp_path):
     args = lora_args(assets, dataset_name=str(assets["train"]), output_dir=str(tmp_path / "out"))
-    with pytest.raises(rloo.ConfigError, match="--use_peft with rloo_multinode.py is not supported yet"):
+    with pytest.raises(plumbing.ConfigError, match="--use_peft with rloo_multinode.py is not supported yet"):
         rloo.set_up(args, make_rollouts=lambda *a: pytest.fail("engines started"))
     assert not (tmp_path / "out").exists()
 
@@ -194,8 +195,8 @@ def test_an_adapter_that_does_not_match_the_flags_is_refused_and_a_matching_one_
         for p in policy.parameters():
             if p.requires_grad:
                 p.normal_()
-    rloo.save_policy(policy, tokenizer, tmp_path, 0)
+    plumbing.save_policy(policy, tokenizer, tmp_path, 0)
     loaded, _, _, _ = rloo.load_policy(lora_args(assets), torch.device("cpu"), checkpoint=tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(policy.state_dict().values(), loaded.state_dict().values()))
-    with pytest.raises(rloo.ConfigError, match="cannot resume: the adapter in .* does not match --lora_"):
+    with pytest.raises(plumbing.ConfigError, match="cannot resume: the adapter in .* does not match --lora_"):
         rloo.load_policy(lora_args(assets, lora_r=8), torch.device("cpu"), checkpoint=tmp_path)

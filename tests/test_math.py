@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import plumbing
 import rloo
 
 
@@ -43,7 +44,7 @@ def test_baseline_matches_brute_force(k, b):
 def test_k_below_two_is_refused():
     with pytest.raises(ValueError, match="k >= 2"):
         rloo.leave_one_out_baseline(torch.ones(4), k=1)
-    with pytest.raises(rloo.ConfigError, match="rloo_k = 1"):
+    with pytest.raises(plumbing.ConfigError, match="rloo_k = 1"):
         rloo.compute_batch_sizes(rloo.Args(rloo_k=1), world_size=1)
 
 
@@ -56,7 +57,7 @@ def test_batch_sizes_spelled_out():
 
 def test_indivisible_batch_names_the_numbers():
     args = rloo.Args(rloo_k=3, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=1)
-    with pytest.raises(rloo.ConfigError) as e:
+    with pytest.raises(plumbing.ConfigError) as e:
         rloo.compute_batch_sizes(args, world_size=1)
     assert "per_device_train_batch_size (4)" in str(e.value) and "= 8" in str(e.value) and "rloo_k (3)" in str(e.value)
 
@@ -191,14 +192,14 @@ def test_combine_rewards_with_none():
     applies = torch.tensor([[True, True, False], [True, False, True]])
     combined = rloo.combine_rewards(values, applies, torch.tensor([1.0, 0.5]))
     assert combined.tolist() == [6.0, 2.0, 15.0]
-    with pytest.raises(rloo.RewardFunctionError, match="no reward source applies to completions \\[1\\]"):
+    with pytest.raises(plumbing.RewardFunctionError, match="no reward source applies to completions \\[1\\]"):
         rloo.combine_rewards(values, torch.tensor([[True, False, True], [False, False, True]]), torch.ones(2))
 
 
 def test_reduce_metrics_single_process():
     metrics = {"objective/scores": 1.5, "reward/f/mean": float("nan"), "loss/policy_avg": float("nan"),
                "val/num_eos_tokens": 3.0, "completions/min_length": 2.0, "completions/max_length": 7.0, "memory/peak_gib": 2.0}
-    out = rloo.reduce_metrics(metrics, torch.device("cpu"))
+    out = plumbing.reduce_metrics(metrics, torch.device("cpu"))
     assert "reward/f/mean" not in out  # a source that applied to nothing has no mean
     assert math.isnan(out["loss/policy_avg"])  # any other NaN is reported, never hidden
     assert {k: v for k, v in out.items() if k != "loss/policy_avg"} == {

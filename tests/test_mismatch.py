@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import plumbing
 import rloo
 from conftest import policy_tokenizer, read_metrics, run_rloo, tiny_policy
 
@@ -94,7 +95,7 @@ def sample_and_recompute(sampler, policy, args, sampler_autocast, trainer_autoca
                                        tokenizer.pad_token_id, CPU)  # (3, 4)
     c = rloo.sample_in_chunks(sampler, queries, mask, args.rloo_k, args, tokenizer.eos_token_id,
                               tokenizer.pad_token_id, torch.Generator().manual_seed(0), sampler_autocast)
-    return rloo.collect_rollout(policy, None, c, args, False, True, trainer_autocast, rloo.PhaseTimer(CPU))
+    return rloo.collect_rollout(policy, None, c, args, False, True, trainer_autocast, plumbing.PhaseTimer(CPU))
 
 
 def test_the_samplers_log_probs_are_the_trainers_in_fp32_and_differ_for_the_bf16_copy():
@@ -158,7 +159,7 @@ def test_the_correction_brings_a_perturbed_samplers_gradient_back_to_the_on_poli
                          vllm_importance_sampling_correction=correction)
         c = rloo.sample_in_chunks(sampler, prompt.repeat(num_prompts, 1), prompt_mask.repeat(num_prompts, 1), k,
                                   args, None, 0, torch.Generator().manual_seed(0), NO_AUTOCAST)
-        rollout = rloo.collect_rollout(policy, None, c, args, False, True, NO_AUTOCAST, rloo.PhaseTimer(CPU))
+        rollout = rloo.collect_rollout(policy, None, c, args, False, True, NO_AUTOCAST, plumbing.PhaseTimer(CPU))
         scores = reward(c.responses)
         optimizer = GradientOf(policy.parameters())
         rloo.ppo_update(policy, optimizer, rollout, scores, rloo.advantages_of(rollout, scores, args).advantages,
@@ -173,10 +174,10 @@ def test_the_correction_brings_a_perturbed_samplers_gradient_back_to_the_on_poli
 def test_token_modes_need_per_token_actions():
     args = rloo.Args(model_name_or_path="p", reward_fn=("m:f",), vllm_importance_sampling_correction=True,
                      vllm_importance_sampling_mode="token_mask")
-    with pytest.raises(rloo.ConfigError, match="add --token_level_kl or pass a sequence_ mode"):
-        rloo.validate_args(args)
+    with pytest.raises(plumbing.ConfigError, match="add --token_level_kl or pass a sequence_ mode"):
+        plumbing.validate_args(args)
     args.token_level_kl = True
-    rloo.validate_args(args)
+    plumbing.validate_args(args)
 
 
 def test_a_bf16_generation_run_logs_the_mismatch_and_corrects_it(assets, tmp_path):
@@ -196,7 +197,7 @@ def test_a_bf16_generation_run_logs_the_mismatch_and_corrects_it(assets, tmp_pat
 
 
 def test_the_log_warns_once_when_the_mismatch_passes_the_threshold(tmp_path, capsys):
-    logger = rloo.RunLogger(rloo.Args(output_dir=str(tmp_path)), "run", 3, 0, None)
+    logger = plumbing.RunLogger(rloo.Args(output_dir=str(tmp_path)), "run", 3, 0, None)
     base = {"episode": 8, "mismatch/logprob_diff_mean": 0.01, "mismatch/logprob_diff_max": 0.3}
     for update, clipfrac in enumerate((0.01, 0.3, 0.4), 1):
         logger.log(update, {**base, "mismatch/clipfrac": clipfrac})

@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+import plumbing
 import rloo
 import rloo_multinode as mn
 from conftest import REPO, policy_tokenizer, read_metrics, run_rloo, script_command, script_env, tiny_policy
@@ -90,7 +91,7 @@ def test_after_a_sync_every_engine_holds_the_trainers_weights_bit_for_bit(archit
     policy.save_pretrained(tmp_path / "policy")
     args = mn.Args(model_name_or_path=str(tmp_path / "policy"), engine="hf", output_dir=str(tmp_path / "out"),
                    engine_port=free_port(), sync_bucket_mb=0, engine_timeout=120)  # 0 MB: one bucket per tensor
-    dist_info = rloo.Dist(0, 0, 1, torch.device("cpu"))
+    dist_info = plumbing.Dist(0, 0, 1, torch.device("cpu"))
     store = mn.control_store(args, dist_info, torch.device("cpu"), mn.secret_key(SECRET))
     engines = mn.ServedEngines(args, dist_info, store, mn.launch_engines(args, dist_info, store, SECRET))
     rollouts = mn.EngineRollouts(policy, args, None, 0, torch.Generator(), dist_info, engines)
@@ -178,8 +179,8 @@ def test_an_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(assets
     stdout, stderr = trainer.communicate(timeout=60)  # never a hang
     assert trainer.returncode == 4, stderr[-3000:]
     assert "engine 0" in stderr and "checkpoint of update" in stderr and "Traceback" not in stderr
-    checkpoint = rloo.latest_checkpoint(str(out))
-    saved = torch.load(checkpoint / rloo.TRAINER_STATE, weights_only=False)["update"] if checkpoint else 0
+    checkpoint = plumbing.latest_checkpoint(str(out))
+    saved = torch.load(checkpoint / plumbing.TRAINER_STATE, weights_only=False)["update"] if checkpoint else 0
     assert saved >= 1
     # the same command with --resume continues with fresh engines, which start from the checkpoint's weights
     resumed = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
@@ -290,7 +291,7 @@ def test_vllm_servers_that_cannot_serve_the_run_are_refused_with_the_fix(assets,
         for name, (_, fix) in cases.items():
             args = mn.Args(model_name_or_path=str(assets["policy"]), engine_urls=servers[name][1],
                            engine_port=free_port(), max_prompt_length=16, response_length=6, engine_timeout=60)
-            attached = mn.VLLMServers(args, rloo.Dist(0, 0, 1, torch.device("cpu")))
+            attached = mn.VLLMServers(args, plumbing.Dist(0, 0, 1, torch.device("cpu")))
             with pytest.raises(mn.EngineError, match=re.escape(fix)):
                 attached.connect("gloo", 2**20)
             attached.close()
@@ -304,15 +305,15 @@ def test_engine_flags_that_clash_are_refused_in_one_line(assets, tmp_path):
               "--output_dir", tmp_path]
     tensor_parallel = run("rloo_multinode.py", *common, "--engine", "hf", "--vllm_tensor_parallel_size", 2)
     assert tensor_parallel.returncode == 2 and "the hf engine is one device" in tensor_parallel.stderr
-    # the same check, in process (rloo.run_script turns a ConfigError into the one line and exit 2 shown above)
-    with pytest.raises(rloo.ConfigError, match="drop --engine hf"):
+    # the same check, in process (plumbing.run_script turns a ConfigError into the one line and exit 2 shown above)
+    with pytest.raises(plumbing.ConfigError, match="drop --engine hf"):
         mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", engine_urls="http://a:8000"), 1)
-    with pytest.raises(rloo.ConfigError, match="--num_engines 3 but 2 --engine_urls"):
+    with pytest.raises(plumbing.ConfigError, match="--num_engines 3 but 2 --engine_urls"):
         mn.validate_engine_args(mn.Args(model_name_or_path="m", engine_urls="http://a:8000,http://b:8000",
                                         num_engines=3), 2)
-    with pytest.raises(rloo.ConfigError, match="--num_engines 3 for 2 training rank.*must be a multiple"):
+    with pytest.raises(plumbing.ConfigError, match="--num_engines 3 for 2 training rank.*must be a multiple"):
         mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", num_engines=3), 2)
-    with pytest.raises(rloo.ConfigError, match="engines: 3 for 2 training rank"):
+    with pytest.raises(plumbing.ConfigError, match="engines: 3 for 2 training rank"):
         mn.validate_engine_args(mn.Args(model_name_or_path="m", engine_urls="http://a,http://b,http://c"), 2)
     mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", num_engines=4), 2)  # 2 engines per rank
     try:
@@ -408,7 +409,7 @@ def test_an_engine_refuses_a_configuration_not_signed_by_the_run_or_naming_anoth
 
 def test_the_trainer_refuses_a_forged_or_moved_engine_message_and_a_replayed_heartbeat(tmp_path):
     args = mn.Args(model_name_or_path="m", engine="hf", engine_port=free_port(), output_dir=str(tmp_path))
-    dist_info = rloo.Dist(0, 0, 1, torch.device("cpu"))
+    dist_info = plumbing.Dist(0, 0, 1, torch.device("cpu"))
     store = mn.control_store(args, dist_info, torch.device("cpu"), mn.secret_key(SECRET))
     engines = mn.ServedEngines(args, dist_info, store, {})
     engine = mn.ControlStore(torch.distributed.TCPStore("127.0.0.1", args.engine_port), mn.secret_key(SECRET))
@@ -476,7 +477,7 @@ def test_the_trainer_and_its_engines_listen_on_master_addr_never_on_every_interf
     policy.save_pretrained(tmp_path / "policy")
     args = mn.Args(model_name_or_path=str(tmp_path / "policy"), engine="hf", output_dir=str(tmp_path / "out"),
                    engine_port=free_port(), engine_timeout=120)
-    dist_info = rloo.Dist(0, 0, 1, torch.device("cpu"))
+    dist_info = plumbing.Dist(0, 0, 1, torch.device("cpu"))
     before = listening_sockets([os.getpid()])
     store = mn.control_store(args, dist_info, torch.device("cpu"), mn.secret_key(SECRET))
     engines = mn.ServedEngines(args, dist_info, store, mn.launch_engines(args, dist_info, store, SECRET))
@@ -550,30 +551,30 @@ def test_an_engine_started_by_hand_with_the_secret_and_the_model_serves_a_run(as
 
 def test_an_engine_timeout_of_zero_and_a_port_in_use_are_refused_before_anything_loads():
     for timeout in (0.0, -1.0, float("nan"), float("inf")):
-        with pytest.raises(rloo.ConfigError, match="engine_timeout = .* must be a finite number of seconds > 0"):
+        with pytest.raises(plumbing.ConfigError, match="engine_timeout = .* must be a finite number of seconds > 0"):
             mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", engine_timeout=timeout), 1)
     with socket.socket() as taken:  # what an earlier run, or anything else, listening there looks like
         taken.bind(("", 0))
         taken.listen()
         port = taken.getsockname()[1]
         for engine_port in (port, port - 1):  # the control store's port, or the weight group's after it
-            with pytest.raises(rloo.ConfigError, match=rf"--engine_port {engine_port}: port \d+ is in use.* another"):
+            with pytest.raises(plumbing.ConfigError, match=rf"--engine_port {engine_port}: port \d+ is in use.* another"):
                 mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", engine_port=engine_port), 1)
 
 
 def test_a_master_addr_not_of_this_host_and_a_missing_or_short_secret_are_refused_in_one_line(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "192.0.2.1")  # TEST-NET-1: no address of this host
-    with pytest.raises(rloo.ConfigError, match=r"^MASTER_ADDR 192.0.2.1: rank 0 cannot listen there .* set MASTER"):
+    with pytest.raises(plumbing.ConfigError, match=r"^MASTER_ADDR 192.0.2.1: rank 0 cannot listen there .* set MASTER"):
         mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", engine_port=free_port()), 1)
     monkeypatch.delenv("MASTER_ADDR")
     monkeypatch.setenv(mn.SECRET_VARIABLE, "short")
-    with pytest.raises(rloo.ConfigError, match=r"^\$RLOO_ENGINE_SECRET has 5 characters, too few for a secret"):
+    with pytest.raises(plumbing.ConfigError, match=r"^\$RLOO_ENGINE_SECRET has 5 characters, too few for a secret"):
         mn.check_engine_secret(mn.Args(model_name_or_path="m", engine="hf"))
     serve_args = mn.ServeArgs(trainer_address=f"127.0.0.1:{free_port()}", engine_index=0, model="m")
-    with pytest.raises(rloo.ConfigError, match="has 5 characters"):  # before it connects
+    with pytest.raises(plumbing.ConfigError, match="has 5 characters"):  # before it connects
         mn.serve(serve_args)
     monkeypatch.delenv(mn.SECRET_VARIABLE)
-    with pytest.raises(rloo.ConfigError, match=r"^\$RLOO_ENGINE_SECRET is not set: an engine started by hand"):
+    with pytest.raises(plumbing.ConfigError, match=r"^\$RLOO_ENGINE_SECRET is not set: an engine started by hand"):
         mn.serve(serve_args)
     mn.check_engine_secret(mn.Args(model_name_or_path="m", engine="hf"))  # engines it starts: the trainer draws one
 
@@ -587,9 +588,9 @@ def test_colocated_flags_that_clash_are_refused_in_one_line(assets, tmp_path):
                            ({"launch_engines": False}, "drop --no-launch_engines"),
                            ({"async_generation": True}, "drop --async_generation"),
                            ({"vllm_tensor_parallel_size": 2}, "drop --vllm_tensor_parallel_size")]:
-        with pytest.raises(rloo.ConfigError, match=message):
+        with pytest.raises(plumbing.ConfigError, match=message):
             mn.validate_engine_args(mn.Args(model_name_or_path="m", vllm_mode="colocate", **flags), 1)
-    with pytest.raises(rloo.ConfigError, match="add --vllm_mode colocate"):
+    with pytest.raises(plumbing.ConfigError, match="add --vllm_mode colocate"):
         mn.validate_engine_args(mn.Args(model_name_or_path="m", vllm_enable_sleep_mode=True), 1)
     common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *RUN,
               "--output_dir", tmp_path, "--vllm_mode", "colocate"]

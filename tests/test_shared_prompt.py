@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+import plumbing
 import rloo
 from conftest import policy_tokenizer, read_metrics, run_rloo, tiny_policy, tiny_reward_model
 
@@ -267,7 +268,7 @@ def test_every_architecture_shares_exactly_or_says_it_does_not(family):
         assert not rloo.shares_prompts(policy, "policy", None, probe, False, notes)
         assert notes == [f"prompt sharing is off for the policy: {rloo.why_not_shared(policy)}; it computes one row "
                          "per completion"]
-        with pytest.raises(rloo.ConfigError, match="--share_prompt: the policy cannot share prompts exactly"):
+        with pytest.raises(plumbing.ConfigError, match="--share_prompt: the policy cannot share prompts exactly"):
             rloo.shares_prompts(policy, "policy", True, probe, False, notes)
         return
     assert rloo.shares_prompts(policy, "policy", None, probe, False, notes) and notes == []  # the start-up check
@@ -311,7 +312,7 @@ def test_the_start_up_check_catches_a_broken_mask_and_falls_back(broken, monkeyp
     assert not rloo.shares_prompts(policy, "policy", None, probe, False, notes)
     assert len(notes) == 1 and notes[0].startswith("prompt sharing is off for the policy: the start-up check found "
                                                    "its grouped rows' log-probs "), notes
-    with pytest.raises(rloo.ConfigError, match="start-up check"):
+    with pytest.raises(plumbing.ConfigError, match="start-up check"):
         rloo.shares_prompts(policy, "policy", True, probe, False, [])
     assert not rloo.shares_prompts(policy, "policy", False, probe, False, [])  # --no-share_prompt: no check needed
 

@@ -13,6 +13,7 @@ import sys
 import pytest
 from torch.distributed.run import get_args_parser
 
+import plumbing
 import rloo
 from conftest import REPO
 
@@ -86,7 +87,7 @@ def launch(fake_bin, command: list, cwd, **env: str) -> dict:
     record = json.loads((log / "torchrun.json").read_text())
     torchrun = get_args_parser().parse_args(record["argv"])
     scontrol = log / "scontrol.log"
-    return {"torchrun": torchrun, "args": rloo.parse_args(rloo.Args, argv=torchrun.training_script_args),
+    return {"torchrun": torchrun, "args": plumbing.parse_args(rloo.Args, argv=torchrun.training_script_args),
             "cwd": record["cwd"], "scontrol": scontrol.read_text().splitlines() if scontrol.exists() else []}
 
 
@@ -114,7 +115,7 @@ def test_script_runs_the_published_settings_from_any_directory(script, fake_bin,
     assert run["torchrun"].nproc_per_node == "8" and run["torchrun"].training_script == "rloo.py"
     expected = PUBLISHED | PER_SCRIPT[script.name]
     assert {name: getattr(args, name) for name in expected} == expected
-    rloo.validate_args(args)
+    plumbing.validate_args(args)
     sizes = rloo.compute_batch_sizes(args, world_size=8)
     text = script.read_text()
     assert sizes.all_ranks == claimed(text, r"= (\d+) completions per update") == 4096
@@ -202,7 +203,7 @@ def run_multinode_sbatch(fake_bin, *args: str, **env: str):
     torchrun = get_args_parser().parse_args(record["argv"])
     assert (torchrun.nnodes, torchrun.node_rank, torchrun.master_addr) == ("2", 0, "node0")
     assert torchrun.nproc_per_node == "8" and torchrun.training_script == "rloo_multinode.py"
-    args = rloo.parse_args(rloo_multinode.Args, argv=torchrun.training_script_args)
+    args = plumbing.parse_args(rloo_multinode.Args, argv=torchrun.training_script_args)
     assert {name: getattr(args, name) for name in PUBLISHED} == PUBLISHED  # the 1B run's settings, unchanged
     return engines, args
 

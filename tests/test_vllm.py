@@ -22,6 +22,7 @@ if os.environ.get("REQUIRE_VLLM") == "1":  # `make test-vllm`, which built the e
 else:
     vllm = pytest.importorskip("vllm", reason="vLLM is not installed: `make test-vllm` builds an environment with it")
 
+import plumbing
 import rloo  # noqa: E402
 import rloo_multinode as mn  # noqa: E402
 from conftest import REPO, neox_config, policy_tokenizer, read_metrics, run_rloo, script_env  # noqa: E402
@@ -138,7 +139,7 @@ def test_after_a_sync_a_vllm_engine_scores_completions_as_the_trainer_does(vllm_
     args = mn.Args(model_name_or_path=str(vllm_policy), engine="vllm", output_dir=str(tmp_path),
                    engine_port=free_port(), engine_timeout=300, max_prompt_length=16, response_length=6,
                    sync_bucket_mb=1, vllm_gpu_memory_utilization=0.2, vllm_enforce_eager=True)  # 1 MB: 2 buckets
-    dist_info = rloo.Dist(0, 0, 1, torch.device("cpu"))
+    dist_info = plumbing.Dist(0, 0, 1, torch.device("cpu"))
     store = mn.control_store(args, dist_info, torch.device("cpu"), mn.secret_key(SECRET))
     engines = mn.ServedEngines(args, dist_info, store, mn.launch_engines(args, dist_info, store, SECRET))
     rollouts = mn.EngineRollouts(policy, args, None, 0, torch.Generator(), dist_info, engines)  # syncs version 0
@@ -193,7 +194,7 @@ def test_a_vllm_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(as
     assert trainer.returncode == 4, stderr[-3000:]
     assert stderr.strip().splitlines()[-1].startswith("rloo_multinode.py: error: engine 0 (pid "), stderr[-3000:]
     assert "checkpoint of update" in stderr and "Traceback" not in stderr, stderr[-3000:]
-    assert rloo.latest_checkpoint(str(tmp_path)) is not None
+    assert plumbing.latest_checkpoint(str(tmp_path)) is not None
     assert live_processes_in_group(engine) == []  # the trainer ended what was left of the engine
 
 
@@ -277,7 +278,7 @@ def test_a_colocated_engine_that_fails_stops_the_run_with_a_checkpoint_and_the_r
     assert failed.stderr.strip().splitlines()[-1].startswith(
         "rloo_multinode.py: error: rank 0's vLLM engine failed: RuntimeError: the test's failure; checkpoint of "
         "update 2 saved to"), failed.stderr[-3000:]
-    assert "Traceback" not in failed.stderr and rloo.latest_checkpoint(str(tmp_path)) is not None
+    assert "Traceback" not in failed.stderr and plumbing.latest_checkpoint(str(tmp_path)) is not None
     resumed = run_rloo(*command, "--resume", script="tests/colocated_run.py")
     assert resumed.returncode == 0 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
     metrics = read_metrics(tmp_path)
@@ -358,7 +359,7 @@ def test_a_vllm_server_refuses_completions_without_its_key_but_not_its_developme
     url, _ = vllm_server
     monkeypatch.delenv(mn.API_KEY_VARIABLE, raising=False)
     with pytest.raises(mn.EngineError, match=f"answered 401.*set {mn.API_KEY_VARIABLE} to the server's --api-key"):
-        mn.VLLMServers(mn.Args(model_name_or_path="m", engine_urls=url), rloo.Dist(0, 0, 1, torch.device("cpu")))
+        mn.VLLMServers(mn.Args(model_name_or_path="m", engine_urls=url), plumbing.Dist(0, 0, 1, torch.device("cpu")))
     body = {"model": "any", "prompt": [[2, 3]], "max_tokens": 1}
     assert http(f"{url}/v1/completions", body)[0] == 401
     assert http(f"{url}/v1/completions", body, key="wrong")[0] == 401

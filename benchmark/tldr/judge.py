@@ -42,6 +42,7 @@ from rich.progress import track
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # `python benchmark/tldr/judge.py` only puts benchmark/tldr/ on the path
 
+import plumbing
 import rloo  # noqa: E402
 
 
@@ -155,7 +156,7 @@ def win_rate(outcomes: list[float]) -> dict:
 MAX_BACKOFF = 60.0  # seconds
 
 
-class JudgeError(rloo.ConfigError):
+class JudgeError(plumbing.ConfigError):
     """The judge's endpoint cannot be reached or refuses the requests; reported as one line, exit status 2."""
 
 
@@ -269,15 +270,15 @@ def judge_all(client: JudgeClient, prompts: list[str], num_workers: int) -> list
 # ===================================================================== summaries
 def load_examples(args: Args) -> tuple[list[str], list[str]]:
     """The prompts and reference summaries of the first num_examples rows."""
-    dataset = rloo.load_split(args.dataset_name, args.dataset_split, args.dataset_config)
+    dataset = plumbing.load_split(args.dataset_name, args.dataset_split, args.dataset_config)
     missing = [c for c in (args.prompt_column, args.completion_column) if c not in dataset.column_names]
     if missing:
-        raise rloo.ConfigError(
+        raise plumbing.ConfigError(
             f"dataset {args.dataset_name} has no column {' or '.join(map(repr, missing))}; its columns are "
             f"{dataset.column_names}: pass --prompt_column NAME and --completion_column NAME"
         )
     if len(dataset) == 0:
-        raise rloo.ConfigError(f"dataset {args.dataset_name} (split {args.dataset_split!r}) is empty")
+        raise plumbing.ConfigError(f"dataset {args.dataset_name} (split {args.dataset_split!r}) is empty")
     dataset = dataset.select(range(min(args.num_examples, len(dataset))))
     return list(dataset[args.prompt_column]), [c.strip() for c in dataset[args.completion_column]]
 
@@ -295,7 +296,7 @@ def transformers_summaries(args: Args, tokenizer, prompts: list[str]) -> list[st
     """Summaries from rloo.py's sampler, batch_size prompts at a time, prompts of similar length together."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     policy = rloo.load_causal_lm(args.model_name_or_path, torch.float32, args.trust_remote_code)
-    rloo.ensure_pad_token(tokenizer, "[PAD]", policy.get_input_embeddings().num_embeddings, args.model_name_or_path)
+    plumbing.ensure_pad_token(tokenizer, "[PAD]", policy.get_input_embeddings().num_embeddings, args.model_name_or_path)
     rloo.disable_dropout(policy)
     policy.to(device).eval()
     torch.manual_seed(args.seed)
@@ -327,10 +328,10 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 # ===================================================================== main
 def main(args: Args) -> dict:
     if min(args.num_examples, args.batch_size, args.num_workers, args.response_length) < 1:
-        raise rloo.ConfigError("num_examples, batch_size, num_workers and response_length must be >= 1")
+        raise plumbing.ConfigError("num_examples, batch_size, num_workers and response_length must be >= 1")
     if args.temperature < 0 or args.max_retries < 0:
-        raise rloo.ConfigError("temperature and max_retries must be >= 0")
-    rloo.quiet_hub_progress_bars()
+        raise plumbing.ConfigError("temperature and max_retries must be >= 0")
+    plumbing.quiet_hub_progress_bars()
     prompts, references = load_examples(args)
     summaries = generate_summaries(args, prompts)
     rows = [{"prompt": p, "reference": r, "summary": s} for p, r, s in zip(prompts, references, summaries)]
@@ -369,7 +370,7 @@ def main(args: Args) -> dict:
 
 
 def cli() -> None:
-    rloo.run_script(main, tyro.cli(Args), "judge.py")
+    plumbing.run_script(main, tyro.cli(Args), "judge.py")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1809 @@
+"""The plumbing of rloo.py: what a run needs and nobody changes when changing the algorithm.
+
+rloo.py holds the algorithm and imports this module; rloo_multinode.py imports both. Copying rloo.py means copying
+this file with it. Nothing here imports rloo.py: what needs the run's objects takes them as arguments.
+
+Sections:
+  errors          ConfigError (bad input: one line, exit 2) and Fault (a run stopped: one line, exit 4)
+  flag checks     Args' numeric and combination checks, before anything loads
+  distributed     torchrun ranks and their device, FSDP2 sharding and gathering, all-reduce
+  data files      Hub datasets and local files, with one-line diagnostics of what is wrong in them
+  model files     loading errors, configs checked before weights load, kernels
+  faults          the rollout source, reward functions (run with a timeout), NaN/inf and the offending batch
+  measuring       phase times, token-forwards against the minimum, free memory -> rows per forward pass
+  logging         metrics over ranks, console, metrics.jsonl, wandb
+  signals         stop signals, late ranks
+  checkpoints     one run per output_dir, verified saves, resume, nothing deleted
+  command line    TRL >= 0.22's names, exit statuses
+"""
+
+import contextlib
+import copy
+import datetime
+import fcntl
+import hashlib
+import importlib
+import inspect
+import itertools
+import json
+import math
+import numbers
+import os
+import pickle
+import random
+import re
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional, get_args, get_origin, get_type_hints
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import tyro
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+# ===================================================================== errors: bad input (exit 2) and faults that stop a run (exit 4)
+class ConfigError(Exception):
+    """Bad input the user can fix; reported as one line and exit status 2."""
+
+
+class Fault(Exception):
+    """A failure outside the training state stopped the run (a reward function, the disk, a rank that stopped
+    answering); reported as one line saying what was saved, exit status 4. `announce`: whether this rank prints it
+    (one rank says it for all)."""
+
+    def __init__(self, message: str, announce: bool = True):
+        super().__init__(message)
+        self.announce = announce
+
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4e38: beyond it a value is inf in the tensors it meets
+
+
+# ===================================================================== flag checks: before anything loads
+def number_rules(args) -> list[tuple[str, object, bool, str]]:
+    """(flag, value, whether it is allowed, what it must be) for every number a typo or a NaN makes meaningless
+    without any error later: sampling at temperature inf, a clip range of 0, a negative learning rate, a KL
+    coefficient that float32 makes inf."""
+    def finite(x) -> bool:
+        return x is not None and abs(x) <= FLOAT32_MAX  # nan too
+
+    a = args
+    return [
+        ("temperature", a.temperature, finite(a.temperature) and a.temperature > 0, "a finite number > 0"),
+        ("cliprange", a.cliprange, finite(a.cliprange) and a.cliprange > 0, "a finite number > 0"),
+        ("vllm_importance_sampling_cap", a.vllm_importance_sampling_cap,
+         finite(a.vllm_importance_sampling_cap) and a.vllm_importance_sampling_cap > 0, "a finite number > 0"),
+        ("learning_rate", a.learning_rate, finite(a.learning_rate) and a.learning_rate >= 0, "a finite number >= 0"),
+        ("adam_epsilon", a.adam_epsilon, finite(a.adam_epsilon) and a.adam_epsilon > 0, "a finite number > 0"),
+        ("kl_coef", a.kl_coef, finite(a.kl_coef) and a.kl_coef >= 0, "a finite number >= 0"),
+        ("max_grad_norm", a.max_grad_norm, not math.isnan(a.max_grad_norm), "a number (<= 0: no clipping)"),
+        ("reward_clip_range", a.reward_clip_range, finite(a.reward_clip_range) and a.reward_clip_range > 0,
+         "a finite number > 0"),
+        ("missing_eos_penalty", a.missing_eos_penalty, a.missing_eos_penalty is None or finite(a.missing_eos_penalty),
+         "a finite number or None"),
+        ("reward_weights", a.reward_weights, all(finite(w) for w in a.reward_weights or ()), "finite numbers"),
+        ("num_train_epochs", a.num_train_epochs, finite(a.num_train_epochs) and a.num_train_epochs > 0,
+         "a finite number > 0"),
+        ("seed", a.seed, 0 <= a.seed < 2**31, "between 0 and 2**31 - 1 (numpy's seeds are unsigned)"),
+        ("stop_token_id", a.stop_token_id, a.stop_token_id is None or a.stop_token_id >= 0, "a token id >= 0 or None"),
+        ("num_sample_generations", a.num_sample_generations, a.num_sample_generations >= 0, ">= 0 (0: none)"),
+        ("num_evals", a.num_evals, a.num_evals >= 0, ">= 0 (0: only at the end)"),
+        ("eval_max_prompts", a.eval_max_prompts, a.eval_max_prompts >= 1, "at least 1"),
+        ("save_steps", a.save_steps, a.save_steps >= 0, ">= 0 (0: only at the end and on a signal)"),
+        ("save_total_limit", a.save_total_limit, a.save_total_limit is None or a.save_total_limit >= 1,
+         "at least 1, or None to keep every checkpoint"),
+        ("ddp_timeout", a.ddp_timeout, finite(a.ddp_timeout) and a.ddp_timeout > 0, "a finite number of seconds > 0"),
+        ("reward_fn_timeout", a.reward_fn_timeout, a.reward_fn_timeout is None or (
+            finite(a.reward_fn_timeout) and 0 < a.reward_fn_timeout < a.ddp_timeout),
+         f"a number of seconds > 0 and below --ddp_timeout ({a.ddp_timeout:g}; raise it too), or None"),
+    ]
+
+
+def validate_args(args) -> None:
+    """Refuse flags that clash before anything is loaded."""
+    if args.model_name_or_path is None and args.sft_model_path is None:
+        raise ConfigError("no policy: pass --model_name_or_path (and --sft_model_path if the weights live elsewhere)")
+    if args.reward_model_path is None and not args.reward_fn:
+        raise ConfigError("no reward: pass --reward_model_path and/or --reward_fn package.module:function")
+    num_sources = int(args.reward_model_path is not None) + len(args.reward_fn)
+    if args.reward_weights is not None and len(args.reward_weights) != num_sources:
+        raise ConfigError(
+            f"--reward_weights has {len(args.reward_weights)} values but there are {num_sources} reward sources "
+            "(the reward model first, then each --reward_fn)"
+        )
+    for name, value, allowed, requirement in number_rules(args):
+        if not allowed:
+            raise ConfigError(f"{name} = {value!r} must be {requirement}")
+    if args.overwrite_output_dir and args.resume:
+        raise ConfigError("--overwrite_output_dir starts over, --resume continues: pass one of them")
+    if args.response_length < 1 or args.max_prompt_length < 1 or args.local_rollout_forward_batch_size < 0:
+        raise ConfigError("response_length and max_prompt_length must be >= 1, local_rollout_forward_batch_size "
+                          ">= 0 (0: sized to the free memory)")
+    if args.missing_eos_penalty is not None and args.stop_token is None and args.stop_token_id is None:
+        raise ConfigError("--missing_eos_penalty needs a stop token: pass --stop_token eos or --stop_token_id ID")
+    if args.compile_generation and args.fsdp:
+        raise ConfigError("--compile_generation cannot trace FSDP's gathers of a sharded policy yet: drop one of "
+                          "--compile_generation and --fsdp")
+    if args.bf16_generation and (not args.bf16 or args.fsdp):
+        raise ConfigError("--bf16_generation samples from a bf16 copy of a replicated policy: it needs --bf16, and not "
+                          "--fsdp (whose gathered weights are bf16 already with --bf16)")
+    if args.vllm_importance_sampling_mode.startswith("token") and not args.token_level_kl:
+        raise ConfigError(f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} weights tokens, but "
+                          "the sequence-level loss has one action per completion: add --token_level_kl or pass a "
+                          "sequence_ mode")
+    if args.offload and not args.fsdp:
+        raise ConfigError("--offload works through FSDP2's CPU offload: add --fsdp (under torchrun; "
+                          "--nproc_per_node 1 for one GPU)")
+    if args.total_episodes is not None and args.total_episodes < 1:
+        raise ConfigError(f"total_episodes = {args.total_episodes} must be >= 1")
+    # ----- LoRA (--use_peft) -----
+    if args.use_peft:
+        if args.fsdp:
+            raise ConfigError("--use_peft with --fsdp is not supported yet: the adapters' base is not sharded; drop "
+                              "--fsdp (LoRA's states are small: DDP replicates them)")
+        if args.lora_r < 1 or args.lora_alpha <= 0 or not 0 <= args.lora_dropout < 1:
+            raise ConfigError(f"--lora_r {args.lora_r}, --lora_alpha {args.lora_alpha}, --lora_dropout "
+                              f"{args.lora_dropout}: the rank must be >= 1, alpha > 0 and dropout in [0, 1)")
+    elif args.merge_lora:
+        raise ConfigError("--merge_lora merges LoRA adapters into the base: add --use_peft")
+
+
+# ===================================================================== distributed: torchrun ranks, FSDP2 sharding, all-reduce
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+
+PEER_TIMEOUT = [1800.0]  # seconds a rank waits for the others: --ddp_timeout, set by setup_distributed
+
+
+def setup_distributed(timeout: float = 1800.0) -> Dist:
+    """torch.distributed from torchrun's RANK/LOCAL_RANK/WORLD_SIZE: NCCL on GPUs, gloo on CPU; a collective that
+    waits longer than `timeout` seconds for another rank fails instead of waiting on."""
+    PEER_TIMEOUT[0] = timeout
+    if "RANK" not in os.environ:  # plain `python rloo.py`
+        return Dist(0, 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if torch.cuda.is_available():
+        gpus, ranks_here = torch.cuda.device_count(), os.environ.get("LOCAL_WORLD_SIZE", "?")
+        if local_rank >= gpus:
+            raise ConfigError(f"{ranks_here} ranks on this node but {gpus} GPU(s) visible: one rank per GPU, so launch "
+                              f"with --nproc_per_node {gpus}; for a CPU (gloo) run, set CUDA_VISIBLE_DEVICES=")
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    # gloo too on GPUs: collectives on CPU tensors (--offload's gradient shards, their norm) have a backend
+    dist.init_process_group(backend="cuda:nccl,cpu:gloo" if backend == "nccl" else backend,
+                            timeout=datetime.timedelta(seconds=timeout))
+    return Dist(rank, local_rank, world_size, device)
+
+
+def shard_policy(policy, bf16: bool, offload: bool = False):
+    """FSDP2 over all ranks: one unit per transformer block (the classes in the model's `_no_split_modules`), the
+    embeddings and head in the root unit. fp32 master weights; bf16 compute with --bf16; gradients reduced in fp32
+    (they sum log-prob gradients over thousands of tokens). With `offload` the shards, their gradients and so the
+    optimizer state stay in CPU memory; a unit's weights visit the GPU while it computes."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    block_classes = set(getattr(policy, "_no_split_modules", None) or ())
+    blocks = [m for m in policy.modules() if type(m).__name__ in block_classes]
+    if not blocks:
+        raise ConfigError(f"--fsdp: {type(policy).__name__} names no transformer block class (_no_split_modules) "
+                          "to shard by; drop --fsdp to replicate it with DDP")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+    placement = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+    for block in blocks:
+        fully_shard(block, mp_policy=mp, offload_policy=placement)
+    fully_shard(policy, mp_policy=mp, offload_policy=placement)
+    if not reduce_scatter_averages(torch.device("cuda" if torch.cuda.is_available() else "cpu")):
+        # FSDP2 averages fp32 gradients with ReduceOp.AVG; where that sums, have it sum and divide itself
+        units = [m for m in policy.modules() if is_fsdp_unit(m)]
+        if not hasattr(policy, "set_force_sum_reduction_for_comms"):
+            raise ConfigError(f"--fsdp: this torch's {dist.get_backend()} reduce-scatter sums where FSDP2 asks it "
+                              "to average, and this FSDP2 cannot work around it: use torch >= 2.8")
+        for unit in units:
+            unit.set_force_sum_reduction_for_comms(True)
+    return policy
+
+
+def reduce_scatter_averages(device: torch.device) -> bool:
+    """Whether ReduceOp.AVG averages in this process group's reduce-scatter. gloo in torch 2.7 and 2.8 silently
+    sums instead (NCCL averages)."""
+    out = torch.zeros(1, device=device)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # the newer name
+    reduce_scatter(out, torch.ones(dist.get_world_size(), device=device), op=dist.ReduceOp.AVG)
+    return out.item() == 1.0
+
+
+@contextlib.contextmanager
+def visiting(model, device: torch.device):
+    """A frozen model kept in CPU memory (--offload) comes to `device` for one phase's forward passes and goes back
+    after; a model already there (or None) stays where it is."""
+    home = next(model.parameters()).device if model is not None else device
+    if home == device:
+        yield
+        return
+    model.to(device)
+    try:
+        yield
+    finally:
+        model.to(home)
+
+
+def is_fsdp_unit(module) -> bool:
+    """isinstance(module, FSDPModule), without importing FSDP2 in runs that never shard: until something imports
+    it, nothing can be one."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
+
+
+def set_reshard_after_forward(unit, reshard: bool) -> None:
+    """FSDPModule.set_reshard_after_forward for one unit. torch < 2.8 (vLLM 0.10's torch 2.7) lacks the method;
+    there the unit's parameter group decides by its post-forward mesh: None keeps the weights gathered."""
+    if hasattr(unit, "set_reshard_after_forward"):
+        unit.set_reshard_after_forward(reshard, recurse=False)
+        return
+    group = unit._get_fsdp_state()._fsdp_param_group
+    group.post_forward_mesh_info = group.mesh_info if reshard else None
+
+
+@contextlib.contextmanager
+def gathered_for_rollout(policy, mode: str):
+    """For sampling and evaluation with an FSDP policy. mode "unshard": every block's weights are gathered at its
+    first forward and kept for the whole block of code, not gathered again at each decoding step. On exit every
+    unit is resharded, the root too: a forward pass without backward leaves the root's weights gathered, and the
+    parameters then registered on the module are not the ones the optimizer holds. Without FSDP, nothing."""
+    blocks = [m for m in policy.modules() if is_fsdp_unit(m) and m is not policy] \
+        if mode == "unshard" else []
+    for block in blocks:
+        set_reshard_after_forward(block, False)
+    try:
+        yield
+    finally:
+        reshard(policy)
+        for block in blocks:
+            set_reshard_after_forward(block, True)
+
+
+def reshard(policy) -> None:
+    """Every FSDP unit of the policy back to its shards: its parameters are the sharded ones again, which the
+    optimizer holds (without FSDP, nothing)."""
+    for unit in policy.modules():
+        if is_fsdp_unit(unit):
+            unit.reshard()
+
+
+def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce when distributed; identity in a single process."""
+    if dist.is_initialized():
+        dist.all_reduce(x, op=op)
+    return x
+
+
+# ===================================================================== data files: loading, and one-line diagnostics of what is wrong in them
+PROMPT_IDS = "prompt_input_ids"  # the tokenized prompt column this script adds to the dataset
+
+
+LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def load_split(name: str, split: str, config: Optional[str]):
+    """A dataset split from a local file, a `save_to_disk` directory or the Hub."""
+    import datasets
+
+    path = Path(name)
+    if path.suffix in LOCAL_FORMATS:
+        return load_local_file(path)
+    if path.is_dir():
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"dataset directory {name} is not a dataset written by save_to_disk "
+                              f"({first_line(e)}); pass such a directory or a .jsonl/.json/.parquet file") from None
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise ConfigError(f"dataset {name} has no split {split!r}; its splits are {list(loaded)}")
+            return loaded[split]
+        return loaded
+    try:
+        return datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # the Hub client raises many types; the user needs the first line of any
+        raise ConfigError(
+            f"could not load dataset {name!r} (split {split!r}) from the Hugging Face Hub: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} - without network, pass a local "
+            ".jsonl/.json/.parquet file or a save_to_disk directory"
+        ) from None
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message in one line, for one-line errors."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def has_splits(name: str) -> bool:
+    """Whether the dataset has named splits: a Hub dataset or a saved DatasetDict does, a single file or a saved
+    Dataset does not (any split name would silently give the whole of it)."""
+    path = Path(name)
+    if path.suffix in LOCAL_FORMATS:
+        return False
+    return not path.is_dir() or (path / "dataset_dict.json").is_file()
+
+
+def load_local_file(path: Path):
+    """A .jsonl/.json/.parquet file as one dataset; a file that cannot be read is named with its first bad line."""
+    import datasets
+
+    if not path.is_file():
+        raise ConfigError(f"dataset file {path} does not exist")
+    if path.stat().st_size == 0:
+        raise ConfigError(f"dataset file {path} is empty")
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs its own copy of a parse error first
+    try:
+        dataset = datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
+    except Exception as e:  # pyarrow's and datasets' many types; the line that is wrong is what the user needs
+        raise ConfigError(f"dataset file {path} cannot be read: {bad_json_line(path) or first_line(e)}") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+    if len(dataset) == 0:
+        raise ConfigError(f"dataset file {path} has no rows")
+    return dataset
+
+
+def bad_json_line(path: Path) -> Optional[str]:
+    """`line N: what is wrong` for the first line of a JSON-lines file that is not a JSON object (or for a .json
+    file that is not JSON at all); None when every line is."""
+    if path.suffix not in (".jsonl", ".json"):
+        return None
+    text = path.read_text(errors="replace")
+    if path.suffix == ".json":
+        try:
+            json.loads(text)
+            return None
+        except json.JSONDecodeError as whole:
+            try:  # JSON lines under a .json name have a valid first line
+                json.loads(next((line for line in text.splitlines() if line.strip()), ""))
+            except json.JSONDecodeError:
+                return f"line {whole.lineno} is not valid JSON ({whole.msg}, column {whole.colno})"
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            return f"line {number} is not valid JSON ({e.msg}, column {e.colno})"
+        if not isinstance(row, dict):
+            return f"line {number} is a JSON {type(row).__name__}, not an object with a prompt column"
+    return None
+
+
+def is_prompt(value) -> bool:
+    """A prompt is a string, or chat messages: a list of {"role": ..., "content": ...} dicts."""
+    if isinstance(value, str):
+        return True
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "content" in m for m in value)
+
+
+def check_prompt_values(rows: dict, indices: list[int], prompt_column: str, name: str) -> None:
+    """Refuse, naming the first offending row of a batch, prompts that are neither strings nor chat messages (None,
+    numbers) and pre-tokenized queries that are not lists of token ids."""
+    if prompt_column in rows:
+        column, valid, what = prompt_column, is_prompt, "a string or a list of chat messages"
+    else:
+        column, what = "query_token", "a list of token ids"
+        valid = lambda ids: isinstance(ids, list) and all(isinstance(t, int) for t in ids)  # noqa: E731
+    for row, value in zip(indices, rows[column]):
+        if not valid(value):
+            raise ConfigError(f"dataset {name}, row {row}: column {column!r} holds {repr(value)[:60]}, not {what}")
+
+
+def describe_dropped(dropped: dict[str, int], max_prompt_length: int) -> str:
+    return (f"{dropped['too_long']} dropped as longer than {max_prompt_length} tokens"
+            + (f", {dropped['empty']} empty" if dropped["empty"] else ""))
+
+
+# ===================================================================== model files: loading errors, configs checked before weights load, kernels
+def _from_pretrained(loader: Callable, path: str, what: str, **kwargs):
+    try:
+        return loader(path, **kwargs)
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"could not load {what} from {path!r}: {first_line(e)} - without network, pass a local directory"
+        ) from None
+
+
+def ensure_pad_token(tokenizer, pad_token: Optional[str], embedding_rows: int, name: str) -> None:
+    """Give the tokenizer a pad token that the model can embed, or refuse with the fix."""
+    if tokenizer.pad_token_id is not None:
+        return
+    if pad_token is None:
+        raise ConfigError(
+            f"the tokenizer of {name} has no pad token: save one with a pad token, or pass --pad_token TOKEN"
+        )
+    tokenizer.add_special_tokens({"pad_token": pad_token})
+    if tokenizer.pad_token_id >= embedding_rows:
+        raise ConfigError(
+            f"the tokenizer of {name} has no pad token, and adding {pad_token!r} gives id {tokenizer.pad_token_id}, "
+            f"outside the model's {embedding_rows}-row embedding: save a tokenizer with a pad token (resizing "
+            "the embeddings) or pass --pad_token with a token the tokenizer already has"
+        )
+
+
+def load_config(path: str, what: str, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    return _from_pretrained(AutoConfig.from_pretrained, path, what, trust_remote_code=trust_remote_code)
+
+
+def check_reward_model_config(path: str, trust_remote_code: bool) -> None:
+    """A saved classification head must give one score per sequence (a causal LM gets a new one-label head)."""
+    config = load_config(path, "reward model", trust_remote_code)
+    classifier = any(name.endswith("ForSequenceClassification") for name in config.architectures or ())
+    if classifier and config.num_labels != 1:
+        raise ConfigError(f"reward model {path!r} has a {config.num_labels}-label classification head, but a reward is "
+                          "one number per completion: use a reward model saved with num_labels=1")
+
+
+def same_vocabulary(a, b) -> bool:
+    """True when token ids mean the same text in both tokenizers (each one's pad token aside)."""
+    vocab_a = {t: i for t, i in a.get_vocab().items() if t != a.pad_token}
+    vocab_b = {t: i for t, i in b.get_vocab().items() if t != b.pad_token}
+    return vocab_a == vocab_b
+
+
+def choose_kernels() -> None:
+    """TF32 matmuls, and no cuDNN attention: it builds an execution plan for every new sequence length, and a
+    batch's padded length changes with its prompts (measured on an H100, pythia-1b shape, TL;DR-like lengths: the
+    same work took 2.1-7.0 s per update with it, 2.0-2.2 s without). SDPA's flash and memory-efficient kernels
+    take its place."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's names, as transformers' save_pretrained writes an adapter
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+# ===================================================================== faults of a batch: the rollout source, reward functions, NaN/inf
+class RolloutSourceError(Exception):
+    """The completions of an update cannot be had (an engine died): the run checkpoints and stops."""
+
+
+REWARD_FUNCTION_ARGUMENTS = ("prompts", "completions", "completion_ids")  # and every other dataset column
+
+
+class RewardFunctionError(Fault):
+    """A reward function raised, hung or returned something that is not one number (or None) per completion. The run
+    keeps the last finished update (a checkpoint) and stops; `after_training`: the update in progress had trained
+    already (the failure was in its evaluation). `signal_name`: no failure, a stop signal came while a reward
+    function ran (stop_signals_at_once): the same checkpoint, then the exit of a signal."""
+
+    def __init__(self, message: str, announce: bool = True, after_training: bool = False,
+                 signal_name: Optional[str] = None):
+        super().__init__(message, announce)
+        self.after_training, self.signal_name = after_training, signal_name
+
+
+def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
+    """Import each `package.module:function` spec; each must take **kwargs (it is called with every column)."""
+    functions = []
+    for spec in specs:
+        module_name, _, attr = spec.partition(":")
+        if not module_name or not attr:
+            raise ConfigError(f"--reward_fn {spec!r} is not of the form package.module:function")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ConfigError(f"unknown reward function {spec!r}: cannot import {module_name!r} ({e})") from None
+        except (Exception, SystemExit) as e:  # a SyntaxError, anything the module's own code raises
+            raise ConfigError(f"reward function {spec!r}: importing {module_name!r} failed with {type(e).__name__}: "
+                              f"{first_line(e)}") from None
+        fn = getattr(module, attr, None)
+        if not callable(fn):
+            raise ConfigError(f"unknown reward function {spec!r}: module {module_name!r} has no function {attr!r}")
+        kinds = {p.kind for p in inspect.signature(fn).parameters.values()}
+        if inspect.Parameter.VAR_KEYWORD not in kinds:
+            raise ConfigError(f"reward function {spec!r} takes no **kwargs: it is called with prompts, completions, "
+                              "completion_ids and every other dataset column as keywords; add **kwargs")
+        functions.append((attr, fn))
+    return functions
+
+
+def check_reward_function_arguments(functions: list[tuple[str, Callable]], splits: list[tuple[str, object]],
+                                    prompt_column: str) -> None:
+    """Each parameter a reward function requires must be one it is given, for each (name, dataset) of `splits`
+    (None: absent): a fixed argument, or a column other than the prompt's (given as `prompts`)."""
+    for dataset_name, dataset in splits:
+        columns = [] if dataset is None else [c for c in dataset.column_names if c not in (PROMPT_IDS, prompt_column)]
+        for name, fn in functions if dataset is not None else ():
+            for parameter in inspect.signature(fn).parameters.values():
+                required = parameter.default is inspect.Parameter.empty and parameter.kind in (
+                    inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+                if required and parameter.name not in (*REWARD_FUNCTION_ARGUMENTS, *columns):
+                    raise ConfigError(f"reward function {name!r} needs {parameter.name!r}, which is neither one of "
+                                      f"{list(REWARD_FUNCTION_ARGUMENTS)} nor a column of dataset {dataset_name} (its "
+                                      f"columns: {columns})")
+
+
+def is_number(value) -> bool:
+    """A Python, numpy or 0-d tensor/array number."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()
+    return isinstance(value, numbers.Real)
+
+
+def call_reward_function(name: str, fn: Callable, n: int, timeout: Optional[float] = None, /,
+                         **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values (n,) and an applies-mask (n,) from a reward function returning a number or None per completion.
+    Whatever it raises (SystemExit included), anything else it returns, a value outside float32's range, and not
+    returning within `timeout` seconds become a RewardFunctionError naming it. It runs in a thread of its own while
+    this one waits, so that neither a function stuck in C code or a sleep nor its own `except` clauses can keep a
+    stop signal from acting (stop_signals_at_once); it gets its own copies of the arguments to change as it likes."""
+    kwargs, outcome = copy.deepcopy(kwargs), {}
+    cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None  # both are per thread
+    grad_enabled = torch.is_grad_enabled()
+
+    def call() -> None:
+        try:
+            if cuda_device is not None:
+                torch.cuda.set_device(cuda_device)
+            with torch.set_grad_enabled(grad_enabled):
+                outcome["out"] = fn(**kwargs)
+        except BaseException as e:  # the user's code: any type, sys.exit included
+            outcome["error"] = e
+
+    thread = threading.Thread(target=call, name=f"reward function {name}", daemon=True)  # abandoned if it hangs
+    with stop_signals_at_once():
+        thread.start()
+        thread.join(timeout)
+    if thread.is_alive():
+        raise RewardFunctionError(f"reward function {name!r} did not return within --reward_fn_timeout {timeout:g} s")
+    if "error" in outcome:
+        e = outcome["error"]
+        raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {first_line(e)}") from e
+    out = outcome["out"]
+    if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
+        raise RewardFunctionError(f"reward function {name!r} returned {repr(out)[:80]}, not a list of {n} numbers "
+                                  "(or None), one per completion")
+    out = list(out)
+    if len(out) != n:
+        raise RewardFunctionError(f"reward function {name!r} returned {len(out)} values for {n} completions: it must "
+                                  "return one number (or None) per completion")
+    for i, v in enumerate(out):
+        if v is not None and not is_number(v):
+            raise RewardFunctionError(f"reward function {name!r} returned {repr(v)[:80]} ({type(v).__name__}) "
+                                      "among its values: each must be a number or None")
+        if v is not None and not abs(float(v)) <= FLOAT32_MAX:  # nan and inf too
+            raise RewardFunctionError(f"reward function {name!r} returned {float(v)!r} for completion {i}: each "
+                                      f"value must be a finite float32 (at most {FLOAT32_MAX:.4g} in magnitude)")
+    applies = torch.tensor([v is not None for v in out])
+    return torch.tensor([0.0 if v is None else float(v) for v in out]), applies
+
+
+class NonFiniteError(Exception):
+    """A NaN or inf in a quantity that training would otherwise use; raised on every rank at once."""
+
+    def __init__(self, quantity: str, ranks: list[int], unwritten: Optional[str] = None):
+        super().__init__(f"non-finite {quantity} on rank {', '.join(map(str, ranks))}")
+        self.quantity, self.ranks = quantity, ranks
+        self.unwritten = unwritten  # why the offending batch could not be written (a full disk), if it could not
+
+
+def check_finite(named: dict[str, Optional[torch.Tensor]], device: torch.device) -> None:
+    """Collective: every rank learns whether any rank holds a NaN/inf in one of the named tensors, so that all
+    of them stop together instead of the healthy ones waiting forever in the next collective."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    bad = torch.zeros(len(named), world_size, device=device)  # (quantities, ranks)
+    for i, value in enumerate(named.values()):
+        if value is not None and not torch.isfinite(value).all():
+            bad[i, rank] = 1.0
+    all_reduce(bad)
+    for (name, _), ranks in zip(named.items(), bad):
+        if ranks.any():
+            raise NonFiniteError(name, ranks.nonzero().flatten().tolist())
+
+
+def dump_batch(path: Path, tokenizer, rollout, scores: torch.Tensor,
+               advantages: Optional[torch.Tensor]) -> None:
+    """One JSON line per completion of the offending batch: prompt, completion, score, advantage and log-prob sum
+    (null where the update had not computed them yet)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    num_prompts = rollout.queries.shape[0]
+    with open(path, "w") as f:
+        for i in range(len(scores)):
+            prompt = rollout.queries[i % num_prompts][rollout.query_mask[i % num_prompts]]
+            completion = rollout.responses[i][rollout.response_mask[i]]
+            f.write(json.dumps({
+                "prompt": tokenizer.decode(prompt), "completion": tokenizer.decode(completion),
+                "score": scores[i].item(), "advantage": None if advantages is None else advantages[i].sum().item(),
+                "logprob_sum": None if rollout.logprobs is None else rollout.logprobs[i].sum().item(),
+            }) + "\n")
+
+
+# ===================================================================== measuring: phase times, token-forwards against the minimum, free memory -> chunk sizes
+class PhaseTimer:
+    """Per phase of an update (`with timer("generation"): ...`): wall-clock seconds (CUDA synchronized, so GPU time
+    lands in its phase), on CUDA the peak allocated memory in GiB, and the token positions fed through the forward
+    passes of the models it watches (count_tokens_of), padding included: the work done, to set against the least
+    that would do; and the bytes each decoding step must read (every weight, the whole KV cache), to set against the
+    memory bandwidth. One per run; start_update() clears it. Forward passes outside any phase count under
+    `default_phase` (None: not counted); a compiled decoding step's (--compile_generation) are not counted."""
+
+    def __init__(self, device: torch.device, default_phase: Optional[str] = None):
+        self.device = device
+        self.default_phase = default_phase
+        self.phase = None
+        self.weight_bytes = {}  # id(backbone) -> bytes of the weights a decoding step reads
+        self.start_update()
+
+    def start_update(self) -> None:
+        self.seconds = {}
+        self.peak_gib = {}
+        self.tokens = {}
+        self.decode_bytes = 0
+
+    def count_tokens_of(self, *models) -> None:
+        for model in models:  # the transformer itself, which every use of the model calls once per pass
+            backbone = getattr(model, getattr(model, "base_model_prefix", ""), model)
+            if model is not None and id(backbone) not in self.weight_bytes:  # once each
+                backbone.register_forward_pre_hook(self._count, with_kwargs=True)
+                self.weight_bytes[id(backbone)] = decode_weight_bytes(model)
+
+    def _count(self, module, args, kwargs) -> None:
+        phase = self.phase or self.default_phase
+        if phase is None or torch.compiler.is_compiling():  # a Python side effect would break a compiled graph
+            return
+        input_ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
+        self.tokens[phase] = self.tokens.get(phase, 0) + input_ids.numel()
+        cache = kwargs.get("past_key_values")
+        if input_ids.shape[1] == 1 and cache is not None:  # a decoding step, after a prefill
+            self.decode_bytes += self.weight_bytes[id(module)] + sum(
+                layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        note_phase(phase)
+        start, self.phase = time.perf_counter(), phase
+        try:
+            yield
+        finally:
+            self.phase = None
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+            self.peak_gib[phase] = max(peak, self.peak_gib.get(phase, 0.0))
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        """`time/<phase>` and `work/<phase>_tokens` for every phase, `work/forward_tokens` over all of them; on CUDA
+        `memory/<phase>_gib` and `memory/peak_gib` too."""
+        out = {f"time/{phase}": seconds for phase, seconds in self.seconds.items()}
+        out.update({f"work/{phase}_tokens": float(tokens) for phase, tokens in self.tokens.items()})
+        out["work/forward_tokens"] = float(sum(self.tokens.values()))
+        if self.decode_bytes:
+            out["work/decode_bytes"] = float(self.decode_bytes)
+        if self.peak_gib:
+            out.update({f"memory/{phase}_gib": gib for phase, gib in self.peak_gib.items()})
+            out["memory/peak_gib"] = max(self.peak_gib.values())
+        return out
+
+
+def decode_weight_bytes(model) -> int:
+    """Bytes of the weights one decoding step reads: all of them but an untied input embedding, of which a step
+    reads one row per sequence."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    untied = head is None or head.weight is not embedding.weight
+    return sum(p.nbytes for p in model.parameters() if not (untied and p is embedding.weight))
+
+
+def minimum_forward_tokens(c, passes: int) -> float:
+    """The least token positions `passes` forward passes over the completions could feed: every prompt token once,
+    every response token (up to its stop token) once per completion, in each pass."""
+    return float(passes * (int(c.query_mask.sum()) + int(c.response_mask.sum())))
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory a new allocation can take now: free GPU memory plus what PyTorch's allocator holds unused, or the
+    available RAM."""
+    if device.type == "cuda":
+        reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # cached by torch
+        return torch.cuda.mem_get_info(device)[0] + reusable
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def forward_bytes_per_row(config, phase: str, prompt_length: int, response_length: int, dtype_bytes: int,
+                          k: int = 1) -> float:
+    """Peak bytes one completion adds to a no-grad forward pass of this phase, its prompt shared with k-1 others
+    (a prompt group is one forward row of prompt_length + k * response_length tokens): one layer's transient
+    activations (about 4 x hidden + intermediate values per token) and, when sampling, its KV cache of every layer
+    (the prompt's once, read by its k rows) and one step's fp32 logits; for log-probs, the response's fp32 logits
+    and softmax; with k > 1, its share of the group's attention mask and per-head scores."""
+    hidden, tokens = config.hidden_size, prompt_length / k + response_length
+    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    per_row = (4 * hidden + intermediate) * tokens * dtype_bytes
+    if phase == "generation":
+        per_row += 2 * config.num_hidden_layers * hidden * (prompt_length + response_length) * dtype_bytes \
+            + 3 * config.vocab_size * 4
+    elif phase == "logprobs":
+        per_row += 2 * response_length * config.vocab_size * 4
+    if k > 1 and phase != "generation":
+        row_length = prompt_length + k * response_length
+        per_row += row_length**2 * (1 + config.num_attention_heads * dtype_bytes) / k
+    return per_row
+
+
+def rows_per_forward(args, model, phase: str, device: torch.device, rows: int, k: int = 1) -> int:
+    """local_rollout_forward_batch_size completions, or with 0 the most of `rows` whose forward through `model`
+    fits in 90% of the free memory, measured now (after the previous phase freed its buffers)."""
+    if args.local_rollout_forward_batch_size > 0:
+        return args.local_rollout_forward_batch_size
+    if model is None:  # no forward pass to size
+        return rows
+    per_row = forward_bytes_per_row(model.config, phase, args.max_prompt_length, args.response_length,
+                                    2 if args.bf16 else 4, k)
+    return max(1, min(rows, int(0.9 * free_memory_bytes(device) // per_row)))
+
+
+# ===================================================================== logging: metrics over ranks, console, metrics.jsonl, wandb
+SUM_METRICS = ("val/num_eos_tokens",)
+
+
+MIN_METRICS = ("completions/min_length",)
+
+
+MAX_METRICS = ("completions/max_length", "mismatch/logprob_diff_max")
+
+
+MISMATCH_WARNING = 0.05  # mismatch/clipfrac above which the log says so, once a run
+
+
+def is_optional_metric(key: str, value: float) -> bool:
+    """A reward source's mean is NaN on a rank where the source applied to no completion: no data, not a
+    failure. Every other NaN is reported as NaN, never hidden."""
+    return key.startswith("reward/") and math.isnan(value)
+
+
+def reduce_metrics(metrics: dict[str, float], device: torch.device,
+                   max_metrics: tuple[str, ...] = ()) -> dict[str, float]:
+    """Metrics over all ranks: sums for counts, min/max for extremes and peak memory, means for everything else
+    (a mean over the ranks that have data, for optional metrics); also the maximum of `max_metrics` (the rollout
+    source's). Every rank must pass the same keys."""
+    keys = sorted(metrics)
+    # peak memory: the fullest rank's
+    maxima = [k for k in keys if k in MAX_METRICS + max_metrics or k.startswith("memory/")]
+    means = [k for k in keys if k not in SUM_METRICS + MIN_METRICS + tuple(maxima)]
+    has_data = [0.0 if is_optional_metric(k, metrics[k]) else 1.0 for k in means]
+    values = [metrics[k] if w else 0.0 for k, w in zip(means, has_data)]
+    sums = all_reduce(torch.tensor(values + has_data + [metrics[k] for k in SUM_METRICS if k in metrics],
+                                   dtype=torch.float64, device=device))
+    out = {k: sums[i].item() / sums[len(means) + i].item() for i, k in enumerate(means) if sums[len(means) + i] > 0}
+    out.update({k: v.item() for k, v in zip([k for k in SUM_METRICS if k in metrics], sums[2 * len(means):])})
+    for op, selected in ((dist.ReduceOp.MIN, [k for k in MIN_METRICS if k in metrics]), (dist.ReduceOp.MAX, maxima)):
+        extremes = all_reduce(torch.tensor([metrics[k] for k in selected], dtype=torch.float64, device=device), op)
+        out.update(zip(selected, extremes.tolist()))
+    return out
+
+
+def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, scores: torch.Tensor, k: int) -> dict:
+    """Length and spread statistics of one rank's (N, Tr) completions."""
+    lengths = response_mask.sum(1).float()  # (N,)
+    per_prompt_std = scores.reshape(k, -1).std(0)  # (B,)
+    return {
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": (~has_stop).float().mean().item(),
+        "val/num_eos_tokens": has_stop.sum().item(),
+        "reward_std": per_prompt_std.mean().item(),
+        "frac_reward_zero_std": (per_prompt_std < 1e-6).float().mean().item(),
+    }
+
+
+class MetricsWriteError(Fault):
+    """metrics.jsonl could not be written (a full disk, a quota): the run stops, with a checkpoint where it can."""
+
+
+class RunLogger:
+    """Rank 0's outputs: a compact line per update, metrics.jsonl (appended), wandb, a progress bar, tables."""
+
+    LINE_KEYS = (("objective/scores", "score"), ("objective/rlhf_reward", "rlhf"), ("objective/kl", "kl"),
+                 ("objective/entropy", "ent"), ("policy/clipfrac_avg", "clip"), ("completions/mean_length", "len"),
+                 ("eps", "eps"))
+
+    def __init__(self, args, run_name: str, num_updates: int, start_update: int, wandb_run_id: Optional[str]):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        self.metrics_path = Path(args.output_dir) / "metrics.jsonl"
+        open(self.metrics_path, "a").close()
+        self.wandb = None
+        if args.track:
+            import wandb
+
+            self.wandb = wandb
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name,
+                       config=asdict(args), dir=args.output_dir, id=wandb_run_id, resume="allow")
+        self.console = Console()
+        self.progress = Progress(TextColumn("update"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                 console=self.console, transient=True)
+        self.task = self.progress.add_task("updates", total=num_updates, completed=start_update)
+        self.progress.start()
+        self.num_updates = num_updates
+        self.mismatch_warned = False
+
+    def log(self, update: int, metrics: dict[str, float]) -> None:
+        self.write_metrics({"update": update, **metrics})
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=int(metrics["episode"]))
+        parts = [f"{short} {metrics[key]:.4g}" for key, short in self.LINE_KEYS if key in metrics]
+        times = " ".join(f"{k.split('/')[1]} {v:.2f}s" for k, v in metrics.items() if k.startswith("time/"))
+        self.console.print(f"update {update}/{self.num_updates} episode {int(metrics['episode'])} | "
+                           + " | ".join(parts) + f" | {times}", highlight=False, soft_wrap=True)
+        if metrics.get("mismatch/clipfrac", 0.0) > MISMATCH_WARNING and not self.mismatch_warned:
+            self.mismatch_warned = True
+            self.console.print(
+                f"warning: the sampler and the trainer disagree: {metrics['mismatch/clipfrac']:.0%} of completions "
+                f"have p_trainer / p_sampler outside the clip band (per-token |log-prob difference| mean "
+                f"{metrics['mismatch/logprob_diff_mean']:.2g}, max {metrics['mismatch/logprob_diff_max']:.2g}); see "
+                "--vllm_importance_sampling_correction (said once a run)", highlight=False, soft_wrap=True)
+        self.progress.advance(self.task)
+
+    def log_eval(self, update: int, metrics: dict[str, float], episode: int) -> None:
+        self.write_metrics({"update": update, "episode": episode, **metrics})
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=episode)
+        self.console.print("eval | " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()), highlight=False,
+                           soft_wrap=True)
+
+    def write_metrics(self, record: dict) -> None:
+        """One line of metrics.jsonl, whole or not at all: a write that fails (a full disk, a quota) is cut off again
+        and stops the run (MetricsWriteError)."""
+        size = self.metrics_path.stat().st_size
+        try:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.truncate(self.metrics_path, size)
+            raise MetricsWriteError(f"could not write {self.metrics_path} ({e.strerror or e})") from None
+
+    def sample_table(self, rows: list[tuple[str, str, float]], episode: int) -> None:
+        from rich.table import Table
+
+        table = Table(title=f"samples at episode {episode}", show_lines=True)
+        for column in ("query", "response", "score"):
+            table.add_column(column)
+        for query, response, score in rows:
+            table.add_row(query, response, f"{score:.4f}")
+        self.console.print(table)
+        if self.wandb is not None:
+            self.wandb.log({"samples": self.wandb.Table(columns=["query", "response", "score"],
+                                                        data=[list(r) for r in rows])}, step=episode)
+
+    @property
+    def wandb_run_id(self) -> Optional[str]:
+        return self.wandb.run.id if self.wandb is not None else None
+
+    def close(self) -> None:
+        self.progress.stop()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+# ===================================================================== stop signals and late ranks
+CHECKPOINTS = "checkpoints"
+
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+TRAINER_STATE = "trainer_state.pt"
+
+
+MANIFEST = "manifest.json"  # written last into a checkpoint: the size and sha256 of each of its other files
+
+
+PREEMPTED = "preempted"  # in output_dir while a run stopped by a signal waits to be resumed; job scripts requeue on it
+
+
+LOCK = "run.lock"  # flock'ed by the run that writes to output_dir, and holding its pid and host
+
+
+ABANDONED = "abandoned"  # output_dir/abandoned/<time>_<why>/: work a run set aside (never deleted)
+
+
+MERGED = "merged"  # output_dir/merged: --merge_lora's policy, written with the final one
+
+
+RUN_OUTPUTS = (CHECKPOINTS, "metrics.jsonl*", PREEMPTED, "nonfinite", "wandb", LOCK, ABANDONED,  # what a run writes
+               "engine_*.log", "engines.json")  # before it ends (the last two: rloo_multinode.py's engines)
+
+
+class StartupInterrupted(BaseException):
+    """A signal arrived before the first update: there is nothing to save, so the run ends at once. A
+    BaseException, as KeyboardInterrupt is, so that library code's `except Exception` lets it through."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(f"{signal_name} received during start-up: stopped before the first update, nothing was "
+                         "trained; run the same command again to start")
+        self.signal_name = signal_name
+
+
+class StopSignal:
+    """SIGTERM and SIGUSR1 (what SLURM sends before preemption or the time limit) and SIGINT (Ctrl-C, and what
+    many launchers send) ask the run to stop after the current update with a checkpoint; the handler only records
+    the signal, the update loop decides when to act on it. After a first SIGINT, a second one kills the process at
+    once (the default action, which works even inside a hung collective). Until `training` is set there is nothing
+    to save: a signal ends the run at once (StartupInterrupted), SIGTERM and SIGUSR1 leaving the `preempted` marker
+    so that a job script requeues the run."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+    def __init__(self, output_dir: str, announce: bool):
+        self.name: Optional[str] = None
+        self.training = False
+        self.at_once = False  # the main thread only waits for a reward function (stop_signals_at_once)
+        self.output_dir = output_dir
+        self.announce = announce
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._record)
+
+    def _record(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+        name = signal.Signals(signum).name
+        if not self.training:
+            if signum != signal.SIGINT and holds_lock(self.output_dir):
+                (Path(self.output_dir) / PREEMPTED).write_text("stopped during start-up, before any update\n")
+            raise StartupInterrupted(name)
+        self.name = self.name or name
+        if self.at_once:  # the function may never return: stop now, from the state at the start of the update
+            raise RewardFunctionError(f"{name} received while a reward function ran", signal_name=name)
+        if signum == signal.SIGINT and self.announce:  # os.write: print() is not safe inside a signal handler
+            os.write(2, b"rloo.py: SIGINT received: stopping after this update with a checkpoint; Ctrl-C again "
+                        b"exits at once without one\n")
+
+    def requested(self, device: torch.device) -> bool:
+        """Collective: True on every rank as soon as any rank got a signal."""
+        return bool(all_reduce(torch.tensor([float(self.name is not None)], device=device), dist.ReduceOp.MAX).item())
+
+
+@contextlib.contextmanager
+def signals_held():
+    """The stop signals are delivered only after the block: a move of several directories is never cut in half."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, StopSignal.SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, StopSignal.SIGNALS)
+
+
+@contextlib.contextmanager
+def stop_signals_at_once():
+    """While the main thread only waits for a reward function (running in a thread of its own), a stop signal stops
+    the run at once, raising there, instead of after the update: the function may be stuck for good."""
+    stop = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+    if not isinstance(stop, StopSignal) or not stop.training or threading.current_thread() != threading.main_thread():
+        yield
+        return
+    stop.at_once = True
+    try:
+        yield
+    finally:
+        stop.at_once = False
+
+
+# ---- ranks waiting for each other: who is late, and where
+PHASE = ["start-up", time.time()]  # this rank's phase and since when, published for the other ranks
+
+
+BARRIERS = [0]  # barriers passed by this rank; every rank passes the same ones in the same order
+
+
+def process_group_store():
+    """The store the ranks rendezvoused through (torchrun's), or None outside torchrun."""
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):  # a private API: without it, plain barriers
+        return None
+
+
+def note_phase(name: str) -> None:
+    """Record the phase this rank is in (with several ranks, in the store too): a rank that waits too long for
+    another can then say what that one is doing."""
+    PHASE[:] = [name, time.time()]
+    store = process_group_store()
+    if store is not None:
+        store.set(f"rloo/phase/{dist.get_rank()}", json.dumps(PHASE))
+
+
+def wait_for_peers(what: str) -> None:
+    """A barrier of all ranks through the store, at most --ddp_timeout long. A rank that has not arrived by then
+    (a reward function that never returns, a dead node) makes every waiting rank raise a Fault naming it and the
+    phase it is in, said once by the lowest waiting rank; a collective would wait as long, then fail without
+    saying which rank nor where."""
+    store = process_group_store()
+    if store is None:
+        if dist.is_initialized():
+            dist.barrier()
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    BARRIERS[0] += 1
+    key, waiting = f"rloo/barrier/{BARRIERS[0]}", f"waiting for the other ranks after {what}"
+    note_phase(waiting)
+    if store.add(key, 1) == world:
+        store.set(f"{key}/all", "1")
+    try:
+        store.wait([f"{key}/all"], datetime.timedelta(seconds=PEER_TIMEOUT[0]))
+    except RuntimeError:  # DistStoreError: the wait timed out
+        now, phases = time.time(), {}
+        for r in range(world):
+            phases[r] = json.loads(store.get(f"rloo/phase/{r}")) if store.check([f"rloo/phase/{r}"]) \
+                else ["start-up", None]
+        late = [r for r in range(world) if phases[r][0] != waiting]
+        where = "; ".join(f"rank {r} is in {phases[r][0]!r}" + (f" since {now - phases[r][1]:.0f} s" if phases[r][1]
+                                                                  else "") for r in late)
+        raise Fault(f"the other ranks waited --ddp_timeout {PEER_TIMEOUT[0]:g} s after {what}: {where} (stuck: a "
+                    "reward function that never returns, a dead node; or slower than that: raise --ddp_timeout); "
+                    "nothing saved, a checkpoint needs every rank", announce=rank == min(set(range(world)) - set(late),
+                                                                             default=rank)) from None
+    note_phase(f"after {what}")
+
+
+STOPPED_ALONE = "rloo/stopped_alone"  # set by a rank that stops on its own: the others' failed collectives echo it
+
+
+def stopped_alone(mark: bool = False) -> bool:
+    """Whether a rank has marked (with `mark`: marks) in the store that it stops on its own, having said why."""
+    store = process_group_store()
+    with contextlib.suppress(RuntimeError):  # the store is gone too: nothing to say or learn
+        if store is not None and mark:
+            store.set(STOPPED_ALONE, "1")
+        return store is not None and store.check([STOPPED_ALONE])
+    return False
+
+
+def barrier(what: str = "a barrier") -> None:
+    wait_for_peers(what)
+
+
+@contextlib.contextmanager
+def reward_faults(device: torch.device, what: str, after_training: bool = False):
+    """Around the scoring of completions: a RewardFunctionError on any rank is raised on every rank together, with
+    the failing rank's message (said once, by rank 0), instead of the others waiting for it in the next collective;
+    a rank that has not finished within --ddp_timeout is named (wait_for_peers)."""
+    error = None
+    try:
+        yield
+    except RewardFunctionError as e:
+        error = e
+    if not dist.is_initialized():
+        if error is not None:
+            error.after_training = after_training
+            raise error
+        return
+    wait_for_peers(what)
+    if not all_reduce(torch.tensor([float(error is not None)], device=device), dist.ReduceOp.MAX).item():
+        return
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else (str(error), error.signal_name))
+    rank, (message, signal_name) = min(((r, m) for r, m in enumerate(messages) if m is not None),
+                                       key=lambda failed: failed[1][1] is not None)  # a failure before a signal
+    raise RewardFunctionError(f"{message} (rank {rank}, {what})", announce=dist.get_rank() == 0,
+                              after_training=after_training, signal_name=signal_name) from None
+
+
+# ===================================================================== checkpoints: one run per output_dir, verified saves, resume, nothing deleted
+# ---- output_dir: one run at a time, nothing deleted
+LOCKS: dict[str, dict] = {}  # resolved output_dir -> {"file": the lock file held (until exit), "created": its dirs}
+
+
+def lock_output_dir(output_dir: str) -> None:
+    """An exclusive advisory lock (flock) on output_dir/run.lock, held until this process exits; the OS releases it
+    then, so a crash never leaves a stale lock. A second run into the same output_dir (a job submitted twice, a
+    requeue while the old job still runs) stops here, naming the holder's pid and host."""
+    path = Path(output_dir)
+    if str(path.resolve()) in LOCKS:
+        return
+    created = [d for d in (path, *path.parents) if not d.exists()]  # the deepest first
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        lock = open(path / LOCK, "a+")
+    except OSError as e:
+        raise ConfigError(f"cannot write to --output_dir {output_dir}: {e.strerror or e}") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "a process that has not written its pid yet"
+        lock.close()
+        raise ConfigError(f"--output_dir {output_dir} is in use by another run ({holder}): wait for it to end or "
+                          "stop it, or pass another --output_dir") from None
+    except OSError as e:  # a filesystem without locks (Lustre without -o flock, some NFS setups)
+        print(f"rloo.py: warning: cannot lock --output_dir {output_dir} ({e.strerror or e}): a second run into it "
+              "would not be stopped", file=sys.stderr)
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    lock.flush()
+    LOCKS[str(path.resolve())] = {"file": lock, "created": created}
+
+
+def release_output_dir(output_dir: str) -> None:
+    """After a refused start, so that it leaves nothing behind: the lock file removed, and the directories made
+    for it if they are empty."""
+    held = LOCKS.pop(str(Path(output_dir).resolve()), None)
+    if held is None:
+        return
+    (Path(output_dir) / LOCK).unlink(missing_ok=True)
+    held["file"].close()
+    for directory in held["created"]:
+        try:
+            directory.rmdir()
+        except OSError:  # not empty
+            break
+
+
+def holds_lock(output_dir: str) -> bool:
+    return str(Path(output_dir).resolve()) in LOCKS
+
+
+def take_output_dir(output_dir: str, rank: int) -> None:
+    """Before anything is read from output_dir, rank 0 makes it this run's: locked (lock_output_dir), the marker of
+    an earlier stop removed (a resume that then fails or is refused is not requeued forever), the temporary
+    directories of killed saves removed (they can be as large as a checkpoint)."""
+    path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--output_dir {output_dir} is a file: pass a directory")
+    if rank != 0:
+        return
+    lock_output_dir(output_dir)
+    (path / PREEMPTED).unlink(missing_ok=True)
+    for debris in (path / CHECKPOINTS).glob(".tmp_step_*"):
+        shutil.rmtree(debris, ignore_errors=True)
+
+
+# numpy arrays of numbers, in the RNG files of earlier versions of rloo.py: reconstructing one runs no other code
+NUMPY_ARRAY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), np.ndarray(0).__reduce__()[0]]
+
+
+def rng_state(sampling: torch.Generator) -> dict:
+    """Every generator's state, in tensors and plain values only (what torch.load reads with weights_only)."""
+    _, keys, position, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "sampling": sampling.get_state(),
+             "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                       "has_gauss": int(has_gauss), "gauss": float(gauss)}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict, sampling: torch.Generator) -> None:
+    random.setstate(state["python"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        np.random.set_state(("MT19937", numpy_state["keys"].numpy().astype(np.uint32), numpy_state["position"],
+                             numpy_state["has_gauss"], numpy_state["gauss"]))
+    else:  # numpy's own tuple, as earlier versions of rloo.py saved it
+        np.random.set_state(numpy_state)
+    torch.set_rng_state(state["torch"])
+    sampling.set_state(state["sampling"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def load_safely(path: Path):
+    """torch.load with weights_only: tensors and plain Python values only, so that reading a checkpoint from
+    elsewhere can never run code. Raises ConfigError naming the file."""
+    try:
+        with torch.serialization.safe_globals(NUMPY_ARRAY_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        raise ConfigError(f"{path} holds {refused.group(1) if refused else 'an object'}, not only tensors and plain "
+                          "values: refused, as loading it could run code") from None
+    except Exception as e:  # a truncated or foreign file: zip, EOF and OS errors
+        raise ConfigError(f"{path} cannot be read ({first_line(e)})") from None
+
+
+def save_policy(policy, tokenizer, path: Path, rank: int) -> None:
+    """The policy in HF format (with --use_peft, its adapter in peft's format) and its tokenizer at `path`, written
+    by rank 0. With FSDP a collective: every rank sends its shards to rank 0's CPU first."""
+    state = None
+    if is_fsdp_unit(policy):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        policy.save_pretrained(path, state_dict=state)
+        tokenizer.save_pretrained(path)
+        written = Path(path) / ("config.json" if (Path(path) / "config.json").is_file() else ADAPTER_CONFIG)
+        mode = written.stat().st_mode & 0o777  # what the umask gives a file
+        for weights in Path(path).glob("*.safetensors"):  # written through a temporary file, 0600
+            weights.chmod(mode)
+        if state is not None:  # fully_shard renamed the class FSDP<Model>: record the model's own name
+            config_path = Path(path) / "config.json"
+            config = json.loads(config_path.read_text())
+            config["architectures"] = [name.removeprefix("FSDP") for name in config.get("architectures") or []]
+            config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+OPTIMIZER_SHARDS = "optimizer"  # a checkpoint's directory of sharded optimizer state (FSDP)
+
+
+def save_optimizer_state(model, optimizer, directory: Path, trainer_state: dict) -> None:
+    """With FSDP every rank writes its own shard of the optimizer state under directory/optimizer (a collective,
+    torch.distributed.checkpoint: no rank ever holds the whole); otherwise it goes into trainer_state."""
+    if is_fsdp_unit(model):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(directory / OPTIMIZER_SHARDS))
+        trainer_state["optimizer"] = OPTIMIZER_SHARDS
+    else:
+        trainer_state["optimizer"] = optimizer.state_dict()
+
+
+def load_optimizer_state(model, optimizer, checkpoint: Path, trainer_state: dict) -> None:
+    if is_fsdp_unit(model):  # each rank reads its own shard
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        state = get_optimizer_state_dict(model, optimizer)  # the layout to fill, with the state allocated
+        dcp.load(state, checkpoint_id=str(checkpoint / OPTIMIZER_SHARDS))
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state)
+    else:
+        optimizer.load_state_dict(trainer_state["optimizer"])
+
+
+try:  # what a failed write raises: OSError from Python, RuntimeError from torch.save, SafetensorError
+    from safetensors import SafetensorError
+    WRITE_ERRORS: tuple = (OSError, RuntimeError, SafetensorError)
+except ImportError:
+    WRITE_ERRORS = (OSError, RuntimeError)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def rank0_view(value):
+    """Rank 0's value on every rank: one listing of a shared directory, whichever node's cache is behind."""
+    if not dist.is_initialized():
+        return value
+    shared = [value]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def file_digests(root: Path, names: Optional[list[str]] = None) -> dict[str, Optional[dict]]:
+    """{path relative to root: {"bytes": size, "sha256": hex digest} (None if missing)} of `names`, or of every
+    file under root (as rank 0 sees them). Collective when distributed: each rank hashes a share (checkpoints are
+    on a filesystem every rank sees), so that a save or a resume reads each file once, all ranks in parallel."""
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    if names is None:
+        names = rank0_view(sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()))
+    digests = {name: {"bytes": (root / name).stat().st_size, "sha256": sha256_of(root / name)}
+               if (root / name).is_file() else None for name in names[rank::world]}
+    if world > 1:
+        shares = [None] * world
+        dist.all_gather_object(shares, digests)
+        digests = {name: value for share in shares for name, value in share.items()}
+    return digests
+
+
+def model_identity(path: str) -> dict:
+    """What a model is: a local directory's files (top level, hidden ones aside) with their sha256, or a Hub
+    model's revision: the commit of the snapshot it loads from. Collective when distributed (file_digests)."""
+    root = Path(path)
+    if root.is_dir():
+        names = sorted(p.name for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
+        return {"files": file_digests(root, rank0_view(names))}
+    from transformers.utils import cached_file
+
+    config = _from_pretrained(cached_file, path, "policy", filename="config.json")  # .../snapshots/<commit>/
+    return {"revision": Path(config).parent.name}
+
+
+def check_same_initial_model(saved: Optional[dict], current: dict, path: str) -> None:
+    """On resume: the initial model (the frozen reference, and the architecture and code the resumed policy loads
+    with) must be the one the checkpoint's run started from (None: an earlier rloo.py's, which did not record it)."""
+    if saved is None or saved == current:
+        return
+    if "files" in saved and "files" in current:
+        names = sorted(n for n in saved["files"].keys() | current["files"].keys()
+                       if saved["files"].get(n) != current["files"].get(n))
+        what = "these files differ: " + ", ".join(names)
+    else:
+        what = f"revision {saved.get('revision', 'a local directory')} -> {current.get('revision', 'a directory')}"
+    raise ConfigError(f"cannot resume: the initial model {path} (the frozen reference) is not the one the "
+                      f"checkpoint's run started from ({what}): restore that model, or start a new run in another "
+                      "--output_dir")
+
+
+# what the metadata of torch.distributed.checkpoint's optimizer shards is made of: nothing that runs code
+DCP_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict")} | {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "MetadataIndex",
+        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Reads a pickle, refusing every global but those of DCP_METADATA_GLOBALS and torch's dtypes."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in DCP_METADATA_GLOBALS or module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                      torch.dtype):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def unsafe_metadata(path: Path) -> Optional[str]:
+    """Why torch.distributed.checkpoint must not unpickle this .metadata file (it uses plain pickle), or None."""
+    try:
+        with open(path, "rb") as f:
+            MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        return f"{path.name} refers to {e}, which could run code when loaded"
+    except Exception as e:  # truncated, or not a pickle at all
+        return f"{path.name} cannot be read ({first_line(e)})"
+    return None
+
+
+def checkpoint_problem(path: Path) -> Optional[str]:
+    """Why a checkpoint cannot be resumed from, or None when it is intact: its manifest (written last, so missing
+    after a save that did not finish) is unreadable, a file it lists is missing or differs in size or sha256, its
+    weights are not in safetensors (a pickle is never loaded), or its optimizer shards' metadata refers to code.
+    A checkpoint of an earlier rloo.py has no manifest: each of its weights and RNG files must read to its end (its
+    trainer state is checked when it is read). Collective when distributed."""
+    metadata = path / OPTIMIZER_SHARDS / ".metadata"
+    try:
+        listed = json.loads((path / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        listed = None
+        if not (path / TRAINER_STATE).is_file():
+            return f"no {MANIFEST}: its save did not finish"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} cannot be read ({type(e).__name__}: {first_line(e)})"
+    if listed is not None:
+        found = file_digests(path, sorted(listed))
+        for name, expected in sorted(listed.items()):
+            if found[name] is None:
+                return f"{name} is missing"
+            if found[name]["bytes"] != expected["bytes"]:
+                return f"{name} has {found[name]['bytes']} bytes where the manifest says {expected['bytes']}"
+            if found[name]["sha256"] != expected["sha256"]:
+                return f"{name} differs from the manifest (sha256)"
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        others = [p.name for p in sorted(path.iterdir()) if p.suffix in (".bin", ".pt", ".pth", ".ckpt")
+                  and not p.name.startswith("rng_rank") and p.name != TRAINER_STATE]
+        return f"no weights in safetensors ({', '.join(others) or 'none'} instead): a pickle is never loaded"
+    if listed is None:
+        from safetensors import safe_open
+
+        index = path / "model.safetensors.index.json"
+        shards = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else set()
+        if missing := sorted(shards - {p.name for p in weights}):
+            return f"{missing[0]} is missing"
+        for file in weights + sorted(path.glob("rng_rank*.pt")):
+            try:
+                if file.suffix == ".pt":
+                    load_safely(file)
+                else:
+                    with safe_open(file, "pt"):
+                        pass
+            except ConfigError as e:  # load_safely's line, which names the file
+                return str(e).removeprefix(f"{path}/")
+            except WRITE_ERRORS as e:
+                return f"{file.name} cannot be read ({first_line(e)})"
+    return unsafe_metadata(metadata) if metadata.is_file() else None
+
+
+def steps_to_prune(steps: list[int], keep: Optional[int], newest: int) -> list[int]:
+    """The checkpoints --save_total_limit `keep` removes: all but the newest `keep`, never `newest` (the one just
+    written); None keeps all."""
+    if keep is None:
+        return []
+    if keep < 1:
+        raise ValueError(f"save_total_limit = {keep} would remove the checkpoint just written")
+    others = sorted(s for s in steps if s != newest)
+    return others[: max(0, len(others) - (keep - 1))]
+
+
+def save_checkpoint(output_dir: str, update: int, model, optimizer, tokenizer, trainer_state: dict, rank: int,
+                    save_total_limit: Optional[int], sampling: torch.Generator, rng: Optional[dict] = None) -> Path:
+    """Write output_dir/checkpoints/step_<update>: the policy in HF format (loadable on its own) and its
+    tokenizer, trainer_state.pt (counters, data position, args; the optimizer, or with FSDP the optimizer/
+    directory of shards), every rank's RNG states (`rng`, default: as they are now) and, last, manifest.json
+    with the size and sha256 of every file, by which a resume tells an intact checkpoint from a damaged one.
+    Everything goes into a temporary directory first, renamed into place once complete, so a process killed
+    mid-save leaves the previous checkpoints intact and no half-written step_<n>; a save that fails (a full disk)
+    removes its temporary directory and raises a Fault saying so. Multi-node runs need output_dir on a shared
+    filesystem: every rank writes its RNG file there."""
+    root = Path(output_dir) / CHECKPOINTS
+    final, partial = root / f"step_{update}", root / f".tmp_step_{update}"
+    what = f"saving checkpoint step_{update}"
+    note_phase(what)
+    try:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # debris of an earlier save that was killed
+            partial.mkdir(parents=True)
+        barrier(what)
+        torch.save(rng if rng is not None else rng_state(sampling), partial / f"rng_rank{rank}.pt")
+        barrier(what)
+        save_optimizer_state(model, optimizer, partial, trainer_state)
+        save_policy(model.module if isinstance(model, DDP) else model, tokenizer, partial, rank)
+        if rank == 0:
+            torch.save(trainer_state, partial / TRAINER_STATE)
+        barrier(what)
+        digests = file_digests(partial)
+        if rank == 0:
+            (partial / MANIFEST).write_text(json.dumps({"files": digests}, indent=1) + "\n")
+    except WRITE_ERRORS as e:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        previous, free = latest_checkpoint(output_dir), shutil.disk_usage(root).free / 2**30
+        raise Fault(f"could not write checkpoint step_{update} ({free:.3g} GiB free on its filesystem): "
+                    f"{first_line(e)}; the partial one is removed and "
+                    + (f"the newest, {previous}, is intact" if previous else "there is no earlier checkpoint")
+                    + ": free space (or fix the filesystem) and continue with --resume") from e
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)  # the same update of this timeline, written again after a fault
+        os.replace(partial, final)  # atomic: step_<update> appears complete or not at all
+        steps = [int(m.group(1)) for d in root.iterdir() if (m := STEP_DIR.match(d.name))]
+        for old in steps_to_prune(steps, save_total_limit, update):
+            shutil.rmtree(root / f"step_{old}")
+    barrier(what)
+    return final
+
+
+def save_final_policy(policy, tokenizer, output_dir: str, rank: int, checkpoint: Optional[Path] = None) -> None:
+    """The finished run's policy and tokenizer in output_dir: hard links to those of `checkpoint`, the final one
+    (stored once; a change to either shows in the checkpoint's manifest), copies where the filesystem has no hard
+    links, or written (save_policy) when there is no checkpoint. A failed write says how to redo it."""
+    try:
+        if checkpoint is None:
+            save_policy(policy, tokenizer, Path(output_dir), rank)
+        elif rank == 0:
+            for file in sorted(checkpoint.iterdir()):
+                if not file.is_file() or file.name in (TRAINER_STATE, MANIFEST) or file.name.startswith("rng_rank"):
+                    continue
+                (Path(output_dir) / file.name).unlink(missing_ok=True)  # this run's own, of an earlier finish
+                try:
+                    os.link(file, Path(output_dir) / file.name)
+                except OSError:
+                    shutil.copy2(file, Path(output_dir) / file.name)
+    except WRITE_ERRORS as e:
+        raise Fault(f"could not write the final policy to {output_dir}: {first_line(e)}; the final checkpoint "
+                    f"{latest_checkpoint(output_dir)} is intact: free space and run the same command with --resume "
+                    "to write it") from e
+
+
+def checkpoint_dirs(output_dir: str) -> list[Path]:
+    """The complete step_<n> directories, newest first; temporary directories are never candidates."""
+    root = Path(output_dir) / CHECKPOINTS
+    steps = [(int(m.group(1)), d) for d in root.glob("step_*") if (m := STEP_DIR.match(d.name))
+             and ((d / MANIFEST).is_file() or (d / TRAINER_STATE).is_file())] if root.is_dir() else []
+    return [d for _, d in sorted(steps, reverse=True)]
+
+
+def latest_checkpoint(output_dir: str) -> Optional[Path]:
+    """The complete step_<n> directory with the largest n (not verified: see resume_checkpoint)."""
+    return next(iter(checkpoint_dirs(output_dir)), None)
+
+
+def read_checkpoint(path: Path) -> tuple[Optional[dict], Optional[str]]:
+    """(its trainer state, None), or (None, why it cannot be resumed from). Collective when distributed."""
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        return None, problem
+    try:
+        return load_safely(path / TRAINER_STATE), None
+    except ConfigError as e:
+        return None, str(e)
+
+
+@dataclass
+class Resumption:
+    checkpoint: Optional[Path]  # None: start fresh
+    state: Optional[dict]  # its trainer state
+    skipped: dict  # {damaged checkpoint newer than `checkpoint`: why}
+
+
+def check_output_dir_holds_no_input(args, ours: list[Path], set_aside: str) -> None:
+    """The run never writes into an input model's directory, nor, unless it continues output_dir's own
+    checkpoints or --overwrite_output_dir sets them aside, next to files it did not write (a model, say)."""
+    root = Path(args.output_dir)
+    for flag in ("model_name_or_path", "sft_model_path", "reward_model_path"):
+        model = Path(getattr(args, flag) or "")
+        if getattr(args, flag) and model.exists() and root.resolve() in (model.resolve(), *model.resolve().parents):
+            raise ConfigError(f"--output_dir {root} is or holds the --{flag} {model}: the run would write over "
+                              "its input model; pass another --output_dir")
+    if ours or args.overwrite_output_dir:
+        return
+    foreign = rank0_view(sorted(p.name for p in root.iterdir() if not any(p.match(n) for n in RUN_OUTPUTS))
+                         if root.is_dir() else [])
+    if foreign:
+        raise ConfigError(f"--output_dir {root} holds files this run did not write ({', '.join(foreign[:4])}"
+                          + (", ..." if len(foreign) > 4 else "") + "): pass a new or empty --output_dir, or "
+                          + set_aside)
+
+
+def resume_checkpoint(args) -> Resumption:
+    """Where the run starts: --resume_from, or with --resume the newest intact checkpoint of output_dir (the
+    damaged newer ones it skips are named), or nothing. Refused: a damaged --resume_from; --resume when no
+    checkpoint is intact; and a run that would mix with an earlier one or with other files in output_dir (unless
+    --overwrite_output_dir sets them aside). Collective when distributed."""
+    ours = rank0_view(checkpoint_dirs(args.output_dir))
+    set_aside = f"--overwrite_output_dir to move them to {Path(args.output_dir) / ABANDONED}/ and start over"
+    check_output_dir_holds_no_input(args, ours, set_aside)
+    earlier = f"an earlier run (checkpoints up to {ours[0].name})" if ours else ""
+    if args.resume_from is not None:
+        path = Path(args.resume_from)
+        if not (path / TRAINER_STATE).is_file():
+            raise ConfigError(f"--resume_from {path}: not a checkpoint (no {TRAINER_STATE}); checkpoints are "
+                              f"{Path(args.output_dir) / CHECKPOINTS}/step_<n>")
+        state, problem = read_checkpoint(path)
+        if problem is not None:
+            raise ConfigError(f"--resume_from {path} is damaged: {problem}; pass another checkpoint")
+        if ours and path.resolve().parent != (Path(args.output_dir) / CHECKPOINTS).resolve() \
+                and not args.overwrite_output_dir:
+            raise ConfigError(f"--output_dir {args.output_dir} holds {earlier}, not {path}'s: pass another "
+                              f"--output_dir, or {set_aside}")
+        return Resumption(path, state, {})
+    if args.resume:
+        skipped = {}
+        for path in ours:
+            state, problem = read_checkpoint(path)
+            if problem is None:
+                return Resumption(path, state, skipped)
+            skipped[path] = problem
+        if skipped:
+            raise ConfigError(f"--resume: no checkpoint in {Path(args.output_dir) / CHECKPOINTS} is intact ("
+                              + "; ".join(f"{p.name}: {why}" for p, why in skipped.items())
+                              + f"): pass --resume_from a checkpoint elsewhere, or without --resume, {set_aside}")
+        return Resumption(None, None, {})
+    if ours and not args.overwrite_output_dir:
+        raise ConfigError(f"--output_dir {args.output_dir} holds {earlier}: pass --resume to continue it, another "
+                          f"--output_dir, or {set_aside}")
+    return Resumption(None, None, {})
+
+
+def move_aside(output_dir: str, names: list[str], why: str) -> Path:
+    """Move these entries of output_dir (paths relative to it) into a new output_dir/abandoned/<time>_<why>/,
+    where they keep their relative paths. Signals wait until every entry has moved."""
+    root = Path(output_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    folder = root / ABANDONED / f"{stamp}_{why}"
+    for n in itertools.count(2):
+        if not folder.exists():
+            break
+        folder = root / ABANDONED / f"{stamp}_{why}_{n}"
+    with signals_held():
+        for name in names:
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(root / name, folder / name)
+    return folder
+
+
+def settle_output_dir(args, start_update: int, skipped: dict) -> list[str]:
+    """Rank 0, before the run writes anything: what output_dir holds beyond the update the run starts from is
+    moved to output_dir/abandoned/ (nothing is deleted). With --overwrite_output_dir, all it holds.
+    Otherwise the checkpoints of later updates (another timeline, after --resume_from an older one, or damaged ones
+    --resume skipped) and the metrics.jsonl lines after that update (those of a timeline abandoned, or updates
+    that a killed run logged but did not checkpoint). Then --resume and metrics.jsonl only ever see the timeline
+    being continued. Returns the lines to print."""
+    root = Path(args.output_dir)
+    if args.overwrite_output_dir:
+        names = sorted(p.name for p in root.iterdir() if p.name not in (LOCK, ABANDONED))
+        if not names:
+            return []
+        folder = move_aside(args.output_dir, names, "overwritten")
+        return [f"--overwrite_output_dir: what it held ({', '.join(names)}) moved to {folder}"]
+    later = [d for d in reversed(checkpoint_dirs(args.output_dir)) if int(d.name.removeprefix("step_")) > start_update]
+    metrics = root / "metrics.jsonl"
+    kept, dropped = [], []
+    for line in metrics.read_text().splitlines(keepends=True) if metrics.is_file() else []:
+        try:
+            (kept if json.loads(line)["update"] <= start_update else dropped).append(line)
+        except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+            dropped.append(line)
+    if not later and not dropped:
+        return []
+    folder = move_aside(args.output_dir, [f"{CHECKPOINTS}/{d.name}" for d in later], f"after_update_{start_update}")
+    if dropped:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "metrics.jsonl").write_text("".join(dropped))
+        (root / "metrics.jsonl.tmp").write_text("".join(kept))
+        os.replace(root / "metrics.jsonl.tmp", metrics)
+    reasons = [f"{d.name}: {skipped[d]}" for d in later if d in skipped]
+    (folder / "why.txt").write_text(f"set aside when a run continued from update {start_update}, on "
+                                    f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n" + "".join(f"{r}\n" for r in reasons))
+    lines = [f"skipped damaged checkpoint {r}" for r in reasons]
+    return lines + [f"continuing from update {start_update}: moved what lies after it ("
+                    + ", ".join([d.name for d in later] + ([f"{len(dropped)} metrics.jsonl lines"] if dropped else []))
+                    + f") to {folder}"]
+
+
+def check_resumable(saved: dict, args, world_size: int, saved_world_size: int) -> list[str]:
+    """Refuse a resume that would silently be another experiment; return the harmless changes to report."""
+    current = asdict(args)
+    changed = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v and k in saved}
+    refused = sorted(k for k in changed if k not in args.resumable_changes)
+    if world_size != saved_world_size:
+        refused.append("world size")
+        changed["world size"] = (saved_world_size, world_size)
+    if refused:
+        raise ConfigError("cannot resume: these differ from the checkpoint's run and change its meaning: "
+                          + ", ".join(f"{k} ({changed[k][0]!r} -> {changed[k][1]!r})" for k in refused)
+                          + "; start a new run in another --output_dir instead")
+    return [f"{k} ({old!r} -> {new!r})" for k, (old, new) in sorted(changed.items())
+            if k not in ("resume", "resume_from")]
+
+
+# ===================================================================== set-up
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def quiet_hub_progress_bars() -> None:
+    """Loading bars of datasets and transformers would bury the run's own lines (and one-line errors)."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+
+
+# ===================================================================== command line: TRL >= 0.22's names, one-line errors and exit statuses
+# TRL >= 0.22's names for flags of the same meaning (README, "Flags": both TRL generations' names side by side)
+TRL_NAMES = {"num_generations": "rloo_k", "beta": "kl_coef", "epsilon": "cliprange", "num_iterations": "num_ppo_epochs",
+             "max_completion_length": "response_length", "normalize_advantages": "normalize_advantage"}
+
+
+def with_trl_names_translated(argv: list[str], defaults) -> list[str]:
+    """argv with TRL >= 0.22's flag names written as this script's, --steps_per_generation S (micro-batches per rank
+    and generation) as --num_mini_batches S / gradient_accumulation_steps, and the values of a list flag given several
+    times (--reward_fn a --reward_fn b) gathered into one: all count, where tyro would keep the last. A flag given
+    under both of its names with different values is refused, rather than settled by which comes last; under one
+    name, the last value wins (argparse's rule: a launch script's "$@" overrides its defaults)."""
+    watched = {*TRL_NAMES, *TRL_NAMES.values(), "steps_per_generation", "num_mini_batches",
+               "gradient_accumulation_steps"}
+    hints = get_type_hints(type(defaults))
+    lists = {name for name, hint in hints.items() if tuple in {get_origin(hint), *map(get_origin, get_args(hint))}}
+    out, given, items = [], {}, {}  # given: this script's flag name -> {the name used: its value}; items: a list's
+    i = 0
+    while i < len(argv):
+        flag, equals, value = argv[i].partition("=")
+        negated = flag.startswith(("--no-", "--no_"))
+        name = (flag[5:] if negated else flag[2:]).replace("-", "_") if flag.startswith("--") else None
+        if name in lists:
+            end = i + 1 if equals else next((j for j in range(i + 1, len(argv)) if argv[j].startswith("--")),
+                                            len(argv))
+            items.setdefault(name, []).extend([value] if equals else argv[i + 1 : end])
+            i = end
+            continue
+        if name not in watched:
+            out.append(argv[i])
+            i += 1
+            continue
+        own = TRL_NAMES.get(name, name)
+        takes_next = not equals and not isinstance(getattr(defaults, own, None), bool)
+        if takes_next:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        elif not equals:
+            value = str(not negated)
+        given.setdefault("num_mini_batches" if name == "steps_per_generation" else own, {})[name] = value
+        tokens = argv[i : i + 1 + takes_next]
+        if name in TRL_NAMES:
+            tokens[0] = ("--no-" if negated else "--") + own + (f"={value}" if equals else "")
+        if name != "steps_per_generation":
+            out += tokens
+        i += 1 + takes_next
+    if "steps_per_generation" in given.get("num_mini_batches", {}):
+        steps = given["num_mini_batches"].pop("steps_per_generation")
+        accumulation = given.get("gradient_accumulation_steps", {}).get(
+            "gradient_accumulation_steps", str(defaults.gradient_accumulation_steps))
+        if not (steps.isdigit() and accumulation.isdigit() and int(steps) % int(accumulation) == 0):
+            raise ConfigError(f"--steps_per_generation {steps} (micro-batches per generation) is not a multiple of "
+                              f"gradient_accumulation_steps ({accumulation}); pass --num_mini_batches (optimizer steps "
+                              "per generation) instead")
+        converted = str(int(steps) // int(accumulation))
+        if given["num_mini_batches"].get("num_mini_batches", converted) != converted:
+            raise ConfigError(f"--steps_per_generation {steps} means --num_mini_batches {converted} with "
+                              f"gradient_accumulation_steps {accumulation}, but --num_mini_batches "
+                              f"{given['num_mini_batches']['num_mini_batches']} is given too: pass one of them")
+        out += ["--num_mini_batches", converted]
+    for spellings in given.values():
+        if len({as_number(value) for value in spellings.values()}) > 1:
+            both = " and ".join(f"--{name} {value}" for name, value in spellings.items())
+            raise ConfigError(f"{both} set the same flag to different values: pass one of them")
+    return out + [token for name, values in items.items() for token in (f"--{name}", *values)]
+
+
+def as_number(text: str):
+    """A command-line value as a number where it is one, so that 0.1 and 0.10 compare equal."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None):
+    """The command line parsed into `cls` (default Args) by tyro, TRL >= 0.22's names accepted; a clash between the two
+    names of a flag is one line on stderr and exit status 2, as tyro's own errors are."""
+    prog = prog or Path(sys.argv[0]).name
+    try:
+        argv = with_trl_names_translated(list(sys.argv[1:] if argv is None else argv), cls())
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return tyro.cli(cls, args=argv, prog=prog)
+
+
+def run_script(main: Callable, args, program: str) -> None:
+    """main(args), with bad input (ConfigError) turned into one line on stderr and exit status 2, a fault that
+    stopped the run (Fault) into one line and exit status 4, and a signal before training into one line and exit
+    status 0 (130 for SIGINT; under torchrun 128 + the signal's number). Shared by this project's scripts."""
+    try:
+        main(args)
+    except ConfigError as e:
+        print(f"{program}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except Fault as e:
+        if e.announce:
+            print(f"{program}: error: {e}", file=sys.stderr)
+        sys.exit(4)
+    except StartupInterrupted as e:
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            print(f"{program}: {e}", file=sys.stderr)
+            sys.exit(130 if e.signal_name == "SIGINT" else 0)
+        # under torchrun each rank that got it says so and fails: an exit 0 would leave a rank that did not get it
+        # waiting for this one, and torchrun stops the others when one fails
+        print(f"{program}: rank {os.environ['RANK']}: {e}", file=sys.stderr, flush=True)
+        stopped_alone(mark=True)
+        os._exit(128 + signal.Signals[e.signal_name])  # not sys.exit: no process group teardown that waits
+    except RuntimeError as e:  # under torchrun, a collective cut short by a rank that is gone: one line, not a trace
+        frames = traceback.extract_tb(e.__traceback__)
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1 or "torch/distributed/" not in frames[-1].filename:
+            raise
+        if not stopped_alone():  # else that rank has said why already
+            print(f"{program}: rank {os.environ['RANK']}: error: a collective failed (a rank stopped, was lost or "
+                  f"timed out): {first_line(e)}", file=sys.stderr, flush=True)
+        os._exit(4)
