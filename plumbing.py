@@ -641,6 +641,24 @@ def dump_batch(path: Path, tokenizer, rollout, scores: torch.Tensor,
             }) + "\n")
 
 
+@contextlib.contextmanager
+def batch_kept_if_nonfinite(output_dir: str, update: int, rank: int, tokenizer, rollout, scores: torch.Tensor,
+                            advantages: Optional[torch.Tensor]):
+    """For the training step: a NaN/inf (NonFiniteError, on every rank at once) stops the run before any optimizer
+    step on it, the ranks that hold it writing the offending batch to output_dir/nonfinite/ first."""
+    try:
+        yield
+    except NonFiniteError as e:
+        unwritten = None
+        if rank in e.ranks:
+            try:
+                dump_batch(Path(output_dir) / "nonfinite" / f"update_{update}_rank_{rank}.jsonl", tokenizer, rollout,
+                           scores, advantages)
+            except OSError as error:  # a full disk: the run stops all the same, and says the batch is not there
+                unwritten = error.strerror or str(error)
+        raise NonFiniteError(f"{e.quantity} at update {update}", e.ranks, unwritten) from None
+
+
 # ===================================================================== measuring: phase times, token-forwards against the minimum, free memory -> chunk sizes
 class PhaseTimer:
     """Per phase of an update (`with timer("generation"): ...`): wall-clock seconds (CUDA synchronized, so GPU time
@@ -1673,6 +1691,102 @@ def check_resumable(saved: dict, args, world_size: int, saved_world_size: int) -
                           + "; start a new run in another --output_dir instead")
     return [f"{k} ({old!r} -> {new!r})" for k, (old, new) in sorted(changed.items())
             if k not in ("resume", "resume_from")]
+
+
+class Checkpointer:
+    """The run's checkpoints, behind two calls: load() restores a resumed run's state into the objects it is given
+    (and remembers them), save(update, ...) writes them. Created first thing, it takes output_dir (locked: a second
+    run into it stops there) and finds the checkpoint to start from, so that a refused resume fails before anything
+    loads."""
+
+    def __init__(self, args, dist_info):
+        self.args, self.dist_info = args, dist_info
+        take_output_dir(args.output_dir, dist_info.rank)
+        with self.refusal_leaves_nothing():
+            start = resume_checkpoint(args)  # verified; --resume falls back past damaged checkpoints
+            self.path, self.state, self.skipped = start.checkpoint, start.state, start.skipped
+            self.changes = check_resumable(self.state["args"], args, dist_info.world_size,
+                                           self.state["world_size"]) if self.state else []
+        self.start_update = self.state["update"] if self.state else 0
+        self.wandb_run_id = self.state["wandb_run_id"] if self.state else None
+
+    def check_continues(self, num_updates: int, episodes_per_update: int) -> None:
+        """Refuse a resume past this run's end, or of a run that started from other initial weights."""
+        if self.state and self.start_update > num_updates:
+            raise ConfigError(f"cannot resume: {self.path} is after update {self.start_update}, but this run ends "
+                              f"after update {num_updates}: pass --total_episodes "
+                              f"{self.start_update * episodes_per_update} or more, or --resume_from an earlier "
+                              "checkpoint")
+        path = self.args.sft_model_path or self.args.model_name_or_path
+        self.initial_model, self.episodes_per_update = model_identity(path), episodes_per_update
+        if self.state:
+            check_same_initial_model(self.state.get("initial_model"), self.initial_model, path)
+
+    @contextlib.contextmanager
+    def refusal_leaves_nothing(self):
+        """For the set-up: a refused run (ConfigError) releases output_dir as it found it."""
+        try:
+            yield
+        except ConfigError:
+            release_output_dir(self.args.output_dir)
+            raise
+
+    def load(self, model, optimizer, tokenizer, sampler, sampling_rng: torch.Generator) -> None:
+        """A resumed run's optimizer, data position and sampling generator restored (the weights were loaded with
+        the model); what later saves write."""
+        self.model, self.optimizer, self.tokenizer, self.sampler, self.rng = (model, optimizer, tokenizer, sampler,
+                                                                              sampling_rng)
+        self.start_time = time.time()
+        if self.state:
+            load_optimizer_state(model, optimizer, self.path, self.state)
+            sampler.load_state_dict(self.state["sampler"])
+            set_rng_state(load_safely(self.path / f"rng_rank{self.dist_info.rank}.pt"), sampling_rng)
+            self.start_time -= self.state["elapsed"]
+
+    def notes(self) -> list[str]:
+        """Rank 0, before the run writes anything: output_dir settled for this timeline (settle_output_dir); what
+        to print about it."""
+        notes = settle_output_dir(self.args, self.start_update, self.skipped)
+        if self.state:
+            notes.append(f"resuming from {self.path} after update {self.start_update}"
+                         + (f"; changed: {', '.join(self.changes)}" if self.changes else ""))
+        return notes
+
+    def save(self, update: int, sampler_state: dict, rng: Optional[dict] = None) -> Path:
+        """A resumable checkpoint after `update`, the data position `sampler_state` (the sampler before the first
+        batch not yet trained on) and the generators' states `rng` (default: as they are now)."""
+        trainer_state = {
+            "update": update, "episode": update * self.episodes_per_update, "sampler": sampler_state,
+            "elapsed": time.time() - self.start_time, "world_size": self.dist_info.world_size,
+            "args": asdict(self.args), "wandb_run_id": self.wandb_run_id, "initial_model": self.initial_model,
+        }
+        return save_checkpoint(self.args.output_dir, update, self.model, self.optimizer, self.tokenizer,
+                               trainer_state, self.dist_info.rank, self.args.save_total_limit, self.rng, rng)
+
+    def saved(self, update: int) -> Optional[Path]:
+        """The checkpoint of `update` if this run wrote it (or resumed from it), as rank 0 sees it."""
+        path = Path(self.args.output_dir) / CHECKPOINTS / f"step_{update}"
+        return path if rank0_view(path.is_dir()) else None
+
+    def keep(self, finished: int, sampler_state: dict, rng: Optional[dict] = None) -> str:
+        """After a fault: the state after update `finished` saved (unless it is already), and how to continue."""
+        if finished == self.start_update:  # nothing new: the run can start again as it did
+            return "no update had finished since the start, nothing new to save; fix it and run the same command"
+        path = Path(self.args.output_dir) / CHECKPOINTS / f"step_{finished}"  # saved already when save_steps divides
+        path = path if path.is_dir() else self.save(finished, sampler_state, rng)
+        return f"checkpoint of update {finished} saved to {path}; fix it, then continue with --resume"
+
+    def save_final(self, policy, num_updates: int) -> None:
+        """The finished run's policy and tokenizer in output_dir, stored once with the final checkpoint's."""
+        save_final_policy(policy, self.tokenizer, self.args.output_dir, self.dist_info.rank, self.saved(num_updates))
+
+    def mark_finished(self) -> None:
+        """Rank 0, last: args.json, whose presence in output_dir with the policy marks a finished run."""
+        (Path(self.args.output_dir) / "args.json").write_text(json.dumps(asdict(self.args), indent=2))
+
+    def mark_preempted(self, line: str) -> None:
+        """Rank 0: the marker job scripts requeue on (see README)."""
+        (Path(self.args.output_dir) / PREEMPTED).write_text(f"{line}\n")
 
 
 # ===================================================================== set-up

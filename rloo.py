@@ -46,12 +46,11 @@ import contextlib
 import copy
 import functools
 import inspect
-import json
 import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, ClassVar, Literal, Optional
 
@@ -1722,9 +1721,7 @@ def evaluate(
     return {"eval/scores": score_sum / count, "eval/mean_length": length_sum / count, "eval/eos_frac": stops / count}
 
 
-# ===================================================================== set-up and main
-
-
+# ===================================================================== main
 @dataclass
 class PromptBatch:
     """B prompts drawn for one update, their k completions asked for and not yet trained on."""
@@ -1735,391 +1732,221 @@ class PromptBatch:
     sampler_state: dict  # the sampler before drawing them: where a resume starts while the batch is in flight
 
 
-@dataclass
-class Run:
-    """Everything set_up gives the update loop. Only `queued` changes as batches are drawn and trained on."""
-
-    args: Args
-    dist_info: plumbing.Dist
-    sizes: BatchSizes
-    policy: torch.nn.Module  # the trained model's own modules: sampling, log-probs, saving
-    trained: torch.nn.Module  # the policy as training calls it: DDP-wrapped, or itself (one process, FSDP2 in place)
-    ref_policy: Optional[torch.nn.Module]  # frozen initial policy; None when kl_coef = 0
-    initial_model: dict  # the initial model's model_identity, saved with each checkpoint and checked on resume
-    optimizer: torch.optim.Optimizer
-    tokenizer: object
-    stop_token_id: Optional[int]
-    sources: RewardSources
-    dataset: object  # tokenized train prompts
-    eval_dataset: Optional[object]
-    sampler: PromptSampler
-    sampling_rng: torch.Generator  # only sampling draws from it
-    rollouts: LocalRollouts  # the source of completions (rloo_multinode.py: its engines)
-    share_prompt: bool  # each prompt computed once for its k completions in the policy's passes
-    logprobs_from_update: bool  # on-policy: no separate policy_forward phase (skips_logprob_pass)
-    timer: plumbing.PhaseTimer
-    logger: Optional[plumbing.RunLogger]  # rank 0 only
-    autocast: Callable
-    num_updates: int
-    start_update: int  # 0, or the update the checkpoint resumed from
-    start_time: float  # wall clock minus the resumed run's elapsed time
-    queued: list[PromptBatch] = field(default_factory=list)
-
-
-def set_up(args: Args, make_rollouts: Callable) -> Run:
-    """Check the flags, start the ranks, lock output_dir, find the checkpoint to resume from, load data and models
-    (the cheap checks first: a typo fails before any weights load), wrap the policy for training, restore the
-    resumed state, and start logging and the rollout source."""
+def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
+    """Train: set up, then the six steps of each update. `make_rollouts(policy, args, stop_token_id, pad_token_id,
+    generator, autocast)` gives the source of completions (LocalRollouts); rloo_multinode.py passes its engines'."""
+    stop_signal = plumbing.StopSignal(args.output_dir, announce=os.environ.get("RANK", "0") == "0")  # until training:
+    # a signal ends the run at once; from then on, after the update, with a checkpoint
+    # ---- set-up: the cheap checks first, so that a typo fails before any weights load
     plumbing.validate_args(args)
     if args.use_peft and make_rollouts is not LocalRollouts:
-        raise plumbing.ConfigError("--use_peft with rloo_multinode.py is not supported yet: its engines would need the merged "
-                          "weights after every update; train LoRA adapters with rloo.py")
-    reward_functions = plumbing.load_reward_functions(args.reward_fn)  # a typo fails now, not after loading models
+        raise plumbing.ConfigError("--use_peft with rloo_multinode.py is not supported yet: its engines would need "
+                                   "the merged weights after every update; train LoRA adapters with rloo.py")
+    reward_functions = plumbing.load_reward_functions(args.reward_fn)
     plumbing.quiet_hub_progress_bars()
     dist_info = plumbing.setup_distributed(args.ddp_timeout)
     if args.fsdp and not dist.is_initialized():
         raise plumbing.ConfigError("--fsdp shards the policy over torchrun's processes: launch with torchrun")
     sizes = compute_batch_sizes(args, dist_info.world_size)
-    device = dist_info.device
-    plumbing.take_output_dir(args.output_dir, dist_info.rank)  # locked: a second run into it stops here
-    start = plumbing.resume_checkpoint(args)  # verified; --resume falls back past damaged checkpoints
-    checkpoint, resumed = start.checkpoint, start.state
-    changes = plumbing.check_resumable(resumed["args"], args, dist_info.world_size, resumed["world_size"]) if resumed else []
-    plumbing.choose_kernels()
+    device, master = dist_info.device, dist_info.master
+    checkpoints = plumbing.Checkpointer(args, dist_info)  # output_dir locked, the checkpoint to start from found
+    with checkpoints.refusal_leaves_nothing():
+        plumbing.choose_kernels()
+        autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=args.bf16)
+        tokenizer, vocab_size = prepare_tokenizer(args)  # and the models' configs checked
+        dataset, eval_dataset, dropped = load_prompts(args, tokenizer, vocab_size)
+        sampler = PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)
+        plumbing.check_reward_function_arguments(reward_functions, [
+            (args.dataset_name, dataset), (args.dataset_test_split, eval_dataset)], args.prompt_column)
+        num_updates = math.ceil((args.total_episodes or int(args.num_train_epochs * len(dataset))) / sizes.all_ranks)
+        checkpoints.check_continues(num_updates, sizes.all_ranks)
+        policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device, checkpoints.path, tokenizer)
+        plumbing.seed_everything(args.seed)  # a reward head missing from its checkpoint starts alike on every rank
+        sources = load_reward_sources(args, tokenizer, reward_functions, device)
+        # each prompt computed once for its k completions, in every phase, where the model can take it exactly
+        probe = sharing_probe(dataset[0][plumbing.PROMPT_IDS], args.max_prompt_length, args.response_length, device)
+        notes = []  # printed once the run starts
+        share_prompt = shares_prompts(policy, "policy", args.share_prompt, probe, False, notes)
+        with plumbing.visiting(sources.model, device):  # --offload: a frozen model's passes are on the GPU
+            sources.share_prompt = sources.model is not None and sources.model_tokenizer is None and shares_prompts(
+                sources.model, "reward model", args.share_prompt, probe, True, notes)
 
-    def autocast():
-        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
+        if args.fsdp:
+            trained = plumbing.shard_policy(policy, args.bf16, args.offload)  # in place: policy is the sharded module
+        elif dist.is_initialized():
+            trained = DDP(policy, device_ids=[device.index] if device.type == "cuda" else None)
+        else:
+            trained = policy  # the policy as training calls it; `policy` samples, scores log-probs and is saved
+        trainable = [p for p in policy.parameters() if p.requires_grad]  # all, or with --use_peft the adapters
+        optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=args.adam_epsilon,
+                                      fused=device.type == "cuda" and not args.offload)  # one kernel for all tensors
+        plumbing.seed_everything(args.seed + dist_info.rank)  # from here on each rank samples differently
+        sampling_rng = torch.Generator(device).manual_seed(args.seed + dist_info.rank)  # only sampling draws from it
+        checkpoints.load(trained, optimizer, tokenizer, sampler, sampling_rng)  # a resumed run's state restored
+        notes = (checkpoints.notes() if master else []) + notes  # output_dir settled for this run's timeline
+        run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+        logger = plumbing.RunLogger(args, run_name, num_updates, checkpoints.start_update, checkpoints.wandb_run_id) \
+            if master else None
+        checkpoints.wandb_run_id = logger and logger.wandb_run_id  # saved with each checkpoint, for a resume
+        if logger is not None:
+            if args.use_peft:
+                notes.append(f"LoRA: {sum(p.numel() for p in trainable):,} trainable parameters of "
+                             f"{sum(p.numel() for p in policy.parameters()):,}; adapted modules "
+                             f"{sorted(policy.peft_config['default'].target_modules)}")
+            notes.append(f"{run_name}: {num_updates} updates x {sizes.all_ranks} completions ({sizes.prompts} prompts "
+                         f"x k={args.rloo_k} per rank x {dist_info.world_size} ranks); {len(dataset)} train prompts "
+                         f"({plumbing.describe_dropped(dropped, args.max_prompt_length)}); reward sources "
+                         f"{sources.names}")
+            for note in notes:
+                logger.console.print(note, highlight=False, soft_wrap=True)
+        rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, sampling_rng, autocast)
+        timer = plumbing.PhaseTimer(device)
+        timer.count_tokens_of(policy, ref_policy, sources.model, getattr(rollouts, "sampler", None))
+    logprobs_from_update = skips_logprob_pass(args, sizes, rollouts.lookahead)  # on-policy: no policy_forward phase
+    eval_every = max(1, num_updates // args.num_evals) if args.num_evals > 0 else num_updates
+    sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0
+    queued: list[PromptBatch] = []  # drawn, sampled or being sampled, not yet trained on
 
-    tokenizer, vocab_size = prepare_tokenizer(args)  # and the models' configs checked: before any weights load
-    dataset, eval_dataset, dropped = load_prompts(args, tokenizer, vocab_size)
-    sampler = PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)  # too few?
-    plumbing.check_reward_function_arguments(reward_functions, [(args.dataset_name, dataset),
-                                                       (args.dataset_test_split, eval_dataset)], args.prompt_column)
-    num_updates = math.ceil((args.total_episodes or int(args.num_train_epochs * len(dataset))) / sizes.all_ranks)
-    if resumed and resumed["update"] > num_updates:
-        raise plumbing.ConfigError(f"cannot resume: {checkpoint} is after update {resumed['update']}, but this run ends after "
-                          f"update {num_updates}: pass --total_episodes {resumed['update'] * sizes.all_ranks} or more, "
-                          "or --resume_from an earlier checkpoint")
-    initial_model = plumbing.model_identity(args.sft_model_path or args.model_name_or_path)
-    if resumed:
-        plumbing.check_same_initial_model(resumed.get("initial_model"), initial_model,
-                                 args.sft_model_path or args.model_name_or_path)
-    policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device, checkpoint, tokenizer)
-    plumbing.seed_everything(args.seed)  # a reward head missing from its checkpoint starts the same on every rank and resume
-    sources = load_reward_sources(args, tokenizer, reward_functions, device)
-    # each prompt computed once for its k completions, in every phase, where the model can take it exactly
-    probe = sharing_probe(dataset[0][plumbing.PROMPT_IDS], args.max_prompt_length, args.response_length, device)
-    sharing_notes = []  # printed with the other start-up notes
-    share_prompt = shares_prompts(policy, "policy", args.share_prompt, probe, False, sharing_notes)
-    with plumbing.visiting(sources.model, device):  # --offload: a frozen model's forward passes are on the GPU
-        sources.share_prompt = sources.model is not None and sources.model_tokenizer is None and shares_prompts(
-            sources.model, "reward model", args.share_prompt, probe, True, sharing_notes)
+    def data_position() -> dict:
+        """The sampler before the oldest batch not yet trained on: where a resume draws again."""
+        return queued[0].sampler_state if queued else sampler.state_dict()
 
-    if args.fsdp:
-        trained = plumbing.shard_policy(policy, args.bf16, args.offload)  # in place: the policy becomes the sharded module
-    elif dist.is_initialized():
-        trained = DDP(policy, device_ids=[device.index] if device.type == "cuda" else None)
-    else:
-        trained = policy
-    trainable = [p for p in policy.parameters() if p.requires_grad]  # all of them, or with --use_peft the adapters
-    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=args.adam_epsilon,
-                                  fused=device.type == "cuda" and not args.offload)  # one kernel, not one per tensor
-    plumbing.seed_everything(args.seed + dist_info.rank)  # from here on each rank samples differently
-    sampling_rng = torch.Generator(device).manual_seed(args.seed + dist_info.rank)
-    start_update, elapsed = 0, 0.0
-    if resumed:
-        plumbing.load_optimizer_state(trained, optimizer, checkpoint, resumed)
-        sampler.load_state_dict(resumed["sampler"])
-        plumbing.set_rng_state(plumbing.load_safely(checkpoint / f"rng_rank{dist_info.rank}.pt"), sampling_rng)
-        start_update, elapsed = resumed["update"], resumed["elapsed"]
-
-    notes = plumbing.settle_output_dir(args, start_update, start.skipped) if dist_info.master else []
-    notes += sharing_notes
-    run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    logger = plumbing.RunLogger(args, run_name, num_updates, start_update, resumed and resumed["wandb_run_id"]) \
-        if dist_info.master else None
-    if logger is not None:
-        if args.use_peft:
-            trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-            total = sum(p.numel() for p in policy.parameters())
-            notes.append(f"LoRA: {trainable:,} trainable parameters of {total:,}; adapted modules "
-                         f"{sorted(policy.peft_config['default'].target_modules)}")
-        if resumed:
-            notes.append(f"resuming from {checkpoint} after update {start_update}"
-                         + (f"; changed: {', '.join(changes)}" if changes else ""))
-        notes.append(f"{run_name}: {num_updates} updates x {sizes.all_ranks} completions ({sizes.prompts} prompts x "
-                     f"k={args.rloo_k} per rank x {dist_info.world_size} ranks); {len(dataset)} train prompts "
-                     f"({plumbing.describe_dropped(dropped, args.max_prompt_length)}); reward sources {sources.names}")
-        for note in notes:
-            logger.console.print(note, highlight=False, soft_wrap=True)
-    rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, sampling_rng, autocast)
-    timer = plumbing.PhaseTimer(device)
-    timer.count_tokens_of(policy, ref_policy, sources.model, getattr(rollouts, "sampler", None))
-    return Run(args=args, dist_info=dist_info, sizes=sizes, policy=policy, trained=trained, ref_policy=ref_policy,
-               initial_model=initial_model,
-               optimizer=optimizer, tokenizer=tokenizer, stop_token_id=stop_token_id, sources=sources,
-               dataset=dataset, eval_dataset=eval_dataset, sampler=sampler, sampling_rng=sampling_rng,
-               rollouts=rollouts, share_prompt=share_prompt,
-               logprobs_from_update=skips_logprob_pass(args, sizes, rollouts.lookahead), timer=timer, logger=logger,
-               autocast=autocast, num_updates=num_updates, start_update=start_update, start_time=time.time() - elapsed)
-
-
-def queue_batch(run: Run) -> None:
-    """Draw B prompts and ask the rollout source for k completions of each."""
-    sampler_state = run.sampler.state_dict()
-    rows = run.dataset[run.sampler.next_indices()]
-    queries, query_mask = pad_sequences(rows[plumbing.PROMPT_IDS], run.tokenizer.pad_token_id, run.dist_info.device)  # (B, Tq)
-    run.rollouts.submit(queries, query_mask)  # k completions each, returned in the (k, B) layout
-    run.queued.append(PromptBatch(rows, queries, query_mask, sampler_state))
-
-
-def data_position(run: Run) -> dict:
-    """The sampler's state before the oldest batch not yet trained on."""
-    return run.queued[0].sampler_state if run.queued else run.sampler.state_dict()
-
-
-def resume_point(run: Run) -> tuple[dict, dict]:
-    """Where an update starts: the data position, and every generator's state."""
-    return data_position(run), plumbing.rng_state(run.sampling_rng)
-
-
-def save_state(run: Run, update: int, start_of_next: Optional[tuple[dict, dict]] = None) -> Path:
-    """A resumable checkpoint after `update`. The data position is the one before any batch not yet trained on;
-    with `start_of_next` (a resume_point), the sampler and generators as the next update found them."""
-    sampler_state, rng = start_of_next or (data_position(run), None)  # without: the generators as they are now
-    trainer_state = {
-        "update": update, "episode": update * run.sizes.all_ranks, "sampler": sampler_state,
-        "elapsed": time.time() - run.start_time, "world_size": run.dist_info.world_size, "args": asdict(run.args),
-        "wandb_run_id": run.logger.wandb_run_id if run.logger else None, "initial_model": run.initial_model,
-    }
-    return plumbing.save_checkpoint(run.args.output_dir, update, run.trained, run.optimizer, run.tokenizer, trainer_state,
-                           run.dist_info.rank, run.args.save_total_limit, run.sampling_rng, rng)
-
-
-def keep_last_finished(run: Run, finished: int, start_of_next: Optional[tuple[dict, dict]]) -> str:
-    """After a fault: the state after update `finished` saved (unless it is already), and how to continue."""
-    if finished == run.start_update:  # nothing new: the run can start again as it did
-        return "no update had finished since the start, nothing new to save; fix it and run the same command"
-    path = Path(run.args.output_dir) / plumbing.CHECKPOINTS / f"step_{finished}"  # saved already when save_steps divides it
-    path = path if path.is_dir() else save_state(run, finished, start_of_next)
-    return f"checkpoint of update {finished} saved to {path}; fix it, then continue with --resume"
-
-
-def sample(run: Run, update: int) -> tuple[PromptBatch, Rollout, dict[str, float]]:
-    """1-3. k completions of B prompts, and their log-probs under the sampling policy and the reference. The
-    rollout source may sample ahead (rollouts.lookahead batches, rloo_multinode.py's --async_generation): the
-    queue is topped up first, then the oldest batch is taken."""
-    run.policy.eval()
-    with plumbing.gathered_for_rollout(run.policy, run.args.fsdp_generation):
-        while len(run.queued) <= min(run.rollouts.lookahead, run.num_updates - update):
-            queue_batch(run)
-        try:
-            with run.timer("generation"):
-                completions, rollout_metrics = run.rollouts.take()  # (B, Tq) queries, (k*B, Tr) responses
-        except plumbing.RolloutSourceError as e:  # the last update's state is intact: keep it, then stop
-            path = save_state(run, update - 1)
-            raise plumbing.RolloutSourceError(f"{e}; checkpoint of update {update - 1} saved to {path}") from None
-        batch = run.queued.pop(0)
-        with run.rollouts.behaviour_policy(run.policy) as behaviour:
-            rollout = collect_rollout(behaviour, run.ref_policy, completions, run.args, run.share_prompt,
-                                      not run.logprobs_from_update, run.autocast, run.timer)  # (k*B, Tr) log-probs
-    return batch, rollout, rollout_metrics
-
-
-@dataclass
-class Scores:
-    raw: torch.Tensor  # (k*B,) the reward sources' combined score
-    shaped: torch.Tensor  # (k*B,) minus the missing-EOS penalty, whitened if asked: what the update trains on
-    source_means: dict[str, float]  # reward/{source}/mean
-
-
-def score(run: Run, batch: PromptBatch, rollout: Rollout, has_stop: torch.Tensor, update: int) -> Scores:
-    """4. Score every completion (reward model and reward functions), then the missing-EOS penalty."""
-    args, device = run.args, run.dist_info.device
-    with run.timer("scoring"):
-        with plumbing.visiting(run.sources.model, device), plumbing.reward_faults(device, f"scoring of update {update}"):
-            chunk = plumbing.rows_per_forward(args, run.sources.model, "scoring", device, len(rollout.responses), args.rloo_k)
-            raw, source_means = score_completions(run.sources, rollout, batch.rows, args.prompt_column,
-                                                  run.tokenizer, run.stop_token_id, chunk, run.autocast)  # (k*B,)
-        shaped = apply_missing_eos_penalty(raw, has_stop, args.missing_eos_penalty)  # (k*B,)
-        if args.normalize_reward:
-            shaped = whiten(shaped).clamp(-args.reward_clip_range, args.reward_clip_range)
-    return Scores(raw, shaped, source_means)
-
-
-def train(run: Run, rollout: Rollout, scores: Scores, returns: Optional[Advantages], update: int) -> dict:
-    """6. PPO epochs of the clipped surrogate (ppo_update); a NaN/inf in the batch or a gradient stops every rank
-    before any optimizer step on it, with the offending batch written out. Then the rollout source learns the new
-    weights (rloo_multinode.py: the engines' sync)."""
-    args, device, rank = run.args, run.dist_info.device, run.dist_info.rank
-    advantages = None if returns is None else returns.advantages  # None: the update computes them
-    run.policy.train()  # dropout is off; train mode only switches gradient checkpointing on
+    stop_signal.training = True
     try:
-        plumbing.check_finite({"reward": scores.raw, "log-prob": rollout.logprobs,
-                      "reference log-prob": rollout.ref_logprobs}, device)
-        with run.timer("training"):
-            stats = ppo_update(run.trained, run.optimizer, rollout, scores.shaped, advantages, args, run.sizes,
-                               run.share_prompt, run.autocast)
-    except plumbing.NonFiniteError as e:
-        unwritten = None
-        if rank in e.ranks:
-            try:
-                plumbing.dump_batch(Path(args.output_dir) / "nonfinite" / f"update_{update}_rank_{rank}.jsonl", run.tokenizer,
-                           rollout, scores.raw, advantages)
-            except OSError as error:  # a full disk: the run stops all the same, and says the batch is not there
-                unwritten = error.strerror or str(error)
-        raise plumbing.NonFiniteError(f"{e.quantity} at update {update}", e.ranks, unwritten) from None
-    return stats
-
-
-def update_metrics(run: Run, rollout: Rollout, has_stop: torch.Tensor, scores: Scores, returns: Advantages,
-                   train_stats: dict, rollout_metrics: dict) -> dict[str, float]:
-    """This rank's metrics of one update, under TRL's names."""
-    kl = kl_to_reference(rollout)  # (k*B, Tr)
-    return {
-        "objective/kl": (kl * rollout.response_mask).sum(1).mean().item(),
-        "objective/entropy": (-rollout.logprobs * rollout.response_mask).sum(1).mean().item(),
-        "objective/non_score_reward": returns.non_score_reward.mean().item(),
-        "objective/rlhf_reward": returns.rlhf_reward.mean().item(),
-        "objective/scores": scores.shaped.mean().item(),
-        "objective/raw_scores": scores.raw.mean().item(),
-        "policy/approxkl_avg": train_stats["approxkl"],
-        "policy/clipfrac_avg": train_stats["clipfrac"],
-        "policy/entropy_avg": train_stats["entropy"],
-        "policy/grad_norm": train_stats["grad_norm"],
-        "loss/policy_avg": train_stats["loss"],
-        "val/ratio": train_stats["ratio"],
-        "val/ratio_var": train_stats["ratio_var"],
-        **plumbing.completion_metrics(rollout.response_mask, has_stop, scores.shaped, run.args.rloo_k),
-        **({} if rollout.sampler_logprobs is None else mismatch_metrics(rollout, run.args)),
-        **scores.source_means,
-        **rollout_metrics,
-        **run.timer.metrics(),
-        "work/minimum_tokens": plumbing.minimum_forward_tokens(rollout, sum(
-            run.args.num_ppo_epochs if phase == "training" else 1 for phase in run.timer.tokens)),
-    }
-
-
-def log_update(run: Run, update: int, metrics: dict[str, float], batch: PromptBatch, rollout: Rollout,
-               scores: Scores) -> None:
-    """Metrics over all ranks to the console, metrics.jsonl and wandb (rank 0), with a few samples now and then."""
-    episode = update * run.sizes.all_ranks
-    metrics = plumbing.reduce_metrics(metrics, run.dist_info.device, run.rollouts.max_metrics)
-    metrics.update(eps=episode / (time.time() - run.start_time), lr=run.optimizer.param_groups[0]["lr"],
-                   episode=episode)
-    if run.logger is None:
-        return
-    run.logger.log(update, metrics)
-    args = run.args
-    sample_every = max(1, run.num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0
-    if sample_every and (update - 1) % sample_every == 0:
-        shown = range(min(5, run.sizes.prompts))  # the first sample of the first prompts
-        decode = run.tokenizer.decode
-        run.logger.sample_table([(decode(batch.queries[i][batch.query_mask[i]]),
-                                  decode(rollout.responses[i][rollout.response_mask[i]]), scores.shaped[i].item())
-                                 for i in shown], episode)
-
-
-def evaluate_if_due(run: Run, update: int) -> None:
-    """num_evals times over the run, and after the last update, with --dataset_test_split."""
-    args = run.args
-    eval_every = max(1, run.num_updates // args.num_evals) if args.num_evals > 0 else run.num_updates
-    if run.eval_dataset is None or not (update % eval_every == 0 or update == run.num_updates):
-        return
-    run.policy.eval()
-    with plumbing.gathered_for_rollout(run.policy, args.fsdp_generation), plumbing.visiting(run.sources.model, run.dist_info.device):
-        eval_metrics = evaluate(run.policy, run.eval_dataset, run.sources, run.tokenizer, args, run.stop_token_id,
-                                run.dist_info, run.autocast)
-    if run.logger is not None:
-        run.logger.log_eval(update, eval_metrics, update * run.sizes.all_ranks)
-
-
-def save_if_due(run: Run, update: int, stop_signal: plumbing.StopSignal) -> bool:
-    """A checkpoint every save_steps updates, after the last, and when a signal asks the run to stop; whether it
-    stops."""
-    args = run.args
-    stop = stop_signal.requested(run.dist_info.device)
-    if stop or update == run.num_updates or (args.save_steps > 0 and update % args.save_steps == 0):
-        path = save_state(run, update)
-    if stop and run.logger is not None:
-        (Path(args.output_dir) / plumbing.PREEMPTED).write_text(f"{path}\n")
-        run.logger.console.print(
-            f"rloo.py: {stop_signal.name or 'a signal to another rank'} received: stopped after update {update}, "
-            f"checkpoint saved to {path}; continue with the same command and --resume", highlight=False,
-            soft_wrap=True)
-    return stop
-
-
-def save_final(run: Run) -> None:
-    """The final policy, its tokenizer and args.json: their presence in output_dir marks a finished run."""
-    final = Path(run.args.output_dir) / plumbing.CHECKPOINTS / f"step_{run.num_updates}"  # this timeline's, or none
-    plumbing.save_final_policy(run.policy, run.tokenizer, run.args.output_dir, run.dist_info.rank,
-                      final if plumbing.rank0_view(final.is_dir()) else None)
-    if run.args.merge_lora and run.dist_info.master:
-        save_merged_policy(run.args, run.policy.config, run.tokenizer)
-    if run.dist_info.master:
-        (Path(run.args.output_dir) / "args.json").write_text(json.dumps(asdict(run.args), indent=2))
-        run.logger.console.print(f"saved the policy and tokenizer to {run.args.output_dir}")
-
-
-def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
-    """Train. `make_rollouts(policy, args, stop_token_id, pad_token_id, generator, autocast)` gives the source of
-    completions (see LocalRollouts); rloo_multinode.py passes its engines' client."""
-    stop_signal = plumbing.StopSignal(args.output_dir, announce=os.environ.get("RANK", "0") == "0")  # until training: exit
-    try:
-        run = set_up(args, make_rollouts)
-    except plumbing.ConfigError:
-        plumbing.release_output_dir(args.output_dir)  # a refused run leaves nothing behind
-        raise
-    stop_signal.training = True  # from here on a signal stops the run after an update, with a checkpoint
-    stopped = False
-    try:
-        for update in range(run.start_update + 1, run.num_updates + 1):
-            run.timer.start_update()
+        for update in range(checkpoints.start_update + 1, num_updates + 1):
+            timer.start_update()
             update_start = time.perf_counter()
-            start_of_update = resume_point(run)  # kept by a reward function's fault before training
-            for group in run.optimizer.param_groups:
-                group["lr"] = learning_rate_at(update, run.num_updates, args)
+            update_position, update_rng = data_position(), plumbing.rng_state(sampling_rng)  # a reward fault's restart
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate_at(update, num_updates, args)
 
-            batch, rollout, rollout_metrics = sample(run, update)  # 1-3. (k*B, Tr) responses and log-probs
-            has_stop = rollout.ended(run.stop_token_id)  # (k*B,)
-            scores = score(run, batch, rollout, has_stop, update)  # 4. (k*B,)
-            # 5. KL-penalized rewards, leave-one-out advantages (k*B,) or (k*B, Tr). On-policy, the update computes
-            # them from its own forward (skips_logprob_pass) and they are read after it
-            returns = None if run.logprobs_from_update else advantages_of(rollout, scores.shaped, args)
-            train_stats = train(run, rollout, scores, returns, update)  # 6.
-            rollout_metrics.update(run.rollouts.policy_updated(update, run.policy))
+            # ALGO LOGIC 1-3. k completions of each of B prompts, then their log-probs under the sampling policy and
+            # the reference. The rollout source may sample ahead (rollouts.lookahead batches: rloo_multinode.py's
+            # --async_generation): the queue is topped up first, then the oldest batch is taken
+            policy.eval()
+            with plumbing.gathered_for_rollout(policy, args.fsdp_generation):
+                while len(queued) <= min(rollouts.lookahead, num_updates - update):
+                    sampler_state, rows = sampler.state_dict(), dataset[sampler.next_indices()]
+                    queries, query_mask = pad_sequences(rows[plumbing.PROMPT_IDS], tokenizer.pad_token_id, device)  # (B, Tq)
+                    rollouts.submit(queries, query_mask)  # k completions each, returned in the (k, B) layout
+                    queued.append(PromptBatch(rows, queries, query_mask, sampler_state))
+                try:
+                    with timer("generation"):
+                        completions, rollout_metrics = rollouts.take()  # (B, Tq) queries, (k*B, Tr) responses
+                except plumbing.RolloutSourceError as e:  # the last update's state is intact: keep it, then stop
+                    path = checkpoints.save(update - 1, data_position())
+                    raise plumbing.RolloutSourceError(f"{e}; checkpoint of update {update - 1} saved to {path}") \
+                        from None
+                batch = queued.pop(0)
+                with rollouts.behaviour_policy(policy) as behaviour:
+                    rollout = collect_rollout(behaviour, ref_policy, completions, args, share_prompt,
+                                              not logprobs_from_update, autocast, timer)  # (k*B, Tr) log-probs
+            has_stop = rollout.ended(stop_token_id)  # (k*B,)
+
+            # ALGO LOGIC 4. score every completion (reward model and reward functions), then the missing-EOS penalty
+            with timer("scoring"):
+                with plumbing.visiting(sources.model, device), \
+                        plumbing.reward_faults(device, f"scoring of update {update}"):
+                    chunk = plumbing.rows_per_forward(args, sources.model, "scoring", device, len(rollout.responses),
+                                                      args.rloo_k)
+                    raw_scores, source_means = score_completions(sources, rollout, batch.rows, args.prompt_column,
+                                                                 tokenizer, stop_token_id, chunk, autocast)  # (k*B,)
+                scores = apply_missing_eos_penalty(raw_scores, has_stop, args.missing_eos_penalty)  # (k*B,)
+                if args.normalize_reward:
+                    scores = whiten(scores).clamp(-args.reward_clip_range, args.reward_clip_range)
+
+            # ALGO LOGIC 5-6. KL-penalized rewards and leave-one-out advantages (k*B,) or (k*B, Tr), then PPO epochs
+            # of the clipped surrogate. On-policy, the update computes them from its own forward (skips_logprob_pass)
+            returns = None if logprobs_from_update else advantages_of(rollout, scores, args)
+            policy.train()  # dropout is off; train mode only switches gradient checkpointing on
+            with timer("training"), plumbing.batch_kept_if_nonfinite(args.output_dir, update, dist_info.rank,
+                                                                     tokenizer, rollout, raw_scores,
+                                                                     None if returns is None else returns.advantages):
+                plumbing.check_finite({"reward": raw_scores, "log-prob": rollout.logprobs,
+                                       "reference log-prob": rollout.ref_logprobs}, device)  # on every rank at once
+                train_stats = ppo_update(trained, optimizer, rollout, scores, None if returns is None else
+                                         returns.advantages, args, sizes, share_prompt, autocast)
+            rollout_metrics.update(rollouts.policy_updated(update, policy))  # rloo_multinode.py: the engines' sync
             if returns is None:  # the update filled rollout.logprobs in: the rewards it trained on
-                returns = advantages_of(rollout, scores.shaped, args)
+                returns = advantages_of(rollout, scores, args)
 
-            metrics = update_metrics(run, rollout, has_stop, scores, returns, train_stats, rollout_metrics)
-            metrics["time/update"] = time.perf_counter() - update_start  # the whole update but evaluation and saving
-            log_update(run, update, metrics, batch, rollout, scores)
-            evaluate_if_due(run, update)
-            if save_if_due(run, update, stop_signal):
-                stopped = True
+            # log (this rank's metrics under TRL's names, then reduced over ranks), evaluate, save
+            kl = kl_to_reference(rollout) * rollout.response_mask  # (k*B, Tr)
+            metrics = {
+                "objective/kl": kl.sum(1).mean().item(),
+                "objective/entropy": (-rollout.logprobs * rollout.response_mask).sum(1).mean().item(),
+                "objective/non_score_reward": returns.non_score_reward.mean().item(),
+                "objective/rlhf_reward": returns.rlhf_reward.mean().item(),
+                "objective/scores": scores.mean().item(),
+                "objective/raw_scores": raw_scores.mean().item(),
+                "policy/approxkl_avg": train_stats["approxkl"],
+                "policy/clipfrac_avg": train_stats["clipfrac"],
+                "policy/entropy_avg": train_stats["entropy"],
+                "policy/grad_norm": train_stats["grad_norm"],
+                "loss/policy_avg": train_stats["loss"],
+                "val/ratio": train_stats["ratio"],
+                "val/ratio_var": train_stats["ratio_var"],
+                **plumbing.completion_metrics(rollout.response_mask, has_stop, scores, args.rloo_k),
+                **({} if rollout.sampler_logprobs is None else mismatch_metrics(rollout, args)),
+                **source_means, **rollout_metrics, **timer.metrics(),
+                "work/minimum_tokens": plumbing.minimum_forward_tokens(rollout, sum(
+                    args.num_ppo_epochs if phase == "training" else 1 for phase in timer.tokens)),
+                "time/update": time.perf_counter() - update_start,  # all of the update but evaluation and saving
+            }
+            episode = update * sizes.all_ranks
+            metrics = plumbing.reduce_metrics(metrics, device, rollouts.max_metrics)
+            metrics.update(eps=episode / (time.time() - checkpoints.start_time), lr=optimizer.param_groups[0]["lr"],
+                           episode=episode)
+            if logger is not None:
+                logger.log(update, metrics)
+                if sample_every and (update - 1) % sample_every == 0:  # the first sample of the first prompts
+                    logger.sample_table([(tokenizer.decode(batch.queries[i][batch.query_mask[i]]),
+                                          tokenizer.decode(rollout.responses[i][rollout.response_mask[i]]),
+                                          scores[i].item()) for i in range(min(5, sizes.prompts))], episode)
+            if eval_dataset is not None and (update % eval_every == 0 or update == num_updates):
+                policy.eval()
+                with plumbing.gathered_for_rollout(policy, args.fsdp_generation), \
+                        plumbing.visiting(sources.model, device):
+                    eval_metrics = evaluate(policy, eval_dataset, sources, tokenizer, args, stop_token_id, dist_info,
+                                            autocast)
+                if logger is not None:
+                    logger.log_eval(update, eval_metrics, episode)
+            stop = stop_signal.requested(device)  # on every rank as soon as any rank got a signal
+            if stop or update == num_updates or (args.save_steps > 0 and update % args.save_steps == 0):
+                path = checkpoints.save(update, data_position())
+            if stop:
+                if logger is not None:
+                    checkpoints.mark_preempted(path)
+                    logger.console.print(f"rloo.py: {stop_signal.name or 'a signal to another rank'} received: "
+                                         f"stopped after update {update}, checkpoint saved to {path}; continue with "
+                                         "the same command and --resume", highlight=False, soft_wrap=True)
                 break
-        if not stopped:
-            save_final(run)
+        else:  # the final policy, its tokenizer and args.json: their presence in output_dir marks a finished run
+            checkpoints.save_final(policy, num_updates)
+            if args.merge_lora and master:
+                save_merged_policy(args, policy.config, tokenizer)
+            if logger is not None:
+                checkpoints.mark_finished()
+                logger.console.print(f"saved the policy and tokenizer to {args.output_dir}")
     except plumbing.RewardFunctionError as e:  # every rank at once: keep the last finished update, then stop
-        finished = update if e.after_training else update - 1
-        where = keep_last_finished(run, finished, None if e.after_training else start_of_update)
+        where = checkpoints.keep(update, data_position()) if e.after_training else \
+            checkpoints.keep(update - 1, update_position, update_rng)
         if e.signal_name is None:
             raise plumbing.RewardFunctionError(f"{e}; {where}", e.announce) from None
-        if run.logger is not None:  # a signal, as save_if_due says it, and the marker job scripts requeue on
+        if logger is not None:  # a signal, said as above, and the marker job scripts requeue on
             saved = where.split("; ")[0]
-            (Path(args.output_dir) / plumbing.PREEMPTED).write_text(f"{saved}\n")
-            run.logger.console.print(f"rloo.py: {e.signal_name} received while a reward function ran: stopped at once; "
-                                     f"{saved}; continue with the same command and --resume", highlight=False,
-                                     soft_wrap=True)
+            checkpoints.mark_preempted(saved)
+            logger.console.print(f"rloo.py: {e.signal_name} received while a reward function ran: stopped at once; "
+                                 f"{saved}; continue with the same command and --resume", highlight=False,
+                                 soft_wrap=True)
     except plumbing.MetricsWriteError as e:  # rank 0's alone: a checkpoint needs every rank
         where = "no checkpoint: it needs every rank (torchrun stops the others)" if dist.is_initialized() else \
-            keep_last_finished(run, update, None)
+            checkpoints.keep(update, data_position())
         raise plumbing.MetricsWriteError(f"{e} after update {update}; {where}") from None
     finally:  # an error on one rank alone must not wait for the others: torchrun stops them
-        run.rollouts.close()
-        if run.logger is not None:
-            run.logger.close()
+        rollouts.close()
+        if logger is not None:
+            logger.close()
     plumbing.barrier("the end of the run")
     if dist.is_initialized():
         dist.destroy_process_group()
