@@ -484,6 +484,97 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's names, as transformers' 
 ADAPTER_CONFIG = "adapter_config.json"
 
 
+def load_tokenizer(path: str, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    return _from_pretrained(
+        AutoTokenizer.from_pretrained, path, "tokenizer", padding_side="left", trust_remote_code=trust_remote_code
+    )
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool, weights: Optional[Path] = None):
+    """The model at `path`; with `weights` (a checkpoint), only its weights, in safetensors, come from there: the
+    architecture and any remote code still come from `path`, so that a checkpoint can choose no code to run."""
+    from transformers import AutoModelForCausalLM
+
+    if weights is None:
+        return _from_pretrained(
+            AutoModelForCausalLM.from_pretrained, path, "policy", dtype=dtype, trust_remote_code=trust_remote_code
+        )
+    config = load_config(path, "policy", trust_remote_code)
+    with torch.device("meta"):  # the class only: nothing allocated
+        model_class = type(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
+    return _from_pretrained(model_class.from_pretrained, str(weights), "policy", config=config, dtype=dtype,
+                            use_safetensors=True)
+
+
+def load_reward_model(path: str, dtype: torch.dtype, trust_remote_code: bool):
+    from transformers import AutoModelForSequenceClassification
+
+    model = _from_pretrained(
+        AutoModelForSequenceClassification.from_pretrained,
+        path,
+        "reward model",
+        num_labels=1,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+    )
+    if not hasattr(model, "score"):
+        raise ConfigError(f"reward model {path!r} has no `score` head; use an AutoModelForSequenceClassification model")
+    return model
+
+
+def stop_token_id_of(args, tokenizer, tokenizer_path: str) -> Optional[int]:
+    """--stop_token_id, or the tokenizer's EOS with --stop_token eos, or None."""
+    if args.stop_token_id is not None or args.stop_token != "eos":
+        return args.stop_token_id
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"--stop_token eos but the tokenizer of {tokenizer_path} has no EOS: pass --stop_token_id")
+    return tokenizer.eos_token_id
+
+
+def prepare_tokenizer(args):
+    """The policy's tokenizer with a pad token, and the policy's vocabulary size (None if its config does not say),
+    checked from the models' configs before any weights load: the pad and stop token ids fit the vocabulary, the
+    reward model's head gives one score."""
+    tokenizer_path = args.model_name_or_path or args.sft_model_path
+    tokenizer = load_tokenizer(tokenizer_path, args.trust_remote_code)
+    config = load_config(args.sft_model_path or args.model_name_or_path, "policy", args.trust_remote_code)
+    vocab_size = getattr(config.get_text_config(), "vocab_size", None)
+    if vocab_size is not None:
+        ensure_pad_token(tokenizer, args.pad_token, vocab_size, tokenizer_path)
+        stop_token_id = stop_token_id_of(args, tokenizer, tokenizer_path)
+        if stop_token_id is not None and stop_token_id >= vocab_size:
+            raise ConfigError(f"stop_token_id = {stop_token_id} is outside the policy's vocabulary of {vocab_size}: "
+                              "pass an id below it")
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if positions and args.max_prompt_length + args.response_length > positions and os.environ.get("RANK", "0") == "0":
+        print(f"rloo.py: warning: max_prompt_length + response_length = {args.max_prompt_length + args.response_length}"
+              f" tokens exceed the policy's {positions} positions (max_position_embeddings): longer prompts would "
+              "fail or degrade; lower --max_prompt_length", file=sys.stderr)
+    if args.reward_model_path is not None:
+        check_reward_model_config(args.reward_model_path, args.trust_remote_code)
+    return tokenizer, vocab_size
+
+
+def save_merged_policy(args, config, tokenizer) -> None:
+    """--merge_lora: the base with output_dir's final adapter merged in by peft (a fresh fp32 copy of the base, in
+    CPU memory), in transformers' format with the tokenizer, at output_dir/merged; loads without peft."""
+    from peft import PeftModel
+
+    merged_dir = Path(args.output_dir) / MERGED
+    base = load_causal_lm(args.sft_model_path or args.model_name_or_path, torch.float32, args.trust_remote_code)
+    merged = PeftModel.from_pretrained(base, args.output_dir).merge_and_unload()
+    merged.config.pad_token_id = config.pad_token_id
+    try:
+        merged.save_pretrained(merged_dir)
+        tokenizer.save_pretrained(merged_dir)
+    except WRITE_ERRORS as e:
+        raise Fault(f"could not write the merged policy to {merged_dir}: {first_line(e)}; the adapter in "
+                    f"{args.output_dir} is intact: merge it with peft's merge_and_unload") from e
+
+
+
 # ===================================================================== faults of a batch: the rollout source, reward functions, NaN/inf
 class RolloutSourceError(Exception):
     """The completions of an update cannot be had (an engine died): the run checkpoints and stops."""

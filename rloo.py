@@ -462,79 +462,6 @@ class PromptSampler:
 # ===================================================================== models
 
 
-def load_tokenizer(path: str, trust_remote_code: bool):
-    from transformers import AutoTokenizer
-
-    return plumbing._from_pretrained(
-        AutoTokenizer.from_pretrained, path, "tokenizer", padding_side="left", trust_remote_code=trust_remote_code
-    )
-
-
-def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool, weights: Optional[Path] = None):
-    """The model at `path`; with `weights` (a checkpoint), only its weights, in safetensors, come from there: the
-    architecture and any remote code still come from `path`, so that a checkpoint can choose no code to run."""
-    from transformers import AutoModelForCausalLM
-
-    if weights is None:
-        return plumbing._from_pretrained(
-            AutoModelForCausalLM.from_pretrained, path, "policy", dtype=dtype, trust_remote_code=trust_remote_code
-        )
-    config = plumbing.load_config(path, "policy", trust_remote_code)
-    with torch.device("meta"):  # the class only: nothing allocated
-        model_class = type(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
-    return plumbing._from_pretrained(model_class.from_pretrained, str(weights), "policy", config=config, dtype=dtype,
-                            use_safetensors=True)
-
-
-def load_reward_model(path: str, dtype: torch.dtype, trust_remote_code: bool):
-    from transformers import AutoModelForSequenceClassification
-
-    model = plumbing._from_pretrained(
-        AutoModelForSequenceClassification.from_pretrained,
-        path,
-        "reward model",
-        num_labels=1,
-        dtype=dtype,
-        trust_remote_code=trust_remote_code,
-    )
-    if not hasattr(model, "score"):
-        raise plumbing.ConfigError(f"reward model {path!r} has no `score` head; use an AutoModelForSequenceClassification model")
-    return model
-
-
-def stop_token_id_of(args: Args, tokenizer, tokenizer_path: str) -> Optional[int]:
-    """--stop_token_id, or the tokenizer's EOS with --stop_token eos, or None."""
-    if args.stop_token_id is not None or args.stop_token != "eos":
-        return args.stop_token_id
-    if tokenizer.eos_token_id is None:
-        raise plumbing.ConfigError(f"--stop_token eos but the tokenizer of {tokenizer_path} has no EOS: pass --stop_token_id")
-    return tokenizer.eos_token_id
-
-
-def prepare_tokenizer(args: Args):
-    """The policy's tokenizer with a pad token, and the policy's vocabulary size (None if its config does not say),
-    checked from the models' configs before any weights load: the pad and stop token ids fit the vocabulary, the
-    reward model's head gives one score."""
-    tokenizer_path = args.model_name_or_path or args.sft_model_path
-    tokenizer = load_tokenizer(tokenizer_path, args.trust_remote_code)
-    config = plumbing.load_config(args.sft_model_path or args.model_name_or_path, "policy", args.trust_remote_code)
-    vocab_size = getattr(config.get_text_config(), "vocab_size", None)
-    if vocab_size is not None:
-        plumbing.ensure_pad_token(tokenizer, args.pad_token, vocab_size, tokenizer_path)
-        stop_token_id = stop_token_id_of(args, tokenizer, tokenizer_path)
-        if stop_token_id is not None and stop_token_id >= vocab_size:
-            raise plumbing.ConfigError(f"stop_token_id = {stop_token_id} is outside the policy's vocabulary of {vocab_size}: "
-                              "pass an id below it")
-    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if positions and args.max_prompt_length + args.response_length > positions and os.environ.get("RANK", "0") == "0":
-        print(f"rloo.py: warning: max_prompt_length + response_length = {args.max_prompt_length + args.response_length}"
-              f" tokens exceed the policy's {positions} positions (max_position_embeddings): longer prompts would "
-              "fail or degrade; lower --max_prompt_length", file=sys.stderr)
-    if args.reward_model_path is not None:
-        plumbing.check_reward_model_config(args.reward_model_path, args.trust_remote_code)
-    return tokenizer, vocab_size
-
-
 def disable_dropout(model: torch.nn.Module) -> None:
     """RL needs the sampling policy and the trained policy to be the same function."""
     for module in model.modules():
@@ -630,12 +557,12 @@ def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = N
     tokenizer_path = args.model_name_or_path or args.sft_model_path
     initial_path = args.sft_model_path or args.model_name_or_path
     if tokenizer is None:
-        tokenizer, _ = prepare_tokenizer(args)
-    policy = load_causal_lm(initial_path, torch.float32, args.trust_remote_code,
+        tokenizer, _ = plumbing.prepare_tokenizer(args)
+    policy = plumbing.load_causal_lm(initial_path, torch.float32, args.trust_remote_code,
                             weights=None if args.use_peft else checkpoint)  # with LoRA: the base, never trained
     plumbing.ensure_pad_token(tokenizer, args.pad_token, policy.get_input_embeddings().num_embeddings, tokenizer_path)
     policy.config.pad_token_id = tokenizer.pad_token_id
-    stop_token_id = stop_token_id_of(args, tokenizer, tokenizer_path)
+    stop_token_id = plumbing.stop_token_id_of(args, tokenizer, tokenizer_path)
     disable_dropout(policy)
     if args.use_peft:
         add_adapters(policy, args, checkpoint)
@@ -648,7 +575,7 @@ def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = N
     elif args.kl_coef != 0:
         frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
         ref_policy = copy.deepcopy(policy) if checkpoint is None else \
-            load_causal_lm(initial_path, frozen_dtype, args.trust_remote_code)  # read in its own dtype, not fp32
+            plumbing.load_causal_lm(initial_path, frozen_dtype, args.trust_remote_code)  # read in its own dtype, not fp32
         disable_dropout(ref_policy)
         ref_policy.to(frozen_home, frozen_dtype).eval().requires_grad_(False)
     if args.gradient_checkpointing:
@@ -1350,12 +1277,12 @@ def load_reward_sources(args: Args, tokenizer, functions: list[tuple[str, Callab
     model, model_tokenizer = None, None
     if args.reward_model_path is not None:
         plumbing.seed_everything(args.seed)  # a head missing from the checkpoint starts the same on every rank and resume
-        model = load_reward_model(args.reward_model_path, torch.bfloat16 if args.bf16 else torch.float32,
+        model = plumbing.load_reward_model(args.reward_model_path, torch.bfloat16 if args.bf16 else torch.float32,
                                   args.trust_remote_code)
         disable_dropout(model)
         model = model.to("cpu" if args.offload else device).eval().requires_grad_(False)
         try:
-            own_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code)
+            own_tokenizer = plumbing.load_tokenizer(args.reward_model_path, args.trust_remote_code)
         except plumbing.ConfigError:  # no tokenizer saved with the reward model: it shares the policy's
             own_tokenizer = tokenizer
         model_tokenizer = None if plumbing.same_vocabulary(own_tokenizer, tokenizer) else own_tokenizer
@@ -1674,23 +1601,6 @@ def mismatch_metrics(rollout: Rollout, args: Args) -> dict[str, float]:
 # ===================================================================== checkpoints: output_dir, save, verify, resume
 
 
-def save_merged_policy(args: Args, config, tokenizer) -> None:
-    """--merge_lora: the base with output_dir's final adapter merged in by peft (a fresh fp32 copy of the base, in
-    CPU memory), in transformers' format with the tokenizer, at output_dir/merged; loads without peft."""
-    from peft import PeftModel
-
-    merged_dir = Path(args.output_dir) / plumbing.MERGED
-    base = load_causal_lm(args.sft_model_path or args.model_name_or_path, torch.float32, args.trust_remote_code)
-    merged = PeftModel.from_pretrained(base, args.output_dir).merge_and_unload()
-    merged.config.pad_token_id = config.pad_token_id
-    try:
-        merged.save_pretrained(merged_dir)
-        tokenizer.save_pretrained(merged_dir)
-    except plumbing.WRITE_ERRORS as e:
-        raise plumbing.Fault(f"could not write the merged policy to {merged_dir}: {plumbing.first_line(e)}; the adapter in "
-                    f"{args.output_dir} is intact: merge it with peft's merge_and_unload") from e
-
-
 # ===================================================================== evaluation
 EVAL_TEMPERATURE = 0.01  # near-greedy, as TRL's evaluation samples
 @torch.no_grad()
@@ -1753,7 +1663,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     with checkpoints.refusal_leaves_nothing():
         plumbing.choose_kernels()
         autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=args.bf16)
-        tokenizer, vocab_size = prepare_tokenizer(args)  # and the models' configs checked
+        tokenizer, vocab_size = plumbing.prepare_tokenizer(args)  # and the models' configs checked
         dataset, eval_dataset, dropped = load_prompts(args, tokenizer, vocab_size)
         sampler = PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)
         plumbing.check_reward_function_arguments(reward_functions, [
@@ -1924,7 +1834,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         else:  # the final policy, its tokenizer and args.json: their presence in output_dir marks a finished run
             checkpoints.save_final(policy, num_updates)
             if args.merge_lora and master:
-                save_merged_policy(args, policy.config, tokenizer)
+                plumbing.save_merged_policy(args, policy.config, tokenizer)
             if logger is not None:
                 checkpoints.mark_finished()
                 logger.console.print(f"saved the policy and tokenizer to {args.output_dir}")

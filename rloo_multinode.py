@@ -651,7 +651,7 @@ class HFEngine:
 
     def __init__(self, args: Args, device: torch.device):
         self.args, self.device = args, device
-        self.model = rloo.load_causal_lm(args.sft_model_path or args.model_name_or_path, torch.float32,
+        self.model = plumbing.load_causal_lm(args.sft_model_path or args.model_name_or_path, torch.float32,
                                          args.trust_remote_code).to(device).eval().requires_grad_(False)
         rloo.disable_dropout(self.model)
         self.params = dict(self.model.named_parameters())

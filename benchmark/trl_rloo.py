@@ -179,9 +179,9 @@ def main(args: rloo.Args) -> None:
     policy, ref_policy, tokenizer, stop_token_id = rloo.load_policy(args, torch.device("cpu"))
     if ref_policy is None:  # TRL 0.21 always runs a reference model, also at kl_coef 0
         ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
-    reward_model = rloo.load_reward_model(args.reward_model_path, torch.bfloat16 if args.bf16 else torch.float32,
+    reward_model = plumbing.load_reward_model(args.reward_model_path, torch.bfloat16 if args.bf16 else torch.float32,
                                           args.trust_remote_code)
-    if not plumbing.same_vocabulary(tokenizer, rloo.load_tokenizer(args.reward_model_path, args.trust_remote_code)):
+    if not plumbing.same_vocabulary(tokenizer, plumbing.load_tokenizer(args.reward_model_path, args.trust_remote_code)):
         raise plumbing.ConfigError("TRL 0.21's RLOOTrainer needs the reward model to share the policy's tokenizer")
     dataset, _, _ = rloo.load_prompts(args, tokenizer)
     dataset = dataset.select_columns([plumbing.PROMPT_IDS]).rename_column(plumbing.PROMPT_IDS, "input_ids")

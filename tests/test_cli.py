@@ -426,7 +426,7 @@ def test_bad_input_is_one_line_before_any_model_loads_and_changes_nothing(case, 
                                                                           signal_handlers_kept, monkeypatch):
     changes, fragments = BAD_INPUTS[case]
     for loader in ("load_causal_lm", "load_reward_model"):  # any weights loaded: the check came too late
-        monkeypatch.setattr(rloo, loader, lambda *args, **kwargs: pytest.fail("a model loaded before the error"))
+        monkeypatch.setattr(plumbing, loader, lambda *args, **kwargs: pytest.fail("a model loaded before the error"))
     monkeypatch.syspath_prepend(bad_files["modules"])
     out = tmp_path / "out"  # what an earlier attempt without checkpoints leaves
     out.mkdir()
@@ -454,8 +454,8 @@ def test_bad_input_is_one_line_before_any_model_loads_and_changes_nothing(case, 
 
 def test_a_sequence_longer_than_the_policys_positions_is_warned_about(assets, capsys):
     args = rloo.Args(model_name_or_path=str(assets["policy"]), max_prompt_length=60, response_length=10)
-    rloo.prepare_tokenizer(args)  # the tiny policy has 64 positions
+    plumbing.prepare_tokenizer(args)  # the tiny policy has 64 positions
     assert ("warning: max_prompt_length + response_length = 70 tokens exceed the policy's 64 positions"
             in capsys.readouterr().err)
-    rloo.prepare_tokenizer(rloo.Args(model_name_or_path=str(assets["policy"]), max_prompt_length=16, response_length=6))
+    plumbing.prepare_tokenizer(rloo.Args(model_name_or_path=str(assets["policy"]), max_prompt_length=16, response_length=6))
     assert capsys.readouterr().err == ""

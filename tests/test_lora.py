@@ -3,7 +3,6 @@
 import json
 import signal
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch

@@ -135,7 +135,7 @@ def test_pinned_vllm_release_has_the_api_the_engines_use():
 def test_after_a_sync_a_vllm_engine_scores_completions_as_the_trainer_does(vllm_policy, tmp_path):
     """The decisive check that weights arrive: vLLM's log-probs of fixed completions equal the trainer's under the
     same weights, and differ before the sync."""
-    policy = rloo.load_causal_lm(str(vllm_policy), torch.float32, False).eval()
+    policy = plumbing.load_causal_lm(str(vllm_policy), torch.float32, False).eval()
     args = mn.Args(model_name_or_path=str(vllm_policy), engine="vllm", output_dir=str(tmp_path),
                    engine_port=free_port(), engine_timeout=300, max_prompt_length=16, response_length=6,
                    sync_bucket_mb=1, vllm_gpu_memory_utilization=0.2, vllm_enforce_eager=True)  # 1 MB: 2 buckets
@@ -388,7 +388,7 @@ def test_a_run_attached_to_a_vllm_server_leaves_it_scoring_as_the_trained_policy
     # --logprobs-mode, raw_logprobs, would give them at temperature 1)
     print(f"max |vLLM server - trainer| log-prob of the sampled tokens: {metrics['mismatch/logprob_diff_max']:.2e}")
     assert metrics["mismatch/logprob_diff_max"] < LOGPROB_TOLERANCE
-    trained = trainer_logprobs(rloo.load_causal_lm(str(tmp_path), torch.float32, False).eval(), sequences)
+    trained = trainer_logprobs(plumbing.load_causal_lm(str(tmp_path), torch.float32, False).eval(), sequences)
     after = server_logprobs(url, sequences)
     print(f"max |vLLM server - trained policy| log-prob: before the run {max_difference(before, trained):.2e}, "
           f"after {max_difference(after, trained):.2e}")
@@ -424,9 +424,9 @@ def test_a_run_attached_to_a_stock_vllm_serve_syncs_over_nccl(assets, vllm_polic
                      *RUN, "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes", PER_UPDATE // 2,
                      "--output_dir", tmp_path / "out", "--engine_urls", url, "--engine_port", free_port())
         assert result.returncode == 0, result.stderr[-3000:] + log.read_text()[-3000:]
-        trained = trainer_logprobs(rloo.load_causal_lm(str(tmp_path / "out"), torch.float32, False).eval(),
+        trained = trainer_logprobs(plumbing.load_causal_lm(str(tmp_path / "out"), torch.float32, False).eval(),
                                    sequences)
-        initial = trainer_logprobs(rloo.load_causal_lm(str(vllm_policy), torch.float32, False).eval(), sequences)
+        initial = trainer_logprobs(plumbing.load_causal_lm(str(vllm_policy), torch.float32, False).eval(), sequences)
         served = server_logprobs(url, sequences, key=None)
         assert max_difference(served, trained) < max_difference(initial, trained) / 100  # GPU kernels: not 1e-5
     finally:

@@ -27,6 +27,7 @@ import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import plumbing
 import rloo  # noqa: E402
 import rloo_multinode as mn  # noqa: E402
 
@@ -75,7 +76,7 @@ class Worker:
 class StandIn:
     def __init__(self, args: StandInArgs):
         self.args, self.lock = args, threading.Lock()
-        load = lambda: rloo.load_causal_lm(args.model, torch.float32, False).eval().requires_grad_(False)  # noqa: E731
+        load = lambda: plumbing.load_causal_lm(args.model, torch.float32, False).eval().requires_grad_(False)  # noqa: E731
         self.workers = [Worker(load(), rank) for rank in range(args.workers)]
         self.pool = ThreadPoolExecutor(args.workers)  # vLLM runs each call on every worker at once
         self.generator = torch.Generator().manual_seed(args.seed)

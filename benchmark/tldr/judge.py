@@ -295,7 +295,7 @@ def vllm_summaries(args: Args, prompts: list[str]) -> list[str]:
 def transformers_summaries(args: Args, tokenizer, prompts: list[str]) -> list[str]:
     """Summaries from rloo.py's sampler, batch_size prompts at a time, prompts of similar length together."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    policy = rloo.load_causal_lm(args.model_name_or_path, torch.float32, args.trust_remote_code)
+    policy = plumbing.load_causal_lm(args.model_name_or_path, torch.float32, args.trust_remote_code)
     plumbing.ensure_pad_token(tokenizer, "[PAD]", policy.get_input_embeddings().num_embeddings, args.model_name_or_path)
     rloo.disable_dropout(policy)
     policy.to(device).eval()
@@ -314,7 +314,7 @@ def transformers_summaries(args: Args, tokenizer, prompts: list[str]) -> list[st
 
 
 def generate_summaries(args: Args, prompts: list[str]) -> list[str]:
-    tokenizer = rloo.load_tokenizer(args.model_name_or_path, args.trust_remote_code)  # a wrong path fails here
+    tokenizer = plumbing.load_tokenizer(args.model_name_or_path, args.trust_remote_code)  # a wrong path fails here
     if args.use_vllm and importlib.util.find_spec("vllm") is not None:
         return vllm_summaries(args, prompts)
     return transformers_summaries(args, tokenizer, prompts)
