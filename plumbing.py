@@ -420,6 +420,65 @@ def describe_dropped(dropped: dict[str, int], max_prompt_length: int) -> str:
             + (f", {dropped['empty']} empty" if dropped["empty"] else ""))
 
 
+def prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: int, name: str,
+                    vocab_size: Optional[int], prompt_token_ids: Callable):
+    """Add the PROMPT_IDS column (prompt_token_ids(rows, tokenizer, prompt_column)), drop empty prompts and prompts longer than max_prompt_length. Returns (dataset,
+    dropped), dropped = {"empty": count, "too_long": count}. With `vocab_size`, token ids the policy cannot
+    embed are refused (a tokenizer of another model, pre-tokenized ids of another vocabulary)."""
+    import pyarrow.compute as pc
+
+    if prompt_column not in dataset.column_names and "query_token" not in dataset.column_names:
+        raise ConfigError(
+            f"dataset {name} has no {prompt_column!r} column (string or chat messages) and no pre-tokenized "
+            f"'query_token' column; its columns are {dataset.column_names}: pass --prompt_column NAME"
+        )
+
+    def tokenize(rows: dict, indices: list[int]) -> dict:
+        check_prompt_values(rows, indices, prompt_column, name)
+        return {PROMPT_IDS: prompt_token_ids(rows, tokenizer, prompt_column)}
+
+    # in memory: no cache files for torchrun's ranks to race on
+    dataset = dataset.map(tokenize, with_indices=True, batched=True, keep_in_memory=True)
+    ids = dataset.with_format("arrow")[PROMPT_IDS]  # lengths and extremes in Arrow: no Python list per token
+    lowest, highest = pc.min_max(pc.list_flatten(ids)).values()
+    if vocab_size is not None and lowest.is_valid and not 0 <= lowest.as_py() <= highest.as_py() < vocab_size:
+        row, bad = next((i, t) for i, row_ids in enumerate(dataset[PROMPT_IDS]) for t in row_ids
+                        if not 0 <= t < vocab_size)
+        raise ConfigError(f"dataset {name}, row {row}: token id {bad} is outside the policy's vocabulary of "
+                          f"{vocab_size}: tokenize with the policy's tokenizer")
+    lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
+    dropped = {"empty": int((lengths == 0).sum()), "too_long": int((lengths > max_prompt_length).sum())}
+    dataset = dataset.select(np.flatnonzero((lengths > 0) & (lengths <= max_prompt_length)), keep_in_memory=True)
+    if len(dataset) == 0:
+        raise ConfigError(f"every prompt of {name} is empty or longer than max_prompt_length ({max_prompt_length})")
+    return dataset, dropped
+
+
+def load_prompts(args, tokenizer, vocab_size: Optional[int], prompt_token_ids: Callable):
+    """Train prompts tokenized by prompt_token_ids, test prompts (None without --dataset_test_split), and how many
+    were dropped (see prepare_prompts)."""
+    test_is_file = args.dataset_test_split is not None and Path(args.dataset_test_split).suffix in LOCAL_FORMATS
+    for flag, split in (("--dataset_train_split", args.dataset_train_split), ("--dataset_test_split",
+                                                                               args.dataset_test_split)):
+        if split not in (None, "train") and not (flag == "--dataset_test_split" and test_is_file) \
+                and not has_splits(args.dataset_name):
+            fix = "pass the test prompts as a file: --dataset_test_split test.jsonl" \
+                if flag == "--dataset_test_split" else f"drop {flag}"
+            raise ConfigError(f"{flag} {split}: dataset {args.dataset_name} has no splits (a single file or saved "
+                              f"Dataset is one split, whatever its name); {fix}")
+    dataset = load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
+    dataset, dropped = prepare_prompts(dataset, tokenizer, args.prompt_column, args.max_prompt_length,
+                                       args.dataset_name, vocab_size, prompt_token_ids)
+    eval_dataset = None
+    if args.dataset_test_split is not None:
+        source = args.dataset_test_split if test_is_file else args.dataset_name
+        eval_dataset, _ = prepare_prompts(load_split(source, args.dataset_test_split, args.dataset_config),
+                                          tokenizer, args.prompt_column, args.max_prompt_length, source, vocab_size,
+                                          prompt_token_ids)
+    return dataset, eval_dataset, dropped
+
+
+
 # ===================================================================== model files: loading errors, configs checked before weights load, kernels
 def _from_pretrained(loader: Callable, path: str, what: str, **kwargs):
     try:

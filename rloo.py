@@ -351,63 +351,6 @@ def prompt_token_ids(rows: dict, tokenizer, prompt_column: str) -> list[list[int
     return [[t for t in ids if t != tokenizer.pad_token_id] for ids in rows["query_token"]]
 
 
-def prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: int, name: str,
-                    vocab_size: Optional[int] = None):
-    """Add the PROMPT_IDS column, drop empty prompts and prompts longer than max_prompt_length. Returns (dataset,
-    dropped), dropped = {"empty": count, "too_long": count}. With `vocab_size`, token ids the policy cannot
-    embed are refused (a tokenizer of another model, pre-tokenized ids of another vocabulary)."""
-    import pyarrow.compute as pc
-
-    if prompt_column not in dataset.column_names and "query_token" not in dataset.column_names:
-        raise plumbing.ConfigError(
-            f"dataset {name} has no {prompt_column!r} column (string or chat messages) and no pre-tokenized "
-            f"'query_token' column; its columns are {dataset.column_names}: pass --prompt_column NAME"
-        )
-
-    def tokenize(rows: dict, indices: list[int]) -> dict:
-        plumbing.check_prompt_values(rows, indices, prompt_column, name)
-        return {plumbing.PROMPT_IDS: prompt_token_ids(rows, tokenizer, prompt_column)}
-
-    # in memory: no cache files for torchrun's ranks to race on
-    dataset = dataset.map(tokenize, with_indices=True, batched=True, keep_in_memory=True)
-    ids = dataset.with_format("arrow")[plumbing.PROMPT_IDS]  # lengths and extremes in Arrow: no Python list per token
-    lowest, highest = pc.min_max(pc.list_flatten(ids)).values()
-    if vocab_size is not None and lowest.is_valid and not 0 <= lowest.as_py() <= highest.as_py() < vocab_size:
-        row, bad = next((i, t) for i, row_ids in enumerate(dataset[plumbing.PROMPT_IDS]) for t in row_ids
-                        if not 0 <= t < vocab_size)
-        raise plumbing.ConfigError(f"dataset {name}, row {row}: token id {bad} is outside the policy's vocabulary of "
-                          f"{vocab_size}: tokenize with the policy's tokenizer")
-    lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
-    dropped = {"empty": int((lengths == 0).sum()), "too_long": int((lengths > max_prompt_length).sum())}
-    dataset = dataset.select(np.flatnonzero((lengths > 0) & (lengths <= max_prompt_length)), keep_in_memory=True)
-    if len(dataset) == 0:
-        raise plumbing.ConfigError(f"every prompt of {name} is empty or longer than max_prompt_length ({max_prompt_length})")
-    return dataset, dropped
-
-
-def load_prompts(args: Args, tokenizer, vocab_size: Optional[int] = None):
-    """Tokenized train prompts, test prompts (None without --dataset_test_split), and how many were dropped (see
-    prepare_prompts)."""
-    test_is_file = args.dataset_test_split is not None and Path(args.dataset_test_split).suffix in plumbing.LOCAL_FORMATS
-    for flag, split in (("--dataset_train_split", args.dataset_train_split), ("--dataset_test_split",
-                                                                               args.dataset_test_split)):
-        if split not in (None, "train") and not (flag == "--dataset_test_split" and test_is_file) \
-                and not plumbing.has_splits(args.dataset_name):
-            fix = "pass the test prompts as a file: --dataset_test_split test.jsonl" \
-                if flag == "--dataset_test_split" else f"drop {flag}"
-            raise plumbing.ConfigError(f"{flag} {split}: dataset {args.dataset_name} has no splits (a single file or saved "
-                              f"Dataset is one split, whatever its name); {fix}")
-    dataset = plumbing.load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
-    dataset, dropped = prepare_prompts(dataset, tokenizer, args.prompt_column, args.max_prompt_length,
-                                       args.dataset_name, vocab_size)
-    eval_dataset = None
-    if args.dataset_test_split is not None:
-        source = args.dataset_test_split if test_is_file else args.dataset_name
-        eval_dataset, _ = prepare_prompts(plumbing.load_split(source, args.dataset_test_split, args.dataset_config),
-                                          tokenizer, args.prompt_column, args.max_prompt_length, source, vocab_size)
-    return dataset, eval_dataset, dropped
-
-
 def pad_sequences(
     sequences: list[list[int]], pad_id: int, device: torch.device, side: Literal["left", "right"] = "left"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1664,7 +1607,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         plumbing.choose_kernels()
         autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=args.bf16)
         tokenizer, vocab_size = plumbing.prepare_tokenizer(args)  # and the models' configs checked
-        dataset, eval_dataset, dropped = load_prompts(args, tokenizer, vocab_size)
+        dataset, eval_dataset, dropped = plumbing.load_prompts(args, tokenizer, vocab_size,
+                                                                  prompt_token_ids)
         sampler = PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)
         plumbing.check_reward_function_arguments(reward_functions, [
             (args.dataset_name, dataset), (args.dataset_test_split, eval_dataset)], args.prompt_column)

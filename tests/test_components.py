@@ -284,18 +284,18 @@ def test_prompt_sources_string_chat_and_pretokenized(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ds = plumbing.load_split(str(path), "ignored", None)
-    ds, dropped = rloo.prepare_prompts(ds, tokenizer, "prompt", 16, "p.jsonl")
+    ds, dropped = plumbing.prepare_prompts(ds, tokenizer, "prompt", 16, "p.jsonl", None, rloo.prompt_token_ids)
     assert ds[plumbing.PROMPT_IDS] == [[2, 3, 14], [4, 14]] and dropped == {"empty": 0, "too_long": 0}
     assert ds["extra"] == [1, 2]
 
     chat = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "a b"}]}])
-    chat, _ = rloo.prepare_prompts(chat, tokenizer, "messages", 16, "chat")
+    chat, _ = plumbing.prepare_prompts(chat, tokenizer, "messages", 16, "chat", None, rloo.prompt_token_ids)
     assert chat[plumbing.PROMPT_IDS] == [[2, 3, 14]]
 
     pretokenized = datasets.Dataset.from_dict({"query_token": [[0, 0, 2, 3, 14], [0, 4, 5, 6, 14]]})
     pretokenized.save_to_disk(str(tmp_path / "disk"))
     ds = plumbing.load_split(str(tmp_path / "disk"), "train", None)
-    ds, _ = rloo.prepare_prompts(ds, tokenizer, "prompt", 16, "disk")
+    ds, _ = plumbing.prepare_prompts(ds, tokenizer, "prompt", 16, "disk", None, rloo.prompt_token_ids)
     assert ds[plumbing.PROMPT_IDS] == [[2, 3, 14], [4, 5, 6, 14]]
 
     datasets.DatasetDict({"train": chat}).save_to_disk(str(tmp_path / "dict"))
@@ -310,17 +310,17 @@ def test_prompt_sources_string_chat_and_pretokenized(tmp_path):
 def test_over_long_and_empty_prompts_are_dropped_and_counted_apart():
     tokenizer = policy_tokenizer()
     ds = datasets.Dataset.from_list([{"prompt": "a b c d :"}, {"prompt": "a :"}, {"prompt": ""}, {"prompt": "b c :"}])
-    ds, dropped = rloo.prepare_prompts(ds, tokenizer, "prompt", 3, "d")
+    ds, dropped = plumbing.prepare_prompts(ds, tokenizer, "prompt", 3, "d", None, rloo.prompt_token_ids)
     assert dropped == {"empty": 1, "too_long": 1} and ds["prompt"] == ["a :", "b c :"]
     assert plumbing.describe_dropped(dropped, 3) == "1 dropped as longer than 3 tokens, 1 empty"
     with pytest.raises(plumbing.ConfigError, match="longer than max_prompt_length"):
-        rloo.prepare_prompts(ds, tokenizer, "prompt", 1, "d")
+        plumbing.prepare_prompts(ds, tokenizer, "prompt", 1, "d", None, rloo.prompt_token_ids)
 
 
 def test_missing_prompt_column_is_named():
     ds = datasets.Dataset.from_list([{"text": "a"}])
     with pytest.raises(plumbing.ConfigError, match="no 'prompt' column .* columns are \\['text'\\]"):
-        rloo.prepare_prompts(ds, policy_tokenizer(), "prompt", 8, "d")
+        plumbing.prepare_prompts(ds, policy_tokenizer(), "prompt", 8, "d", None, rloo.prompt_token_ids)
 
 
 def test_sampler_cycles_reshuffles_and_splits_ranks():
