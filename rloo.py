@@ -21,25 +21,23 @@ Shapes: B prompts per rank and update; k = rloo_k completions each; N = k*B comp
 of a grouped row (a prompt, then its k responses back to back), P the positions whose logits it computes; S reward
 sources.
 
-Sections, in the order a run needs them ([A] the algorithm, [P] plumbing):
-  Args                     the flags, TRL <= 0.21's names (TRL >= 0.22's accepted: see "command line")
-  batch arithmetic    [A]  micro / mini / local / B / all ranks, derived once; the flags' numeric checks
-  distributed         [P]  torchrun ranks, FSDP2 sharding, DDP gradient sync, all-reduce
-  data                [A]  a dataset or file -> tokenized prompts; the sampler that draws B per update
-  models              [A]  tokenizer, policy, frozen reference, the kernels chosen
-  rollout             [A]  1-3: sampling with a KV cache, Completions, grouped rows (each prompt computed once
-                           for its k completions), log-probs, the rollout source (LocalRollouts)
-  rewards             [A]  4: reward model and reward functions, combined; the missing-EOS penalty
-  advantages          [A]  5: KL-penalized reward, the leave-one-out baseline
-  loss                [A]  6: the clipped surrogate on the sequence-level ratio
-  update              [A]  6: PPO epochs x shuffled minibatches x micro-batches; no step on a NaN
-  measuring           [P]  phase times, token-forwards against the minimum, free memory -> chunk sizes
-  logging             [P]  metrics over ranks, console, metrics.jsonl, wandb
-  faults              [P]  stop signals, late ranks, failing reward functions
-  checkpoints         [P]  one run per output_dir, verified saves, resume, nothing deleted
-  evaluation          [A]  near-greedy completions of test prompts, scored
-  set-up and main     [A]  set_up, then each update: sample, score, advantages, train, log, evaluate, save
-  command line        [P]  TRL >= 0.22's names, one-line errors and exit statuses
+Sections, in the order a run needs them. Plumbing that nobody changes when changing the algorithm (checkpoints,
+faults, signals, measuring, logging, data-file diagnostics, the command line) is in plumbing.py, called as
+plumbing.X; copying this file means copying that one with it.
+  Args                the flags, TRL <= 0.21's names (TRL >= 0.22's accepted)
+  batch arithmetic    micro / mini / local / B / all ranks, derived once, with exact divisions
+  distributed         DDP gradient sync on the last micro-step, statistics over all ranks
+  data                a prompt's token ids; the sampler that draws B prompts per update
+  models              the policy and its frozen reference (a copy, or with LoRA the adapters switched off)
+  rollout             1-3: sampling with a KV cache, Completions, grouped rows (each prompt computed once for its k
+                      completions), log-probs, the rollout source (LocalRollouts)
+  rewards             4: reward model and reward functions, combined; the missing-EOS penalty
+  advantages          5: KL-penalized reward, the leave-one-out baseline
+  loss                6: the clipped surrogate on the sequence-level ratio
+  update              6: PPO epochs x shuffled minibatches x micro-batches; no step on a NaN
+  metrics, evaluation what the sampler/trainer mismatch is; near-greedy completions of test prompts, scored
+  main                set-up, then each update's six steps inline: sample, score, advantages and PPO epochs, log,
+                      evaluate, save
 """
 
 import contextlib
@@ -54,7 +52,6 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, ClassVar, Literal, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
@@ -310,8 +307,6 @@ def compute_batch_sizes(args: Args, world_size: int) -> BatchSizes:
 
 
 # ===================================================================== distributed
-
-
 def gradient_sync(model, enabled: bool):
     """A context for one micro-step's backward: with DDP, gradients are all-reduced only when `enabled` (the last
     micro-step of an optimizer step), each rank accumulating its own before. FSDP reduce-scatters at every
@@ -334,8 +329,6 @@ def global_mean_std(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> tup
 
 
 # ===================================================================== data
-
-
 def prompt_token_ids(rows: dict, tokenizer, prompt_column: str) -> list[list[int]]:
     """Token ids of a batch of dataset rows: a string prompt, chat messages, or pre-tokenized `query_token`."""
     if prompt_column in rows:
@@ -403,8 +396,6 @@ class PromptSampler:
 
 
 # ===================================================================== models
-
-
 def disable_dropout(model: torch.nn.Module) -> None:
     """RL needs the sampling policy and the trained policy to be the same function."""
     for module in model.modules():
@@ -1509,12 +1500,7 @@ def learning_rate_at(update: int, num_updates: int, args: Args) -> float:
     return args.learning_rate * (1.0 - (update - 1) / num_updates)
 
 
-# ===================================================================== measuring: phase times, work, memory
-
-
-# ===================================================================== logging
-
-
+# ===================================================================== metrics
 def mismatch_metrics(rollout: Rollout, args: Args) -> dict[str, float]:
     """How far the sampler's log-probs of its tokens are from the trainer's (the PPO ratio's denominator), for one
     rank's (k*B, Tr) rollout: per valid token, and as the sequence ratio p_trainer / p_sampler (the importance
@@ -1538,14 +1524,10 @@ def mismatch_metrics(rollout: Rollout, args: Args) -> dict[str, float]:
     return out
 
 
-# ===================================================================== faults: signals, late ranks, reward functions
-
-
-# ===================================================================== checkpoints: output_dir, save, verify, resume
-
-
 # ===================================================================== evaluation
 EVAL_TEMPERATURE = 0.01  # near-greedy, as TRL's evaluation samples
+
+
 @torch.no_grad()
 def evaluate(
     policy, eval_dataset, sources: RewardSources, tokenizer, args: Args, stop_token_id: Optional[int],
@@ -1807,8 +1789,6 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
 
 
 # ===================================================================== command line
-
-
 def cli() -> None:
     args = plumbing.parse_args(Args, prog="rloo.py")
     try:
