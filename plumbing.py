@@ -170,13 +170,10 @@ class Dist:
         return self.rank == 0
 
 
-PEER_TIMEOUT = [1800.0]  # seconds a rank waits for the others: --ddp_timeout, set by setup_distributed
-
-
 def setup_distributed(timeout: float = 1800.0) -> Dist:
     """torch.distributed from torchrun's RANK/LOCAL_RANK/WORLD_SIZE: NCCL on GPUs, gloo on CPU; a collective that
-    waits longer than `timeout` seconds for another rank fails instead of waiting on."""
-    PEER_TIMEOUT[0] = timeout
+    waits longer than `timeout` seconds for another rank fails instead of waiting on (so does wait_for_peers: the
+    process group's store has the same timeout)."""
     if "RANK" not in os.environ:  # plain `python rloo.py`
         return Dist(0, 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
@@ -254,16 +251,6 @@ def is_fsdp_unit(module) -> bool:
     return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
-def set_reshard_after_forward(unit, reshard: bool) -> None:
-    """FSDPModule.set_reshard_after_forward for one unit. torch < 2.8 (vLLM 0.10's torch 2.7) lacks the method;
-    there the unit's parameter group decides by its post-forward mesh: None keeps the weights gathered."""
-    if hasattr(unit, "set_reshard_after_forward"):
-        unit.set_reshard_after_forward(reshard, recurse=False)
-        return
-    group = unit._get_fsdp_state()._fsdp_param_group
-    group.post_forward_mesh_info = group.mesh_info if reshard else None
-
-
 @contextlib.contextmanager
 def gathered_for_rollout(policy, mode: str):
     """For sampling and evaluation with an FSDP policy. mode "unshard": every block's weights are gathered at its
@@ -272,14 +259,17 @@ def gathered_for_rollout(policy, mode: str):
     parameters then registered on the module are not the ones the optimizer holds. Without FSDP, nothing."""
     blocks = [m for m in policy.modules() if is_fsdp_unit(m) and m is not policy] \
         if mode == "unshard" else []
+    if blocks and not hasattr(blocks[0], "set_reshard_after_forward"):
+        raise ConfigError("--fsdp_generation unshard needs FSDPModule.set_reshard_after_forward (torch >= 2.8): "
+                          "upgrade torch, or pass --fsdp_generation per_block")
     for block in blocks:
-        set_reshard_after_forward(block, False)
+        block.set_reshard_after_forward(False, recurse=False)
     try:
         yield
     finally:
         reshard(policy)
         for block in blocks:
-            set_reshard_after_forward(block, True)
+            block.set_reshard_after_forward(True, recurse=False)
 
 
 def reshard(policy) -> None:
@@ -1020,49 +1010,42 @@ def stop_signals_at_once():
 
 
 # ---- ranks waiting for each other: who is late, and where
-PHASE = ["start-up", time.time()]  # this rank's phase and since when, published for the other ranks
-
-
-BARRIERS = [0]  # barriers passed by this rank; every rank passes the same ones in the same order
-
-
 def process_group_store():
-    """The store the ranks rendezvoused through (torchrun's), or None outside torchrun."""
-    if not dist.is_initialized():
+    """The store of the ranks' process group (torchrun's rendezvous store, under a prefix of its own), where the
+    ranks publish their phases and count their barriers. None in a single process, or in a torch whose
+    ProcessGroup lacks get_group_store (older ones: plain barriers, no late rank named)."""
+    if not dist.is_initialized() or not hasattr(dist.group.WORLD, "get_group_store"):
         return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (AttributeError, RuntimeError, ValueError):  # a private API: without it, plain barriers
-        return None
+    return dist.group.WORLD.get_group_store()
 
 
 def note_phase(name: str) -> None:
-    """Record the phase this rank is in (with several ranks, in the store too): a rank that waits too long for
-    another can then say what that one is doing."""
-    PHASE[:] = [name, time.time()]
+    """Record the phase this rank is in (with several ranks, in the store): a rank that waits too long for another
+    can then say what that one is doing."""
     store = process_group_store()
     if store is not None:
-        store.set(f"rloo/phase/{dist.get_rank()}", json.dumps(PHASE))
+        store.set(f"rloo/phase/{dist.get_rank()}", json.dumps([name, time.time()]))
 
 
 def wait_for_peers(what: str) -> None:
     """A barrier of all ranks through the store, at most --ddp_timeout long. A rank that has not arrived by then
     (a reward function that never returns, a dead node) makes every waiting rank raise a Fault naming it and the
     phase it is in, said once by the lowest waiting rank; a collective would wait as long, then fail without
-    saying which rank nor where."""
+    saying which rank nor where. The wait times out as the collectives do: init_process_group gives the store
+    their timeout."""
     store = process_group_store()
     if store is None:
         if dist.is_initialized():
             dist.barrier()
         return
     rank, world = dist.get_rank(), dist.get_world_size()
-    BARRIERS[0] += 1
-    key, waiting = f"rloo/barrier/{BARRIERS[0]}", f"waiting for the other ranks after {what}"
+    passed = store.add(f"rloo/barriers_of/{rank}", 1)  # every rank passes the same barriers in the same order
+    key, waiting = f"rloo/barrier/{passed}", f"waiting for the other ranks after {what}"
     note_phase(waiting)
     if store.add(key, 1) == world:
         store.set(f"{key}/all", "1")
     try:
-        store.wait([f"{key}/all"], datetime.timedelta(seconds=PEER_TIMEOUT[0]))
+        store.wait([f"{key}/all"])
     except RuntimeError:  # DistStoreError: the wait timed out
         now, phases = time.time(), {}
         for r in range(world):
@@ -1071,7 +1054,7 @@ def wait_for_peers(what: str) -> None:
         late = [r for r in range(world) if phases[r][0] != waiting]
         where = "; ".join(f"rank {r} is in {phases[r][0]!r}" + (f" since {now - phases[r][1]:.0f} s" if phases[r][1]
                                                                   else "") for r in late)
-        raise Fault(f"the other ranks waited --ddp_timeout {PEER_TIMEOUT[0]:g} s after {what}: {where} (stuck: a "
+        raise Fault(f"the other ranks waited --ddp_timeout {store.timeout.total_seconds():g} s after {what}: {where} (stuck: a "
                     "reward function that never returns, a dead node; or slower than that: raise --ddp_timeout); "
                     "nothing saved, a checkpoint needs every rank", announce=rank == min(set(range(world)) - set(late),
                                                                              default=rank)) from None
