@@ -955,11 +955,11 @@ class StopSignal:
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
-    def __init__(self, output_dir: str, announce: bool):
+    def __init__(self, lock: "OutputDirLock", announce: bool):
         self.name: Optional[str] = None
         self.training = False
         self.at_once = False  # the main thread only waits for a reward function (stop_signals_at_once)
-        self.output_dir = output_dir
+        self.lock = lock  # the run's output_dir, marked as preempted only by the run holding it
         self.announce = announce
         for sig in self.SIGNALS:
             signal.signal(sig, self._record)
@@ -969,8 +969,8 @@ class StopSignal:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
         name = signal.Signals(signum).name
         if not self.training:
-            if signum != signal.SIGINT and holds_lock(self.output_dir):
-                (Path(self.output_dir) / PREEMPTED).write_text("stopped during start-up, before any update\n")
+            if signum != signal.SIGINT and self.lock.held:
+                (Path(self.lock.output_dir) / PREEMPTED).write_text("stopped during start-up, before any update\n")
             raise StartupInterrupted(name)
         self.name = self.name or name
         if self.at_once:  # the function may never return: stop now, from the state at the start of the update
@@ -1106,76 +1106,76 @@ def reward_faults(device: torch.device, what: str, after_training: bool = False)
 
 # ===================================================================== checkpoints: one run per output_dir, verified saves, resume, nothing deleted
 # ---- output_dir: one run at a time, nothing deleted
-LOCKS: dict[str, dict] = {}  # resolved output_dir -> {"file": the lock file held (until exit), "created": its dirs}
+class OutputDirLock:
+    """An exclusive advisory lock (flock) on output_dir/run.lock, held from acquire() until this process exits; the
+    OS releases it then, so a crash never leaves a stale lock. A second run into the same output_dir (a job
+    submitted twice, a requeue while the old job still runs) stops at acquire(), naming the holder's pid and host.
+    The run makes one at its start, for rank 0 to acquire (take_output_dir) and the stop signals to consult."""
 
+    def __init__(self, output_dir: str):
+        self.output_dir = output_dir
+        self.file = None  # the lock file, open while held
+        self.created: list[Path] = []  # the directories made for it, the deepest first
 
-def lock_output_dir(output_dir: str) -> None:
-    """An exclusive advisory lock (flock) on output_dir/run.lock, held until this process exits; the OS releases it
-    then, so a crash never leaves a stale lock. A second run into the same output_dir (a job submitted twice, a
-    requeue while the old job still runs) stops here, naming the holder's pid and host."""
-    path = Path(output_dir)
-    if str(path.resolve()) in LOCKS:
-        return
-    created = [d for d in (path, *path.parents) if not d.exists()]  # the deepest first
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        lock = open(path / LOCK, "a+")
-    except OSError as e:
-        raise ConfigError(f"cannot write to --output_dir {output_dir}: {e.strerror or e}") from None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "a process that has not written its pid yet"
-        lock.close()
-        raise ConfigError(f"--output_dir {output_dir} is in use by another run ({holder}): wait for it to end or "
-                          "stop it, or pass another --output_dir") from None
-    except OSError as e:  # a filesystem without locks (Lustre without -o flock, some NFS setups)
-        print(f"rloo.py: warning: cannot lock --output_dir {output_dir} ({e.strerror or e}): a second run into it "
-              "would not be stopped", file=sys.stderr)
-    lock.seek(0)
-    lock.truncate()
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    lock.flush()
-    LOCKS[str(path.resolve())] = {"file": lock, "created": created}
+    @property
+    def held(self) -> bool:
+        return self.file is not None
 
-
-def release_output_dir(output_dir: str) -> None:
-    """After a refused start, so that it leaves nothing behind: the lock file removed, and the directories made
-    for it if they are empty."""
-    held = LOCKS.pop(str(Path(output_dir).resolve()), None)
-    if held is None:
-        return
-    (Path(output_dir) / LOCK).unlink(missing_ok=True)
-    held["file"].close()
-    for directory in held["created"]:
+    def acquire(self) -> None:
+        if self.held:
+            return
+        path = Path(self.output_dir)
+        created = [d for d in (path, *path.parents) if not d.exists()]
         try:
-            directory.rmdir()
-        except OSError:  # not empty
-            break
+            path.mkdir(parents=True, exist_ok=True)
+            lock = open(path / LOCK, "a+")
+        except OSError as e:
+            raise ConfigError(f"cannot write to --output_dir {self.output_dir}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "a process that has not written its pid yet"
+            lock.close()
+            raise ConfigError(f"--output_dir {self.output_dir} is in use by another run ({holder}): wait for it to "
+                              "end or stop it, or pass another --output_dir") from None
+        except OSError as e:  # a filesystem without locks (Lustre without -o flock, some NFS setups)
+            print(f"rloo.py: warning: cannot lock --output_dir {self.output_dir} ({e.strerror or e}): a second run "
+                  "into it would not be stopped", file=sys.stderr)
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        lock.flush()
+        self.file, self.created = lock, created
+
+    def release(self) -> None:
+        """After a refused start, so that it leaves nothing behind: the lock file removed, and the directories made
+        for it if they are empty."""
+        if not self.held:
+            return
+        (Path(self.output_dir) / LOCK).unlink(missing_ok=True)
+        self.file.close()
+        self.file = None
+        for directory in self.created:
+            try:
+                directory.rmdir()
+            except OSError:  # not empty
+                break
 
 
-def holds_lock(output_dir: str) -> bool:
-    return str(Path(output_dir).resolve()) in LOCKS
-
-
-def take_output_dir(output_dir: str, rank: int) -> None:
-    """Before anything is read from output_dir, rank 0 makes it this run's: locked (lock_output_dir), the marker of
+def take_output_dir(lock: OutputDirLock, rank: int) -> None:
+    """Before anything is read from output_dir, rank 0 makes it this run's: locked (`lock` acquired), the marker of
     an earlier stop removed (a resume that then fails or is refused is not requeued forever), the temporary
     directories of killed saves removed (they can be as large as a checkpoint)."""
-    path = Path(output_dir)
+    path = Path(lock.output_dir)
     if path.exists() and not path.is_dir():
-        raise ConfigError(f"--output_dir {output_dir} is a file: pass a directory")
+        raise ConfigError(f"--output_dir {lock.output_dir} is a file: pass a directory")
     if rank != 0:
         return
-    lock_output_dir(output_dir)
+    lock.acquire()
     (path / PREEMPTED).unlink(missing_ok=True)
     for debris in (path / CHECKPOINTS).glob(".tmp_step_*"):
         shutil.rmtree(debris, ignore_errors=True)
-
-
-# numpy arrays of numbers, in the RNG files of earlier versions of rloo.py: reconstructing one runs no other code
-NUMPY_ARRAY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), np.ndarray(0).__reduce__()[0]]
 
 
 def rng_state(sampling: torch.Generator) -> dict:
@@ -1192,11 +1192,8 @@ def rng_state(sampling: torch.Generator) -> dict:
 def set_rng_state(state: dict, sampling: torch.Generator) -> None:
     random.setstate(state["python"])
     numpy_state = state["numpy"]
-    if isinstance(numpy_state, dict):
-        np.random.set_state(("MT19937", numpy_state["keys"].numpy().astype(np.uint32), numpy_state["position"],
-                             numpy_state["has_gauss"], numpy_state["gauss"]))
-    else:  # numpy's own tuple, as earlier versions of rloo.py saved it
-        np.random.set_state(numpy_state)
+    np.random.set_state(("MT19937", numpy_state["keys"].numpy().astype(np.uint32), numpy_state["position"],
+                         numpy_state["has_gauss"], numpy_state["gauss"]))
     torch.set_rng_state(state["torch"])
     sampling.set_state(state["sampling"])
     if "cuda" in state and torch.cuda.is_available():
@@ -1207,8 +1204,7 @@ def load_safely(path: Path):
     """torch.load with weights_only: tensors and plain Python values only, so that reading a checkpoint from
     elsewhere can never run code. Raises ConfigError naming the file."""
     try:
-        with torch.serialization.safe_globals(NUMPY_ARRAY_GLOBALS):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
         raise ConfigError(f"{path} holds {refused.group(1) if refused else 'an object'}, not only tensors and plain "
@@ -1320,10 +1316,10 @@ def model_identity(path: str) -> dict:
     return {"revision": Path(config).parent.name}
 
 
-def check_same_initial_model(saved: Optional[dict], current: dict, path: str) -> None:
+def check_same_initial_model(saved: dict, current: dict, path: str) -> None:
     """On resume: the initial model (the frozen reference, and the architecture and code the resumed policy loads
-    with) must be the one the checkpoint's run started from (None: an earlier rloo.py's, which did not record it)."""
-    if saved is None or saved == current:
+    with) must be the one the checkpoint's run started from."""
+    if saved == current:
         return
     if "files" in saved and "files" in current:
         names = sorted(n for n in saved["files"].keys() | current["files"].keys()
@@ -1367,52 +1363,30 @@ def unsafe_metadata(path: Path) -> Optional[str]:
 
 
 def checkpoint_problem(path: Path) -> Optional[str]:
-    """Why a checkpoint cannot be resumed from, or None when it is intact: its manifest (written last, so missing
-    after a save that did not finish) is unreadable, a file it lists is missing or differs in size or sha256, its
+    """Why a checkpoint cannot be resumed from, or None when it is intact: its manifest (which every save writes
+    last) is missing or unreadable, a file it lists is missing or differs in size or sha256, its
     weights are not in safetensors (a pickle is never loaded), or its optimizer shards' metadata refers to code.
-    A checkpoint of an earlier rloo.py has no manifest: each of its weights and RNG files must read to its end (its
-    trainer state is checked when it is read). Collective when distributed."""
+    Collective when distributed."""
     metadata = path / OPTIMIZER_SHARDS / ".metadata"
     try:
         listed = json.loads((path / MANIFEST).read_text())["files"]
     except FileNotFoundError:
-        listed = None
-        if not (path / TRAINER_STATE).is_file():
-            return f"no {MANIFEST}: its save did not finish"
+        return f"no {MANIFEST}, which every save writes: a copy that did not finish, or a damaged checkpoint"
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{MANIFEST} cannot be read ({type(e).__name__}: {first_line(e)})"
-    if listed is not None:
-        found = file_digests(path, sorted(listed))
-        for name, expected in sorted(listed.items()):
-            if found[name] is None:
-                return f"{name} is missing"
-            if found[name]["bytes"] != expected["bytes"]:
-                return f"{name} has {found[name]['bytes']} bytes where the manifest says {expected['bytes']}"
-            if found[name]["sha256"] != expected["sha256"]:
-                return f"{name} differs from the manifest (sha256)"
+    found = file_digests(path, sorted(listed))
+    for name, expected in sorted(listed.items()):
+        if found[name] is None:
+            return f"{name} is missing"
+        if found[name]["bytes"] != expected["bytes"]:
+            return f"{name} has {found[name]['bytes']} bytes where the manifest says {expected['bytes']}"
+        if found[name]["sha256"] != expected["sha256"]:
+            return f"{name} differs from the manifest (sha256)"
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         others = [p.name for p in sorted(path.iterdir()) if p.suffix in (".bin", ".pt", ".pth", ".ckpt")
                   and not p.name.startswith("rng_rank") and p.name != TRAINER_STATE]
         return f"no weights in safetensors ({', '.join(others) or 'none'} instead): a pickle is never loaded"
-    if listed is None:
-        from safetensors import safe_open
-
-        index = path / "model.safetensors.index.json"
-        shards = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else set()
-        if missing := sorted(shards - {p.name for p in weights}):
-            return f"{missing[0]} is missing"
-        for file in weights + sorted(path.glob("rng_rank*.pt")):
-            try:
-                if file.suffix == ".pt":
-                    load_safely(file)
-                else:
-                    with safe_open(file, "pt"):
-                        pass
-            except ConfigError as e:  # load_safely's line, which names the file
-                return str(e).removeprefix(f"{path}/")
-            except WRITE_ERRORS as e:
-                return f"{file.name} cannot be read ({first_line(e)})"
     return unsafe_metadata(metadata) if metadata.is_file() else None
 
 

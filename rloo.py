@@ -1766,7 +1766,7 @@ class Run:
     queued: list[PromptBatch] = field(default_factory=list)
 
 
-def set_up(args: Args, make_rollouts: Callable) -> Run:
+def set_up(args: Args, make_rollouts: Callable, lock: plumbing.OutputDirLock) -> Run:
     """Check the flags, start the ranks, lock output_dir, find the checkpoint to resume from, load data and models
     (the cheap checks first: a typo fails before any weights load), wrap the policy for training, restore the
     resumed state, and start logging and the rollout source."""
@@ -1781,7 +1781,7 @@ def set_up(args: Args, make_rollouts: Callable) -> Run:
         raise plumbing.ConfigError("--fsdp shards the policy over torchrun's processes: launch with torchrun")
     sizes = compute_batch_sizes(args, dist_info.world_size)
     device = dist_info.device
-    plumbing.take_output_dir(args.output_dir, dist_info.rank)  # locked: a second run into it stops here
+    plumbing.take_output_dir(lock, dist_info.rank)  # locked: a second run into it stops here
     start = plumbing.resume_checkpoint(args)  # verified; --resume falls back past damaged checkpoints
     checkpoint, resumed = start.checkpoint, start.state
     changes = plumbing.check_resumable(resumed["args"], args, dist_info.world_size, resumed["world_size"]) if resumed else []
@@ -1802,7 +1802,7 @@ def set_up(args: Args, make_rollouts: Callable) -> Run:
                           "or --resume_from an earlier checkpoint")
     initial_model = plumbing.model_identity(args.sft_model_path or args.model_name_or_path)
     if resumed:
-        plumbing.check_same_initial_model(resumed.get("initial_model"), initial_model,
+        plumbing.check_same_initial_model(resumed["initial_model"], initial_model,
                                  args.sft_model_path or args.model_name_or_path)
     policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device, checkpoint, tokenizer)
     plumbing.seed_everything(args.seed)  # a reward head missing from its checkpoint starts the same on every rank and resume
@@ -2065,11 +2065,12 @@ def save_final(run: Run) -> None:
 def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     """Train. `make_rollouts(policy, args, stop_token_id, pad_token_id, generator, autocast)` gives the source of
     completions (see LocalRollouts); rloo_multinode.py passes its engines' client."""
-    stop_signal = plumbing.StopSignal(args.output_dir, announce=os.environ.get("RANK", "0") == "0")  # until training: exit
+    lock = plumbing.OutputDirLock(args.output_dir)
+    stop_signal = plumbing.StopSignal(lock, announce=os.environ.get("RANK", "0") == "0")  # until training: exit
     try:
-        run = set_up(args, make_rollouts)
+        run = set_up(args, make_rollouts, lock)
     except plumbing.ConfigError:
-        plumbing.release_output_dir(args.output_dir)  # a refused run leaves nothing behind
+        lock.release()  # a refused run leaves nothing behind
         raise
     stop_signal.training = True  # from here on a signal stops the run after an update, with a checkpoint
     stopped = False
