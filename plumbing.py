@@ -1332,12 +1332,14 @@ def check_same_initial_model(saved: dict, current: dict, path: str) -> None:
                       "--output_dir")
 
 
-# what the metadata of torch.distributed.checkpoint's optimizer shards is made of: nothing that runs code
-DCP_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict")} | {
+# what the metadata of torch.distributed.checkpoint's optimizer shards is made of: nothing that runs code (the
+# private names are what torch's pickle refers to, allowed when read, never called here)
+DCP_METADATA_GLOBALS = frozenset({
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict")} | {
     ("torch.distributed.checkpoint.metadata", name) for name in (
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "MetadataIndex",
-        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")}
+        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")})
 
 
 class MetadataUnpickler(pickle.Unpickler):
