@@ -1621,7 +1621,8 @@ def settle_output_dir(args, start_update: int, skipped: dict) -> list[str]:
 def check_resumable(saved: dict, args, world_size: int, saved_world_size: int) -> list[str]:
     """Refuse a resume that would silently be another experiment; return the harmless changes to report."""
     current = asdict(args)
-    changed = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v and k in saved}
+    # a flag the checkpoint's script does not have (rloo_multinode.py's own, in a rloo.py checkpoint) is no change
+    changed = {k: (saved[k], v) for k, v in current.items() if k in saved and saved[k] != v}
     refused = sorted(k for k in changed if k not in args.resumable_changes)
     if world_size != saved_world_size:
         refused.append("world size")
