@@ -1054,7 +1054,8 @@ def wait_for_peers(what: str) -> None:
         late = [r for r in range(world) if phases[r][0] != waiting]
         where = "; ".join(f"rank {r} is in {phases[r][0]!r}" + (f" since {now - phases[r][1]:.0f} s" if phases[r][1]
                                                                   else "") for r in late)
-        raise Fault(f"the other ranks waited --ddp_timeout {store.timeout.total_seconds():g} s after {what}: {where} (stuck: a "
+        waited = store.timeout.total_seconds()
+        raise Fault(f"the other ranks waited --ddp_timeout {waited:g} s after {what}: {where} (stuck: a "
                     "reward function that never returns, a dead node; or slower than that: raise --ddp_timeout); "
                     "nothing saved, a checkpoint needs every rank", announce=rank == min(set(range(world)) - set(late),
                                                                              default=rank)) from None
