@@ -577,7 +577,7 @@ def test_a_full_disk_outside_a_save_stops_with_a_checkpoint_and_one_line(assets,
     script = (  # a line that does not fit is cut off again: metrics.jsonl never ends in half a line
         "import resource, signal, sys\n"
         "from pathlib import Path\n"
-        "import rloo\n"
+        "import plumbing\n"
         "logger = object.__new__(plumbing.RunLogger)\n"
         "logger.metrics_path = Path(sys.argv[1])\n"
         "logger.metrics_path.touch()\n"
