@@ -1108,10 +1108,11 @@ def reward_faults(device: torch.device, what: str, after_training: bool = False)
 # ===================================================================== checkpoints: one run per output_dir, verified saves, resume, nothing deleted
 # ---- output_dir: one run at a time, nothing deleted
 class OutputDirLock:
-    """An exclusive advisory lock (flock) on output_dir/run.lock, held from acquire() until this process exits; the
-    OS releases it then, so a crash never leaves a stale lock. A second run into the same output_dir (a job
-    submitted twice, a requeue while the old job still runs) stops at acquire(), naming the holder's pid and host.
-    The run makes one at its start, for rank 0 to acquire (take_output_dir) and the stop signals to consult."""
+    """An exclusive advisory lock (flock) on output_dir/run.lock, held from acquire() until release() or this
+    process exits; the OS releases it then, so a crash never leaves a stale lock. A second run into the same
+    output_dir (a job submitted twice, a requeue while the old job still runs) stops at acquire(), naming the
+    holder's pid and host. rloo.main makes one at its start and holds it for the whole run: rank 0 acquires it
+    (take_output_dir), the stop signals consult it."""
 
     def __init__(self, output_dir: str):
         self.output_dir = output_dir
