@@ -170,13 +170,10 @@ class Dist:
         return self.rank == 0
 
 
-PEER_TIMEOUT = [1800.0]  # seconds a rank waits for the others: --ddp_timeout, set by setup_distributed
-
-
 def setup_distributed(timeout: float = 1800.0) -> Dist:
     """torch.distributed from torchrun's RANK/LOCAL_RANK/WORLD_SIZE: NCCL on GPUs, gloo on CPU; a collective that
-    waits longer than `timeout` seconds for another rank fails instead of waiting on."""
-    PEER_TIMEOUT[0] = timeout
+    waits longer than `timeout` seconds for another rank fails instead of waiting on (so does wait_for_peers: the
+    process group's store has the same timeout)."""
     if "RANK" not in os.environ:  # plain `python rloo.py`
         return Dist(0, 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
@@ -254,16 +251,6 @@ def is_fsdp_unit(module) -> bool:
     return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
-def set_reshard_after_forward(unit, reshard: bool) -> None:
-    """FSDPModule.set_reshard_after_forward for one unit. torch < 2.8 (vLLM 0.10's torch 2.7) lacks the method;
-    there the unit's parameter group decides by its post-forward mesh: None keeps the weights gathered."""
-    if hasattr(unit, "set_reshard_after_forward"):
-        unit.set_reshard_after_forward(reshard, recurse=False)
-        return
-    group = unit._get_fsdp_state()._fsdp_param_group
-    group.post_forward_mesh_info = group.mesh_info if reshard else None
-
-
 @contextlib.contextmanager
 def gathered_for_rollout(policy, mode: str):
     """For sampling and evaluation with an FSDP policy. mode "unshard": every block's weights are gathered at its
@@ -272,14 +259,17 @@ def gathered_for_rollout(policy, mode: str):
     parameters then registered on the module are not the ones the optimizer holds. Without FSDP, nothing."""
     blocks = [m for m in policy.modules() if is_fsdp_unit(m) and m is not policy] \
         if mode == "unshard" else []
+    if blocks and not hasattr(blocks[0], "set_reshard_after_forward"):
+        raise ConfigError("--fsdp_generation unshard needs FSDPModule.set_reshard_after_forward (torch >= 2.8): "
+                          "upgrade torch, or pass --fsdp_generation per_block")
     for block in blocks:
-        set_reshard_after_forward(block, False)
+        block.set_reshard_after_forward(False, recurse=False)
     try:
         yield
     finally:
         reshard(policy)
         for block in blocks:
-            set_reshard_after_forward(block, True)
+            block.set_reshard_after_forward(True, recurse=False)
 
 
 def reshard(policy) -> None:
@@ -1133,11 +1123,11 @@ class StopSignal:
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
-    def __init__(self, output_dir: str, announce: bool):
+    def __init__(self, lock: "OutputDirLock", announce: bool):
         self.name: Optional[str] = None
         self.training = False
         self.at_once = False  # the main thread only waits for a reward function (stop_signals_at_once)
-        self.output_dir = output_dir
+        self.lock = lock  # the run's output_dir, marked as preempted only by the run holding it
         self.announce = announce
         for sig in self.SIGNALS:
             signal.signal(sig, self._record)
@@ -1147,8 +1137,8 @@ class StopSignal:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
         name = signal.Signals(signum).name
         if not self.training:
-            if signum != signal.SIGINT and holds_lock(self.output_dir):
-                (Path(self.output_dir) / PREEMPTED).write_text("stopped during start-up, before any update\n")
+            if signum != signal.SIGINT and self.lock.held:
+                (Path(self.lock.output_dir) / PREEMPTED).write_text("stopped during start-up, before any update\n")
             raise StartupInterrupted(name)
         self.name = self.name or name
         if self.at_once:  # the function may never return: stop now, from the state at the start of the update
@@ -1188,49 +1178,42 @@ def stop_signals_at_once():
 
 
 # ---- ranks waiting for each other: who is late, and where
-PHASE = ["start-up", time.time()]  # this rank's phase and since when, published for the other ranks
-
-
-BARRIERS = [0]  # barriers passed by this rank; every rank passes the same ones in the same order
-
-
 def process_group_store():
-    """The store the ranks rendezvoused through (torchrun's), or None outside torchrun."""
-    if not dist.is_initialized():
+    """The store of the ranks' process group (torchrun's rendezvous store, under a prefix of its own), where the
+    ranks publish their phases and count their barriers. None in a single process, or in a torch whose
+    ProcessGroup lacks get_group_store (older ones: plain barriers, no late rank named)."""
+    if not dist.is_initialized() or not hasattr(dist.group.WORLD, "get_group_store"):
         return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (AttributeError, RuntimeError, ValueError):  # a private API: without it, plain barriers
-        return None
+    return dist.group.WORLD.get_group_store()
 
 
 def note_phase(name: str) -> None:
-    """Record the phase this rank is in (with several ranks, in the store too): a rank that waits too long for
-    another can then say what that one is doing."""
-    PHASE[:] = [name, time.time()]
+    """Record the phase this rank is in (with several ranks, in the store): a rank that waits too long for another
+    can then say what that one is doing."""
     store = process_group_store()
     if store is not None:
-        store.set(f"rloo/phase/{dist.get_rank()}", json.dumps(PHASE))
+        store.set(f"rloo/phase/{dist.get_rank()}", json.dumps([name, time.time()]))
 
 
 def wait_for_peers(what: str) -> None:
     """A barrier of all ranks through the store, at most --ddp_timeout long. A rank that has not arrived by then
     (a reward function that never returns, a dead node) makes every waiting rank raise a Fault naming it and the
     phase it is in, said once by the lowest waiting rank; a collective would wait as long, then fail without
-    saying which rank nor where."""
+    saying which rank nor where. The wait times out as the collectives do: init_process_group gives the store
+    their timeout."""
     store = process_group_store()
     if store is None:
         if dist.is_initialized():
             dist.barrier()
         return
     rank, world = dist.get_rank(), dist.get_world_size()
-    BARRIERS[0] += 1
-    key, waiting = f"rloo/barrier/{BARRIERS[0]}", f"waiting for the other ranks after {what}"
+    passed = store.add(f"rloo/barriers_of/{rank}", 1)  # every rank passes the same barriers in the same order
+    key, waiting = f"rloo/barrier/{passed}", f"waiting for the other ranks after {what}"
     note_phase(waiting)
     if store.add(key, 1) == world:
         store.set(f"{key}/all", "1")
     try:
-        store.wait([f"{key}/all"], datetime.timedelta(seconds=PEER_TIMEOUT[0]))
+        store.wait([f"{key}/all"])
     except RuntimeError:  # DistStoreError: the wait timed out
         now, phases = time.time(), {}
         for r in range(world):
@@ -1239,7 +1222,8 @@ def wait_for_peers(what: str) -> None:
         late = [r for r in range(world) if phases[r][0] != waiting]
         where = "; ".join(f"rank {r} is in {phases[r][0]!r}" + (f" since {now - phases[r][1]:.0f} s" if phases[r][1]
                                                                   else "") for r in late)
-        raise Fault(f"the other ranks waited --ddp_timeout {PEER_TIMEOUT[0]:g} s after {what}: {where} (stuck: a "
+        waited = store.timeout.total_seconds()
+        raise Fault(f"the other ranks waited --ddp_timeout {waited:g} s after {what}: {where} (stuck: a "
                     "reward function that never returns, a dead node; or slower than that: raise --ddp_timeout); "
                     "nothing saved, a checkpoint needs every rank", announce=rank == min(set(range(world)) - set(late),
                                                                              default=rank)) from None
@@ -1291,76 +1275,77 @@ def reward_faults(device: torch.device, what: str, after_training: bool = False)
 
 # ===================================================================== checkpoints: one run per output_dir, verified saves, resume, nothing deleted
 # ---- output_dir: one run at a time, nothing deleted
-LOCKS: dict[str, dict] = {}  # resolved output_dir -> {"file": the lock file held (until exit), "created": its dirs}
+class OutputDirLock:
+    """An exclusive advisory lock (flock) on output_dir/run.lock, held from acquire() until release() or this
+    process exits; the OS releases it then, so a crash never leaves a stale lock. A second run into the same
+    output_dir (a job submitted twice, a requeue while the old job still runs) stops at acquire(), naming the
+    holder's pid and host. rloo.main makes one at its start and holds it for the whole run: rank 0 acquires it
+    (take_output_dir), the stop signals consult it."""
 
+    def __init__(self, output_dir: str):
+        self.output_dir = output_dir
+        self.file = None  # the lock file, open while held
+        self.created: list[Path] = []  # the directories made for it, the deepest first
 
-def lock_output_dir(output_dir: str) -> None:
-    """An exclusive advisory lock (flock) on output_dir/run.lock, held until this process exits; the OS releases it
-    then, so a crash never leaves a stale lock. A second run into the same output_dir (a job submitted twice, a
-    requeue while the old job still runs) stops here, naming the holder's pid and host."""
-    path = Path(output_dir)
-    if str(path.resolve()) in LOCKS:
-        return
-    created = [d for d in (path, *path.parents) if not d.exists()]  # the deepest first
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        lock = open(path / LOCK, "a+")
-    except OSError as e:
-        raise ConfigError(f"cannot write to --output_dir {output_dir}: {e.strerror or e}") from None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "a process that has not written its pid yet"
-        lock.close()
-        raise ConfigError(f"--output_dir {output_dir} is in use by another run ({holder}): wait for it to end or "
-                          "stop it, or pass another --output_dir") from None
-    except OSError as e:  # a filesystem without locks (Lustre without -o flock, some NFS setups)
-        print(f"rloo.py: warning: cannot lock --output_dir {output_dir} ({e.strerror or e}): a second run into it "
-              "would not be stopped", file=sys.stderr)
-    lock.seek(0)
-    lock.truncate()
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    lock.flush()
-    LOCKS[str(path.resolve())] = {"file": lock, "created": created}
+    @property
+    def held(self) -> bool:
+        return self.file is not None
 
-
-def release_output_dir(output_dir: str) -> None:
-    """After a refused start, so that it leaves nothing behind: the lock file removed, and the directories made
-    for it if they are empty."""
-    held = LOCKS.pop(str(Path(output_dir).resolve()), None)
-    if held is None:
-        return
-    (Path(output_dir) / LOCK).unlink(missing_ok=True)
-    held["file"].close()
-    for directory in held["created"]:
+    def acquire(self) -> None:
+        if self.held:
+            return
+        path = Path(self.output_dir)
+        created = [d for d in (path, *path.parents) if not d.exists()]
         try:
-            directory.rmdir()
-        except OSError:  # not empty
-            break
+            path.mkdir(parents=True, exist_ok=True)
+            lock = open(path / LOCK, "a+")
+        except OSError as e:
+            raise ConfigError(f"cannot write to --output_dir {self.output_dir}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "a process that has not written its pid yet"
+            lock.close()
+            raise ConfigError(f"--output_dir {self.output_dir} is in use by another run ({holder}): wait for it to "
+                              "end or stop it, or pass another --output_dir") from None
+        except OSError as e:  # a filesystem without locks (Lustre without -o flock, some NFS setups)
+            print(f"rloo.py: warning: cannot lock --output_dir {self.output_dir} ({e.strerror or e}): a second run "
+                  "into it would not be stopped", file=sys.stderr)
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        lock.flush()
+        self.file, self.created = lock, created
+
+    def release(self) -> None:
+        """After a refused start, so that it leaves nothing behind: the lock file removed, and the directories made
+        for it if they are empty."""
+        if not self.held:
+            return
+        (Path(self.output_dir) / LOCK).unlink(missing_ok=True)
+        self.file.close()
+        self.file = None
+        for directory in self.created:
+            try:
+                directory.rmdir()
+            except OSError:  # not empty
+                break
 
 
-def holds_lock(output_dir: str) -> bool:
-    return str(Path(output_dir).resolve()) in LOCKS
-
-
-def take_output_dir(output_dir: str, rank: int) -> None:
-    """Before anything is read from output_dir, rank 0 makes it this run's: locked (lock_output_dir), the marker of
+def take_output_dir(lock: OutputDirLock, rank: int) -> None:
+    """Before anything is read from output_dir, rank 0 makes it this run's: locked (`lock` acquired), the marker of
     an earlier stop removed (a resume that then fails or is refused is not requeued forever), the temporary
     directories of killed saves removed (they can be as large as a checkpoint)."""
-    path = Path(output_dir)
+    path = Path(lock.output_dir)
     if path.exists() and not path.is_dir():
-        raise ConfigError(f"--output_dir {output_dir} is a file: pass a directory")
+        raise ConfigError(f"--output_dir {lock.output_dir} is a file: pass a directory")
     if rank != 0:
         return
-    lock_output_dir(output_dir)
+    lock.acquire()
     (path / PREEMPTED).unlink(missing_ok=True)
     for debris in (path / CHECKPOINTS).glob(".tmp_step_*"):
         shutil.rmtree(debris, ignore_errors=True)
-
-
-# numpy arrays of numbers, in the RNG files of earlier versions of rloo.py: reconstructing one runs no other code
-NUMPY_ARRAY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), np.ndarray(0).__reduce__()[0]]
 
 
 def rng_state(sampling: torch.Generator) -> dict:
@@ -1377,11 +1362,8 @@ def rng_state(sampling: torch.Generator) -> dict:
 def set_rng_state(state: dict, sampling: torch.Generator) -> None:
     random.setstate(state["python"])
     numpy_state = state["numpy"]
-    if isinstance(numpy_state, dict):
-        np.random.set_state(("MT19937", numpy_state["keys"].numpy().astype(np.uint32), numpy_state["position"],
-                             numpy_state["has_gauss"], numpy_state["gauss"]))
-    else:  # numpy's own tuple, as earlier versions of rloo.py saved it
-        np.random.set_state(numpy_state)
+    np.random.set_state(("MT19937", numpy_state["keys"].numpy().astype(np.uint32), numpy_state["position"],
+                         numpy_state["has_gauss"], numpy_state["gauss"]))
     torch.set_rng_state(state["torch"])
     sampling.set_state(state["sampling"])
     if "cuda" in state and torch.cuda.is_available():
@@ -1392,8 +1374,7 @@ def load_safely(path: Path):
     """torch.load with weights_only: tensors and plain Python values only, so that reading a checkpoint from
     elsewhere can never run code. Raises ConfigError naming the file."""
     try:
-        with torch.serialization.safe_globals(NUMPY_ARRAY_GLOBALS):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
         raise ConfigError(f"{path} holds {refused.group(1) if refused else 'an object'}, not only tensors and plain "
@@ -1505,10 +1486,10 @@ def model_identity(path: str) -> dict:
     return {"revision": Path(config).parent.name}
 
 
-def check_same_initial_model(saved: Optional[dict], current: dict, path: str) -> None:
+def check_same_initial_model(saved: dict, current: dict, path: str) -> None:
     """On resume: the initial model (the frozen reference, and the architecture and code the resumed policy loads
-    with) must be the one the checkpoint's run started from (None: an earlier rloo.py's, which did not record it)."""
-    if saved is None or saved == current:
+    with) must be the one the checkpoint's run started from."""
+    if saved == current:
         return
     if "files" in saved and "files" in current:
         names = sorted(n for n in saved["files"].keys() | current["files"].keys()
@@ -1521,12 +1502,14 @@ def check_same_initial_model(saved: Optional[dict], current: dict, path: str) ->
                       "--output_dir")
 
 
-# what the metadata of torch.distributed.checkpoint's optimizer shards is made of: nothing that runs code
-DCP_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict")} | {
+# what the metadata of torch.distributed.checkpoint's optimizer shards is made of: nothing that runs code (the
+# private names are what torch's pickle refers to, allowed when read, never called here)
+DCP_METADATA_GLOBALS = frozenset({
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict")} | {
     ("torch.distributed.checkpoint.metadata", name) for name in (
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "MetadataIndex",
-        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")}
+        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")})
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -1552,52 +1535,30 @@ def unsafe_metadata(path: Path) -> Optional[str]:
 
 
 def checkpoint_problem(path: Path) -> Optional[str]:
-    """Why a checkpoint cannot be resumed from, or None when it is intact: its manifest (written last, so missing
-    after a save that did not finish) is unreadable, a file it lists is missing or differs in size or sha256, its
+    """Why a checkpoint cannot be resumed from, or None when it is intact: its manifest (which every save writes
+    last) is missing or unreadable, a file it lists is missing or differs in size or sha256, its
     weights are not in safetensors (a pickle is never loaded), or its optimizer shards' metadata refers to code.
-    A checkpoint of an earlier rloo.py has no manifest: each of its weights and RNG files must read to its end (its
-    trainer state is checked when it is read). Collective when distributed."""
+    Collective when distributed."""
     metadata = path / OPTIMIZER_SHARDS / ".metadata"
     try:
         listed = json.loads((path / MANIFEST).read_text())["files"]
     except FileNotFoundError:
-        listed = None
-        if not (path / TRAINER_STATE).is_file():
-            return f"no {MANIFEST}: its save did not finish"
+        return f"no {MANIFEST}, which every save writes: a copy that did not finish, or a damaged checkpoint"
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{MANIFEST} cannot be read ({type(e).__name__}: {first_line(e)})"
-    if listed is not None:
-        found = file_digests(path, sorted(listed))
-        for name, expected in sorted(listed.items()):
-            if found[name] is None:
-                return f"{name} is missing"
-            if found[name]["bytes"] != expected["bytes"]:
-                return f"{name} has {found[name]['bytes']} bytes where the manifest says {expected['bytes']}"
-            if found[name]["sha256"] != expected["sha256"]:
-                return f"{name} differs from the manifest (sha256)"
+    found = file_digests(path, sorted(listed))
+    for name, expected in sorted(listed.items()):
+        if found[name] is None:
+            return f"{name} is missing"
+        if found[name]["bytes"] != expected["bytes"]:
+            return f"{name} has {found[name]['bytes']} bytes where the manifest says {expected['bytes']}"
+        if found[name]["sha256"] != expected["sha256"]:
+            return f"{name} differs from the manifest (sha256)"
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         others = [p.name for p in sorted(path.iterdir()) if p.suffix in (".bin", ".pt", ".pth", ".ckpt")
                   and not p.name.startswith("rng_rank") and p.name != TRAINER_STATE]
         return f"no weights in safetensors ({', '.join(others) or 'none'} instead): a pickle is never loaded"
-    if listed is None:
-        from safetensors import safe_open
-
-        index = path / "model.safetensors.index.json"
-        shards = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else set()
-        if missing := sorted(shards - {p.name for p in weights}):
-            return f"{missing[0]} is missing"
-        for file in weights + sorted(path.glob("rng_rank*.pt")):
-            try:
-                if file.suffix == ".pt":
-                    load_safely(file)
-                else:
-                    with safe_open(file, "pt"):
-                        pass
-            except ConfigError as e:  # load_safely's line, which names the file
-                return str(e).removeprefix(f"{path}/")
-            except WRITE_ERRORS as e:
-                return f"{file.name} cannot be read ({first_line(e)})"
     return unsafe_metadata(metadata) if metadata.is_file() else None
 
 
@@ -1830,7 +1791,8 @@ def settle_output_dir(args, start_update: int, skipped: dict) -> list[str]:
 def check_resumable(saved: dict, args, world_size: int, saved_world_size: int) -> list[str]:
     """Refuse a resume that would silently be another experiment; return the harmless changes to report."""
     current = asdict(args)
-    changed = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v and k in saved}
+    # a flag the checkpoint's script does not have (rloo_multinode.py's own, in a rloo.py checkpoint) is no change
+    changed = {k: (saved[k], v) for k, v in current.items() if k in saved and saved[k] != v}
     refused = sorted(k for k in changed if k not in args.resumable_changes)
     if world_size != saved_world_size:
         refused.append("world size")
@@ -1849,9 +1811,9 @@ class Checkpointer:
     run into it stops there) and finds the checkpoint to start from, so that a refused resume fails before anything
     loads."""
 
-    def __init__(self, args, dist_info):
-        self.args, self.dist_info = args, dist_info
-        take_output_dir(args.output_dir, dist_info.rank)
+    def __init__(self, args, dist_info, lock: OutputDirLock):
+        self.args, self.dist_info, self.lock = args, dist_info, lock
+        take_output_dir(lock, dist_info.rank)
         with self.refusal_leaves_nothing():
             start = resume_checkpoint(args)  # verified; --resume falls back past damaged checkpoints
             self.path, self.state, self.skipped = start.checkpoint, start.state, start.skipped
@@ -1870,7 +1832,7 @@ class Checkpointer:
         path = self.args.sft_model_path or self.args.model_name_or_path
         self.initial_model, self.episodes_per_update = model_identity(path), episodes_per_update
         if self.state:
-            check_same_initial_model(self.state.get("initial_model"), self.initial_model, path)
+            check_same_initial_model(self.state["initial_model"], self.initial_model, path)
 
     @contextlib.contextmanager
     def refusal_leaves_nothing(self):
@@ -1878,7 +1840,7 @@ class Checkpointer:
         try:
             yield
         except ConfigError:
-            release_output_dir(self.args.output_dir)
+            self.lock.release()
             raise
 
     def load(self, model, optimizer, tokenizer, sampler, sampling_rng: torch.Generator) -> None:

@@ -1570,7 +1570,8 @@ class PromptBatch:
 def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     """Train: set up, then the six steps of each update. `make_rollouts(policy, args, stop_token_id, pad_token_id,
     generator, autocast)` gives the source of completions (LocalRollouts); rloo_multinode.py passes its engines'."""
-    stop_signal = plumbing.StopSignal(args.output_dir, announce=os.environ.get("RANK", "0") == "0")  # until training:
+    lock = plumbing.OutputDirLock(args.output_dir)  # one run per output_dir: taken by the Checkpointer below
+    stop_signal = plumbing.StopSignal(lock, announce=os.environ.get("RANK", "0") == "0")  # until training:
     # a signal ends the run at once; from then on, after the update, with a checkpoint
     # ---- set-up: the cheap checks first, so that a typo fails before any weights load
     plumbing.validate_args(args)
@@ -1584,7 +1585,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         raise plumbing.ConfigError("--fsdp shards the policy over torchrun's processes: launch with torchrun")
     sizes = compute_batch_sizes(args, dist_info.world_size)
     device, master = dist_info.device, dist_info.master
-    checkpoints = plumbing.Checkpointer(args, dist_info)  # output_dir locked, the checkpoint to start from found
+    checkpoints = plumbing.Checkpointer(args, dist_info, lock)  # output_dir locked, the checkpoint to start from
     with checkpoints.refusal_leaves_nothing():
         plumbing.choose_kernels()
         autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=args.bf16)

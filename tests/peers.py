@@ -30,7 +30,7 @@ if __name__ == "__main__":
                 plumbing.call_reward_function("judge", judge, 2, completions=["a", "b"])
     except plumbing.RewardFunctionError as e:
         seen["failed"] = [str(e), e.announce]
-    stop = plumbing.StopSignal(str(Path(sys.argv[1]).parent), announce=False)
+    stop = plumbing.StopSignal(plumbing.OutputDirLock(str(Path(sys.argv[1]).parent)), announce=False)
     stop.training = True  # a signal while a reward function runs stops the run at once, on every rank
     for phase, timeout, signalled, rank_0_fails in (("hung", 1.0, False, False), ("signalled", 30.0, True, False),
                                                     ("failed and signalled", 30.0, True, True)):

@@ -306,7 +306,7 @@ def truncate(path: Path) -> None:
 
 
 def without_manifest(damage: Callable) -> Callable:
-    """A checkpoint copied without its manifest (or of an earlier rloo.py), then damaged."""
+    """A checkpoint copied without its manifest, then damaged: the manifest's absence is the reason given."""
     return lambda step: ((step / "manifest.json").unlink(), damage(step))
 
 
@@ -317,16 +317,15 @@ def pickled_weights(step: Path) -> None:
     forge_manifest(step)
 
 
+NO_MANIFEST = "no manifest.json, which every save writes: a copy that did not finish, or a damaged checkpoint"
 DAMAGE = {"truncated weights": (lambda step: truncate(step / "model.safetensors"), "model.safetensors has"),
           "truncated trainer state": (lambda step: truncate(step / "trainer_state.pt"), "trainer_state.pt has"),
           "a missing rank file": (lambda step: (step / "rng_rank0.pt").unlink(), "rng_rank0.pt is missing"),
-          "no manifest": (lambda step: (step / "manifest.json").rename(step / "kept"), "its save did not finish"),
+          "no manifest": (lambda step: (step / "manifest.json").rename(step / "kept"), NO_MANIFEST),
           "no manifest, truncated weights": (without_manifest(lambda step: truncate(step / "model.safetensors")),
-                                             "model.safetensors cannot be read"),
-          "no manifest, truncated rank file": (without_manifest(lambda step: truncate(step / "rng_rank0.pt")),
-                                               "rng_rank0.pt cannot be read"),
+                                             NO_MANIFEST),
           "no manifest, weights missing": (without_manifest(lambda step: (step / "model.safetensors").unlink()),
-                                           "no weights in safetensors (none instead)"),
+                                           NO_MANIFEST),
           "weights in a pickle": (pickled_weights, "no weights in safetensors (pytorch_model.bin instead): a pickle "
                                                    "is never loaded")}
 
@@ -337,10 +336,6 @@ def test_resume_skips_a_damaged_newest_checkpoint_and_names_it(tmp_path, damage)
     damage_step, reason = DAMAGE[damage]
     step_3 = tmp_path / "checkpoints" / "step_3"
     damage_step(step_3)
-    if damage == "no manifest":  # ... and no trainer state: not a checkpoint at all, never a candidate
-        (step_3 / "trainer_state.pt").unlink()
-        assert plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True)).skipped == {}
-        return
     start = plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True))
     assert start.checkpoint == tmp_path / "checkpoints" / "step_2" and start.state["update"] == 2
     assert list(start.skipped) == [step_3] and reason in start.skipped[step_3]
@@ -354,11 +349,13 @@ def test_resume_skips_a_damaged_newest_checkpoint_and_names_it(tmp_path, damage)
     assert not (tmp_path / "ran").exists()  # nothing was unpickled
 
 
-def test_a_checkpoint_without_manifest_from_an_earlier_rloo_is_still_resumed(tmp_path):
-    saved_steps(tmp_path, [1])
-    (tmp_path / "checkpoints" / "step_1" / "manifest.json").unlink()
+def test_a_step_directory_without_manifest_or_trainer_state_is_no_checkpoint(tmp_path):
+    saved_steps(tmp_path, [1, 2])
+    step_2 = tmp_path / "checkpoints" / "step_2"
+    (step_2 / "manifest.json").unlink()
+    (step_2 / "trainer_state.pt").unlink()
     start = plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True))
-    assert start.checkpoint.name == "step_1" and start.state["update"] == 1
+    assert start.checkpoint == tmp_path / "checkpoints" / "step_1" and start.skipped == {}
 
 
 class Payload:
@@ -434,7 +431,7 @@ def hub_snapshot(cache: Path, commit: str) -> None:
 
 def hub_identity(cache: Path) -> dict:
     """model_identity("org/tiny") in a process whose Hugging Face cache is `cache` (read when it starts)."""
-    code = "import json, rloo; print(json.dumps(plumbing.model_identity('org/tiny')))"
+    code = "import json, plumbing; print(json.dumps(plumbing.model_identity('org/tiny')))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                             env={**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
     return json.loads(result.stdout)
@@ -460,7 +457,6 @@ def test_a_resume_refuses_an_initial_model_that_changed(tmp_path, change):
         identity = lambda: plumbing.model_identity(str(tmp_path))  # noqa: E731
     saved = identity()
     plumbing.check_same_initial_model(saved, identity(), "m")  # unchanged: resumes
-    plumbing.check_same_initial_model(None, saved, "m")  # a checkpoint of an earlier rloo.py: not recorded
     apply, fragment = INITIAL_MODEL_CHANGES[change]
     apply(tmp_path)
     with pytest.raises(plumbing.ConfigError, match=re.escape(f"the initial model m (the frozen reference) is not the one "
@@ -480,12 +476,6 @@ def test_rng_states_survive_a_safe_round_trip(tmp_path):
     torch.save(plumbing.rng_state(sampling), tmp_path / "rng.pt")
     expected = draws()
     plumbing.set_rng_state(plumbing.load_safely(tmp_path / "rng.pt"), sampling)
-    assert draws() == expected
-    legacy = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-              "sampling": sampling.get_state()}  # as earlier versions of rloo.py wrote it: numpy's own arrays
-    torch.save(legacy, tmp_path / "legacy.pt")
-    expected = draws()
-    plumbing.set_rng_state(plumbing.load_safely(tmp_path / "legacy.pt"), sampling)
     assert draws() == expected
 
 
@@ -530,8 +520,12 @@ def test_another_timeline_is_moved_aside_and_an_overwrite_deletes_nothing(tmp_pa
 def test_a_signal_during_start_up_stops_at_once_and_marks_a_preemption(tmp_path):
     saved = {sig: signal.getsignal(sig) for sig in plumbing.StopSignal.SIGNALS}
     try:
-        stop = plumbing.StopSignal(str(tmp_path), announce=False)
-        plumbing.lock_output_dir(str(tmp_path))  # the marker is written only by the run holding output_dir
+        lock = plumbing.OutputDirLock(str(tmp_path))
+        stop = plumbing.StopSignal(lock, announce=False)
+        with pytest.raises(plumbing.StartupInterrupted, match="SIGUSR1 received during start-up"):
+            os.kill(os.getpid(), signal.SIGUSR1)  # before output_dir is this run's: no marker
+        assert not (tmp_path / "preempted").exists()
+        lock.acquire()  # the marker is written only by the run holding output_dir
         with pytest.raises(plumbing.StartupInterrupted, match="SIGTERM received during start-up: .*nothing was trained"):
             os.kill(os.getpid(), signal.SIGTERM)
         assert (tmp_path / "preempted").exists()
@@ -547,7 +541,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp
     script = (
         "import resource, signal, sys, torch\n"
         "from conftest import policy_tokenizer, tiny_policy\n"
-        "import rloo\n"
+        "import plumbing\n"
         "plumbing.quiet_hub_progress_bars()\n"
         "out, tokenizer = sys.argv[1], policy_tokenizer()\n"
         "policy = tiny_policy(len(tokenizer))\n"
@@ -583,7 +577,7 @@ def test_a_full_disk_outside_a_save_stops_with_a_checkpoint_and_one_line(assets,
     script = (  # a line that does not fit is cut off again: metrics.jsonl never ends in half a line
         "import resource, signal, sys\n"
         "from pathlib import Path\n"
-        "import rloo\n"
+        "import plumbing\n"
         "logger = object.__new__(plumbing.RunLogger)\n"
         "logger.metrics_path = Path(sys.argv[1])\n"
         "logger.metrics_path.touch()\n"

@@ -1,5 +1,5 @@
 """A 2-process gloo run updates the parameters exactly as one process does on the same global batch, with DDP
-and with FSDP2."""
+and with FSDP2; FSDP2's rollout mode uses its public API only."""
 
 import subprocess
 import sys
@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+import plumbing
 from conftest import REPO, cpu_env, tiny_policy, policy_tokenizer
 
 
@@ -28,3 +29,15 @@ def test_two_rank_update_equals_one_rank_update(tmp_path, wrapper):
         torch.testing.assert_close(two[name], value, atol=1e-6, rtol=1e-5, msg=name)
         moved += not torch.equal(value, initial[name])
     assert moved > len(one) // 2  # the update did change the parameters
+
+
+def test_unshard_generation_without_fsdps_public_method_is_one_line(monkeypatch):
+    """FSDPModule.set_reshard_after_forward (torch >= 2.8) is the only way used to keep the blocks gathered: a torch
+    without it is told the fix before anything changes, not worked around through FSDP's private state."""
+    policy = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))  # its blocks stand for FSDP units
+    monkeypatch.setattr(plumbing, "is_fsdp_unit", lambda module: isinstance(module, torch.nn.Linear))
+    with pytest.raises(plumbing.ConfigError, match="--fsdp_generation unshard needs FSDPModule.set_reshard_after_"
+                                                   "forward .torch >= 2.8.: upgrade torch, or pass --fsdp_generation "
+                                                   "per_block"):
+        with plumbing.gathered_for_rollout(policy, "unshard"):
+            pytest.fail("the rollout ran")

@@ -167,7 +167,7 @@ def test_the_demo_task_learns_with_lora(tmp_path, synthetic_sft):
 def test_rloo_multinode_with_lora_is_refused_before_models_load(assets, tmp_path):
     args = lora_args(assets, dataset_name=str(assets["train"]), output_dir=str(tmp_path / "out"))
     with pytest.raises(plumbing.ConfigError, match="--use_peft with rloo_multinode.py is not supported yet"):
-        rloo.set_up(args, make_rollouts=lambda *a: pytest.fail("engines started"))
+        rloo.main(args, make_rollouts=lambda *a: pytest.fail("engines started"))
     assert not (tmp_path / "out").exists()
 
 
