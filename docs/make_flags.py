@@ -15,6 +15,7 @@ import inspect
 import re
 import sys
 import textwrap
+import typing
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,15 +61,25 @@ TRL_NOTES = {
     "normalize_advantages": ": both whiten the advantages over the batch",
 }
 
-TRL_OTHER_ROWS = """\
-| `--num_mini_batches` | `--steps_per_generation` | converted: TRL counts micro-batches per generation, rloo.py optimizer steps, so `--steps_per_generation S` is taken as `--num_mini_batches S / gradient_accumulation_steps` (refused when it does not divide) |
-| `--normalize_reward` | (TRL maps it to `--normalize_advantages`) | not the same: rloo.py's standardizes the scores before the baseline, TRL's new flag normalizes advantages |
-| `--exp_name` | `--run_name` | not the same: TRL's is the whole run name, rloo.py's a prefix of `{exp_name}__{seed}__{time}`; rloo.py has `--run_name` too, with TRL's meaning |
-| `--total_episodes` | `--max_steps` | not accepted: TRL counts optimizer steps (`total_episodes / gradient_accumulation_steps` in its migration table) |
-| `--reward_clip_range` (a float) | `--reward_clip_range` (a `(min, max)` pair) | same name, other meaning: rloo.py clips normalized scores to +-value, TRL clips rewards to a range |
-| `--max_prompt_length` | `--max_prompt_length` | same name, other meaning: rloo.py drops longer prompts, TRL truncates them on the left |
-| `--stop_token`, `--stop_token_id`, `--missing_eos_penalty`, `--token_level_kl`, `--local_rollout_forward_batch_size`, `--num_sample_generations` | removed in TRL 0.22 | kept |
-"""
+TRL_OTHER_ROWS = [  # (rloo.py's name, TRL >= 0.22's, what rloo.py does with it)
+    ("`--num_mini_batches`", "`--steps_per_generation`",
+     "converted: TRL counts micro-batches per generation, rloo.py optimizer steps, so `--steps_per_generation S` is "
+     "taken as `--num_mini_batches S / gradient_accumulation_steps` (refused when it does not divide)"),
+    ("`--normalize_reward`", "(TRL maps it to `--normalize_advantages`)",
+     "not the same: rloo.py's standardizes the scores before the baseline, TRL's new flag normalizes advantages"),
+    ("`--exp_name`", "`--run_name`",
+     "not the same: TRL's is the whole run name, rloo.py's a prefix of `{exp_name}__{seed}__{time}`; rloo.py has "
+     "`--run_name` too, with TRL's meaning"),
+    ("`--total_episodes`", "`--max_steps`",
+     "not accepted: TRL counts optimizer steps (`total_episodes / gradient_accumulation_steps` in its migration "
+     "table)"),
+    ("`--reward_clip_range` (a float)", "`--reward_clip_range` (a `(min, max)` pair)",
+     "same name, other meaning: rloo.py clips normalized scores to +-value, TRL clips rewards to a range"),
+    ("`--max_prompt_length`", "`--max_prompt_length`",
+     "same name, other meaning: rloo.py drops longer prompts, TRL truncates them on the left"),
+    ("`--stop_token`, `--stop_token_id`, `--missing_eos_penalty`, `--token_level_kl`, "
+     "`--local_rollout_forward_batch_size`, `--num_sample_generations`", "removed in TRL 0.22", "kept"),
+]
 
 
 @dataclasses.dataclass
@@ -116,6 +127,10 @@ def own_fields(cls: type) -> list[tuple[str, str, str]]:
 def groups_of(cls: type, title: str = "") -> dict[str, list[Flag]]:
     """Group title -> flags, for `cls` and the dataclasses it extends or holds, base classes first."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    try:
+        types = typing.get_type_hints(cls)
+    except (NameError, TypeError):  # an annotation that does not evaluate here: no nested dataclass is found in it
+        types = {}
     groups: dict[str, list[Flag]] = {}
     bases = [base for base in reversed(cls.__mro__) if dataclasses.is_dataclass(base)]
     for base in bases:
@@ -123,13 +138,16 @@ def groups_of(cls: type, title: str = "") -> dict[str, list[Flag]]:
         for group, name, doc in own_fields(base):
             if name not in fields:  # a ClassVar
                 continue
-            heading = (group[:1].upper() + group[1:] if group else title or f"`{base.__name__}`") + suffix
-            if dataclasses.is_dataclass(fields[name].type):
-                for sub, flags in groups_of(fields[name].type, title=one_line(doc) or name).items():
+            for flags in groups.values():  # a field a subclass declares again: its own docstring and group
+                flags[:] = [flag for flag in flags if flag.name != name]
+            kind = types.get(name, fields[name].type)
+            if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+                for sub, flags in groups_of(kind, title=one_line(doc) or name).items():
                     groups.setdefault(sub + suffix, []).extend(flags)
                 continue
+            heading = (group[:1].upper() + group[1:] if group else title or f"`{base.__name__}`") + suffix
             groups.setdefault(heading, []).append(Flag(name, default_of(fields[name]), one_line(doc)))
-    return groups
+    return {heading: flags for heading, flags in groups.items() if flags}
 
 
 def table(flags: list[Flag]) -> str:
@@ -138,12 +156,14 @@ def table(flags: list[Flag]) -> str:
 
 
 def trl_section() -> str:
+    defaults = {flag.name: flag.default for flags in groups_of(rloo.Args).values() for flag in flags}
     rows = []
     for trl_name, own in rloo.TRL_NAMES.items():
-        note = TRL_NOTES.get(trl_name, "").format(default=getattr(rloo.Args, own))
+        note = TRL_NOTES.get(trl_name, "").format(default=defaults[own])
         same = "accepted" + (note if note.startswith(":") else ", same meaning" + note)
         rows.append(f"| `--{own}` | `--{trl_name}` | {same} |")
-    return TRL_INTRO + "\n".join(rows) + "\n" + TRL_OTHER_ROWS
+    rows += [f"| {own} | {trl} | {here} |" for own, trl, here in TRL_OTHER_ROWS]
+    return TRL_INTRO + "\n".join(rows) + "\n"
 
 
 def render() -> str:
