@@ -49,11 +49,12 @@ def test_make_flags_groups_by_the_args_comments():
     flags_md = (DOCS / "flags.md").read_text()
     headings = re.findall(r"^## (.+)$", flags_md, flags=re.M)
     assert headings[0] == "TRL's names"
-    groups = re.findall(r"# -{3,} (.+?) -{3,}", inspect.getsource(rloo.Args))
-    assert groups, "rloo.Args has no '# ----- name -----' comments: make_flags.py would write one table"
+    groups = re.findall(r"# -{3,} (.+?) -{3,}", inspect.getsource(rloo.Args))  # none: nested dataclasses group
     assert [h.lower() for h in headings[1:1 + len(groups)]] == [g.lower() for g in groups]
-    assert "Engines (`rloo_multinode.py` only)" in headings and "`rloo_multinode.py serve`" in headings
-    engines = flags_md[flags_md.index("## Engines"):]
+    assert len(headings) >= 4, headings
+    multinode = [h for h in headings if h.endswith("(`rloo_multinode.py` only)")]
+    assert multinode and "`rloo_multinode.py serve`" in headings, headings
+    engines = flags_md[flags_md.index(f"## {multinode[0]}"):]  # rloo_multinode.py's own flags, then serve's
     assert "`--num_engines`" in engines and "`--rloo_k`" not in engines
 
 
