@@ -33,7 +33,7 @@ HEADER = """# Flags
      python docs/make_flags.py (tests/test_docs.py checks that this file is what it writes) -->
 
 Every flag of `rloo.py` and `rloo_multinode.py`, grouped as in their `Args` dataclasses, with the docstring under
-each field (`python rloo.py --help` prints the same). Flags take `--rloo_k 4` and `--rloo-k 4` alike; booleans are
+each field, which `python rloo.py --help` prints too. Flags take `--rloo_k 4` and `--rloo-k 4` alike; booleans are
 switches (`--bf16`, `--no-bf16`); a list flag takes several values (`--reward_fn a:f b:g`).
 """
 
