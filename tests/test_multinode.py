@@ -526,7 +526,7 @@ def test_engines_started_at_start_up_are_ended_when_start_up_fails_or_is_signall
 
 
 def test_an_engine_started_by_hand_with_the_secret_and_the_model_serves_a_run(assets, tmp_path, monkeypatch):
-    """The README's several-node lines on one machine: the engine first (it waits), then the trainer with
+    """docs/scaling-out.md's several-node lines on one machine: the engine first (it waits), then the trainer with
     --no-launch_engines; both have the secret in their environment, the engine the model on its command line."""
     port, out, log = free_port(), tmp_path / "out", tmp_path / "engine.log"
     engine = subprocess.Popen([sys.executable, str(REPO / "rloo_multinode.py"), "serve", "--trainer_address",

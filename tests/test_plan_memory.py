@@ -13,7 +13,7 @@ import plan_memory
 import rloo
 from conftest import REPO
 
-ACTIVATION_TOLERANCE = 0.15  # relative, without gradient checkpointing (README)
+ACTIVATION_TOLERANCE = 0.15  # relative, without gradient checkpointing (docs/speed-and-memory.md)
 
 
 def tiny(tmp_path, hidden=64, layers=4, intermediate=256, vocab=2000):

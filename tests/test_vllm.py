@@ -316,7 +316,7 @@ def http(url: str, body=None, key=None) -> tuple[int, dict]:
 
 @pytest.fixture(scope="module")
 def vllm_server(vllm_policy, tmp_path_factory):
-    """The README's attach-mode command on this machine: vLLM's OpenAI server (`python -m
+    """docs/scaling-out.md's attach-mode command on this machine: vLLM's OpenAI server (`python -m
     vllm.entrypoints.openai.api_server`: the CPU build's `vllm` command looks for a distribution named vllm) in
     development mode, with the gloo weight-transfer backend and an API key, bound to loopback."""
     port, log = free_port(), tmp_path_factory.mktemp("server") / "vllm_serve.log"
@@ -409,7 +409,7 @@ def test_a_run_syncs_a_vllm_engine_on_another_gpu_over_nccl(assets, vllm_policy,
 
 @on_two_gpus
 def test_a_run_attached_to_a_stock_vllm_serve_syncs_over_nccl(assets, vllm_policy, tmp_path):
-    """`vllm serve` with vLLM's NCCL backend and nothing of this project's: the README's GPU command."""
+    """`vllm serve` with vLLM's NCCL backend and nothing of this project's: docs/scaling-out.md's GPU command."""
     port, log = free_port(), tmp_path / "vllm_serve.log"
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_policy), "--host",

@@ -1,0 +1,187 @@
+"""Writes docs/flags.md from the `Args` docstrings of rloo.py and rloo_multinode.py, so a flag is written once.
+
+    python docs/make_flags.py            # rewrites docs/flags.md
+    python docs/make_flags.py --check    # exit status 1 when docs/flags.md is not what this script writes
+
+A table per group: the groups are the `# ----- name -----` comments in each `Args` class's source, in order; a
+subclass's own fields (rloo_multinode.py's engine flags) get groups of their own, named with its file. A field
+whose type is a dataclass is a group too (its flags keep their own names). Only the project and the standard library
+are imported.
+"""
+
+import ast
+import dataclasses
+import inspect
+import re
+import sys
+import textwrap
+import typing
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # rloo.py and rloo_multinode.py are scripts at the top level, not a package
+
+import plumbing  # noqa: E402
+import rloo  # noqa: E402
+import rloo_multinode  # noqa: E402
+
+FLAGS_MD = REPO / "docs" / "flags.md"
+GROUP = re.compile(r"#\s*-{3,}\s*(.+?)\s*-{3,}\s*$")
+
+HEADER = """# Flags
+
+<!-- written by docs/make_flags.py from the Args docstrings: edit a flag's docstring, then run
+     python docs/make_flags.py (tests/test_docs.py checks that this file is what it writes) -->
+
+Every flag of `rloo.py` and `rloo_multinode.py`, grouped as in their `Args` dataclasses, with the docstring under
+each field, which `python rloo.py --help` prints too. Flags take `--rloo_k 4` and `--rloo-k 4` alike; booleans are
+switches (`--bf16`, `--no-bf16`); a list flag takes several values (`--reward_fn a:f b:g`).
+"""
+
+TRL_INTRO = """## TRL's names
+
+The flags are TRL <= 0.21's `RLOOConfig` names, so published commands run unchanged. TRL 0.22 renamed several;
+where the new name means exactly what rloo.py's flag means, rloo.py accepts it too (`--help` lists it beside
+the flag). A TRL >= 0.22 name brings rloo.py's default with it, not TRL's: `--num_iterations` left out is rloo.py's
+4 PPO epochs, where TRL's default is 1. Giving a flag under both names with different values is refused in one line.
+Under one name, the last value wins (argparse's rule, which the TL;DR scripts rely on: their extra arguments
+override their defaults), but a list flag given twice keeps every value (`--reward_fn a:f --reward_fn b:g` is
+`--reward_fn a:f b:g`).
+
+| TRL <= 0.21 = rloo.py | TRL >= 0.22 | here |
+| --- | --- | --- |
+"""
+
+# What TRL's own defaults and meanings are cannot be read from this project's code: said here, once.
+TRL_NOTES = {
+    "num_generations": "",
+    "beta": " (sequence-level KL in the reward)",
+    "epsilon": " (`--epsilon_high`: not supported)",
+    "num_iterations": " (TRL's default is 1, rloo.py's {default})",
+    "max_completion_length": " (TRL's default is 256, rloo.py's {default})",
+    "normalize_advantages": ": both whiten the advantages over the batch",
+}
+
+TRL_OTHER_ROWS = [  # (rloo.py's name, TRL >= 0.22's, what rloo.py does with it)
+    ("`--num_mini_batches`", "`--steps_per_generation`",
+     "converted: TRL counts micro-batches per generation, rloo.py optimizer steps, so `--steps_per_generation S` is "
+     "taken as `--num_mini_batches S / gradient_accumulation_steps` (refused when it does not divide)"),
+    ("`--normalize_reward`", "(TRL maps it to `--normalize_advantages`)",
+     "not the same: rloo.py's standardizes the scores before the baseline, TRL's new flag normalizes advantages"),
+    ("`--exp_name`", "`--run_name`",
+     "not the same: TRL's is the whole run name, rloo.py's a prefix of `{exp_name}__{seed}__{time}`; rloo.py has "
+     "`--run_name` too, with TRL's meaning"),
+    ("`--total_episodes`", "`--max_steps`",
+     "not accepted: TRL counts optimizer steps (`total_episodes / gradient_accumulation_steps` in its migration "
+     "table)"),
+    ("`--reward_clip_range` (a float)", "`--reward_clip_range` (a `(min, max)` pair)",
+     "same name, other meaning: rloo.py clips normalized scores to +-value, TRL clips rewards to a range"),
+    ("`--max_prompt_length`", "`--max_prompt_length`",
+     "same name, other meaning: rloo.py drops longer prompts, TRL truncates them on the left"),
+    ("`--stop_token`, `--stop_token_id`, `--missing_eos_penalty`, `--token_level_kl`, "
+     "`--local_rollout_forward_batch_size`, `--num_sample_generations`", "removed in TRL 0.22", "kept"),
+]
+
+
+@dataclasses.dataclass
+class Flag:
+    name: str
+    default: str
+    doc: str
+
+
+def one_line(doc: str) -> str:
+    """A docstring as one table cell: its lines joined, `|` escaped, `<x>` kept visible."""
+    text = " ".join(line.strip() for line in inspect.cleandoc(doc).splitlines() if line.strip())
+    return text.replace("|", "\\|").replace("<", "&lt;")
+
+
+def default_of(field: dataclasses.Field) -> str:
+    if field.default is not dataclasses.MISSING:
+        return f"`{field.default}`"
+    if field.default_factory is not dataclasses.MISSING:
+        return f"`{field.default_factory()}`"
+    return "required"
+
+
+def own_fields(cls: type) -> list[tuple[str, str, str]]:
+    """(group, field name, docstring) of the fields `cls` itself declares, in source order."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    lines = source.splitlines()
+    body = next(node for node in ast.parse(source).body if isinstance(node, ast.ClassDef))
+    out, group = [], ""
+    statements = body.body
+    for i, node in enumerate(statements):
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        previous = statements[i - 1].end_lineno if i else body.lineno
+        for line in lines[previous:node.lineno - 1]:  # the comment lines between the last statement and this one
+            if match := GROUP.search(line.strip()):
+                group = match.group(1)
+        after = statements[i + 1] if i + 1 < len(statements) else None
+        doc = (after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+               and isinstance(after.value.value, str) else "")
+        out.append((group, node.target.id, doc))
+    return out
+
+
+def groups_of(cls: type, title: str = "") -> dict[str, list[Flag]]:
+    """Group title -> flags, for `cls` and the dataclasses it extends or holds, base classes first."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    try:
+        types = typing.get_type_hints(cls)
+    except (NameError, TypeError):  # an annotation that does not evaluate here: no nested dataclass is found in it
+        types = {}
+    groups: dict[str, list[Flag]] = {}
+    bases = [base for base in reversed(cls.__mro__) if dataclasses.is_dataclass(base)]
+    for base in bases:
+        suffix = f" (`{Path(inspect.getfile(base)).name}` only)" if base is not bases[0] else ""
+        for group, name, doc in own_fields(base):
+            if name not in fields:  # a ClassVar
+                continue
+            for flags in groups.values():  # a field a subclass declares again: its own docstring and group
+                flags[:] = [flag for flag in flags if flag.name != name]
+            kind = types.get(name, fields[name].type)
+            if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+                for sub, flags in groups_of(kind, title=one_line(doc) or name).items():
+                    groups.setdefault(sub + suffix, []).extend(flags)
+                continue
+            heading = (group[:1].upper() + group[1:] if group else title or f"`{base.__name__}`") + suffix
+            groups.setdefault(heading, []).append(Flag(name, default_of(fields[name]), one_line(doc)))
+    return {heading: flags for heading, flags in groups.items() if flags}
+
+
+def table(flags: list[Flag]) -> str:
+    rows = [f"| `--{f.name}` | {f.default} | {f.doc} |" for f in flags]
+    return "\n".join(["| flag | default | meaning |", "| --- | --- | --- |", *rows]) + "\n"
+
+
+def trl_section() -> str:
+    defaults = {flag.name: flag.default for flags in groups_of(rloo.Args).values() for flag in flags}
+    rows = []
+    for trl_name, own in plumbing.TRL_NAMES.items():
+        note = TRL_NOTES.get(trl_name, "").format(default=defaults[own])
+        same = "accepted" + (note if note.startswith(":") else ", same meaning" + note)
+        rows.append(f"| `--{own}` | `--{trl_name}` | {same} |")
+    rows += [f"| {own} | {trl} | {here} |" for own, trl, here in TRL_OTHER_ROWS]
+    return TRL_INTRO + "\n".join(rows) + "\n"
+
+
+def render() -> str:
+    parts = [HEADER, trl_section()]
+    for heading, flags in groups_of(rloo_multinode.Args).items():
+        parts.append(f"## {heading}\n\n{table(flags)}")
+    serve = getattr(rloo_multinode, "ServeArgs", None)
+    if serve is not None:
+        intro = one_line(serve.__doc__ or "")
+        flags = [flag for group in groups_of(serve).values() for flag in group]
+        parts.append(f"## `rloo_multinode.py serve`\n\n{intro}\n\n{table(flags)}")
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    text = render()
+    if sys.argv[1:] == ["--check"]:
+        sys.exit(0 if FLAGS_MD.exists() and FLAGS_MD.read_text() == text else 1)
+    FLAGS_MD.write_text(text)
+    print(f"wrote {FLAGS_MD.relative_to(REPO)}: {text.count(chr(10))} lines")
