@@ -1709,8 +1709,9 @@ def help_groups(cls, program: str) -> dict[str, str]:
     groups = {}
     for c in reversed([c for c in cls.__mro__ if is_dataclass(c)]):
         own = [name for name in inspect.get_annotations(c) if name in c.__dataclass_fields__]
-        groups |= {} if not own else {own[0]: program}
-        groups |= {name: title for title, name in re.findall(r"# -+ (.+?) -+\n\s*(\w+):", inspect.getsource(c))}
+        source = inspect.getsource(inspect.getmodule(c))  # the module's: a class's own would cost a parse of it
+        groups |= {own[0]: program} if own else {}
+        groups |= {name: title for title, name in re.findall(r"# -+ (.+?) -+\n\s*(\w+):", source) if name in own}
     return groups
 
 
@@ -1749,7 +1750,8 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     grouped = make_dataclass(cls.__name__, [(f"group_{i}", Annotated[tyro.conf.OmitArgPrefixes[c], tyro.conf.arg(
         name=title)], field(default_factory=c)) for i, (title, c) in enumerate(classes.items())])
     parsed = tyro.cli(grouped, args=sys.argv[1:] if argv is None else argv, prog=prog, use_underscores=True,
-                      description=TRL_DEFAULTS if aliases.keys() & hints.keys() else None)
+                      description=TRL_DEFAULTS if aliases.keys() & hints.keys() else None,
+                      config=(tyro.conf.HelptextFromCommentsOff,))  # the help is given: no search of the source
     values = {name: value for group in vars(parsed).values() for name, value in vars(group).items()}
     values |= {name: last_values(values[name], getattr(defaults, name)) for name in lists}
     steps = values.pop("steps_per_generation", None)
