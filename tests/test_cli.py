@@ -189,6 +189,9 @@ def test_every_trl_name_sets_rloo_flag():
     assert (args.num_mini_batches, args.gradient_accumulation_steps) == (2, 4)  # micro-batches -> optimizer steps
     assert plumbing.parse_args(rloo.Args, argv=["--steps_per_generation", "3"]).num_mini_batches == 3  # accumulation 1 by default
     assert plumbing.parse_args(rloo.Args, argv=["--run_name", "tldr_seed1"]).run_name == "tldr_seed1"
+    args = plumbing.parse_args(rloo.Args, argv=["--steps_per_generation", "8", "--gradient_accumulation_steps", "4",
+                                                "--num_mini_batches", "1"])
+    assert args.num_mini_batches == 2  # --num_mini_batches at its default is not told from one left out (no clash)
 
 
 @pytest.mark.parametrize("argv,own,expected", [
@@ -239,7 +242,8 @@ def test_help_shows_the_args_groups_with_flat_names_aliases_and_whole_sentences(
         plumbing.parse_args(rloo_multinode.Args, argv=["--help"], prog="rloo_multinode.py")
     assert exit_info.value.code == 0
     printed = capsys.readouterr().out.splitlines()
-    titles = [line.strip("╭─╮ ")[:-len("options")].strip() for line in printed if line.strip("╭─╮ ").endswith("options")]
+    titles = [line[:-len("options")].strip() for line in (line.strip("╭─╮ ") for line in printed)
+              if line.endswith("options")]
     lines = [line[1:].rstrip(" │") for line in printed]  # within a box's borders (unicode on a terminal, else spaces)
     assert titles == ["", "experiment", "models", "data", "RLOO", "generation", "optimization",
                       "logging and evaluation", "checkpoints", "engines"]  # the `# ----- x -----` lines of Args
