@@ -1734,15 +1734,17 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     hints, defaults, starts = get_type_hints(cls, include_extras=True), cls(), help_groups(cls, prog)
     docs = {p.arg_name: " ".join(p.description.split()) for c in reversed(cls.__mro__) if is_dataclass(c)
             for p in docstring_parser.parse_from_object(c).params if p.description}
-    aliases = {own: (f"--{trl}",) for trl, own in TRL_NAMES.items()}
+    # tyro lists a flag's aliases before its name: TRL's name is tyro's and the flag's own its alias, so that --help
+    # and tyro's errors show the own name first
+    aliases = {own: {"name": trl, "aliases": (f"--{own}",)} for trl, own in TRL_NAMES.items()}
     lists = {name for name, hint in hints.items() if tuple in {get_origin(hint), *map(get_origin, get_args(hint))}}
     groups, title = {}, prog
     for f in fields(cls):
         title = starts.get(f.name, title)
         hint = tyro.conf.UseAppendAction[tuple[hints[f.name], ...]] if f.name in lists else hints[f.name]
-        groups.setdefault(title, []).append((f.name, Annotated[hint, tyro.conf.arg(
-            help=docs.get(f.name), aliases=aliases.get(f.name))], field(default=() if f.name in lists else
-                                                                            getattr(defaults, f.name))))
+        conf = tyro.conf.arg(help=docs.get(f.name), **aliases.get(f.name, {}))
+        default = () if f.name in lists else getattr(defaults, f.name)
+        groups.setdefault(title, []).append((f.name, Annotated[hint, conf], field(default=default)))
         if f.name == "num_mini_batches":
             groups[title].append(("steps_per_generation", Annotated[Optional[int], tyro.conf.arg(
                 help=STEPS_PER_GENERATION)], field(default=None)))
