@@ -39,10 +39,11 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, make_dataclass
 from pathlib import Path
-from typing import Callable, Optional, get_args, get_origin, get_type_hints
+from typing import Annotated, Callable, Optional, get_args, get_origin, get_type_hints
 
+import docstring_parser
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -1918,89 +1919,86 @@ def quiet_hub_progress_bars() -> None:
 
 
 # ===================================================================== command line: TRL >= 0.22's names, one-line errors and exit statuses
-# TRL >= 0.22's names for flags of the same meaning (README, "Flags": both TRL generations' names side by side)
+# TRL >= 0.22's names for flags of the same meaning, tyro aliases of this project's (README, "Flags": both TRL
+# generations' names side by side)
 TRL_NAMES = {"num_generations": "rloo_k", "beta": "kl_coef", "epsilon": "cliprange", "num_iterations": "num_ppo_epochs",
              "max_completion_length": "response_length", "normalize_advantages": "normalize_advantage"}
+TRL_DEFAULTS = ("TRL >= 0.22's names are aliases of the flags they are listed beside.\n\nFlags left out keep this "
+                "script's defaults:\n--num_iterations 4 (TRL's: 1), --max_completion_length 53 (TRL's: 256).")
+STEPS_PER_GENERATION = ("TRL >= 0.22's micro-batches per rank and generation, S (not a rename): taken as "
+                        "--num_mini_batches S / gradient_accumulation_steps")
 
 
-def with_trl_names_translated(argv: list[str], defaults) -> list[str]:
-    """argv with TRL >= 0.22's flag names written as this script's, --steps_per_generation S (micro-batches per rank
-    and generation) as --num_mini_batches S / gradient_accumulation_steps, and the values of a list flag given several
-    times (--reward_fn a --reward_fn b) gathered into one: all count, where tyro would keep the last. A flag given
-    under both of its names with different values is refused, rather than settled by which comes last; under one
-    name, the last value wins (argparse's rule: a launch script's "$@" overrides its defaults)."""
-    watched = {*TRL_NAMES, *TRL_NAMES.values(), "steps_per_generation", "num_mini_batches",
-               "gradient_accumulation_steps"}
-    hints = get_type_hints(type(defaults))
-    lists = {name for name, hint in hints.items() if tuple in {get_origin(hint), *map(get_origin, get_args(hint))}}
-    out, given, items = [], {}, {}  # given: this script's flag name -> {the name used: its value}; items: a list's
-    i = 0
-    while i < len(argv):
-        flag, equals, value = argv[i].partition("=")
-        negated = flag.startswith(("--no-", "--no_"))
-        name = (flag[5:] if negated else flag[2:]).replace("-", "_") if flag.startswith("--") else None
-        if name in lists:
-            end = i + 1 if equals else next((j for j in range(i + 1, len(argv)) if argv[j].startswith("--")),
-                                            len(argv))
-            items.setdefault(name, []).extend([value] if equals else argv[i + 1 : end])
-            i = end
-            continue
-        if name not in watched:
-            out.append(argv[i])
-            i += 1
-            continue
-        own = TRL_NAMES.get(name, name)
-        takes_next = not equals and not isinstance(getattr(defaults, own, None), bool)
-        if takes_next:
-            value = argv[i + 1] if i + 1 < len(argv) else ""
-        elif not equals:
-            value = str(not negated)
-        given.setdefault("num_mini_batches" if name == "steps_per_generation" else own, {})[name] = value
-        tokens = argv[i : i + 1 + takes_next]
-        if name in TRL_NAMES:
-            tokens[0] = ("--no-" if negated else "--") + own + (f"={value}" if equals else "")
-        if name != "steps_per_generation":
-            out += tokens
-        i += 1 + takes_next
-    if "steps_per_generation" in given.get("num_mini_batches", {}):
-        steps = given["num_mini_batches"].pop("steps_per_generation")
-        accumulation = given.get("gradient_accumulation_steps", {}).get(
-            "gradient_accumulation_steps", str(defaults.gradient_accumulation_steps))
-        if not (steps.isdigit() and accumulation.isdigit() and int(steps) % int(accumulation) == 0):
-            raise ConfigError(f"--steps_per_generation {steps} (micro-batches per generation) is not a multiple of "
-                              f"gradient_accumulation_steps ({accumulation}); pass --num_mini_batches (optimizer steps "
-                              "per generation) instead")
-        converted = str(int(steps) // int(accumulation))
-        if given["num_mini_batches"].get("num_mini_batches", converted) != converted:
-            raise ConfigError(f"--steps_per_generation {steps} means --num_mini_batches {converted} with "
-                              f"gradient_accumulation_steps {accumulation}, but --num_mini_batches "
-                              f"{given['num_mini_batches']['num_mini_batches']} is given too: pass one of them")
-        out += ["--num_mini_batches", converted]
-    for spellings in given.values():
-        if len({as_number(value) for value in spellings.values()}) > 1:
-            both = " and ".join(f"--{name} {value}" for name, value in spellings.items())
-            raise ConfigError(f"{both} set the same flag to different values: pass one of them")
-    return out + [token for name, values in items.items() for token in (f"--{name}", *values)]
+def help_groups(cls, program: str) -> dict[str, str]:
+    """{first field: title} of the groups --help shows: the `# ----- title -----` lines above fields in the source of
+    cls and its bases; a class whose own fields start without one opens a group named after the program."""
+    groups = {}
+    for c in reversed([c for c in cls.__mro__ if is_dataclass(c)]):
+        own = [name for name in inspect.get_annotations(c) if name in c.__dataclass_fields__]
+        source = inspect.getsource(inspect.getmodule(c))  # the module's: a class's own would cost a parse of it
+        groups |= {own[0]: program} if own else {}
+        groups |= {name: title for title, name in re.findall(r"# -+ (.+?) -+\n\s*(\w+):", source) if name in own}
+    return groups
 
 
-def as_number(text: str):
-    """A command-line value as a number where it is one, so that 0.1 and 0.10 compare equal."""
-    try:
-        return float(text)
-    except ValueError:
-        return text
+def last_values(parts: tuple, default):
+    """A list flag's values over its occurrences (--reward_fn a --reward_fn b c: a, b, c); `None` resets it."""
+    if not parts:
+        return default
+    resets = [i for i, part in enumerate(parts) if part is None]
+    return None if resets[-1:] == [len(parts) - 1] else sum(parts[(resets or [-1])[-1] + 1:], ())
 
 
 def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None):
-    """The command line parsed into `cls` (default Args) by tyro, TRL >= 0.22's names accepted; a clash between the two
-    names of a flag is one line on stderr and exit status 2, as tyro's own errors are."""
+    """The command line parsed by tyro into `cls`, a flat dataclass. tyro parses a dataclass of groups (help_groups)
+    built from cls's fields, so --help shows them grouped, under their own names (each field's docstring, joined)
+    and TRL >= 0.22's (TRL_NAMES) as aliases. A list flag given several times keeps every value; any other flag,
+    under either name, its last, as argparse does (a launch script's "$@" overrides its defaults). TRL's
+    --steps_per_generation S is taken as --num_mini_batches S / gradient_accumulation_steps. Bad input is one line
+    on stderr and exit status 2 (tyro's own errors are a box on stderr, status 2)."""
     prog = prog or Path(sys.argv[0]).name
+    hints, defaults, starts = get_type_hints(cls, include_extras=True), cls(), help_groups(cls, prog)
+    docs = {p.arg_name: " ".join(p.description.split()) for c in reversed(cls.__mro__) if is_dataclass(c)
+            for p in docstring_parser.parse_from_object(c).params if p.description}
+    # tyro lists a flag's aliases before its name: TRL's name is tyro's and the flag's own its alias, so that --help
+    # and tyro's errors show the own name first
+    aliases = {own: {"name": trl, "aliases": (f"--{own}",)} for trl, own in TRL_NAMES.items()}
+    lists = {name for name, hint in hints.items() if tuple in {get_origin(hint), *map(get_origin, get_args(hint))}}
+    groups, title = {}, prog
+    for f in fields(cls):
+        title = starts.get(f.name, title)
+        hint = tyro.conf.UseAppendAction[tuple[hints[f.name], ...]] if f.name in lists else hints[f.name]
+        conf = tyro.conf.arg(help=docs.get(f.name), **aliases.get(f.name, {}))
+        default = () if f.name in lists else getattr(defaults, f.name)
+        groups.setdefault(title, []).append((f.name, Annotated[hint, conf], field(default=default)))
+        if f.name == "num_mini_batches":
+            groups[title].append(("steps_per_generation", Annotated[Optional[int], tyro.conf.arg(
+                help=STEPS_PER_GENERATION)], field(default=None)))
+    classes = {title: make_dataclass(f"group_{i}", group) for i, (title, group) in enumerate(groups.items())}
+    grouped = make_dataclass(cls.__name__, [(f"group_{i}", Annotated[tyro.conf.OmitArgPrefixes[c], tyro.conf.arg(
+        name=title)], field(default_factory=c)) for i, (title, c) in enumerate(classes.items())])
+    parsed = tyro.cli(grouped, args=sys.argv[1:] if argv is None else argv, prog=prog, use_underscores=True,
+                      description=TRL_DEFAULTS if aliases.keys() & hints.keys() else None,
+                      config=(tyro.conf.HelptextFromCommentsOff,))  # the help is given: no search of the source
+    values = {name: value for group in vars(parsed).values() for name, value in vars(group).items()}
+    values |= {name: last_values(values[name], getattr(defaults, name)) for name in lists}
+    steps = values.pop("steps_per_generation", None)
     try:
-        argv = with_trl_names_translated(list(sys.argv[1:] if argv is None else argv), cls())
+        if steps is not None:
+            accumulation, given = values["gradient_accumulation_steps"], values["num_mini_batches"]
+            if steps < 1 or accumulation < 1 or steps % accumulation:
+                raise ConfigError(f"--steps_per_generation {steps} (micro-batches per generation) is not a multiple of "
+                                  f"gradient_accumulation_steps ({accumulation}); pass --num_mini_batches (optimizer "
+                                  "steps per generation) instead")
+            values["num_mini_batches"] = steps // accumulation
+            if given not in (defaults.num_mini_batches, steps // accumulation):
+                raise ConfigError(f"--steps_per_generation {steps} means --num_mini_batches {steps // accumulation} "
+                                  f"with gradient_accumulation_steps {accumulation}, but --num_mini_batches {given} "
+                                  "is given too: pass one of them")
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
-    return tyro.cli(cls, args=argv, prog=prog)
+    return cls(**values)
 
 
 def run_script(main: Callable, args, program: str) -> None:

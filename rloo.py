@@ -77,8 +77,8 @@ class Args:
     exp_name: str = "rloo"
     """name of the experiment; the run is named `{exp_name}__{seed}__{unix time}` unless --run_name is given"""
     run_name: Optional[str] = None
-    """the run's whole name (wandb, the log's first line), as TRL >= 0.22 takes it; None: `{exp_name}__{seed}__{unix
-    time}`"""
+    """the run's whole name (wandb, the log's first line), as TRL >= 0.22 takes it;
+    None: `{exp_name}__{seed}__{unix time}`"""
     seed: int = 1
     """random seed; rank r samples with seed + r"""
     output_dir: str = "models/rloo"
@@ -103,9 +103,8 @@ class Args:
     lora_alpha: int = 32
     """LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_r"""
     lora_dropout: float = 0.0
-    """dropout on the adapters' input, in the training forward passes only (sampling and log-prob passes run in eval
-    mode). TRL's default is 0.05; here 0, so that the trained policy is the one that sampled, as every other dropout
-    is off"""
+    """dropout on the adapters' input, in training forward passes only; 0 (TRL: 0.05), so that the policy
+    trained is the one that sampled"""
     lora_target_modules: Optional[tuple[str, ...]] = None
     """module names to adapt, or `all-linear`; None: peft's default for the architecture (attention projections,
     e.g. q_proj and v_proj for Llama, query_key_value for GPT-NeoX)"""
@@ -134,18 +133,14 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute the policy's activations in the backward pass: less activation memory, a slower backward"""
     fsdp: bool = False
-    """shard the policy's weights, gradients and optimizer state over the ranks with FSDP2 (one unit per
-    transformer block; bf16 compute with --bf16, fp32 gradient reduction) instead of replicating them with DDP:
-    for policies whose 16 bytes per parameter do not fit one GPU. The reference and reward models stay replicated"""
+    """shard the policy's weights, gradients and optimizer state over the ranks with FSDP2 instead of replicating
+    them with DDP; the reference and reward models stay replicated"""
     fsdp_generation: Literal["unshard", "per_block"] = "unshard"
-    """with --fsdp, how the rollout sees the sharded policy. unshard: gather every block once per update and keep it
-    for the whole rollout (fast; the full policy in its compute dtype on every rank for that time). per_block:
-    gather each block at each forward, decoding steps included (least memory, one all-gather per block per token)"""
+    """with --fsdp, how the rollout sees the sharded policy. unshard: every block gathered once per update
+    (fast). per_block: each block gathered at each forward, decoding steps included (least memory)"""
     offload: bool = False
-    """with --fsdp, for GPUs too small for the model: the policy's fp32 weight shards, gradients and AdamW state
-    live in CPU memory (FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU), and the frozen reference and
-    reward models too, each brought to the GPU for its forward passes only. Slower: weights cross PCIe at every
-    forward and the optimizer step runs on the CPU"""
+    """with --fsdp: the policy's fp32 weight shards, gradients and AdamW state (stepped on the CPU) and the frozen
+    models live in CPU memory, each brought to the GPU for its forward passes only; slower"""
 
     # ----- data -----
     dataset_name: str = "trl-internal-testing/tldr-preference-sft-trl-style"
@@ -164,10 +159,9 @@ class Args:
 
     # ----- RLOO -----
     rloo_k: int = 2
-    """completions sampled per prompt (k >= 2: the baseline of each is the mean of the other k-1). TRL >= 0.22:
-    --num_generations"""
+    """completions sampled per prompt (k >= 2: the baseline of each is the mean of the other k-1)"""
     kl_coef: float = 0.05
-    """weight of the KL penalty to the reference policy; 0 skips the reference model entirely. TRL >= 0.22: --beta"""
+    """weight of the KL penalty to the reference policy; 0 skips the reference model entirely"""
     token_level_kl: bool = False
     """per-token KL penalties with token-level returns (each token's advantage sees the KL of the tokens
     after it) instead of one sequence-level penalty; the loss then uses per-token ratios"""
@@ -178,13 +172,12 @@ class Args:
     reward_clip_range: float = 10.0
     """clip range of the normalized scores"""
     normalize_advantage: bool = False
-    """whiten advantages over the global batch. TRL >= 0.22: --normalize_advantages"""
+    """whiten advantages over the global batch"""
     cliprange: float = 0.2
-    """PPO clip range of the sequence-level ratio. TRL >= 0.22: --epsilon"""
+    """PPO clip range of the sequence-level ratio"""
     vllm_importance_sampling_correction: bool = False
     """weight each completion's loss (each token's, in token modes) by its truncated importance ratio of the trainer's
-    old log-probs (the PPO ratio's denominator) to the sampler's own (a bf16 copy, engines, vLLM): corrects the
-    sampler/trainer mismatch that the mismatch/* metrics measure. TRL GRPO's flag"""
+    old log-probs to the sampler's: corrects the mismatch the mismatch/* metrics measure (TRL GRPO's flag)"""
     vllm_importance_sampling_mode: Literal["sequence_truncate", "sequence_mask", "token_truncate", "token_mask"] = \
         "sequence_truncate"
     """sequence: one ratio exp(sum_t logp_trainer - logp_sampler) per completion; token: one per token (needs
@@ -194,7 +187,7 @@ class Args:
 
     # ----- generation -----
     response_length: int = 53
-    """tokens sampled per completion. TRL >= 0.22: --max_completion_length"""
+    """tokens sampled per completion"""
     temperature: float = 0.7
     """sampling temperature (top_k=0, top_p=1); logits are divided by it when log-probs are computed"""
     stop_token: Optional[Literal["eos"]] = "eos"
@@ -205,23 +198,14 @@ class Args:
     """completions per generation / log-prob / scoring forward pass, per rank; 0: as many as fit in 90% of the
     memory free when each phase starts (GPU memory, or RAM on CPU), estimated from the model's config"""
     share_prompt: tyro.conf.DisallowNone[Optional[bool]] = None
-    """compute each prompt once per pass for its k completions, in every phase (prefill, log-probs, reference,
-    reward model, training): a prompt group is one forward row whose responses attend to the prompt and to
-    themselves only, within each layer's sliding window counted as alone, so every completion is computed exactly
-    as alone (float rounding aside). Default: on for each model that can take the group's mask (attention layers
-    only, sdpa or eager) and passes a start-up check (shared vs unshared log-probs / scores of a few completions),
-    else off for it with one line saying why; --share_prompt refuses such a model; --no-share_prompt computes it once
-    per completion, as TRL does. A reward model with its own tokenizer always runs unshared"""
+    """compute each prompt once per forward pass for its k completions, each computed exactly as alone. Default:
+    on for each model that can and passes a start-up check, else off with one line saying why"""
     bf16_generation: bool = False
-    """with --bf16 (not --fsdp): sample from a bf16 copy of the policy, refreshed after every update, with a bf16 KV
-    cache, instead of from the fp32 weights under autocast: a decoding step reads half the weight bytes and casts
-    nothing. 2 more bytes per parameter. The samples differ from autocast's by bf16 rounding only, and the log-probs
-    trained on are still the trainer's own forward's"""
+    """with --bf16 (not --fsdp): sample from a bf16 copy of the policy, refreshed after every update, with a
+    bf16 KV cache: faster decoding for 2 more bytes per parameter"""
     compile_generation: bool = False
-    """decode with a torch.compile'd step (CUDA graphs on GPU) in a KV cache of max_prompt_length + response_length
-    positions kept per chunk size: no per-token Python, allocation or kernel-launch overhead, which dominates
-    small-batch decoding on GPUs. The first update compiles, once per chunk size. Without it the step runs eagerly
-    in a cache sized to each chunk's own prompts"""
+    """decode with a torch.compile'd step (CUDA graphs on GPU) in a KV cache kept per chunk size: no
+    per-token Python or kernel-launch overhead. The first update compiles, once per chunk size"""
 
     # ----- optimization -----
     total_episodes: Optional[int] = None
@@ -233,10 +217,9 @@ class Args:
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
     num_mini_batches: int = 1
-    """optimizer steps per PPO epoch. TRL >= 0.22's --steps_per_generation S counts micro-batches: it is taken as
-    num_mini_batches = S / gradient_accumulation_steps"""
+    """optimizer steps per PPO epoch"""
     num_ppo_epochs: int = 4
-    """passes over each update's completions. TRL >= 0.22: --num_iterations"""
+    """passes over each update's completions"""
     learning_rate: float = 3e-6
     """AdamW learning rate"""
     lr_scheduler_type: Literal["linear", "constant"] = "linear"

@@ -111,8 +111,8 @@ class Args(rloo.Args):
     """generation engines; engine r % num_engines serves training rank r; more engines than ranks must be a
     multiple of them, and each rank's batch is split over its engines by prompt"""
     engine_urls: Optional[str] = None
-    """comma-separated base URLs (http://HOST:8000) of running `vllm serve` processes to attach to, one engine each
-    (README: how to start them); they must reach the weight group's rendezvous, MASTER_ADDR:engine_port+1"""
+    """comma-separated base URLs (http://HOST:8000) of running `vllm serve` processes to attach to instead of
+    starting engines (one engine each)"""
     launch_engines: bool = True
     """trainer rank 0 starts the engines on its own node (on --engine_devices); with --no-launch_engines they are
     started elsewhere with `python rloo_multinode.py serve --trainer_address HOST:PORT --engine_index I`"""
@@ -132,8 +132,8 @@ class Args(rloo.Args):
     vllm_tensor_parallel_size: int = 1
     """GPUs per vLLM engine"""
     vllm_mode: Literal["server", "colocate"] = "server"
-    """server: the engines above, in processes of their own on other GPUs or nodes. colocate: a vLLM engine inside
-    every training process, on its own device (vLLM's external launcher, as TRL's colocate mode)"""
+    """server: the engines above, in processes of their own. colocate: a vLLM engine inside every training
+    process, on its own device (vLLM's external launcher, as TRL's colocate mode)"""
     vllm_enable_sleep_mode: bool = False
     """colocate, on GPUs: the engine's weights and KV cache give their memory back while the trainer trains (vLLM's
     sleep mode, which needs CUDA's allocator); woken before each batch is sampled"""

@@ -35,18 +35,18 @@ HEADER = """# Flags
 
 Every flag of `rloo.py` and `rloo_multinode.py`, grouped as in their `Args` dataclasses, with the docstring under
 each field, which `python rloo.py --help` prints too. Flags take `--rloo_k 4` and `--rloo-k 4` alike; booleans are
-switches (`--bf16`, `--no-bf16`); a list flag takes several values (`--reward_fn a:f b:g`).
+switches (`--bf16`, `--no-bf16`); a list flag takes several values (`--reward_fn a:f b:g`). What a description
+leaves out of a flag is in [flag-notes.md](flag-notes.md).
 """
 
 TRL_INTRO = """## TRL's names
 
 The flags are TRL <= 0.21's `RLOOConfig` names, so published commands run unchanged. TRL 0.22 renamed several;
-where the new name means exactly what rloo.py's flag means, rloo.py accepts it too (`--help` lists it beside
-the flag). A TRL >= 0.22 name brings rloo.py's default with it, not TRL's: `--num_iterations` left out is rloo.py's
-4 PPO epochs, where TRL's default is 1. Giving a flag under both names with different values is refused in one line.
-Under one name, the last value wins (argparse's rule, which the TL;DR scripts rely on: their extra arguments
-override their defaults), but a list flag given twice keeps every value (`--reward_fn a:f --reward_fn b:g` is
-`--reward_fn a:f b:g`).
+where the new name means exactly what rloo.py's flag means, rloo.py accepts it too, as a tyro alias (`--help` lists
+it beside the flag). A TRL >= 0.22 name brings rloo.py's default with it, not TRL's: `--num_iterations` left out is
+rloo.py's 4 PPO epochs, where TRL's default is 1. A flag given twice, under one name or both, takes the last value
+(argparse's rule, which the TL;DR scripts rely on: their extra arguments override their defaults), but a list flag
+given twice keeps every value (`--reward_fn a:f --reward_fn b:g` is `--reward_fn a:f b:g`).
 
 | TRL <= 0.21 = rloo.py | TRL >= 0.22 | here |
 | --- | --- | --- |

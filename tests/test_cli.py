@@ -2,10 +2,11 @@
 
 import json
 import signal
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import datasets
+import docstring_parser
 import pytest
 import torch
 import tyro
@@ -188,19 +189,29 @@ def test_every_trl_name_sets_rloo_flag():
     assert (args.num_mini_batches, args.gradient_accumulation_steps) == (2, 4)  # micro-batches -> optimizer steps
     assert plumbing.parse_args(rloo.Args, argv=["--steps_per_generation", "3"]).num_mini_batches == 3  # accumulation 1 by default
     assert plumbing.parse_args(rloo.Args, argv=["--run_name", "tldr_seed1"]).run_name == "tldr_seed1"
+    args = plumbing.parse_args(rloo.Args, argv=["--steps_per_generation", "8", "--gradient_accumulation_steps", "4",
+                                                "--num_mini_batches", "1"])
+    assert args.num_mini_batches == 2  # --num_mini_batches at its default is not told from one left out (no clash)
+
+
+@pytest.mark.parametrize("argv,own,expected", [
+    (["--rloo_k", "2", "--num_generations", "4"], "rloo_k", 4),
+    (["--num_generations", "4", "--rloo-k", "2"], "rloo_k", 2),
+    (["--normalize_advantage", "--no-normalize_advantages"], "normalize_advantage", False),
+    (["--kl_coef=0.1", "--beta", "0.1", "--kl-coef", "0.2"], "kl_coef", 0.2),
+], ids=["rloo_k", "own name last", "bool", "thrice"])
+def test_a_flag_under_both_names_takes_the_last_value(argv, own, expected):
+    # tyro's aliases: two names of one flag are one flag, given twice (refused in one line before tyro parsed them)
+    assert getattr(plumbing.parse_args(rloo.Args, argv=argv), own) == expected
 
 
 @pytest.mark.parametrize("argv,fragments", [
-    (["--rloo_k", "2", "--num_generations", "4"], ["--rloo_k 2 and --num_generations 4", "pass one"]),
-    (["--normalize_advantage", "--no-normalize_advantages"], ["--normalize_advantage True and --normalize_advantages False"]),
     (["--steps_per_generation", "6", "--gradient_accumulation_steps", "4"], ["--steps_per_generation 6", "not a multiple"]),
-    (["--steps_per_generation", "8", "--gradient_accumulation_steps", "4", "--num_mini_batches", "1"],
-     ["means --num_mini_batches 2", "--num_mini_batches 1 is given too"]),
-    (["--kl_coef=0.1", "--beta", "0.1", "--kl-coef", "0.2"], ["--kl_coef 0.2 and --beta 0.1"]),  # the last of each
-], ids=["rloo_k", "bool", "indivisible", "both", "thrice"])
-def test_a_flag_under_both_names_with_different_values_is_one_line(capsys, argv, fragments):
-    import rloo
-
+    (["--steps_per_generation", "0"], ["--steps_per_generation 0", "not a multiple"]),
+    (["--steps_per_generation", "8", "--gradient_accumulation_steps", "4", "--num_mini_batches", "3"],
+     ["means --num_mini_batches 2", "--num_mini_batches 3 is given too"]),
+], ids=["indivisible", "zero", "both"])
+def test_steps_per_generation_that_is_no_num_mini_batches_is_one_line(capsys, argv, fragments):
     with pytest.raises(SystemExit) as exit_info:
         plumbing.parse_args(rloo.Args, argv=argv, prog="rloo.py")
     assert exit_info.value.code == 2
@@ -210,14 +221,47 @@ def test_a_flag_under_both_names_with_different_values_is_one_line(capsys, argv,
 
 
 def test_a_list_flag_given_several_times_keeps_every_value_and_another_flag_its_last():
-    import rloo
-
-    args = plumbing.parse_args(rloo.Args, argv=["--reward_fn", "m:a", "--seed", "3", "--reward-fn=m:b", "--reward_fn", "m:c", "m:d",
-                                 "--reward_weights", "1", "--fsdp", "--reward_weights", "-0.5", "2", "--seed", "4",
-                                 "--no-fsdp"])
+    args = plumbing.parse_args(rloo.Args, argv=["--reward_fn", "m:a", "--seed", "3", "--reward-fn=m:b", "--reward_fn",
+                                                "m:c", "m:d", "--reward_weights", "1", "--fsdp", "--reward_weights",
+                                                "-0.5", "2", "--seed", "4", "--no-fsdp"])
     assert args.reward_fn == ("m:a", "m:b", "m:c", "m:d")  # docs/flags.md's repeatable --reward_fn: each counts
     assert args.reward_weights == (1.0, -0.5, 2.0)
     assert args.seed == 4 and args.fsdp is False  # any other flag: the last wins, as a launch script's "$@" expects
+    assert plumbing.parse_args(rloo.Args, argv=[]).reward_weights is None  # not given: the default
+    for argv, expected in ((["None"], None), (["q", "k", "--lora_target_modules", "None"], None),
+                           (["None", "--lora_target_modules", "q", "k"], ("q", "k"))):  # None resets a list flag
+        assert plumbing.parse_args(rloo.Args, argv=["--lora_target_modules", *argv]).lora_target_modules == expected
+
+
+def test_help_shows_the_args_groups_with_flat_names_aliases_and_whole_sentences(capsys, monkeypatch):
+    import plan_memory
+    import rloo_multinode
+
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit) as exit_info:
+        plumbing.parse_args(rloo_multinode.Args, argv=["--help"], prog="rloo_multinode.py")
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out.splitlines()
+    titles = [line[:-len("options")].strip() for line in (line.strip("╭─╮ ") for line in printed)
+              if line.endswith("options")]
+    lines = [line[1:].rstrip(" │") for line in printed]  # within a box's borders (unicode on a terminal, else spaces)
+    assert titles == ["", "experiment", "models", "data", "RLOO", "generation", "optimization",
+                      "logging and evaluation", "checkpoints", "engines"]  # the `# ----- x -----` lines of Args
+    assert plumbing.help_groups(plan_memory.PlanArgs, "plan_memory.py")["world_size"] == "plan_memory.py"
+    text = " ".join(" ".join(lines).split())
+    for trl_name, own in plumbing.TRL_NAMES.items():
+        assert f"--{trl_name}" in text and f"--{own}" in text, trl_name
+    assert "--steps_per_generation {None}|INT" in text and plumbing.TRL_DEFAULTS.split("\n")[0] in printed
+    docs = {p.arg_name: p.description for c in (rloo.Args, rloo_multinode.Args)
+            for p in docstring_parser.parse_from_object(c).params}
+    for f in fields(rloo_multinode.Args):  # every docstring, its source lines joined
+        assert " ".join(docs[f.name].split()) in text, f.name
+    # a description line ends only where the next word would not fit (no sentence broken where a source line was)
+    described = [(line, following) for line, following in zip(lines, lines[1:])
+                 if line.startswith(" " * 7) and following.startswith(" " * 7)]
+    width = max(len(line) for pair in described for line in pair)
+    for line, following in described:
+        assert len(line) + 1 + len(following.split()[0]) > width, (line, following)
 
 
 # ---------------------------------------------------------------- GPUs
