@@ -1038,7 +1038,8 @@ def forward_logprobs(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (k*g, Tr) of the response tokens under the model's logits / temperature, as sampled; and, if asked,
     the entropy (k*g, Tr) of the distribution each token was drawn from (policy/entropy_avg; differentiable, as
-    an entropy bonus needs). Padding positions hold values that must be masked."""
+    an entropy bonus needs; objective/entropy is another quantity, the sampled tokens' -log-prob summed over a
+    completion). Padding positions hold values that must be masked."""
     if not share_prompt:  # position Tq - 1 + t predicts response token t
         positions = c.queries.shape[1] - 1 + torch.arange(c.responses.shape[1], device=c.responses.device)  # (Tr,)
         logits = logits_at(model, positions, **unshared_inputs(c))  # (k*g, Tr, V)
@@ -1615,8 +1616,8 @@ def is_weights_of(batch: Rollout, args: Args) -> Optional[torch.Tensor]:
     if not args.vllm_importance_sampling_correction:
         return None
     if batch.sampler_logprobs is None:
-        raise plumbing.ConfigError("--vllm_importance_sampling_correction needs the sampler's log-probs, which this rollout "
-                          "source does not return: drop the flag")
+        raise plumbing.ConfigError("--vllm_importance_sampling_correction needs the sampler's log-probs, which this "
+                                   "rollout source does not return: drop the flag")
     return importance_weights(batch.logprobs, batch.sampler_logprobs, batch.response_mask,
                               args.vllm_importance_sampling_mode, args.vllm_importance_sampling_cap)
 
@@ -1643,10 +1644,10 @@ def ppo_update(
     ratios, grad_norms = [], []
     device, k = scores.device, rollout.k
     max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-    on_policy = rollout.logprobs is None
-    if on_policy:  # filled below, a micro-batch at a time
+    logprobs_from_update = rollout.logprobs is None  # skips_logprob_pass
+    if logprobs_from_update:  # filled below, a micro-batch at a time
         rollout.logprobs = torch.zeros(rollout.responses.shape, device=device)  # (k*B, Tr)
-        rollout.advantages, rollout.rlhf_reward = None, torch.zeros_like(scores)  # the advantages: at the first
+        rollout.advantages, rollout.rlhf_reward = None, torch.zeros_like(scores)  # (k*B,); the advantages below
     else:
         compute_advantages(rollout, scores, args)  # all groups at once: --normalize_advantage needs them all
     for _ in range(args.num_ppo_epochs):
@@ -1658,7 +1659,7 @@ def ppo_update(
                 with gradient_sync(model, enabled=micro_step == len(minibatch) - 1), autocast():
                     new_logprobs, entropy = forward_logprobs(model, batch, args.temperature, share_prompt,
                                                              with_entropy=True)  # (n', Tr') each
-                    if on_policy:  # whole prompt groups (skips_logprob_pass): all that the estimator reads
+                    if logprobs_from_update:  # whole prompt groups (skips_logprob_pass): all that the estimator reads
                         batch.logprobs = new_logprobs.detach() * batch.response_mask
                         compute_advantages(batch, scores[rows], args)
                         if rollout.advantages is None:  # (k*B,), or (k*B, Tr) from a per-token estimator
