@@ -783,8 +783,7 @@ def dump_batch(path: Path, tokenizer, rollout, scores: torch.Tensor,
 
 
 @contextlib.contextmanager
-def batch_kept_if_nonfinite(output_dir: str, update: int, rank: int, tokenizer, rollout, scores: torch.Tensor,
-                            advantages: Optional[torch.Tensor]):
+def batch_kept_if_nonfinite(output_dir: str, update: int, rank: int, tokenizer, rollout, scores: torch.Tensor):
     """For the training step: a NaN/inf (NonFiniteError, on every rank at once) stops the run before any optimizer
     step on it, the ranks that hold it writing the offending batch to output_dir/nonfinite/ first."""
     try:
@@ -794,7 +793,7 @@ def batch_kept_if_nonfinite(output_dir: str, update: int, rank: int, tokenizer, 
         if rank in e.ranks:
             try:
                 dump_batch(Path(output_dir) / "nonfinite" / f"update_{update}_rank_{rank}.jsonl", tokenizer, rollout,
-                           scores, advantages)
+                           scores, rollout.advantages)
             except OSError as error:  # a full disk: the run stops all the same, and says the batch is not there
                 unwritten = error.strerror or str(error)
         raise NonFiniteError(f"{e.quantity} at update {update}", e.ranks, unwritten) from None

@@ -678,7 +678,8 @@ class Completions:
         rows = completion_rows(prompts, self.queries.shape[0], self.k)  # (k*g,)
         prompt_width = int(self.query_mask[prompts].sum(1).max())
         response_width = int(self.response_mask[rows].sum(1).max())
-        return self.map_tensors(lambda t: t[prompts, -prompt_width:], lambda t: t[rows, :response_width])
+        return self.map_tensors(lambda t: t[prompts, -prompt_width:],
+                                lambda t: t[rows, :response_width] if t.dim() == 2 else t[rows])  # (k*g, ..)
 
     def one_per_row(self, rows: torch.Tensor) -> "Completions":
         """Completions `rows` (indices into k*B) as k = 1 completions, each with its own copy of its prompt (for
@@ -833,13 +834,15 @@ def logits_at(model, positions: torch.Tensor, **inputs) -> torch.Tensor:
 
 
 class SelectiveLogSoftmax(torch.autograd.Function):
-    """log softmax(logits / T)[target] and, if asked (without gradient), the entropy of softmax(logits / T), in a
+    """log softmax(logits / T)[target] and, if asked, the entropy of softmax(logits / T), both differentiable, in a
     few passes over the (N, Tr, V) logits: one exp whose result, normalized in place, is all the backward pass keeps.
     The obvious `log_softmax(logits / T).gather(...)` keeps logits / T and the log-probs, and its backward makes
-    several more (N, Tr, V) tensors: at V = 50k this is most of a small model's training step."""
+    several more (N, Tr, V) tensors: at V = 50k this is most of a small model's training step. An entropy that a loss
+    uses costs one more (N, Tr, V) fp32 buffer while the backward runs; one that no loss uses costs nothing there."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+        ctx.set_materialize_grads(False)  # an output that no loss uses gets None: its backward term is skipped
         x = logits.float()  # (N, Tr, V); the same tensor when already fp32, never written to
         top = x.max(-1, keepdim=True).values  # (N, Tr, 1)
         probs = (x - top).div_(temperature).exp_()  # (N, Tr, V) unnormalized: the one new (N, Tr, V) tensor
@@ -852,25 +855,34 @@ class SelectiveLogSoftmax(torch.autograd.Function):
         if with_entropy:  # logsumexp - E_p[x / T], the expectation as a batched dot product
             expected = torch.matmul(probs.unsqueeze(-2), x.unsqueeze(-1)).reshape(logprobs.shape) / temperature
             entropy = log_total.squeeze(-1) - expected  # (N, Tr)
-            ctx.mark_non_differentiable(entropy)
         if ctx.needs_input_grad[0]:
-            ctx.save_for_backward(probs, targets)
+            ctx.save_for_backward(probs, targets, entropy)
         ctx.temperature, ctx.dtype = temperature, logits.dtype
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs: torch.Tensor, _grad_entropy):
-        probs, targets = ctx.saved_tensors  # the graph is used once, so the saved buffer becomes the gradient
-        g = (grad_logprobs / ctx.temperature).unsqueeze(-1)  # (N, Tr, 1)
-        grad = probs.mul_(-g).scatter_add_(-1, targets.unsqueeze(-1), g)  # (onehot(target) - softmax) g / T
+    def backward(ctx, grad_logprobs: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]):
+        probs, targets, entropy = ctx.saved_tensors  # the graph is used once, so the saved buffer becomes the gradient
+        g = None if grad_logprobs is None else (grad_logprobs / ctx.temperature).unsqueeze(-1)  # (N, Tr, 1)
+        if grad_entropy is None:
+            grad = probs.mul_(-g)
+        else:  # d entropy / d logits = -softmax (log softmax + entropy) / T
+            h = (grad_entropy / ctx.temperature).unsqueeze(-1)  # (N, Tr, 1)
+            p_log_p = torch.xlogy(probs, probs)  # (N, Tr, V): the buffer an entropy in the loss costs
+            scale = h * entropy.unsqueeze(-1) + (0.0 if g is None else g)  # (N, Tr, 1)
+            grad = probs.mul_(-scale).sub_(p_log_p.mul_(h))
+        if g is not None:  # (onehot(target) - softmax) g / T
+            grad.scatter_add_(-1, targets.unsqueeze(-1), g)
         return grad.to(ctx.dtype), None, None, None
 
 
 def forward_logprobs(
     model, c: Completions, temperature: float, share_prompt: bool, with_entropy: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Log-probs (k*g, Tr) of the response tokens under the model's logits / temperature, as sampled; and the
-    per-token entropy (k*g, Tr), without gradient, if asked. Padding positions hold values that must be masked."""
+    """Log-probs (k*g, Tr) of the response tokens under the model's logits / temperature, as sampled; and, if asked,
+    the entropy (k*g, Tr) of the distribution each token was drawn from (policy/entropy_avg; differentiable, as
+    an entropy bonus needs; objective/entropy is another quantity, the sampled tokens' -log-prob summed over a
+    completion). Padding positions hold values that must be masked."""
     if not share_prompt:  # position Tq - 1 + t predicts response token t
         positions = c.queries.shape[1] - 1 + torch.arange(c.responses.shape[1], device=c.responses.device)  # (Tr,)
         logits = logits_at(model, positions, **unshared_inputs(c))  # (k*g, Tr, V)
@@ -956,8 +968,11 @@ class Rollout(Completions):
     """One rank's completions of one update, k*B rows in the (k, B) layout, with their log-probs."""
 
     logprobs: Optional[torch.Tensor]  # (k*B, Tr) under the policy that sampled, by a forward pass (0 on padding);
-    # None until the update's own forward fills them, when that is the same forward (on-policy: skip_logprob_pass)
+    # None until the update's own forward fills them, when that is the same forward (on-policy: skips_logprob_pass)
     ref_logprobs: Optional[torch.Tensor]  # (k*B, Tr) reference log-probs (0 on padding); None if kl_coef = 0
+    # set by ppo_update (compute_advantages): what it trained on, for the metrics
+    advantages: Optional[torch.Tensor] = field(default=None, kw_only=True)  # (k*B,), or (k*B, Tr) per token
+    rlhf_reward: Optional[torch.Tensor] = field(default=None, kw_only=True)  # (k*B,) score - kl_coef * KL
 
 
 @torch.no_grad()
@@ -1269,34 +1284,46 @@ def apply_missing_eos_penalty(scores: torch.Tensor, has_stop: torch.Tensor, pena
 
 
 # ===================================================================== advantages
-def leave_one_out_baseline(rewards: torch.Tensor, k: int) -> torch.Tensor:
-    """(k*B,) rewards in the (k, B) layout -> (k*B,) mean reward of the other k-1 samples of the same prompt."""
+# The rule an advantage estimator keeps: it reads only a completion's own prompt group. On-policy the update computes
+# the advantages of each micro-batch's whole groups as their log-probs arrive (skips_logprob_pass), so that an
+# estimator reading other groups would train on other values than on the plain path; tests/test_update.py checks
+# the rule on whatever rloo_advantages is.
+def in_groups(x: torch.Tensor, k: int) -> torch.Tensor:
+    """(k*g, ...) rows in the (k, g) layout -> (k, g, ...): column i holds prompt i's k samples. The rows are
+    sample-major (row j*g + i is sample j of prompt i); TRL's are prompt-major, so its `view(-1, k)` pasted here
+    would group samples of k different prompts."""
+    return x.reshape(k, -1, *x.shape[1:])
+
+
+def leave_one_out_baseline(rewards: torch.Tensor) -> torch.Tensor:
+    """(k, g) rewards -> (k, g) mean reward of the other k-1 samples of the same prompt (column)."""
+    k = rewards.shape[0]
     if k < 2:
         raise ValueError(f"rloo_k = {k}: the leave-one-out baseline needs k >= 2")
-    r = rewards.reshape(k, -1)  # (k, B): row j holds sample j of every prompt
-    return ((r.sum(0, keepdim=True) - r) / (k - 1)).flatten()  # (k*B,)
+    return (rewards.sum(0, keepdim=True) - rewards) / (k - 1)
 
 
 def rloo_advantages(
-    scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, kl_coef: float, k: int, token_level: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """scores (N,), per-token kl (N, Tr) -> (advantages, rlhf_reward (N,), non_score_reward (N,)).
+    scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, kl_coef: float, token_level: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The advantage estimator, on prompt groups: scores (k, g), per-token kl and response_mask (k, g, Tr), column i
+    prompt i's k samples -> (advantages (k, g), or (k, g, Tr) with token_level; rlhf_reward (k, g)).
 
-    Sequence level: reward = score - kl_coef * sum_t kl_t; advantages (N,) = reward - baseline.
-    Token level: token t earns -kl_coef * kl_t, the last valid token also earns the score; the advantage
-    (N, Tr) of token t is its return-to-go minus the same baseline. Both give the same rlhf_reward (the
-    return from token 0), and the same advantages when kl_coef = 0."""
+    Sequence level: reward = score - kl_coef * sum_t kl_t; advantage = reward - baseline.
+    Token level: token t earns -kl_coef * kl_t, the last valid token also earns the score; the advantage of token t
+    is its return-to-go minus the same baseline. Both give the same rlhf_reward (the return from token 0), and the
+    same advantages when kl_coef = 0."""
     kl = kl * response_mask
-    non_score_reward = -kl_coef * kl.sum(1)  # (N,)
-    rlhf_reward = scores + non_score_reward  # (N,)
-    baseline = leave_one_out_baseline(rlhf_reward, k)  # (N,)
+    non_score_reward = -kl_coef * kl.sum(-1)  # (k, g)
+    rlhf_reward = scores + non_score_reward  # (k, g)
+    baseline = leave_one_out_baseline(rlhf_reward)  # (k, g)
     if not token_level:
-        return rlhf_reward - baseline, rlhf_reward, non_score_reward
-    token_rewards = -kl_coef * kl  # (N, Tr)
-    last = last_true_index(response_mask)  # (N,)
-    token_rewards[torch.arange(len(last)), last] += scores
-    returns = token_rewards.flip(1).cumsum(1).flip(1)  # (N, Tr): sum of rewards from token t on
-    return (returns - baseline[:, None]) * response_mask, rlhf_reward, non_score_reward
+        return rlhf_reward - baseline, rlhf_reward
+    token_rewards = -kl_coef * kl  # (k, g, Tr)
+    rows = token_rewards.flatten(0, 1)  # (k*g, Tr), a view: the score goes to each row's last valid token
+    rows[torch.arange(len(rows)), last_true_index(response_mask.flatten(0, 1))] += scores.flatten()
+    returns = token_rewards.flip(-1).cumsum(-1).flip(-1)  # (k, g, Tr): sum of rewards from token t on
+    return (returns - baseline[..., None]) * response_mask, rlhf_reward
 
 
 def whiten(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -1304,6 +1331,30 @@ def whiten(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor
     mean, std = global_mean_std(x, mask)
     out = (x - mean) / (std + 1e-8)
     return out if mask is None else out * mask
+
+
+def kl_to_reference(rollout: Rollout) -> torch.Tensor:
+    """(k*B, Tr) per-token log-ratio of the sampling policy to the reference (0 without a reference, and on padding)."""
+    if rollout.ref_logprobs is None:
+        return torch.zeros_like(rollout.logprobs)
+    return rollout.logprobs - rollout.ref_logprobs
+
+
+def compute_advantages(c: Rollout, scores: torch.Tensor, args: Args) -> None:
+    """c.advantages and c.rlhf_reward from the scores (k*g,) of c's completions and their KL to the reference: all of
+    a rollout's, or (on-policy) a micro-batch's whole prompt groups. The one caller of the estimator: it hands it the
+    groups shaped (k, g), checks that they come back so, and with --normalize_advantage whitens over every rank's
+    batch (never on-policy: skips_logprob_pass)."""
+    k, g = c.k, c.queries.shape[0]
+    advantages, rlhf_reward = rloo_advantages(in_groups(scores, k), in_groups(kl_to_reference(c), k),
+                                              in_groups(c.response_mask, k), args.kl_coef, args.token_level_kl)
+    if advantages.shape[:2] != (k, g) or rlhf_reward.shape != (k, g):
+        raise ValueError(f"the advantage estimator returned advantages {tuple(advantages.shape)} and rlhf_reward "
+                         f"{tuple(rlhf_reward.shape)} for groups (k, g) = {(k, g)}: it must keep that layout")
+    advantages = advantages.flatten(0, 1)  # (k*g,), or (k*g, Tr)
+    if args.normalize_advantage:
+        advantages = whiten(advantages, None if advantages.dim() == 1 else c.response_mask)
+    c.advantages, c.rlhf_reward = advantages, rlhf_reward.flatten()  # (k*g,)
 
 
 # ===================================================================== loss
@@ -1331,61 +1382,51 @@ def importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tenso
 
 def policy_loss(
     new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
-    cliprange: float, is_weights: Optional[torch.Tensor] = None,
+    cliprange: float, per_token: bool, entropy: Optional[torch.Tensor] = None,
+    is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate. Log-probs and mask (N, Tr). Advantages (N,): the completion is one action, with the
-    sequence ratio exp(sum_t new - sum_t old). Advantages (N, Tr): each token is an action with its own ratio,
-    and the per-token losses are summed over the completion. Padding never counts. Each action's clipped loss is
-    multiplied by its importance weight (importance_weights: (N,), or (N, Tr) per token), if given. Returns (loss,
-    stats)."""
-    sequence_level = advantages.dim() == 1
-    if sequence_level:
-        log_ratio = sequence_log_ratio(new_logprobs, old_logprobs, response_mask)  # (N,)
-        weight = torch.ones_like(advantages)  # which entries count
-    else:
+    """The clipped surrogate's loss of each action, which ppo_update sums and divides by loss_normalizer. Log-probs,
+    mask and the policy's entropy (differentiable; reported as policy/entropy_avg) are (N, Tr). per_token False: a
+    completion is one action, with the sequence ratio exp(sum_t new - sum_t old) and advantages (N,) -> losses (N,).
+    per_token True: each token is an action with its own ratio, advantages (N, Tr) or each completion's (N,) on its
+    tokens -> losses (N, Tr), 0 on padding. Each action's loss is multiplied by its importance weight
+    (importance_weights: (N,), or (N, Tr) per token), if given. Returns (losses, stats)."""
+    if per_token:
         log_ratio = (new_logprobs - old_logprobs) * response_mask  # (N, Tr)
-        weight = response_mask.float()
+        advantages = advantages if advantages.dim() == 2 else advantages[:, None]  # (N, Tr) or (N, 1)
+        weight = response_mask.float()  # which entries count
+    elif advantages.dim() == 1:
+        log_ratio = sequence_log_ratio(new_logprobs, old_logprobs, response_mask)  # (N,)
+        weight = torch.ones_like(advantages)
+    else:
+        raise ValueError("per-token advantages (N, Tr) need per-token actions (per_token, as with --token_level_kl)")
     ratio = torch.exp(log_ratio)
     losses = -advantages * ratio
     losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    per_action = torch.max(losses, losses_clipped)
+    per_action = torch.max(losses, losses_clipped)  # (N,) or (N, Tr)
     if is_weights is not None:  # a sequence's weight is each of its tokens' in the per-token loss
         per_action = per_action * (is_weights if is_weights.dim() == per_action.dim() else is_weights[:, None])
-    loss = per_action.mean() if sequence_level else (per_action * weight).sum(1).mean()
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((losses_clipped > losses).float(), weight),
             "approxkl": 0.5 * masked_mean(log_ratio**2, weight),
         }
-    return loss, stats
+        if entropy is not None:
+            stats["entropy"] = masked_mean(entropy, response_mask)
+    return per_action * weight if per_token else per_action, stats
+
+
+def loss_normalizer(rollout: Rollout, minibatch: list[torch.Tensor]) -> torch.Tensor:
+    """What each micro-batch's summed losses are divided by: the minibatch's completions, counted before its first
+    micro-batch, so that its loss does not depend on how it is cut into micro-batches. Per-completion losses then
+    average over completions; per-token losses (--token_level_kl) give the mean over completions of each completion's
+    sum. The count per rank, averaged over ranks: DDP and FSDP average the ranks' gradients."""
+    rows = torch.cat(minibatch)  # (n,) this rank's completions of the minibatch
+    count = torch.tensor(float(len(rows)), device=rollout.responses.device)
+    return plumbing.all_reduce(count) / (dist.get_world_size() if dist.is_initialized() else 1)
 
 
 # ===================================================================== update
-def kl_to_reference(rollout: Rollout) -> torch.Tensor:
-    """(k*B, Tr) per-token log-ratio of the sampling policy to the reference (0 without a reference, and on padding)."""
-    if rollout.ref_logprobs is None:
-        return torch.zeros_like(rollout.logprobs)
-    return rollout.logprobs - rollout.ref_logprobs
-
-
-@dataclass
-class Advantages:
-    advantages: torch.Tensor  # (k*B,), or (k*B, Tr) with token_level_kl
-    rlhf_reward: torch.Tensor  # (k*B,) score - kl_coef * KL
-    non_score_reward: torch.Tensor  # (k*B,) -kl_coef * KL
-
-
-def advantages_of(rollout: Rollout, scores: torch.Tensor, args: Args) -> Advantages:
-    """Leave-one-out advantages of the rollout's completions from their scores (k*B,) and KL to the reference. Any
-    subset of whole prompt groups in the (k, g) layout works alike (the baseline reads only a completion's own
-    group)."""
-    advantages, rlhf_reward, non_score_reward = rloo_advantages(
-        scores, kl_to_reference(rollout), rollout.response_mask, args.kl_coef, rollout.k, args.token_level_kl)
-    if args.normalize_advantage:
-        advantages = whiten(advantages, None if advantages.dim() == 1 else rollout.response_mask)
-    return Advantages(advantages, rlhf_reward, non_score_reward)
-
-
 def minibatch_plan(rollout: Rollout, sizes: BatchSizes, k: int) -> list[list[torch.Tensor]]:
     """One PPO epoch: shuffled minibatches, each a list of micro-batches, each the rows (indices into k*B) it
     trains on. When a micro-batch holds whole prompt groups (micro a multiple of k), the groups are shuffled, and
@@ -1418,45 +1459,62 @@ def is_weights_of(batch: Rollout, args: Args) -> Optional[torch.Tensor]:
     if not args.vllm_importance_sampling_correction:
         return None
     if batch.sampler_logprobs is None:
-        raise plumbing.ConfigError("--vllm_importance_sampling_correction needs the sampler's log-probs, which this rollout "
-                          "source does not return: drop the flag")
+        raise plumbing.ConfigError("--vllm_importance_sampling_correction needs the sampler's log-probs, which this "
+                                   "rollout source does not return: drop the flag")
     return importance_weights(batch.logprobs, batch.sampler_logprobs, batch.response_mask,
                               args.vllm_importance_sampling_mode, args.vllm_importance_sampling_cap)
 
 
+def put_rows(into: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """into[rows] = values: a micro-batch's (n,) values, or (n, w) cut to its own width w, back in the rollout's
+    (k*B,) or (k*B, Tr) tensor."""
+    into[(rows, slice(values.shape[1])) if values.dim() == 2 else rows] = values
+
+
 def ppo_update(
-    model, optimizer: torch.optim.Optimizer, rollout: Rollout, scores: torch.Tensor,
-    advantages: Optional[torch.Tensor], args: Args, sizes: BatchSizes, share_prompt: bool, autocast,
+    model, optimizer: torch.optim.Optimizer, rollout: Rollout, scores: torch.Tensor, args: Args, sizes: BatchSizes,
+    share_prompt: bool, autocast,
 ) -> dict[str, float]:
     """num_ppo_epochs x shuffled minibatches (one optimizer step each) x micro-batches (gradient accumulation;
-    DDP syncs gradients on the last micro-step only), as planned by minibatch_plan. With advantages None (on-policy,
-    skips_logprob_pass), each micro-batch's forward is the sampling policy's: its log-probs, detached, are the
-    ratio's denominator (ratio 1) and give the KL and the advantages of its prompt groups; they are written into
-    rollout.logprobs. Returns the stats averaged over all micro-steps."""
+    DDP syncs gradients on the last micro-step only), as planned by minibatch_plan; a minibatch's loss is the sum of
+    its actions' losses (policy_loss) over loss_normalizer. The advantages come from the scores (k*B,) by
+    compute_advantages, for the whole rollout before the first step; or, on-policy (rollout.logprobs None:
+    skips_logprob_pass), for each micro-batch's prompt groups from its own forward, whose detached log-probs are
+    the ratio's denominator (ratio 1) and are written into rollout.logprobs. Leaves rollout.advantages and
+    rollout.rlhf_reward for the metrics. Returns the stats averaged over all micro-steps (the loss: over
+    minibatches)."""
     stats: dict[str, list[torch.Tensor]] = {}
     ratios, grad_norms = [], []
     device, k = scores.device, rollout.k
     max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-    if advantages is None:
-        rollout.logprobs = torch.zeros(rollout.responses.shape, device=device)  # (k*B, Tr), filled below
+    logprobs_from_update = rollout.logprobs is None  # skips_logprob_pass
+    if logprobs_from_update:  # filled below, a micro-batch at a time
+        rollout.logprobs = torch.zeros(rollout.responses.shape, device=device)  # (k*B, Tr)
+        rollout.advantages, rollout.rlhf_reward = None, torch.zeros_like(scores)  # (k*B,); the advantages below
+    else:
+        compute_advantages(rollout, scores, args)  # all groups at once: --normalize_advantage needs them all
     for _ in range(args.num_ppo_epochs):
         for minibatch in minibatch_plan(rollout, sizes, k):
+            normalizer = loss_normalizer(rollout, minibatch)  # counted once: every micro-batch divides by it
+            losses = []
             for micro_step, rows in enumerate(minibatch):
                 batch = micro_batch(rollout, rows, k)  # (n, Tq') prompts, (n', Tr') responses, n' = len(rows)
-                width = batch.responses.shape[1]  # this micro-batch's longest response
                 with gradient_sync(model, enabled=micro_step == len(minibatch) - 1), autocast():
                     new_logprobs, entropy = forward_logprobs(model, batch, args.temperature, share_prompt,
                                                              with_entropy=True)  # (n', Tr') each
-                    if advantages is None:
+                    if logprobs_from_update:  # whole prompt groups (skips_logprob_pass): all that the estimator reads
                         batch.logprobs = new_logprobs.detach() * batch.response_mask
-                        rollout.logprobs[rows, :width] = batch.logprobs
-                        batch_advantages = advantages_of(batch, scores[rows], args).advantages
-                    else:
-                        batch_advantages = advantages[rows] if advantages.dim() == 1 else advantages[rows, :width]
-                    loss, step_stats = policy_loss(new_logprobs, batch.logprobs, batch_advantages,
-                                                   batch.response_mask, args.cliprange, is_weights_of(batch, args))
-                    (loss / len(minibatch)).backward()
-                step_stats.update(loss=loss.detach(), entropy=masked_mean(entropy, batch.response_mask))
+                        compute_advantages(batch, scores[rows], args)
+                        if rollout.advantages is None:  # (k*B,), or (k*B, Tr) from a per-token estimator
+                            rollout.advantages = scores.new_zeros(rollout.responses.shape[:batch.advantages.dim()])
+                        for name in ("logprobs", "advantages", "rlhf_reward"):
+                            put_rows(getattr(rollout, name), rows, getattr(batch, name))
+                    action_losses, step_stats = policy_loss(
+                        new_logprobs, batch.logprobs, batch.advantages, batch.response_mask, args.cliprange,
+                        per_token=args.token_level_kl, entropy=entropy, is_weights=is_weights_of(batch, args))
+                    loss = action_losses.sum() / normalizer
+                    loss.backward()
+                losses.append(loss.detach())
                 for key, value in step_stats.items():
                     stats.setdefault(key, []).append(value)
                 ratios.append(torch.exp(sequence_log_ratio(new_logprobs.detach(), batch.logprobs, batch.response_mask)))
@@ -1464,7 +1522,8 @@ def ppo_update(
             if plumbing.is_fsdp_unit(model):  # a DTensor: the norm over every rank's shards
                 grad_norm = grad_norm.full_tensor()
             # never step on a non-finite gradient; every rank agrees before any of them steps
-            plumbing.check_finite({"loss": torch.stack(stats["loss"][-len(minibatch):]), "gradient norm": grad_norm}, device)
+            plumbing.check_finite({"loss": torch.stack(losses), "gradient norm": grad_norm}, device)
+            stats.setdefault("loss", []).append(torch.stack(losses).sum())  # the minibatch's loss
             grad_norms.append(grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -1675,28 +1734,23 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                 if args.normalize_reward:
                     scores = whiten(scores).clamp(-args.reward_clip_range, args.reward_clip_range)
 
-            # ALGO LOGIC 5-6. KL-penalized rewards and leave-one-out advantages (k*B,) or (k*B, Tr), then PPO epochs
+            # ALGO LOGIC 5-6. KL-penalized rewards and leave-one-out advantages (compute_advantages), then PPO epochs
             # of the clipped surrogate. On-policy, the update computes them from its own forward (skips_logprob_pass)
-            returns = None if logprobs_from_update else advantages_of(rollout, scores, args)
             policy.train()  # dropout is off; train mode only switches gradient checkpointing on
             with timer("training"), plumbing.batch_kept_if_nonfinite(args.output_dir, update, dist_info.rank,
-                                                                     tokenizer, rollout, raw_scores,
-                                                                     None if returns is None else returns.advantages):
+                                                                     tokenizer, rollout, raw_scores):
                 plumbing.check_finite({"reward": raw_scores, "log-prob": rollout.logprobs,
                                        "reference log-prob": rollout.ref_logprobs}, device)  # on every rank at once
-                train_stats = ppo_update(trained, optimizer, rollout, scores, None if returns is None else
-                                         returns.advantages, args, sizes, share_prompt, autocast)
+                train_stats = ppo_update(trained, optimizer, rollout, scores, args, sizes, share_prompt, autocast)
             rollout_metrics.update(rollouts.policy_updated(update, policy))  # rloo_multinode.py: the engines' sync
-            if returns is None:  # the update filled rollout.logprobs in: the rewards it trained on
-                returns = advantages_of(rollout, scores, args)
 
             # log (this rank's metrics under TRL's names, then reduced over ranks), evaluate, save
             kl = kl_to_reference(rollout) * rollout.response_mask  # (k*B, Tr)
             metrics = {
                 "objective/kl": kl.sum(1).mean().item(),
                 "objective/entropy": (-rollout.logprobs * rollout.response_mask).sum(1).mean().item(),
-                "objective/non_score_reward": returns.non_score_reward.mean().item(),
-                "objective/rlhf_reward": returns.rlhf_reward.mean().item(),
+                "objective/non_score_reward": (-args.kl_coef * kl.sum(1)).mean().item(),
+                "objective/rlhf_reward": rollout.rlhf_reward.mean().item(),
                 "objective/scores": scores.mean().item(),
                 "objective/raw_scores": raw_scores.mean().item(),
                 "policy/approxkl_avg": train_stats["approxkl"],

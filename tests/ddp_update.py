@@ -26,7 +26,7 @@ def main(out_path: str, wrapper: str) -> None:
                                 k=K)  # (k*B, Tr) responses
     with torch.no_grad():
         logprobs, _ = rloo.forward_logprobs(policy, c, 1.0, share_prompt=True)
-    advantages = torch.randn(K * GLOBAL_PROMPTS)
+    scores = torch.randn(K * GLOBAL_PROMPTS)
     rollout = rloo.Rollout(c.queries, c.query_mask, c.responses, c.response_mask, logprobs * c.response_mask, None)
 
     per_rank = GLOBAL_PROMPTS // dist_info.world_size  # each rank trains on all k completions of its prompts
@@ -41,8 +41,8 @@ def main(out_path: str, wrapper: str) -> None:
     else:
         model = DDP(policy) if dist.is_initialized() else policy
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)  # plain SGD: the update is a multiple of the gradient
-    rloo.ppo_update(model, optimizer, rollout, torch.zeros(len(rows)), advantages[rows], args, sizes, True,
-                    lambda: torch.autocast("cpu", enabled=False))
+    rloo.ppo_update(model, optimizer, rollout, scores[rows], args, sizes, True,
+                    lambda: torch.autocast("cpu", enabled=False))  # whole prompt groups: the same advantages
     if wrapper.startswith("fsdp"):  # every rank sends its shards
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

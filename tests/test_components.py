@@ -263,12 +263,13 @@ def test_one_update_with_positive_advantage_raises_that_completions_logprob():
         old, _ = rloo.forward_logprobs(policy, c, 1.0, share_prompt=True)
     old = old * c.response_mask
     rollout = rloo.Rollout(c.queries, c.query_mask, c.responses, c.response_mask, old, None)
-    advantages = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0])  # (k, B) layout: advantages [1, 0, -1, 0]
     args = rloo.Args(rloo_k=2, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_ppo_epochs=1,
                      temperature=1.0)
     sizes = rloo.compute_batch_sizes(args, 1)
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
-    stats = rloo.ppo_update(policy, optimizer, rollout, torch.zeros(4), advantages, args, sizes, True, NO_AUTOCAST)
+    stats = rloo.ppo_update(policy, optimizer, rollout, scores, args, sizes, True, NO_AUTOCAST)
+    assert rollout.advantages.tolist() == [1.0, 0.0, -1.0, 0.0]
     with torch.no_grad():
         new, _ = rloo.forward_logprobs(policy, c, 1.0, share_prompt=True)
     new_total = (new * c.response_mask).sum(1)

@@ -1,5 +1,6 @@
 """The pure functions of the algorithm, on hand-computed numbers."""
 
+import functools
 import math
 
 import pytest
@@ -25,7 +26,7 @@ def brute_force_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
 def test_baseline_worked_example_from_the_docs():
     # k=4, B=3: rows are samples, columns prompts
     rewards = torch.tensor([[1, 2, 3], [2, 3, 4], [5, 6, 7], [8, 9, 10]], dtype=torch.float).flatten()
-    advantages = rewards - rloo.leave_one_out_baseline(rewards, k=4)
+    advantages = rewards - rloo.leave_one_out_baseline(rloo.in_groups(rewards, 4)).flatten()
     assert advantages[0].item() == pytest.approx(1 - (2 + 5 + 8) / 3)  # prompt 0, sample 0
     assert advantages[7].item() == pytest.approx(6 - (3 + 2 + 9) / 3)  # prompt 1, sample 2
     torch.testing.assert_close(advantages, brute_force_advantages(rewards, 4))
@@ -34,16 +35,17 @@ def test_baseline_worked_example_from_the_docs():
 @pytest.mark.parametrize("k,b", [(2, 1), (2, 5), (3, 4), (4, 3), (8, 2)])
 def test_baseline_matches_brute_force(k, b):
     rewards = torch.randn(k * b, generator=torch.Generator().manual_seed(k * 10 + b))
-    advantages, _, _ = rloo.rloo_advantages(rewards, torch.zeros(k * b, 3), torch.ones(k * b, 3, dtype=torch.bool),
-                                            kl_coef=0.1, k=k, token_level=False)
-    torch.testing.assert_close(advantages, brute_force_advantages(rewards, k))
+    group = functools.partial(rloo.in_groups, k=k)
+    advantages, _ = rloo.rloo_advantages(group(rewards), group(torch.zeros(k * b, 3)),
+                                         group(torch.ones(k * b, 3, dtype=torch.bool)), kl_coef=0.1, token_level=False)
+    torch.testing.assert_close(advantages.flatten(), brute_force_advantages(rewards, k))
     # the advantages of each prompt's samples sum to zero: the baseline adds no bias on average
     torch.testing.assert_close(advantages.reshape(k, b).sum(0), torch.zeros(b), atol=1e-5, rtol=0)
 
 
 def test_k_below_two_is_refused():
     with pytest.raises(ValueError, match="k >= 2"):
-        rloo.leave_one_out_baseline(torch.ones(4), k=1)
+        rloo.leave_one_out_baseline(torch.ones(1, 4))
     with pytest.raises(plumbing.ConfigError, match="rloo_k = 1"):
         rloo.compute_batch_sizes(rloo.Args(rloo_k=1), world_size=1)
 
@@ -63,12 +65,19 @@ def test_indivisible_batch_names_the_numbers():
 
 
 # ---------------------------------------------------------------- sequence- vs token-level KL
+def rloo_advantages(scores, kl, mask, kl_coef, k, token_level):
+    """rloo.rloo_advantages on (k*B,) rows, as compute_advantages calls it."""
+    advantages, rlhf_reward = rloo.rloo_advantages(*(rloo.in_groups(x, k) for x in (scores, kl, mask)), kl_coef,
+                                                   token_level)
+    return advantages.flatten(0, 1), rlhf_reward.flatten()
+
+
 def test_sequence_and_token_level_agree_without_kl():
     scores = torch.tensor([1.0, 0.0, 2.0, 5.0])  # k=2, B=2
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
     kl = torch.randn(4, 3)
-    seq, seq_reward, _ = rloo.rloo_advantages(scores, kl, mask, kl_coef=0.0, k=2, token_level=False)
-    tok, tok_reward, _ = rloo.rloo_advantages(scores, kl, mask, kl_coef=0.0, k=2, token_level=True)
+    seq, seq_reward = rloo_advantages(scores, kl, mask, kl_coef=0.0, k=2, token_level=False)
+    tok, tok_reward = rloo_advantages(scores, kl, mask, kl_coef=0.0, k=2, token_level=True)
     torch.testing.assert_close(tok, seq[:, None] * mask)  # every valid token carries the sequence advantage
     torch.testing.assert_close(tok_reward, seq_reward)
 
@@ -78,13 +87,12 @@ def test_token_level_kl_differs_where_it_must():
     kl = torch.tensor([[0.5, 1.0, 2.0], [0.0, 0.0, 9.0]])  # the 9.0 sits on padding: must be ignored
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
     c = 0.1
-    seq, seq_reward, non_score = rloo.rloo_advantages(scores, kl, mask, kl_coef=c, k=2, token_level=False)
-    tok, tok_reward, _ = rloo.rloo_advantages(scores, kl, mask, kl_coef=c, k=2, token_level=True)
+    seq, seq_reward = rloo_advantages(scores, kl, mask, kl_coef=c, k=2, token_level=False)
+    tok, tok_reward = rloo_advantages(scores, kl, mask, kl_coef=c, k=2, token_level=True)
     # same totals: rlhf reward = score - c * sum of valid kl
     expected_reward = torch.tensor([1.0 - c * 3.5, 3.0])
     torch.testing.assert_close(seq_reward, expected_reward)
     torch.testing.assert_close(tok_reward, expected_reward)
-    torch.testing.assert_close(non_score, torch.tensor([-c * 3.5, 0.0]))
     # sequence level: one advantage per completion
     torch.testing.assert_close(seq, torch.tensor([expected_reward[0] - 3.0, 3.0 - expected_reward[0]]))
     # token level: token t's return only holds the KL of tokens t.. (and the score), minus the same baseline
@@ -127,11 +135,10 @@ def test_sequence_level_loss_on_hand_computed_numbers():
     old = torch.tensor([[-1.0, -1.0], [-2.0, 0.0]])
     new = torch.tensor([[-0.9, -0.8], [-2.5, 7.0]])  # 7.0 sits on padding
     advantages = torch.tensor([1.0, -2.0])
-    loss, stats = rloo.policy_loss(new, old, advantages, mask, cliprange=0.2)
+    losses, stats = rloo.policy_loss(new, old, advantages, mask, cliprange=0.2, per_token=False)
     r0, r1 = math.exp(0.3), math.exp(-0.5)  # sequence ratios: exp of summed log-ratios over valid tokens
     # sample 0: A>0, ratio 1.35 > 1.2 -> clipped to 1.2; sample 1: A<0, ratio 0.61 < 0.8 -> clipped to 0.8
-    expected = (max(-1.0 * r0, -1.0 * 1.2) + max(2.0 * r1, 2.0 * 0.8)) / 2
-    assert loss.item() == pytest.approx(expected)
+    assert losses.tolist() == pytest.approx([max(-1.0 * r0, -1.0 * 1.2), max(2.0 * r1, 2.0 * 0.8)])
     assert stats["clipfrac"].item() == pytest.approx(1.0)
     assert stats["approxkl"].item() == pytest.approx(0.5 * (0.3**2 + 0.5**2) / 2)
     ratios = rloo.sequence_log_ratio(new, old, mask).exp()
@@ -142,8 +149,8 @@ def test_unclipped_loss_is_reinforce_at_ratio_one():
     logprobs = torch.randn(4, 3, requires_grad=True)
     mask = torch.ones(4, 3, dtype=torch.bool)
     advantages = torch.tensor([1.0, -1.0, 0.5, 2.0])
-    loss, stats = rloo.policy_loss(logprobs, logprobs.detach(), advantages, mask, cliprange=0.2)
-    loss.backward()
+    losses, stats = rloo.policy_loss(logprobs, logprobs.detach(), advantages, mask, cliprange=0.2, per_token=False)
+    losses.mean().backward()
     assert stats["clipfrac"].item() == 0 and stats["approxkl"].item() == 0
     # d loss / d logprob_t = -A / N for every token: the REINFORCE gradient with the leave-one-out baseline
     torch.testing.assert_close(logprobs.grad, -advantages[:, None].expand(4, 3) / 4)
@@ -156,17 +163,18 @@ def test_padding_never_counts():
     noisy_new = torch.where(mask, new, torch.full_like(new, 50.0))
     noisy_old = torch.where(mask, old, torch.full_like(old, -50.0))
     for advantages in (torch.tensor([1.0, -1.0]), torch.randn(2, 4)):
-        loss, stats = rloo.policy_loss(new, old, advantages, mask, 0.2)
-        loss2, stats2 = rloo.policy_loss(noisy_new, noisy_old, advantages, mask, 0.2)
-        assert loss.item() == pytest.approx(loss2.item())
+        per_token = advantages.dim() == 2
+        loss, stats = rloo.policy_loss(new, old, advantages, mask, 0.2, per_token)
+        loss2, stats2 = rloo.policy_loss(noisy_new, noisy_old, advantages, mask, 0.2, per_token)
+        torch.testing.assert_close(loss, loss2)
         for key in stats:
             assert stats[key].item() == pytest.approx(stats2[key].item())
     # KL and entropy sums use the mask too
     entropy = torch.tensor([[1.0, 2.0, -99.0, -99.0], [3.0, -99.0, -99.0, -99.0]])
     assert rloo.masked_mean(entropy, mask).item() == pytest.approx(2.0)
     kl = torch.tensor([[0.5, 0.5, 9.0, 9.0], [1.0, 9.0, 9.0, 9.0]])
-    _, _, non_score = rloo.rloo_advantages(torch.zeros(2), kl, mask, kl_coef=1.0, k=2, token_level=False)
-    assert non_score.tolist() == [-1.0, -1.0]
+    _, rlhf_reward = rloo_advantages(torch.zeros(2), kl, mask, kl_coef=1.0, k=2, token_level=False)
+    assert rlhf_reward.tolist() == [-1.0, -1.0]
 
 
 def test_token_level_loss_uses_per_token_ratios():
@@ -174,9 +182,14 @@ def test_token_level_loss_uses_per_token_ratios():
     old = torch.tensor([[-1.0, -1.0]])
     new = torch.tensor([[-0.5, -1.0]])  # token 0's ratio e^0.5 is clipped, token 1's ratio is 1
     advantages = torch.tensor([[1.0, 1.0]])
-    loss, stats = rloo.policy_loss(new, old, advantages, mask, cliprange=0.2)
-    assert loss.item() == pytest.approx(-1.2 - 1.0)
+    losses, stats = rloo.policy_loss(new, old, advantages, mask, cliprange=0.2, per_token=True)
+    assert losses.tolist() == [pytest.approx([-1.2, -1.0])]
     assert stats["clipfrac"].item() == pytest.approx(0.5)
+    # each completion's advantage on its tokens, the level said, not read from the advantages' shape
+    same, _ = rloo.policy_loss(new, old, torch.tensor([1.0]), mask, cliprange=0.2, per_token=True)
+    assert torch.equal(same, losses)
+    with pytest.raises(ValueError, match="per-token advantages"):
+        rloo.policy_loss(new, old, advantages, mask, cliprange=0.2, per_token=False)
 
 
 def test_whiten_and_global_stats_single_process():
@@ -231,11 +244,30 @@ def test_selective_log_softmax_matches_log_softmax_values_and_gradient(dtype):
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert torch.allclose(logprobs, expected, atol=tol)
     assert torch.allclose(entropy, -(reference.exp() * reference).sum(-1), atol=tol)
-    assert not entropy.requires_grad
     assert ours.dtype == dtype and torch.allclose(ours.float(), logits.grad.float(), atol=tol)
     with torch.no_grad():  # the rollout's call: no entropy, nothing kept
         again, none = rloo.SelectiveLogSoftmax.apply(logits, targets, 0.7, False)
     assert none is None and torch.equal(again, logprobs.detach())
+
+
+@pytest.mark.parametrize("uses", ["entropy", "both"])
+def test_the_entropy_is_differentiable(uses):
+    """An entropy bonus trains: the entropy's gradient is log_softmax's, alone or with the log-probs'."""
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(3, 5, 11)).requires_grad_()
+    targets = torch.randint(0, 11, (3, 5))
+    weights = torch.randn(2, 3, 5)  # arbitrary upstream gradients of the log-probs and of the entropy
+    logits[0, 0, 3].data.fill_(-1e4)  # a probability that underflows to 0: no NaN from 0 * log 0
+
+    def loss(logprobs, entropy):
+        return (entropy * weights[1]).sum() + ((logprobs * weights[0]).sum() if uses == "both" else 0.0)
+
+    loss(*rloo.SelectiveLogSoftmax.apply(logits, targets, 0.7, True)).backward()
+    ours, logits.grad = logits.grad.clone(), None
+    reference = (logits / 0.7).log_softmax(-1)  # (3, 5, 11)
+    loss(reference.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(reference.exp() * reference).sum(-1)).backward()
+    assert torch.isfinite(ours).all()
+    torch.testing.assert_close(ours, logits.grad, atol=1e-5, rtol=1e-4)
 
 
 def test_sample_tokens_follows_the_softmax_and_never_draws_a_masked_token():

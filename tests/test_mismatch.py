@@ -67,26 +67,28 @@ def test_the_weights_multiply_each_actions_clipped_loss():
     rollout = hand_made_rollout()
     advantages = torch.tensor([1.0, -2.0])
     weights = torch.tensor([0.5, 2.0])
-    plain, _ = rloo.policy_loss(new, rollout.logprobs, advantages, rollout.response_mask, 0.2)
+    plain, _ = rloo.policy_loss(new, rollout.logprobs, advantages, rollout.response_mask, 0.2, per_token=False)
     per_completion = [rloo.policy_loss(new[i:i + 1], rollout.logprobs[i:i + 1], advantages[i:i + 1],
-                                       rollout.response_mask[i:i + 1], 0.2)[0] for i in range(2)]
-    weighted, _ = rloo.policy_loss(new, rollout.logprobs, advantages, rollout.response_mask, 0.2, weights)
-    torch.testing.assert_close(plain, sum(per_completion) / 2)
-    torch.testing.assert_close(weighted, (0.5 * per_completion[0] + 2.0 * per_completion[1]) / 2)
+                                       rollout.response_mask[i:i + 1], 0.2, per_token=False)[0] for i in range(2)]
+    weighted, _ = rloo.policy_loss(new, rollout.logprobs, advantages, rollout.response_mask, 0.2, per_token=False,
+                                   is_weights=weights)
+    torch.testing.assert_close(plain, torch.cat(per_completion))
+    torch.testing.assert_close(weighted, torch.cat([0.5 * per_completion[0], 2.0 * per_completion[1]]))
     # per-token actions: a token's weight multiplies its own loss; a sequence's weight each of its tokens'
     token_advantages = torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, 0.0]])
     token_weights = torch.tensor([[0.5, 1.0, 2.0], [3.0, 0.0, 1.0]])
-    per_token = rloo.policy_loss(new, rollout.logprobs, token_advantages, rollout.response_mask, 0.2)
-    by_token, _ = rloo.policy_loss(new, rollout.logprobs, token_advantages, rollout.response_mask, 0.2, token_weights)
+    per_token = rloo.policy_loss(new, rollout.logprobs, token_advantages, rollout.response_mask, 0.2, per_token=True)
+    by_token, _ = rloo.policy_loss(new, rollout.logprobs, token_advantages, rollout.response_mask, 0.2,
+                                   per_token=True, is_weights=token_weights)
     ratio = (new - rollout.logprobs).exp()
     unclipped = -token_advantages * ratio
     clipped = -token_advantages * ratio.clamp(0.8, 1.2)
-    expected = (torch.max(unclipped, clipped) * token_weights * rollout.response_mask).sum(1).mean()
+    expected = torch.max(unclipped, clipped) * token_weights * rollout.response_mask  # (2, 3)
     torch.testing.assert_close(by_token, expected)
-    by_sequence, _ = rloo.policy_loss(new, rollout.logprobs, token_advantages, rollout.response_mask, 0.2, weights)
-    torch.testing.assert_close(by_sequence, (torch.max(unclipped, clipped) * weights[:, None]
-                                             * rollout.response_mask).sum(1).mean())
-    assert per_token[0] != by_token
+    by_sequence, _ = rloo.policy_loss(new, rollout.logprobs, token_advantages, rollout.response_mask, 0.2,
+                                      per_token=True, is_weights=weights)
+    torch.testing.assert_close(by_sequence, torch.max(unclipped, clipped) * weights[:, None] * rollout.response_mask)
+    assert not torch.equal(per_token[0], by_token)
 
 
 def sample_and_recompute(sampler, policy, args, sampler_autocast, trainer_autocast) -> rloo.Rollout:
@@ -162,8 +164,8 @@ def test_the_correction_brings_a_perturbed_samplers_gradient_back_to_the_on_poli
         rollout = rloo.collect_rollout(policy, None, c, args, False, True, NO_AUTOCAST, plumbing.PhaseTimer(CPU))
         scores = reward(c.responses)
         optimizer = GradientOf(policy.parameters())
-        rloo.ppo_update(policy, optimizer, rollout, scores, rloo.advantages_of(rollout, scores, args).advantages,
-                        args, rloo.compute_batch_sizes(args, 1), False, NO_AUTOCAST)
+        rloo.ppo_update(policy, optimizer, rollout, scores, args, rloo.compute_batch_sizes(args, 1), False,
+                        NO_AUTOCAST)
         return ((optimizer.gradient - exact).norm() / exact.norm()).item()
 
     on_policy, uncorrected, corrected = error(policy, False), error(sampler, False), error(sampler, True)

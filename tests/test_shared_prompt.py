@@ -61,7 +61,7 @@ def test_logprobs_entropy_rewards_loss_and_gradients_equal_unshared(k, attention
     for share_prompt in (True, False):
         policy.zero_grad()
         logprobs, entropy = rloo.forward_logprobs(policy, c, 1.0, share_prompt, with_entropy=True)  # (k*B, Tr)
-        loss, _ = rloo.policy_loss(logprobs, old, advantages, c.response_mask, 0.2)
+        loss = rloo.policy_loss(logprobs, old, advantages, c.response_mask, 0.2, per_token=False)[0].mean()
         loss.backward()
         results[share_prompt] = {
             "logprobs": logprobs.detach() * c.response_mask, "entropy": entropy * c.response_mask, "loss": loss.detach(),
@@ -147,10 +147,9 @@ def trained(share_prompt: bool, c: rloo.Completions, logprobs_from_update: bool,
         logprobs = None if logprobs_from_update else rloo.forward_logprobs(policy, c, 1.0, share_prompt)[0] * c.response_mask
     rollout = rloo.Rollout(c.queries, c.query_mask, c.responses, c.response_mask, logprobs, ref * c.response_mask)
     scores = torch.randn(c.responses.shape[0], generator=torch.Generator().manual_seed(2))
-    advantages = None if logprobs_from_update else rloo.advantages_of(rollout, scores, args).advantages
     torch.manual_seed(7)
-    stats = rloo.ppo_update(policy, torch.optim.SGD(policy.parameters(), lr=1.0), rollout, scores, advantages, args,
-                            sizes, share_prompt, NO_AUTOCAST)
+    stats = rloo.ppo_update(policy, torch.optim.SGD(policy.parameters(), lr=1.0), rollout, scores, args, sizes,
+                            share_prompt, NO_AUTOCAST)
     return {"stats": stats, "logprobs": rollout.logprobs, **{n: p.detach() for n, p in policy.named_parameters()}}
 
 
@@ -279,7 +278,8 @@ def test_every_architecture_shares_exactly_or_says_it_does_not(family):
     for share_prompt in (True, False):
         policy.zero_grad()
         logprobs, entropy = rloo.forward_logprobs(policy, c, 1.0, share_prompt, with_entropy=True)  # (k*B, Tr)
-        loss, _ = rloo.policy_loss(logprobs, torch.zeros(c.responses.shape), advantages, c.response_mask, 0.2)
+        loss = rloo.policy_loss(logprobs, torch.zeros(c.responses.shape), advantages, c.response_mask, 0.2,
+                                per_token=False)[0].mean()
         loss.backward()
         results[share_prompt] = {
             "logprobs": logprobs.detach() * c.response_mask, "entropy": entropy * c.response_mask,

@@ -1,0 +1,125 @@
+"""README.md's "Changing the algorithm": each worked example, a diff of one function, applied to a copy of rloo.py
+and trained with for a few updates on the tiny models, does what it says."""
+
+import functools
+import importlib.util
+import re
+
+import pytest
+import torch
+
+import plumbing
+import rloo
+from conftest import REPO, policy_tokenizer, prompt_rows, tiny_policy, tiny_reward_model
+from test_components import left_padded
+from test_shared_prompt import NO_AUTOCAST
+
+CPU = torch.device("cpu")
+K, PROMPTS = 4, 4  # 16 completions an update
+
+
+def examples() -> dict[str, str]:
+    """The section's diff blocks, by the bold title of the paragraph before each."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("\n## Changing the algorithm\n", 1)[1].split("\n## ", 1)[0]
+    return {re.findall(r"\*\*([^*]+)\*\*", section[:block.start()])[-1]: block.group(1)
+            for block in re.finditer(r"```diff\n(.*?)```", section, re.S)}
+
+
+def edited_rloo(diff: str, tmp_path):
+    """rloo.py with the diff applied (its context and removed lines found exactly once), imported as a module."""
+    lines = diff.splitlines()
+    old = "".join(line[1:] + "\n" for line in lines if line[:1] in (" ", "-"))
+    new = "".join(line[1:] + "\n" for line in lines if line[:1] in (" ", "+"))
+    source = (REPO / "rloo.py").read_text()
+    assert source.count(old) == 1, f"the example's lines are not in rloo.py once:\n{old}"
+    path = tmp_path / "rloo.py"
+    path.write_text(source.replace(old, new))
+    spec = importlib.util.spec_from_file_location(f"rloo_edited_{tmp_path.name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def train(module, updates: int, score, **flags) -> tuple[torch.nn.Module, list]:
+    """`updates` updates of the tiny policy on 4 prompts x 4 completions with module's functions: sample, log-probs
+    (unless the update computes them), score(completions), ppo_update. Returns the policy and each update's
+    (rollout, stats)."""
+    tokenizer = policy_tokenizer()
+    policy = tiny_policy(len(tokenizer), seed=0)
+    args = module.Args(**{"rloo_k": K, "per_device_train_batch_size": K * PROMPTS, "num_ppo_epochs": 1,
+                          "temperature": 1.0, "response_length": 5, "kl_coef": 0.0,
+                          "local_rollout_forward_batch_size": K * PROMPTS} | flags)
+    sizes = module.compute_batch_sizes(args, 1)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
+    generator = torch.Generator().manual_seed(0)
+    rows = prompt_rows(PROMPTS * updates, seed=3)
+    history = []
+    for update in range(updates):
+        queries, query_mask = left_padded(tokenizer, [r["prompt"] for r in rows[update * PROMPTS:][:PROMPTS]])
+        c = module.sample_completions(policy, queries, query_mask, args.response_length, 1.0, 1, 0, generator, k=K)
+        rollout = module.collect_rollout(policy, None, c, args, True, not module.skips_logprob_pass(args, sizes, 0),
+                                         NO_AUTOCAST, plumbing.PhaseTimer(CPU))
+        torch.manual_seed(update)
+        stats = module.ppo_update(policy, optimizer, rollout, score(c), args, sizes, True, NO_AUTOCAST)
+        history.append((rollout, stats))
+    return policy, history
+
+
+@functools.cache
+def reward_model() -> torch.nn.Module:
+    return tiny_reward_model(len(policy_tokenizer()))
+
+
+def reward_model_score(c) -> torch.Tensor:
+    return 10 * rloo.reward_model_scores(reward_model(), c, True)  # (k*B,): groups with a spread of rewards
+
+
+def test_the_section_has_the_three_examples():
+    assert list(examples()) == ["GRPO's group-normalized advantage", "An entropy bonus", "DAPO's token mean"]
+
+
+def test_grpo_advantages_have_unit_std_in_each_group(tmp_path):
+    grpo = edited_rloo(examples()["GRPO's group-normalized advantage"], tmp_path)
+    for module, unit in ((grpo, True), (rloo, False)):
+        _, history = train(module, 2, reward_model_score)
+        for rollout, _ in history:
+            advantages, rewards = (x.view(K, PROMPTS) for x in (rollout.advantages, rollout.rlhf_reward))  # (k, B)
+            spread = rewards.std(0) > 0.1  # groups whose rewards differ
+            assert spread.sum() >= 2
+            torch.testing.assert_close(advantages.mean(0), torch.zeros(PROMPTS), atol=1e-5, rtol=0)
+            std = advantages.std(0)[spread]
+            assert torch.allclose(std, torch.ones_like(std), atol=1e-3) == unit, std
+
+
+def mean_entropy(policy, c) -> float:
+    with torch.no_grad():
+        entropy = rloo.forward_logprobs(policy, c, 1.0, True, with_entropy=True)[1]  # (k*B, Tr)
+    return rloo.masked_mean(entropy, c.response_mask).item()
+
+
+def test_an_entropy_bonus_trains_the_entropy(tmp_path):
+    """With every score equal the advantages are 0: RLOO's update changes nothing, the bonus raises the entropy."""
+    bonus = edited_rloo(examples()["An entropy bonus"], tmp_path)
+    start = tiny_policy(len(policy_tokenizer()), seed=0)
+    for module in (rloo, bonus):
+        policy, history = train(module, 2, lambda c: torch.zeros(len(c.responses)))
+        first = history[0][0]
+        changed = any(not torch.equal(p, q) for p, q in zip(policy.parameters(), start.parameters()))
+        assert changed == (module is bonus)
+        if module is bonus:
+            assert mean_entropy(policy, first) > mean_entropy(start, first)  # near log(V) already: a little
+
+
+def test_dapo_token_mean_divides_by_tokens_whatever_the_micro_batches(tmp_path):
+    dapo = edited_rloo(examples()["DAPO's token mean"], tmp_path)
+    flags = {"token_level_kl": True, "per_device_train_batch_size": K, "gradient_accumulation_steps": PROMPTS}
+    (_, stock), (policy, token_mean) = (train(module, 2, reward_model_score, **flags) for module in (rloo, dapo))
+    rollout = stock[0][0]  # the first update's, from the same start
+    tokens, completions = rollout.response_mask.sum().item(), len(rollout.responses)
+    assert token_mean[0][1]["loss"] == pytest.approx(stock[0][1]["loss"] * completions / tokens, rel=1e-4)
+    assert tokens != completions
+    flags.update(per_device_train_batch_size=2 * K, gradient_accumulation_steps=PROMPTS // 2)
+    halves, _ = train(dapo, 2, reward_model_score, **flags)  # the same minibatches in micro-batches twice as large
+    for p, q in zip(policy.parameters(), halves.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)

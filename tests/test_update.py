@@ -1,0 +1,94 @@
+"""The update's contract with whoever changes the algorithm: the advantage estimator reads only a completion's own
+prompt group (the on-policy update relies on it) and gets its groups shaped (k, g); a minibatch's loss does not
+depend on how it is cut into micro-batches."""
+
+import pytest
+import torch
+
+import rloo
+from test_shared_prompt import sampled, trained
+
+
+def random_rollout(k: int = 3, prompts: int = 5, width: int = 4) -> tuple[rloo.Rollout, torch.Tensor]:
+    """k completions of each of `prompts` prompts, of different lengths, with random log-probs and scores."""
+    gen = torch.Generator().manual_seed(0)
+    queries = torch.randint(2, 10, (prompts, 3), generator=gen)
+    lengths = torch.randint(1, width + 1, (k * prompts,), generator=gen)  # (k*B,)
+    response_mask = torch.arange(width) < lengths[:, None]  # (k*B, Tr)
+    responses = torch.randint(2, 10, (k * prompts, width), generator=gen) * response_mask
+    logprobs, ref_logprobs = (-torch.rand(k * prompts, width, generator=gen) * response_mask for _ in range(2))
+    rollout = rloo.Rollout(queries, torch.ones_like(queries, dtype=torch.bool), responses, response_mask, logprobs,
+                           ref_logprobs)
+    return rollout, torch.randn(k * prompts, generator=gen)
+
+
+def check_reads_only_its_own_groups(args: rloo.Args) -> None:
+    """compute_advantages (and so rloo.rloo_advantages, whatever it is now) of any whole prompt groups, in any order,
+    gives what it gives them in the whole batch."""
+    rollout, scores = random_rollout(k=args.rloo_k)
+    rloo.compute_advantages(rollout, scores, args)
+    num_prompts = rollout.queries.shape[0]
+    for prompts in ([0], [4, 1], [2, 3, 0], [4, 3, 2, 1, 0]):
+        prompts = torch.tensor(prompts)
+        rows = rloo.completion_rows(prompts, num_prompts, args.rloo_k)  # (k*g,)
+        part = rollout.of_prompts(prompts)
+        rloo.compute_advantages(part, scores[rows], args)
+        whole = rollout.advantages[rows] if part.advantages.dim() == 1 else \
+            rollout.advantages[rows, :part.advantages.shape[1]]
+        torch.testing.assert_close(part.advantages, whole, msg=f"prompts {prompts.tolist()}")
+        torch.testing.assert_close(part.rlhf_reward, rollout.rlhf_reward[rows])
+
+
+@pytest.mark.parametrize("token_level_kl", [False, True])
+def test_the_estimator_reads_only_its_own_prompt_group(token_level_kl):
+    check_reads_only_its_own_groups(rloo.Args(rloo_k=3, kl_coef=0.3, token_level_kl=token_level_kl))
+
+
+def batch_baseline(scores, kl, response_mask, kl_coef, token_level):
+    """A baseline over the whole batch: it reads other prompts' rewards."""
+    rlhf_reward = scores - kl_coef * (kl * response_mask).sum(-1)  # (k, g)
+    return rlhf_reward - rlhf_reward.mean(), rlhf_reward
+
+
+def trl_view_pasted(scores, kl, response_mask, kl_coef, token_level):
+    """The leave-one-out baseline with TRL >= 0.22's `view(-1, k)` (its rows are prompt-major) pasted in."""
+    rlhf_reward = scores - kl_coef * (kl * response_mask).sum(-1)  # (k, g)
+    k = rlhf_reward.shape[0]
+    grouped = rlhf_reward.view(-1, k)  # here: k samples of different prompts in a row
+    advantages = grouped - (grouped.sum(1, keepdim=True) - grouped) / (k - 1)
+    return advantages.view(rlhf_reward.shape), rlhf_reward
+
+
+@pytest.mark.parametrize("estimator", [batch_baseline, trl_view_pasted])
+def test_an_estimator_that_reads_other_groups_is_caught(monkeypatch, estimator):
+    monkeypatch.setattr(rloo, "rloo_advantages", estimator)
+    with pytest.raises(AssertionError):
+        check_reads_only_its_own_groups(rloo.Args(rloo_k=3, kl_coef=0.3))
+    # and the on-policy update, which computes each micro-batch's groups apart, trains on other values
+    _, c = sampled(2)
+    flags = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 3, "num_ppo_epochs": 1}
+    separate, in_update = trained(True, c, False, **flags), trained(True, c, True, **flags)
+    assert not torch.allclose(in_update["gpt_neox.embed_in.weight"], separate["gpt_neox.embed_in.weight"])
+
+
+def test_an_estimator_that_loses_the_groups_layout_is_refused(monkeypatch):
+    monkeypatch.setattr(rloo, "rloo_advantages", lambda scores, *_: (scores.T, scores))  # (g, k)
+    rollout, scores = random_rollout()
+    with pytest.raises(ValueError, match=r"advantages \(5, 3\) and rlhf_reward \(3, 5\) for groups \(k, g\) = "
+                                         r"\(3, 5\): it must keep that layout"):
+        rloo.compute_advantages(rollout, scores, rloo.Args(rloo_k=3))
+
+
+@pytest.mark.parametrize("token_level_kl", [False, True])
+@pytest.mark.parametrize("micro", [1, 3])
+def test_an_update_does_not_depend_on_the_micro_batch_split(token_level_kl, micro):
+    """The same minibatch (3 prompt groups of k = 2) in micro-batches of m and 2m completions (single completions,
+    then whole groups when 2m is a multiple of k), two epochs (the second off-policy, so that clipping acts)."""
+    _, c = sampled(2)
+    runs = [trained(True, c, False, per_device_train_batch_size=m, gradient_accumulation_steps=6 // m,
+                    num_ppo_epochs=2, token_level_kl=token_level_kl) for m in (micro, 2 * micro)]
+    for name, value in runs[0].items():
+        if name != "stats":
+            torch.testing.assert_close(runs[1][name], value, atol=1e-6, rtol=1e-5, msg=name)
+    assert runs[0]["stats"]["loss"] == pytest.approx(runs[1]["stats"]["loss"], rel=1e-5)
+    assert runs[0]["stats"]["ratio"] != 1.0 and runs[0]["stats"]["clipfrac"] > 0  # the second epoch clips
