@@ -77,7 +77,7 @@ def model_shape(path: str, sequence_classifier: bool, trust_remote_code: bool,
     with torch.device("meta"):
         model = auto.from_config(config, trust_remote_code=trust_remote_code)
         if lora is not None:
-            model.add_adapter(rloo.lora_config(lora))
+            model.add_adapter(plumbing.lora_config(lora))
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     parameters = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if lora is not None else None

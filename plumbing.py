@@ -8,7 +8,7 @@ Sections:
   flag checks     Args' numeric and combination checks, before anything loads
   distributed     torchrun ranks and their device, FSDP2 sharding and gathering, all-reduce
   data files      Hub datasets and local files, with one-line diagnostics of what is wrong in them
-  model files     loading errors, configs checked before weights load, kernels
+  models          loading errors, configs checked before weights load, kernels, LoRA adapters, KV caches
   faults          the rollout source, reward functions (run with a timeout), NaN/inf and the offending batch
   measuring       phase times, token-forwards against the minimum, free memory -> rows per forward pass
   logging         metrics over ranks, console, metrics.jsonl, wandb
@@ -51,7 +51,7 @@ import tyro
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-# ===================================================================== errors: bad input (exit 2) and faults that stop a run (exit 4)
+# ===================================================================== errors: bad input (exit 2), faults (exit 4)
 class ConfigError(Exception):
     """Bad input the user can fix; reported as one line and exit status 2."""
 
@@ -69,7 +69,7 @@ class Fault(Exception):
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4e38: beyond it a value is inf in the tensors it meets
 
 
-# ===================================================================== flag checks: before anything loads
+# ===================================================================== flag checks, before anything loads
 def number_rules(args) -> list[tuple[str, object, bool, str]]:
     """(flag, value, whether it is allowed, what it must be) for every number a typo or a NaN makes meaningless
     without any error later: sampling at temperature inf, a clip range of 0, a negative learning rate, a KL
@@ -158,7 +158,7 @@ def validate_args(args) -> None:
         raise ConfigError("--merge_lora merges LoRA adapters into the base: add --use_peft")
 
 
-# ===================================================================== distributed: torchrun ranks, FSDP2 sharding, all-reduce
+# ===================================================================== distributed: ranks, FSDP2, all-reduce
 @dataclass(frozen=True)
 class Dist:
     rank: int
@@ -288,7 +288,7 @@ def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return x
 
 
-# ===================================================================== data files: loading, and one-line diagnostics of what is wrong in them
+# ===================================================================== data files, with one-line diagnostics
 PROMPT_IDS = "prompt_input_ids"  # the tokenized prompt column this script adds to the dataset
 
 
@@ -413,9 +413,10 @@ def describe_dropped(dropped: dict[str, int], max_prompt_length: int) -> str:
 
 def prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: int, name: str,
                     vocab_size: Optional[int], prompt_token_ids: Callable):
-    """Add the PROMPT_IDS column (prompt_token_ids(rows, tokenizer, prompt_column)), drop empty prompts and prompts longer than max_prompt_length. Returns (dataset,
-    dropped), dropped = {"empty": count, "too_long": count}. With `vocab_size`, token ids the policy cannot
-    embed are refused (a tokenizer of another model, pre-tokenized ids of another vocabulary)."""
+    """Add the PROMPT_IDS column (prompt_token_ids(rows, tokenizer, prompt_column)), drop empty prompts and prompts
+    longer than max_prompt_length. Returns (dataset, dropped), dropped = {"empty": count, "too_long": count}. With
+    `vocab_size`, token ids the policy cannot embed are refused (a tokenizer of another model, pre-tokenized ids of
+    another vocabulary)."""
     import pyarrow.compute as pc
 
     if prompt_column not in dataset.column_names and "query_token" not in dataset.column_names:
@@ -470,7 +471,7 @@ def load_prompts(args, tokenizer, vocab_size: Optional[int], prompt_token_ids: C
 
 
 
-# ===================================================================== model files: loading errors, configs checked before weights load, kernels
+# ===================================================================== models: files, kernels, LoRA, KV caches
 def _from_pretrained(loader: Callable, path: str, what: str, **kwargs):
     try:
         return loader(path, **kwargs)
@@ -625,7 +626,91 @@ def save_merged_policy(args, config, tokenizer) -> None:
 
 
 
-# ===================================================================== faults of a batch: the rollout source, reward functions, NaN/inf
+def lora_config(args):
+    """peft's LoraConfig from the --lora_* flags (TRL's ModelConfig names; one target name is passed as a string,
+    as TRL does, so that `all-linear` means every linear layer)."""
+    from peft import LoraConfig
+
+    targets = args.lora_target_modules
+    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, task_type="CAUSAL_LM",
+                      target_modules=targets[0] if targets and len(targets) == 1 else targets and list(targets),
+                      modules_to_save=args.lora_modules_to_save and list(args.lora_modules_to_save))
+
+
+def add_adapters(policy, args, checkpoint: Optional[Path]) -> None:
+    """LoRA adapters injected into the policy's own modules by peft (through transformers' add_adapter, so that
+    the policy keeps its class, config and forward), fp32 like the base's master weights (--bf16 autocasts them as
+    it does the base); only they require grad. Initialized from --seed, or read from the checkpoint's adapter."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    with torch.random.fork_rng(devices=[]):  # the same initial adapter on every rank, from --seed alone
+        torch.manual_seed(args.seed)
+        try:
+            policy.add_adapter(lora_config(args))
+        except ValueError as e:  # no target modules known for the architecture, or a name that matches nothing
+            raise ConfigError(f"--use_peft: {first_line(e)} - pass --lora_target_modules (module names, or "
+                              "all-linear)") from None
+    if checkpoint is None:
+        return
+    prefix = "base_model.model."  # what peft's format prepends to the model's own parameter names
+    saved = {name.removeprefix(prefix): value for name, value in load_file(checkpoint / ADAPTER_WEIGHTS).items()}
+    expected = policy.get_adapter_state_dict()
+    if saved.keys() != expected.keys() or any(saved[n].shape != expected[n].shape for n in saved):
+        raise ConfigError(f"cannot resume: the adapter in {checkpoint} does not match --lora_* ({len(saved)} tensors "
+                          f"for {len(expected)}): resume with the checkpoint's run's flags")
+    set_peft_model_state_dict(policy, saved, adapter_name="default")
+
+
+def cast_to_one_dtype(update: Callable) -> Callable:
+    """A static cache layer holds keys and values in one dtype, but under bf16 autocast the rotated keys arrive in
+    fp32 and the values in bf16: store both in the wider one (the attention casts them as it did before)."""
+
+    def cast_then_update(key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        dtype = torch.promote_types(key_states.dtype, value_states.dtype)
+        return update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
+
+    return cast_then_update
+
+
+def preallocated_cache(config, max_length: int, prefilled=None, cache=None):
+    """A KV cache of max_length positions per layer (a new one, or `cache` emptied) holding the prefilled keys and
+    values (positions 0..Tq-1): decoding writes one position per step in place. A cache grown by concatenation
+    instead copies every layer's whole cache at every step, most of a decoding step's memory traffic."""
+    from transformers import StaticCache
+
+    if cache is None:
+        cache = StaticCache(config=config, max_cache_len=max_length)
+        for layer in cache.layers:
+            layer.update = cast_to_one_dtype(layer.update)
+    elif cache.is_initialized:
+        cache.reset()
+    for layer, (keys, values, *_) in enumerate(prefilled or ()):
+        cache.update(keys, values, layer)
+    return cache
+
+
+class StaticDecoder:
+    """What --compile_generation decodes with: one preallocated KV cache of max_length positions per batch size, kept
+    and reset between calls (CUDA graphs replay on fixed addresses), and the decoding step, compiled. Every batch
+    decodes in max_length positions whatever its prompt width, so the step has one shape per batch size and
+    compiles once."""
+
+    def __init__(self, model, max_length: int, backend: str = "inductor"):
+        self.model, self.max_length, self.caches = model, max_length, {}
+        cuda_graphs = backend == "inductor" and next(model.parameters()).device.type == "cuda"
+        self.step = torch.compile(model, backend=backend, dynamic=False,
+                                  mode="reduce-overhead" if cuda_graphs else None)
+
+    def cache_holding(self, prefilled, batch_size: int):
+        """This batch size's cache, emptied, then holding the prefilled keys and values."""
+        self.caches[batch_size] = preallocated_cache(self.model.config, self.max_length, prefilled,
+                                                     self.caches.get(batch_size))
+        return self.caches[batch_size]
+
+
+
+# ===================================================================== faults: rollout source, reward functions, NaN
 class RolloutSourceError(Exception):
     """The completions of an update cannot be had (an engine died): the run checkpoints and stops."""
 
@@ -799,7 +884,7 @@ def batch_kept_if_nonfinite(output_dir: str, update: int, rank: int, tokenizer, 
         raise NonFiniteError(f"{e.quantity} at update {update}", e.ranks, unwritten) from None
 
 
-# ===================================================================== measuring: phase times, token-forwards against the minimum, free memory -> chunk sizes
+# ===================================================================== measuring: phase times, work, memory
 class PhaseTimer:
     """Per phase of an update (`with timer("generation"): ...`): wall-clock seconds (CUDA synchronized, so GPU time
     lands in its phase), on CUDA the peak allocated memory in GiB, and the token positions fed through the forward
@@ -927,7 +1012,7 @@ def rows_per_forward(args, model, phase: str, device: torch.device, rows: int, k
     return max(1, min(rows, int(0.9 * free_memory_bytes(device) // per_row)))
 
 
-# ===================================================================== logging: metrics over ranks, console, metrics.jsonl, wandb
+# ===================================================================== logging: console, metrics.jsonl, wandb
 SUM_METRICS = ("val/num_eos_tokens",)
 
 
@@ -1273,7 +1358,7 @@ def reward_faults(device: torch.device, what: str, after_training: bool = False)
                               after_training=after_training, signal_name=signal_name) from None
 
 
-# ===================================================================== checkpoints: one run per output_dir, verified saves, resume, nothing deleted
+# ===================================================================== checkpoints: output_dir, save, resume
 # ---- output_dir: one run at a time, nothing deleted
 class OutputDirLock:
     """An exclusive advisory lock (flock) on output_dir/run.lock, held from acquire() until release() or this
@@ -1917,7 +2002,7 @@ def quiet_hub_progress_bars() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-# ===================================================================== command line: TRL >= 0.22's names, one-line errors and exit statuses
+# ===================================================================== command line: parsing, exit statuses
 # TRL >= 0.22's names for flags of the same meaning, tyro aliases of this project's (README, "Flags": both TRL
 # generations' names side by side)
 TRL_NAMES = {"num_generations": "rloo_k", "beta": "kl_coef", "epsilon": "cliprange", "num_iterations": "num_ppo_epochs",

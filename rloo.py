@@ -318,8 +318,8 @@ def prompt_token_ids(rows: dict, tokenizer, prompt_column: str) -> list[list[int
         prompts = rows[prompt_column]
         if prompts and isinstance(prompts[0], list):  # chat messages
             if tokenizer.chat_template is None:
-                raise plumbing.ConfigError(f"column {prompt_column!r} holds chat messages but the tokenizer has no chat "
-                                  "template")
+                raise plumbing.ConfigError(f"column {prompt_column!r} holds chat messages but the tokenizer has no "
+                                           "chat template")
             texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
             return tokenizer(texts, add_special_tokens=False)["input_ids"]
         return tokenizer(prompts)["input_ids"]
@@ -386,42 +386,6 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
-def lora_config(args: Args):
-    """peft's LoraConfig from the --lora_* flags (TRL's ModelConfig names; one target name is passed as a string,
-    as TRL does, so that `all-linear` means every linear layer)."""
-    from peft import LoraConfig
-
-    targets = args.lora_target_modules
-    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, task_type="CAUSAL_LM",
-                      target_modules=targets[0] if targets and len(targets) == 1 else targets and list(targets),
-                      modules_to_save=args.lora_modules_to_save and list(args.lora_modules_to_save))
-
-
-def add_adapters(policy, args: Args, checkpoint: Optional[Path]) -> None:
-    """LoRA adapters injected into the policy's own modules by peft (through transformers' add_adapter, so that
-    the policy keeps its class, config and forward), fp32 like the base's master weights (--bf16 autocasts them as
-    it does the base); only they require grad. Initialized from --seed, or read from the checkpoint's adapter."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    with torch.random.fork_rng(devices=[]):  # the same initial adapter on every rank, from --seed alone
-        torch.manual_seed(args.seed)
-        try:
-            policy.add_adapter(lora_config(args))
-        except ValueError as e:  # no target modules known for the architecture, or a name that matches nothing
-            raise plumbing.ConfigError(f"--use_peft: {plumbing.first_line(e)} - pass --lora_target_modules (module names, or "
-                              "all-linear)") from None
-    if checkpoint is None:
-        return
-    prefix = "base_model.model."  # what peft's format prepends to the model's own parameter names
-    saved = {name.removeprefix(prefix): value for name, value in load_file(checkpoint / plumbing.ADAPTER_WEIGHTS).items()}
-    expected = policy.get_adapter_state_dict()
-    if saved.keys() != expected.keys() or any(saved[n].shape != expected[n].shape for n in saved):
-        raise plumbing.ConfigError(f"cannot resume: the adapter in {checkpoint} does not match --lora_* ({len(saved)} tensors "
-                          f"for {len(expected)}): resume with the checkpoint's run's flags")
-    set_peft_model_state_dict(policy, saved, adapter_name="default")
-
-
 def peft_layers(model) -> list[torch.nn.Module]:
     """The modules peft put adapters (or trained copies, --lora_modules_to_save) in."""
     from peft.tuners.tuners_utils import BaseTunerLayer
@@ -476,13 +440,13 @@ def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = N
     if tokenizer is None:
         tokenizer, _ = plumbing.prepare_tokenizer(args)
     policy = plumbing.load_causal_lm(initial_path, torch.float32, args.trust_remote_code,
-                            weights=None if args.use_peft else checkpoint)  # with LoRA: the base, never trained
+                                     weights=None if args.use_peft else checkpoint)  # LoRA: the base, never trained
     plumbing.ensure_pad_token(tokenizer, args.pad_token, policy.get_input_embeddings().num_embeddings, tokenizer_path)
     policy.config.pad_token_id = tokenizer.pad_token_id
     stop_token_id = plumbing.stop_token_id_of(args, tokenizer, tokenizer_path)
     disable_dropout(policy)
     if args.use_peft:
-        add_adapters(policy, args, checkpoint)
+        plumbing.add_adapters(policy, args, checkpoint)
     if not args.offload:  # offloaded, fully_shard moves one unit at a time through the GPU as it shards
         policy.to(device)
     frozen_home = torch.device("cpu") if args.offload else device
@@ -492,7 +456,7 @@ def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = N
     elif args.kl_coef != 0:
         frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
         ref_policy = copy.deepcopy(policy) if checkpoint is None else \
-            plumbing.load_causal_lm(initial_path, frozen_dtype, args.trust_remote_code)  # read in its own dtype, not fp32
+            plumbing.load_causal_lm(initial_path, frozen_dtype, args.trust_remote_code)  # its own dtype, not fp32
         disable_dropout(ref_policy)
         ref_policy.to(frozen_home, frozen_dtype).eval().requires_grad_(False)
     if args.gradient_checkpointing:
@@ -519,58 +483,11 @@ def sample_tokens(logits: torch.Tensor, temperature: float,
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=logits.shape[1] - 1)
 
 
-def cast_to_one_dtype(update: Callable) -> Callable:
-    """A static cache layer holds keys and values in one dtype, but under bf16 autocast the rotated keys arrive in
-    fp32 and the values in bf16: store both in the wider one (the attention casts them as it did before)."""
-
-    def cast_then_update(key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        dtype = torch.promote_types(key_states.dtype, value_states.dtype)
-        return update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
-
-    return cast_then_update
-
-
-def preallocated_cache(config, max_length: int, prefilled=None, cache=None):
-    """A KV cache of max_length positions per layer (a new one, or `cache` emptied) holding the prefilled keys and
-    values (positions 0..Tq-1): decoding writes one position per step in place. A cache grown by concatenation
-    instead copies every layer's whole cache at every step, most of a decoding step's memory traffic."""
-    from transformers import StaticCache
-
-    if cache is None:
-        cache = StaticCache(config=config, max_cache_len=max_length)
-        for layer in cache.layers:
-            layer.update = cast_to_one_dtype(layer.update)
-    elif cache.is_initialized:
-        cache.reset()
-    for layer, (keys, values, *_) in enumerate(prefilled or ()):
-        cache.update(keys, values, layer)
-    return cache
-
-
-class StaticDecoder:
-    """What --compile_generation decodes with: one preallocated KV cache of max_length positions per batch size, kept
-    and reset between calls (CUDA graphs replay on fixed addresses), and the decoding step, compiled. Every batch
-    decodes in max_length positions whatever its prompt width, so the step has one shape per batch size and
-    compiles once."""
-
-    def __init__(self, model, max_length: int, backend: str = "inductor"):
-        self.model, self.max_length, self.caches = model, max_length, {}
-        cuda_graphs = backend == "inductor" and next(model.parameters()).device.type == "cuda"
-        self.step = torch.compile(model, backend=backend, dynamic=False,
-                                  mode="reduce-overhead" if cuda_graphs else None)
-
-    def cache_holding(self, prefilled, batch_size: int):
-        """This batch size's cache, emptied, then holding the prefilled keys and values."""
-        self.caches[batch_size] = preallocated_cache(self.model.config, self.max_length, prefilled,
-                                                     self.caches.get(batch_size))
-        return self.caches[batch_size]
-
-
 @torch.no_grad()
 def generate(
     model, queries: torch.Tensor, query_mask: torch.Tensor, max_new_tokens: int, temperature: float,
     stop_token_id: Optional[int], pad_token_id: int, generator: Optional[torch.Generator] = None,
-    decoder: Optional[StaticDecoder] = None, k: int = 1, logprobs_out: Optional[torch.Tensor] = None,
+    decoder: Optional[plumbing.StaticDecoder] = None, k: int = 1, logprobs_out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Sample k continuations of each of the g left-padded queries (g, Tq): (k*g, max_new_tokens) tokens in the
     (k, g) layout, row j*g + i continuing query i; top_k=0, top_p=1 (temperature 0: greedy). Each query is prefilled
@@ -595,7 +512,8 @@ def generate(
     grown = windows is None  # state-space / recurrent layers: the copy below would drop their state
     if grown or decoder is None:
         step, length = model, width + max_new_tokens
-        cache = prefill.past_key_values if grown else preallocated_cache(model.config, length, prefill.past_key_values)
+        cache = prefill.past_key_values if grown else plumbing.preallocated_cache(model.config, length,
+                                                                                  prefill.past_key_values)
     else:
         step, length = decoder.step, decoder.max_length
         cache = decoder.cache_holding(prefill.past_key_values, k * g)
@@ -958,7 +876,7 @@ def shares_prompts(model, name: str, requested: Optional[bool], probe: Completio
         return True
     if requested:
         raise plumbing.ConfigError(f"--share_prompt: the {name} cannot share prompts exactly: {why}; "
-                          "leave the flag out (it then computes one row per completion)")
+                                   "leave the flag out (it then computes one row per completion)")
     notes.append(f"prompt sharing is off for the {name}: {why}; it computes one row per completion")
     return False
 
@@ -979,7 +897,7 @@ class Rollout(Completions):
 def sample_completions(
     policy, queries: torch.Tensor, query_mask: torch.Tensor, response_length: int, temperature: float,
     stop_token_id: Optional[int], pad_token_id: int, generator: Optional[torch.Generator] = None,
-    decoder: Optional[StaticDecoder] = None, k: int = 1,
+    decoder: Optional[plumbing.StaticDecoder] = None, k: int = 1,
 ) -> Completions:
     """Sample k completions of each (g, Tq) query, (k, g) layout, and cut each after its first stop token."""
     responses = generate(policy, queries, query_mask, response_length, temperature, stop_token_id, pad_token_id,
@@ -1015,7 +933,7 @@ def in_chunks(c: Completions, completions_per_chunk: int, compute: Callable, wid
 @torch.no_grad()
 def sample_in_chunks(
     policy, queries: torch.Tensor, query_mask: torch.Tensor, k: int, args: Args, stop_token_id: Optional[int],
-    pad_token_id: int, generator: torch.Generator, autocast, decoder: Optional[StaticDecoder] = None,
+    pad_token_id: int, generator: torch.Generator, autocast, decoder: Optional[plumbing.StaticDecoder] = None,
 ) -> Completions:
     """k completions of each of the B (B, Tq) queries, (k, B) layout; local_rollout_forward_batch_size completions
     (whole prompt groups, length-sorted) at a time: the KV cache of a chunk is what must fit. Chunks draw from
@@ -1055,7 +973,7 @@ class LocalRollouts:
         # the module that samples: the policy under autocast, or a bf16 copy of it
         self.sampler = bf16_copy(policy) if args.bf16_generation else policy
         self.autocast = contextlib.nullcontext if args.bf16_generation else autocast
-        self.decoder = StaticDecoder(self.sampler, args.max_prompt_length + args.response_length) \
+        self.decoder = plumbing.StaticDecoder(self.sampler, args.max_prompt_length + args.response_length) \
             if args.compile_generation else None
 
     def submit(self, queries: torch.Tensor, query_mask: torch.Tensor) -> None:
@@ -1183,8 +1101,8 @@ def combine_rewards(values: torch.Tensor, applies: torch.Tensor, weights: torch.
     """Weighted sum over the sources that apply. values and applies (S, N), weights (S,) -> (N,)."""
     if not applies.any(0).all():
         missing = (~applies.any(0)).nonzero().flatten().tolist()
-        raise plumbing.RewardFunctionError(f"no reward source applies to completions {missing[:10]} (every reward function "
-                                  "returned None for them and there is no reward model)")
+        raise plumbing.RewardFunctionError(f"no reward source applies to completions {missing[:10]} (every reward "
+                                           "function returned None for them and there is no reward model)")
     return (values * applies * weights[:, None]).sum(0)
 
 
@@ -1208,9 +1126,9 @@ def load_reward_sources(args: Args, tokenizer, functions: list[tuple[str, Callab
     """The reward model (frozen, with its own tokenizer when the vocabularies differ) and the reward functions."""
     model, model_tokenizer = None, None
     if args.reward_model_path is not None:
-        plumbing.seed_everything(args.seed)  # a head missing from the checkpoint starts the same on every rank and resume
+        plumbing.seed_everything(args.seed)  # a head missing from the checkpoint starts alike on every rank and resume
         model = plumbing.load_reward_model(args.reward_model_path, torch.bfloat16 if args.bf16 else torch.float32,
-                                  args.trust_remote_code)
+                                           args.trust_remote_code)
         disable_dropout(model)
         model = model.to("cpu" if args.offload else device).eval().requires_grad_(False)
         try:
@@ -1584,7 +1502,8 @@ def evaluate(
     with plumbing.reward_faults(dist_info.device, "evaluation", after_training=True):
         for start in range(0, len(indices), max(chunk, 1)):
             rows = eval_dataset[indices[start : start + chunk]]
-            queries, query_mask = pad_sequences(rows[plumbing.PROMPT_IDS], tokenizer.pad_token_id, dist_info.device)  # (b, Tq)
+            queries, query_mask = pad_sequences(rows[plumbing.PROMPT_IDS], tokenizer.pad_token_id,
+                                                dist_info.device)  # (b, Tq)
             with autocast():
                 completions = sample_completions(policy, queries, query_mask, args.response_length, EVAL_TEMPERATURE,
                                                  stop_token_id, tokenizer.pad_token_id)  # (b, Tq + Tr)
@@ -1706,7 +1625,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
             with plumbing.gathered_for_rollout(policy, args.fsdp_generation):
                 while len(queued) <= min(rollouts.lookahead, num_updates - update):
                     sampler_state, rows = sampler.state_dict(), dataset[sampler.next_indices()]
-                    queries, query_mask = pad_sequences(rows[plumbing.PROMPT_IDS], tokenizer.pad_token_id, device)  # (B, Tq)
+                    queries, query_mask = pad_sequences(rows[plumbing.PROMPT_IDS], tokenizer.pad_token_id,
+                                                        device)  # (B, Tq)
                     rollouts.submit(queries, query_mask)  # k completions each, returned in the (k, B) layout
                     queued.append(PromptBatch(rows, queries, query_mask, sampler_state))
                 try:

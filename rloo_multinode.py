@@ -676,7 +676,7 @@ class HFEngine:
                                          args.trust_remote_code).to(device).eval().requires_grad_(False)
         rloo.disable_dropout(self.model)
         self.params = dict(self.model.named_parameters())
-        self.decoder = rloo.StaticDecoder(self.model, args.max_prompt_length + args.response_length) \
+        self.decoder = plumbing.StaticDecoder(self.model, args.max_prompt_length + args.response_length) \
             if args.compile_generation else None
 
     def init_weight_transfer_engine(self, info: dict) -> None:

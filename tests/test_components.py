@@ -46,7 +46,7 @@ def test_static_decoder_samples_the_same_tokens(backend):
     of any width."""
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer))
-    decoder = rloo.StaticDecoder(policy, max_length=12 + 6, **({"backend": backend} if backend else {}))
+    decoder = plumbing.StaticDecoder(policy, max_length=12 + 6, **({"backend": backend} if backend else {}))
     if backend is None:
         decoder.step = policy  # the static cache alone
     for texts in (["a b c d e :", "f :", "g h :"], ["a :", "b c d e f g h :", "c :"]):  # widths 6 then 8

@@ -23,7 +23,6 @@ else:
     vllm = pytest.importorskip("vllm", reason="vLLM is not installed: `make test-vllm` builds an environment with it")
 
 import plumbing
-import rloo  # noqa: E402
 import rloo_multinode as mn  # noqa: E402
 from conftest import REPO, neox_config, policy_tokenizer, read_metrics, run_rloo, script_env  # noqa: E402
 from test_multinode import (RUN, SECRET, free_port, listening_sockets, live_processes_in_group,  # noqa: E402
