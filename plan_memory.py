@@ -50,6 +50,9 @@ class PlanArgs(rloo.Args):
     """GPUs the run uses (torchrun's WORLD_SIZE)"""
     gpu_gib: float = 80.0
     """memory of one GPU, GiB"""
+    entropy_in_loss: bool = False
+    """a loss that uses the policy's entropy (an entropy bonus, README "Changing the algorithm"): its gradient keeps
+    one more (N, Tr, V) fp32 buffer in the log-probs' backward pass"""
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,8 @@ def plan(args: PlanArgs, policy: Shape, reward: Shape | None) -> dict[str, dict[
         else (2 * p if args.bf16 else 0.0),
         "activations of a micro-batch": activation_bytes(micro_tokens, policy, args.gradient_checkpointing,
                                                          args.bf16),
-        "logits and log-softmax of a micro-batch": LOGIT_BUFFERS * micro * args.response_length * policy.vocab * 4,
+        "logits and log-softmax of a micro-batch": (LOGIT_BUFFERS + args.entropy_in_loss) * micro
+        * args.response_length * policy.vocab * 4,
     }
     return {"resident": resident, "rollout": rollout, "training": training}
 

@@ -125,3 +125,28 @@ def test_offload_leaves_no_resident_policy_state_and_is_the_one_gpu_answer_for_6
     fitting = [label for label, _ in plan_memory.options_that_fit(args, pythia_6p9b, pythia_6p9b)]
     assert fitting and all("--offload" in label for label in fitting)  # 16 bytes per parameter cannot stay on one GPU
     assert plan_memory.peak_bytes(offloaded) < 80 * plan_memory.GIB
+
+
+def test_an_entropy_in_the_loss_costs_the_one_logit_buffer_the_plan_adds(tmp_path):
+    """--entropy_in_loss: the log-probs' backward keeps one more (N, Tr, V) fp32 buffer, measured on the kernel."""
+    n, width, vocab = 4, 8, 4096
+    buffer = n * width * vocab * 4
+
+    def peak(entropy_in_loss: bool) -> int:
+        logits = torch.randn(n, width, vocab, requires_grad=True)
+        targets = torch.randint(vocab, (n, width))
+        tracker = MemTracker()
+        tracker.track_external(logits)
+        with tracker:
+            logprobs, entropy = rloo.SelectiveLogSoftmax.apply(logits, targets, 1.0, True)  # as training computes it
+            (logprobs.sum() + (entropy.sum() if entropy_in_loss else 0)).backward()
+        return next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"]
+
+    assert peak(True) - peak(False) == pytest.approx(buffer, rel=0.05)
+    path, _ = tiny(tmp_path)
+    shape = plan_memory.model_shape(str(path), False, False)
+    line = "logits and log-softmax of a micro-batch"
+    args = args_for(path, max_prompt_length=20, response_length=width, per_device_train_batch_size=n)
+    without, with_entropy = (plan_memory.plan(replace(args, entropy_in_loss=e), shape, None)["training"][line]
+                             for e in (False, True))
+    assert with_entropy - without == n * width * shape.vocab * 4
