@@ -1104,10 +1104,12 @@ class RunLogger:
         self.write_metrics({"update": update, **metrics})
         if self.wandb is not None:
             self.wandb.log(metrics, step=int(metrics["episode"]))
-        parts = [f"{short} {metrics[key]:.4g}" for key, short in self.LINE_KEYS if key in metrics]
-        times = " ".join(f"{k.split('/')[1]} {v:.2f}s" for k, v in metrics.items() if k.startswith("time/"))
-        self.console.print(f"update {update}/{self.num_updates} episode {int(metrics['episode'])} | "
-                           + " | ".join(parts) + f" | {times}", highlight=False, soft_wrap=True)
+        parts = " ".join(f"{short} {metrics[key]:.4g}" for key, short in self.LINE_KEYS if key in metrics)
+        phases = sorted(((v, k[5:]) for k, v in metrics.items() if k.startswith("time/") and k != "time/update"),
+                        reverse=True)[:3]  # the update's three longest phases: metrics.jsonl has them all
+        times = f" | {metrics['time/update']:.2f} s: " if "time/update" in metrics else " | "
+        self.console.print(f"update {update}/{self.num_updates}, episode {int(metrics['episode'])}: {parts}{times}"
+                           + ", ".join(f"{name} {v:.2f}" for v, name in phases), highlight=False, soft_wrap=True)
         if metrics.get("mismatch/clipfrac", 0.0) > MISMATCH_WARNING and not self.mismatch_warned:
             self.mismatch_warned = True
             self.console.print(
@@ -1121,8 +1123,9 @@ class RunLogger:
         self.write_metrics({"update": update, "episode": episode, **metrics})
         if self.wandb is not None:
             self.wandb.log(metrics, step=episode)
-        self.console.print("eval | " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()), highlight=False,
-                           soft_wrap=True)
+        self.console.print(f"eval after update {update}: " + " ".join(f"{k.removeprefix('eval/')} {v:.4g}"
+                                                                         for k, v in metrics.items()),
+                           highlight=False, soft_wrap=True)
 
     def write_metrics(self, record: dict) -> None:
         """One line of metrics.jsonl, whole or not at all: a write that fails (a full disk, a quota) is cut off again

@@ -303,10 +303,11 @@ def argv_of(flags: dict) -> list[str]:
 
 
 def checkpoint_of(output_dir: Path, update: int, args: rloo.Args, initial_model: dict) -> Path:
-    """A checkpoint after `update` of a run with these args and this initial model, as save_state writes it."""
+    """A checkpoint after `update` of a run with these args and this initial model, as Checkpointer.save writes it."""
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer))
-    state = {"update": update, "world_size": 1, "args": asdict(args), "initial_model": initial_model}
+    state = {"update": update, "episode": 0, "sampler": {"epoch": 0, "position": 0}, "elapsed": 0.0, "world_size": 1,
+             "args": asdict(args), "wandb_run_id": None, "initial_model": initial_model}
     return plumbing.save_checkpoint(str(output_dir), update, policy, torch.optim.AdamW(policy.parameters()), tokenizer,
                                 state, 0, None, torch.Generator())
 
