@@ -47,7 +47,7 @@ lock: | $(PYTHON)  ## write constraints.txt from the environment (after changing
 	@echo "# torch is not here: make install keeps an importable one (your CUDA build) or installs torch==$(TORCH_VERSION)." \
 		>> constraints.txt
 	$(PYTHON) -m pip freeze --exclude torch --exclude pip --exclude setuptools >> constraints.txt
-	@if test -x $(BENCH_ENV)/bin/python; then \
+	@if test -n "$(wildcard $(BENCH_ENV)/.rloo-installed-lock*)"; then \
 		echo "# The exact versions the benchmark's TRL environment was tested with; written by make lock." \
 			> benchmark/constraints.txt; \
 		$(BENCH_ENV)/bin/python -m pip freeze --exclude torch --exclude pip --exclude setuptools \

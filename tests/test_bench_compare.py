@@ -1,7 +1,7 @@
 """The side-by-side benchmarks against TRL (benchmark/throughput.py, learning.py, trl_rloo.py) on minimal settings.
 
-The runs need the TRL environment of `make bench-env`; without it they are skipped, unless REQUIRE_BENCH_ENV=1
-(as in CI, which builds it) makes its absence a failure.
+The runs need the TRL environment of `make bench-env`, finished; without it (or with an install that did not finish)
+they are skipped, unless REQUIRE_BENCH_ENV=1 (as in CI, which builds it) makes that a failure.
 """
 
 import json
@@ -12,19 +12,41 @@ import sys
 import pytest
 
 from benchmark import synthetic_task
+from benchmark.throughput import trl_environment_problem
 from benchmark.trl_rloo import decode_for_monitors
 from conftest import REPO, cpu_env
 
 TRL_PYTHON = REPO / "benchmark" / ".venv-trl" / "bin" / "python"
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def trl_python():
-    if not TRL_PYTHON.exists():
+    problem = trl_environment_problem(TRL_PYTHON)
+    if problem:
         if os.environ.get("REQUIRE_BENCH_ENV") == "1":
-            pytest.fail(f"no TRL environment at {TRL_PYTHON}: run `make bench-env`")
-        pytest.skip(f"no TRL environment at {TRL_PYTHON}: run `make bench-env`")
+            pytest.fail(problem)
+        pytest.skip(problem)
     return TRL_PYTHON
+
+
+def fake_python(env_dir, imports_trl: bool, finished: bool):
+    """A stand-in for an environment's Python that only says whether `import trl` works; `finished`: the mark
+    `make bench-env` leaves after its last install step."""
+    python = env_dir / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f"#!/bin/sh\nexit {0 if imports_trl else 1}\n")
+    python.chmod(0o755)
+    if finished:
+        (env_dir / ".rloo-installed-lock1").touch()
+    return python
+
+
+def test_a_half_built_trl_environment_is_not_taken_for_built(tmp_path):
+    assert "no TRL environment" in trl_environment_problem(tmp_path / "none" / "bin" / "python")
+    half_built = trl_environment_problem(fake_python(tmp_path / "half", imports_trl=False, finished=False))
+    assert "is half-built" in half_built and "run `make bench-env`" in half_built
+    assert trl_environment_problem(fake_python(tmp_path / "made", imports_trl=False, finished=True)) is None
+    assert trl_environment_problem(fake_python(tmp_path / "by_hand", imports_trl=True, finished=False)) is None
 
 
 def run_script(*args, timeout=600) -> subprocess.CompletedProcess:
