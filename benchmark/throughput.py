@@ -96,8 +96,9 @@ class RunConfig:
     """bf16 autocast and frozen models (GPU)"""
     cache_dir: str = ".cache/throughput"
     """where the random-init models and prompts are built (reused)"""
-    output_dir: str = "benchmark/results"
-    """where the JSON and Markdown results go"""
+    output_dir: str = "runs/bench"
+    """where the JSON and Markdown results go (runs/ is not tracked; `--output_dir benchmark/results` replaces the
+    committed ones, on purpose)"""
     runs_dir: str = "runs/throughput"
     """where each run's directory (metrics.jsonl, final policy) and its log (<directory>.log, beside it) go"""
     seed: int = 1

@@ -5,14 +5,16 @@ import json
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import tyro
 
 import rloo
-from benchmark import demo, synthetic_task
+from benchmark import demo, learning, sync_cost, synthetic_task, throughput
 from benchmark.plot_metrics import plot_curves
 from conftest import REPO, cpu_env
+from test_setup import planned_commands
 
 
 def test_true_score_by_hand():
@@ -86,3 +88,12 @@ def test_sync_cost_counts_the_parameters_it_sends(tmp_path):
     params = parameter_count("pythia-70m")
     assert 70e6 < params < 71e6  # pythia-70m: 70.4M parameters
     assert f"| pythia-70m | {params / 1e9:.2f} B | {2 * params / 1e9:.1f} GB |" in text
+
+
+def test_make_bench_writes_where_git_does_not_track_and_only_bench_results_replaces_the_committed(tmp_path):
+    for target, results in (("bench", "runs/bench"), ("bench-results", "benchmark/results")):
+        runs = [c for c in planned_commands(target, tmp_path / "env") if "benchmark/" in c and "--output_dir" in c]
+        assert len(runs) == 2 and all(c.endswith(f"--output_dir {results}") for c in runs), runs
+    ignored = (REPO / ".gitignore").read_text().splitlines()
+    for default in (throughput.Args().output_dir, learning.Args().output_dir, sync_cost.Args().output):
+        assert f"{Path(default).parts[0]}/" in ignored, default  # the scripts run by hand: runs/, untracked
