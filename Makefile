@@ -35,7 +35,7 @@ $(INSTALLED): requirements.txt constraints.txt | $(PYTHON)
 	$(PYTHON) -m pip install -q -r requirements.txt $(CONSTRAINTS)
 	@touch $@
 
-# Measured on 2 idle CPU cores: 2 min 27 s the first time (the install ~80 s, the task build ~30 s), 47 s run again
+# Measured on 2 idle CPU cores: 2 min 27 s the first time (the install ~80 s of it), 47 s run again
 demo: $(INSTALLED)  ## offline: build a tiny task, train it with rloo.py, plot the curves (~2.5 min first, ~1 min after)
 	$(PYTHON) benchmark/demo.py
 
