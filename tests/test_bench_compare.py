@@ -7,14 +7,14 @@ they are skipped, unless REQUIRE_BENCH_ENV=1 (as in CI, which builds it) makes t
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 from benchmark import synthetic_task
 from benchmark.throughput import trl_environment_problem
 from benchmark.trl_rloo import decode_for_monitors
-from conftest import REPO, cpu_env
+from conftest import REPO
+from test_benchmark import run_benchmark_script
 
 TRL_PYTHON = REPO / "benchmark" / ".venv-trl" / "bin" / "python"
 
@@ -49,13 +49,6 @@ def test_a_half_built_trl_environment_is_not_taken_for_built(tmp_path):
     assert trl_environment_problem(fake_python(tmp_path / "by_hand", imports_trl=True, finished=False)) is None
 
 
-def run_script(*args, timeout=600) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=REPO,
-                            timeout=timeout, env=cpu_env())
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
-
-
 def test_monitors_see_what_rloo_py_hands_reward_functions():
     import torch
 
@@ -79,7 +72,7 @@ def test_trl_runner_refuses_what_trl_cannot_do(trl_python, tmp_path):
 
 
 def test_throughput_runs_both_trainers_and_reports_the_ratio_and_the_work(trl_python, tmp_path):
-    run_script("benchmark/throughput.py", "--trl_python", trl_python, "--repeats", "1", "--updates", "2",
+    run_benchmark_script("benchmark/throughput.py", "--trl_python", trl_python, "--repeats", "1", "--updates", "2",
                "--shapes", "pythia-14m", "--prompt_length", "72", "--response_length", "6",
                "--mean_response_length", "3", "--rloo_ks", "2", "--per_device_train_batch_size", "2",
                "--gradient_accumulation_steps", "2", "--local_rollout_forward_batch_size", "4",
@@ -100,7 +93,7 @@ def test_throughput_runs_both_trainers_and_reports_the_ratio_and_the_work(trl_py
 def test_learning_trains_both_and_plots(trl_python, tmp_path):
     paths = synthetic_task.asset_paths(tmp_path / "cache")
     synthetic_task.build_assets(paths, policy_steps=30, reward_steps=30)  # weak but quick
-    run_script("benchmark/learning.py", "--trl_python", trl_python, "--seeds", "1", "--total_episodes", "128",
+    run_benchmark_script("benchmark/learning.py", "--trl_python", trl_python, "--seeds", "1", "--total_episodes", "128",
                "--cache_dir", tmp_path / "cache", "--output_dir", tmp_path / "results", "--runs_dir", tmp_path / "runs")
     report = json.loads((tmp_path / "results" / "learning.json").read_text())
     for name in ("rloo.py", "trl"):

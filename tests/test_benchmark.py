@@ -62,8 +62,11 @@ def test_plot_curves_writes_a_png(tmp_path):
 
 
 def run_benchmark_script(*args) -> None:
+    """A benchmark script to the end, one thread per process: these tiny runs gain nothing from a second thread,
+    which on a busy 2-core machine only waits (the three runs of these files took 161 s with two, 64 s with one, at
+    load average 4.5). What they check does not depend on it."""
     result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=REPO, timeout=600,
-                            env=cpu_env())
+                            env=cpu_env({"OMP_NUM_THREADS": "1"}))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
