@@ -171,26 +171,19 @@ def sample_rm_batch(rng: random.Random, batch_size: int) -> tuple[list[str], lis
 
 def fit(model: PreTrainedModel, batch_loss: Callable[[], torch.Tensor], steps: int, lr: float, name: str) -> None:
     """AdamW on `batch_loss()` (a fresh batch each step) with the learning rate decayed linearly to 0. Prints
-    `name`'s step, loss and seconds five times along the way, so that a first build is never silent for long.
-
-    On one thread: these ~0.1M-parameter models gain nothing from a second one, which on a busy 2-core machine
-    only waits (150 SFT steps took 135 s with two threads, 11 s with one, load average 8)."""
+    `name`'s step, loss and seconds five times along the way, so that a first build is never silent for long."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
     model.train()
-    start, every, threads = time.time(), max(1, steps // 5), torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for step in range(1, steps + 1):
-            loss = batch_loss()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-            if step % every == 0 or step == steps:
-                print(f"  {name}: step {step}/{steps}, loss {loss.item():.4f} ({time.time() - start:.0f} s)", flush=True)
-    finally:
-        torch.set_num_threads(threads)  # the caller's setting (rloo.py's runs, the tests) is not this function's
+    start, every = time.time(), max(1, steps // 5)
+    for step in range(1, steps + 1):
+        loss = batch_loss()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if step % every == 0 or step == steps:
+            print(f"  {name}: step {step}/{steps}, loss {loss.item():.4f} ({time.time() - start:.0f} s)", flush=True)
     model.eval()
 
 
