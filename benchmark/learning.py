@@ -50,8 +50,9 @@ class Args:
     """the Python of the environment with TRL 0.21 (`make bench-env`)"""
     cache_dir: str = ".cache/rloo_demo"
     """the synthetic task's assets (built on first use, shared with `make demo`)"""
-    output_dir: str = "benchmark/results"
-    """where the table, JSON and PNGs go"""
+    output_dir: str = "runs/bench"
+    """where the table, JSON and PNGs go (runs/ is not tracked; `--output_dir benchmark/results` replaces the committed
+    ones, on purpose)"""
     runs_dir: str = "runs/learning"
     """where each run's directory (metrics.jsonl, final policy) and its log (<directory>.log, beside it) go"""
 

@@ -38,8 +38,9 @@ class Args:
     """memory of one engine GPU"""
     gpu_memory_utilization: float = 0.9
     """vLLM's share of it (--vllm_gpu_memory_utilization)"""
-    output: str = "benchmark/results/sync_cost.md"
-    """the Markdown tables are written here too"""
+    output: str = "runs/bench/sync_cost.md"
+    """the Markdown tables are written here too (runs/ is not tracked; the committed file is
+    benchmark/results/sync_cost.md)"""
 
 
 def parameter_count(shape: str) -> int:

@@ -169,17 +169,21 @@ def sample_rm_batch(rng: random.Random, batch_size: int) -> tuple[list[str], lis
     return prompts, completions
 
 
-def fit(model: PreTrainedModel, batch_loss: Callable[[], torch.Tensor], steps: int, lr: float) -> None:
-    """AdamW on `batch_loss()` (a fresh batch each step) with the learning rate decayed linearly to 0."""
+def fit(model: PreTrainedModel, batch_loss: Callable[[], torch.Tensor], steps: int, lr: float, name: str) -> None:
+    """AdamW on `batch_loss()` (a fresh batch each step) with the learning rate decayed linearly to 0. Prints
+    `name`'s step, loss and seconds five times along the way, so that a first build is never silent for long."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
     model.train()
-    for _ in range(steps):
+    start, every = time.time(), max(1, steps // 5)
+    for step in range(1, steps + 1):
         loss = batch_loss()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         schedule.step()
+        if step % every == 0 or step == steps:
+            print(f"  {name}: step {step}/{steps}, loss {loss.item():.4f} ({time.time() - start:.0f} s)", flush=True)
     model.eval()
 
 
@@ -196,7 +200,7 @@ def build_policy(
         labels = input_ids.masked_fill(~completion_mask, -100)  # (B, T)
         return model(input_ids=input_ids, attention_mask=input_ids != tokenizer.pad_token_id, labels=labels).loss
 
-    fit(model, batch_loss, steps, lr=3e-3)
+    fit(model, batch_loss, steps, lr=3e-3, name="SFT policy")
     model.save_pretrained(save_dir)
     save_tokenizer(tokenizer, save_dir)
     return model
@@ -236,8 +240,9 @@ def build_reward_model(
         target = torch.tensor(true_reward(prompts, completions))  # (B,)
         return F.mse_loss(score_pairs(model, tokenizer, prompts, completions), target)
 
-    fit(model, batch_loss, steps, lr=1e-3)
-    print(f"reward model: correlation with true score on held-out pairs = {rm_correlation(model, tokenizer):.3f}")
+    fit(model, batch_loss, steps, lr=1e-3, name="reward model")
+    print(f"  reward model: correlation with the true score on held-out pairs {rm_correlation(model, tokenizer):.3f}",
+          flush=True)
     model.save_pretrained(save_dir)
     save_tokenizer(tokenizer, save_dir)
     return model
@@ -306,12 +311,13 @@ def build_assets(paths: dict[str, Path], seed: int = 0, policy_steps: int = 500,
     save_tokenizer(tokenizer, paths["tokenizer"])
     write_prompts_jsonl(paths["train"], n=2000, seed=seed)
     write_prompts_jsonl(paths["test"], n=64, seed=seed + 1)
-    print(f"SFT policy: {policy_steps} steps on noisy demonstrations", flush=True)
+    print(f"the SFT policy: {policy_steps} steps of next-token loss on noisy demonstrations", flush=True)
     policy = build_policy(tokenizer, paths["policy"], steps=policy_steps, seed=seed)
-    print(f"reward model: {reward_steps} steps of regression on the true score", flush=True)
+    print(f"the reward model: {reward_steps} steps of regression on the true score, from the SFT policy's weights",
+          flush=True)
     build_reward_model(tokenizer, paths["reward_model"], steps=reward_steps, seed=seed, init_from=policy)
     paths["done"].write_text(ASSETS_VERSION + "\n")
-    print(f"built synthetic-task assets in {paths['done'].parent} ({time.time() - start:.1f}s)")
+    print(f"built the synthetic task in {paths['done'].parent} ({time.time() - start:.0f} s)", flush=True)
 
 
 def ensure_assets(cache_dir: str | Path = ".cache/rloo_demo", seed: int = 0) -> dict[str, str]:

@@ -96,8 +96,9 @@ class RunConfig:
     """bf16 autocast and frozen models (GPU)"""
     cache_dir: str = ".cache/throughput"
     """where the random-init models and prompts are built (reused)"""
-    output_dir: str = "benchmark/results"
-    """where the JSON and Markdown results go"""
+    output_dir: str = "runs/bench"
+    """where the JSON and Markdown results go (runs/ is not tracked; `--output_dir benchmark/results` replaces the
+    committed ones, on purpose)"""
     runs_dir: str = "runs/throughput"
     """where each run's directory (metrics.jsonl, final policy) and its log (<directory>.log, beside it) go"""
     seed: int = 1
@@ -255,12 +256,27 @@ def trainer_flags(args: RunConfig, k: int, assets: dict[str, str], output_dir: P
     return [s for key, value in flags.items() for s in (f"--{key}", str(value))] + (["--bf16"] if args.bf16 else [])
 
 
+def trl_environment_problem(python: Path) -> str | None:
+    """Why `python` cannot run benchmark/trl_rloo.py, with the fix; None when it can. `make bench-env` marks a
+    finished install (.rloo-installed-lock*, as the Makefile's BENCH_INSTALLED); an environment without the mark
+    (an interrupted install, or one set up by hand) must import trl. Shared with tests/test_bench_compare.py."""
+    if not python.exists():
+        return f"no TRL environment at {python}: run `make bench-env`"
+    if any(python.parent.parent.glob(".rloo-installed-lock*")):
+        return None
+    if subprocess.run([str(python), "-c", "import trl"], capture_output=True).returncode != 0:
+        return (f"the TRL environment at {python.parent.parent} is half-built (`make bench-env` did not mark it "
+                "finished and `import trl` fails in it): run `make bench-env`, which finishes it")
+    return None
+
+
 def trainer_commands(trl_python: str, program: str) -> dict[str, list[str]]:
     """Each trainer's command: rloo.py in this environment, benchmark/trl_rloo.py in the TRL one (exits with the
-    fix when that environment is missing). Shared by throughput.py and learning.py."""
+    fix when that environment is missing or half-built). Shared by throughput.py and learning.py."""
     path = REPO_ROOT / trl_python
-    if not path.exists():
-        sys.exit(f"{program}: no TRL environment at {trl_python}: run `make bench-env` or pass --trl_python")
+    problem = trl_environment_problem(path)
+    if problem:
+        sys.exit(f"{program}: {problem}, or pass --trl_python")
     return {"rloo.py": [sys.executable, "rloo.py"], "trl": [str(path), "benchmark/trl_rloo.py"]}
 
 

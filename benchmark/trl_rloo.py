@@ -166,13 +166,13 @@ def instrument(trainer_module, device: torch.device, output_dir: Path, monitors,
 
 
 def main(args: rloo.Args) -> None:
+    check_supported(args)  # before TRL's imports: a refused flag costs no TRL start-up
+    rloo.compute_batch_sizes(args, world_size=1)  # the same clash errors as rloo.py
     import transformers
     import trl.trainer.rloo_trainer as trainer_module
     from transformers import PrinterCallback
     from trl import RLOOTrainer
 
-    check_supported(args)
-    rloo.compute_batch_sizes(args, world_size=1)  # the same clash errors as rloo.py
     transformers.set_seed(args.seed)  # trl 0.21's trainer seeds only its prompt order
     plumbing.quiet_hub_progress_bars()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

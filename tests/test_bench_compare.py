@@ -1,37 +1,52 @@
 """The side-by-side benchmarks against TRL (benchmark/throughput.py, learning.py, trl_rloo.py) on minimal settings.
 
-The runs need the TRL environment of `make bench-env`; without it they are skipped, unless REQUIRE_BENCH_ENV=1
-(as in CI, which builds it) makes its absence a failure.
+The runs need the TRL environment of `make bench-env`, finished; without it (or with an install that did not finish)
+they are skipped, unless REQUIRE_BENCH_ENV=1 (as in CI, which builds it) makes that a failure.
 """
 
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 from benchmark import synthetic_task
+from benchmark.throughput import trl_environment_problem
 from benchmark.trl_rloo import decode_for_monitors
-from conftest import REPO, cpu_env
+from conftest import REPO
+from test_benchmark import run_benchmark_script
 
 TRL_PYTHON = REPO / "benchmark" / ".venv-trl" / "bin" / "python"
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def trl_python():
-    if not TRL_PYTHON.exists():
+    problem = trl_environment_problem(TRL_PYTHON)
+    if problem:
         if os.environ.get("REQUIRE_BENCH_ENV") == "1":
-            pytest.fail(f"no TRL environment at {TRL_PYTHON}: run `make bench-env`")
-        pytest.skip(f"no TRL environment at {TRL_PYTHON}: run `make bench-env`")
+            pytest.fail(problem)
+        pytest.skip(problem)
     return TRL_PYTHON
 
 
-def run_script(*args, timeout=600) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=REPO,
-                            timeout=timeout, env=cpu_env())
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
+def fake_python(env_dir, imports_trl: bool, finished: bool):
+    """A stand-in for an environment's Python that only says whether `import trl` works; `finished`: the mark
+    `make bench-env` leaves after its last install step."""
+    python = env_dir / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f"#!/bin/sh\nexit {0 if imports_trl else 1}\n")
+    python.chmod(0o755)
+    if finished:
+        (env_dir / ".rloo-installed-lock1").touch()
+    return python
+
+
+def test_a_half_built_trl_environment_is_not_taken_for_built(tmp_path):
+    assert "no TRL environment" in trl_environment_problem(tmp_path / "none" / "bin" / "python")
+    half_built = trl_environment_problem(fake_python(tmp_path / "half", imports_trl=False, finished=False))
+    assert "is half-built" in half_built and "run `make bench-env`" in half_built
+    assert trl_environment_problem(fake_python(tmp_path / "made", imports_trl=False, finished=True)) is None
+    assert trl_environment_problem(fake_python(tmp_path / "by_hand", imports_trl=True, finished=False)) is None
 
 
 def test_monitors_see_what_rloo_py_hands_reward_functions():
@@ -57,7 +72,7 @@ def test_trl_runner_refuses_what_trl_cannot_do(trl_python, tmp_path):
 
 
 def test_throughput_runs_both_trainers_and_reports_the_ratio_and_the_work(trl_python, tmp_path):
-    run_script("benchmark/throughput.py", "--trl_python", trl_python, "--repeats", "1", "--updates", "2",
+    run_benchmark_script("benchmark/throughput.py", "--trl_python", trl_python, "--repeats", "1", "--updates", "2",
                "--shapes", "pythia-14m", "--prompt_length", "72", "--response_length", "6",
                "--mean_response_length", "3", "--rloo_ks", "2", "--per_device_train_batch_size", "2",
                "--gradient_accumulation_steps", "2", "--local_rollout_forward_batch_size", "4",
@@ -78,7 +93,7 @@ def test_throughput_runs_both_trainers_and_reports_the_ratio_and_the_work(trl_py
 def test_learning_trains_both_and_plots(trl_python, tmp_path):
     paths = synthetic_task.asset_paths(tmp_path / "cache")
     synthetic_task.build_assets(paths, policy_steps=30, reward_steps=30)  # weak but quick
-    run_script("benchmark/learning.py", "--trl_python", trl_python, "--seeds", "1", "--total_episodes", "128",
+    run_benchmark_script("benchmark/learning.py", "--trl_python", trl_python, "--seeds", "1", "--total_episodes", "128",
                "--cache_dir", tmp_path / "cache", "--output_dir", tmp_path / "results", "--runs_dir", tmp_path / "runs")
     report = json.loads((tmp_path / "results" / "learning.json").read_text())
     for name in ("rloo.py", "trl"):
