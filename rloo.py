@@ -886,7 +886,7 @@ class Rollout(Completions):
     """One rank's completions of one update, k*B rows in the (k, B) layout, with their log-probs."""
 
     logprobs: Optional[torch.Tensor]  # (k*B, Tr) under the policy that sampled, by a forward pass (0 on padding);
-    # None until the update's own forward fills them, when that is the same forward (on-policy: skips_logprob_pass)
+    # None until the update's own forward fills them, when that is the same forward (on-policy: logprobs_from_update)
     ref_logprobs: Optional[torch.Tensor]  # (k*B, Tr) reference log-probs (0 on padding); None if kl_coef = 0
     # set by ppo_update (compute_advantages): what it trained on, for the metrics
     advantages: Optional[torch.Tensor] = field(default=None, kw_only=True)  # (k*B,), or (k*B, Tr) per token
@@ -1014,7 +1014,7 @@ def copy_weights(source, target) -> None:
         to.copy_(value)
 
 
-def skips_logprob_pass(args: Args, sizes: BatchSizes, lookahead: int) -> bool:
+def logprobs_from_update(args: Args, sizes: BatchSizes, lookahead: int) -> bool:
     """On-policy (one epoch, one minibatch, sampled by the weights being trained), the log-probs of the sampling
     policy are exactly the training forward's own, detached: the update computes them itself, a micro-batch of
     whole prompt groups at a time (the leave-one-out baseline needs its group), instead of a separate pass. Not
@@ -1025,11 +1025,11 @@ def skips_logprob_pass(args: Args, sizes: BatchSizes, lookahead: int) -> bool:
 
 @torch.no_grad()
 def collect_rollout(
-    policy, ref_policy, completions: Completions, args: Args, share_prompt: bool, with_logprobs: bool, autocast,
-    timer: plumbing.PhaseTimer,
+    policy, ref_policy, completions: Completions, args: Args, share_prompt: bool, logprobs_from_update: bool,
+    autocast, timer: plumbing.PhaseTimer,
 ) -> Rollout:
     """The log-probs of sampled completions under the policy that sampled them (unless the update computes them:
-    with_logprobs False), then under the reference: one phase after the other, each in length-sorted chunks of
+    logprobs_from_update), then under the reference: one phase after the other, each in length-sorted chunks of
     about local_rollout_forward_batch_size completions (whole prompt groups)."""
     c = completions
 
@@ -1042,7 +1042,7 @@ def collect_rollout(
     # recomputed with the training forward pass, not taken from sampling: the sequence-level ratio is the exp of
     # a sum, so small sampling-vs-training mismatches would blow up (bf16, fused kernels)
     logprobs = None
-    if with_logprobs:
+    if not logprobs_from_update:
         with timer("policy_forward"), autocast():
             logprobs = logprobs_of(policy)  # (k*B, Tr)
     ref_logprobs = None
@@ -1203,7 +1203,7 @@ def apply_missing_eos_penalty(scores: torch.Tensor, has_stop: torch.Tensor, pena
 
 # ===================================================================== advantages
 # The rule an advantage estimator keeps: it reads only a completion's own prompt group. On-policy the update computes
-# the advantages of each micro-batch's whole groups as their log-probs arrive (skips_logprob_pass), so that an
+# the advantages of each micro-batch's whole groups as their log-probs arrive (logprobs_from_update), so that an
 # estimator reading other groups would train on other values than on the plain path; tests/test_update.py checks
 # the rule on whatever rloo_advantages is.
 def in_groups(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -1262,7 +1262,7 @@ def compute_advantages(c: Rollout, scores: torch.Tensor, args: Args) -> None:
     """c.advantages and c.rlhf_reward from the scores (k*g,) of c's completions and their KL to the reference: all of
     a rollout's, or (on-policy) a micro-batch's whole prompt groups. The one caller of the estimator: it hands it the
     groups shaped (k, g), checks that they come back so, and with --normalize_advantage whitens over every rank's
-    batch (never on-policy: skips_logprob_pass)."""
+    batch (never on-policy: logprobs_from_update)."""
     k, g = c.k, c.queries.shape[0]
     advantages, rlhf_reward = rloo_advantages(in_groups(scores, k), in_groups(kl_to_reference(c), k),
                                               in_groups(c.response_mask, k), args.kl_coef, args.token_level_kl)
@@ -1397,7 +1397,7 @@ def ppo_update(
     DDP syncs gradients on the last micro-step only), as planned by minibatch_plan; a minibatch's loss is the sum of
     its actions' losses (policy_loss) over loss_normalizer. The advantages come from the scores (k*B,) by
     compute_advantages, for the whole rollout before the first step; or, on-policy (rollout.logprobs None:
-    skips_logprob_pass), for each micro-batch's prompt groups from its own forward, whose detached log-probs are
+    logprobs_from_update), for each micro-batch's prompt groups from its own forward, whose detached log-probs are
     the ratio's denominator (ratio 1) and are written into rollout.logprobs. Leaves rollout.advantages and
     rollout.rlhf_reward for the metrics. Returns the stats averaged over all micro-steps (the loss: over
     minibatches)."""
@@ -1405,7 +1405,7 @@ def ppo_update(
     ratios, grad_norms = [], []
     device, k = scores.device, rollout.k
     max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-    logprobs_from_update = rollout.logprobs is None  # skips_logprob_pass
+    logprobs_from_update = rollout.logprobs is None  # on-policy: the update's forward gives them
     if logprobs_from_update:  # filled below, a micro-batch at a time
         rollout.logprobs = torch.zeros(rollout.responses.shape, device=device)  # (k*B, Tr)
         rollout.advantages, rollout.rlhf_reward = None, torch.zeros_like(scores)  # (k*B,); the advantages below
@@ -1420,7 +1420,7 @@ def ppo_update(
                 with gradient_sync(model, enabled=micro_step == len(minibatch) - 1), autocast():
                     new_logprobs, entropy = forward_logprobs(model, batch, args.temperature, share_prompt,
                                                              with_entropy=True)  # (n', Tr') each
-                    if logprobs_from_update:  # whole prompt groups (skips_logprob_pass): all that the estimator reads
+                    if logprobs_from_update:  # whole prompt groups (logprobs_from_update): all that the estimator reads
                         batch.logprobs = new_logprobs.detach() * batch.response_mask
                         compute_advantages(batch, scores[rows], args)
                         if rollout.advantages is None:  # (k*B,), or (k*B, Tr) from a per-token estimator
@@ -1600,7 +1600,6 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, sampling_rng, autocast)
         timer = plumbing.PhaseTimer(device)
         timer.count_tokens_of(policy, ref_policy, sources.model, getattr(rollouts, "sampler", None))
-    logprobs_from_update = skips_logprob_pass(args, sizes, rollouts.lookahead)  # on-policy: no policy_forward phase
     eval_every = max(1, num_updates // args.num_evals) if args.num_evals > 0 else num_updates
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0
     queued: list[PromptBatch] = []  # drawn, sampled or being sampled, not yet trained on
@@ -1639,7 +1638,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                 batch = queued.pop(0)
                 with rollouts.behaviour_policy(policy) as behaviour:
                     rollout = collect_rollout(behaviour, ref_policy, completions, args, share_prompt,
-                                              not logprobs_from_update, autocast, timer)  # (k*B, Tr) log-probs
+                                              logprobs_from_update(args, sizes, rollouts.lookahead), autocast,
+                                              timer)  # (k*B, Tr) log-probs
             has_stop = rollout.ended(stop_token_id)  # (k*B,)
 
             # ALGO LOGIC 4. score every completion (reward model and reward functions), then the missing-EOS penalty
@@ -1655,7 +1655,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                     scores = whiten(scores).clamp(-args.reward_clip_range, args.reward_clip_range)
 
             # ALGO LOGIC 5-6. KL-penalized rewards and leave-one-out advantages (compute_advantages), then PPO epochs
-            # of the clipped surrogate. On-policy, the update computes them from its own forward (skips_logprob_pass)
+            # of the clipped surrogate. On-policy, the update computes them from its own forward (logprobs_from_update)
             policy.train()  # dropout is off; train mode only switches gradient checkpointing on
             with timer("training"), plumbing.batch_kept_if_nonfinite(args.output_dir, update, dist_info.rank,
                                                                      tokenizer, rollout, raw_scores):

@@ -58,7 +58,7 @@ def train(module, updates: int, score, **flags) -> tuple[torch.nn.Module, list]:
     for update in range(updates):
         queries, query_mask = left_padded(tokenizer, [r["prompt"] for r in rows[update * PROMPTS:][:PROMPTS]])
         c = module.sample_completions(policy, queries, query_mask, args.response_length, 1.0, 1, 0, generator, k=K)
-        rollout = module.collect_rollout(policy, None, c, args, True, not module.skips_logprob_pass(args, sizes, 0),
+        rollout = module.collect_rollout(policy, None, c, args, True, module.logprobs_from_update(args, sizes, 0),
                                          NO_AUTOCAST, plumbing.PhaseTimer(CPU))
         torch.manual_seed(update)
         stats = module.ppo_update(policy, optimizer, rollout, score(c), args, sizes, True, NO_AUTOCAST)

@@ -97,7 +97,7 @@ def sample_and_recompute(sampler, policy, args, sampler_autocast, trainer_autoca
                                        tokenizer.pad_token_id, CPU)  # (3, 4)
     c = rloo.sample_in_chunks(sampler, queries, mask, args.rloo_k, args, tokenizer.eos_token_id,
                               tokenizer.pad_token_id, torch.Generator().manual_seed(0), sampler_autocast)
-    return rloo.collect_rollout(policy, None, c, args, False, True, trainer_autocast, plumbing.PhaseTimer(CPU))
+    return rloo.collect_rollout(policy, None, c, args, False, False, trainer_autocast, plumbing.PhaseTimer(CPU))
 
 
 def test_the_samplers_log_probs_are_the_trainers_in_fp32_and_differ_for_the_bf16_copy():
@@ -161,7 +161,7 @@ def test_the_correction_brings_a_perturbed_samplers_gradient_back_to_the_on_poli
                          vllm_importance_sampling_correction=correction)
         c = rloo.sample_in_chunks(sampler, prompt.repeat(num_prompts, 1), prompt_mask.repeat(num_prompts, 1), k,
                                   args, None, 0, torch.Generator().manual_seed(0), NO_AUTOCAST)
-        rollout = rloo.collect_rollout(policy, None, c, args, False, True, NO_AUTOCAST, plumbing.PhaseTimer(CPU))
+        rollout = rloo.collect_rollout(policy, None, c, args, False, False, NO_AUTOCAST, plumbing.PhaseTimer(CPU))
         scores = reward(c.responses)
         optimizer = GradientOf(policy.parameters())
         rloo.ppo_update(policy, optimizer, rollout, scores, args, rloo.compute_batch_sizes(args, 1), False,

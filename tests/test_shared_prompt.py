@@ -127,7 +127,7 @@ def test_micro_batches_smaller_than_a_group_train_single_completions():
     plan = rloo.minibatch_plan(rollout, rloo.compute_batch_sizes(args, 1), k)
     batch = rloo.micro_batch(rollout, plan[0][0], k)
     assert batch.k == 1 and batch.queries.shape[0] == 2  # its own prompt row each
-    assert not rloo.skips_logprob_pass(replace_args(args, num_ppo_epochs=1), rloo.compute_batch_sizes(args, 1), 0)
+    assert not rloo.logprobs_from_update(replace_args(args, num_ppo_epochs=1), rloo.compute_batch_sizes(args, 1), 0)
 
 
 def replace_args(args: rloo.Args, **changes) -> rloo.Args:
@@ -168,9 +168,9 @@ def test_on_policy_the_update_computes_the_sampling_logprobs_itself():
     _, c = sampled(2)
     flags = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 3, "num_ppo_epochs": 1}
     args = rloo.Args(rloo_k=2, **flags)
-    assert rloo.skips_logprob_pass(args, rloo.compute_batch_sizes(args, 1), lookahead=0)
-    assert not rloo.skips_logprob_pass(args, rloo.compute_batch_sizes(args, 1), lookahead=1)  # async: stale weights
-    assert not rloo.skips_logprob_pass(replace_args(args, normalize_advantage=True), rloo.compute_batch_sizes(args, 1), 0)
+    assert rloo.logprobs_from_update(args, rloo.compute_batch_sizes(args, 1), lookahead=0)
+    assert not rloo.logprobs_from_update(args, rloo.compute_batch_sizes(args, 1), lookahead=1)  # async: stale weights
+    assert not rloo.logprobs_from_update(replace_args(args, normalize_advantage=True), rloo.compute_batch_sizes(args, 1), 0)
     separate, in_update = trained(True, c, False, **flags), trained(True, c, True, **flags)
     for name, value in separate.items():
         if name != "stats":
