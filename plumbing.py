@@ -1104,9 +1104,10 @@ class RunLogger:
         self.write_metrics({"update": update, **metrics})
         if self.wandb is not None:
             self.wandb.log(metrics, step=int(metrics["episode"]))
-        parts = " ".join(f"{short} {metrics[key]:.4g}" for key, short in self.LINE_KEYS if key in metrics)
+        parts = " ".join(f"{short} {metrics[key]:.0f}" if abs(metrics[key]) >= 100 else f"{short} {metrics[key]:.3g}"
+                         for key, short in self.LINE_KEYS if key in metrics)
         phases = sorted(((v, k[5:]) for k, v in metrics.items() if k.startswith("time/") and k != "time/update"),
-                        reverse=True)[:3]  # the update's three longest phases: metrics.jsonl has them all
+                        reverse=True)[:2]  # the update's two longest phases: metrics.jsonl has them all
         times = f" | {metrics['time/update']:.2f} s: " if "time/update" in metrics else " | "
         self.console.print(f"update {update}/{self.num_updates}, episode {int(metrics['episode'])}: {parts}{times}"
                            + ", ".join(f"{name} {v:.2f}" for v, name in phases), highlight=False, soft_wrap=True)
