@@ -40,7 +40,7 @@ demo: $(INSTALLED)  ## offline: build a tiny task, train it with rloo.py, plot t
 	$(PYTHON) benchmark/demo.py
 
 # OpenMP threads that wait sleep instead of spinning: same results, and on a busy machine (other work on the same
-# cores) runs of the small models here 2-8x faster, measured
+# cores) runs of the small models here 1.7-6.6x faster (measured at load average 3-4)
 demo test: export OMP_WAIT_POLICY ?= PASSIVE
 
 test: $(INSTALLED)  ## CPU, no network; a skipped test's line says what it needs (-rs)
