@@ -32,8 +32,10 @@ LOGPROB_TOLERANCE = 1e-5  # fp32 on both sides, on CPU: measured after a sync, u
 ENGINE_FLAGS = ("--vllm_gpu_memory_utilization", 0.2, "--vllm_enforce_eager")  # on CPU: host memory, no compile
 CPU_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache per engine; vLLM's CPU default is far larger
 PER_UPDATE = 32  # completions per update and rank with RUN
-on_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU engines (vllm-cpu); on GPUs the NCCL tests run")
-on_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the trainer and a vLLM engine on two GPUs")
+on_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU engines (the vllm-cpu build): run `make test-vllm` "
+                            "on a machine without a GPU; on GPUs the NCCL tests run instead")
+on_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs and vLLM's CUDA build: run "
+                                 "`pytest tests/test_vllm.py` on such a machine")
 
 
 @pytest.fixture(scope="module")
