@@ -1729,7 +1729,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
             raise plumbing.RewardFunctionError(f"{e}; {where}", e.announce) from None
         if logger is not None:  # a signal, said as above, and the marker job scripts requeue on
             saved = where.split("; ")[0]
-            checkpoints.mark_preempted(saved)
+            checkpoints.mark_preempted(plumbing.latest_checkpoint(args.output_dir) or saved)
             logger.console.print(f"rloo.py: {e.signal_name} received while a reward function ran: stopped at once; "
                                  f"{saved}; continue with the same command and --resume", highlight=False,
                                  soft_wrap=True)
