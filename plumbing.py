@@ -21,6 +21,7 @@ import contextlib
 import copy
 import datetime
 import fcntl
+import functools
 import hashlib
 import importlib
 import inspect
@@ -41,7 +42,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, make_dataclass
 from pathlib import Path
-from typing import Annotated, Callable, Optional, get_args, get_origin, get_type_hints
+from typing import Annotated, Callable, ClassVar, Literal, Optional, get_args, get_origin, get_type_hints
 
 import docstring_parser
 import numpy as np
@@ -70,6 +71,104 @@ FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4e38: beyond it a value
 
 
 # ===================================================================== flag checks, before anything loads
+@dataclass
+class RunArgs:
+    """The flags of a run that are not the algorithm's: its name and output_dir, trust, memory and speed, the LoRA
+    adapters' shape, samples and evaluations, checkpoints and faults. rloo.py's Args extends it, so these are flags
+    like the others (--help and docs/flags.md list them last)."""
+
+    resumable_changes: ClassVar[frozenset] = frozenset({  # may differ on --resume; any other flag is another experiment
+        "exp_name", "run_name", "output_dir", "track", "wandb_project_name", "wandb_entity", "trust_remote_code",
+        "dataset_test_split", "num_sample_generations", "num_evals", "eval_max_prompts",
+        "local_rollout_forward_batch_size", "gradient_checkpointing", "total_episodes", "num_train_epochs",
+        "save_steps", "save_total_limit", "resume", "resume_from", "overwrite_output_dir", "ddp_timeout",
+        "fsdp_generation", "compile_generation", "share_prompt", "bf16_generation", "reward_fn_timeout",
+        "merge_lora"})
+
+    # ----- experiment -----
+    exp_name: str = "rloo"
+    """name of the experiment; the run is named `{exp_name}__{seed}__{unix time}` unless --run_name is given"""
+    run_name: Optional[str] = None
+    """the run's whole name (wandb, the log's first line), as TRL >= 0.22 takes it;
+    None: `{exp_name}__{seed}__{unix time}`"""
+    seed: int = 1
+    """random seed; rank r samples with seed + r"""
+    output_dir: str = "models/rloo"
+    """where `metrics.jsonl`, `args.json`, the final policy and its tokenizer are written"""
+    track: bool = False
+    """log to Weights & Biases (with WANDB_MODE=offline it logs without network)"""
+    wandb_project_name: str = "rloo"
+    """the wandb project"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team); None is your default entity"""
+    trust_remote_code: bool = False
+    """allow models and tokenizers with custom code from the Hub"""
+
+    # ----- memory and speed -----
+    local_rollout_forward_batch_size: int = 64
+    """completions per generation / log-prob / scoring forward pass, per rank; 0: as many as fit in 90% of the
+    memory free when each phase starts (GPU memory, or RAM on CPU), estimated from the model's config"""
+    gradient_checkpointing: bool = False
+    """recompute the policy's activations in the backward pass: less activation memory, a slower backward"""
+    fsdp: bool = False
+    """shard the policy's weights, gradients and optimizer state over the ranks with FSDP2 instead of replicating
+    them with DDP; the reference and reward models stay replicated"""
+    fsdp_generation: Literal["unshard", "per_block"] = "unshard"
+    """with --fsdp, how the rollout sees the sharded policy. unshard: every block gathered once per update
+    (fast). per_block: each block gathered at each forward, decoding steps included (least memory)"""
+    offload: bool = False
+    """with --fsdp: the policy's fp32 weight shards, gradients and AdamW state (stepped on the CPU) and the frozen
+    models live in CPU memory, each brought to the GPU for its forward passes only; slower"""
+    compile_generation: bool = False
+    """decode with a torch.compile'd step (CUDA graphs on GPU) in a KV cache kept per chunk size: no
+    per-token Python or kernel-launch overhead. The first update compiles, once per chunk size"""
+
+    # ----- LoRA adapters -----
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_r"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input, in training forward passes only; 0 (TRL: 0.05), so that the policy
+    trained is the one that sampled"""
+    lora_target_modules: Optional[tuple[str, ...]] = None
+    """module names to adapt, or `all-linear`; None: peft's default for the architecture (attention projections,
+    e.g. q_proj and v_proj for Llama, query_key_value for GPT-NeoX)"""
+    lora_modules_to_save: Optional[tuple[str, ...]] = None
+    """modules trained in full beside the adapters and saved with them (e.g. lm_head)"""
+    merge_lora: bool = False
+    """with --use_peft: also write the base with the adapters merged in, in transformers' format (fp32), to
+    output_dir/merged at the end"""
+
+    # ----- samples and evaluation -----
+    num_sample_generations: int = 10
+    """times per run a table of query / response / score is printed (and logged to wandb)"""
+    num_evals: int = 4
+    """evaluations on --dataset_test_split spread over the run, plus one at the end"""
+    eval_max_prompts: int = 256
+    """test prompts per evaluation (all ranks together)"""
+
+    # ----- checkpoints and faults -----
+    save_steps: int = 0
+    """write a resumable checkpoint to output_dir/checkpoints/step_<update> every this many updates
+    (0: only at the end, or when a signal stops the run)"""
+    save_total_limit: Optional[int] = None
+    """keep only the newest this many checkpoints (at least 1; the newest is never deleted); None keeps all"""
+    resume: bool = False
+    """continue from the newest intact checkpoint in output_dir if there is one (else start fresh: one command
+    serves the first launch and every requeue); damaged newer ones are named and set aside"""
+    resume_from: Optional[str] = None
+    """continue from this checkpoint directory; later checkpoints of output_dir are set aside (another timeline)"""
+    overwrite_output_dir: bool = False
+    """start a new run in an output_dir that holds an earlier run or files it did not write: all it holds is moved
+    to output_dir/abandoned/ first (nothing is deleted). Without it such a run is refused"""
+    ddp_timeout: float = 600.0
+    """seconds a rank waits for the others (in a collective, or after scoring, evaluation or a save) before the
+    run stops with a line naming the late rank and its phase: a reward function that never returns, a dead node"""
+    reward_fn_timeout: Optional[float] = None
+    """seconds a reward function's call may take, then the run stops as if it raised; < --ddp_timeout; None: half"""
+
+
 def number_rules(args) -> list[tuple[str, object, bool, str]]:
     """(flag, value, whether it is allowed, what it must be) for every number a typo or a NaN makes meaningless
     without any error later: sampling at temperature inf, a clip range of 0, a negative learning rate, a KL
@@ -156,6 +255,8 @@ def validate_args(args) -> None:
                               f"{args.lora_dropout}: the rank must be >= 1, alpha > 0 and dropout in [0, 1)")
     elif args.merge_lora:
         raise ConfigError("--merge_lora merges LoRA adapters into the base: add --use_peft")
+    if args.fsdp and "RANK" not in os.environ:
+        raise ConfigError("--fsdp shards the policy over torchrun's processes: launch with torchrun")
 
 
 # ===================================================================== distributed: ranks, FSDP2, all-reduce
@@ -707,6 +808,211 @@ class StaticDecoder:
         self.caches[batch_size] = preallocated_cache(self.model.config, self.max_length, prefilled,
                                                      self.caches.get(batch_size))
         return self.caches[batch_size]
+
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """RL needs the sampling policy and the trained policy to be the same function."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def peft_layers(model) -> list[torch.nn.Module]:
+    """The modules peft put adapters (or trained copies, --lora_modules_to_save) in."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    return [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
+
+
+class AdaptersOff(torch.nn.Module):
+    """The frozen reference of a LoRA policy: the policy itself called with its adapters switched off, without
+    gradient, so the base's weights are never copied. It holds no weights of its own: the policy is not a submodule
+    (.to(), .train(), state_dict() never reach it), parameters() are the policy's (where `visiting` looks for
+    them), and every other attribute, the config and the backbone included, is the policy's. Its forward takes
+    what the policy's forward takes."""
+
+    def __init__(self, policy: torch.nn.Module):
+        super().__init__()
+        self._policy = (policy,)  # in a tuple: not registered as a submodule
+        self.forward = functools.wraps(policy.forward)(functools.partial(AdaptersOff._forward, self))  # its signature
+
+    def _forward(self, *args, **kwargs):
+        policy = self._policy[0]
+        layers = peft_layers(policy)
+        with torch.no_grad():
+            for layer in layers:
+                layer.enable_adapters(False)
+            try:
+                return policy(*args, **kwargs)
+            finally:  # back on, trainable again (peft's enable_adapters sets requires_grad as it was)
+                for layer in layers:
+                    layer.enable_adapters(True)
+
+    def parameters(self, recurse: bool = True):
+        return self._policy[0].parameters(recurse)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "_policy":
+                raise
+            return getattr(self._policy[0], name)
+
+
+def accepts_logits_to_keep(model) -> bool:
+    """Whether the model's forward can compute the logits of chosen positions only (transformers' models can;
+    remote code may not)."""
+    module = model.module if isinstance(model, DDP) else model
+    return "logits_to_keep" in inspect.signature(module.forward).parameters
+
+
+def attention_implementation(model) -> Optional[str]:
+    """transformers' name of the model's attention ("sdpa", "eager", "flash_attention_2", ...); None if unknown."""
+    module = model.module if isinstance(model, DDP) else model
+    return getattr(getattr(module, "config", None), "_attn_implementation", None)
+
+
+def attention_windows(model) -> Optional[dict]:
+    """The sliding window (None: none) of each type of layer, as the model's forward takes one 4D mask per type in
+    `config.layer_types` ({"full_attention": None, "sliding_attention": 128}), or {None: window} where one mask serves
+    every layer (Mistral: `config.sliding_window` or None); None where some layer is not attention (state-space,
+    recurrent, linear attention: its state reads the whole row in order, so no mask can keep responses apart)."""
+    config = (model.module if isinstance(model, DDP) else model).config
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return {None: getattr(config, "sliding_window", None)}
+    if not set(types) <= {"full_attention", "sliding_attention"}:
+        return None
+    return {kind: config.sliding_window if kind == "sliding_attention" else None for kind in set(types)}
+
+
+def why_not_shared(model) -> Optional[str]:
+    """Why prompt groups cannot be fed to the model as one row each (None: they can): its attention must take a 4D
+    mask as it is (transformers' sdpa and eager attention do; flash-attention and remote code may not), explicit
+    positions, and every layer must be attention."""
+    module = model.module if isinstance(model, DDP) else model
+    config = getattr(module, "config", None)
+    if attention_implementation(model) not in ("sdpa", "eager"):
+        return f"its attention ({attention_implementation(model)}) may not take a custom 4D mask"
+    if "position_ids" not in inspect.signature(module.forward).parameters:
+        return "its forward takes no position_ids"
+    if attention_windows(model) is None:
+        kinds = sorted(set(config.layer_types) - {"full_attention", "sliding_attention"})
+        return f"its {'/'.join(kinds)} layers read the whole row in order, so responses would see each other"
+    return None
+
+
+SHARING_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}  # by the weights' dtype
+
+
+def shares_prompts(model, name: str, requested: Optional[bool], error: Callable[[], float], notes: list[str]) -> bool:
+    """Whether `model` computes each prompt group as one row (--share_prompt: `requested`, None by default): where
+    it can (why_not_shared) and the start-up check's `error()` (rloo.sharing_error: grouped rows against one row per
+    completion) is within SHARING_TOLERANCE, so that an architecture nobody tested cannot train on wrong gradients.
+    Else a note says why (a ConfigError where --share_prompt asked for it)."""
+    if requested is False:
+        return False
+    why = why_not_shared(model)
+    if why is None:
+        tolerance = SHARING_TOLERANCE.get(next(model.parameters()).dtype, 5e-2)
+        try:
+            difference = error()
+            if not difference <= tolerance:  # NaN fails too
+                why = (f"the start-up check found its grouped rows' results {difference:.2g} away from one row per "
+                       f"completion's (tolerance {tolerance:g})")
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # an attention that cannot take the grouped rows at all
+            why = f"its forward fails on grouped rows ({first_line(e)})"
+    if why is None:
+        return True
+    if requested:
+        raise ConfigError(f"--share_prompt: the {name} cannot share prompts exactly: {why}; "
+                          "leave the flag out (it then computes one row per completion)")
+    notes.append(f"prompt sharing is off for the {name}: {why}; it computes one row per completion")
+    return False
+
+
+class SelectiveLogSoftmax(torch.autograd.Function):
+    """log softmax(logits / T)[target] and, if asked, the entropy of softmax(logits / T), both differentiable, in a
+    few passes over the (N, Tr, V) logits: one exp whose result, normalized in place, is all the backward pass keeps.
+    The obvious `log_softmax(logits / T).gather(...)` keeps logits / T and the log-probs, and its backward makes
+    several more (N, Tr, V) tensors: at V = 50k this is most of a small model's training step. An entropy that a loss
+    uses costs one more (N, Tr, V) fp32 buffer while the backward runs; one that no loss uses costs nothing there."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+        ctx.set_materialize_grads(False)  # an output that no loss uses gets None: its backward term is skipped
+        x = logits.float()  # (N, Tr, V); the same tensor when already fp32, never written to
+        top = x.max(-1, keepdim=True).values  # (N, Tr, 1)
+        probs = (x - top).div_(temperature).exp_()  # (N, Tr, V) unnormalized: the one new (N, Tr, V) tensor
+        total = probs.sum(-1, keepdim=True)  # (N, Tr, 1)
+        log_total = top / temperature + total.log()  # (N, Tr, 1) logsumexp(x / T)
+        logprobs = (x.gather(-1, targets.unsqueeze(-1)) / temperature - log_total).squeeze(-1)  # (N, Tr)
+        entropy = None
+        if with_entropy or ctx.needs_input_grad[0]:
+            probs.div_(total)  # softmax
+        if with_entropy:  # logsumexp - E_p[x / T], the expectation as a batched dot product
+            expected = torch.matmul(probs.unsqueeze(-2), x.unsqueeze(-1)).reshape(logprobs.shape) / temperature
+            entropy = log_total.squeeze(-1) - expected  # (N, Tr)
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(probs, targets, entropy)
+        ctx.temperature, ctx.dtype = temperature, logits.dtype
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]):
+        probs, targets, entropy = ctx.saved_tensors  # the graph is used once, so the saved buffer becomes the gradient
+        g = None if grad_logprobs is None else (grad_logprobs / ctx.temperature).unsqueeze(-1)  # (N, Tr, 1)
+        if grad_entropy is None:
+            grad = probs.mul_(-g)
+        else:  # d entropy / d logits = -softmax (log softmax + entropy) / T
+            h = (grad_entropy / ctx.temperature).unsqueeze(-1)  # (N, Tr, 1)
+            p_log_p = torch.xlogy(probs, probs)  # (N, Tr, V): the buffer an entropy in the loss costs
+            scale = h * entropy.unsqueeze(-1) + (0.0 if g is None else g)  # (N, Tr, 1)
+            grad = probs.mul_(-scale).sub_(p_log_p.mul_(h))
+        if g is not None:  # (onehot(target) - softmax) g / T
+            grad.scatter_add_(-1, targets.unsqueeze(-1), g)
+        return grad.to(ctx.dtype), None, None, None
+
+
+
+@dataclass
+class RewardSources:
+    """Everything that scores completions: a reward model (with its tokenizer) and reward functions."""
+
+    model: Optional[torch.nn.Module]
+    model_tokenizer: Optional[object]  # None when the policy's token ids can be fed as they are
+    functions: list[tuple[str, Callable]]
+    weights: torch.Tensor  # (S,)
+    share_prompt: bool = False  # the reward model reads a prompt group as one row (grouped_rows)
+    timeout: Optional[float] = None  # seconds a reward function's call may take (--reward_fn_timeout)
+
+    @property
+    def names(self) -> list[str]:
+        return (["reward_model"] if self.model is not None else []) + [name for name, _ in self.functions]
+
+
+def load_reward_sources(args, tokenizer, functions: list[tuple[str, Callable]], device: torch.device):
+    """The reward model (frozen, with its own tokenizer when the vocabularies differ) and the reward functions."""
+    model, model_tokenizer = None, None
+    if args.reward_model_path is not None:
+        seed_everything(args.seed)  # a head missing from the checkpoint starts alike on every rank and resume
+        model = load_reward_model(args.reward_model_path, torch.bfloat16 if args.bf16 else torch.float32,
+                                  args.trust_remote_code)
+        disable_dropout(model)
+        model = model.to("cpu" if args.offload else device).eval().requires_grad_(False)
+        try:
+            own_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code)
+        except ConfigError:  # no tokenizer saved with the reward model: it shares the policy's
+            own_tokenizer = tokenizer
+        model_tokenizer = None if same_vocabulary(own_tokenizer, tokenizer) else own_tokenizer
+    num_sources = int(model is not None) + len(functions)
+    return RewardSources(model, model_tokenizer, functions, torch.tensor(args.reward_weights or [1.0] * num_sources),
+                         timeout=args.reward_fn_timeout or args.ddp_timeout / 2)
 
 
 
@@ -1985,9 +2291,17 @@ class Checkpointer:
         """Rank 0, last: args.json, whose presence in output_dir with the policy marks a finished run."""
         (Path(self.args.output_dir) / "args.json").write_text(json.dumps(asdict(self.args), indent=2))
 
-    def mark_preempted(self, line: str) -> None:
-        """Rank 0: the marker job scripts requeue on (see README)."""
-        (Path(self.args.output_dir) / PREEMPTED).write_text(f"{line}\n")
+    def stopped(self, logger, what: str) -> None:
+        """After a stop signal, on rank 0 (the one with a logger): the marker job scripts requeue on, naming the newest
+        checkpoint, and a line saying `what` happened and how to continue."""
+        if logger is None:
+            return
+        path = latest_checkpoint(self.args.output_dir)
+        where = "no update had finished, nothing to save" if path is None else \
+            f"checkpoint of update {path.name.removeprefix('step_')} saved to {path}"
+        (Path(self.args.output_dir) / PREEMPTED).write_text(f"{path or where}\n")
+        logger.console.print(f"rloo.py: {what}; {where}; continue with the same command and --resume",
+                             highlight=False, soft_wrap=True)
 
 
 # ===================================================================== set-up
@@ -2053,7 +2367,7 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     aliases = {own: {"name": trl, "aliases": (f"--{own}",)} for trl, own in TRL_NAMES.items()}
     lists = {name for name, hint in hints.items() if tuple in {get_origin(hint), *map(get_origin, get_args(hint))}}
     groups, title = {}, prog
-    for f in fields(cls):
+    for f in sorted(fields(cls), key=lambda f: f.name in RunArgs.__dataclass_fields__):  # the run's flags last
         title = starts.get(f.name, title)
         hint = tyro.conf.UseAppendAction[tuple[hints[f.name], ...]] if f.name in lists else hints[f.name]
         conf = tyro.conf.arg(help=docs.get(f.name), **aliases.get(f.name, {}))
@@ -2090,14 +2404,21 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
 
 
 def run_script(main: Callable, args, program: str) -> None:
-    """main(args), with bad input (ConfigError) turned into one line on stderr and exit status 2, a fault that
-    stopped the run (Fault) into one line and exit status 4, and a signal before training into one line and exit
+    """main(args), with bad input (ConfigError) turned into one line on stderr and exit status 2, a non-finite
+    value before an optimizer step (NonFiniteError) into one line and exit status 3, a fault that stopped the run
+    (Fault) into one line and exit status 4, and a signal before training into one line and exit
     status 0 (130 for SIGINT; under torchrun 128 + the signal's number). Shared by this project's scripts."""
     try:
         main(args)
     except ConfigError as e:
         print(f"{program}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except NonFiniteError as e:
+        where = Path(args.output_dir) / "nonfinite"
+        print(f"{program}: error: {e}: stopped before any optimizer step on it; the offending batch " + (
+            f"is in {where}" if e.unwritten is None else f"could not be written to {where} ({e.unwritten})"),
+            file=sys.stderr)
+        sys.exit(3)
     except Fault as e:
         if e.announce:
             print(f"{program}: error: {e}", file=sys.stderr)

@@ -21,10 +21,10 @@ Shapes: B prompts per rank and update; k = rloo_k completions each; N = k*B comp
 of a grouped row (a prompt, then its k responses back to back), P the positions whose logits it computes; S reward
 sources.
 
-Sections, in the order a run needs them. Plumbing that nobody changes when changing the algorithm (checkpoints,
-faults, signals, measuring, logging, data-file diagnostics, the command line) is in plumbing.py, called as
-plumbing.X; copying this file means copying that one with it.
-  Args                the flags, TRL <= 0.21's names (TRL >= 0.22's accepted)
+Sections, in the order a run needs them. Plumbing that nobody changes when changing the algorithm (the run's flags,
+checkpoints, faults, signals, measuring, logging, file loading and diagnostics, kernels, the prompt-sharing start-up
+check, the command line) is in plumbing.py, called as plumbing.X; copying this file means copying that one with it.
+  Args                the algorithm's flags, TRL <= 0.21's names (TRL >= 0.22's accepted); the run's in RunArgs
   batch arithmetic    micro / mini / local / B / all ranks, derived once, with exact divisions
   distributed         DDP gradient sync on the last micro-step, statistics over all ranks
   data                a prompt's token ids; the sampler that draws B prompts per update
@@ -43,10 +43,8 @@ plumbing.X; copying this file means copying that one with it.
 import contextlib
 import copy
 import functools
-import inspect
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -64,31 +62,8 @@ import plumbing
 
 
 @dataclass
-class Args:
-    resumable_changes: ClassVar[frozenset] = frozenset({  # may differ on --resume; any other flag is another experiment
-        "exp_name", "run_name", "output_dir", "track", "wandb_project_name", "wandb_entity", "trust_remote_code",
-        "dataset_test_split", "num_sample_generations", "num_evals", "eval_max_prompts",
-        "local_rollout_forward_batch_size", "gradient_checkpointing", "total_episodes", "num_train_epochs",
-        "save_steps", "save_total_limit", "resume", "resume_from", "overwrite_output_dir", "ddp_timeout",
-        "fsdp_generation", "compile_generation", "share_prompt", "bf16_generation", "reward_fn_timeout",
-        "merge_lora"})
-
-    # ----- experiment -----
-    exp_name: str = "rloo"
-    """name of the experiment; the run is named `{exp_name}__{seed}__{unix time}` unless --run_name is given"""
-    run_name: Optional[str] = None
-    """the run's whole name (wandb, the log's first line), as TRL >= 0.22 takes it;
-    None: `{exp_name}__{seed}__{unix time}`"""
-    seed: int = 1
-    """random seed; rank r samples with seed + r"""
-    output_dir: str = "models/rloo"
-    """where `metrics.jsonl`, `args.json`, the final policy and its tokenizer are written"""
-    track: bool = False
-    """log to Weights & Biases (with WANDB_MODE=offline it logs without network)"""
-    wandb_project_name: str = "rloo"
-    """the wandb project"""
-    wandb_entity: Optional[str] = None
-    """the wandb entity (team); None is your default entity"""
+class Args(plumbing.RunArgs):
+    """The algorithm's flags; plumbing.RunArgs adds the run's (output_dir, checkpoints, memory and speed, logging)."""
 
     # ----- models -----
     model_name_or_path: Optional[str] = None
@@ -98,21 +73,6 @@ class Args:
     use_peft: bool = False
     """train LoRA adapters (peft) on the frozen base instead of every weight; the reference is the same module with
     the adapters switched off (no second copy). Checkpoints and the final policy hold the adapter in peft's format"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_r"""
-    lora_dropout: float = 0.0
-    """dropout on the adapters' input, in training forward passes only; 0 (TRL: 0.05), so that the policy
-    trained is the one that sampled"""
-    lora_target_modules: Optional[tuple[str, ...]] = None
-    """module names to adapt, or `all-linear`; None: peft's default for the architecture (attention projections,
-    e.g. q_proj and v_proj for Llama, query_key_value for GPT-NeoX)"""
-    lora_modules_to_save: Optional[tuple[str, ...]] = None
-    """modules trained in full beside the adapters and saved with them (e.g. lm_head)"""
-    merge_lora: bool = False
-    """with --use_peft: also write the base with the adapters merged in, in transformers' format (fp32), to
-    output_dir/merged at the end"""
     reward_model_path: Optional[str] = None
     """AutoModelForSequenceClassification with one label, read at the last real token; when its own
     tokenizer differs from the policy's, completions are decoded and re-tokenized for it"""
@@ -121,26 +81,11 @@ class Args:
     completion_ids and the dataset's other columns (lists); each returns a float or None per completion"""
     reward_weights: Optional[tuple[float, ...]] = None
     """one weight per reward source, the reward model first, then each --reward_fn; default all 1.0"""
-    reward_fn_timeout: Optional[float] = None
-    """seconds a reward function's call may take, then the run stops as if it raised; < --ddp_timeout; None: half"""
     pad_token: Optional[str] = "[PAD]"
     """token added for padding when the policy tokenizer has none (what TRL's scripts and the N+ details do
     for Pythia); its id must fit the embedding matrix. None refuses tokenizers without a pad token"""
-    trust_remote_code: bool = False
-    """allow models and tokenizers with custom code from the Hub"""
     bf16: bool = False
     """bf16 autocast for every forward pass; fp32 master weights and optimizer; frozen models stored in bf16"""
-    gradient_checkpointing: bool = False
-    """recompute the policy's activations in the backward pass: less activation memory, a slower backward"""
-    fsdp: bool = False
-    """shard the policy's weights, gradients and optimizer state over the ranks with FSDP2 instead of replicating
-    them with DDP; the reference and reward models stay replicated"""
-    fsdp_generation: Literal["unshard", "per_block"] = "unshard"
-    """with --fsdp, how the rollout sees the sharded policy. unshard: every block gathered once per update
-    (fast). per_block: each block gathered at each forward, decoding steps included (least memory)"""
-    offload: bool = False
-    """with --fsdp: the policy's fp32 weight shards, gradients and AdamW state (stepped on the CPU) and the frozen
-    models live in CPU memory, each brought to the GPU for its forward passes only; slower"""
 
     # ----- data -----
     dataset_name: str = "trl-internal-testing/tldr-preference-sft-trl-style"
@@ -194,18 +139,12 @@ class Args:
     """truncate completions after the first EOS; None keeps all response_length tokens"""
     stop_token_id: Optional[int] = None
     """truncate after this token id instead (overrides --stop_token)"""
-    local_rollout_forward_batch_size: int = 64
-    """completions per generation / log-prob / scoring forward pass, per rank; 0: as many as fit in 90% of the
-    memory free when each phase starts (GPU memory, or RAM on CPU), estimated from the model's config"""
     share_prompt: tyro.conf.DisallowNone[Optional[bool]] = None
     """compute each prompt once per forward pass for its k completions, each computed exactly as alone. Default:
     on for each model that can and passes a start-up check, else off with one line saying why"""
     bf16_generation: bool = False
     """with --bf16 (not --fsdp): sample from a bf16 copy of the policy, refreshed after every update, with a
     bf16 KV cache: faster decoding for 2 more bytes per parameter"""
-    compile_generation: bool = False
-    """decode with a torch.compile'd step (CUDA graphs on GPU) in a KV cache kept per chunk size: no
-    per-token Python or kernel-launch overhead. The first update compiles, once per chunk size"""
 
     # ----- optimization -----
     total_episodes: Optional[int] = None
@@ -228,32 +167,6 @@ class Args:
     """AdamW epsilon"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this (<= 0: no clipping, the norm is still logged)"""
-
-    # ----- logging and evaluation -----
-    num_sample_generations: int = 10
-    """times per run a table of query / response / score is printed (and logged to wandb)"""
-    num_evals: int = 4
-    """evaluations on --dataset_test_split spread over the run, plus one at the end"""
-    eval_max_prompts: int = 256
-    """test prompts per evaluation (all ranks together)"""
-
-    # ----- checkpoints -----
-    save_steps: int = 0
-    """write a resumable checkpoint to output_dir/checkpoints/step_<update> every this many updates
-    (0: only at the end, or when a signal stops the run)"""
-    save_total_limit: Optional[int] = None
-    """keep only the newest this many checkpoints (at least 1; the newest is never deleted); None keeps all"""
-    resume: bool = False
-    """continue from the newest intact checkpoint in output_dir if there is one (else start fresh: one command
-    serves the first launch and every requeue); damaged newer ones are named and set aside"""
-    resume_from: Optional[str] = None
-    """continue from this checkpoint directory; later checkpoints of output_dir are set aside (another timeline)"""
-    overwrite_output_dir: bool = False
-    """start a new run in an output_dir that holds an earlier run or files it did not write: all it holds is moved
-    to output_dir/abandoned/ first (nothing is deleted). Without it such a run is refused"""
-    ddp_timeout: float = 600.0
-    """seconds a rank waits for the others (in a collective, or after scoring, evaluation or a save) before the
-    run stops with a line naming the late rank and its phase: a reward function that never returns, a dead node"""
 
 
 # ===================================================================== batch arithmetic
@@ -379,55 +292,6 @@ class PromptSampler:
 
 
 # ===================================================================== models
-def disable_dropout(model: torch.nn.Module) -> None:
-    """RL needs the sampling policy and the trained policy to be the same function."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-
-
-def peft_layers(model) -> list[torch.nn.Module]:
-    """The modules peft put adapters (or trained copies, --lora_modules_to_save) in."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils.other import AuxiliaryTrainingWrapper
-
-    return [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
-
-
-class AdaptersOff(torch.nn.Module):
-    """The frozen reference of a LoRA policy: the policy itself called with its adapters switched off, without
-    gradient, so the base's weights are never copied. It holds no weights of its own: the policy is not a submodule
-    (.to(), .train(), state_dict() never reach it), parameters() are the policy's (where `visiting` looks for
-    them), and every other attribute, the config and the backbone included, is the policy's. Its forward takes
-    what the policy's forward takes."""
-
-    def __init__(self, policy: torch.nn.Module):
-        super().__init__()
-        self._policy = (policy,)  # in a tuple: not registered as a submodule
-        self.forward = functools.wraps(policy.forward)(functools.partial(AdaptersOff._forward, self))  # its signature
-
-    def _forward(self, *args, **kwargs):
-        policy = self._policy[0]
-        layers = peft_layers(policy)
-        with torch.no_grad():
-            for layer in layers:
-                layer.enable_adapters(False)
-            try:
-                return policy(*args, **kwargs)
-            finally:  # back on, trainable again (peft's enable_adapters sets requires_grad as it was)
-                for layer in layers:
-                    layer.enable_adapters(True)
-
-    def parameters(self, recurse: bool = True):
-        return self._policy[0].parameters(recurse)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "_policy":
-                raise
-            return getattr(self._policy[0], name)
 
 
 def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = None, tokenizer=None):
@@ -444,7 +308,7 @@ def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = N
     plumbing.ensure_pad_token(tokenizer, args.pad_token, policy.get_input_embeddings().num_embeddings, tokenizer_path)
     policy.config.pad_token_id = tokenizer.pad_token_id
     stop_token_id = plumbing.stop_token_id_of(args, tokenizer, tokenizer_path)
-    disable_dropout(policy)
+    plumbing.disable_dropout(policy)
     if args.use_peft:
         plumbing.add_adapters(policy, args, checkpoint)
     if not args.offload:  # offloaded, fully_shard moves one unit at a time through the GPU as it shards
@@ -452,12 +316,12 @@ def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = N
     frozen_home = torch.device("cpu") if args.offload else device
     ref_policy = None
     if args.kl_coef != 0 and args.use_peft:
-        ref_policy = AdaptersOff(policy)
+        ref_policy = plumbing.AdaptersOff(policy)
     elif args.kl_coef != 0:
         frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
         ref_policy = copy.deepcopy(policy) if checkpoint is None else \
             plumbing.load_causal_lm(initial_path, frozen_dtype, args.trust_remote_code)  # its own dtype, not fp32
-        disable_dropout(ref_policy)
+        plumbing.disable_dropout(ref_policy)
         ref_policy.to(frozen_home, frozen_dtype).eval().requires_grad_(False)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -502,11 +366,11 @@ def generate(
     position_ids = position_ids_from_mask(query_mask)  # (g, Tq)
     # a sliding layer's own prefill cache keeps only its last window - 1 keys and the preallocated cache would count
     # from there: keep every key, the preallocated cache keeps the window it needs and counts from the prompt's end
-    windows = attention_windows(model)
+    windows = plumbing.attention_windows(model)
     windowed = any(window is not None for window in (windows or {}).values())
     prefill = model(input_ids=queries, attention_mask=query_mask.long(), position_ids=position_ids, use_cache=True,
                     past_key_values=DynamicCache() if windowed else None,
-                    **({"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}))  # the next token's logits only
+                    **({"logits_to_keep": 1} if plumbing.accepts_logits_to_keep(model) else {}))  # the next token's only
     prompt_of_row = torch.arange(g, device=queries.device).repeat(k)  # (k*g,) the (k, g) layout
     prefill.past_key_values.reorder_cache(prompt_of_row)  # each layer's (g, heads, Tq, head_dim) -> (k*g, ...)
     grown = windows is None  # state-space / recurrent layers: the copy below would drop their state
@@ -607,49 +471,6 @@ class Completions:
         return single.of_prompts(torch.arange(len(rows), device=rows.device))
 
 
-def accepts_logits_to_keep(model) -> bool:
-    """Whether the model's forward can compute the logits of chosen positions only (transformers' models can;
-    remote code may not)."""
-    module = model.module if isinstance(model, DDP) else model
-    return "logits_to_keep" in inspect.signature(module.forward).parameters
-
-
-def attention_implementation(model) -> Optional[str]:
-    """transformers' name of the model's attention ("sdpa", "eager", "flash_attention_2", ...); None if unknown."""
-    module = model.module if isinstance(model, DDP) else model
-    return getattr(getattr(module, "config", None), "_attn_implementation", None)
-
-
-def attention_windows(model) -> Optional[dict]:
-    """The sliding window (None: none) of each type of layer, as the model's forward takes one 4D mask per type in
-    `config.layer_types` ({"full_attention": None, "sliding_attention": 128}), or {None: window} where one mask serves
-    every layer (Mistral: `config.sliding_window` or None); None where some layer is not attention (state-space,
-    recurrent, linear attention: its state reads the whole row in order, so no mask can keep responses apart)."""
-    config = (model.module if isinstance(model, DDP) else model).config
-    types = getattr(config, "layer_types", None)
-    if types is None:
-        return {None: getattr(config, "sliding_window", None)}
-    if not set(types) <= {"full_attention", "sliding_attention"}:
-        return None
-    return {kind: config.sliding_window if kind == "sliding_attention" else None for kind in set(types)}
-
-
-def why_not_shared(model) -> Optional[str]:
-    """Why prompt groups cannot be fed to the model as one row each (None: they can): its attention must take a 4D
-    mask as it is (transformers' sdpa and eager attention do; flash-attention and remote code may not), explicit
-    positions, and every layer must be attention."""
-    module = model.module if isinstance(model, DDP) else model
-    config = getattr(module, "config", None)
-    if attention_implementation(model) not in ("sdpa", "eager"):
-        return f"its attention ({attention_implementation(model)}) may not take a custom 4D mask"
-    if "position_ids" not in inspect.signature(module.forward).parameters:
-        return "its forward takes no position_ids"
-    if attention_windows(model) is None:
-        kinds = sorted(set(config.layer_types) - {"full_attention", "sliding_attention"})
-        return f"its {'/'.join(kinds)} layers read the whole row in order, so responses would see each other"
-    return None
-
-
 @dataclass
 class GroupedRows:
     """A forward pass's inputs with one row per prompt group, (g, L): the prompt (left-padded), then its k responses
@@ -728,8 +549,8 @@ def grouped_rows(c: Completions, float_mask_dtype: Optional[torch.dtype] = None,
 def grouped_rows_for(model, c: Completions) -> GroupedRows:
     """grouped_rows with the mask in the form the model's attention takes: additive for eager attention, windowed
     and one per layer type as its layers are."""
-    eager = attention_implementation(model) == "eager"
-    return grouped_rows(c, float_mask_dtype=torch.float32 if eager else None, windows=attention_windows(model))
+    eager = plumbing.attention_implementation(model) == "eager"
+    return grouped_rows(c, float_mask_dtype=torch.float32 if eager else None, windows=plumbing.attention_windows(model))
 
 
 def unshared_inputs(c: Completions, pad_id: int = 0) -> dict:
@@ -746,52 +567,9 @@ def unshared_inputs(c: Completions, pad_id: int = 0) -> dict:
 def logits_at(model, positions: torch.Tensor, **inputs) -> torch.Tensor:
     """(rows, len(positions), V): the logits of those positions only, by one forward pass. The LM head's output is
     the largest activation of a forward pass (V ~ 50k columns per position) and a prompt's positions need none."""
-    if accepts_logits_to_keep(model):
+    if plumbing.accepts_logits_to_keep(model):
         return model(**inputs, logits_to_keep=positions, use_cache=False).logits
     return model(**inputs, use_cache=False).logits[:, positions]  # a model without the argument computes them all
-
-
-class SelectiveLogSoftmax(torch.autograd.Function):
-    """log softmax(logits / T)[target] and, if asked, the entropy of softmax(logits / T), both differentiable, in a
-    few passes over the (N, Tr, V) logits: one exp whose result, normalized in place, is all the backward pass keeps.
-    The obvious `log_softmax(logits / T).gather(...)` keeps logits / T and the log-probs, and its backward makes
-    several more (N, Tr, V) tensors: at V = 50k this is most of a small model's training step. An entropy that a loss
-    uses costs one more (N, Tr, V) fp32 buffer while the backward runs; one that no loss uses costs nothing there."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
-        ctx.set_materialize_grads(False)  # an output that no loss uses gets None: its backward term is skipped
-        x = logits.float()  # (N, Tr, V); the same tensor when already fp32, never written to
-        top = x.max(-1, keepdim=True).values  # (N, Tr, 1)
-        probs = (x - top).div_(temperature).exp_()  # (N, Tr, V) unnormalized: the one new (N, Tr, V) tensor
-        total = probs.sum(-1, keepdim=True)  # (N, Tr, 1)
-        log_total = top / temperature + total.log()  # (N, Tr, 1) logsumexp(x / T)
-        logprobs = (x.gather(-1, targets.unsqueeze(-1)) / temperature - log_total).squeeze(-1)  # (N, Tr)
-        entropy = None
-        if with_entropy or ctx.needs_input_grad[0]:
-            probs.div_(total)  # softmax
-        if with_entropy:  # logsumexp - E_p[x / T], the expectation as a batched dot product
-            expected = torch.matmul(probs.unsqueeze(-2), x.unsqueeze(-1)).reshape(logprobs.shape) / temperature
-            entropy = log_total.squeeze(-1) - expected  # (N, Tr)
-        if ctx.needs_input_grad[0]:
-            ctx.save_for_backward(probs, targets, entropy)
-        ctx.temperature, ctx.dtype = temperature, logits.dtype
-        return logprobs, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logprobs: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]):
-        probs, targets, entropy = ctx.saved_tensors  # the graph is used once, so the saved buffer becomes the gradient
-        g = None if grad_logprobs is None else (grad_logprobs / ctx.temperature).unsqueeze(-1)  # (N, Tr, 1)
-        if grad_entropy is None:
-            grad = probs.mul_(-g)
-        else:  # d entropy / d logits = -softmax (log softmax + entropy) / T
-            h = (grad_entropy / ctx.temperature).unsqueeze(-1)  # (N, Tr, 1)
-            p_log_p = torch.xlogy(probs, probs)  # (N, Tr, V): the buffer an entropy in the loss costs
-            scale = h * entropy.unsqueeze(-1) + (0.0 if g is None else g)  # (N, Tr, 1)
-            grad = probs.mul_(-scale).sub_(p_log_p.mul_(h))
-        if g is not None:  # (onehot(target) - softmax) g / T
-            grad.scatter_add_(-1, targets.unsqueeze(-1), g)
-        return grad.to(ctx.dtype), None, None, None
 
 
 def forward_logprobs(
@@ -804,16 +582,14 @@ def forward_logprobs(
     if not share_prompt:  # position Tq - 1 + t predicts response token t
         positions = c.queries.shape[1] - 1 + torch.arange(c.responses.shape[1], device=c.responses.device)  # (Tr,)
         logits = logits_at(model, positions, **unshared_inputs(c))  # (k*g, Tr, V)
-        return SelectiveLogSoftmax.apply(logits, c.responses, temperature, with_entropy)
+        return plumbing.SelectiveLogSoftmax.apply(logits, c.responses, temperature, with_entropy)
     rows = grouped_rows_for(model, c)
     logits = logits_at(model, rows.predictors, **rows.model_inputs())  # (g, P, V)
     # in the logits' own layout, so that only the (g, P) results are rearranged, never the (.., V) logits
-    logprobs, entropy = SelectiveLogSoftmax.apply(logits, rows.targets, temperature, with_entropy)  # (g, P) each
+    logprobs, entropy = plumbing.SelectiveLogSoftmax.apply(logits, rows.targets, temperature,
+                                                           with_entropy)  # (g, P) each
     group = torch.arange(c.queries.shape[0], device=logits.device).repeat(c.k)[:, None]  # (k*g, 1)
     return logprobs[group, rows.slots], None if entropy is None else entropy[group, rows.slots]
-
-
-SHARING_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}  # by the weights' dtype
 
 
 def sharing_probe(prompt_ids: list[int], max_prompt_length: int, response_length: int,
@@ -850,35 +626,6 @@ def sharing_error(model, probe: Completions, reward_model: bool) -> float:
         shared, alone = (in_chunks(probe, probe.k, lambda part: forward_logprobs(model, part, 1.0, share)[0],
                                    width=probe.responses.shape[1])[probe.response_mask] for share in (True, False))
     return float((shared.float() - alone.float()).abs().max())
-
-
-def shares_prompts(model, name: str, requested: Optional[bool], probe: Completions, reward_model: bool,
-                   notes: list[str]) -> bool:
-    """Whether `model` computes each prompt group as one row (--share_prompt: `requested`, None by default): where
-    it can (why_not_shared) and the probe's grouped rows give its unshared results within SHARING_TOLERANCE, so
-    that an architecture nobody tested cannot train on wrong gradients. Else a note says why (a ConfigError where
-    --share_prompt asked for it)."""
-    if requested is False:
-        return False
-    why = why_not_shared(model)
-    if why is None:
-        tolerance = SHARING_TOLERANCE.get(next(model.parameters()).dtype, 5e-2)
-        try:
-            error = sharing_error(model, probe, reward_model)
-            if not error <= tolerance:  # NaN fails too
-                why = (f"the start-up check found its grouped rows' {'scores' if reward_model else 'log-probs'} "
-                       f"{error:.2g} away from one row per completion's (tolerance {tolerance:g})")
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as e:  # an attention that cannot take the grouped rows at all
-            why = f"its forward fails on grouped rows ({plumbing.first_line(e)})"
-    if why is None:
-        return True
-    if requested:
-        raise plumbing.ConfigError(f"--share_prompt: the {name} cannot share prompts exactly: {why}; "
-                                   "leave the flag out (it then computes one row per completion)")
-    notes.append(f"prompt sharing is off for the {name}: {why}; it computes one row per completion")
-    return False
 
 
 @dataclass
@@ -1106,43 +853,8 @@ def combine_rewards(values: torch.Tensor, applies: torch.Tensor, weights: torch.
     return (values * applies * weights[:, None]).sum(0)
 
 
-@dataclass
-class RewardSources:
-    """Everything that scores completions: a reward model (with its tokenizer) and reward functions."""
-
-    model: Optional[torch.nn.Module]
-    model_tokenizer: Optional[object]  # None when the policy's token ids can be fed as they are
-    functions: list[tuple[str, Callable]]
-    weights: torch.Tensor  # (S,)
-    share_prompt: bool = False  # the reward model reads a prompt group as one row (grouped_rows)
-    timeout: Optional[float] = None  # seconds a reward function's call may take (--reward_fn_timeout)
-
-    @property
-    def names(self) -> list[str]:
-        return (["reward_model"] if self.model is not None else []) + [name for name, _ in self.functions]
-
-
-def load_reward_sources(args: Args, tokenizer, functions: list[tuple[str, Callable]], device: torch.device):
-    """The reward model (frozen, with its own tokenizer when the vocabularies differ) and the reward functions."""
-    model, model_tokenizer = None, None
-    if args.reward_model_path is not None:
-        plumbing.seed_everything(args.seed)  # a head missing from the checkpoint starts alike on every rank and resume
-        model = plumbing.load_reward_model(args.reward_model_path, torch.bfloat16 if args.bf16 else torch.float32,
-                                           args.trust_remote_code)
-        disable_dropout(model)
-        model = model.to("cpu" if args.offload else device).eval().requires_grad_(False)
-        try:
-            own_tokenizer = plumbing.load_tokenizer(args.reward_model_path, args.trust_remote_code)
-        except plumbing.ConfigError:  # no tokenizer saved with the reward model: it shares the policy's
-            own_tokenizer = tokenizer
-        model_tokenizer = None if plumbing.same_vocabulary(own_tokenizer, tokenizer) else own_tokenizer
-    num_sources = int(model is not None) + len(functions)
-    return RewardSources(model, model_tokenizer, functions, torch.tensor(args.reward_weights or [1.0] * num_sources),
-                         timeout=args.reward_fn_timeout or args.ddp_timeout / 2)
-
-
 def score_completions(
-    sources: RewardSources, completions: Completions, rows: dict[str, list], prompt_column: str, tokenizer,
+    sources: plumbing.RewardSources, completions: Completions, rows: dict[str, list], prompt_column: str, tokenizer,
     stop_token_id: Optional[int], chunk_size: int, autocast,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """(k*B,) combined score of each completion, and each source's mean. `rows`: the B dataset rows the completions
@@ -1490,7 +1202,7 @@ EVAL_TEMPERATURE = 0.01  # near-greedy, as TRL's evaluation samples
 
 @torch.no_grad()
 def evaluate(
-    policy, eval_dataset, sources: RewardSources, tokenizer, args: Args, stop_token_id: Optional[int],
+    policy, eval_dataset, sources: plumbing.RewardSources, tokenizer, args: Args, stop_token_id: Optional[int],
     dist_info: plumbing.Dist, autocast,
 ) -> dict[str, float]:
     """Mean score of near-greedy completions of up to eval_max_prompts test prompts, spread over the ranks."""
@@ -1536,14 +1248,9 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     # a signal ends the run at once; from then on, after the update, with a checkpoint
     # ---- set-up: the cheap checks first, so that a typo fails before any weights load
     plumbing.validate_args(args)
-    if args.use_peft and make_rollouts is not LocalRollouts:
-        raise plumbing.ConfigError("--use_peft with rloo_multinode.py is not supported yet: its engines would need "
-                                   "the merged weights after every update; train LoRA adapters with rloo.py")
     reward_functions = plumbing.load_reward_functions(args.reward_fn)
     plumbing.quiet_hub_progress_bars()
     dist_info = plumbing.setup_distributed(args.ddp_timeout)
-    if args.fsdp and not dist.is_initialized():
-        raise plumbing.ConfigError("--fsdp shards the policy over torchrun's processes: launch with torchrun")
     sizes = compute_batch_sizes(args, dist_info.world_size)
     device, master = dist_info.device, dist_info.master
     checkpoints = plumbing.Checkpointer(args, dist_info, lock)  # output_dir locked, the checkpoint to start from
@@ -1559,15 +1266,16 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         num_updates = math.ceil((args.total_episodes or int(args.num_train_epochs * len(dataset))) / sizes.all_ranks)
         checkpoints.check_continues(num_updates, sizes.all_ranks)
         policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device, checkpoints.path, tokenizer)
-        plumbing.seed_everything(args.seed)  # a reward head missing from its checkpoint starts alike on every rank
-        sources = load_reward_sources(args, tokenizer, reward_functions, device)
+        sources = plumbing.load_reward_sources(args, tokenizer, reward_functions, device)
         # each prompt computed once for its k completions, in every phase, where the model can take it exactly
         probe = sharing_probe(dataset[0][plumbing.PROMPT_IDS], args.max_prompt_length, args.response_length, device)
         notes = []  # printed once the run starts
-        share_prompt = shares_prompts(policy, "policy", args.share_prompt, probe, False, notes)
+        share_prompt = plumbing.shares_prompts(policy, "policy", args.share_prompt,
+                                               lambda: sharing_error(policy, probe, False), notes)
         with plumbing.visiting(sources.model, device):  # --offload: a frozen model's passes are on the GPU
-            sources.share_prompt = sources.model is not None and sources.model_tokenizer is None and shares_prompts(
-                sources.model, "reward model", args.share_prompt, probe, True, notes)
+            sources.share_prompt = sources.model is not None and sources.model_tokenizer is None and \
+                plumbing.shares_prompts(sources.model, "reward model", args.share_prompt,
+                                        lambda: sharing_error(sources.model, probe, True), notes)
 
         if args.fsdp:
             trained = plumbing.shard_policy(policy, args.bf16, args.offload)  # in place: policy is the sharded module
@@ -1709,11 +1417,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
             if stop or update == num_updates or (args.save_steps > 0 and update % args.save_steps == 0):
                 path = checkpoints.save(update, data_position())
             if stop:
-                if logger is not None:
-                    checkpoints.mark_preempted(path)
-                    logger.console.print(f"rloo.py: {stop_signal.name or 'a signal to another rank'} received: "
-                                         f"stopped after update {update}, checkpoint saved to {path}; continue with "
-                                         "the same command and --resume", highlight=False, soft_wrap=True)
+                checkpoints.stopped(logger, f"{stop_signal.name or 'a signal to another rank'} received: stopped "
+                                            f"after update {update}")
                 break
         else:  # the final policy, its tokenizer and args.json: their presence in output_dir marks a finished run
             checkpoints.save_final(policy, num_updates)
@@ -1727,12 +1432,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
             checkpoints.keep(update - 1, update_position, update_rng)
         if e.signal_name is None:
             raise plumbing.RewardFunctionError(f"{e}; {where}", e.announce) from None
-        if logger is not None:  # a signal, said as above, and the marker job scripts requeue on
-            saved = where.split("; ")[0]
-            checkpoints.mark_preempted(plumbing.latest_checkpoint(args.output_dir) or saved)
-            logger.console.print(f"rloo.py: {e.signal_name} received while a reward function ran: stopped at once; "
-                                 f"{saved}; continue with the same command and --resume", highlight=False,
-                                 soft_wrap=True)
+        checkpoints.stopped(logger, f"{e.signal_name} received while a reward function ran: stopped at once")
     except plumbing.MetricsWriteError as e:  # rank 0's alone: a checkpoint needs every rank
         where = "no checkpoint: it needs every rank (torchrun stops the others)" if dist.is_initialized() else \
             checkpoints.keep(update, data_position())
@@ -1748,15 +1448,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
 
 # ===================================================================== command line
 def cli() -> None:
-    args = plumbing.parse_args(Args, prog="rloo.py")
-    try:
-        plumbing.run_script(main, args, "rloo.py")
-    except plumbing.NonFiniteError as e:
-        where = Path(args.output_dir) / "nonfinite"
-        print(f"rloo.py: error: {e}: stopped before any optimizer step on it; the offending batch is in {where}"
-              if e.unwritten is None else f"rloo.py: error: {e}: stopped before any optimizer step on it; the "
-              f"offending batch could not be written to {where} ({e.unwritten})", file=sys.stderr)
-        sys.exit(3)
+    plumbing.run_script(main, plumbing.parse_args(Args, prog="rloo.py"), "rloo.py")
 
 
 if __name__ == "__main__":

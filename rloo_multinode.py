@@ -196,6 +196,9 @@ def duties(engine: int, world_size: int, num_engines: int) -> list[tuple[int, in
 
 def validate_engine_args(args: Args, world_size: int) -> None:
     """Refuse engine flags that clash, before anything is loaded."""
+    if args.use_peft:
+        raise plumbing.ConfigError("--use_peft with rloo_multinode.py is not supported yet: its engines would need "
+                                   "the merged weights after every update; train LoRA adapters with rloo.py")
     if args.num_engines < 1:
         raise plumbing.ConfigError(f"num_engines = {args.num_engines} must be at least 1")
     if not 0 < args.engine_timeout < float("inf"):
@@ -674,7 +677,7 @@ class HFEngine:
         self.args, self.device = args, device
         self.model = plumbing.load_causal_lm(args.sft_model_path or args.model_name_or_path, torch.float32,
                                          args.trust_remote_code).to(device).eval().requires_grad_(False)
-        rloo.disable_dropout(self.model)
+        plumbing.disable_dropout(self.model)
         self.params = dict(self.model.named_parameters())
         self.decoder = plumbing.StaticDecoder(self.model, args.max_prompt_length + args.response_length) \
             if args.compile_generation else None
@@ -711,7 +714,7 @@ class HFEngine:
         out = []
         for ids in sequences:
             ids = torch.tensor([ids], device=self.device)  # (1, T)
-            logprobs, _ = rloo.SelectiveLogSoftmax.apply(self.model(ids).logits[:, :-1], ids[:, 1:], 1.0, False)
+            logprobs, _ = plumbing.SelectiveLogSoftmax.apply(self.model(ids).logits[:, :-1], ids[:, 1:], 1.0, False)
             out.append(logprobs[0].tolist())  # (T-1,)
         return out
 
@@ -1118,7 +1121,7 @@ def serve(serve_args: ServeArgs) -> None:
     except Exception as e:
         with contextlib.suppress(dist.DistError):
             store.set("failed", {"error": f"engine {index} ({socket.gethostname()}, pid {os.getpid()}) failed: "
-                                          f"{type(e).__name__}: {e}"})
+                                 f"{type(e).__name__}: {e}"})
         raise
     finally:
         stop_beating.set()

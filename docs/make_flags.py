@@ -133,9 +133,12 @@ def groups_of(cls: type, title: str = "") -> dict[str, list[Flag]]:
     except (NameError, TypeError):  # an annotation that does not evaluate here: no nested dataclass is found in it
         types = {}
     groups: dict[str, list[Flag]] = {}
-    bases = [base for base in reversed(cls.__mro__) if dataclasses.is_dataclass(base)]
+    # base classes first, but plumbing.RunArgs (the run's flags, not the algorithm's) last, as --help lists them
+    bases = sorted((base for base in reversed(cls.__mro__) if dataclasses.is_dataclass(base)),
+                   key=lambda base: base is plumbing.RunArgs)
     for base in bases:
-        suffix = f" (`{Path(inspect.getfile(base)).name}` only)" if base is not bases[0] else ""
+        file = Path(inspect.getfile(base)).name
+        suffix = f" (`{file}` only)" if file not in ("rloo.py", "plumbing.py") and base is not bases[0] else ""
         for group, name, doc in own_fields(base):
             if name not in fields:  # a ClassVar
                 continue

@@ -131,7 +131,7 @@ def test_models_without_logits_to_keep_give_the_same_samples_and_logprobs():
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer))
     wrapped = WithoutLogitsToKeep(policy)
-    assert rloo.accepts_logits_to_keep(policy) and not rloo.accepts_logits_to_keep(wrapped)
+    assert plumbing.accepts_logits_to_keep(policy) and not plumbing.accepts_logits_to_keep(wrapped)
     queries, mask = left_padded(tokenizer, ["a b c :", "d :"])
     tokens = [rloo.generate(m, queries, mask, 5, 0.0, None, 0) for m in (policy, wrapped)]
     assert torch.equal(*tokens)
@@ -188,7 +188,7 @@ def test_reward_model_with_another_tokenizer_gets_retokenized_text():
     responses = torch.tensor([[5, 6, 1, 0], [7, 8, 9, 10]])  # "d e <eos>" and "f g h i" (no EOS)
     responses, response_mask = rloo.truncate_after_stop(responses, 1, 0)
     completions = rloo.Completions(queries, query_mask, responses, response_mask)
-    sources = rloo.RewardSources(rm, other_tok, [], torch.tensor([1.0]))
+    sources = plumbing.RewardSources(rm, other_tok, [], torch.tensor([1.0]))
     scores, means = rloo.score_completions(sources, completions, {"prompt": ["a b c :", "d :"]}, "prompt",
                                            policy_tok, 1, 8, NO_AUTOCAST)
     expected = [rm(torch.tensor([other_tok("a b c : d e")["input_ids"] + [other_tok.eos_token_id]])).logits[0, 0],
@@ -215,7 +215,7 @@ def test_reward_functions_get_texts_ids_and_columns_and_combine_with_weights():
         return [0.0] * len(completions)
 
     from reward_fns import only_even_lengths
-    sources = rloo.RewardSources(None, None, [("meddle", meddle), ("spy", spy), ("even", only_even_lengths)],
+    sources = plumbing.RewardSources(None, None, [("meddle", meddle), ("spy", spy), ("even", only_even_lengths)],
                                  torch.tensor([1.0, 1.0, 10.0]))
     rows = {"prompt": ["a b :", "c :"], "target": ["x", "y"], plumbing.PROMPT_IDS: [[2, 3, 5], [4, 5]]}  # dataset rows
     scores, means = rloo.score_completions(sources, completions, rows, "prompt", tokenizer, 1, 8, NO_AUTOCAST)
@@ -255,7 +255,7 @@ def test_reward_function_values_numpy_accepted_and_every_misuse_named():
 def test_one_update_with_positive_advantage_raises_that_completions_logprob():
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer))
-    rloo.disable_dropout(policy)
+    plumbing.disable_dropout(policy)
     torch.manual_seed(0)
     queries, query_mask = left_padded(tokenizer, ["a b :", "c d e :"])
     c = rloo.sample_completions(policy, queries, query_mask, 5, 1.0, 1, 0, k=2)  # k = 2, B = 2
@@ -390,6 +390,15 @@ def test_bf16_generation_needs_bf16_and_a_replicated_policy():
     for flags in ({"bf16_generation": True}, {"bf16_generation": True, "bf16": True, "fsdp": True}):
         with pytest.raises(plumbing.ConfigError, match="--bf16_generation samples from a bf16 copy"):
             plumbing.validate_args(rloo.Args(model_name_or_path="p", reward_fn=("m:f",), **flags))
+
+
+def test_fsdp_without_torchrun_is_refused_before_anything_loads(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(plumbing.ConfigError, match="--fsdp shards the policy over torchrun's processes: launch with "
+                                                   "torchrun"):
+        plumbing.validate_args(rloo.Args(model_name_or_path="p", reward_fn=("m:f",), fsdp=True))
+    monkeypatch.setenv("RANK", "0")
+    plumbing.validate_args(rloo.Args(model_name_or_path="p", reward_fn=("m:f",), fsdp=True))
 
 
 def test_the_phase_timer_counts_the_tokens_fed_and_the_bytes_each_decoding_step_reads():

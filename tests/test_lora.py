@@ -43,8 +43,8 @@ def test_only_adapters_train_and_the_reference_is_the_untouched_base(assets):
     trained = [name for name, p in policy.named_parameters() if p.requires_grad]
     assert trained and all(".lora_" in n or ".modules_to_save." in n for n in trained)
     assert list(ref.state_dict()) == [] and not list(ref.children())  # no second copy: the policy's own weights
-    assert ref.config is policy.config and rloo.accepts_logits_to_keep(ref) and rloo.why_not_shared(ref) is None
-    assert rloo.attention_windows(ref) == rloo.attention_windows(policy)
+    assert ref.config is policy.config and plumbing.accepts_logits_to_keep(ref) and plumbing.why_not_shared(ref) is None
+    assert plumbing.attention_windows(ref) == plumbing.attention_windows(policy)
 
     c = some_completions(len(tokenizer))
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
@@ -165,9 +165,11 @@ def test_the_demo_task_learns_with_lora(tmp_path, synthetic_sft):
 
 
 def test_rloo_multinode_with_lora_is_refused_before_models_load(assets, tmp_path):
+    import rloo_multinode
+
     args = lora_args(assets, dataset_name=str(assets["train"]), output_dir=str(tmp_path / "out"))
     with pytest.raises(plumbing.ConfigError, match="--use_peft with rloo_multinode.py is not supported yet"):
-        rloo.main(args, make_rollouts=lambda *a: pytest.fail("engines started"))
+        rloo_multinode.main(rloo_multinode.Args(**vars(args), engine="hf"))
     assert not (tmp_path / "out").exists()
 
 

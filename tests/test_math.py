@@ -234,7 +234,7 @@ def test_selective_log_softmax_matches_log_softmax_values_and_gradient(dtype):
     logits = (3 * torch.randn(3, 5, 11)).to(dtype).requires_grad_()
     targets = torch.randint(0, 11, (3, 5))
     weights = torch.randn(3, 5)  # an arbitrary upstream gradient
-    logprobs, entropy = rloo.SelectiveLogSoftmax.apply(logits, targets, 0.7, True)
+    logprobs, entropy = plumbing.SelectiveLogSoftmax.apply(logits, targets, 0.7, True)
     (logprobs * weights).sum().backward()
     ours = logits.grad.clone()
     logits.grad = None
@@ -246,7 +246,7 @@ def test_selective_log_softmax_matches_log_softmax_values_and_gradient(dtype):
     assert torch.allclose(entropy, -(reference.exp() * reference).sum(-1), atol=tol)
     assert ours.dtype == dtype and torch.allclose(ours.float(), logits.grad.float(), atol=tol)
     with torch.no_grad():  # the rollout's call: no entropy, nothing kept
-        again, none = rloo.SelectiveLogSoftmax.apply(logits, targets, 0.7, False)
+        again, none = plumbing.SelectiveLogSoftmax.apply(logits, targets, 0.7, False)
     assert none is None and torch.equal(again, logprobs.detach())
 
 
@@ -262,7 +262,7 @@ def test_the_entropy_is_differentiable(uses):
     def loss(logprobs, entropy):
         return (entropy * weights[1]).sum() + ((logprobs * weights[0]).sum() if uses == "both" else 0.0)
 
-    loss(*rloo.SelectiveLogSoftmax.apply(logits, targets, 0.7, True)).backward()
+    loss(*plumbing.SelectiveLogSoftmax.apply(logits, targets, 0.7, True)).backward()
     ours, logits.grad = logits.grad.clone(), None
     reference = (logits / 0.7).log_softmax(-1)  # (3, 5, 11)
     loss(reference.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(reference.exp() * reference).sum(-1)).backward()

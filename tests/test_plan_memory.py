@@ -10,6 +10,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 import plan_memory
+import plumbing
 import rloo
 from conftest import REPO
 
@@ -138,7 +139,7 @@ def test_an_entropy_in_the_loss_costs_the_one_logit_buffer_the_plan_adds(tmp_pat
         tracker = MemTracker()
         tracker.track_external(logits)
         with tracker:
-            logprobs, entropy = rloo.SelectiveLogSoftmax.apply(logits, targets, 1.0, True)  # as training computes it
+            logprobs, entropy = plumbing.SelectiveLogSoftmax.apply(logits, targets, 1.0, True)  # as in training
             (logprobs.sum() + (entropy.sum() if entropy_in_loss else 0)).backward()
         return next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"]
 

@@ -37,6 +37,13 @@ def sampled(k: int, attention: str = "sdpa", seed: int = 0) -> tuple[torch.nn.Mo
     return policy, c
 
 
+def shares(model, requested, probe, notes, reward_model=False) -> bool:
+    """The start-up decision as main makes it: the model's prompt sharing, checked on the probe."""
+    name = "reward model" if reward_model else "policy"
+    return plumbing.shares_prompts(model, name, requested, lambda: rloo.sharing_error(model, probe, reward_model),
+                                   notes)
+
+
 @pytest.mark.parametrize("k", [2, 4])
 def test_sampling_prefills_each_prompt_once_and_draws_the_same_tokens(k):
     tokenizer, policy = eos_prone_policy()
@@ -261,18 +268,18 @@ def test_every_architecture_shares_exactly_or_says_it_does_not(family):
     reward_model = tiny(family, "ForSequenceClassification", seed=1) \
         if hasattr(transformers, type(policy).__name__.replace("ForCausalLM", "ForSequenceClassification")) else None
     if fallback is not None:  # off, in one line; refused when asked for
-        assert fallback in rloo.why_not_shared(policy)
+        assert fallback in plumbing.why_not_shared(policy)
         assert rloo.sharing_error(policy, probe, False) > 1e-3  # grouped rows would be wrong: each response sees the
         # ones before it through the state
-        assert not rloo.shares_prompts(policy, "policy", None, probe, False, notes)
-        assert notes == [f"prompt sharing is off for the policy: {rloo.why_not_shared(policy)}; it computes one row "
-                         "per completion"]
+        assert not shares(policy, None, probe, notes)
+        assert notes == [f"prompt sharing is off for the policy: {plumbing.why_not_shared(policy)}; it computes one "
+                         "row per completion"]
         with pytest.raises(plumbing.ConfigError, match="--share_prompt: the policy cannot share prompts exactly"):
-            rloo.shares_prompts(policy, "policy", True, probe, False, notes)
+            shares(policy, True, probe, notes)
         return
-    assert rloo.shares_prompts(policy, "policy", None, probe, False, notes) and notes == []  # the start-up check
+    assert shares(policy, None, probe, notes) and notes == []  # the start-up check
     if reward_model is not None:
-        assert rloo.shares_prompts(reward_model, "reward model", None, probe, True, notes) and notes == []
+        assert shares(reward_model, None, probe, notes, reward_model=True) and notes == []
     advantages = torch.randn(c.responses.shape[0], generator=torch.Generator().manual_seed(1))
     results = {}
     for share_prompt in (True, False):
@@ -295,7 +302,7 @@ def test_every_architecture_shares_exactly_or_says_it_does_not(family):
 def test_the_start_up_check_catches_a_broken_mask_and_falls_back(broken, monkeypatch):
     policy = tiny("gemma2")
     probe = rloo.sharing_probe(policy_tokenizer()(PROMPTS[0])["input_ids"], 8, 6, torch.device("cpu"))
-    assert rloo.shares_prompts(policy, "policy", None, probe, False, [])
+    assert shares(policy, None, probe, [])
     grouped_rows = rloo.grouped_rows
 
     def broken_rows(c, float_mask_dtype=None, windows=None):
@@ -309,12 +316,12 @@ def test_the_start_up_check_catches_a_broken_mask_and_falls_back(broken, monkeyp
 
     monkeypatch.setattr(rloo, "grouped_rows", broken_rows)
     notes = []
-    assert not rloo.shares_prompts(policy, "policy", None, probe, False, notes)
+    assert not shares(policy, None, probe, notes)
     assert len(notes) == 1 and notes[0].startswith("prompt sharing is off for the policy: the start-up check found "
-                                                   "its grouped rows' log-probs "), notes
+                                                   "its grouped rows' results "), notes
     with pytest.raises(plumbing.ConfigError, match="start-up check"):
-        rloo.shares_prompts(policy, "policy", True, probe, False, [])
-    assert not rloo.shares_prompts(policy, "policy", False, probe, False, [])  # --no-share_prompt: no check needed
+        shares(policy, True, probe, [])
+    assert not shares(policy, False, probe, [])  # --no-share_prompt: no check needed
 
 
 def test_a_state_space_policy_trains_unshared_with_one_line_and_share_prompt_is_refused(assets, tmp_path):

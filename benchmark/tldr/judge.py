@@ -297,7 +297,7 @@ def transformers_summaries(args: Args, tokenizer, prompts: list[str]) -> list[st
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     policy = plumbing.load_causal_lm(args.model_name_or_path, torch.float32, args.trust_remote_code)
     plumbing.ensure_pad_token(tokenizer, "[PAD]", policy.get_input_embeddings().num_embeddings, args.model_name_or_path)
-    rloo.disable_dropout(policy)
+    plumbing.disable_dropout(policy)
     policy.to(device).eval()
     torch.manual_seed(args.seed)
     ids = tokenizer(prompts)["input_ids"]
