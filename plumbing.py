@@ -2270,11 +2270,6 @@ class Checkpointer:
         return save_checkpoint(self.args.output_dir, update, self.model, self.optimizer, self.tokenizer,
                                trainer_state, self.dist_info.rank, self.args.save_total_limit, self.rng, rng)
 
-    def saved(self, update: int) -> Optional[Path]:
-        """The checkpoint of `update` if this run wrote it (or resumed from it), as rank 0 sees it."""
-        path = Path(self.args.output_dir) / CHECKPOINTS / f"step_{update}"
-        return path if rank0_view(path.is_dir()) else None
-
     def keep(self, finished: int, sampler_state: dict, rng: Optional[dict] = None) -> str:
         """After a fault: the state after update `finished` saved (unless it is already), and how to continue."""
         if finished == self.start_update:  # nothing new: the run can start again as it did
@@ -2284,8 +2279,11 @@ class Checkpointer:
         return f"checkpoint of update {finished} saved to {path}; fix it, then continue with --resume"
 
     def save_final(self, policy, num_updates: int) -> None:
-        """The finished run's policy and tokenizer in output_dir, stored once with the final checkpoint's."""
-        save_final_policy(policy, self.tokenizer, self.args.output_dir, self.dist_info.rank, self.saved(num_updates))
+        """The finished run's policy and tokenizer in output_dir, stored once with the final checkpoint's (the one
+        this run wrote, or resumed from, as rank 0 sees it)."""
+        final = Path(self.args.output_dir) / CHECKPOINTS / f"step_{num_updates}"
+        save_final_policy(policy, self.tokenizer, self.args.output_dir, self.dist_info.rank,
+                          final if rank0_view(final.is_dir()) else None)
 
     def mark_finished(self) -> None:
         """Rank 0, last: args.json, whose presence in output_dir with the policy marks a finished run."""

@@ -23,7 +23,8 @@ from transformers import AutoModelForCausalLM
 
 import plumbing
 import rloo
-from conftest import REPO, policy_tokenizer, read_metrics, run_rloo, script_command, script_env, tiny_policy
+from conftest import (REPO, policy_tokenizer, prompt_rows, read_metrics, run_rloo, script_command, script_env,
+                      tiny_policy, write_jsonl)
 
 RUN = ("--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train_batch_size", "16",
        "--response_length", "6", "--temperature", "1.0", "--max_prompt_length", "16",
@@ -70,8 +71,11 @@ def assert_same_run(full: Path, resumed: Path) -> None:
                                              (2, signal.SIGUSR1, ["--fsdp", "--fsdp_generation", "per_block"])],
                          ids=["python-SIGINT", "torchrun-SIGUSR1", "torchrun-fsdp-SIGUSR1"])
 def test_signal_saves_and_resume_is_exact(assets, tmp_path, nproc, sig, extra):
-    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--dataset_test_split",
-              assets["test"], "--total_episodes", PER_UPDATE * 40 * max(nproc, 1), *RUN, *extra]
+    # 64 prompts: an epoch is 8 updates of one rank (4 of two), so the resumed run reshuffles the data, as a long run
+    # does, in 12 updates
+    train = write_jsonl(tmp_path / "train.jsonl", prompt_rows(64, seed=0))
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", train, "--dataset_test_split",
+              assets["test"], "--total_episodes", PER_UPDATE * 12 * max(nproc, 1), *RUN, *extra]
     if nproc:  # a causal LM as reward model, as in TRL's getting-started command: its one-label head is new,
         common += ["--reward_model_path", assets["policy"]]  # and must start the same on every rank and resume
     full, interrupted = tmp_path / "full", tmp_path / "interrupted"

@@ -392,15 +392,6 @@ def test_bf16_generation_needs_bf16_and_a_replicated_policy():
             plumbing.validate_args(rloo.Args(model_name_or_path="p", reward_fn=("m:f",), **flags))
 
 
-def test_fsdp_without_torchrun_is_refused_before_anything_loads(monkeypatch):
-    monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(plumbing.ConfigError, match="--fsdp shards the policy over torchrun's processes: launch with "
-                                                   "torchrun"):
-        plumbing.validate_args(rloo.Args(model_name_or_path="p", reward_fn=("m:f",), fsdp=True))
-    monkeypatch.setenv("RANK", "0")
-    plumbing.validate_args(rloo.Args(model_name_or_path="p", reward_fn=("m:f",), fsdp=True))
-
-
 def test_the_phase_timer_counts_the_tokens_fed_and_the_bytes_each_decoding_step_reads():
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer))
