@@ -19,7 +19,7 @@ BENCH_ENV ?= benchmark/.venv-trl
 BENCH_INSTALLED := $(BENCH_ENV)/.rloo-installed-lock$(LOCK)
 BENCH_CONSTRAINTS := $(if $(filter 1,$(LOCK)),-c benchmark/constraints.txt)
 
-.PHONY: install demo test bench-env bench bench-results lock
+.PHONY: install demo test test-engines bench-env bench bench-results lock
 
 install: $(INSTALLED)  ## only the install (make demo and make test do it themselves)
 
@@ -41,10 +41,13 @@ demo: $(INSTALLED)  ## offline: build a tiny task, train it with rloo.py, plot t
 
 # OpenMP threads that wait sleep instead of spinning: same results, and on a busy machine (other work on the same
 # cores) runs of the small models here 1.7-6.6x faster (measured at load average 3-4)
-demo test: export OMP_WAIT_POLICY ?= PASSIVE
+demo test test-engines: export OMP_WAIT_POLICY ?= PASSIVE
 
-test: $(INSTALLED)  ## CPU, no network; a skipped test's line says what it needs (-rs)
-	$(PYTHON) -m pytest -q -rs tests
+test: $(INSTALLED)  ## CPU, no network, ~13 min; a skipped test's line says what it needs (-rs)
+	$(PYTHON) -m pytest -q -rs tests --ignore tests/test_multinode.py
+
+test-engines: $(INSTALLED)  ## rloo_multinode.py with engines in processes of their own (hf, stand-in vllm serve), ~4 min
+	$(PYTHON) -m pytest -q -rs tests/test_multinode.py
 
 lock: | $(PYTHON)  ## write constraints.txt from the environment (after changing requirements.txt and testing)
 	@echo "# The exact versions CI tested, for pip's -c (make install LOCK=1, the default); written by make lock." \

@@ -108,13 +108,14 @@ def test_every_script_is_checked():
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
-def test_script_runs_the_published_settings_from_any_directory(script, fake_bin, tmp_path):
+def test_script_runs_the_published_settings_from_any_directory(script, fake_bin, tmp_path, monkeypatch):
     run = launch(fake_bin, [script], cwd=tmp_path)
     args = run["args"]
     assert run["cwd"] == str(REPO)
     assert run["torchrun"].nproc_per_node == "8" and run["torchrun"].training_script == "rloo.py"
     expected = PUBLISHED | PER_SCRIPT[script.name]
     assert {name: getattr(args, name) for name in expected} == expected
+    monkeypatch.setenv("RANK", "0")  # as torchrun starts it
     plumbing.validate_args(args)
     sizes = rloo.compute_batch_sizes(args, world_size=8)
     text = script.read_text()
