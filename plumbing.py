@@ -5,10 +5,11 @@ this file with it. Nothing here imports rloo.py: what needs the run's objects ta
 
 Sections:
   errors          ConfigError (bad input: one line, exit 2) and Fault (a run stopped: one line, exit 4)
-  flag checks     Args' numeric and combination checks, before anything loads
+  flags           RunArgs (the run's flags, which rloo.py's Args extends); the checks before anything loads
   distributed     torchrun ranks and their device, FSDP2 sharding and gathering, all-reduce
   data files      Hub datasets and local files, with one-line diagnostics of what is wrong in them
-  models          loading errors, configs checked before weights load, kernels, LoRA adapters, KV caches
+  models          loading errors, configs checked before weights load, kernels (the fused log-softmax), LoRA
+                  adapters and their reference, whether a model takes grouped rows, the reward sources, KV caches
   faults          the rollout source, reward functions (run with a timeout), NaN/inf and the offending batch
   measuring       phase times, token-forwards against the minimum, free memory -> rows per forward pass
   logging         metrics over ranks, console, metrics.jsonl, wandb
@@ -70,7 +71,7 @@ class Fault(Exception):
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4e38: beyond it a value is inf in the tensors it meets
 
 
-# ===================================================================== flag checks, before anything loads
+# ===================================================================== flags: the run's, and checks before anything loads
 @dataclass
 class RunArgs:
     """The flags of a run that are not the algorithm's: its name and output_dir, trust, memory and speed, the LoRA
@@ -572,7 +573,7 @@ def load_prompts(args, tokenizer, vocab_size: Optional[int], prompt_token_ids: C
 
 
 
-# ===================================================================== models: files, kernels, LoRA, KV caches
+# ===================================================================== models: files, kernels, LoRA, sharing, caches
 def _from_pretrained(loader: Callable, path: str, what: str, **kwargs):
     try:
         return loader(path, **kwargs)
