@@ -71,7 +71,7 @@ class Fault(Exception):
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4e38: beyond it a value is inf in the tensors it meets
 
 
-# ===================================================================== flags: the run's, and checks before anything loads
+# ===================================================================== flags: the run's, and their checks
 @dataclass
 class RunArgs:
     """The flags of a run that are not the algorithm's: its name and output_dir, trust, memory and speed, the LoRA
@@ -383,6 +383,11 @@ def reshard(policy) -> None:
             unit.reshard()
 
 
+def unwrapped(model):
+    """The module DDP wraps, or the model itself: what holds the config, the forward's signature and the weights."""
+    return model.module if isinstance(model, DDP) else model
+
+
 def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce when distributed; identity in a single process."""
     if dist.is_initialized():
@@ -572,7 +577,6 @@ def load_prompts(args, tokenizer, vocab_size: Optional[int], prompt_token_ids: C
     return dataset, eval_dataset, dropped
 
 
-
 # ===================================================================== models: files, kernels, LoRA, sharing, caches
 def _from_pretrained(loader: Callable, path: str, what: str, **kwargs):
     try:
@@ -727,7 +731,6 @@ def save_merged_policy(args, config, tokenizer) -> None:
                     f"{args.output_dir} is intact: merge it with peft's merge_and_unload") from e
 
 
-
 def lora_config(args):
     """peft's LoraConfig from the --lora_* flags (TRL's ModelConfig names; one target name is passed as a string,
     as TRL does, so that `all-linear` means every linear layer)."""
@@ -811,7 +814,6 @@ class StaticDecoder:
         return self.caches[batch_size]
 
 
-
 def disable_dropout(model: torch.nn.Module) -> None:
     """RL needs the sampling policy and the trained policy to be the same function."""
     for module in model.modules():
@@ -866,13 +868,13 @@ class AdaptersOff(torch.nn.Module):
 def accepts_logits_to_keep(model) -> bool:
     """Whether the model's forward can compute the logits of chosen positions only (transformers' models can;
     remote code may not)."""
-    module = model.module if isinstance(model, DDP) else model
+    module = unwrapped(model)
     return "logits_to_keep" in inspect.signature(module.forward).parameters
 
 
 def attention_implementation(model) -> Optional[str]:
     """transformers' name of the model's attention ("sdpa", "eager", "flash_attention_2", ...); None if unknown."""
-    module = model.module if isinstance(model, DDP) else model
+    module = unwrapped(model)
     return getattr(getattr(module, "config", None), "_attn_implementation", None)
 
 
@@ -881,7 +883,7 @@ def attention_windows(model) -> Optional[dict]:
     `config.layer_types` ({"full_attention": None, "sliding_attention": 128}), or {None: window} where one mask serves
     every layer (Mistral: `config.sliding_window` or None); None where some layer is not attention (state-space,
     recurrent, linear attention: its state reads the whole row in order, so no mask can keep responses apart)."""
-    config = (model.module if isinstance(model, DDP) else model).config
+    config = unwrapped(model).config
     types = getattr(config, "layer_types", None)
     if types is None:
         return {None: getattr(config, "sliding_window", None)}
@@ -894,7 +896,7 @@ def why_not_shared(model) -> Optional[str]:
     """Why prompt groups cannot be fed to the model as one row each (None: they can): its attention must take a 4D
     mask as it is (transformers' sdpa and eager attention do; flash-attention and remote code may not), explicit
     positions, and every layer must be attention."""
-    module = model.module if isinstance(model, DDP) else model
+    module = unwrapped(model)
     config = getattr(module, "config", None)
     if attention_implementation(model) not in ("sdpa", "eager"):
         return f"its attention ({attention_implementation(model)}) may not take a custom 4D mask"
@@ -980,7 +982,6 @@ class SelectiveLogSoftmax(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None, None
 
 
-
 @dataclass
 class RewardSources:
     """Everything that scores completions: a reward model (with its tokenizer) and reward functions."""
@@ -1014,7 +1015,6 @@ def load_reward_sources(args, tokenizer, functions: list[tuple[str, Callable]], 
     num_sources = int(model is not None) + len(functions)
     return RewardSources(model, model_tokenizer, functions, torch.tensor(args.reward_weights or [1.0] * num_sources),
                          timeout=args.reward_fn_timeout or args.ddp_timeout / 2)
-
 
 
 # ===================================================================== faults: rollout source, reward functions, NaN
@@ -1991,7 +1991,7 @@ def save_checkpoint(output_dir: str, update: int, model, optimizer, tokenizer, t
         torch.save(rng if rng is not None else rng_state(sampling), partial / f"rng_rank{rank}.pt")
         barrier(what)
         save_optimizer_state(model, optimizer, partial, trainer_state)
-        save_policy(model.module if isinstance(model, DDP) else model, tokenizer, partial, rank)
+        save_policy(unwrapped(model), tokenizer, partial, rank)
         if rank == 0:
             torch.save(trainer_state, partial / TRAINER_STATE)
         barrier(what)

@@ -370,7 +370,7 @@ def generate(
     windowed = any(window is not None for window in (windows or {}).values())
     prefill = model(input_ids=queries, attention_mask=query_mask.long(), position_ids=position_ids, use_cache=True,
                     past_key_values=DynamicCache() if windowed else None,
-                    **({"logits_to_keep": 1} if plumbing.accepts_logits_to_keep(model) else {}))  # the next token's only
+                    **({"logits_to_keep": 1} if plumbing.accepts_logits_to_keep(model) else {}))  # the next token's
     prompt_of_row = torch.arange(g, device=queries.device).repeat(k)  # (k*g,) the (k, g) layout
     prefill.past_key_values.reorder_cache(prompt_of_row)  # each layer's (g, heads, Tq, head_dim) -> (k*g, ...)
     grown = windows is None  # state-space / recurrent layers: the copy below would drop their state
@@ -1415,7 +1415,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                     logger.log_eval(update, eval_metrics, episode)
             stop = stop_signal.requested(device)  # on every rank as soon as any rank got a signal
             if stop or update == num_updates or (args.save_steps > 0 and update % args.save_steps == 0):
-                path = checkpoints.save(update, data_position())
+                checkpoints.save(update, data_position())
             if stop:
                 checkpoints.stopped(logger, f"{stop_signal.name or 'a signal to another rank'} received: stopped "
                                             f"after update {update}")

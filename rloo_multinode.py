@@ -676,7 +676,7 @@ class HFEngine:
     def __init__(self, args: Args, device: torch.device):
         self.args, self.device = args, device
         self.model = plumbing.load_causal_lm(args.sft_model_path or args.model_name_or_path, torch.float32,
-                                         args.trust_remote_code).to(device).eval().requires_grad_(False)
+                                             args.trust_remote_code).to(device).eval().requires_grad_(False)
         plumbing.disable_dropout(self.model)
         self.params = dict(self.model.named_parameters())
         self.decoder = plumbing.StaticDecoder(self.model, args.max_prompt_length + args.response_length) \
@@ -1121,7 +1121,7 @@ def serve(serve_args: ServeArgs) -> None:
     except Exception as e:
         with contextlib.suppress(dist.DistError):
             store.set("failed", {"error": f"engine {index} ({socket.gethostname()}, pid {os.getpid()}) failed: "
-                                 f"{type(e).__name__}: {e}"})
+                                          f"{type(e).__name__}: {e}"})
         raise
     finally:
         stop_beating.set()

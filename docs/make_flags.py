@@ -6,9 +6,8 @@ rloo.py's Args extends), so a flag is written once.
 
 A table per group: the groups are the `# ----- name -----` comments in each `Args` class's source, in order, the run's
 (plumbing.RunArgs) last; a subclass's own fields (rloo_multinode.py's engine flags) get groups of their own, named with
-its file. A field
-whose type is a dataclass is a group too (its flags keep their own names). Only the project and the standard library
-are imported.
+its file. A field whose type is a dataclass is a group too (its flags keep their own names). Only the project and the
+standard library are imported.
 """
 
 import ast
