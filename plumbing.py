@@ -6,12 +6,14 @@ this file with it. Nothing here imports rloo.py: what needs the run's objects ta
 Sections:
   errors          ConfigError (bad input: one line, exit 2) and Fault (a run stopped: one line, exit 4)
   flags           RunArgs (the run's flags, which rloo.py's Args extends); the checks before anything loads
-  distributed     torchrun ranks and their device, FSDP2 sharding and gathering, all-reduce
+  distributed     torchrun ranks and their device, FSDP2 sharding and gathering, all-reduce, statistics over ranks
   data files      Hub datasets and local files, with one-line diagnostics of what is wrong in them
   models          loading errors, configs checked before weights load, kernels (the fused log-softmax), LoRA
-                  adapters and their reference, whether a model takes grouped rows, the reward sources, KV caches
+                  adapters and their reference, whether a model takes grouped rows (and the start-up check that it
+                  does), the bf16 sampling copy, the reward sources, KV caches
   faults          the rollout source, reward functions (run with a timeout), NaN/inf and the offending batch
-  measuring       phase times, token-forwards against the minimum, free memory -> rows per forward pass
+  measuring       phase times, token-forwards against the minimum, free memory -> rows per forward pass, the
+                  sampler/trainer mismatch
   logging         metrics over ranks, console, metrics.jsonl, wandb
   signals         stop signals, late ranks
   checkpoints     one run per output_dir, verified saves, resume, nothing deleted
@@ -393,6 +395,18 @@ def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(x, op=op)
     return x
+
+
+def global_mean_std(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and (unbiased) std of the masked entries of x over all ranks."""
+    mask = torch.ones_like(x, dtype=torch.bool) if mask is None else mask
+    x = x.float() * mask
+    moments = all_reduce(torch.stack([x.sum(), (x * x).sum(), mask.sum().float()]))  # (3,)
+    total, total_sq, count = moments
+    mean = total / count
+    var = (total_sq - count * mean * mean) / (count - 1).clamp(min=1)
+    return mean, var.clamp(min=0).sqrt()
+
 
 
 # ===================================================================== data files, with one-line diagnostics
@@ -911,18 +925,53 @@ def why_not_shared(model) -> Optional[str]:
 SHARING_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}  # by the weights' dtype
 
 
-def shares_prompts(model, name: str, requested: Optional[bool], error: Callable[[], float], notes: list[str]) -> bool:
+def sharing_probe(prompt_ids: list[int], max_prompt_length: int, response_length: int,
+                  device: torch.device) -> dict[str, torch.Tensor]:
+    """What the start-up check computes both ways, as rloo.Completions' fields: two prompts (max_prompt_length tokens
+    and a third as many, left-padded) with two responses each (response_length tokens and about half as many, side by
+    side in a group), their tokens drawn from a train prompt's by a fixed generator: rows as long as training's
+    longest, so that a window the grouped rows get wrong shows."""
+    generator = torch.Generator().manual_seed(0)
+    pool = torch.tensor(prompt_ids)
+
+    def draw(n: int) -> torch.Tensor:
+        return pool[torch.randint(len(pool), (n,), generator=generator)]
+
+    queries = torch.zeros(2, max_prompt_length, dtype=torch.long)  # (2, Tq), left-padded with 0
+    query_mask = torch.zeros(2, max_prompt_length, dtype=torch.bool)  # (2, Tq)
+    for i, prompt in enumerate([draw(n) for n in (max_prompt_length, max(1, max_prompt_length // 3))]):
+        queries[i, -len(prompt):], query_mask[i, -len(prompt):] = prompt, True
+    long, short = response_length, response_length // 2 + 1
+    lengths = torch.tensor([long, short, short, long])  # (k*g,), k = g = 2: each group one of each
+    response_mask = torch.arange(response_length) < lengths[:, None]  # (k*g, Tr)
+    responses = draw(4 * response_length).view(4, response_length).masked_fill(~response_mask, 0)
+    return {"queries": queries.to(device), "query_mask": query_mask.to(device), "responses": responses.to(device),
+            "response_mask": response_mask.to(device)}
+
+
+@torch.no_grad()
+def sharing_error(model, probe, compute: Callable) -> float:
+    """The largest difference between compute(group, share) (the probe's log-probs of its response tokens, or a reward
+    model's scores) on grouped rows (share True) and on one row per completion, one prompt group at a time, in the
+    weights' dtype, where the model's weights are."""
+    device = next(model.parameters()).device
+    probe = probe.map_tensors(lambda t: t.to(device), lambda t: t.to(device))
+    groups = [probe.of_prompts(torch.tensor([i], device=device)) for i in range(probe.queries.shape[0])]
+    return max(float((compute(group, True).float() - compute(group, False).float()).abs().max()) for group in groups)
+
+
+def shares_prompts(model, name: str, requested: Optional[bool], probe, compute: Callable, notes: list[str]) -> bool:
     """Whether `model` computes each prompt group as one row (--share_prompt: `requested`, None by default): where
-    it can (why_not_shared) and the start-up check's `error()` (rloo.sharing_error: grouped rows against one row per
-    completion) is within SHARING_TOLERANCE, so that an architecture nobody tested cannot train on wrong gradients.
-    Else a note says why (a ConfigError where --share_prompt asked for it)."""
+    it can (why_not_shared) and the start-up check (sharing_error: `compute` on the probe's grouped rows against one
+    row per completion) is within SHARING_TOLERANCE, so that an architecture nobody tested cannot train on wrong
+    gradients. Else a note says why (a ConfigError where --share_prompt asked for it)."""
     if requested is False:
         return False
     why = why_not_shared(model)
     if why is None:
         tolerance = SHARING_TOLERANCE.get(next(model.parameters()).dtype, 5e-2)
         try:
-            difference = error()
+            difference = sharing_error(model, probe, compute)
             if not difference <= tolerance:  # NaN fails too
                 why = (f"the start-up check found its grouped rows' results {difference:.2g} away from one row per "
                        f"completion's (tolerance {tolerance:g})")
@@ -1015,6 +1064,19 @@ def load_reward_sources(args, tokenizer, functions: list[tuple[str, Callable]], 
     num_sources = int(model is not None) + len(functions)
     return RewardSources(model, model_tokenizer, functions, torch.tensor(args.reward_weights or [1.0] * num_sources),
                          timeout=args.reward_fn_timeout or args.ddp_timeout / 2)
+
+
+def bf16_copy(policy):
+    """A frozen bf16 copy of the policy to sample from (--bf16_generation)."""
+    return copy.deepcopy(policy).to(torch.bfloat16).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def copy_weights(source, target) -> None:
+    """target's parameters := source's, cast to target's dtype (the same module structure)."""
+    for to, value in zip(target.parameters(), source.parameters(), strict=True):
+        to.copy_(value)
+
 
 
 # ===================================================================== faults: rollout source, reward functions, NaN
@@ -1317,6 +1379,29 @@ def rows_per_forward(args, model, phase: str, device: torch.device, rows: int, k
     per_row = forward_bytes_per_row(model.config, phase, args.max_prompt_length, args.response_length,
                                     2 if args.bf16 else 4, k)
     return max(1, min(rows, int(0.9 * free_memory_bytes(device) // per_row)))
+
+
+def mismatch_metrics(rollout, args, importance_weights: Callable) -> dict[str, float]:
+    """How far the sampler's log-probs of its tokens are from the trainer's (the PPO ratio's denominator), for one
+    rank's (k*B, Tr) rollout: per valid token, and as the sequence ratio p_trainer / p_sampler (the importance
+    weight that --vllm_importance_sampling_correction truncates with rloo.importance_weights)."""
+    mask = rollout.response_mask
+    diff = (rollout.logprobs - rollout.sampler_logprobs).double() * mask  # (k*B, Tr)
+    ratio = diff.sum(1).exp()  # (k*B,)
+    out = {"mismatch/logprob_diff_mean": (diff.abs().sum() / mask.sum().clamp(min=1)).item(),
+           "mismatch/logprob_diff_max": diff.abs().max().item(),
+           "mismatch/ratio_mean": ratio.mean().item(),
+           "mismatch/ratio_std": ratio.std().item() if ratio.numel() > 1 else 0.0,
+           "mismatch/clipfrac": ((ratio - 1).abs() > args.cliprange).double().mean().item()}
+    if args.vllm_importance_sampling_correction:
+        weights = importance_weights(rollout.logprobs.double(), rollout.sampler_logprobs.double(), mask,
+                                     args.vllm_importance_sampling_mode, args.vllm_importance_sampling_cap)
+        raw = ratio if weights.dim() == 1 else diff.exp()  # (k*B,) or (k*B, Tr)
+        counted = torch.ones_like(weights) if weights.dim() == 1 else mask.double()  # the weights that act
+        n = counted.sum().clamp(min=1)
+        out["mismatch/is_weight_mean"] = ((weights * counted).sum() / n).item()
+        out["mismatch/is_capped_frac"] = (((raw > args.vllm_importance_sampling_cap) * counted).sum() / n).item()
+    return out
 
 
 # ===================================================================== logging: console, metrics.jsonl, wandb
@@ -1641,6 +1726,7 @@ def stopped_alone(mark: bool = False) -> bool:
 
 def barrier(what: str = "a barrier") -> None:
     wait_for_peers(what)
+
 
 
 @contextlib.contextmanager

@@ -21,12 +21,11 @@ Shapes: B prompts per rank and update; k = rloo_k completions each; N = k*B comp
 of a grouped row (a prompt, then its k responses back to back), P the positions whose logits it computes; S reward
 sources.
 
-Sections, in the order a run needs them. Plumbing that nobody changes when changing the algorithm (the run's flags,
-checkpoints, faults, signals, measuring, logging, file loading and diagnostics, kernels, the prompt-sharing start-up
-check, the command line) is in plumbing.py, called as plumbing.X; copying this file means copying that one with it.
+Sections, in the order a run needs them; what nobody changes when changing the algorithm (the run's flags,
+checkpoints, faults, signals, measuring, logging, file loading, kernels, the prompt-sharing start-up check, the command
+line) is in plumbing.py, called as plumbing.X: copying this file means copying that one with it.
   Args                the algorithm's flags, TRL <= 0.21's names (TRL >= 0.22's accepted); the run's in RunArgs
   batch arithmetic    micro / mini / local / B / all ranks, derived once, with exact divisions
-  distributed         DDP gradient sync on the last micro-step, statistics over all ranks
   data                a prompt's token ids; the sampler that draws B prompts per update
   models              the policy and its frozen reference (a copy, or with LoRA the adapters switched off)
   rollout             1-3: sampling with a KV cache, Completions, grouped rows (each prompt computed once for its k
@@ -34,8 +33,9 @@ check, the command line) is in plumbing.py, called as plumbing.X; copying this f
   rewards             4: reward model and reward functions, combined; the missing-EOS penalty
   advantages          5: KL-penalized reward, the leave-one-out baseline
   loss                6: the clipped surrogate on the sequence-level ratio
-  update              6: PPO epochs x shuffled minibatches x micro-batches; no step on a NaN
-  metrics, evaluation what the sampler/trainer mismatch is; near-greedy completions of test prompts, scored
+  update              6: PPO epochs x shuffled minibatches x micro-batches (DDP syncs gradients on the last
+                      micro-step); no step on a NaN
+  evaluation          near-greedy completions of test prompts, scored
   main                set-up, then each update's six steps inline: sample, score, advantages and PPO epochs, log,
                       evaluate, save
 """
@@ -57,10 +57,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import plumbing
 
-# FSDP2, DTensor and distributed checkpointing are imported by the functions that use them: together they are about
-# half of `import rloo`, and only --fsdp runs need them.
-
-
 @dataclass
 class Args(plumbing.RunArgs):
     """The algorithm's flags; plumbing.RunArgs adds the run's (output_dir, checkpoints, memory and speed, logging)."""
@@ -71,8 +67,8 @@ class Args(plumbing.RunArgs):
     sft_model_path: Optional[str] = None
     """policy and reference weights when they are not at --model_name_or_path (as in TRL's TL;DR recipe)"""
     use_peft: bool = False
-    """train LoRA adapters (peft) on the frozen base instead of every weight; the reference is the same module with
-    the adapters switched off (no second copy). Checkpoints and the final policy hold the adapter in peft's format"""
+    """train LoRA adapters (peft) on the frozen base; the reference is the same module with the adapters switched off
+    (no second copy). Checkpoints and the final policy hold the adapter in peft's format"""
     reward_model_path: Optional[str] = None
     """AutoModelForSequenceClassification with one label, read at the last real token; when its own
     tokenizer differs from the policy's, completions are decoded and re-tokenized for it"""
@@ -82,8 +78,8 @@ class Args(plumbing.RunArgs):
     reward_weights: Optional[tuple[float, ...]] = None
     """one weight per reward source, the reward model first, then each --reward_fn; default all 1.0"""
     pad_token: Optional[str] = "[PAD]"
-    """token added for padding when the policy tokenizer has none (what TRL's scripts and the N+ details do
-    for Pythia); its id must fit the embedding matrix. None refuses tokenizers without a pad token"""
+    """token added for padding when the policy tokenizer has none (as TRL and the N+ details do for Pythia); its id
+    must fit the embedding matrix. None refuses tokenizers without a pad token"""
     bf16: bool = False
     """bf16 autocast for every forward pass; fp32 master weights and optimizer; frozen models stored in bf16"""
 
@@ -202,28 +198,6 @@ def compute_batch_sizes(args: Args, world_size: int) -> BatchSizes:
                       all_ranks=local * world_size)
 
 
-# ===================================================================== distributed
-def gradient_sync(model, enabled: bool):
-    """A context for one micro-step's backward: with DDP, gradients are all-reduced only when `enabled` (the last
-    micro-step of an optimizer step), each rank accumulating its own before. FSDP reduce-scatters at every
-    micro-step, as ZeRO-3 does: more traffic, but accumulation stays sharded and in fp32, and no rank ever holds
-    a full-size gradient."""
-    if isinstance(model, DDP) and not enabled:
-        return model.no_sync()
-    return contextlib.nullcontext()
-
-
-def global_mean_std(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and (unbiased) std of the masked entries of x over all ranks."""
-    mask = torch.ones_like(x, dtype=torch.bool) if mask is None else mask
-    x = x.float() * mask
-    moments = plumbing.all_reduce(torch.stack([x.sum(), (x * x).sum(), mask.sum().float()]))  # (3,)
-    total, total_sq, count = moments
-    mean = total / count
-    var = (total_sq - count * mean * mean) / (count - 1).clamp(min=1)
-    return mean, var.clamp(min=0).sqrt()
-
-
 # ===================================================================== data
 def prompt_token_ids(rows: dict, tokenizer, prompt_column: str) -> list[list[int]]:
     """Token ids of a batch of dataset rows: a string prompt, chat messages, or pre-tokenized `query_token`."""
@@ -295,10 +269,9 @@ class PromptSampler:
 
 
 def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = None, tokenizer=None):
-    """The policy (fp32 master weights; from the checkpoint when resuming; with --use_peft the base from
-    --model_name_or_path with LoRA adapters, from the checkpoint when resuming), its frozen reference, always the
-    initial policy (None when kl_coef = 0; with --use_peft, AdaptersOff), the tokenizer with a pad token
-    (`tokenizer` when prepare_tokenizer gave it already), and the stop token id."""
+    """The policy (fp32 master weights, or with --use_peft LoRA adapters on the base; from the checkpoint when
+    resuming), its frozen reference, always the initial policy (None when kl_coef = 0; with LoRA, AdaptersOff), the
+    tokenizer with a pad token, and the stop token id."""
     tokenizer_path = args.model_name_or_path or args.sft_model_path
     initial_path = args.sft_model_path or args.model_name_or_path
     if tokenizer is None:
@@ -355,11 +328,9 @@ def generate(
 ) -> torch.Tensor:
     """Sample k continuations of each of the g left-padded queries (g, Tq): (k*g, max_new_tokens) tokens in the
     (k, g) layout, row j*g + i continuing query i; top_k=0, top_p=1 (temperature 0: greedy). Each query is prefilled
-    once and its keys and values are read by its k rows, from a preallocated cache of Tq + max_new_tokens positions
-    (with a `decoder`, its own, decoded by its compiled step; a model with state-space or recurrent layers decodes
-    eagerly with its prefill's own cache, its state copied to the k rows). A row is padded after its stop token; the
-    loop ends early once every row has stopped. `logprobs_out` (k*g, max_new_tokens), if given, receives the
-    sampler's log-prob of each drawn token, log_softmax(logits / temperature) as the trainer computes it."""
+    once, its cache copied to its k rows: preallocated (a `decoder`'s: its compiled step), or for state-space and
+    recurrent layers the prefill's own. A row is padded after its stop token. `logprobs_out` (k*g, max_new_tokens),
+    if given, receives the sampler's log-prob of each drawn token."""
     from transformers import DynamicCache
 
     g, width = queries.shape
@@ -575,10 +546,9 @@ def logits_at(model, positions: torch.Tensor, **inputs) -> torch.Tensor:
 def forward_logprobs(
     model, c: Completions, temperature: float, share_prompt: bool, with_entropy: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Log-probs (k*g, Tr) of the response tokens under the model's logits / temperature, as sampled; and, if asked,
-    the entropy (k*g, Tr) of the distribution each token was drawn from (policy/entropy_avg; differentiable, as
-    an entropy bonus needs; objective/entropy is another quantity, the sampled tokens' -log-prob summed over a
-    completion). Padding positions hold values that must be masked."""
+    """Log-probs (k*g, Tr) of the response tokens under logits / temperature and, if asked, the entropy (k*g, Tr) of
+    each token's distribution (differentiable, as an entropy bonus needs: policy/entropy_avg, not objective/entropy,
+    which sums the sampled tokens' -log-probs). Padding positions hold values that must be masked."""
     if not share_prompt:  # position Tq - 1 + t predicts response token t
         positions = c.queries.shape[1] - 1 + torch.arange(c.responses.shape[1], device=c.responses.device)  # (Tr,)
         logits = logits_at(model, positions, **unshared_inputs(c))  # (k*g, Tr, V)
@@ -590,42 +560,6 @@ def forward_logprobs(
                                                            with_entropy)  # (g, P) each
     group = torch.arange(c.queries.shape[0], device=logits.device).repeat(c.k)[:, None]  # (k*g, 1)
     return logprobs[group, rows.slots], None if entropy is None else entropy[group, rows.slots]
-
-
-def sharing_probe(prompt_ids: list[int], max_prompt_length: int, response_length: int,
-                  device: torch.device) -> Completions:
-    """What the start-up check computes both ways: two prompts (max_prompt_length tokens and a third as many,
-    left-padded) with two responses each (response_length tokens and about half as many, side by side in a group),
-    their tokens drawn from a train prompt's by a fixed generator: rows as long as training's longest, so that a
-    window the grouped rows get wrong shows."""
-    generator = torch.Generator().manual_seed(0)
-    pool = torch.tensor(prompt_ids)
-
-    def draw(n: int) -> torch.Tensor:
-        return pool[torch.randint(len(pool), (n,), generator=generator)]
-
-    queries, query_mask = pad_sequences([draw(n).tolist() for n in (max_prompt_length, max(1, max_prompt_length // 3))],
-                                        0, device)  # (2, Tq)
-    long, short = response_length, response_length // 2 + 1
-    lengths = torch.tensor([long, short, short, long])  # (k*g,), k = g = 2: each group one of each
-    response_mask = (torch.arange(response_length) < lengths[:, None]).to(device)  # (k*g, Tr)
-    responses = draw(4 * response_length).view(4, response_length).to(device).masked_fill(~response_mask, 0)
-    return Completions(queries, query_mask, responses, response_mask)
-
-
-@torch.no_grad()
-def sharing_error(model, probe: Completions, reward_model: bool) -> float:
-    """The largest difference between the probe's log-probs (a reward model's: scores) computed on grouped rows and
-    on one row per completion, in the weights' dtype, one prompt group at a time, where the model's weights are."""
-    device = next(model.parameters()).device
-    probe = probe.map_tensors(lambda t: t.to(device), lambda t: t.to(device))
-    if reward_model:
-        shared, alone = (in_chunks(probe, probe.k, lambda part: reward_model_scores(model, part, share))
-                         for share in (True, False))  # (k*g,) each
-    else:
-        shared, alone = (in_chunks(probe, probe.k, lambda part: forward_logprobs(model, part, 1.0, share)[0],
-                                   width=probe.responses.shape[1])[probe.response_mask] for share in (True, False))
-    return float((shared.float() - alone.float()).abs().max())
 
 
 @dataclass
@@ -703,9 +637,8 @@ def sample_in_chunks(
 
 
 class LocalRollouts:
-    """Where each update's completions come from. Here (rloo.py): sampled in this process by the policy being
-    trained, when the update asks for them. rloo_multinode.py substitutes engines in other processes behind the
-    same five methods; `lookahead` batches are asked for ahead of the one being trained on (0: on-policy)."""
+    """Where each update's completions come from: here sampled in this process by the policy being trained;
+    rloo_multinode.py's engines behind the same five methods, `lookahead` batches ahead (0: on-policy)."""
 
     lookahead = 0
     max_metrics: tuple[str, ...] = ()  # metrics of its own that are reduced over ranks by their maximum
@@ -718,7 +651,7 @@ class LocalRollouts:
         self.generator = generator
         self.queued = []
         # the module that samples: the policy under autocast, or a bf16 copy of it
-        self.sampler = bf16_copy(policy) if args.bf16_generation else policy
+        self.sampler = plumbing.bf16_copy(policy) if args.bf16_generation else policy
         self.autocast = contextlib.nullcontext if args.bf16_generation else autocast
         self.decoder = plumbing.StaticDecoder(self.sampler, args.max_prompt_length + args.response_length) \
             if args.compile_generation else None
@@ -735,37 +668,23 @@ class LocalRollouts:
 
     @contextlib.contextmanager
     def behaviour_policy(self, policy):
-        """For a with-block: the module whose log-probs are those of the weights that sampled the batch just taken
-        (the PPO ratio's denominator). Here the policy as it is."""
+        """For a with-block: the module with the weights that sampled the batch just taken. Here the policy."""
         yield policy
 
     def policy_updated(self, update: int, policy) -> dict[str, float]:
         """Called on every rank after each update's optimizer steps; returns metrics."""
         if self.sampler is not policy:
-            copy_weights(policy, self.sampler)
+            plumbing.copy_weights(policy, self.sampler)
         return {}
 
     def close(self) -> None:
         pass
 
 
-def bf16_copy(policy):
-    """A frozen bf16 copy of the policy to sample from (--bf16_generation)."""
-    return copy.deepcopy(policy).to(torch.bfloat16).eval().requires_grad_(False)
-
-
-@torch.no_grad()
-def copy_weights(source, target) -> None:
-    """target's parameters := source's, cast to target's dtype (the same module structure)."""
-    for to, value in zip(target.parameters(), source.parameters(), strict=True):
-        to.copy_(value)
-
-
 def logprobs_from_update(args: Args, sizes: BatchSizes, lookahead: int) -> bool:
-    """On-policy (one epoch, one minibatch, sampled by the weights being trained), the log-probs of the sampling
-    policy are exactly the training forward's own, detached: the update computes them itself, a micro-batch of
-    whole prompt groups at a time (the leave-one-out baseline needs its group), instead of a separate pass. Not
-    with advantages whitened over the whole batch: they need every completion's log-probs before the first step."""
+    """On-policy (one epoch, one minibatch, sampled by the weights being trained) the sampling policy's log-probs are
+    the training forward's own, detached: the update computes them, a micro-batch of whole prompt groups at a time,
+    instead of a separate pass. Not with --normalize_advantage, which needs them all before the first step."""
     return (args.num_ppo_epochs == 1 and args.num_mini_batches == 1 and lookahead == 0
             and sizes.micro % args.rloo_k == 0 and not args.normalize_advantage)
 
@@ -775,9 +694,8 @@ def collect_rollout(
     policy, ref_policy, completions: Completions, args: Args, share_prompt: bool, logprobs_from_update: bool,
     autocast, timer: plumbing.PhaseTimer,
 ) -> Rollout:
-    """The log-probs of sampled completions under the policy that sampled them (unless the update computes them:
-    logprobs_from_update), then under the reference: one phase after the other, each in length-sorted chunks of
-    about local_rollout_forward_batch_size completions (whole prompt groups)."""
+    """The completions' log-probs under the policy that sampled them (unless logprobs_from_update), then under the
+    reference, each in length-sorted chunks of whole prompt groups."""
     c = completions
 
     def logprobs_of(model) -> torch.Tensor:
@@ -958,7 +876,7 @@ def rloo_advantages(
 
 def whiten(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Standardize x with statistics over its masked entries on all ranks."""
-    mean, std = global_mean_std(x, mask)
+    mean, std = plumbing.global_mean_std(x, mask)
     out = (x - mean) / (std + 1e-8)
     return out if mask is None else out * mask
 
@@ -971,10 +889,9 @@ def kl_to_reference(rollout: Rollout) -> torch.Tensor:
 
 
 def compute_advantages(c: Rollout, scores: torch.Tensor, args: Args) -> None:
-    """c.advantages and c.rlhf_reward from the scores (k*g,) of c's completions and their KL to the reference: all of
-    a rollout's, or (on-policy) a micro-batch's whole prompt groups. The one caller of the estimator: it hands it the
-    groups shaped (k, g), checks that they come back so, and with --normalize_advantage whitens over every rank's
-    batch (never on-policy: logprobs_from_update)."""
+    """c.advantages and c.rlhf_reward from the scores (k*g,) of c's completions (a rollout's, or on-policy a
+    micro-batch's whole prompt groups) and their KL. The estimator's one caller: it hands it groups shaped (k, g),
+    checks they come back so, and with --normalize_advantage whitens over every rank's batch."""
     k, g = c.k, c.queries.shape[0]
     advantages, rlhf_reward = rloo_advantages(in_groups(scores, k), in_groups(kl_to_reference(c), k),
                                               in_groups(c.response_mask, k), args.kl_coef, args.token_level_kl)
@@ -1015,12 +932,10 @@ def policy_loss(
     cliprange: float, per_token: bool, entropy: Optional[torch.Tensor] = None,
     is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped surrogate's loss of each action, which ppo_update sums and divides by loss_normalizer. Log-probs,
-    mask and the policy's entropy (differentiable; reported as policy/entropy_avg) are (N, Tr). per_token False: a
-    completion is one action, with the sequence ratio exp(sum_t new - sum_t old) and advantages (N,) -> losses (N,).
-    per_token True: each token is an action with its own ratio, advantages (N, Tr) or each completion's (N,) on its
-    tokens -> losses (N, Tr), 0 on padding. Each action's loss is multiplied by its importance weight
-    (importance_weights: (N,), or (N, Tr) per token), if given. Returns (losses, stats)."""
+    """The clipped surrogate's loss of each action (ppo_update sums them over loss_normalizer); log-probs, mask and
+    entropy (N, Tr). per_token False: a completion is one action with the sequence ratio exp(sum_t new - sum_t old),
+    advantages (N,) -> losses (N,). per_token True: each token is an action with its own ratio, advantages (N, Tr) or
+    (N,) -> losses (N, Tr), 0 on padding. Each loss is multiplied by its importance weight, if given."""
     if per_token:
         log_ratio = (new_logprobs - old_logprobs) * response_mask  # (N, Tr)
         advantages = advantages if advantages.dim() == 2 else advantages[:, None]  # (N, Tr) or (N, 1)
@@ -1047,10 +962,9 @@ def policy_loss(
 
 
 def loss_normalizer(rollout: Rollout, minibatch: list[torch.Tensor]) -> torch.Tensor:
-    """What each micro-batch's summed losses are divided by: the minibatch's completions, counted before its first
-    micro-batch, so that its loss does not depend on how it is cut into micro-batches. Per-completion losses then
-    average over completions; per-token losses (--token_level_kl) give the mean over completions of each completion's
-    sum. The count per rank, averaged over ranks: DDP and FSDP average the ranks' gradients."""
+    """What each micro-batch's summed losses are divided by: the minibatch's completions per rank (averaged over
+    ranks, as DDP and FSDP average gradients), counted before its first micro-batch, so that the loss does not depend
+    on how it is cut into micro-batches. Per-token losses then give the mean of each completion's sum."""
     rows = torch.cat(minibatch)  # (n,) this rank's completions of the minibatch
     count = torch.tensor(float(len(rows)), device=rollout.responses.device)
     return plumbing.all_reduce(count) / (dist.get_world_size() if dist.is_initialized() else 1)
@@ -1058,11 +972,9 @@ def loss_normalizer(rollout: Rollout, minibatch: list[torch.Tensor]) -> torch.Te
 
 # ===================================================================== update
 def minibatch_plan(rollout: Rollout, sizes: BatchSizes, k: int) -> list[list[torch.Tensor]]:
-    """One PPO epoch: shuffled minibatches, each a list of micro-batches, each the rows (indices into k*B) it
-    trains on. When a micro-batch holds whole prompt groups (micro a multiple of k), the groups are shuffled, and
-    each minibatch's groups sorted by prompt length before they are cut into micro-batches: each then pads to its
-    own longest prompt, and a minibatch's gradient, a sum over its micro-batches, is the same in any order. Else
-    single completions are shuffled."""
+    """One PPO epoch: shuffled minibatches, each a list of micro-batches, each the rows (indices into k*B) it trains
+    on. With micro a multiple of k the prompt groups are shuffled, and sorted by prompt length within a minibatch
+    (each micro-batch pads to its own longest prompt; the gradient is a sum); else single completions."""
     num_prompts = rollout.queries.shape[0]
     if sizes.micro % k:
         order = torch.randperm(k * num_prompts, device=rollout.responses.device)  # (k*B,) completions
@@ -1101,18 +1013,23 @@ def put_rows(into: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> No
     into[(rows, slice(values.shape[1])) if values.dim() == 2 else rows] = values
 
 
+def gradient_sync(model, enabled: bool):
+    """DDP all-reduces gradients only when `enabled` (an optimizer step's last micro-step). FSDP reduce-scatters at
+    every micro-step, as ZeRO-3 does: more traffic, but no rank ever holds a full-size gradient."""
+    if isinstance(model, DDP) and not enabled:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
 def ppo_update(
     model, optimizer: torch.optim.Optimizer, rollout: Rollout, scores: torch.Tensor, args: Args, sizes: BatchSizes,
     share_prompt: bool, autocast,
 ) -> dict[str, float]:
-    """num_ppo_epochs x shuffled minibatches (one optimizer step each) x micro-batches (gradient accumulation;
-    DDP syncs gradients on the last micro-step only), as planned by minibatch_plan; a minibatch's loss is the sum of
-    its actions' losses (policy_loss) over loss_normalizer. The advantages come from the scores (k*B,) by
-    compute_advantages, for the whole rollout before the first step; or, on-policy (rollout.logprobs None:
-    logprobs_from_update), for each micro-batch's prompt groups from its own forward, whose detached log-probs are
-    the ratio's denominator (ratio 1) and are written into rollout.logprobs. Leaves rollout.advantages and
-    rollout.rlhf_reward for the metrics. Returns the stats averaged over all micro-steps (the loss: over
-    minibatches)."""
+    """num_ppo_epochs x shuffled minibatches (one optimizer step each) x micro-batches (gradient accumulation), as
+    minibatch_plan cuts them. Advantages come from the scores (k*B,) by compute_advantages, before the first step;
+    or on-policy (rollout.logprobs None) per micro-batch from its own forward, whose detached log-probs are the
+    ratio's denominator. Leaves rollout.logprobs, advantages and rlhf_reward for the metrics; returns the stats
+    averaged over micro-steps (the loss: over minibatches)."""
     stats: dict[str, list[torch.Tensor]] = {}
     ratios, grad_norms = [], []
     device, k = scores.device, rollout.k
@@ -1170,30 +1087,6 @@ def learning_rate_at(update: int, num_updates: int, args: Args) -> float:
     if args.lr_scheduler_type == "constant":
         return args.learning_rate
     return args.learning_rate * (1.0 - (update - 1) / num_updates)
-
-
-# ===================================================================== metrics
-def mismatch_metrics(rollout: Rollout, args: Args) -> dict[str, float]:
-    """How far the sampler's log-probs of its tokens are from the trainer's (the PPO ratio's denominator), for one
-    rank's (k*B, Tr) rollout: per valid token, and as the sequence ratio p_trainer / p_sampler (the importance
-    weight that --vllm_importance_sampling_correction truncates)."""
-    mask = rollout.response_mask
-    diff = (rollout.logprobs - rollout.sampler_logprobs).double() * mask  # (k*B, Tr)
-    ratio = diff.sum(1).exp()  # (k*B,)
-    out = {"mismatch/logprob_diff_mean": (diff.abs().sum() / mask.sum().clamp(min=1)).item(),
-           "mismatch/logprob_diff_max": diff.abs().max().item(),
-           "mismatch/ratio_mean": ratio.mean().item(),
-           "mismatch/ratio_std": ratio.std().item() if ratio.numel() > 1 else 0.0,
-           "mismatch/clipfrac": ((ratio - 1).abs() > args.cliprange).double().mean().item()}
-    if args.vllm_importance_sampling_correction:
-        weights = importance_weights(rollout.logprobs.double(), rollout.sampler_logprobs.double(), mask,
-                                     args.vllm_importance_sampling_mode, args.vllm_importance_sampling_cap)
-        raw = ratio if weights.dim() == 1 else diff.exp()  # (k*B,) or (k*B, Tr)
-        counted = torch.ones_like(weights) if weights.dim() == 1 else mask.double()  # the weights that act
-        n = counted.sum().clamp(min=1)
-        out["mismatch/is_weight_mean"] = ((weights * counted).sum() / n).item()
-        out["mismatch/is_capped_frac"] = (((raw > args.vllm_importance_sampling_cap) * counted).sum() / n).item()
-    return out
 
 
 # ===================================================================== evaluation
@@ -1268,14 +1161,15 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device, checkpoints.path, tokenizer)
         sources = plumbing.load_reward_sources(args, tokenizer, reward_functions, device)
         # each prompt computed once for its k completions, in every phase, where the model can take it exactly
-        probe = sharing_probe(dataset[0][plumbing.PROMPT_IDS], args.max_prompt_length, args.response_length, device)
+        probe = Completions(**plumbing.sharing_probe(dataset[0][plumbing.PROMPT_IDS], args.max_prompt_length,
+                                                     args.response_length, device))
         notes = []  # printed once the run starts
-        share_prompt = plumbing.shares_prompts(policy, "policy", args.share_prompt,
-                                               lambda: sharing_error(policy, probe, False), notes)
+        share_prompt = plumbing.shares_prompts(policy, "policy", args.share_prompt, probe, lambda c, share:
+                                               forward_logprobs(policy, c, 1.0, share)[0][c.response_mask], notes)
         with plumbing.visiting(sources.model, device):  # --offload: a frozen model's passes are on the GPU
             sources.share_prompt = sources.model is not None and sources.model_tokenizer is None and \
-                plumbing.shares_prompts(sources.model, "reward model", args.share_prompt,
-                                        lambda: sharing_error(sources.model, probe, True), notes)
+                plumbing.shares_prompts(sources.model, "reward model", args.share_prompt, probe, lambda c, share:
+                                        reward_model_scores(sources.model, c, share), notes)
 
         if args.fsdp:
             trained = plumbing.shard_policy(policy, args.bf16, args.offload)  # in place: policy is the sharded module
@@ -1389,7 +1283,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                 "val/ratio": train_stats["ratio"],
                 "val/ratio_var": train_stats["ratio_var"],
                 **plumbing.completion_metrics(rollout.response_mask, has_stop, scores, args.rloo_k),
-                **({} if rollout.sampler_logprobs is None else mismatch_metrics(rollout, args)),
+                **({} if rollout.sampler_logprobs is None else
+                   plumbing.mismatch_metrics(rollout, args, importance_weights)),
                 **source_means, **rollout_metrics, **timer.metrics(),
                 "work/minimum_tokens": plumbing.minimum_forward_tokens(rollout, sum(
                     args.num_ppo_epochs if phase == "training" else 1 for phase in timer.tokens)),

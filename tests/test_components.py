@@ -373,7 +373,7 @@ def test_the_bf16_copy_samples_from_the_distribution_of_the_fp32_policy_under_au
     variation of the fp32 weights' under bf16 autocast (what sampling used before): bf16 rounding only (0.0003 here)."""
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer))
-    copy = rloo.bf16_copy(policy)
+    copy = plumbing.bf16_copy(policy)
     queries, mask = left_padded(tokenizer, ["a b c d :", "e :", "f g :"])
     c = rloo.sample_completions(copy, queries, mask, 8, 1.0, None, 0, torch.Generator().manual_seed(0), k=4)
     with torch.no_grad():

@@ -76,12 +76,12 @@ def test_only_adapters_train_and_the_reference_is_the_untouched_base(assets):
 def test_the_bf16_sampling_copy_holds_the_adapters_and_follows_them(assets):
     """--bf16_generation with LoRA: the bf16 copy is of the policy with its adapters, refreshed by copy_weights."""
     policy, ref, _, _ = rloo.load_policy(lora_args(assets, bf16=True, bf16_generation=True), torch.device("cpu"))
-    sampler = rloo.bf16_copy(policy)
+    sampler = plumbing.bf16_copy(policy)
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if ".lora_B." in name:
                 p.normal_()  # as if trained: the adapters change the function
-    rloo.copy_weights(policy, sampler)
+    plumbing.copy_weights(policy, sampler)
     ids = torch.tensor([[3, 4, 5, 14, 6]])
     with torch.no_grad():
         with torch.autocast("cpu", dtype=torch.bfloat16):

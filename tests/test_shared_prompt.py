@@ -37,11 +37,23 @@ def sampled(k: int, attention: str = "sdpa", seed: int = 0) -> tuple[torch.nn.Mo
     return policy, c
 
 
+def probe_of(prompt: str) -> rloo.Completions:
+    ids = policy_tokenizer()(prompt)["input_ids"]
+    return rloo.Completions(**plumbing.sharing_probe(ids, 8, 6, torch.device("cpu")))
+
+
+def computed(model, reward_model=False):
+    """What main's start-up check compares for the model: log-probs of the response tokens, or a reward model's
+    scores."""
+    if reward_model:
+        return lambda c, share: rloo.reward_model_scores(model, c, share)
+    return lambda c, share: rloo.forward_logprobs(model, c, 1.0, share)[0][c.response_mask]
+
+
 def shares(model, requested, probe, notes, reward_model=False) -> bool:
     """The start-up decision as main makes it: the model's prompt sharing, checked on the probe."""
     name = "reward model" if reward_model else "policy"
-    return plumbing.shares_prompts(model, name, requested, lambda: rloo.sharing_error(model, probe, reward_model),
-                                   notes)
+    return plumbing.shares_prompts(model, name, requested, probe, computed(model, reward_model), notes)
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -264,13 +276,13 @@ def test_every_architecture_shares_exactly_or_says_it_does_not(family):
     c = rloo.sample_completions(policy, queries, query_mask, 6, 1.0, 1, 0, torch.Generator().manual_seed(0), k=k)
     assert len(set(c.response_mask.sum(1).tolist())) > 1 and c.query_mask.sum(1).max() + 6 > 4  # rows > window
 
-    probe, notes = rloo.sharing_probe(tokenizer(PROMPTS[0])["input_ids"], 8, 6, torch.device("cpu")), []
+    probe, notes = probe_of(PROMPTS[0]), []
     reward_model = tiny(family, "ForSequenceClassification", seed=1) \
         if hasattr(transformers, type(policy).__name__.replace("ForCausalLM", "ForSequenceClassification")) else None
     if fallback is not None:  # off, in one line; refused when asked for
         assert fallback in plumbing.why_not_shared(policy)
-        assert rloo.sharing_error(policy, probe, False) > 1e-3  # grouped rows would be wrong: each response sees the
-        # ones before it through the state
+        # grouped rows would be wrong: each response sees the ones before it through the state
+        assert plumbing.sharing_error(policy, probe, computed(policy)) > 1e-3
         assert not shares(policy, None, probe, notes)
         assert notes == [f"prompt sharing is off for the policy: {plumbing.why_not_shared(policy)}; it computes one "
                          "row per completion"]
@@ -301,7 +313,7 @@ def test_every_architecture_shares_exactly_or_says_it_does_not(family):
 @pytest.mark.parametrize("broken", ["window dropped", "responses see each other"])
 def test_the_start_up_check_catches_a_broken_mask_and_falls_back(broken, monkeypatch):
     policy = tiny("gemma2")
-    probe = rloo.sharing_probe(policy_tokenizer()(PROMPTS[0])["input_ids"], 8, 6, torch.device("cpu"))
+    probe = probe_of(PROMPTS[0])
     assert shares(policy, None, probe, [])
     grouped_rows = rloo.grouped_rows
 
