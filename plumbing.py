@@ -25,6 +25,7 @@ import copy
 import datetime
 import fcntl
 import functools
+import gc
 import hashlib
 import importlib
 import inspect
@@ -1727,6 +1728,15 @@ def stopped_alone(mark: bool = False) -> bool:
 def barrier(what: str = "a barrier") -> None:
     wait_for_peers(what)
 
+
+def end_distributed() -> None:
+    """The process group torn down, once the caller has dropped its DDP wrapper. DDP's reducer holds the group too;
+    were it the last holder, its destructor, which keeps the GIL, would join gloo's worker threads while one of them
+    waits for the GIL to free a tensor: a hang at the very end of a CPU run (pytorch#56297). Collected first (the gc
+    for its reference cycles), the wrapper leaves the group to destroy_process_group, which frees it without the GIL."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @contextlib.contextmanager

@@ -1182,7 +1182,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                                       fused=device.type == "cuda" and not args.offload)  # one kernel for all tensors
         plumbing.seed_everything(args.seed + dist_info.rank)  # from here on each rank samples differently
         sampling_rng = torch.Generator(device).manual_seed(args.seed + dist_info.rank)  # only sampling draws from it
-        checkpoints.load(trained, optimizer, tokenizer, sampler, sampling_rng)  # a resumed run's state restored
+        checkpoints.load(policy, optimizer, tokenizer, sampler, sampling_rng)  # a resumed run's state restored
         notes = (checkpoints.notes() if master else []) + notes  # output_dir settled for this run's timeline
         run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
         logger = plumbing.RunLogger(args, run_name, num_updates, checkpoints.start_update, checkpoints.wandb_run_id) \
@@ -1337,8 +1337,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         if logger is not None:
             logger.close()
     plumbing.barrier("the end of the run")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    del trained  # DDP's reducer must not be what frees the process group (plumbing.end_distributed)
+    plumbing.end_distributed()
 
 
 # ===================================================================== command line

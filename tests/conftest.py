@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -120,3 +121,13 @@ def synthetic_sft(tmp_path_factory) -> dict:
     path = tmp_path_factory.mktemp("synthetic_sft") / "policy"
     return {"tokenizer": tokenizer, "policy": synthetic_task.build_policy(tokenizer, path, steps=150), "path": path}
 
+
+@pytest.fixture
+def signal_handlers_kept():
+    """rloo.main installs its signal handlers in this process: put pytest's back."""
+    import plumbing
+
+    saved = {sig: signal.getsignal(sig) for sig in plumbing.StopSignal.SIGNALS}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)

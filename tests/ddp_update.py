@@ -51,10 +51,9 @@ def main(out_path: str, wrapper: str) -> None:
         state = policy.state_dict()
     if dist_info.master:
         torch.save(state, out_path)
-    if dist.is_initialized():
-        dist.barrier()  # no rank tears the group down while another still uses it
-        dist.destroy_process_group()
+    plumbing.barrier()  # no rank tears the group down while another still uses it
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "ddp")
+    plumbing.end_distributed()  # main's DDP wrapper gone first

@@ -1,7 +1,6 @@
 """rloo.py run as users run it: end to end, under torchrun, and on bad input."""
 
 import json
-import signal
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -456,15 +455,6 @@ BAD_INPUTS = {  # case: (flags that replace or add to a valid command, fragments
     "LoRA rank 0": ({"use_peft": None, "lora_r": "0"}, ["--lora_r 0", "the rank must be >= 1"]),
     "merge_lora without LoRA": ({"merge_lora": None}, ["--merge_lora merges LoRA adapters", "add --use_peft"]),
 }
-
-
-@pytest.fixture
-def signal_handlers_kept():
-    """rloo.main installs its signal handlers in this process: put pytest's back."""
-    saved = {sig: signal.getsignal(sig) for sig in plumbing.StopSignal.SIGNALS}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=list(BAD_INPUTS))

@@ -1,14 +1,21 @@
 """A 2-process gloo run updates the parameters exactly as one process does on the same global batch, with DDP
 and with FSDP2; FSDP2's rollout mode uses its public API only."""
 
+import gc
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.distributed as dist
+import tyro
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import plumbing
+import rloo
 from conftest import REPO, cpu_env, tiny_policy, policy_tokenizer
+from test_cli import argv_of, valid_flags
+from test_judge import free_port
 
 
 def run(script_args: list[str], out, wrapper: str = "ddp") -> None:
@@ -29,6 +36,28 @@ def test_two_rank_update_equals_one_rank_update(tmp_path, wrapper):
         torch.testing.assert_close(two[name], value, atol=1e-6, rtol=1e-5, msg=name)
         moved += not torch.equal(value, initial[name])
     assert moved > len(one) // 2  # the update did change the parameters
+
+
+def test_a_run_frees_its_ddp_wrapper_before_the_process_group(assets, tmp_path, monkeypatch,
+                                                              signal_handlers_kept):
+    """DDP's reducer holds the process group: freed last, in a destructor that keeps the GIL, it would join gloo's
+    worker threads while one of them waits for the GIL (a rare hang at the very end of a CPU run, seen in CI). A run
+    as torchrun's one rank, with DDP, destroys the group when no DDP module is left."""
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    ddp_modules = lambda: sum(type(o) is DDP for o in gc.get_objects())  # noqa: E731
+    before, alive, destroy = ddp_modules(), [], dist.destroy_process_group
+
+    def destroy_and_count(*args):
+        alive.append(ddp_modules())
+        destroy(*args)
+
+    monkeypatch.setattr(dist, "destroy_process_group", destroy_and_count)
+    argv = argv_of(valid_flags(assets, tmp_path / "out") | {"total_episodes": 8, "num_ppo_epochs": 1})
+    plumbing.run_script(rloo.main, tyro.cli(rloo.Args, args=argv), "rloo.py")
+    assert alive == [before] and not dist.is_initialized()
+    assert (tmp_path / "out" / "model.safetensors").exists()  # the run finished
 
 
 def test_unshard_generation_without_fsdps_public_method_is_one_line(monkeypatch):
