@@ -5,7 +5,8 @@ this file with it. Nothing here imports rloo.py: what needs the run's objects ta
 
 Sections:
   errors          ConfigError (bad input: one line, exit 2) and Fault (a run stopped: one line, exit 4)
-  flags           RunArgs (the run's flags, which rloo.py's Args extends); the checks before anything loads
+  flags           InputArgs (models, data) and RunArgs (the run's flags), which rloo.py's Args extends; the checks
+                  before anything loads
   distributed     torchrun ranks and their device, FSDP2 sharding and gathering, all-reduce, statistics over ranks
   data files      Hub datasets and local files, with one-line diagnostics of what is wrong in them
   models          loading errors, configs checked before weights load, kernels (the fused log-softmax), LoRA
@@ -76,10 +77,50 @@ FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4e38: beyond it a value
 
 # ===================================================================== flags: the run's, and their checks
 @dataclass
-class RunArgs:
-    """The flags of a run that are not the algorithm's: its name and output_dir, trust, memory and speed, the LoRA
-    adapters' shape, samples and evaluations, checkpoints and faults. rloo.py's Args extends it, so these are flags
-    like the others (--help and docs/flags.md list them last)."""
+class InputArgs:
+    """A run's inputs: the policy, the reward, the prompts. RunArgs extends it and rloo.py's Args extends RunArgs:
+    these are flags like the others, listed first by --help and docs/flags.md."""
+
+    # ----- models -----
+    model_name_or_path: Optional[str] = None
+    """policy tokenizer, and policy weights unless --sft_model_path is given (Hub id or local path)"""
+    sft_model_path: Optional[str] = None
+    """policy and reference weights when they are not at --model_name_or_path (as in TRL's TL;DR recipe)"""
+    reward_model_path: Optional[str] = None
+    """AutoModelForSequenceClassification with one label, read at the last real token; when its own
+    tokenizer differs from the policy's, completions are decoded and re-tokenized for it"""
+    reward_fn: tuple[str, ...] = ()
+    """Python reward functions `package.module:function`, called with prompts, completions,
+    completion_ids and the dataset's other columns (lists); each returns a float or None per completion"""
+    reward_weights: Optional[tuple[float, ...]] = None
+    """one weight per reward source, the reward model first, then each --reward_fn; default all 1.0"""
+    pad_token: Optional[str] = "[PAD]"
+    """token added for padding when the policy tokenizer has none (as TRL and the N+ details do for Pythia); its id
+    must fit the embedding matrix. None refuses tokenizers without a pad token"""
+    bf16: bool = False
+    """bf16 autocast for every forward pass; fp32 master weights and optimizer; frozen models stored in bf16"""
+
+    # ----- data -----
+    dataset_name: str = "trl-internal-testing/tldr-preference-sft-trl-style"
+    """Hub dataset id, a local .jsonl/.json/.parquet file, or a `save_to_disk` directory"""
+    dataset_config: Optional[str] = None
+    """the Hub dataset's configuration name, if it has several"""
+    dataset_train_split: str = "train"
+    """split to train on (ignored for a single local file)"""
+    dataset_test_split: Optional[str] = None
+    """split (or local file) to evaluate on; None disables evaluation"""
+    prompt_column: str = "prompt"
+    """column holding the prompt: a string, or a list of chat messages (chat template applied);
+    without it, a pre-tokenized `query_token` column is used (the TL;DR dataset's schema)"""
+    max_prompt_length: int = 512
+    """prompts longer than this many tokens are dropped (and counted) when the dataset is loaded"""
+
+
+@dataclass
+class RunArgs(InputArgs):
+    """The run's flags that are neither the algorithm's nor its inputs (InputArgs): its name and output_dir, trust,
+    memory and speed, LoRA, samples and evaluations, checkpoints and faults. rloo.py's Args extends it, so these are
+    flags like the others (--help and docs/flags.md list them last)."""
 
     resumable_changes: ClassVar[frozenset] = frozenset({  # may differ on --resume; any other flag is another experiment
         "exp_name", "run_name", "output_dir", "track", "wandb_project_name", "wandb_entity", "trust_remote_code",
@@ -126,8 +167,17 @@ class RunArgs:
     compile_generation: bool = False
     """decode with a torch.compile'd step (CUDA graphs on GPU) in a KV cache kept per chunk size: no
     per-token Python or kernel-launch overhead. The first update compiles, once per chunk size"""
+    share_prompt: tyro.conf.DisallowNone[Optional[bool]] = None
+    """compute each prompt once per forward pass for its k completions, each computed exactly as alone. Default:
+    on for each model that can and passes a start-up check, else off with one line saying why"""
+    bf16_generation: bool = False
+    """with --bf16 (not --fsdp): sample from a bf16 copy of the policy, refreshed after every update, with a
+    bf16 KV cache: faster decoding for 2 more bytes per parameter"""
 
     # ----- LoRA adapters -----
+    use_peft: bool = False
+    """train LoRA adapters (peft) on the frozen base; the reference is the same module with the adapters switched off
+    (no second copy). Checkpoints and the final policy hold the adapter in peft's format"""
     lora_r: int = 16
     """LoRA rank"""
     lora_alpha: int = 32
@@ -2462,7 +2512,7 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     aliases = {own: {"name": trl, "aliases": (f"--{own}",)} for trl, own in TRL_NAMES.items()}
     lists = {name for name, hint in hints.items() if tuple in {get_origin(hint), *map(get_origin, get_args(hint))}}
     groups, title = {}, prog
-    for f in sorted(fields(cls), key=lambda f: f.name in RunArgs.__dataclass_fields__):  # the run's flags last
+    for f in sorted(fields(cls), key=lambda f: f.name in inspect.get_annotations(RunArgs)):  # the run's last
         title = starts.get(f.name, title)
         hint = tyro.conf.UseAppendAction[tuple[hints[f.name], ...]] if f.name in lists else hints[f.name]
         conf = tyro.conf.arg(help=docs.get(f.name), **aliases.get(f.name, {}))

@@ -24,7 +24,8 @@ sources.
 Sections, in the order a run needs them; what nobody changes when changing the algorithm (the run's flags,
 checkpoints, faults, signals, measuring, logging, file loading, kernels, the prompt-sharing start-up check, the command
 line) is in plumbing.py, called as plumbing.X: copying this file means copying that one with it.
-  Args                the algorithm's flags, TRL <= 0.21's names (TRL >= 0.22's accepted); the run's in RunArgs
+  Args                the algorithm's flags, TRL <= 0.21's names (TRL >= 0.22's accepted); models, data and the
+                      run's in plumbing.RunArgs
   batch arithmetic    micro / mini / local / B / all ranks, derived once, with exact divisions
   data                a prompt's token ids; the sampler that draws B prompts per update
   models              the policy and its frozen reference (a copy, or with LoRA the adapters switched off)
@@ -52,51 +53,15 @@ from typing import Callable, ClassVar, Literal, Optional
 
 import torch
 import torch.distributed as dist
-import tyro
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import plumbing
 
+
 @dataclass
 class Args(plumbing.RunArgs):
-    """The algorithm's flags; plumbing.RunArgs adds the run's (output_dir, checkpoints, memory and speed, logging)."""
-
-    # ----- models -----
-    model_name_or_path: Optional[str] = None
-    """policy tokenizer, and policy weights unless --sft_model_path is given (Hub id or local path)"""
-    sft_model_path: Optional[str] = None
-    """policy and reference weights when they are not at --model_name_or_path (as in TRL's TL;DR recipe)"""
-    use_peft: bool = False
-    """train LoRA adapters (peft) on the frozen base; the reference is the same module with the adapters switched off
-    (no second copy). Checkpoints and the final policy hold the adapter in peft's format"""
-    reward_model_path: Optional[str] = None
-    """AutoModelForSequenceClassification with one label, read at the last real token; when its own
-    tokenizer differs from the policy's, completions are decoded and re-tokenized for it"""
-    reward_fn: tuple[str, ...] = ()
-    """Python reward functions `package.module:function`, called with prompts, completions,
-    completion_ids and the dataset's other columns (lists); each returns a float or None per completion"""
-    reward_weights: Optional[tuple[float, ...]] = None
-    """one weight per reward source, the reward model first, then each --reward_fn; default all 1.0"""
-    pad_token: Optional[str] = "[PAD]"
-    """token added for padding when the policy tokenizer has none (as TRL and the N+ details do for Pythia); its id
-    must fit the embedding matrix. None refuses tokenizers without a pad token"""
-    bf16: bool = False
-    """bf16 autocast for every forward pass; fp32 master weights and optimizer; frozen models stored in bf16"""
-
-    # ----- data -----
-    dataset_name: str = "trl-internal-testing/tldr-preference-sft-trl-style"
-    """Hub dataset id, a local .jsonl/.json/.parquet file, or a `save_to_disk` directory"""
-    dataset_config: Optional[str] = None
-    """the Hub dataset's configuration name, if it has several"""
-    dataset_train_split: str = "train"
-    """split to train on (ignored for a single local file)"""
-    dataset_test_split: Optional[str] = None
-    """split (or local file) to evaluate on; None disables evaluation"""
-    prompt_column: str = "prompt"
-    """column holding the prompt: a string, or a list of chat messages (chat template applied);
-    without it, a pre-tokenized `query_token` column is used (the TL;DR dataset's schema)"""
-    max_prompt_length: int = 512
-    """prompts longer than this many tokens are dropped (and counted) when the dataset is loaded"""
+    """The algorithm's flags; plumbing.RunArgs adds the run's (models, data, output_dir, checkpoints, memory and speed,
+    LoRA, logging)."""
 
     # ----- RLOO -----
     rloo_k: int = 2
@@ -135,12 +100,6 @@ class Args(plumbing.RunArgs):
     """truncate completions after the first EOS; None keeps all response_length tokens"""
     stop_token_id: Optional[int] = None
     """truncate after this token id instead (overrides --stop_token)"""
-    share_prompt: tyro.conf.DisallowNone[Optional[bool]] = None
-    """compute each prompt once per forward pass for its k completions, each computed exactly as alone. Default:
-    on for each model that can and passes a start-up check, else off with one line saying why"""
-    bf16_generation: bool = False
-    """with --bf16 (not --fsdp): sample from a bf16 copy of the policy, refreshed after every update, with a
-    bf16 KV cache: faster decoding for 2 more bytes per parameter"""
 
     # ----- optimization -----
     total_episodes: Optional[int] = None

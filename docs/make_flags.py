@@ -1,11 +1,11 @@
-"""Writes docs/flags.md from the `Args` docstrings of rloo.py and rloo_multinode.py (and of plumbing.RunArgs, which
-rloo.py's Args extends), so a flag is written once.
+"""Writes docs/flags.md from the `Args` docstrings of rloo.py and rloo_multinode.py (and of plumbing.RunArgs and
+InputArgs, which rloo.py's Args extends), so a flag is written once.
 
     python docs/make_flags.py            # rewrites docs/flags.md
     python docs/make_flags.py --check    # exit status 1 when docs/flags.md is not what this script writes
 
-A table per group: the groups are the `# ----- name -----` comments in each `Args` class's source, in order, the run's
-(plumbing.RunArgs) last; a subclass's own fields (rloo_multinode.py's engine flags) get groups of their own, named with
+A table per group: the groups are the `# ----- name -----` comments in each `Args` class's source, in order, the inputs
+(plumbing.InputArgs) first, the run's (plumbing.RunArgs) last; a subclass's own fields (rloo_multinode.py's engine flags) get groups of their own, named with
 its file. A field whose type is a dataclass is a group too (its flags keep their own names). Only the project and the
 standard library are imported.
 """

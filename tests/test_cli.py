@@ -246,13 +246,13 @@ def test_help_shows_the_args_groups_with_flat_names_aliases_and_whole_sentences(
     lines = [line[1:].rstrip(" │") for line in printed]  # within a box's borders (unicode on a terminal, else spaces)
     assert titles == ["", "models", "data", "RLOO", "generation", "optimization", "engines", "experiment",
                       "memory and speed", "LoRA adapters", "samples and evaluation",
-                      "checkpoints and faults"]  # the `# ----- x -----` lines of Args, plumbing.RunArgs's last
+                      "checkpoints and faults"]  # the `# ----- x -----` lines: the inputs', Args's, the run's
     assert plumbing.help_groups(plan_memory.PlanArgs, "plan_memory.py")["world_size"] == "plan_memory.py"
     text = " ".join(" ".join(lines).split())
     for trl_name, own in plumbing.TRL_NAMES.items():
         assert f"--{trl_name}" in text and f"--{own}" in text, trl_name
     assert "--steps_per_generation {None}|INT" in text and plumbing.TRL_DEFAULTS.split("\n")[0] in printed
-    docs = {p.arg_name: p.description for c in (plumbing.RunArgs, rloo.Args, rloo_multinode.Args)
+    docs = {p.arg_name: p.description for c in (plumbing.InputArgs, plumbing.RunArgs, rloo.Args, rloo_multinode.Args)
             for p in docstring_parser.parse_from_object(c).params}
     for f in fields(rloo_multinode.Args):  # every docstring, its source lines joined
         assert " ".join(docs[f.name].split()) in text, f.name
