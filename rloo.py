@@ -137,10 +137,8 @@ class BatchSizes:
 def compute_batch_sizes(args: Args, world_size: int) -> BatchSizes:
     """The one place where batch sizes are derived; every division is exact or refused."""
     if args.rloo_k < 2:
-        raise plumbing.ConfigError(
-            f"rloo_k = {args.rloo_k}: the leave-one-out baseline needs at least 2 completions per prompt; "
-            "pass --rloo_k 2 or more"
-        )
+        raise plumbing.ConfigError(f"rloo_k = {args.rloo_k}: the leave-one-out baseline needs at least 2 completions "
+                                   "per prompt; pass --rloo_k 2 or more")
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs"):
         if getattr(args, name) < 1:
             raise plumbing.ConfigError(f"{name} = {getattr(args, name)} must be at least 1")
@@ -148,11 +146,10 @@ def compute_batch_sizes(args: Args, world_size: int) -> BatchSizes:
     mini = micro * args.gradient_accumulation_steps
     local = mini * args.num_mini_batches
     if local % args.rloo_k:
-        raise plumbing.ConfigError(
-            f"per_device_train_batch_size ({micro}) x gradient_accumulation_steps ({args.gradient_accumulation_steps}) "
-            f"x num_mini_batches ({args.num_mini_batches}) = {local} completions per rank is not divisible by "
-            f"rloo_k ({args.rloo_k}); make the product a multiple of rloo_k"
-        )
+        raise plumbing.ConfigError(f"per_device_train_batch_size ({micro}) x gradient_accumulation_steps "
+                                   f"({args.gradient_accumulation_steps}) x num_mini_batches ({args.num_mini_batches})"
+                                   f" = {local} completions per rank is not divisible by rloo_k ({args.rloo_k}); make "
+                                   "the product a multiple of rloo_k")
     return BatchSizes(micro=micro, mini=mini, local=local, prompts=local // args.rloo_k,
                       all_ranks=local * world_size)
 
@@ -194,14 +191,10 @@ class PromptSampler:
     def __init__(self, num_prompts: int, prompts_per_rank: int, rank: int, world_size: int, seed: int):
         self.per_update = prompts_per_rank * world_size
         if num_prompts < self.per_update:
-            raise plumbing.ConfigError(
-                f"the training split has {num_prompts} prompts, fewer than one update takes "
-                f"({prompts_per_rank} per rank x {world_size} ranks); use a larger dataset or smaller batches"
-            )
-        self.num_prompts = num_prompts
-        self.prompts_per_rank = prompts_per_rank
-        self.rank = rank
-        self.seed = seed
+            raise plumbing.ConfigError(f"the training split has {num_prompts} prompts, fewer than one update takes "
+                                       f"({prompts_per_rank} per rank x {world_size} ranks); use a larger dataset or "
+                                       "smaller batches")
+        self.num_prompts, self.prompts_per_rank, self.rank, self.seed = num_prompts, prompts_per_rank, rank, seed
         self.epoch, self.position = 0, 0
         self._permutation = self._shuffle()
 
@@ -225,8 +218,6 @@ class PromptSampler:
 
 
 # ===================================================================== models
-
-
 def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = None, tokenizer=None):
     """The policy (fp32 master weights, or with --use_peft LoRA adapters on the base; from the checkpoint when
     resuming), its frozen reference, always the initial policy (None when kl_coef = 0; with LoRA, AdaptersOff), the
@@ -910,13 +901,11 @@ def policy_loss(
     per_action = torch.max(losses, losses_clipped)  # (N,) or (N, Tr)
     if is_weights is not None:  # a sequence's weight is each of its tokens' in the per-token loss
         per_action = per_action * (is_weights if is_weights.dim() == per_action.dim() else is_weights[:, None])
-    with torch.no_grad():
-        stats = {
-            "clipfrac": masked_mean((losses_clipped > losses).float(), weight),
-            "approxkl": 0.5 * masked_mean(log_ratio**2, weight),
-        }
+    with torch.no_grad():  # under the names they are logged with, as are ppo_update's
+        stats = {"policy/clipfrac_avg": masked_mean((losses_clipped > losses).float(), weight),
+                 "policy/approxkl_avg": 0.5 * masked_mean(log_ratio**2, weight)}
         if entropy is not None:
-            stats["entropy"] = masked_mean(entropy, response_mask)
+            stats["policy/entropy_avg"] = masked_mean(entropy, response_mask)
     return per_action * weight if per_token else per_action, stats
 
 
@@ -987,8 +976,8 @@ def ppo_update(
     """num_ppo_epochs x shuffled minibatches (one optimizer step each) x micro-batches (gradient accumulation), as
     minibatch_plan cuts them. Advantages come from the scores (k*B,) by compute_advantages, before the first step;
     or on-policy (rollout.logprobs None) per micro-batch from its own forward, whose detached log-probs are the
-    ratio's denominator. Leaves rollout.logprobs, advantages and rlhf_reward for the metrics; returns the stats
-    averaged over micro-steps (the loss: over minibatches)."""
+    ratio's denominator. Leaves rollout.logprobs, advantages and rlhf_reward for the metrics; returns its own
+    (policy/*, loss/policy_avg, val/ratio*), averaged over micro-steps (the loss: over minibatches)."""
     stats: dict[str, list[torch.Tensor]] = {}
     ratios, grad_norms = [], []
     device, k = scores.device, rollout.k
@@ -1029,15 +1018,15 @@ def ppo_update(
                 grad_norm = grad_norm.full_tensor()
             # never step on a non-finite gradient; every rank agrees before any of them steps
             plumbing.check_finite({"loss": torch.stack(losses), "gradient norm": grad_norm}, device)
-            stats.setdefault("loss", []).append(torch.stack(losses).sum())  # the minibatch's loss
+            stats.setdefault("loss/policy_avg", []).append(torch.stack(losses).sum())  # the minibatch's loss
             grad_norms.append(grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     ratios = torch.cat(ratios)  # (num_ppo_epochs * k*B,) sequence-level ratios, whatever the loss's level
     out = {key: torch.stack(values).mean().item() for key, values in stats.items()}
-    out["ratio"] = ratios.mean().item()
-    out["ratio_var"] = ratios.var().item() if ratios.numel() > 1 else 0.0
-    out["grad_norm"] = torch.stack(grad_norms).mean().item()
+    out["val/ratio"] = ratios.mean().item()
+    out["val/ratio_var"] = ratios.var().item() if ratios.numel() > 1 else 0.0
+    out["policy/grad_norm"] = torch.stack(grad_norms).mean().item()
     return out
 
 
@@ -1234,13 +1223,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                 "objective/rlhf_reward": rollout.rlhf_reward.mean().item(),
                 "objective/scores": scores.mean().item(),
                 "objective/raw_scores": raw_scores.mean().item(),
-                "policy/approxkl_avg": train_stats["approxkl"],
-                "policy/clipfrac_avg": train_stats["clipfrac"],
-                "policy/entropy_avg": train_stats["entropy"],
-                "policy/grad_norm": train_stats["grad_norm"],
-                "loss/policy_avg": train_stats["loss"],
-                "val/ratio": train_stats["ratio"],
-                "val/ratio_var": train_stats["ratio_var"],
+                **train_stats,  # policy/*, loss/policy_avg, val/ratio*
                 **plumbing.completion_metrics(rollout.response_mask, has_stop, scores, args.rloo_k),
                 **({} if rollout.sampler_logprobs is None else
                    plumbing.mismatch_metrics(rollout, args, importance_weights)),

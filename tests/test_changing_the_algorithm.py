@@ -117,7 +117,8 @@ def test_dapo_token_mean_divides_by_tokens_whatever_the_micro_batches(tmp_path):
     (_, stock), (policy, token_mean) = (train(module, 2, reward_model_score, **flags) for module in (rloo, dapo))
     rollout = stock[0][0]  # the first update's, from the same start
     tokens, completions = rollout.response_mask.sum().item(), len(rollout.responses)
-    assert token_mean[0][1]["loss"] == pytest.approx(stock[0][1]["loss"] * completions / tokens, rel=1e-4)
+    assert token_mean[0][1]["loss/policy_avg"] == pytest.approx(
+        stock[0][1]["loss/policy_avg"] * completions / tokens, rel=1e-4)
     assert tokens != completions
     flags.update(per_device_train_batch_size=2 * K, gradient_accumulation_steps=PROMPTS // 2)
     halves, _ = train(dapo, 2, reward_model_score, **flags)  # the same minibatches in micro-batches twice as large

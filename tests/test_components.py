@@ -274,7 +274,7 @@ def test_one_update_with_positive_advantage_raises_that_completions_logprob():
         new, _ = rloo.forward_logprobs(policy, c, 1.0, share_prompt=True)
     new_total = (new * c.response_mask).sum(1)
     assert new_total[0] > old.sum(1)[0] + 1e-3
-    assert stats["ratio"] == pytest.approx(1.0) and stats["clipfrac"] == 0.0  # one epoch: on-policy
+    assert stats["val/ratio"] == pytest.approx(1.0) and stats["policy/clipfrac_avg"] == 0.0  # one epoch: on-policy
 
 
 # ---------------------------------------------------------------- data

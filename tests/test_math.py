@@ -139,8 +139,8 @@ def test_sequence_level_loss_on_hand_computed_numbers():
     r0, r1 = math.exp(0.3), math.exp(-0.5)  # sequence ratios: exp of summed log-ratios over valid tokens
     # sample 0: A>0, ratio 1.35 > 1.2 -> clipped to 1.2; sample 1: A<0, ratio 0.61 < 0.8 -> clipped to 0.8
     assert losses.tolist() == pytest.approx([max(-1.0 * r0, -1.0 * 1.2), max(2.0 * r1, 2.0 * 0.8)])
-    assert stats["clipfrac"].item() == pytest.approx(1.0)
-    assert stats["approxkl"].item() == pytest.approx(0.5 * (0.3**2 + 0.5**2) / 2)
+    assert stats["policy/clipfrac_avg"].item() == pytest.approx(1.0)
+    assert stats["policy/approxkl_avg"].item() == pytest.approx(0.5 * (0.3**2 + 0.5**2) / 2)
     ratios = rloo.sequence_log_ratio(new, old, mask).exp()
     assert ratios.tolist() == pytest.approx([r0, r1])
 
@@ -151,7 +151,7 @@ def test_unclipped_loss_is_reinforce_at_ratio_one():
     advantages = torch.tensor([1.0, -1.0, 0.5, 2.0])
     losses, stats = rloo.policy_loss(logprobs, logprobs.detach(), advantages, mask, cliprange=0.2, per_token=False)
     losses.mean().backward()
-    assert stats["clipfrac"].item() == 0 and stats["approxkl"].item() == 0
+    assert stats["policy/clipfrac_avg"].item() == 0 and stats["policy/approxkl_avg"].item() == 0
     # d loss / d logprob_t = -A / N for every token: the REINFORCE gradient with the leave-one-out baseline
     torch.testing.assert_close(logprobs.grad, -advantages[:, None].expand(4, 3) / 4)
 
@@ -184,7 +184,7 @@ def test_token_level_loss_uses_per_token_ratios():
     advantages = torch.tensor([[1.0, 1.0]])
     losses, stats = rloo.policy_loss(new, old, advantages, mask, cliprange=0.2, per_token=True)
     assert losses.tolist() == [pytest.approx([-1.2, -1.0])]
-    assert stats["clipfrac"].item() == pytest.approx(0.5)
+    assert stats["policy/clipfrac_avg"].item() == pytest.approx(0.5)
     # each completion's advantage on its tokens, the level said, not read from the advantages' shape
     same, _ = rloo.policy_loss(new, old, torch.tensor([1.0]), mask, cliprange=0.2, per_token=True)
     assert torch.equal(same, losses)

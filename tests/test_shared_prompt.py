@@ -180,7 +180,7 @@ def test_a_whole_update_equals_unshared(k):
     for name, value in unshared.items():
         if name != "stats":
             torch.testing.assert_close(shared[name], value, atol=1e-6, rtol=1e-5, msg=name)
-    assert shared["stats"]["ratio"] != 1.0  # the second epoch is off-policy
+    assert shared["stats"]["val/ratio"] != 1.0  # the second epoch is off-policy
 
 
 def test_on_policy_the_update_computes_the_sampling_logprobs_itself():
@@ -194,7 +194,7 @@ def test_on_policy_the_update_computes_the_sampling_logprobs_itself():
     for name, value in separate.items():
         if name != "stats":
             torch.testing.assert_close(in_update[name], value, atol=1e-6, rtol=1e-5, msg=name)
-    assert in_update["stats"]["ratio"] == 1.0 and in_update["stats"]["clipfrac"] == 0.0
+    assert in_update["stats"]["val/ratio"] == 1.0 and in_update["stats"]["policy/clipfrac_avg"] == 0.0
 
 
 def test_chunks_of_whole_groups_pad_to_their_own_lengths():
