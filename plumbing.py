@@ -937,6 +937,14 @@ def accepts_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(module.forward).parameters
 
 
+def logits_at(model, positions: torch.Tensor, **inputs) -> torch.Tensor:
+    """(rows, len(positions), V): the logits of those positions only, by one forward pass. The LM head's output is
+    the largest activation of a forward pass (V ~ 50k columns per position) and a prompt's positions need none."""
+    if accepts_logits_to_keep(model):
+        return model(**inputs, logits_to_keep=positions, use_cache=False).logits
+    return model(**inputs, use_cache=False).logits[:, positions]  # a model without the argument computes them all
+
+
 def attention_implementation(model) -> Optional[str]:
     """transformers' name of the model's attention ("sdpa", "eager", "flash_attention_2", ...); None if unknown."""
     module = unwrapped(model)

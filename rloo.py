@@ -485,26 +485,19 @@ def unshared_inputs(c: Completions, pad_id: int = 0) -> dict:
             "position_ids": position_ids_from_mask(attention_mask)}
 
 
-def logits_at(model, positions: torch.Tensor, **inputs) -> torch.Tensor:
-    """(rows, len(positions), V): the logits of those positions only, by one forward pass. The LM head's output is
-    the largest activation of a forward pass (V ~ 50k columns per position) and a prompt's positions need none."""
-    if plumbing.accepts_logits_to_keep(model):
-        return model(**inputs, logits_to_keep=positions, use_cache=False).logits
-    return model(**inputs, use_cache=False).logits[:, positions]  # a model without the argument computes them all
-
-
 def forward_logprobs(
     model, c: Completions, temperature: float, share_prompt: bool, with_entropy: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (k*g, Tr) of the response tokens under logits / temperature and, if asked, the entropy (k*g, Tr) of
     each token's distribution (differentiable, as an entropy bonus needs: policy/entropy_avg, not objective/entropy,
-    which sums the sampled tokens' -log-probs). Padding positions hold values that must be masked."""
+    which sums the sampled tokens' -log-probs). Logits are computed only where a response token is predicted
+    (plumbing.logits_at); padding positions hold values that must be masked."""
     if not share_prompt:  # position Tq - 1 + t predicts response token t
         positions = c.queries.shape[1] - 1 + torch.arange(c.responses.shape[1], device=c.responses.device)  # (Tr,)
-        logits = logits_at(model, positions, **unshared_inputs(c))  # (k*g, Tr, V)
+        logits = plumbing.logits_at(model, positions, **unshared_inputs(c))  # (k*g, Tr, V)
         return plumbing.SelectiveLogSoftmax.apply(logits, c.responses, temperature, with_entropy)
     rows = grouped_rows_for(model, c)
-    logits = logits_at(model, rows.predictors, **rows.model_inputs())  # (g, P, V)
+    logits = plumbing.logits_at(model, rows.predictors, **rows.model_inputs())  # (g, P, V)
     # in the logits' own layout, so that only the (g, P) results are rearranged, never the (.., V) logits
     logprobs, entropy = plumbing.SelectiveLogSoftmax.apply(logits, rows.targets, temperature,
                                                            with_entropy)  # (g, P) each
