@@ -280,7 +280,8 @@ def generate(
     (k, g) layout, row j*g + i continuing query i; top_k=0, top_p=1 (temperature 0: greedy). Each query is prefilled
     once, its cache copied to its k rows: preallocated (a `decoder`'s: its compiled step), or for state-space and
     recurrent layers the prefill's own. A row is padded after its stop token. `logprobs_out` (k*g, max_new_tokens),
-    if given, receives the sampler's log-prob of each drawn token, log_softmax(logits / temperature) as the trainer's."""
+    if given, receives the sampler's log-prob of each drawn token: log_softmax(logits / temperature), as the
+    trainer computes it."""
     from transformers import DynamicCache
 
     g, width = queries.shape
