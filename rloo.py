@@ -538,6 +538,12 @@ def chunks_by_prompt_length(query_mask: torch.Tensor, prompts_per_chunk: int) ->
     return list(order.split(max(1, prompts_per_chunk)))
 
 
+def put_rows(into: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """into[rows] = values: a chunk's or micro-batch's (n,) values, or (n, w) cut to its own width w, back in a
+    (k*B,) or (k*B, Tr) tensor."""
+    into[(rows, slice(values.shape[1])) if values.dim() == 2 else rows] = values
+
+
 def in_chunks(c: Completions, completions_per_chunk: int, compute: Callable, width: Optional[int] = None):
     """compute(chunk) for length-sorted chunks of whole prompt groups (about completions_per_chunk completions
     each), put back in c's (k*B,) row order: (k*B,) results, or (k*B, width) padded with zeros when each chunk's
@@ -547,11 +553,7 @@ def in_chunks(c: Completions, completions_per_chunk: int, compute: Callable, wid
         values = compute(c.of_prompts(prompts))  # (k*g,) or (k*g, w)
         if out is None:
             out = values.new_zeros((c.responses.shape[0],) + ((width,) if width is not None else ()))
-        rows = completion_rows(prompts, c.queries.shape[0], c.k)
-        if width is None:
-            out[rows] = values
-        else:
-            out[rows, : values.shape[1]] = values
+        put_rows(out, completion_rows(prompts, c.queries.shape[0], c.k), values)
     return out
 
 
@@ -589,11 +591,8 @@ class LocalRollouts:
 
     def __init__(self, policy, args: Args, stop_token_id: Optional[int], pad_token_id: int,
                  generator: torch.Generator, autocast):
-        self.args = args
-        self.stop_token_id = stop_token_id
-        self.pad_token_id = pad_token_id
-        self.generator = generator
-        self.queued = []
+        self.args, self.stop_token_id, self.pad_token_id, self.generator = args, stop_token_id, pad_token_id, generator
+        self.queued = []  # (B, Tq) queries and mask, oldest first
         # the module that samples: the policy under autocast, or a bf16 copy of it
         self.sampler = plumbing.bf16_copy(policy) if args.bf16_generation else policy
         self.autocast = contextlib.nullcontext if args.bf16_generation else autocast
@@ -947,12 +946,6 @@ def is_weights_of(batch: Rollout, args: Args) -> Optional[torch.Tensor]:
                                    "rollout source does not return: drop the flag")
     return importance_weights(batch.logprobs, batch.sampler_logprobs, batch.response_mask,
                               args.vllm_importance_sampling_mode, args.vllm_importance_sampling_cap)
-
-
-def put_rows(into: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
-    """into[rows] = values: a micro-batch's (n,) values, or (n, w) cut to its own width w, back in the rollout's
-    (k*B,) or (k*B, Tr) tensor."""
-    into[(rows, slice(values.shape[1])) if values.dim() == 2 else rows] = values
 
 
 def gradient_sync(model, enabled: bool):
