@@ -459,9 +459,22 @@ def global_mean_std(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> tup
     return mean, var.clamp(min=0).sqrt()
 
 
-
 # ===================================================================== data files, with one-line diagnostics
 PROMPT_IDS = "prompt_input_ids"  # the tokenized prompt column this script adds to the dataset
+
+
+def pad_sequences(
+    sequences: list[list[int]], pad_id: int, device: torch.device, side: Literal["left", "right"] = "left"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad token lists into (ids, mask), both (N, T_max). Queries are left-padded: generation continues from
+    the right edge."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for i, s in enumerate(sequences):
+        span = slice(width - len(s), width) if side == "left" else slice(0, len(s))
+        ids[i, span], mask[i, span] = torch.tensor(s, dtype=torch.long), True
+    return ids.to(device), mask.to(device)
 
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -996,15 +1009,13 @@ def sharing_probe(prompt_ids: list[int], max_prompt_length: int, response_length
     def draw(n: int) -> torch.Tensor:
         return pool[torch.randint(len(pool), (n,), generator=generator)]
 
-    queries = torch.zeros(2, max_prompt_length, dtype=torch.long)  # (2, Tq), left-padded with 0
-    query_mask = torch.zeros(2, max_prompt_length, dtype=torch.bool)  # (2, Tq)
-    for i, prompt in enumerate([draw(n) for n in (max_prompt_length, max(1, max_prompt_length // 3))]):
-        queries[i, -len(prompt):], query_mask[i, -len(prompt):] = prompt, True
+    queries, query_mask = pad_sequences([draw(n).tolist() for n in (max_prompt_length, max(1, max_prompt_length // 3))],
+                                        0, device)  # (2, Tq) each
     long, short = response_length, response_length // 2 + 1
     lengths = torch.tensor([long, short, short, long])  # (k*g,), k = g = 2: each group one of each
     response_mask = torch.arange(response_length) < lengths[:, None]  # (k*g, Tr)
     responses = draw(4 * response_length).view(4, response_length).masked_fill(~response_mask, 0)
-    return {"queries": queries.to(device), "query_mask": query_mask.to(device), "responses": responses.to(device),
+    return {"queries": queries, "query_mask": query_mask, "responses": responses.to(device),
             "response_mask": response_mask.to(device)}
 
 
@@ -1135,7 +1146,6 @@ def copy_weights(source, target) -> None:
     """target's parameters := source's, cast to target's dtype (the same module structure)."""
     for to, value in zip(target.parameters(), source.parameters(), strict=True):
         to.copy_(value)
-
 
 
 # ===================================================================== faults: rollout source, reward functions, NaN

@@ -170,20 +170,6 @@ def prompt_token_ids(rows: dict, tokenizer, prompt_column: str) -> list[list[int
     return [[t for t in ids if t != tokenizer.pad_token_id] for ids in rows["query_token"]]
 
 
-def pad_sequences(
-    sequences: list[list[int]], pad_id: int, device: torch.device, side: Literal["left", "right"] = "left"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad token lists into (ids, mask), both (N, T_max). Queries are left-padded: generation continues from
-    the right edge."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
-    for i, s in enumerate(sequences):
-        span = slice(width - len(s), width) if side == "left" else slice(0, len(s))
-        ids[i, span], mask[i, span] = torch.tensor(s, dtype=torch.long), True
-    return ids.to(device), mask.to(device)
-
-
 class PromptSampler:
     """Each rank's B prompt indices per update. The dataset is cycled, reshuffled every epoch; every rank
     computes the same permutation from (seed, epoch) and takes its own slice, so no communication is needed."""
@@ -702,7 +688,7 @@ def retokenize(texts: list[str], ended: list[bool], tokenizer,
     encoded = tokenizer(texts)["input_ids"]
     sequences = [ids + [tokenizer.eos_token_id] if e and tokenizer.eos_token_id is not None else ids
                  for ids, e in zip(encoded, ended)]
-    return pad_sequences(sequences, 0, device, side="right")  # pad id 0: reward_model_scores masks padding
+    return plumbing.pad_sequences(sequences, 0, device, side="right")  # pad id 0: reward_model_scores masks padding
 
 
 def combine_rewards(values: torch.Tensor, applies: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -1042,8 +1028,8 @@ def evaluate(
     with plumbing.reward_faults(dist_info.device, "evaluation", after_training=True):
         for start in range(0, len(indices), max(chunk, 1)):
             rows = eval_dataset[indices[start : start + chunk]]
-            queries, query_mask = pad_sequences(rows[plumbing.PROMPT_IDS], tokenizer.pad_token_id,
-                                                dist_info.device)  # (b, Tq)
+            queries, query_mask = plumbing.pad_sequences(rows[plumbing.PROMPT_IDS], tokenizer.pad_token_id,
+                                                         dist_info.device)  # (b, Tq)
             with autocast():
                 completions = sample_completions(policy, queries, query_mask, args.response_length, EVAL_TEMPERATURE,
                                                  stop_token_id, tokenizer.pad_token_id)  # (b, Tq + Tr)
@@ -1161,8 +1147,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
             with plumbing.gathered_for_rollout(policy, args.fsdp_generation):
                 while len(queued) <= min(rollouts.lookahead, num_updates - update):
                     sampler_state, rows = sampler.state_dict(), dataset[sampler.next_indices()]
-                    queries, query_mask = pad_sequences(rows[plumbing.PROMPT_IDS], tokenizer.pad_token_id,
-                                                        device)  # (B, Tq)
+                    queries, query_mask = plumbing.pad_sequences(rows[plumbing.PROMPT_IDS],
+                                                                 tokenizer.pad_token_id, device)  # (B, Tq)
                     rollouts.submit(queries, query_mask)  # k completions each, returned in the (k, B) layout
                     queued.append(PromptBatch(rows, queries, query_mask, sampler_state))
                 try:

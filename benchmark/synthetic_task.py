@@ -269,11 +269,12 @@ def sample_completions(
     seed: int = 0,
 ) -> list[str]:
     """One completion per prompt, sampled exactly as rloo.py samples; the text before `<eos>`."""
-    import rloo  # here, not at the top: rloo.py imports this module for --reward_fn as its __main__
+    import plumbing  # here, not at the top: rloo.py imports this module for --reward_fn as its __main__
+    import rloo
 
     torch.manual_seed(seed)
-    queries, query_mask = rloo.pad_sequences([tokenizer(p)["input_ids"] for p in prompts], tokenizer.pad_token_id,
-                                        torch.device("cpu"))  # (B, P) each
+    queries, query_mask = plumbing.pad_sequences([tokenizer(p)["input_ids"] for p in prompts], tokenizer.pad_token_id,
+                                                 torch.device("cpu"))  # (B, P) each
     sampled = rloo.sample_completions(model, queries, query_mask, max_new_tokens, temperature,
                                       tokenizer.eos_token_id, tokenizer.pad_token_id)
     return [tokenizer.decode(r[m], skip_special_tokens=True) for r, m in zip(sampled.responses, sampled.response_mask)]

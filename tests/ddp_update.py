@@ -20,8 +20,8 @@ def main(out_path: str, wrapper: str) -> None:
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer), seed=0)
     torch.manual_seed(123)  # the same global batch on every rank
-    queries, query_mask = rloo.pad_sequences([tokenizer(p)["input_ids"] for p in ["a b :", "c d e :", "f :", "g h :"]],
-                                             tokenizer.pad_token_id, torch.device("cpu"))  # (4, Tq)
+    prompts = [tokenizer(p)["input_ids"] for p in ["a b :", "c d e :", "f :", "g h :"]]
+    queries, query_mask = plumbing.pad_sequences(prompts, tokenizer.pad_token_id, torch.device("cpu"))  # (4, Tq)
     c = rloo.sample_completions(policy, queries, query_mask, 5, 1.0, tokenizer.eos_token_id, tokenizer.pad_token_id,
                                 k=K)  # (k*B, Tr) responses
     with torch.no_grad():

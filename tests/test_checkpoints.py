@@ -251,7 +251,7 @@ def test_nonfinite_on_one_rank_stops_every_rank(assets, tmp_path):
 def test_no_optimizer_step_on_a_nonfinite_loss():
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer))
-    queries, mask = rloo.pad_sequences([tokenizer("a b :")["input_ids"]] * 2, 0, torch.device("cpu"))
+    queries, mask = plumbing.pad_sequences([tokenizer("a b :")["input_ids"]] * 2, 0, torch.device("cpu"))
     c = rloo.sample_completions(policy, queries, mask, 4, 1.0, 1, 0, k=2)  # 4 completions
     rollout = rloo.Rollout(c.queries, c.query_mask, c.responses, c.response_mask, torch.zeros(4, 4), None)
     args = rloo.Args(rloo_k=2, per_device_train_batch_size=4, num_ppo_epochs=1, temperature=1.0)

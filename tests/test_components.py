@@ -19,7 +19,8 @@ def NO_AUTOCAST():
 
 
 def left_padded(tokenizer, texts):
-    return rloo.pad_sequences([tokenizer(t)["input_ids"] for t in texts], tokenizer.pad_token_id, torch.device("cpu"))
+    return plumbing.pad_sequences([tokenizer(t)["input_ids"] for t in texts], tokenizer.pad_token_id,
+                                  torch.device("cpu"))
 
 
 # ---------------------------------------------------------------- generation

@@ -93,8 +93,8 @@ def test_the_weights_multiply_each_actions_clipped_loss():
 
 def sample_and_recompute(sampler, policy, args, sampler_autocast, trainer_autocast) -> rloo.Rollout:
     tokenizer = policy_tokenizer()
-    queries, mask = rloo.pad_sequences([tokenizer(t)["input_ids"] for t in ("a b c :", "d :", "e f :")],
-                                       tokenizer.pad_token_id, CPU)  # (3, 4)
+    queries, mask = plumbing.pad_sequences([tokenizer(t)["input_ids"] for t in ("a b c :", "d :", "e f :")],
+                                           tokenizer.pad_token_id, CPU)  # (3, 4)
     c = rloo.sample_in_chunks(sampler, queries, mask, args.rloo_k, args, tokenizer.eos_token_id,
                               tokenizer.pad_token_id, torch.Generator().manual_seed(0), sampler_autocast)
     return rloo.collect_rollout(policy, None, c, args, False, False, trainer_autocast, plumbing.PhaseTimer(CPU))

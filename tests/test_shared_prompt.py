@@ -31,7 +31,7 @@ def eos_prone_policy(seed: int = 0, attention: str = "sdpa"):
 
 def sampled(k: int, attention: str = "sdpa", seed: int = 0) -> tuple[torch.nn.Module, rloo.Completions]:
     tokenizer, policy = eos_prone_policy(attention=attention)
-    queries, query_mask = rloo.pad_sequences([tokenizer(p)["input_ids"] for p in PROMPTS], 0, torch.device("cpu"))
+    queries, query_mask = plumbing.pad_sequences([tokenizer(p)["input_ids"] for p in PROMPTS], 0, torch.device("cpu"))
     c = rloo.sample_completions(policy, queries, query_mask, 6, 1.0, 1, 0, torch.Generator().manual_seed(seed), k=k)
     assert len(set(c.response_mask.sum(1).tolist())) > 1  # responses of several lengths
     return policy, c
@@ -59,7 +59,7 @@ def shares(model, requested, probe, notes, reward_model=False) -> bool:
 @pytest.mark.parametrize("k", [2, 4])
 def test_sampling_prefills_each_prompt_once_and_draws_the_same_tokens(k):
     tokenizer, policy = eos_prone_policy()
-    queries, query_mask = rloo.pad_sequences([tokenizer(p)["input_ids"] for p in PROMPTS], 0, torch.device("cpu"))
+    queries, query_mask = plumbing.pad_sequences([tokenizer(p)["input_ids"] for p in PROMPTS], 0, torch.device("cpu"))
     for temperature in (0.0, 1.0):
         shared = rloo.generate(policy, queries, query_mask, 6, temperature, 1, 0, torch.Generator().manual_seed(5),
                                k=k)  # (k*B, Tr)
@@ -262,7 +262,7 @@ def greedy_without_cache(model, queries: torch.Tensor, query_mask: torch.Tensor,
 def test_every_architecture_shares_exactly_or_says_it_does_not(family):
     tokenizer, k = policy_tokenizer(), 3
     policy, fallback = tiny(family), ARCHITECTURES[family][1]
-    queries, query_mask = rloo.pad_sequences([tokenizer(p)["input_ids"] for p in PROMPTS], 0, torch.device("cpu"))
+    queries, query_mask = plumbing.pad_sequences([tokenizer(p)["input_ids"] for p in PROMPTS], 0, torch.device("cpu"))
     # sampling: one prefill per prompt draws what k prefills draw, and greedy decoding what no cache at all gives
     for temperature in (0.0, 1.0):
         shared = rloo.generate(policy, queries, query_mask, 6, temperature, None, 0, torch.Generator().manual_seed(5),

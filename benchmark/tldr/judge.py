@@ -305,7 +305,8 @@ def transformers_summaries(args: Args, tokenizer, prompts: list[str]) -> list[st
     summaries = [""] * len(prompts)
     for start in track(range(0, len(order), args.batch_size), description="generating"):
         batch = order[start : start + args.batch_size]
-        queries, query_mask = rloo.pad_sequences([ids[i] for i in batch], tokenizer.pad_token_id, device)  # (B, Tq) each
+        queries, query_mask = plumbing.pad_sequences([ids[i] for i in batch], tokenizer.pad_token_id,
+                                                     device)  # (B, Tq) each
         completions = rloo.sample_completions(policy, queries, query_mask, args.response_length, args.temperature,
                                               tokenizer.eos_token_id, tokenizer.pad_token_id)
         for i, response, mask in zip(batch, completions.responses, completions.response_mask):  # (Tr,) each
