@@ -128,7 +128,7 @@ class RunArgs(InputArgs):
         "local_rollout_forward_batch_size", "gradient_checkpointing", "total_episodes", "num_train_epochs",
         "save_steps", "save_total_limit", "resume", "resume_from", "overwrite_output_dir", "ddp_timeout",
         "fsdp_generation", "compile_generation", "share_prompt", "bf16_generation", "reward_fn_timeout",
-        "merge_lora"})
+        "merge_lora", "logging_steps", "save_strategy"})
 
     # ----- experiment -----
     exp_name: str = "rloo"
@@ -190,6 +190,10 @@ class RunArgs(InputArgs):
     e.g. q_proj and v_proj for Llama, query_key_value for GPT-NeoX)"""
     lora_modules_to_save: Optional[tuple[str, ...]] = None
     """modules trained in full beside the adapters and saved with them (e.g. lm_head)"""
+    use_rslora: bool = False
+    """rank-stabilized LoRA: the adapters' update is scaled by lora_alpha / sqrt(lora_r) (peft's use_rslora)"""
+    use_dora: bool = False
+    """weight-decomposed LoRA (DoRA, peft's use_dora): a trained magnitude per output beside the adapters"""
     merge_lora: bool = False
     """with --use_peft: also write the base with the adapters merged in, in transformers' format (fp32), to
     output_dir/merged at the end"""
@@ -197,6 +201,8 @@ class RunArgs(InputArgs):
     # ----- samples and evaluation -----
     num_sample_generations: int = 10
     """times per run a table of query / response / score is printed (and logged to wandb)"""
+    logging_steps: int = 1
+    """the console line every this many updates (metrics.jsonl and wandb get every update's metrics)"""
     num_evals: int = 4
     """evaluations on --dataset_test_split spread over the run, plus one at the end"""
     eval_max_prompts: int = 256
@@ -206,6 +212,8 @@ class RunArgs(InputArgs):
     save_steps: int = 0
     """write a resumable checkpoint to output_dir/checkpoints/step_<update> every this many updates
     (0: only at the end, or when a signal stops the run)"""
+    save_strategy: Literal["steps", "no"] = "steps"
+    """steps: a checkpoint every --save_steps updates; no: none but the last one (as TRL's `no`, with --save_steps 0)"""
     save_total_limit: Optional[int] = None
     """keep only the newest this many checkpoints (at least 1; the newest is never deleted); None keeps all"""
     resume: bool = False
@@ -223,35 +231,26 @@ class RunArgs(InputArgs):
     """seconds a reward function's call may take, then the run stops as if it raised; < --ddp_timeout; None: half"""
 
 
-def number_rules(args) -> list[tuple[str, object, bool, str]]:
-    """(flag, value, whether it is allowed, what it must be) for every number a typo or a NaN makes meaningless
-    without any error later: sampling at temperature inf, a clip range of 0, a negative learning rate, a KL
-    coefficient that float32 makes inf."""
-    def finite(x) -> bool:
-        return x is not None and abs(x) <= FLOAT32_MAX  # nan too
+def is_finite_number(x) -> bool:
+    """A number float32 holds as a finite value (not None, nan or inf)."""
+    return x is not None and abs(x) <= FLOAT32_MAX  # nan too
 
+
+def number_rules(args) -> list[tuple[str, object, bool, str]]:
+    """(flag, value, whether it is allowed, what it must be) for every number of the run's flags (RunArgs, InputArgs)
+    a typo or a NaN makes meaningless without any error later; the algorithm's are rloo.algorithm_rules."""
+    finite = is_finite_number
     a = args
     return [
-        ("temperature", a.temperature, finite(a.temperature) and a.temperature > 0, "a finite number > 0"),
-        ("cliprange", a.cliprange, finite(a.cliprange) and a.cliprange > 0, "a finite number > 0"),
-        ("vllm_importance_sampling_cap", a.vllm_importance_sampling_cap,
-         finite(a.vllm_importance_sampling_cap) and a.vllm_importance_sampling_cap > 0, "a finite number > 0"),
-        ("learning_rate", a.learning_rate, finite(a.learning_rate) and a.learning_rate >= 0, "a finite number >= 0"),
-        ("adam_epsilon", a.adam_epsilon, finite(a.adam_epsilon) and a.adam_epsilon > 0, "a finite number > 0"),
-        ("kl_coef", a.kl_coef, finite(a.kl_coef) and a.kl_coef >= 0, "a finite number >= 0"),
-        ("max_grad_norm", a.max_grad_norm, not math.isnan(a.max_grad_norm), "a number (<= 0: no clipping)"),
-        ("reward_clip_range", a.reward_clip_range, finite(a.reward_clip_range) and a.reward_clip_range > 0,
-         "a finite number > 0"),
-        ("missing_eos_penalty", a.missing_eos_penalty, a.missing_eos_penalty is None or finite(a.missing_eos_penalty),
-         "a finite number or None"),
         ("reward_weights", a.reward_weights, all(finite(w) for w in a.reward_weights or ()), "finite numbers"),
-        ("num_train_epochs", a.num_train_epochs, finite(a.num_train_epochs) and a.num_train_epochs > 0,
-         "a finite number > 0"),
         ("seed", a.seed, 0 <= a.seed < 2**31, "between 0 and 2**31 - 1 (numpy's seeds are unsigned)"),
-        ("stop_token_id", a.stop_token_id, a.stop_token_id is None or a.stop_token_id >= 0, "a token id >= 0 or None"),
+        ("max_prompt_length", a.max_prompt_length, a.max_prompt_length >= 1, "at least 1"),
+        ("local_rollout_forward_batch_size", a.local_rollout_forward_batch_size,
+         a.local_rollout_forward_batch_size >= 0, ">= 0 (0: sized to the free memory)"),
         ("num_sample_generations", a.num_sample_generations, a.num_sample_generations >= 0, ">= 0 (0: none)"),
         ("num_evals", a.num_evals, a.num_evals >= 0, ">= 0 (0: only at the end)"),
         ("eval_max_prompts", a.eval_max_prompts, a.eval_max_prompts >= 1, "at least 1"),
+        ("logging_steps", a.logging_steps, a.logging_steps >= 1, "at least 1"),
         ("save_steps", a.save_steps, a.save_steps >= 0, ">= 0 (0: only at the end and on a signal)"),
         ("save_total_limit", a.save_total_limit, a.save_total_limit is None or a.save_total_limit >= 1,
          "at least 1, or None to keep every checkpoint"),
@@ -277,28 +276,20 @@ def validate_args(args) -> None:
     for name, value, allowed, requirement in number_rules(args):
         if not allowed:
             raise ConfigError(f"{name} = {value!r} must be {requirement}")
+    args.check_algorithm()  # the algorithm's own flags: rloo.algorithm_checks, beside its Args
     if args.overwrite_output_dir and args.resume:
         raise ConfigError("--overwrite_output_dir starts over, --resume continues: pass one of them")
-    if args.response_length < 1 or args.max_prompt_length < 1 or args.local_rollout_forward_batch_size < 0:
-        raise ConfigError("response_length and max_prompt_length must be >= 1, local_rollout_forward_batch_size "
-                          ">= 0 (0: sized to the free memory)")
-    if args.missing_eos_penalty is not None and args.stop_token is None and args.stop_token_id is None:
-        raise ConfigError("--missing_eos_penalty needs a stop token: pass --stop_token eos or --stop_token_id ID")
+    if args.save_strategy == "no" and args.save_steps:
+        raise ConfigError(f"--save_strategy no but --save_steps {args.save_steps}: drop one of them")
     if args.compile_generation and args.fsdp:
         raise ConfigError("--compile_generation cannot trace FSDP's gathers of a sharded policy yet: drop one of "
                           "--compile_generation and --fsdp")
     if args.bf16_generation and (not args.bf16 or args.fsdp):
         raise ConfigError("--bf16_generation samples from a bf16 copy of a replicated policy: it needs --bf16, and not "
                           "--fsdp (whose gathered weights are bf16 already with --bf16)")
-    if args.vllm_importance_sampling_mode.startswith("token") and not args.token_level_kl:
-        raise ConfigError(f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} weights tokens, but "
-                          "the sequence-level loss has one action per completion: add --token_level_kl or pass a "
-                          "sequence_ mode")
     if args.offload and not args.fsdp:
         raise ConfigError("--offload works through FSDP2's CPU offload: add --fsdp (under torchrun; "
                           "--nproc_per_node 1 for one GPU)")
-    if args.total_episodes is not None and args.total_episodes < 1:
-        raise ConfigError(f"total_episodes = {args.total_episodes} must be >= 1")
     # ----- LoRA (--use_peft) -----
     if args.use_peft:
         if args.fsdp:
@@ -309,6 +300,9 @@ def validate_args(args) -> None:
                               f"{args.lora_dropout}: the rank must be >= 1, alpha > 0 and dropout in [0, 1)")
     elif args.merge_lora:
         raise ConfigError("--merge_lora merges LoRA adapters into the base: add --use_peft")
+    elif args.use_rslora or args.use_dora:
+        raise ConfigError(f"--{'use_rslora' if args.use_rslora else 'use_dora'} is a kind of LoRA adapter: add "
+                          "--use_peft")
     if args.fsdp and "RANK" not in os.environ:
         raise ConfigError("--fsdp shards the policy over torchrun's processes: launch with torchrun")
 
@@ -816,6 +810,7 @@ def lora_config(args):
 
     targets = args.lora_target_modules
     return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, task_type="CAUSAL_LM",
+                      use_rslora=args.use_rslora, use_dora=args.use_dora,
                       target_modules=targets[0] if targets and len(targets) == 1 else targets and list(targets),
                       modules_to_save=args.lora_modules_to_save and list(args.lora_modules_to_save))
 
@@ -1450,10 +1445,12 @@ def rows_per_forward(args, model, phase: str, device: torch.device, rows: int, k
     return max(1, min(rows, int(0.9 * free_memory_bytes(device) // per_row)))
 
 
-def mismatch_metrics(rollout, args, importance_weights: Callable) -> dict[str, float]:
+def mismatch_metrics(rollout, args, importance_weights: Callable, cliprange: float,
+                     cliprange_high: float) -> dict[str, float]:
     """How far the sampler's log-probs of its tokens are from the trainer's (the PPO ratio's denominator), for one
     rank's (k*B, Tr) rollout: per valid token, and as the sequence ratio p_trainer / p_sampler (the importance
-    weight that --vllm_importance_sampling_correction truncates with rloo.importance_weights)."""
+    weight that --vllm_importance_sampling_correction truncates with rloo.importance_weights); mismatch/clipfrac: the
+    share outside the loss's clip band [1 - cliprange, 1 + cliprange_high]."""
     mask = rollout.response_mask
     diff = (rollout.logprobs - rollout.sampler_logprobs).double() * mask  # (k*B, Tr)
     ratio = diff.sum(1).exp()  # (k*B,)
@@ -1461,7 +1458,7 @@ def mismatch_metrics(rollout, args, importance_weights: Callable) -> dict[str, f
            "mismatch/logprob_diff_max": diff.abs().max().item(),
            "mismatch/ratio_mean": ratio.mean().item(),
            "mismatch/ratio_std": ratio.std().item() if ratio.numel() > 1 else 0.0,
-           "mismatch/clipfrac": ((ratio - 1).abs() > args.cliprange).double().mean().item()}
+           "mismatch/clipfrac": ((ratio < 1 - cliprange) | (ratio > 1 + cliprange_high)).double().mean().item()}
     if args.vllm_importance_sampling_correction:
         weights = importance_weights(rollout.logprobs.double(), rollout.sampler_logprobs.double(), mask,
                                      args.vllm_importance_sampling_mode, args.vllm_importance_sampling_cap)
@@ -1474,13 +1471,13 @@ def mismatch_metrics(rollout, args, importance_weights: Callable) -> dict[str, f
 
 
 # ===================================================================== logging: console, metrics.jsonl, wandb
-SUM_METRICS = ("val/num_eos_tokens",)
+SUM_METRICS = ("val/num_eos_tokens", "completions/masked_truncated")
 
 
-MIN_METRICS = ("completions/min_length",)
+MIN_METRICS = ("completions/min_length", "clip_ratio/low_min")
 
 
-MAX_METRICS = ("completions/max_length", "mismatch/logprob_diff_max")
+MAX_METRICS = ("completions/max_length", "mismatch/logprob_diff_max", "clip_ratio/high_max")
 
 
 MISMATCH_WARNING = 0.05  # mismatch/clipfrac above which the log says so, once a run
@@ -1514,13 +1511,15 @@ def reduce_metrics(metrics: dict[str, float], device: torch.device,
 
 
 def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, scores: torch.Tensor, k: int) -> dict:
-    """Length and spread statistics of one rank's (N, Tr) completions."""
+    """Length and spread statistics of one rank's (N, Tr) completions (TRL's names; a rank with no completion that
+    stopped has mean_terminated_length 0, as TRL logs it)."""
     lengths = response_mask.sum(1).float()  # (N,)
     per_prompt_std = scores.reshape(k, -1).std(0)  # (B,)
     return {
         "completions/mean_length": lengths.mean().item(),
         "completions/min_length": lengths.min().item(),
         "completions/max_length": lengths.max().item(),
+        "completions/mean_terminated_length": lengths[has_stop].mean().item() if has_stop.any() else 0.0,
         "completions/clipped_ratio": (~has_stop).float().mean().item(),
         "val/num_eos_tokens": has_stop.sum().item(),
         "reward_std": per_prompt_std.mean().item(),
@@ -1558,13 +1557,16 @@ class RunLogger:
                                  console=self.console, transient=True)
         self.task = self.progress.add_task("updates", total=num_updates, completed=start_update)
         self.progress.start()
-        self.num_updates = num_updates
+        self.num_updates, self.logging_steps = num_updates, args.logging_steps
         self.mismatch_warned = False
 
     def log(self, update: int, metrics: dict[str, float]) -> None:
         self.write_metrics({"update": update, **metrics})
         if self.wandb is not None:
             self.wandb.log(metrics, step=int(metrics["episode"]))
+        if update % self.logging_steps and update != self.num_updates:
+            self.progress.advance(self.task)
+            return
         parts = " ".join(f"{short} {metrics[key]:.0f}" if abs(metrics[key]) >= 100 else f"{short} {metrics[key]:.3g}"
                          for key, short in self.LINE_KEYS if key in metrics)
         phases = sorted(((v, k[5:]) for k, v in metrics.items() if k.startswith("time/") and k != "time/update"),
@@ -2403,12 +2405,16 @@ class Checkpointer:
             self.lock.release()
             raise
 
-    def load(self, model, optimizer, tokenizer, sampler, sampling_rng: torch.Generator) -> None:
+    def load(self, model, optimizer, tokenizer, sampler, sampling_rng: torch.Generator, reference=None) -> None:
         """A resumed run's optimizer, data position and sampling generator restored (the weights were loaded with
-        the model); what later saves write."""
+        the model), and a `reference` model's weights when given (one that changes during the run: TR-DPO's);
+        what later saves write."""
         self.model, self.optimizer, self.tokenizer, self.sampler, self.rng = (model, optimizer, tokenizer, sampler,
                                                                               sampling_rng)
+        self.reference = reference
         self.start_time = time.time()
+        if self.state and reference is not None:
+            reference.load_state_dict(self.state["reference"])
         if self.state:
             load_optimizer_state(model, optimizer, self.path, self.state)
             sampler.load_state_dict(self.state["sampler"])
@@ -2432,6 +2438,8 @@ class Checkpointer:
             "elapsed": time.time() - self.start_time, "world_size": self.dist_info.world_size,
             "args": asdict(self.args), "wandb_run_id": self.wandb_run_id, "initial_model": self.initial_model,
         }
+        if self.reference is not None:  # replicated: rank 0's copy is every rank's
+            trainer_state["reference"] = {name: t.detach().cpu() for name, t in self.reference.state_dict().items()}
         return save_checkpoint(self.args.output_dir, update, self.model, self.optimizer, self.tokenizer,
                                trainer_state, self.dist_info.rank, self.args.save_total_limit, self.rng, rng)
 

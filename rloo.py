@@ -80,7 +80,19 @@ class Args(plumbing.RunArgs):
     normalize_advantage: bool = False
     """whiten advantages over the global batch"""
     cliprange: float = 0.2
-    """PPO clip range of the sequence-level ratio"""
+    """PPO clip range of the sequence-level ratio: clipped to [1 - cliprange, 1 + cliprange] (TRL: epsilon)"""
+    epsilon_high: Optional[float] = None
+    """upper clip range (clip-higher, DAPO): the ratio is clipped to [1 - cliprange, 1 + epsilon_high]; None: cliprange"""
+    mask_truncated_completions: bool = False
+    """completions that never emit the stop token leave the loss (their loss terms are 0; the loss is still divided
+    by every completion, and their rewards stay in their groups' baselines, as in TRL)"""
+    sync_ref_model: bool = False
+    """TR-DPO: every ref_model_sync_steps optimizer steps the reference becomes
+    ref_model_mixup_alpha x policy + (1 - ref_model_mixup_alpha) x reference (its weights go into checkpoints)"""
+    ref_model_mixup_alpha: float = 0.6
+    """the policy's share of the reference after a --sync_ref_model mix"""
+    ref_model_sync_steps: int = 512
+    """optimizer steps (counted over the run) between two --sync_ref_model mixes"""
     vllm_importance_sampling_correction: bool = False
     """weight each completion's loss (each token's, in token modes) by its truncated importance ratio of the trainer's
     old log-probs to the sampler's: corrects the mismatch the mismatch/* metrics measure (TRL GRPO's flag)"""
@@ -104,6 +116,9 @@ class Args(plumbing.RunArgs):
     # ----- optimization -----
     total_episodes: Optional[int] = None
     """completions to train on, all ranks together; None is num_train_epochs x the number of prompts"""
+    max_steps: Optional[int] = None
+    """optimizer steps of the run (TRL's Trainer), a multiple of num_ppo_epochs x num_mini_batches (an update's);
+    replaces --total_episodes"""
     num_train_epochs: float = 1.0
     """used only when --total_episodes is None"""
     per_device_train_batch_size: int = 8
@@ -118,10 +133,92 @@ class Args(plumbing.RunArgs):
     """AdamW learning rate"""
     lr_scheduler_type: Literal["linear", "constant"] = "linear"
     """linear decay to 0 over the run, or constant"""
+    warmup_ratio: float = 0.0
+    """share of the updates over which the learning rate rises linearly from learning_rate / warmup updates to
+    learning_rate (then decays, or stays constant)"""
     adam_epsilon: float = 1e-8
     """AdamW epsilon"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this (<= 0: no clipping, the norm is still logged)"""
+
+    @property
+    def cliprange_high(self) -> float:
+        """the upper clip range the loss and the metrics use: --epsilon_high, or --cliprange"""
+        return self.cliprange if self.epsilon_high is None else self.epsilon_high
+
+    def check_algorithm(self) -> None:
+        """Called by plumbing.validate_args beside the run's checks: algorithm_checks."""
+        algorithm_checks(self)
+
+
+def algorithm_rules(a: Args) -> list[tuple[str, object, bool, str]]:
+    """(flag, value, whether it is allowed, what it must be) for every algorithm number a typo or a NaN makes
+    meaningless without any error later: sampling at temperature inf, a clip range of 0, a negative learning rate, a
+    KL coefficient that float32 makes inf. The run's numbers are in plumbing.number_rules."""
+    finite = plumbing.is_finite_number
+    return [
+        ("temperature", a.temperature, finite(a.temperature) and a.temperature > 0, "a finite number > 0"),
+        ("cliprange", a.cliprange, finite(a.cliprange) and a.cliprange > 0, "a finite number > 0"),
+        ("epsilon_high", a.epsilon_high, a.epsilon_high is None or (finite(a.epsilon_high) and a.epsilon_high > 0),
+         "a finite number > 0, or None (then --cliprange)"),
+        ("vllm_importance_sampling_cap", a.vllm_importance_sampling_cap,
+         finite(a.vllm_importance_sampling_cap) and a.vllm_importance_sampling_cap > 0, "a finite number > 0"),
+        ("learning_rate", a.learning_rate, finite(a.learning_rate) and a.learning_rate >= 0, "a finite number >= 0"),
+        ("adam_epsilon", a.adam_epsilon, finite(a.adam_epsilon) and a.adam_epsilon > 0, "a finite number > 0"),
+        ("kl_coef", a.kl_coef, finite(a.kl_coef) and a.kl_coef >= 0, "a finite number >= 0"),
+        ("max_grad_norm", a.max_grad_norm, not math.isnan(a.max_grad_norm), "a number (<= 0: no clipping)"),
+        ("reward_clip_range", a.reward_clip_range, finite(a.reward_clip_range) and a.reward_clip_range > 0,
+         "a finite number > 0"),
+        ("missing_eos_penalty", a.missing_eos_penalty, a.missing_eos_penalty is None or finite(a.missing_eos_penalty),
+         "a finite number or None"),
+        ("num_train_epochs", a.num_train_epochs, finite(a.num_train_epochs) and a.num_train_epochs > 0,
+         "a finite number > 0"),
+        ("total_episodes", a.total_episodes, a.total_episodes is None or a.total_episodes >= 1, ">= 1, or None"),
+        ("max_steps", a.max_steps, a.max_steps is None or a.max_steps >= 1, ">= 1, or None (then --total_episodes)"),
+        ("warmup_ratio", a.warmup_ratio, finite(a.warmup_ratio) and 0 <= a.warmup_ratio <= 1, "in [0, 1]"),
+        ("response_length", a.response_length, a.response_length >= 1, "at least 1"),
+        ("stop_token_id", a.stop_token_id, a.stop_token_id is None or a.stop_token_id >= 0, "a token id >= 0 or None"),
+        ("ref_model_mixup_alpha", a.ref_model_mixup_alpha,
+         finite(a.ref_model_mixup_alpha) and 0 <= a.ref_model_mixup_alpha <= 1, "in [0, 1]"),
+        ("ref_model_sync_steps", a.ref_model_sync_steps, a.ref_model_sync_steps >= 1, "at least 1"),
+    ]
+
+
+def algorithm_checks(args: Args) -> None:
+    """The algorithm's flags: each number within its rules (algorithm_rules), then the flags that clash."""
+    for name, value, allowed, requirement in algorithm_rules(args):
+        if not allowed:
+            raise plumbing.ConfigError(f"{name} = {value!r} must be {requirement}")
+    stops = args.stop_token is not None or args.stop_token_id is not None
+    if args.missing_eos_penalty is not None and not stops:
+        raise plumbing.ConfigError("--missing_eos_penalty needs a stop token: pass --stop_token eos or "
+                                   "--stop_token_id ID")
+    if args.mask_truncated_completions and not stops:
+        raise plumbing.ConfigError("--mask_truncated_completions drops completions without a stop token from the "
+                                   "loss, but none is set: pass --stop_token eos or --stop_token_id ID")
+    if args.vllm_importance_sampling_mode.startswith("token") and not args.token_level_kl:
+        raise plumbing.ConfigError(f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} weights "
+                                   "tokens, but the sequence-level loss has one action per completion: add "
+                                   "--token_level_kl or pass a sequence_ mode")
+    if args.max_steps is not None and args.total_episodes is not None:
+        raise plumbing.ConfigError(f"--max_steps {args.max_steps} and --total_episodes {args.total_episodes} both "
+                                   "set the run's length: pass one of them")
+    steps_per_update = args.num_ppo_epochs * args.num_mini_batches
+    if args.max_steps is not None and args.max_steps % steps_per_update:
+        raise plumbing.ConfigError(f"--max_steps {args.max_steps} is not a multiple of an update's optimizer steps "
+                                   f"(num_ppo_epochs {args.num_ppo_epochs} x num_mini_batches "
+                                   f"{args.num_mini_batches} = {steps_per_update}): pass a multiple")
+    if args.sync_ref_model:
+        if args.kl_coef == 0:
+            raise plumbing.ConfigError("--sync_ref_model mixes the policy into the reference, but with kl_coef 0 there "
+                                       "is no reference: drop --sync_ref_model or set --kl_coef")
+        if args.use_peft:
+            raise plumbing.ConfigError("--sync_ref_model with --use_peft: the reference is the policy's own base with "
+                                       "the adapters off (no second copy), and mixing the policy into it would change "
+                                       "the base the adapters train on; drop one of them")
+        if args.fsdp:
+            raise plumbing.ConfigError("--sync_ref_model with --fsdp is not supported: the policy is sharded and the "
+                                       "reference replicated, and the mix would gather every weight; drop one of them")
 
 
 # ===================================================================== batch arithmetic
@@ -502,6 +599,9 @@ class Rollout(Completions):
     # set by ppo_update (compute_advantages): what it trained on, for the metrics
     advantages: Optional[torch.Tensor] = field(default=None, kw_only=True)  # (k*B,), or (k*B, Tr) per token
     rlhf_reward: Optional[torch.Tensor] = field(default=None, kw_only=True)  # (k*B,) score - kl_coef * KL
+    non_score_reward: Optional[torch.Tensor] = field(default=None, kw_only=True)  # (k*B,) rlhf_reward - score
+    # (k*B,) bool: the completions whose loss counts (--mask_truncated_completions: those that stopped); None: all
+    in_loss: Optional[torch.Tensor] = field(default=None, kw_only=True)
 
 
 @torch.no_grad()
@@ -741,10 +841,10 @@ def score_completions(
         values.append(v)
         applies.append(a)
     values, applies = torch.stack(values), torch.stack(applies)  # (S, N) each
-    per_source = {
-        f"reward/{name}/mean": (v[a].mean().item() if a.any() else float("nan"))
-        for name, v, a in zip(sources.names, values, applies)
-    }
+    per_source = {}  # NaN where a source applied to no completion (to one: its std), as TRL's nanmean/nanstd
+    for name, v, a in zip(sources.names, values, applies):
+        per_source[f"reward/{name}/mean"] = v[a].mean().item() if a.any() else float("nan")
+        per_source[f"reward/{name}/std"] = v[a].std().item() if a.sum() > 1 else float("nan")
     return combine_rewards(values, applies, sources.weights).to(device), per_source
 
 
@@ -820,7 +920,9 @@ def kl_to_reference(rollout: Rollout) -> torch.Tensor:
 def compute_advantages(c: Rollout, scores: torch.Tensor, args: Args) -> None:
     """c.advantages and c.rlhf_reward from the scores (k*g,) of c's completions (a rollout's, or on-policy a
     micro-batch's whole prompt groups) and their KL. The estimator's one caller: it hands it groups shaped (k, g),
-    checks they come back so, and with --normalize_advantage whitens over every rank's batch."""
+    checks they come back so, and with --normalize_advantage whitens over every rank's batch. Sets
+    c.non_score_reward, the reward's part that is not the score (objective/non_score_reward), from what the estimator
+    returned: a change of where the KL goes keeps the metric true."""
     k, g = c.k, c.queries.shape[0]
     advantages, rlhf_reward = rloo_advantages(in_groups(scores, k), in_groups(kl_to_reference(c), k),
                                               in_groups(c.response_mask, k), args.kl_coef, args.token_level_kl)
@@ -831,6 +933,7 @@ def compute_advantages(c: Rollout, scores: torch.Tensor, args: Args) -> None:
     if args.normalize_advantage:
         advantages = whiten(advantages, None if advantages.dim() == 1 else c.response_mask)
     c.advantages, c.rlhf_reward = advantages, rlhf_reward.flatten()  # (k*g,)
+    c.non_score_reward = c.rlhf_reward - scores  # (k*g,) what the estimator added to the score: -kl_coef * KL here
 
 
 # ===================================================================== loss
@@ -859,12 +962,16 @@ def importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tenso
 def policy_loss(
     new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
     cliprange: float, per_token: bool, entropy: Optional[torch.Tensor] = None,
-    is_weights: Optional[torch.Tensor] = None,
+    is_weights: Optional[torch.Tensor] = None, cliprange_high: Optional[float] = None,
+    in_loss: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped surrogate's loss of each action (ppo_update sums them over loss_normalizer); log-probs, mask and
     entropy (N, Tr). per_token False: a completion is one action with the sequence ratio exp(sum_t new - sum_t old),
     advantages (N,) -> losses (N,). per_token True: each token is an action with its own ratio, advantages (N, Tr) or
-    (N,) -> losses (N, Tr), 0 on padding. Each loss is multiplied by its importance weight, if given."""
+    (N,) -> losses (N, Tr), 0 on padding. The ratio is clipped to [1 - cliprange, 1 + cliprange_high] (clip-higher;
+    None: cliprange). Each loss is multiplied by its importance weight, if given; the losses of completions outside
+    `in_loss` (N,) bool are 0, and so are they in the statistics (--mask_truncated_completions)."""
+    cliprange_high = cliprange if cliprange_high is None else cliprange_high
     if per_token:
         log_ratio = (new_logprobs - old_logprobs) * response_mask  # (N, Tr)
         advantages = advantages if advantages.dim() == 2 else advantages[:, None]  # (N, Tr) or (N, 1)
@@ -874,18 +981,27 @@ def policy_loss(
         weight = torch.ones_like(advantages)
     else:
         raise ValueError("per-token advantages (N, Tr) need per-token actions (per_token, as with --token_level_kl)")
+    token_mask = response_mask
+    if in_loss is not None:  # (N,) -> the entries of the completions left out weigh 0
+        weight = weight * (in_loss[:, None] if per_token else in_loss)
+        token_mask = response_mask & in_loss[:, None]
     ratio = torch.exp(log_ratio)
     losses = -advantages * ratio
-    losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange_high)
     per_action = torch.max(losses, losses_clipped)  # (N,) or (N, Tr)
     if is_weights is not None:  # a sequence's weight is each of its tokens' in the per-token loss
         per_action = per_action * (is_weights if is_weights.dim() == per_action.dim() else is_weights[:, None])
     with torch.no_grad():  # under the names they are logged with, as are ppo_update's
+        low = (ratio < 1.0 - cliprange) & (advantages < 0)  # where the clip acts: below for A < 0, above for A > 0
+        high = (ratio > 1.0 + cliprange_high) & (advantages > 0)
         stats = {"policy/clipfrac_avg": masked_mean((losses_clipped > losses).float(), weight),
-                 "policy/approxkl_avg": 0.5 * masked_mean(log_ratio**2, weight)}
+                 "policy/approxkl_avg": 0.5 * masked_mean(log_ratio**2, weight),
+                 "clip_ratio/low_mean": masked_mean(low.float(), weight),  # TRL 1.x's names
+                 "clip_ratio/high_mean": masked_mean(high.float(), weight),
+                 "clip_ratio/region_mean": masked_mean((low | high).float(), weight)}
         if entropy is not None:
-            stats["policy/entropy_avg"] = masked_mean(entropy, response_mask)
-    return per_action * weight if per_token else per_action, stats
+            stats["policy/entropy_avg"] = stats["entropy"] = masked_mean(entropy, token_mask)  # TRL 1.x: entropy
+    return per_action * weight if per_token or in_loss is not None else per_action, stats
 
 
 def loss_normalizer(rollout: Rollout, minibatch: list[torch.Tensor]) -> torch.Tensor:
@@ -944,13 +1060,15 @@ def gradient_sync(model, enabled: bool):
 
 def ppo_update(
     model, optimizer: torch.optim.Optimizer, rollout: Rollout, scores: torch.Tensor, args: Args, sizes: BatchSizes,
-    share_prompt: bool, autocast,
+    share_prompt: bool, autocast, ref_policy=None, steps_done: int = 0,
 ) -> dict[str, float]:
     """num_ppo_epochs x shuffled minibatches (one optimizer step each) x micro-batches (gradient accumulation), as
     minibatch_plan cuts them. Advantages come from the scores (k*B,) by compute_advantages, before the first step;
     or on-policy (rollout.logprobs None) per micro-batch from its own forward, whose detached log-probs are the
-    ratio's denominator. Leaves rollout.logprobs, advantages and rlhf_reward for the metrics; returns its own
-    (policy/*, loss/policy_avg, val/ratio*), averaged over micro-steps (the loss: over minibatches)."""
+    ratio's denominator. Leaves rollout.logprobs, advantages, rlhf_reward and non_score_reward for the metrics;
+    returns its own (policy/*, clip_ratio/*, loss/policy_avg, val/ratio*), averaged over micro-steps (the loss: over
+    minibatches). With --sync_ref_model, after each optimizer step of the run (steps_done before this update) that is
+    a multiple of ref_model_sync_steps, ref_policy is mixed with the policy (sync_reference)."""
     stats: dict[str, list[torch.Tensor]] = {}
     ratios, grad_norms = [], []
     device, k = scores.device, rollout.k
@@ -959,6 +1077,7 @@ def ppo_update(
     if logprobs_from_update:  # filled below, a micro-batch at a time
         rollout.logprobs = torch.zeros(rollout.responses.shape, device=device)  # (k*B, Tr)
         rollout.advantages, rollout.rlhf_reward = None, torch.zeros_like(scores)  # (k*B,); the advantages below
+        rollout.non_score_reward = torch.zeros_like(scores)  # (k*B,)
     else:
         compute_advantages(rollout, scores, args)  # all groups at once: --normalize_advantage needs them all
     for _ in range(args.num_ppo_epochs):
@@ -975,11 +1094,12 @@ def ppo_update(
                         compute_advantages(batch, scores[rows], args)
                         if rollout.advantages is None:  # (k*B,), or (k*B, Tr) from a per-token estimator
                             rollout.advantages = scores.new_zeros(rollout.responses.shape[:batch.advantages.dim()])
-                        for name in ("logprobs", "advantages", "rlhf_reward"):
+                        for name in ("logprobs", "advantages", "rlhf_reward", "non_score_reward"):
                             put_rows(getattr(rollout, name), rows, getattr(batch, name))
                     action_losses, step_stats = policy_loss(
                         new_logprobs, batch.logprobs, batch.advantages, batch.response_mask, args.cliprange,
-                        per_token=args.token_level_kl, entropy=entropy, is_weights=is_weights_of(batch, args))
+                        per_token=args.token_level_kl, entropy=entropy, is_weights=is_weights_of(batch, args),
+                        cliprange_high=args.cliprange_high, in_loss=batch.in_loss)
                     loss = action_losses.sum() / normalizer
                     loss.backward()
                 losses.append(loss.detach())
@@ -995,19 +1115,37 @@ def ppo_update(
             grad_norms.append(grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            steps_done += 1
+            if args.sync_ref_model and steps_done % args.ref_model_sync_steps == 0:
+                sync_reference(ref_policy, plumbing.unwrapped(model), args.ref_model_mixup_alpha)
     ratios = torch.cat(ratios)  # (num_ppo_epochs * k*B,) sequence-level ratios, whatever the loss's level
     out = {key: torch.stack(values).mean().item() for key, values in stats.items()}
     out["val/ratio"] = ratios.mean().item()
     out["val/ratio_var"] = ratios.var().item() if ratios.numel() > 1 else 0.0
     out["policy/grad_norm"] = torch.stack(grad_norms).mean().item()
+    out["clip_ratio/low_min"], out["clip_ratio/high_max"] = out["clip_ratio/low_mean"], out["clip_ratio/high_mean"]
+    if rollout.in_loss is not None:  # reduced over ranks by a sum
+        out["completions/masked_truncated"] = float((~rollout.in_loss).sum())
     return out
 
 
+@torch.no_grad()
+def sync_reference(ref_policy, policy, alpha: float) -> None:
+    """TR-DPO's reference update: ref <- alpha * policy + (1 - alpha) * ref, each weight computed in fp32 and stored
+    in the reference's own dtype (bf16 with --bf16). Every rank computes the same: the reference stays replicated."""
+    for ref, new in zip(ref_policy.parameters(), policy.parameters(), strict=True):
+        ref.copy_(alpha * new.float() + (1 - alpha) * ref.float())
+
+
 def learning_rate_at(update: int, num_updates: int, args: Args) -> float:
-    """Linear decay from learning_rate (update 1) towards 0, or constant."""
+    """With --warmup_ratio, a linear rise over the first ceil(warmup_ratio x num_updates) updates (update u of w:
+    learning_rate x u / w); then linear decay from learning_rate towards 0 over the other updates, or constant."""
+    warmup = math.ceil(args.warmup_ratio * num_updates)
+    if update <= warmup:
+        return args.learning_rate * update / warmup
     if args.lr_scheduler_type == "constant":
         return args.learning_rate
-    return args.learning_rate * (1.0 - (update - 1) / num_updates)
+    return args.learning_rate * (1.0 - (update - 1 - warmup) / (num_updates - warmup))
 
 
 # ===================================================================== evaluation
@@ -1077,7 +1215,9 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         sampler = PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)
         plumbing.check_reward_function_arguments(reward_functions, [
             (args.dataset_name, dataset), (args.dataset_test_split, eval_dataset)], args.prompt_column)
-        num_updates = math.ceil((args.total_episodes or int(args.num_train_epochs * len(dataset))) / sizes.all_ranks)
+        steps_per_update = args.num_ppo_epochs * args.num_mini_batches  # optimizer steps
+        num_updates = args.max_steps // steps_per_update if args.max_steps else \
+            math.ceil((args.total_episodes or int(args.num_train_epochs * len(dataset))) / sizes.all_ranks)
         checkpoints.check_continues(num_updates, sizes.all_ranks)
         policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device, checkpoints.path, tokenizer)
         sources = plumbing.load_reward_sources(args, tokenizer, reward_functions, device)
@@ -1103,7 +1243,10 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                                       fused=device.type == "cuda" and not args.offload)  # one kernel for all tensors
         plumbing.seed_everything(args.seed + dist_info.rank)  # from here on each rank samples differently
         sampling_rng = torch.Generator(device).manual_seed(args.seed + dist_info.rank)  # only sampling draws from it
-        checkpoints.load(policy, optimizer, tokenizer, sampler, sampling_rng)  # a resumed run's state restored
+        # a resumed run's state restored; with --sync_ref_model the reference's weights too: they are not the
+        # initial model's, nor can they be derived from the policy's
+        checkpoints.load(policy, optimizer, tokenizer, sampler, sampling_rng,
+                         reference=ref_policy if args.sync_ref_model else None)
         notes = (checkpoints.notes() if master else []) + notes  # output_dir settled for this run's timeline
         run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
         logger = plumbing.RunLogger(args, run_name, num_updates, checkpoints.start_update, checkpoints.wandb_run_id) \
@@ -1121,6 +1264,10 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
             for note in notes:
                 logger.console.print(note, highlight=False, soft_wrap=True)
         rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, sampling_rng, autocast)
+        if logger is not None and steps_per_update == 1 and rollouts.lookahead == 0:
+            logger.console.print(f"on-policy (1 PPO epoch, 1 minibatch): the ratio is 1 at every step, so the clip "
+                                 f"range [1 - {args.cliprange:g}, 1 + {args.cliprange_high:g}] cannot act (raise "
+                                 "--num_ppo_epochs or --num_mini_batches for it to)", highlight=False, soft_wrap=True)
         timer = plumbing.PhaseTimer(device)
         timer.count_tokens_of(policy, ref_policy, sources.model, getattr(rollouts, "sampler", None))
     eval_every = max(1, num_updates // args.num_evals) if args.num_evals > 0 else num_updates
@@ -1164,6 +1311,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                                               logprobs_from_update(args, sizes, rollouts.lookahead), autocast,
                                               timer)  # (k*B, Tr) log-probs
             has_stop = rollout.ended(stop_token_id)  # (k*B,)
+            rollout.in_loss = has_stop if args.mask_truncated_completions else None  # the truncated leave the loss
 
             # ALGO LOGIC 4. score every completion (reward model and reward functions), then the missing-EOS penalty
             with timer("scoring"):
@@ -1184,22 +1332,25 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                                                                      tokenizer, rollout, raw_scores):
                 plumbing.check_finite({"reward": raw_scores, "log-prob": rollout.logprobs,
                                        "reference log-prob": rollout.ref_logprobs}, device)  # on every rank at once
-                train_stats = ppo_update(trained, optimizer, rollout, scores, args, sizes, share_prompt, autocast)
+                train_stats = ppo_update(trained, optimizer, rollout, scores, args, sizes, share_prompt, autocast,
+                                         ref_policy, (update - 1) * steps_per_update)
             rollout_metrics.update(rollouts.policy_updated(update, policy))  # rloo_multinode.py: the engines' sync
 
             # log (this rank's metrics under TRL's names, then reduced over ranks), evaluate, save
-            kl = kl_to_reference(rollout) * rollout.response_mask  # (k*B, Tr)
+            kl = (kl_to_reference(rollout) * rollout.response_mask).sum(1).mean().item()  # of the sequences
             metrics = {
-                "objective/kl": kl.sum(1).mean().item(),
+                "objective/kl": kl,
+                **({"kl": kl} if ref_policy is not None else {}),  # TRL 1.x's name, logged only with a reference
                 "objective/entropy": (-rollout.logprobs * rollout.response_mask).sum(1).mean().item(),
-                "objective/non_score_reward": (-args.kl_coef * kl.sum(1)).mean().item(),
+                "objective/non_score_reward": rollout.non_score_reward.mean().item(),  # compute_advantages's
                 "objective/rlhf_reward": rollout.rlhf_reward.mean().item(),
                 "objective/scores": scores.mean().item(),
                 "objective/raw_scores": raw_scores.mean().item(),
+                "reward": raw_scores.mean().item(),  # TRL 1.x: the sources' weighted sum
                 **train_stats,  # policy/*, loss/policy_avg, val/ratio*
                 **plumbing.completion_metrics(rollout.response_mask, has_stop, scores, args.rloo_k),
                 **({} if rollout.sampler_logprobs is None else
-                   plumbing.mismatch_metrics(rollout, args, importance_weights)),
+                   plumbing.mismatch_metrics(rollout, args, importance_weights, args.cliprange, args.cliprange_high)),
                 **source_means, **rollout_metrics, **timer.metrics(),
                 "work/minimum_tokens": plumbing.minimum_forward_tokens(rollout, sum(
                     args.num_ppo_epochs if phase == "training" else 1 for phase in timer.tokens)),
