@@ -2495,11 +2495,183 @@ def quiet_hub_progress_bars() -> None:
 # TRL >= 0.22's names for flags of the same meaning, tyro aliases of this project's (README, "Flags": both TRL
 # generations' names side by side)
 TRL_NAMES = {"num_generations": "rloo_k", "beta": "kl_coef", "epsilon": "cliprange", "num_iterations": "num_ppo_epochs",
-             "max_completion_length": "response_length", "normalize_advantages": "normalize_advantage"}
+             "max_completion_length": "response_length", "normalize_advantages": "normalize_advantage",
+             "reward_model_name_or_path": "reward_model_path"}
 TRL_DEFAULTS = ("TRL >= 0.22's names are aliases of the flags they are listed beside.\n\nFlags left out keep this "
                 "script's defaults:\n--num_iterations 4 (TRL's: 1), --max_completion_length 53 (TRL's: 256).")
 STEPS_PER_GENERATION = ("TRL >= 0.22's micro-batches per rank and generation, S (not a rename): taken as "
                         "--num_mini_batches S / gradient_accumulation_steps")
+
+# TRL 1.16's flags (RLOOConfig, the TrainingArguments it inherits, the `trl rloo` script's ModelConfig and
+# ScriptArguments) that this project has in another form or not at all. TRL_FIXED: what this project always does,
+# accepted when given with that value (case-insensitive), else refused with the reason; TRL_REFUSED: refused
+# whatever the value, with the reason. trl_arguments rewrites the rest (see there).
+TRL_FIXED = {
+    "disable_dropout": (("true",), "dropout is always off here, in every model (the policy that trains is the one "
+                                   "that sampled)"),
+    "shuffle_dataset": (("true",), "the prompts are always reshuffled every epoch, from --seed"),
+    "ds3_gather_for_generation": (("true",), "there is no DeepSpeed here; with --fsdp, --fsdp_generation per_block "
+                                             "gathers one block at a time"),
+    "pad_to_multiple_of": (("auto", "none"), "each forward pass pads to its own longest row, no multiple"),
+    "router_aux_loss_coef": (("none", "0", "0.0"), "no mixture-of-experts auxiliary loss is added to the loss"),
+    "log_multimodal": (("true", "false"), ""),  # text only: nothing to log either way
+    "log_unique_prompts": (("false",), "the sample table shows the first prompts of an update"),
+    "use_transformers_continuous_batching": (("false",), "rloo.py samples with its own batched KV-cache loop"),
+    "use_transformers_paged": (("false",), "rloo.py samples with its own batched KV-cache loop"),
+    "vllm_model_impl": (("vllm",), "engines run vLLM's own model implementation"),
+    "do_train": (("true",), "every run trains"),
+    "logging_strategy": (("steps",), "metrics are logged every update (--logging_steps: the console line)"),
+    "adam_beta1": (("0.9",), "AdamW's betas are torch's (0.9, 0.999)"),
+    "adam_beta2": (("0.999",), "AdamW's betas are torch's (0.9, 0.999)"),
+    "weight_decay": (("0.01",), "AdamW's weight decay is torch's, 0.01"),
+    "optim": (("adamw_torch", "adamw_torch_fused"), "the optimizer is torch's AdamW (fused on CUDA)"),
+    "warmup_steps": (("0",), "pass --warmup_ratio (a share of the updates)"),
+    "model_revision": (("main",), "models load from a local path or the Hub's main branch: download the revision "
+                                  "(hf download MODEL --revision R --local-dir DIR) and pass DIR"),
+    "dtype": (("auto", "float32"), "the policy's master weights are fp32 here; --bf16 computes in bf16 (autocast) "
+                                   "and stores the frozen models in bf16"),
+    "attn_implementation": (("sdpa",), "rloo.py runs torch's SDPA (eager where a model needs it): its grouped rows "
+                                       "need an attention that takes a 4D mask"),
+    "lora_task_type": (("causal_lm",), "the adapters are a causal LM's"),
+    "gradient_checkpointing_use_reentrant": (("false",), "gradient checkpointing is non-reentrant here"),
+    "remove_unused_columns": (("false",), "every dataset column goes to the reward functions"),
+    "ddp_find_unused_parameters": (("false", "none"), "every trained parameter gets a gradient"),
+    "dataloader_num_workers": (("0",), "prompts are tokenized once at load time"),
+}
+TRL_REFUSED = {
+    "model_init_kwargs": "rloo.py loads the models itself (fp32 master weights): use --bf16, --trust_remote_code",
+    "generation_kwargs": "rloo.py samples with its own loop, not generate(): use its sampling flags (--temperature)",
+    "chat_template_kwargs": "the chat template is applied with add_generation_prompt only",
+    "cache_implementation": "rloo.py's sampler keeps its own KV cache (--compile_generation: a static one)",
+    "vllm_structured_outputs_regex": "guided decoding would change the distribution sampled from, which the "
+                                     "trainer's log-probs do not model",
+    "vllm_group_port": "the weight sync's port is --engine_port + 1",
+    "vllm_max_model_length": "the engines' length is --max_prompt_length + --response_length",
+    "fp16": "fp16 needs loss scaling, which rloo.py does not do: use --bf16",
+    "tf32": "matmul precision is chosen at start-up (plumbing.choose_kernels)",
+    "deepspeed": "there is no DeepSpeed here: --fsdp shards the policy with FSDP2 (under torchrun)",
+    "fsdp_config": "--fsdp shards every transformer block with FSDP2; --offload and --fsdp_generation are its options",
+    "local_rank": "torchrun sets each process's rank",
+    "push_to_hub": "nothing is uploaded: output_dir holds the policy in transformers' format",
+    "hub_model_id": "nothing is uploaded: output_dir holds the policy in transformers' format",
+    "logging_dir": "metrics go to output_dir/metrics.jsonl (and wandb with --track)",
+    "logging_first_step": "every update is logged",
+    "do_eval": "evaluation runs when --dataset_test_split is given (--num_evals times)",
+    "eval_strategy": "evaluation runs when --dataset_test_split is given, --num_evals times a run",
+    "eval_steps": "evaluation runs when --dataset_test_split is given, --num_evals times a run",
+    "per_device_eval_batch_size": "evaluation runs --local_rollout_forward_batch_size completions at a time",
+    "gradient_checkpointing_kwargs": "gradient checkpointing is non-reentrant here, with no other option",
+    "torch_compile": "only decoding is compiled: --compile_generation",
+    "use_liger_kernel": "the log-probs come from plumbing.SelectiveLogSoftmax over the completion positions only",
+    "dataset_num_proc": "prompts are tokenized in this process",
+    "dataset_streaming": "the prompt set is loaded whole (its prompts are shuffled every epoch)",
+    "load_in_8bit": "8-bit bases are not supported: train LoRA (--use_peft) on the bf16 or fp32 base",
+    "bnb_4bit_quant_type": "4-bit (QLoRA) bases are not supported (--load_in_4bit)",
+    "use_bnb_nested_quant": "4-bit (QLoRA) bases are not supported (--load_in_4bit)",
+    "ignore_bias_buffers": "a DDP option for models with bool buffers; none here needs it",
+    "lr_scheduler_kwargs": "the schedules (--lr_scheduler_type linear or constant, --warmup_ratio) take no options",
+}
+ENGINE_FLAGS = ("use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",
+                "vllm_server_timeout", "vllm_enable_sleep_mode", "vllm_gpu_memory_utilization",
+                "vllm_tensor_parallel_size", "vllm_model_impl")
+
+
+def load_in_4bit_refusal() -> str:
+    """Why --load_in_4bit (QLoRA) is refused here."""
+    try:
+        importlib.import_module("bitsandbytes")
+    except ImportError:
+        return "4-bit (QLoRA) bases need bitsandbytes, which is not installed, and are not supported yet"
+    return "4-bit (QLoRA) bases are not supported yet (bitsandbytes is installed): train LoRA on the bf16 base"
+
+
+def trl_arguments(argv: list[str], fields_of: set[str], prog: str) -> list[str]:
+    """argv with TRL's forms rewritten into this project's: `--flag True|False` for a bool flag (--flag /
+    --no-flag); `--reward_funcs pkg.module.fn ...` (TRL's dotted paths) as --reward_fn pkg.module:fn; `--report_to
+    wandb|none` as --track / --no-track; `--fsdp "full_shard ..."` as --fsdp; `--resume_from_checkpoint DIR` as
+    --resume_from DIR (`True`: --resume); for rloo_multinode.py (the script with engines), `--use_vllm` (its engines
+    are vLLM's), `--vllm_server_base_url URL` and `--vllm_server_host H --vllm_server_port P` as --engine_urls,
+    `--vllm_server_timeout` as --engine_timeout. A TRL flag with no meaning here (TRL_FIXED, TRL_REFUSED, a
+    two-value --reward_clip_range, engine flags given to rloo.py) is a ConfigError naming the reason."""
+    bools = {name.removeprefix("bool:") for name in fields_of if name.startswith("bool:")}
+    fields_of = {name.removeprefix("bool:") for name in fields_of}
+    out, i, server = [], 0, {}
+
+    def values_after(j: int) -> list[str]:  # the values that follow the flag at j (up to the next --flag)
+        taken = []
+        while j + 1 + len(taken) < len(argv) and not argv[j + 1 + len(taken)].startswith("--"):
+            taken.append(argv[j + 1 + len(taken)])
+        return taken
+
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or arg == "--":
+            out.append(arg)
+            i += 1
+            continue
+        name, has_eq, eq_value = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        values = [eq_value] if has_eq else values_after(i)
+        used = 1 + (0 if has_eq else len(values))
+        value = values[0] if values else "true"
+        if name in TRL_FIXED and name not in fields_of:
+            allowed, reason = TRL_FIXED[name]
+            if value.lower() not in allowed:
+                raise ConfigError(f"--{name} {value}: {reason}; drop the flag")
+        elif name in TRL_REFUSED and name not in fields_of:
+            raise ConfigError(f"--{name} (TRL's) has no meaning here: {TRL_REFUSED[name]}; drop the flag")
+        elif name == "load_in_4bit" and value.lower() != "false":
+            raise ConfigError(f"--load_in_4bit: {load_in_4bit_refusal()}; drop the flag")
+        elif name == "load_in_4bit":
+            pass
+        elif name in ENGINE_FLAGS and "engine_urls" not in fields_of:
+            raise ConfigError(f"--{name}: rloo.py samples in the training processes, without engines; vLLM "
+                              "generation is rloo_multinode.py's: `torchrun ... rloo_multinode.py --vllm_mode "
+                              "colocate` (or server) with the same flags")
+        elif name == "use_vllm":
+            if value.lower() not in ("true", "1"):
+                raise ConfigError("--use_vllm false: generation in the training processes is rloo.py's (same flags)")
+            out.append("--engine=vllm")
+        elif name == "vllm_server_base_url":
+            out += ["--engine_urls", value.rstrip("/")]
+        elif name in ("vllm_server_host", "vllm_server_port"):
+            server[name] = value
+        elif name == "vllm_server_timeout":
+            out += ["--engine_timeout", value]
+        elif name == "reward_funcs":
+            for path in values:
+                module, dot, function = path.rpartition(".")
+                if not dot or ":" in path:
+                    raise ConfigError(f"--reward_funcs {path}: TRL's built-in reward functions are not here; pass "
+                                      "a dotted import path pkg.module.function (or --reward_fn pkg.module:function)")
+                out += ["--reward_fn", f"{module}:{function}"]
+        elif name == "report_to":
+            targets = {v.lower() for v in values} or {"none"}
+            if not targets <= {"wandb", "none"}:
+                raise ConfigError(f"--report_to {' '.join(values)}: metrics go to output_dir/metrics.jsonl and, "
+                                  "with wandb, to Weights & Biases; pass --report_to wandb or none")
+            out.append("--track" if "wandb" in targets else "--no-track")
+        elif name == "fsdp" and values and not has_eq and value.lower() not in ("true", "false"):
+            if "full_shard" not in value:
+                raise ConfigError(f"--fsdp {value!r}: --fsdp shards weights, gradients and optimizer state (FSDP2, "
+                                  "as full_shard); pass --fsdp or drop it")
+            out.append("--fsdp")
+        elif name == "resume_from_checkpoint":
+            out += ["--resume"] if value.lower() == "true" else [] if value.lower() in ("false", "none") else \
+                ["--resume_from", value]
+        elif name == "reward_clip_range" and len(values) > 1:
+            raise ConfigError(f"--reward_clip_range {' '.join(values)}: TRL's (min, max) clips raw rewards; here "
+                              "--reward_clip_range C clips the --normalize_reward scores to [-C, C]: pass one number "
+                              "with --normalize_reward, or clip in the reward function")
+        elif name in bools and len(values) == 1 and value.lower() in ("true", "false", "1", "0"):
+            out.append(f"--{name}" if value.lower() in ("true", "1") else f"--no-{name}")
+        else:
+            out += argv[i:i + used]
+        i += used
+    if server:
+        out += ["--engine_urls", f"http://{server.get('vllm_server_host', '0.0.0.0')}:"
+                                 f"{server.get('vllm_server_port', '8000')}"]
+    return out
 
 
 def help_groups(cls, program: str) -> dict[str, str]:
@@ -2531,6 +2703,13 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     on stderr and exit status 2 (tyro's own errors are a box on stderr, status 2)."""
     prog = prog or Path(sys.argv[0]).name
     hints, defaults, starts = get_type_hints(cls, include_extras=True), cls(), help_groups(cls, prog)
+    names = {("bool:" if hints[f.name] is bool else "") + f.name for f in fields(cls)}
+    names |= {("bool:" if hints[own] is bool else "") + trl for trl, own in TRL_NAMES.items() if own in hints}
+    try:
+        argv = trl_arguments(sys.argv[1:] if argv is None else list(argv), names, prog)
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
     docs = {p.arg_name: " ".join(p.description.split()) for c in reversed(cls.__mro__) if is_dataclass(c)
             for p in docstring_parser.parse_from_object(c).params if p.description}
     # tyro lists a flag's aliases before its name: TRL's name is tyro's and the flag's own its alias, so that --help
@@ -2550,7 +2729,7 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     classes = {title: make_dataclass(f"group_{i}", group) for i, (title, group) in enumerate(groups.items())}
     grouped = make_dataclass(cls.__name__, [(f"group_{i}", Annotated[tyro.conf.OmitArgPrefixes[c], tyro.conf.arg(
         name=title)], field(default_factory=c)) for i, (title, c) in enumerate(classes.items())])
-    parsed = tyro.cli(grouped, args=sys.argv[1:] if argv is None else argv, prog=prog, use_underscores=True,
+    parsed = tyro.cli(grouped, args=argv, prog=prog, use_underscores=True,
                       description=TRL_DEFAULTS if aliases.keys() & hints.keys() else None,
                       config=(tyro.conf.HelptextFromCommentsOff,))  # the help is given: no search of the source
     values = {name: value for group in vars(parsed).values() for name, value in vars(group).items()}

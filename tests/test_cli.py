@@ -170,7 +170,8 @@ def test_fsdp_outside_torchrun_is_refused(assets, tmp_path):
 
 # ---------------------------------------------------------------- TRL >= 0.22's names
 TRL_VALUES = {"num_generations": ("4", 4), "beta": ("0.03", 0.03), "epsilon": ("0.3", 0.3), "num_iterations": ("2", 2),
-              "max_completion_length": ("17", 17), "normalize_advantages": (None, True)}
+              "max_completion_length": ("17", 17), "normalize_advantages": (None, True),
+              "reward_model_name_or_path": ("models/rm", "models/rm")}
 
 
 def test_every_trl_name_sets_rloo_flag():
