@@ -2528,6 +2528,8 @@ TRL_FIXED = {
     "warmup_steps": (("0",), "pass --warmup_ratio (a share of the updates)"),
     "model_revision": (("main",), "models load from a local path or the Hub's main branch: download the revision "
                                   "(hf download MODEL --revision R --local-dir DIR) and pass DIR"),
+    "torch_dtype": (("auto", "float32"), "the policy's master weights are fp32 here; --bf16 computes in bf16 "
+                                         "(autocast) and stores the frozen models in bf16"),
     "dtype": (("auto", "float32"), "the policy's master weights are fp32 here; --bf16 computes in bf16 (autocast) "
                                    "and stores the frozen models in bf16"),
     "attn_implementation": (("sdpa",), "rloo.py runs torch's SDPA (eager where a model needs it): its grouped rows "
@@ -2570,6 +2572,17 @@ TRL_REFUSED = {
     "use_bnb_nested_quant": "4-bit (QLoRA) bases are not supported (--load_in_4bit)",
     "ignore_bias_buffers": "a DDP option for models with bool buffers; none here needs it",
     "lr_scheduler_kwargs": "the schedules (--lr_scheduler_type linear or constant, --warmup_ratio) take no options",
+    "transformers_continuous_batching_config": "rloo.py samples with its own batched KV-cache loop",
+    "save_only_model": "a checkpoint is the whole state a resume needs (policy, optimizer, data position, RNGs)",
+    "data_seed": "--seed orders the prompts (and everything else)",
+    "full_determinism": "runs are reproducible from --seed on the same hardware (and resume bit-identically)",
+    "disable_tqdm": "the progress bar is rich's, on rank 0's console only",
+    "label_names": "there are no labels: the rewards come from --reward_model_path and --reward_fn",
+    "hub_strategy": "nothing is uploaded: output_dir holds the policy in transformers' format",
+    "eval_on_start": "evaluation runs --num_evals times over the run, plus once at the end",
+    "include_num_input_tokens_seen": "the tokens of each phase are logged as work/* (metrics.jsonl)",
+    "average_tokens_across_devices": "a minibatch's loss is divided by its completions over all ranks "
+                                     "(rloo.loss_normalizer)",
 }
 ENGINE_FLAGS = ("use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",
                 "vllm_server_timeout", "vllm_enable_sleep_mode", "vllm_gpu_memory_utilization",
@@ -2614,7 +2627,11 @@ def trl_arguments(argv: list[str], fields_of: set[str], prog: str) -> list[str]:
         values = [eq_value] if has_eq else values_after(i)
         used = 1 + (0 if has_eq else len(values))
         value = values[0] if values else "true"
-        if name in TRL_FIXED and name not in fields_of:
+        if name in ENGINE_FLAGS and "engine_urls" not in fields_of:
+            raise ConfigError(f"--{name}: rloo.py samples in the training processes, without engines; vLLM "
+                              "generation is rloo_multinode.py's: `torchrun ... rloo_multinode.py --vllm_mode "
+                              "colocate` (or server) with the same flags")
+        elif name in TRL_FIXED and name not in fields_of:
             allowed, reason = TRL_FIXED[name]
             if value.lower() not in allowed:
                 raise ConfigError(f"--{name} {value}: {reason}; drop the flag")
@@ -2624,10 +2641,6 @@ def trl_arguments(argv: list[str], fields_of: set[str], prog: str) -> list[str]:
             raise ConfigError(f"--load_in_4bit: {load_in_4bit_refusal()}; drop the flag")
         elif name == "load_in_4bit":
             pass
-        elif name in ENGINE_FLAGS and "engine_urls" not in fields_of:
-            raise ConfigError(f"--{name}: rloo.py samples in the training processes, without engines; vLLM "
-                              "generation is rloo_multinode.py's: `torchrun ... rloo_multinode.py --vllm_mode "
-                              "colocate` (or server) with the same flags")
         elif name == "use_vllm":
             if value.lower() not in ("true", "1"):
                 raise ConfigError("--use_vllm false: generation in the training processes is rloo.py's (same flags)")
