@@ -53,14 +53,24 @@ given twice keeps every value (`--reward_fn a:f --reward_fn b:g` is `--reward_fn
 | --- | --- | --- |
 """
 
+TRL_REFUSED_INTRO = """TRL 1.16's other flags (its `RLOOConfig`, the `TrainingArguments` it inherits, the `trl rloo`
+script's) mean nothing here, or what rloo.py always does: each is accepted with the values that say what rloo.py does,
+and otherwise refused in one line with the reason below (exit status 2), before anything loads. `tests/test_trl_parity.py`
+holds TRL 1.16's whole field list against both scripts.
+
+| TRL flag | accepted values | why |
+| --- | --- | --- |
+"""
+
 # What TRL's own defaults and meanings are cannot be read from this project's code: said here, once.
 TRL_NOTES = {
     "num_generations": "",
     "beta": " (sequence-level KL in the reward)",
-    "epsilon": " (`--epsilon_high`: not supported)",
+    "epsilon": " (the low side of the clip; `--epsilon_high`, as TRL's, the high side)",
     "num_iterations": " (TRL's default is 1, rloo.py's {default})",
     "max_completion_length": " (TRL's default is 256, rloo.py's {default})",
     "normalize_advantages": ": both whiten the advantages over the batch",
+    "reward_model_name_or_path": " (the `trl rloo` script's name)",
 }
 
 TRL_OTHER_ROWS = [  # (rloo.py's name, TRL >= 0.22's, what rloo.py does with it)
@@ -73,8 +83,23 @@ TRL_OTHER_ROWS = [  # (rloo.py's name, TRL >= 0.22's, what rloo.py does with it)
      "not the same: TRL's is the whole run name, rloo.py's a prefix of `{exp_name}__{seed}__{time}`; rloo.py has "
      "`--run_name` too, with TRL's meaning"),
     ("`--total_episodes`", "`--max_steps`",
-     "not accepted: TRL counts optimizer steps (`total_episodes / gradient_accumulation_steps` in its migration "
-     "table)"),
+     "both accepted (one of them): `--max_steps` counts optimizer steps, as TRL's Trainer does, a multiple of an "
+     "update's `num_ppo_epochs x num_mini_batches`"),
+    ("`--reward_fn pkg.module:fn`", "`--reward_funcs pkg.module.fn` (the `trl rloo` script's)",
+     "converted: the dotted path's last dot becomes the colon; TRL's built-in names (`accuracy_reward`) are refused"),
+    ("`--track` / `--no-track`", "`--report_to wandb` / `none`",
+     "converted; any other logger is refused (metrics.jsonl is always written)"),
+    ("`--resume_from DIR` / `--resume`", "`--resume_from_checkpoint DIR` / `True`", "converted"),
+    ("`--fsdp`", "`--fsdp \"full_shard auto_wrap\"`", "converted (FSDP2 shards as full_shard); other modes refused"),
+    ("`--flag` / `--no-flag`", "`--flag True` / `--flag False`", "converted, for every switch"),
+    ("`--save_steps`, `--logging_steps`", "`--save_steps`, `--logging_steps`",
+     "same names, counted in updates here (TRL: optimizer steps); `--logging_steps` spaces the console line, "
+     "metrics.jsonl gets every update; `--save_strategy no` is `--save_steps 0`"),
+    ("`rloo_multinode.py`'s `--engine vllm`, `--engine_urls`, `--engine_timeout`",
+     "`--use_vllm`, `--vllm_server_base_url` (or `--vllm_server_host` and `--vllm_server_port`), "
+     "`--vllm_server_timeout`",
+     "converted by rloo_multinode.py; `--vllm_mode` is the same flag there (its default is server, TRL's colocate); "
+     "rloo.py, which has no engines, refuses them naming rloo_multinode.py"),
     ("`--reward_clip_range` (a float)", "`--reward_clip_range` (a `(min, max)` pair)",
      "same name, other meaning: rloo.py clips normalized scores to +-value, TRL clips rewards to a range"),
     ("`--max_prompt_length`", "`--max_prompt_length`",
@@ -168,7 +193,12 @@ def trl_section() -> str:
         same = "accepted" + (note if note.startswith(":") else ", same meaning" + note)
         rows.append(f"| `--{own}` | `--{trl_name}` | {same} |")
     rows += [f"| {own} | {trl} | {here} |" for own, trl, here in TRL_OTHER_ROWS]
-    return TRL_INTRO + "\n".join(rows) + "\n"
+    refused = [f"| `--{name}` | {' or '.join(f'`{v}`' for v in values)} | {reason or 'no effect: text only'} |"
+               for name, (values, reason) in sorted(plumbing.TRL_FIXED.items())]
+    refused += [f"| `--{name}` | none | {reason} |" for name, reason in sorted(plumbing.TRL_REFUSED.items())]
+    refused.append("| `--load_in_4bit` | `False` | 4-bit (QLoRA) bases are not supported yet (the line names whether "
+                   "bitsandbytes is installed) |")
+    return TRL_INTRO + "\n".join(rows) + "\n\n" + TRL_REFUSED_INTRO + "\n".join(refused) + "\n"
 
 
 def render() -> str:
