@@ -1,6 +1,7 @@
 """rloo.py's pieces on tiny real models: generation, reward reading, re-tokenization, one update, data."""
 
 import json
+import math
 import sys
 import time
 
@@ -226,7 +227,11 @@ def test_reward_functions_get_texts_ids_and_columns_and_combine_with_weights():
     assert seen["completions"] == ["a", "c c", "a b c", "c"]  # EOS and padding removed
     assert seen["completion_ids"] == [[2, 1], [4, 4, 1], [2, 3, 4], [4, 1]]
     assert scores.tolist() == [1.0, 2.0 + 10.0, 3.0, 1.0]
-    assert means == {"reward/meddle/mean": 0.0, "reward/spy/mean": 1.75, "reward/even/mean": 1.0}
+    assert {k: v for k, v in means.items() if k.endswith("/mean")} == {
+        "reward/meddle/mean": 0.0, "reward/spy/mean": 1.75, "reward/even/mean": 1.0}
+    assert means["reward/meddle/std"] == 0.0 and means["reward/spy/std"] == pytest.approx(torch.tensor(
+        [1.0, 2.0, 3.0, 1.0]).std().item())
+    assert math.isnan(means["reward/even/std"])  # one completion it applies to: no spread (NaN, as TRL's nanstd)
 
 
 def test_reward_function_values_numpy_accepted_and_every_misuse_named():
