@@ -128,7 +128,7 @@ class RunArgs(InputArgs):
         "local_rollout_forward_batch_size", "gradient_checkpointing", "total_episodes", "num_train_epochs",
         "save_steps", "save_total_limit", "resume", "resume_from", "overwrite_output_dir", "ddp_timeout",
         "fsdp_generation", "compile_generation", "share_prompt", "bf16_generation", "reward_fn_timeout",
-        "merge_lora", "logging_steps", "save_strategy"})
+        "merge_lora", "logging_steps", "save_strategy", "max_steps"})
 
     # ----- experiment -----
     exp_name: str = "rloo"

@@ -505,3 +505,24 @@ def test_a_trl_rloo_command_with_local_paths_runs(assets, tmp_path):
     assert result.stdout.count("cannot act") == 1  # on-policy: the clip range is inert, said once
     assert sum(line.startswith("update ") for line in result.stdout.splitlines()) == 2  # updates 2 and 3 (the last)
     assert math.isclose(metrics[0]["clip_ratio/region_mean"], 0.0)
+
+
+@pytest.mark.parametrize("kind", ["use_rslora", "use_dora"])
+def test_rslora_and_dora_adapters_train_and_their_reference_is_the_base(kind):
+    """peft's rank-stabilized scaling and DoRA's magnitudes; switched off, the policy is its base exactly."""
+    tokenizer = policy_tokenizer()
+    base, policy = tiny_policy(len(tokenizer)), tiny_policy(len(tokenizer))
+    args = rloo.Args(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=("all-linear",), **{kind: True})
+    assert getattr(plumbing.lora_config(args), kind) is True
+    plumbing.add_adapters(policy, args, None)
+    layer = plumbing.peft_layers(policy)[0]
+    assert layer.scaling["default"] == (8 / 2 if kind == "use_rslora" else 8 / 4)  # alpha / sqrt(r), or alpha / r
+    assert bool(layer.lora_magnitude_vector) == (kind == "use_dora")
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # adapters that change the output
+    ids = torch.tensor([[2, 3, 4, 5]])
+    reference = plumbing.AdaptersOff(policy)
+    assert not torch.allclose(policy(ids).logits, base(ids).logits)
+    torch.testing.assert_close(reference(ids).logits, base(ids).logits)
