@@ -2571,7 +2571,7 @@ TRL_REFUSED = {
     "bnb_4bit_quant_type": "4-bit (QLoRA) bases are not supported (--load_in_4bit)",
     "use_bnb_nested_quant": "4-bit (QLoRA) bases are not supported (--load_in_4bit)",
     "ignore_bias_buffers": "a DDP option for models with bool buffers; none here needs it",
-    "lr_scheduler_kwargs": "the schedules (--lr_scheduler_type linear or constant, --warmup_ratio) take no options",
+    "lr_scheduler_kwargs": "the schedules (--lr_scheduler_type, --warmup_ratio) take no options",
     "transformers_continuous_batching_config": "rloo.py samples with its own batched KV-cache loop",
     "save_only_model": "a checkpoint is the whole state a resume needs (policy, optimizer, data position, RNGs)",
     "data_seed": "--seed orders the prompts (and everything else)",

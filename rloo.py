@@ -131,8 +131,9 @@ class Args(plumbing.RunArgs):
     """passes over each update's completions"""
     learning_rate: float = 3e-6
     """AdamW learning rate"""
-    lr_scheduler_type: Literal["linear", "constant"] = "linear"
-    """linear decay to 0 over the run, or constant"""
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    """linear or cosine decay to 0 over the run (after --warmup_ratio's updates), or constant (constant_with_warmup:
+    the same, TRL's name for it with --warmup_ratio)"""
     warmup_ratio: float = 0.0
     """share of the updates over which the learning rate rises linearly from learning_rate / warmup updates to
     learning_rate (then decays, or stays constant)"""
@@ -1139,13 +1140,17 @@ def sync_reference(ref_policy, policy, alpha: float) -> None:
 
 def learning_rate_at(update: int, num_updates: int, args: Args) -> float:
     """With --warmup_ratio, a linear rise over the first ceil(warmup_ratio x num_updates) updates (update u of w:
-    learning_rate x u / w); then linear decay from learning_rate towards 0 over the other updates, or constant."""
+    learning_rate x u / w); then linear or cosine decay from learning_rate towards 0 over the other updates, or
+    constant."""
     warmup = math.ceil(args.warmup_ratio * num_updates)
     if update <= warmup:
         return args.learning_rate * update / warmup
-    if args.lr_scheduler_type == "constant":
+    if args.lr_scheduler_type in ("constant", "constant_with_warmup"):
         return args.learning_rate
-    return args.learning_rate * (1.0 - (update - 1 - warmup) / (num_updates - warmup))
+    progress = (update - 1 - warmup) / (num_updates - warmup)  # 0 at the first update after the warmup
+    if args.lr_scheduler_type == "cosine":
+        return args.learning_rate * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return args.learning_rate * (1.0 - progress)
 
 
 # ===================================================================== evaluation

@@ -444,6 +444,10 @@ def test_warmup_ratio_rises_then_decays():
         [0.5, 1.0, 1.0, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6])
     plain = rloo.Args(learning_rate=1.0)
     assert [rloo.learning_rate_at(u, 8, plain) for u in range(1, 9)] == [1.0 - (u - 1) / 8 for u in range(1, 9)]
+    cosine = rloo.Args(learning_rate=1.0, warmup_ratio=0.5, lr_scheduler_type="cosine")
+    assert [rloo.learning_rate_at(u, 4, cosine) for u in range(1, 5)] == pytest.approx([0.5, 1.0, 1.0, 0.5])
+    constant = rloo.Args(learning_rate=1.0, warmup_ratio=0.5, lr_scheduler_type="constant_with_warmup")
+    assert [rloo.learning_rate_at(u, 4, constant) for u in range(1, 5)] == pytest.approx([0.5, 1.0, 1.0, 1.0])
 
 
 # ---------------------------------------------------------------- whole runs: resume, TRL's command
