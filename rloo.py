@@ -82,7 +82,8 @@ class Args(plumbing.RunArgs):
     cliprange: float = 0.2
     """PPO clip range of the sequence-level ratio: clipped to [1 - cliprange, 1 + cliprange] (TRL: epsilon)"""
     epsilon_high: Optional[float] = None
-    """upper clip range (clip-higher, DAPO): the ratio is clipped to [1 - cliprange, 1 + epsilon_high]; None: cliprange"""
+    """upper clip range (clip-higher, DAPO): the ratio is clipped to [1 - cliprange, 1 + epsilon_high];
+    None: cliprange"""
     mask_truncated_completions: bool = False
     """completions that never emit the stop token leave the loss (their loss terms are 0; the loss is still divided
     by every completion, and their rewards stay in their groups' baselines, as in TRL)"""

@@ -55,8 +55,8 @@ given twice keeps every value (`--reward_fn a:f --reward_fn b:g` is `--reward_fn
 
 TRL_REFUSED_INTRO = """TRL 1.16's other flags (its `RLOOConfig`, the `TrainingArguments` it inherits, the `trl rloo`
 script's) mean nothing here, or what rloo.py always does: each is accepted with the values that say what rloo.py does,
-and otherwise refused in one line with the reason below (exit status 2), before anything loads. `tests/test_trl_parity.py`
-holds TRL 1.16's whole field list against both scripts.
+and otherwise refused in one line with the reason below (exit status 2), before anything loads.
+`tests/test_trl_parity.py` holds TRL 1.16's whole field list against both scripts.
 
 | TRL flag | accepted values | why |
 | --- | --- | --- |
