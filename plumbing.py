@@ -2584,6 +2584,29 @@ TRL_REFUSED = {
     "average_tokens_across_devices": "a minibatch's loss is divided by its completions over all ranks "
                                      "(rloo.loss_normalizer)",
 }
+TRL_REFUSED |= {name: reason for names, reason in (  # the rest of transformers' TrainingArguments, by kind
+    (("eval_delay", "prediction_loss_only", "eval_do_concat_batches", "eval_use_gather_object",
+      "eval_accumulation_steps", "include_for_metrics", "batch_eval_metrics", "bf16_full_eval", "fp16_full_eval",
+      "do_predict", "load_best_model_at_end", "metric_for_best_model", "greater_is_better"),
+     "evaluation is the mean score of near-greedy completions of --dataset_test_split, --num_evals times a run"),
+    (("dataloader_drop_last", "dataloader_pin_memory", "dataloader_persistent_workers", "dataloader_prefetch_factor",
+      "dataloader_multiprocessing_context", "dataloader_in_order", "train_sampling_strategy", "length_column_name",
+      "ignore_data_skip", "auto_find_batch_size"),
+     "prompts are drawn by rloo.py's own sampler (reshuffled each epoch from --seed, resumed exactly), no DataLoader"),
+    (("log_on_each_node", "logging_nan_inf_filter", "log_level", "log_level_replica", "project", "trackio_space_id",
+      "trackio_bucket_id", "trackio_static_space_id", "skip_memory_metrics", "debug"),
+     "rank 0 logs to the console, metrics.jsonl and wandb (--track, --wandb_project_name); a NaN stops the run"),
+    (("hub_token", "hub_private_repo", "hub_always_push", "hub_revision"),
+     "nothing is uploaded: output_dir holds the policy in transformers' format"),
+    (("optim_args", "optim_target_modules", "label_smoothing_factor", "neftune_noise_alpha", "use_cache",
+      "torch_empty_cache_steps", "torch_compile_backend", "torch_compile_mode", "liger_kernel_config"),
+     "the loss and optimizer are rloo.py's own (torch's AdamW: --learning_rate, --adam_epsilon, --max_grad_norm)"),
+    (("ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend", "accelerator_config",
+      "parallelism_config", "use_cpu", "save_on_each_node", "enable_jit_checkpoint",
+      "restore_callback_states_from_checkpoint"),
+     "rloo.py sets up torch.distributed itself under torchrun (NCCL on GPUs, gloo on CPUs: CUDA_VISIBLE_DEVICES= "
+     "runs on the CPU) and writes its own checkpoints"),
+) for name in names}
 ENGINE_FLAGS = ("use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",
                 "vllm_server_timeout", "vllm_enable_sleep_mode", "vllm_gpu_memory_utilization",
                 "vllm_tensor_parallel_size", "vllm_model_impl")
