@@ -2738,7 +2738,7 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     --steps_per_generation S is taken as --num_mini_batches S / gradient_accumulation_steps. Bad input is one line
     on stderr and exit status 2 (tyro's own errors are a box on stderr, status 2)."""
     prog = prog or Path(sys.argv[0]).name
-    hints, defaults, starts = get_type_hints(cls, include_extras=True), cls(), help_groups(cls, prog)
+    hints = get_type_hints(cls, include_extras=True)
     names = {("bool:" if hints[f.name] is bool else "") + f.name for f in fields(cls)}
     names |= {("bool:" if hints[own] is bool else "") + trl for trl, own in TRL_NAMES.items() if own in hints}
     try:
@@ -2746,6 +2746,7 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    defaults, starts = cls(), help_groups(cls, prog)
     docs = {p.arg_name: " ".join(p.description.split()) for c in reversed(cls.__mro__) if is_dataclass(c)
             for p in docstring_parser.parse_from_object(c).params if p.description}
     # tyro lists a flag's aliases before its name: TRL's name is tyro's and the flag's own its alias, so that --help

@@ -20,7 +20,7 @@ CPU = torch.device("cpu")
 # Written out from TRL 1.16's RLOOConfig (its own fields, then the TrainingArguments fields a copied command carries)
 # and its `trl rloo` script's ModelConfig / ScriptArguments; never imported from TRL. Each: the command-line values
 # given, then what rloo.py's parser must make of them: (own field, value) or REFUSED (one line, exit status 2).
-REFUSED = "refused"
+REFUSED, NOOP = "refused", "accepted, changing nothing"  # NOOP: a value that says what rloo.py always does
 SAMPLING = {"num_generations_eval", "generation_batch_size", "top_p", "top_k", "min_p", "repetition_penalty",
             "log_completions", "num_completions_to_print"}  # built beside the sampler (the sampling options)
 ENGINES = {"use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",
@@ -30,7 +30,7 @@ RLOO_CONFIG = {  # TRL 1.16 RLOOConfig's own fields
     "model_init_kwargs": (['{"dtype": "bfloat16"}'], REFUSED),
     "trust_remote_code": (["True"], ("trust_remote_code", True)),
     "router_aux_loss_coef": (["0.001"], REFUSED),
-    "disable_dropout": (["True"], ("rloo_k", 2)),  # what rloo.py always does: accepted, changes nothing
+    "disable_dropout": (["True"], NOOP),  # what rloo.py always does: accepted, changes nothing
     "num_generations": (["4"], ("rloo_k", 4)),
     "num_generations_eval": (["2"], ("num_generations_eval", 2)),
     "max_completion_length": (["64"], ("response_length", 64)),
@@ -72,7 +72,7 @@ RLOO_CONFIG = {  # TRL 1.16 RLOOConfig's own fields
     "ref_model_mixup_alpha": (["0.9"], ("ref_model_mixup_alpha", 0.9)),
     "ref_model_sync_steps": (["64"], ("ref_model_sync_steps", 64)),
     "log_completions": (["True"], ("log_completions", True)),
-    "log_multimodal": (["True"], ("rloo_k", 2)),  # text only: accepted, nothing to log
+    "log_multimodal": (["True"], NOOP),  # text only: accepted, nothing to log
     "num_completions_to_print": (["3"], ("num_completions_to_print", 3)),
     "log_unique_prompts": (["True"], REFUSED),
     "use_transformers_continuous_batching": (["True"], REFUSED),
@@ -82,7 +82,7 @@ RLOO_CONFIG = {  # TRL 1.16 RLOOConfig's own fields
 TRAINING_ARGUMENTS = {  # transformers' TrainingArguments, as RLOOConfig inherits them
     "output_dir": (["runs/x"], ("output_dir", "runs/x")),
     "overwrite_output_dir": (["True"], ("overwrite_output_dir", True)),
-    "do_train": (["True"], ("rloo_k", 2)),
+    "do_train": (["True"], NOOP),
     "do_eval": (["True"], REFUSED),
     "eval_strategy": (["steps"], REFUSED),
     "eval_steps": (["100"], REFUSED),
@@ -91,7 +91,7 @@ TRAINING_ARGUMENTS = {  # transformers' TrainingArguments, as RLOOConfig inherit
     "gradient_accumulation_steps": (["2"], ("gradient_accumulation_steps", 2)),
     "learning_rate": (["1e-6"], ("learning_rate", 1e-6)),
     "weight_decay": (["0.0"], REFUSED),
-    "adam_beta1": (["0.9"], ("rloo_k", 2)),
+    "adam_beta1": (["0.9"], NOOP),
     "adam_beta2": (["0.95"], REFUSED),
     "adam_epsilon": (["1e-6"], ("adam_epsilon", 1e-6)),
     "max_grad_norm": (["0.5"], ("max_grad_norm", 0.5)),
@@ -102,7 +102,7 @@ TRAINING_ARGUMENTS = {  # transformers' TrainingArguments, as RLOOConfig inherit
     "warmup_ratio": (["0.1"], ("warmup_ratio", 0.1)),
     "warmup_steps": (["10"], REFUSED),
     "logging_dir": (["logs"], REFUSED),
-    "logging_strategy": (["steps"], ("rloo_k", 2)),
+    "logging_strategy": (["steps"], NOOP),
     "logging_first_step": (["True"], REFUSED),
     "logging_steps": (["10"], ("logging_steps", 10)),
     "save_strategy": (["no"], ("save_strategy", "no")),
@@ -133,7 +133,7 @@ TRAINING_ARGUMENTS = {  # transformers' TrainingArguments, as RLOOConfig inherit
     "hub_model_id": (["me/model"], REFUSED),
     "hub_strategy": (["every_save"], REFUSED),
     "resume_from_checkpoint": (["runs/x/checkpoints/step_2"], ("resume_from", "runs/x/checkpoints/step_2")),
-    "optim": (["adamw_torch"], ("rloo_k", 2)),
+    "optim": (["adamw_torch"], NOOP),
     "torch_compile": (["True"], REFUSED),
     "use_liger_kernel": (["True"], REFUSED),
     "eval_on_start": (["True"], REFUSED),
@@ -217,25 +217,46 @@ def parse_or_refusal(cls, argv: list[str], prog: str, capsys) -> tuple[object, s
         return None, capsys.readouterr().err
 
 
+def batches(entries: dict) -> list[dict]:
+    """The accepted entries in as few command lines as can hold them: no two setting the same flag (a parse costs
+    about a second on a busy machine); --steps_per_generation, which reads --gradient_accumulation_steps, alone."""
+    out: list[dict] = []
+    for name, (values, expected) in entries.items():
+        target = None if expected == NOOP else expected[0]
+        home = next((b for b in out if name != "steps_per_generation" and "steps_per_generation" not in b
+                     and target not in {None if e == NOOP else e[0] for _, e in b.values()} | {"engine_urls"}), None)
+        if home is None or target == "engine_urls":
+            out.append(home := {})
+        home[name] = (values, expected)
+    return out
+
+
 @pytest.mark.parametrize("script", ["rloo.py", "rloo_multinode.py"])
 def test_every_trl_1_16_field_parses_to_its_flag_or_is_refused_in_one_line(script, capsys):
     cls = rloo.Args if script == "rloo.py" else rloo_multinode.Args
     names = {f for f in cls.__dataclass_fields__}
+    accepted = {}
     for name, (values, expected) in TRL_FIELDS.items():
         if name in SAMPLING and name not in names:
             continue  # the sampling options' own branch adds them
+        if expected != REFUSED and not (script == "rloo.py" and name in ENGINES):
+            accepted[name] = (values, expected)
+            continue
         for spelling in (f"--{name}", f"--{name.replace('_', '-')}"):
             args, refusal = parse_or_refusal(cls, [spelling, *values], script, capsys)
-            if expected == REFUSED or (script == "rloo.py" and name in ENGINES):
-                assert args is None, (script, name)
-                assert refusal.count("\n") == 1 and refusal.startswith(f"{script}: error: --{name}"), refusal
-                assert "Unrecognized" not in refusal and "╭" not in refusal  # a reason, not tyro's box
-                if script == "rloo.py" and name in ENGINES:
-                    assert "rloo_multinode.py" in refusal
-                continue
-            assert args is not None, (script, name, refusal)
-            field, value = expected
-            assert getattr(args, field) == value, (script, name, getattr(args, field))
+            assert args is None, (script, name)
+            assert refusal.count("\n") == 1 and refusal.startswith(f"{script}: error: --{name}"), refusal
+            assert "Unrecognized" not in refusal and "╭" not in refusal  # a reason, not tyro's box
+            if script == "rloo.py" and name in ENGINES:
+                assert "rloo_multinode.py" in refusal
+    for i, batch in enumerate(batches(accepted)):
+        argv = [arg for name, (values, _) in batch.items()
+                for arg in (f"--{name if i % 2 else name.replace('_', '-')}", *values)]  # both spellings
+        args, refusal = parse_or_refusal(cls, argv, script, capsys)
+        assert args is not None, (script, argv, refusal)
+        for name, (_, expected) in batch.items():
+            if expected != NOOP:
+                assert getattr(args, expected[0]) == expected[1], (script, name, getattr(args, expected[0]))
 
 
 def test_trl_forms_of_values():
