@@ -94,3 +94,27 @@ def test_without_cuda_and_without_the_flag_the_suite_refuses_in_one_line(tmp_pat
     with pytest.raises(SystemExit, match="no CUDA device; --dry_run runs the suite at tiny shapes"):
         gpu_suite.main(gpu_suite.Args(results_dir=str(tmp_path / "suite")))
     assert not (tmp_path / "suite").exists()  # refused before anything is written
+
+
+def test_a_failing_step_leaves_no_result_the_others_run_and_the_next_start_retries_it(tmp_path, monkeypatch,
+                                                                                       capsys):
+    ran, broken = [], {"b": True}
+
+    def step(name):
+        def run(args, results):
+            ran.append(name)
+            if broken.get(name):
+                raise RuntimeError("CUDA out of memory")
+            return {"status": "measured"}
+        return run
+
+    monkeypatch.setattr(gpu_suite, "steps", lambda args: {name: step(name) for name in "abc"})
+    args = gpu_suite.Args(results_dir=str(tmp_path / "suite"), dry_run=True)
+    with pytest.raises(SystemExit, match=r"1 step\(s\) failed: b "):
+        gpu_suite.main(args)
+    assert ran == ["a", "b", "c"] and "== b: FAILED, nothing written, it runs again next time: CUDA out of memory" \
+        in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "suite").iterdir()) == ["a.json", "c.json", "table.md"]
+    broken["b"], ran[:] = False, []
+    gpu_suite.main(args)
+    assert ran == ["b"] and (tmp_path / "suite" / "b.json").exists()
