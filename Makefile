@@ -146,5 +146,5 @@ $(GPU_TRL_SITE)/.installed: benchmark/gpu-requirements-trl.txt
 	@touch $@
 
 bench-gpu: $(GPU_SITE)/.installed $(GPU_TRL_SITE)/.installed  ## on one GPU, offline: the GPU suite, resumable (~1 h); its table in runs/gpu_suite/table.md
-	PYTHONPATH=$(GPU_SITE) $(GPU_PYTHON) benchmark/gpu_suite.py --results_dir $(GPU_RESULTS) \
+	PYTHONPATH=$(abspath $(GPU_SITE)) $(GPU_PYTHON) benchmark/gpu_suite.py --results_dir $(GPU_RESULTS) \
 		--trl_python "$$(command -v $(GPU_PYTHON))" --trl_site $(GPU_TRL_SITE)
