@@ -190,11 +190,12 @@ def vllm_step(sleep: bool) -> Callable:
             return {"status": "skipped: sleep mode needs CUDA"}
         config = run_config(args, 2)
         hidden, layers, heads = throughput.PYTHIA_SHAPES[config.shapes[0]]
-        modes = generation_modes.Args(**{f: getattr(config, f) for f in throughput.RunConfig.__dataclass_fields__},
-                                      rloo_k=2, hidden_size=hidden, layers=layers, heads=heads,
-                                      vllm_enable_sleep_mode=sleep, gpu_memory_utilization=0.3,
-                                      cache_dir=str(Path(config.cache_dir).parent / "generation_modes"))
-        modes.mean_response_length = config.mean_response_length or float(config.response_length)
+        shared = {f: getattr(config, f) for f in throughput.RunConfig.__dataclass_fields__}
+        modes = generation_modes.Args(**{
+            **shared, "rloo_k": 2, "hidden_size": hidden, "layers": layers, "heads": heads,
+            "vllm_enable_sleep_mode": sleep, "gpu_memory_utilization": 0.3,
+            "mean_response_length": config.mean_response_length or float(config.response_length),
+            "cache_dir": str(Path(config.cache_dir).parent / "generation_modes")})  # a Llama: vLLM colocates it
         batch = modes.per_device_train_batch_size * modes.gradient_accumulation_steps
         assets = generation_modes.ensure_assets(modes, batch // 2 * modes.updates)
         run_dir = throughput.fresh_run_dir(REPO_ROOT / config.runs_dir / f"vllm_colocate{'_sleep' * sleep}")

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,3 +119,25 @@ def test_a_failing_step_leaves_no_result_the_others_run_and_the_next_start_retri
     broken["b"], ran[:] = False, []
     gpu_suite.main(args)
     assert ran == ["b"] and (tmp_path / "suite" / "b.json").exists()
+
+
+def test_where_vllm_imports_the_colocated_steps_build_their_run(tmp_path, monkeypatch):
+    """The project's environment has no vLLM: the vLLM steps' set-up up to the run, with vLLM pretended importable."""
+    find_spec, commands = gpu_suite.importlib.util.find_spec, []
+    monkeypatch.setattr(gpu_suite.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+
+    def run_trainer(command, log, program):
+        commands.append(command)
+        raise SystemExit("the run itself needs vLLM")
+
+    monkeypatch.setattr(gpu_suite.throughput, "run_trainer", run_trainer)
+    args = gpu_suite.Args(results_dir=str(tmp_path), dry_run=True)
+    with pytest.raises(SystemExit, match="needs vLLM"):
+        gpu_suite.vllm_step(False)(args, tmp_path)
+    command = commands[0]
+    assert command[1:4] == ["rloo_multinode.py", "--vllm_mode", "colocate"] and "--bf16" in command
+    policy = Path(command[command.index("--model_name_or_path") + 1])
+    assert "LlamaForCausalLM" in (policy / "config.json").read_text()  # a colocated engine refuses GPT-NeoX
+    if not torch.cuda.is_available():
+        assert gpu_suite.vllm_step(True)(args, tmp_path) == {"status": "skipped: sleep mode needs CUDA"}
