@@ -120,7 +120,8 @@ def trl_problem(args: Args) -> str | None:
 def limits(args: Args, _) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = {"matmul_size": 256, "copy_bytes": 2**24, "repeats": 2} if args.dry_run else {}
-    return {"status": "measured", "device": torch.cuda.get_device_name(0) if device.type == "cuda" else throughput.cpu_model(),
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else throughput.cpu_model()
+    return {"status": "measured", "device": name,
             "bf16": accounting.measure_peaks(device, torch.bfloat16, **sizes),
             "fp32": accounting.measure_peaks(device, torch.float32, **sizes)}
 
@@ -256,7 +257,8 @@ def table(args: Args, results: Path) -> dict:
         r = step["result"]
         plan = read.get(f"plan_memory_k{step.get('k')}", {}).get("phases", {}) if step.get("trainer") == "rloo.py" \
             and name.endswith("_rloo") else {}
-        notes = ", ".join(f"{key.removeprefix('mismatch/')} {value:.3g}" for key, value in step.get("mismatch", {}).items())
+        notes = ", ".join(f"{key.removeprefix('mismatch/')} {value:.3g}"
+                          for key, value in step.get("mismatch", {}).items())
         if "weight_sync_s" in r:
             notes = f"weight sync {r['weight_sync_s']:.3f} s"
         decoding = (f"{r['generation_gb_per_s']:.1f} ({100 * r['decoding_of_copy']:.0f}%)"
@@ -272,7 +274,8 @@ def table(args: Args, results: Path) -> dict:
     for k in args.rloo_ks:
         ours, trl = read.get(f"throughput_k{k}_rloo"), read.get(f"throughput_k{k}_trl021")
         if ours and trl and trl["status"] == "measured":
-            lines.append(f"\nk={k}: rloo.py / TRL 0.21 episodes/s: **{ours['result']['episodes_per_s'] / trl['result']['episodes_per_s']:.2f}x**")
+            ratio = ours["result"]["episodes_per_s"] / trl["result"]["episodes_per_s"]
+            lines.append(f"\nk={k}: rloo.py / TRL 0.21 episodes/s: **{ratio:.2f}x**")
     if "learning" in read:
         step = read["learning"]
         lines.append(f"\nlearning (synthetic task, {step['updates']} updates): reward-model score "

@@ -23,8 +23,8 @@ memory bandwidth (the bytes its decoding steps must read, every weight and the w
 its seconds: a lower bound, as those seconds also hold the prefill and sampling), and peak memory (the process's
 maximum RSS on CPU, the maximum allocated on CUDA). Then how far each phase is from the machine's limits
 (benchmark/accounting.py): its achieved FLOP/s (2 N T forward, 6 N T training; N the blocks' parameters, T the
-phase's token positions) against a matmul measured here, and decoding's GB/s against a memory copy measured here. Then the ratio rloo.py / TRL of episodes/s over the
-A/B pairs, min / median / max. Written: a table on stdout, `<output_dir>/throughput_<device>.json` and `.md`.
+phase's token positions) against a matmul measured here, and decoding's GB/s against a memory copy measured here.
+Then the ratio rloo.py / TRL of episodes/s over the A/B pairs, min / median / max. Written: a table on stdout, `<output_dir>/throughput_<device>.json` and `.md`.
 """
 
 import json
@@ -323,7 +323,8 @@ def summarize_run(metrics_path: Path, args: RunConfig, rss_gib: float) -> dict:
         "mean_response_length": statistics.mean(row["completions/mean_length"] for row in rows),
         "peak_rss_gib": rss_gib,
         **{f"{phase}_s": statistics.mean(row.get(f"time/{phase}", 0.0) for row in rows) for phase in PHASES},
-        **{f"{phase}_tokens": statistics.mean(row.get(f"work/{phase}_tokens", 0.0) for row in rows) for phase in PHASES},
+        **{f"{phase}_tokens": statistics.mean(row.get(f"work/{phase}_tokens", 0.0) for row in rows)
+           for phase in PHASES},
         "forward_tokens": statistics.mean(row["work/forward_tokens"] for row in rows),
         "minimum_tokens": statistics.mean(row["work/minimum_tokens"] for row in rows),
     }
@@ -428,7 +429,8 @@ def main(args: Args) -> None:
                           "episodes/s", flush=True)
             results["ratio"] = ratio_stats(results["rloo.py"], results["trl"])
             summary[configuration] = results
-    table = markdown_table(summary, peaks) + "\n\n" + accounting.limits_table(limits_rows(summary, parameters, peaks), peaks)
+    limits = accounting.limits_table(limits_rows(summary, parameters, peaks), peaks)
+    table = markdown_table(summary, peaks) + "\n\n" + limits
     print(table)
     write_report(f"throughput_{device}", args, batch, summary, table, start, peaks)
 

@@ -368,7 +368,8 @@ def test_the_probe_is_as_long_as_the_check_needs_and_still_catches_a_broken_mask
         assert plumbing.probe_lengths(512, 53, policy, type(policy)(with_window)) == (101, 53)  # both models'
     assert plumbing.probe_lengths(10, 3, policy) == (10, 3)  # never longer than training's rows
     ids = policy_tokenizer()(PROMPTS[0])["input_ids"] * 40
-    probe = rloo.Completions(**plumbing.sharing_probe(ids, *plumbing.probe_lengths(512, 53, policy), torch.device("cpu")))
+    lengths = plumbing.probe_lengths(512, 53, policy)
+    probe = rloo.Completions(**plumbing.sharing_probe(ids, *lengths, torch.device("cpu")))
     assert shares(policy, None, probe, [])
     grouped_rows = rloo.grouped_rows
 
