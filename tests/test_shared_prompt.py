@@ -351,3 +351,71 @@ def test_a_state_space_policy_trains_unshared_with_one_line_and_share_prompt_is_
     result = run_rloo(*common, "--output_dir", tmp_path / "forced", "--share_prompt")
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
         "rloo.py: error: --share_prompt: the policy cannot share prompts exactly: its hybrid layers"), result.stderr
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_the_probe_is_as_long_as_the_check_needs_and_still_catches_a_broken_mask(family, monkeypatch):
+    config, _ = ARCHITECTURES[family]
+    window = getattr(config, "sliding_window", None)
+    policy = tiny(family)
+    # TL;DR's lengths: no window, a short probe; a window, rows one token past it with training's responses
+    lengths = plumbing.probe_lengths(512, 53, policy, None)
+    assert lengths == ((24, 8) if window is None else (24, 53))
+    with_window = type(config)(**{**config.to_dict(), "sliding_window": 100}) if window else None
+    if with_window is not None:  # a window longer than the default probe: the probe passes it
+        assert plumbing.probe_lengths(512, 53, type(policy)(with_window)) == (101, 53)
+        assert plumbing.probe_lengths(64, 53, type(policy)(with_window)) == (64, 53)  # never past training's prompts
+        assert plumbing.probe_lengths(512, 53, policy, type(policy)(with_window)) == (101, 53)  # both models'
+    assert plumbing.probe_lengths(10, 3, policy) == (10, 3)  # never longer than training's rows
+    ids = policy_tokenizer()(PROMPTS[0])["input_ids"] * 40
+    lengths = plumbing.probe_lengths(512, 53, policy)
+    probe = rloo.Completions(**plumbing.sharing_probe(ids, *lengths, torch.device("cpu")))
+    assert shares(policy, None, probe, [])
+    grouped_rows = rloo.grouped_rows
+
+    def responses_see_each_other(c, float_mask_dtype=None, windows=None):
+        rows = grouped_rows(c, float_mask_dtype, windows)
+        length = rows.input_ids.shape[1]
+        earlier = torch.ones(length, length, dtype=torch.bool).tril()  # (L, L)
+        if isinstance(rows.attention_mask, dict):
+            rows.attention_mask = {kind: mask | earlier for kind, mask in rows.attention_mask.items()}
+        else:
+            rows.attention_mask = rows.attention_mask | earlier
+        return rows
+
+    monkeypatch.setattr(rloo, "grouped_rows", responses_see_each_other)
+    notes = []
+    assert not shares(policy, None, probe, notes) and "start-up check found" in notes[0]
+    if window is not None:  # a window dropped shows in the shorter probe too: its rows pass the window
+        monkeypatch.setattr(rloo, "grouped_rows", lambda c, float_mask_dtype=None, windows=None:
+                            grouped_rows(c, float_mask_dtype))
+        assert not shares(policy, None, probe, [])
+
+
+def test_one_check_for_a_policy_and_reward_model_that_agree(monkeypatch):
+    calls = []
+    sharing_error = plumbing.sharing_error
+    monkeypatch.setattr(plumbing, "sharing_error", lambda model, *a: calls.append(model) or sharing_error(model, *a))
+    policy, reward_model = tiny("llama"), tiny("llama", "ForSequenceClassification", seed=1)
+    probe, notes, checked = probe_of(PROMPTS[0]), [], {}
+    assert plumbing.sharing_key(policy) == plumbing.sharing_key(reward_model)  # the heads differ, the backbone not
+    assert plumbing.shares_prompts(policy, "policy", None, probe, computed(policy), notes, checked)
+    assert plumbing.shares_prompts(reward_model, "reward model", None, probe, computed(reward_model, True), notes,
+                                   checked)
+    assert calls == [policy] and notes == []  # the reward model's verdict is the policy's check
+    for other in (tiny("llama", "ForSequenceClassification").to(torch.bfloat16),  # another dtype
+                  tiny("mistral", "ForSequenceClassification"),  # another architecture
+                  transformers.LlamaForSequenceClassification(transformers.LlamaConfig(
+                      **{**TINY, "num_hidden_layers": 3}, num_labels=1))):  # another config
+        calls.clear()
+        assert plumbing.sharing_key(other) != plumbing.sharing_key(policy)
+        assert plumbing.shares_prompts(other, "reward model", None, probe, computed(other, True), notes, checked)
+        assert calls == [other]
+    # a verdict against sharing is carried as well, with its reason in each model's note
+    checked, notes = {}, []
+    for seed in (0, 1):
+        falcon = tiny("falcon_h1", seed=seed)
+        calls.clear()
+        assert not plumbing.shares_prompts(falcon, "policy", None, probe, computed(falcon), notes, checked)
+        assert calls == []  # why_not_shared decides before any forward pass
+    assert len(checked) == 1 and len(notes) == 2 and notes[0] == notes[1]
