@@ -63,6 +63,9 @@ class Args(plumbing.RunArgs):
     """The algorithm's flags; plumbing.RunArgs adds the run's (models, data, output_dir, checkpoints, memory and speed,
     LoRA, logging)."""
 
+    resumable_changes: ClassVar[frozenset] = plumbing.RunArgs.resumable_changes | {
+        "num_generations_eval", "log_completions", "num_completions_to_print"}  # evaluation and printing only
+
     # ----- RLOO -----
     rloo_k: int = 2
     """completions sampled per prompt (k >= 2: the baseline of each is the mean of the other k-1)"""
