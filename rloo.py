@@ -290,13 +290,18 @@ class SamplingFilters:
     min_p: Optional[float] = None
     repetition_penalty: float = 1.0
 
+    @property
+    def cuts(self) -> bool:
+        """Whether a filter may take tokens out of the support."""
+        return self.top_k != 0 or self.top_p < 1.0 or bool(self.min_p)
+
     @classmethod
     def of(cls, args) -> "SamplingFilters":
         return cls(args.top_k, args.top_p, args.min_p, args.repetition_penalty)
 
     @property
     def neutral(self) -> bool:
-        return self.top_k == 0 and self.top_p >= 1.0 and not self.min_p and self.repetition_penalty == 1.0
+        return not self.cuts and self.repetition_penalty == 1.0
 
     @property
     def reads_history(self) -> bool:
@@ -325,7 +330,7 @@ def sampling_logits(logits: torch.Tensor, temperature: float, filters: SamplingF
     if filters.reads_history:
         penalty = filters.repetition_penalty
         x = torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x)
-    if temperature <= 0 or (filters.top_k == 0 and filters.top_p >= 1.0 and not filters.min_p):
+    if temperature <= 0 or not filters.cuts:
         return x
     with torch.no_grad():  # which tokens stay: a constant of the loss
         scaled = x / temperature  # (.., V)
