@@ -291,8 +291,7 @@ class SamplingFilters:
     repetition_penalty: float = 1.0
 
     @property
-    def cuts(self) -> bool:
-        """Whether a filter may take tokens out of the support."""
+    def cuts(self) -> bool:  # whether a filter may take tokens out of the support
         return self.top_k != 0 or self.top_p < 1.0 or bool(self.min_p)
 
     @classmethod

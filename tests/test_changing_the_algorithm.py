@@ -32,7 +32,7 @@ def edited_rloo(diffs: list[str], tmp_path):
     """rloo.py with the diffs applied (each one's context and removed lines found exactly once), imported as a
     module."""
     source = (REPO / "rloo.py").read_text()
-    for diff in diffs:
+    for diff in (hunk for block in diffs for hunk in re.split(r"^@@.*\n", block, flags=re.M)):  # @@: a new hunk
         lines = diff.splitlines()
         old = "".join(line[1:] + "\n" for line in lines if line[:1] in (" ", "-"))
         new = "".join(line[1:] + "\n" for line in lines if line[:1] in (" ", "+"))

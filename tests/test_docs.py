@@ -12,7 +12,7 @@ import rloo_multinode
 from conftest import REPO
 
 DOCS = REPO / "docs"
-README_MAX_LINES = 250
+README_MAX_LINES = 270  # 250 before the sampling example of "Changing the algorithm"
 
 
 def make_flags():
