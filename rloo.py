@@ -115,7 +115,8 @@ class Args(plumbing.RunArgs):
     gradient_accumulation_steps x ranks); None: per_device_train_batch_size x gradient_accumulation_steps x
     num_mini_batches x ranks"""
     num_generations_eval: Optional[int] = None
-    """near-greedy completions per test prompt at evaluation (the scores averaged over all); None is 1"""
+    """near-greedy completions per test prompt at evaluation (the scores averaged over all); None is 1 (TRL's None is
+    num_generations, sampled at the training temperature)"""
     log_completions: bool = False
     """print (and log to wandb) the table of prompt / completion / score at every update, not only
     num_sample_generations times"""

@@ -127,7 +127,8 @@ class StandIn:
             raise ValueError(f"fields this stand-in does not know: {sorted(unknown)}")
         if not (body["ignore_eos"] and body["n"] == 1):
             raise ValueError("rloo_multinode.py samples with ignore_eos, n=1")
-        filters = rloo.SamplingFilters(body["top_k"], body["top_p"], body["min_p"] or None, body["repetition_penalty"])
+        filters = rloo.SamplingFilters(body["top_k"], body["top_p"], body["min_p"] or None,
+                                       body["repetition_penalty"])  # vLLM's meanings are rloo.py's
         prompts, length = body["prompt"], body["max_tokens"]
         width = max(map(len, prompts))
         queries = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # (N, Tq), left-padded
