@@ -191,22 +191,30 @@ def test_vllm_sampling_parameters_carry_the_filters():
         rloo_multinode.validate_engine_args(rloo_multinode.Args(min_p=0.1, top_p=0.9), 1)
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--top_p", "0"], "top_p = 0.0 must be in (0, 1]"), (["--top_p", "1.5"], "top_p = 1.5 must be in (0, 1]"),
-    (["--top_k", "-1"], "top_k = -1 must be >= 0"), (["--min_p", "2"], "min_p = 2.0 must be in [0, 1]"),
-    (["--repetition_penalty", "0"], "repetition_penalty = 0.0 must be a finite number > 0"),
-    (["--repetition_penalty", "nan"], "repetition_penalty = nan must be"),
-    (["--num_generations_eval", "0"], "num_generations_eval = 0 must be at least 1"),
-    (["--num_completions_to_print", "0"], "num_completions_to_print = 0 must be at least 1"),
-    (["--generation_batch_size", "20"], "--generation_batch_size 20 must be a multiple of"),
-    (["--generation_batch_size", "32", "--num_mini_batches", "3"], "and not --num_mini_batches 3 with it"),
+@pytest.mark.parametrize("values,message", [
+    ({"top_p": 0.0}, "top_p = 0.0 must be in (0, 1]"), ({"top_p": 1.5}, "top_p = 1.5 must be in (0, 1]"),
+    ({"top_k": -1}, "top_k = -1 must be >= 0"), ({"min_p": 2.0}, "min_p = 2.0 must be in [0, 1]"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty = 0.0 must be a finite number > 0"),
+    ({"repetition_penalty": math.nan}, "repetition_penalty = nan must be"),
+    ({"num_generations_eval": 0}, "num_generations_eval = 0 must be at least 1"),
+    ({"num_completions_to_print": 0}, "num_completions_to_print = 0 must be at least 1"),
+    ({"generation_batch_size": 20}, "--generation_batch_size 20 must be a multiple of"),
+    ({"generation_batch_size": 32, "num_mini_batches": 3}, "and not --num_mini_batches 3 with it"),
 ])
-def test_bad_sampling_flags_are_one_line(assets, tmp_path, flags, message):
+def test_bad_sampling_values_are_refused(values, message):
+    args = rloo.Args(model_name_or_path="m", reward_fn=("reward_fns:count_a",), per_device_train_batch_size=8,
+                     **values)
+    with pytest.raises(plumbing.ConfigError) as refused:
+        plumbing.validate_args(args)
+        rloo.compute_batch_sizes(args, 1)
+    assert message in str(refused.value)
+
+
+def test_a_bad_sampling_flag_is_one_line_before_models_load(assets, tmp_path):
     result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--reward_fn",
-                      "reward_fns:count_a", "--output_dir", tmp_path / "out", "--per_device_train_batch_size", "8",
-                      *flags)
-    assert result.returncode == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1, \
-        result.stderr[-2000:]
+                      "reward_fns:count_a", "--output_dir", tmp_path / "out", "--top_p", "0")
+    assert result.returncode == 2 and result.stderr.strip() == "rloo.py: error: top_p = 0.0 must be in (0, 1] (1: no " \
+        "nucleus filter)", result.stderr[-2000:]
 
 
 def test_generation_batch_size_sets_the_minibatches():
