@@ -284,25 +284,3 @@ def test_resume_is_exact_with_every_sampling_option(assets, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_run(full, interrupted)
 
-
-def test_a_run_with_hf_engines_and_every_option_equals_rloo_py_s(assets, tmp_path):
-    """rloo_multinode.py's hf engines sample with rloo.py's own filtered sampler: the same run, bit for bit."""
-    from test_multinode import PER_UPDATE, RUN, comparable, free_port
-    from test_multinode import run as run_script
-
-    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *RUN,
-              "--total_episodes", 2 * PER_UPDATE, *[f"--{name}={value}" for name, value in ALL.items()]]
-    local = run_script("rloo.py", *common, "--output_dir", tmp_path / "local")
-    assert local.returncode == 0, local.stderr[-3000:]
-    engines = run_script("rloo_multinode.py", *common, "--output_dir", tmp_path / "engines", "--engine", "hf",
-                         "--engine_port", free_port())
-    assert engines.returncode == 0, engines.stderr[-3000:]
-    for engine, local in zip(comparable(read_metrics(tmp_path / "engines")),
-                             comparable(read_metrics(tmp_path / "local")), strict=True):
-        mismatch = [k for k in local if k.startswith("mismatch/")]
-        assert mismatch and engine["mismatch/logprob_diff_max"] < 1e-5  # the engine's filtered log-probs, fp32
-        assert [engine.pop(k) for k in mismatch] == pytest.approx([local.pop(k) for k in mismatch], rel=1e-6,
-                                                                  abs=1e-7)
-        assert engine == local
-    assert same(load_file(tmp_path / "local" / "model.safetensors"), load_file(tmp_path / "engines" /
-                                                                                "model.safetensors"))
