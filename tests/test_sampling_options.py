@@ -4,6 +4,7 @@ trainer score one distribution, neutral settings change nothing, active ones cha
 
 import contextlib
 import math
+import signal
 
 import pytest
 import torch
@@ -277,8 +278,6 @@ def test_resume_is_exact_with_every_sampling_option(assets, tmp_path):
               *[f"--{name}={value}" for name, value in ALL.items()]]
     full, interrupted = tmp_path / "full", tmp_path / "interrupted"
     assert run_rloo(*common, "--output_dir", full).returncode == 0
-    import signal
-
     interrupt_after_first_update([*common, "--output_dir", interrupted], signal.SIGINT)
     result = run_rloo(*common, "--output_dir", interrupted, "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
