@@ -63,6 +63,9 @@ class Args(plumbing.RunArgs):
     """The algorithm's flags; plumbing.RunArgs adds the run's (models, data, output_dir, checkpoints, memory and speed,
     LoRA, logging)."""
 
+    resumable_changes: ClassVar[frozenset] = plumbing.RunArgs.resumable_changes | {
+        "num_generations_eval", "log_completions", "num_completions_to_print"}  # evaluation and printing only
+
     # ----- RLOO -----
     rloo_k: int = 2
     """completions sampled per prompt (k >= 2: the baseline of each is the mean of the other k-1)"""
@@ -108,7 +111,31 @@ class Args(plumbing.RunArgs):
     response_length: int = 53
     """tokens sampled per completion"""
     temperature: float = 0.7
-    """sampling temperature (top_k=0, top_p=1); logits are divided by it when log-probs are computed"""
+    """sampling temperature; logits are divided by it when log-probs are computed"""
+    top_k: int = 0
+    """sample only from the top_k most likely tokens (ties at the k-th kept); 0 keeps all. The log-probs trained on
+    (ratio, KL, mismatch) are of the distribution sampled from (sampling_logits)"""
+    top_p: float = 1.0
+    """nucleus sampling: only the fewest most likely tokens whose probabilities (after temperature and top_k) sum to
+    at least top_p; 1 keeps all"""
+    min_p: Optional[float] = None
+    """drop the tokens whose probability is below min_p x the most likely token's (after top_p); None keeps all"""
+    repetition_penalty: float = 1.0
+    """divide the logit of every token already in the prompt or the response so far by this when positive (multiply
+    when negative), before the temperature (transformers' and vLLM's meaning); 1 is none"""
+    generation_batch_size: Optional[int] = None
+    """completions sampled per update, all ranks together (TRL's): sets num_mini_batches to it / (micro-batch x
+    gradient_accumulation_steps x ranks); None: per_device_train_batch_size x gradient_accumulation_steps x
+    num_mini_batches x ranks"""
+    num_generations_eval: Optional[int] = None
+    """near-greedy completions per test prompt at evaluation (the scores averaged over all); None is 1 (TRL's None is
+    num_generations, sampled at the training temperature)"""
+    log_completions: bool = False
+    """print (and log to wandb) the table of prompt / completion / score at every update, not only
+    num_sample_generations times"""
+    num_completions_to_print: Optional[int] = None
+    """rows of that table: each prompt's k completions together, rank 0's; None: 5 prompts' first completion, or with
+    --log_completions all of rank 0's completions"""
     stop_token: Optional[Literal["eos"]] = "eos"
     """truncate completions after the first EOS; None keeps all response_length tokens"""
     stop_token_id: Optional[int] = None
@@ -228,7 +255,8 @@ def algorithm_checks(args: Args) -> None:
 class BatchSizes:
     micro: int  # completions per forward/backward pass, per rank
     mini: int  # completions per optimizer step, per rank = micro * gradient_accumulation_steps
-    local: int  # completions per update, per rank = mini * num_mini_batches = k * prompts
+    local: int  # completions per update, per rank = mini * minibatches = k * prompts
+    minibatches: int  # optimizer steps per PPO epoch: num_mini_batches, or from --generation_batch_size
     prompts: int  # B: prompts per update, per rank = local / k
     all_ranks: int  # completions per update, all ranks = local * world_size
 
@@ -243,14 +271,24 @@ def compute_batch_sizes(args: Args, world_size: int) -> BatchSizes:
             raise plumbing.ConfigError(f"{name} = {getattr(args, name)} must be at least 1")
     micro = args.per_device_train_batch_size
     mini = micro * args.gradient_accumulation_steps
-    local = mini * args.num_mini_batches
+    minibatches = args.num_mini_batches
+    if args.generation_batch_size is not None:  # TRL's: completions per generation, which spans minibatches steps
+        per_step = mini * world_size
+        minibatches = args.generation_batch_size // per_step
+        if args.generation_batch_size % per_step or args.num_mini_batches not in (1, minibatches):
+            raise plumbing.ConfigError(
+                f"--generation_batch_size {args.generation_batch_size} must be a multiple of the completions of one "
+                f"optimizer step, per_device_train_batch_size ({micro}) x gradient_accumulation_steps "
+                f"({args.gradient_accumulation_steps}) x {world_size} ranks = {per_step}, and sets num_mini_batches to "
+                f"the quotient: pass a multiple, and not --num_mini_batches {args.num_mini_batches} with it")
+    local = mini * minibatches
     if local % args.rloo_k:
         raise plumbing.ConfigError(f"per_device_train_batch_size ({micro}) x gradient_accumulation_steps "
-                                   f"({args.gradient_accumulation_steps}) x num_mini_batches ({args.num_mini_batches})"
+                                   f"({args.gradient_accumulation_steps}) x num_mini_batches ({minibatches})"
                                    f" = {local} completions per rank is not divisible by rloo_k ({args.rloo_k}); make "
                                    "the product a multiple of rloo_k")
     return BatchSizes(micro=micro, mini=mini, local=local, prompts=local // args.rloo_k,
-                      all_ranks=local * world_size)
+                      all_ranks=local * world_size, minibatches=minibatches)
 
 
 # ===================================================================== data
@@ -342,6 +380,95 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
 
 
+@dataclass(frozen=True)
+class SamplingFilters:
+    """What the distribution sampled from is, beyond the temperature (--top_k, --top_p, --min_p,
+    --repetition_penalty); the default changes nothing."""
+
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: Optional[float] = None
+    repetition_penalty: float = 1.0
+
+    @property
+    def cuts(self) -> bool:  # whether a filter may take tokens out of the support
+        return self.top_k != 0 or self.top_p < 1.0 or bool(self.min_p)
+
+    @classmethod
+    def of(cls, args) -> "SamplingFilters":
+        return cls(args.top_k, args.top_p, args.min_p, args.repetition_penalty)
+
+    @property
+    def neutral(self) -> bool:
+        return not self.cuts and self.repetition_penalty == 1.0
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether a token's distribution depends on the tokens before it beyond the model (the repetition penalty)."""
+        return self.repetition_penalty != 1.0
+
+
+NO_FILTERS = SamplingFilters()
+
+
+def sampling_logits(logits: torch.Tensor, temperature: float, filters: SamplingFilters,
+                    seen: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The logits (.., V) of the distribution sampled from, at the model's scale (the caller divides by the
+    temperature): the sampler draws from them (generate) and the trainer's forward takes its log-probs of them
+    (forward_logprobs), so the two cannot differ. transformers' order, as TRL samples without vLLM: the repetition
+    penalty on the raw logits of the tokens in `seen` (.., V bool: the prompt's real tokens and the response's earlier
+    ones), then top-k, top-p (over what top-k kept) and min-p on softmax(logits / temperature). A filtered token gets
+    the lowest finite float, not -inf: its probability is exactly 0 all the same, and an entropy E_p[x] stays finite
+    (0 x -inf is NaN). `keep` (..,) token ids stay in the support whatever the filters say: the trainer passes the
+    drawn tokens, whose own forward may place them a rounding error outside the nucleus the sampler's forward drew
+    them from (their log-prob would be -inf, the ratio inf). The logits themselves when the filters are neutral;
+    float32 otherwise. Temperature 0 (greedy): the penalty only, the filters keep the argmax."""
+    if filters.neutral:
+        return logits
+    x = logits.float()  # (.., V), differentiable
+    if filters.reads_history:
+        penalty = filters.repetition_penalty
+        x = torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x)
+    if temperature <= 0 or not filters.cuts:
+        return x
+    with torch.no_grad():  # which tokens stay: a constant of the loss
+        scaled = x / temperature  # (.., V)
+        support = torch.ones_like(scaled, dtype=torch.bool)
+        if 0 < filters.top_k < scaled.shape[-1]:  # ties with the k-th value stay, as transformers' and vLLM's do
+            support = scaled >= scaled.topk(filters.top_k, dim=-1).values[..., -1:]
+        if filters.top_p < 1.0:  # ascending: drop the tokens whose cumulative mass stays within 1 - top_p
+            ascending, order = scaled.masked_fill(~support, -math.inf).sort(-1)
+            dropped = ascending.softmax(-1).cumsum(-1) <= 1.0 - filters.top_p  # (.., V)
+            dropped[..., -1] = False  # the most likely token always stays
+            support &= ~dropped.scatter(-1, order, dropped)
+        if filters.min_p:
+            probs = scaled.masked_fill(~support, -math.inf).softmax(-1)  # (.., V)
+            support &= probs >= filters.min_p * probs.amax(-1, keepdim=True)  # the most likely token stays
+        if keep is not None:
+            support.scatter_(-1, keep.unsqueeze(-1), True)
+    return x.masked_fill(~support, torch.finfo(x.dtype).min)
+
+
+def prompt_tokens_seen(queries: torch.Tensor, query_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(n, V) bool: the token ids among each (n, Tq) query's real tokens (the repetition penalty's start)."""
+    seen = torch.zeros(queries.shape[0], vocab_size, dtype=torch.bool, device=queries.device)
+    rows, columns = query_mask.nonzero(as_tuple=True)
+    seen[rows, queries[rows, columns]] = True
+    return seen
+
+
+def first_seen(c: "Completions", vocab_size: int) -> torch.Tensor:
+    """(k*g, V) int32: the response position where each token id first occurs in each completion (-1: in its prompt;
+    Tr: nowhere), so that token v is among the tokens before response position t exactly when first_seen < t."""
+    n, width = c.responses.shape
+    first = torch.full((n, vocab_size), width, dtype=torch.int32, device=c.responses.device)
+    positions = torch.arange(width, dtype=torch.int32, device=first.device).expand(n, width)  # (k*g, Tr)
+    first.scatter_reduce_(1, c.responses.masked_fill(~c.response_mask, 0),
+                          positions.masked_fill(~c.response_mask, width), "amin")
+    prompt = prompt_tokens_seen(c.queries, c.query_mask, vocab_size)  # (g, V)
+    return first.masked_fill(prompt[torch.arange(c.queries.shape[0], device=first.device).repeat(c.k)], -1)
+
+
 def sample_tokens(logits: torch.Tensor, temperature: float,
                   generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """(N,) one token per row of (N, V) logits, from softmax(logits / temperature), by inverse-CDF sampling: one
@@ -360,13 +487,14 @@ def generate(
     model, queries: torch.Tensor, query_mask: torch.Tensor, max_new_tokens: int, temperature: float,
     stop_token_id: Optional[int], pad_token_id: int, generator: Optional[torch.Generator] = None,
     decoder: Optional[plumbing.StaticDecoder] = None, k: int = 1, logprobs_out: Optional[torch.Tensor] = None,
+    filters: SamplingFilters = NO_FILTERS,
 ) -> torch.Tensor:
     """Sample k continuations of each of the g left-padded queries (g, Tq): (k*g, max_new_tokens) tokens in the
-    (k, g) layout, row j*g + i continuing query i; top_k=0, top_p=1 (temperature 0: greedy). Each query is prefilled
-    once, its cache copied to its k rows: preallocated (a `decoder`'s: its compiled step), or for state-space and
-    recurrent layers the prefill's own. A row is padded after its stop token. `logprobs_out` (k*g, max_new_tokens),
-    if given, receives the sampler's log-prob of each drawn token: log_softmax(logits / temperature), as the
-    trainer computes it."""
+    (k, g) layout, row j*g + i continuing query i, from softmax(sampling_logits / temperature) (temperature 0:
+    greedy). Each query is prefilled once, its cache copied to its k rows: preallocated (a `decoder`'s: its compiled
+    step), or for state-space and recurrent layers the prefill's own. A row is padded after its stop token.
+    `logprobs_out` (k*g, max_new_tokens), if given, receives the sampler's log-prob of each drawn token:
+    log_softmax(sampling_logits / temperature), as the trainer computes it."""
     from transformers import DynamicCache
 
     g, width = queries.shape
@@ -394,13 +522,19 @@ def generate(
     next_position = position_ids[prompt_of_row, -1:] + 1  # (k*g, 1)
     done = torch.zeros(k * g, dtype=torch.bool, device=queries.device)  # (k*g,)
     tokens = torch.full((k * g, max_new_tokens), pad_token_id, device=queries.device)  # (k*g, Tr)
+    # (k*g, V) the tokens so far of each row, for the repetition penalty: its prompt's, then each drawn one
+    seen = prompt_tokens_seen(queries, query_mask, logits.shape[-1])[prompt_of_row] if filters.reads_history else None
     for t in range(max_new_tokens):
+        logits = sampling_logits(logits, temperature, filters, seen)  # (k*g, V) the distribution sampled from
         token = sample_tokens(logits, temperature, generator) if temperature > 0 else logits.argmax(-1)  # (k*g,)
         token = torch.where(done, pad_token_id, token)
         tokens[:, t] = token
+        if seen is not None:
+            seen[torch.arange(k * g, device=seen.device), token] = True
         if logprobs_out is not None:  # what the sampler gave the token it drew: for the mismatch metrics (k*g,)
             scaled = logits / temperature  # (k*g, V)
-            logprobs_out[:, t] = scaled.gather(1, token[:, None])[:, 0] - scaled.logsumexp(-1)
+            logprob = scaled.gather(1, token[:, None])[:, 0] - scaled.logsumexp(-1)
+            logprobs_out[:, t] = logprob.masked_fill(done, 0.0)  # a finished row's padding may be filtered out
         if stop_token_id is not None:
             done |= token == stop_token_id
         if t == max_new_tokens - 1 or done.all():
@@ -571,20 +705,47 @@ def unshared_inputs(c: Completions, pad_id: int = 0) -> dict:
             "position_ids": position_ids_from_mask(attention_mask)}
 
 
+def tokens_before(c: Completions, vocab_size: int, rows: Optional[GroupedRows] = None) -> torch.Tensor:
+    """Bool (k*g, Tr, V), or (g, P, V) in `rows`' layout: the token ids before each predicted response token, its
+    prompt's real tokens and its own response's earlier ones (what the repetition penalty reads). In a grouped row
+    the k responses of a prompt follow one another but none sees another's tokens, so each predictor looks up its own
+    completion's."""
+    first = first_seen(c, vocab_size)  # (k*g, V)
+    t = torch.arange(c.responses.shape[1], dtype=torch.int32, device=first.device)  # (Tr,)
+    if rows is None:
+        return first[:, None, :] < t[None, :, None]  # (k*g, Tr, V)
+    owner = torch.zeros(rows.targets.shape, dtype=torch.long, device=first.device)  # (g, P) the completion predicted
+    position = torch.zeros(rows.targets.shape, dtype=torch.int32, device=first.device)  # (g, P) at this position
+    completion, token = c.response_mask.nonzero(as_tuple=True)  # (n,) each, the real response tokens
+    group = completion % c.queries.shape[0]  # (n,) completion j*g + i is in row i
+    owner[group, rows.slots[completion, token]] = completion
+    position[group, rows.slots[completion, token]] = t[token]
+    return first[owner] < position[..., None]  # (g, P, V); predictors of no token: unread
+
+
 def forward_logprobs(
     model, c: Completions, temperature: float, share_prompt: bool, with_entropy: bool = False,
+    filters: SamplingFilters = NO_FILTERS,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Log-probs (k*g, Tr) of the response tokens under logits / temperature and, if asked, the entropy (k*g, Tr) of
-    each token's distribution (differentiable, as an entropy bonus needs: policy/entropy_avg, not objective/entropy,
-    which sums the sampled tokens' -log-probs). Logits are computed only where a response token is predicted
-    (plumbing.logits_at); padding positions hold values that must be masked."""
+    """Log-probs (k*g, Tr) of the response tokens under sampling_logits / temperature (the logits / temperature when
+    `filters` are neutral, as the reference's are) and, if asked, the entropy (k*g, Tr) of each token's distribution
+    (differentiable, as an entropy bonus needs: policy/entropy_avg, not objective/entropy, which sums the sampled
+    tokens' -log-probs). Logits are computed only where a response token is predicted (plumbing.logits_at); padding
+    positions hold values that must be masked."""
     if not share_prompt:  # position Tq - 1 + t predicts response token t
         positions = c.queries.shape[1] - 1 + torch.arange(c.responses.shape[1], device=c.responses.device)  # (Tr,)
         logits = plumbing.logits_at(model, positions, **unshared_inputs(c))  # (k*g, Tr, V)
+        seen = tokens_before(c, logits.shape[-1]) if filters.reads_history else None  # (k*g, Tr, V)
+        # the drawn tokens stay in their own support (keep): a filter's edge may differ by a rounding error here
+        logits = sampling_logits(logits, temperature, filters, seen, keep=c.responses)
+        # log softmax(logits / T)[response token] and the entropy of softmax(logits / T), both differentiable
         return plumbing.SelectiveLogSoftmax.apply(logits, c.responses, temperature, with_entropy)
     rows = grouped_rows_for(model, c)
     logits = plumbing.logits_at(model, rows.predictors, **rows.model_inputs())  # (g, P, V)
-    # in the logits' own layout, so that only the (g, P) results are rearranged, never the (.., V) logits
+    seen = tokens_before(c, logits.shape[-1], rows) if filters.reads_history else None  # (g, P, V)
+    logits = sampling_logits(logits, temperature, filters, seen, keep=rows.targets)  # the drawn tokens stay
+    # log softmax(logits / T)[target] and the entropy of softmax(logits / T), in the logits' own layout, so that only
+    # the (g, P) results are rearranged, never the (.., V) logits
     logprobs, entropy = plumbing.SelectiveLogSoftmax.apply(logits, rows.targets, temperature,
                                                            with_entropy)  # (g, P) each
     group = torch.arange(c.queries.shape[0], device=logits.device).repeat(c.k)[:, None]  # (k*g, 1)
@@ -610,11 +771,11 @@ class Rollout(Completions):
 def sample_completions(
     policy, queries: torch.Tensor, query_mask: torch.Tensor, response_length: int, temperature: float,
     stop_token_id: Optional[int], pad_token_id: int, generator: Optional[torch.Generator] = None,
-    decoder: Optional[plumbing.StaticDecoder] = None, k: int = 1,
+    decoder: Optional[plumbing.StaticDecoder] = None, k: int = 1, filters: SamplingFilters = NO_FILTERS,
 ) -> Completions:
     """Sample k completions of each (g, Tq) query, (k, g) layout, and cut each after its first stop token."""
     responses = generate(policy, queries, query_mask, response_length, temperature, stop_token_id, pad_token_id,
-                         generator, decoder, k)
+                         generator, decoder, k, filters=filters)
     responses, response_mask = truncate_after_stop(responses, stop_token_id, pad_token_id)  # (k*g, Tr) each
     return Completions(queries, query_mask, responses, response_mask)
 
@@ -663,7 +824,8 @@ def sample_in_chunks(
             logprobs = sampler_logprobs.new_zeros(len(rows), args.response_length)  # (k*g, Tr)
             responses[rows] = generate(
                 policy, queries[prompts, -width:], query_mask[prompts, -width:], args.response_length,
-                args.temperature, stop_token_id, pad_token_id, generator, decoder, k, logprobs)  # (k*g, Tr)
+                args.temperature, stop_token_id, pad_token_id, generator, decoder, k, logprobs,
+                SamplingFilters.of(args))  # (k*g, Tr)
             sampler_logprobs[rows] = logprobs
     responses, response_mask = truncate_after_stop(responses, stop_token_id, pad_token_id)  # (k*B, Tr) each
     return Completions(queries, query_mask, responses, response_mask,
@@ -716,7 +878,7 @@ def logprobs_from_update(args: Args, sizes: BatchSizes, lookahead: int) -> bool:
     """On-policy (one epoch, one minibatch, sampled by the weights being trained) the sampling policy's log-probs are
     the training forward's own, detached: the update computes them, a micro-batch of whole prompt groups at a time,
     instead of a separate pass. Not with --normalize_advantage, which needs them all before the first step."""
-    return (args.num_ppo_epochs == 1 and args.num_mini_batches == 1 and lookahead == 0
+    return (args.num_ppo_epochs == 1 and sizes.minibatches == 1 and lookahead == 0
             and sizes.micro % args.rloo_k == 0 and not args.normalize_advantage)
 
 
@@ -725,26 +887,29 @@ def collect_rollout(
     policy, ref_policy, completions: Completions, args: Args, share_prompt: bool, logprobs_from_update: bool,
     autocast, timer: plumbing.PhaseTimer,
 ) -> Rollout:
-    """The completions' log-probs under the policy that sampled them (unless logprobs_from_update), then under the
-    reference, each in length-sorted chunks of whole prompt groups."""
+    """The completions' log-probs under the policy that sampled them, of the distribution it sampled from (the
+    filters, as the update's forward computes them; unless logprobs_from_update), then under the reference, of
+    softmax(logits / temperature) unfiltered: the KL is then KL(sampled || reference), >= 0 and finite (the reference
+    gives every token mass), and counts what the filters cut as a distance. Each in length-sorted chunks of whole
+    prompt groups."""
     c = completions
 
-    def logprobs_of(model) -> torch.Tensor:
+    def in_length_chunks(model, logprobs: Callable) -> torch.Tensor:
         chunk = plumbing.rows_per_forward(args, model, "logprobs", c.responses.device, c.responses.shape[0], c.k)
-        logprobs = in_chunks(c, chunk, lambda part: forward_logprobs(model, part, args.temperature, share_prompt)[0],
-                             width=c.responses.shape[1])  # (k*B, Tr)
-        return logprobs * c.response_mask  # 0 on padding
+        return in_chunks(c, chunk, logprobs, width=c.responses.shape[1]) * c.response_mask  # (k*B, Tr), 0 on padding
 
     # recomputed with the training forward pass, not taken from sampling: the sequence-level ratio is the exp of
     # a sum, so small sampling-vs-training mismatches would blow up (bf16, fused kernels)
     logprobs = None
     if not logprobs_from_update:
         with timer("policy_forward"), autocast():
-            logprobs = logprobs_of(policy)  # (k*B, Tr)
+            logprobs = in_length_chunks(policy, lambda part: forward_logprobs(
+                policy, part, args.temperature, share_prompt, filters=SamplingFilters.of(args))[0])  # (k*B, Tr)
     ref_logprobs = None
     if ref_policy is not None:
         with timer("reference_forward"), plumbing.visiting(ref_policy, c.responses.device), autocast():
-            ref_logprobs = logprobs_of(ref_policy)  # (k*B, Tr)
+            ref_logprobs = in_length_chunks(ref_policy, lambda part: forward_logprobs(
+                ref_policy, part, args.temperature, share_prompt)[0])  # (k*B, Tr)
     return Rollout(c.queries, c.query_mask, c.responses, c.response_mask, logprobs, ref_logprobs,
                    sampler_logprobs=c.sampler_logprobs)
 
@@ -1090,7 +1255,8 @@ def ppo_update(
                 batch = micro_batch(rollout, rows, k)  # (n, Tq') prompts, (n', Tr') responses, n' = len(rows)
                 with gradient_sync(model, enabled=micro_step == len(minibatch) - 1), autocast():
                     new_logprobs, entropy = forward_logprobs(model, batch, args.temperature, share_prompt,
-                                                             with_entropy=True)  # (n', Tr') each
+                                                             with_entropy=True,
+                                                             filters=SamplingFilters.of(args))  # (n', Tr') each
                     if logprobs_from_update:  # whole prompt groups (logprobs_from_update): all that the estimator reads
                         batch.logprobs = new_logprobs.detach() * batch.response_mask
                         compute_advantages(batch, scores[rows], args)
@@ -1163,22 +1329,27 @@ def evaluate(
     policy, eval_dataset, sources: plumbing.RewardSources, tokenizer, args: Args, stop_token_id: Optional[int],
     dist_info: plumbing.Dist, autocast,
 ) -> dict[str, float]:
-    """Mean score of near-greedy completions of up to eval_max_prompts test prompts, spread over the ranks."""
+    """Mean score of near-greedy completions (num_generations_eval per prompt, from the distribution training samples
+    from at EVAL_TEMPERATURE: the filters and the repetition penalty apply, as TRL's evaluation keeps its generation
+    settings) of up to eval_max_prompts test prompts, spread over the ranks."""
+    k = args.num_generations_eval or 1
     indices = list(range(dist_info.rank, min(len(eval_dataset), args.eval_max_prompts), dist_info.world_size))
     total = torch.zeros(4, dtype=torch.float64, device=dist_info.device)  # score sum, length sum, stops, count
-    chunk = min(plumbing.rows_per_forward(args, policy, "generation", dist_info.device, len(indices)),
-                plumbing.rows_per_forward(args, sources.model, "scoring", dist_info.device, len(indices)))
+    chunk = min(plumbing.rows_per_forward(args, policy, "generation", dist_info.device, k * len(indices), k),
+                plumbing.rows_per_forward(args, sources.model, "scoring", dist_info.device, k * len(indices), k))
+    prompts_per_chunk = max(chunk // k, 1)
     plumbing.note_phase("evaluation")
     with plumbing.reward_faults(dist_info.device, "evaluation", after_training=True):
-        for start in range(0, len(indices), max(chunk, 1)):
-            rows = eval_dataset[indices[start : start + chunk]]
+        for start in range(0, len(indices), prompts_per_chunk):
+            rows = eval_dataset[indices[start : start + prompts_per_chunk]]
             queries, query_mask = plumbing.pad_sequences(rows[plumbing.PROMPT_IDS], tokenizer.pad_token_id,
                                                          dist_info.device)  # (b, Tq)
             with autocast():
                 completions = sample_completions(policy, queries, query_mask, args.response_length, EVAL_TEMPERATURE,
-                                                 stop_token_id, tokenizer.pad_token_id)  # (b, Tq + Tr)
+                                                 stop_token_id, tokenizer.pad_token_id, k=k,
+                                                 filters=SamplingFilters.of(args))  # (k*b, Tr), (k, b) layout
             scores, _ = score_completions(sources, completions, rows, args.prompt_column, tokenizer, stop_token_id,
-                                          chunk, autocast)  # (b,)
+                                          k * prompts_per_chunk, autocast)  # (k*b,)
             total += torch.tensor([scores.sum().item(), completions.response_mask.sum().item(),
                                    completions.ended(stop_token_id).sum().item(), len(scores)],
                                   dtype=torch.float64, device=dist_info.device)
@@ -1188,6 +1359,16 @@ def evaluate(
 
 
 # ===================================================================== main
+def table_rows(args: Args, sizes: BatchSizes) -> list[int]:
+    """The completions (rows of the (k, B) layout) of the sample table: --num_completions_to_print of them, each
+    prompt's k together (TRL prints them so); by default the first completion of 5 prompts, or with
+    --log_completions every completion of this rank."""
+    if args.num_completions_to_print is None and not args.log_completions:
+        return list(range(min(5, sizes.prompts)))
+    by_prompt = [j * sizes.prompts + i for i in range(sizes.prompts) for j in range(args.rloo_k)]  # prompt-major
+    return by_prompt[: args.num_completions_to_print]
+
+
 @dataclass
 class PromptBatch:
     """B prompts drawn for one update, their k completions asked for and not yet trained on."""
@@ -1369,10 +1550,10 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                            episode=episode)
             if logger is not None:
                 logger.log(update, metrics)
-                if sample_every and (update - 1) % sample_every == 0:  # the first sample of the first prompts
-                    logger.sample_table([(tokenizer.decode(batch.queries[i][batch.query_mask[i]]),
-                                          tokenizer.decode(rollout.responses[i][rollout.response_mask[i]]),
-                                          scores[i].item()) for i in range(min(5, sizes.prompts))], episode)
+                if args.log_completions or (sample_every and (update - 1) % sample_every == 0):
+                    logger.sample_table([(tokenizer.decode(batch.queries[i % sizes.prompts][
+                        batch.query_mask[i % sizes.prompts]]), tokenizer.decode(rollout.responses[i][
+                            rollout.response_mask[i]]), scores[i].item()) for i in table_rows(args, sizes)], episode)
             if eval_dataset is not None and (update % eval_every == 0 or update == num_updates):
                 policy.eval()
                 with plumbing.gathered_for_rollout(policy, args.fsdp_generation), \

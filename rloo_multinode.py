@@ -210,6 +210,10 @@ def validate_engine_args(args: Args, world_size: int) -> None:
     if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
         raise plumbing.ConfigError("--vllm_enable_sleep_mode needs CUDA (vLLM's sleep mode works through CUDA's "
                                    "allocator); on CPUs drop it")
+    if (args.engine == "vllm" or args.vllm_mode == "colocate") and args.min_p and args.top_p < 1:
+        raise plumbing.ConfigError(f"--min_p {args.min_p} with --top_p {args.top_p}: vLLM filters by min-p before "
+                                   "top-p, the trainer (transformers' order) after, so the two distributions would "
+                                   "differ; drop one of them, or pass --engine hf")
     if args.vllm_mode == "colocate":
         validate_colocated_args(args)
         return
@@ -742,10 +746,14 @@ def vllm_engine_kwargs(args: Args, index: int, backend: str) -> dict:
 
 def vllm_sampling(args: Args, stop_token_id: Optional[int]) -> dict:
     """vLLM sampling parameters (SamplingParams' and the completions API's names) that draw as rloo.py's sampler
-    does: plain temperature sampling, with no top-k, top-p, min-p or repetition penalty whatever the model's
-    generation config says; response_length tokens unless the stop token comes first, and EOS stops a response
-    only when it is the stop token."""
-    return {"temperature": args.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+    does (rloo.sampling_logits): the temperature and --top_k, --top_p, --min_p, --repetition_penalty, whatever the
+    model's generation config says; vLLM's meaning of each is transformers' (the penalty on the raw logits of the
+    prompt's and the output's tokens; ties at the k-th logit kept), and with logprobs_mode "processed_logprobs" the
+    log-probs it returns are of the filtered distribution, as the trainer's. Its one difference, min-p before top-p,
+    is refused (validate_engine_args). response_length tokens unless the stop token comes first, and EOS stops a
+    response only when it is the stop token."""
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p or 0.0,
+            "repetition_penalty": args.repetition_penalty,
             "max_tokens": args.response_length,
             "stop_token_ids": [] if stop_token_id is None else [stop_token_id], "ignore_eos": True}
 

@@ -18,23 +18,28 @@ CPU = torch.device("cpu")
 K, PROMPTS = 4, 4  # 16 completions an update
 
 
-def examples() -> dict[str, str]:
-    """The section's diff blocks, by the bold title of the paragraph before each."""
+def examples() -> dict[str, list[str]]:
+    """The section's diff blocks (an example's hunks), by the bold title of the paragraph before each."""
     readme = (REPO / "README.md").read_text()
     section = readme.split("\n## Changing the algorithm\n", 1)[1].split("\n## ", 1)[0]
-    return {re.findall(r"\*\*([^*]+)\*\*", section[:block.start()])[-1]: block.group(1)
-            for block in re.finditer(r"```diff\n(.*?)```", section, re.S)}
+    found = {}
+    for block in re.finditer(r"```diff\n(.*?)```", section, re.S):
+        found.setdefault(re.findall(r"\*\*([^*]+)\*\*", section[:block.start()])[-1], []).append(block.group(1))
+    return found
 
 
-def edited_rloo(diff: str, tmp_path):
-    """rloo.py with the diff applied (its context and removed lines found exactly once), imported as a module."""
-    lines = diff.splitlines()
-    old = "".join(line[1:] + "\n" for line in lines if line[:1] in (" ", "-"))
-    new = "".join(line[1:] + "\n" for line in lines if line[:1] in (" ", "+"))
+def edited_rloo(diffs: list[str], tmp_path):
+    """rloo.py with the diffs applied (each one's context and removed lines found exactly once), imported as a
+    module."""
     source = (REPO / "rloo.py").read_text()
-    assert source.count(old) == 1, f"the example's lines are not in rloo.py once:\n{old}"
+    for diff in (hunk for block in diffs for hunk in re.split(r"^@@.*\n", block, flags=re.M)):  # @@: a new hunk
+        lines = diff.splitlines()
+        old = "".join(line[1:] + "\n" for line in lines if line[:1] in (" ", "-"))
+        new = "".join(line[1:] + "\n" for line in lines if line[:1] in (" ", "+"))
+        assert source.count(old) == 1, f"the example's lines are not in rloo.py once:\n{old}"
+        source = source.replace(old, new)
     path = tmp_path / "rloo.py"
-    path.write_text(source.replace(old, new))
+    path.write_text(source)
     spec = importlib.util.spec_from_file_location(f"rloo_edited_{tmp_path.name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -76,7 +81,8 @@ def reward_model_score(c) -> torch.Tensor:
 
 
 def test_the_section_has_the_three_examples():
-    assert list(examples()) == ["GRPO's group-normalized advantage", "An entropy bonus", "DAPO's token mean"]
+    assert list(examples()) == ["GRPO's group-normalized advantage", "An entropy bonus", "Epsilon sampling",
+                                "DAPO's token mean"]
 
 
 def test_grpo_advantages_have_unit_std_in_each_group(tmp_path):
@@ -124,3 +130,24 @@ def test_dapo_token_mean_divides_by_tokens_whatever_the_micro_batches(tmp_path):
     halves, _ = train(dapo, 2, reward_model_score, **flags)  # the same minibatches in micro-batches twice as large
     for p, q in zip(policy.parameters(), halves.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+def test_epsilon_sampling_cuts_the_same_tokens_in_the_sampler_and_the_trainer(tmp_path):
+    """The filter acts by default (cuts), in the sampler and in the trainer's forward alike: on peaked logits every
+    token below epsilon is out of the support; a training run samples, scores and updates with finite values, its
+    sampler's log-probs the trainer's."""
+    eps = edited_rloo(examples()["Epsilon sampling"], tmp_path)
+    filters = eps.SamplingFilters()
+    assert filters.cuts and not filters.neutral and rloo.SamplingFilters().neutral
+    logits = torch.tensor([[8.0, 4.0, 0.0, -1.0, -9.0]])  # probabilities ~0.98, 0.018, 3e-4, 1e-4, 4e-8
+    kept = eps.sampling_logits(logits, 1.0, filters) > -1e30
+    assert kept.tolist() == [[True, True, True, False, False]]
+    policy, history = train(eps, 2, reward_model_score)
+    for rollout, stats in history:
+        assert all(torch.isfinite(torch.tensor(v)) for v in stats.values())
+    tokenizer = policy_tokenizer()
+    queries, query_mask = left_padded(tokenizer, ["a b :", "c :"])
+    c = eps.sample_in_chunks(policy, queries, query_mask, K, eps.Args(rloo_k=K, response_length=5, temperature=1.0),
+                             1, 0, torch.Generator().manual_seed(0), NO_AUTOCAST)
+    trainer = eps.forward_logprobs(policy, c, 1.0, True, filters=filters)[0] * c.response_mask
+    torch.testing.assert_close(c.sampler_logprobs, trainer, atol=2e-6, rtol=0)

@@ -621,3 +621,24 @@ def test_the_generation_modes_benchmark_passes_only_real_flags():
         parsed = tyro.cli(rloo.Args if mode == "rloo.py" else mn.Args, args=command[2:] + flags)
         assert getattr(parsed, "vllm_mode", None) == {"rloo.py": None, "colocate": "colocate", "server": "server"}[mode]
     assert "--vllm_enable_sleep_mode" in gm.mode_command("colocate", args)
+
+
+def test_a_run_with_hf_engines_and_every_option_equals_rloo_py_s(assets, tmp_path):
+    """rloo_multinode.py's hf engines sample with rloo.py's own filtered sampler: the same run, bit for bit."""
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *RUN,
+              "--total_episodes", 2 * PER_UPDATE, "--top_k", 5, "--top_p", 0.8, "--min_p", 0.1,
+              "--repetition_penalty", 1.3]
+    local = run("rloo.py", *common, "--output_dir", tmp_path / "local")
+    assert local.returncode == 0, local.stderr[-3000:]
+    engines = run("rloo_multinode.py", *common, "--output_dir", tmp_path / "engines", "--engine", "hf",
+                  "--engine_port", free_port())
+    assert engines.returncode == 0, engines.stderr[-3000:]
+    for engine, local in zip(comparable(read_metrics(tmp_path / "engines")),
+                             comparable(read_metrics(tmp_path / "local")), strict=True):
+        mismatch = [k for k in local if k.startswith("mismatch/")]
+        assert mismatch and engine["mismatch/logprob_diff_max"] < 1e-5  # the engine's filtered log-probs, fp32
+        assert [engine.pop(k) for k in mismatch] == pytest.approx([local.pop(k) for k in mismatch], rel=1e-6,
+                                                                  abs=1e-7)
+        assert engine == local
+    trained = [AutoModelForCausalLM.from_pretrained(tmp_path / d).state_dict() for d in ("local", "engines")]
+    assert all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0])

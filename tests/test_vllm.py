@@ -101,6 +101,9 @@ def test_pinned_vllm_release_has_the_api_the_engines_use():
         assert hasattr(vllm.LLM, method), method
     params = vllm.SamplingParams(n=1, detokenize=False, **mn.vllm_sampling(mn.Args(model_name_or_path="m"), None))
     assert params.ignore_eos and params.top_k == 0 and params.stop_token_ids == []
+    params = vllm.SamplingParams(n=1, **mn.vllm_sampling(mn.Args(model_name_or_path="m", top_k=3, top_p=0.9,
+                                                                 repetition_penalty=1.2), None))
+    assert (params.top_k, params.top_p, params.min_p, params.repetition_penalty) == (3, 0.9, 0.0, 1.2)
     engine_args = {f.name: f.type for f in dataclasses.fields(EngineArgs)}
     for bf16, mode in ((False, "server"), (True, "colocate")):  # every LLM(...) argument is vLLM's, dtype valid
         kwargs = mn.vllm_engine_kwargs(mn.Args(model_name_or_path="m", bf16=bf16, vllm_mode=mode), 0, "gloo")
@@ -180,6 +183,22 @@ def test_a_run_generates_with_a_bf16_vllm_engine_and_finishes(assets, vllm_polic
     assert all(abs(m["val/ratio"] - 1) < 1e-5 and m["time/weight_sync"] > 0 for m in metrics)
     log = (tmp_path / "engine_0.log").read_text()
     assert "Creating weight transfer engine: GlooWeightTransferEngine" in log and "'dtype': 'bfloat16'" in log
+
+
+@on_cpu
+def test_a_vllm_engine_samples_from_the_filtered_distribution_the_trainer_scores(assets, vllm_policy, tmp_path):
+    """--top_k, --top_p and --repetition_penalty reach vLLM's SamplingParams, and with processed_logprobs the
+    log-probs it returns of the tokens it drew are the trainer's of the filtered distribution (fp32 both sides)."""
+    result = run("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *RUN,
+                 "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes", PER_UPDATE, "--output_dir",
+                 tmp_path, "--engine", "vllm", "--engine_port", free_port(), "--top_k", 5, "--top_p", 0.9,
+                 "--repetition_penalty", 1.3, *ENGINE_FLAGS)
+    assert result.returncode == 0, result.stderr[-3000:] + (tmp_path / "engine_0.log").read_text()[-3000:]
+    metrics = read_metrics(tmp_path)
+    print("mismatch of the filtering vLLM engine:", [{k: v for k, v in m.items() if k.startswith("mismatch/")}
+                                                     for m in metrics])
+    assert all(m["mismatch/logprob_diff_max"] < 1e-4 for m in metrics)  # unfiltered, they would differ by ~1
+    assert metrics[0]["objective/kl"] > 1.0  # the reference is unfiltered: top-5 of 15 tokens is ~1.1 nats a token
 
 
 @on_cpu

@@ -125,8 +125,10 @@ class StandIn:
         unknown = set(body) - COMPLETIONS_FIELDS
         if unknown:
             raise ValueError(f"fields this stand-in does not know: {sorted(unknown)}")
-        if not (body["ignore_eos"] and body["top_k"] == 0 and body["top_p"] == 1.0 and body["n"] == 1):
-            raise ValueError("rloo_multinode.py samples with ignore_eos, no top-k/top-p, n=1")
+        if not (body["ignore_eos"] and body["n"] == 1):
+            raise ValueError("rloo_multinode.py samples with ignore_eos, n=1")
+        filters = rloo.SamplingFilters(body["top_k"], body["top_p"], body["min_p"] or None,
+                                       body["repetition_penalty"])  # vLLM's meanings are rloo.py's
         prompts, length = body["prompt"], body["max_tokens"]
         width = max(map(len, prompts))
         queries = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # (N, Tq), left-padded
@@ -135,7 +137,7 @@ class StandIn:
         logprobs = torch.zeros(len(prompts), length)  # (N, length) the sampled tokens' (processed_logprobs)
         with self.lock:
             tokens = rloo.generate(self.workers[0].model, queries, mask, length, body["temperature"], stop, 0,
-                                   self.generator, logprobs_out=logprobs)  # (N, length)
+                                   self.generator, logprobs_out=logprobs, filters=filters)  # (N, length)
         choices = []
         for i, (row, row_logprobs) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
             end = row.index(stop) + 1 if stop is not None and stop in row else length  # vLLM stops at the stop token
