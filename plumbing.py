@@ -258,19 +258,6 @@ def number_rules(args) -> list[tuple[str, object, bool, str]]:
         ("reward_fn_timeout", a.reward_fn_timeout, a.reward_fn_timeout is None or (
             finite(a.reward_fn_timeout) and 0 < a.reward_fn_timeout < a.ddp_timeout),
          f"a number of seconds > 0 and below --ddp_timeout ({a.ddp_timeout:g}; raise it too), or None"),
-        # sampling
-        ("top_p", a.top_p, finite(a.top_p) and 0 < a.top_p <= 1, "in (0, 1] (1: no nucleus filter)"),
-        ("top_k", a.top_k, a.top_k >= 0, ">= 0 (0: no top-k filter)"),
-        ("min_p", a.min_p, a.min_p is None or (finite(a.min_p) and 0 <= a.min_p <= 1), "in [0, 1], or None"),
-        ("repetition_penalty", a.repetition_penalty, finite(a.repetition_penalty) and a.repetition_penalty > 0,
-         "a finite number > 0 (1: none)"),
-        ("generation_batch_size", a.generation_batch_size, a.generation_batch_size is None or
-         a.generation_batch_size >= 1, "at least 1, or None"),
-        ("num_generations_eval", a.num_generations_eval, a.num_generations_eval is None or
-         a.num_generations_eval >= 1, "at least 1, or None"),
-        ("num_completions_to_print", a.num_completions_to_print, a.num_completions_to_print is None or
-         a.num_completions_to_print >= 1, "at least 1, or None"),
-        # end of sampling
     ]
 
 

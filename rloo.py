@@ -210,6 +210,17 @@ def algorithm_rules(a: Args) -> list[tuple[str, object, bool, str]]:
         ("ref_model_mixup_alpha", a.ref_model_mixup_alpha,
          finite(a.ref_model_mixup_alpha) and 0 <= a.ref_model_mixup_alpha <= 1, "in [0, 1]"),
         ("ref_model_sync_steps", a.ref_model_sync_steps, a.ref_model_sync_steps >= 1, "at least 1"),
+        ("top_p", a.top_p, finite(a.top_p) and 0 < a.top_p <= 1, "in (0, 1] (1: no nucleus filter)"),
+        ("top_k", a.top_k, a.top_k >= 0, ">= 0 (0: no top-k filter)"),
+        ("min_p", a.min_p, a.min_p is None or (finite(a.min_p) and 0 <= a.min_p <= 1), "in [0, 1], or None"),
+        ("repetition_penalty", a.repetition_penalty, finite(a.repetition_penalty) and a.repetition_penalty > 0,
+         "a finite number > 0 (1: none)"),
+        ("generation_batch_size", a.generation_batch_size, a.generation_batch_size is None or
+         a.generation_batch_size >= 1, "at least 1, or None"),
+        ("num_generations_eval", a.num_generations_eval, a.num_generations_eval is None or
+         a.num_generations_eval >= 1, "at least 1, or None"),
+        ("num_completions_to_print", a.num_completions_to_print, a.num_completions_to_print is None or
+         a.num_completions_to_print >= 1, "at least 1, or None"),
     ]
 
 
@@ -232,11 +243,6 @@ def algorithm_checks(args: Args) -> None:
     if args.max_steps is not None and args.total_episodes is not None:
         raise plumbing.ConfigError(f"--max_steps {args.max_steps} and --total_episodes {args.total_episodes} both "
                                    "set the run's length: pass one of them")
-    steps_per_update = args.num_ppo_epochs * args.num_mini_batches
-    if args.max_steps is not None and args.max_steps % steps_per_update:
-        raise plumbing.ConfigError(f"--max_steps {args.max_steps} is not a multiple of an update's optimizer steps "
-                                   f"(num_ppo_epochs {args.num_ppo_epochs} x num_mini_batches "
-                                   f"{args.num_mini_batches} = {steps_per_update}): pass a multiple")
     if args.sync_ref_model:
         if args.kl_coef == 0:
             raise plumbing.ConfigError("--sync_ref_model mixes the policy into the reference, but with kl_coef 0 there "
@@ -282,6 +288,10 @@ def compute_batch_sizes(args: Args, world_size: int) -> BatchSizes:
                 f"({args.gradient_accumulation_steps}) x {world_size} ranks = {per_step}, and sets num_mini_batches to "
                 f"the quotient: pass a multiple, and not --num_mini_batches {args.num_mini_batches} with it")
     local = mini * minibatches
+    if args.max_steps is not None and args.max_steps % (args.num_ppo_epochs * minibatches):
+        raise plumbing.ConfigError(f"--max_steps {args.max_steps} is not a multiple of an update's optimizer steps "
+                                   f"(num_ppo_epochs {args.num_ppo_epochs} x num_mini_batches {minibatches} = "
+                                   f"{args.num_ppo_epochs * minibatches}): pass a multiple")
     if local % args.rloo_k:
         raise plumbing.ConfigError(f"per_device_train_batch_size ({micro}) x gradient_accumulation_steps "
                                    f"({args.gradient_accumulation_steps}) x num_mini_batches ({minibatches})"
@@ -1402,7 +1412,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         sampler = PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)
         plumbing.check_reward_function_arguments(reward_functions, [
             (args.dataset_name, dataset), (args.dataset_test_split, eval_dataset)], args.prompt_column)
-        steps_per_update = args.num_ppo_epochs * args.num_mini_batches  # optimizer steps
+        steps_per_update = args.num_ppo_epochs * sizes.minibatches  # optimizer steps
         num_updates = args.max_steps // steps_per_update if args.max_steps else \
             math.ceil((args.total_episodes or int(args.num_train_epochs * len(dataset))) / sizes.all_ranks)
         checkpoints.check_continues(num_updates, sizes.all_ranks)

@@ -299,7 +299,6 @@ def test_use_vllm_false_in_rloo_multinode_names_rloo_py(capsys):
     ({"sync_ref_model": True, "use_peft": True}, "the reference is the policy's own base"),
     ({"sync_ref_model": True, "fsdp": True}, "--sync_ref_model with --fsdp is not supported"),
     ({"mask_truncated_completions": True, "stop_token": None}, "--mask_truncated_completions drops completions"),
-    ({"max_steps": 6, "num_ppo_epochs": 4}, "--max_steps 6 is not a multiple of an update's optimizer steps"),
     ({"max_steps": 8, "total_episodes": 64}, "pass one of them"),
     ({"warmup_ratio": 1.5}, "warmup_ratio = 1.5 must be in [0, 1]"),
     ({"save_strategy": "no", "save_steps": 5}, "--save_strategy no but --save_steps 5"),
@@ -308,6 +307,17 @@ def test_use_vllm_false_in_rloo_multinode_names_rloo_py(capsys):
 def test_clashing_algorithm_flags_are_refused(flags, message):
     with pytest.raises(plumbing.ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         plumbing.validate_args(rloo.Args(model_name_or_path="p", reward_fn=("m:f",), **flags))
+
+
+@pytest.mark.parametrize("flags", [{"num_ppo_epochs": 4}, {"num_ppo_epochs": 2, "generation_batch_size": 24,
+                                                             "per_device_train_batch_size": 4}])
+def test_max_steps_not_a_multiple_of_an_updates_steps_is_refused(flags):
+    """6 steps cannot be whole updates of 4 epochs x 1 minibatch, nor of 2 epochs x 6 minibatches
+    (--generation_batch_size 24 / micro-batch 4)."""
+    args = rloo.Args(model_name_or_path="p", reward_fn=("m:f",), max_steps=6, **flags)
+    plumbing.validate_args(args)
+    with pytest.raises(plumbing.ConfigError, match="--max_steps 6 is not a multiple of an update's optimizer steps"):
+        rloo.compute_batch_sizes(args, 1)
 
 
 def test_the_algorithm_rules_live_beside_args():
