@@ -72,6 +72,27 @@ class Fault(Exception):
         self.announce = announce
 
 
+def describe(e: BaseException) -> str:
+    """What an exception says, in one line, for the one-line errors: bytes that are not UTF-8 named as such."""
+    if isinstance(e, UnicodeError):
+        where = f" (byte {e.object[e.start:e.start + 1]!r} at offset {e.start})" if isinstance(
+            e, UnicodeDecodeError) else ""
+        return f"it is not UTF-8 text{where}"
+    return f"{type(e).__name__}: {first_line(e)}"
+
+
+@contextlib.contextmanager
+def reading(what: str, fix: str):
+    """The one boundary of an input: whatever reading `what` raises (an error of this project's passes as it is)
+    becomes a ConfigError, one line naming the input, what is wrong and `fix`. Each input is read inside one."""
+    try:
+        yield
+    except (ConfigError, Fault):
+        raise
+    except Exception as e:  # any library's, any type: the user needs the input, the first line, the fix
+        raise ConfigError(f"{what}: {describe(e)}; {fix}") from None
+
+
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4e38: beyond it a value is inf in the tensors it meets
 
 
@@ -480,8 +501,17 @@ def pad_sequences(
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
+DATA_FIX = "pass a .jsonl/.json/.parquet file (UTF-8) or a save_to_disk directory with a prompt column of strings"
+
+
 def load_split(name: str, split: str, config: Optional[str]):
-    """A dataset split from a local file, a `save_to_disk` directory or the Hub."""
+    """A dataset split from a local file, a `save_to_disk` directory or the Hub; whatever reading it raises is one
+    line naming it (reading)."""
+    with reading(f"dataset {name} (split {split!r})", DATA_FIX):
+        return _load_split(name, split, config)
+
+
+def _load_split(name: str, split: str, config: Optional[str]):
     import datasets
 
     path = Path(name)
@@ -531,17 +561,42 @@ def load_local_file(path: Path):
         raise ConfigError(f"dataset file {path} does not exist")
     if path.stat().st_size == 0:
         raise ConfigError(f"dataset file {path} is empty")
+    problem = not_utf8(path) if path.suffix in (".jsonl", ".json") else None  # pyarrow takes such bytes unchecked
+    if problem:
+        raise ConfigError(f"dataset file {path} cannot be read: {problem}: re-encode it as UTF-8 "
+                          "(e.g. iconv -f latin1 -t utf-8)")
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs its own copy of a parse error first
     try:
         dataset = datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
     except Exception as e:  # pyarrow's and datasets' many types; the line that is wrong is what the user needs
-        raise ConfigError(f"dataset file {path} cannot be read: {bad_json_line(path) or first_line(e)}") from None
+        raise ConfigError(f"dataset file {path} cannot be read: {bad_json_line(path) or describe(e)}") from None
     finally:
         datasets.logging.set_verbosity(verbosity)
     if len(dataset) == 0:
         raise ConfigError(f"dataset file {path} has no rows")
     return dataset
+
+
+def not_utf8(path: Path, chunk: int = 1 << 20) -> Optional[str]:
+    """`line N is not UTF-8 text (...)` for the first bytes of the file that are not UTF-8, else None; read in
+    chunks by the codec (C speed, constant memory)."""
+    import codecs
+
+    decoder, lines = codecs.getincrementaldecoder("utf-8")(), 1
+    with path.open("rb") as f:
+        while True:
+            data = f.read(chunk)
+            pending = decoder.getstate()[0]  # a character cut by the chunk's end: its first bytes
+            try:
+                decoder.decode(data, final=not data)
+            except UnicodeDecodeError as e:  # e.start counts from the pending bytes
+                seen = pending + data
+                line = lines + seen[:e.start].count(b"\n")
+                return f"line {line} is not UTF-8 text (byte {seen[e.start:e.start + 1]!r})"
+            if not data:
+                return None
+            lines += data.count(b"\n")
 
 
 def bad_json_line(path: Path) -> Optional[str]:
@@ -601,7 +656,14 @@ def prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: i
     """Add the PROMPT_IDS column (prompt_token_ids(rows, tokenizer, prompt_column)), drop empty prompts and prompts
     longer than max_prompt_length. Returns (dataset, dropped), dropped = {"empty": count, "too_long": count}. With
     `vocab_size`, token ids the policy cannot embed are refused (a tokenizer of another model, pre-tokenized ids of
-    another vocabulary)."""
+    another vocabulary). Whatever reading the rows raises is one line naming the dataset (reading)."""
+    with reading(f"dataset {name}", DATA_FIX):
+        return _prepare_prompts(dataset, tokenizer, prompt_column, max_prompt_length, name, vocab_size,
+                                prompt_token_ids)
+
+
+def _prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: int, name: str,
+                     vocab_size: Optional[int], prompt_token_ids: Callable):
     import pyarrow.compute as pc
 
     if prompt_column not in dataset.column_names and "query_token" not in dataset.column_names:
@@ -657,12 +719,30 @@ def load_prompts(args, tokenizer, vocab_size: Optional[int], prompt_token_ids: C
 
 # ===================================================================== models: files, kernels, LoRA, sharing, caches
 def _from_pretrained(loader: Callable, path: str, what: str, **kwargs):
+    """loader(path, **kwargs), the one boundary of a model, tokenizer or config (reading): whatever it raises is one
+    line naming it. transformers' load report is not printed: newly_initialized says what matters in it."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
     try:
-        return loader(path, **kwargs)
-    except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"could not load {what} from {path!r}: {first_line(e)} - without network, pass a local directory"
-        ) from None
+        with reading(f"could not load {what} from {path!r}",
+                     "without network, pass a local directory written by save_pretrained"):
+            return loader(path, **kwargs)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def newly_initialized(loaded: tuple, what: str, path: str, fix: str):
+    """The model of from_pretrained(..., output_loading_info=True), refused in one line when weights its class needs
+    are not in its files (transformers would initialize them at random; tied weights are not missing)."""
+    model, info = loaded
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ConfigError(f"{what} {path!r} lacks weights its {type(model).__name__} needs ({shown}): they would be "
+                          f"newly initialized at random; {fix}")
+    return model
 
 
 def ensure_pad_token(tokenizer, pad_token: Optional[str], embedding_rows: int, name: str) -> None:
@@ -688,10 +768,19 @@ def load_config(path: str, what: str, trust_remote_code: bool):
     return _from_pretrained(AutoConfig.from_pretrained, path, what, trust_remote_code=trust_remote_code)
 
 
+REWARD_MODEL_FIX = ("pass a reward model trained and saved as an AutoModelForSequenceClassification with num_labels=1, "
+                    "or score with --reward_fn")
+POLICY_FIX = "pass a causal LM saved by save_pretrained (an AutoModelForCausalLM with its lm_head)"
+
+
 def check_reward_model_config(path: str, trust_remote_code: bool) -> None:
     """A saved classification head must give one score per sequence (a causal LM gets a new one-label head)."""
     config = load_config(path, "reward model", trust_remote_code)
     classifier = any(name.endswith("ForSequenceClassification") for name in config.architectures or ())
+    causal = [name for name in config.architectures or () if name.endswith(("ForCausalLM", "LMHeadModel"))]
+    if causal and not classifier:
+        raise ConfigError(f"reward model {path!r} is a {causal[0]}, not a reward model: its score head would be "
+                          f"newly initialized, random scores; {REWARD_MODEL_FIX}")
     if classifier and config.num_labels != 1:
         raise ConfigError(f"reward model {path!r} has a {config.num_labels}-label classification head, but a reward is "
                           "one number per completion: use a reward model saved with num_labels=1")
@@ -733,27 +822,29 @@ def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool, weigh
     from transformers import AutoModelForCausalLM
 
     if weights is None:
-        return _from_pretrained(
-            AutoModelForCausalLM.from_pretrained, path, "policy", dtype=dtype, trust_remote_code=trust_remote_code
-        )
+        return newly_initialized(_from_pretrained(
+            AutoModelForCausalLM.from_pretrained, path, "policy", dtype=dtype, trust_remote_code=trust_remote_code,
+            output_loading_info=True), "policy", path, POLICY_FIX)
     config = load_config(path, "policy", trust_remote_code)
     with torch.device("meta"):  # the class only: nothing allocated
         model_class = type(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
-    return _from_pretrained(model_class.from_pretrained, str(weights), "policy", config=config, dtype=dtype,
-                            use_safetensors=True)
+    return newly_initialized(_from_pretrained(
+        model_class.from_pretrained, str(weights), "policy", config=config, dtype=dtype, use_safetensors=True,
+        output_loading_info=True), "checkpoint", str(weights), "resume from an intact checkpoint (--resume_from)")
 
 
 def load_reward_model(path: str, dtype: torch.dtype, trust_remote_code: bool):
     from transformers import AutoModelForSequenceClassification
 
-    model = _from_pretrained(
+    model = newly_initialized(_from_pretrained(
         AutoModelForSequenceClassification.from_pretrained,
         path,
         "reward model",
         num_labels=1,
         dtype=dtype,
         trust_remote_code=trust_remote_code,
-    )
+        output_loading_info=True,
+    ), "reward model", path, REWARD_MODEL_FIX)
     if not hasattr(model, "score"):
         raise ConfigError(f"reward model {path!r} has no `score` head; use an AutoModelForSequenceClassification model")
     return model
@@ -1175,8 +1266,15 @@ def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
         module_name, _, attr = spec.partition(":")
         if not module_name or not attr:
             raise ConfigError(f"--reward_fn {spec!r} is not of the form package.module:function")
+        cwd = os.getcwd()
         try:
             module = importlib.import_module(module_name)
+            if os.getcwd() != cwd:  # relative paths (output_dir, data files) would now point elsewhere
+                os.chdir(cwd)
+                raise ConfigError(f"reward function {spec!r}: importing {module_name!r} changed the working "
+                                  "directory: give it absolute paths instead of os.chdir")
+        except ConfigError:
+            raise
         except ImportError as e:
             raise ConfigError(f"unknown reward function {spec!r}: cannot import {module_name!r} ({e})") from None
         except (Exception, SystemExit) as e:  # a SyntaxError, anything the module's own code raises
@@ -1237,15 +1335,32 @@ def call_reward_function(name: str, fn: Callable, n: int, timeout: Optional[floa
             outcome["error"] = e
 
     thread = threading.Thread(target=call, name=f"reward function {name}", daemon=True)  # abandoned if it hangs
+    cwd = os.getcwd()
     with stop_signals_at_once():
         thread.start()
         thread.join(timeout)
+    if os.getcwd() != cwd:  # relative paths (output_dir) would now point elsewhere
+        os.chdir(cwd)
+        raise RewardFunctionError(f"reward function {name!r} changed the working directory: give it absolute paths "
+                                  "instead of os.chdir")
     if thread.is_alive():
         raise RewardFunctionError(f"reward function {name!r} did not return within --reward_fn_timeout {timeout:g} s")
     if "error" in outcome:
         e = outcome["error"]
         raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {first_line(e)}") from e
-    out = outcome["out"]
+    try:  # the boundary of what it returns: whatever reading it raises is one line naming the function
+        return reward_values(name, outcome["out"], n)
+    except RewardFunctionError:
+        raise
+    except Exception as e:  # a value whose __len__, __iter__ or __float__ raises, an int beyond a float, ...
+        raise RewardFunctionError(f"reward function {name!r} returned values that cannot be read as numbers "
+                                  f"({describe(e)}): return a list of {n} floats (or None), one per completion") \
+            from None
+
+
+def reward_values(name: str, out, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values (n,) and an applies-mask (n,) of a reward function's return value `out`; anything but a number (bool
+    as 0/1) or None per completion, or a value beyond float32, is a RewardFunctionError."""
     if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
         raise RewardFunctionError(f"reward function {name!r} returned {repr(out)[:80]}, not a list of {n} numbers "
                                   "(or None), one per completion")
@@ -1254,11 +1369,14 @@ def call_reward_function(name: str, fn: Callable, n: int, timeout: Optional[floa
         raise RewardFunctionError(f"reward function {name!r} returned {len(out)} values for {n} completions: it must "
                                   "return one number (or None) per completion")
     for i, v in enumerate(out):
-        if v is not None and not is_number(v):
+        if v is None:
+            continue
+        if not is_number(v):
             raise RewardFunctionError(f"reward function {name!r} returned {repr(v)[:80]} ({type(v).__name__}) "
                                       "among its values: each must be a number or None")
-        if v is not None and not abs(float(v)) <= FLOAT32_MAX:  # nan and inf too
-            raise RewardFunctionError(f"reward function {name!r} returned {float(v)!r} for completion {i}: each "
+        value = v.item() if hasattr(v, "item") else v
+        if not (abs(value) <= FLOAT32_MAX if isinstance(value, numbers.Integral) else abs(float(value)) <= FLOAT32_MAX):
+            raise RewardFunctionError(f"reward function {name!r} returned {repr(v)[:40]} for completion {i}: each "
                                       f"value must be a finite float32 (at most {FLOAT32_MAX:.4g} in magnitude)")
     applies = torch.tensor([v is not None for v in out])
     return torch.tensor([0.0 if v is None else float(v) for v in out]), applies

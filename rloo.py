@@ -163,7 +163,9 @@ def prompt_token_ids(rows: dict, tokenizer, prompt_column: str) -> list[list[int
             if tokenizer.chat_template is None:
                 raise plumbing.ConfigError(f"column {prompt_column!r} holds chat messages but the tokenizer has no "
                                            "chat template")
-            texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
+            with plumbing.reading("the tokenizer's chat template", "fix the template (chat_template.jinja or "
+                                  "tokenizer_config.json) or give the prompts as strings"):
+                texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
             return tokenizer(texts, add_special_tokens=False)["input_ids"]
         return tokenizer(prompts)["input_ids"]
     # TL;DR schema: queries pre-tokenized and left-padded with the pad id; strip the padding
@@ -1077,7 +1079,13 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         sampler = PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)
         plumbing.check_reward_function_arguments(reward_functions, [
             (args.dataset_name, dataset), (args.dataset_test_split, eval_dataset)], args.prompt_column)
-        num_updates = math.ceil((args.total_episodes or int(args.num_train_epochs * len(dataset))) / sizes.all_ranks)
+        episodes = args.total_episodes or int(args.num_train_epochs * len(dataset))
+        num_updates = math.ceil(episodes / sizes.all_ranks)
+        if num_updates < 1:  # a tiny --num_train_epochs: saving the input weights as a finished run would hide it
+            raise plumbing.ConfigError(
+                f"--num_train_epochs {args.num_train_epochs:g} of {len(dataset)} prompts is {episodes} episodes: no "
+                f"update (one takes {sizes.all_ranks}); pass --num_train_epochs {sizes.all_ranks / len(dataset):.3g} "
+                f"or more, or --total_episodes {sizes.all_ranks}")
         checkpoints.check_continues(num_updates, sizes.all_ranks)
         policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device, checkpoints.path, tokenizer)
         sources = plumbing.load_reward_sources(args, tokenizer, reward_functions, device)
