@@ -24,6 +24,7 @@ Sections:
 import contextlib
 import copy
 import datetime
+import difflib
 import fcntl
 import functools
 import gc
@@ -54,6 +55,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
+import tyro._errors  # parse_args' one-line parse errors
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -895,6 +897,7 @@ def save_merged_policy(args, config, tokenizer) -> None:
     try:
         merged.save_pretrained(merged_dir)
         tokenizer.save_pretrained(merged_dir)
+        weights_readable_as_the_rest(merged_dir)
     except WRITE_ERRORS as e:
         raise Fault(f"could not write the merged policy to {merged_dir}: {first_line(e)}; the adapter in "
                     f"{args.output_dir} is intact: merge it with peft's merge_and_unload") from e
@@ -2061,6 +2064,15 @@ def load_safely(path: Path):
         raise ConfigError(f"{path} cannot be read ({first_line(e)})") from None
 
 
+def weights_readable_as_the_rest(path: Path) -> None:
+    """The *.safetensors that save_pretrained wrote at `path` (through a temporary file, so 0600) get the mode the
+    umask gives its other files (config.json, or peft's adapter config)."""
+    written = path / ("config.json" if (path / "config.json").is_file() else ADAPTER_CONFIG)
+    mode = written.stat().st_mode & 0o777
+    for weights in path.glob("*.safetensors"):
+        weights.chmod(mode)
+
+
 def save_policy(policy, tokenizer, path: Path, rank: int) -> None:
     """The policy in HF format (with --use_peft, its adapter in peft's format) and its tokenizer at `path`, written
     by rank 0. With FSDP a collective: every rank sends its shards to rank 0's CPU first."""
@@ -2072,10 +2084,7 @@ def save_policy(policy, tokenizer, path: Path, rank: int) -> None:
     if rank == 0:
         policy.save_pretrained(path, state_dict=state)
         tokenizer.save_pretrained(path)
-        written = Path(path) / ("config.json" if (Path(path) / "config.json").is_file() else ADAPTER_CONFIG)
-        mode = written.stat().st_mode & 0o777  # what the umask gives a file
-        for weights in Path(path).glob("*.safetensors"):  # written through a temporary file, 0600
-            weights.chmod(mode)
+        weights_readable_as_the_rest(Path(path))
         if state is not None:  # fully_shard renamed the class FSDP<Model>: record the model's own name
             config_path = Path(path) / "config.json"
             config = json.loads(config_path.read_text())
@@ -2632,13 +2641,46 @@ def last_values(parts: tuple, default):
     return None if resets[-1:] == [len(parts) - 1] else sum(parts[(resets or [-1])[-1] + 1:], ())
 
 
+def parse_error_line(event, flags: list[str]) -> Optional[str]:
+    """One line for a parse error tyro is about to report as a box: the flag, what is wrong, the fix (a close match
+    among `flags` for an unknown one). None for an event of another kind: tyro's own report then."""
+    events = tyro._errors  # tyro's parse-error events (tyro 1.0; constraints.txt pins the version)
+
+    def flag_of(argument) -> str:
+        return argument.lowered.name_or_flags[0] if argument is not None and argument.lowered.name_or_flags else "?"
+
+    if isinstance(event, events.UnrecognizedArgs):
+        token = event.tokens[0]
+        close = difflib.get_close_matches(token.split("=")[0].replace("-", "_").replace("__", "--", 1), flags, n=1)
+        return f"unrecognized argument {token!r}: " + (f"did you mean {close[0]}?" if close else "see --help")
+    if isinstance(event, events.InstantiationFailure):
+        return f"{flag_of(event.argument)}: {' '.join(event.message.split())}; see --help"
+    if isinstance(event, events.BadValue):
+        return f"{flag_of(event.argument)} " + ("needs a value" if event.offending_value is None else
+                                                 f"takes no value, given {event.offending_value!r}") + "; see --help"
+    if isinstance(event, events.InvalidChoice):
+        return f"{flag_of(event.argument)} {event.value!r} is not one of {', '.join(event.choices)}"
+    if isinstance(event, events.MissingArgs):
+        return f"missing {', '.join(flag_of(a.arg) for a in event.missing_arguments)}; see --help"
+    return None
+
+
+def raise_parse_error(flags: list[str]) -> Callable:
+    """A tyro parse-error hook that raises the one line of parse_error_line as a ConfigError."""
+    def hook(event) -> None:
+        line = parse_error_line(event, flags)
+        if line is not None:
+            raise ConfigError(line)
+    return hook
+
+
 def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None):
     """The command line parsed by tyro into `cls`, a flat dataclass. tyro parses a dataclass of groups (help_groups)
     built from cls's fields, so --help shows them grouped, under their own names (each field's docstring, joined)
     and TRL >= 0.22's (TRL_NAMES) as aliases. A list flag given several times keeps every value; any other flag,
     under either name, its last, as argparse does (a launch script's "$@" overrides its defaults). TRL's
     --steps_per_generation S is taken as --num_mini_batches S / gradient_accumulation_steps. Bad input is one line
-    on stderr and exit status 2 (tyro's own errors are a box on stderr, status 2)."""
+    on stderr and exit status 2, tyro's parse errors included (parse_error_line)."""
     prog = prog or Path(sys.argv[0]).name
     hints, defaults, starts = get_type_hints(cls, include_extras=True), cls(), help_groups(cls, prog)
     docs = {p.arg_name: " ".join(p.description.split()) for c in reversed(cls.__mro__) if is_dataclass(c)
@@ -2660,13 +2702,15 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     classes = {title: make_dataclass(f"group_{i}", group) for i, (title, group) in enumerate(groups.items())}
     grouped = make_dataclass(cls.__name__, [(f"group_{i}", Annotated[tyro.conf.OmitArgPrefixes[c], tyro.conf.arg(
         name=title)], field(default_factory=c)) for i, (title, c) in enumerate(classes.items())])
-    parsed = tyro.cli(grouped, args=sys.argv[1:] if argv is None else argv, prog=prog, use_underscores=True,
-                      description=TRL_DEFAULTS if aliases.keys() & hints.keys() else None,
-                      config=(tyro.conf.HelptextFromCommentsOff,))  # the help is given: no search of the source
-    values = {name: value for group in vars(parsed).values() for name, value in vars(group).items()}
-    values |= {name: last_values(values[name], getattr(defaults, name)) for name in lists}
-    steps = values.pop("steps_per_generation", None)
+    flags = [f"--{name}" for name in (*hints, *(a["name"] for a in aliases.values()), "steps_per_generation")]
     try:
+        with tyro._errors.on_parse_error(raise_parse_error(flags)):  # one line instead of tyro's box
+            parsed = tyro.cli(grouped, args=sys.argv[1:] if argv is None else argv, prog=prog, use_underscores=True,
+                              description=TRL_DEFAULTS if aliases.keys() & hints.keys() else None,
+                              config=(tyro.conf.HelptextFromCommentsOff,))  # the help is given: no source search
+        values = {name: value for group in vars(parsed).values() for name, value in vars(group).items()}
+        values |= {name: last_values(values[name], getattr(defaults, name)) for name in lists}
+        steps = values.pop("steps_per_generation", None)
         if steps is not None:
             accumulation, given = values["gradient_accumulation_steps"], values["num_mini_batches"]
             if steps < 1 or accumulation < 1 or steps % accumulation:

@@ -41,11 +41,17 @@ line) is in plumbing.py, called as plumbing.X: copying this file means copying t
                       evaluate, save
 """
 
+import os
+import signal
+
+if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: torch, transformers): one line, no
+    signal.signal(signal.SIGINT, lambda *_: (  # traceback; main's stop signals take over once it starts
+        os.write(2, b"rloo.py: SIGINT received while starting: stopped, nothing written\n"), os._exit(130)))
+
 import contextlib
 import copy
 import functools
 import math
-import os
 import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
