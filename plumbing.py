@@ -567,6 +567,9 @@ def load_local_file(path: Path):
     if problem:
         raise ConfigError(f"dataset file {path} cannot be read: {problem}: re-encode it as UTF-8 "
                           "(e.g. iconv -f latin1 -t utf-8)")
+    problem = bad_json_line(path)
+    if problem:
+        raise ConfigError(f"dataset file {path} cannot be read: {problem}")
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs its own copy of a parse error first
     try:
@@ -603,20 +606,28 @@ def not_utf8(path: Path, chunk: int = 1 << 20) -> Optional[str]:
 
 def bad_json_line(path: Path) -> Optional[str]:
     """`line N: what is wrong` for the first line of a JSON-lines file that is not a JSON object (or for a .json
-    file that is not JSON at all); None when every line is."""
+    file that is not JSON, or a list holding something else than objects); None when every line is. Checked before
+    datasets reads the file: some files of JSON values that are not objects crash its reader (a segmentation fault,
+    datasets 4 with pyarrow 22), which no except clause catches."""
     if path.suffix not in (".jsonl", ".json"):
         return None
     text = path.read_text(errors="replace")
+    lines = text.split("\n")  # not splitlines(): JSON strings may hold U+2028 and its kin
     if path.suffix == ".json":
         try:
-            json.loads(text)
-            return None
+            whole = json.loads(text)
+            if isinstance(whole, list):
+                item = next((i for i, row in enumerate(whole) if not isinstance(row, dict)), None)
+                return None if item is None else (f"item {item} of its top-level list is a JSON "
+                                                  f"{type(whole[item]).__name__}, not an object with a prompt column")
+            return None if isinstance(whole, dict) else (f"it holds a JSON {type(whole).__name__}, not a list of "
+                                                         "objects with a prompt column")
         except json.JSONDecodeError as whole:
             try:  # JSON lines under a .json name have a valid first line
-                json.loads(next((line for line in text.splitlines() if line.strip()), ""))
+                json.loads(next((line for line in lines if line.strip()), ""))
             except json.JSONDecodeError:
                 return f"line {whole.lineno} is not valid JSON ({whole.msg}, column {whole.colno})"
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -1378,9 +1389,14 @@ def reward_values(name: str, out, n: int) -> tuple[torch.Tensor, torch.Tensor]:
             raise RewardFunctionError(f"reward function {name!r} returned {repr(v)[:80]} ({type(v).__name__}) "
                                       "among its values: each must be a number or None")
         value = v.item() if hasattr(v, "item") else v
-        if not (abs(value) <= FLOAT32_MAX if isinstance(value, numbers.Integral) else abs(float(value)) <= FLOAT32_MAX):
-            raise RewardFunctionError(f"reward function {name!r} returned {repr(v)[:40]} for completion {i}: each "
-                                      f"value must be a finite float32 (at most {FLOAT32_MAX:.4g} in magnitude)")
+        if isinstance(value, numbers.Integral) and abs(value) > FLOAT32_MAX:  # float() of it may overflow
+            shown = f"an int of {int(value).bit_length()} bits"
+        elif not abs(float(value)) <= FLOAT32_MAX:  # nan and inf too
+            shown = repr(float(value))
+        else:
+            continue
+        raise RewardFunctionError(f"reward function {name!r} returned {shown} for completion {i}: each value must "
+                                  f"be a finite float32 (at most {FLOAT32_MAX:.4g} in magnitude)")
     applies = torch.tensor([v is not None for v in out])
     return torch.tensor([0.0 if v is None else float(v) for v in out]), applies
 
