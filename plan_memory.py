@@ -31,7 +31,15 @@ The activation constants were measured on GPT-NeoX (Pythia) blocks in fp32 with 
 within the tolerance docs/speed-and-memory.md states, on tiny models.
 """
 
+import os
+import signal
+
+if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: torch, transformers): one line, no
+    signal.signal(signal.SIGINT, lambda *_: (  # traceback; main's stop signals take over once it starts
+        os.write(2, b"plan_memory.py: SIGINT received while starting: stopped, nothing written\n"), os._exit(130)))
+
 import itertools
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -53,6 +61,17 @@ class PlanArgs(rloo.Args):
     entropy_in_loss: bool = False
     """a loss that uses the policy's entropy (an entropy bonus, README "Changing the algorithm"): its gradient keeps
     one more (N, Tr, V) fp32 buffer in the log-probs' backward pass"""
+
+
+def validate_plan_args(args: PlanArgs) -> None:
+    """rloo.py's checks, and the machine's numbers: a verdict on 0 GPUs or nan GiB would mean nothing."""
+    plumbing.validate_args(args)
+    for name, value, allowed, requirement in [
+        ("world_size", args.world_size, args.world_size >= 1, "at least 1 (the number of GPUs)"),
+        ("gpu_gib", args.gpu_gib, math.isfinite(args.gpu_gib) and args.gpu_gib > 0, "a finite number of GiB > 0"),
+    ]:
+        if not allowed:
+            raise plumbing.ConfigError(f"{name} = {value!r} must be {requirement}")
 
 
 @dataclass(frozen=True)
@@ -185,7 +204,7 @@ def options_that_fit(args: PlanArgs, policy: Shape, reward: Shape | None) -> lis
 
 
 def main(args: PlanArgs) -> None:
-    plumbing.validate_args(args)
+    validate_plan_args(args)
     rloo.compute_batch_sizes(args, args.world_size)
     policy_path = args.sft_model_path or args.model_name_or_path
     policy = model_shape(policy_path, False, args.trust_remote_code, args if args.use_peft else None)

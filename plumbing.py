@@ -24,6 +24,7 @@ Sections:
 import contextlib
 import copy
 import datetime
+import difflib
 import fcntl
 import functools
 import gc
@@ -54,6 +55,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
+import tyro._errors  # parse_args' one-line parse errors
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -70,6 +72,27 @@ class Fault(Exception):
     def __init__(self, message: str, announce: bool = True):
         super().__init__(message)
         self.announce = announce
+
+
+def describe(e: BaseException) -> str:
+    """What an exception says, in one line, for the one-line errors: bytes that are not UTF-8 named as such."""
+    if isinstance(e, UnicodeError):
+        where = f" (byte {e.object[e.start:e.start + 1]!r} at offset {e.start})" if isinstance(
+            e, UnicodeDecodeError) else ""
+        return f"it is not UTF-8 text{where}"
+    return f"{type(e).__name__}: {first_line(e)}"
+
+
+@contextlib.contextmanager
+def reading(what: str, fix: str):
+    """The one boundary of an input: whatever reading `what` raises (an error of this project's passes as it is)
+    becomes a ConfigError, one line naming the input, what is wrong and `fix`. Each input is read inside one."""
+    try:
+        yield
+    except (ConfigError, Fault):
+        raise
+    except Exception as e:  # any library's, any type: the user needs the input, the first line, the fix
+        raise ConfigError(f"{what}: {describe(e)}; {fix}") from None
 
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4e38: beyond it a value is inf in the tensors it meets
@@ -474,8 +497,17 @@ def pad_sequences(
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
+DATA_FIX = "pass a .jsonl/.json/.parquet file (UTF-8) or a save_to_disk directory with a prompt column of strings"
+
+
 def load_split(name: str, split: str, config: Optional[str]):
-    """A dataset split from a local file, a `save_to_disk` directory or the Hub."""
+    """A dataset split from a local file, a `save_to_disk` directory or the Hub; whatever reading it raises is one
+    line naming it (reading)."""
+    with reading(f"dataset {name} (split {split!r})", DATA_FIX):
+        return _load_split(name, split, config)
+
+
+def _load_split(name: str, split: str, config: Optional[str]):
     import datasets
 
     path = Path(name)
@@ -525,12 +557,19 @@ def load_local_file(path: Path):
         raise ConfigError(f"dataset file {path} does not exist")
     if path.stat().st_size == 0:
         raise ConfigError(f"dataset file {path} is empty")
+    problem = not_utf8(path) if path.suffix in (".jsonl", ".json") else None  # pyarrow takes such bytes unchecked
+    if problem:
+        raise ConfigError(f"dataset file {path} cannot be read: {problem}: re-encode it as UTF-8 "
+                          "(e.g. iconv -f latin1 -t utf-8)")
+    problem = bad_json_line(path)
+    if problem:
+        raise ConfigError(f"dataset file {path} cannot be read: {problem}")
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs its own copy of a parse error first
     try:
         dataset = datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
     except Exception as e:  # pyarrow's and datasets' many types; the line that is wrong is what the user needs
-        raise ConfigError(f"dataset file {path} cannot be read: {bad_json_line(path) or first_line(e)}") from None
+        raise ConfigError(f"dataset file {path} cannot be read: {bad_json_line(path) or describe(e)}") from None
     finally:
         datasets.logging.set_verbosity(verbosity)
     if len(dataset) == 0:
@@ -538,22 +577,51 @@ def load_local_file(path: Path):
     return dataset
 
 
+def not_utf8(path: Path, chunk: int = 1 << 20) -> Optional[str]:
+    """`line N is not UTF-8 text (...)` for the first bytes of the file that are not UTF-8, else None; read in
+    chunks by the codec (C speed, constant memory)."""
+    import codecs
+
+    decoder, lines = codecs.getincrementaldecoder("utf-8")(), 1
+    with path.open("rb") as f:
+        while True:
+            data = f.read(chunk)
+            pending = decoder.getstate()[0]  # a character cut by the chunk's end: its first bytes
+            try:
+                decoder.decode(data, final=not data)
+            except UnicodeDecodeError as e:  # e.start counts from the pending bytes
+                seen = pending + data
+                line = lines + seen[:e.start].count(b"\n")
+                return f"line {line} is not UTF-8 text (byte {seen[e.start:e.start + 1]!r})"
+            if not data:
+                return None
+            lines += data.count(b"\n")
+
+
 def bad_json_line(path: Path) -> Optional[str]:
     """`line N: what is wrong` for the first line of a JSON-lines file that is not a JSON object (or for a .json
-    file that is not JSON at all); None when every line is."""
+    file that is not JSON, or a list holding something else than objects); None when every line is. Checked before
+    datasets reads the file: some files of JSON values that are not objects crash its reader (a segmentation fault,
+    datasets 4 with pyarrow 22), which no except clause catches."""
     if path.suffix not in (".jsonl", ".json"):
         return None
     text = path.read_text(errors="replace")
+    lines = text.split("\n")  # not splitlines(): JSON strings may hold U+2028 and its kin
     if path.suffix == ".json":
         try:
-            json.loads(text)
-            return None
+            whole = json.loads(text)
+            if isinstance(whole, list):
+                item = next((i for i, row in enumerate(whole) if not isinstance(row, dict)), None)
+                return None if item is None else (f"item {item} of its top-level list is a JSON "
+                                                  f"{type(whole[item]).__name__}, not an object with a prompt column")
+            return None if isinstance(whole, dict) else (f"it holds a JSON {type(whole).__name__}, not a list of "
+                                                         "objects with a prompt column")
         except json.JSONDecodeError as whole:
             try:  # JSON lines under a .json name have a valid first line
-                json.loads(next((line for line in text.splitlines() if line.strip()), ""))
+                json.loads(next((line for line in lines if line.strip()), ""))
             except json.JSONDecodeError:
                 return f"line {whole.lineno} is not valid JSON ({whole.msg}, column {whole.colno})"
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -595,7 +663,14 @@ def prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: i
     """Add the PROMPT_IDS column (prompt_token_ids(rows, tokenizer, prompt_column)), drop empty prompts and prompts
     longer than max_prompt_length. Returns (dataset, dropped), dropped = {"empty": count, "too_long": count}. With
     `vocab_size`, token ids the policy cannot embed are refused (a tokenizer of another model, pre-tokenized ids of
-    another vocabulary)."""
+    another vocabulary). Whatever reading the rows raises is one line naming the dataset (reading)."""
+    with reading(f"dataset {name}", DATA_FIX):
+        return _prepare_prompts(dataset, tokenizer, prompt_column, max_prompt_length, name, vocab_size,
+                                prompt_token_ids)
+
+
+def _prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: int, name: str,
+                     vocab_size: Optional[int], prompt_token_ids: Callable):
     import pyarrow.compute as pc
 
     if prompt_column not in dataset.column_names and "query_token" not in dataset.column_names:
@@ -651,12 +726,30 @@ def load_prompts(args, tokenizer, vocab_size: Optional[int], prompt_token_ids: C
 
 # ===================================================================== models: files, kernels, LoRA, sharing, caches
 def _from_pretrained(loader: Callable, path: str, what: str, **kwargs):
+    """loader(path, **kwargs), the one boundary of a model, tokenizer or config (reading): whatever it raises is one
+    line naming it. transformers' load report is not printed: newly_initialized says what matters in it."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
     try:
-        return loader(path, **kwargs)
-    except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"could not load {what} from {path!r}: {first_line(e)} - without network, pass a local directory"
-        ) from None
+        with reading(f"could not load {what} from {path!r}",
+                     "without network, pass a local directory written by save_pretrained"):
+            return loader(path, **kwargs)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def newly_initialized(loaded: tuple, what: str, path: str, fix: str):
+    """The model of from_pretrained(..., output_loading_info=True), refused in one line when weights its class needs
+    are not in its files (transformers would initialize them at random; tied weights are not missing)."""
+    model, info = loaded
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ConfigError(f"{what} {path!r} lacks weights its {type(model).__name__} needs ({shown}): they would be "
+                          f"newly initialized at random; {fix}")
+    return model
 
 
 def ensure_pad_token(tokenizer, pad_token: Optional[str], embedding_rows: int, name: str) -> None:
@@ -682,10 +775,19 @@ def load_config(path: str, what: str, trust_remote_code: bool):
     return _from_pretrained(AutoConfig.from_pretrained, path, what, trust_remote_code=trust_remote_code)
 
 
+REWARD_MODEL_FIX = ("pass a reward model trained and saved as an AutoModelForSequenceClassification with num_labels=1, "
+                    "or score with --reward_fn")
+POLICY_FIX = "pass a causal LM saved by save_pretrained (an AutoModelForCausalLM with its lm_head)"
+
+
 def check_reward_model_config(path: str, trust_remote_code: bool) -> None:
     """A saved classification head must give one score per sequence (a causal LM gets a new one-label head)."""
     config = load_config(path, "reward model", trust_remote_code)
     classifier = any(name.endswith("ForSequenceClassification") for name in config.architectures or ())
+    causal = [name for name in config.architectures or () if name.endswith(("ForCausalLM", "LMHeadModel"))]
+    if causal and not classifier:
+        raise ConfigError(f"reward model {path!r} is a {causal[0]}, not a reward model: its score head would be "
+                          f"newly initialized, random scores; {REWARD_MODEL_FIX}")
     if classifier and config.num_labels != 1:
         raise ConfigError(f"reward model {path!r} has a {config.num_labels}-label classification head, but a reward is "
                           "one number per completion: use a reward model saved with num_labels=1")
@@ -727,27 +829,29 @@ def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool, weigh
     from transformers import AutoModelForCausalLM
 
     if weights is None:
-        return _from_pretrained(
-            AutoModelForCausalLM.from_pretrained, path, "policy", dtype=dtype, trust_remote_code=trust_remote_code
-        )
+        return newly_initialized(_from_pretrained(
+            AutoModelForCausalLM.from_pretrained, path, "policy", dtype=dtype, trust_remote_code=trust_remote_code,
+            output_loading_info=True), "policy", path, POLICY_FIX)
     config = load_config(path, "policy", trust_remote_code)
     with torch.device("meta"):  # the class only: nothing allocated
         model_class = type(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
-    return _from_pretrained(model_class.from_pretrained, str(weights), "policy", config=config, dtype=dtype,
-                            use_safetensors=True)
+    return newly_initialized(_from_pretrained(
+        model_class.from_pretrained, str(weights), "policy", config=config, dtype=dtype, use_safetensors=True,
+        output_loading_info=True), "checkpoint", str(weights), "resume from an intact checkpoint (--resume_from)")
 
 
 def load_reward_model(path: str, dtype: torch.dtype, trust_remote_code: bool):
     from transformers import AutoModelForSequenceClassification
 
-    model = _from_pretrained(
+    model = newly_initialized(_from_pretrained(
         AutoModelForSequenceClassification.from_pretrained,
         path,
         "reward model",
         num_labels=1,
         dtype=dtype,
         trust_remote_code=trust_remote_code,
-    )
+        output_loading_info=True,
+    ), "reward model", path, REWARD_MODEL_FIX)
     if not hasattr(model, "score"):
         raise ConfigError(f"reward model {path!r} has no `score` head; use an AutoModelForSequenceClassification model")
     return model
@@ -798,6 +902,7 @@ def save_merged_policy(args, config, tokenizer) -> None:
     try:
         merged.save_pretrained(merged_dir)
         tokenizer.save_pretrained(merged_dir)
+        weights_readable_as_the_rest(merged_dir)
     except WRITE_ERRORS as e:
         raise Fault(f"could not write the merged policy to {merged_dir}: {first_line(e)}; the adapter in "
                     f"{args.output_dir} is intact: merge it with peft's merge_and_unload") from e
@@ -1213,8 +1318,15 @@ def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
         module_name, _, attr = spec.partition(":")
         if not module_name or not attr:
             raise ConfigError(f"--reward_fn {spec!r} is not of the form package.module:function")
+        cwd = os.getcwd()
         try:
             module = importlib.import_module(module_name)
+            if os.getcwd() != cwd:  # relative paths (output_dir, data files) would now point elsewhere
+                os.chdir(cwd)
+                raise ConfigError(f"reward function {spec!r}: importing {module_name!r} changed the working "
+                                  "directory: give it absolute paths instead of os.chdir")
+        except ConfigError:
+            raise
         except ImportError as e:
             raise ConfigError(f"unknown reward function {spec!r}: cannot import {module_name!r} ({e})") from None
         except (Exception, SystemExit) as e:  # a SyntaxError, anything the module's own code raises
@@ -1275,15 +1387,32 @@ def call_reward_function(name: str, fn: Callable, n: int, timeout: Optional[floa
             outcome["error"] = e
 
     thread = threading.Thread(target=call, name=f"reward function {name}", daemon=True)  # abandoned if it hangs
+    cwd = os.getcwd()
     with stop_signals_at_once():
         thread.start()
         thread.join(timeout)
+    if os.getcwd() != cwd:  # relative paths (output_dir) would now point elsewhere
+        os.chdir(cwd)
+        raise RewardFunctionError(f"reward function {name!r} changed the working directory: give it absolute paths "
+                                  "instead of os.chdir")
     if thread.is_alive():
         raise RewardFunctionError(f"reward function {name!r} did not return within --reward_fn_timeout {timeout:g} s")
     if "error" in outcome:
         e = outcome["error"]
         raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {first_line(e)}") from e
-    out = outcome["out"]
+    try:  # the boundary of what it returns: whatever reading it raises is one line naming the function
+        return reward_values(name, outcome["out"], n)
+    except RewardFunctionError:
+        raise
+    except Exception as e:  # a value whose __len__, __iter__ or __float__ raises, an int beyond a float, ...
+        raise RewardFunctionError(f"reward function {name!r} returned values that cannot be read as numbers "
+                                  f"({describe(e)}): return a list of {n} floats (or None), one per completion") \
+            from None
+
+
+def reward_values(name: str, out, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values (n,) and an applies-mask (n,) of a reward function's return value `out`; anything but a number (bool
+    as 0/1) or None per completion, or a value beyond float32, is a RewardFunctionError."""
     if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
         raise RewardFunctionError(f"reward function {name!r} returned {repr(out)[:80]}, not a list of {n} numbers "
                                   "(or None), one per completion")
@@ -1292,12 +1421,20 @@ def call_reward_function(name: str, fn: Callable, n: int, timeout: Optional[floa
         raise RewardFunctionError(f"reward function {name!r} returned {len(out)} values for {n} completions: it must "
                                   "return one number (or None) per completion")
     for i, v in enumerate(out):
-        if v is not None and not is_number(v):
+        if v is None:
+            continue
+        if not is_number(v):
             raise RewardFunctionError(f"reward function {name!r} returned {repr(v)[:80]} ({type(v).__name__}) "
                                       "among its values: each must be a number or None")
-        if v is not None and not abs(float(v)) <= FLOAT32_MAX:  # nan and inf too
-            raise RewardFunctionError(f"reward function {name!r} returned {float(v)!r} for completion {i}: each "
-                                      f"value must be a finite float32 (at most {FLOAT32_MAX:.4g} in magnitude)")
+        value = v.item() if hasattr(v, "item") else v
+        if isinstance(value, numbers.Integral) and abs(value) > FLOAT32_MAX:  # float() of it may overflow
+            shown = f"an int of {int(value).bit_length()} bits"
+        elif not abs(float(value)) <= FLOAT32_MAX:  # nan and inf too
+            shown = repr(float(value))
+        else:
+            continue
+        raise RewardFunctionError(f"reward function {name!r} returned {shown} for completion {i}: each value must "
+                                  f"be a finite float32 (at most {FLOAT32_MAX:.4g} in magnitude)")
     applies = torch.tensor([v is not None for v in out])
     return torch.tensor([0.0 if v is None else float(v) for v in out]), applies
 
@@ -1988,6 +2125,15 @@ def load_safely(path: Path):
         raise ConfigError(f"{path} cannot be read ({first_line(e)})") from None
 
 
+def weights_readable_as_the_rest(path: Path) -> None:
+    """The *.safetensors that save_pretrained wrote at `path` (through a temporary file, so 0600) get the mode the
+    umask gives its other files (config.json, or peft's adapter config)."""
+    written = path / ("config.json" if (path / "config.json").is_file() else ADAPTER_CONFIG)
+    mode = written.stat().st_mode & 0o777
+    for weights in path.glob("*.safetensors"):
+        weights.chmod(mode)
+
+
 def save_policy(policy, tokenizer, path: Path, rank: int) -> None:
     """The policy in HF format (with --use_peft, its adapter in peft's format) and its tokenizer at `path`, written
     by rank 0. With FSDP a collective: every rank sends its shards to rank 0's CPU first."""
@@ -1999,10 +2145,7 @@ def save_policy(policy, tokenizer, path: Path, rank: int) -> None:
     if rank == 0:
         policy.save_pretrained(path, state_dict=state)
         tokenizer.save_pretrained(path)
-        written = Path(path) / ("config.json" if (Path(path) / "config.json").is_file() else ADAPTER_CONFIG)
-        mode = written.stat().st_mode & 0o777  # what the umask gives a file
-        for weights in Path(path).glob("*.safetensors"):  # written through a temporary file, 0600
-            weights.chmod(mode)
+        weights_readable_as_the_rest(Path(path))
         if state is not None:  # fully_shard renamed the class FSDP<Model>: record the model's own name
             config_path = Path(path) / "config.json"
             config = json.loads(config_path.read_text())
@@ -2773,13 +2916,46 @@ def last_values(parts: tuple, default):
     return None if resets[-1:] == [len(parts) - 1] else sum(parts[(resets or [-1])[-1] + 1:], ())
 
 
+def parse_error_line(event, flags: list[str]) -> Optional[str]:
+    """One line for a parse error tyro is about to report as a box: the flag, what is wrong, the fix (a close match
+    among `flags` for an unknown one). None for an event of another kind: tyro's own report then."""
+    events = tyro._errors  # tyro's parse-error events (tyro 1.0; constraints.txt pins the version)
+
+    def flag_of(argument) -> str:
+        return argument.lowered.name_or_flags[0] if argument is not None and argument.lowered.name_or_flags else "?"
+
+    if isinstance(event, events.UnrecognizedArgs):
+        token = event.tokens[0]
+        close = difflib.get_close_matches(token.split("=")[0].replace("-", "_").replace("__", "--", 1), flags, n=1)
+        return f"unrecognized argument {token!r}: " + (f"did you mean {close[0]}?" if close else "see --help")
+    if isinstance(event, events.InstantiationFailure):
+        return f"{flag_of(event.argument)}: {' '.join(event.message.split())}; see --help"
+    if isinstance(event, events.BadValue):
+        return f"{flag_of(event.argument)} " + ("needs a value" if event.offending_value is None else
+                                                 f"takes no value, given {event.offending_value!r}") + "; see --help"
+    if isinstance(event, events.InvalidChoice):
+        return f"{flag_of(event.argument)} {event.value!r} is not one of {', '.join(event.choices)}"
+    if isinstance(event, events.MissingArgs):
+        return f"missing {', '.join(flag_of(a.arg) for a in event.missing_arguments)}; see --help"
+    return None
+
+
+def raise_parse_error(flags: list[str]) -> Callable:
+    """A tyro parse-error hook that raises the one line of parse_error_line as a ConfigError."""
+    def hook(event) -> None:
+        line = parse_error_line(event, flags)
+        if line is not None:
+            raise ConfigError(line)
+    return hook
+
+
 def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None):
     """The command line parsed by tyro into `cls`, a flat dataclass. tyro parses a dataclass of groups (help_groups)
     built from cls's fields, so --help shows them grouped, under their own names (each field's docstring, joined)
     and TRL >= 0.22's (TRL_NAMES) as aliases. A list flag given several times keeps every value; any other flag,
     under either name, its last, as argparse does (a launch script's "$@" overrides its defaults). TRL's
     --steps_per_generation S is taken as --num_mini_batches S / gradient_accumulation_steps. Bad input is one line
-    on stderr and exit status 2 (tyro's own errors are a box on stderr, status 2)."""
+    on stderr and exit status 2, tyro's parse errors included (parse_error_line)."""
     prog = prog or Path(sys.argv[0]).name
     hints = get_type_hints(cls, include_extras=True)
     names = {("bool:" if hints[f.name] is bool else "") + f.name for f in fields(cls)}
@@ -2809,13 +2985,18 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     classes = {title: make_dataclass(f"group_{i}", group) for i, (title, group) in enumerate(groups.items())}
     grouped = make_dataclass(cls.__name__, [(f"group_{i}", Annotated[tyro.conf.OmitArgPrefixes[c], tyro.conf.arg(
         name=title)], field(default_factory=c)) for i, (title, c) in enumerate(classes.items())])
-    parsed = tyro.cli(grouped, args=argv, prog=prog, use_underscores=True,
-                      description=TRL_DEFAULTS if aliases.keys() & hints.keys() else None,
-                      config=(tyro.conf.HelptextFromCommentsOff,))  # the help is given: no search of the source
-    values = {name: value for group in vars(parsed).values() for name, value in vars(group).items()}
-    values |= {name: last_values(values[name], getattr(defaults, name)) for name in lists}
-    steps = values.pop("steps_per_generation", None)
+    flags = [f"--{name}" for name in (*hints, *(a["name"] for a in aliases.values()), "steps_per_generation")]
     try:
+        # one line instead of tyro's box, through tyro 1.0's parse-error hook (tyro._errors, documented there as
+        # experimental): a tyro without it shows its box, still exit status 2
+        hook = getattr(getattr(tyro, "_errors", None), "on_parse_error", None)
+        with hook(raise_parse_error(flags)) if hook else contextlib.nullcontext():
+            parsed = tyro.cli(grouped, args=argv, prog=prog, use_underscores=True,
+                              description=TRL_DEFAULTS if aliases.keys() & hints.keys() else None,
+                              config=(tyro.conf.HelptextFromCommentsOff,))  # the help is given: no source search
+        values = {name: value for group in vars(parsed).values() for name, value in vars(group).items()}
+        values |= {name: last_values(values[name], getattr(defaults, name)) for name in lists}
+        steps = values.pop("steps_per_generation", None)
         if steps is not None:
             accumulation, given = values["gradient_accumulation_steps"], values["num_mini_batches"]
             if steps < 1 or accumulation < 1 or steps % accumulation:

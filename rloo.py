@@ -41,11 +41,17 @@ line) is in plumbing.py, called as plumbing.X: copying this file means copying t
                       evaluate, save
 """
 
+import os
+import signal
+
+if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: torch, transformers): one line, no
+    signal.signal(signal.SIGINT, lambda *_: (  # traceback; main's stop signals take over once it starts
+        os.write(2, b"rloo.py: SIGINT received while starting: stopped, nothing written\n"), os._exit(130)))
+
 import contextlib
 import copy
 import functools
 import math
-import os
 import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -310,7 +316,9 @@ def prompt_token_ids(rows: dict, tokenizer, prompt_column: str) -> list[list[int
             if tokenizer.chat_template is None:
                 raise plumbing.ConfigError(f"column {prompt_column!r} holds chat messages but the tokenizer has no "
                                            "chat template")
-            texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
+            with plumbing.reading("the tokenizer's chat template", "fix the template (chat_template.jinja or "
+                                  "tokenizer_config.json) or give the prompts as strings"):
+                texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
             return tokenizer(texts, add_special_tokens=False)["input_ids"]
         return tokenizer(prompts)["input_ids"]
     # TL;DR schema: queries pre-tokenized and left-padded with the pad id; strip the padding
@@ -1413,8 +1421,13 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         plumbing.check_reward_function_arguments(reward_functions, [
             (args.dataset_name, dataset), (args.dataset_test_split, eval_dataset)], args.prompt_column)
         steps_per_update = args.num_ppo_epochs * sizes.minibatches  # optimizer steps
-        num_updates = args.max_steps // steps_per_update if args.max_steps else \
-            math.ceil((args.total_episodes or int(args.num_train_epochs * len(dataset))) / sizes.all_ranks)
+        episodes = args.total_episodes or int(args.num_train_epochs * len(dataset))
+        num_updates = args.max_steps // steps_per_update if args.max_steps else math.ceil(episodes / sizes.all_ranks)
+        if num_updates < 1:  # a tiny --num_train_epochs: saving the input weights as a finished run would hide it
+            raise plumbing.ConfigError(
+                f"--num_train_epochs {args.num_train_epochs:g} of {len(dataset)} prompts is {episodes} episodes: no "
+                f"update (one takes {sizes.all_ranks}); pass --num_train_epochs {sizes.all_ranks / len(dataset):.3g} "
+                f"or more, or --total_episodes {sizes.all_ranks}")
         checkpoints.check_continues(num_updates, sizes.all_ranks)
         policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device, checkpoints.path, tokenizer)
         sources = plumbing.load_reward_sources(args, tokenizer, reward_functions, device)

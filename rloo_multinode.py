@@ -52,6 +52,13 @@ Sections, in file order:
   main                           make_engine_rollouts, main, cli
 """
 
+import os
+import signal
+
+if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: torch, transformers): one line, no
+    signal.signal(signal.SIGINT, lambda *_: (  # traceback; main's stop signals take over once it starts
+        os.write(2, b"rloo_multinode.py: SIGINT received while starting: stopped, nothing written\n"), os._exit(130)))
+
 import contextlib
 import datetime
 import errno
@@ -61,9 +68,7 @@ import http.client
 import itertools
 import json
 import math
-import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -1676,6 +1681,7 @@ def cli() -> None:
     if sys.argv[1:2] == ["serve"]:
         # engines rank 0 starts inherit its stop signals held (launch_engines); one started by hand changes nothing
         signal.pthread_sigmask(signal.SIG_UNBLOCK, plumbing.StopSignal.SIGNALS)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's, as the engine expects (not start-up's)
         serve_args = tyro.cli(ServeArgs, args=sys.argv[2:], prog="rloo_multinode.py serve")
         plumbing.run_script(serve, serve_args, "rloo_multinode.py serve")
         return

@@ -91,3 +91,8 @@ def misbehaving(completions, **kwargs):
         Path(os.environ["REWARD_HANGING"]).write_text("hanging\n")
         time.sleep(3600)
     return count_a(completions)
+
+
+def huge_int(completions, **kwargs):
+    """An int beyond any float (float() of it raises OverflowError): a value no reward can be."""
+    return [10**400] * len(completions)

@@ -1,6 +1,7 @@
 """rloo.py run as users run it: end to end, under torchrun, and on bad input."""
 
 import json
+import shutil
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -13,7 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import plumbing
 import rloo
-from conftest import neox_config, policy_tokenizer, read_metrics, run_rloo, tiny_policy, word_tokenizer
+from conftest import (neox_config, policy_tokenizer, read_metrics, run_rloo, tiny_policy, word_tokenizer,
+                      write_jsonl)
 
 TINY_RUN = ("--rloo_k", "4", "--per_device_train_batch_size", "16", "--response_length", "6", "--temperature", "1.0",
             "--max_prompt_length", "16", "--local_rollout_forward_batch_size", "32", "--num_ppo_epochs", "1")
@@ -325,6 +327,19 @@ def bad_files(assets, tmp_path_factory) -> dict[str, Path]:
     files["numbers.jsonl"].write_text('{"prompt": 1}\n{"prompt": 2}\n')
     files["list_line.jsonl"].write_text('{"prompt": "a :"}\n["b :"]\n')
     files["malformed.json"].write_text('[{"prompt": "a :"},\n {"prompt": }]\n')
+    for name, encoding in (("latin1.jsonl", "latin-1"), ("utf16.jsonl", "utf-16"), ("latin1.json", "latin-1")):
+        rows = [{"prompt": f"caf\xe9 {letter} :"} for letter in "abcdefgh"]
+        files[name] = root / name
+        files[name].write_bytes((json.dumps(rows, ensure_ascii=False) if name.endswith(".json") else "".join(
+            json.dumps(row, ensure_ascii=False) + "\n" for row in rows)).encode(encoding))
+    files["nulls.jsonl"] = root / "nulls.jsonl"  # datasets' reader can crash (SIGSEGV) on such a file
+    files["nulls.jsonl"].write_text('null\n{"prompt": null}\nfalse\nnull\n')
+    files["chat.jsonl"] = write_jsonl(root / "chat.jsonl", [{"prompt": [{"role": "user", "content": "a b"}]}] * 64)
+    files["raising_template"] = root / "raising_template"  # the policy, with a chat template that raises
+    shutil.copytree(assets["policy"], files["raising_template"])
+    tokenizer = AutoTokenizer.from_pretrained(files["raising_template"])
+    tokenizer.chat_template = "{{ raise_exception('this template takes no user role') }}"
+    tokenizer.save_pretrained(files["raising_template"])
     files["three_prompts.jsonl"] = root / "three_prompts.jsonl"
     files["three_prompts.jsonl"].write_text("".join(f'{{"prompt": "{p} :"}}\n' for p in ("a b", "c", "d e")))
     files["not_a_dataset"] = root / "not_a_dataset"
@@ -450,6 +465,22 @@ BAD_INPUTS = {  # case: (flags that replace or add to a valid command, fragments
                                          ["foreign_ids, row 1", "token id 99", "vocabulary of 15"]),
     "fewer prompts than one update": ({"dataset_name": "three_prompts.jsonl"},
                                       ["has 3 prompts, fewer than one update takes", "smaller batches"]),
+    "bytes that are not UTF-8 (latin-1)": ({"dataset_name": "latin1.jsonl"},
+                                           ["latin1.jsonl cannot be read: line 1 is not UTF-8 text (byte b'\\xe9')",
+                                            "re-encode it as UTF-8"]),
+    "UTF-16 with its byte order mark": ({"dataset_name": "utf16.jsonl"}, ["line 1 is not UTF-8 text (byte b'\\xff')"]),
+    "a .json file in latin-1": ({"dataset_name": "latin1.json"}, ["latin1.json cannot be read: line 1 is not UTF-8"]),
+    "JSON lines that are not objects": ({"dataset_name": "nulls.jsonl"},
+                                        ["nulls.jsonl cannot be read: line 1 is a JSON NoneType, not an object"]),
+    "a chat template that raises": ({"model_name_or_path": "raising_template", "dataset_name": "chat.jsonl"},
+                                    ["the tokenizer's chat template: TemplateError: this template takes no user role",
+                                     "fix the template"]),
+    "a causal LM as reward model": ({"reward_model_path": "policy"},
+                                    ["is a GPTNeoXForCausalLM, not a reward model: its score head would be newly "
+                                     "initialized", "AutoModelForSequenceClassification with num_labels=1"]),
+    "zero updates": ({"num_train_epochs": "0.0001"},
+                     ["--num_train_epochs 0.0001 of 256 prompts is 0 episodes: no update (one takes 8)",
+                      "--num_train_epochs 0.0312 or more, or --total_episodes 8"]),
     "reward model with two labels": ({"reward_model_path": "two_label_rm"},
                                      ["two_label_rm", "2-label classification head", "num_labels=1"]),
     "LoRA with FSDP": ({"use_peft": None, "fsdp": None}, ["--use_peft with --fsdp is not supported yet"]),

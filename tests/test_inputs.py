@@ -1,0 +1,387 @@
+"""Every input behind one boundary: generated malformed inputs of each kind (data files, reward values, flags) end in
+one line naming the input, or succeed, never in another exception; and the named cases end to end."""
+
+import contextlib
+import decimal
+import fractions
+import io
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import plan_memory
+import plumbing
+import rloo
+from conftest import (REPO, policy_tokenizer, run_rloo, script_command, script_env, tiny_policy, tiny_reward_model)
+
+PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def assert_one_line(error: BaseException, *names: str) -> None:
+    """A ConfigError / RewardFunctionError: one line naming the input."""
+    message = str(error)
+    assert message and "\n" not in message and "\r" not in message, repr(message)
+    assert any(name in message for name in names), (names, message)
+
+
+# ---------------------------------------------------------------- the data loader
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=20))
+JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(["role", "content", "prompt", "x"]), inner,
+                                                 max_size=3)), max_leaves=8)
+ROWS = st.lists(st.one_of(st.fixed_dictionaries({"prompt": JSON_VALUES}), JSON_VALUES), min_size=0, max_size=6)
+ENCODINGS = st.sampled_from(["utf-8", "utf-8-sig", "utf-16", "utf-32", "latin-1", "cp1252"])
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    tokenizer = policy_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def load_and_tokenize(path: Path, tokenizer) -> None:
+    """What rloo.main does with --dataset_name path: load the file, tokenize and filter its prompts."""
+    dataset = plumbing.load_split(str(path), "train", None)
+    plumbing.prepare_prompts(dataset, tokenizer, "prompt", 16, str(path), len(tokenizer), rloo.prompt_token_ids)
+
+
+def loads_or_says_one_line(path: Path, tokenizer) -> None:
+    try:
+        load_and_tokenize(path, tokenizer)
+    except plumbing.ConfigError as e:
+        assert_one_line(e, path.name, "chat template")
+
+
+@PROPERTY
+@given(content=st.one_of(
+    st.binary(max_size=200),  # any bytes
+    st.tuples(ROWS, ENCODINGS).map(lambda r: "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in r[0])
+                                   .encode(r[1], errors="replace")),  # JSON lines, in any encoding
+    st.tuples(st.text(max_size=40), ENCODINGS).map(lambda t: t[0].encode(t[1], errors="replace"))),
+    suffix=st.sampled_from([".jsonl", ".json"]))
+def test_a_json_file_of_any_bytes_loads_or_is_one_line(chat_tokenizer, content, suffix):
+    with tempfile.TemporaryDirectory() as root:
+        path = Path(root) / f"data{suffix}"
+        path.write_bytes(content)
+        loads_or_says_one_line(path, chat_tokenizer)
+
+
+PARQUET_COLUMNS = st.one_of(
+    st.lists(st.one_of(st.none(), st.text(max_size=20)), min_size=1, max_size=5),
+    st.lists(st.integers(-2**63, 2**63 - 1), min_size=1, max_size=5),
+    st.lists(st.binary(max_size=10), min_size=1, max_size=5),
+    st.lists(st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": st.text(max_size=10)}), max_size=3),
+             min_size=1, max_size=5),
+    st.lists(st.lists(st.integers(-5, 40), max_size=5), min_size=1, max_size=5),
+    st.lists(st.dictionaries(st.sampled_from(["a", "b"]), st.integers(0, 3), min_size=1), min_size=1, max_size=5),
+)
+
+
+@PROPERTY
+@given(column=PARQUET_COLUMNS, name=st.sampled_from(["prompt", "query_token", "question"]))
+def test_a_parquet_file_of_any_schema_loads_or_is_one_line(chat_tokenizer, column, name):
+    with tempfile.TemporaryDirectory() as root:
+        path = Path(root) / "data.parquet"
+        try:
+            table = pa.table({name: column})
+        except (pa.ArrowInvalid, pa.ArrowTypeError):  # not a column pyarrow can write
+            return
+        pq.write_table(table, path)
+        loads_or_says_one_line(path, chat_tokenizer)
+
+
+@pytest.mark.parametrize("content,fragments", [
+    ('{"prompt": "caf\xe9 a :"}\n'.encode("latin-1"), ["line 1 is not UTF-8 text", "re-encode it as UTF-8"]),
+    ('{"prompt": "a :"}\n{"prompt": "\xe9"}\n'.encode("cp1252"), ["line 2 is not UTF-8 text"]),
+    ('{"prompt": "a b :"}\n'.encode("utf-16"), ["line 1 is not UTF-8 text (byte b'\\xff')"]),
+    (b'{"prompt": "a \xff :"}\n', ["line 1 is not UTF-8 text"]),
+])
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_bytes_that_are_not_utf8_are_one_line_naming_the_line(tmp_path, content, fragments, suffix):
+    path = tmp_path / f"data{suffix}"
+    path.write_bytes(content)
+    with pytest.raises(plumbing.ConfigError) as error:
+        load_and_tokenize(path, policy_tokenizer())
+    assert_one_line(error.value, path.name)
+    for fragment in fragments:
+        assert fragment in str(error.value)
+
+
+def test_a_utf8_file_with_a_byte_order_mark_loads(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes('{"prompt": "a b :"}\n{"prompt": "c :"}\n'.encode("utf-8-sig"))
+    try:
+        load_and_tokenize(path, policy_tokenizer())
+    except plumbing.ConfigError as e:
+        assert_one_line(e, path.name)
+
+
+def test_a_chat_template_that_raises_is_one_line_naming_it(tmp_path):
+    tokenizer = policy_tokenizer()
+    tokenizer.chat_template = "{{ raise_exception('system messages are not supported') }}"
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"prompt": [{"role": "user", "content": "a b"}]}) + "\n")
+    with pytest.raises(plumbing.ConfigError) as error:
+        load_and_tokenize(path, tokenizer)
+    assert_one_line(error.value, "the tokenizer's chat template")
+    assert "system messages are not supported" in str(error.value) and "fix the template" in str(error.value)
+
+
+# ---------------------------------------------------------------- the reward-value check
+N = 3
+NUMBER_LIKE = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-10**400, max_value=10**400),
+    st.floats(allow_nan=True, allow_infinity=True), st.decimals(allow_nan=True), st.fractions(),
+    st.complex_numbers(max_magnitude=10), st.text(max_size=5), st.binary(max_size=5),
+    st.integers(0, 2**64 - 1).map(np.uint64), st.integers(-2**63, 2**63 - 1).map(np.int64),
+    st.floats(width=16).map(np.float16), st.floats().map(np.float64), st.floats().map(torch.tensor),
+    st.integers(-2**63, 2**63 - 1).map(torch.tensor), st.lists(st.floats(), max_size=2).map(torch.tensor),
+    st.floats().map(lambda x: np.array(x)), st.builds(object),
+)
+VALUES = st.recursive(NUMBER_LIKE, lambda inner: st.lists(inner, max_size=3), max_leaves=6)
+RETURNED = st.one_of(
+    st.lists(VALUES, min_size=N, max_size=N), st.lists(VALUES, max_size=N + 2), VALUES,
+    st.lists(st.floats(), min_size=N, max_size=N).map(tuple),
+    st.lists(st.floats(), min_size=N, max_size=N).map(np.array),
+    st.lists(st.floats(), min_size=0, max_size=N + 1).map(torch.tensor),
+    st.lists(st.floats(), min_size=N, max_size=N).map(lambda v: torch.tensor(v).reshape(N, 1)),
+    st.lists(st.floats(), min_size=N, max_size=N).map(lambda v: (x for x in v)),  # a generator
+    st.dictionaries(st.text(max_size=3), VALUES, max_size=3),
+)
+
+
+@PROPERTY
+@given(returned=RETURNED)
+def test_any_reward_return_value_is_n_finite_float32s_or_one_line(returned):
+    try:
+        values, applies = plumbing.call_reward_function("judge", lambda **kwargs: returned, N, None, completions=[""])
+    except plumbing.RewardFunctionError as e:
+        assert_one_line(e, "reward function 'judge'")
+        return
+    assert values.shape == applies.shape == (N,) and values.dtype == torch.float32
+    assert torch.isfinite(values).all()
+
+
+class Unreadable(float):
+    def __float__(self):
+        raise ArithmeticError("no float of me")
+
+
+@pytest.mark.parametrize("returned,fragment", [
+    ([10**400, 1.0, 1.0], "returned an int of 1329 bits for completion 0"),
+    ([np.uint64(2**64 - 1), 1.0, 10**39], "returned an int of 130 bits for completion 2"),
+    ([decimal.Decimal(1), 1.0, 1.0], "(Decimal) among its values"),
+    (["1.0", 1.0, 1.0], "'1.0' (str)"),
+    ([[1.0], 1.0, 1.0], "[1.0] (list)"),
+    (torch.ones(N + 1), "returned 4 values for 3 completions"),
+    (torch.ones(N, 1), "(Tensor) among its values"),
+    ((x for x in [1.0, 1.0, 1.0]), "not a list of 3 numbers"),
+    ([Unreadable(1.0), 1.0, 1.0], "cannot be read as numbers (ArithmeticError: no float of me)"),
+])
+def test_reward_values_that_are_no_float32_are_one_line(returned, fragment):
+    with pytest.raises(plumbing.RewardFunctionError) as error:
+        plumbing.call_reward_function("judge", lambda **kwargs: returned, N, None)
+    assert_one_line(error.value, "reward function 'judge'")
+    assert fragment in str(error.value)
+
+
+def test_bools_and_exact_numbers_of_any_kind_are_rewards():
+    values, applies = plumbing.call_reward_function(
+        "judge", lambda **kwargs: [True, fractions.Fraction(1, 2), np.int64(-3)], N, None)
+    assert values.tolist() == [1.0, 0.5, -3.0] and applies.all()
+
+
+def test_a_reward_function_that_changes_the_working_directory_is_a_fault(tmp_path):
+    cwd = os.getcwd()
+    with pytest.raises(plumbing.RewardFunctionError, match="changed the working directory"):
+        plumbing.call_reward_function("judge", lambda **kwargs: os.chdir(tmp_path) or [1.0] * N, N, None)
+    assert os.getcwd() == cwd
+
+
+# ---------------------------------------------------------------- the flags
+NUMERIC_FLAGS = ["learning_rate", "rloo_k", "kl_coef", "temperature", "cliprange", "num_train_epochs", "total_episodes",
+                 "per_device_train_batch_size", "response_length", "max_prompt_length", "seed", "save_total_limit",
+                 "reward_fn_timeout", "ddp_timeout", "reward_weights", "lora_r", "num_mini_batches",
+                 "missing_eos_penalty", "stop_token_id", "local_rollout_forward_batch_size", "num_ppo_epochs",
+                 "gradient_accumulation_steps", "eval_max_prompts", "fsdp_generation", "num_generations", "beta"]
+FLAG_VALUES = st.one_of(
+    st.integers(min_value=-10**30, max_value=10**30).map(str), st.floats().map(repr),
+    st.sampled_from(["nan", "-nan", "inf", "-inf", "1e3", "1e-400", "1e400", "-0", "0x10", "1_000", "", " ", "None",
+                     "none", "True", "½", "٣", "1,5", "\x00", "per_block"]),
+    st.text(max_size=10)).filter(lambda v: not v.startswith("-") or v[1:2].isdigit() or v in ("-nan", "-inf", "-0"))
+VALID = ["--model_name_or_path", "m", "--reward_fn", "reward_fns:count_a", "--output_dir", "out"]
+
+
+def parse_and_check(argv: list[str], cls=rloo.Args, prog: str = "rloo.py"):
+    """parse_args, then the checks main makes before anything loads; (the exit status, stderr) of a refusal, or
+    (None, args)."""
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            args = plumbing.parse_args(cls, argv, prog=prog)
+    except SystemExit as e:
+        return e.code, stderr.getvalue()
+    try:
+        plumbing.validate_args(args)
+        rloo.compute_batch_sizes(args, 1)
+    except plumbing.ConfigError as e:
+        return 2, f"{prog}: error: {e}\n"
+    return None, args
+
+
+@settings(PROPERTY, max_examples=25)  # a parse builds tyro's parser: ~1 s
+@given(flags=st.lists(st.tuples(st.sampled_from(NUMERIC_FLAGS), FLAG_VALUES), min_size=1, max_size=3),
+       equals=st.booleans())
+def test_any_flag_value_parses_or_is_one_line_exit_2(flags, equals):
+    argv = [*VALID, *(s for flag, value in flags for s in ([f"--{flag}={value}"] if equals else [f"--{flag}", value]))]
+    status, said = parse_and_check(argv)
+    if status is None:
+        return
+    assert status == 2, said
+    lines = said.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rloo.py: error: "), said
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--rloo_kk", "4"], "rloo.py: error: unrecognized argument '--rloo_kk': did you mean --rloo_k?"),
+    (["--learning-rat", "1e-5"], "did you mean --learning_rate?"),
+    (["--rloo_k", "1e3"], "rloo.py: error: --rloo_k: invalid literal for int() with base 10: '1e3'; see --help"),
+    (["--learning_rate"], "rloo.py: error: --learning_rate needs a value; see --help"),
+    (["--fsdp_generation", "all"], "rloo.py: error: --fsdp_generation 'all' is not one of unshard, per_block"),
+    (["--learning_rate=-0"], None),  # -0.0: a learning rate of 0 is allowed
+])
+def test_parse_errors_are_one_line_naming_the_flag(argv, line):
+    status, said = parse_and_check([*VALID, *argv])
+    if line is None:
+        assert status is None, said
+        return
+    assert status == 2 and said.count("\n") == 1 and line in said, said
+
+
+@pytest.mark.parametrize("script", ["rloo.py", "rloo_multinode.py", "plan_memory.py"])
+def test_every_script_says_a_parse_error_in_one_line(script):
+    result = subprocess.run(script_command(script, "--rloo-kk", "4"), capture_output=True, text=True,
+                            env=script_env(), cwd=REPO, timeout=120)
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr == f"{script}: error: unrecognized argument '--rloo-kk': did you mean --rloo_k?\n"
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--world_size", "0"], "world_size = 0 must be at least 1"),
+    (["--world_size", "-3"], "world_size = -3 must be at least 1"),
+    (["--gpu_gib", "-5"], "gpu_gib = -5.0 must be a finite number of GiB > 0"),
+    (["--gpu_gib", "nan"], "gpu_gib = nan must be"),
+    (["--gpu_gib", "inf"], "gpu_gib = inf must be"),
+    (["--gpu_gib", "0"], "gpu_gib = 0.0 must be"),
+    (["--max_prompt_length", "-1"], "max_prompt_length must be >= 1"),
+])
+def test_plan_memory_refuses_numbers_without_meaning_in_one_line(flags, line, capsys):
+    argv = ["--model_name_or_path", "unused", "--reward_fn", "a:b", *flags]
+    with pytest.raises(SystemExit) as status:
+        plumbing.run_script(plan_memory.main, plumbing.parse_args(plan_memory.PlanArgs, argv, prog="plan_memory.py"),
+                            "plan_memory.py")
+    captured = capsys.readouterr()
+    assert status.value.code == 2 and captured.out == "", captured.out
+    assert captured.err.startswith("plan_memory.py: error: ") and line in captured.err, captured.err
+    assert captured.err.count("\n") == 1, captured.err
+
+
+# ---------------------------------------------------------------- models
+def test_a_reward_model_without_its_score_head_is_refused(tmp_path):
+    tokenizer = policy_tokenizer()
+    path = tmp_path / "headless"
+    model = tiny_reward_model(len(tokenizer))
+    model.save_pretrained(path)
+    from safetensors.torch import load_file, save_file
+    weights = load_file(path / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.startswith("score.")}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(plumbing.ConfigError) as error:
+        plumbing.load_reward_model(str(path), torch.float32, False)
+    assert_one_line(error.value, str(path))
+    assert "score.weight" in str(error.value) and "newly initialized" in str(error.value)
+
+
+def test_a_causal_lm_as_reward_model_is_refused_from_its_config(tmp_path):
+    path = tmp_path / "policy"
+    tiny_policy(15).save_pretrained(path)
+    with pytest.raises(plumbing.ConfigError, match="is a GPTNeoXForCausalLM, not a reward model: its score head would "
+                                                   "be newly initialized"):
+        plumbing.check_reward_model_config(str(path), False)
+
+
+def test_a_policy_without_its_lm_head_is_refused(tmp_path):
+    path = tmp_path / "reward_model"
+    tiny_reward_model(15).save_pretrained(path)
+    with pytest.raises(plumbing.ConfigError) as error:
+        plumbing.load_causal_lm(str(path), torch.float32, False)
+    assert_one_line(error.value, str(path))
+    assert "(lm_head.weight): they would be newly initialized" in str(error.value)
+
+
+@pytest.mark.parametrize("corruption", ["{not json", "", '{"model": {"type": "Nope"}}', "\xff\xfe"])
+def test_a_corrupt_tokenizer_file_is_one_line(tmp_path, corruption):
+    path = tmp_path / "tok"
+    policy_tokenizer().save_pretrained(path)
+    (path / "tokenizer.json").write_bytes(corruption.encode("latin-1"))
+    with pytest.raises(plumbing.ConfigError) as error:
+        plumbing.load_tokenizer(str(path), False)
+    assert_one_line(error.value, str(path))
+
+
+def test_merged_lora_weights_are_as_readable_as_the_other_files(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    tokenizer, out = policy_tokenizer(), tmp_path / "out"
+    base = tmp_path / "base"
+    tiny_policy(len(tokenizer)).save_pretrained(base)
+    get_peft_model(tiny_policy(len(tokenizer)), LoraConfig(r=2, target_modules=["query_key_value"])).save_pretrained(out)
+    args = rloo.Args(model_name_or_path=str(base), output_dir=str(out), use_peft=True, merge_lora=True)
+    plumbing.save_merged_policy(args, tiny_policy(len(tokenizer)).config, tokenizer)
+    merged = out / plumbing.MERGED
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in merged.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes
+
+
+# ---------------------------------------------------------------- end to end: exit status and the one line
+def test_a_reward_function_returning_an_int_beyond_any_float_stops_in_one_line(assets, tmp_path):
+    result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir",
+                      tmp_path / "out", "--reward_fn", "reward_fns:huge_int", "--max_prompt_length", "16",
+                      "--response_length", "4", "--total_episodes", "16", "--num_sample_generations", "0")
+    assert result.returncode == 4 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "rloo.py: error: reward function 'huge_int' returned an int of 1329 bits for completion 0")
+
+
+def test_ctrl_c_while_torch_imports_is_one_line_and_exit_130(tmp_path):
+    """A stand-in `torch` first on the path says it is being imported, then waits: the signal lands inside the
+    imports, whatever the machine's speed."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("print('importing torch', flush=True)\nimport time\n"
+                                                    "time.sleep(600)\n")
+    for script in ("rloo.py", "plan_memory.py", "rloo_multinode.py"):
+        process = subprocess.Popen(script_command(script, "--help"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env=script_env({"PYTHONPATH": str(tmp_path)}), cwd=REPO)
+        try:
+            assert process.stdout.readline() == "importing torch\n"
+            process.send_signal(signal.SIGINT)
+            stdout, stderr = process.communicate(timeout=60)
+        finally:
+            process.kill()
+        assert process.returncode == 130, stderr
+        assert stderr == f"{script}: SIGINT received while starting: stopped, nothing written\n", stderr
