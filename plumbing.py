@@ -1910,12 +1910,15 @@ class OutputDirLock:
                 break
 
 
-def take_output_dir(lock: OutputDirLock, rank: int) -> None:
-    """Before anything is read from output_dir, rank 0 makes it this run's: locked (`lock` acquired), the marker of
+def take_output_dir(lock: OutputDirLock, rank: int, inputs: Optional[dict] = None) -> None:
+    """Before anything is read from output_dir, rank 0 makes it this run's: refused if empty or if it is, holds or
+    lies inside one of the run's `inputs` (run_inputs), so that not even the lock is written there; locked (`lock`
+    acquired), the marker of
     an earlier stop removed (a resume that then fails or is refused is not requeued forever), the temporary
     directories of killed saves removed (they can be as large as a checkpoint)."""
     if not lock.output_dir.strip():
         raise ConfigError(f"--output_dir {lock.output_dir!r} is empty: pass a directory (`.` for this one)")
+    check_no_input_inside(lock.output_dir, inputs or {})
     path = Path(lock.output_dir)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--output_dir {lock.output_dir} is a file: pass a directory")
@@ -2381,21 +2384,27 @@ def path_forms(path: Path) -> set[Path]:
     return {Path(os.path.abspath(path)), path.resolve()}
 
 
-def check_output_dir(args, inputs: dict[str, tuple[str, Optional[Path]]], ours: list[Path], set_aside: str) -> None:
-    """The output_dir rules, before anything loads: it neither is, holds nor lies inside an input (any local
-    path of run_inputs); another run's files (checkpoints, a finished run's record) are refused unless the run
-    continues them (--resume, --resume_from) or --overwrite_output_dir sets them aside; a file the final policy
-    would write over that is not a run's is refused. Other files (a log, notes, .git) are the user's: fine."""
-    root = Path(args.output_dir)
+def check_no_input_inside(output_dir: str, inputs: dict[str, tuple[str, Optional[Path]]]) -> None:
+    """output_dir neither is, holds nor lies inside an input (any local path of run_inputs), the paths compared
+    as typed and with their symlinks resolved."""
     for name, (value, path) in inputs.items():
         if path is None:
             continue
-        for out in path_forms(root):
+        for out in path_forms(Path(output_dir)):
             for held in path_forms(path):
                 if out == held or out in held.parents or held in out.parents:
                     where = "is" if out == held else "holds" if out in held.parents else "is inside"
-                    raise ConfigError(f"--output_dir {args.output_dir} {where} the input --{name} {value}: a run "
+                    raise ConfigError(f"--output_dir {output_dir} {where} the input --{name} {value}: a run "
                                       "must never move or write over its inputs; pass another --output_dir")
+
+
+def check_output_dir(args, inputs: dict[str, tuple[str, Optional[Path]]], ours: list[Path], set_aside: str) -> None:
+    """The output_dir rules, before anything loads: no input inside it or around it (check_no_input_inside);
+    another run's files (checkpoints, a finished run's record) are refused unless the run continues them
+    (--resume, --resume_from) or --overwrite_output_dir sets them aside; a file the final policy would write over
+    that is not a run's is refused. Other files (a log, notes, .git) are the user's: fine."""
+    root = Path(args.output_dir)
+    check_no_input_inside(args.output_dir, inputs)
     owned = rank0_view(run_owned(root))
     record = rank0_view(run_record(root) is not None)
     if (ours or record) and not (args.resume or args.resume_from or args.overwrite_output_dir):
@@ -2404,11 +2413,11 @@ def check_output_dir(args, inputs: dict[str, tuple[str, Optional[Path]]], ours: 
                           f"another --output_dir, or {set_aside}")
     foreign_policy_files = rank0_view(sorted(
         p.name for p in root.iterdir() if p.name not in owned and p.is_file() and any(
-            fnmatch.fnmatchcase(p.name, n) for n in POLICY_FILES + (("README.md",) if args.use_peft else ())))
+            fnmatch.fnmatchcase(p.name, n) for n in (RUN_RECORD, *POLICY_FILES, *(["README.md"] if args.use_peft else []))))
         if root.is_dir() else [])
     if foreign_policy_files:
         raise ConfigError(f"--output_dir {root} holds {', '.join(foreign_policy_files[:4])}, which no run of this "
-                          "project wrote and the finished run's policy would write over: move them, or pass another "
+                          "project wrote and the finished run would write over: move them, or pass another "
                           "--output_dir")
 
 
@@ -2567,10 +2576,10 @@ class Checkpointer:
 
     def __init__(self, args, dist_info, lock: OutputDirLock, reward_functions: list[tuple[str, Callable]] = ()):
         self.args, self.dist_info, self.lock, self.reward_functions = args, dist_info, lock, reward_functions
-        take_output_dir(lock, dist_info.rank)
+        inputs = run_inputs(args, reward_functions)
+        take_output_dir(lock, dist_info.rank, inputs)
         with self.refusal_leaves_nothing():
-            start = resume_checkpoint(args, run_inputs(args, reward_functions))  # verified; --resume falls back
-            # past damaged checkpoints
+            start = resume_checkpoint(args, inputs)  # verified; --resume falls back past damaged checkpoints
             self.path, self.state, self.skipped = start.checkpoint, start.state, start.skipped
             self.changes = check_resumable(self.state["args"], args, dist_info.world_size,
                                            self.state["world_size"]) if self.state else []
