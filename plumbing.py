@@ -2312,7 +2312,8 @@ def trainer_state_problem(state) -> Optional[str]:
         if key not in state:
             return f"{TRAINER_STATE} has no {key!r}"
         if isinstance(value, bool) or not isinstance(value, kind if kind is not float else (int, float)):
-            return f"{TRAINER_STATE}'s {key!r} is a {type(value).__name__}, not a {getattr(kind, '__name__', 'dict')}"
+            expected = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            return f"{TRAINER_STATE}'s {key!r} is of type {type(value).__name__}, not {expected}"
     if not 0 <= state["update"] < 2**62 or not 0 <= state["world_size"] < 2**31 or not 0 <= state["episode"] < 2**62:
         return f"{TRAINER_STATE}'s update, episode or world_size is out of range"
     if not math.isfinite(state["elapsed"]) or state["elapsed"] < 0:
@@ -2394,7 +2395,8 @@ def check_no_input_inside(output_dir: str, inputs: dict[str, tuple[str, Optional
             for held in path_forms(path):
                 if out == held or out in held.parents or held in out.parents:
                     where = "is" if out == held else "holds" if out in held.parents else "is inside"
-                    raise ConfigError(f"--output_dir {output_dir} {where} the input --{name} {value}: a run "
+                    what = name if name.startswith("reward_fn ") else f"{name} {value}"  # the name has the spec
+                    raise ConfigError(f"--output_dir {output_dir} {where} the input --{what}: a run "
                                       "must never move or write over its inputs; pass another --output_dir")
 
 
