@@ -2413,6 +2413,9 @@ def check_output_dir(args, inputs: dict[str, tuple[str, Optional[Path]]], ours: 
         what = f"checkpoints up to {ours[0].name}" if ours else "a finished run"
         raise ConfigError(f"--output_dir {root} holds another run's files ({what}): pass --resume to continue it, "
                           f"another --output_dir, or {set_aside}")
+    if record and not ours and not args.overwrite_output_dir:  # nothing to continue: its files would be written over
+        raise ConfigError(f"--output_dir {root} holds a finished run without checkpoints: nothing to resume; pass "
+                          f"another --output_dir, or {set_aside}")
     foreign_policy_files = rank0_view(sorted(
         p.name for p in root.iterdir() if p.name not in owned and p.is_file() and any(
             fnmatch.fnmatchcase(p.name, n) for n in (RUN_RECORD, *POLICY_FILES, *(["README.md"] if args.use_peft else []))))

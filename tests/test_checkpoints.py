@@ -31,7 +31,7 @@ RUN = ("--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train
        "--local_rollout_forward_batch_size", "32", "--num_ppo_epochs", "2", "--num_mini_batches", "2",
        "--learning_rate", "3e-3", "--num_sample_generations", "0", "--num_evals", "3")
 PER_UPDATE = 32  # completions per update and rank: 16 x 1 x 2 minibatches (8 prompts x k=4)
-NOT_REPRODUCIBLE = ("eps", "time/")  # wall-clock measurements
+NOT_REPRODUCIBLE = ("eps", "time/", "run_id")  # wall-clock measurements, and each run's own id
 
 
 def comparable(metrics: list[dict]) -> list[dict]:
@@ -62,6 +62,8 @@ def interrupt_after_first_update(args: list, sig: signal.Signals, nproc: int = 0
 
 
 def assert_same_run(full: Path, resumed: Path) -> None:
+    run_id = json.loads((resumed / "args.json").read_text())["run_id"]  # the id drawn at the first start, kept
+    assert {m["run_id"] for m in read_metrics(resumed)} == {run_id}
     assert comparable(read_metrics(resumed)) == comparable(read_metrics(full))
     a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-identical

@@ -51,6 +51,11 @@ def layout(root: Path, name: str) -> tuple[Path, dict]:
     elif name in ("another run", "another run, --overwrite_output_dir", "another run, --resume"):
         out.mkdir()
         fake_run(out, [1, 2])
+    elif name == "a finished run whose checkpoints are gone, --resume":
+        out.mkdir()
+        fake_run(out, [1])
+        for step in (out / "checkpoints").iterdir():
+            (step / "manifest.json").unlink()
     elif name == "a user's model directory as output_dir":  # not an input of this run: config.json is the user's
         out.mkdir()
         (out / "config.json").write_text("{}")
@@ -97,6 +102,7 @@ LAYOUTS = {  # layout: the verdict, None (accepted) or a fragment of the one-lin
     "another run": "holds another run's files (checkpoints up to step_2): pass --resume",
     "another run, --overwrite_output_dir": None,
     "another run, --resume": "--resume: no checkpoint in",  # refused at its (fake) checkpoints, not the directory
+    "a finished run whose checkpoints are gone, --resume": "holds a finished run without checkpoints: nothing to",
     "a user's model directory as output_dir": "holds args.json, config.json, model.safetensors, which no run of",
     "holds the policy": "holds the input --model_name_or_path inputs/policy",
     "is the policy": "is the input --model_name_or_path inputs/policy",
