@@ -2316,7 +2316,7 @@ def trainer_state_problem(state) -> Optional[str]:
             return f"{TRAINER_STATE}'s {key!r} is of type {type(value).__name__}, not {expected}"
     if not 0 <= state["update"] < 2**62 or not 0 <= state["world_size"] < 2**31 or not 0 <= state["episode"] < 2**62:
         return f"{TRAINER_STATE}'s update, episode or world_size is out of range"
-    if not math.isfinite(state["elapsed"]) or state["elapsed"] < 0:
+    if not (math.isfinite(state["elapsed"]) and 0 <= state["elapsed"] < 1e10):  # seconds: over 300 years is junk
         return f"{TRAINER_STATE}'s elapsed time {state['elapsed']!r} is not a finite number of seconds"
     if not (isinstance(state["sampler"].get("epoch"), int) and isinstance(state["sampler"].get("position"), int)):
         return f"{TRAINER_STATE}'s sampler state is not {{'epoch': int, 'position': int}}"
