@@ -2416,10 +2416,10 @@ def check_output_dir(args, inputs: dict[str, tuple[str, Optional[Path]]], ours: 
     if record and not ours and not args.overwrite_output_dir:  # nothing to continue: its files would be written over
         raise ConfigError(f"--output_dir {root} holds a finished run without checkpoints: nothing to resume; pass "
                           f"another --output_dir, or {set_aside}")
+    written = (RUN_RECORD, *POLICY_FILES, *(["README.md"] if args.use_peft else []))  # peft writes a model card
     foreign_policy_files = rank0_view(sorted(
         p.name for p in root.iterdir() if p.name not in owned and p.is_file() and any(
-            fnmatch.fnmatchcase(p.name, n) for n in (RUN_RECORD, *POLICY_FILES, *(["README.md"] if args.use_peft else []))))
-        if root.is_dir() else [])
+            fnmatch.fnmatchcase(p.name, n) for n in written)) if root.is_dir() else [])
     if foreign_policy_files:
         raise ConfigError(f"--output_dir {root} holds {', '.join(foreign_policy_files[:4])}, which no run of this "
                           "project wrote and the finished run would write over: move them, or pass another "

@@ -146,7 +146,8 @@ def test_the_output_dir_rules_over_layouts_touch_nothing_but_the_runs_files(tmp_
         assert moved == {n for n in before if n.startswith("work/out/") and (
             n.split("/")[2] in ("checkpoints", "metrics.jsonl", "args.json", "model.safetensors", "config.json",
                                 "tokenizer.json"))}
-        assert {n for n in before if n.startswith("work/out/.git") or n.endswith(("curves.png", "notes.txt"))} <= set(after)
+        kept = {n for n in before if n.startswith("work/out/.git") or n.endswith(("curves.png", "notes.txt"))}
+        assert kept <= set(after)
 
 
 def test_an_overwrite_of_dot_in_a_git_checkout_moves_only_the_runs_files(tmp_path, monkeypatch):
@@ -222,7 +223,8 @@ def test_a_checkpoint_of_another_run_or_another_update_is_refused(tmp_path):
     assert start.state["run_id"] == "run-b"
     # metrics lines of another run are never kept as this run's
     (tmp_path / "c").mkdir()
-    (tmp_path / "c" / "metrics.jsonl").write_text('{"update": 1, "run_id": "run-x"}\n{"update": 2, "run_id": "run-b"}\n')
+    (tmp_path / "c" / "metrics.jsonl").write_text('{"update": 1, "run_id": "run-x"}\n'
+                                                  '{"update": 2, "run_id": "run-b"}\n')
     plumbing.settle_output_dir(rloo.Args(output_dir=str(tmp_path / "c")), 3, {}, "run-b")
     assert read_metrics(tmp_path / "c") == [{"update": 2, "run_id": "run-b"}]
 
