@@ -21,11 +21,13 @@ Sections:
   command line    TRL >= 0.22's names, exit statuses
 """
 
+import atexit
 import contextlib
 import copy
 import datetime
 import difflib
 import fcntl
+import fnmatch
 import functools
 import gc
 import hashlib
@@ -46,6 +48,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, make_dataclass
 from pathlib import Path
 from typing import Annotated, Callable, ClassVar, Literal, Optional, get_args, get_origin, get_type_hints
@@ -151,7 +154,7 @@ class RunArgs(InputArgs):
         "local_rollout_forward_batch_size", "gradient_checkpointing", "total_episodes", "num_train_epochs",
         "save_steps", "save_total_limit", "resume", "resume_from", "overwrite_output_dir", "ddp_timeout",
         "fsdp_generation", "compile_generation", "share_prompt", "bf16_generation", "reward_fn_timeout",
-        "merge_lora", "logging_steps", "save_strategy", "max_steps"})
+        "merge_lora", "logging_steps", "save_strategy", "max_steps", "allow_changed_inputs"})
 
     # ----- experiment -----
     exp_name: str = "rloo"
@@ -245,8 +248,12 @@ class RunArgs(InputArgs):
     resume_from: Optional[str] = None
     """continue from this checkpoint directory; later checkpoints of output_dir are set aside (another timeline)"""
     overwrite_output_dir: bool = False
-    """start a new run in an output_dir that holds an earlier run or files it did not write: all it holds is moved
-    to output_dir/abandoned/ first (nothing is deleted). Without it such a run is refused"""
+    """start a new run in an output_dir that holds another run's files: those files (and only those: see
+    docs/checkpoints-and-faults.md) are moved to output_dir/abandoned/ first, nothing is deleted. Without it such a
+    run is refused"""
+    allow_changed_inputs: tuple[str, ...] = ()
+    """on --resume, inputs that may differ from those the run started with (by flag name: model_name_or_path,
+    sft_model_path, reward_model_path, dataset_name, dataset_test_split, reward_fn); any other change is refused"""
     ddp_timeout: float = 600.0
     """seconds a rank waits for the others (in a collective, or after scoring, evaluation or a save) before the
     run stops with a line naming the late rank and its phase: a reward function that never returns, a dead node"""
@@ -1718,7 +1725,8 @@ class RunLogger:
                  ("objective/entropy", "ent"), ("policy/clipfrac_avg", "clip"), ("completions/mean_length", "len"),
                  ("eps", "eps"))
 
-    def __init__(self, args, run_name: str, num_updates: int, start_update: int, wandb_run_id: Optional[str]):
+    def __init__(self, args, run_name: str, num_updates: int, start_update: int, wandb_run_id: Optional[str],
+                 run_id: Optional[str] = None):
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -1738,6 +1746,7 @@ class RunLogger:
         self.task = self.progress.add_task("updates", total=num_updates, completed=start_update)
         self.progress.start()
         self.num_updates, self.logging_steps = num_updates, args.logging_steps
+        self.run_id = run_id  # on every metrics.jsonl line: a line of another run is never taken for this one's
         self.mismatch_warned = False
 
     def log(self, update: int, metrics: dict[str, float]) -> None:
@@ -1777,7 +1786,7 @@ class RunLogger:
         size = self.metrics_path.stat().st_size
         try:
             with open(self.metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps({**record, "run_id": self.run_id}) + "\n")
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.truncate(self.metrics_path, size)
@@ -2045,6 +2054,12 @@ class OutputDirLock:
             raise ConfigError(f"cannot write to --output_dir {self.output_dir}: {e.strerror or e}") from None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(lock.fileno()).st_ino != os.stat(path / LOCK).st_ino:  # removed by the run that held it
+                lock.close()  # between our open and our flock: lock the file now at that path instead
+                return self.acquire()
+        except FileNotFoundError:  # removed by the run that held it after our flock: the same
+            lock.close()
+            return self.acquire()
         except BlockingIOError:
             lock.seek(0)
             holder = lock.read().strip() or "a process that has not written its pid yet"
@@ -2059,10 +2074,12 @@ class OutputDirLock:
         lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         lock.flush()
         self.file, self.created = lock, created
+        atexit.register(self.release)  # whatever ends the run (sys.exit, an exception), but os._exit and SIGKILL
 
     def release(self) -> None:
-        """After a refused start, so that it leaves nothing behind: the lock file removed, and the directories made
-        for it if they are empty."""
+        """When the run ends (finished, refused, stopped, failed), by the process that holds it: the lock file
+        removed (while still locked: a run that opened it meanwhile sees it gone and locks the new one), and after
+        a refused start the directories made for it if they are empty."""
         if not self.held:
             return
         (Path(self.output_dir) / LOCK).unlink(missing_ok=True)
@@ -2075,10 +2092,15 @@ class OutputDirLock:
                 break
 
 
-def take_output_dir(lock: OutputDirLock, rank: int) -> None:
-    """Before anything is read from output_dir, rank 0 makes it this run's: locked (`lock` acquired), the marker of
+def take_output_dir(lock: OutputDirLock, rank: int, inputs: Optional[dict] = None) -> None:
+    """Before anything is read from output_dir, rank 0 makes it this run's: refused if empty or if it is, holds or
+    lies inside one of the run's `inputs` (run_inputs), so that not even the lock is written there; locked (`lock`
+    acquired), the marker of
     an earlier stop removed (a resume that then fails or is refused is not requeued forever), the temporary
     directories of killed saves removed (they can be as large as a checkpoint)."""
+    if not lock.output_dir.strip():
+        raise ConfigError(f"--output_dir {lock.output_dir!r} is empty: pass a directory (`.` for this one)")
+    check_no_input_inside(lock.output_dir, inputs or {})
     path = Path(lock.output_dir)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--output_dir {lock.output_dir} is a file: pass a directory")
@@ -2234,20 +2256,72 @@ def model_identity(path: str) -> dict:
     return {"revision": Path(config).parent.name}
 
 
-def check_same_initial_model(saved: dict, current: dict, path: str) -> None:
-    """On resume: the initial model (the frozen reference, and the architecture and code the resumed policy loads
-    with) must be the one the checkpoint's run started from."""
-    if saved == current:
-        return
-    if "files" in saved and "files" in current:
-        names = sorted(n for n in saved["files"].keys() | current["files"].keys()
-                       if saved["files"].get(n) != current["files"].get(n))
-        what = "these files differ: " + ", ".join(names)
+INPUT_FLAGS = ("model_name_or_path", "sft_model_path", "reward_model_path", "dataset_name", "dataset_test_split",
+               "reward_fn")  # the flags that name a run's inputs, fingerprinted at its first start
+
+
+def run_inputs(args, reward_functions: list[tuple[str, Callable]] = ()) -> dict[str, tuple[str, Optional[Path]]]:
+    """Each input of the run, by how a message names it: (what the flag says, its local path, or None for a Hub id,
+    which is compared by name). A reward function's input is its source file."""
+    inputs = {}
+    for flag in INPUT_FLAGS[:4]:
+        value = getattr(args, flag)
+        if value:
+            inputs[flag] = (value, Path(value) if Path(value).exists() else None)
+    if args.dataset_test_split and Path(args.dataset_test_split).exists():  # else a split's name
+        inputs["dataset_test_split"] = (args.dataset_test_split, Path(args.dataset_test_split))
+    for spec, (_, fn) in zip(args.reward_fn, reward_functions):
+        source = inspect.getsourcefile(inspect.unwrap(fn)) if callable(fn) else None
+        inputs[f"reward_fn {spec}"] = (spec, Path(source) if source else None)
+    return inputs
+
+
+def input_identity(value: str, path: Optional[Path], model: bool) -> dict:
+    """What an input is, to tell on resume whether it changed: a model as model_identity says; a local file or
+    directory by its files' sha256 (every file, at any depth); a Hub dataset or a module without a source file by
+    its name. The resolved path is kept to report a move, but not compared."""
+    if model:
+        identity = model_identity(value)
+    elif path is None:
+        identity = {"name": value}
+    elif path.is_dir():
+        identity = {"files": file_digests(path)}
     else:
-        what = f"revision {saved.get('revision', 'a local directory')} -> {current.get('revision', 'a directory')}"
-    raise ConfigError(f"cannot resume: the initial model {path} (the frozen reference) is not the one the "
-                      f"checkpoint's run started from ({what}): restore that model, or start a new run in another "
-                      "--output_dir")
+        identity = {"files": file_digests(path.parent, [path.name])}
+    return {**identity, "path": str(path.resolve()) if path is not None else value}
+
+
+def input_identities(args, reward_functions: list[tuple[str, Callable]] = ()) -> dict[str, dict]:
+    """Every input's identity (input_identity), by its name in run_inputs. Collective when distributed."""
+    return {name: input_identity(value, path, name.endswith("model_path") or name == "model_name_or_path")
+            for name, (value, path) in run_inputs(args, reward_functions).items()}
+
+
+def check_same_inputs(saved: dict, current: dict, allowed: tuple[str, ...]) -> list[str]:
+    """On resume: every input must be the one the run started with (content, not path), unless its flag is in
+    --allow_changed_inputs. Returns the notes to print (allowed changes, moved inputs)."""
+    notes = []
+    for name in sorted(saved.keys() | current.keys()):
+        old, new = saved.get(name), current.get(name)
+        content = [{k: v for k, v in (x or {}).items() if k != "path"} for x in (old, new)]
+        if content[0] != content[1]:
+            if old and new and "files" in old and "files" in new:
+                what = "these files differ: " + ", ".join(sorted(
+                    n for n in old["files"].keys() | new["files"].keys() if old["files"].get(n) != new["files"].get(n)))
+            elif old and new:
+                what = ", ".join(f"{k} {old.get(k)} -> {new.get(k)}" for k in sorted(old.keys() | new.keys())
+                                 if k != "path" and old.get(k) != new.get(k))
+            else:
+                what = f"{(old or {}).get('path', 'none')} -> {(new or {}).get('path', 'none')}"
+            if name.split(" ")[0] in allowed:
+                notes.append(f"{name} changed ({what}), allowed by --allow_changed_inputs")
+                continue
+            raise ConfigError(f"cannot resume: the input --{name} is not the one the run started with ({what}): "
+                              f"restore it, or pass --allow_changed_inputs {name.split(' ')[0]} to continue with it "
+                              "as it is now")
+        if old and new and old.get("path") != new.get("path"):
+            notes.append(f"{name} moved ({old.get('path')} -> {new.get('path')}, same content)")
+    return notes
 
 
 # what the metadata of torch.distributed.checkpoint's optimizer shards is made of: nothing that runs code (the
@@ -2349,7 +2423,8 @@ def save_checkpoint(output_dir: str, update: int, model, optimizer, tokenizer, t
         barrier(what)
         digests = file_digests(partial)
         if rank == 0:
-            (partial / MANIFEST).write_text(json.dumps({"files": digests}, indent=1) + "\n")
+            (partial / MANIFEST).write_text(json.dumps({"files": digests, "run_id": trainer_state.get("run_id"),
+                                                        "update": update}, indent=1) + "\n")
     except WRITE_ERRORS as e:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
@@ -2368,17 +2443,22 @@ def save_checkpoint(output_dir: str, update: int, model, optimizer, tokenizer, t
     return final
 
 
-def save_final_policy(policy, tokenizer, output_dir: str, rank: int, checkpoint: Optional[Path] = None) -> None:
+def save_final_policy(policy, tokenizer, output_dir: str, rank: int, checkpoint: Optional[Path] = None) -> list[str]:
     """The finished run's policy and tokenizer in output_dir: hard links to those of `checkpoint`, the final one
     (stored once; a change to either shows in the checkpoint's manifest), copies where the filesystem has no hard
-    links, or written (save_policy) when there is no checkpoint. A failed write says how to redo it."""
+    links, or written (save_policy) when there is no checkpoint. A failed write says how to redo it. Returns the
+    names written (on rank 0), which the run record lists as the run's own."""
+    written = []
     try:
         if checkpoint is None:
+            before = {p.name for p in Path(output_dir).iterdir()}
             save_policy(policy, tokenizer, Path(output_dir), rank)
+            written = sorted({p.name for p in Path(output_dir).iterdir()} - before)
         elif rank == 0:
             for file in sorted(checkpoint.iterdir()):
                 if not file.is_file() or file.name in (TRAINER_STATE, MANIFEST) or file.name.startswith("rng_rank"):
                     continue
+                written.append(file.name)
                 (Path(output_dir) / file.name).unlink(missing_ok=True)  # this run's own, of an earlier finish
                 try:
                     os.link(file, Path(output_dir) / file.name)
@@ -2388,6 +2468,7 @@ def save_final_policy(policy, tokenizer, output_dir: str, rank: int, checkpoint:
         raise Fault(f"could not write the final policy to {output_dir}: {first_line(e)}; the final checkpoint "
                     f"{latest_checkpoint(output_dir)} is intact: free space and run the same command with --resume "
                     "to write it") from e
+    return written
 
 
 def checkpoint_dirs(output_dir: str) -> list[Path]:
@@ -2403,15 +2484,51 @@ def latest_checkpoint(output_dir: str) -> Optional[Path]:
     return next(iter(checkpoint_dirs(output_dir)), None)
 
 
+TRAINER_STATE_KEYS = {"update": int, "episode": int, "sampler": dict, "elapsed": float, "world_size": int,
+                      "args": dict, "run_id": str, "inputs": dict, "optimizer": (dict, str)}  # and their types
+
+
+def trainer_state_problem(state) -> Optional[str]:
+    """Why a loaded trainer state is not one this version writes (a foreign, forged or older file), or None."""
+    if not isinstance(state, dict):
+        return f"{TRAINER_STATE} holds a {type(state).__name__}, not a dict"
+    if "run_id" not in state and "update" in state:
+        return (f"{TRAINER_STATE} has no run_id: written by an older rloo.py, which did not fingerprint its inputs; "
+                "continue it with that version, or start a new run")
+    for key, kind in TRAINER_STATE_KEYS.items():
+        value = state.get(key)
+        if key not in state:
+            return f"{TRAINER_STATE} has no {key!r}"
+        if isinstance(value, bool) or not isinstance(value, kind if kind is not float else (int, float)):
+            expected = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            return f"{TRAINER_STATE}'s {key!r} is of type {type(value).__name__}, not {expected}"
+    if not 0 <= state["update"] < 2**62 or not 0 <= state["world_size"] < 2**31 or not 0 <= state["episode"] < 2**62:
+        return f"{TRAINER_STATE}'s update, episode or world_size is out of range"
+    if not (math.isfinite(state["elapsed"]) and 0 <= state["elapsed"] < 1e10):  # seconds: over 300 years is junk
+        return f"{TRAINER_STATE}'s elapsed time {state['elapsed']!r} is not a finite number of seconds"
+    if not (isinstance(state["sampler"].get("epoch"), int) and isinstance(state["sampler"].get("position"), int)):
+        return f"{TRAINER_STATE}'s sampler state is not {{'epoch': int, 'position': int}}"
+    try:  # flags, inputs and ids are plain values: compared with ==, never a tensor or an object
+        json.dumps([state["args"], state["inputs"], state["run_id"], state.get("wandb_run_id")], allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        return f"{TRAINER_STATE}'s args or inputs are not plain values ({first_line(e)})"
+    return None
+
+
 def read_checkpoint(path: Path) -> tuple[Optional[dict], Optional[str]]:
-    """(its trainer state, None), or (None, why it cannot be resumed from). Collective when distributed."""
+    """(its trainer state, None), or (None, why it cannot be resumed from, in one line). Collective when
+    distributed."""
     problem = checkpoint_problem(path)
     if problem is not None:
         return None, problem
     try:
-        return load_safely(path / TRAINER_STATE), None
+        state = load_safely(path / TRAINER_STATE)
     except ConfigError as e:
-        return None, str(e)
+        return None, " ".join(str(e).split())
+    except RecursionError:
+        return None, f"{TRAINER_STATE} is nested too deeply"
+    problem = trainer_state_problem(state)
+    return (None, problem) if problem else (state, None)
 
 
 @dataclass
@@ -2421,62 +2538,150 @@ class Resumption:
     skipped: dict  # {damaged checkpoint newer than `checkpoint`: why}
 
 
-def check_output_dir_holds_no_input(args, ours: list[Path], set_aside: str) -> None:
-    """The run never writes into an input model's directory, nor, unless it continues output_dir's own
-    checkpoints or --overwrite_output_dir sets them aside, next to files it did not write (a model, say)."""
+RUN_RECORD = "args.json"  # written last by a finished run: its flags, run_id, and the files it wrote in output_dir
+
+
+POLICY_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*",
+                "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "chat_template.*",
+                "*.model", "adapter_config.json")  # what a finished run may write at the top of output_dir
+
+
+def run_record(root: Path) -> Optional[dict]:
+    """A finished run's record (args.json holding a run_id), or None: an args.json without one is not this
+    project's, as a user's model directory may hold one."""
+    try:
+        record = json.loads((root / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("run_id"), str) else None
+
+
+def run_owned(root: Path) -> list[str]:
+    """The entries of output_dir that runs of this project wrote, which alone a run may move or write over:
+    those of RUN_OUTPUTS, and a finished run's record with the files it lists (its policy and tokenizer) and
+    merged/. Everything else is the user's and is never touched."""
+    if not root.is_dir():
+        return []
+    record = run_record(root)
+    listed = {RUN_RECORD, MERGED, *[n for n in record.get("files", []) if isinstance(n, str)]} if record else set()
+    return sorted(p.name for p in root.iterdir()
+                  if p.name in listed or any(fnmatch.fnmatchcase(p.name, n) for n in RUN_OUTPUTS))
+
+
+def path_forms(path: Path) -> set[Path]:
+    """A path as typed (made absolute) and with its symlinks resolved: both are compared."""
+    return {Path(os.path.abspath(path)), path.resolve()}
+
+
+def check_no_input_inside(output_dir: str, inputs: dict[str, tuple[str, Optional[Path]]]) -> None:
+    """output_dir neither is, holds nor lies inside an input (any local path of run_inputs), the paths compared
+    as typed and with their symlinks resolved."""
+    for name, (value, path) in inputs.items():
+        if path is None:
+            continue
+        for out in path_forms(Path(output_dir)):
+            for held in path_forms(path):
+                if out == held or out in held.parents or held in out.parents:
+                    where = "is" if out == held else "holds" if out in held.parents else "is inside"
+                    what = name if name.startswith("reward_fn ") else f"{name} {value}"  # the name has the spec
+                    raise ConfigError(f"--output_dir {output_dir} {where} the input --{what}: a run "
+                                      "must never move or write over its inputs; pass another --output_dir")
+
+
+def check_output_dir(args, inputs: dict[str, tuple[str, Optional[Path]]], ours: list[Path], set_aside: str) -> None:
+    """The output_dir rules, before anything loads: no input inside it or around it (check_no_input_inside);
+    another run's files (checkpoints, a finished run's record) are refused unless the run continues them
+    (--resume, --resume_from) or --overwrite_output_dir sets them aside; a file the final policy would write over
+    that is not a run's is refused. Other files (a log, notes, .git) are the user's: fine."""
     root = Path(args.output_dir)
-    for flag in ("model_name_or_path", "sft_model_path", "reward_model_path"):
-        model = Path(getattr(args, flag) or "")
-        if getattr(args, flag) and model.exists() and root.resolve() in (model.resolve(), *model.resolve().parents):
-            raise ConfigError(f"--output_dir {root} is or holds the --{flag} {model}: the run would write over "
-                              "its input model; pass another --output_dir")
-    if ours or args.overwrite_output_dir:
-        return
-    foreign = rank0_view(sorted(p.name for p in root.iterdir() if not any(p.match(n) for n in RUN_OUTPUTS))
-                         if root.is_dir() else [])
-    if foreign:
-        raise ConfigError(f"--output_dir {root} holds files this run did not write ({', '.join(foreign[:4])}"
-                          + (", ..." if len(foreign) > 4 else "") + "): pass a new or empty --output_dir, or "
-                          + set_aside)
+    check_no_input_inside(args.output_dir, inputs)
+    owned = rank0_view(run_owned(root))
+    record = rank0_view(run_record(root) is not None)
+    if (ours or record) and not (args.resume or args.resume_from or args.overwrite_output_dir):
+        what = f"checkpoints up to {ours[0].name}" if ours else "a finished run"
+        raise ConfigError(f"--output_dir {root} holds another run's files ({what}): pass --resume to continue it, "
+                          f"another --output_dir, or {set_aside}")
+    if record and not ours and not args.overwrite_output_dir:  # nothing to continue: its files would be written over
+        raise ConfigError(f"--output_dir {root} holds a finished run without checkpoints: nothing to resume; pass "
+                          f"another --output_dir, or {set_aside}")
+    written = (RUN_RECORD, *POLICY_FILES, *(["README.md"] if args.use_peft else []))  # peft writes a model card
+    foreign_policy_files = rank0_view(sorted(
+        p.name for p in root.iterdir() if p.name not in owned and p.is_file() and any(
+            fnmatch.fnmatchcase(p.name, n) for n in written)) if root.is_dir() else [])
+    if foreign_policy_files:
+        raise ConfigError(f"--output_dir {root} holds {', '.join(foreign_policy_files[:4])}, which no run of this "
+                          "project wrote and the finished run would write over: move them, or pass another "
+                          "--output_dir")
 
 
-def resume_checkpoint(args) -> Resumption:
+def run_ids(root: Path) -> dict[str, str]:
+    """{where: run id} of every record in output_dir that names one: each checkpoint's manifest, the finished run's
+    record, metrics.jsonl (its last line with one)."""
+    ids = {}
+    for path in checkpoint_dirs(str(root)):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            ids[f"{CHECKPOINTS}/{path.name}"] = json.loads((path / MANIFEST).read_text()).get("run_id")
+    if (record := run_record(root)) is not None:
+        ids[RUN_RECORD] = record["run_id"]
+    with contextlib.suppress(OSError):
+        for line in (root / "metrics.jsonl").read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError, AttributeError):
+                ids["metrics.jsonl"] = json.loads(line).get("run_id") or ids.get("metrics.jsonl")
+    return {where: i for where, i in ids.items() if isinstance(i, str)}
+
+
+def check_of_this_run(path: Path, state: dict, root: Path) -> None:
+    """A checkpoint continues the run of output_dir only if its stored update is its directory's and every other
+    record of output_dir names its run id."""
+    if path.name != f"step_{state['update']}":
+        raise ConfigError(f"cannot resume from {path}: it holds update {state['update']}, not that of its directory "
+                          f"{path.name} (renamed or copied): move it back to step_{state['update']}, or pass another "
+                          "checkpoint")
+    others = {where: i for where, i in rank0_view(run_ids(root)).items() if i != state["run_id"]
+              and where != f"{CHECKPOINTS}/{path.name}"}
+    if others and path.resolve().parent == (root / CHECKPOINTS).resolve():
+        where, other = next(iter(sorted(others.items())))
+        raise ConfigError(f"cannot resume from {path}: it is a checkpoint of run {state['run_id']}, but {root} holds "
+                          f"run {other}'s ({where}): move {path.name} out of {root / CHECKPOINTS}, and continue its "
+                          "run with --resume_from it and another --output_dir")
+
+
+def resume_checkpoint(args, inputs: Optional[dict] = None) -> Resumption:
     """Where the run starts: --resume_from, or with --resume the newest intact checkpoint of output_dir (the
-    damaged newer ones it skips are named), or nothing. Refused: a damaged --resume_from; --resume when no
-    checkpoint is intact; and a run that would mix with an earlier one or with other files in output_dir (unless
-    --overwrite_output_dir sets them aside). Collective when distributed."""
+    damaged newer ones it skips are named), or nothing. Refused: the output_dir rules (check_output_dir); a
+    damaged --resume_from; --resume when no checkpoint is intact; a checkpoint of another run or in a directory
+    not its own (check_of_this_run). Collective when distributed."""
+    inputs = run_inputs(args) if inputs is None else inputs
     ours = rank0_view(checkpoint_dirs(args.output_dir))
-    set_aside = f"--overwrite_output_dir to move them to {Path(args.output_dir) / ABANDONED}/ and start over"
-    check_output_dir_holds_no_input(args, ours, set_aside)
+    root = Path(args.output_dir)
+    set_aside = f"--overwrite_output_dir to move them to {root / ABANDONED}/ and start over"
+    check_output_dir(args, inputs, ours, set_aside)
     earlier = f"an earlier run (checkpoints up to {ours[0].name})" if ours else ""
     if args.resume_from is not None:
         path = Path(args.resume_from)
         if not (path / TRAINER_STATE).is_file():
             raise ConfigError(f"--resume_from {path}: not a checkpoint (no {TRAINER_STATE}); checkpoints are "
-                              f"{Path(args.output_dir) / CHECKPOINTS}/step_<n>")
+                              f"{root / CHECKPOINTS}/step_<n>")
         state, problem = read_checkpoint(path)
         if problem is not None:
             raise ConfigError(f"--resume_from {path} is damaged: {problem}; pass another checkpoint")
-        if ours and path.resolve().parent != (Path(args.output_dir) / CHECKPOINTS).resolve() \
-                and not args.overwrite_output_dir:
+        if ours and path.resolve().parent != (root / CHECKPOINTS).resolve() and not args.overwrite_output_dir:
             raise ConfigError(f"--output_dir {args.output_dir} holds {earlier}, not {path}'s: pass another "
                               f"--output_dir, or {set_aside}")
+        check_of_this_run(path, state, root)
         return Resumption(path, state, {})
     if args.resume:
         skipped = {}
         for path in ours:
             state, problem = read_checkpoint(path)
             if problem is None:
+                check_of_this_run(path, state, root)
                 return Resumption(path, state, skipped)
             skipped[path] = problem
         if skipped:
-            raise ConfigError(f"--resume: no checkpoint in {Path(args.output_dir) / CHECKPOINTS} is intact ("
+            raise ConfigError(f"--resume: no checkpoint in {root / CHECKPOINTS} is intact ("
                               + "; ".join(f"{p.name}: {why}" for p, why in skipped.items())
                               + f"): pass --resume_from a checkpoint elsewhere, or without --resume, {set_aside}")
-        return Resumption(None, None, {})
-    if ours and not args.overwrite_output_dir:
-        raise ConfigError(f"--output_dir {args.output_dir} holds {earlier}: pass --resume to continue it, another "
-                          f"--output_dir, or {set_aside}")
     return Resumption(None, None, {})
 
 
@@ -2497,27 +2702,29 @@ def move_aside(output_dir: str, names: list[str], why: str) -> Path:
     return folder
 
 
-def settle_output_dir(args, start_update: int, skipped: dict) -> list[str]:
+def settle_output_dir(args, start_update: int, skipped: dict, run_id: Optional[str] = None) -> list[str]:
     """Rank 0, before the run writes anything: what output_dir holds beyond the update the run starts from is
-    moved to output_dir/abandoned/ (nothing is deleted). With --overwrite_output_dir, all it holds.
-    Otherwise the checkpoints of later updates (another timeline, after --resume_from an older one, or damaged ones
-    --resume skipped) and the metrics.jsonl lines after that update (those of a timeline abandoned, or updates
-    that a killed run logged but did not checkpoint). Then --resume and metrics.jsonl only ever see the timeline
-    being continued. Returns the lines to print."""
+    moved to output_dir/abandoned/ (nothing is deleted). With --overwrite_output_dir, every run-owned file
+    (run_owned) and nothing else. Otherwise the checkpoints of later updates (another timeline, after
+    --resume_from an older one, or damaged ones --resume skipped) and the metrics.jsonl lines after that update or
+    of another run id (those of a timeline abandoned, of updates that a killed run logged but did not checkpoint,
+    of an earlier run). Then --resume and metrics.jsonl only ever see the timeline being continued. Returns the
+    lines to print."""
     root = Path(args.output_dir)
     if args.overwrite_output_dir:
-        names = sorted(p.name for p in root.iterdir() if p.name not in (LOCK, ABANDONED))
+        names = [n for n in run_owned(root) if n not in (LOCK, ABANDONED)]
         if not names:
             return []
         folder = move_aside(args.output_dir, names, "overwritten")
-        return [f"--overwrite_output_dir: what it held ({', '.join(names)}) moved to {folder}"]
+        return [f"--overwrite_output_dir: the earlier run's files ({', '.join(names)}) moved to {folder}"]
     later = [d for d in reversed(checkpoint_dirs(args.output_dir)) if int(d.name.removeprefix("step_")) > start_update]
     metrics = root / "metrics.jsonl"
     kept, dropped = [], []
-    for line in metrics.read_text().splitlines(keepends=True) if metrics.is_file() else []:
+    for line in metrics.read_text(errors="replace").splitlines(keepends=True) if metrics.is_file() else []:
         try:
-            (kept if json.loads(line)["update"] <= start_update else dropped).append(line)
-        except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+            record = json.loads(line)
+            (kept if record["update"] <= start_update and record.get("run_id") == run_id else dropped).append(line)
+        except (ValueError, KeyError, TypeError, AttributeError):  # a line cut short by a kill
             dropped.append(line)
     if not later and not dropped:
         return []
@@ -2537,10 +2744,11 @@ def settle_output_dir(args, start_update: int, skipped: dict) -> list[str]:
 
 
 def check_resumable(saved: dict, args, world_size: int, saved_world_size: int) -> list[str]:
-    """Refuse a resume that would silently be another experiment; return the harmless changes to report."""
+    """Refuse a resume that would silently be another experiment; return the harmless changes to report. The
+    flags that name inputs are compared by what they name (check_same_inputs), not as strings."""
     current = asdict(args)
     # a flag the checkpoint's script does not have (rloo_multinode.py's own, in a rloo.py checkpoint) is no change
-    changed = {k: (saved[k], v) for k, v in current.items() if k in saved and saved[k] != v}
+    changed = {k: (saved[k], v) for k, v in current.items() if k in saved and saved[k] != v and k not in INPUT_FLAGS}
     refused = sorted(k for k in changed if k not in args.resumable_changes)
     if world_size != saved_world_size:
         refused.append("world size")
@@ -2559,28 +2767,31 @@ class Checkpointer:
     run into it stops there) and finds the checkpoint to start from, so that a refused resume fails before anything
     loads."""
 
-    def __init__(self, args, dist_info, lock: OutputDirLock):
-        self.args, self.dist_info, self.lock = args, dist_info, lock
-        take_output_dir(lock, dist_info.rank)
+    def __init__(self, args, dist_info, lock: OutputDirLock, reward_functions: list[tuple[str, Callable]] = ()):
+        self.args, self.dist_info, self.lock, self.reward_functions = args, dist_info, lock, reward_functions
+        inputs = run_inputs(args, reward_functions)
+        take_output_dir(lock, dist_info.rank, inputs)
         with self.refusal_leaves_nothing():
-            start = resume_checkpoint(args)  # verified; --resume falls back past damaged checkpoints
+            start = resume_checkpoint(args, inputs)  # verified; --resume falls back past damaged checkpoints
             self.path, self.state, self.skipped = start.checkpoint, start.state, start.skipped
             self.changes = check_resumable(self.state["args"], args, dist_info.world_size,
                                            self.state["world_size"]) if self.state else []
         self.start_update = self.state["update"] if self.state else 0
         self.wandb_run_id = self.state["wandb_run_id"] if self.state else None
+        # the run's identity: drawn at its first start, in args.json, every checkpoint and every metrics line
+        self.run_id = self.state["run_id"] if self.state else rank0_view(uuid.uuid4().hex)
 
     def check_continues(self, num_updates: int, episodes_per_update: int) -> None:
-        """Refuse a resume past this run's end, or of a run that started from other initial weights."""
+        """Refuse a resume past this run's end, or of a run whose inputs changed since its first start."""
         if self.state and self.start_update > num_updates:
             raise ConfigError(f"cannot resume: {self.path} is after update {self.start_update}, but this run ends "
                               f"after update {num_updates}: pass --total_episodes "
                               f"{self.start_update * episodes_per_update} or more, or --resume_from an earlier "
                               "checkpoint")
-        path = self.args.sft_model_path or self.args.model_name_or_path
-        self.initial_model, self.episodes_per_update = model_identity(path), episodes_per_update
+        self.episodes_per_update = episodes_per_update
+        self.inputs = input_identities(self.args, self.reward_functions)
         if self.state:
-            check_same_initial_model(self.state["initial_model"], self.initial_model, path)
+            self.changes += check_same_inputs(self.state["inputs"], self.inputs, self.args.allow_changed_inputs)
 
     @contextlib.contextmanager
     def refusal_leaves_nothing(self):
@@ -2610,7 +2821,7 @@ class Checkpointer:
     def notes(self) -> list[str]:
         """Rank 0, before the run writes anything: output_dir settled for this timeline (settle_output_dir); what
         to print about it."""
-        notes = settle_output_dir(self.args, self.start_update, self.skipped)
+        notes = settle_output_dir(self.args, self.start_update, self.skipped, self.run_id)
         if self.state:
             notes.append(f"resuming from {self.path} after update {self.start_update}"
                          + (f"; changed: {', '.join(self.changes)}" if self.changes else ""))
@@ -2622,7 +2833,8 @@ class Checkpointer:
         trainer_state = {
             "update": update, "episode": update * self.episodes_per_update, "sampler": sampler_state,
             "elapsed": time.time() - self.start_time, "world_size": self.dist_info.world_size,
-            "args": asdict(self.args), "wandb_run_id": self.wandb_run_id, "initial_model": self.initial_model,
+            "args": asdict(self.args), "wandb_run_id": self.wandb_run_id, "run_id": self.run_id,
+            "inputs": self.inputs,
         }
         if self.reference is not None:  # replicated: rank 0's copy is every rank's
             trainer_state["reference"] = {name: t.detach().cpu() for name, t in self.reference.state_dict().items()}
@@ -2641,12 +2853,14 @@ class Checkpointer:
         """The finished run's policy and tokenizer in output_dir, stored once with the final checkpoint's (the one
         this run wrote, or resumed from, as rank 0 sees it)."""
         final = Path(self.args.output_dir) / CHECKPOINTS / f"step_{num_updates}"
-        save_final_policy(policy, self.tokenizer, self.args.output_dir, self.dist_info.rank,
-                          final if rank0_view(final.is_dir()) else None)
+        self.final_files = save_final_policy(policy, self.tokenizer, self.args.output_dir, self.dist_info.rank,
+                                             final if rank0_view(final.is_dir()) else None)
 
     def mark_finished(self) -> None:
-        """Rank 0, last: args.json, whose presence in output_dir with the policy marks a finished run."""
-        (Path(self.args.output_dir) / "args.json").write_text(json.dumps(asdict(self.args), indent=2))
+        """Rank 0, last: the run record args.json (its flags, run_id and the files it wrote at the top of output_dir,
+        which run_owned reads), whose presence with the policy marks a finished run."""
+        record = {**asdict(self.args), "run_id": self.run_id, "files": getattr(self, "final_files", [])}
+        (Path(self.args.output_dir) / RUN_RECORD).write_text(json.dumps(record, indent=2))
 
     def stopped(self, logger, what: str) -> None:
         """After a stop signal, on rank 0 (the one with a logger): the marker job scripts requeue on, naming the newest

@@ -1410,7 +1410,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     dist_info = plumbing.setup_distributed(args.ddp_timeout)
     sizes = compute_batch_sizes(args, dist_info.world_size)
     device, master = dist_info.device, dist_info.master
-    checkpoints = plumbing.Checkpointer(args, dist_info, lock)  # output_dir locked, the checkpoint to start from
+    checkpoints = plumbing.Checkpointer(args, dist_info, lock, reward_functions)  # output_dir locked, the checkpoint
+    # to start from, every input checked against those the run started with
     with checkpoints.refusal_leaves_nothing():
         plumbing.choose_kernels()
         autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=args.bf16)
@@ -1460,8 +1461,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                          reference=ref_policy if args.sync_ref_model else None)
         notes = (checkpoints.notes() if master else []) + notes  # output_dir settled for this run's timeline
         run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
-        logger = plumbing.RunLogger(args, run_name, num_updates, checkpoints.start_update, checkpoints.wandb_run_id) \
-            if master else None
+        logger = plumbing.RunLogger(args, run_name, num_updates, checkpoints.start_update, checkpoints.wandb_run_id,
+                                    checkpoints.run_id) if master else None
         checkpoints.wandb_run_id = logger and logger.wandb_run_id  # saved with each checkpoint, for a resume
         if logger is not None:
             if args.use_peft:
@@ -1616,6 +1617,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     plumbing.barrier("the end of the run")
     del trained  # DDP's reducer must not be what frees the process group (plumbing.end_distributed)
     plumbing.end_distributed()
+    lock.release()  # a finished or stopped run leaves no lock (one that fails releases it on exit)
 
 
 # ===================================================================== command line

@@ -31,7 +31,7 @@ RUN = ("--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train
        "--local_rollout_forward_batch_size", "32", "--num_ppo_epochs", "2", "--num_mini_batches", "2",
        "--learning_rate", "3e-3", "--num_sample_generations", "0", "--num_evals", "3")
 PER_UPDATE = 32  # completions per update and rank: 16 x 1 x 2 minibatches (8 prompts x k=4)
-NOT_REPRODUCIBLE = ("eps", "time/")  # wall-clock measurements
+NOT_REPRODUCIBLE = ("eps", "time/", "run_id")  # wall-clock measurements, and each run's own id
 
 
 def comparable(metrics: list[dict]) -> list[dict]:
@@ -62,6 +62,8 @@ def interrupt_after_first_update(args: list, sig: signal.Signals, nproc: int = 0
 
 
 def assert_same_run(full: Path, resumed: Path) -> None:
+    run_id = json.loads((resumed / "args.json").read_text())["run_id"]  # the id drawn at the first start, kept
+    assert {m["run_id"] for m in read_metrics(resumed)} == {run_id}
     assert comparable(read_metrics(resumed)) == comparable(read_metrics(full))
     a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-identical
@@ -155,7 +157,7 @@ def test_no_flag_restart_or_damage_loses_a_checkpoint(assets, tmp_path):
     # a fresh run into a directory holding a run: refused, nothing touched
     fresh = run_rloo(*common, "--total_episodes", PER_UPDATE * 4)
     assert fresh.returncode == 2 and files_of(out) == before
-    assert ("holds an earlier run (checkpoints up to step_4): pass --resume to continue it, another --output_dir, "
+    assert ("holds another run's files (checkpoints up to step_4): pass --resume to continue it, another --output_dir, "
             "or --overwrite_output_dir") in fresh.stderr.strip().splitlines()[-1]
 
     # a damaged newest checkpoint: --resume names it, sets it aside and continues from the newest intact one
@@ -264,14 +266,20 @@ def test_no_optimizer_step_on_a_nonfinite_loss():
 
 
 # ---------------------------------------------------------------- checkpoints in this process
-def saved_steps(out: Path, steps, keep=None) -> tuple:
+def trainer_state(update: int, run_id: str = "run-a", **changes) -> dict:
+    """A trainer state as Checkpointer.save writes it (the optimizer's is added by save_checkpoint)."""
+    return {"update": update, "episode": update, "sampler": {"epoch": 0, "position": 0}, "elapsed": 0.0,
+            "world_size": 1, "args": {}, "wandb_run_id": None, "run_id": run_id, "inputs": {}, **changes}
+
+
+def saved_steps(out: Path, steps, keep=None, run_id: str = "run-a") -> tuple:
     """Checkpoints of a tiny policy at these steps in out/checkpoints, as a run writes them."""
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer))
     optimizer = torch.optim.AdamW(policy.parameters())
     for step in steps:
-        plumbing.save_checkpoint(str(out), step, policy, optimizer, tokenizer, {"update": step}, 0, keep,
-                             torch.Generator())
+        plumbing.save_checkpoint(str(out), step, policy, optimizer, tokenizer, trainer_state(step, run_id), 0, keep,
+                                 torch.Generator())
     return policy, optimizer, tokenizer
 
 
@@ -462,13 +470,16 @@ def test_a_resume_refuses_an_initial_model_that_changed(tmp_path, change):
         tiny_policy(len(tokenizer)).save_pretrained(tmp_path)
         tokenizer.save_pretrained(tmp_path)
         identity = lambda: plumbing.model_identity(str(tmp_path))  # noqa: E731
-    saved = identity()
-    plumbing.check_same_initial_model(saved, identity(), "m")  # unchanged: resumes
+    saved = {"model_name_or_path": identity()}
+    assert plumbing.check_same_inputs(saved, {"model_name_or_path": identity()}, ()) == []  # unchanged: resumes
     apply, fragment = INITIAL_MODEL_CHANGES[change]
     apply(tmp_path)
-    with pytest.raises(plumbing.ConfigError, match=re.escape(f"the initial model m (the frozen reference) is not the one "
-                                                         f"the checkpoint's run started from ({fragment}): restore")):
-        plumbing.check_same_initial_model(saved, identity(), "m")
+    with pytest.raises(plumbing.ConfigError, match=re.escape(
+            f"cannot resume: the input --model_name_or_path is not the one the run started with ({fragment}): restore "
+            "it, or pass --allow_changed_inputs model_name_or_path to continue with it as it is now")):
+        plumbing.check_same_inputs(saved, {"model_name_or_path": identity()}, ())
+    (note,) = plumbing.check_same_inputs(saved, {"model_name_or_path": identity()}, ("model_name_or_path",))
+    assert note.startswith(f"model_name_or_path changed ({fragment}), allowed by --allow_changed_inputs")
 
 
 def test_rng_states_survive_a_safe_round_trip(tmp_path):
@@ -486,42 +497,56 @@ def test_rng_states_survive_a_safe_round_trip(tmp_path):
     assert draws() == expected
 
 
-def fake_run(out: Path, steps: list[int]) -> None:
-    """What rloo.py leaves in output_dir, in outline: checkpoints, metrics, a final policy, a plot of the user's."""
+def fake_run(out: Path, steps: list[int], run_id: str = "run-a") -> None:
+    """What rloo.py leaves in output_dir, in outline: checkpoints, metrics, a final policy and its run record, and
+    files of the user's (a plot, notes, a git checkout)."""
     for step in steps:
         (out / "checkpoints" / f"step_{step}").mkdir(parents=True)
-        (out / "checkpoints" / f"step_{step}" / "manifest.json").write_text('{"files": {}}')
-    lines = [json.dumps({"update": step}) + "\n" for step in range(1, max(steps) + 1)]
+        (out / "checkpoints" / f"step_{step}" / "manifest.json").write_text(json.dumps({"files": {}, "run_id": run_id}))
+    lines = [json.dumps({"update": step, "run_id": run_id}) + "\n" for step in range(1, max(steps) + 1)]
     (out / "metrics.jsonl").write_text("".join(lines) + '{"update": 4, "objective/sc')  # the last one cut short
-    for name in ("args.json", "model.safetensors", "config.json", "tokenizer.json", "curves.png"):
+    policy_files = ["model.safetensors", "config.json", "tokenizer.json"]
+    (out / "args.json").write_text(json.dumps({"run_id": run_id, "files": policy_files}))
+    for name in policy_files + ["curves.png", "notes.txt"]:
         (out / name).write_text("{}")
+    (out / ".git").mkdir()
+    (out / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
 
 
-def test_another_timeline_is_moved_aside_and_an_overwrite_deletes_nothing(tmp_path):
+def tree(root: Path) -> dict[str, bytes]:
+    """Every file under root (but the lock) with its bytes: what a run may not have changed."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.is_symlink() and p.name != plumbing.LOCK}
+
+
+def test_another_timeline_is_moved_aside_and_an_overwrite_moves_only_the_runs_files(tmp_path):
     fake_run(tmp_path, [1, 2, 3])
-    with pytest.raises(plumbing.ConfigError, match="holds an earlier run .checkpoints up to step_3.: pass --resume"):
+    with pytest.raises(plumbing.ConfigError, match="holds another run's files .checkpoints up to step_3.: pass --resume"):
         plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path)))
     saved_steps(tmp_path / "other_run", [1])  # another run's checkpoint would mix two runs in one directory
     with pytest.raises(plumbing.ConfigError, match="holds an earlier run .*, not .*other_run.*'s: pass another"):
         plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path),
                                          resume_from=str(tmp_path / "other_run" / "checkpoints" / "step_1")))
     # --resume_from step_1: steps 2, 3 and the metrics after update 1 are another timeline
-    notes = plumbing.settle_output_dir(rloo.Args(output_dir=str(tmp_path), resume_from="step_1"), 1, {})
+    notes = plumbing.settle_output_dir(rloo.Args(output_dir=str(tmp_path), resume_from="step_1"), 1, {}, "run-a")
     (aside,) = (tmp_path / "abandoned").iterdir()
     assert aside.name.endswith("_after_update_1") and str(aside) in notes[-1]
     assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == ["step_2", "step_3"]
     assert [p.name for p in plumbing.checkpoint_dirs(str(tmp_path))] == ["step_1"]
-    assert (tmp_path / "metrics.jsonl").read_text() == '{"update": 1}\n'
-    assert (aside / "metrics.jsonl").read_text().splitlines()[0] == '{"update": 2}'
-    assert plumbing.settle_output_dir(rloo.Args(output_dir=str(tmp_path)), 1, {}) == []  # nothing later: nothing moved
-    # --overwrite_output_dir: all it holds moves aside (the user's own files too: the run could write over them)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"update": 1, "run_id": "run-a"}\n'
+    assert (aside / "metrics.jsonl").read_text().splitlines()[0] == '{"update": 2, "run_id": "run-a"}'
+    assert plumbing.settle_output_dir(rloo.Args(output_dir=str(tmp_path)), 1, {}, "run-a") == []  # nothing later
+    # --overwrite_output_dir: the run's files move aside, and nothing else (the user's plot, notes, .git, the
+    # other directory stay where they are)
+    users = {name: data for name, data in tree(tmp_path).items() if not name.startswith(("abandoned/", "checkpoints/"))
+             and name not in ("args.json", "metrics.jsonl", "model.safetensors", "config.json", "tokenizer.json")}
     plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), overwrite_output_dir=True))
-    plumbing.settle_output_dir(rloo.Args(output_dir=str(tmp_path), overwrite_output_dir=True), 0, {})
+    plumbing.settle_output_dir(rloo.Args(output_dir=str(tmp_path), overwrite_output_dir=True), 0, {}, "run-b")
     overwritten = next(p for p in (tmp_path / "abandoned").iterdir() if p.name.endswith("_overwritten"))
-    assert sorted(p.name for p in overwritten.iterdir()) == ["args.json", "checkpoints", "config.json", "curves.png",
-                                                            "metrics.jsonl", "model.safetensors", "other_run",
-                                                            "tokenizer.json"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["abandoned"]
+    assert sorted(p.name for p in overwritten.iterdir()) == ["args.json", "checkpoints", "config.json",
+                                                            "metrics.jsonl", "model.safetensors", "tokenizer.json"]
+    assert {n: d for n, d in tree(tmp_path).items() if not n.startswith("abandoned/")} == users
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".git", "abandoned", "curves.png", "notes.txt", "other_run"]
 
 
 def test_a_signal_during_start_up_stops_at_once_and_marks_a_preemption(tmp_path):
@@ -553,7 +578,8 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp
         "out, tokenizer = sys.argv[1], policy_tokenizer()\n"
         "policy = tiny_policy(len(tokenizer))\n"
         "optimizer = torch.optim.AdamW(policy.parameters())\n"
-        "plumbing.save_checkpoint(out, 1, policy, optimizer, tokenizer, {'update': 1}, 0, None, torch.Generator())\n"
+        "from test_checkpoints import trainer_state\n"
+        "plumbing.save_checkpoint(out, 1, policy, optimizer, tokenizer, trainer_state(1), 0, None, torch.Generator())\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails (EFBIG), as on a full disk\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))\n"
         "state = {'update': 2, 'ballast': torch.zeros(1 << 20)}  # 4 MB\n"
@@ -588,6 +614,7 @@ def test_a_full_disk_outside_a_save_stops_with_a_checkpoint_and_one_line(assets,
         "logger = object.__new__(plumbing.RunLogger)\n"
         "logger.metrics_path = Path(sys.argv[1])\n"
         "logger.metrics_path.touch()\n"
+        "logger.run_id = None\n"
         "logger.write_metrics({'update': 1})\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails (EFBIG)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))\n"
@@ -596,7 +623,7 @@ def test_a_full_disk_outside_a_save_stops_with_a_checkpoint_and_one_line(assets,
     result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "metrics.jsonl")], capture_output=True,
                             text=True, env=env, timeout=120)
     assert result.returncode == 4 and result.stderr.startswith("rloo.py: error: could not write "), result.stderr
-    assert (tmp_path / "metrics.jsonl").read_text() == '{"update": 1}\n'
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"update": 1, "run_id": null}\n'
 
 
 BLOCK_AFTER_INIT = """import os, time

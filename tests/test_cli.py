@@ -305,12 +305,12 @@ def argv_of(flags: dict) -> list[str]:
     return [s for name, value in flags.items() for s in (f"--{name}", *([] if value is None else [str(value)]))]
 
 
-def checkpoint_of(output_dir: Path, update: int, args: rloo.Args, initial_model: dict) -> Path:
-    """A checkpoint after `update` of a run with these args and this initial model, as Checkpointer.save writes it."""
+def checkpoint_of(output_dir: Path, update: int, args: rloo.Args, inputs: dict) -> Path:
+    """A checkpoint after `update` of a run with these args and these inputs, as Checkpointer.save writes it."""
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer))
     state = {"update": update, "episode": 0, "sampler": {"epoch": 0, "position": 0}, "elapsed": 0.0, "world_size": 1,
-             "args": asdict(args), "wandb_run_id": None, "initial_model": initial_model}
+             "args": asdict(args), "wandb_run_id": None, "run_id": "run-a", "inputs": inputs}
     return plumbing.save_checkpoint(str(output_dir), update, policy, torch.optim.AdamW(policy.parameters()), tokenizer,
                                 state, 0, None, torch.Generator())
 
@@ -370,11 +370,11 @@ def bad_files(assets, tmp_path_factory) -> dict[str, Path]:
         (files["leftovers"] / name).write_text("{}\n")
     for name, edited in (("resumable", None), ("edited_initial_model", "model.safetensors")):
         files[name] = root / name  # the table's valid command, checkpointed after update 5 (8 episodes each)
-        initial_model = {"files": plumbing.file_digests(assets["policy"])}  # its files' sha256
-        if edited:
-            initial_model["files"][edited]["sha256"] = "0" * 64
         args = tyro.cli(rloo.Args, args=argv_of(valid_flags(assets, files[name])))
-        checkpoint_of(files[name], 5, args, initial_model)
+        inputs = plumbing.input_identities(args, plumbing.load_reward_functions(args.reward_fn))  # their sha256
+        if edited:
+            inputs["model_name_or_path"]["files"][edited]["sha256"] = "0" * 64
+        checkpoint_of(files[name], 5, args, inputs)
     step = checkpoint_of(root / "pickled", 1, rloo.Args(), {})
     torch.save(tiny_policy(15).state_dict(), step / "pytorch_model.bin")  # the weights as a pickle
     (step / "model.safetensors").unlink()
@@ -423,17 +423,18 @@ BAD_INPUTS = {  # case: (flags that replace or add to a valid command, fragments
                                                ["'needs_answer' needs 'answer'", "'target'"]),
     "output_dir is a file": ({"output_dir": "a_file"}, ["a_file is a file", "pass a directory"]),
     "output_dir holds an earlier run": ({"output_dir": "earlier_run"},
-                                        ["holds an earlier run (checkpoints up to step_3)", "--resume",
+                                        ["holds another run's files (checkpoints up to step_3)", "--resume",
                                          "--overwrite_output_dir"]),
     "output_dir is the policy's directory": ({"output_dir": "policy", "overwrite_output_dir": None},
-                                             ["is or holds the --model_name_or_path", "write over its input model"]),
+                                             ["is the input --model_name_or_path", "never move or write over its "
+                                              "inputs"]),
     "output_dir holds the policy's directory": ({"output_dir": "above_policy", "overwrite_output_dir": None},
-                                                ["is or holds the --model_name_or_path"]),
+                                                ["holds the input --model_name_or_path"]),
     "output_dir holds a model": ({"output_dir": "a_model"},
-                                 ["holds files this run did not write (config.json, generation_config.json, model.",
-                                  "--overwrite_output_dir to move them to"]),
+                                 ["holds config.json, generation_config.json, model.safetensors, which no run of this "
+                                  "project wrote and the finished run would write over: move them"]),
     "output_dir holds a model, with --resume": ({"output_dir": "a_model", "resume": None},
-                                                ["holds files this run did not write (config.json"]),
+                                                ["holds config.json, generation_config.json"]),
     "a refused run into a new output_dir": ({"output_dir": "new_dir", "dataset_name": "empty.jsonl"},
                                             ["empty.jsonl is empty"]),
     "output_dir holds what runs leave before a checkpoint": ({"output_dir": "leftovers",
@@ -443,8 +444,8 @@ BAD_INPUTS = {  # case: (flags that replace or add to a valid command, fragments
                                             ["step_5 is after update 5, but this run ends after update 2",
                                              "--total_episodes 40 or more"]),
     "the initial model edited": ({"output_dir": "edited_initial_model", "resume": None},
-                                 ["the initial model", "(the frozen reference)", "these files differ: model.safetensors",
-                                  "restore that model"]),
+                                 ["the input --model_name_or_path is not the one the run started with",
+                                  "these files differ: model.safetensors", "--allow_changed_inputs model_name_or_path"]),
     "weights in a pickle": ({"resume_from": "pickled_step"},
                             ["step_1 is damaged: no weights in safetensors (pytorch_model.bin instead)",
                              "a pickle is never loaded"]),

@@ -288,7 +288,7 @@ def test_every_script_says_a_parse_error_in_one_line(script):
     (["--gpu_gib", "nan"], "gpu_gib = nan must be"),
     (["--gpu_gib", "inf"], "gpu_gib = inf must be"),
     (["--gpu_gib", "0"], "gpu_gib = 0.0 must be"),
-    (["--max_prompt_length", "-1"], "max_prompt_length must be >= 1"),
+    (["--max_prompt_length", "-1"], "max_prompt_length = -1 must be at least 1"),
 ])
 def test_plan_memory_refuses_numbers_without_meaning_in_one_line(flags, line, capsys):
     argv = ["--model_name_or_path", "unused", "--reward_fn", "a:b", *flags]

@@ -27,8 +27,8 @@ RUN = ("--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train
        "--local_rollout_forward_batch_size", "12", "--num_ppo_epochs", "2", "--num_mini_batches", "2",
        "--learning_rate", "3e-3", "--num_sample_generations", "0", "--num_evals", "0")
 PER_UPDATE = 32  # completions per update and rank
-ENGINE_ONLY = ("time/", "eps", "rollout/staleness", "work/")  # wall-clock, what only the engines' run measures, and
-# the trainer's own forward passes (the local run also generates)
+ENGINE_ONLY = ("time/", "eps", "rollout/staleness", "work/", "run_id")  # wall-clock, what only the engines' run
+# measures, the trainer's own forward passes (the local run also generates), and each run's own id
 SECRET = "tests-secret-" + "0" * 32  # a run's control-store secret, as a user exports it
 
 
