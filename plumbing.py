@@ -198,7 +198,8 @@ class RunArgs(InputArgs):
     num_sample_generations: int = 10
     """times per run a table of query / response / score is printed (and logged to wandb)"""
     num_evals: int = 4
-    """evaluations on --dataset_test_split spread over the run, plus one at the end"""
+    """evaluations on --dataset_test_split, spread evenly over the run, the last at its end; plus one of the initial
+    policy before the first update (not repeated on resume)"""
     eval_max_prompts: int = 256
     """test prompts per evaluation (all ranks together)"""
 
@@ -596,6 +597,23 @@ def describe_dropped(dropped: dict[str, int], max_prompt_length: int) -> str:
             + (f", {dropped['empty']} empty" if dropped["empty"] else ""))
 
 
+def describe_prompt_lengths(dropped: dict[str, int], max_prompt_length: int) -> str:
+    """Tokens per prompt before any was dropped: a tokenizer that does not fit the prompts shows here."""
+    return (f"tokens per prompt min {dropped['min_tokens']} / median {dropped['median_tokens']} / max "
+            f"{dropped['max_tokens']}; {describe_dropped(dropped, max_prompt_length)}")
+
+
+@contextlib.contextmanager
+def startup_step(what: str, announce: bool):
+    """Rank 0 (`announce`) says what a set-up step did and its time: `what in T s`, then the lines the block adds
+    to the list it gets."""
+    details: list[str] = []
+    start = time.perf_counter()
+    yield details
+    if announce:
+        print(f"{what} in {time.perf_counter() - start:.1f} s" + "".join(f"; {d}" for d in details), flush=True)
+
+
 def prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: int, name: str,
                     vocab_size: Optional[int], prompt_token_ids: Callable):
     """Add the PROMPT_IDS column (prompt_token_ids(rows, tokenizer, prompt_column)), drop empty prompts and prompts
@@ -624,7 +642,9 @@ def prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: i
         raise ConfigError(f"dataset {name}, row {row}: token id {bad} is outside the policy's vocabulary of "
                           f"{vocab_size}: tokenize with the policy's tokenizer")
     lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
-    dropped = {"empty": int((lengths == 0).sum()), "too_long": int((lengths > max_prompt_length).sum())}
+    dropped = {"empty": int((lengths == 0).sum()), "too_long": int((lengths > max_prompt_length).sum()),
+               "min_tokens": int(lengths.min()), "median_tokens": int(np.median(lengths)),
+               "max_tokens": int(lengths.max())}
     dataset = dataset.select(np.flatnonzero((lengths > 0) & (lengths <= max_prompt_length)), keep_in_memory=True)
     if len(dataset) == 0:
         raise ConfigError(f"every prompt of {name} is empty or longer than max_prompt_length ({max_prompt_length})")
@@ -719,9 +739,17 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's names, as transformers' 
 ADAPTER_CONFIG = "adapter_config.json"
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
 def load_tokenizer(path: str, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
+    if Path(path).is_dir() and not any((Path(path) / name).exists() for name in TOKENIZER_FILES):
+        # transformers would build an empty tokenizer from the config alone, which makes every prompt empty
+        raise ConfigError(f"{path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES[:3])}, ...): save the "
+                          "model's tokenizer there (tokenizer.save_pretrained(path))")
     return _from_pretrained(
         AutoTokenizer.from_pretrained, path, "tokenizer", padding_side="left", trust_remote_code=trust_remote_code
     )
@@ -1171,6 +1199,10 @@ class RewardFunctionError(Fault):
 def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
     """Import each `package.module:function` spec; each must take **kwargs (it is called with every column)."""
     functions = []
+    # the directory the command runs in, as `python -m` has it: `python path/to/rloo.py` puts only the script's own
+    # directory first on sys.path. Last, so that a file there never shadows an installed package
+    if specs and os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     for spec in specs:
         module_name, _, attr = spec.partition(":")
         if not module_name or not attr:
@@ -1178,7 +1210,15 @@ def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
         try:
             module = importlib.import_module(module_name)
         except ImportError as e:
-            raise ConfigError(f"unknown reward function {spec!r}: cannot import {module_name!r} ({e})") from None
+            top = module_name.split(".")[0]
+            if e.name is not None and e.name != module_name and not module_name.startswith(e.name + "."):
+                raise ConfigError(f"reward function {spec!r}: importing {module_name!r} failed: it imports "
+                                  f"{e.name!r}, which is not installed ({first_line(e)})") from None
+            where = os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
+            raise ConfigError(f"unknown reward function {spec!r}: cannot import {module_name!r} ({e}); looked in the "
+                              f"working directory {os.getcwd()}, PYTHONPATH ({where or 'unset'}) and the installed "
+                              f"packages: run from the folder that holds {top}.py (or the package {top}/), or add "
+                              f"that folder to PYTHONPATH") from None
         except (Exception, SystemExit) as e:  # a SyntaxError, anything the module's own code raises
             raise ConfigError(f"reward function {spec!r}: importing {module_name!r} failed with {type(e).__name__}: "
                               f"{first_line(e)}") from None
@@ -1473,7 +1513,7 @@ def mismatch_metrics(rollout, args, importance_weights: Callable) -> dict[str, f
     return out
 
 
-# ===================================================================== logging: console, metrics.jsonl, wandb
+# ===================================================================== logging: console, metrics.jsonl, wandb, curves
 SUM_METRICS = ("val/num_eos_tokens",)
 
 
@@ -1528,6 +1568,107 @@ def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, scor
     }
 
 
+def read_metrics(path, evals: bool = False) -> list[dict]:
+    """The lines of a metrics.jsonl: the per-update lines (they hold `objective/scores`), or with `evals` the
+    evaluation lines (they hold `eval/scores`; update 0 is the initial policy's)."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [row for row in rows if ("eval/scores" if evals else "objective/scores") in row]
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over the last `window` values (fewer at the start)."""
+    chunks = [values[max(0, i - window + 1) : i + 1] for i in range(len(values))]
+    return [sum(chunk) / len(chunk) for chunk in chunks]
+
+
+def score_sources(rows: list[dict]) -> str:
+    """What a run's score is: its reward sources, read from their `reward/<source>/mean` metrics."""
+    names = dict.fromkeys(key[len("reward/"):-len("/mean")] for row in rows for key in row
+                          if key.startswith("reward/") and key.endswith("/mean"))
+    return ", ".join(name.replace("_", " ") if name == "reward_model" else f"{name}()" for name in names) or "score"
+
+
+def curve_panels(runs: list[tuple[list[dict], list[dict]]]) -> list[tuple[str, str, bool]]:
+    """(metric, title, from eval lines) of each panel drawn for these runs' (update lines, eval lines): score,
+    RLHF reward, KL, the eval score where a run evaluated, the sampler/trainer mismatch where it was logged."""
+    sources = score_sources([row for rows, _ in runs for row in rows])
+    panels = [("objective/scores", f"score ({sources})", False),
+              ("objective/rlhf_reward", "RLHF reward (score - KL penalty)", False),
+              ("objective/kl", "KL(policy || reference)", False)]
+    if any(evals for _, evals in runs):
+        panels.append(("eval/scores", f"eval score ({sources}; test prompts, near-greedy)", True))
+    if any("mismatch/logprob_diff_mean" in row for rows, _ in runs for row in rows):
+        panels.append(("mismatch/logprob_diff_mean", "sampler/trainer |log-prob difference| per token", False))
+    return panels
+
+
+def plot_curves(metrics_paths: list[Path] | Path, png_path: Path, smooth: int = 10) -> None:
+    """One panel per metric against episode, one line per metrics.jsonl (its directory's name); per-update values
+    faint, a `smooth`-update trailing mean solid; eval scores as points. Written whole (a viewer never sees half)."""
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state; Agg draws the file
+
+    metrics_paths = [metrics_paths] if isinstance(metrics_paths, (str, Path)) else list(metrics_paths)
+    runs = [(read_metrics(path), read_metrics(path, evals=True)) for path in metrics_paths]
+    panels = curve_panels(runs)
+    fig = Figure(figsize=(4.6 * len(panels), 3.6))
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for path, (rows, evals) in zip(metrics_paths, runs):
+        color = None
+        for ax, (key, title, from_evals) in zip(axes, panels):
+            points = [(row["episode"], row[key]) for row in (evals if from_evals else rows) if key in row]
+            if not points:
+                continue
+            episodes, values = zip(*points)
+            if from_evals:
+                (line,) = ax.plot(episodes, values, marker="o", color=color, label=Path(path).parent.name)
+            else:
+                (line,) = ax.plot(episodes, moving_average(list(values), smooth), color=color,
+                                  label=Path(path).parent.name)
+                ax.plot(episodes, values, color=line.get_color(), alpha=0.25, linewidth=0.8)
+            color = line.get_color()
+    for ax, (_, title, _) in zip(axes, panels):
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("episode")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    partial = png_path.with_name(f".{png_path.name}.partial")
+    fig.savefig(partial, dpi=100, format="png")
+    os.replace(partial, png_path)
+
+
+class CurvesSink:
+    """Draws output_dir/curves.png from metrics.jsonl as the run goes: after an update at most once per
+    CURVES_EVERY x the last drawing's time (so drawing stays a few percent of the run), after each evaluation and at
+    the end. Plumbing that must never stop a run: without matplotlib, or when a drawing fails, one line, once, and
+    no more drawing."""
+
+    CURVES_EVERY = 20  # a drawing takes ~0.1-0.3 s (2 CPU cores); the first, with matplotlib's import, ~1 s
+
+    def __init__(self, metrics_path: Path, say: Callable[[str], None]):
+        self.metrics_path, self.png_path, self.say = metrics_path, metrics_path.with_name("curves.png"), say
+        self.enabled, self.next_time = True, 0.0
+
+    def draw(self, force: bool = False) -> None:
+        if not self.enabled or (not force and time.perf_counter() < self.next_time):
+            return
+        start = time.perf_counter()
+        try:
+            plot_curves(self.metrics_path, self.png_path)
+        except ImportError as e:
+            self.enabled = False
+            self.say(f"no curves.png: matplotlib cannot be imported ({first_line(e)}); pip install matplotlib")
+        except Exception as e:  # noqa: BLE001: a drawing is never worth a run
+            self.enabled = False
+            self.say(f"warning: drawing {self.png_path} failed ({type(e).__name__}: {first_line(e)}); no more curves "
+                     "this run (benchmark/plot_metrics.py draws them from metrics.jsonl)")
+        end = time.perf_counter()
+        self.next_time = end + self.CURVES_EVERY * (end - start)
+
+
 class MetricsWriteError(Fault):
     """metrics.jsonl could not be written (a full disk, a quota): the run stops, with a checkpoint where it can."""
 
@@ -1560,6 +1701,8 @@ class RunLogger:
         self.progress.start()
         self.num_updates = num_updates
         self.mismatch_warned = False
+        self.curves = CurvesSink(self.metrics_path, lambda line: self.console.print(line, highlight=False,
+                                                                                       soft_wrap=True))
 
     def log(self, update: int, metrics: dict[str, float]) -> None:
         self.write_metrics({"update": update, **metrics})
@@ -1580,6 +1723,7 @@ class RunLogger:
                 f"{metrics['mismatch/logprob_diff_mean']:.2g}, max {metrics['mismatch/logprob_diff_max']:.2g}); see "
                 "--vllm_importance_sampling_correction (said once a run)", highlight=False, soft_wrap=True)
         self.progress.advance(self.task)
+        self.curves.draw()
 
     def log_eval(self, update: int, metrics: dict[str, float], episode: int) -> None:
         self.write_metrics({"update": update, "episode": episode, **metrics})
@@ -1588,6 +1732,7 @@ class RunLogger:
         self.console.print(f"eval after update {update}: " + " ".join(f"{k.removeprefix('eval/')} {v:.4g}"
                                                                          for k, v in metrics.items()),
                            highlight=False, soft_wrap=True)
+        self.curves.draw(force=update > 0)
 
     def write_metrics(self, record: dict) -> None:
         """One line of metrics.jsonl, whole or not at all: a write that fails (a full disk, a quota) is cut off again
@@ -1620,6 +1765,7 @@ class RunLogger:
 
     def close(self) -> None:
         self.progress.stop()
+        self.curves.draw(force=True)
         if self.wandb is not None:
             self.wandb.finish()
 
@@ -1649,8 +1795,8 @@ ABANDONED = "abandoned"  # output_dir/abandoned/<time>_<why>/: work a run set as
 MERGED = "merged"  # output_dir/merged: --merge_lora's policy, written with the final one
 
 
-RUN_OUTPUTS = (CHECKPOINTS, "metrics.jsonl*", PREEMPTED, "nonfinite", "wandb", LOCK, ABANDONED,  # what a run writes
-               "engine_*.log", "engines.json")  # before it ends (the last two: rloo_multinode.py's engines)
+RUN_OUTPUTS = (CHECKPOINTS, "metrics.jsonl*", "curves.png", PREEMPTED, "nonfinite", "wandb", LOCK,  # what a run
+               ABANDONED, "engine_*.log", "engines.json")  # writes before it ends (the last two: rloo_multinode.py's)
 
 
 class StartupInterrupted(BaseException):
