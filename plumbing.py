@@ -862,6 +862,9 @@ def add_adapters(policy, args, checkpoint: Optional[Path]) -> None:
         except ValueError as e:  # no target modules known for the architecture, or a name that matches nothing
             raise ConfigError(f"--use_peft: {first_line(e)} - pass --lora_target_modules (module names, or "
                               "all-linear)") from None
+    base = policy.peft_config["default"].base_model_name_or_path  # the path as typed; a Hub id stays as it is
+    if base and Path(base).is_dir():  # absolute: the saved adapter loads its base from any folder
+        policy.peft_config["default"].base_model_name_or_path = str(Path(base).resolve())
     if checkpoint is None:
         return
     prefix = "base_model.model."  # what peft's format prepends to the model's own parameter names
@@ -1631,7 +1634,8 @@ def plot_curves(metrics_paths: list[Path] | Path, png_path: Path, smooth: int = 
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("episode")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    if axes[0].get_legend_handles_labels()[0]:  # nothing to name before the first update's line
+        axes[0].legend(fontsize=8)
     fig.tight_layout()
     png_path = Path(png_path)
     png_path.parent.mkdir(parents=True, exist_ok=True)
@@ -1948,8 +1952,8 @@ def end_distributed() -> None:
     were it the last holder, its destructor, which keeps the GIL, would join gloo's worker threads while one of them
     waits for the GIL to free a tensor: a hang at the very end of a CPU run (pytorch#56297). Collected first (the gc
     for its reference cycles), the wrapper leaves the group to destroy_process_group, which frees it without the GIL."""
-    gc.collect()
     if dist.is_initialized():
+        gc.collect()  # a full collection: ~1 s of a busy CPU, needed only here
         dist.destroy_process_group()
 
 
@@ -2719,6 +2723,9 @@ def run_script(main: Callable, args, program: str) -> None:
     status 0 (130 for SIGINT; under torchrun 128 + the signal's number). Shared by this project's scripts."""
     try:
         main(args)
+        # the run is over: the interpreter's exit need not search the models' and libraries' millions of objects for
+        # reference cycles (seconds of a busy CPU after the last line); atexit handlers and finalizers still run
+        gc.freeze()
     except ConfigError as e:
         print(f"{program}: error: {e}", file=sys.stderr)
         sys.exit(2)
