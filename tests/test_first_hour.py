@@ -145,3 +145,27 @@ def test_a_failing_drawing_never_stops_a_run(tmp_path):
     sink.draw(force=True)
     sink.draw(force=True)
     assert len(said) == 1 and said[0].startswith("warning: drawing")
+
+
+def test_a_policy_directory_without_tokenizer_files_is_named_as_that(assets, tmp_path):
+    """transformers builds an empty tokenizer from a config alone: every prompt would be empty."""
+    from conftest import tiny_policy
+
+    tiny_policy(16).save_pretrained(tmp_path / "policy")  # weights and config, no tokenizer
+    (tmp_path / "my_rewards.py").write_text(MY_REWARDS)
+    result = run_from(tmp_path, "--model_name_or_path", "policy", "--dataset_name", assets["train"],
+                      "--reward_fn", "my_rewards:has_a", "--output_dir", "run")
+    assert result.returncode == 2, result.stderr[-2000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert "policy has no tokenizer files" in error and "tokenizer.save_pretrained" in error, error
+    assert not (tmp_path / "run").exists()
+
+
+def test_make_help_lists_every_described_target():
+    result = subprocess.run(["make", "-s", "help"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    described = [line.split(":")[0] for line in (REPO / "Makefile").read_text().splitlines() if " ## " in line
+                 and not line.startswith(("\t", "#"))]
+    listed = [line.split()[1] for line in result.stdout.splitlines()]
+    assert listed == described and {"demo", "test", "test-newest", "help"} <= set(listed), result.stdout
+    assert all(len(line.split(None, 2)) == 3 for line in result.stdout.splitlines())  # each with its description
