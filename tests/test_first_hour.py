@@ -72,8 +72,8 @@ def test_a_reward_module_whose_own_import_fails_names_that(assets, tmp_path):
     assert "it imports 'no_such_package_here', which is not installed" in result.stderr.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("script", ["rloo", "rloo_multinode", "plan_memory"])
-@pytest.mark.parametrize("own", [None, "", "ACTIVE"])
+@pytest.mark.parametrize("script, own", [("rloo", None), ("rloo", ""), ("rloo", "ACTIVE"), ("rloo_multinode", None),
+                                         ("plan_memory", None)])
 def test_openmp_threads_sleep_unless_the_user_says_otherwise(script, own):
     """OpenMP itself reports the policy it runs with (OMP_DISPLAY_ENV), once torch has loaded it."""
     env = {**os.environ, "OMP_DISPLAY_ENV": "TRUE", "PYTHONPATH": str(REPO)}
