@@ -50,11 +50,11 @@ test: $(INSTALLED)  ## CPU, no network, ~10-13 min; a skipped test's line says w
 	$(PYTHON) -m pytest -q -rs tests --ignore tests/test_multinode.py
 
 # The newest releases requirements.txt allows, upgraded on every call in an environment of their own, and the tests
-# that meet them first (transformers' models, caches and peft; the command line; rloo.py run as a user runs it): a
+# that meet them first (transformers' models, caches and peft; rloo.py run as a user runs it, by its path): a
 # release that breaks a feature shows here, in CI, before a user meets it. torch too is the newest pip finds (on
 # Linux from PyPI, a CUDA build: a larger download)
 NEWEST_ENV ?= .venv-newest
-NEWEST_TESTS ?= tests/test_first_hour.py tests/test_shared_prompt.py tests/test_lora.py tests/test_cli.py
+NEWEST_TESTS ?= tests/test_first_hour.py tests/test_shared_prompt.py tests/test_lora.py
 
 $(NEWEST_ENV)/bin/python:
 	python3 -m venv $(NEWEST_ENV)

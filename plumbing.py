@@ -1650,7 +1650,8 @@ class CurvesSink:
     the end. Plumbing that must never stop a run: without matplotlib, or when a drawing fails, one line, once, and
     no more drawing."""
 
-    CURVES_EVERY = 20  # a drawing takes ~0.1-0.3 s (2 CPU cores); the first, with matplotlib's import, ~1 s
+    CURVES_EVERY = 20  # measured on 2 busy CPU cores: ~1 s for a 625-update run's curves, the first ~2 s (matplotlib's
+    # import): drawn at most once per 20 s there, under 5% of the run
 
     def __init__(self, metrics_path: Path, say: Callable[[str], None]):
         self.metrics_path, self.png_path, self.say = metrics_path, metrics_path.with_name("curves.png"), say
