@@ -44,7 +44,6 @@ def test_reward_fn_from_the_folder_the_command_runs_in(assets, tmp_path):
     assert [m["episode"] for m in read_metrics(out) if "eval/scores" in m] == [0, 48]
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "reward/has_a/mean" in read_metrics(out)[-2]
-    print(result.stdout)
     # start-up says what it does, a line per step with its time
     lines = result.stdout.splitlines()
     for step in ("loaded the tokenizer in ", "loaded the prompts in ", "loaded the policy and its reference in ",
