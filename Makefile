@@ -19,7 +19,10 @@ BENCH_ENV ?= benchmark/.venv-trl
 BENCH_INSTALLED := $(BENCH_ENV)/.rloo-installed-lock$(LOCK)
 BENCH_CONSTRAINTS := $(if $(filter 1,$(LOCK)),-c benchmark/constraints.txt)
 
-.PHONY: install demo test test-engines bench-env bench bench-results lock
+.PHONY: help install demo test test-newest test-engines bench-env bench bench-results lock
+
+help:  ## this list: each target and what it does
+	@awk 'BEGIN { FS = ":.*## " } /^[a-zA-Z_-]+:.*## / { printf "  make %-14s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
 
 install: $(INSTALLED)  ## only the install (make demo and make test do it themselves)
 
@@ -41,10 +44,26 @@ demo: $(INSTALLED)  ## offline: build a tiny task, train it with rloo.py, plot t
 
 # OpenMP threads that wait sleep instead of spinning: same results, and on a busy machine (other work on the same
 # cores) runs of the small models here 1.7-6.6x faster (measured at load average 3-4)
-demo test test-engines: export OMP_WAIT_POLICY ?= PASSIVE
+demo test test-newest test-engines: export OMP_WAIT_POLICY ?= PASSIVE
 
 test: $(INSTALLED)  ## CPU, no network, ~10-13 min; a skipped test's line says what it needs (-rs)
 	$(PYTHON) -m pytest -q -rs tests --ignore tests/test_multinode.py
+
+# The newest releases requirements.txt allows, upgraded on every call in an environment of their own, and the tests
+# that meet them first (transformers' models, caches and peft; rloo.py run as a user runs it, by its path): a
+# release that breaks a feature shows here, in CI, before a user meets it. torch too is the newest pip finds (on
+# Linux from PyPI, a CUDA build: a larger download). Measured: 4 min 5 s on 2 busy cores (load 5-7), installed; the
+# first call adds the install
+NEWEST_ENV ?= .venv-newest
+NEWEST_TESTS ?= tests/test_first_hour.py tests/test_shared_prompt.py tests/test_lora.py
+
+$(NEWEST_ENV)/bin/python:
+	python3 -m venv $(NEWEST_ENV)
+
+test-newest: | $(NEWEST_ENV)/bin/python  ## newest releases requirements.txt allows (.venv-newest), fast tests: ~4 min
+	$(NEWEST_ENV)/bin/python -m pip install -q --upgrade -r requirements.txt
+	$(NEWEST_ENV)/bin/python -m pip freeze | grep -iE '^(torch|transformers|peft|tyro|datasets)=='
+	$(NEWEST_ENV)/bin/python -m pytest -q -rs -p no:cacheprovider $(NEWEST_TESTS)
 
 test-engines: $(INSTALLED)  ## rloo_multinode.py with engines in processes of their own (hf, stand-in vllm serve), ~4 min
 	$(PYTHON) -m pytest -q -rs tests/test_multinode.py

@@ -42,10 +42,13 @@ import itertools
 import math
 from dataclasses import dataclass, replace
 
-import torch
+# OpenMP threads that wait sleep, not spin (a value of the user's own kept): set before torch loads OpenMP, as rloo.py
+os.environ["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY") or "PASSIVE"
 
-import plumbing
-import rloo
+import torch  # noqa: E402
+
+import plumbing  # noqa: E402
+import rloo  # noqa: E402
 
 GIB = 2**30
 LOGIT_BUFFERS = 3.2  # fp32 (N, Tr, V) buffers alive at the training peak: logits, softmax, backward

@@ -230,7 +230,8 @@ class RunArgs(InputArgs):
     logging_steps: int = 1
     """the console line every this many updates (metrics.jsonl and wandb get every update's metrics)"""
     num_evals: int = 4
-    """evaluations on --dataset_test_split spread over the run, plus one at the end"""
+    """evaluations on --dataset_test_split, spread evenly over the run, the last at its end; plus one of the initial
+    policy before the first update (not repeated on resume)"""
     eval_max_prompts: int = 256
     """test prompts per evaluation (all ranks together)"""
 
@@ -665,6 +666,23 @@ def describe_dropped(dropped: dict[str, int], max_prompt_length: int) -> str:
             + (f", {dropped['empty']} empty" if dropped["empty"] else ""))
 
 
+def describe_prompt_lengths(dropped: dict[str, int], max_prompt_length: int) -> str:
+    """Tokens per prompt before any was dropped: a tokenizer that does not fit the prompts shows here."""
+    return (f"tokens per prompt min {dropped['min_tokens']} / median {dropped['median_tokens']} / max "
+            f"{dropped['max_tokens']}; {describe_dropped(dropped, max_prompt_length)}")
+
+
+@contextlib.contextmanager
+def startup_step(what: str, announce: bool):
+    """Rank 0 (`announce`) says what a set-up step did and its time: `what in T s`, then the lines the block adds
+    to the list it gets."""
+    details: list[str] = []
+    start = time.perf_counter()
+    yield details
+    if announce:
+        print(f"{what} in {time.perf_counter() - start:.1f} s" + "".join(f"; {d}" for d in details), flush=True)
+
+
 def prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: int, name: str,
                     vocab_size: Optional[int], prompt_token_ids: Callable):
     """Add the PROMPT_IDS column (prompt_token_ids(rows, tokenizer, prompt_column)), drop empty prompts and prompts
@@ -700,7 +718,9 @@ def _prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: 
         raise ConfigError(f"dataset {name}, row {row}: token id {bad} is outside the policy's vocabulary of "
                           f"{vocab_size}: tokenize with the policy's tokenizer")
     lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
-    dropped = {"empty": int((lengths == 0).sum()), "too_long": int((lengths > max_prompt_length).sum())}
+    dropped = {"empty": int((lengths == 0).sum()), "too_long": int((lengths > max_prompt_length).sum()),
+               "min_tokens": int(lengths.min()), "median_tokens": int(np.median(lengths)),
+               "max_tokens": int(lengths.max())}
     dataset = dataset.select(np.flatnonzero((lengths > 0) & (lengths <= max_prompt_length)), keep_in_memory=True)
     if len(dataset) == 0:
         raise ConfigError(f"every prompt of {name} is empty or longer than max_prompt_length ({max_prompt_length})")
@@ -822,9 +842,17 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's names, as transformers' 
 ADAPTER_CONFIG = "adapter_config.json"
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
 def load_tokenizer(path: str, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
+    if Path(path).is_dir() and not any((Path(path) / name).exists() for name in TOKENIZER_FILES):
+        # transformers would build an empty tokenizer from the config alone, which makes every prompt empty
+        raise ConfigError(f"{path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES[:3])}, ...): save the "
+                          "model's tokenizer there (tokenizer.save_pretrained(path))")
     return _from_pretrained(
         AutoTokenizer.from_pretrained, path, "tokenizer", padding_side="left", trust_remote_code=trust_remote_code
     )
@@ -941,6 +969,9 @@ def add_adapters(policy, args, checkpoint: Optional[Path]) -> None:
         except ValueError as e:  # no target modules known for the architecture, or a name that matches nothing
             raise ConfigError(f"--use_peft: {first_line(e)} - pass --lora_target_modules (module names, or "
                               "all-linear)") from None
+    base = policy.peft_config["default"].base_model_name_or_path  # the path as typed; a Hub id stays as it is
+    if base and Path(base).is_dir():  # absolute: the saved adapter loads its base from any folder
+        policy.peft_config["default"].base_model_name_or_path = str(Path(base).resolve())
     if checkpoint is None:
         return
     prefix = "base_model.model."  # what peft's format prepends to the model's own parameter names
@@ -1321,6 +1352,10 @@ class RewardFunctionError(Fault):
 def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
     """Import each `package.module:function` spec; each must take **kwargs (it is called with every column)."""
     functions = []
+    # the directory the command runs in, as `python -m` has it: `python path/to/rloo.py` puts only the script's own
+    # directory first on sys.path. Last, so that a file there never shadows an installed package
+    if specs and os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     for spec in specs:
         module_name, _, attr = spec.partition(":")
         if not module_name or not attr:
@@ -1335,7 +1370,15 @@ def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
         except ConfigError:
             raise
         except ImportError as e:
-            raise ConfigError(f"unknown reward function {spec!r}: cannot import {module_name!r} ({e})") from None
+            top = module_name.split(".")[0]
+            if e.name is not None and e.name != module_name and not module_name.startswith(e.name + "."):
+                raise ConfigError(f"reward function {spec!r}: importing {module_name!r} failed: it imports "
+                                  f"{e.name!r}, which is not installed ({first_line(e)})") from None
+            where = os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
+            raise ConfigError(f"unknown reward function {spec!r}: cannot import {module_name!r} ({e}); looked in the "
+                              f"working directory {os.getcwd()}, PYTHONPATH ({where or 'unset'}) and the installed "
+                              f"packages: run from the folder that holds {top}.py (or the package {top}/), or add "
+                              f"that folder to PYTHONPATH") from None
         except (Exception, SystemExit) as e:  # a SyntaxError, anything the module's own code raises
             raise ConfigError(f"reward function {spec!r}: importing {module_name!r} failed with {type(e).__name__}: "
                               f"{first_line(e)}") from None
@@ -1657,7 +1700,7 @@ def mismatch_metrics(rollout, args, importance_weights: Callable, cliprange: flo
     return out
 
 
-# ===================================================================== logging: console, metrics.jsonl, wandb
+# ===================================================================== logging: console, metrics.jsonl, wandb, curves
 SUM_METRICS = ("val/num_eos_tokens", "completions/masked_truncated")
 
 
@@ -1714,6 +1757,109 @@ def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, scor
     }
 
 
+def read_metrics(path, evals: bool = False) -> list[dict]:
+    """The lines of a metrics.jsonl: the per-update lines (they hold `objective/scores`), or with `evals` the
+    evaluation lines (they hold `eval/scores`; update 0 is the initial policy's)."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [row for row in rows if ("eval/scores" if evals else "objective/scores") in row]
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over the last `window` values (fewer at the start)."""
+    chunks = [values[max(0, i - window + 1) : i + 1] for i in range(len(values))]
+    return [sum(chunk) / len(chunk) for chunk in chunks]
+
+
+def score_sources(rows: list[dict]) -> str:
+    """What a run's score is: its reward sources, read from their `reward/<source>/mean` metrics."""
+    names = dict.fromkeys(key[len("reward/"):-len("/mean")] for row in rows for key in row
+                          if key.startswith("reward/") and key.endswith("/mean"))
+    return ", ".join(name.replace("_", " ") if name == "reward_model" else f"{name}()" for name in names) or "score"
+
+
+def curve_panels(runs: list[tuple[list[dict], list[dict]]]) -> list[tuple[str, str, bool]]:
+    """(metric, title, from eval lines) of each panel drawn for these runs' (update lines, eval lines): score,
+    RLHF reward, KL, the eval score where a run evaluated, the sampler/trainer mismatch where it was logged."""
+    sources = score_sources([row for rows, _ in runs for row in rows])
+    panels = [("objective/scores", f"score ({sources})", False),
+              ("objective/rlhf_reward", "RLHF reward (score - KL penalty)", False),
+              ("objective/kl", "KL(policy || reference)", False)]
+    if any(evals for _, evals in runs):
+        panels.append(("eval/scores", f"eval score ({sources}; test prompts, near-greedy)", True))
+    if any("mismatch/logprob_diff_mean" in row for rows, _ in runs for row in rows):
+        panels.append(("mismatch/logprob_diff_mean", "sampler/trainer |log-prob difference| per token", False))
+    return panels
+
+
+def plot_curves(metrics_paths: list[Path] | Path, png_path: Path, smooth: int = 10) -> None:
+    """One panel per metric against episode, one line per metrics.jsonl (its directory's name); per-update values
+    faint, a `smooth`-update trailing mean solid; eval scores as points. Written whole (a viewer never sees half)."""
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state; Agg draws the file
+
+    metrics_paths = [metrics_paths] if isinstance(metrics_paths, (str, Path)) else list(metrics_paths)
+    runs = [(read_metrics(path), read_metrics(path, evals=True)) for path in metrics_paths]
+    panels = curve_panels(runs)
+    fig = Figure(figsize=(4.6 * len(panels), 3.6))
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for path, (rows, evals) in zip(metrics_paths, runs):
+        color = None
+        for ax, (key, title, from_evals) in zip(axes, panels):
+            points = [(row["episode"], row[key]) for row in (evals if from_evals else rows) if key in row]
+            if not points:
+                continue
+            episodes, values = zip(*points)
+            if from_evals:
+                (line,) = ax.plot(episodes, values, marker="o", color=color, label=Path(path).parent.name)
+            else:
+                (line,) = ax.plot(episodes, moving_average(list(values), smooth), color=color,
+                                  label=Path(path).parent.name)
+                ax.plot(episodes, values, color=line.get_color(), alpha=0.25, linewidth=0.8)
+            color = line.get_color()
+    for ax, (_, title, _) in zip(axes, panels):
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("episode")
+        ax.grid(alpha=0.3)
+    if axes[0].get_legend_handles_labels()[0]:  # nothing to name before the first update's line
+        axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    partial = png_path.with_name(f".{png_path.name}.partial")
+    fig.savefig(partial, dpi=100, format="png")
+    os.replace(partial, png_path)
+
+
+class CurvesSink:
+    """Draws output_dir/curves.png from metrics.jsonl as the run goes: after an update at most once per
+    CURVES_EVERY x the last drawing's time (so drawing stays a few percent of the run), after each evaluation and at
+    the end. Plumbing that must never stop a run: without matplotlib, or when a drawing fails, one line, once, and
+    no more drawing."""
+
+    CURVES_EVERY = 20  # measured on 2 busy CPU cores: ~1 s for a 625-update run's curves, the first ~2 s (matplotlib's
+    # import): drawn at most once per 20 s there, under 5% of the run
+
+    def __init__(self, metrics_path: Path, say: Callable[[str], None]):
+        self.metrics_path, self.png_path, self.say = metrics_path, metrics_path.with_name("curves.png"), say
+        self.enabled, self.next_time = True, 0.0
+
+    def draw(self, force: bool = False) -> None:
+        if not self.enabled or (not force and time.perf_counter() < self.next_time):
+            return
+        start = time.perf_counter()
+        try:
+            plot_curves(self.metrics_path, self.png_path)
+        except ImportError as e:
+            self.enabled = False
+            self.say(f"no curves.png: matplotlib cannot be imported ({first_line(e)}); pip install matplotlib")
+        except Exception as e:  # noqa: BLE001: a drawing is never worth a run
+            self.enabled = False
+            self.say(f"warning: drawing {self.png_path} failed ({type(e).__name__}: {first_line(e)}); no more curves "
+                     "this run (benchmark/plot_metrics.py draws them from metrics.jsonl)")
+        end = time.perf_counter()
+        self.next_time = end + self.CURVES_EVERY * (end - start)
+
+
 class MetricsWriteError(Fault):
     """metrics.jsonl could not be written (a full disk, a quota): the run stops, with a checkpoint where it can."""
 
@@ -1748,6 +1894,8 @@ class RunLogger:
         self.num_updates, self.logging_steps = num_updates, args.logging_steps
         self.run_id = run_id  # on every metrics.jsonl line: a line of another run is never taken for this one's
         self.mismatch_warned = False
+        self.curves = CurvesSink(self.metrics_path, lambda line: self.console.print(line, highlight=False,
+                                                                                       soft_wrap=True))
 
     def log(self, update: int, metrics: dict[str, float]) -> None:
         self.write_metrics({"update": update, **metrics})
@@ -1771,6 +1919,7 @@ class RunLogger:
                 f"{metrics['mismatch/logprob_diff_mean']:.2g}, max {metrics['mismatch/logprob_diff_max']:.2g}); see "
                 "--vllm_importance_sampling_correction (said once a run)", highlight=False, soft_wrap=True)
         self.progress.advance(self.task)
+        self.curves.draw()
 
     def log_eval(self, update: int, metrics: dict[str, float], episode: int) -> None:
         self.write_metrics({"update": update, "episode": episode, **metrics})
@@ -1779,6 +1928,7 @@ class RunLogger:
         self.console.print(f"eval after update {update}: " + " ".join(f"{k.removeprefix('eval/')} {v:.4g}"
                                                                          for k, v in metrics.items()),
                            highlight=False, soft_wrap=True)
+        self.curves.draw(force=update > 0)
 
     def write_metrics(self, record: dict) -> None:
         """One line of metrics.jsonl, whole or not at all: a write that fails (a full disk, a quota) is cut off again
@@ -1811,6 +1961,7 @@ class RunLogger:
 
     def close(self) -> None:
         self.progress.stop()
+        self.curves.draw(force=True)
         if self.wandb is not None:
             self.wandb.finish()
 
@@ -1840,8 +1991,8 @@ ABANDONED = "abandoned"  # output_dir/abandoned/<time>_<why>/: work a run set as
 MERGED = "merged"  # output_dir/merged: --merge_lora's policy, written with the final one
 
 
-RUN_OUTPUTS = (CHECKPOINTS, "metrics.jsonl*", PREEMPTED, "nonfinite", "wandb", LOCK, ABANDONED,  # what a run writes
-               "engine_*.log", "engines.json")  # before it ends (the last two: rloo_multinode.py's engines)
+RUN_OUTPUTS = (CHECKPOINTS, "metrics.jsonl*", "curves.png", PREEMPTED, "nonfinite", "wandb", LOCK,  # what a run
+               ABANDONED, "engine_*.log", "engines.json")  # writes before it ends (the last two: rloo_multinode.py's)
 
 
 class StartupInterrupted(BaseException):
@@ -1993,8 +2144,8 @@ def end_distributed() -> None:
     were it the last holder, its destructor, which keeps the GIL, would join gloo's worker threads while one of them
     waits for the GIL to free a tensor: a hang at the very end of a CPU run (pytorch#56297). Collected first (the gc
     for its reference cycles), the wrapper leaves the group to destroy_process_group, which frees it without the GIL."""
-    gc.collect()
     if dist.is_initialized():
+        gc.collect()  # a full collection: ~1 s of a busy CPU, needed only here
         dist.destroy_process_group()
 
 
@@ -3235,6 +3386,9 @@ def run_script(main: Callable, args, program: str) -> None:
     status 0 (130 for SIGINT; under torchrun 128 + the signal's number). Shared by this project's scripts."""
     try:
         main(args)
+        # the run is over: the interpreter's exit need not search the models' and libraries' millions of objects for
+        # reference cycles (seconds of a busy CPU after the last line); atexit handlers and finalizers still run
+        gc.freeze()
     except ConfigError as e:
         print(f"{program}: error: {e}", file=sys.stderr)
         sys.exit(2)

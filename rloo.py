@@ -57,11 +57,16 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, ClassVar, Literal, Optional
 
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
+# OpenMP's threads that wait for work sleep instead of spinning: the same results, and on a CPU that other work
+# shares, runs several times faster (docs/speed-and-memory.md). OpenMP reads it once, when torch loads it; a value
+# of the user's own is kept. rloo_multinode.py and plan_memory.py set it the same way before importing torch
+os.environ["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY") or "PASSIVE"
 
-import plumbing
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import plumbing  # noqa: E402
 
 
 @dataclass
@@ -1376,6 +1381,12 @@ def evaluate(
     return {"eval/scores": score_sum / count, "eval/mean_length": length_sum / count, "eval/eos_frac": stops / count}
 
 
+def evaluation_updates(num_updates: int, num_evals: int) -> set[int]:
+    """The updates after which the policy is evaluated: num_evals of them spread evenly over the run, the last at its
+    end (num_evals 0: only the end). The initial policy's evaluation (update 0) comes on top."""
+    return {math.ceil(i * num_updates / num_evals) for i in range(1, num_evals + 1)} if num_evals else {num_updates}
+
+
 # ===================================================================== main
 def table_rows(args: Args, sizes: BatchSizes) -> list[int]:
     """The completions (rows of the (k, B) layout) of the sample table: --num_completions_to_print of them, each
@@ -1415,9 +1426,13 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     with checkpoints.refusal_leaves_nothing():
         plumbing.choose_kernels()
         autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=args.bf16)
-        tokenizer, vocab_size = plumbing.prepare_tokenizer(args)  # and the models' configs checked
-        dataset, eval_dataset, dropped = plumbing.load_prompts(args, tokenizer, vocab_size,
-                                                                  prompt_token_ids)
+        with plumbing.startup_step("loaded the tokenizer", master):
+            tokenizer, vocab_size = plumbing.prepare_tokenizer(args)  # and the models' configs checked
+        with plumbing.startup_step("loaded the prompts", master) as said:
+            dataset, eval_dataset, dropped = plumbing.load_prompts(args, tokenizer, vocab_size,
+                                                                      prompt_token_ids)
+            said.append(f"{len(dataset)} train" + (f", {len(eval_dataset)} test" if eval_dataset else "")
+                        + f"; {plumbing.describe_prompt_lengths(dropped, args.max_prompt_length)}")
         sampler = PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)
         plumbing.check_reward_function_arguments(reward_functions, [
             (args.dataset_name, dataset), (args.dataset_test_split, eval_dataset)], args.prompt_column)
@@ -1430,19 +1445,25 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                 f"update (one takes {sizes.all_ranks}); pass --num_train_epochs {sizes.all_ranks / len(dataset):.3g} "
                 f"or more, or --total_episodes {sizes.all_ranks}")
         checkpoints.check_continues(num_updates, sizes.all_ranks)
-        policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device, checkpoints.path, tokenizer)
-        sources = plumbing.load_reward_sources(args, tokenizer, reward_functions, device)
+        reference = "" if args.kl_coef == 0 else " and its reference" + (" (adapters off)" if args.use_peft else "")
+        with plumbing.startup_step(f"loaded the policy{reference}", master):
+            policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device, checkpoints.path, tokenizer)
+        with plumbing.startup_step("loaded the reward model" if args.reward_model_path else "set up the reward "
+                                   "functions", master):
+            sources = plumbing.load_reward_sources(args, tokenizer, reward_functions, device)
         # each prompt computed once for its k completions, in every phase, where the model can take it exactly
-        probe = Completions(**plumbing.sharing_probe(dataset[0][plumbing.PROMPT_IDS], *plumbing.probe_lengths(
-            args.max_prompt_length, args.response_length, policy, sources.model), device))
-        notes, checked = [], {}  # notes printed once the run starts; checked: one check where both models agree
-        share_prompt = plumbing.shares_prompts(policy, "policy", args.share_prompt, probe, lambda c, share:
-                                               forward_logprobs(policy, c, 1.0, share)[0][c.response_mask], notes,
-                                               checked)
-        with plumbing.visiting(sources.model, device):  # --offload: a frozen model's passes are on the GPU
-            sources.share_prompt = sources.model is not None and sources.model_tokenizer is None and \
-                plumbing.shares_prompts(sources.model, "reward model", args.share_prompt, probe, lambda c, share:
-                                        reward_model_scores(sources.model, c, share), notes, checked)
+        with plumbing.startup_step("start-up check of prompt sharing (each prompt computed once for its k "
+                                   "completions, checked against the plain path)", master):
+            probe = Completions(**plumbing.sharing_probe(dataset[0][plumbing.PROMPT_IDS], *plumbing.probe_lengths(
+                args.max_prompt_length, args.response_length, policy, sources.model), device))
+            notes, checked = [], {}  # notes printed once the run starts; checked: one check where both models agree
+            share_prompt = plumbing.shares_prompts(policy, "policy", args.share_prompt, probe, lambda c, share:
+                                                   forward_logprobs(policy, c, 1.0, share)[0][c.response_mask], notes,
+                                                   checked)
+            with plumbing.visiting(sources.model, device):  # --offload: a frozen model's passes are on the GPU
+                sources.share_prompt = sources.model is not None and sources.model_tokenizer is None and \
+                    plumbing.shares_prompts(sources.model, "reward model", args.share_prompt, probe, lambda c, share:
+                                            reward_model_scores(sources.model, c, share), notes, checked)
 
         if args.fsdp:
             trained = plumbing.shard_policy(policy, args.bf16, args.offload)  # in place: policy is the sharded module
@@ -1482,7 +1503,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                                  "--num_ppo_epochs or --num_mini_batches for it to)", highlight=False, soft_wrap=True)
         timer = plumbing.PhaseTimer(device)
         timer.count_tokens_of(policy, ref_policy, sources.model, getattr(rollouts, "sampler", None))
-    eval_every = max(1, num_updates // args.num_evals) if args.num_evals > 0 else num_updates
+    eval_at = evaluation_updates(num_updates, args.num_evals) if eval_dataset is not None else set()
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0
     queued: list[PromptBatch] = []  # drawn, sampled or being sampled, not yet trained on
 
@@ -1490,8 +1511,18 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         """The sampler before the oldest batch not yet trained on: where a resume draws again."""
         return queued[0].sampler_state if queued else sampler.state_dict()
 
+    def evaluation(update: int, episode: int) -> None:
+        policy.eval()
+        with plumbing.gathered_for_rollout(policy, args.fsdp_generation), plumbing.visiting(sources.model, device):
+            eval_metrics = evaluate(policy, eval_dataset, sources, tokenizer, args, stop_token_id, dist_info, autocast)
+        if logger is not None:
+            logger.log_eval(update, eval_metrics, episode)
+
     stop_signal.training = True
     try:
+        update = checkpoints.start_update  # what a fault during the initial evaluation reports: nothing new
+        if eval_at and update == 0:  # the initial policy: where the curves start (not again on resume)
+            evaluation(0, 0)
         for update in range(checkpoints.start_update + 1, num_updates + 1):
             timer.start_update()
             update_start = time.perf_counter()
@@ -1578,14 +1609,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                     logger.sample_table([(tokenizer.decode(batch.queries[i % sizes.prompts][
                         batch.query_mask[i % sizes.prompts]]), tokenizer.decode(rollout.responses[i][
                             rollout.response_mask[i]]), scores[i].item()) for i in table_rows(args, sizes)], episode)
-            if eval_dataset is not None and (update % eval_every == 0 or update == num_updates):
-                policy.eval()
-                with plumbing.gathered_for_rollout(policy, args.fsdp_generation), \
-                        plumbing.visiting(sources.model, device):
-                    eval_metrics = evaluate(policy, eval_dataset, sources, tokenizer, args, stop_token_id, dist_info,
-                                            autocast)
-                if logger is not None:
-                    logger.log_eval(update, eval_metrics, episode)
+            if update in eval_at:
+                evaluation(update, episode)
             stop = stop_signal.requested(device)  # on every rank as soon as any rank got a signal
             if stop or update == num_updates or (args.save_steps > 0 and update % args.save_steps == 0):
                 checkpoints.save(update, data_position())

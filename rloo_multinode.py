@@ -81,15 +81,18 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import ClassVar, Literal, NamedTuple, Optional, Protocol
 
-import safetensors
-import safetensors.torch
-import torch
-import torch.distributed as dist
-import tyro
-from torch.distributed.tensor import DTensor
+# OpenMP threads that wait sleep, not spin (a value of the user's own kept): set before torch loads OpenMP, as rloo.py
+os.environ["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY") or "PASSIVE"
 
-import plumbing
-import rloo
+import safetensors  # noqa: E402
+import safetensors.torch  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import tyro  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+import plumbing  # noqa: E402
+import rloo  # noqa: E402
 
 VLLM_VERSION = "0.32"  # the vLLM release series whose API the vLLM engines use; requirements-vllm.txt pins it
 API_KEY_VARIABLE = "VLLM_API_KEY"  # the trainer sends it to `vllm serve --api-key` (which reads the same variable)

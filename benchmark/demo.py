@@ -20,7 +20,7 @@ from transformers.utils import logging as transformers_logging
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # `python benchmark/demo.py` only puts benchmark/ on the path
 
-from benchmark.plot_metrics import plot_curves, read_metrics  # noqa: E402
+from plumbing import read_metrics  # noqa: E402
 from benchmark.synthetic_task import ensure_assets, mean_true_score  # noqa: E402
 
 MIN_RISE = 0.1  # required gain of the mean score, last 3 updates vs first 3
@@ -31,7 +31,7 @@ class Args:
     cache_dir: str = ".cache/rloo_demo"
     """where the tokenizer, SFT policy, reward model and prompts are built (reused on later runs)"""
     output_dir: str = "runs/demo"
-    """rloo.py's output: metrics.jsonl, the trained policy; the demo adds curves.png"""
+    """rloo.py's output: metrics.jsonl, curves.png, the trained policy"""
     total_episodes: int = 40_000
     """completions to train on"""
     seed: int = 1
@@ -98,11 +98,10 @@ def main(args: Args) -> None:
     if returncode != 0:
         sys.exit(f"demo: rloo.py failed with exit status {returncode}")
 
-    stage("scoring the SFT and the trained policy on the test prompts, plotting")
+    stage("scoring the SFT and the trained policy on the test prompts")
     scores = [row["objective/scores"] for row in read_metrics(metrics_path)]
     first, last = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
-    png_path = Path(args.output_dir) / "curves.png"
-    plot_curves(metrics_path, png_path)
+    png_path = Path(args.output_dir) / "curves.png"  # drawn by the run itself (plumbing.plot_curves)
     prompts = read_prompts(assets["test"])
     sft_true, trained_true = policy_true_score(assets["policy"], prompts), policy_true_score(args.output_dir, prompts)
     print(f"reward-model score  first 3 updates {first:.3f} -> last 3 updates {last:.3f}")

@@ -363,7 +363,7 @@ def cpu_model() -> str:
 
 
 def hardware() -> dict:
-    info = {"cpu": cpu_model(), "cpu_cores": os.cpu_count(),
+    info = {"cpu": cpu_model(), "cpu_cores": os.cpu_count(), "load_average_1min": round(os.getloadavg()[0], 2),
             "torch": torch.__version__, "python": platform.python_version()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)

@@ -1,8 +1,12 @@
 """--use_peft: LoRA adapters on a frozen base, the reference the base itself with the adapters off."""
 
 import json
+import os
 import signal
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 import plumbing
 import rloo
-from conftest import REPO, read_metrics, run_rloo
+from conftest import REPO, cpu_env, read_metrics, run_rloo
 from test_checkpoints import comparable, interrupt_after_first_update
 
 LORA = ("--use_peft", "--lora_r", "4", "--lora_alpha", "8")
@@ -93,9 +97,9 @@ def test_the_bf16_sampling_copy_holds_the_adapters_and_follows_them(assets):
 def test_a_lora_run_resumes_bit_identical_and_both_saved_forms_load(assets, tmp_path):
     """With evaluation, gradient checkpointing, prompt sharing, two PPO epochs of two minibatches, and a trained
     lm_head copy: a run stopped by a signal after its first update and resumed ends as the uninterrupted one."""
-    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--dataset_test_split",
-              assets["test"], "--total_episodes", 32 * 4, *RUN, *LORA, "--lora_modules_to_save", "lm_head",
-              "--num_ppo_epochs", "2", "--num_mini_batches", "2", "--num_evals", "2", "--gradient_checkpointing",
+    common = ["--model_name_or_path", os.path.relpath(assets["policy"], REPO),  # typed relative to the run's folder
+              "--dataset_name", assets["train"], "--dataset_test_split", assets["test"], "--total_episodes", 32 * 4,
+              *RUN, *LORA, "--lora_modules_to_save", "lm_head", "--num_ppo_epochs", "2", "--num_mini_batches", "2", "--num_evals", "2", "--gradient_checkpointing",
               "--merge_lora"]
     full, interrupted = tmp_path / "full", tmp_path / "interrupted"
     result = run_rloo(*common, "--output_dir", full)
@@ -111,12 +115,20 @@ def test_a_lora_run_resumes_bit_identical_and_both_saved_forms_load(assets, tmp_
     assert result.returncode == 0 and f"resuming from {stopped_at}" in result.stdout, result.stderr[-3000:]
     metrics = read_metrics(full)
     assert comparable(read_metrics(interrupted)) == comparable(metrics)
-    assert any("eval/scores" in m for m in metrics) and metrics[0]["objective/kl"] == 0.0  # lora_B starts at 0
+    train = [m for m in metrics if "objective/kl" in m]  # the update lines; eval lines from update 0 on
+    assert metrics[0]["update"] == 0 and "eval/scores" in metrics[0] and train[0]["objective/kl"] == 0.0  # lora_B: 0
     a, b = load_file(full / plumbing.ADAPTER_WEIGHTS), load_file(interrupted / plumbing.ADAPTER_WEIGHTS)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-identical
 
     # the adapter in peft's format on the base, and the merged model with transformers alone, compute the same
     assert json.loads((full / plumbing.ADAPTER_CONFIG).read_text())["r"] == 4
+    # its base is recorded absolute: the adapter alone loads from another folder (peft reads the base from there)
+    assert json.loads((full / plumbing.ADAPTER_CONFIG).read_text())["base_model_name_or_path"] == str(
+        Path(assets["policy"]).resolve())
+    loaded = subprocess.run([sys.executable, "-c", "import sys; from peft import AutoPeftModelForCausalLM; "
+                             "AutoPeftModelForCausalLM.from_pretrained(sys.argv[1])", str(full)], cwd=tmp_path,
+                            capture_output=True, text=True, env=cpu_env())
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(assets["policy"]), full).eval()
     merged = AutoModelForCausalLM.from_pretrained(full / plumbing.MERGED).eval()
     base = AutoModelForCausalLM.from_pretrained(assets["policy"]).eval()
