@@ -599,6 +599,36 @@ def test_a_full_disk_outside_a_save_stops_with_a_checkpoint_and_one_line(assets,
     assert (tmp_path / "metrics.jsonl").read_text() == '{"update": 1}\n'
 
 
+RANK_0_IN_COLLECTIVES = """import os
+import torch.distributed as dist
+if os.environ.get("RANK") == "0":  # rank 0 says when it enters and leaves each collective, in the file RANK_0_WAITING
+    def entered(name, function):
+        def logged(*args, **kwargs):
+            with open(os.environ["RANK_0_WAITING"], "a") as f:
+                f.write(f"{os.getpid()} entered {name}\\n")
+            result = function(*args, **kwargs)
+            with open(os.environ["RANK_0_WAITING"], "a") as f:
+                f.write(f"{os.getpid()} left {name}\\n")
+            return result
+        return logged
+    for name in ("init_process_group", "barrier", "all_reduce", "broadcast", "broadcast_object_list", "all_gather",
+                 "all_gather_object", "gather_object", "monitored_barrier"):
+        setattr(dist, name, entered(name, getattr(dist, name)))
+"""
+
+
+def blocked_in_a_collective(waiting: Path) -> bool:
+    """Rank 0 has entered a collective (RANK_0_IN_COLLECTIVES' file) and its main thread sleeps there, in C++,
+    where no Python signal handler runs until the collective returns or fails."""
+    lines = waiting.read_text().splitlines() if waiting.exists() else []
+    if not lines or " entered " not in lines[-1]:
+        return False
+    try:
+        return Path(f"/proc/{lines[-1].split()[0]}/stat").read_text().rsplit(")", 1)[1].split()[0] == "S"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
 BLOCK_AFTER_INIT = """import os, time
 from pathlib import Path
 import torch.distributed as dist
@@ -626,11 +656,13 @@ START_UP_CASES = {  # case: (where rank 1 stalls, the signal it gets, the one li
 def test_a_signal_to_one_rank_during_start_up_stops_every_rank_with_one_line(assets, tmp_path, case):
     where, sig, line = START_UP_CASES[case]
     ready, hook = tmp_path / "stalled", tmp_path / "hook"  # rank 1 alone stalls in start-up: rank 0 waits for it
-    env = script_env({"BLOCKING_IMPORT_READY": str(ready), "BLOCKING_IMPORT_RANK": "1"})
-    if where == "after init_process_group":  # a sitecustomize of this test's own, for its ranks only
-        hook.mkdir()
-        (hook / "sitecustomize.py").write_text(BLOCK_AFTER_INIT)
-        env["PYTHONPATH"] = f"{hook}:{env['PYTHONPATH']}"
+    waiting = tmp_path / "rank_0_waiting"
+    env = script_env({"BLOCKING_IMPORT_READY": str(ready), "BLOCKING_IMPORT_RANK": "1",
+                      "RANK_0_WAITING": str(waiting)})
+    hook.mkdir()  # a sitecustomize of this test's own, for its ranks only
+    (hook / "sitecustomize.py").write_text(RANK_0_IN_COLLECTIVES + (
+        BLOCK_AFTER_INIT if where == "after init_process_group" else ""))
+    env["PYTHONPATH"] = f"{hook}:{env['PYTHONPATH']}"
     reward_fn = "reward_fns_blocking_import:count_a" if where == "reward module import" else "reward_fns:count_a"
     process = subprocess.Popen(script_command("rloo.py", "--model_name_or_path", assets["policy"], "--dataset_name",
                                               assets["train"], *RUN[2:], "--output_dir", tmp_path / "run",
@@ -638,18 +670,17 @@ def test_a_signal_to_one_rank_during_start_up_stops_every_rank_with_one_line(ass
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
                                start_new_session=True)
     try:
-        deadline = time.time() + 120
-        while not ready.exists():
+        deadline = time.time() + 600  # a hang guard only: the events below decide when to go on
+        while not (ready.exists() and blocked_in_a_collective(waiting)):  # rank 1 stalled, rank 0 waiting for it
             assert time.time() < deadline and process.poll() is None, process.communicate()[1][-3000:]
             time.sleep(0.05)
-        time.sleep(2)  # rank 0 meanwhile loads what it can and waits in a collective for rank 1
         started = time.time()
         os.kill(int(ready.read_text()), sig)  # rank 1's process, not torchrun's
         _, stderr = process.communicate(timeout=120)
     finally:  # torchrun and its ranks do not outlive the test
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode != 0 and time.time() - started < 60, stderr[-3000:]  # not --ddp_timeout (600 s) later
+    assert process.returncode != 0 and time.time() - started < 300, stderr[-3000:]  # not --ddp_timeout (600 s) later
     said = [said for said in stderr.splitlines() if said.startswith("rloo.py")]  # SIGKILL: rank 0 says what it saw
     assert len(said) == 1 and said[0].startswith(line) and (sig == signal.SIGKILL or said[0] == line), stderr[-3000:]
     assert str(REPO / "rloo.py") + '", line' not in stderr  # no traceback from a rank (torchrun prints its own)
