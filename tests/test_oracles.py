@@ -356,3 +356,23 @@ def test_sft_model_path_trains_the_sft_weights_with_the_tokenizer_of_model_name_
                 got = getattr(rollout, which)[i][rollout.response_mask[i]].tolist()
                 assert (got == pytest.approx(expected, abs=1e-4)) is expected_equal, (path, which, i)
     assert (tmp_path / "out" / "tokenizer.json").exists()  # the tokenizer of --model_name_or_path, saved with it
+
+
+# ---------------------------------------------------------------- survivors of tests/mutation.py, each by hand
+def test_the_last_real_token_under_left_right_and_no_padding():
+    mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 1], [1, 0, 0, 0]])
+    assert rloo.last_true_index(mask).tolist() == [2, 3, 3, 0]
+
+
+def test_per_token_losses_are_zero_on_padding():
+    new = torch.tensor([[-1.0, -2.0, 5.0]])  # the third entry is padding with a made-up log-prob
+    old = torch.tensor([[-1.0, -1.0, 0.0]])
+    losses, _ = rloo.policy_loss(new, old, torch.tensor([2.0]), torch.tensor([[True, True, False]]), 0.2,
+                                 per_token=True)
+    # token 1: ratio e^-1 < 0.8, advantage 2 > 0: max(-2 e^-1, -2 * 0.8) = -2 e^-1
+    assert losses.tolist() == pytest.approx([[-2.0, -2 * math.exp(-1), 0.0]])
+
+
+def test_the_loss_normalizer_counts_the_minibatchs_completions():
+    rollout = rollout_of([[-1.0]] * 6, [[-1.0]] * 6, [[True]] * 6, 3)
+    assert rloo.loss_normalizer(rollout, [torch.tensor([0, 3]), torch.tensor([1, 4])]).item() == 4.0
