@@ -370,9 +370,15 @@ def test_per_token_losses_are_zero_on_padding():
     losses, _ = rloo.policy_loss(new, old, torch.tensor([2.0]), torch.tensor([[True, True, False]]), 0.2,
                                  per_token=True)
     # token 1: ratio e^-1 < 0.8, advantage 2 > 0: max(-2 e^-1, -2 * 0.8) = -2 e^-1
-    assert losses.tolist() == pytest.approx([[-2.0, -2 * math.exp(-1), 0.0]])
+    assert losses[0].tolist() == pytest.approx([-2.0, -2 * math.exp(-1), 0.0])
 
 
 def test_the_loss_normalizer_counts_the_minibatchs_completions():
     rollout = rollout_of([[-1.0]] * 6, [[-1.0]] * 6, [[True]] * 6, 3)
     assert rloo.loss_normalizer(rollout, [torch.tensor([0, 3]), torch.tensor([1, 4])]).item() == 4.0
+
+
+def test_a_source_that_does_not_apply_adds_nothing_whatever_its_value():
+    values = torch.tensor([[1.0, 7.0], [5.0, 2.0]])  # 7.0: a value the source gave with applies False
+    applies = torch.tensor([[True, False], [True, True]])
+    assert rloo.combine_rewards(values, applies, torch.tensor([1.0, 0.5])).tolist() == [3.5, 1.0]
