@@ -792,21 +792,24 @@ def test_ctrl_c_twice_exits_at_once_and_a_signal_during_start_up_trains_nothing(
     out, stderr_path, hook = tmp_path / "run", tmp_path / "stderr", tmp_path / "hook"
     # the first Ctrl-C as update 2's rollout starts: a real SIGINT, sent by a sitecustomize of this test's own at a
     # point that does not depend on timing (one that landed in a reward function would stop the run at once, as
-    # it should); the second while update 2's reward function takes its second, from here
+    # it should); the second from here, once update 2's reward function runs, which then hangs for certain: the
+    # update cannot end before the second Ctrl-C, however slow the machine
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(CTRL_C_AT_UPDATE_2)
-    env = script_env({"PYTHONPATH": f"{hook}:{REPO}:{REPO / 'tests'}"})
+    hanging = tmp_path / "hanging"
+    env = script_env({"PYTHONPATH": f"{hook}:{REPO}:{REPO / 'tests'}", "REWARD_MISBEHAVES_AT_CALL": "2",
+                      "REWARD_MISBEHAVIOUR": "hang", "REWARD_HANGING": str(hanging)})
     with open(stderr_path, "w") as stderr:
         process = subprocess.Popen(script_command("rloo.py", *common, "--output_dir", out, "--reward_fn",
-                                                  "reward_fns:count_a_slowly"),
+                                                  "reward_fns:misbehaving"),
                                    stdout=subprocess.DEVNULL, stderr=stderr, env=env, cwd=REPO)
-        deadline = time.time() + 120
+        deadline = time.time() + 600  # a hang guard only
         while "rloo.py: SIGINT received: stopping after this update with a checkpoint; Ctrl-C again exits at once " \
-                "without one" not in stderr_path.read_text():
+                "without one" not in stderr_path.read_text() or not hanging.exists():
             assert time.time() < deadline and process.poll() is None, stderr_path.read_text()[-3000:]
             time.sleep(0.05)
         process.send_signal(signal.SIGINT)
-        process.wait(timeout=60)
+        process.wait(timeout=600)
     assert process.returncode == -signal.SIGINT  # killed in the middle of the update, which is not saved
     assert len(read_metrics(out)) == 1 and plumbing.latest_checkpoint(str(out)).name == "step_1"
     assert not (out / "preempted").exists()
