@@ -4,7 +4,7 @@ temporary directory (never the working tree), each then run against the algorith
 when a test fails; a survivor is a bug the tests would let through.
 
     python tests/mutation.py            # all mutants (make mutate)
-    python tests/mutation.py -k kl      # those whose name contains "kl"
+    python tests/mutation.py -k kl      # those whose name contains "kl" (-k repeatable)
     python tests/mutation.py --list     # the mutants, nothing run
 
 Each mutant is an exact snippet of a file and its replacement. The script refuses to run, naming the mutant, when a
@@ -181,14 +181,15 @@ def run_tests(root: Path, tests: list[str]) -> tuple[bool, float, str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("-k", default="", help="only the mutants whose name contains this")
+    parser.add_argument("-k", action="append", default=[], help="only the mutants whose name contains this "
+                        "(repeatable: any of them)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     options = parser.parse_args()
     stale = check_snippets(MUTANTS)
     if stale:
         print("\n".join(stale) + "\nupdate tests/mutation.py's MUTANTS to the code", file=sys.stderr)
         return 2
-    mutants = [m for m in MUTANTS if options.k in m[0]]
+    mutants = [m for m in MUTANTS if not options.k or any(part in m[0] for part in options.k)]
     if options.list:
         for name, path, _, _ in mutants:
             print(f"{path}: {name}")
