@@ -50,7 +50,8 @@ MUTANTS = [
     ("kl mean instead of sum over tokens", "rloo.py",
      "non_score_reward = -kl_coef * kl.sum(-1)", "non_score_reward = -kl_coef * kl.mean(-1)"),
     ("baseline over k instead of k - 1", "rloo.py",
-     "return (rewards.sum(0, keepdim=True) - rewards) / (k - 1)", "return (rewards.sum(0, keepdim=True) - rewards) / k"),
+     "return (rewards.sum(0, keepdim=True) - rewards) / (k - 1)",
+     "return (rewards.sum(0, keepdim=True) - rewards) / k"),
     ("baseline includes the sample itself", "rloo.py",
      "return (rewards.sum(0, keepdim=True) - rewards) / (k - 1)", "return rewards.sum(0, keepdim=True) / k"),
     ("baseline over the batch, not the prompt", "rloo.py",
@@ -111,7 +112,8 @@ MUTANTS = [
     ("importance mask keeps the cap", "rloo.py",
      "return torch.where(ratio <= cap, ratio, 0.0)", "return torch.where(ratio <= cap, ratio, cap)"),
     ("clip range asymmetric", "rloo.py",
-     "torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)", "torch.clamp(ratio, 1.0 - cliprange, 1.0 + 2 * cliprange)"),
+     "torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)",
+     "torch.clamp(ratio, 1.0 - cliprange, 1.0 + 2 * cliprange)"),
     ("clipped surrogate takes the min", "rloo.py",
      "per_action = torch.max(losses, losses_clipped)", "per_action = torch.min(losses, losses_clipped)"),
     ("ratio detached", "rloo.py",
@@ -168,7 +170,8 @@ def copy_repo(dest: Path) -> None:
 
 def run_tests(root: Path, tests: list[str]) -> tuple[bool, float, str]:
     """(killed, seconds, the last lines of pytest's output)."""
-    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+           "PYTHONDONTWRITEBYTECODE": "1"}
     start = time.perf_counter()
     try:
         result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests,

@@ -31,7 +31,7 @@ if __name__ == "__main__":
         seen["failed"] = [str(e), e.announce]
     stop = plumbing.StopSignal(plumbing.OutputDirLock(str(Path(sys.argv[1]).parent)), announce=False)
     stop.training = True  # a signal while a reward function runs stops the run at once, on every rank
-    # rank 1's hang is certain; its timeout (1 s) well below --ddp_timeout (argv[2]), how long rank 0 waits for its report
+    # rank 1's hang is certain; its timeout (1 s) well below --ddp_timeout (argv[2]), rank 0's wait for its report
     for phase, timeout, signalled, rank_0_fails in (("hung", 1.0, False, False), ("signalled", 600.0, True, False),
                                                     ("failed and signalled", 600.0, True, True)):
         try:  # rank 1's function hangs, past its timeout or until rank 1 gets a SIGTERM
