@@ -382,3 +382,10 @@ def test_a_source_that_does_not_apply_adds_nothing_whatever_its_value():
     values = torch.tensor([[1.0, 7.0], [5.0, 2.0]])  # 7.0: a value the source gave with applies False
     applies = torch.tensor([[True, False], [True, True]])
     assert rloo.combine_rewards(values, applies, torch.tensor([1.0, 0.5])).tolist() == [3.5, 1.0]
+
+
+def test_a_uniform_draw_of_exactly_zero_never_picks_a_leading_masked_token(monkeypatch):
+    """torch.rand draws from [0, 1): a draw of 0 must still land on the first token of positive probability."""
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kwargs: torch.zeros(*shape))
+    logits = torch.tensor([[-math.inf, -math.inf, 0.0, 1.0], [-math.inf, 2.0, -math.inf, 0.0]])
+    assert rloo.sample_tokens(logits, 0.7).tolist() == [2, 1]
