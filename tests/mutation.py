@@ -152,6 +152,9 @@ def check_snippets(mutants: list) -> list[str]:
         count = (REPO / path).read_text().count(snippet)
         if count != 1:
             stale.append(f"mutant {name!r}: its snippet occurs {count} times in {path} (must be once): {snippet!r}")
+    oracles = (REPO / "tests" / "test_oracles.py").read_text()
+    stale += [f"{test} is left out of each mutant's tests but no longer exists" for test in DESELECT
+              if f"def {test.split('::')[1]}(" not in oracles]
     return stale
 
 
