@@ -3,7 +3,6 @@
 import json
 import sys
 import threading
-import time
 
 import datasets
 import numpy as np
