@@ -671,9 +671,11 @@ def test_a_signal_to_one_rank_during_start_up_stops_every_rank_with_one_line(ass
                                start_new_session=True)
     try:
         deadline = time.time() + 600  # a hang guard only: the events below decide when to go on
-        while not (ready.exists() and blocked_in_a_collective(waiting)):  # rank 1 stalled, rank 0 waiting for it
+        asleep = 0  # rank 1 stalled, rank 0 seen asleep in a collective on consecutive looks (not on a moment's lock)
+        while asleep < 3:
             assert time.time() < deadline and process.poll() is None, process.communicate()[1][-3000:]
-            time.sleep(0.05)
+            asleep = asleep + 1 if ready.exists() and blocked_in_a_collective(waiting) else 0
+            time.sleep(0.1)
         started = time.time()
         os.kill(int(ready.read_text()), sig)  # rank 1's process, not torchrun's
         _, stderr = process.communicate(timeout=600)
