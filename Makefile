@@ -44,7 +44,7 @@ demo: $(INSTALLED)  ## offline: build a tiny task, train it with rloo.py, plot t
 
 # OpenMP threads that wait sleep instead of spinning: same results, and on a busy machine (other work on the same
 # cores) runs of the small models here 1.7-6.6x faster (measured at load average 3-4)
-demo test test-newest test-engines: export OMP_WAIT_POLICY ?= PASSIVE
+demo test test-newest test-engines mutate: export OMP_WAIT_POLICY ?= PASSIVE
 
 test: $(INSTALLED)  ## CPU, no network, ~10-13 min; a skipped test's line says what it needs (-rs)
 	$(PYTHON) -m pytest -q -rs tests --ignore tests/test_multinode.py
@@ -167,3 +167,8 @@ $(GPU_TRL_SITE)/.installed: benchmark/gpu-requirements-trl.txt
 bench-gpu: $(GPU_SITE)/.installed $(GPU_TRL_SITE)/.installed  ## on one GPU, offline: the GPU suite, resumable (~1 h); its table in runs/gpu_suite/table.md
 	PYTHONPATH=$(abspath $(GPU_SITE)) $(GPU_PYTHON) benchmark/gpu_suite.py --results_dir $(GPU_RESULTS) \
 		--trl_python "$$(command -v $(GPU_PYTHON))" --trl_site $(GPU_TRL_SITE)
+
+.PHONY: mutate
+
+mutate: $(INSTALLED)  ## mutation testing: bugs put in rloo.py one at a time, each must fail a test (6-8 min idle)
+	$(PYTHON) tests/mutation.py

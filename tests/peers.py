@@ -10,7 +10,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 
 import plumbing
@@ -32,15 +31,17 @@ if __name__ == "__main__":
         seen["failed"] = [str(e), e.announce]
     stop = plumbing.StopSignal(plumbing.OutputDirLock(str(Path(sys.argv[1]).parent)), announce=False)
     stop.training = True  # a signal while a reward function runs stops the run at once, on every rank
-    for phase, timeout, signalled, rank_0_fails in (("hung", 1.0, False, False), ("signalled", 30.0, True, False),
-                                                    ("failed and signalled", 30.0, True, True)):
+    # rank 1's hang is certain; its timeout (1 s) well below --ddp_timeout (argv[2]), rank 0's wait for its report
+    for phase, timeout, signalled, rank_0_fails in (("hung", 1.0, False, False), ("signalled", 600.0, True, False),
+                                                    ("failed and signalled", 600.0, True, True)):
         try:  # rank 1's function hangs, past its timeout or until rank 1 gets a SIGTERM
             with plumbing.reward_faults(dist_info.device, f"scoring of {phase}"):
-                if dist_info.rank == 1:
-                    if signalled:
-                        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
-                    plumbing.call_reward_function("judge", lambda **kwargs: time.sleep(3600), 2, timeout,
-                                              completions=["a", "b"])
+                if dist_info.rank == 1:  # hangs for certain; signalled, from inside the function, once it runs
+                    def hang(**kwargs):
+                        if signalled:
+                            os.kill(os.getpid(), signal.SIGTERM)
+                        threading.Event().wait()  # an event that never comes
+                    plumbing.call_reward_function("judge", hang, 2, timeout, completions=["a", "b"])
                 elif rank_0_fails:
                     plumbing.call_reward_function("judge", judge, 2, timeout, completions=["a", "b"])
         except plumbing.RewardFunctionError as e:
@@ -49,8 +50,9 @@ if __name__ == "__main__":
         with plumbing.reward_faults(dist_info.device, "scoring of update 2"):
             plumbing.note_phase("scoring")
             if dist_info.rank == 1:
-                time.sleep(float(sys.argv[2]) + 3)
-                os._exit(0)  # never arrives
+                while not Path(sys.argv[1]).exists():  # stalls until rank 0 has given up on it and said so
+                    threading.Event().wait(0.1)
+                os._exit(0)
     except plumbing.Fault as e:
         seen["stuck"] = [str(e), e.announce]
     if dist_info.rank == 0:

@@ -2,7 +2,7 @@
 
 import os
 import sys
-import time
+import threading
 from pathlib import Path
 
 
@@ -60,12 +60,6 @@ def count_a_failing(completions, **kwargs):
     return count_a(completions)
 
 
-def count_a_slowly(completions, **kwargs):
-    """count_a, taking a second per call: a signal then arrives in the middle of an update."""
-    time.sleep(1.0)
-    return count_a(completions)
-
-
 def without_kwargs(completions):
     return [0.0 for _ in completions]
 
@@ -79,7 +73,8 @@ _misbehaving_calls = 0
 
 def misbehaving(completions, **kwargs):
     """count_a, until the call numbered REWARD_MISBEHAVES_AT_CALL does REWARD_MISBEHAVIOUR: exit (sys.exit(0)), nan,
-    huge (1e39: inf in float32), or hang (forever, in a sleep, after writing the file REWARD_HANGING)."""
+    huge (1e39: inf in float32), or hang (for certain: waiting for an event that never comes, after writing the file
+    REWARD_HANGING)."""
     global _misbehaving_calls
     _misbehaving_calls += 1
     if str(_misbehaving_calls) == os.environ.get("REWARD_MISBEHAVES_AT_CALL"):
@@ -89,7 +84,7 @@ def misbehaving(completions, **kwargs):
         if behaviour in ("nan", "huge"):
             return [float("nan") if behaviour == "nan" else 1e39] + [1.0] * (len(completions) - 1)
         Path(os.environ["REWARD_HANGING"]).write_text("hanging\n")
-        time.sleep(3600)
+        threading.Event().wait()
     return count_a(completions)
 
 

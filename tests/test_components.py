@@ -3,7 +3,7 @@
 import json
 import math
 import sys
-import time
+import threading
 
 import datasets
 import numpy as np
@@ -251,10 +251,12 @@ def test_reward_function_values_numpy_accepted_and_every_misuse_named():
                              (lambda: [1.0, 1e39, 0.0], "'f' returned 1e.39 for completion 1: each value must be a "
                                                         "finite float32"),
                              (lambda: [1.0, None, np.inf], "'f' returned inf for completion 2"),
-                             (lambda: [np.float64("nan"), 2.0, 3.0], "'f' returned nan for completion 0"),
-                             (lambda: time.sleep(30), "'f' did not return within --reward_fn_timeout 0.2 s")):
-        with pytest.raises(plumbing.RewardFunctionError, match=message):
-            plumbing.call_reward_function("f", lambda **kwargs: returns(), 3, 0.2, completions=["a", "b", "c"])
+                             (lambda: [np.float64("nan"), 2.0, 3.0], "'f' returned nan for completion 0")):
+        with pytest.raises(plumbing.RewardFunctionError, match=message):  # a timeout only a hang reaches
+            plumbing.call_reward_function("f", lambda **kwargs: returns(), 3, 600, completions=["a", "b", "c"])
+    never = threading.Event()  # a certain hang: waits for an event that never comes
+    with pytest.raises(plumbing.RewardFunctionError, match="'f' did not return within --reward_fn_timeout 0.2 s"):
+        plumbing.call_reward_function("f", lambda **kwargs: never.wait(), 3, 0.2, completions=["a", "b", "c"])
 
 
 # ---------------------------------------------------------------- one update

@@ -6,7 +6,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -256,12 +255,10 @@ def test_win_rate_end_to_end_with_retries_then_all_from_cache(assets, stand_in, 
 
 def test_unreachable_endpoint_is_a_one_line_error(assets, tldr_rows, tmp_path):
     base_url = f"http://127.0.0.1:{free_port()}/v1"
-    start = time.time()
     result = run_judge("--model_name_or_path", assets["policy"], "--dataset_name",
                        write_jsonl(tmp_path / "tldr.jsonl", tldr_rows), "--num_examples", 2, "--response_length", 4,
                        "--base_url", base_url, "--cache_path", tmp_path / "cache.jsonl", "--max_retries", 2,
-                       "--backoff", 0.01)
-    assert time.time() - start < 60
+                       "--backoff", 0.01)  # gives up after its attempts, as the line says, not after seconds
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()

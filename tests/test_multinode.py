@@ -38,12 +38,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(script: str, *args, nproc: int = 0, wait: bool = True):
+def run(script: str, *args, nproc: int = 0, wait: bool = True, env: dict | None = None):
     """The script run to the end, or with wait=False started and returned running."""
     if wait:
-        return run_rloo(*args, nproc=nproc, script=script)
+        return run_rloo(*args, nproc=nproc, script=script, env=env)
     return subprocess.Popen(script_command(script, *args, nproc=nproc), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=script_env(), cwd=REPO)
+                            stderr=subprocess.PIPE, text=True, env=script_env(env), cwd=REPO)
+
+
+ENGINE_NEVER_ANSWERS = """import sys, threading
+if sys.argv[1:2] == ["serve"]:  # an engine process: it never starts, however fast the machine
+    threading.Event().wait()
+"""
 
 
 def wait_for_updates(trainer: subprocess.Popen, out, count: int, timeout: float) -> None:
@@ -501,25 +507,28 @@ def test_the_trainer_and_its_engines_listen_on_master_addr_never_on_every_interf
 
 @pytest.mark.parametrize("how", ["error", "signal"])
 def test_engines_started_at_start_up_are_ended_when_start_up_fails_or_is_signalled(assets, tmp_path, how):
-    """An engine is started, then start-up fails (an engine timeout of 1 s, shorter than its start) or the trainer
-    gets SIGTERM while it waits for the engine: the engine's whole process group ends with the trainer."""
-    out = tmp_path / "out"
+    """An engine is started (and never answers), then start-up fails (an engine timeout of 1 s) or the trainer gets
+    SIGTERM while it waits for the engine: the engine's whole process group ends with the trainer."""
+    out, hook = tmp_path / "out", tmp_path / "hook"
+    hook.mkdir()  # a sitecustomize of this test's own: the engine hangs for certain before it answers
+    (hook / "sitecustomize.py").write_text(ENGINE_NEVER_ANSWERS)
     trainer = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
                   *RUN, "--total_episodes", PER_UPDATE, "--output_dir", out, "--engine", "hf",
-                  "--engine_port", free_port(), *(["--engine_timeout", 1] if how == "error" else []), wait=False)
-    deadline = time.time() + 120
+                  "--engine_port", free_port(), *(["--engine_timeout", 1] if how == "error" else []), wait=False,
+                  env={"PYTHONPATH": f"{hook}:{REPO}:{REPO / 'tests'}"})
+    deadline = time.time() + 600  # a hang guard only
     while not (out / "engines.json").is_file():
         assert trainer.poll() is None and time.time() < deadline, trainer.communicate()[1][-3000:]
         time.sleep(0.05)
     engine = json.loads((out / "engines.json").read_text())["0"]["pid"]
     if how == "signal":
         trainer.send_signal(signal.SIGTERM)
-    _, stderr = trainer.communicate(timeout=60)
+    _, stderr = trainer.communicate(timeout=600)
     if how == "error":
         assert trainer.returncode == 4 and "no engine answered within --engine_timeout 1 s" in stderr, stderr[-3000:]
     else:
         assert trainer.returncode == 0 and "SIGTERM received during start-up" in stderr, stderr[-3000:]
-    deadline = time.time() + 5  # the trainer kills the group as it exits; a moment for the kernel
+    deadline = time.time() + 600  # the trainer kills the group as it exits; the kernel's reaping, a hang guard only
     while live_processes_in_group(engine) and time.time() < deadline:
         time.sleep(0.1)
     assert live_processes_in_group(engine) == []

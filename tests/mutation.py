@@ -1,0 +1,233 @@
+"""Mutation testing of the algorithm: deliberate bugs of the kinds a researcher makes (a sign, a reshape, a dropped
+term, a clamp bound, a missed temperature, an off-by-one), applied one at a time to a copy of the repository in a
+temporary directory (never the working tree), each then run against the algorithm's fast tests. A mutant is killed
+when a test fails; a survivor is a bug the tests would let through.
+
+    python tests/mutation.py            # all mutants (make mutate)
+    python tests/mutation.py -k kl      # those whose name contains "kl" (-k repeatable)
+    python tests/mutation.py --list     # the mutants, nothing run
+
+Each mutant is an exact snippet of a file and its replacement. The script refuses to run, naming the mutant, when a
+snippet no longer occurs exactly once: after a change to rloo.py, update the snippet (or drop the mutant) here.
+Exit status: 0 when every mutant is killed, 1 when some survive, 2 when the list is stale."""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# the algorithm's fast tests: pure functions on hand-computed numbers and naive loops, the update's contract
+TESTS = ["tests/test_math.py", "tests/test_oracles.py", "tests/test_update.py",
+         "tests/test_mismatch.py::test_mismatch_metrics_by_hand",
+         "tests/test_mismatch.py::test_importance_weights_by_hand_in_every_mode",
+         "tests/test_mismatch.py::test_the_weights_multiply_each_actions_clipped_loss"]
+# test_oracles.py's runs (a training run in process, torchrun, a model load) take 20 s: left out of each mutant's
+DESELECT = [f"tests/test_oracles.py::{name}" for name in (
+    "test_the_logged_objective_metrics_against_a_naive_loop_over_the_rollouts",
+    "test_the_rollouts_log_probs_are_the_models_and_the_kl_to_the_initial_policy_grows_positive",
+    "test_the_evaluation_lines_of_a_run_are_its_reward_on_its_test_prompts", "test_metrics_reduced_over_two_ranks",
+    "test_sft_model_path_trains_the_sft_weights_with_the_tokenizer_of_model_name_or_path")]
+HANG_GUARD_S = 600  # per mutant: a mutant that hangs the tests counts as killed (it would not pass CI)
+
+# (name, file, snippet, replacement): each snippet must occur exactly once in its file
+MUTANTS = [
+    # ----- advantages
+    ("kl sign flipped", "rloo.py",
+     "return rollout.logprobs - rollout.ref_logprobs", "return rollout.ref_logprobs - rollout.logprobs"),
+    ("non-score reward sign", "rloo.py",
+     "non_score_reward = -kl_coef * kl.sum(-1)", "non_score_reward = kl_coef * kl.sum(-1)"),
+    ("kl_coef dropped from the sequence penalty", "rloo.py",
+     "non_score_reward = -kl_coef * kl.sum(-1)", "non_score_reward = -kl.sum(-1)"),
+    ("kl term dropped from rlhf_reward", "rloo.py",
+     "rlhf_reward = scores + non_score_reward  # (k, g)", "rlhf_reward = scores  # (k, g)"),
+    ("kl not masked", "rloo.py",
+     "    kl = kl * response_mask\n", "    kl = kl\n"),
+    ("kl mean instead of sum over tokens", "rloo.py",
+     "non_score_reward = -kl_coef * kl.sum(-1)", "non_score_reward = -kl_coef * kl.mean(-1)"),
+    ("baseline over k instead of k - 1", "rloo.py",
+     "return (rewards.sum(0, keepdim=True) - rewards) / (k - 1)",
+     "return (rewards.sum(0, keepdim=True) - rewards) / k"),
+    ("baseline includes the sample itself", "rloo.py",
+     "return (rewards.sum(0, keepdim=True) - rewards) / (k - 1)", "return rewards.sum(0, keepdim=True) / k"),
+    ("baseline over the batch, not the prompt", "rloo.py",
+     "return (rewards.sum(0, keepdim=True) - rewards) / (k - 1)",
+     "return (rewards.sum(keepdim=True) - rewards) / (rewards.numel() - 1)"),
+    ("baseline not subtracted", "rloo.py",
+     "return rlhf_reward - baseline, rlhf_reward", "return rlhf_reward, rlhf_reward"),
+    ("(B, k) reshape in in_groups", "rloo.py",
+     "return x.reshape(k, -1, *x.shape[1:])", "return x.reshape(-1, k, *x.shape[1:]).transpose(0, 1)"),
+    ("token-level returns summed forwards", "rloo.py",
+     "returns = token_rewards.flip(-1).cumsum(-1).flip(-1)", "returns = token_rewards.cumsum(-1)"),
+    ("token-level score on the last position, not the last valid token", "rloo.py",
+     "rows[torch.arange(len(rows)), last_true_index(response_mask.flatten(0, 1))] += scores.flatten()",
+     "rows[:, -1] += scores.flatten()"),
+    ("token-level kl_coef dropped", "rloo.py",
+     "token_rewards = -kl_coef * kl  # (k, g, Tr)", "token_rewards = -kl  # (k, g, Tr)"),
+    ("token-level advantages not masked", "rloo.py",
+     "return (returns - baseline[..., None]) * response_mask, rlhf_reward",
+     "return returns - baseline[..., None], rlhf_reward"),
+    ("whiten without the mean", "rloo.py",
+     "out = (x - mean) / (std + 1e-8)", "out = x / (std + 1e-8)"),
+    ("whiten leaves padding unmasked", "rloo.py",
+     "return out if mask is None else out * mask", "return out"),
+    # ----- rollout and rewards
+    ("truncation masks the stop token itself", "rloo.py",
+     "after_stop = (is_stop.long().cumsum(1) - is_stop.long()) > 0", "after_stop = is_stop.long().cumsum(1) > 0"),
+    ("truncation after the second stop token", "rloo.py",
+     "after_stop = (is_stop.long().cumsum(1) - is_stop.long()) > 0",
+     "after_stop = (is_stop.long().cumsum(1) - is_stop.long()) > 1"),
+    ("sampling ignores the temperature", "rloo.py",
+     "scaled = logits / temperature  # (N, V)", "scaled = logits  # (N, V)"),
+    ("sampling can draw a zero-probability token", "rloo.py",
+     "torch.searchsorted(cdf, u, right=True)", "torch.searchsorted(cdf, u, right=False)"),
+    ("(B, k) layout in completion_rows", "rloo.py",
+     "return (torch.arange(k, device=prompts.device)[:, None] * num_prompts + prompts[None, :]).flatten()",
+     "return (torch.arange(k, device=prompts.device)[None, :] + prompts[:, None] * k).flatten()"),
+    ("last real token assumes right padding", "rloo.py",
+     "return torch.where(mask.bool(), positions, -1).max(dim=1).values", "return mask.long().sum(1) - 1"),
+    ("missing-EOS penalty added", "rloo.py",
+     "torch.where(has_stop, scores, scores - penalty)", "torch.where(has_stop, scores, scores + penalty)"),
+    ("missing-EOS penalty on the completions that stopped", "rloo.py",
+     "torch.where(has_stop, scores, scores - penalty)", "torch.where(has_stop, scores - penalty, scores)"),
+    ("reward sources that do not apply counted", "rloo.py",
+     "return (values * applies * weights[:, None]).sum(0)", "return (values * weights[:, None]).sum(0)"),
+    ("reward sources averaged, not summed", "rloo.py",
+     "return (values * applies * weights[:, None]).sum(0)", "return (values * applies * weights[:, None]).mean(0)"),
+    # ----- loss
+    ("sequence log-ratio not masked", "rloo.py",
+     "return ((new_logprobs - old_logprobs) * response_mask).sum(1)", "return (new_logprobs - old_logprobs).sum(1)"),
+    ("sequence log-ratio inverted", "rloo.py",
+     "return ((new_logprobs - old_logprobs) * response_mask).sum(1)",
+     "return ((old_logprobs - new_logprobs) * response_mask).sum(1)"),
+    ("importance ratio inverted", "rloo.py",
+     "log_ratio = (old_logprobs - sampler_logprobs) * response_mask  # (N, Tr)",
+     "log_ratio = (sampler_logprobs - old_logprobs) * response_mask  # (N, Tr)"),
+    ("importance truncation clamps from below", "rloo.py",
+     "return ratio.clamp(max=cap)", "return ratio.clamp(min=cap)"),
+    ("importance mask keeps the cap", "rloo.py",
+     "return torch.where(ratio <= cap, ratio, 0.0)", "return torch.where(ratio <= cap, ratio, cap)"),
+    ("clip range asymmetric", "rloo.py",
+     "torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)",
+     "torch.clamp(ratio, 1.0 - cliprange, 1.0 + 2 * cliprange)"),
+    ("clipped surrogate takes the min", "rloo.py",
+     "per_action = torch.max(losses, losses_clipped)", "per_action = torch.min(losses, losses_clipped)"),
+    ("ratio detached", "rloo.py",
+     "ratio = torch.exp(log_ratio)\n", "ratio = torch.exp(log_ratio.detach())\n"),
+    ("per-token losses not masked", "rloo.py",
+     "return per_action * weight if per_token else per_action, stats", "return per_action, stats"),
+    ("approxkl without its half", "rloo.py",
+     '"policy/approxkl_avg": 0.5 * masked_mean(log_ratio**2, weight)',
+     '"policy/approxkl_avg": masked_mean(log_ratio**2, weight)'),
+    ("loss normalizer: a sum instead of a mean", "rloo.py",
+     "count = torch.tensor(float(len(rows)), device=rollout.responses.device)",
+     "count = torch.tensor(1.0, device=rollout.responses.device)"),
+    ("loss normalizer: micro-batches instead of completions", "rloo.py",
+     "count = torch.tensor(float(len(rows)), device=rollout.responses.device)",
+     "count = torch.tensor(float(len(minibatch[0])), device=rollout.responses.device)"),
+    # ----- batch arithmetic and schedule
+    ("minibatch without gradient accumulation", "rloo.py",
+     "mini = micro * args.gradient_accumulation_steps", "mini = micro"),
+    ("minibatch plan splits completions as groups", "rloo.py",
+     "for minibatch in order.split(sizes.mini // k):", "for minibatch in order.split(sizes.mini):"),
+    ("learning rate decays one update early", "rloo.py",
+     "return args.learning_rate * (1.0 - (update - 1) / num_updates)",
+     "return args.learning_rate * (1.0 - update / num_updates)"),
+    # ----- metrics (plumbing.py)
+    ("(B, k) reshape in completion_metrics", "plumbing.py",
+     "per_prompt_std = scores.reshape(k, -1).std(0)", "per_prompt_std = scores.reshape(-1, k).std(1)"),
+    ("global std without the mean", "plumbing.py",
+     "var = (total_sq - count * mean * mean) / (count - 1).clamp(min=1)", "var = total_sq / (count - 1).clamp(min=1)"),
+]
+
+
+def check_snippets(mutants: list) -> list[str]:
+    """The mutants whose snippet does not occur exactly once in the working tree."""
+    stale = []
+    for name, path, snippet, _ in mutants:
+        count = (REPO / path).read_text().count(snippet)
+        if count != 1:
+            stale.append(f"mutant {name!r}: its snippet occurs {count} times in {path} (must be once): {snippet!r}")
+    oracles = (REPO / "tests" / "test_oracles.py").read_text()
+    stale += [f"{test} is left out of each mutant's tests but no longer exists" for test in DESELECT
+              if f"def {test.split('::')[1]}(" not in oracles]
+    return stale
+
+
+def copy_repo(dest: Path) -> None:
+    """The files the tests need: the top-level modules, tests/ and benchmark/ (no caches, virtual environments)."""
+    dest.mkdir(parents=True)
+    ignore = shutil.ignore_patterns(".venv*", "__pycache__", ".git", "runs", ".cache", "results", "*.png")
+    for item in REPO.iterdir():
+        if item.name.startswith(".") or item.name in ("runs",):
+            continue
+        if item.is_dir():
+            shutil.copytree(item, dest / item.name, ignore=ignore)
+        else:
+            shutil.copy2(item, dest / item.name)
+
+
+def run_tests(root: Path, tests: list[str]) -> tuple[bool, float, str]:
+    """(killed, seconds, the last lines of pytest's output)."""
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    start = time.perf_counter()
+    try:
+        result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests,
+                                 *(f"--deselect={test}" for test in DESELECT)],
+                                cwd=root, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    except subprocess.TimeoutExpired:
+        return True, time.perf_counter() - start, f"hung past {HANG_GUARD_S} s"
+    return result.returncode != 0, time.perf_counter() - start, (result.stdout + result.stderr).strip()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-k", action="append", default=[], help="only the mutants whose name contains this "
+                        "(repeatable: any of them)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    options = parser.parse_args()
+    stale = check_snippets(MUTANTS)
+    if stale:
+        print("\n".join(stale) + "\nupdate tests/mutation.py's MUTANTS to the code", file=sys.stderr)
+        return 2
+    mutants = [m for m in MUTANTS if not options.k or any(part in m[0] for part in options.k)]
+    if options.list:
+        for name, path, _, _ in mutants:
+            print(f"{path}: {name}")
+        return 0
+    survivors, start = [], time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="rloo-mutants-") as tmp:
+        root = Path(tmp) / "repo"
+        copy_repo(root)
+        tests = [t for t in TESTS if (root / t.split("::")[0]).exists()]
+        killed, seconds, output = run_tests(root, tests)
+        if killed:  # the unmutated code must pass, or every mutant would count as killed
+            print(f"the tests fail on the unmutated code:\n{output[-3000:]}", file=sys.stderr)
+            return 2
+        print(f"unmutated: tests pass in {seconds:.0f} s; {len(mutants)} mutants", flush=True)
+        for i, (name, path, snippet, replacement) in enumerate(mutants, 1):
+            original = (root / path).read_text()
+            (root / path).write_text(original.replace(snippet, replacement))
+            try:
+                killed, seconds, output = run_tests(root, tests)
+            finally:
+                (root / path).write_text(original)
+            failed = next((line for line in output.splitlines() if line.startswith(("FAILED", "ERROR"))), "")
+            print(f"[{i}/{len(mutants)}] {'killed  ' if killed else 'SURVIVED'} {seconds:5.0f} s  {name}"
+                  f"{'  (' + failed[:100] + ')' if failed else ''}", flush=True)
+            if not killed:
+                survivors.append(f"{path}: {name}")
+    total = len(mutants)
+    print(f"\nmutation score: {total - len(survivors)}/{total} killed in {time.perf_counter() - start:.0f} s")
+    for survivor in survivors:
+        print(f"  survived: {survivor}")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
