@@ -63,9 +63,8 @@ MUTANTS = [
      "return x.reshape(k, -1, *x.shape[1:])", "return x.reshape(-1, k, *x.shape[1:]).transpose(0, 1)"),
     ("token-level returns summed forwards", "rloo.py",
      "returns = token_rewards.flip(-1).cumsum(-1).flip(-1)", "returns = token_rewards.cumsum(-1)"),
-    ("token-level score on the last position, not the last valid token", "rloo.py",
-     "rows[torch.arange(len(rows)), last_true_index(response_mask.flatten(0, 1))] += scores.flatten()",
-     "rows[:, -1] += scores.flatten()"),
+    # not a mutant: the score added at the last position instead of the last valid token gives the same advantages
+    # (returns-to-go are summed from the end and padding is masked), so no test can tell them apart
     ("token-level kl_coef dropped", "rloo.py",
      "token_rewards = -kl_coef * kl  # (k, g, Tr)", "token_rewards = -kl  # (k, g, Tr)"),
     ("token-level advantages not masked", "rloo.py",
