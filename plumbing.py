@@ -1760,6 +1760,8 @@ def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, scor
 def read_metrics(path, evals: bool = False) -> list[dict]:
     """The lines of a metrics.jsonl: the per-update lines (they hold `objective/scores`), or with `evals` the
     evaluation lines (they hold `eval/scores`; update 0 is the initial policy's)."""
+    if not Path(path).is_file():  # a device or a pipe (metrics.jsonl made a link to /dev/full) may never end
+        raise OSError(f"{path} is not a regular file")
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return [row for row in rows if ("eval/scores" if evals else "objective/scores") in row]

@@ -78,8 +78,8 @@ def test_signal_saves_and_resume_is_exact(assets, tmp_path, nproc, sig, extra):
     train = write_jsonl(tmp_path / "train.jsonl", prompt_rows(64, seed=0))
     common = ["--model_name_or_path", assets["policy"], "--dataset_name", train, "--dataset_test_split",
               assets["test"], "--total_episodes", PER_UPDATE * 12 * max(nproc, 1), *RUN, *extra]
-    if nproc:  # a causal LM as reward model, as in TRL's getting-started command: its one-label head is new,
-        common += ["--reward_model_path", assets["policy"]]  # and must start the same on every rank and resume
+    if nproc:  # a reward model beside the function: loaded on every rank, and resumed with the run
+        common += ["--reward_model_path", assets["reward_model"]]
     full, interrupted = tmp_path / "full", tmp_path / "interrupted"
     result = run_rloo(*common, "--output_dir", full, nproc=nproc)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -507,7 +507,7 @@ def fake_run(out: Path, steps: list[int], run_id: str = "run-a") -> None:
     (out / "metrics.jsonl").write_text("".join(lines) + '{"update": 4, "objective/sc')  # the last one cut short
     policy_files = ["model.safetensors", "config.json", "tokenizer.json"]
     (out / "args.json").write_text(json.dumps({"run_id": run_id, "files": policy_files}))
-    for name in policy_files + ["curves.png", "notes.txt"]:
+    for name in policy_files + ["my_plot.png", "notes.txt"]:
         (out / name).write_text("{}")
     (out / ".git").mkdir()
     (out / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
@@ -546,7 +546,7 @@ def test_another_timeline_is_moved_aside_and_an_overwrite_moves_only_the_runs_fi
     assert sorted(p.name for p in overwritten.iterdir()) == ["args.json", "checkpoints", "config.json",
                                                             "metrics.jsonl", "model.safetensors", "tokenizer.json"]
     assert {n: d for n, d in tree(tmp_path).items() if not n.startswith("abandoned/")} == users
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".git", "abandoned", "curves.png", "notes.txt", "other_run"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".git", "abandoned", "my_plot.png", "notes.txt", "other_run"]
 
 
 def test_a_signal_during_start_up_stops_at_once_and_marks_a_preemption(tmp_path):

@@ -146,7 +146,7 @@ def test_the_output_dir_rules_over_layouts_touch_nothing_but_the_runs_files(tmp_
         assert moved == {n for n in before if n.startswith("work/out/") and (
             n.split("/")[2] in ("checkpoints", "metrics.jsonl", "args.json", "model.safetensors", "config.json",
                                 "tokenizer.json"))}
-        kept = {n for n in before if n.startswith("work/out/.git") or n.endswith(("curves.png", "notes.txt"))}
+        kept = {n for n in before if n.startswith("work/out/.git") or n.endswith(("my_plot.png", "notes.txt"))}
         assert kept <= set(after)
 
 
@@ -158,7 +158,7 @@ def test_an_overwrite_of_dot_in_a_git_checkout_moves_only_the_runs_files(tmp_pat
         (tmp_path / name).write_text("kept\n")
     fake_run(tmp_path / "tmp", [1])  # a run's files, then moved up into the checkout
     for entry in (tmp_path / "tmp").iterdir():
-        if entry.name not in (".git", "notes.txt", "curves.png"):
+        if entry.name not in (".git", "notes.txt", "my_plot.png"):
             entry.rename(tmp_path / entry.name)
     monkeypatch.chdir(tmp_path)
     args = rloo.Args(output_dir=".", overwrite_output_dir=True)
@@ -190,7 +190,7 @@ def test_a_foreign_log_is_no_reason_to_refuse_the_run_carries_its_id_and_leaves_
     assert state["run_id"] == run_id and set(state["inputs"]) == {"model_name_or_path", "dataset_name",
                                                                   "reward_fn reward_fns:count_a"}
     assert "model.safetensors" in record["files"] and plumbing.run_owned(out) == sorted(
-        ["args.json", "checkpoints", "metrics.jsonl", *record["files"]])
+        ["args.json", "checkpoints", "curves.png", "metrics.jsonl", *record["files"]])
     # an empty --output_dir is refused, and nothing is written into the cwd
     refused = subprocess.run(script_command("rloo.py", *args[:-4], "--output_dir", ""), capture_output=True,
                              text=True, env=script_env(), timeout=600, cwd=tmp_path)
