@@ -79,6 +79,7 @@ def test_only_adapters_train_and_the_reference_is_the_untouched_base(assets):
 
 def test_the_bf16_sampling_copy_holds_the_adapters_and_follows_them(assets):
     """--bf16_generation with LoRA: the bf16 copy is of the policy with its adapters, refreshed by copy_weights."""
+    torch.manual_seed(0)  # the adapters' initial and "trained" weights: the same whatever ran before in the process
     policy, ref, _, _ = rloo.load_policy(lora_args(assets, bf16=True, bf16_generation=True), torch.device("cpu"))
     sampler = plumbing.bf16_copy(policy)
     with torch.no_grad():
