@@ -3408,9 +3408,11 @@ def run_script(main: Callable, args, program: str) -> None:
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
             print(f"{program}: {e}", file=sys.stderr)
             sys.exit(130 if e.signal_name == "SIGINT" else 0)
-        # under torchrun each rank that got it says so and fails: an exit 0 would leave a rank that did not get it
-        # waiting for this one, and torchrun stops the others when one fails
-        print(f"{program}: rank {os.environ['RANK']}: {e}", file=sys.stderr, flush=True)
+        # under torchrun the rank that got it says so and fails: an exit 0 would leave a rank that did not get it
+        # waiting for this one, and torchrun stops the others when one fails, with a SIGTERM of its own that may
+        # reach them while they are still starting: those say nothing (a rank has said why already)
+        if not stopped_alone():
+            print(f"{program}: rank {os.environ['RANK']}: {e}", file=sys.stderr, flush=True)
         stopped_alone(mark=True)
         os._exit(128 + signal.Signals[e.signal_name])  # not sys.exit: no process group teardown that waits
     except RuntimeError as e:  # under torchrun, a collective cut short by a rank that is gone: one line, not a trace
