@@ -381,15 +381,21 @@ def test_the_probe_is_as_long_as_the_check_needs_and_still_catches_a_broken_mask
         rows = grouped_rows(c, float_mask_dtype, windows)
         length = rows.input_ids.shape[1]
         earlier = torch.ones(length, length, dtype=torch.bool).tril()  # (L, L)
-        if isinstance(rows.attention_mask, dict):
-            rows.attention_mask = {kind: mask | earlier for kind, mask in rows.attention_mask.items()}
-        else:
-            rows.attention_mask = rows.attention_mask | earlier
+
+        def see(mask):  # boolean (sdpa), or additive floats (eager attention: Gemma 2 in newer transformers)
+            return mask | earlier if mask.dtype == torch.bool else mask.masked_fill(earlier, 0.0)
+
+        masks = rows.attention_mask
+        rows.attention_mask = {kind: see(m) for kind, m in masks.items()} if isinstance(masks, dict) else see(masks)
         return rows
 
     monkeypatch.setattr(rloo, "grouped_rows", responses_see_each_other)
     notes = []
-    assert not shares(policy, None, probe, notes) and "start-up check found" in notes[0]
+    assert not shares(policy, None, probe, notes)
+    # the two honest outcomes, as in test_the_start_up_check_catches_a_broken_mask_and_falls_back: the results differ,
+    # or the forward fails on the broken rows (transformers 5.24)
+    assert notes[0].startswith(("prompt sharing is off for the policy: the start-up check found ",
+                                "prompt sharing is off for the policy: its forward fails on grouped rows (")), notes
     if window is not None:  # a window dropped shows in the shorter probe too: its rows pass the window
         monkeypatch.setattr(rloo, "grouped_rows", lambda c, float_mask_dtype=None, windows=None:
                             grouped_rows(c, float_mask_dtype))
