@@ -46,7 +46,7 @@ demo: $(INSTALLED)  ## offline: build a tiny task, train it with rloo.py, plot t
 # cores) runs of the small models here 1.7-6.6x faster (measured at load average 3-4)
 demo test test-newest test-engines mutate: export OMP_WAIT_POLICY ?= PASSIVE
 
-test: $(INSTALLED)  ## CPU, no network, ~10-13 min; a skipped test's line says what it needs (-rs)
+test: $(INSTALLED)  ## CPU, no network, ~14 min; a skipped test's line says what it needs (-rs)
 	$(PYTHON) -m pytest -q -rs tests --ignore tests/test_multinode.py
 
 # The newest releases requirements.txt allows, upgraded on every call in an environment of their own, and the tests
