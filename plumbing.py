@@ -1821,6 +1821,7 @@ def plot_curves(metrics_paths: list[Path] | Path, png_path: Path, smooth: int = 
     for ax, (_, title, _) in zip(axes, panels):
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("episode")
+        ax.xaxis.get_major_locator().set_params(nbins=4)  # labels of 5-6 digits side by side stay apart
         ax.grid(alpha=0.3)
     if axes[0].get_legend_handles_labels()[0]:  # nothing to name before the first update's line
         axes[0].legend(fontsize=8)
