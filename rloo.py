@@ -1491,9 +1491,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                              f"{sum(p.numel() for p in policy.parameters()):,}; adapted modules "
                              f"{sorted(policy.peft_config['default'].target_modules)}")
             notes.append(f"{run_name}: {num_updates} updates x {sizes.all_ranks} completions ({sizes.prompts} prompts "
-                         f"x k={args.rloo_k} per rank x {dist_info.world_size} ranks); {len(dataset)} train prompts "
-                         f"({plumbing.describe_dropped(dropped, args.max_prompt_length)}); reward sources "
-                         f"{sources.names}")
+                         f"x k={args.rloo_k} per rank x {dist_info.world_size} ranks); reward sources "
+                         f"{sources.names}")  # the prompts' counts: the start-up line that loaded them
             for note in notes:
                 logger.console.print(note, highlight=False, soft_wrap=True)
         rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, sampling_rng, autocast)
