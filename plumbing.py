@@ -613,7 +613,7 @@ def bad_json_line(path: Path) -> Optional[str]:
     datasets 4 with pyarrow 22), which no except clause catches."""
     if path.suffix not in (".jsonl", ".json"):
         return None
-    text = path.read_text(errors="replace")
+    text = path.read_text(encoding="utf-8-sig", errors="replace")  # a byte-order mark is read, as datasets does
     lines = text.split("\n")  # not splitlines(): JSON strings may hold U+2028 and its kin
     if path.suffix == ".json":
         try:

@@ -122,13 +122,18 @@ def test_bytes_that_are_not_utf8_are_one_line_naming_the_line(tmp_path, content,
         assert fragment in str(error.value)
 
 
-def test_a_utf8_file_with_a_byte_order_mark_loads(tmp_path):
-    path = tmp_path / "bom.jsonl"
-    path.write_bytes('{"prompt": "a b :"}\n{"prompt": "c :"}\n'.encode("utf-8-sig"))
-    try:
-        load_and_tokenize(path, policy_tokenizer())
-    except plumbing.ConfigError as e:
-        assert_one_line(e, path.name)
+LINES = '{"prompt": "a b :"}\n{"prompt": "c :"}\n'
+
+
+@pytest.mark.parametrize("suffix,text", [(".jsonl", LINES), (".json", LINES),
+                                         (".json", '[{"prompt": "a b :"}, {"prompt": "c :"}]')])
+def test_a_utf8_file_with_a_byte_order_mark_loads_as_without_it(tmp_path, suffix, text):
+    """Windows editors write UTF-8 with a byte-order mark: the same prompts as without it, none refused."""
+    for name, encoding in (("bom", "utf-8-sig"), ("plain", "utf-8")):
+        (tmp_path / f"{name}{suffix}").write_bytes(text.encode(encoding))
+    rows = [plumbing.load_split(str(tmp_path / f"{name}{suffix}"), "train", None)["prompt"] for name in ("bom", "plain")]
+    assert rows[0] == rows[1] == ["a b :", "c :"]
+    load_and_tokenize(tmp_path / f"bom{suffix}", policy_tokenizer())
 
 
 def test_a_chat_template_that_raises_is_one_line_naming_it(tmp_path):
