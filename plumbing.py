@@ -3385,8 +3385,8 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
 def run_script(main: Callable, args, program: str) -> None:
     """main(args), with bad input (ConfigError) turned into one line on stderr and exit status 2, a non-finite
     value before an optimizer step (NonFiniteError) into one line and exit status 3, a fault that stopped the run
-    (Fault) into one line and exit status 4, and a signal before training into one line and exit
-    status 0 (130 for SIGINT; under torchrun 128 + the signal's number). Shared by this project's scripts."""
+    (Fault) into one line and exit status 4, and a signal before training (or a KeyboardInterrupt before its
+    handler is set) into one line and exit status 0 (130 for SIGINT; under torchrun 128 + the signal's number). Shared by this project's scripts."""
     try:
         main(args)
         # the run is over: the interpreter's exit need not search the models' and libraries' millions of objects for
@@ -3405,6 +3405,10 @@ def run_script(main: Callable, args, program: str) -> None:
         if e.announce:
             print(f"{program}: error: {e}", file=sys.stderr)
         sys.exit(4)
+    except KeyboardInterrupt:  # Ctrl-C before the stop signals' handler is in place (a reward module's import)
+        print(f"{program}: SIGINT received while starting: stopped, nothing trained; run the same command again",
+              file=sys.stderr)
+        sys.exit(130)
     except StartupInterrupted as e:
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
             print(f"{program}: {e}", file=sys.stderr)

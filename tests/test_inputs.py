@@ -373,6 +373,17 @@ def test_a_reward_function_returning_an_int_beyond_any_float_stops_in_one_line(a
         "rloo.py: error: reward function 'huge_int' returned an int of 1329 bits for completion 0")
 
 
+def test_a_keyboard_interrupt_while_a_reward_module_imports_is_one_line_and_exit_130(assets, tmp_path):
+    """What Ctrl-C gives inside a reward module's slow import (a model it loads), raised by the module itself."""
+    (tmp_path / "interrupted_reward.py").write_text("raise KeyboardInterrupt\n")
+    result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir",
+                      tmp_path / "out", "--reward_fn", "interrupted_reward:score", "--max_prompt_length", "16",
+                      "--response_length", "4", "--total_episodes", "16", env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 130 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("rloo.py: SIGINT received while starting: stopped")
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
 def test_ctrl_c_while_torch_imports_is_one_line_and_exit_130(tmp_path):
     """A stand-in `torch` first on the path says it is being imported, then waits: the signal lands inside the
     imports, whatever the machine's speed."""
