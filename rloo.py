@@ -85,6 +85,9 @@ class Args(plumbing.RunArgs):
     token_level_kl: bool = False
     """per-token KL penalties with token-level returns (each token's advantage sees the KL of the tokens
     after it) instead of one sequence-level penalty; the loss then uses per-token ratios"""
+    kl_in_loss: bool = False
+    """GRPO's placement: the KL to the reference is a term of the loss (kl_coef x its k3 estimate, summed over each
+    completion's tokens), not a penalty of the reward"""
     missing_eos_penalty: Optional[float] = None
     """subtracted from the score of completions that never emit the stop token ("EOS trick")"""
     normalize_reward: bool = False
@@ -247,6 +250,9 @@ def algorithm_checks(args: Args) -> None:
     if args.mask_truncated_completions and not stops:
         raise plumbing.ConfigError("--mask_truncated_completions drops completions without a stop token from the "
                                    "loss, but none is set: pass --stop_token eos or --stop_token_id ID")
+    if args.kl_in_loss and args.kl_coef == 0:
+        raise plumbing.ConfigError("--kl_in_loss puts the KL to the reference in the loss, but with kl_coef 0 there is "
+                                   "no reference: set --kl_coef (the KL term's weight) or drop --kl_in_loss")
     if args.vllm_importance_sampling_mode.startswith("token") and not args.token_level_kl:
         raise plumbing.ConfigError(f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} weights "
                                    "tokens, but the sequence-level loss has one action per completion: add "
@@ -414,12 +420,12 @@ class SamplingFilters:
     repetition_penalty: float = 1.0
 
     @property
-    def cuts(self) -> bool:  # whether a filter may take tokens out of the support
-        return self.top_k != 0 or self.top_p < 1.0 or bool(self.min_p)
+    def cuts(self) -> bool:  # whether a filter may take tokens out of the support: one is off its default, and not 0
+        return any(getattr(self, f.name) not in (f.default, 0) for f in fields(self) if f.name != "repetition_penalty")
 
     @classmethod
-    def of(cls, args) -> "SamplingFilters":
-        return cls(args.top_k, args.top_p, args.min_p, args.repetition_penalty)
+    def of(cls, args) -> "SamplingFilters":  # from the Args fields of the same names
+        return cls(**{f.name: getattr(args, f.name, f.default) for f in fields(cls)})
 
     @property
     def neutral(self) -> bool:
@@ -1109,13 +1115,12 @@ def kl_to_reference(rollout: Rollout) -> torch.Tensor:
 
 def compute_advantages(c: Rollout, scores: torch.Tensor, args: Args) -> None:
     """c.advantages and c.rlhf_reward from the scores (k*g,) of c's completions (a rollout's, or on-policy a
-    micro-batch's whole prompt groups) and their KL. The estimator's one caller: it hands it groups shaped (k, g),
-    checks they come back so, and with --normalize_advantage whitens over every rank's batch. Sets
-    c.non_score_reward, the reward's part that is not the score (objective/non_score_reward), from what the estimator
-    returned: a change of where the KL goes keeps the metric true."""
-    k, g = c.k, c.queries.shape[0]
+    micro-batch's whole prompt groups) and their KL (in the reward unless --kl_in_loss). The estimator's one caller:
+    it hands it groups shaped (k, g), checks they come back so, and with --normalize_advantage whitens over every
+    rank's batch. Sets c.non_score_reward (objective/non_score_reward) from what the estimator returned."""
+    k, g, kl_coef = c.k, c.queries.shape[0], 0.0 if args.kl_in_loss else args.kl_coef
     advantages, rlhf_reward = rloo_advantages(in_groups(scores, k), in_groups(kl_to_reference(c), k),
-                                              in_groups(c.response_mask, k), args.kl_coef, args.token_level_kl)
+                                              in_groups(c.response_mask, k), kl_coef, args.token_level_kl)
     if advantages.shape[:2] != (k, g) or rlhf_reward.shape != (k, g):
         raise ValueError(f"the advantage estimator returned advantages {tuple(advantages.shape)} and rlhf_reward "
                          f"{tuple(rlhf_reward.shape)} for groups (k, g) = {(k, g)}: it must keep that layout")
@@ -1149,19 +1154,22 @@ def importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tenso
     return torch.where(ratio <= cap, ratio, 0.0)  # an infinite ratio too
 
 
-def policy_loss(
-    new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
-    cliprange: float, per_token: bool, entropy: Optional[torch.Tensor] = None,
-    is_weights: Optional[torch.Tensor] = None, cliprange_high: Optional[float] = None,
-    in_loss: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped surrogate's loss of each action (ppo_update sums them over loss_normalizer); log-probs, mask and
-    entropy (N, Tr). per_token False: a completion is one action with the sequence ratio exp(sum_t new - sum_t old),
-    advantages (N,) -> losses (N,). per_token True: each token is an action with its own ratio, advantages (N, Tr) or
-    (N,) -> losses (N, Tr), 0 on padding. The ratio is clipped to [1 - cliprange, 1 + cliprange_high] (clip-higher;
-    None: cliprange). Each loss is multiplied by its importance weight, if given; the losses of completions outside
-    `in_loss` (N,) bool are 0, and so are they in the statistics (--mask_truncated_completions)."""
-    cliprange_high = cliprange if cliprange_high is None else cliprange_high
+def completions_in_loss(scores: torch.Tensor, has_stop: torch.Tensor, args: Args) -> Optional[torch.Tensor]:
+    """(k*B,) bool: the completions whose loss counts (rollout.in_loss), from the scores and has_stop (k*B,); None:
+    all. --mask_truncated_completions keeps those that stopped (TRL's). Filter groups here: in_groups(scores, k)."""
+    return has_stop if args.mask_truncated_completions else None
+
+
+def policy_loss(new_logprobs: torch.Tensor, batch: Rollout, args: Args,
+                entropy: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Each action's loss (ppo_update sums them over loss_normalizer), from a micro-batch's new log-probs and entropy
+    (N, Tr) and what the batch holds (old and reference log-probs, advantages, in_loss). A completion is one action
+    with the sequence ratio exp(sum_t new - sum_t old): losses (N,); with --token_level_kl a token is, with its own
+    ratio: losses (N, Tr), 0 on padding. The clipped surrogate with the ratio in [1 - cliprange, 1 + cliprange_high],
+    plus kl_coef x the KL with --kl_in_loss, times the importance weight with --vllm_importance_sampling_correction;
+    0 for the completions outside batch.in_loss, which leave the statistics too."""
+    old_logprobs, response_mask, in_loss = batch.logprobs, batch.response_mask, batch.in_loss  # (N, Tr) x2, (N,)
+    advantages, per_token = batch.advantages, args.token_level_kl  # (N,), or (N, Tr) per token
     if per_token:
         log_ratio = (new_logprobs - old_logprobs) * response_mask  # (N, Tr)
         advantages = advantages if advantages.dim() == 2 else advantages[:, None]  # (N, Tr) or (N, 1)
@@ -1170,20 +1178,29 @@ def policy_loss(
         log_ratio = sequence_log_ratio(new_logprobs, old_logprobs, response_mask)  # (N,)
         weight = torch.ones_like(advantages)
     else:
-        raise ValueError("per-token advantages (N, Tr) need per-token actions (per_token, as with --token_level_kl)")
+        raise ValueError("per-token advantages (N, Tr) need per-token actions (--token_level_kl)")
     token_mask = response_mask
     if in_loss is not None:  # (N,) -> the entries of the completions left out weigh 0
         weight = weight * (in_loss[:, None] if per_token else in_loss)
         token_mask = response_mask & in_loss[:, None]
     ratio = torch.exp(log_ratio)
     losses = -advantages * ratio
-    losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange_high)
+    losses_clipped = -advantages * torch.clamp(ratio, 1.0 - args.cliprange, 1.0 + args.cliprange_high)
     per_action = torch.max(losses, losses_clipped)  # (N,) or (N, Tr)
-    if is_weights is not None:  # a sequence's weight is each of its tokens' in the per-token loss
+    if args.kl_in_loss:  # GRPO's k3 = exp(ref - new) - (ref - new) - 1 per token: >= 0, and its gradient flows
+        log_ref_ratio = (batch.ref_logprobs - new_logprobs) * response_mask  # (N, Tr), 0 on padding
+        kl = log_ref_ratio.exp() - log_ref_ratio - 1  # (N, Tr)
+        per_action = per_action + args.kl_coef * (kl if per_token else kl.sum(1))
+    if args.vllm_importance_sampling_correction:  # (N,) or (N, Tr) weights; a sequence's is each of its tokens'
+        if batch.sampler_logprobs is None:
+            raise plumbing.ConfigError("--vllm_importance_sampling_correction needs the sampler's log-probs, which "
+                                       "this rollout source does not return: drop the flag")
+        is_weights = importance_weights(old_logprobs, batch.sampler_logprobs, response_mask,
+                                        args.vllm_importance_sampling_mode, args.vllm_importance_sampling_cap)
         per_action = per_action * (is_weights if is_weights.dim() == per_action.dim() else is_weights[:, None])
     with torch.no_grad():  # under the names they are logged with, as are ppo_update's
-        low = (ratio < 1.0 - cliprange) & (advantages < 0)  # where the clip acts: below for A < 0, above for A > 0
-        high = (ratio > 1.0 + cliprange_high) & (advantages > 0)
+        low = (ratio < 1.0 - args.cliprange) & (advantages < 0)  # where the clip acts: below for A < 0, above for A > 0
+        high = (ratio > 1.0 + args.cliprange_high) & (advantages > 0)
         stats = {"policy/clipfrac_avg": masked_mean((losses_clipped > losses).float(), weight),
                  "policy/approxkl_avg": 0.5 * masked_mean(log_ratio**2, weight),
                  "clip_ratio/low_mean": masked_mean(low.float(), weight),  # TRL 1.x's names
@@ -1229,17 +1246,6 @@ def micro_batch(rollout: Rollout, rows: torch.Tensor, k: int) -> Rollout:
     return rollout.one_per_row(rows)
 
 
-def is_weights_of(batch: Rollout, args: Args) -> Optional[torch.Tensor]:
-    """The importance weights of a micro-batch with --vllm_importance_sampling_correction, else None."""
-    if not args.vllm_importance_sampling_correction:
-        return None
-    if batch.sampler_logprobs is None:
-        raise plumbing.ConfigError("--vllm_importance_sampling_correction needs the sampler's log-probs, which this "
-                                   "rollout source does not return: drop the flag")
-    return importance_weights(batch.logprobs, batch.sampler_logprobs, batch.response_mask,
-                              args.vllm_importance_sampling_mode, args.vllm_importance_sampling_cap)
-
-
 def gradient_sync(model, enabled: bool):
     """DDP all-reduces gradients only when `enabled` (an optimizer step's last micro-step). FSDP reduce-scatters at
     every micro-step, as ZeRO-3 does: more traffic, but no rank ever holds a full-size gradient."""
@@ -1252,13 +1258,11 @@ def ppo_update(
     model, optimizer: torch.optim.Optimizer, rollout: Rollout, scores: torch.Tensor, args: Args, sizes: BatchSizes,
     share_prompt: bool, autocast, ref_policy=None, steps_done: int = 0,
 ) -> dict[str, float]:
-    """num_ppo_epochs x shuffled minibatches (one optimizer step each) x micro-batches (gradient accumulation), as
-    minibatch_plan cuts them. Advantages come from the scores (k*B,) by compute_advantages, before the first step;
-    or on-policy (rollout.logprobs None) per micro-batch from its own forward, whose detached log-probs are the
-    ratio's denominator. Leaves rollout.logprobs, advantages, rlhf_reward and non_score_reward for the metrics;
-    returns its own (policy/*, clip_ratio/*, loss/policy_avg, val/ratio*), averaged over micro-steps (the loss: over
-    minibatches). With --sync_ref_model, after each optimizer step of the run (steps_done before this update) that is
-    a multiple of ref_model_sync_steps, ref_policy is mixed with the policy (sync_reference)."""
+    """num_ppo_epochs x shuffled minibatches (an optimizer step each) x micro-batches (minibatch_plan) of policy_loss.
+    Advantages come from the scores (k*B,) by compute_advantages, before the first step; or on-policy (rollout.logprobs
+    None) per micro-batch from its own forward, whose detached log-probs are the ratio's denominator. Leaves rollout's
+    logprobs, advantages, rlhf_reward, non_score_reward for the metrics; returns its own, averaged over micro-steps.
+    --sync_ref_model: after every ref_model_sync_steps-th optimizer step of the run, ref_policy mixes in the policy."""
     stats: dict[str, list[torch.Tensor]] = {}
     ratios, grad_norms = [], []
     device, k = scores.device, rollout.k
@@ -1277,9 +1281,8 @@ def ppo_update(
             for micro_step, rows in enumerate(minibatch):
                 batch = micro_batch(rollout, rows, k)  # (n, Tq') prompts, (n', Tr') responses, n' = len(rows)
                 with gradient_sync(model, enabled=micro_step == len(minibatch) - 1), autocast():
-                    new_logprobs, entropy = forward_logprobs(model, batch, args.temperature, share_prompt,
-                                                             with_entropy=True,
-                                                             filters=SamplingFilters.of(args))  # (n', Tr') each
+                    new_logprobs, entropy = forward_logprobs(model, batch, args.temperature, share_prompt, True,
+                                                             SamplingFilters.of(args))  # (n', Tr') each
                     if logprobs_from_update:  # whole prompt groups (logprobs_from_update): all that the estimator reads
                         batch.logprobs = new_logprobs.detach() * batch.response_mask
                         compute_advantages(batch, scores[rows], args)
@@ -1287,10 +1290,7 @@ def ppo_update(
                             rollout.advantages = scores.new_zeros(rollout.responses.shape[:batch.advantages.dim()])
                         for name in ("logprobs", "advantages", "rlhf_reward", "non_score_reward"):
                             put_rows(getattr(rollout, name), rows, getattr(batch, name))
-                    action_losses, step_stats = policy_loss(
-                        new_logprobs, batch.logprobs, batch.advantages, batch.response_mask, args.cliprange,
-                        per_token=args.token_level_kl, entropy=entropy, is_weights=is_weights_of(batch, args),
-                        cliprange_high=args.cliprange_high, in_loss=batch.in_loss)
+                    action_losses, step_stats = policy_loss(new_logprobs, batch, args, entropy)  # (n',) or (n', Tr')
                     loss = action_losses.sum() / normalizer
                     loss.backward()
                 losses.append(loss.detach())
@@ -1553,7 +1553,6 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                                               logprobs_from_update(args, sizes, rollouts.lookahead), autocast,
                                               timer)  # (k*B, Tr) log-probs
             has_stop = rollout.ended(stop_token_id)  # (k*B,)
-            rollout.in_loss = has_stop if args.mask_truncated_completions else None  # the truncated leave the loss
 
             # ALGO LOGIC 4. score every completion (reward model and reward functions), then the missing-EOS penalty
             with timer("scoring"):
@@ -1566,6 +1565,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                 scores = apply_missing_eos_penalty(raw_scores, has_stop, args.missing_eos_penalty)  # (k*B,)
                 if args.normalize_reward:
                     scores = whiten(scores).clamp(-args.reward_clip_range, args.reward_clip_range)
+            rollout.in_loss = completions_in_loss(scores, has_stop, args)  # (k*B,) bool, or None: all count
 
             # ALGO LOGIC 5-6. KL-penalized rewards and leave-one-out advantages (compute_advantages), then PPO epochs
             # of the clipped surrogate. On-policy, the update computes them from its own forward (logprobs_from_update)

@@ -46,6 +46,17 @@ def tiny_reward_model(vocab_size: int, seed: int = 0, **config) -> GPTNeoXForSeq
     return GPTNeoXForSequenceClassification(neox_config(vocab_size, num_labels=1, **config)).eval()
 
 
+def policy_loss_of(new, old, advantages, mask, cliprange=0.2, per_token=False, entropy=None, in_loss=None,
+                   sampler_logprobs=None, ref_logprobs=None, **flags):
+    """rloo.policy_loss of loose tensors, log-probs and mask (N, Tr): a micro-batch of N completions (of one-token
+    prompts) holding them, and Args with the flags (per_token: --token_level_kl)."""
+    import rloo
+    batch = rloo.Rollout(torch.ones(len(new), 1, dtype=torch.long), torch.ones(len(new), 1, dtype=torch.bool),
+                         torch.ones(new.shape, dtype=torch.long), mask.bool(), old, ref_logprobs, advantages=advantages,
+                         in_loss=in_loss, sampler_logprobs=sampler_logprobs)
+    return rloo.policy_loss(new, batch, rloo.Args(cliprange=cliprange, token_level_kl=per_token, **flags), entropy)
+
+
 def prompt_rows(n: int, seed: int) -> list[dict]:
     gen = torch.Generator().manual_seed(seed)
     rows = []

@@ -1,8 +1,9 @@
-"""README.md's "Changing the algorithm": each worked example, a diff of one function, applied to a copy of rloo.py
-and trained with for a few updates on the tiny models, does what it says."""
+"""README.md's "Changing the algorithm" and docs/algorithm.md's "Worked examples": each diff, an edit of one function,
+applied to a copy of rloo.py and trained with for a few updates on the tiny models, does what it says."""
 
 import functools
 import importlib.util
+import math
 import re
 
 import pytest
@@ -19,12 +20,14 @@ K, PROMPTS = 4, 4  # 16 completions an update
 
 
 def examples() -> dict[str, list[str]]:
-    """The section's diff blocks (an example's hunks), by the bold title of the paragraph before each."""
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("\n## Changing the algorithm\n", 1)[1].split("\n## ", 1)[0]
+    """The sections' diff blocks (an example's hunks), by the bold title of the paragraph before each."""
     found = {}
-    for block in re.finditer(r"```diff\n(.*?)```", section, re.S):
-        found.setdefault(re.findall(r"\*\*([^*]+)\*\*", section[:block.start()])[-1], []).append(block.group(1))
+    for page, heading in (("README.md", "Changing the algorithm"), ("docs/algorithm.md", "Worked examples")):
+        section = (REPO / page).read_text().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+        for block in re.finditer(r"```diff\n(.*?)```", section, re.S):
+            prose = re.sub(r"```.*?```", "", section[:block.start()], flags=re.S)  # code may hold a `**`
+            title = re.findall(r"\*\*([^*]+)\*\*", prose)[-1]
+            found.setdefault(" ".join(title.split()), []).append(block.group(1))
     return found
 
 
@@ -47,11 +50,12 @@ def edited_rloo(diffs: list[str], tmp_path):
 
 
 def train(module, updates: int, score, **flags) -> tuple[torch.nn.Module, list]:
-    """`updates` updates of the tiny policy on 4 prompts x 4 completions with module's functions: sample, log-probs
-    (unless the update computes them), score(completions), ppo_update. Returns the policy and each update's
-    (rollout, stats)."""
+    """`updates` updates of the tiny policy on 4 prompts x 4 completions with module's functions as main calls them:
+    sample, log-probs (unless the update computes them; the reference's with kl_coef > 0), score(completions), which
+    count in the loss, ppo_update. Returns the policy and each update's (rollout, stats)."""
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer), seed=0)
+    reference = tiny_policy(len(tokenizer), seed=0).requires_grad_(False) if flags.get("kl_coef") else None
     args = module.Args(**{"rloo_k": K, "per_device_train_batch_size": K * PROMPTS, "num_ppo_epochs": 1,
                           "temperature": 1.0, "response_length": 5, "kl_coef": 0.0,
                           "local_rollout_forward_batch_size": K * PROMPTS} | flags)
@@ -62,11 +66,14 @@ def train(module, updates: int, score, **flags) -> tuple[torch.nn.Module, list]:
     history = []
     for update in range(updates):
         queries, query_mask = left_padded(tokenizer, [r["prompt"] for r in rows[update * PROMPTS:][:PROMPTS]])
-        c = module.sample_completions(policy, queries, query_mask, args.response_length, 1.0, 1, 0, generator, k=K)
-        rollout = module.collect_rollout(policy, None, c, args, True, module.logprobs_from_update(args, sizes, 0),
+        c = module.sample_completions(policy, queries, query_mask, args.response_length, 1.0, 1, 0, generator, k=K,
+                                      filters=module.SamplingFilters.of(args))
+        rollout = module.collect_rollout(policy, reference, c, args, True, module.logprobs_from_update(args, sizes, 0),
                                          NO_AUTOCAST, plumbing.PhaseTimer(CPU))
+        scores = score(c)  # (k*B,)
+        rollout.in_loss = module.completions_in_loss(scores, rollout.ended(1), args)
         torch.manual_seed(update)
-        stats = module.ppo_update(policy, optimizer, rollout, score(c), args, sizes, True, NO_AUTOCAST)
+        stats = module.ppo_update(policy, optimizer, rollout, scores, args, sizes, True, NO_AUTOCAST)
         history.append((rollout, stats))
     return policy, history
 
@@ -80,9 +87,67 @@ def reward_model_score(c) -> torch.Tensor:
     return 10 * rloo.reward_model_scores(reward_model(), c, True)  # (k*B,): groups with a spread of rewards
 
 
-def test_the_section_has_the_three_examples():
-    assert list(examples()) == ["GRPO's group-normalized advantage", "An entropy bonus", "Epsilon sampling",
-                                "DAPO's token mean"]
+def test_the_sections_have_the_examples():
+    assert list(examples()) == ["Equal-reward groups leave the loss", "GRPO's group-normalized advantage",
+                                "Another KL estimator in the loss", "Dual-clip PPO", "Epsilon sampling",
+                                "An entropy bonus", "DAPO's token mean"]
+
+
+def weights(policy) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in policy.parameters()]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_equal_reward_groups_leave_the_loss(tmp_path):
+    """Prompts 0 and 1 get k equal scores: their completions leave the loss (the others stay), their KL no longer
+    trains, and the baselines of every group are unchanged."""
+    filtered = edited_rloo(examples()["Equal-reward groups leave the loss"], tmp_path)
+
+    def score(c):
+        scores = reward_model_score(c).view(K, PROMPTS)  # (k, B)
+        scores[:, :2] = 1.0
+        return scores.flatten()
+
+    (stock, plain), (policy, history) = (train(module, 2, score, kl_coef=0.1) for module in (rloo, filtered))
+    for (rollout, _), (kept, _) in zip(plain, history):
+        assert rollout.in_loss is None
+        assert kept.in_loss.view(K, PROMPTS).tolist() == [[False, False, True, True]] * K
+    torch.testing.assert_close(history[0][0].advantages, plain[0][0].advantages, rtol=0, atol=0)  # the same start
+    assert not same(weights(policy), weights(stock))
+    both = train(filtered, 1, score, kl_coef=0.1, mask_truncated_completions=True)[1][0][0]
+    assert both.in_loss.tolist() == (both.ended(1) & history[0][0].in_loss).tolist()  # with the flag's too
+
+
+def test_another_kl_estimator_in_the_loss_trains_otherwise(tmp_path):
+    """k2 instead of k3, with --kl_in_loss: 2 epochs, so that the policy leaves the reference and the KL acts."""
+    k2 = edited_rloo(examples()["Another KL estimator in the loss"], tmp_path)
+    flags = {"kl_coef": 1.0, "kl_in_loss": True, "num_ppo_epochs": 2}
+    (k3_policy, k3_history), (k2_policy, k2_history) = (train(m, 2, reward_model_score, **flags) for m in (rloo, k2))
+    assert not same(weights(k2_policy), weights(k3_policy))
+    for rollout, stats in k2_history:  # the reward holds no KL: it is in the loss
+        assert torch.equal(rollout.non_score_reward, torch.zeros_like(rollout.non_score_reward))
+        assert all(math.isfinite(v) for v in stats.values())
+    new, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+    batch = k2.Rollout(torch.ones(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool), torch.ones(1, 2).long(),
+                       torch.ones(1, 2, dtype=torch.bool), new, ref, advantages=torch.zeros(1))
+    losses, _ = k2.policy_loss(new, batch, k2.Args(kl_coef=1.0, kl_in_loss=True))
+    assert losses.tolist() == pytest.approx([0.5 * (0.5**2 + 1.0**2)])  # sum_t (ref - new)^2 / 2
+
+
+def test_dual_clip_caps_the_loss_of_a_negative_advantage(tmp_path):
+    dual = edited_rloo(examples()["Dual-clip PPO"], tmp_path)
+    new = torch.tensor([[math.log(5.0)], [math.log(5.0)], [math.log(0.5)]])  # ratios 5, 5, 0.5
+    batch = dual.Rollout(torch.ones(3, 1, dtype=torch.long), torch.ones(3, 1, dtype=torch.bool),
+                         torch.ones(3, 1, dtype=torch.long), torch.ones(3, 1, dtype=torch.bool), torch.zeros(3, 1),
+                         None, advantages=torch.tensor([-1.0, 1.0, -1.0]))
+    for module, expected in ((rloo, [5.0, -1.2, 0.8]), (dual, [3.0, -1.2, 0.8])):  # max(-A r, -A clip(r)), then <= 3|A|
+        losses, _ = module.policy_loss(new, batch, module.Args(cliprange=0.2))
+        assert losses.tolist() == pytest.approx(expected)
+    _, history = train(dual, 2, reward_model_score, num_ppo_epochs=2)
+    assert all(math.isfinite(v) for _, stats in history for v in stats.values())
 
 
 def test_grpo_advantages_have_unit_std_in_each_group(tmp_path):
@@ -137,17 +202,18 @@ def test_epsilon_sampling_cuts_the_same_tokens_in_the_sampler_and_the_trainer(tm
     token below epsilon is out of the support; a training run samples, scores and updates with finite values, its
     sampler's log-probs the trainer's."""
     eps = edited_rloo(examples()["Epsilon sampling"], tmp_path)
-    filters = eps.SamplingFilters()
-    assert filters.cuts and not filters.neutral and rloo.SamplingFilters().neutral
+    filters = eps.SamplingFilters.of(eps.Args(epsilon_cutoff=3e-4))
+    assert filters.cuts and not filters.neutral and eps.SamplingFilters.of(eps.Args()).neutral
     logits = torch.tensor([[8.0, 4.0, 0.0, -1.0, -9.0]])  # probabilities ~0.98, 0.018, 3e-4, 1e-4, 4e-8
     kept = eps.sampling_logits(logits, 1.0, filters) > -1e30
     assert kept.tolist() == [[True, True, True, False, False]]
-    policy, history = train(eps, 2, reward_model_score)
+    policy, history = train(eps, 2, reward_model_score, epsilon_cutoff=3e-4)
     for rollout, stats in history:
         assert all(torch.isfinite(torch.tensor(v)) for v in stats.values())
     tokenizer = policy_tokenizer()
     queries, query_mask = left_padded(tokenizer, ["a b :", "c :"])
-    c = eps.sample_in_chunks(policy, queries, query_mask, K, eps.Args(rloo_k=K, response_length=5, temperature=1.0),
+    c = eps.sample_in_chunks(policy, queries, query_mask, K, eps.Args(rloo_k=K, response_length=5, temperature=1.0,
+                                                                      epsilon_cutoff=3e-4),
                              1, 0, torch.Generator().manual_seed(0), NO_AUTOCAST)
     trainer = eps.forward_logprobs(policy, c, 1.0, True, filters=filters)[0] * c.response_mask
     torch.testing.assert_close(c.sampler_logprobs, trainer, atol=2e-6, rtol=0)

@@ -8,6 +8,7 @@ import torch
 
 import plumbing
 import rloo
+from conftest import policy_loss_of
 
 
 # ---------------------------------------------------------------- leave-one-out baseline
@@ -135,7 +136,7 @@ def test_sequence_level_loss_on_hand_computed_numbers():
     old = torch.tensor([[-1.0, -1.0], [-2.0, 0.0]])
     new = torch.tensor([[-0.9, -0.8], [-2.5, 7.0]])  # 7.0 sits on padding
     advantages = torch.tensor([1.0, -2.0])
-    losses, stats = rloo.policy_loss(new, old, advantages, mask, cliprange=0.2, per_token=False)
+    losses, stats = policy_loss_of(new, old, advantages, mask, cliprange=0.2, per_token=False)
     r0, r1 = math.exp(0.3), math.exp(-0.5)  # sequence ratios: exp of summed log-ratios over valid tokens
     # sample 0: A>0, ratio 1.35 > 1.2 -> clipped to 1.2; sample 1: A<0, ratio 0.61 < 0.8 -> clipped to 0.8
     assert losses.tolist() == pytest.approx([max(-1.0 * r0, -1.0 * 1.2), max(2.0 * r1, 2.0 * 0.8)])
@@ -149,7 +150,7 @@ def test_unclipped_loss_is_reinforce_at_ratio_one():
     logprobs = torch.randn(4, 3, requires_grad=True)
     mask = torch.ones(4, 3, dtype=torch.bool)
     advantages = torch.tensor([1.0, -1.0, 0.5, 2.0])
-    losses, stats = rloo.policy_loss(logprobs, logprobs.detach(), advantages, mask, cliprange=0.2, per_token=False)
+    losses, stats = policy_loss_of(logprobs, logprobs.detach(), advantages, mask, cliprange=0.2, per_token=False)
     losses.mean().backward()
     assert stats["policy/clipfrac_avg"].item() == 0 and stats["policy/approxkl_avg"].item() == 0
     # d loss / d logprob_t = -A / N for every token: the REINFORCE gradient with the leave-one-out baseline
@@ -164,8 +165,8 @@ def test_padding_never_counts():
     noisy_old = torch.where(mask, old, torch.full_like(old, -50.0))
     for advantages in (torch.tensor([1.0, -1.0]), torch.randn(2, 4)):
         per_token = advantages.dim() == 2
-        loss, stats = rloo.policy_loss(new, old, advantages, mask, 0.2, per_token)
-        loss2, stats2 = rloo.policy_loss(noisy_new, noisy_old, advantages, mask, 0.2, per_token)
+        loss, stats = policy_loss_of(new, old, advantages, mask, 0.2, per_token)
+        loss2, stats2 = policy_loss_of(noisy_new, noisy_old, advantages, mask, 0.2, per_token)
         torch.testing.assert_close(loss, loss2)
         for key in stats:
             assert stats[key].item() == pytest.approx(stats2[key].item())
@@ -182,14 +183,14 @@ def test_token_level_loss_uses_per_token_ratios():
     old = torch.tensor([[-1.0, -1.0]])
     new = torch.tensor([[-0.5, -1.0]])  # token 0's ratio e^0.5 is clipped, token 1's ratio is 1
     advantages = torch.tensor([[1.0, 1.0]])
-    losses, stats = rloo.policy_loss(new, old, advantages, mask, cliprange=0.2, per_token=True)
+    losses, stats = policy_loss_of(new, old, advantages, mask, cliprange=0.2, per_token=True)
     assert losses.tolist() == [pytest.approx([-1.2, -1.0])]
     assert stats["policy/clipfrac_avg"].item() == pytest.approx(0.5)
     # each completion's advantage on its tokens, the level said, not read from the advantages' shape
-    same, _ = rloo.policy_loss(new, old, torch.tensor([1.0]), mask, cliprange=0.2, per_token=True)
+    same, _ = policy_loss_of(new, old, torch.tensor([1.0]), mask, cliprange=0.2, per_token=True)
     assert torch.equal(same, losses)
     with pytest.raises(ValueError, match="per-token advantages"):
-        rloo.policy_loss(new, old, advantages, mask, cliprange=0.2, per_token=False)
+        policy_loss_of(new, old, advantages, mask, cliprange=0.2, per_token=False)
 
 
 def test_whiten_and_global_stats_single_process():

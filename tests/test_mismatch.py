@@ -9,7 +9,7 @@ import torch
 
 import plumbing
 import rloo
-from conftest import policy_tokenizer, read_metrics, run_rloo, tiny_policy
+from conftest import policy_loss_of, policy_tokenizer, read_metrics, run_rloo, tiny_policy
 
 CPU = torch.device("cpu")
 
@@ -63,31 +63,36 @@ def test_importance_weights_by_hand_in_every_mode():
 
 
 def test_the_weights_multiply_each_actions_clipped_loss():
+    """The weights policy_loss computes from the batch's sampler log-probs (chosen so that they are the ones below)
+    multiply each action's clipped loss."""
     new = torch.tensor([[-0.9, -2.0, -0.5], [-0.2, -0.2, 0.0]])
     rollout = hand_made_rollout()
+    old, mask = rollout.logprobs, rollout.response_mask
     advantages = torch.tensor([1.0, -2.0])
     weights = torch.tensor([0.5, 2.0])
-    plain, _ = rloo.policy_loss(new, rollout.logprobs, advantages, rollout.response_mask, 0.2, per_token=False)
-    per_completion = [rloo.policy_loss(new[i:i + 1], rollout.logprobs[i:i + 1], advantages[i:i + 1],
-                                       rollout.response_mask[i:i + 1], 0.2, per_token=False)[0] for i in range(2)]
-    weighted, _ = rloo.policy_loss(new, rollout.logprobs, advantages, rollout.response_mask, 0.2, per_token=False,
-                                   is_weights=weights)
+    sequence = {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_cap": 10.0,
+                "sampler_logprobs": old - torch.tensor([[1.0, 0.0, 0.0]]) * weights.log()[:, None]}  # on token 0
+    plain, _ = policy_loss_of(new, old, advantages, mask, 0.2, per_token=False)
+    per_completion = [policy_loss_of(new[i:i + 1], old[i:i + 1], advantages[i:i + 1], mask[i:i + 1], 0.2,
+                                     per_token=False)[0] for i in range(2)]
+    weighted, _ = policy_loss_of(new, old, advantages, mask, 0.2, per_token=False, **sequence)
     torch.testing.assert_close(plain, torch.cat(per_completion))
     torch.testing.assert_close(weighted, torch.cat([0.5 * per_completion[0], 2.0 * per_completion[1]]))
     # per-token actions: a token's weight multiplies its own loss; a sequence's weight each of its tokens'
     token_advantages = torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, 0.0]])
-    token_weights = torch.tensor([[0.5, 1.0, 2.0], [3.0, 0.0, 1.0]])
-    per_token = rloo.policy_loss(new, rollout.logprobs, token_advantages, rollout.response_mask, 0.2, per_token=True)
-    by_token, _ = rloo.policy_loss(new, rollout.logprobs, token_advantages, rollout.response_mask, 0.2,
-                                   per_token=True, is_weights=token_weights)
-    ratio = (new - rollout.logprobs).exp()
+    token_weights = torch.tensor([[0.5, 1.0, 2.0], [3.0, 0.0, 1.0]])  # 0: a ratio of 10, above the cap of 5
+    tokens = {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_cap": 5.0,
+              "vllm_importance_sampling_mode": "token_mask",
+              "sampler_logprobs": old - torch.where(token_weights > 0, token_weights, 10.0).log()}
+    per_token = policy_loss_of(new, old, token_advantages, mask, 0.2, per_token=True)
+    by_token, _ = policy_loss_of(new, old, token_advantages, mask, 0.2, per_token=True, **tokens)
+    ratio = (new - old).exp()
     unclipped = -token_advantages * ratio
     clipped = -token_advantages * ratio.clamp(0.8, 1.2)
-    expected = torch.max(unclipped, clipped) * token_weights * rollout.response_mask  # (2, 3)
+    expected = torch.max(unclipped, clipped) * token_weights * mask  # (2, 3)
     torch.testing.assert_close(by_token, expected)
-    by_sequence, _ = rloo.policy_loss(new, rollout.logprobs, token_advantages, rollout.response_mask, 0.2,
-                                      per_token=True, is_weights=weights)
-    torch.testing.assert_close(by_sequence, torch.max(unclipped, clipped) * weights[:, None] * rollout.response_mask)
+    by_sequence, _ = policy_loss_of(new, old, token_advantages, mask, 0.2, per_token=True, **sequence)
+    torch.testing.assert_close(by_sequence, torch.max(unclipped, clipped) * weights[:, None] * mask)
     assert not torch.equal(per_token[0], by_token)
 
 

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import plumbing
 import rloo
-from conftest import REPO, cpu_env, policy_tokenizer, tiny_policy
+from conftest import REPO, cpu_env, policy_loss_of, policy_tokenizer, tiny_policy
 from test_cli import argv_of, valid_flags
 
 
@@ -123,7 +123,7 @@ def test_clipping_is_symmetric_and_the_gradient_flows_through_the_ratio():
     new = torch.tensor([[0.5], [-0.5], [0.5], [-0.5]], requires_grad=True)
     old, mask = torch.zeros(4, 1), torch.ones(4, 1, dtype=torch.bool)
     advantages = torch.tensor([1.0, -1.0, -1.0, 1.0])
-    losses, stats = rloo.policy_loss(new, old, advantages, mask, cliprange=0.2, per_token=False)
+    losses, stats = policy_loss_of(new, old, advantages, mask, cliprange=0.2, per_token=False)
     up, down = math.exp(0.5), math.exp(-0.5)
     # max(-A r, -A clip(r)): A > 0 above the range and A < 0 below it are clipped; the others are not
     assert losses.tolist() == pytest.approx([-1.2, 0.8, up, -down])
@@ -131,6 +131,38 @@ def test_clipping_is_symmetric_and_the_gradient_flows_through_the_ratio():
     assert stats["policy/approxkl_avg"].item() == pytest.approx(0.5 * 0.25)
     losses.sum().backward()
     assert new.grad.flatten().tolist() == pytest.approx([0.0, 0.0, up, -down])  # clipped: no gradient
+
+
+@pytest.mark.parametrize("token_level_kl", [False, True])
+def test_kl_in_the_loss_is_kl_coef_times_k3_by_hand_and_leaves_the_reward(token_level_kl):
+    # ratio 1 and advantages 0: the loss is the KL term alone. Row 1's second token is padding (made-up values)
+    mask = torch.tensor([[True, True], [True, False]])
+    new = torch.tensor([[-1.0, -2.0], [-0.5, 7.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0], [-0.25, -9.0]])
+    losses, _ = policy_loss_of(new, new.detach(), torch.zeros(2), mask, per_token=token_level_kl, ref_logprobs=ref,
+                               kl_in_loss=True, kl_coef=0.1)
+    d = [[-0.5, 1.0], [0.25, None]]  # ref - new on the valid tokens; k3 = e^d - d - 1
+    k3 = [[math.exp(x) - x - 1 if x is not None else 0.0 for x in row] for row in d]
+    expected = [[0.1 * x for x in row] for row in k3] if token_level_kl else [0.1 * sum(row) for row in k3]
+    torch.testing.assert_close(losses.detach(), torch.tensor(expected))
+    losses.sum().backward()  # d k3 / d new = 1 - e^d: towards the reference
+    grad = [[0.1 * (1 - math.exp(x)) if x is not None else 0.0 for x in row] for row in d]
+    torch.testing.assert_close(new.grad, torch.tensor(grad))
+    # the reward has no KL then: rlhf_reward is the score, non_score_reward 0
+    rollout = rollout_of([[-1.0, -2.0], [-0.5, -9.0]], [[-1.5, -1.0], [-0.25, -1.0]], [[True, True], [True, False]], 1)
+    scores = torch.tensor([1.0, 2.0])
+    rloo.compute_advantages(rollout, scores, rloo.Args(rloo_k=2, kl_coef=0.1, kl_in_loss=True,
+                                                       token_level_kl=token_level_kl))
+    assert rollout.rlhf_reward.tolist() == [1.0, 2.0] and rollout.non_score_reward.abs().sum() == 0
+    with pytest.raises(plumbing.ConfigError, match="--kl_in_loss .* kl_coef 0 there is no reference"):
+        rloo.algorithm_checks(rloo.Args(kl_coef=0.0, kl_in_loss=True))
+
+
+def test_which_completions_count_in_the_loss_by_hand():
+    scores, has_stop = torch.tensor([1.0, 2.0, 2.0, 3.0]), torch.tensor([True, False, True, False])
+    assert rloo.completions_in_loss(scores, has_stop, rloo.Args(rloo_k=2)) is None  # all
+    kept = rloo.completions_in_loss(scores, has_stop, rloo.Args(rloo_k=2, mask_truncated_completions=True))
+    assert kept.tolist() == [True, False, True, False]  # the ones that stopped
 
 
 def test_the_missing_eos_penalty_and_truncation_by_hand():
@@ -367,7 +399,7 @@ def test_the_last_real_token_under_left_right_and_no_padding():
 def test_per_token_losses_are_zero_on_padding():
     new = torch.tensor([[-1.0, -2.0, 5.0]])  # the third entry is padding with a made-up log-prob
     old = torch.tensor([[-1.0, -1.0, 0.0]])
-    losses, _ = rloo.policy_loss(new, old, torch.tensor([2.0]), torch.tensor([[True, True, False]]), 0.2,
+    losses, _ = policy_loss_of(new, old, torch.tensor([2.0]), torch.tensor([[True, True, False]]), 0.2,
                                  per_token=True)
     # token 1: ratio e^-1 < 0.8, advantage 2 > 0: max(-2 e^-1, -2 * 0.8) = -2 e^-1
     assert losses[0].tolist() == pytest.approx([-2.0, -2 * math.exp(-1), 0.0])

@@ -10,7 +10,7 @@ import transformers
 
 import plumbing
 import rloo
-from conftest import policy_tokenizer, read_metrics, run_rloo, tiny_policy, tiny_reward_model
+from conftest import policy_loss_of, policy_tokenizer, read_metrics, run_rloo, tiny_policy, tiny_reward_model
 
 PROMPTS = ["a b c d e f :", "g :", "h i :"]  # 3 prompts of 7, 2 and 3 tokens
 
@@ -80,7 +80,7 @@ def test_logprobs_entropy_rewards_loss_and_gradients_equal_unshared(k, attention
     for share_prompt in (True, False):
         policy.zero_grad()
         logprobs, entropy = rloo.forward_logprobs(policy, c, 1.0, share_prompt, with_entropy=True)  # (k*B, Tr)
-        loss = rloo.policy_loss(logprobs, old, advantages, c.response_mask, 0.2, per_token=False)[0].mean()
+        loss = policy_loss_of(logprobs, old, advantages, c.response_mask, 0.2, per_token=False)[0].mean()
         loss.backward()
         results[share_prompt] = {
             "logprobs": logprobs.detach() * c.response_mask, "entropy": entropy * c.response_mask, "loss": loss.detach(),
@@ -297,7 +297,7 @@ def test_every_architecture_shares_exactly_or_says_it_does_not(family):
     for share_prompt in (True, False):
         policy.zero_grad()
         logprobs, entropy = rloo.forward_logprobs(policy, c, 1.0, share_prompt, with_entropy=True)  # (k*B, Tr)
-        loss = rloo.policy_loss(logprobs, torch.zeros(c.responses.shape), advantages, c.response_mask, 0.2,
+        loss = policy_loss_of(logprobs, torch.zeros(c.responses.shape), advantages, c.response_mask, 0.2,
                                 per_token=False)[0].mean()
         loss.backward()
         results[share_prompt] = {

@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 import plumbing
 import rloo
 import rloo_multinode
-from conftest import policy_tokenizer, prompt_rows, read_metrics, run_rloo, tiny_policy, tiny_reward_model
+from conftest import (policy_loss_of, policy_tokenizer, prompt_rows, read_metrics, run_rloo, tiny_policy,
+                      tiny_reward_model)
 from test_components import left_padded
 from test_shared_prompt import NO_AUTOCAST
 
@@ -337,8 +338,8 @@ ADVANTAGES = [-1.0, 1.0, 1.0, 1.0, -1.0]
 
 def hand_loss(cliprange_high=None, in_loss=None):
     new = torch.tensor(RATIOS).log()[:, None]  # (5, 1): one token each, so the sequence ratio is the token's
-    return rloo.policy_loss(new, torch.zeros(5, 1), torch.tensor(ADVANTAGES), torch.ones(5, 1, dtype=torch.bool),
-                            0.2, per_token=False, cliprange_high=cliprange_high, in_loss=in_loss)
+    return policy_loss_of(new, torch.zeros(5, 1), torch.tensor(ADVANTAGES), torch.ones(5, 1, dtype=torch.bool),
+                            0.2, per_token=False, epsilon_high=cliprange_high, in_loss=in_loss)
 
 
 def test_clip_higher_clips_the_ratio_to_1_minus_epsilon_and_1_plus_epsilon_high():
@@ -375,16 +376,16 @@ def test_masked_completions_have_no_loss_no_gradient_and_leave_the_statistics():
     in_loss = torch.tensor([True, True, False, True, False])  # completions 2 and 4 did not stop
     new = torch.tensor(RATIOS).log()[:, None].requires_grad_()
     entropy = torch.tensor([[1.0], [2.0], [30.0], [4.0], [50.0]])
-    losses, stats = rloo.policy_loss(new, torch.zeros(5, 1), torch.tensor(ADVANTAGES),
+    losses, stats = policy_loss_of(new, torch.zeros(5, 1), torch.tensor(ADVANTAGES),
                                      torch.ones(5, 1, dtype=torch.bool), 0.2, per_token=False, entropy=entropy,
-                                     cliprange_high=0.28, in_loss=in_loss)
+                                     epsilon_high=0.28, in_loss=in_loss)
     torch.testing.assert_close(losses.detach(), torch.tensor([0.8, -1.1, 0.0, -1.28, 0.0]))
     losses.sum().backward()
     assert new.grad[2].item() == 0 and new.grad[4].item() == 0 and new.grad[1].item() != 0
     assert stats["clip_ratio/high_mean"].item() == pytest.approx(1 / 3)  # over the 3 kept completions
     assert stats["entropy"].item() == pytest.approx((1 + 2 + 4) / 3)
     # per-token actions: the masked completions' tokens weigh 0 too
-    token_losses, _ = rloo.policy_loss(new.detach(), torch.zeros(5, 1), torch.tensor(ADVANTAGES),
+    token_losses, _ = policy_loss_of(new.detach(), torch.zeros(5, 1), torch.tensor(ADVANTAGES),
                                        torch.ones(5, 1, dtype=torch.bool), 0.2, per_token=True, in_loss=in_loss)
     assert token_losses[2].item() == 0 and token_losses[4].item() == 0 and token_losses[0].item() != 0
 

@@ -93,3 +93,18 @@ def test_an_update_does_not_depend_on_the_micro_batch_split(token_level_kl, micr
     assert runs[0]["stats"]["loss/policy_avg"] == pytest.approx(runs[1]["stats"]["loss/policy_avg"], rel=1e-5)
     stats = runs[0]["stats"]
     assert stats["val/ratio"] != 1.0 and stats["policy/clipfrac_avg"] > 0  # the second epoch clips
+
+
+@pytest.mark.parametrize("token_level_kl", [False, True])
+def test_kl_in_the_loss_trains_otherwise_and_the_same_on_policy_in_the_update(token_level_kl):
+    """--kl_in_loss: the KL leaves the reward for the loss, which changes the update; on-policy (the update's own
+    forward gives the old log-probs, ratio 1) it trains as the plain path does."""
+    _, c = sampled(2)
+    flags = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 3, "num_ppo_epochs": 1,
+             "token_level_kl": token_level_kl}
+    in_reward, in_loss = trained(True, c, False, **flags), trained(True, c, False, kl_in_loss=True, **flags)
+    assert not torch.allclose(in_loss["gpt_neox.embed_in.weight"], in_reward["gpt_neox.embed_in.weight"])
+    on_policy = trained(True, c, True, kl_in_loss=True, **flags)
+    for name, value in in_loss.items():
+        if name != "stats":
+            torch.testing.assert_close(on_policy[name], value, atol=1e-6, rtol=1e-5, msg=name)
