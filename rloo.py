@@ -372,8 +372,8 @@ def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = N
     initial_path = args.sft_model_path or args.model_name_or_path
     if tokenizer is None:
         tokenizer, _ = plumbing.prepare_tokenizer(args)
-    policy = plumbing.load_causal_lm(initial_path, torch.float32, args.trust_remote_code,
-                                     weights=None if args.use_peft else checkpoint)  # LoRA: the base, never trained
+    policy = plumbing.load_causal_lm(initial_path, torch.float32, args.trust_remote_code, None if args.use_peft else
+                                     checkpoint, **plumbing.policy_options(args))  # LoRA: the base, never trained
     plumbing.ensure_pad_token(tokenizer, args.pad_token, policy.get_input_embeddings().num_embeddings, tokenizer_path)
     policy.config.pad_token_id = tokenizer.pad_token_id
     stop_token_id = plumbing.stop_token_id_of(args, tokenizer, tokenizer_path)
@@ -387,9 +387,9 @@ def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = N
     if args.kl_coef != 0 and args.use_peft:
         ref_policy = plumbing.AdaptersOff(policy)
     elif args.kl_coef != 0:
-        frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
+        frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32  # loaded on resume: its own dtype, not fp32
         ref_policy = copy.deepcopy(policy) if checkpoint is None else \
-            plumbing.load_causal_lm(initial_path, frozen_dtype, args.trust_remote_code)  # its own dtype, not fp32
+            plumbing.load_causal_lm(initial_path, frozen_dtype, args.trust_remote_code, **plumbing.policy_options(args))
         plumbing.disable_dropout(ref_policy)
         ref_policy.to(frozen_home, frozen_dtype).eval().requires_grad_(False)
     if args.gradient_checkpointing:

@@ -142,10 +142,10 @@ TRAINING_ARGUMENTS = {  # transformers' TrainingArguments, as RLOOConfig inherit
 }
 TRL_RLOO_SCRIPT = {  # the `trl rloo` script's ModelConfig and ScriptArguments
     "model_name_or_path": (["models/policy"], ("model_name_or_path", "models/policy")),
-    "model_revision": (["v1.0"], REFUSED),
+    "model_revision": (["v1.0"], ("model_revision", "v1.0")),
     "dtype": (["bfloat16"], REFUSED),
     "torch_dtype": (["bfloat16"], REFUSED),
-    "attn_implementation": (["flash_attention_2"], REFUSED),
+    "attn_implementation": (["eager"], ("attn_implementation", "eager")),
     "use_peft": (["True"], ("use_peft", True)),
     "lora_r": (["8"], ("lora_r", 8)),
     "lora_alpha": (["16"], ("lora_alpha", 16)),
@@ -156,9 +156,9 @@ TRL_RLOO_SCRIPT = {  # the `trl rloo` script's ModelConfig and ScriptArguments
     "use_rslora": (["True"], ("use_rslora", True)),
     "use_dora": (["True"], ("use_dora", True)),
     "load_in_8bit": (["True"], REFUSED),
-    "load_in_4bit": (["True"], REFUSED),
-    "bnb_4bit_quant_type": (["nf4"], REFUSED),
-    "use_bnb_nested_quant": (["True"], REFUSED),
+    "load_in_4bit": (["True"], ("load_in_4bit", True)),
+    "bnb_4bit_quant_type": (["fp4"], ("bnb_4bit_quant_type", "fp4")),
+    "use_bnb_nested_quant": (["True"], ("use_bnb_nested_quant", True)),
     "dataset_name": (["trl-lib/ultrafeedback-prompt"], ("dataset_name", "trl-lib/ultrafeedback-prompt")),
     "dataset_config": (["default"], ("dataset_config", "default")),
     "dataset_train_split": (["train"], ("dataset_train_split", "train")),
@@ -275,8 +275,10 @@ def test_trl_forms_of_values():
 @pytest.mark.parametrize("argv,message", [
     (["--reward_funcs", "accuracy_reward"], "TRL's built-in reward functions are not here"),
     (["--report_to", "tensorboard"], "pass --report_to wandb or none"),
-    (["--dtype", "float16"], "master weights are fp32"),
-    (["--load_in_4bit"], "4-bit (QLoRA)"),
+    (["--dtype", "float16"], "fp32 master weights"),
+    (["--dtype=bfloat16"], "pass --bf16 instead"),
+    (["--torch_dtype", "bfloat16"], "pass --bf16 instead"),
+    (["--load_in_8bit"], "--load_in_4bit with --use_peft"),
     (["--fsdp", "shard_grad_op"], "--fsdp shards weights, gradients and optimizer state"),
 ])
 def test_trl_values_with_no_meaning_here_are_refused_with_the_reason(argv, message, capsys):
