@@ -35,6 +35,7 @@ import importlib.util
 import inspect
 import itertools
 import json
+import logging
 import math
 import numbers
 import os
@@ -241,7 +242,8 @@ class RunArgs(InputArgs):
     num_sample_generations: int = 10
     """times per run a table of query / response / score is printed (and logged to wandb)"""
     logging_steps: int = 1
-    """the console line every this many updates (metrics.jsonl and wandb get every update's metrics)"""
+    """the console line every this many updates (metrics.jsonl and wandb get every update's metrics); with --max_steps,
+    optimizer steps, as TRL >= 0.22 counts (update_intervals)"""
     num_evals: int = 4
     """evaluations on --dataset_test_split, spread evenly over the run, the last at its end; plus one of the initial
     policy before the first update (not repeated on resume)"""
@@ -250,8 +252,8 @@ class RunArgs(InputArgs):
 
     # ----- checkpoints and faults -----
     save_steps: int = 0
-    """write a resumable checkpoint to output_dir/checkpoints/step_<update> every this many updates
-    (0: only at the end, or when a signal stops the run)"""
+    """write a resumable checkpoint to output_dir/checkpoints/step_<update> every this many updates (TRL <= 0.21's
+    unit; with --max_steps, optimizer steps, TRL >= 0.22's: update_intervals) (0: only at the end, or on a signal)"""
     save_strategy: Literal["steps", "no"] = "steps"
     """steps: a checkpoint every --save_steps updates; no: none but the last one (as TRL's `no`, with --save_steps 0)"""
     save_total_limit: Optional[int] = None
@@ -363,6 +365,21 @@ def validate_args(args) -> None:
     if args.fsdp and "RANK" not in os.environ:
         raise ConfigError("--fsdp shards the policy over torchrun's processes: launch with torchrun")
     check_model_options(args)
+
+
+def update_intervals(args, steps_per_update: int) -> tuple[int, int]:
+    """--save_steps and --logging_steps in updates. They count updates, as in TRL <= 0.21, whose names the flags keep;
+    but a command that sets the run's length with --max_steps counts in optimizer steps, as TRL >= 0.22's Trainer
+    does (an update is num_ppo_epochs x num_mini_batches of them), and so do its --save_steps and --logging_steps
+    (a checkpoint needs a whole update: a multiple of it; a console line comes at the first update that reaches
+    the step)."""
+    if args.max_steps is None:
+        return args.save_steps, args.logging_steps
+    if args.save_steps % steps_per_update:
+        raise ConfigError(f"--save_steps {args.save_steps} counts optimizer steps with --max_steps (TRL >= 0.22's "
+                          f"unit), and a checkpoint comes after a whole update of {steps_per_update} steps "
+                          f"(num_ppo_epochs x num_mini_batches): pass a multiple of {steps_per_update}")
+    return args.save_steps // steps_per_update, math.ceil(args.logging_steps / steps_per_update)
 
 
 ATTENTION_REFUSED = {  # transformers' attention implementations that rloo.py cannot run, and why
@@ -833,19 +850,25 @@ def load_prompts(args, tokenizer, vocab_size: Optional[int], prompt_token_ids: C
 
 
 # ===================================================================== models: files, kernels, LoRA, sharing, caches
-def _from_pretrained(loader: Callable, path: str, what: str, **kwargs):
-    """loader(path, **kwargs), the one boundary of a model, tokenizer or config (reading): whatever it raises is one
-    line naming it. transformers' load report is not printed: newly_initialized says what matters in it."""
+@contextlib.contextmanager
+def transformers_quiet():
+    """transformers' warnings unprinted (its errors still raise)."""
     import transformers
 
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
-        with reading(f"could not load {what} from {path!r}",
-                     "without network, pass a local directory written by save_pretrained"):
-            return loader(path, **kwargs)
+        yield
     finally:
         transformers.logging.set_verbosity(verbosity)
+
+
+def _from_pretrained(loader: Callable, path: str, what: str, **kwargs):
+    """loader(path, **kwargs), the one boundary of a model, tokenizer or config (reading): whatever it raises is one
+    line naming it. transformers' load report is not printed: newly_initialized says what matters in it."""
+    with transformers_quiet(), reading(f"could not load {what} from {path!r}",
+                                       "without network, pass a local directory written by save_pretrained"):
+        return loader(path, **kwargs)
 
 
 def newly_initialized(loaded: tuple, what: str, path: str, fix: str):
@@ -947,6 +970,8 @@ def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool, weigh
     code to run. `options`: from_pretrained's (policy_options: attention, quantization)."""
     from transformers import AutoModelForCausalLM
 
+    if options.get("quantization_config") is not None:  # bitsandbytes' warning, on its import, that an optional
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # bf16 CPU kernel is missing: one we never use
     if weights is None:
         model = newly_initialized(_from_pretrained(
             AutoModelForCausalLM.from_pretrained, path, "policy", dtype=dtype, trust_remote_code=trust_remote_code,
@@ -1030,7 +1055,9 @@ def save_merged_policy(args, config, tokenizer) -> None:
     merged_dir = Path(args.output_dir) / MERGED
     base = load_causal_lm(args.sft_model_path or args.model_name_or_path, torch.float32, args.trust_remote_code,
                           **policy_options(args))
-    base = base.dequantize() if args.load_in_4bit else base
+    if args.load_in_4bit:
+        with transformers_quiet():  # its note that it dequantizes: what was asked for
+            base = base.dequantize()
     merged = PeftModel.from_pretrained(base, args.output_dir).merge_and_unload()
     merged.config.pad_token_id = config.pad_token_id
     try:
@@ -1974,7 +2001,7 @@ class RunLogger:
                  ("eps", "eps"))
 
     def __init__(self, args, run_name: str, num_updates: int, start_update: int, wandb_run_id: Optional[str],
-                 run_id: Optional[str] = None):
+                 run_id: Optional[str] = None, logging_steps: Optional[int] = None):
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -1993,7 +2020,7 @@ class RunLogger:
                                  console=self.console, transient=True)
         self.task = self.progress.add_task("updates", total=num_updates, completed=start_update)
         self.progress.start()
-        self.num_updates, self.logging_steps = num_updates, args.logging_steps
+        self.num_updates, self.logging_steps = num_updates, logging_steps or args.logging_steps  # in updates
         self.run_id = run_id  # on every metrics.jsonl line: a line of another run is never taken for this one's
         self.mismatch_warned = False
         self.curves = CurvesSink(self.metrics_path, lambda line: self.console.print(line, highlight=False,
@@ -2496,16 +2523,17 @@ def file_digests(root: Path, names: Optional[list[str]] = None) -> dict[str, Opt
     return digests
 
 
-def model_identity(path: str) -> dict:
+def model_identity(path: str, revision: str = "main") -> dict:
     """What a model is: a local directory's files (top level, hidden ones aside) with their sha256, or a Hub
-    model's revision: the commit of the snapshot it loads from. Collective when distributed (file_digests)."""
+    model's revision: the commit of the snapshot it loads from (at --model_revision for the policy). Collective when
+    distributed (file_digests)."""
     root = Path(path)
     if root.is_dir():
         names = sorted(p.name for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
         return {"files": file_digests(root, rank0_view(names))}
     from transformers.utils import cached_file
 
-    config = _from_pretrained(cached_file, path, "policy", filename="config.json")  # .../snapshots/<commit>/
+    config = _from_pretrained(cached_file, path, "policy", filename="config.json", revision=revision)  # .../<commit>/
     return {"revision": Path(config).parent.name}
 
 
@@ -2529,12 +2557,12 @@ def run_inputs(args, reward_functions: list[tuple[str, Callable]] = ()) -> dict[
     return inputs
 
 
-def input_identity(value: str, path: Optional[Path], model: bool) -> dict:
+def input_identity(value: str, path: Optional[Path], model: bool, revision: str = "main") -> dict:
     """What an input is, to tell on resume whether it changed: a model as model_identity says; a local file or
     directory by its files' sha256 (every file, at any depth); a Hub dataset or a module without a source file by
     its name. The resolved path is kept to report a move, but not compared."""
     if model:
-        identity = model_identity(value)
+        identity = model_identity(value, revision)
     elif path is None:
         identity = {"name": value}
     elif path.is_dir():
@@ -2546,7 +2574,9 @@ def input_identity(value: str, path: Optional[Path], model: bool) -> dict:
 
 def input_identities(args, reward_functions: list[tuple[str, Callable]] = ()) -> dict[str, dict]:
     """Every input's identity (input_identity), by its name in run_inputs. Collective when distributed."""
-    return {name: input_identity(value, path, name.endswith("model_path") or name == "model_name_or_path")
+    policy = ("model_name_or_path", "sft_model_path")  # where --model_revision applies
+    return {name: input_identity(value, path, name.endswith("model_path") or name == "model_name_or_path",
+                                 args.model_revision if name in policy else "main")
             for name, (value, path) in run_inputs(args, reward_functions).items()}
 
 

@@ -1437,6 +1437,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         plumbing.check_reward_function_arguments(reward_functions, [
             (args.dataset_name, dataset), (args.dataset_test_split, eval_dataset)], args.prompt_column)
         steps_per_update = args.num_ppo_epochs * sizes.minibatches  # optimizer steps
+        save_every, log_every = plumbing.update_intervals(args, steps_per_update)  # --save_steps, --logging_steps
         episodes = args.total_episodes or int(args.num_train_epochs * len(dataset))
         num_updates = args.max_steps // steps_per_update if args.max_steps else math.ceil(episodes / sizes.all_ranks)
         if num_updates < 1:  # a tiny --num_train_epochs: saving the input weights as a finished run would hide it
@@ -1483,7 +1484,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         notes = (checkpoints.notes() if master else []) + notes  # output_dir settled for this run's timeline
         run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
         logger = plumbing.RunLogger(args, run_name, num_updates, checkpoints.start_update, checkpoints.wandb_run_id,
-                                    checkpoints.run_id) if master else None
+                                    checkpoints.run_id, log_every) if master else None
         checkpoints.wandb_run_id = logger and logger.wandb_run_id  # saved with each checkpoint, for a resume
         if logger is not None:
             if args.use_peft:
@@ -1611,7 +1612,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
             if update in eval_at:
                 evaluation(update, episode)
             stop = stop_signal.requested(device)  # on every rank as soon as any rank got a signal
-            if stop or update == num_updates or (args.save_steps > 0 and update % args.save_steps == 0):
+            if stop or update == num_updates or (save_every > 0 and update % save_every == 0):
                 checkpoints.save(update, data_position())
             if stop:
                 checkpoints.stopped(logger, f"{stop_signal.name or 'a signal to another rank'} received: stopped "
