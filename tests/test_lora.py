@@ -203,6 +203,15 @@ def test_plan_memory_counts_the_adapters_state_and_no_reference(assets):
     assert full["reference policy"] == 4 * plan_memory.model_shape(args.model_name_or_path, False, False).parameters
 
 
+def test_plan_memory_refuses_a_4bit_base_it_would_count_in_fp32(assets):
+    import plan_memory
+
+    args = plan_memory.PlanArgs(model_name_or_path=str(assets["policy"]), reward_fn=("m:f",), use_peft=True,
+                                load_in_4bit=True)
+    with pytest.raises(plumbing.ConfigError, match="plan without the flag for an upper bound"):
+        plan_memory.validate_plan_args(args)
+
+
 def test_an_adapter_that_does_not_match_the_flags_is_refused_and_a_matching_one_loads_exactly(assets, tmp_path):
     policy, _, tokenizer, _ = rloo.load_policy(lora_args(assets), torch.device("cpu"))
     with torch.no_grad():
