@@ -157,7 +157,7 @@ class Args(plumbing.RunArgs):
     """completions to train on, all ranks together; None is num_train_epochs x the number of prompts"""
     max_steps: Optional[int] = None
     """optimizer steps of the run (TRL's Trainer), a multiple of num_ppo_epochs x num_mini_batches (an update's);
-    replaces --total_episodes"""
+    replaces --total_episodes; --save_steps and --logging_steps then count optimizer steps too, as TRL's do"""
     num_train_epochs: float = 1.0
     """used only when --total_episodes is None"""
     per_device_train_batch_size: int = 8
