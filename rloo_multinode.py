@@ -738,8 +738,9 @@ class HFEngine:
 def vllm_engine_kwargs(args: Args, index: int, backend: str) -> dict:
     """vLLM's LLM(...) arguments for engine `index`, taking weights over `backend`."""
     colocated = args.vllm_mode == "colocate"
-    kwargs = {"model": args.sft_model_path or args.model_name_or_path, "revision": args.model_revision,
-              "tokenizer_revision": args.model_revision,
+    revision = None if args.model_revision == "main" else args.model_revision  # None: vLLM's default, main
+    kwargs = {"model": args.sft_model_path or args.model_name_or_path, "revision": revision,
+              "tokenizer_revision": revision,
               "dtype": dtype_name(engine_dtype(args)), "seed": args.seed + index,
               "tensor_parallel_size": args.vllm_tensor_parallel_size,
               "gpu_memory_utilization": args.vllm_gpu_memory_utilization or (0.3 if colocated else 0.9),
