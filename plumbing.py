@@ -349,6 +349,9 @@ def validate_args(args) -> None:
     elif args.load_in_4bit:
         raise ConfigError("--load_in_4bit quantizes a base that LoRA adapters train on (QLoRA), and a 4-bit model "
                           "cannot train itself: add --use_peft")
+    elif args.use_rslora or args.use_dora:
+        raise ConfigError(f"--{'use_rslora' if args.use_rslora else 'use_dora'} is a kind of LoRA adapter: add "
+                          "--use_peft")
     if args.load_in_4bit:
         if importlib.util.find_spec("bitsandbytes") is None:
             raise ConfigError("--load_in_4bit quantizes the base with bitsandbytes, which is not installed: pip "
@@ -359,9 +362,6 @@ def validate_args(args) -> None:
     elif args.bnb_4bit_quant_type != "nf4" or args.use_bnb_nested_quant:
         raise ConfigError(f"--{'use_bnb_nested_quant' if args.use_bnb_nested_quant else 'bnb_4bit_quant_type'} is "
                           "an option of the 4-bit base: add --load_in_4bit (with --use_peft)")
-    elif args.use_rslora or args.use_dora:
-        raise ConfigError(f"--{'use_rslora' if args.use_rslora else 'use_dora'} is a kind of LoRA adapter: add "
-                          "--use_peft")
     if args.fsdp and "RANK" not in os.environ:
         raise ConfigError("--fsdp shards the policy over torchrun's processes: launch with torchrun")
     check_model_options(args)

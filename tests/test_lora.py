@@ -319,6 +319,12 @@ def test_qlora_flags_that_clash_are_refused(assets, flags, message):
         plumbing.validate_args(lora_args(assets, **flags))
 
 
+@pytest.mark.parametrize("flags", [{}, {"use_dora": True}, {"use_rslora": True, "merge_lora": True},
+                                   {"bnb_4bit_quant_type": "nf4", "use_bnb_nested_quant": False}])
+def test_lora_flags_without_a_4bit_base_pass_the_checks(assets, flags):
+    plumbing.validate_args(lora_args(assets, **flags))
+
+
 def test_load_in_4bit_without_bitsandbytes_is_one_line_naming_the_fix(assets, tmp_path, monkeypatch):
     real = plumbing.importlib.util.find_spec
     monkeypatch.setattr(plumbing.importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes"
