@@ -68,6 +68,9 @@ class PlanArgs(rloo.Args):
 
 def validate_plan_args(args: PlanArgs) -> None:
     """rloo.py's checks, and the machine's numbers: a verdict on 0 GPUs or nan GiB would mean nothing."""
+    if args.load_in_4bit:
+        raise plumbing.ConfigError("--load_in_4bit: the planner counts the base's weights in fp32 (4 bytes each), not "
+                                   "in 4 bits (about 0.5): plan without the flag for an upper bound")
     plumbing.validate_args(args)
     for name, value, allowed, requirement in [
         ("world_size", args.world_size, args.world_size >= 1, "at least 1 (the number of GPUs)"),

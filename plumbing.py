@@ -31,10 +31,11 @@ import fnmatch
 import functools
 import gc
 import hashlib
-import importlib
+import importlib.util
 import inspect
 import itertools
 import json
+import logging
 import math
 import numbers
 import os
@@ -125,6 +126,12 @@ class InputArgs:
     must fit the embedding matrix. None refuses tokenizers without a pad token"""
     bf16: bool = False
     """bf16 autocast for every forward pass; fp32 master weights and optimizer; frozen models stored in bf16"""
+    model_revision: str = "main"
+    """the Hub revision (branch, tag or commit) of the policy, its tokenizer and its reference, where
+    --model_name_or_path / --sft_model_path is a Hub id (TRL's); a local directory is refused with another revision"""
+    attn_implementation: Optional[str] = None
+    """transformers' attention of the policy and the reward model: sdpa or eager (grouped rows need a 4D mask);
+    None: transformers' default (sdpa where the model has it)"""
 
     # ----- data -----
     dataset_name: str = "trl-internal-testing/tldr-preference-sft-trl-style"
@@ -222,13 +229,21 @@ class RunArgs(InputArgs):
     """weight-decomposed LoRA (DoRA, peft's use_dora): a trained magnitude per output beside the adapters"""
     merge_lora: bool = False
     """with --use_peft: also write the base with the adapters merged in, in transformers' format (fp32), to
-    output_dir/merged at the end"""
+    output_dir/merged at the end (with --load_in_4bit: the 4-bit base dequantized to fp32, the function trained)"""
+    load_in_4bit: bool = False
+    """QLoRA: with --use_peft, the base (which is also the reference) is quantized to 4 bits by bitsandbytes at load
+    time; the adapters train in fp32 on it. The reward model stays as --bf16 says"""
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = "nf4"
+    """the 4-bit data type of --load_in_4bit"""
+    use_bnb_nested_quant: bool = False
+    """with --load_in_4bit: quantize the quantization constants too (double quantization, ~0.4 bits per weight less)"""
 
     # ----- samples and evaluation -----
     num_sample_generations: int = 10
     """times per run a table of query / response / score is printed (and logged to wandb)"""
     logging_steps: int = 1
-    """the console line every this many updates (metrics.jsonl and wandb get every update's metrics)"""
+    """the console line every this many updates (metrics.jsonl and wandb get every update's metrics); with --max_steps,
+    optimizer steps, as TRL >= 0.22 counts (update_intervals)"""
     num_evals: int = 4
     """evaluations on --dataset_test_split, spread evenly over the run, the last at its end; plus one of the initial
     policy before the first update (not repeated on resume)"""
@@ -237,8 +252,8 @@ class RunArgs(InputArgs):
 
     # ----- checkpoints and faults -----
     save_steps: int = 0
-    """write a resumable checkpoint to output_dir/checkpoints/step_<update> every this many updates
-    (0: only at the end, or when a signal stops the run)"""
+    """write a resumable checkpoint to output_dir/checkpoints/step_<update> every this many updates (TRL <= 0.21's
+    unit; with --max_steps, optimizer steps, TRL >= 0.22's: update_intervals) (0: only at the end, or on a signal)"""
     save_strategy: Literal["steps", "no"] = "steps"
     """steps: a checkpoint every --save_steps updates; no: none but the last one (as TRL's `no`, with --save_steps 0)"""
     save_total_limit: Optional[int] = None
@@ -331,11 +346,94 @@ def validate_args(args) -> None:
                               f"{args.lora_dropout}: the rank must be >= 1, alpha > 0 and dropout in [0, 1)")
     elif args.merge_lora:
         raise ConfigError("--merge_lora merges LoRA adapters into the base: add --use_peft")
+    elif args.load_in_4bit:
+        raise ConfigError("--load_in_4bit quantizes a base that LoRA adapters train on (QLoRA), and a 4-bit model "
+                          "cannot train itself: add --use_peft")
     elif args.use_rslora or args.use_dora:
         raise ConfigError(f"--{'use_rslora' if args.use_rslora else 'use_dora'} is a kind of LoRA adapter: add "
                           "--use_peft")
+    if args.load_in_4bit:
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError("--load_in_4bit quantizes the base with bitsandbytes, which is not installed: pip "
+                              "install bitsandbytes (or drop the flag)")
+        if args.bf16_generation:
+            raise ConfigError("--bf16_generation samples from a bf16 copy of the policy, but a --load_in_4bit base "
+                              "is 4-bit: drop --bf16_generation (the 4-bit base samples as it trains)")
+    elif args.bnb_4bit_quant_type != "nf4" or args.use_bnb_nested_quant:
+        raise ConfigError(f"--{'use_bnb_nested_quant' if args.use_bnb_nested_quant else 'bnb_4bit_quant_type'} is "
+                          "an option of the 4-bit base: add --load_in_4bit (with --use_peft)")
     if args.fsdp and "RANK" not in os.environ:
         raise ConfigError("--fsdp shards the policy over torchrun's processes: launch with torchrun")
+    check_model_options(args)
+
+
+def update_intervals(args, steps_per_update: int) -> tuple[int, int]:
+    """--save_steps and --logging_steps in updates. They count updates, as in TRL <= 0.21, whose names the flags keep;
+    but a command that sets the run's length with --max_steps counts in optimizer steps, as TRL >= 0.22's Trainer
+    does (an update is num_ppo_epochs x num_mini_batches of them), and so do its --save_steps and --logging_steps
+    (a checkpoint needs a whole update: a multiple of it; a console line comes at the first update that reaches
+    the step)."""
+    if args.max_steps is None:
+        return args.save_steps, args.logging_steps
+    if args.save_steps % steps_per_update:
+        raise ConfigError(f"--save_steps {args.save_steps} counts optimizer steps with --max_steps (TRL >= 0.22's "
+                          f"unit), and a checkpoint comes after a whole update of {steps_per_update} steps "
+                          f"(num_ppo_epochs x num_mini_batches): pass a multiple of {steps_per_update}")
+    return args.save_steps // steps_per_update, math.ceil(args.logging_steps / steps_per_update)
+
+
+ATTENTION_REFUSED = {  # transformers' attention implementations that rloo.py cannot run, and why
+    "flash_attention_2": "takes no 4D mask, and rloo.py's grouped rows (each prompt computed once for its k "
+                         "completions, in every forward pass) need one",
+    "flash_attention_3": "takes no 4D mask, and rloo.py's grouped rows (each prompt computed once for its k "
+                         "completions, in every forward pass) need one",
+    "flex_attention": "builds its own block mask from the mask it is given, and rloo.py's grouped rows crashed "
+                      "it (heap corruption, torch 2.13 on CPU): a crash the start-up check of prompt sharing cannot "
+                      "turn into a note",
+    "paged_attention": "is for transformers' continuous batching; rloo.py samples with its own KV-cache loop",
+}
+
+
+def check_model_options(args) -> None:
+    """--attn_implementation and --model_revision, before anything loads."""
+    implementation = args.attn_implementation
+    if implementation is not None and implementation not in ("sdpa", "eager"):
+        why = ATTENTION_REFUSED.get(implementation.removeprefix("paged|"),
+                                    "is a kernel from the Hub: code chosen by the network" if "/" in implementation
+                                    else "is not one of transformers' attention implementations")
+        raise ConfigError(f"--attn_implementation {implementation} {why}: pass sdpa or eager (or leave it out)")
+    if args.model_revision != "main":
+        for flag in ("model_name_or_path", "sft_model_path"):
+            path = getattr(args, flag)
+            if path is not None and Path(path).exists():
+                raise ConfigError(f"--model_revision {args.model_revision} names a Hub revision, but --{flag} {path} "
+                                  "is a local path, which has no revisions (transformers would ignore it): check "
+                                  "the revision out there, or download it (hf download MODEL --revision R "
+                                  "--local-dir DIR), and drop --model_revision")
+        if args.reward_model_path is not None and not Path(args.reward_model_path).exists():
+            raise ConfigError(f"--model_revision {args.model_revision} pins the policy's revision; TRL loads a reward "
+                              f"model named by Hub id ({args.reward_model_path}) at that revision too, this project "
+                              "does not: download the reward model's revision (hf download MODEL --revision R "
+                              "--local-dir DIR) and pass --reward_model_path DIR")
+
+
+def quantization_config(args):
+    """transformers' BitsAndBytesConfig of --load_in_4bit (TRL's get_quantization_config), None without it. The
+    adapters compute in fp32, as the base's other weights are (--bf16 autocasts both)."""
+    if not args.load_in_4bit:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type,
+                              bnb_4bit_use_double_quant=args.use_bnb_nested_quant,
+                              bnb_4bit_compute_dtype=torch.float32)
+
+
+def policy_options(args) -> dict:
+    """from_pretrained's arguments for the policy's base (TRL's model_init_kwargs): its revision, attention and
+    4-bit quantization."""
+    options = {"revision": args.model_revision, "attn_implementation": args.attn_implementation}
+    return options | ({"quantization_config": quantization_config(args)} if args.load_in_4bit else {})
 
 
 # ===================================================================== distributed: ranks, FSDP2, all-reduce
@@ -752,19 +850,25 @@ def load_prompts(args, tokenizer, vocab_size: Optional[int], prompt_token_ids: C
 
 
 # ===================================================================== models: files, kernels, LoRA, sharing, caches
-def _from_pretrained(loader: Callable, path: str, what: str, **kwargs):
-    """loader(path, **kwargs), the one boundary of a model, tokenizer or config (reading): whatever it raises is one
-    line naming it. transformers' load report is not printed: newly_initialized says what matters in it."""
+@contextlib.contextmanager
+def transformers_quiet():
+    """transformers' warnings unprinted (its errors still raise)."""
     import transformers
 
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
-        with reading(f"could not load {what} from {path!r}",
-                     "without network, pass a local directory written by save_pretrained"):
-            return loader(path, **kwargs)
+        yield
     finally:
         transformers.logging.set_verbosity(verbosity)
+
+
+def _from_pretrained(loader: Callable, path: str, what: str, **kwargs):
+    """loader(path, **kwargs), the one boundary of a model, tokenizer or config (reading): whatever it raises is one
+    line naming it. transformers' load report is not printed: newly_initialized says what matters in it."""
+    with transformers_quiet(), reading(f"could not load {what} from {path!r}",
+                                       "without network, pass a local directory written by save_pretrained"):
+        return loader(path, **kwargs)
 
 
 def newly_initialized(loaded: tuple, what: str, path: str, fix: str):
@@ -796,10 +900,11 @@ def ensure_pad_token(tokenizer, pad_token: Optional[str], embedding_rows: int, n
         )
 
 
-def load_config(path: str, what: str, trust_remote_code: bool):
+def load_config(path: str, what: str, trust_remote_code: bool, revision: str = "main"):
     from transformers import AutoConfig
 
-    return _from_pretrained(AutoConfig.from_pretrained, path, what, trust_remote_code=trust_remote_code)
+    return _from_pretrained(AutoConfig.from_pretrained, path, what, trust_remote_code=trust_remote_code,
+                            revision=revision)
 
 
 REWARD_MODEL_FIX = ("pass a reward model trained and saved as an AutoModelForSequenceClassification with num_labels=1, "
@@ -846,7 +951,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "spiece.model", "sentencepiece.bpe.model")
 
 
-def load_tokenizer(path: str, trust_remote_code: bool):
+def load_tokenizer(path: str, trust_remote_code: bool, revision: str = "main"):
     from transformers import AutoTokenizer
 
     if Path(path).is_dir() and not any((Path(path) / name).exists() for name in TOKENIZER_FILES):
@@ -854,28 +959,41 @@ def load_tokenizer(path: str, trust_remote_code: bool):
         raise ConfigError(f"{path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES[:3])}, ...): save the "
                           "model's tokenizer there (tokenizer.save_pretrained(path))")
     return _from_pretrained(
-        AutoTokenizer.from_pretrained, path, "tokenizer", padding_side="left", trust_remote_code=trust_remote_code
-    )
+        AutoTokenizer.from_pretrained, path, "tokenizer", padding_side="left", trust_remote_code=trust_remote_code,
+        revision=revision)
 
 
-def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool, weights: Optional[Path] = None):
-    """The model at `path`; with `weights` (a checkpoint), only its weights, in safetensors, come from there: the
-    architecture and any remote code still come from `path`, so that a checkpoint can choose no code to run."""
+def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool, weights: Optional[Path] = None,
+                   revision: str = "main", **options):
+    """The model at `path` (at that Hub revision); with `weights` (a checkpoint), only its weights, in safetensors,
+    come from there: the architecture and any remote code still come from `path`, so that a checkpoint can choose no
+    code to run. `options`: from_pretrained's (policy_options: attention, quantization)."""
     from transformers import AutoModelForCausalLM
 
+    if options.get("quantization_config") is not None:  # bitsandbytes' warning, on its import, that an optional
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # bf16 CPU kernel is missing: one we never use
     if weights is None:
-        return newly_initialized(_from_pretrained(
+        model = newly_initialized(_from_pretrained(
             AutoModelForCausalLM.from_pretrained, path, "policy", dtype=dtype, trust_remote_code=trust_remote_code,
-            output_loading_info=True), "policy", path, POLICY_FIX)
-    config = load_config(path, "policy", trust_remote_code)
-    with torch.device("meta"):  # the class only: nothing allocated
-        model_class = type(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
-    return newly_initialized(_from_pretrained(
-        model_class.from_pretrained, str(weights), "policy", config=config, dtype=dtype, use_safetensors=True,
-        output_loading_info=True), "checkpoint", str(weights), "resume from an intact checkpoint (--resume_from)")
+            revision=revision, output_loading_info=True, **options), "policy", path, POLICY_FIX)
+    else:
+        config = load_config(path, "policy", trust_remote_code, revision)
+        with torch.device("meta"):  # the class only: nothing allocated
+            model_class = type(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
+        model = newly_initialized(_from_pretrained(
+            model_class.from_pretrained, str(weights), "policy", config=config, dtype=dtype, use_safetensors=True,
+            output_loading_info=True, **options), "checkpoint", str(weights),
+            "resume from an intact checkpoint (--resume_from)")
+    for module in model.modules():  # bitsandbytes' 4-bit layers: on a CPU with AVX512-BF16 a forward without
+        if hasattr(module, "support_avx512bf16_for_cpu"):  # gradient repacks the weights for a bf16 kernel, so
+            module.support_avx512bf16_for_cpu = False  # the sampler would see another base than the trainer
+    return model
 
 
-def load_reward_model(path: str, dtype: torch.dtype, trust_remote_code: bool):
+def load_reward_model(path: str, dtype: torch.dtype, trust_remote_code: bool,
+                      attn_implementation: Optional[str] = None):
+
+
     from transformers import AutoModelForSequenceClassification
 
     model = newly_initialized(_from_pretrained(
@@ -885,6 +1003,7 @@ def load_reward_model(path: str, dtype: torch.dtype, trust_remote_code: bool):
         num_labels=1,
         dtype=dtype,
         trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
         output_loading_info=True,
     ), "reward model", path, REWARD_MODEL_FIX)
     if not hasattr(model, "score"):
@@ -906,8 +1025,9 @@ def prepare_tokenizer(args):
     checked from the models' configs before any weights load: the pad and stop token ids fit the vocabulary, the
     reward model's head gives one score."""
     tokenizer_path = args.model_name_or_path or args.sft_model_path
-    tokenizer = load_tokenizer(tokenizer_path, args.trust_remote_code)
-    config = load_config(args.sft_model_path or args.model_name_or_path, "policy", args.trust_remote_code)
+    tokenizer = load_tokenizer(tokenizer_path, args.trust_remote_code, args.model_revision)
+    config = load_config(args.sft_model_path or args.model_name_or_path, "policy", args.trust_remote_code,
+                         args.model_revision)
     vocab_size = getattr(config.get_text_config(), "vocab_size", None)
     if vocab_size is not None:
         ensure_pad_token(tokenizer, args.pad_token, vocab_size, tokenizer_path)
@@ -927,11 +1047,17 @@ def prepare_tokenizer(args):
 
 def save_merged_policy(args, config, tokenizer) -> None:
     """--merge_lora: the base with output_dir's final adapter merged in by peft (a fresh fp32 copy of the base, in
-    CPU memory), in transformers' format with the tokenizer, at output_dir/merged; loads without peft."""
+    CPU memory), in transformers' format with the tokenizer, at output_dir/merged; loads without peft. A
+    --load_in_4bit base is quantized again and dequantized to fp32 (exactly the 4-bit weights), so that the merged
+    model computes what trained: merging into the original weights would drop the quantization the adapters saw."""
     from peft import PeftModel
 
     merged_dir = Path(args.output_dir) / MERGED
-    base = load_causal_lm(args.sft_model_path or args.model_name_or_path, torch.float32, args.trust_remote_code)
+    base = load_causal_lm(args.sft_model_path or args.model_name_or_path, torch.float32, args.trust_remote_code,
+                          **policy_options(args))
+    if args.load_in_4bit:
+        with transformers_quiet():  # its note that it dequantizes: what was asked for
+            base = base.dequantize()
     merged = PeftModel.from_pretrained(base, args.output_dir).merge_and_unload()
     merged.config.pad_token_id = config.pad_token_id
     try:
@@ -1304,7 +1430,7 @@ def load_reward_sources(args, tokenizer, functions: list[tuple[str, Callable]], 
     if args.reward_model_path is not None:
         seed_everything(args.seed)  # a head missing from the checkpoint starts alike on every rank and resume
         model = load_reward_model(args.reward_model_path, torch.bfloat16 if args.bf16 else torch.float32,
-                                  args.trust_remote_code)
+                                  args.trust_remote_code, args.attn_implementation)
         disable_dropout(model)
         model = model.to("cpu" if args.offload else device).eval().requires_grad_(False)
         try:
@@ -1875,7 +2001,7 @@ class RunLogger:
                  ("eps", "eps"))
 
     def __init__(self, args, run_name: str, num_updates: int, start_update: int, wandb_run_id: Optional[str],
-                 run_id: Optional[str] = None):
+                 run_id: Optional[str] = None, logging_steps: Optional[int] = None):
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -1894,7 +2020,7 @@ class RunLogger:
                                  console=self.console, transient=True)
         self.task = self.progress.add_task("updates", total=num_updates, completed=start_update)
         self.progress.start()
-        self.num_updates, self.logging_steps = num_updates, args.logging_steps
+        self.num_updates, self.logging_steps = num_updates, logging_steps or args.logging_steps  # in updates
         self.run_id = run_id  # on every metrics.jsonl line: a line of another run is never taken for this one's
         self.mismatch_warned = False
         self.curves = CurvesSink(self.metrics_path, lambda line: self.console.print(line, highlight=False,
@@ -2397,16 +2523,17 @@ def file_digests(root: Path, names: Optional[list[str]] = None) -> dict[str, Opt
     return digests
 
 
-def model_identity(path: str) -> dict:
+def model_identity(path: str, revision: str = "main") -> dict:
     """What a model is: a local directory's files (top level, hidden ones aside) with their sha256, or a Hub
-    model's revision: the commit of the snapshot it loads from. Collective when distributed (file_digests)."""
+    model's revision: the commit of the snapshot it loads from (at --model_revision for the policy). Collective when
+    distributed (file_digests)."""
     root = Path(path)
     if root.is_dir():
         names = sorted(p.name for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
         return {"files": file_digests(root, rank0_view(names))}
     from transformers.utils import cached_file
 
-    config = _from_pretrained(cached_file, path, "policy", filename="config.json")  # .../snapshots/<commit>/
+    config = _from_pretrained(cached_file, path, "policy", filename="config.json", revision=revision)  # .../<commit>/
     return {"revision": Path(config).parent.name}
 
 
@@ -2430,12 +2557,12 @@ def run_inputs(args, reward_functions: list[tuple[str, Callable]] = ()) -> dict[
     return inputs
 
 
-def input_identity(value: str, path: Optional[Path], model: bool) -> dict:
+def input_identity(value: str, path: Optional[Path], model: bool, revision: str = "main") -> dict:
     """What an input is, to tell on resume whether it changed: a model as model_identity says; a local file or
     directory by its files' sha256 (every file, at any depth); a Hub dataset or a module without a source file by
     its name. The resolved path is kept to report a move, but not compared."""
     if model:
-        identity = model_identity(value)
+        identity = model_identity(value, revision)
     elif path is None:
         identity = {"name": value}
     elif path.is_dir():
@@ -2447,7 +2574,9 @@ def input_identity(value: str, path: Optional[Path], model: bool) -> dict:
 
 def input_identities(args, reward_functions: list[tuple[str, Callable]] = ()) -> dict[str, dict]:
     """Every input's identity (input_identity), by its name in run_inputs. Collective when distributed."""
-    return {name: input_identity(value, path, name.endswith("model_path") or name == "model_name_or_path")
+    policy = ("model_name_or_path", "sft_model_path")  # where --model_revision applies
+    return {name: input_identity(value, path, name.endswith("model_path") or name == "model_name_or_path",
+                                 args.model_revision if name in policy else "main")
             for name, (value, path) in run_inputs(args, reward_functions).items()}
 
 
@@ -3080,14 +3209,14 @@ TRL_FIXED = {
     "weight_decay": (("0.01",), "AdamW's weight decay is torch's, 0.01"),
     "optim": (("adamw_torch", "adamw_torch_fused"), "the optimizer is torch's AdamW (fused on CUDA)"),
     "warmup_steps": (("0",), "pass --warmup_ratio (a share of the updates)"),
-    "model_revision": (("main",), "models load from a local path or the Hub's main branch: download the revision "
-                                  "(hf download MODEL --revision R --local-dir DIR) and pass DIR"),
-    "torch_dtype": (("auto", "float32"), "the policy's master weights are fp32 here; --bf16 computes in bf16 "
-                                         "(autocast) and stores the frozen models in bf16"),
-    "dtype": (("auto", "float32"), "the policy's master weights are fp32 here; --bf16 computes in bf16 (autocast) "
-                                   "and stores the frozen models in bf16"),
-    "attn_implementation": (("sdpa",), "rloo.py runs torch's SDPA (eager where a model needs it): its grouped rows "
-                                       "need an attention that takes a 4D mask"),
+    "torch_dtype": (("auto", "float32"), "TRL loads and trains the policy's weights in that dtype (pure bf16 with "
+                                         "bfloat16); here the policy keeps fp32 master weights and AdamW state, and "
+                                         "--bf16 computes in bf16 (autocast) and stores the frozen models in bf16: "
+                                         "pass --bf16 instead"),
+    "dtype": (("auto", "float32"), "TRL loads and trains the policy's weights in that dtype (pure bf16 with "
+                                   "bfloat16); here the policy keeps fp32 master weights and AdamW state, and --bf16 "
+                                   "computes in bf16 (autocast) and stores the frozen models in bf16: pass --bf16 "
+                                   "instead"),
     "lora_task_type": (("causal_lm",), "the adapters are a causal LM's"),
     "gradient_checkpointing_use_reentrant": (("false",), "gradient checkpointing is non-reentrant here"),
     "remove_unused_columns": (("false",), "every dataset column goes to the reward functions"),
@@ -3121,9 +3250,8 @@ TRL_REFUSED = {
     "use_liger_kernel": "the log-probs come from plumbing.SelectiveLogSoftmax over the completion positions only",
     "dataset_num_proc": "prompts are tokenized in this process",
     "dataset_streaming": "the prompt set is loaded whole (its prompts are shuffled every epoch)",
-    "load_in_8bit": "8-bit bases are not supported: train LoRA (--use_peft) on the bf16 or fp32 base",
-    "bnb_4bit_quant_type": "4-bit (QLoRA) bases are not supported (--load_in_4bit)",
-    "use_bnb_nested_quant": "4-bit (QLoRA) bases are not supported (--load_in_4bit)",
+    "load_in_8bit": "8-bit bases are not supported: --load_in_4bit with --use_peft trains LoRA on a 4-bit base "
+                    "(QLoRA)",
     "ignore_bias_buffers": "a DDP option for models with bool buffers; none here needs it",
     "lr_scheduler_kwargs": "the schedules (--lr_scheduler_type, --warmup_ratio) take no options",
     "transformers_continuous_batching_config": "rloo.py samples with its own batched KV-cache loop",
@@ -3166,26 +3294,18 @@ ENGINE_FLAGS = ("use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_ho
                 "vllm_tensor_parallel_size", "vllm_model_impl")
 
 
-def load_in_4bit_refusal() -> str:
-    """Why --load_in_4bit (QLoRA) is refused here."""
-    try:
-        importlib.import_module("bitsandbytes")
-    except ImportError:
-        return "4-bit (QLoRA) bases need bitsandbytes, which is not installed, and are not supported yet"
-    return "4-bit (QLoRA) bases are not supported yet (bitsandbytes is installed): train LoRA on the bf16 base"
-
-
 def trl_arguments(argv: list[str], fields_of: set[str], prog: str) -> list[str]:
     """argv with TRL's forms rewritten into this project's: `--flag True|False` for a bool flag (--flag /
     --no-flag); `--reward_funcs pkg.module.fn ...` (TRL's dotted paths) as --reward_fn pkg.module:fn; `--report_to
     wandb|none` as --track / --no-track; `--fsdp "full_shard ..."` as --fsdp; `--resume_from_checkpoint DIR` as
     --resume_from DIR (`True`: --resume); for rloo_multinode.py (the script with engines), `--use_vllm` (its engines
-    are vLLM's), `--vllm_server_base_url URL` and `--vllm_server_host H --vllm_server_port P` as --engine_urls,
+    are vLLM's; without --vllm_mode colocated, TRL 1.16's default), `--vllm_server_base_url URL` and `--vllm_server_host H --vllm_server_port P` as --engine_urls,
     `--vllm_server_timeout` as --engine_timeout. A TRL flag with no meaning here (TRL_FIXED, TRL_REFUSED, a
     two-value --reward_clip_range, engine flags given to rloo.py) is a ConfigError naming the reason."""
     bools = {name.removeprefix("bool:") for name in fields_of if name.startswith("bool:")}
     fields_of = {name.removeprefix("bool:") for name in fields_of}
     out, i, server = [], 0, {}
+    given = {arg[2:].partition("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
 
     def values_after(j: int) -> list[str]:  # the values that follow the flag at j (up to the next --flag)
         taken = []
@@ -3214,14 +3334,16 @@ def trl_arguments(argv: list[str], fields_of: set[str], prog: str) -> list[str]:
                 raise ConfigError(f"--{name} {value}: {reason}; drop the flag")
         elif name in TRL_REFUSED and name not in fields_of:
             raise ConfigError(f"--{name} (TRL's) has no meaning here: {TRL_REFUSED[name]}; drop the flag")
-        elif name == "load_in_4bit" and value.lower() != "false":
-            raise ConfigError(f"--load_in_4bit: {load_in_4bit_refusal()}; drop the flag")
-        elif name == "load_in_4bit":
-            pass
         elif name == "use_vllm":
             if value.lower() not in ("true", "1"):
                 raise ConfigError("--use_vllm false: generation in the training processes is rloo.py's (same flags)")
             out.append("--engine=vllm")
+            if "vllm_mode" not in given:  # TRL 1.16's default mode (RLOOConfig.vllm_mode), not this script's
+                servers = sorted(given & {"vllm_server_base_url", "vllm_server_host", "vllm_server_port"})
+                if servers:
+                    raise ConfigError(f"--use_vllm without --vllm_mode is colocated vLLM (TRL 1.16's default), "
+                                      f"which --{servers[0]} does not serve: add --vllm_mode server")
+                out += ["--vllm_mode", "colocate"]
         elif name == "vllm_server_base_url":
             out += ["--engine_urls", value.rstrip("/")]
         elif name in ("vllm_server_host", "vllm_server_port"):

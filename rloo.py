@@ -160,7 +160,7 @@ class Args(plumbing.RunArgs):
     """completions to train on, all ranks together; None is num_train_epochs x the number of prompts"""
     max_steps: Optional[int] = None
     """optimizer steps of the run (TRL's Trainer), a multiple of num_ppo_epochs x num_mini_batches (an update's);
-    replaces --total_episodes"""
+    replaces --total_episodes; --save_steps and --logging_steps then count optimizer steps too, as TRL's do"""
     num_train_epochs: float = 1.0
     """used only when --total_episodes is None"""
     per_device_train_batch_size: int = 8
@@ -378,8 +378,8 @@ def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = N
     initial_path = args.sft_model_path or args.model_name_or_path
     if tokenizer is None:
         tokenizer, _ = plumbing.prepare_tokenizer(args)
-    policy = plumbing.load_causal_lm(initial_path, torch.float32, args.trust_remote_code,
-                                     weights=None if args.use_peft else checkpoint)  # LoRA: the base, never trained
+    policy = plumbing.load_causal_lm(initial_path, torch.float32, args.trust_remote_code, None if args.use_peft else
+                                     checkpoint, **plumbing.policy_options(args))  # LoRA: the base, never trained
     plumbing.ensure_pad_token(tokenizer, args.pad_token, policy.get_input_embeddings().num_embeddings, tokenizer_path)
     policy.config.pad_token_id = tokenizer.pad_token_id
     stop_token_id = plumbing.stop_token_id_of(args, tokenizer, tokenizer_path)
@@ -393,9 +393,9 @@ def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = N
     if args.kl_coef != 0 and args.use_peft:
         ref_policy = plumbing.AdaptersOff(policy)
     elif args.kl_coef != 0:
-        frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
+        frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32  # loaded on resume: its own dtype, not fp32
         ref_policy = copy.deepcopy(policy) if checkpoint is None else \
-            plumbing.load_causal_lm(initial_path, frozen_dtype, args.trust_remote_code)  # its own dtype, not fp32
+            plumbing.load_causal_lm(initial_path, frozen_dtype, args.trust_remote_code, **plumbing.policy_options(args))
         plumbing.disable_dropout(ref_policy)
         ref_policy.to(frozen_home, frozen_dtype).eval().requires_grad_(False)
     if args.gradient_checkpointing:
@@ -1437,6 +1437,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         plumbing.check_reward_function_arguments(reward_functions, [
             (args.dataset_name, dataset), (args.dataset_test_split, eval_dataset)], args.prompt_column)
         steps_per_update = args.num_ppo_epochs * sizes.minibatches  # optimizer steps
+        save_every, log_every = plumbing.update_intervals(args, steps_per_update)  # --save_steps, --logging_steps
         episodes = args.total_episodes or int(args.num_train_epochs * len(dataset))
         num_updates = args.max_steps // steps_per_update if args.max_steps else math.ceil(episodes / sizes.all_ranks)
         if num_updates < 1:  # a tiny --num_train_epochs: saving the input weights as a finished run would hide it
@@ -1483,7 +1484,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         notes = (checkpoints.notes() if master else []) + notes  # output_dir settled for this run's timeline
         run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
         logger = plumbing.RunLogger(args, run_name, num_updates, checkpoints.start_update, checkpoints.wandb_run_id,
-                                    checkpoints.run_id) if master else None
+                                    checkpoints.run_id, log_every) if master else None
         checkpoints.wandb_run_id = logger and logger.wandb_run_id  # saved with each checkpoint, for a resume
         if logger is not None:
             if args.use_peft:
@@ -1611,7 +1612,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
             if update in eval_at:
                 evaluation(update, episode)
             stop = stop_signal.requested(device)  # on every rank as soon as any rank got a signal
-            if stop or update == num_updates or (args.save_steps > 0 and update % args.save_steps == 0):
+            if stop or update == num_updates or (save_every > 0 and update % save_every == 0):
                 checkpoints.save(update, data_position())
             if stop:
                 checkpoints.stopped(logger, f"{stop_signal.name or 'a signal to another rank'} received: stopped "

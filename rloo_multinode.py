@@ -688,7 +688,8 @@ class HFEngine:
     def __init__(self, args: Args, device: torch.device):
         self.args, self.device = args, device
         self.model = plumbing.load_causal_lm(args.sft_model_path or args.model_name_or_path, torch.float32,
-                                             args.trust_remote_code).to(device).eval().requires_grad_(False)
+                                             args.trust_remote_code, **plumbing.policy_options(args)
+                                             ).to(device).eval().requires_grad_(False)
         plumbing.disable_dropout(self.model)
         self.params = dict(self.model.named_parameters())
         self.decoder = plumbing.StaticDecoder(self.model, args.max_prompt_length + args.response_length) \
@@ -737,7 +738,9 @@ class HFEngine:
 def vllm_engine_kwargs(args: Args, index: int, backend: str) -> dict:
     """vLLM's LLM(...) arguments for engine `index`, taking weights over `backend`."""
     colocated = args.vllm_mode == "colocate"
-    kwargs = {"model": args.sft_model_path or args.model_name_or_path,
+    revision = None if args.model_revision == "main" else args.model_revision  # None: vLLM's default, main
+    kwargs = {"model": args.sft_model_path or args.model_name_or_path, "revision": revision,
+              "tokenizer_revision": revision,
               "dtype": dtype_name(engine_dtype(args)), "seed": args.seed + index,
               "tensor_parallel_size": args.vllm_tensor_parallel_size,
               "gpu_memory_utilization": args.vllm_gpu_memory_utilization or (0.3 if colocated else 0.9),

@@ -93,13 +93,15 @@ TRL_OTHER_ROWS = [  # (rloo.py's name, TRL >= 0.22's, what rloo.py does with it)
     ("`--fsdp`", "`--fsdp \"full_shard auto_wrap\"`", "converted (FSDP2 shards as full_shard); other modes refused"),
     ("`--flag` / `--no-flag`", "`--flag True` / `--flag False`", "converted, for every switch"),
     ("`--save_steps`, `--logging_steps`", "`--save_steps`, `--logging_steps`",
-     "same names, counted in updates here (TRL: optimizer steps); `--logging_steps` spaces the console line, "
-     "metrics.jsonl gets every update; `--save_strategy no` is `--save_steps 0`"),
+     "same names, counted in updates (TRL <= 0.21's unit); in a command with `--max_steps`, in optimizer steps "
+     "as TRL >= 0.22 counts them (`--save_steps` then a multiple of an update's steps); `--logging_steps` spaces the "
+     "console line, metrics.jsonl gets every update; `--save_strategy no` is `--save_steps 0`"),
     ("`rloo_multinode.py`'s `--engine vllm`, `--engine_urls`, `--engine_timeout`",
      "`--use_vllm`, `--vllm_server_base_url` (or `--vllm_server_host` and `--vllm_server_port`), "
      "`--vllm_server_timeout`",
-     "converted by rloo_multinode.py; `--vllm_mode` is the same flag there (its default is server, TRL's colocate); "
-     "rloo.py, which has no engines, refuses them naming rloo_multinode.py"),
+     "converted by rloo_multinode.py; `--vllm_mode` is the same flag there (its default is server, TRL's colocate: "
+     "`--use_vllm` without `--vllm_mode` is colocate, as in TRL); rloo.py, which has no engines, refuses them "
+     "naming rloo_multinode.py"),
     ("`--reward_clip_range` (a float)", "`--reward_clip_range` (a `(min, max)` pair)",
      "same name, other meaning: rloo.py clips normalized scores to +-value, TRL clips rewards to a range"),
     ("`--max_prompt_length`", "`--max_prompt_length`",
@@ -196,8 +198,6 @@ def trl_section() -> str:
     refused = [f"| `--{name}` | {' or '.join(f'`{v}`' for v in values)} | {reason or 'no effect: text only'} |"
                for name, (values, reason) in sorted(plumbing.TRL_FIXED.items())]
     refused += [f"| `--{name}` | none | {reason} |" for name, reason in sorted(plumbing.TRL_REFUSED.items())]
-    refused.append("| `--load_in_4bit` | `False` | 4-bit (QLoRA) bases are not supported yet (the line names whether "
-                   "bitsandbytes is installed) |")
     return TRL_INTRO + "\n".join(rows) + "\n\n" + TRL_REFUSED_INTRO + "\n".join(refused) + "\n"
 
 

@@ -203,6 +203,15 @@ def test_plan_memory_counts_the_adapters_state_and_no_reference(assets):
     assert full["reference policy"] == 4 * plan_memory.model_shape(args.model_name_or_path, False, False).parameters
 
 
+def test_plan_memory_refuses_a_4bit_base_it_would_count_in_fp32(assets):
+    import plan_memory
+
+    args = plan_memory.PlanArgs(model_name_or_path=str(assets["policy"]), reward_fn=("m:f",), use_peft=True,
+                                load_in_4bit=True)
+    with pytest.raises(plumbing.ConfigError, match="plan without the flag for an upper bound"):
+        plan_memory.validate_plan_args(args)
+
+
 def test_an_adapter_that_does_not_match_the_flags_is_refused_and_a_matching_one_loads_exactly(assets, tmp_path):
     policy, _, tokenizer, _ = rloo.load_policy(lora_args(assets), torch.device("cpu"))
     with torch.no_grad():
@@ -214,3 +223,111 @@ def test_an_adapter_that_does_not_match_the_flags_is_refused_and_a_matching_one_
     assert all(torch.equal(a, b) for a, b in zip(policy.state_dict().values(), loaded.state_dict().values()))
     with pytest.raises(plumbing.ConfigError, match="cannot resume: the adapter in .* does not match --lora_"):
         rloo.load_policy(lora_args(assets, lora_r=8), torch.device("cpu"), checkpoint=tmp_path)
+
+
+# ---------------------------------------------------------------- QLoRA: --load_in_4bit, where bitsandbytes is installed
+def bitsandbytes():
+    """bitsandbytes, or the test skipped where it is not installed (a failure under REQUIRE_BITSANDBYTES=1, as in
+    make test-qlora, which installs it)."""
+    if os.environ.get("REQUIRE_BITSANDBYTES") == "1":
+        import bitsandbytes as bnb
+
+        return bnb
+    return pytest.importorskip("bitsandbytes")
+
+
+def with_bitsandbytes() -> dict:
+    """A run's environment that finds bitsandbytes where this process found it (make test-qlora's PYTHONPATH)."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))}
+
+
+def quantized_base(assets, **config):
+    """The saved tiny policy quantized by transformers alone, as the 4-bit base the adapters must see."""
+    from transformers import BitsAndBytesConfig
+
+    return plumbing.load_causal_lm(str(assets["policy"]), torch.float32, False, quantization_config=BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32, **{"bnb_4bit_quant_type": "nf4", **config}))
+
+
+@pytest.mark.parametrize("quant_type,nested", [("nf4", False), ("fp4", True)])
+def test_qlora_adapters_train_on_the_4bit_base_which_is_the_reference(assets, quant_type, nested):
+    bnb = bitsandbytes()
+    args = lora_args(assets, load_in_4bit=True, bnb_4bit_quant_type=quant_type, use_bnb_nested_quant=nested)
+    plumbing.validate_args(args)
+    policy, ref, tokenizer, _ = rloo.load_policy(args, torch.device("cpu"))
+    layers = [m for m in policy.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and all(m.weight.quant_state.quant_type == quant_type for m in layers)
+    assert all(m.weight.quant_state.nested == nested for m in layers)
+    trained = [name for name, p in policy.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_" in n for n in trained)
+    assert all(p.dtype == torch.float32 for p in policy.parameters() if p.requires_grad)
+    base = quantized_base(assets, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=nested).eval()
+    c = some_completions(len(tokenizer))
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.requires_grad:
+                p.normal_()  # as if trained: the adapters change the function
+        for share in (True, False):  # the reference is the 4-bit base itself, with the adapters off
+            assert torch.equal(rloo.forward_logprobs(ref, c, 0.7, share)[0],
+                               rloo.forward_logprobs(base, c, 0.7, share)[0])
+        sampled = rloo.forward_logprobs(policy, c, 0.7, True)[0]  # what the sampler's no-grad forward computes
+    trained_logprobs = rloo.forward_logprobs(policy, c, 0.7, True)[0]  # the trainer's, with gradient
+    assert torch.equal(sampled, trained_logprobs)  # one 4-bit base for both (no bf16 repacking without gradient)
+    assert not torch.allclose(sampled, rloo.forward_logprobs(ref, c, 0.7, True)[0])
+    trained_logprobs.sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters() if p.requires_grad)
+
+
+def test_a_qlora_run_resumes_bit_identical_and_merges_the_4bit_base(assets, tmp_path):
+    """A run on a 4-bit base resumed from its checkpoint after update 2 ends as the uninterrupted one (the base is
+    quantized again, the adapter read back); prompt sharing passes its start-up check; --merge_lora writes the
+    dequantized 4-bit base with the adapter merged, which computes what the adapter on the 4-bit base computes."""
+    bitsandbytes()
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--total_episodes",
+              32 * 4, *RUN, *LORA, "--load_in_4bit", "--use_bnb_nested_quant", "--num_ppo_epochs", "2",
+              "--num_mini_batches", "2", "--kl_coef", "0.1", "--merge_lora"]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    result = run_rloo(*common, "--save_steps", "2", "--output_dir", full, env=with_bitsandbytes())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "prompt sharing is off" not in result.stdout + result.stderr and not result.stderr.strip()
+    result = run_rloo(*common, "--output_dir", resumed, "--resume_from", full / "checkpoints" / "step_2",
+                      env=with_bitsandbytes())
+    assert result.returncode == 0 and "resuming from" in result.stdout, result.stderr[-3000:]
+    metrics = read_metrics(full)
+    assert comparable(read_metrics(resumed)) == comparable(metrics[2:]) and metrics[-1]["objective/kl"] != 0
+    a, b = load_file(full / plumbing.ADAPTER_WEIGHTS), load_file(resumed / plumbing.ADAPTER_WEIGHTS)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-identical
+
+    adapted = PeftModel.from_pretrained(quantized_base(assets, bnb_4bit_use_double_quant=True), full).eval()
+    merged = AutoModelForCausalLM.from_pretrained(full / plumbing.MERGED).eval()  # plain transformers, fp32
+    assert "quantization_config" not in json.loads((full / plumbing.MERGED / "config.json").read_text())
+    ids = torch.tensor([[3, 4, 5, 14, 6, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("flags,message", [
+    ({"load_in_4bit": True, "use_peft": False}, "a 4-bit model cannot train itself: add --use_peft"),
+    ({"bnb_4bit_quant_type": "fp4"}, "--bnb_4bit_quant_type is an option of the 4-bit base: add --load_in_4bit"),
+    ({"use_bnb_nested_quant": True}, "--use_bnb_nested_quant is an option of the 4-bit base: add --load_in_4bit"),
+    ({"load_in_4bit": True, "bf16": True, "bf16_generation": True}, "drop --bf16_generation"),
+])
+def test_qlora_flags_that_clash_are_refused(assets, flags, message):
+    if flags.get("use_peft", True) and flags.get("load_in_4bit"):
+        bitsandbytes()  # else the missing package is what the line says (the next test)
+    with pytest.raises(plumbing.ConfigError, match=message):
+        plumbing.validate_args(lora_args(assets, **flags))
+
+
+@pytest.mark.parametrize("flags", [{}, {"use_dora": True}, {"use_rslora": True, "merge_lora": True},
+                                   {"bnb_4bit_quant_type": "nf4", "use_bnb_nested_quant": False}])
+def test_lora_flags_without_a_4bit_base_pass_the_checks(assets, flags):
+    plumbing.validate_args(lora_args(assets, **flags))
+
+
+def test_load_in_4bit_without_bitsandbytes_is_one_line_naming_the_fix(assets, tmp_path, monkeypatch):
+    real = plumbing.importlib.util.find_spec
+    monkeypatch.setattr(plumbing.importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes"
+                        else real(name, *a))
+    with pytest.raises(plumbing.ConfigError, match="bitsandbytes, which is not installed: pip install bitsandbytes"):
+        plumbing.validate_args(lora_args(assets, load_in_4bit=True))

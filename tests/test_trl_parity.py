@@ -143,10 +143,10 @@ TRAINING_ARGUMENTS = {  # transformers' TrainingArguments, as RLOOConfig inherit
 }
 TRL_RLOO_SCRIPT = {  # the `trl rloo` script's ModelConfig and ScriptArguments
     "model_name_or_path": (["models/policy"], ("model_name_or_path", "models/policy")),
-    "model_revision": (["v1.0"], REFUSED),
+    "model_revision": (["v1.0"], ("model_revision", "v1.0")),
     "dtype": (["bfloat16"], REFUSED),
     "torch_dtype": (["bfloat16"], REFUSED),
-    "attn_implementation": (["flash_attention_2"], REFUSED),
+    "attn_implementation": (["eager"], ("attn_implementation", "eager")),
     "use_peft": (["True"], ("use_peft", True)),
     "lora_r": (["8"], ("lora_r", 8)),
     "lora_alpha": (["16"], ("lora_alpha", 16)),
@@ -157,9 +157,9 @@ TRL_RLOO_SCRIPT = {  # the `trl rloo` script's ModelConfig and ScriptArguments
     "use_rslora": (["True"], ("use_rslora", True)),
     "use_dora": (["True"], ("use_dora", True)),
     "load_in_8bit": (["True"], REFUSED),
-    "load_in_4bit": (["True"], REFUSED),
-    "bnb_4bit_quant_type": (["nf4"], REFUSED),
-    "use_bnb_nested_quant": (["True"], REFUSED),
+    "load_in_4bit": (["True"], ("load_in_4bit", True)),
+    "bnb_4bit_quant_type": (["fp4"], ("bnb_4bit_quant_type", "fp4")),
+    "use_bnb_nested_quant": (["True"], ("use_bnb_nested_quant", True)),
     "dataset_name": (["trl-lib/ultrafeedback-prompt"], ("dataset_name", "trl-lib/ultrafeedback-prompt")),
     "dataset_config": (["default"], ("dataset_config", "default")),
     "dataset_train_split": (["train"], ("dataset_train_split", "train")),
@@ -276,8 +276,10 @@ def test_trl_forms_of_values():
 @pytest.mark.parametrize("argv,message", [
     (["--reward_funcs", "accuracy_reward"], "TRL's built-in reward functions are not here"),
     (["--report_to", "tensorboard"], "pass --report_to wandb or none"),
-    (["--dtype", "float16"], "master weights are fp32"),
-    (["--load_in_4bit"], "4-bit (QLoRA)"),
+    (["--dtype", "float16"], "fp32 master weights"),
+    (["--dtype=bfloat16"], "pass --bf16 instead"),
+    (["--torch_dtype", "bfloat16"], "pass --bf16 instead"),
+    (["--load_in_8bit"], "--load_in_4bit with --use_peft"),
     (["--fsdp", "shard_grad_op"], "--fsdp shards weights, gradients and optimizer state"),
 ])
 def test_trl_values_with_no_meaning_here_are_refused_with_the_reason(argv, message, capsys):
@@ -288,6 +290,140 @@ def test_trl_values_with_no_meaning_here_are_refused_with_the_reason(argv, messa
 def test_use_vllm_false_in_rloo_multinode_names_rloo_py(capsys):
     args, refusal = parse_or_refusal(rloo_multinode.Args, ["--use_vllm", "False"], "rloo_multinode.py", capsys)
     assert args is None and "rloo.py's" in refusal
+
+
+def test_use_vllm_without_vllm_mode_is_colocated_as_in_trl_1_16(capsys):
+    """TRL 1.16's RLOOConfig.vllm_mode defaults to colocate; rloo_multinode.py's own --vllm_mode to server."""
+    parse = lambda *argv: plumbing.parse_args(rloo_multinode.Args, argv=list(argv), prog="rloo_multinode.py")  # noqa
+    for argv in (["--use_vllm"], ["--use_vllm", "True"], ["--use-vllm=true"], ["--use_vllm", "1"]):
+        assert (parse(*argv).engine, parse(*argv).vllm_mode) == ("vllm", "colocate"), argv
+    for argv in (["--use_vllm", "--vllm_mode", "server"], ["--vllm-mode=server", "--use_vllm", "True"]):
+        assert parse(*argv).vllm_mode == "server", argv
+    assert parse().vllm_mode == "server" and parse("--engine", "vllm").vllm_mode == "server"  # the script's own
+    assert parse("--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", "http://h:8000/").engine_urls == \
+        "http://h:8000"
+    for server in (["--vllm_server_base_url", "http://h:8000"], ["--vllm_server_port=8001"]):
+        args, refusal = parse_or_refusal(rloo_multinode.Args, ["--use_vllm", *server], "rloo_multinode.py", capsys)
+        assert args is None and refusal.count("\n") == 1 and "add --vllm_mode server" in refusal, refusal
+
+
+# ---------------------------------------------------------------- the `trl rloo` script's model options
+def hub_model(cache, revisions: dict) -> None:
+    """org/tiny in a Hugging Face cache, one snapshot per {ref: seed} (a policy and its tokenizer), as downloads
+    of those revisions leave it."""
+    root = cache / "models--org--tiny"
+    for i, (ref, seed) in enumerate(revisions.items()):
+        commit = str(i + 1) * 40
+        tiny_policy(len(policy_tokenizer()), seed=seed).save_pretrained(root / "snapshots" / commit)
+        policy_tokenizer().save_pretrained(root / "snapshots" / commit)
+        (root / "refs").mkdir(exist_ok=True)
+        (root / "refs" / ref).write_text(commit)
+
+
+def test_model_revision_loads_that_revision_of_a_hub_policy_and_takes_part_in_its_identity(tmp_path):
+    """The policy (and its tokenizer, reference and fingerprint for resume) come from --model_revision's snapshot;
+    a revision the cache lacks is one line."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    hub_model(tmp_path, {"main": 0, "v1": 1})
+    code = ("import json, sys, torch, plumbing, rloo; args = rloo.Args(model_name_or_path='org/tiny', reward_fn="
+            "('m:f',), model_revision=sys.argv[1]); plumbing.validate_args(args); policy, ref, _, _ = "
+            "rloo.load_policy(args, torch.device('cpu')); print(json.dumps({'weights': policy.gpt_neox.embed_in.weight"
+            "[:2, :2].tolist(), 'reference': torch.equal(ref.gpt_neox.embed_in.weight, policy.gpt_neox.embed_in."
+            "weight), 'identity': plumbing.input_identities(args)['model_name_or_path']}))")
+    env = {**__import__("os").environ, "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    seen = {}
+    for revision in ("main", "v1", "missing"):
+        result = subprocess.run([sys.executable, "-c", code, revision], capture_output=True, text=True, cwd=REPO,
+                                env=env)
+        if revision == "missing":
+            assert result.returncode != 0 and "could not load" in result.stderr and "org/tiny" in result.stderr
+            continue
+        assert result.returncode == 0, result.stderr[-2000:]
+        seen[revision] = json.loads(result.stdout.splitlines()[-1])
+    for revision, seed, commit in (("main", 0, "1" * 40), ("v1", 1, "2" * 40)):
+        assert seen[revision]["weights"] == tiny_policy(len(policy_tokenizer()), seed).gpt_neox.embed_in.weight[
+            :2, :2].tolist()
+        assert seen[revision]["identity"]["revision"] == commit and seen[revision]["reference"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--model_revision", "v1"], "is a local path, which has no revisions"),
+    (["--model_revision=v1", "--model_name_or_path", "org/tiny", "--sft_model_path", "POLICY"], "--sft_model_path"),
+    (["--model_revision", "v1", "--model_name_or_path", "org/tiny", "--reward_model_path", "org/rm"],
+     "TRL loads a reward model named by Hub id"),
+    (["--attn_implementation", "flash_attention_2"], "takes no 4D mask"),
+    (["--attn_implementation=flash_attention_3"], "takes no 4D mask"),
+    (["--attn_implementation", "flex_attention"], "crashed"),
+    (["--attn_implementation", "kernels-community/flash-attn"], "code chosen by the network"),
+    (["--attn_implementation", "sdpa_typo"], "not one of transformers' attention implementations"),
+    (["--load_in_4bit", "True"], "add --use_peft"),
+    (["--bnb_4bit_quant_type", "fp4"], "add --load_in_4bit"),
+])
+def test_model_options_that_cannot_work_are_one_line_before_models_load(assets, tmp_path, flags, message):
+    out = tmp_path / "out"
+    argv = [str(assets["policy"]) if flag == "POLICY" else flag for flag in flags]
+    if "--model_name_or_path" not in argv:
+        argv += ["--model_name_or_path", assets["policy"]]
+    result = run_rloo(*argv, "--reward_fn", "reward_fns:count_a", "--dataset_name", assets["train"], "--output_dir", out)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+    assert "loaded the" not in result.stdout and not out.exists()
+
+
+def test_bad_choices_of_the_4bit_options_are_one_line(capsys):
+    args, refusal = parse_or_refusal(rloo.Args, ["--bnb_4bit_quant_type", "int4"], "rloo.py", capsys)
+    assert args is None and refusal.count("\n") == 1 and "--bnb_4bit_quant_type" in refusal, refusal
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_attn_implementation_reaches_both_models_and_prompt_sharing_passes_its_check(assets, implementation):
+    args = rloo.Args(model_name_or_path=str(assets["policy"]), reward_model_path=str(assets["reward_model"]),
+                     attn_implementation=implementation, max_prompt_length=16, response_length=6)
+    plumbing.validate_args(args)
+    policy, ref, tokenizer, _ = rloo.load_policy(args, CPU)
+    sources = plumbing.load_reward_sources(args, tokenizer, [], CPU)
+    probe = rloo.Completions(**plumbing.sharing_probe(list(range(2, 14)), 12, 6, CPU))
+    notes = []
+    for model, name, compute in ((policy, "policy", lambda c, share: rloo.forward_logprobs(
+                                      policy, c, 1.0, share)[0][c.response_mask]),
+                                 (ref, "policy", lambda c, share: rloo.forward_logprobs(
+                                      ref, c, 1.0, share)[0][c.response_mask]),
+                                 (sources.model, "reward model",
+                                  lambda c, share: rloo.reward_model_scores(sources.model, c, share))):
+        assert plumbing.attention_implementation(model) == implementation
+        assert plumbing.shares_prompts(model, name, None, probe, compute, notes), notes
+
+
+def test_save_and_logging_steps_count_updates_or_with_max_steps_optimizer_steps():
+    """TRL <= 0.21's unit (updates) by default; with --max_steps, TRL >= 0.22's (optimizer steps), as max_steps."""
+    args = lambda **flags: rloo.Args(**{"save_steps": 8, "logging_steps": 6, **flags})  # noqa: E731
+    assert plumbing.update_intervals(args(), 4) == (8, 6)
+    assert plumbing.update_intervals(args(max_steps=16), 4) == (2, 2)  # a console line from the update reaching 6
+    assert plumbing.update_intervals(args(max_steps=16), 1) == (8, 6)
+    assert plumbing.update_intervals(rloo.Args(max_steps=16), 4) == (0, 1)  # the defaults: only at the end; every update
+    with pytest.raises(plumbing.ConfigError, match="pass a multiple of 4"):
+        plumbing.update_intervals(args(max_steps=16, save_steps=6), 4)
+
+
+def test_with_max_steps_a_run_saves_and_logs_at_trls_optimizer_steps(assets, tmp_path):
+    """12 optimizer steps of 4 per update (2 epochs x 2 minibatches): 3 updates; --save_steps 8 is every 2nd update
+    (and the last), --logging_steps 8 the console line at updates 2 and 3 (the last)."""
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--reward_fn",
+              "reward_fns:count_a", "--rloo_k", "4", "--per_device_train_batch_size", "8", "--num_ppo_epochs", "2",
+              "--num_mini_batches", "2", "--response_length", "4", "--max_prompt_length", "16", "--num_evals", "0",
+              "--num_sample_generations", "0", "--max_steps", "12"]
+    result = run_rloo(*common, "--save_steps", "8", "--logging_steps", "8", "--output_dir", tmp_path / "out")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["step_2", "step_3"]
+    assert [line.split()[1] for line in result.stdout.splitlines() if line.startswith("update ")] == ["2/3,", "3/3,"]
+    assert len(read_metrics(tmp_path / "out")) == 3
+    result = run_rloo(*common, "--save_steps", "6", "--output_dir", tmp_path / "other")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "pass a multiple of 4" in result.stderr
+    assert not (tmp_path / "other" / "checkpoints").exists()
 
 
 # ---------------------------------------------------------------- the algorithm's flag checks, beside Args
@@ -528,7 +664,7 @@ RUN = ("--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train
 @pytest.mark.parametrize("option", [("--epsilon_high", "0.5"), ("--mask_truncated_completions",),
                                     ("--sync_ref_model", "--ref_model_sync_steps", "3", "--ref_model_mixup_alpha",
                                      "0.5"),
-                                    ("--max_steps", "16", "--warmup_ratio", "0.5")],
+                                    ("--max_steps", "16", "--warmup_ratio", "0.5", "--save_steps", "8")],  # steps
                          ids=["epsilon_high", "mask_truncated_completions", "sync_ref_model", "max_steps-warmup"])
 def test_resume_is_bit_identical_with_each_option(assets, tmp_path, option):
     common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *RUN, *option]
