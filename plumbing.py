@@ -424,6 +424,19 @@ def quantization_config(args):
         return None
     from transformers import BitsAndBytesConfig
 
+    # bitsandbytes' import, on a CPU with AVX512-BF16, fetches a kernel from the Hub and runs it where the `kernels`
+    # package is installed: code chosen by the network. Blocked (it falls back to its own kernels), whatever is
+    # installed, and so is its warning that the kernel is missing
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    blocked, sys.modules["kernels"] = sys.modules.get("kernels"), None
+    try:
+        importlib.import_module("bitsandbytes")
+    finally:
+        if blocked is None:
+            del sys.modules["kernels"]
+        else:
+            sys.modules["kernels"] = blocked
+
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type,
                               bnb_4bit_use_double_quant=args.use_bnb_nested_quant,
                               bnb_4bit_compute_dtype=torch.float32)
@@ -970,8 +983,6 @@ def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool, weigh
     code to run. `options`: from_pretrained's (policy_options: attention, quantization)."""
     from transformers import AutoModelForCausalLM
 
-    if options.get("quantization_config") is not None:  # bitsandbytes' warning, on its import, that an optional
-        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # bf16 CPU kernel is missing: one we never use
     if weights is None:
         model = newly_initialized(_from_pretrained(
             AutoModelForCausalLM.from_pretrained, path, "policy", dtype=dtype, trust_remote_code=trust_remote_code,

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 import plumbing
 import rloo
-from conftest import REPO, cpu_env, read_metrics, run_rloo
+from conftest import REPO, cpu_env, read_metrics, run_rloo, script_env
 from test_checkpoints import comparable, interrupt_after_first_update
 
 LORA = ("--use_peft", "--lora_r", "4", "--lora_alpha", "8")
@@ -331,3 +331,20 @@ def test_load_in_4bit_without_bitsandbytes_is_one_line_naming_the_fix(assets, tm
                         else real(name, *a))
     with pytest.raises(plumbing.ConfigError, match="bitsandbytes, which is not installed: pip install bitsandbytes"):
         plumbing.validate_args(lora_args(assets, load_in_4bit=True))
+
+
+def test_bitsandbytes_imports_with_hub_kernels_blocked(tmp_path):
+    """bitsandbytes' import on a CPU with AVX512-BF16 runs a kernel fetched from the Hub when the `kernels` package is
+    installed. Stand-ins for both record what the import could reach; `kernels` is importable again afterwards."""
+    (tmp_path / "kernels.py").write_text("def get_kernel(*args, **kwargs):\n    raise AssertionError('fetched')\n")
+    (tmp_path / "bitsandbytes").mkdir()
+    (tmp_path / "bitsandbytes" / "__init__.py").write_text(
+        "try:\n    import kernels\n    REACHED = 'kernels'\nexcept ImportError:\n    REACHED = 'blocked'\n")
+    code = ("import sys, plumbing, rloo\n"
+            "try:\n    plumbing.quantization_config(rloo.Args(load_in_4bit=True, use_peft=True))\n"
+            "except Exception:\n    pass  # the stand-in is no real bitsandbytes for transformers' config\n"
+            "import bitsandbytes, kernels\nprint(bitsandbytes.REACHED, kernels.__name__)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                            env=script_env({"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["blocked", "kernels"]
