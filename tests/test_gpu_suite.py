@@ -70,10 +70,20 @@ def test_the_dry_run_starts_every_step_writes_its_results_and_resumes(tmp_path):
     else:
         assert os.environ.get("REQUIRE_BENCH_ENV") != "1", trl["status"]
         assert trl["status"].startswith("skipped: TRL not importable"), trl["status"]
+    trl116 = records["throughput_k2_trl116"]
+    if gpu_suite.trl116_command(gpu_suite.Args())[1] is None:  # TRL 1.16 in benchmark/.trl116-site (make bench-env)
+        run = trl116["result"]
+        assert trl116["status"] == "measured" and trl116["command"][2:4] == [sys.executable, "benchmark/trl116_rloo.py"]
+        assert run["seconds_per_update"] > 0 and run["training_tflop_per_s"] > 0 and run["policy_forward_s"] > 0
+        assert run["minimum_tokens"] > 0 and run["mean_response_length"] == 8  # --stop_token None: every token
+        assert "k=2: rloo.py / TRL 1.16 episodes/s: **" in (results / "table.md").read_text()
+    else:
+        assert os.environ.get("REQUIRE_BENCH_ENV") != "1", trl116["status"]
+        assert trl116["status"].startswith("skipped: TRL 1.16.0 not importable"), trl116["status"]
     plan = records["plan_memory_k2"]
     assert plan["status"] == "predicted only: no CUDA peaks on this device"
     assert plan["phases"]["training"]["predicted_gib"] > plan["groups_gib"]["resident"] > 0
-    for name in ("vllm_colocate", "vllm_colocate_sleep"):  # the project's environment has no vLLM
+    for name in gpu_suite.VLLM_STEPS:  # the project's environment has no vLLM
         assert records[name]["status"] == "skipped: vLLM not importable"
     assert records["learning"]["status"] == "measured" and records["learning"]["updates"] == 2
     table = (results / "table.md").read_text()
@@ -134,10 +144,20 @@ def test_where_vllm_imports_the_colocated_steps_build_their_run(tmp_path, monkey
     monkeypatch.setattr(gpu_suite.throughput, "run_trainer", run_trainer)
     args = gpu_suite.Args(results_dir=str(tmp_path), dry_run=True)
     with pytest.raises(SystemExit, match="needs vLLM"):
-        gpu_suite.vllm_step(False)(args, tmp_path)
+        gpu_suite.vllm_step("vllm_colocate")(args, tmp_path)
     command = commands[0]
     assert command[1:4] == ["rloo_multinode.py", "--vllm_mode", "colocate"] and "--bf16" in command
     policy = Path(command[command.index("--model_name_or_path") + 1])
     assert "LlamaForCausalLM" in (policy / "config.json").read_text()  # a colocated engine refuses GPT-NeoX
+    trl116 = gpu_suite.trl116_command(args)
+    if trl116[1] is None:  # TRL 1.16 with its colocated engine, on the same Llama
+        with pytest.raises(SystemExit, match="needs vLLM"):
+            gpu_suite.vllm_step("vllm_colocate_trl116")(args, tmp_path)
+        assert commands[1][:4] == trl116[0] and commands[1][4] == "--use_vllm"
+        assert commands[1][commands[1].index("--model_name_or_path") + 1] == str(policy)
     if not torch.cuda.is_available():
-        assert gpu_suite.vllm_step(True)(args, tmp_path) == {"status": "skipped: sleep mode needs CUDA"}
+        assert gpu_suite.vllm_step("vllm_colocate_sleep")(args, tmp_path) == {
+            "status": "skipped: sleep mode needs CUDA"}
+    if torch.cuda.device_count() < 2:  # one GPU has no NCCL weight sync: the step says so
+        status = gpu_suite.vllm_step("vllm_engine_nccl")(args, tmp_path)["status"]
+        assert status.startswith("skipped: a weight sync over NCCL needs 2 GPUs"), status
