@@ -108,7 +108,7 @@ bench-env: $(BENCH_INSTALLED) $(TRL116_INSTALLED)  ## TRL 0.21 in $(BENCH_ENV), 
 # review them with git diff and commit them on purpose)
 BENCH_RESULTS ?= runs/bench
 
-bench: $(BENCH_INSTALLED) $(TRL116_INSTALLED)  ## rloo.py vs TRL here: throughput, then learning, into runs/bench (~20 min, 2 CPU cores)
+bench: $(BENCH_INSTALLED) $(TRL116_INSTALLED)  ## rloo.py vs TRL here: throughput, learning, into runs/bench (~25 min, 2 cores)
 	$(PYTHON) benchmark/throughput.py --trl_python $(BENCH_ENV)/bin/python --trl116_site $(TRL116_SITE) \
 		--output_dir $(BENCH_RESULTS)
 	$(PYTHON) benchmark/learning.py --trl_python $(BENCH_ENV)/bin/python --output_dir $(BENCH_RESULTS)
@@ -161,7 +161,7 @@ PIP_DOWNLOAD := $(PYTHON) -m pip download -q --no-deps --only-binary=:all: --pyt
 
 .PHONY: gpu-wheels bench-gpu
 
-gpu-wheels: | $(PYTHON)  ## with the registry: the wheels make bench-gpu installs offline, in benchmark/gpu-wheels (~19 MB)
+gpu-wheels: | $(PYTHON)  ## with the registry: the wheels bench-gpu installs offline, in benchmark/gpu-wheels (~19 MB)
 	$(PIP_DOWNLOAD) -d $(GPU_WHEELS)/main -r benchmark/gpu-requirements.txt -r benchmark/requirements-trl116.txt
 	$(PIP_DOWNLOAD) -d $(GPU_WHEELS)/trl -r benchmark/gpu-requirements-trl.txt
 	@du -sh $(GPU_WHEELS)/main $(GPU_WHEELS)/trl

@@ -123,22 +123,6 @@ def trl_problem(args: Args) -> str | None:
     return None
 
 
-def trl116_command(args: Args) -> tuple[list[str], str | None]:
-    """The command that runs benchmark/trl116_rloo.py (this Python, TRL 1.16 first on PYTHONPATH), and why it cannot
-    run here (one line) or None."""
-    from benchmark import trl116_rloo
-
-    site = REPO_ROOT / args.trl116_site
-    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH", "")]))
-    check = subprocess.run([sys.executable, "-c", "import trl; print(trl.__version__)"], capture_output=True,
-                           text=True, env={**os.environ, "PYTHONPATH": path})
-    version = check.stdout.strip()
-    problem = None if version == trl116_rloo.TRL_VERSION else (
-        f"TRL {trl116_rloo.TRL_VERSION} not importable with {args.trl116_site} first on PYTHONPATH "
-        f"({'it has trl ' + version if check.returncode == 0 else 'no trl'}): make bench-env, or make bench-gpu's wheels")
-    return ["env", f"PYTHONPATH={path}", sys.executable, "benchmark/trl116_rloo.py"], problem
-
-
 # ---------------------------------------------------------------- steps: each returns what its JSON records
 
 
@@ -163,7 +147,7 @@ def throughput_step(k: int, variant: str) -> Callable:
             site = ["env", f"PYTHONPATH={REPO_ROOT / args.trl_site}"] if args.trl_site else []
             command = site + [str(REPO_ROOT / args.trl_python), "benchmark/trl_rloo.py"]
         elif trainer == "trl116":
-            command, problem = trl116_command(args)
+            command, problem = throughput.trl116_command(args.trl116_site)
             if problem:
                 return {"status": f"skipped: {problem}"}
         else:
@@ -244,7 +228,7 @@ def vllm_step(name: str) -> Callable:
         assets = generation_modes.ensure_assets(modes, batch // 2 * modes.updates)
         run_dir = throughput.fresh_run_dir(REPO_ROOT / config.runs_dir / name)
         if name == "vllm_colocate_trl116":
-            command, problem = trl116_command(args)
+            command, problem = throughput.trl116_command(args.trl116_site)
             if problem:
                 return {"status": f"skipped: {problem}"}
             command = command + ["--use_vllm"]

@@ -63,9 +63,6 @@ def check_supported(args: rloo.Args) -> None:
                                    f"equivalent of {', '.join(changed)}: drop them")
     if args.reward_model_path is None:
         raise plumbing.ConfigError("benchmark/trl116_rloo.py scores with a reward model: pass --reward_model_path")
-    if args.stop_token not in ("eos", None):
-        raise plumbing.ConfigError(f"--stop_token {args.stop_token}: TRL 1.16 stops at the tokenizer's EOS; pass "
-                                   "--stop_token eos, or None (every completion response_length tokens)")
 
 
 def updates_of(args: rloo.Args, batch: int, num_prompts: int) -> int:
@@ -191,16 +188,21 @@ def main(args: rloo.Args) -> None:
     use_vllm = "--use_vllm" in sys.argv[1:]
     check_supported(args)  # before TRL's imports: a refused flag costs no TRL start-up
     sizes = rloo.compute_batch_sizes(args, world_size=1)  # the same clash errors as rloo.py
-    import transformers
-    import trl
-    from datasets import Dataset
-    from transformers import PrinterCallback
-    from trl import RLOOTrainer
-
+    try:
+        import trl
+    except ImportError as e:
+        raise plumbing.ConfigError(f"benchmark/trl116_rloo.py drives TRL {TRL_VERSION}, which this Python cannot "
+                                   f"import ({e}): run `make bench-env` and put benchmark/.trl116-site first on "
+                                   "PYTHONPATH")
     if trl.__version__ != TRL_VERSION:
         raise plumbing.ConfigError(f"benchmark/trl116_rloo.py drives TRL {TRL_VERSION}; this Python imports TRL "
                                    f"{trl.__version__} from {Path(trl.__file__).parent}: put benchmark/.trl116-site "
                                    "(make bench-env) first on PYTHONPATH")
+    import transformers
+    from datasets import Dataset
+    from transformers import PrinterCallback
+    from trl import RLOOTrainer
+
     transformers.set_seed(args.seed)
     plumbing.quiet_hub_progress_bars()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

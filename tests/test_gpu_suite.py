@@ -42,17 +42,21 @@ def test_measured_limits_are_positive_and_sized():
     assert "| run | 1.0 (50%) | - | - | - | - | 0.1 (25.0%) |" in table
 
 
-def test_the_dry_run_starts_every_step_writes_its_results_and_resumes(tmp_path):
+def test_the_dry_run_starts_every_step_writes_its_results_and_resumes(tmp_path, monkeypatch, capsys):
+    """The first run in this process (its trainers are processes of their own, on the CPU), the second from the
+    command line, as make bench-gpu starts it."""
     results = tmp_path / "suite"
-    command = [sys.executable, str(REPO / "benchmark" / "gpu_suite.py"), "--dry_run", "--results_dir", str(results),
-               "--rloo_ks", "2"]  # k=4's steps run the same code
-    first = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=cpu_env(), timeout=900)
-    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
+    for name, value in cpu_env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as the trainers see it: CUDA_VISIBLE_DEVICES=""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    gpu_suite.main(gpu_suite.Args(dry_run=True, results_dir=str(results), rloo_ks=(2,)))  # k=4's: the same code
+    first = capsys.readouterr()
     names = list(gpu_suite.steps(gpu_suite.Args(rloo_ks=(2,))))
     assert names[0] == "limits" and "learning" in names and "vllm_colocate_sleep" in names
     records = {}
     for name in names:
-        assert f"== {name}\n" in first.stdout  # it started
+        assert f"== {name}\n" in first.out  # it started
         records[name] = json.loads((results / f"{name}.json").read_text())
         assert records[name]["step"] == name and records[name]["status"]
 
@@ -71,7 +75,7 @@ def test_the_dry_run_starts_every_step_writes_its_results_and_resumes(tmp_path):
         assert os.environ.get("REQUIRE_BENCH_ENV") != "1", trl["status"]
         assert trl["status"].startswith("skipped: TRL not importable"), trl["status"]
     trl116 = records["throughput_k2_trl116"]
-    if gpu_suite.trl116_command(gpu_suite.Args())[1] is None:  # TRL 1.16 in benchmark/.trl116-site (make bench-env)
+    if gpu_suite.throughput.trl116_command(gpu_suite.Args().trl116_site)[1] is None:  # make bench-env's TRL 1.16
         run = trl116["result"]
         assert trl116["status"] == "measured" and trl116["command"][2:4] == [sys.executable, "benchmark/trl116_rloo.py"]
         assert run["seconds_per_update"] > 0 and run["training_tflop_per_s"] > 0 and run["policy_forward_s"] > 0
@@ -88,9 +92,11 @@ def test_the_dry_run_starts_every_step_writes_its_results_and_resumes(tmp_path):
     assert records["learning"]["status"] == "measured" and records["learning"]["updates"] == 2
     table = (results / "table.md").read_text()
     assert all(f"| {name} |" in table for name in names if name.startswith(("throughput_", "vllm_")))
-    assert table in first.stdout
+    assert table in first.out
 
     written = {name: (results / f"{name}.json").stat().st_mtime_ns for name in names}
+    command = [sys.executable, str(REPO / "benchmark" / "gpu_suite.py"), "--dry_run", "--results_dir", str(results),
+               "--rloo_ks", "2"]
     second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=cpu_env(), timeout=300)
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
     for name in names:
@@ -149,7 +155,7 @@ def test_where_vllm_imports_the_colocated_steps_build_their_run(tmp_path, monkey
     assert command[1:4] == ["rloo_multinode.py", "--vllm_mode", "colocate"] and "--bf16" in command
     policy = Path(command[command.index("--model_name_or_path") + 1])
     assert "LlamaForCausalLM" in (policy / "config.json").read_text()  # a colocated engine refuses GPT-NeoX
-    trl116 = gpu_suite.trl116_command(args)
+    trl116 = gpu_suite.throughput.trl116_command(args.trl116_site)
     if trl116[1] is None:  # TRL 1.16 with its colocated engine, on the same Llama
         with pytest.raises(SystemExit, match="needs vLLM"):
             gpu_suite.vllm_step("vllm_colocate_trl116")(args, tmp_path)
