@@ -109,13 +109,14 @@ def read_rows(metrics_path: Path, warmup: int) -> list[dict]:
 
 
 def trl_problem(args: Args) -> str | None:
-    """Why TRL 0.21 cannot run here (one line), or None."""
+    """Why TRL 0.21 cannot run here (one line), or None: the trl that Python would import, by its metadata
+    (importing TRL takes seconds, and the run itself imports it)."""
     python = REPO_ROOT / args.trl_python
     if not python.exists():
         return f"TRL not importable: no Python at {args.trl_python} (make bench-env, or make bench-gpu's wheels)"
     env = {**os.environ, **({"PYTHONPATH": str(REPO_ROOT / args.trl_site)} if args.trl_site else {})}
-    check = subprocess.run([str(python), "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True,
-                           env=env)
+    check = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('trl'))"],
+                           capture_output=True, text=True, env=env)
     if check.returncode != 0:
         return f"TRL not importable with {args.trl_python}: {(check.stderr.strip().splitlines() or ['?'])[-1]}"
     if check.stdout.strip() != TRL_VERSION:

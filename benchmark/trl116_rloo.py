@@ -22,7 +22,8 @@ penalty or normalization here), `episode`, `completions/mean_length`, and rloo.p
 `memory/*`), and the final policy and tokenizer. Phases: `time/generation` (TRL's `_generate`: sampling, with
 transformers or the vLLM engine), `time/weight_sync` (with --use_vllm: the policy's weights loaded into the colocated
 engine, in-process; left out of generation), `time/policy_forward` (TRL's no-grad pass for the old log-probs, which
-it runs even on-policy), `time/reference_forward`, `time/scoring` (the reward model), `time/training` (the rest).
+it runs even on-policy), `time/reference_forward`, `time/scoring` (the reward model), `time/training` (the rest);
+on CUDA `memory/<phase>_gib`, training's from the end of the last phase to the end of the update.
 Flags with no TRL 1.16 equivalent are refused in one line.
 """
 
@@ -122,6 +123,8 @@ def instrument(trainer, device: torch.device, output_dir: Path, k: int, num_ppo_
                 return original(*a, **kw)
             with timer(phase):
                 out = original(*a, **kw)
+            if device.type == "cuda":  # what follows the last phase is training: its peak from here
+                torch.cuda.reset_peak_memory_stats(device)
             if name == "_generate":  # (prompt ids, completion ids, texts): each prompt repeated k times
                 prompt_ids, completion_ids = out[0], out[1]
                 state["prompt_tokens"] += sum(len(ids) for ids in prompt_ids) / k
@@ -165,6 +168,9 @@ def instrument(trainer, device: torch.device, output_dir: Path, k: int, num_ppo_
             row["completions/mean_length"] = state["response_tokens"] / state["responses"]
             row["work/minimum_tokens"] = (state["prompt_tokens"] + state["response_tokens"]) * sum(
                 num_ppo_epochs if phase == "training" else 1 for phase in timer.tokens)
+            if device.type == "cuda":
+                row["memory/training_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                row["memory/peak_gib"] = max(row.get("memory/peak_gib", 0.0), row["memory/training_gib"])
             state["row"] = row  # written by on_log, which the Trainer calls next with this step's metrics
 
         def on_log(self, _args, _state, _control, logs=None, **__):
