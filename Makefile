@@ -109,8 +109,7 @@ bench-env: $(BENCH_INSTALLED) $(TRL116_INSTALLED)  ## TRL 0.21 in $(BENCH_ENV), 
 BENCH_RESULTS ?= runs/bench
 
 bench: $(BENCH_INSTALLED) $(TRL116_INSTALLED)  ## rloo.py vs TRL here: throughput, learning, into runs/bench (~25 min, 2 cores)
-	$(PYTHON) benchmark/throughput.py --trl_python $(BENCH_ENV)/bin/python --trl116_site $(TRL116_SITE) \
-		--output_dir $(BENCH_RESULTS)
+	$(PYTHON) benchmark/throughput.py --trl_python $(BENCH_ENV)/bin/python --trl116_site $(TRL116_SITE) --output_dir $(BENCH_RESULTS)
 	$(PYTHON) benchmark/learning.py --trl_python $(BENCH_ENV)/bin/python --output_dir $(BENCH_RESULTS)
 
 bench-results:  ## make bench, its results replacing the committed ones in benchmark/results (review, then commit)
