@@ -22,8 +22,8 @@ exists is skipped, so a run cut short resumes where it stopped (delete a step's 
   per phase and the weight sync's seconds, which colocated is an in-process `load_weights`, no NCCL (a Llama of the
   pythia-1b shape: TRL 1.16 colocated on GPT-NeoX fails). `vllm_engine_nccl`: rloo_multinode.py with its engine on a
   second GPU, the weights broadcast over NCCL: the weight sync over NCCL, measured only where there are 2 GPUs (a
-  trainer and an engine cannot share one in an NCCL communicator). Only where vLLM is importable; else each of these
-  steps records one line saying why not.
+  trainer and an engine cannot share one in an NCCL communicator). Only where vLLM is importable (TRL 1.16's: vLLM
+  0.22 to 0.31, the releases it supports); else each of these steps records one line saying why not.
 - `learning`: the synthetic task (benchmark/synthetic_task.py) trained on the GPU, its reward-model score from the
   first 3 updates to the last 3 (make demo's check).
 - `table`: the markdown rows of benchmark/README.md's GPU section, printed and written to `<results_dir>/table.md`.
@@ -45,6 +45,7 @@ from typing import Callable
 
 import torch
 import tyro
+from packaging.version import Version
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -197,6 +198,16 @@ def plan_memory_step(k: int) -> Callable:
     return step
 
 
+TRL116_VLLM = ("0.22.0", "0.31.0")  # the vLLM releases TRL 1.16 supports (its import_utils); 0.32's CPU build
+# fails in TRL's colocated weight sync (vLLM repacks the linear weights, which TRL's load_weights then cannot find)
+
+
+def vllm_version() -> str:
+    from importlib.metadata import version
+
+    return version("vllm")
+
+
 VLLM_STEPS = {  # name -> how its weight sync moves the weights, as the table says it
     "vllm_colocate": "in-process, into the engine in the training process (no NCCL)",
     "vllm_colocate_sleep": "in-process, waking the engine's weights first (no NCCL)",
@@ -232,6 +243,10 @@ def vllm_step(name: str) -> Callable:
             command, problem = throughput.trl116_command(args.trl116_site)
             if problem:
                 return {"status": f"skipped: {problem}"}
+            low, high = (Version(v) for v in TRL116_VLLM)
+            if not low <= Version(Version(vllm_version()).base_version) <= high:
+                return {"status": f"skipped: TRL 1.16 supports vLLM {TRL116_VLLM[0]} to {TRL116_VLLM[1]}; this "
+                                  f"machine has vLLM {vllm_version()}"}
             command = command + ["--use_vllm"]
         elif name == "vllm_engine_nccl":  # the trainer on GPU 0, the engine rank 0 starts on GPU 1
             command = [sys.executable, "rloo_multinode.py", "--num_engines", "1", "--engine_devices", "1",

@@ -156,7 +156,11 @@ def test_where_vllm_imports_the_colocated_steps_build_their_run(tmp_path, monkey
     policy = Path(command[command.index("--model_name_or_path") + 1])
     assert "LlamaForCausalLM" in (policy / "config.json").read_text()  # a colocated engine refuses GPT-NeoX
     trl116 = gpu_suite.throughput.trl116_command(args.trl116_site)
-    if trl116[1] is None:  # TRL 1.16 with its colocated engine, on the same Llama
+    if trl116[1] is None:  # TRL 1.16 with its colocated engine, on the same Llama, where its vLLM range allows
+        monkeypatch.setattr(gpu_suite, "vllm_version", lambda: "0.32.0")
+        assert gpu_suite.vllm_step("vllm_colocate_trl116")(args, tmp_path) == {
+            "status": "skipped: TRL 1.16 supports vLLM 0.22.0 to 0.31.0; this machine has vLLM 0.32.0"}
+        monkeypatch.setattr(gpu_suite, "vllm_version", lambda: "0.31.0+cu129")
         with pytest.raises(SystemExit, match="needs vLLM"):
             gpu_suite.vllm_step("vllm_colocate_trl116")(args, tmp_path)
         assert commands[1][:4] == trl116[0] and commands[1][4] == "--use_vllm"
