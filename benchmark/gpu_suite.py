@@ -293,20 +293,23 @@ def fmt(value, spec: str = ".2f") -> str:
 
 def table(args: Args, results: Path) -> dict:
     """benchmark/README.md's GPU rows from the steps' JSON files."""
-    read = {path.stem: json.loads(path.read_text()) for path in sorted(results.glob("*.json"))}
+    order = list(steps(args))  # the suite's order (throughput's alternation); files of other steps after them
+    read = {path.stem: json.loads(path.read_text()) for path in sorted(
+        results.glob("*.json"), key=lambda path: (order.index(path.stem) if path.stem in order else len(order),
+                                                  path.stem))}
     device = read.get("limits", {}).get("device", "?")
     lines = [f"Device: {device}. " + (
         "Limits measured here: bf16 matmul {bf16[matmul_tflop_per_s]:.4g} TFLOP/s, fp32 {fp32[matmul_tflop_per_s]:.4g} "
         "TFLOP/s, copy {bf16[copy_gb_per_s]:.1f} GB/s (read + write).".format(**read["limits"])
         if "limits" in read else ""), "",
-        "| step | s/update | generation | reference | scoring | training | decoding GB/s (% of copy) | "
-        "training TFLOP/s (% of bf16 matmul) | peak GiB: generation / training | plan_memory.py GiB: rollout / "
-        "training | notes |", "|---" * 11 + "|"]
+        "| step | s/update | generation | policy forward | reference | scoring | training | decoding GB/s (% of copy) "
+        "| training TFLOP/s (% of bf16 matmul) | peak GiB: generation / training | plan_memory.py GiB: rollout / "
+        "training | notes |", "|---" * 12 + "|"]
     for name, step in read.items():
         if not name.startswith(("throughput_", "vllm_")):
             continue
         if not step["status"].startswith("measured"):
-            lines.append(f"| {name} | {step['status']} |" + " |" * 9)
+            lines.append(f"| {name} | {step['status']} |" + " |" * 10)
             continue
         r = step["result"]
         plan = read.get(f"plan_memory_k{step.get('k')}", {}).get("phases", {}) if step.get("trainer") == "rloo.py" \
@@ -320,7 +323,8 @@ def table(args: Args, results: Path) -> dict:
         training = (f"{r['training_tflop_per_s']:.3g} ({100 * r['training_of_matmul']:.0f}%)"
                     if "training_of_matmul" in r else "-")
         lines.append(
-            f"| {name} | {r['seconds_per_update']:.2f} | {r['generation_s']:.2f} | {r['reference_forward_s']:.2f} | "
+            f"| {name} | {r['seconds_per_update']:.2f} | {r['generation_s']:.2f} | {r['policy_forward_s']:.2f} | "
+            f"{r['reference_forward_s']:.2f} | "
             f"{r['scoring_s']:.2f} | {r['training_s']:.2f} | {decoding} | {training} | "
             f"{fmt(r.get('generation_peak_gib'))} / {fmt(r.get('training_peak_gib'))} | "
             f"{fmt(plan.get('generation', {}).get('predicted_gib'))} / "
