@@ -14,8 +14,11 @@ again with the reward model's tokenizer. rloo.py's settings map to TRL 1.16's na
 kl_coef -> beta, cliprange -> epsilon, response_length -> max_completion_length, num_ppo_epochs -> num_iterations,
 gradient_accumulation_steps x num_mini_batches -> steps_per_generation (micro-batches per generation),
 reward_clip_range R -> (-R, R); an update (one generation and its num_ppo_epochs x num_mini_batches optimizer steps)
-is one metrics row. `--stop_token None` (every completion response_length tokens) becomes a minimum length of
-response_length, as TRL always stops at the tokenizer's EOS.
+is one metrics row. TRL 1.16 has no chunk size of its own: it samples the update's completions in one `generate`
+call and computes log-probs in chunks of the micro-batch, so --local_rollout_forward_batch_size must equal
+--per_device_train_batch_size (rloo.py's chunk then matches TRL's log-prob chunks, not its sampling batch).
+`--stop_token None` (every completion response_length tokens) becomes a minimum length of response_length, as TRL
+always stops at the tokenizer's EOS.
 
 Written to `--output_dir`: `metrics.jsonl` (TRL 1.16's logged metrics, `objective/scores` (TRL's `reward`: no EOS
 penalty or normalization here), `episode`, `completions/mean_length`, and rloo.py's `time/*`, `work/*` and, on CUDA,
@@ -64,6 +67,12 @@ def check_supported(args: rloo.Args) -> None:
                                    f"equivalent of {', '.join(changed)}: drop them")
     if args.reward_model_path is None:
         raise plumbing.ConfigError("benchmark/trl116_rloo.py scores with a reward model: pass --reward_model_path")
+    if args.local_rollout_forward_batch_size != args.per_device_train_batch_size:
+        raise plumbing.ConfigError(
+            f"TRL 1.16 computes log-probs in chunks of per_device_train_batch_size ({args.per_device_train_batch_size})"
+            f" and samples a whole update's completions in one call: pass --local_rollout_forward_batch_size "
+            f"{args.per_device_train_batch_size} (to both trainers) rather than "
+            f"{args.local_rollout_forward_batch_size}")
 
 
 def updates_of(args: rloo.Args, batch: int, num_prompts: int) -> int:

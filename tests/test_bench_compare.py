@@ -96,8 +96,11 @@ def test_trl116_runner_refuses_what_it_cannot_do_in_one_line_before_importing_tr
         "--model_name_or_path", "x", "--reward_model_path", "y", "--token_level_kl", "--bf16_generation")
     assert "scores with a reward model: pass --reward_model_path" in run("--model_name_or_path", "x")
     assert "not divisible by rloo_k (3)" in run("--model_name_or_path", "x", "--reward_model_path", "y",
-                                                 "--rloo_k", "3", "--per_device_train_batch_size", "4")
-    missing = run("--model_name_or_path", "x", "--reward_model_path", "y")
+                                                 "--rloo_k", "3", "--per_device_train_batch_size", "4",
+                                                 "--local_rollout_forward_batch_size", "4")
+    assert "pass --local_rollout_forward_batch_size 8 (to both trainers) rather than 64" in run(
+        "--model_name_or_path", "x", "--reward_model_path", "y")  # rloo.py's defaults: 8 and 64
+    missing = run("--model_name_or_path", "x", "--reward_model_path", "y", "--local_rollout_forward_batch_size", "8")
     assert "which this Python cannot import" in missing and "benchmark/.trl116-site first on PYTHONPATH" in missing
 
 
@@ -110,7 +113,8 @@ def test_trl116_runner_maps_epochs_and_minibatches_to_one_row_per_update(trl116,
     result = subprocess.run(trl116 + [
         "--model_name_or_path", paths["policy"], "--reward_model_path", paths["reward_model"], "--dataset_name",
         paths["train"], "--output_dir", tmp_path / "run", "--rloo_k", "2", "--per_device_train_batch_size", "2",
-        "--num_mini_batches", "2", "--num_ppo_epochs", "2", "--total_episodes", "8", "--response_length", "5",
+        "--local_rollout_forward_batch_size", "2", "--num_mini_batches", "2", "--num_ppo_epochs", "2",
+        "--total_episodes", "8", "--response_length", "5",
         "--stop_token", "None", "--max_grad_norm", "0"], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -126,8 +130,8 @@ def test_trl116_runner_maps_epochs_and_minibatches_to_one_row_per_update(trl116,
 def test_throughput_runs_both_trainers_and_reports_the_ratio_and_the_work(trl_python, trl116, tmp_path):
     run_benchmark_script("benchmark/throughput.py", "--trl_python", trl_python, "--repeats", "1", "--updates", "2",
                "--shapes", "pythia-14m", "--prompt_length", "72", "--response_length", "6",
-               "--mean_response_length", "3", "--rloo_ks", "2", "--per_device_train_batch_size", "2",
-               "--gradient_accumulation_steps", "2", "--local_rollout_forward_batch_size", "4",
+               "--mean_response_length", "3", "--rloo_ks", "2", "--per_device_train_batch_size", "4",
+               "--gradient_accumulation_steps", "1", "--local_rollout_forward_batch_size", "4",  # TRL 1.16: equal
                "--cache_dir", tmp_path / "cache", "--output_dir", tmp_path / "results", "--runs_dir", tmp_path / "runs")
     report = json.loads((tmp_path / "results" / "throughput_cpu.json").read_text())
     result = report["results"]["pythia-14m k=2"]  # TL;DR-like prompt lengths (clipped to 64..72), EOS-prone policy
