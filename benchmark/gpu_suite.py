@@ -1,6 +1,6 @@
 """Every GPU number of benchmark/README.md from one command, on one GPU machine with no network.
 
-    make gpu-wheels    # beforehand, where the package registry is reachable: benchmark/gpu-wheels/ (~18 MB)
+    make gpu-wheels    # beforehand, where the package registry is reachable: benchmark/gpu-wheels/ (~19 MB)
     make bench-gpu     # on the GPU machine: installs those wheels offline, then runs this script
 
 The machine needs a CUDA torch, transformers 5.x, peft and accelerate; what else rloo.py needs (tyro,
