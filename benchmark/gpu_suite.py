@@ -228,6 +228,14 @@ def vllm_step(name: str) -> Callable:
         if name == "vllm_engine_nccl" and torch.cuda.device_count() < 2:
             return {"status": f"skipped: a weight sync over NCCL needs 2 GPUs (the trainer's, the engine's); "
                               f"this machine has {torch.cuda.device_count()}: the colocated rows' sync is in-process"}
+        if name == "vllm_colocate_trl116":
+            trl116, problem = throughput.trl116_command(args.trl116_site)
+            if problem:
+                return {"status": f"skipped: {problem}"}
+            low, high = (Version(v) for v in TRL116_VLLM)
+            if not low <= Version(Version(vllm_version()).base_version) <= high:
+                return {"status": f"skipped: TRL 1.16 supports vLLM {TRL116_VLLM[0]} to {TRL116_VLLM[1]}; this "
+                                  f"machine has vLLM {vllm_version()}"}
         config = run_config(args, 2)
         hidden, layers, heads = throughput.PYTHIA_SHAPES[config.shapes[0]]
         shared = {f: getattr(config, f) for f in throughput.RunConfig.__dataclass_fields__}
@@ -240,14 +248,7 @@ def vllm_step(name: str) -> Callable:
         assets = generation_modes.ensure_assets(modes, batch // 2 * modes.updates)
         run_dir = throughput.fresh_run_dir(REPO_ROOT / config.runs_dir / name)
         if name == "vllm_colocate_trl116":
-            command, problem = throughput.trl116_command(args.trl116_site)
-            if problem:
-                return {"status": f"skipped: {problem}"}
-            low, high = (Version(v) for v in TRL116_VLLM)
-            if not low <= Version(Version(vllm_version()).base_version) <= high:
-                return {"status": f"skipped: TRL 1.16 supports vLLM {TRL116_VLLM[0]} to {TRL116_VLLM[1]}; this "
-                                  f"machine has vLLM {vllm_version()}"}
-            command = command + ["--use_vllm"]
+            command = trl116 + ["--use_vllm"]
         elif name == "vllm_engine_nccl":  # the trainer on GPU 0, the engine rank 0 starts on GPU 1
             command = [sys.executable, "rloo_multinode.py", "--num_engines", "1", "--engine_devices", "1",
                        "--vllm_gpu_memory_utilization", "0.5"]
