@@ -46,22 +46,30 @@ import plumbing  # noqa: E402
 import rloo  # noqa: E402
 
 TRL_VERSION = "1.16.0"
-# rloo.py flags whose non-default values TRL 1.16's trainer (as driven here) cannot reproduce
-UNSUPPORTED = ("save_steps", "resume", "resume_from", "track", "dataset_test_split", "token_level_kl",
-               "missing_eos_penalty", "normalize_reward", "stop_token_id", "reward_fn", "fsdp", "offload",
-               "compile_generation", "share_prompt", "bf16_generation", "use_peft", "generation_batch_size",
-               "vllm_importance_sampling_correction")
 SAME_NAMES = ("seed", "learning_rate", "adam_epsilon", "max_grad_norm", "lr_scheduler_type",
               "per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "bf16",
               "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "epsilon_high",
               "mask_truncated_completions", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",
-              "trust_remote_code")
+              "trust_remote_code")  # rloo.py flags RLOOConfig has under the same name and meaning
+HONOURED = SAME_NAMES + (  # mapped to TRL's names (trl_config), or read by rloo.py's loaders this driver calls
+    "model_name_or_path", "sft_model_path", "reward_model_path", "pad_token", "dataset_name", "dataset_config",
+    "dataset_train_split", "prompt_column", "max_prompt_length", "exp_name", "run_name", "output_dir", "rloo_k",
+    "kl_coef", "cliprange", "normalize_advantage", "reward_clip_range", "response_length", "stop_token",
+    "total_episodes", "max_steps", "num_train_epochs", "num_mini_batches", "num_ppo_epochs", "warmup_ratio",
+    "local_rollout_forward_batch_size")
+NO_EFFECT = (  # rloo.py's logging, evaluation and saving choices (this driver logs each update and saves the final
+    # policy only), and settings that act only with a flag refused here (--fsdp, --use_peft, the IS correction)
+    "num_sample_generations", "logging_steps", "num_evals", "eval_max_prompts", "save_strategy", "save_total_limit",
+    "overwrite_output_dir", "allow_changed_inputs", "ddp_timeout", "reward_fn_timeout", "wandb_project_name",
+    "wandb_entity", "log_completions", "num_completions_to_print", "num_generations_eval", "fsdp_generation",
+    "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save", "use_rslora", "use_dora",
+    "merge_lora", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap")
 
 
 def check_supported(args: rloo.Args) -> None:
-    default = rloo.Args()
-    changed = [f"--{f.name}" for f in fields(rloo.Args)
-               if f.name in UNSUPPORTED and getattr(args, f.name) != getattr(default, f.name)]
+    default = rloo.Args()  # any other flag away from its default (rloo.py's flags to come included) is refused
+    changed = [f"--{f.name}" for f in fields(rloo.Args) if f.name not in HONOURED + NO_EFFECT
+               and getattr(args, f.name) != getattr(default, f.name)]
     if changed:
         raise plumbing.ConfigError(f"TRL 1.16's RLOOTrainer, as benchmark/trl116_rloo.py drives it, has no "
                                    f"equivalent of {', '.join(changed)}: drop them")
@@ -88,7 +96,7 @@ def trl_config(args: rloo.Args, updates: int, use_cpu: bool, use_vllm: bool):
     from trl import RLOOConfig
 
     steps_per_update = args.num_ppo_epochs * args.num_mini_batches
-    greedy_length = {"min_tokens" if use_vllm else "min_new_tokens": args.response_length}
+    full_length = {"min_tokens" if use_vllm else "min_new_tokens": args.response_length}  # vLLM's name, transformers'
     return RLOOConfig(
         output_dir=args.output_dir, run_name=args.run_name or args.exp_name, report_to="none", save_strategy="no",
         logging_steps=1, disable_tqdm=True, use_cpu=use_cpu, shuffle_dataset=True,
@@ -99,7 +107,7 @@ def trl_config(args: rloo.Args, updates: int, use_cpu: bool, use_vllm: bool):
         reward_clip_range=(-args.reward_clip_range, args.reward_clip_range) if args.reward_clip_range else None,
         max_completion_length=args.response_length, num_iterations=args.num_ppo_epochs,
         steps_per_generation=args.gradient_accumulation_steps * args.num_mini_batches,
-        generation_kwargs=None if args.stop_token else greedy_length, max_steps=updates * steps_per_update,
+        generation_kwargs=None if args.stop_token else full_length, max_steps=updates * steps_per_update,
         weight_decay=0.0, warmup_steps=args.warmup_ratio,  # transformers 5: a float < 1 is a ratio
         use_vllm=use_vllm, vllm_mode="colocate",
     )
