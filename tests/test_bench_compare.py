@@ -95,7 +95,8 @@ def test_trl116_runner_refuses_what_it_cannot_do_in_one_line_before_importing_tr
     assert "has no equivalent of --bf16_generation, --token_level_kl: drop them" in run(
         "--model_name_or_path", "x", "--reward_model_path", "y", "--token_level_kl", "--bf16_generation")
     assert "has no equivalent of --reward_weights, --resume: drop them" in run(  # what it does not map: refused
-        "--model_name_or_path", "x", "--reward_model_path", "y", "--resume", "--reward_weights", "2", "--num_evals", "3")
+        "--model_name_or_path", "x", "--reward_model_path", "y", "--resume", "--reward_weights", "2",
+        "--num_evals", "3")  # (evaluation, logging and saving flags have no effect here: not refused)
     assert "scores with a reward model: pass --reward_model_path" in run("--model_name_or_path", "x")
     assert "not divisible by rloo_k (3)" in run("--model_name_or_path", "x", "--reward_model_path", "y",
                                                  "--rloo_k", "3", "--per_device_train_batch_size", "4",
