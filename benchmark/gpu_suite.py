@@ -1,24 +1,29 @@
 """Every GPU number of benchmark/README.md from one command, on one GPU machine with no network.
 
-    make gpu-wheels    # beforehand, where the package registry is reachable: benchmark/gpu-wheels/ (~18 MB)
+    make gpu-wheels    # beforehand, where the package registry is reachable: benchmark/gpu-wheels/ (~19 MB)
     make bench-gpu     # on the GPU machine: installs those wheels offline, then runs this script
 
 The machine needs a CUDA torch, transformers 5.x, peft and accelerate; what else rloo.py needs (tyro,
-docstring_parser, typeguard, datasets, dill, multiprocess) and TRL 0.21 with its transformers 4.57 come from the
-wheel folder (Makefile: gpu-wheels, bench-gpu). Each step takes a few minutes at the GPU shapes (under 10) and writes
-`<results_dir>/<step>.json` when it ends; a step whose file exists is skipped, so a run cut short resumes where it
-stopped (delete a step's file to run it again). In order:
+docstring_parser, typeguard, datasets, dill, multiprocess), TRL 1.16 (which runs on the machine's transformers 5.x),
+and TRL 0.21 with its transformers 4.57 come from the wheel folder (Makefile: gpu-wheels, bench-gpu). Each step takes
+a few minutes at the GPU shapes (under 10) and writes `<results_dir>/<step>.json` when it ends; a step whose file
+exists is skipped, so a run cut short resumes where it stopped (delete a step's file to run it again). In order:
 
 - `limits`: the GPU's own ceilings, measured: a bf16 and an fp32 matmul, a device-to-device copy (accounting.py).
-- `throughput_k{2,4}_{rloo,trl021,rloo_bf16_generation,rloo_compile_generation}`: the pythia-1b shape (random init
-  from its config, no Hub) at TL;DR lengths (benchmark/throughput.py's prompts and calibrated EOS), --bf16 (fp32
-  master weights, bf16 autocast); rloo.py plain, with --bf16_generation, with --compile_generation, and TRL 0.21,
-  alternating. Seconds and CUDA peak per phase, decoding GB/s against the copy, each phase's FLOP/s against the
-  matmul; the bf16 sampling copy's mismatch/* metrics in its run.
+- `throughput_k{2,4}_{rloo,trl116,rloo_bf16_generation,trl021,rloo_compile_generation}`: the pythia-1b shape
+  (random init from its config, no Hub) at TL;DR lengths (benchmark/throughput.py's prompts and calibrated EOS),
+  --bf16 (fp32 master weights, bf16 autocast); rloo.py plain, with --bf16_generation, with --compile_generation,
+  TRL 1.16 (benchmark/trl116_rloo.py) and TRL 0.21 (benchmark/trl_rloo.py), alternating. Seconds and CUDA peak per
+  phase, decoding GB/s against the copy, each phase's FLOP/s against the matmul; the bf16 sampling copy's
+  mismatch/* metrics in its run.
 - `plan_memory_k{2,4}`: plan_memory.py's prediction for the same flags against each phase's measured CUDA peak.
-- `vllm_colocate`, `vllm_colocate_sleep`: rloo_multinode.py with a colocated vLLM engine, without and with sleep
-  mode: seconds per phase and the weight sync's seconds (a Llama of the pythia-1b shape: a colocated engine refuses
-  GPT-NeoX). Only where vLLM is importable; else the step records one line saying so.
+- `vllm_colocate`, `vllm_colocate_sleep`, `vllm_colocate_trl116`: rloo_multinode.py with a colocated vLLM engine,
+  without and with sleep mode, and TRL 1.16 with its colocated engine (`use_vllm=True, vllm_mode="colocate"`): seconds
+  per phase and the weight sync's seconds, which colocated is an in-process `load_weights`, no NCCL (a Llama of the
+  pythia-1b shape: TRL 1.16 colocated on GPT-NeoX fails). `vllm_engine_nccl`: rloo_multinode.py with its engine on a
+  second GPU, the weights broadcast over NCCL: the weight sync over NCCL, measured only where there are 2 GPUs (a
+  trainer and an engine cannot share one in an NCCL communicator). Only where vLLM is importable (TRL 1.16's: vLLM
+  0.22 to 0.31, the releases it supports); else each of these steps records one line saying why not.
 - `learning`: the synthetic task (benchmark/synthetic_task.py) trained on the GPU, its reward-model score from the
   first 3 updates to the last 3 (make demo's check).
 - `table`: the markdown rows of benchmark/README.md's GPU section, printed and written to `<results_dir>/table.md`.
@@ -40,6 +45,7 @@ from typing import Callable
 
 import torch
 import tyro
+from packaging.version import Version
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -48,8 +54,9 @@ from benchmark import accounting, demo, generation_modes, throughput  # noqa: E4
 
 VARIANTS = {  # throughput step: (trainer, rloo.py's own flags), in the order they alternate
     "rloo": ("rloo.py", []),
-    "trl021": ("trl", []),
+    "trl116": ("trl116", []),
     "rloo_bf16_generation": ("rloo.py", ["--bf16_generation"]),
+    "trl021": ("trl", []),
     "rloo_compile_generation": ("rloo.py", ["--compile_generation"]),
 }
 TRL_VERSION = "0.21.0"
@@ -74,6 +81,9 @@ class Args:
     trl_site: str = ""
     """a folder of TRL 0.21 and transformers 4.57 put first on PYTHONPATH for the TRL runs (make bench-gpu's, from
     the wheel folder); "" : none"""
+    trl116_site: str = "benchmark/.trl116-site"
+    """a folder holding TRL 1.16, put first on PYTHONPATH for benchmark/trl116_rloo.py, which runs in this Python
+    (make bench-env's; make bench-gpu passes its wheel folder's site)"""
 
 
 def run_config(args: Args, k: int) -> throughput.RunConfig:
@@ -100,13 +110,14 @@ def read_rows(metrics_path: Path, warmup: int) -> list[dict]:
 
 
 def trl_problem(args: Args) -> str | None:
-    """Why TRL 0.21 cannot run here (one line), or None."""
+    """Why TRL 0.21 cannot run here (one line), or None: the trl that Python would import, by its metadata
+    (importing TRL takes seconds, and the run itself imports it)."""
     python = REPO_ROOT / args.trl_python
     if not python.exists():
         return f"TRL not importable: no Python at {args.trl_python} (make bench-env, or make bench-gpu's wheels)"
     env = {**os.environ, **({"PYTHONPATH": str(REPO_ROOT / args.trl_site)} if args.trl_site else {})}
-    check = subprocess.run([str(python), "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True,
-                           env=env)
+    check = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('trl'))"],
+                           capture_output=True, text=True, env=env)
     if check.returncode != 0:
         return f"TRL not importable with {args.trl_python}: {(check.stderr.strip().splitlines() or ['?'])[-1]}"
     if check.stdout.strip() != TRL_VERSION:
@@ -137,6 +148,10 @@ def throughput_step(k: int, variant: str) -> Callable:
                 return {"status": f"skipped: {problem}"}
             site = ["env", f"PYTHONPATH={REPO_ROOT / args.trl_site}"] if args.trl_site else []
             command = site + [str(REPO_ROOT / args.trl_python), "benchmark/trl_rloo.py"]
+        elif trainer == "trl116":
+            command, problem = throughput.trl116_command(args.trl116_site)
+            if problem:
+                return {"status": f"skipped: {problem}"}
         else:
             command = [sys.executable, "rloo.py"]
         batch = config.per_device_train_batch_size * config.gradient_accumulation_steps * config.num_mini_batches
@@ -183,29 +198,69 @@ def plan_memory_step(k: int) -> Callable:
     return step
 
 
-def vllm_step(sleep: bool) -> Callable:
+TRL116_VLLM = ("0.22.0", "0.31.0")  # the vLLM releases TRL 1.16 supports (its import_utils); 0.32's CPU build
+# fails in TRL's colocated weight sync (vLLM repacks the linear weights, which TRL's load_weights then cannot find)
+
+
+def vllm_version() -> str:
+    from importlib.metadata import version
+
+    return version("vllm")
+
+
+VLLM_STEPS = {  # name -> how its weight sync moves the weights, as the table says it
+    "vllm_colocate": "in-process, into the engine in the training process (no NCCL)",
+    "vllm_colocate_sleep": "in-process, waking the engine's weights first (no NCCL)",
+    "vllm_colocate_trl116": "in-process, TRL 1.16's load_weights per parameter (no NCCL)",
+    "vllm_engine_nccl": "NCCL broadcast to an engine on a second GPU",
+}
+
+
+def vllm_step(name: str) -> Callable:
+    """rloo_multinode.py with a colocated vLLM engine (without and with sleep mode), TRL 1.16 with its colocated
+    engine, and rloo_multinode.py with an engine in a process of its own on a second GPU, its weights sent over NCCL:
+    one GPU has no NCCL weight sync to measure, as a trainer and an engine cannot share a GPU in one communicator."""
     def step(args: Args, results: Path) -> dict:
         if importlib.util.find_spec("vllm") is None:
             return {"status": "skipped: vLLM not importable"}
-        if sleep and not torch.cuda.is_available():
+        if name == "vllm_colocate_sleep" and not torch.cuda.is_available():
             return {"status": "skipped: sleep mode needs CUDA"}
+        if name == "vllm_engine_nccl" and torch.cuda.device_count() < 2:
+            return {"status": f"skipped: a weight sync over NCCL needs 2 GPUs (the trainer's, the engine's); "
+                              f"this machine has {torch.cuda.device_count()}: the colocated rows' sync is in-process"}
+        if name == "vllm_colocate_trl116":
+            trl116, problem = throughput.trl116_command(args.trl116_site)
+            if problem:
+                return {"status": f"skipped: {problem}"}
+            low, high = (Version(v) for v in TRL116_VLLM)
+            if not low <= Version(Version(vllm_version()).base_version) <= high:
+                return {"status": f"skipped: TRL 1.16 supports vLLM {TRL116_VLLM[0]} to {TRL116_VLLM[1]}; this "
+                                  f"machine has vLLM {vllm_version()}"}
         config = run_config(args, 2)
         hidden, layers, heads = throughput.PYTHIA_SHAPES[config.shapes[0]]
         shared = {f: getattr(config, f) for f in throughput.RunConfig.__dataclass_fields__}
         modes = generation_modes.Args(**{
             **shared, "rloo_k": 2, "hidden_size": hidden, "layers": layers, "heads": heads,
-            "vllm_enable_sleep_mode": sleep, "gpu_memory_utilization": 0.3,
+            "vllm_enable_sleep_mode": name == "vllm_colocate_sleep", "gpu_memory_utilization": 0.3,
             "mean_response_length": config.mean_response_length or float(config.response_length),
             "cache_dir": str(Path(config.cache_dir).parent / "generation_modes")})  # a Llama: vLLM colocates it
-        batch = modes.per_device_train_batch_size * modes.gradient_accumulation_steps
+        batch = modes.per_device_train_batch_size * modes.gradient_accumulation_steps * modes.num_mini_batches
         assets = generation_modes.ensure_assets(modes, batch // 2 * modes.updates)
-        run_dir = throughput.fresh_run_dir(REPO_ROOT / config.runs_dir / f"vllm_colocate{'_sleep' * sleep}")
-        full = generation_modes.mode_command("colocate", modes) + throughput.trainer_flags(modes, 2, assets, run_dir)
+        run_dir = throughput.fresh_run_dir(REPO_ROOT / config.runs_dir / name)
+        if name == "vllm_colocate_trl116":
+            command = trl116 + ["--use_vllm"]
+        elif name == "vllm_engine_nccl":  # the trainer on GPU 0, the engine rank 0 starts on GPU 1
+            command = [sys.executable, "rloo_multinode.py", "--num_engines", "1", "--engine_devices", "1",
+                       "--vllm_gpu_memory_utilization", "0.5"]
+        else:
+            command = generation_modes.mode_command("colocate", modes)
+        full = command + throughput.trainer_flags(modes, 2, assets, run_dir)
         seconds, rss = throughput.run_trainer(full, run_dir.parent / f"{run_dir.name}.log", "gpu_suite")
         run = throughput.summarize_run(run_dir / "metrics.jsonl", modes, rss)
         rows = read_rows(run_dir / "metrics.jsonl", modes.warmup_updates)
         run["weight_sync_s"] = statistics.mean(row.get("time/weight_sync", 0.0) for row in rows)
-        return {"status": "measured", "command": full, "wall_seconds": seconds, "result": run}
+        return {"status": "measured", "command": full, "wall_seconds": seconds, "weight_sync": VLLM_STEPS[name],
+                "result": run}
     return step
 
 
@@ -239,20 +294,23 @@ def fmt(value, spec: str = ".2f") -> str:
 
 def table(args: Args, results: Path) -> dict:
     """benchmark/README.md's GPU rows from the steps' JSON files."""
-    read = {path.stem: json.loads(path.read_text()) for path in sorted(results.glob("*.json"))}
+    order = list(steps(args))  # the suite's order (throughput's alternation); files of other steps after them
+    read = {path.stem: json.loads(path.read_text()) for path in sorted(
+        results.glob("*.json"), key=lambda path: (order.index(path.stem) if path.stem in order else len(order),
+                                                  path.stem))}
     device = read.get("limits", {}).get("device", "?")
     lines = [f"Device: {device}. " + (
         "Limits measured here: bf16 matmul {bf16[matmul_tflop_per_s]:.4g} TFLOP/s, fp32 {fp32[matmul_tflop_per_s]:.4g} "
         "TFLOP/s, copy {bf16[copy_gb_per_s]:.1f} GB/s (read + write).".format(**read["limits"])
         if "limits" in read else ""), "",
-        "| step | s/update | generation | reference | scoring | training | decoding GB/s (% of copy) | "
-        "training TFLOP/s (% of bf16 matmul) | peak GiB: generation / training | plan_memory.py GiB: rollout / "
-        "training | notes |", "|---" * 11 + "|"]
+        "| step | s/update | generation | policy forward | reference | scoring | training | decoding GB/s (% of copy) "
+        "| training TFLOP/s (% of bf16 matmul) | peak GiB: generation / training | plan_memory.py GiB: rollout / "
+        "training | notes |", "|---" * 12 + "|"]
     for name, step in read.items():
         if not name.startswith(("throughput_", "vllm_")):
             continue
         if not step["status"].startswith("measured"):
-            lines.append(f"| {name} | {step['status']} |" + " |" * 9)
+            lines.append(f"| {name} | {step['status']} |" + " |" * 10)
             continue
         r = step["result"]
         plan = read.get(f"plan_memory_k{step.get('k')}", {}).get("phases", {}) if step.get("trainer") == "rloo.py" \
@@ -260,22 +318,28 @@ def table(args: Args, results: Path) -> dict:
         notes = ", ".join(f"{key.removeprefix('mismatch/')} {value:.3g}"
                           for key, value in step.get("mismatch", {}).items())
         if "weight_sync_s" in r:
-            notes = f"weight sync {r['weight_sync_s']:.3f} s"
+            notes = f"weight sync {r['weight_sync_s']:.3f} s: {step['weight_sync']}"
         decoding = (f"{r['generation_gb_per_s']:.1f} ({100 * r['decoding_of_copy']:.0f}%)"
                     if "decoding_of_copy" in r else fmt(r.get("generation_gb_per_s"), ".1f"))
         training = (f"{r['training_tflop_per_s']:.3g} ({100 * r['training_of_matmul']:.0f}%)"
                     if "training_of_matmul" in r else "-")
         lines.append(
-            f"| {name} | {r['seconds_per_update']:.2f} | {r['generation_s']:.2f} | {r['reference_forward_s']:.2f} | "
+            f"| {name} | {r['seconds_per_update']:.2f} | {r['generation_s']:.2f} | {r['policy_forward_s']:.2f} | "
+            f"{r['reference_forward_s']:.2f} | "
             f"{r['scoring_s']:.2f} | {r['training_s']:.2f} | {decoding} | {training} | "
             f"{fmt(r.get('generation_peak_gib'))} / {fmt(r.get('training_peak_gib'))} | "
             f"{fmt(plan.get('generation', {}).get('predicted_gib'))} / "
             f"{fmt(plan.get('training', {}).get('predicted_gib'))} | {notes} |")
     for k in args.rloo_ks:
-        ours, trl = read.get(f"throughput_k{k}_rloo"), read.get(f"throughput_k{k}_trl021")
-        if ours and trl and trl["status"] == "measured":
-            ratio = ours["result"]["episodes_per_s"] / trl["result"]["episodes_per_s"]
-            lines.append(f"\nk={k}: rloo.py / TRL 0.21 episodes/s: **{ratio:.2f}x**")
+        for variant, trl_name in (("trl116", "TRL 1.16"), ("trl021", "TRL 0.21")):
+            ours, trl = read.get(f"throughput_k{k}_rloo"), read.get(f"throughput_k{k}_{variant}")
+            if ours and trl and ours["status"] == trl["status"] == "measured":
+                ratio = ours["result"]["episodes_per_s"] / trl["result"]["episodes_per_s"]
+                lines.append(f"\nk={k}: rloo.py / {trl_name} episodes/s: **{ratio:.2f}x**")
+    ours, trl = read.get("vllm_colocate"), read.get("vllm_colocate_trl116")
+    if ours and trl and ours["status"] == trl["status"] == "measured":
+        ratio = ours["result"]["episodes_per_s"] / trl["result"]["episodes_per_s"]
+        lines.append(f"\nk=2, colocated vLLM: rloo_multinode.py / TRL 1.16 episodes/s: **{ratio:.2f}x**")
     if "learning" in read:
         step = read["learning"]
         lines.append(f"\nlearning (synthetic task, {step['updates']} updates): reward-model score "
@@ -293,7 +357,8 @@ def steps(args: Args) -> dict[str, Callable]:
     for k in args.rloo_ks:
         out.update({f"throughput_k{k}_{variant}": throughput_step(k, variant) for variant in VARIANTS})
     out.update({f"plan_memory_k{k}": plan_memory_step(k) for k in args.rloo_ks})
-    out.update({"vllm_colocate": vllm_step(False), "vllm_colocate_sleep": vllm_step(True), "learning": learning})
+    out.update({name: vllm_step(name) for name in VLLM_STEPS})
+    out["learning"] = learning
     return out
 
 

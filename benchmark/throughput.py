@@ -1,6 +1,6 @@
 """Throughput of rloo.py and TRL's RLOOTrainer side by side, on the identical configuration.
 
-    make bench-env                                   # once: TRL 0.21 in benchmark/.venv-trl
+    make bench-env                                   # once: TRL 0.21 in benchmark/.venv-trl, TRL 1.16 in .trl116-site
     python benchmark/throughput.py                   # TL;DR-like lengths, pythia-70m shape, k = 2 and 4
     python benchmark/throughput.py --lengths fixed --prompt_length 64 --shapes pythia-14m --rloo_ks 2 \
         --num_ppo_epochs 2 --num_mini_batches 2 --mean_response_length None    # the short-prompt setting
@@ -14,7 +14,8 @@ makes every prompt prompt_length tokens. With --mean_response_length M the polic
 (calibrate_stop_token) that responses end after about M tokens (TL;DR's reference summaries: mean ~34, max 53),
 and both trainers stop at it; without, every completion has response_length tokens and the work is equal. It then
 runs `rloo.py` and `benchmark/trl_rloo.py` (TRL, in its own environment) alternately, A B A B, with the same
-flags: same k, prompts per update, lengths, PPO epochs and minibatches.
+flags: same k, prompts per update, lengths, PPO epochs and minibatches; and TRL 1.16 (`benchmark/trl116_rloo.py`,
+the settings mapped to its names) third in each round (--trls picks them).
 
 Per run, over the updates after the warm-up ones: episodes/s (completions per second of update), generated
 tokens/s, seconds per phase, the work (token positions fed through the models' forward passes per update, against
@@ -24,7 +25,7 @@ its seconds: a lower bound, as those seconds also hold the prefill and sampling)
 maximum RSS on CPU, the maximum allocated on CUDA). Then how far each phase is from the machine's limits
 (benchmark/accounting.py): its achieved FLOP/s (2 N T forward, 6 N T training; N the blocks' parameters, T the
 phase's token positions) against a matmul measured here, and decoding's GB/s against a memory copy measured here.
-Then the ratio rloo.py / TRL of episodes/s over the A/B pairs, min / median / max. Written: a table on stdout, `<output_dir>/throughput_<device>.json` and `.md`.
+Then the ratio rloo.py / TRL of episodes/s over the A/B pairs (each TRL), min / median / max. Written: a table on stdout, `<output_dir>/throughput_<device>.json` and `.md`.
 """
 
 import json
@@ -63,6 +64,7 @@ PYTHIA_SHAPES = {
 PYTHIA_VOCAB = 50304
 PHASES = ("generation", "policy_forward", "reference_forward", "scoring", "training")
 TRAINERS = ("rloo.py", "trl")  # the keys of trainer_commands
+TRL_NAMES = {"trl": "TRL 0.21", "trl116": "TRL 1.16"}  # the TRL trainers throughput.py sets rloo.py against
 
 
 @dataclass
@@ -141,6 +143,11 @@ class Args(RunConfig):
     trained policy and every log-prob stay fp32). TRL 0.21 has no equivalent"""
     trl_python: str = "benchmark/.venv-trl/bin/python"
     """the Python of the environment with TRL 0.21 (`make bench-env`)"""
+    trls: tuple[Literal["trl", "trl116"], ...] = ("trl", "trl116")
+    """the TRL trainers rloo.py is set against, each after it in every round: trl, TRL 0.21 (benchmark/trl_rloo.py in
+    --trl_python); trl116, TRL 1.16 (benchmark/trl116_rloo.py in this Python, --trl116_site first on PYTHONPATH)"""
+    trl116_site: str = "benchmark/.trl116-site"
+    """a folder holding TRL 1.16 (`make bench-env`)"""
 
 
 # ---------------------------------------------------------------- assets
@@ -283,6 +290,22 @@ def trainer_commands(trl_python: str, program: str) -> dict[str, list[str]]:
     return {"rloo.py": [sys.executable, "rloo.py"], "trl": [str(path), "benchmark/trl_rloo.py"]}
 
 
+def trl116_command(site: str) -> tuple[list[str], Optional[str]]:
+    """The command that runs benchmark/trl116_rloo.py (this Python, the folder `site` first on PYTHONPATH), and why
+    it cannot run (one line, with the fix), or None: the trl that import would find there, by its metadata (importing
+    TRL takes seconds; the runner checks the version it imports). Shared with gpu_suite.py."""
+    from importlib.metadata import distributions
+
+    from benchmark.trl116_rloo import TRL_VERSION
+
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT / site), os.environ.get("PYTHONPATH", "")]))
+    found = next(iter(distributions(name="trl", path=[str(REPO_ROOT / site), *sys.path])), None)
+    problem = None if found is not None and found.version == TRL_VERSION else (
+        f"TRL {TRL_VERSION} not importable with {site} first on PYTHONPATH "
+        f"({'it has trl ' + found.version if found else 'no trl'}): run `make bench-env`")
+    return ["env", f"PYTHONPATH={path}", sys.executable, "benchmark/trl116_rloo.py"], problem
+
+
 def fresh_run_dir(path: Path) -> Path:
     """An empty run directory: rloo.py refuses to start over a directory that holds an earlier run."""
     shutil.rmtree(path, ignore_errors=True)
@@ -347,7 +370,7 @@ def limits_rows(summary: dict, shapes: dict[str, int], peaks: dict) -> dict[str,
     its block parameter count."""
     rows = {}
     for configuration, result in summary.items():
-        for name in TRAINERS:
+        for name in trainers_of(result):
             runs = result[name]
             median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
             rows[f"{configuration} {name}"] = {**median, **accounting.achieved(median, shapes[configuration], peaks)}
@@ -373,6 +396,11 @@ def hardware() -> dict:
 # ---------------------------------------------------------------- report
 
 
+def trainers_of(result: dict) -> list[str]:
+    """The trainers a configuration's result holds, rloo.py first."""
+    return [name for name in ("rloo.py", *TRL_NAMES) if name in result]
+
+
 def ratio_stats(ours: list[dict], trl: list[dict]) -> dict:
     ratios = sorted(a["episodes_per_s"] / b["episodes_per_s"] for a, b in zip(ours, trl))
     return {"min": ratios[0], "median": statistics.median(ratios), "max": ratios[-1]}
@@ -385,7 +413,7 @@ def markdown_table(summary: dict, peaks: Optional[dict] = None) -> str:
              + " | forward tokens / minimum | decoding GB/s" + (f" (of {roofline:.0f} copy)" if roofline else "")
              + " | peak memory GiB |", "|---" * (8 + len(PHASES)) + "|"]
     for configuration, result in summary.items():
-        for name in TRAINERS:
+        for name in trainers_of(result):
             runs = result[name]
             med = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
             memory = med.get("peak_allocated_gib", med["peak_rss_gib"])
@@ -395,9 +423,10 @@ def markdown_table(summary: dict, peaks: Optional[dict] = None) -> str:
                          + f" | {med['forward_tokens']:,.0f} / {med['minimum_tokens']:,.0f} = "
                          f"{med['work_x_minimum']:.2f}x | {med.get('generation_gb_per_s', float('nan')):.1f} | "
                          f"{memory:.2f} |")
-        r = result["ratio"]
-        lines.append(f"| {configuration} | **rloo.py / TRL** | **{r['median']:.2f}x** (min {r['min']:.2f}, max "
-                     f"{r['max']:.2f}) |" + " |" * (5 + len(PHASES)))
+        for name in trainers_of(result)[1:]:
+            r = result["ratio" if name == "trl" else f"ratio_{name}"]
+            lines.append(f"| {configuration} | **rloo.py / {TRL_NAMES[name]}** | **{r['median']:.2f}x** (min "
+                         f"{r['min']:.2f}, max {r['max']:.2f}) |" + " |" * (5 + len(PHASES)))
     return "\n".join(lines)
 
 
@@ -405,7 +434,15 @@ def main(args: Args) -> None:
     unknown = [s for s in args.shapes if s not in PYTHIA_SHAPES]
     if unknown:
         sys.exit(f"throughput: unknown shape(s) {unknown}; choose from {list(PYTHIA_SHAPES)}")
-    commands = trainer_commands(args.trl_python, "throughput")
+    if not args.trls:
+        sys.exit("throughput: --trls names no TRL trainer to set rloo.py against; pass trl, trl116 or both")
+    commands = {"rloo.py": [sys.executable, "rloo.py"]}
+    if "trl" in args.trls:
+        commands["trl"] = trainer_commands(args.trl_python, "throughput")["trl"]
+    if "trl116" in args.trls:
+        commands["trl116"], problem = trl116_command(args.trl116_site)
+        if problem:
+            sys.exit(f"throughput: {problem}, or pass --trls trl")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     peaks = accounting.measure_peaks(torch.device(device), torch.bfloat16 if args.bf16 and device == "cuda"
@@ -416,7 +453,7 @@ def main(args: Args) -> None:
             assets = ensure_shape_assets(shape, (REPO_ROOT / args.cache_dir).resolve(), batch // k * args.updates, args)
             configuration = f"{shape} k={k}"
             parameters[configuration] = accounting.block_parameters(pythia_config(shape))
-            results = {name: [] for name in TRAINERS}
+            results = {name: [] for name in commands}
             for repeat in range(args.repeats):
                 for name, command in commands.items():
                     run_dir = fresh_run_dir(REPO_ROOT / args.runs_dir / f"{shape}_k{k}_{name.replace('.', '_')}_{repeat}")
@@ -427,7 +464,8 @@ def main(args: Args) -> None:
                     results[name].append(summarize_run(run_dir / "metrics.jsonl", args, rss))
                     print(f"{configuration} {name} repeat {repeat}: {results[name][-1]['episodes_per_s']:.2f} "
                           "episodes/s", flush=True)
-            results["ratio"] = ratio_stats(results["rloo.py"], results["trl"])
+            for name in trainers_of(results)[1:]:
+                results["ratio" if name == "trl" else f"ratio_{name}"] = ratio_stats(results["rloo.py"], results[name])
             summary[configuration] = results
     limits = accounting.limits_table(limits_rows(summary, parameters, peaks), peaks)
     table = markdown_table(summary, peaks) + "\n\n" + limits

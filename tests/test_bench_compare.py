@@ -7,11 +7,12 @@ they are skipped, unless REQUIRE_BENCH_ENV=1 (as in CI, which builds it) makes t
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
 from benchmark import synthetic_task
-from benchmark.throughput import trl_environment_problem
+from benchmark.throughput import trl116_command, trl_environment_problem
 from benchmark.trl_rloo import decode_for_monitors
 from conftest import REPO
 from test_benchmark import run_benchmark_script
@@ -27,6 +28,17 @@ def trl_python():
             pytest.fail(problem)
         pytest.skip(problem)
     return TRL_PYTHON
+
+
+@pytest.fixture(scope="session")
+def trl116():
+    """The command that runs benchmark/trl116_rloo.py with make bench-env's TRL 1.16 (benchmark/.trl116-site)."""
+    command, problem = trl116_command("benchmark/.trl116-site")
+    if problem:
+        if os.environ.get("REQUIRE_BENCH_ENV") == "1":
+            pytest.fail(problem)
+        pytest.skip(problem)
+    return command
 
 
 def fake_python(env_dir, imports_trl: bool, finished: bool):
@@ -71,23 +83,73 @@ def test_trl_runner_refuses_what_trl_cannot_do(trl_python, tmp_path):
     assert result.returncode == 2 and "--reward_weights 1 0" in result.stderr
 
 
-def test_throughput_runs_both_trainers_and_reports_the_ratio_and_the_work(trl_python, tmp_path):
+def test_trl116_runner_refuses_what_it_cannot_do_in_one_line_before_importing_trl():
+    """The project's environment has no TRL: each refusal comes before TRL's import, and its absence is one line."""
+    def run(*flags):
+        result = subprocess.run([sys.executable, "benchmark/trl116_rloo.py", *flags], capture_output=True, text=True,
+                                cwd=REPO, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        assert result.returncode == 2, result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        return line
+
+    assert "has no equivalent of --bf16_generation, --token_level_kl: drop them" in run(
+        "--model_name_or_path", "x", "--reward_model_path", "y", "--token_level_kl", "--bf16_generation")
+    assert "has no equivalent of --reward_weights, --resume: drop them" in run(  # what it does not map: refused
+        "--model_name_or_path", "x", "--reward_model_path", "y", "--resume", "--reward_weights", "2",
+        "--num_evals", "3")  # (evaluation, logging and saving flags have no effect here: not refused)
+    assert "scores with a reward model: pass --reward_model_path" in run("--model_name_or_path", "x")
+    assert "not divisible by rloo_k (3)" in run("--model_name_or_path", "x", "--reward_model_path", "y",
+                                                 "--rloo_k", "3", "--per_device_train_batch_size", "4",
+                                                 "--local_rollout_forward_batch_size", "4")
+    assert "pass --local_rollout_forward_batch_size 8 (to both trainers) rather than 64" in run(
+        "--model_name_or_path", "x", "--reward_model_path", "y")  # rloo.py's defaults: 8 and 64
+    missing = run("--model_name_or_path", "x", "--reward_model_path", "y", "--local_rollout_forward_batch_size", "8")
+    assert "which this Python cannot import" in missing and "benchmark/.trl116-site first on PYTHONPATH" in missing
+
+
+def test_trl116_runner_maps_epochs_and_minibatches_to_one_row_per_update(trl116, tmp_path):
+    """num_ppo_epochs 2 x num_mini_batches 2: TRL 1.16's num_iterations 2, steps_per_generation 2 (micro-batches),
+    4 optimizer steps per generation, one metrics row each with rloo.py's names; the training passes feed each
+    completion twice; --stop_token None: every completion response_length tokens."""
+    paths = synthetic_task.asset_paths(tmp_path / "cache")
+    synthetic_task.build_assets(paths, policy_steps=2, reward_steps=2)
+    result = subprocess.run(trl116 + [
+        "--model_name_or_path", paths["policy"], "--reward_model_path", paths["reward_model"], "--dataset_name",
+        paths["train"], "--output_dir", tmp_path / "run", "--rloo_k", "2", "--per_device_train_batch_size", "2",
+        "--local_rollout_forward_batch_size", "2", "--num_mini_batches", "2", "--num_ppo_epochs", "2",
+        "--total_episodes", "8", "--response_length", "5",
+        "--stop_token", "None", "--max_grad_norm", "0"], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(row["update"], row["episode"]) for row in rows] == [(1, 4), (2, 8)]
+    for row in rows:
+        assert row["completions/mean_length"] == 5
+        assert row["work/training_tokens"] == 2 * row["work/policy_forward_tokens"]  # 2 epochs
+        assert row["time/update"] >= row["time/generation"] + row["time/training"] > 0
+        assert {"objective/scores", "kl", "work/minimum_tokens", "time/reference_forward", "time/scoring"} <= set(row)
+    assert (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_throughput_runs_both_trainers_and_reports_the_ratio_and_the_work(trl_python, trl116, tmp_path):
     run_benchmark_script("benchmark/throughput.py", "--trl_python", trl_python, "--repeats", "1", "--updates", "2",
                "--shapes", "pythia-14m", "--prompt_length", "72", "--response_length", "6",
-               "--mean_response_length", "3", "--rloo_ks", "2", "--per_device_train_batch_size", "2",
-               "--gradient_accumulation_steps", "2", "--local_rollout_forward_batch_size", "4",
+               "--mean_response_length", "3", "--rloo_ks", "2", "--per_device_train_batch_size", "4",
+               "--gradient_accumulation_steps", "1", "--local_rollout_forward_batch_size", "4",  # TRL 1.16: equal
                "--cache_dir", tmp_path / "cache", "--output_dir", tmp_path / "results", "--runs_dir", tmp_path / "runs")
     report = json.loads((tmp_path / "results" / "throughput_cpu.json").read_text())
     result = report["results"]["pythia-14m k=2"]  # TL;DR-like prompt lengths (clipped to 64..72), EOS-prone policy
-    for name in ("rloo.py", "trl"):
+    for name in ("rloo.py", "trl", "trl116"):  # TRL 0.21 and TRL 1.16, each after rloo.py
         (run,) = result[name]
         assert run["updates_measured"] == 1 and run["episodes_per_s"] > 0 and run["peak_rss_gib"] > 0
         assert run["generation_s"] > 0 and run["training_s"] > 0
         assert run["forward_tokens"] >= run["minimum_tokens"] > 0
         assert run["mean_response_length"] < 6  # the calibrated EOS ends some responses early
-    assert result["rloo.py"][0]["forward_tokens"] < result["trl"][0]["forward_tokens"]  # prompts once per group
-    assert result["ratio"]["min"] == result["ratio"]["median"] > 0
-    assert "rloo.py / TRL" in (tmp_path / "results" / "throughput_cpu.md").read_text()
+        assert result["rloo.py"][0]["forward_tokens"] < run["forward_tokens"] or name == "rloo.py"  # prompts once
+    assert result["trl116"][0]["policy_forward_s"] > 0  # TRL 1.16's old log-prob pass, even on-policy
+    for ratio in ("ratio", "ratio_trl116"):
+        assert result[ratio]["min"] == result[ratio]["median"] > 0
+    table = (tmp_path / "results" / "throughput_cpu.md").read_text()
+    assert "rloo.py / TRL 0.21" in table and "rloo.py / TRL 1.16" in table and "k=2 trl116 |" in table
 
 
 def test_learning_trains_both_and_plots(trl_python, tmp_path):

@@ -42,17 +42,21 @@ def test_measured_limits_are_positive_and_sized():
     assert "| run | 1.0 (50%) | - | - | - | - | 0.1 (25.0%) |" in table
 
 
-def test_the_dry_run_starts_every_step_writes_its_results_and_resumes(tmp_path):
+def test_the_dry_run_starts_every_step_writes_its_results_and_resumes(tmp_path, monkeypatch, capsys):
+    """The first run in this process (its trainers are processes of their own, on the CPU), the second from the
+    command line, as make bench-gpu starts it."""
     results = tmp_path / "suite"
-    command = [sys.executable, str(REPO / "benchmark" / "gpu_suite.py"), "--dry_run", "--results_dir", str(results),
-               "--rloo_ks", "2"]  # k=4's steps run the same code
-    first = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=cpu_env(), timeout=900)
-    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
+    for name, value in cpu_env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as the trainers see it: CUDA_VISIBLE_DEVICES=""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    gpu_suite.main(gpu_suite.Args(dry_run=True, results_dir=str(results), rloo_ks=(2,)))  # k=4's: the same code
+    first = capsys.readouterr()
     names = list(gpu_suite.steps(gpu_suite.Args(rloo_ks=(2,))))
     assert names[0] == "limits" and "learning" in names and "vllm_colocate_sleep" in names
     records = {}
     for name in names:
-        assert f"== {name}\n" in first.stdout  # it started
+        assert f"== {name}\n" in first.out  # it started
         records[name] = json.loads((results / f"{name}.json").read_text())
         assert records[name]["step"] == name and records[name]["status"]
 
@@ -70,17 +74,29 @@ def test_the_dry_run_starts_every_step_writes_its_results_and_resumes(tmp_path):
     else:
         assert os.environ.get("REQUIRE_BENCH_ENV") != "1", trl["status"]
         assert trl["status"].startswith("skipped: TRL not importable"), trl["status"]
+    trl116 = records["throughput_k2_trl116"]
+    if gpu_suite.throughput.trl116_command(gpu_suite.Args().trl116_site)[1] is None:  # make bench-env's TRL 1.16
+        run = trl116["result"]
+        assert trl116["status"] == "measured" and trl116["command"][2:4] == [sys.executable, "benchmark/trl116_rloo.py"]
+        assert run["seconds_per_update"] > 0 and run["training_tflop_per_s"] > 0 and run["policy_forward_s"] > 0
+        assert run["minimum_tokens"] > 0 and run["mean_response_length"] == 8  # --stop_token None: every token
+        assert "k=2: rloo.py / TRL 1.16 episodes/s: **" in (results / "table.md").read_text()
+    else:
+        assert os.environ.get("REQUIRE_BENCH_ENV") != "1", trl116["status"]
+        assert trl116["status"].startswith("skipped: TRL 1.16.0 not importable"), trl116["status"]
     plan = records["plan_memory_k2"]
     assert plan["status"] == "predicted only: no CUDA peaks on this device"
     assert plan["phases"]["training"]["predicted_gib"] > plan["groups_gib"]["resident"] > 0
-    for name in ("vllm_colocate", "vllm_colocate_sleep"):  # the project's environment has no vLLM
+    for name in gpu_suite.VLLM_STEPS:  # the project's environment has no vLLM
         assert records[name]["status"] == "skipped: vLLM not importable"
     assert records["learning"]["status"] == "measured" and records["learning"]["updates"] == 2
     table = (results / "table.md").read_text()
     assert all(f"| {name} |" in table for name in names if name.startswith(("throughput_", "vllm_")))
-    assert table in first.stdout
+    assert table in first.out
 
     written = {name: (results / f"{name}.json").stat().st_mtime_ns for name in names}
+    command = [sys.executable, str(REPO / "benchmark" / "gpu_suite.py"), "--dry_run", "--results_dir", str(results),
+               "--rloo_ks", "2"]
     second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=cpu_env(), timeout=300)
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
     for name in names:
@@ -134,10 +150,24 @@ def test_where_vllm_imports_the_colocated_steps_build_their_run(tmp_path, monkey
     monkeypatch.setattr(gpu_suite.throughput, "run_trainer", run_trainer)
     args = gpu_suite.Args(results_dir=str(tmp_path), dry_run=True)
     with pytest.raises(SystemExit, match="needs vLLM"):
-        gpu_suite.vllm_step(False)(args, tmp_path)
+        gpu_suite.vllm_step("vllm_colocate")(args, tmp_path)
     command = commands[0]
     assert command[1:4] == ["rloo_multinode.py", "--vllm_mode", "colocate"] and "--bf16" in command
     policy = Path(command[command.index("--model_name_or_path") + 1])
     assert "LlamaForCausalLM" in (policy / "config.json").read_text()  # a colocated engine refuses GPT-NeoX
+    trl116 = gpu_suite.throughput.trl116_command(args.trl116_site)
+    if trl116[1] is None:  # TRL 1.16 with its colocated engine, on the same Llama, where its vLLM range allows
+        monkeypatch.setattr(gpu_suite, "vllm_version", lambda: "0.32.0")
+        assert gpu_suite.vllm_step("vllm_colocate_trl116")(args, tmp_path) == {
+            "status": "skipped: TRL 1.16 supports vLLM 0.22.0 to 0.31.0; this machine has vLLM 0.32.0"}
+        monkeypatch.setattr(gpu_suite, "vllm_version", lambda: "0.31.0+cu129")
+        with pytest.raises(SystemExit, match="needs vLLM"):
+            gpu_suite.vllm_step("vllm_colocate_trl116")(args, tmp_path)
+        assert commands[1][:4] == trl116[0] and commands[1][4] == "--use_vllm"
+        assert commands[1][commands[1].index("--model_name_or_path") + 1] == str(policy)
     if not torch.cuda.is_available():
-        assert gpu_suite.vllm_step(True)(args, tmp_path) == {"status": "skipped: sleep mode needs CUDA"}
+        assert gpu_suite.vllm_step("vllm_colocate_sleep")(args, tmp_path) == {
+            "status": "skipped: sleep mode needs CUDA"}
+    if torch.cuda.device_count() < 2:  # one GPU has no NCCL weight sync: the step says so
+        status = gpu_suite.vllm_step("vllm_engine_nccl")(args, tmp_path)["status"]
+        assert status.startswith("skipped: a weight sync over NCCL needs 2 GPUs"), status
