@@ -169,10 +169,13 @@ GPU_PYTHON ?= python3
 GPU_SITE ?= benchmark/.gpu-site
 GPU_TRL_SITE ?= benchmark/.gpu-trl-site
 GPU_RESULTS ?= runs/gpu_suite
-PIP_DOWNLOAD := $(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-	--abi cp312 --abi abi3 --abi none --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any
+GPU_SUITE_FLAGS ?=
+GPU_PY ?= 3.12# the GPU machine's Python: wheels are fetched for it
+PIP_DOWNLOAD = $(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
+	--abi cp$(subst .,,$(GPU_PY)) --abi abi3 --abi none --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+	--platform any
 
-.PHONY: gpu-wheels bench-gpu
+.PHONY: gpu-wheels bench-gpu bench-gpu-dry
 
 gpu-wheels: | $(PYTHON)  ## with the registry: the wheels bench-gpu installs offline, in benchmark/gpu-wheels (~19 MB)
 	$(PIP_DOWNLOAD) -d $(GPU_WHEELS)/main -r benchmark/gpu-requirements.txt -r benchmark/requirements-trl116.txt
@@ -191,7 +194,17 @@ $(GPU_TRL_SITE)/.installed: benchmark/gpu-requirements-trl.txt
 
 bench-gpu: $(GPU_SITE)/.installed $(GPU_TRL_SITE)/.installed  ## on one GPU, offline: the GPU suite, resumable (~1 h); its table in runs/gpu_suite/table.md
 	PYTHONPATH=$(abspath $(GPU_SITE)) $(GPU_PYTHON) benchmark/gpu_suite.py --results_dir $(GPU_RESULTS) \
-		--trl_python "$$(command -v $(GPU_PYTHON))" --trl_site $(GPU_TRL_SITE) --trl116_site $(GPU_SITE)
+		--trl_python "$$(command -v $(GPU_PYTHON))" --trl_site $(GPU_TRL_SITE) --trl116_site $(GPU_SITE) $(GPU_SUITE_FLAGS)
+
+# CI, with no GPU: the two commands above as a GPU machine runs them (wheels fetched, installed offline beside the
+# environment's torch and transformers), the suite in its dry run at tiny shapes, into a results folder of its own
+# (wheels for this Python, in folders of their own)
+DRY := GPU_WHEELS=benchmark/gpu-wheels-dry GPU_SITE=benchmark/.gpu-site-dry GPU_TRL_SITE=benchmark/.gpu-trl-site-dry
+bench-gpu-dry: | $(INSTALLED)  ## make gpu-wheels + make bench-gpu on CPU, the suite's dry run (CI; ~3 min)
+	py=$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])') && \
+	$(MAKE) gpu-wheels $(DRY) GPU_PY=$$py && \
+	$(MAKE) bench-gpu $(DRY) GPU_PY=$$py GPU_PYTHON=$(abspath $(PYTHON)) GPU_RESULTS=runs/gpu_suite_dry \
+		GPU_SUITE_FLAGS=--dry_run
 
 .PHONY: mutate
 
