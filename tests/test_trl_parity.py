@@ -664,8 +664,10 @@ RUN = ("--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train
 @pytest.mark.parametrize("option", [("--epsilon_high", "0.5"), ("--mask_truncated_completions",),
                                     ("--sync_ref_model", "--ref_model_sync_steps", "3", "--ref_model_mixup_alpha",
                                      "0.5"),
-                                    ("--max_steps", "16", "--warmup_ratio", "0.5", "--save_steps", "8")],  # steps
-                         ids=["epsilon_high", "mask_truncated_completions", "sync_ref_model", "max_steps-warmup"])
+                                    ("--max_steps", "16", "--warmup_ratio", "0.5", "--save_steps", "8"),  # steps
+                                    ("--kl_in_loss",)],
+                         ids=["epsilon_high", "mask_truncated_completions", "sync_ref_model", "max_steps-warmup",
+                              "kl_in_loss"])
 def test_resume_is_bit_identical_with_each_option(assets, tmp_path, option):
     common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *RUN, *option]
     length = [] if "--max_steps" in option else ["--total_episodes", "128"]  # 4 updates of 32 completions
