@@ -3519,12 +3519,22 @@ def run_script(main: Callable, args, program: str) -> None:
     """main(args), with bad input (ConfigError) turned into one line on stderr and exit status 2, a non-finite
     value before an optimizer step (NonFiniteError) into one line and exit status 3, a fault that stopped the run
     (Fault) into one line and exit status 4, and a signal before training (or a KeyboardInterrupt before its
-    handler is set) into one line and exit status 0 (130 for SIGINT; under torchrun 128 + the signal's number). Shared by this project's scripts."""
+    handler is set) into one line and exit status 0 (130 for SIGINT; under torchrun 128 + the signal's number).
+    Shared by this project's scripts."""
     try:
-        main(args)
-        # the run is over: the interpreter's exit need not search the models' and libraries' millions of objects for
-        # reference cycles (seconds of a busy CPU after the last line); atexit handlers and finalizers still run
-        gc.freeze()
+        try:
+            main(args)
+            # the run is over: the interpreter's exit need not search the models' and libraries' millions of objects
+            # for reference cycles (seconds of a busy CPU after the last line); atexit handlers and finalizers still run
+            gc.freeze()
+        except BaseException:
+            # the run has ended and says how: a stop signal now (torchrun's SIGTERM to the other ranks once one has
+            # failed) must not cut that line into a traceback. SIGTERM and SIGUSR1 are ignored, the exit follows;
+            # Ctrl-C exits at once. (Not a blocked mask: torch's threads would take the signal for the main thread)
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            raise
     except ConfigError as e:
         print(f"{program}: error: {e}", file=sys.stderr)
         sys.exit(2)

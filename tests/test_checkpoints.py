@@ -679,6 +679,31 @@ START_UP_CASES = {  # case: (where rank 1 stalls, the signal it gets, the one li
 }
 
 
+SIGNAL_WHILE_SAYING_HOW_IT_ENDED = """import os, signal, sys
+import plumbing
+class Late(plumbing.ConfigError):
+    def __str__(self):  # the signal lands while run_script says how the run ended, whatever the machine's speed
+        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+        return "the input is wrong"
+def stop(signum, frame):  # what plumbing.StopSignal does before training
+    raise plumbing.StartupInterrupted(signal.Signals(signum).name)
+for sig in (signal.SIGTERM, signal.SIGUSR1):
+    signal.signal(sig, stop)
+def main(args):
+    raise Late()
+plumbing.run_script(main, None, "rloo.py")
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
+def test_a_signal_while_the_run_says_how_it_ended_does_not_cut_the_line_into_a_traceback(sig):
+    """torchrun sends SIGTERM to the other ranks once one has failed: it may reach a rank while that rank is saying
+    why it stopped (a collective failed). The line is said whole, then the process exits with its own status."""
+    result = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_SAYING_HOW_IT_ENDED, sig], capture_output=True,
+                            text=True, cwd=REPO, env=script_env(), timeout=120)
+    assert (result.returncode, result.stderr) == (2, "rloo.py: error: the input is wrong\n"), result.stderr[-3000:]
+
+
 @pytest.mark.parametrize("case", START_UP_CASES, ids=list(START_UP_CASES))
 def test_a_signal_to_one_rank_during_start_up_stops_every_rank_with_one_line(assets, tmp_path, case):
     where, sig, line = START_UP_CASES[case]
