@@ -382,11 +382,11 @@ def update_intervals(args, steps_per_update: int) -> tuple[int, int]:
     return args.save_steps // steps_per_update, math.ceil(args.logging_steps / steps_per_update)
 
 
+NO_4D_MASK = ("takes no 4D mask, and rloo.py's grouped rows (each prompt computed once for its k completions, in "
+              "every forward pass) need one")
 ATTENTION_REFUSED = {  # transformers' attention implementations that rloo.py cannot run, and why
-    "flash_attention_2": "takes no 4D mask, and rloo.py's grouped rows (each prompt computed once for its k "
-                         "completions, in every forward pass) need one",
-    "flash_attention_3": "takes no 4D mask, and rloo.py's grouped rows (each prompt computed once for its k "
-                         "completions, in every forward pass) need one",
+    "flash_attention_2": NO_4D_MASK,
+    "flash_attention_3": NO_4D_MASK,
     "flex_attention": "builds its own block mask from the mask it is given, and rloo.py's grouped rows crashed "
                       "it (heap corruption, torch 2.13 on CPU): a crash the start-up check of prompt sharing cannot "
                       "turn into a note",
@@ -1003,8 +1003,6 @@ def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool, weigh
 
 def load_reward_model(path: str, dtype: torch.dtype, trust_remote_code: bool,
                       attn_implementation: Optional[str] = None):
-
-
     from transformers import AutoModelForSequenceClassification
 
     model = newly_initialized(_from_pretrained(
@@ -3200,6 +3198,9 @@ STEPS_PER_GENERATION = ("TRL >= 0.22's micro-batches per rank and generation, S 
 # ScriptArguments) that this project has in another form or not at all. TRL_FIXED: what this project always does,
 # accepted when given with that value (case-insensitive), else refused with the reason; TRL_REFUSED: refused
 # whatever the value, with the reason. trl_arguments rewrites the rest (see there).
+DTYPE_REASON = ("TRL loads and trains the policy's weights in that dtype (pure bf16 with bfloat16); here the policy "
+                "keeps fp32 master weights and AdamW state, and --bf16 computes in bf16 (autocast) and stores the "
+                "frozen models in bf16: pass --bf16 instead")
 TRL_FIXED = {
     "disable_dropout": (("true",), "dropout is always off here, in every model (the policy that trains is the one "
                                    "that sampled)"),
@@ -3220,14 +3221,8 @@ TRL_FIXED = {
     "weight_decay": (("0.01",), "AdamW's weight decay is torch's, 0.01"),
     "optim": (("adamw_torch", "adamw_torch_fused"), "the optimizer is torch's AdamW (fused on CUDA)"),
     "warmup_steps": (("0",), "pass --warmup_ratio (a share of the updates)"),
-    "torch_dtype": (("auto", "float32"), "TRL loads and trains the policy's weights in that dtype (pure bf16 with "
-                                         "bfloat16); here the policy keeps fp32 master weights and AdamW state, and "
-                                         "--bf16 computes in bf16 (autocast) and stores the frozen models in bf16: "
-                                         "pass --bf16 instead"),
-    "dtype": (("auto", "float32"), "TRL loads and trains the policy's weights in that dtype (pure bf16 with "
-                                   "bfloat16); here the policy keeps fp32 master weights and AdamW state, and --bf16 "
-                                   "computes in bf16 (autocast) and stores the frozen models in bf16: pass --bf16 "
-                                   "instead"),
+    "torch_dtype": (("auto", "float32"), DTYPE_REASON),
+    "dtype": (("auto", "float32"), DTYPE_REASON),
     "lora_task_type": (("causal_lm",), "the adapters are a causal LM's"),
     "gradient_checkpointing_use_reentrant": (("false",), "gradient checkpointing is non-reentrant here"),
     "remove_unused_columns": (("false",), "every dataset column goes to the reward functions"),
@@ -3310,9 +3305,10 @@ def trl_arguments(argv: list[str], fields_of: set[str], prog: str) -> list[str]:
     --no-flag); `--reward_funcs pkg.module.fn ...` (TRL's dotted paths) as --reward_fn pkg.module:fn; `--report_to
     wandb|none` as --track / --no-track; `--fsdp "full_shard ..."` as --fsdp; `--resume_from_checkpoint DIR` as
     --resume_from DIR (`True`: --resume); for rloo_multinode.py (the script with engines), `--use_vllm` (its engines
-    are vLLM's; without --vllm_mode colocated, TRL 1.16's default), `--vllm_server_base_url URL` and `--vllm_server_host H --vllm_server_port P` as --engine_urls,
-    `--vllm_server_timeout` as --engine_timeout. A TRL flag with no meaning here (TRL_FIXED, TRL_REFUSED, a
-    two-value --reward_clip_range, engine flags given to rloo.py) is a ConfigError naming the reason."""
+    are vLLM's; without --vllm_mode colocated, TRL 1.16's default), `--vllm_server_base_url URL` and
+    `--vllm_server_host H --vllm_server_port P` as --engine_urls, `--vllm_server_timeout` as --engine_timeout. A TRL
+    flag with no meaning here (TRL_FIXED, TRL_REFUSED, a two-value --reward_clip_range, engine flags given to rloo.py)
+    is a ConfigError naming the reason."""
     bools = {name.removeprefix("bool:") for name in fields_of if name.startswith("bool:")}
     fields_of = {name.removeprefix("bool:") for name in fields_of}
     out, i, server = [], 0, {}

@@ -131,7 +131,8 @@ def test_a_utf8_file_with_a_byte_order_mark_loads_as_without_it(tmp_path, suffix
     """Windows editors write UTF-8 with a byte-order mark: the same prompts as without it, none refused."""
     for name, encoding in (("bom", "utf-8-sig"), ("plain", "utf-8")):
         (tmp_path / f"{name}{suffix}").write_bytes(text.encode(encoding))
-    rows = [plumbing.load_split(str(tmp_path / f"{name}{suffix}"), "train", None)["prompt"] for name in ("bom", "plain")]
+    rows = [plumbing.load_split(str(tmp_path / f"{name}{suffix}"), "train", None)["prompt"]
+            for name in ("bom", "plain")]
     assert rows[0] == rows[1] == ["a b :", "c :"]
     load_and_tokenize(tmp_path / f"bom{suffix}", policy_tokenizer())
 
