@@ -402,6 +402,9 @@ def check_model_options(args) -> None:
                                     "is a kernel from the Hub: code chosen by the network" if "/" in implementation
                                     else "is not one of transformers' attention implementations")
         raise ConfigError(f"--attn_implementation {implementation} {why}: pass sdpa or eager (or leave it out)")
+    if not args.model_revision.strip():
+        raise ConfigError("--model_revision is empty: pass a branch, tag or commit of the policy on the Hub, or leave "
+                          "it out (main)")
     if args.model_revision != "main":
         for flag in ("model_name_or_path", "sft_model_path"):
             path = getattr(args, flag)

@@ -353,6 +353,8 @@ def test_model_revision_loads_that_revision_of_a_hub_policy_and_takes_part_in_it
 
 @pytest.mark.parametrize("flags,message", [
     (["--model_revision", "v1"], "is a local path, which has no revisions"),
+    (["--model_revision=", "--model_name_or_path", "org/tiny"], "--model_revision is empty"),
+    (["--model_revision", " ", "--model_name_or_path", "org/tiny"], "--model_revision is empty"),
     (["--model_revision=v1", "--model_name_or_path", "org/tiny", "--sft_model_path", "POLICY"], "--sft_model_path"),
     (["--model_revision", "v1", "--model_name_or_path", "org/tiny", "--reward_model_path", "org/rm"],
      "TRL loads a reward model named by Hub id"),
