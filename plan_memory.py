@@ -98,7 +98,7 @@ def model_shape(path: str, sequence_classifier: bool, trust_remote_code: bool,
     --use_peft run, its adapters added as rloo.py adds them) and dimensions."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    config = plumbing._from_pretrained(AutoConfig.from_pretrained, path, "config", trust_remote_code=trust_remote_code)
+    config = plumbing.load_pretrained(AutoConfig.from_pretrained, path, "config", trust_remote_code=trust_remote_code)
     if sequence_classifier:
         config.num_labels = 1
     auto = AutoModelForSequenceClassification if sequence_classifier else AutoModelForCausalLM

@@ -23,7 +23,7 @@ sources.
 
 Sections, in the order a run needs them; what nobody changes when changing the algorithm (the run's flags,
 checkpoints, faults, signals, measuring, logging, file loading, kernels, the prompt-sharing start-up check, the command
-line) is in plumbing.py, called as plumbing.X: copying this file means copying that one with it.
+line) is in plumbing/, called as plumbing.X: copying this file means copying that folder with it.
   Args                the algorithm's flags, TRL <= 0.21's names (TRL >= 0.22's accepted); models, data and the
                       run's in plumbing.RunArgs
   batch arithmetic    micro / mini / local / B / all ranks, derived once, with exact divisions

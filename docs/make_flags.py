@@ -166,7 +166,8 @@ def groups_of(cls: type, title: str = "") -> dict[str, list[Flag]]:
                    key=lambda base: base is plumbing.RunArgs)
     for base in bases:
         file = Path(inspect.getfile(base)).name
-        suffix = f" (`{file}` only)" if file not in ("rloo.py", "plumbing.py") and base is not bases[0] else ""
+        shared = file == "rloo.py" or base.__module__.startswith("plumbing.")  # rloo.py's and what extends it
+        suffix = f" (`{file}` only)" if not shared and base is not bases[0] else ""
         for group, name, doc in own_fields(base):
             if name not in fields:  # a ClassVar
                 continue

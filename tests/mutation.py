@@ -151,10 +151,10 @@ MUTANTS = [
     ("learning rate decays one update early", "rloo.py",
      "progress = (update - 1 - warmup) / (num_updates - warmup)",
      "progress = (update - warmup) / (num_updates - warmup)"),
-    # ----- metrics (plumbing.py)
-    ("(B, k) reshape in completion_metrics", "plumbing.py",
+    # ----- metrics (plumbing/)
+    ("(B, k) reshape in completion_metrics", "plumbing/runlog.py",
      "per_prompt_std = scores.reshape(k, -1).std(0)", "per_prompt_std = scores.reshape(-1, k).std(1)"),
-    ("global std without the mean", "plumbing.py",
+    ("global std without the mean", "plumbing/distributed.py",
      "var = (total_sq - count * mean * mean) / (count - 1).clamp(min=1)", "var = total_sq / (count - 1).clamp(min=1)"),
 ]
 

@@ -73,11 +73,11 @@ def test_forward_chunks_are_sized_to_the_free_memory(monkeypatch):
     assert plumbing.forward_bytes_per_row(config, "logprobs", 16, 8, 2) == (4 * h + i) * 24 * 2 + 2 * 8 * vocab * 4
     args = rloo.Args(local_rollout_forward_batch_size=0, max_prompt_length=16, response_length=8)
     per_row = plumbing.forward_bytes_per_row(config, "generation", 16, 8, 4)
-    monkeypatch.setattr(plumbing, "free_memory_bytes", lambda device: int(10.5 * per_row / 0.9))
+    monkeypatch.setattr(plumbing.measure, "free_memory_bytes", lambda device: int(10.5 * per_row / 0.9))
     assert plumbing.rows_per_forward(args, policy, "generation", cpu, 64) == 10  # 90% of what is free
     assert plumbing.rows_per_forward(args, policy, "generation", cpu, 4) == 4  # never more than there are
     assert plumbing.rows_per_forward(args, None, "scoring", cpu, 64) == 64  # no model: nothing to size
-    monkeypatch.setattr(plumbing, "free_memory_bytes", lambda device: 0)
+    monkeypatch.setattr(plumbing.measure, "free_memory_bytes", lambda device: 0)
     assert plumbing.rows_per_forward(args, policy, "logprobs", cpu, 64) == 1  # at least one row, even when full
     assert plumbing.rows_per_forward(rloo.Args(local_rollout_forward_batch_size=16), policy, "generation", cpu, 64) == 16
 

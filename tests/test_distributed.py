@@ -64,7 +64,7 @@ def test_unshard_generation_without_fsdps_public_method_is_one_line(monkeypatch)
     """FSDPModule.set_reshard_after_forward (torch >= 2.8) is the only way used to keep the blocks gathered: a torch
     without it is told the fix before anything changes, not worked around through FSDP's private state."""
     policy = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))  # its blocks stand for FSDP units
-    monkeypatch.setattr(plumbing, "is_fsdp_unit", lambda module: isinstance(module, torch.nn.Linear))
+    monkeypatch.setattr(plumbing.distributed, "is_fsdp_unit", lambda module: isinstance(module, torch.nn.Linear))
     with pytest.raises(plumbing.ConfigError, match="--fsdp_generation unshard needs FSDPModule.set_reshard_after_"
                                                    "forward .torch >= 2.8.: upgrade torch, or pass --fsdp_generation "
                                                    "per_block"):

@@ -62,8 +62,8 @@ def test_make_flags_groups_by_the_args_comments():
 
 def test_docs_explain_every_logged_metric_name():
     metrics_md = (DOCS / "metrics.md").read_text()
-    source = "".join((REPO / name).read_text() for name in ("rloo.py", "rloo_multinode.py", "plumbing.py")
-                     if (REPO / name).exists())
+    source = "".join(path.read_text() for path in [REPO / "rloo.py", REPO / "rloo_multinode.py",
+                                                     *sorted((REPO / "plumbing").glob("*.py"))])
     groups = "objective|policy|loss|val|completions|eval|rollout|mismatch|time|work|memory"
     logged = set(re.findall(rf'"((?:{groups})/[a-z_]+)"', source))
     assert len(logged) > 30, logged

@@ -154,7 +154,8 @@ def test_an_overwrite_of_dot_in_a_git_checkout_moves_only_the_runs_files(tmp_pat
     """Issue 32, example 1: `--output_dir . --overwrite_output_dir` moved .git, rloo.py and notes to abandoned/."""
     (tmp_path / ".git").mkdir()
     (tmp_path / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
-    for name in ("rloo.py", "plumbing.py", "notes.md"):
+    (tmp_path / "plumbing").mkdir()
+    for name in ("rloo.py", "plumbing/__init__.py", "notes.md"):
         (tmp_path / name).write_text("kept\n")
     fake_run(tmp_path / "tmp", [1])  # a run's files, then moved up into the checkout
     for entry in (tmp_path / "tmp").iterdir():
@@ -164,7 +165,7 @@ def test_an_overwrite_of_dot_in_a_git_checkout_moves_only_the_runs_files(tmp_pat
     args = rloo.Args(output_dir=".", overwrite_output_dir=True)
     plumbing.resume_checkpoint(args)
     plumbing.settle_output_dir(args, 0, {}, "run-b")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".git", "abandoned", "notes.md", "plumbing.py", "rloo.py",
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".git", "abandoned", "notes.md", "plumbing", "rloo.py",
                                                           "tmp"]
     (aside,) = (tmp_path / "abandoned").iterdir()
     assert sorted(p.name for p in aside.iterdir()) == ["args.json", "checkpoints", "config.json", "metrics.jsonl",

@@ -1,0 +1,611 @@
+"""Checkpoints and run identity: verified saves (a manifest of sizes and sha256s), resume from the newest good one, the
+RNG states, the inputs' identities compared on resume, nothing run from a checkpoint's bytes (weights_only loads, the
+DCP metadata's pickle read by an allow-list); the Checkpointer rloo.py calls.
+"""
+
+import contextlib
+import hashlib
+import inspect
+import json
+import math
+import os
+import pickle
+import random
+import re
+import shutil
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .distributed import barrier, is_fsdp_unit, note_phase, rank0_view, unwrapped
+from .errors import WRITE_ERRORS, ConfigError, Fault, first_line
+from .models import load_pretrained, weights_readable_as_the_rest
+from .outputdir import (
+    ABANDONED,
+    CHECKPOINTS,
+    MANIFEST,
+    RUN_RECORD,
+    STEP_DIR,
+    TRAINER_STATE,
+    OutputDirLock,
+    check_output_dir,
+    checkpoint_dirs,
+    latest_checkpoint,
+    run_ids,
+    settle_output_dir,
+    steps_to_prune,
+    take_output_dir,
+)
+
+
+def rng_state(sampling: torch.Generator) -> dict:
+    """Every generator's state, in tensors and plain values only (what torch.load reads with weights_only)."""
+    _, keys, position, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "sampling": sampling.get_state(),
+             "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                       "has_gauss": int(has_gauss), "gauss": float(gauss)}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict, sampling: torch.Generator) -> None:
+    random.setstate(state["python"])
+    numpy_state = state["numpy"]
+    np.random.set_state(("MT19937", numpy_state["keys"].numpy().astype(np.uint32), numpy_state["position"],
+                         numpy_state["has_gauss"], numpy_state["gauss"]))
+    torch.set_rng_state(state["torch"])
+    sampling.set_state(state["sampling"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def load_safely(path: Path):
+    """torch.load with weights_only: tensors and plain Python values only, so that reading a checkpoint from
+    elsewhere can never run code. Raises ConfigError naming the file."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        raise ConfigError(f"{path} holds {refused.group(1) if refused else 'an object'}, not only tensors and plain "
+                          "values: refused, as loading it could run code") from None
+    except Exception as e:  # a truncated or foreign file: zip, EOF and OS errors
+        raise ConfigError(f"{path} cannot be read ({first_line(e)})") from None
+
+
+def save_policy(policy, tokenizer, path: Path, rank: int) -> None:
+    """The policy in HF format (with --use_peft, its adapter in peft's format) and its tokenizer at `path`, written
+    by rank 0. With FSDP a collective: every rank sends its shards to rank 0's CPU first."""
+    state = None
+    if is_fsdp_unit(policy):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        policy.save_pretrained(path, state_dict=state)
+        tokenizer.save_pretrained(path)
+        weights_readable_as_the_rest(Path(path))
+        if state is not None:  # fully_shard renamed the class FSDP<Model>: record the model's own name
+            config_path = Path(path) / "config.json"
+            config = json.loads(config_path.read_text())
+            config["architectures"] = [name.removeprefix("FSDP") for name in config.get("architectures") or []]
+            config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+OPTIMIZER_SHARDS = "optimizer"  # a checkpoint's directory of sharded optimizer state (FSDP)
+
+
+def save_optimizer_state(model, optimizer, directory: Path, trainer_state: dict) -> None:
+    """With FSDP every rank writes its own shard of the optimizer state under directory/optimizer (a collective,
+    torch.distributed.checkpoint: no rank ever holds the whole); otherwise it goes into trainer_state."""
+    if is_fsdp_unit(model):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(directory / OPTIMIZER_SHARDS))
+        trainer_state["optimizer"] = OPTIMIZER_SHARDS
+    else:
+        trainer_state["optimizer"] = optimizer.state_dict()
+
+
+def load_optimizer_state(model, optimizer, checkpoint: Path, trainer_state: dict) -> None:
+    if is_fsdp_unit(model):  # each rank reads its own shard
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        state = get_optimizer_state_dict(model, optimizer)  # the layout to fill, with the state allocated
+        dcp.load(state, checkpoint_id=str(checkpoint / OPTIMIZER_SHARDS))
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state)
+    else:
+        optimizer.load_state_dict(trainer_state["optimizer"])
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_digests(root: Path, names: Optional[list[str]] = None) -> dict[str, Optional[dict]]:
+    """{path relative to root: {"bytes": size, "sha256": hex digest} (None if missing)} of `names`, or of every
+    file under root (as rank 0 sees them). Collective when distributed: each rank hashes a share (checkpoints are
+    on a filesystem every rank sees), so that a save or a resume reads each file once, all ranks in parallel."""
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    if names is None:
+        names = rank0_view(sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()))
+    digests = {name: {"bytes": (root / name).stat().st_size, "sha256": sha256_of(root / name)}
+               if (root / name).is_file() else None for name in names[rank::world]}
+    if world > 1:
+        shares = [None] * world
+        dist.all_gather_object(shares, digests)
+        digests = {name: value for share in shares for name, value in share.items()}
+    return digests
+
+
+def model_identity(path: str, revision: str = "main") -> dict:
+    """What a model is: a local directory's files (top level, hidden ones aside) with their sha256, or a Hub
+    model's revision: the commit of the snapshot it loads from (at --model_revision for the policy). Collective when
+    distributed (file_digests)."""
+    root = Path(path)
+    if root.is_dir():
+        names = sorted(p.name for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
+        return {"files": file_digests(root, rank0_view(names))}
+    from transformers.utils import cached_file
+
+    config = load_pretrained(cached_file, path, "policy", filename="config.json", revision=revision)  # .../<commit>/
+    return {"revision": Path(config).parent.name}
+
+
+INPUT_FLAGS = ("model_name_or_path", "sft_model_path", "reward_model_path", "dataset_name", "dataset_test_split",
+               "reward_fn")  # the flags that name a run's inputs, fingerprinted at its first start
+
+
+def run_inputs(args, reward_functions: list[tuple[str, Callable]] = ()) -> dict[str, tuple[str, Optional[Path]]]:
+    """Each input of the run, by how a message names it: (what the flag says, its local path, or None for a Hub id,
+    which is compared by name). A reward function's input is its source file."""
+    inputs = {}
+    for flag in INPUT_FLAGS[:4]:
+        value = getattr(args, flag)
+        if value:
+            inputs[flag] = (value, Path(value) if Path(value).exists() else None)
+    if args.dataset_test_split and Path(args.dataset_test_split).exists():  # else a split's name
+        inputs["dataset_test_split"] = (args.dataset_test_split, Path(args.dataset_test_split))
+    for spec, (_, fn) in zip(args.reward_fn, reward_functions):
+        source = inspect.getsourcefile(inspect.unwrap(fn)) if callable(fn) else None
+        inputs[f"reward_fn {spec}"] = (spec, Path(source) if source else None)
+    return inputs
+
+
+def input_identity(value: str, path: Optional[Path], model: bool, revision: str = "main") -> dict:
+    """What an input is, to tell on resume whether it changed: a model as model_identity says; a local file or
+    directory by its files' sha256 (every file, at any depth); a Hub dataset or a module without a source file by
+    its name. The resolved path is kept to report a move, but not compared."""
+    if model:
+        identity = model_identity(value, revision)
+    elif path is None:
+        identity = {"name": value}
+    elif path.is_dir():
+        identity = {"files": file_digests(path)}
+    else:
+        identity = {"files": file_digests(path.parent, [path.name])}
+    return {**identity, "path": str(path.resolve()) if path is not None else value}
+
+
+def input_identities(args, reward_functions: list[tuple[str, Callable]] = ()) -> dict[str, dict]:
+    """Every input's identity (input_identity), by its name in run_inputs. Collective when distributed."""
+    policy = ("model_name_or_path", "sft_model_path")  # where --model_revision applies
+    return {name: input_identity(value, path, name.endswith("model_path") or name == "model_name_or_path",
+                                 args.model_revision if name in policy else "main")
+            for name, (value, path) in run_inputs(args, reward_functions).items()}
+
+
+def check_same_inputs(saved: dict, current: dict, allowed: tuple[str, ...]) -> list[str]:
+    """On resume: every input must be the one the run started with (content, not path), unless its flag is in
+    --allow_changed_inputs. Returns the notes to print (allowed changes, moved inputs)."""
+    notes = []
+    for name in sorted(saved.keys() | current.keys()):
+        old, new = saved.get(name), current.get(name)
+        content = [{k: v for k, v in (x or {}).items() if k != "path"} for x in (old, new)]
+        if content[0] != content[1]:
+            if old and new and "files" in old and "files" in new:
+                what = "these files differ: " + ", ".join(sorted(
+                    n for n in old["files"].keys() | new["files"].keys() if old["files"].get(n) != new["files"].get(n)))
+            elif old and new:
+                what = ", ".join(f"{k} {old.get(k)} -> {new.get(k)}" for k in sorted(old.keys() | new.keys())
+                                 if k != "path" and old.get(k) != new.get(k))
+            else:
+                what = f"{(old or {}).get('path', 'none')} -> {(new or {}).get('path', 'none')}"
+            if name.split(" ")[0] in allowed:
+                notes.append(f"{name} changed ({what}), allowed by --allow_changed_inputs")
+                continue
+            raise ConfigError(f"cannot resume: the input --{name} is not the one the run started with ({what}): "
+                              f"restore it, or pass --allow_changed_inputs {name.split(' ')[0]} to continue with it "
+                              "as it is now")
+        if old and new and old.get("path") != new.get("path"):
+            notes.append(f"{name} moved ({old.get('path')} -> {new.get('path')}, same content)")
+    return notes
+
+
+# what the metadata of torch.distributed.checkpoint's optimizer shards is made of: nothing that runs code (the
+# private names are what torch's pickle refers to, allowed when read, never called here)
+DCP_METADATA_GLOBALS = frozenset({
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict")} | {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "MetadataIndex",
+        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")})
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Reads a pickle, refusing every global but those of DCP_METADATA_GLOBALS and torch's dtypes."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in DCP_METADATA_GLOBALS or module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                      torch.dtype):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def unsafe_metadata(path: Path) -> Optional[str]:
+    """Why torch.distributed.checkpoint must not unpickle this .metadata file (it uses plain pickle), or None."""
+    try:
+        with open(path, "rb") as f:
+            MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        return f"{path.name} refers to {e}, which could run code when loaded"
+    except Exception as e:  # truncated, or not a pickle at all
+        return f"{path.name} cannot be read ({first_line(e)})"
+    return None
+
+
+def checkpoint_problem(path: Path) -> Optional[str]:
+    """Why a checkpoint cannot be resumed from, or None when it is intact: its manifest (which every save writes
+    last) is missing or unreadable, a file it lists is missing or differs in size or sha256, its
+    weights are not in safetensors (a pickle is never loaded), or its optimizer shards' metadata refers to code.
+    Collective when distributed."""
+    metadata = path / OPTIMIZER_SHARDS / ".metadata"
+    try:
+        listed = json.loads((path / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return f"no {MANIFEST}, which every save writes: a copy that did not finish, or a damaged checkpoint"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} cannot be read ({type(e).__name__}: {first_line(e)})"
+    found = file_digests(path, sorted(listed))
+    for name, expected in sorted(listed.items()):
+        if found[name] is None:
+            return f"{name} is missing"
+        if found[name]["bytes"] != expected["bytes"]:
+            return f"{name} has {found[name]['bytes']} bytes where the manifest says {expected['bytes']}"
+        if found[name]["sha256"] != expected["sha256"]:
+            return f"{name} differs from the manifest (sha256)"
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        others = [p.name for p in sorted(path.iterdir()) if p.suffix in (".bin", ".pt", ".pth", ".ckpt")
+                  and not p.name.startswith("rng_rank") and p.name != TRAINER_STATE]
+        return f"no weights in safetensors ({', '.join(others) or 'none'} instead): a pickle is never loaded"
+    return unsafe_metadata(metadata) if metadata.is_file() else None
+
+
+def save_checkpoint(output_dir: str, update: int, model, optimizer, tokenizer, trainer_state: dict, rank: int,
+                    save_total_limit: Optional[int], sampling: torch.Generator, rng: Optional[dict] = None) -> Path:
+    """Write output_dir/checkpoints/step_<update>: the policy in HF format (loadable on its own) and its
+    tokenizer, trainer_state.pt (counters, data position, args; the optimizer, or with FSDP the optimizer/
+    directory of shards), every rank's RNG states (`rng`, default: as they are now) and, last, manifest.json
+    with the size and sha256 of every file, by which a resume tells an intact checkpoint from a damaged one.
+    Everything goes into a temporary directory first, renamed into place once complete, so a process killed
+    mid-save leaves the previous checkpoints intact and no half-written step_<n>; a save that fails (a full disk)
+    removes its temporary directory and raises a Fault saying so. Multi-node runs need output_dir on a shared
+    filesystem: every rank writes its RNG file there."""
+    root = Path(output_dir) / CHECKPOINTS
+    final, partial = root / f"step_{update}", root / f".tmp_step_{update}"
+    what = f"saving checkpoint step_{update}"
+    note_phase(what)
+    try:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # debris of an earlier save that was killed
+            partial.mkdir(parents=True)
+        barrier(what)
+        torch.save(rng if rng is not None else rng_state(sampling), partial / f"rng_rank{rank}.pt")
+        barrier(what)
+        save_optimizer_state(model, optimizer, partial, trainer_state)
+        save_policy(unwrapped(model), tokenizer, partial, rank)
+        if rank == 0:
+            torch.save(trainer_state, partial / TRAINER_STATE)
+        barrier(what)
+        digests = file_digests(partial)
+        if rank == 0:
+            (partial / MANIFEST).write_text(json.dumps({"files": digests, "run_id": trainer_state.get("run_id"),
+                                                        "update": update}, indent=1) + "\n")
+    except WRITE_ERRORS as e:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        previous, free = latest_checkpoint(output_dir), shutil.disk_usage(root).free / 2**30
+        raise Fault(f"could not write checkpoint step_{update} ({free:.3g} GiB free on its filesystem): "
+                    f"{first_line(e)}; the partial one is removed and "
+                    + (f"the newest, {previous}, is intact" if previous else "there is no earlier checkpoint")
+                    + ": free space (or fix the filesystem) and continue with --resume") from e
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)  # the same update of this timeline, written again after a fault
+        os.replace(partial, final)  # atomic: step_<update> appears complete or not at all
+        steps = [int(m.group(1)) for d in root.iterdir() if (m := STEP_DIR.match(d.name))]
+        for old in steps_to_prune(steps, save_total_limit, update):
+            shutil.rmtree(root / f"step_{old}")
+    barrier(what)
+    return final
+
+
+def save_final_policy(policy, tokenizer, output_dir: str, rank: int, checkpoint: Optional[Path] = None) -> list[str]:
+    """The finished run's policy and tokenizer in output_dir: hard links to those of `checkpoint`, the final one
+    (stored once; a change to either shows in the checkpoint's manifest), copies where the filesystem has no hard
+    links, or written (save_policy) when there is no checkpoint. A failed write says how to redo it. Returns the
+    names written (on rank 0), which the run record lists as the run's own."""
+    written = []
+    try:
+        if checkpoint is None:
+            before = {p.name for p in Path(output_dir).iterdir()}
+            save_policy(policy, tokenizer, Path(output_dir), rank)
+            written = sorted({p.name for p in Path(output_dir).iterdir()} - before)
+        elif rank == 0:
+            for file in sorted(checkpoint.iterdir()):
+                if not file.is_file() or file.name in (TRAINER_STATE, MANIFEST) or file.name.startswith("rng_rank"):
+                    continue
+                written.append(file.name)
+                (Path(output_dir) / file.name).unlink(missing_ok=True)  # this run's own, of an earlier finish
+                try:
+                    os.link(file, Path(output_dir) / file.name)
+                except OSError:
+                    shutil.copy2(file, Path(output_dir) / file.name)
+    except WRITE_ERRORS as e:
+        raise Fault(f"could not write the final policy to {output_dir}: {first_line(e)}; the final checkpoint "
+                    f"{latest_checkpoint(output_dir)} is intact: free space and run the same command with --resume "
+                    "to write it") from e
+    return written
+
+
+TRAINER_STATE_KEYS = {"update": int, "episode": int, "sampler": dict, "elapsed": float, "world_size": int,
+                      "args": dict, "run_id": str, "inputs": dict, "optimizer": (dict, str)}  # and their types
+
+
+def trainer_state_problem(state) -> Optional[str]:
+    """Why a loaded trainer state is not one this version writes (a foreign, forged or older file), or None."""
+    if not isinstance(state, dict):
+        return f"{TRAINER_STATE} holds a {type(state).__name__}, not a dict"
+    if "run_id" not in state and "update" in state:
+        return (f"{TRAINER_STATE} has no run_id: written by an older rloo.py, which did not fingerprint its inputs; "
+                "continue it with that version, or start a new run")
+    for key, kind in TRAINER_STATE_KEYS.items():
+        value = state.get(key)
+        if key not in state:
+            return f"{TRAINER_STATE} has no {key!r}"
+        if isinstance(value, bool) or not isinstance(value, kind if kind is not float else (int, float)):
+            expected = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            return f"{TRAINER_STATE}'s {key!r} is of type {type(value).__name__}, not {expected}"
+    if not 0 <= state["update"] < 2**62 or not 0 <= state["world_size"] < 2**31 or not 0 <= state["episode"] < 2**62:
+        return f"{TRAINER_STATE}'s update, episode or world_size is out of range"
+    if not (math.isfinite(state["elapsed"]) and 0 <= state["elapsed"] < 1e10):  # seconds: over 300 years is junk
+        return f"{TRAINER_STATE}'s elapsed time {state['elapsed']!r} is not a finite number of seconds"
+    if not (isinstance(state["sampler"].get("epoch"), int) and isinstance(state["sampler"].get("position"), int)):
+        return f"{TRAINER_STATE}'s sampler state is not {{'epoch': int, 'position': int}}"
+    try:  # flags, inputs and ids are plain values: compared with ==, never a tensor or an object
+        json.dumps([state["args"], state["inputs"], state["run_id"], state.get("wandb_run_id")], allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        return f"{TRAINER_STATE}'s args or inputs are not plain values ({first_line(e)})"
+    return None
+
+
+def read_checkpoint(path: Path) -> tuple[Optional[dict], Optional[str]]:
+    """(its trainer state, None), or (None, why it cannot be resumed from, in one line). Collective when
+    distributed."""
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        return None, problem
+    try:
+        state = load_safely(path / TRAINER_STATE)
+    except ConfigError as e:
+        return None, " ".join(str(e).split())
+    except RecursionError:
+        return None, f"{TRAINER_STATE} is nested too deeply"
+    problem = trainer_state_problem(state)
+    return (None, problem) if problem else (state, None)
+
+
+@dataclass
+class Resumption:
+    checkpoint: Optional[Path]  # None: start fresh
+    state: Optional[dict]  # its trainer state
+    skipped: dict  # {damaged checkpoint newer than `checkpoint`: why}
+
+
+def check_of_this_run(path: Path, state: dict, root: Path) -> None:
+    """A checkpoint continues the run of output_dir only if its stored update is its directory's and every other
+    record of output_dir names its run id."""
+    if path.name != f"step_{state['update']}":
+        raise ConfigError(f"cannot resume from {path}: it holds update {state['update']}, not that of its directory "
+                          f"{path.name} (renamed or copied): move it back to step_{state['update']}, or pass another "
+                          "checkpoint")
+    others = {where: i for where, i in rank0_view(run_ids(root)).items() if i != state["run_id"]
+              and where != f"{CHECKPOINTS}/{path.name}"}
+    if others and path.resolve().parent == (root / CHECKPOINTS).resolve():
+        where, other = next(iter(sorted(others.items())))
+        raise ConfigError(f"cannot resume from {path}: it is a checkpoint of run {state['run_id']}, but {root} holds "
+                          f"run {other}'s ({where}): move {path.name} out of {root / CHECKPOINTS}, and continue its "
+                          "run with --resume_from it and another --output_dir")
+
+
+def resume_checkpoint(args, inputs: Optional[dict] = None) -> Resumption:
+    """Where the run starts: --resume_from, or with --resume the newest intact checkpoint of output_dir (the
+    damaged newer ones it skips are named), or nothing. Refused: the output_dir rules (check_output_dir); a
+    damaged --resume_from; --resume when no checkpoint is intact; a checkpoint of another run or in a directory
+    not its own (check_of_this_run). Collective when distributed."""
+    inputs = run_inputs(args) if inputs is None else inputs
+    ours = rank0_view(checkpoint_dirs(args.output_dir))
+    root = Path(args.output_dir)
+    set_aside = f"--overwrite_output_dir to move them to {root / ABANDONED}/ and start over"
+    check_output_dir(args, inputs, ours, set_aside)
+    earlier = f"an earlier run (checkpoints up to {ours[0].name})" if ours else ""
+    if args.resume_from is not None:
+        path = Path(args.resume_from)
+        if not (path / TRAINER_STATE).is_file():
+            raise ConfigError(f"--resume_from {path}: not a checkpoint (no {TRAINER_STATE}); checkpoints are "
+                              f"{root / CHECKPOINTS}/step_<n>")
+        state, problem = read_checkpoint(path)
+        if problem is not None:
+            raise ConfigError(f"--resume_from {path} is damaged: {problem}; pass another checkpoint")
+        if ours and path.resolve().parent != (root / CHECKPOINTS).resolve() and not args.overwrite_output_dir:
+            raise ConfigError(f"--output_dir {args.output_dir} holds {earlier}, not {path}'s: pass another "
+                              f"--output_dir, or {set_aside}")
+        check_of_this_run(path, state, root)
+        return Resumption(path, state, {})
+    if args.resume:
+        skipped = {}
+        for path in ours:
+            state, problem = read_checkpoint(path)
+            if problem is None:
+                check_of_this_run(path, state, root)
+                return Resumption(path, state, skipped)
+            skipped[path] = problem
+        if skipped:
+            raise ConfigError(f"--resume: no checkpoint in {root / CHECKPOINTS} is intact ("
+                              + "; ".join(f"{p.name}: {why}" for p, why in skipped.items())
+                              + f"): pass --resume_from a checkpoint elsewhere, or without --resume, {set_aside}")
+    return Resumption(None, None, {})
+
+
+def check_resumable(saved: dict, args, world_size: int, saved_world_size: int) -> list[str]:
+    """Refuse a resume that would silently be another experiment; return the harmless changes to report. The
+    flags that name inputs are compared by what they name (check_same_inputs), not as strings."""
+    current = asdict(args)
+    # a flag the checkpoint's script does not have (rloo_multinode.py's own, in a rloo.py checkpoint) is no change
+    changed = {k: (saved[k], v) for k, v in current.items() if k in saved and saved[k] != v and k not in INPUT_FLAGS}
+    refused = sorted(k for k in changed if k not in args.resumable_changes)
+    if world_size != saved_world_size:
+        refused.append("world size")
+        changed["world size"] = (saved_world_size, world_size)
+    if refused:
+        raise ConfigError("cannot resume: these differ from the checkpoint's run and change its meaning: "
+                          + ", ".join(f"{k} ({changed[k][0]!r} -> {changed[k][1]!r})" for k in refused)
+                          + "; start a new run in another --output_dir instead")
+    return [f"{k} ({old!r} -> {new!r})" for k, (old, new) in sorted(changed.items())
+            if k not in ("resume", "resume_from")]
+
+
+class Checkpointer:
+    """The run's checkpoints, behind two calls: load() restores a resumed run's state into the objects it is given
+    (and remembers them), save(update, ...) writes them. Created first thing, it takes output_dir (locked: a second
+    run into it stops there) and finds the checkpoint to start from, so that a refused resume fails before anything
+    loads."""
+
+    def __init__(self, args, dist_info, lock: OutputDirLock, reward_functions: list[tuple[str, Callable]] = ()):
+        self.args, self.dist_info, self.lock, self.reward_functions = args, dist_info, lock, reward_functions
+        inputs = run_inputs(args, reward_functions)
+        take_output_dir(lock, dist_info.rank, inputs)
+        with self.refusal_leaves_nothing():
+            start = resume_checkpoint(args, inputs)  # verified; --resume falls back past damaged checkpoints
+            self.path, self.state, self.skipped = start.checkpoint, start.state, start.skipped
+            self.changes = check_resumable(self.state["args"], args, dist_info.world_size,
+                                           self.state["world_size"]) if self.state else []
+        self.start_update = self.state["update"] if self.state else 0
+        self.wandb_run_id = self.state["wandb_run_id"] if self.state else None
+        # the run's identity: drawn at its first start, in args.json, every checkpoint and every metrics line
+        self.run_id = self.state["run_id"] if self.state else rank0_view(uuid.uuid4().hex)
+
+    def check_continues(self, num_updates: int, episodes_per_update: int) -> None:
+        """Refuse a resume past this run's end, or of a run whose inputs changed since its first start."""
+        if self.state and self.start_update > num_updates:
+            raise ConfigError(f"cannot resume: {self.path} is after update {self.start_update}, but this run ends "
+                              f"after update {num_updates}: pass --total_episodes "
+                              f"{self.start_update * episodes_per_update} or more, or --resume_from an earlier "
+                              "checkpoint")
+        self.episodes_per_update = episodes_per_update
+        self.inputs = input_identities(self.args, self.reward_functions)
+        if self.state:
+            self.changes += check_same_inputs(self.state["inputs"], self.inputs, self.args.allow_changed_inputs)
+
+    @contextlib.contextmanager
+    def refusal_leaves_nothing(self):
+        """For the set-up: a refused run (ConfigError) releases output_dir as it found it."""
+        try:
+            yield
+        except ConfigError:
+            self.lock.release()
+            raise
+
+    def load(self, model, optimizer, tokenizer, sampler, sampling_rng: torch.Generator, reference=None) -> None:
+        """A resumed run's optimizer, data position and sampling generator restored (the weights were loaded with
+        the model), and a `reference` model's weights when given (one that changes during the run: TR-DPO's);
+        what later saves write."""
+        self.model, self.optimizer, self.tokenizer, self.sampler, self.rng = (model, optimizer, tokenizer, sampler,
+                                                                              sampling_rng)
+        self.reference = reference
+        self.start_time = time.time()
+        if self.state and reference is not None:
+            reference.load_state_dict(self.state["reference"])
+        if self.state:
+            load_optimizer_state(model, optimizer, self.path, self.state)
+            sampler.load_state_dict(self.state["sampler"])
+            set_rng_state(load_safely(self.path / f"rng_rank{self.dist_info.rank}.pt"), sampling_rng)
+            self.start_time -= self.state["elapsed"]
+
+    def notes(self) -> list[str]:
+        """Rank 0, before the run writes anything: output_dir settled for this timeline (settle_output_dir); what
+        to print about it."""
+        notes = settle_output_dir(self.args, self.start_update, self.skipped, self.run_id)
+        if self.state:
+            notes.append(f"resuming from {self.path} after update {self.start_update}"
+                         + (f"; changed: {', '.join(self.changes)}" if self.changes else ""))
+        return notes
+
+    def save(self, update: int, sampler_state: dict, rng: Optional[dict] = None) -> Path:
+        """A resumable checkpoint after `update`, the data position `sampler_state` (the sampler before the first
+        batch not yet trained on) and the generators' states `rng` (default: as they are now)."""
+        trainer_state = {
+            "update": update, "episode": update * self.episodes_per_update, "sampler": sampler_state,
+            "elapsed": time.time() - self.start_time, "world_size": self.dist_info.world_size,
+            "args": asdict(self.args), "wandb_run_id": self.wandb_run_id, "run_id": self.run_id,
+            "inputs": self.inputs,
+        }
+        if self.reference is not None:  # replicated: rank 0's copy is every rank's
+            trainer_state["reference"] = {name: t.detach().cpu() for name, t in self.reference.state_dict().items()}
+        return save_checkpoint(self.args.output_dir, update, self.model, self.optimizer, self.tokenizer,
+                               trainer_state, self.dist_info.rank, self.args.save_total_limit, self.rng, rng)
+
+    def keep(self, finished: int, sampler_state: dict, rng: Optional[dict] = None) -> str:
+        """After a fault: the state after update `finished` saved (unless it is already), and how to continue."""
+        if finished == self.start_update:  # nothing new: the run can start again as it did
+            return "no update had finished since the start, nothing new to save; fix it and run the same command"
+        path = Path(self.args.output_dir) / CHECKPOINTS / f"step_{finished}"  # saved already when save_steps divides
+        path = path if path.is_dir() else self.save(finished, sampler_state, rng)
+        return f"checkpoint of update {finished} saved to {path}; fix it, then continue with --resume"
+
+    def save_final(self, policy, num_updates: int) -> None:
+        """The finished run's policy and tokenizer in output_dir, stored once with the final checkpoint's (the one
+        this run wrote, or resumed from, as rank 0 sees it)."""
+        final = Path(self.args.output_dir) / CHECKPOINTS / f"step_{num_updates}"
+        self.final_files = save_final_policy(policy, self.tokenizer, self.args.output_dir, self.dist_info.rank,
+                                             final if rank0_view(final.is_dir()) else None)
+
+    def mark_finished(self) -> None:
+        """Rank 0, last: the run record args.json (its flags, run_id and the files it wrote at the top of output_dir,
+        which run_owned reads), whose presence with the policy marks a finished run."""
+        record = {**asdict(self.args), "run_id": self.run_id, "files": getattr(self, "final_files", [])}
+        (Path(self.args.output_dir) / RUN_RECORD).write_text(json.dumps(record, indent=2))
+
+    def stopped(self, logger, what: str) -> None:
+        """After a stop signal, on rank 0 (the one with a logger): the marker job scripts requeue on, naming the newest
+        checkpoint, and a line saying `what` happened and how to continue."""
+        if logger is None:
+            return
+        path = latest_checkpoint(self.args.output_dir)
+        where = "no update had finished, nothing to save" if path is None else \
+            f"checkpoint of update {path.name.removeprefix('step_')} saved to {path}"
+        self.lock.mark_preempted(str(path or where))
+        logger.console.print(f"rloo.py: {what}; {where}; continue with the same command and --resume",
+                             highlight=False, soft_wrap=True)

@@ -1,0 +1,422 @@
+"""The command line: tyro parsing with one-line errors, TRL's names (>= 0.22's aliases, 1.16's options taken with their
+meaning or refused with the reason), and run_script: a run's end as an exit status and one line.
+"""
+
+import contextlib
+import difflib
+import gc
+import inspect
+import os
+import re
+import signal
+import sys
+import traceback
+from dataclasses import field, fields, is_dataclass, make_dataclass
+from pathlib import Path
+from typing import Annotated, Callable, Optional, get_args, get_origin, get_type_hints
+
+import docstring_parser
+import tyro
+import tyro._errors  # parse_args' one-line parse errors
+
+from .distributed import stopped_alone
+from .errors import ConfigError, Fault, first_line
+from .faults import NonFiniteError, StartupInterrupted
+from .flags import RunArgs
+
+# TRL >= 0.22's names for flags of the same meaning, tyro aliases of this project's (README, "Flags": both TRL
+# generations' names side by side)
+TRL_NAMES = {"num_generations": "rloo_k", "beta": "kl_coef", "epsilon": "cliprange", "num_iterations": "num_ppo_epochs",
+             "max_completion_length": "response_length", "normalize_advantages": "normalize_advantage",
+             "reward_model_name_or_path": "reward_model_path"}
+
+
+TRL_DEFAULTS = ("TRL >= 0.22's names are aliases of the flags they are listed beside.\n\nFlags left out keep this "
+                "script's defaults:\n--num_iterations 4 (TRL's: 1), --max_completion_length 53 (TRL's: 256).")
+
+
+STEPS_PER_GENERATION = ("TRL >= 0.22's micro-batches per rank and generation, S (not a rename): taken as "
+                        "--num_mini_batches S / gradient_accumulation_steps")
+
+
+# TRL 1.16's flags (RLOOConfig, the TrainingArguments it inherits, the `trl rloo` script's ModelConfig and
+# ScriptArguments) that this project has in another form or not at all. TRL_FIXED: what this project always does,
+# accepted when given with that value (case-insensitive), else refused with the reason; TRL_REFUSED: refused
+# whatever the value, with the reason. trl_arguments rewrites the rest (see there).
+DTYPE_REASON = ("TRL loads and trains the policy's weights in that dtype (pure bf16 with bfloat16); here the policy "
+                "keeps fp32 master weights and AdamW state, and --bf16 computes in bf16 (autocast) and stores the "
+                "frozen models in bf16: pass --bf16 instead")
+
+
+TRL_FIXED = {
+    "disable_dropout": (("true",), "dropout is always off here, in every model (the policy that trains is the one "
+                                   "that sampled)"),
+    "shuffle_dataset": (("true",), "the prompts are always reshuffled every epoch, from --seed"),
+    "ds3_gather_for_generation": (("true",), "there is no DeepSpeed here; with --fsdp, --fsdp_generation per_block "
+                                             "gathers one block at a time"),
+    "pad_to_multiple_of": (("auto", "none"), "each forward pass pads to its own longest row, no multiple"),
+    "router_aux_loss_coef": (("none", "0", "0.0"), "no mixture-of-experts auxiliary loss is added to the loss"),
+    "log_multimodal": (("true", "false"), ""),  # text only: nothing to log either way
+    "log_unique_prompts": (("false",), "the sample table shows the first prompts of an update"),
+    "use_transformers_continuous_batching": (("false",), "rloo.py samples with its own batched KV-cache loop"),
+    "use_transformers_paged": (("false",), "rloo.py samples with its own batched KV-cache loop"),
+    "vllm_model_impl": (("vllm",), "engines run vLLM's own model implementation"),
+    "do_train": (("true",), "every run trains"),
+    "logging_strategy": (("steps",), "metrics are logged every update (--logging_steps: the console line)"),
+    "adam_beta1": (("0.9",), "AdamW's betas are torch's (0.9, 0.999)"),
+    "adam_beta2": (("0.999",), "AdamW's betas are torch's (0.9, 0.999)"),
+    "weight_decay": (("0.01",), "AdamW's weight decay is torch's, 0.01"),
+    "optim": (("adamw_torch", "adamw_torch_fused"), "the optimizer is torch's AdamW (fused on CUDA)"),
+    "warmup_steps": (("0",), "pass --warmup_ratio (a share of the updates)"),
+    "torch_dtype": (("auto", "float32"), DTYPE_REASON),
+    "dtype": (("auto", "float32"), DTYPE_REASON),
+    "lora_task_type": (("causal_lm",), "the adapters are a causal LM's"),
+    "gradient_checkpointing_use_reentrant": (("false",), "gradient checkpointing is non-reentrant here"),
+    "remove_unused_columns": (("false",), "every dataset column goes to the reward functions"),
+    "ddp_find_unused_parameters": (("false", "none"), "every trained parameter gets a gradient"),
+    "dataloader_num_workers": (("0",), "prompts are tokenized once at load time"),
+}
+
+
+TRL_REFUSED = {
+    "model_init_kwargs": "rloo.py loads the models itself (fp32 master weights): use --bf16, --trust_remote_code",
+    "generation_kwargs": "rloo.py samples with its own loop, not generate(): use its sampling flags (--temperature)",
+    "chat_template_kwargs": "the chat template is applied with add_generation_prompt only",
+    "cache_implementation": "rloo.py's sampler keeps its own KV cache (--compile_generation: a static one)",
+    "vllm_structured_outputs_regex": "guided decoding would change the distribution sampled from, which the "
+                                     "trainer's log-probs do not model",
+    "vllm_group_port": "the weight sync's port is --engine_port + 1",
+    "vllm_max_model_length": "the engines' length is --max_prompt_length + --response_length",
+    "fp16": "fp16 needs loss scaling, which rloo.py does not do: use --bf16",
+    "tf32": "matmul precision is chosen at start-up (plumbing.choose_kernels)",
+    "deepspeed": "there is no DeepSpeed here: --fsdp shards the policy with FSDP2 (under torchrun)",
+    "fsdp_config": "--fsdp shards every transformer block with FSDP2; --offload and --fsdp_generation are its options",
+    "local_rank": "torchrun sets each process's rank",
+    "push_to_hub": "nothing is uploaded: output_dir holds the policy in transformers' format",
+    "hub_model_id": "nothing is uploaded: output_dir holds the policy in transformers' format",
+    "logging_dir": "metrics go to output_dir/metrics.jsonl (and wandb with --track)",
+    "logging_first_step": "every update is logged",
+    "do_eval": "evaluation runs when --dataset_test_split is given (--num_evals times)",
+    "eval_strategy": "evaluation runs when --dataset_test_split is given, --num_evals times a run",
+    "eval_steps": "evaluation runs when --dataset_test_split is given, --num_evals times a run",
+    "per_device_eval_batch_size": "evaluation runs --local_rollout_forward_batch_size completions at a time",
+    "gradient_checkpointing_kwargs": "gradient checkpointing is non-reentrant here, with no other option",
+    "torch_compile": "only decoding is compiled: --compile_generation",
+    "use_liger_kernel": "the log-probs come from plumbing.SelectiveLogSoftmax over the completion positions only",
+    "dataset_num_proc": "prompts are tokenized in this process",
+    "dataset_streaming": "the prompt set is loaded whole (its prompts are shuffled every epoch)",
+    "load_in_8bit": "8-bit bases are not supported: --load_in_4bit with --use_peft trains LoRA on a 4-bit base "
+                    "(QLoRA)",
+    "ignore_bias_buffers": "a DDP option for models with bool buffers; none here needs it",
+    "lr_scheduler_kwargs": "the schedules (--lr_scheduler_type, --warmup_ratio) take no options",
+    "transformers_continuous_batching_config": "rloo.py samples with its own batched KV-cache loop",
+    "save_only_model": "a checkpoint is the whole state a resume needs (policy, optimizer, data position, RNGs)",
+    "data_seed": "--seed orders the prompts (and everything else)",
+    "full_determinism": "runs are reproducible from --seed on the same hardware (and resume bit-identically)",
+    "disable_tqdm": "the progress bar is rich's, on rank 0's console only",
+    "label_names": "there are no labels: the rewards come from --reward_model_path and --reward_fn",
+    "hub_strategy": "nothing is uploaded: output_dir holds the policy in transformers' format",
+    "eval_on_start": "evaluation runs --num_evals times over the run, plus once at the end",
+    "include_num_input_tokens_seen": "the tokens of each phase are logged as work/* (metrics.jsonl)",
+    "average_tokens_across_devices": "a minibatch's loss is divided by its completions over all ranks "
+                                     "(rloo.loss_normalizer)",
+}
+
+
+TRL_REFUSED |= {name: reason for names, reason in (  # the rest of transformers' TrainingArguments, by kind
+    (("eval_delay", "prediction_loss_only", "eval_do_concat_batches", "eval_use_gather_object",
+      "eval_accumulation_steps", "include_for_metrics", "batch_eval_metrics", "bf16_full_eval", "fp16_full_eval",
+      "do_predict", "load_best_model_at_end", "metric_for_best_model", "greater_is_better"),
+     "evaluation is the mean score of near-greedy completions of --dataset_test_split, --num_evals times a run"),
+    (("dataloader_drop_last", "dataloader_pin_memory", "dataloader_persistent_workers", "dataloader_prefetch_factor",
+      "dataloader_multiprocessing_context", "dataloader_in_order", "train_sampling_strategy", "length_column_name",
+      "ignore_data_skip", "auto_find_batch_size"),
+     "prompts are drawn by rloo.py's own sampler (reshuffled each epoch from --seed, resumed exactly), no DataLoader"),
+    (("log_on_each_node", "logging_nan_inf_filter", "log_level", "log_level_replica", "project", "trackio_space_id",
+      "trackio_bucket_id", "trackio_static_space_id", "skip_memory_metrics", "debug"),
+     "rank 0 logs to the console, metrics.jsonl and wandb (--track, --wandb_project_name); a NaN stops the run"),
+    (("hub_token", "hub_private_repo", "hub_always_push", "hub_revision"),
+     "nothing is uploaded: output_dir holds the policy in transformers' format"),
+    (("optim_args", "optim_target_modules", "label_smoothing_factor", "neftune_noise_alpha", "use_cache",
+      "torch_empty_cache_steps", "torch_compile_backend", "torch_compile_mode", "liger_kernel_config"),
+     "the loss and optimizer are rloo.py's own (torch's AdamW: --learning_rate, --adam_epsilon, --max_grad_norm)"),
+    (("ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend", "accelerator_config",
+      "parallelism_config", "use_cpu", "save_on_each_node", "enable_jit_checkpoint",
+      "restore_callback_states_from_checkpoint"),
+     "rloo.py sets up torch.distributed itself under torchrun (NCCL on GPUs, gloo on CPUs: CUDA_VISIBLE_DEVICES= "
+     "runs on the CPU) and writes its own checkpoints"),
+) for name in names}
+
+
+ENGINE_FLAGS = ("use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",
+                "vllm_server_timeout", "vllm_enable_sleep_mode", "vllm_gpu_memory_utilization",
+                "vllm_tensor_parallel_size", "vllm_model_impl")
+
+
+def trl_arguments(argv: list[str], fields_of: set[str], prog: str) -> list[str]:
+    """argv with TRL's forms rewritten into this project's: `--flag True|False` for a bool flag (--flag /
+    --no-flag); `--reward_funcs pkg.module.fn ...` (TRL's dotted paths) as --reward_fn pkg.module:fn; `--report_to
+    wandb|none` as --track / --no-track; `--fsdp "full_shard ..."` as --fsdp; `--resume_from_checkpoint DIR` as
+    --resume_from DIR (`True`: --resume); for rloo_multinode.py (the script with engines), `--use_vllm` (its engines
+    are vLLM's; without --vllm_mode colocated, TRL 1.16's default), `--vllm_server_base_url URL` and
+    `--vllm_server_host H --vllm_server_port P` as --engine_urls, `--vllm_server_timeout` as --engine_timeout. A TRL
+    flag with no meaning here (TRL_FIXED, TRL_REFUSED, a two-value --reward_clip_range, engine flags given to rloo.py)
+    is a ConfigError naming the reason."""
+    bools = {name.removeprefix("bool:") for name in fields_of if name.startswith("bool:")}
+    fields_of = {name.removeprefix("bool:") for name in fields_of}
+    out, i, server = [], 0, {}
+    given = {arg[2:].partition("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+
+    def values_after(j: int) -> list[str]:  # the values that follow the flag at j (up to the next --flag)
+        taken = []
+        while j + 1 + len(taken) < len(argv) and not argv[j + 1 + len(taken)].startswith("--"):
+            taken.append(argv[j + 1 + len(taken)])
+        return taken
+
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or arg == "--":
+            out.append(arg)
+            i += 1
+            continue
+        name, has_eq, eq_value = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        values = [eq_value] if has_eq else values_after(i)
+        used = 1 + (0 if has_eq else len(values))
+        value = values[0] if values else "true"
+        if name in ENGINE_FLAGS and "engine_urls" not in fields_of:
+            raise ConfigError(f"--{name}: rloo.py samples in the training processes, without engines; vLLM "
+                              "generation is rloo_multinode.py's: `torchrun ... rloo_multinode.py --vllm_mode "
+                              "colocate` (or server) with the same flags")
+        elif name in TRL_FIXED and name not in fields_of:
+            allowed, reason = TRL_FIXED[name]
+            if value.lower() not in allowed:
+                raise ConfigError(f"--{name} {value}: {reason}; drop the flag")
+        elif name in TRL_REFUSED and name not in fields_of:
+            raise ConfigError(f"--{name} (TRL's) has no meaning here: {TRL_REFUSED[name]}; drop the flag")
+        elif name == "use_vllm":
+            if value.lower() not in ("true", "1"):
+                raise ConfigError("--use_vllm false: generation in the training processes is rloo.py's (same flags)")
+            out.append("--engine=vllm")
+            if "vllm_mode" not in given:  # TRL 1.16's default mode (RLOOConfig.vllm_mode), not this script's
+                servers = sorted(given & {"vllm_server_base_url", "vllm_server_host", "vllm_server_port"})
+                if servers:
+                    raise ConfigError(f"--use_vllm without --vllm_mode is colocated vLLM (TRL 1.16's default), "
+                                      f"which --{servers[0]} does not serve: add --vllm_mode server")
+                out += ["--vllm_mode", "colocate"]
+        elif name == "vllm_server_base_url":
+            out += ["--engine_urls", value.rstrip("/")]
+        elif name in ("vllm_server_host", "vllm_server_port"):
+            server[name] = value
+        elif name == "vllm_server_timeout":
+            out += ["--engine_timeout", value]
+        elif name == "reward_funcs":
+            for path in values:
+                module, dot, function = path.rpartition(".")
+                if not dot or ":" in path:
+                    raise ConfigError(f"--reward_funcs {path}: TRL's built-in reward functions are not here; pass "
+                                      "a dotted import path pkg.module.function (or --reward_fn pkg.module:function)")
+                out += ["--reward_fn", f"{module}:{function}"]
+        elif name == "report_to":
+            targets = {v.lower() for v in values} or {"none"}
+            if not targets <= {"wandb", "none"}:
+                raise ConfigError(f"--report_to {' '.join(values)}: metrics go to output_dir/metrics.jsonl and, "
+                                  "with wandb, to Weights & Biases; pass --report_to wandb or none")
+            out.append("--track" if "wandb" in targets else "--no-track")
+        elif name == "fsdp" and values and not has_eq and value.lower() not in ("true", "false"):
+            if "full_shard" not in value:
+                raise ConfigError(f"--fsdp {value!r}: --fsdp shards weights, gradients and optimizer state (FSDP2, "
+                                  "as full_shard); pass --fsdp or drop it")
+            out.append("--fsdp")
+        elif name == "resume_from_checkpoint":
+            out += ["--resume"] if value.lower() == "true" else [] if value.lower() in ("false", "none") else \
+                ["--resume_from", value]
+        elif name == "reward_clip_range" and len(values) > 1:
+            raise ConfigError(f"--reward_clip_range {' '.join(values)}: TRL's (min, max) clips raw rewards; here "
+                              "--reward_clip_range C clips the --normalize_reward scores to [-C, C]: pass one number "
+                              "with --normalize_reward, or clip in the reward function")
+        elif name in bools and len(values) == 1 and value.lower() in ("true", "false", "1", "0"):
+            out.append(f"--{name}" if value.lower() in ("true", "1") else f"--no-{name}")
+        else:
+            out += argv[i:i + used]
+        i += used
+    if server:
+        out += ["--engine_urls", f"http://{server.get('vllm_server_host', '0.0.0.0')}:"
+                                 f"{server.get('vllm_server_port', '8000')}"]
+    return out
+
+
+def help_groups(cls, program: str) -> dict[str, str]:
+    """{first field: title} of the groups --help shows: the `# ----- title -----` lines above fields in the source of
+    cls and its bases; a class whose own fields start without one opens a group named after the program."""
+    groups = {}
+    for c in reversed([c for c in cls.__mro__ if is_dataclass(c)]):
+        own = [name for name in inspect.get_annotations(c) if name in c.__dataclass_fields__]
+        source = inspect.getsource(inspect.getmodule(c))  # the module's: a class's own would cost a parse of it
+        groups |= {own[0]: program} if own else {}
+        groups |= {name: title for title, name in re.findall(r"# -+ (.+?) -+\n\s*(\w+):", source) if name in own}
+    return groups
+
+
+def last_values(parts: tuple, default):
+    """A list flag's values over its occurrences (--reward_fn a --reward_fn b c: a, b, c); `None` resets it."""
+    if not parts:
+        return default
+    resets = [i for i, part in enumerate(parts) if part is None]
+    return None if resets[-1:] == [len(parts) - 1] else sum(parts[(resets or [-1])[-1] + 1:], ())
+
+
+def parse_error_line(event, flags: list[str]) -> Optional[str]:
+    """One line for a parse error tyro is about to report as a box: the flag, what is wrong, the fix (a close match
+    among `flags` for an unknown one). None for an event of another kind: tyro's own report then."""
+    events = tyro._errors  # tyro's parse-error events (tyro 1.0; constraints.txt pins the version)
+
+    def flag_of(argument) -> str:
+        return argument.lowered.name_or_flags[0] if argument is not None and argument.lowered.name_or_flags else "?"
+
+    if isinstance(event, events.UnrecognizedArgs):
+        token = event.tokens[0]
+        close = difflib.get_close_matches(token.split("=")[0].replace("-", "_").replace("__", "--", 1), flags, n=1)
+        return f"unrecognized argument {token!r}: " + (f"did you mean {close[0]}?" if close else "see --help")
+    if isinstance(event, events.InstantiationFailure):
+        return f"{flag_of(event.argument)}: {' '.join(event.message.split())}; see --help"
+    if isinstance(event, events.BadValue):
+        return f"{flag_of(event.argument)} " + ("needs a value" if event.offending_value is None else
+                                                 f"takes no value, given {event.offending_value!r}") + "; see --help"
+    if isinstance(event, events.InvalidChoice):
+        return f"{flag_of(event.argument)} {event.value!r} is not one of {', '.join(event.choices)}"
+    if isinstance(event, events.MissingArgs):
+        return f"missing {', '.join(flag_of(a.arg) for a in event.missing_arguments)}; see --help"
+    return None
+
+
+def raise_parse_error(flags: list[str]) -> Callable:
+    """A tyro parse-error hook that raises the one line of parse_error_line as a ConfigError."""
+    def hook(event) -> None:
+        line = parse_error_line(event, flags)
+        if line is not None:
+            raise ConfigError(line)
+    return hook
+
+
+def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None):
+    """The command line parsed by tyro into `cls`, a flat dataclass. tyro parses a dataclass of groups (help_groups)
+    built from cls's fields, so --help shows them grouped, under their own names (each field's docstring, joined)
+    and TRL >= 0.22's (TRL_NAMES) as aliases. A list flag given several times keeps every value; any other flag,
+    under either name, its last, as argparse does (a launch script's "$@" overrides its defaults). TRL's
+    --steps_per_generation S is taken as --num_mini_batches S / gradient_accumulation_steps. Bad input is one line
+    on stderr and exit status 2, tyro's parse errors included (parse_error_line)."""
+    prog = prog or Path(sys.argv[0]).name
+    hints = get_type_hints(cls, include_extras=True)
+    names = {("bool:" if hints[f.name] is bool else "") + f.name for f in fields(cls)}
+    names |= {("bool:" if hints[own] is bool else "") + trl for trl, own in TRL_NAMES.items() if own in hints}
+    try:
+        argv = trl_arguments(sys.argv[1:] if argv is None else list(argv), names, prog)
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    defaults, starts = cls(), help_groups(cls, prog)
+    docs = {p.arg_name: " ".join(p.description.split()) for c in reversed(cls.__mro__) if is_dataclass(c)
+            for p in docstring_parser.parse_from_object(c).params if p.description}
+    # tyro lists a flag's aliases before its name: TRL's name is tyro's and the flag's own its alias, so that --help
+    # and tyro's errors show the own name first
+    aliases = {own: {"name": trl, "aliases": (f"--{own}",)} for trl, own in TRL_NAMES.items()}
+    lists = {name for name, hint in hints.items() if tuple in {get_origin(hint), *map(get_origin, get_args(hint))}}
+    groups, title = {}, prog
+    for f in sorted(fields(cls), key=lambda f: f.name in inspect.get_annotations(RunArgs)):  # the run's last
+        title = starts.get(f.name, title)
+        hint = tyro.conf.UseAppendAction[tuple[hints[f.name], ...]] if f.name in lists else hints[f.name]
+        conf = tyro.conf.arg(help=docs.get(f.name), **aliases.get(f.name, {}))
+        default = () if f.name in lists else getattr(defaults, f.name)
+        groups.setdefault(title, []).append((f.name, Annotated[hint, conf], field(default=default)))
+        if f.name == "num_mini_batches":
+            groups[title].append(("steps_per_generation", Annotated[Optional[int], tyro.conf.arg(
+                help=STEPS_PER_GENERATION)], field(default=None)))
+    classes = {title: make_dataclass(f"group_{i}", group) for i, (title, group) in enumerate(groups.items())}
+    grouped = make_dataclass(cls.__name__, [(f"group_{i}", Annotated[tyro.conf.OmitArgPrefixes[c], tyro.conf.arg(
+        name=title)], field(default_factory=c)) for i, (title, c) in enumerate(classes.items())])
+    flags = [f"--{name}" for name in (*hints, *(a["name"] for a in aliases.values()), "steps_per_generation")]
+    try:
+        # one line instead of tyro's box, through tyro 1.0's parse-error hook (tyro._errors, documented there as
+        # experimental): a tyro without it shows its box, still exit status 2
+        hook = getattr(getattr(tyro, "_errors", None), "on_parse_error", None)
+        with hook(raise_parse_error(flags)) if hook else contextlib.nullcontext():
+            parsed = tyro.cli(grouped, args=argv, prog=prog, use_underscores=True,
+                              description=TRL_DEFAULTS if aliases.keys() & hints.keys() else None,
+                              config=(tyro.conf.HelptextFromCommentsOff,))  # the help is given: no source search
+        values = {name: value for group in vars(parsed).values() for name, value in vars(group).items()}
+        values |= {name: last_values(values[name], getattr(defaults, name)) for name in lists}
+        steps = values.pop("steps_per_generation", None)
+        if steps is not None:
+            accumulation, given = values["gradient_accumulation_steps"], values["num_mini_batches"]
+            if steps < 1 or accumulation < 1 or steps % accumulation:
+                raise ConfigError(f"--steps_per_generation {steps} (micro-batches per generation) is not a multiple of "
+                                  f"gradient_accumulation_steps ({accumulation}); pass --num_mini_batches (optimizer "
+                                  "steps per generation) instead")
+            values["num_mini_batches"] = steps // accumulation
+            if given not in (defaults.num_mini_batches, steps // accumulation):
+                raise ConfigError(f"--steps_per_generation {steps} means --num_mini_batches {steps // accumulation} "
+                                  f"with gradient_accumulation_steps {accumulation}, but --num_mini_batches {given} "
+                                  "is given too: pass one of them")
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return cls(**values)
+
+
+def run_script(main: Callable, args, program: str) -> None:
+    """main(args), with bad input (ConfigError) turned into one line on stderr and exit status 2, a non-finite
+    value before an optimizer step (NonFiniteError) into one line and exit status 3, a fault that stopped the run
+    (Fault) into one line and exit status 4, and a signal before training (or a KeyboardInterrupt before its
+    handler is set) into one line and exit status 0 (130 for SIGINT; under torchrun 128 + the signal's number).
+    Shared by this project's scripts."""
+    try:
+        try:
+            main(args)
+            # the run is over: the interpreter's exit need not search the models' and libraries' millions of objects
+            # for reference cycles (seconds of a busy CPU after the last line); atexit handlers and finalizers still run
+            gc.freeze()
+        except BaseException:
+            # the run has ended and says how: a stop signal now (torchrun's SIGTERM to the other ranks once one has
+            # failed) must not cut that line into a traceback. SIGTERM and SIGUSR1 are ignored, the exit follows;
+            # Ctrl-C exits at once. (Not a blocked mask: torch's threads would take the signal for the main thread)
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            raise
+    except ConfigError as e:
+        print(f"{program}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except NonFiniteError as e:
+        where = Path(args.output_dir) / "nonfinite"
+        print(f"{program}: error: {e}: stopped before any optimizer step on it; the offending batch " + (
+            f"is in {where}" if e.unwritten is None else f"could not be written to {where} ({e.unwritten})"),
+            file=sys.stderr)
+        sys.exit(3)
+    except Fault as e:
+        if e.announce:
+            print(f"{program}: error: {e}", file=sys.stderr)
+        sys.exit(4)
+    except KeyboardInterrupt:  # Ctrl-C before the stop signals' handler is in place (a reward module's import)
+        print(f"{program}: SIGINT received while starting: stopped, nothing trained; run the same command again",
+              file=sys.stderr)
+        sys.exit(130)
+    except StartupInterrupted as e:
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            print(f"{program}: {e}", file=sys.stderr)
+            sys.exit(130 if e.signal_name == "SIGINT" else 0)
+        # under torchrun the rank that got it says so and fails: an exit 0 would leave a rank that did not get it
+        # waiting for this one, and torchrun stops the others when one fails, with a SIGTERM of its own that may
+        # reach them while they are still starting: those say nothing (a rank has said why already)
+        if not stopped_alone():
+            print(f"{program}: rank {os.environ['RANK']}: {e}", file=sys.stderr, flush=True)
+        stopped_alone(mark=True)
+        os._exit(128 + signal.Signals[e.signal_name])  # not sys.exit: no process group teardown that waits
+    except RuntimeError as e:  # under torchrun, a collective cut short by a rank that is gone: one line, not a trace
+        frames = traceback.extract_tb(e.__traceback__)
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1 or "torch/distributed/" not in frames[-1].filename:
+            raise
+        if not stopped_alone():  # else that rank has said why already
+            print(f"{program}: rank {os.environ['RANK']}: error: a collective failed (a rank stopped, was lost or "
+                  f"timed out): {first_line(e)}", file=sys.stderr, flush=True)
+        os._exit(4)

@@ -1,0 +1,273 @@
+"""The prompts: Hub datasets and local files (.jsonl, .json, .parquet, a save_to_disk directory), read with one-line
+diagnostics of what is wrong in them, tokenized and held to --max_prompt_length; a batch left-padded.
+"""
+
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import Callable, Literal, Optional
+
+import numpy as np
+import torch
+
+from .errors import ConfigError, describe, first_line, reading
+
+PROMPT_IDS = "prompt_input_ids"  # the tokenized prompt column this script adds to the dataset
+
+
+def pad_sequences(
+    sequences: list[list[int]], pad_id: int, device: torch.device, side: Literal["left", "right"] = "left"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad token lists into (ids, mask), both (N, T_max). Queries are left-padded: generation continues from
+    the right edge."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for i, s in enumerate(sequences):
+        span = slice(width - len(s), width) if side == "left" else slice(0, len(s))
+        ids[i, span], mask[i, span] = torch.tensor(s, dtype=torch.long), True
+    return ids.to(device), mask.to(device)
+
+
+LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+DATA_FIX = "pass a .jsonl/.json/.parquet file (UTF-8) or a save_to_disk directory with a prompt column of strings"
+
+
+def load_split(name: str, split: str, config: Optional[str]):
+    """A dataset split from a local file, a `save_to_disk` directory or the Hub; whatever reading it raises is one
+    line naming it (reading)."""
+    with reading(f"dataset {name} (split {split!r})", DATA_FIX):
+        return _load_split(name, split, config)
+
+
+def _load_split(name: str, split: str, config: Optional[str]):
+    import datasets
+
+    path = Path(name)
+    if path.suffix in LOCAL_FORMATS:
+        return load_local_file(path)
+    if path.is_dir():
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"dataset directory {name} is not a dataset written by save_to_disk "
+                              f"({first_line(e)}); pass such a directory or a .jsonl/.json/.parquet file") from None
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise ConfigError(f"dataset {name} has no split {split!r}; its splits are {list(loaded)}")
+            return loaded[split]
+        return loaded
+    try:
+        return datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # the Hub client raises many types; the user needs the first line of any
+        raise ConfigError(
+            f"could not load dataset {name!r} (split {split!r}) from the Hugging Face Hub: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} - without network, pass a local "
+            ".jsonl/.json/.parquet file or a save_to_disk directory"
+        ) from None
+
+
+def has_splits(name: str) -> bool:
+    """Whether the dataset has named splits: a Hub dataset or a saved DatasetDict does, a single file or a saved
+    Dataset does not (any split name would silently give the whole of it)."""
+    path = Path(name)
+    if path.suffix in LOCAL_FORMATS:
+        return False
+    return not path.is_dir() or (path / "dataset_dict.json").is_file()
+
+
+def load_local_file(path: Path):
+    """A .jsonl/.json/.parquet file as one dataset; a file that cannot be read is named with its first bad line."""
+    import datasets
+
+    if not path.is_file():
+        raise ConfigError(f"dataset file {path} does not exist")
+    if path.stat().st_size == 0:
+        raise ConfigError(f"dataset file {path} is empty")
+    problem = not_utf8(path) if path.suffix in (".jsonl", ".json") else None  # pyarrow takes such bytes unchecked
+    if problem:
+        raise ConfigError(f"dataset file {path} cannot be read: {problem}: re-encode it as UTF-8 "
+                          "(e.g. iconv -f latin1 -t utf-8)")
+    problem = bad_json_line(path)
+    if problem:
+        raise ConfigError(f"dataset file {path} cannot be read: {problem}")
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs its own copy of a parse error first
+    try:
+        dataset = datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
+    except Exception as e:  # pyarrow's and datasets' many types; the line that is wrong is what the user needs
+        raise ConfigError(f"dataset file {path} cannot be read: {bad_json_line(path) or describe(e)}") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+    if len(dataset) == 0:
+        raise ConfigError(f"dataset file {path} has no rows")
+    return dataset
+
+
+def not_utf8(path: Path, chunk: int = 1 << 20) -> Optional[str]:
+    """`line N is not UTF-8 text (...)` for the first bytes of the file that are not UTF-8, else None; read in
+    chunks by the codec (C speed, constant memory)."""
+    import codecs
+
+    decoder, lines = codecs.getincrementaldecoder("utf-8")(), 1
+    with path.open("rb") as f:
+        while True:
+            data = f.read(chunk)
+            pending = decoder.getstate()[0]  # a character cut by the chunk's end: its first bytes
+            try:
+                decoder.decode(data, final=not data)
+            except UnicodeDecodeError as e:  # e.start counts from the pending bytes
+                seen = pending + data
+                line = lines + seen[:e.start].count(b"\n")
+                return f"line {line} is not UTF-8 text (byte {seen[e.start:e.start + 1]!r})"
+            if not data:
+                return None
+            lines += data.count(b"\n")
+
+
+def bad_json_line(path: Path) -> Optional[str]:
+    """`line N: what is wrong` for the first line of a JSON-lines file that is not a JSON object (or for a .json
+    file that is not JSON, or a list holding something else than objects); None when every line is. Checked before
+    datasets reads the file: some files of JSON values that are not objects crash its reader (a segmentation fault,
+    datasets 4 with pyarrow 22), which no except clause catches."""
+    if path.suffix not in (".jsonl", ".json"):
+        return None
+    text = path.read_text(encoding="utf-8-sig", errors="replace")  # a byte-order mark is read, as datasets does
+    lines = text.split("\n")  # not splitlines(): JSON strings may hold U+2028 and its kin
+    if path.suffix == ".json":
+        try:
+            whole = json.loads(text)
+            if isinstance(whole, list):
+                item = next((i for i, row in enumerate(whole) if not isinstance(row, dict)), None)
+                return None if item is None else (f"item {item} of its top-level list is a JSON "
+                                                  f"{type(whole[item]).__name__}, not an object with a prompt column")
+            return None if isinstance(whole, dict) else (f"it holds a JSON {type(whole).__name__}, not a list of "
+                                                         "objects with a prompt column")
+        except json.JSONDecodeError as whole:
+            try:  # JSON lines under a .json name have a valid first line
+                json.loads(next((line for line in lines if line.strip()), ""))
+            except json.JSONDecodeError:
+                return f"line {whole.lineno} is not valid JSON ({whole.msg}, column {whole.colno})"
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            return f"line {number} is not valid JSON ({e.msg}, column {e.colno})"
+        if not isinstance(row, dict):
+            return f"line {number} is a JSON {type(row).__name__}, not an object with a prompt column"
+    return None
+
+
+def is_prompt(value) -> bool:
+    """A prompt is a string, or chat messages: a list of {"role": ..., "content": ...} dicts."""
+    if isinstance(value, str):
+        return True
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "content" in m for m in value)
+
+
+def check_prompt_values(rows: dict, indices: list[int], prompt_column: str, name: str) -> None:
+    """Refuse, naming the first offending row of a batch, prompts that are neither strings nor chat messages (None,
+    numbers) and pre-tokenized queries that are not lists of token ids."""
+    if prompt_column in rows:
+        column, valid, what = prompt_column, is_prompt, "a string or a list of chat messages"
+    else:
+        column, what = "query_token", "a list of token ids"
+        valid = lambda ids: isinstance(ids, list) and all(isinstance(t, int) for t in ids)  # noqa: E731
+    for row, value in zip(indices, rows[column]):
+        if not valid(value):
+            raise ConfigError(f"dataset {name}, row {row}: column {column!r} holds {repr(value)[:60]}, not {what}")
+
+
+def describe_dropped(dropped: dict[str, int], max_prompt_length: int) -> str:
+    return (f"{dropped['too_long']} dropped as longer than {max_prompt_length} tokens"
+            + (f", {dropped['empty']} empty" if dropped["empty"] else ""))
+
+
+def describe_prompt_lengths(dropped: dict[str, int], max_prompt_length: int) -> str:
+    """Tokens per prompt before any was dropped: a tokenizer that does not fit the prompts shows here."""
+    return (f"tokens per prompt min {dropped['min_tokens']} / median {dropped['median_tokens']} / max "
+            f"{dropped['max_tokens']}; {describe_dropped(dropped, max_prompt_length)}")
+
+
+@contextlib.contextmanager
+def startup_step(what: str, announce: bool):
+    """Rank 0 (`announce`) says what a set-up step did and its time: `what in T s`, then the lines the block adds
+    to the list it gets."""
+    details: list[str] = []
+    start = time.perf_counter()
+    yield details
+    if announce:
+        print(f"{what} in {time.perf_counter() - start:.1f} s" + "".join(f"; {d}" for d in details), flush=True)
+
+
+def prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: int, name: str,
+                    vocab_size: Optional[int], prompt_token_ids: Callable):
+    """Add the PROMPT_IDS column (prompt_token_ids(rows, tokenizer, prompt_column)), drop empty prompts and prompts
+    longer than max_prompt_length. Returns (dataset, dropped), dropped = {"empty": count, "too_long": count}. With
+    `vocab_size`, token ids the policy cannot embed are refused (a tokenizer of another model, pre-tokenized ids of
+    another vocabulary). Whatever reading the rows raises is one line naming the dataset (reading)."""
+    with reading(f"dataset {name}", DATA_FIX):
+        return _prepare_prompts(dataset, tokenizer, prompt_column, max_prompt_length, name, vocab_size,
+                                prompt_token_ids)
+
+
+def _prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: int, name: str,
+                     vocab_size: Optional[int], prompt_token_ids: Callable):
+    import pyarrow.compute as pc
+
+    if prompt_column not in dataset.column_names and "query_token" not in dataset.column_names:
+        raise ConfigError(
+            f"dataset {name} has no {prompt_column!r} column (string or chat messages) and no pre-tokenized "
+            f"'query_token' column; its columns are {dataset.column_names}: pass --prompt_column NAME"
+        )
+
+    def tokenize(rows: dict, indices: list[int]) -> dict:
+        check_prompt_values(rows, indices, prompt_column, name)
+        return {PROMPT_IDS: prompt_token_ids(rows, tokenizer, prompt_column)}
+
+    # in memory: no cache files for torchrun's ranks to race on
+    dataset = dataset.map(tokenize, with_indices=True, batched=True, keep_in_memory=True)
+    ids = dataset.with_format("arrow")[PROMPT_IDS]  # lengths and extremes in Arrow: no Python list per token
+    lowest, highest = pc.min_max(pc.list_flatten(ids)).values()
+    if vocab_size is not None and lowest.is_valid and not 0 <= lowest.as_py() <= highest.as_py() < vocab_size:
+        row, bad = next((i, t) for i, row_ids in enumerate(dataset[PROMPT_IDS]) for t in row_ids
+                        if not 0 <= t < vocab_size)
+        raise ConfigError(f"dataset {name}, row {row}: token id {bad} is outside the policy's vocabulary of "
+                          f"{vocab_size}: tokenize with the policy's tokenizer")
+    lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
+    dropped = {"empty": int((lengths == 0).sum()), "too_long": int((lengths > max_prompt_length).sum()),
+               "min_tokens": int(lengths.min()), "median_tokens": int(np.median(lengths)),
+               "max_tokens": int(lengths.max())}
+    dataset = dataset.select(np.flatnonzero((lengths > 0) & (lengths <= max_prompt_length)), keep_in_memory=True)
+    if len(dataset) == 0:
+        raise ConfigError(f"every prompt of {name} is empty or longer than max_prompt_length ({max_prompt_length})")
+    return dataset, dropped
+
+
+def load_prompts(args, tokenizer, vocab_size: Optional[int], prompt_token_ids: Callable):
+    """Train prompts tokenized by prompt_token_ids, test prompts (None without --dataset_test_split), and how many
+    were dropped (see prepare_prompts)."""
+    test_is_file = args.dataset_test_split is not None and Path(args.dataset_test_split).suffix in LOCAL_FORMATS
+    for flag, split in (("--dataset_train_split", args.dataset_train_split), ("--dataset_test_split",
+                                                                               args.dataset_test_split)):
+        if split not in (None, "train") and not (flag == "--dataset_test_split" and test_is_file) \
+                and not has_splits(args.dataset_name):
+            fix = "pass the test prompts as a file: --dataset_test_split test.jsonl" \
+                if flag == "--dataset_test_split" else f"drop {flag}"
+            raise ConfigError(f"{flag} {split}: dataset {args.dataset_name} has no splits (a single file or saved "
+                              f"Dataset is one split, whatever its name); {fix}")
+    dataset = load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
+    dataset, dropped = prepare_prompts(dataset, tokenizer, args.prompt_column, args.max_prompt_length,
+                                       args.dataset_name, vocab_size, prompt_token_ids)
+    eval_dataset = None
+    if args.dataset_test_split is not None:
+        source = args.dataset_test_split if test_is_file else args.dataset_name
+        eval_dataset, _ = prepare_prompts(load_split(source, args.dataset_test_split, args.dataset_config),
+                                          tokenizer, args.prompt_column, args.max_prompt_length, source, vocab_size,
+                                          prompt_token_ids)
+    return dataset, eval_dataset, dropped

@@ -1,0 +1,154 @@
+"""Stop signals and faults: SIGTERM, SIGUSR1 and SIGINT ask the run to stop after the update with a checkpoint (at once
+during start-up); signals held while files move; NaN or inf checked on every rank at once, the offending batch kept;
+the rollout source's failure.
+"""
+
+import contextlib
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .distributed import all_reduce
+from .errors import RewardFunctionError
+
+
+class RolloutSourceError(Exception):
+    """The completions of an update cannot be had (an engine died): the run checkpoints and stops."""
+
+
+class NonFiniteError(Exception):
+    """A NaN or inf in a quantity that training would otherwise use; raised on every rank at once."""
+
+    def __init__(self, quantity: str, ranks: list[int], unwritten: Optional[str] = None):
+        super().__init__(f"non-finite {quantity} on rank {', '.join(map(str, ranks))}")
+        self.quantity, self.ranks = quantity, ranks
+        self.unwritten = unwritten  # why the offending batch could not be written (a full disk), if it could not
+
+
+def check_finite(named: dict[str, Optional[torch.Tensor]], device: torch.device) -> None:
+    """Collective: every rank learns whether any rank holds a NaN/inf in one of the named tensors, so that all
+    of them stop together instead of the healthy ones waiting forever in the next collective."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    bad = torch.zeros(len(named), world_size, device=device)  # (quantities, ranks)
+    for i, value in enumerate(named.values()):
+        if value is not None and not torch.isfinite(value).all():
+            bad[i, rank] = 1.0
+    all_reduce(bad)
+    for (name, _), ranks in zip(named.items(), bad):
+        if ranks.any():
+            raise NonFiniteError(name, ranks.nonzero().flatten().tolist())
+
+
+def dump_batch(path: Path, tokenizer, rollout, scores: torch.Tensor,
+               advantages: Optional[torch.Tensor]) -> None:
+    """One JSON line per completion of the offending batch: prompt, completion, score, advantage and log-prob sum
+    (null where the update had not computed them yet)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    num_prompts = rollout.queries.shape[0]
+    with open(path, "w") as f:
+        for i in range(len(scores)):
+            prompt = rollout.queries[i % num_prompts][rollout.query_mask[i % num_prompts]]
+            completion = rollout.responses[i][rollout.response_mask[i]]
+            f.write(json.dumps({
+                "prompt": tokenizer.decode(prompt), "completion": tokenizer.decode(completion),
+                "score": scores[i].item(), "advantage": None if advantages is None else advantages[i].sum().item(),
+                "logprob_sum": None if rollout.logprobs is None else rollout.logprobs[i].sum().item(),
+            }) + "\n")
+
+
+@contextlib.contextmanager
+def batch_kept_if_nonfinite(output_dir: str, update: int, rank: int, tokenizer, rollout, scores: torch.Tensor):
+    """For the training step: a NaN/inf (NonFiniteError, on every rank at once) stops the run before any optimizer
+    step on it, the ranks that hold it writing the offending batch to output_dir/nonfinite/ first."""
+    try:
+        yield
+    except NonFiniteError as e:
+        unwritten = None
+        if rank in e.ranks:
+            try:
+                dump_batch(Path(output_dir) / "nonfinite" / f"update_{update}_rank_{rank}.jsonl", tokenizer, rollout,
+                           scores, rollout.advantages)
+            except OSError as error:  # a full disk: the run stops all the same, and says the batch is not there
+                unwritten = error.strerror or str(error)
+        raise NonFiniteError(f"{e.quantity} at update {update}", e.ranks, unwritten) from None
+
+
+class StartupInterrupted(BaseException):
+    """A signal arrived before the first update: there is nothing to save, so the run ends at once. A
+    BaseException, as KeyboardInterrupt is, so that library code's `except Exception` lets it through."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(f"{signal_name} received during start-up: stopped before the first update, nothing was "
+                         "trained; run the same command again to start")
+        self.signal_name = signal_name
+
+
+class StopSignal:
+    """SIGTERM and SIGUSR1 (what SLURM sends before preemption or the time limit) and SIGINT (Ctrl-C, and what
+    many launchers send) ask the run to stop after the current update with a checkpoint; the handler only records
+    the signal, the update loop decides when to act on it. After a first SIGINT, a second one kills the process at
+    once (the default action, which works even inside a hung collective). Until `training` is set there is nothing
+    to save: a signal ends the run at once (StartupInterrupted), SIGTERM and SIGUSR1 leaving the `preempted` marker
+    so that a job script requeues the run."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+    def __init__(self, lock, announce: bool):
+        self.name: Optional[str] = None
+        self.training = False
+        self.at_once = False  # the main thread only waits for a reward function (stop_signals_at_once)
+        self.lock = lock  # the run's OutputDirLock: output_dir marked as preempted only by the run holding it
+        self.announce = announce
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._record)
+
+    def _record(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+        name = signal.Signals(signum).name
+        if not self.training:
+            if signum != signal.SIGINT and self.lock.held:
+                self.lock.mark_preempted("stopped during start-up, before any update")
+            raise StartupInterrupted(name)
+        self.name = self.name or name
+        if self.at_once:  # the function may never return: stop now, from the state at the start of the update
+            raise RewardFunctionError(f"{name} received while a reward function ran", signal_name=name)
+        if signum == signal.SIGINT and self.announce:  # os.write: print() is not safe inside a signal handler
+            os.write(2, b"rloo.py: SIGINT received: stopping after this update with a checkpoint; Ctrl-C again "
+                        b"exits at once without one\n")
+
+    def requested(self, device: torch.device) -> bool:
+        """Collective: True on every rank as soon as any rank got a signal."""
+        return bool(all_reduce(torch.tensor([float(self.name is not None)], device=device), dist.ReduceOp.MAX).item())
+
+
+@contextlib.contextmanager
+def signals_held():
+    """The stop signals are delivered only after the block: a move of several directories is never cut in half."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, StopSignal.SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, StopSignal.SIGNALS)
+
+
+@contextlib.contextmanager
+def stop_signals_at_once():
+    """While the main thread only waits for a reward function (running in a thread of its own), a stop signal stops
+    the run at once, raising there, instead of after the update: the function may be stuck for good."""
+    stop = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+    if not isinstance(stop, StopSignal) or not stop.training or threading.current_thread() != threading.main_thread():
+        yield
+        return
+    stop.at_once = True
+    try:
+        yield
+    finally:
+        stop.at_once = False

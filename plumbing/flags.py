@@ -1,0 +1,368 @@
+"""The run's flags: InputArgs (models, data) and RunArgs (output, checkpoints, memory and speed, LoRA, logging), which
+rloo.py's Args extends with the algorithm's, and the checks made before anything loads (validate_args).
+"""
+
+import importlib.util
+import logging
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Literal, Optional
+
+import torch
+import tyro
+
+from .errors import FLOAT32_MAX, ConfigError
+
+
+@dataclass
+class InputArgs:
+    """A run's inputs: the policy, the reward, the prompts. RunArgs extends it and rloo.py's Args extends RunArgs:
+    these are flags like the others, listed first by --help and docs/flags.md."""
+
+    # ----- models -----
+    model_name_or_path: Optional[str] = None
+    """policy tokenizer, and policy weights unless --sft_model_path is given (Hub id or local path)"""
+    sft_model_path: Optional[str] = None
+    """policy and reference weights when they are not at --model_name_or_path (as in TRL's TL;DR recipe)"""
+    reward_model_path: Optional[str] = None
+    """AutoModelForSequenceClassification with one label, read at the last real token; when its own
+    tokenizer differs from the policy's, completions are decoded and re-tokenized for it"""
+    reward_fn: tuple[str, ...] = ()
+    """Python reward functions `package.module:function`, called with prompts, completions,
+    completion_ids and the dataset's other columns (lists); each returns a float or None per completion"""
+    reward_weights: Optional[tuple[float, ...]] = None
+    """one weight per reward source, the reward model first, then each --reward_fn; default all 1.0"""
+    pad_token: Optional[str] = "[PAD]"
+    """token added for padding when the policy tokenizer has none (as TRL and the N+ details do for Pythia); its id
+    must fit the embedding matrix. None refuses tokenizers without a pad token"""
+    bf16: bool = False
+    """bf16 autocast for every forward pass; fp32 master weights and optimizer; frozen models stored in bf16"""
+    model_revision: str = "main"
+    """the Hub revision (branch, tag or commit) of the policy, its tokenizer and its reference, where
+    --model_name_or_path / --sft_model_path is a Hub id (TRL's); a local directory is refused with another revision"""
+    attn_implementation: Optional[str] = None
+    """transformers' attention of the policy and the reward model: sdpa or eager (grouped rows need a 4D mask);
+    None: transformers' default (sdpa where the model has it)"""
+
+    # ----- data -----
+    dataset_name: str = "trl-internal-testing/tldr-preference-sft-trl-style"
+    """Hub dataset id, a local .jsonl/.json/.parquet file, or a `save_to_disk` directory"""
+    dataset_config: Optional[str] = None
+    """the Hub dataset's configuration name, if it has several"""
+    dataset_train_split: str = "train"
+    """split to train on (ignored for a single local file)"""
+    dataset_test_split: Optional[str] = None
+    """split (or local file) to evaluate on; None disables evaluation"""
+    prompt_column: str = "prompt"
+    """column holding the prompt: a string, or a list of chat messages (chat template applied);
+    without it, a pre-tokenized `query_token` column is used (the TL;DR dataset's schema)"""
+    max_prompt_length: int = 512
+    """prompts longer than this many tokens are dropped (and counted) when the dataset is loaded"""
+
+
+@dataclass
+class RunArgs(InputArgs):
+    """The run's flags that are neither the algorithm's nor its inputs (InputArgs): its name and output_dir, trust,
+    memory and speed, LoRA, samples and evaluations, checkpoints and faults. rloo.py's Args extends it, so these are
+    flags like the others (--help and docs/flags.md list them last)."""
+
+    resumable_changes: ClassVar[frozenset] = frozenset({  # may differ on --resume; any other flag is another experiment
+        "exp_name", "run_name", "output_dir", "track", "wandb_project_name", "wandb_entity", "trust_remote_code",
+        "dataset_test_split", "num_sample_generations", "num_evals", "eval_max_prompts",
+        "local_rollout_forward_batch_size", "gradient_checkpointing", "total_episodes", "num_train_epochs",
+        "save_steps", "save_total_limit", "resume", "resume_from", "overwrite_output_dir", "ddp_timeout",
+        "fsdp_generation", "compile_generation", "share_prompt", "bf16_generation", "reward_fn_timeout",
+        "merge_lora", "logging_steps", "save_strategy", "max_steps", "allow_changed_inputs"})
+
+    # ----- experiment -----
+    exp_name: str = "rloo"
+    """name of the experiment; the run is named `{exp_name}__{seed}__{unix time}` unless --run_name is given"""
+    run_name: Optional[str] = None
+    """the run's whole name (wandb, the log's first line), as TRL >= 0.22 takes it;
+    None: `{exp_name}__{seed}__{unix time}`"""
+    seed: int = 1
+    """random seed; rank r samples with seed + r"""
+    output_dir: str = "models/rloo"
+    """where `metrics.jsonl`, `args.json`, the final policy and its tokenizer are written"""
+    track: bool = False
+    """log to Weights & Biases (with WANDB_MODE=offline it logs without network)"""
+    wandb_project_name: str = "rloo"
+    """the wandb project"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team); None is your default entity"""
+    trust_remote_code: bool = False
+    """allow models and tokenizers with custom code from the Hub"""
+
+    # ----- memory and speed -----
+    local_rollout_forward_batch_size: int = 64
+    """completions per generation / log-prob / scoring forward pass, per rank; 0: as many as fit in 90% of the
+    memory free when each phase starts (GPU memory, or RAM on CPU), estimated from the model's config"""
+    gradient_checkpointing: bool = False
+    """recompute the policy's activations in the backward pass: less activation memory, a slower backward"""
+    fsdp: bool = False
+    """shard the policy's weights, gradients and optimizer state over the ranks with FSDP2 instead of replicating
+    them with DDP; the reference and reward models stay replicated"""
+    fsdp_generation: Literal["unshard", "per_block"] = "unshard"
+    """with --fsdp, how the rollout sees the sharded policy. unshard: every block gathered once per update
+    (fast). per_block: each block gathered at each forward, decoding steps included (least memory)"""
+    offload: bool = False
+    """with --fsdp: the policy's fp32 weight shards, gradients and AdamW state (stepped on the CPU) and the frozen
+    models live in CPU memory, each brought to the GPU for its forward passes only; slower"""
+    compile_generation: bool = False
+    """decode with a torch.compile'd step (CUDA graphs on GPU) in a KV cache kept per chunk size: no
+    per-token Python or kernel-launch overhead. The first update compiles, once per chunk size"""
+    share_prompt: tyro.conf.DisallowNone[Optional[bool]] = None
+    """compute each prompt once per forward pass for its k completions, each computed exactly as alone. Default:
+    on for each model that can and passes a start-up check, else off with one line saying why"""
+    bf16_generation: bool = False
+    """with --bf16 (not --fsdp): sample from a bf16 copy of the policy, refreshed after every update, with a
+    bf16 KV cache: faster decoding for 2 more bytes per parameter"""
+
+    # ----- LoRA adapters -----
+    use_peft: bool = False
+    """train LoRA adapters (peft) on the frozen base; the reference is the same module with the adapters switched off
+    (no second copy). Checkpoints and the final policy hold the adapter in peft's format"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_r"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input, in training forward passes only; 0 (TRL: 0.05), so that the policy
+    trained is the one that sampled"""
+    lora_target_modules: Optional[tuple[str, ...]] = None
+    """module names to adapt, or `all-linear`; None: peft's default for the architecture (attention projections,
+    e.g. q_proj and v_proj for Llama, query_key_value for GPT-NeoX)"""
+    lora_modules_to_save: Optional[tuple[str, ...]] = None
+    """modules trained in full beside the adapters and saved with them (e.g. lm_head)"""
+    use_rslora: bool = False
+    """rank-stabilized LoRA: the adapters' update is scaled by lora_alpha / sqrt(lora_r) (peft's use_rslora)"""
+    use_dora: bool = False
+    """weight-decomposed LoRA (DoRA, peft's use_dora): a trained magnitude per output beside the adapters"""
+    merge_lora: bool = False
+    """with --use_peft: also write the base with the adapters merged in, in transformers' format (fp32), to
+    output_dir/merged at the end (with --load_in_4bit: the 4-bit base dequantized to fp32, the function trained)"""
+    load_in_4bit: bool = False
+    """QLoRA: with --use_peft, the base (which is also the reference) is quantized to 4 bits by bitsandbytes at load
+    time; the adapters train in fp32 on it. The reward model stays as --bf16 says"""
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = "nf4"
+    """the 4-bit data type of --load_in_4bit"""
+    use_bnb_nested_quant: bool = False
+    """with --load_in_4bit: quantize the quantization constants too (double quantization, ~0.4 bits per weight less)"""
+
+    # ----- samples and evaluation -----
+    num_sample_generations: int = 10
+    """times per run a table of query / response / score is printed (and logged to wandb)"""
+    logging_steps: int = 1
+    """the console line every this many updates (metrics.jsonl and wandb get every update's metrics); with --max_steps,
+    optimizer steps, as TRL >= 0.22 counts (update_intervals)"""
+    num_evals: int = 4
+    """evaluations on --dataset_test_split, spread evenly over the run, the last at its end; plus one of the initial
+    policy before the first update (not repeated on resume)"""
+    eval_max_prompts: int = 256
+    """test prompts per evaluation (all ranks together)"""
+
+    # ----- checkpoints and faults -----
+    save_steps: int = 0
+    """write a resumable checkpoint to output_dir/checkpoints/step_<update> every this many updates (TRL <= 0.21's
+    unit; with --max_steps, optimizer steps, TRL >= 0.22's: update_intervals) (0: only at the end, or on a signal)"""
+    save_strategy: Literal["steps", "no"] = "steps"
+    """steps: a checkpoint every --save_steps updates; no: none but the last one (as TRL's `no`, with --save_steps 0)"""
+    save_total_limit: Optional[int] = None
+    """keep only the newest this many checkpoints (at least 1; the newest is never deleted); None keeps all"""
+    resume: bool = False
+    """continue from the newest intact checkpoint in output_dir if there is one (else start fresh: one command
+    serves the first launch and every requeue); damaged newer ones are named and set aside"""
+    resume_from: Optional[str] = None
+    """continue from this checkpoint directory; later checkpoints of output_dir are set aside (another timeline)"""
+    overwrite_output_dir: bool = False
+    """start a new run in an output_dir that holds another run's files: those files (and only those: see
+    docs/checkpoints-and-faults.md) are moved to output_dir/abandoned/ first, nothing is deleted. Without it such a
+    run is refused"""
+    allow_changed_inputs: tuple[str, ...] = ()
+    """on --resume, inputs that may differ from those the run started with (by flag name: model_name_or_path,
+    sft_model_path, reward_model_path, dataset_name, dataset_test_split, reward_fn); any other change is refused"""
+    ddp_timeout: float = 600.0
+    """seconds a rank waits for the others (in a collective, or after scoring, evaluation or a save) before the
+    run stops with a line naming the late rank and its phase: a reward function that never returns, a dead node"""
+    reward_fn_timeout: Optional[float] = None
+    """seconds a reward function's call may take, then the run stops as if it raised; < --ddp_timeout; None: half"""
+
+
+def is_finite_number(x) -> bool:
+    """A number float32 holds as a finite value (not None, nan or inf)."""
+    return x is not None and abs(x) <= FLOAT32_MAX  # nan too
+
+
+def number_rules(args) -> list[tuple[str, object, bool, str]]:
+    """(flag, value, whether it is allowed, what it must be) for every number of the run's flags (RunArgs, InputArgs)
+    a typo or a NaN makes meaningless without any error later; the algorithm's are rloo.algorithm_rules."""
+    finite = is_finite_number
+    a = args
+    return [
+        ("reward_weights", a.reward_weights, all(finite(w) for w in a.reward_weights or ()), "finite numbers"),
+        ("seed", a.seed, 0 <= a.seed < 2**31, "between 0 and 2**31 - 1 (numpy's seeds are unsigned)"),
+        ("max_prompt_length", a.max_prompt_length, a.max_prompt_length >= 1, "at least 1"),
+        ("local_rollout_forward_batch_size", a.local_rollout_forward_batch_size,
+         a.local_rollout_forward_batch_size >= 0, ">= 0 (0: sized to the free memory)"),
+        ("num_sample_generations", a.num_sample_generations, a.num_sample_generations >= 0, ">= 0 (0: none)"),
+        ("num_evals", a.num_evals, a.num_evals >= 0, ">= 0 (0: only at the end)"),
+        ("eval_max_prompts", a.eval_max_prompts, a.eval_max_prompts >= 1, "at least 1"),
+        ("logging_steps", a.logging_steps, a.logging_steps >= 1, "at least 1"),
+        ("save_steps", a.save_steps, a.save_steps >= 0, ">= 0 (0: only at the end and on a signal)"),
+        ("save_total_limit", a.save_total_limit, a.save_total_limit is None or a.save_total_limit >= 1,
+         "at least 1, or None to keep every checkpoint"),
+        ("ddp_timeout", a.ddp_timeout, finite(a.ddp_timeout) and a.ddp_timeout > 0, "a finite number of seconds > 0"),
+        ("reward_fn_timeout", a.reward_fn_timeout, a.reward_fn_timeout is None or (
+            finite(a.reward_fn_timeout) and 0 < a.reward_fn_timeout < a.ddp_timeout),
+         f"a number of seconds > 0 and below --ddp_timeout ({a.ddp_timeout:g}; raise it too), or None"),
+    ]
+
+
+def validate_args(args) -> None:
+    """Refuse flags that clash before anything is loaded."""
+    if args.model_name_or_path is None and args.sft_model_path is None:
+        raise ConfigError("no policy: pass --model_name_or_path (and --sft_model_path if the weights live elsewhere)")
+    if args.reward_model_path is None and not args.reward_fn:
+        raise ConfigError("no reward: pass --reward_model_path and/or --reward_fn package.module:function")
+    num_sources = int(args.reward_model_path is not None) + len(args.reward_fn)
+    if args.reward_weights is not None and len(args.reward_weights) != num_sources:
+        raise ConfigError(
+            f"--reward_weights has {len(args.reward_weights)} values but there are {num_sources} reward sources "
+            "(the reward model first, then each --reward_fn)"
+        )
+    for name, value, allowed, requirement in number_rules(args):
+        if not allowed:
+            raise ConfigError(f"{name} = {value!r} must be {requirement}")
+    args.check_algorithm()  # the algorithm's own flags: rloo.algorithm_checks, beside its Args
+    if args.overwrite_output_dir and args.resume:
+        raise ConfigError("--overwrite_output_dir starts over, --resume continues: pass one of them")
+    if args.save_strategy == "no" and args.save_steps:
+        raise ConfigError(f"--save_strategy no but --save_steps {args.save_steps}: drop one of them")
+    if args.compile_generation and args.fsdp:
+        raise ConfigError("--compile_generation cannot trace FSDP's gathers of a sharded policy yet: drop one of "
+                          "--compile_generation and --fsdp")
+    if args.bf16_generation and (not args.bf16 or args.fsdp):
+        raise ConfigError("--bf16_generation samples from a bf16 copy of a replicated policy: it needs --bf16, and not "
+                          "--fsdp (whose gathered weights are bf16 already with --bf16)")
+    if args.offload and not args.fsdp:
+        raise ConfigError("--offload works through FSDP2's CPU offload: add --fsdp (under torchrun; "
+                          "--nproc_per_node 1 for one GPU)")
+    # ----- LoRA (--use_peft) -----
+    if args.use_peft:
+        if args.fsdp:
+            raise ConfigError("--use_peft with --fsdp is not supported yet: the adapters' base is not sharded; drop "
+                              "--fsdp (LoRA's states are small: DDP replicates them)")
+        if args.lora_r < 1 or args.lora_alpha <= 0 or not 0 <= args.lora_dropout < 1:
+            raise ConfigError(f"--lora_r {args.lora_r}, --lora_alpha {args.lora_alpha}, --lora_dropout "
+                              f"{args.lora_dropout}: the rank must be >= 1, alpha > 0 and dropout in [0, 1)")
+    elif args.merge_lora:
+        raise ConfigError("--merge_lora merges LoRA adapters into the base: add --use_peft")
+    elif args.load_in_4bit:
+        raise ConfigError("--load_in_4bit quantizes a base that LoRA adapters train on (QLoRA), and a 4-bit model "
+                          "cannot train itself: add --use_peft")
+    elif args.use_rslora or args.use_dora:
+        raise ConfigError(f"--{'use_rslora' if args.use_rslora else 'use_dora'} is a kind of LoRA adapter: add "
+                          "--use_peft")
+    if args.load_in_4bit:
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError("--load_in_4bit quantizes the base with bitsandbytes, which is not installed: pip "
+                              "install bitsandbytes (or drop the flag)")
+        if args.bf16_generation:
+            raise ConfigError("--bf16_generation samples from a bf16 copy of the policy, but a --load_in_4bit base "
+                              "is 4-bit: drop --bf16_generation (the 4-bit base samples as it trains)")
+    elif args.bnb_4bit_quant_type != "nf4" or args.use_bnb_nested_quant:
+        raise ConfigError(f"--{'use_bnb_nested_quant' if args.use_bnb_nested_quant else 'bnb_4bit_quant_type'} is "
+                          "an option of the 4-bit base: add --load_in_4bit (with --use_peft)")
+    if args.fsdp and "RANK" not in os.environ:
+        raise ConfigError("--fsdp shards the policy over torchrun's processes: launch with torchrun")
+    check_model_options(args)
+
+
+def update_intervals(args, steps_per_update: int) -> tuple[int, int]:
+    """--save_steps and --logging_steps in updates. They count updates, as in TRL <= 0.21, whose names the flags keep;
+    but a command that sets the run's length with --max_steps counts in optimizer steps, as TRL >= 0.22's Trainer
+    does (an update is num_ppo_epochs x num_mini_batches of them), and so do its --save_steps and --logging_steps
+    (a checkpoint needs a whole update: a multiple of it; a console line comes at the first update that reaches
+    the step)."""
+    if args.max_steps is None:
+        return args.save_steps, args.logging_steps
+    if args.save_steps % steps_per_update:
+        raise ConfigError(f"--save_steps {args.save_steps} counts optimizer steps with --max_steps (TRL >= 0.22's "
+                          f"unit), and a checkpoint comes after a whole update of {steps_per_update} steps "
+                          f"(num_ppo_epochs x num_mini_batches): pass a multiple of {steps_per_update}")
+    return args.save_steps // steps_per_update, math.ceil(args.logging_steps / steps_per_update)
+
+
+NO_4D_MASK = ("takes no 4D mask, and rloo.py's grouped rows (each prompt computed once for its k completions, in "
+              "every forward pass) need one")
+
+
+ATTENTION_REFUSED = {  # transformers' attention implementations that rloo.py cannot run, and why
+    "flash_attention_2": NO_4D_MASK,
+    "flash_attention_3": NO_4D_MASK,
+    "flex_attention": "builds its own block mask from the mask it is given, and rloo.py's grouped rows crashed "
+                      "it (heap corruption, torch 2.13 on CPU): a crash the start-up check of prompt sharing cannot "
+                      "turn into a note",
+    "paged_attention": "is for transformers' continuous batching; rloo.py samples with its own KV-cache loop",
+}
+
+
+def check_model_options(args) -> None:
+    """--attn_implementation and --model_revision, before anything loads."""
+    implementation = args.attn_implementation
+    if implementation is not None and implementation not in ("sdpa", "eager"):
+        why = ATTENTION_REFUSED.get(implementation.removeprefix("paged|"),
+                                    "is a kernel from the Hub: code chosen by the network" if "/" in implementation
+                                    else "is not one of transformers' attention implementations")
+        raise ConfigError(f"--attn_implementation {implementation} {why}: pass sdpa or eager (or leave it out)")
+    if not args.model_revision.strip():
+        raise ConfigError("--model_revision is empty: pass a branch, tag or commit of the policy on the Hub, or leave "
+                          "it out (main)")
+    if args.model_revision != "main":
+        for flag in ("model_name_or_path", "sft_model_path"):
+            path = getattr(args, flag)
+            if path is not None and Path(path).exists():
+                raise ConfigError(f"--model_revision {args.model_revision} names a Hub revision, but --{flag} {path} "
+                                  "is a local path, which has no revisions (transformers would ignore it): check "
+                                  "the revision out there, or download it (hf download MODEL --revision R "
+                                  "--local-dir DIR), and drop --model_revision")
+        if args.reward_model_path is not None and not Path(args.reward_model_path).exists():
+            raise ConfigError(f"--model_revision {args.model_revision} pins the policy's revision; TRL loads a reward "
+                              f"model named by Hub id ({args.reward_model_path}) at that revision too, this project "
+                              "does not: download the reward model's revision (hf download MODEL --revision R "
+                              "--local-dir DIR) and pass --reward_model_path DIR")
+
+
+def quantization_config(args):
+    """transformers' BitsAndBytesConfig of --load_in_4bit (TRL's get_quantization_config), None without it. The
+    adapters compute in fp32, as the base's other weights are (--bf16 autocasts both)."""
+    if not args.load_in_4bit:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    # bitsandbytes' import, on a CPU with AVX512-BF16, fetches a kernel from the Hub and runs it where the `kernels`
+    # package is installed: code chosen by the network. Blocked (it falls back to its own kernels), whatever is
+    # installed, and so is its warning that the kernel is missing
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    blocked, sys.modules["kernels"] = sys.modules.get("kernels"), None
+    try:
+        importlib.import_module("bitsandbytes")
+    finally:
+        if blocked is None:
+            del sys.modules["kernels"]
+        else:
+            sys.modules["kernels"] = blocked
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type,
+                              bnb_4bit_use_double_quant=args.use_bnb_nested_quant,
+                              bnb_4bit_compute_dtype=torch.float32)
+
+
+def policy_options(args) -> dict:
+    """from_pretrained's arguments for the policy's base (TRL's model_init_kwargs): its revision, attention and
+    4-bit quantization."""
+    options = {"revision": args.model_revision, "attn_implementation": args.attn_implementation}
+    return options | ({"quantization_config": quantization_config(args)} if args.load_in_4bit else {})

@@ -1,0 +1,346 @@
+"""Models and tokenizers from local paths or the Hub: configs checked before weights load, loading errors in one line,
+the pad and stop tokens, LoRA adapters and the reference with them switched off, --merge_lora, the bf16 sampling copy.
+"""
+
+import contextlib
+import copy
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from .errors import WRITE_ERRORS, ConfigError, Fault, first_line, reading
+from .flags import policy_options
+from .outputdir import MERGED
+
+
+@contextlib.contextmanager
+def transformers_quiet():
+    """transformers' warnings unprinted (its errors still raise)."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def load_pretrained(loader: Callable, path: str, what: str, **kwargs):
+    """loader(path, **kwargs), the one boundary of a model, tokenizer or config (reading): whatever it raises is one
+    line naming it. transformers' load report is not printed: newly_initialized says what matters in it."""
+    with transformers_quiet(), reading(f"could not load {what} from {path!r}",
+                                       "without network, pass a local directory written by save_pretrained"):
+        return loader(path, **kwargs)
+
+
+def newly_initialized(loaded: tuple, what: str, path: str, fix: str):
+    """The model of from_pretrained(..., output_loading_info=True), refused in one line when weights its class needs
+    are not in its files (transformers would initialize them at random; tied weights are not missing)."""
+    model, info = loaded
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ConfigError(f"{what} {path!r} lacks weights its {type(model).__name__} needs ({shown}): they would be "
+                          f"newly initialized at random; {fix}")
+    return model
+
+
+def ensure_pad_token(tokenizer, pad_token: Optional[str], embedding_rows: int, name: str) -> None:
+    """Give the tokenizer a pad token that the model can embed, or refuse with the fix."""
+    if tokenizer.pad_token_id is not None:
+        return
+    if pad_token is None:
+        raise ConfigError(
+            f"the tokenizer of {name} has no pad token: save one with a pad token, or pass --pad_token TOKEN"
+        )
+    tokenizer.add_special_tokens({"pad_token": pad_token})
+    if tokenizer.pad_token_id >= embedding_rows:
+        raise ConfigError(
+            f"the tokenizer of {name} has no pad token, and adding {pad_token!r} gives id {tokenizer.pad_token_id}, "
+            f"outside the model's {embedding_rows}-row embedding: save a tokenizer with a pad token (resizing "
+            "the embeddings) or pass --pad_token with a token the tokenizer already has"
+        )
+
+
+def load_config(path: str, what: str, trust_remote_code: bool, revision: str = "main"):
+    from transformers import AutoConfig
+
+    return load_pretrained(AutoConfig.from_pretrained, path, what, trust_remote_code=trust_remote_code,
+                            revision=revision)
+
+
+REWARD_MODEL_FIX = ("pass a reward model trained and saved as an AutoModelForSequenceClassification with num_labels=1, "
+                    "or score with --reward_fn")
+
+
+POLICY_FIX = "pass a causal LM saved by save_pretrained (an AutoModelForCausalLM with its lm_head)"
+
+
+def check_reward_model_config(path: str, trust_remote_code: bool) -> None:
+    """A saved classification head must give one score per sequence (a causal LM gets a new one-label head)."""
+    config = load_config(path, "reward model", trust_remote_code)
+    classifier = any(name.endswith("ForSequenceClassification") for name in config.architectures or ())
+    causal = [name for name in config.architectures or () if name.endswith(("ForCausalLM", "LMHeadModel"))]
+    if causal and not classifier:
+        raise ConfigError(f"reward model {path!r} is a {causal[0]}, not a reward model: its score head would be "
+                          f"newly initialized, random scores; {REWARD_MODEL_FIX}")
+    if classifier and config.num_labels != 1:
+        raise ConfigError(f"reward model {path!r} has a {config.num_labels}-label classification head, but a reward is "
+                          "one number per completion: use a reward model saved with num_labels=1")
+
+
+def same_vocabulary(a, b) -> bool:
+    """True when token ids mean the same text in both tokenizers (each one's pad token aside)."""
+    vocab_a = {t: i for t, i in a.get_vocab().items() if t != a.pad_token}
+    vocab_b = {t: i for t, i in b.get_vocab().items() if t != b.pad_token}
+    return vocab_a == vocab_b
+
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's names, as transformers' save_pretrained writes an adapter
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
+def load_tokenizer(path: str, trust_remote_code: bool, revision: str = "main"):
+    from transformers import AutoTokenizer
+
+    if Path(path).is_dir() and not any((Path(path) / name).exists() for name in TOKENIZER_FILES):
+        # transformers would build an empty tokenizer from the config alone, which makes every prompt empty
+        raise ConfigError(f"{path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES[:3])}, ...): save the "
+                          "model's tokenizer there (tokenizer.save_pretrained(path))")
+    return load_pretrained(
+        AutoTokenizer.from_pretrained, path, "tokenizer", padding_side="left", trust_remote_code=trust_remote_code,
+        revision=revision)
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool, weights: Optional[Path] = None,
+                   revision: str = "main", **options):
+    """The model at `path` (at that Hub revision); with `weights` (a checkpoint), only its weights, in safetensors,
+    come from there: the architecture and any remote code still come from `path`, so that a checkpoint can choose no
+    code to run. `options`: from_pretrained's (policy_options: attention, quantization)."""
+    from transformers import AutoModelForCausalLM
+
+    if weights is None:
+        model = newly_initialized(load_pretrained(
+            AutoModelForCausalLM.from_pretrained, path, "policy", dtype=dtype, trust_remote_code=trust_remote_code,
+            revision=revision, output_loading_info=True, **options), "policy", path, POLICY_FIX)
+    else:
+        config = load_config(path, "policy", trust_remote_code, revision)
+        with torch.device("meta"):  # the class only: nothing allocated
+            model_class = type(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
+        model = newly_initialized(load_pretrained(
+            model_class.from_pretrained, str(weights), "policy", config=config, dtype=dtype, use_safetensors=True,
+            output_loading_info=True, **options), "checkpoint", str(weights),
+            "resume from an intact checkpoint (--resume_from)")
+    for module in model.modules():  # bitsandbytes' 4-bit layers: on a CPU with AVX512-BF16 a forward without
+        if hasattr(module, "support_avx512bf16_for_cpu"):  # gradient repacks the weights for a bf16 kernel, so
+            module.support_avx512bf16_for_cpu = False  # the sampler would see another base than the trainer
+    return model
+
+
+def load_reward_model(path: str, dtype: torch.dtype, trust_remote_code: bool,
+                      attn_implementation: Optional[str] = None):
+    from transformers import AutoModelForSequenceClassification
+
+    model = newly_initialized(load_pretrained(
+        AutoModelForSequenceClassification.from_pretrained,
+        path,
+        "reward model",
+        num_labels=1,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+        output_loading_info=True,
+    ), "reward model", path, REWARD_MODEL_FIX)
+    if not hasattr(model, "score"):
+        raise ConfigError(f"reward model {path!r} has no `score` head; use an AutoModelForSequenceClassification model")
+    return model
+
+
+def stop_token_id_of(args, tokenizer, tokenizer_path: str) -> Optional[int]:
+    """--stop_token_id, or the tokenizer's EOS with --stop_token eos, or None."""
+    if args.stop_token_id is not None or args.stop_token != "eos":
+        return args.stop_token_id
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"--stop_token eos but the tokenizer of {tokenizer_path} has no EOS: pass --stop_token_id")
+    return tokenizer.eos_token_id
+
+
+def prepare_tokenizer(args):
+    """The policy's tokenizer with a pad token, and the policy's vocabulary size (None if its config does not say),
+    checked from the models' configs before any weights load: the pad and stop token ids fit the vocabulary, the
+    reward model's head gives one score."""
+    tokenizer_path = args.model_name_or_path or args.sft_model_path
+    tokenizer = load_tokenizer(tokenizer_path, args.trust_remote_code, args.model_revision)
+    config = load_config(args.sft_model_path or args.model_name_or_path, "policy", args.trust_remote_code,
+                         args.model_revision)
+    vocab_size = getattr(config.get_text_config(), "vocab_size", None)
+    if vocab_size is not None:
+        ensure_pad_token(tokenizer, args.pad_token, vocab_size, tokenizer_path)
+        stop_token_id = stop_token_id_of(args, tokenizer, tokenizer_path)
+        if stop_token_id is not None and stop_token_id >= vocab_size:
+            raise ConfigError(f"stop_token_id = {stop_token_id} is outside the policy's vocabulary of {vocab_size}: "
+                              "pass an id below it")
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if positions and args.max_prompt_length + args.response_length > positions and os.environ.get("RANK", "0") == "0":
+        print(f"rloo.py: warning: max_prompt_length + response_length = {args.max_prompt_length + args.response_length}"
+              f" tokens exceed the policy's {positions} positions (max_position_embeddings): longer prompts would "
+              "fail or degrade; lower --max_prompt_length", file=sys.stderr)
+    if args.reward_model_path is not None:
+        check_reward_model_config(args.reward_model_path, args.trust_remote_code)
+    return tokenizer, vocab_size
+
+
+def save_merged_policy(args, config, tokenizer) -> None:
+    """--merge_lora: the base with output_dir's final adapter merged in by peft (a fresh fp32 copy of the base, in
+    CPU memory), in transformers' format with the tokenizer, at output_dir/merged; loads without peft. A
+    --load_in_4bit base is quantized again and dequantized to fp32 (exactly the 4-bit weights), so that the merged
+    model computes what trained: merging into the original weights would drop the quantization the adapters saw."""
+    from peft import PeftModel
+
+    merged_dir = Path(args.output_dir) / MERGED
+    base = load_causal_lm(args.sft_model_path or args.model_name_or_path, torch.float32, args.trust_remote_code,
+                          **policy_options(args))
+    if args.load_in_4bit:
+        with transformers_quiet():  # its note that it dequantizes: what was asked for
+            base = base.dequantize()
+    merged = PeftModel.from_pretrained(base, args.output_dir).merge_and_unload()
+    merged.config.pad_token_id = config.pad_token_id
+    try:
+        merged.save_pretrained(merged_dir)
+        tokenizer.save_pretrained(merged_dir)
+        weights_readable_as_the_rest(merged_dir)
+    except WRITE_ERRORS as e:
+        raise Fault(f"could not write the merged policy to {merged_dir}: {first_line(e)}; the adapter in "
+                    f"{args.output_dir} is intact: merge it with peft's merge_and_unload") from e
+
+
+def lora_config(args):
+    """peft's LoraConfig from the --lora_* flags (TRL's ModelConfig names; one target name is passed as a string,
+    as TRL does, so that `all-linear` means every linear layer)."""
+    from peft import LoraConfig
+
+    targets = args.lora_target_modules
+    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, task_type="CAUSAL_LM",
+                      use_rslora=args.use_rslora, use_dora=args.use_dora,
+                      target_modules=targets[0] if targets and len(targets) == 1 else targets and list(targets),
+                      modules_to_save=args.lora_modules_to_save and list(args.lora_modules_to_save))
+
+
+def add_adapters(policy, args, checkpoint: Optional[Path]) -> None:
+    """LoRA adapters injected into the policy's own modules by peft (through transformers' add_adapter, so that
+    the policy keeps its class, config and forward), fp32 like the base's master weights (--bf16 autocasts them as
+    it does the base); only they require grad. Initialized from --seed, or read from the checkpoint's adapter."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    with torch.random.fork_rng(devices=[]):  # the same initial adapter on every rank, from --seed alone
+        torch.manual_seed(args.seed)
+        try:
+            policy.add_adapter(lora_config(args))
+        except ValueError as e:  # no target modules known for the architecture, or a name that matches nothing
+            raise ConfigError(f"--use_peft: {first_line(e)} - pass --lora_target_modules (module names, or "
+                              "all-linear)") from None
+    base = policy.peft_config["default"].base_model_name_or_path  # the path as typed; a Hub id stays as it is
+    if base and Path(base).is_dir():  # absolute: the saved adapter loads its base from any folder
+        policy.peft_config["default"].base_model_name_or_path = str(Path(base).resolve())
+    if checkpoint is None:
+        return
+    prefix = "base_model.model."  # what peft's format prepends to the model's own parameter names
+    saved = {name.removeprefix(prefix): value for name, value in load_file(checkpoint / ADAPTER_WEIGHTS).items()}
+    expected = policy.get_adapter_state_dict()
+    if saved.keys() != expected.keys() or any(saved[n].shape != expected[n].shape for n in saved):
+        raise ConfigError(f"cannot resume: the adapter in {checkpoint} does not match --lora_* ({len(saved)} tensors "
+                          f"for {len(expected)}): resume with the checkpoint's run's flags")
+    set_peft_model_state_dict(policy, saved, adapter_name="default")
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """RL needs the sampling policy and the trained policy to be the same function."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def peft_layers(model) -> list[torch.nn.Module]:
+    """The modules peft put adapters (or trained copies, --lora_modules_to_save) in."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    return [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
+
+
+class AdaptersOff(torch.nn.Module):
+    """The frozen reference of a LoRA policy: the policy itself called with its adapters switched off, without
+    gradient, so the base's weights are never copied. It holds no weights of its own: the policy is not a submodule
+    (.to(), .train(), state_dict() never reach it), parameters() are the policy's (where `visiting` looks for
+    them), and every other attribute, the config and the backbone included, is the policy's. Its forward takes
+    what the policy's forward takes."""
+
+    def __init__(self, policy: torch.nn.Module):
+        super().__init__()
+        self._policy = (policy,)  # in a tuple: not registered as a submodule
+        self.forward = functools.wraps(policy.forward)(functools.partial(AdaptersOff._forward, self))  # its signature
+
+    def _forward(self, *args, **kwargs):
+        policy = self._policy[0]
+        layers = peft_layers(policy)
+        with torch.no_grad():
+            for layer in layers:
+                layer.enable_adapters(False)
+            try:
+                return policy(*args, **kwargs)
+            finally:  # back on, trainable again (peft's enable_adapters sets requires_grad as it was)
+                for layer in layers:
+                    layer.enable_adapters(True)
+
+    def parameters(self, recurse: bool = True):
+        return self._policy[0].parameters(recurse)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "_policy":
+                raise
+            return getattr(self._policy[0], name)
+
+
+def bf16_copy(policy):
+    """A frozen bf16 copy of the policy to sample from (--bf16_generation)."""
+    return copy.deepcopy(policy).to(torch.bfloat16).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def copy_weights(source, target) -> None:
+    """target's parameters := source's, cast to target's dtype (the same module structure)."""
+    for to, value in zip(target.parameters(), source.parameters(), strict=True):
+        to.copy_(value)
+
+
+def weights_readable_as_the_rest(path: Path) -> None:
+    """The *.safetensors that save_pretrained wrote at `path` (through a temporary file, so 0600) get the mode the
+    umask gives its other files (config.json, or peft's adapter config)."""
+    written = path / ("config.json" if (path / "config.json").is_file() else ADAPTER_CONFIG)
+    mode = written.stat().st_mode & 0o777
+    for weights in path.glob("*.safetensors"):
+        weights.chmod(mode)
+
+
+def quiet_hub_progress_bars() -> None:
+    """Loading bars of datasets and transformers would bury the run's own lines (and one-line errors)."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()

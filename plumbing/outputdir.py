@@ -1,0 +1,314 @@
+"""The output directory: one run at a time (a lock), the names of the files a run writes and what it owns, no input or
+other run's file written over, work set aside in abandoned/ and never deleted.
+"""
+
+import atexit
+import contextlib
+import fcntl
+import fnmatch
+import itertools
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from .distributed import rank0_view
+from .errors import ConfigError
+from .faults import signals_held
+
+CHECKPOINTS = "checkpoints"
+
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+TRAINER_STATE = "trainer_state.pt"
+
+
+MANIFEST = "manifest.json"  # written last into a checkpoint: the size and sha256 of each of its other files
+
+
+PREEMPTED = "preempted"  # in output_dir while a run stopped by a signal waits to be resumed; job scripts requeue on it
+
+
+LOCK = "run.lock"  # flock'ed by the run that writes to output_dir, and holding its pid and host
+
+
+ABANDONED = "abandoned"  # output_dir/abandoned/<time>_<why>/: work a run set aside (never deleted)
+
+
+MERGED = "merged"  # output_dir/merged: --merge_lora's policy, written with the final one
+
+
+RUN_OUTPUTS = (CHECKPOINTS, "metrics.jsonl*", "curves.png", PREEMPTED, "nonfinite", "wandb", LOCK,  # what a run
+               ABANDONED, "engine_*.log", "engines.json")  # writes before it ends (the last two: rloo_multinode.py's)
+
+
+# ---- output_dir: one run at a time, nothing deleted
+class OutputDirLock:
+    """An exclusive advisory lock (flock) on output_dir/run.lock, held from acquire() until release() or this
+    process exits; the OS releases it then, so a crash never leaves a stale lock. A second run into the same
+    output_dir (a job submitted twice, a requeue while the old job still runs) stops at acquire(), naming the
+    holder's pid and host. rloo.main makes one at its start and holds it for the whole run: rank 0 acquires it
+    (take_output_dir), the stop signals consult it."""
+
+    def __init__(self, output_dir: str):
+        self.output_dir = output_dir
+        self.file = None  # the lock file, open while held
+        self.created: list[Path] = []  # the directories made for it, the deepest first
+
+    @property
+    def held(self) -> bool:
+        return self.file is not None
+
+    def acquire(self) -> None:
+        if self.held:
+            return
+        path = Path(self.output_dir)
+        created = [d for d in (path, *path.parents) if not d.exists()]
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            lock = open(path / LOCK, "a+")
+        except OSError as e:
+            raise ConfigError(f"cannot write to --output_dir {self.output_dir}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(lock.fileno()).st_ino != os.stat(path / LOCK).st_ino:  # removed by the run that held it
+                lock.close()  # between our open and our flock: lock the file now at that path instead
+                return self.acquire()
+        except FileNotFoundError:  # removed by the run that held it after our flock: the same
+            lock.close()
+            return self.acquire()
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "a process that has not written its pid yet"
+            lock.close()
+            raise ConfigError(f"--output_dir {self.output_dir} is in use by another run ({holder}): wait for it to "
+                              "end or stop it, or pass another --output_dir") from None
+        except OSError as e:  # a filesystem without locks (Lustre without -o flock, some NFS setups)
+            print(f"rloo.py: warning: cannot lock --output_dir {self.output_dir} ({e.strerror or e}): a second run "
+                  "into it would not be stopped", file=sys.stderr)
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        lock.flush()
+        self.file, self.created = lock, created
+        atexit.register(self.release)  # whatever ends the run (sys.exit, an exception), but os._exit and SIGKILL
+
+    def mark_preempted(self, note: str) -> None:
+        """The marker job scripts requeue on (PREEMPTED), saying what a resume starts from."""
+        (Path(self.output_dir) / PREEMPTED).write_text(f"{note}\n")
+
+    def release(self) -> None:
+        """When the run ends (finished, refused, stopped, failed), by the process that holds it: the lock file
+        removed (while still locked: a run that opened it meanwhile sees it gone and locks the new one), and after
+        a refused start the directories made for it if they are empty."""
+        if not self.held:
+            return
+        (Path(self.output_dir) / LOCK).unlink(missing_ok=True)
+        self.file.close()
+        self.file = None
+        for directory in self.created:
+            try:
+                directory.rmdir()
+            except OSError:  # not empty
+                break
+
+
+def take_output_dir(lock: OutputDirLock, rank: int, inputs: Optional[dict] = None) -> None:
+    """Before anything is read from output_dir, rank 0 makes it this run's: refused if empty or if it is, holds or
+    lies inside one of the run's `inputs` (run_inputs), so that not even the lock is written there; locked (`lock`
+    acquired), the marker of
+    an earlier stop removed (a resume that then fails or is refused is not requeued forever), the temporary
+    directories of killed saves removed (they can be as large as a checkpoint)."""
+    if not lock.output_dir.strip():
+        raise ConfigError(f"--output_dir {lock.output_dir!r} is empty: pass a directory (`.` for this one)")
+    check_no_input_inside(lock.output_dir, inputs or {})
+    path = Path(lock.output_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--output_dir {lock.output_dir} is a file: pass a directory")
+    if rank != 0:
+        return
+    lock.acquire()
+    (path / PREEMPTED).unlink(missing_ok=True)
+    for debris in (path / CHECKPOINTS).glob(".tmp_step_*"):
+        shutil.rmtree(debris, ignore_errors=True)
+
+
+def steps_to_prune(steps: list[int], keep: Optional[int], newest: int) -> list[int]:
+    """The checkpoints --save_total_limit `keep` removes: all but the newest `keep`, never `newest` (the one just
+    written); None keeps all."""
+    if keep is None:
+        return []
+    if keep < 1:
+        raise ValueError(f"save_total_limit = {keep} would remove the checkpoint just written")
+    others = sorted(s for s in steps if s != newest)
+    return others[: max(0, len(others) - (keep - 1))]
+
+
+def checkpoint_dirs(output_dir: str) -> list[Path]:
+    """The complete step_<n> directories, newest first; temporary directories are never candidates."""
+    root = Path(output_dir) / CHECKPOINTS
+    steps = [(int(m.group(1)), d) for d in root.glob("step_*") if (m := STEP_DIR.match(d.name))
+             and ((d / MANIFEST).is_file() or (d / TRAINER_STATE).is_file())] if root.is_dir() else []
+    return [d for _, d in sorted(steps, reverse=True)]
+
+
+def latest_checkpoint(output_dir: str) -> Optional[Path]:
+    """The complete step_<n> directory with the largest n (not verified: see resume_checkpoint)."""
+    return next(iter(checkpoint_dirs(output_dir)), None)
+
+
+RUN_RECORD = "args.json"  # written last by a finished run: its flags, run_id, and the files it wrote in output_dir
+
+
+POLICY_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*",
+                "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "chat_template.*",
+                "*.model", "adapter_config.json")  # what a finished run may write at the top of output_dir
+
+
+def run_record(root: Path) -> Optional[dict]:
+    """A finished run's record (args.json holding a run_id), or None: an args.json without one is not this
+    project's, as a user's model directory may hold one."""
+    try:
+        record = json.loads((root / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("run_id"), str) else None
+
+
+def run_owned(root: Path) -> list[str]:
+    """The entries of output_dir that runs of this project wrote, which alone a run may move or write over:
+    those of RUN_OUTPUTS, and a finished run's record with the files it lists (its policy and tokenizer) and
+    merged/. Everything else is the user's and is never touched."""
+    if not root.is_dir():
+        return []
+    record = run_record(root)
+    listed = {RUN_RECORD, MERGED, *[n for n in record.get("files", []) if isinstance(n, str)]} if record else set()
+    return sorted(p.name for p in root.iterdir()
+                  if p.name in listed or any(fnmatch.fnmatchcase(p.name, n) for n in RUN_OUTPUTS))
+
+
+def path_forms(path: Path) -> set[Path]:
+    """A path as typed (made absolute) and with its symlinks resolved: both are compared."""
+    return {Path(os.path.abspath(path)), path.resolve()}
+
+
+def check_no_input_inside(output_dir: str, inputs: dict[str, tuple[str, Optional[Path]]]) -> None:
+    """output_dir neither is, holds nor lies inside an input (any local path of run_inputs), the paths compared
+    as typed and with their symlinks resolved."""
+    for name, (value, path) in inputs.items():
+        if path is None:
+            continue
+        for out in path_forms(Path(output_dir)):
+            for held in path_forms(path):
+                if out == held or out in held.parents or held in out.parents:
+                    where = "is" if out == held else "holds" if out in held.parents else "is inside"
+                    what = name if name.startswith("reward_fn ") else f"{name} {value}"  # the name has the spec
+                    raise ConfigError(f"--output_dir {output_dir} {where} the input --{what}: a run "
+                                      "must never move or write over its inputs; pass another --output_dir")
+
+
+def check_output_dir(args, inputs: dict[str, tuple[str, Optional[Path]]], ours: list[Path], set_aside: str) -> None:
+    """The output_dir rules, before anything loads: no input inside it or around it (check_no_input_inside);
+    another run's files (checkpoints, a finished run's record) are refused unless the run continues them
+    (--resume, --resume_from) or --overwrite_output_dir sets them aside; a file the final policy would write over
+    that is not a run's is refused. Other files (a log, notes, .git) are the user's: fine."""
+    root = Path(args.output_dir)
+    check_no_input_inside(args.output_dir, inputs)
+    owned = rank0_view(run_owned(root))
+    record = rank0_view(run_record(root) is not None)
+    if (ours or record) and not (args.resume or args.resume_from or args.overwrite_output_dir):
+        what = f"checkpoints up to {ours[0].name}" if ours else "a finished run"
+        raise ConfigError(f"--output_dir {root} holds another run's files ({what}): pass --resume to continue it, "
+                          f"another --output_dir, or {set_aside}")
+    if record and not ours and not args.overwrite_output_dir:  # nothing to continue: its files would be written over
+        raise ConfigError(f"--output_dir {root} holds a finished run without checkpoints: nothing to resume; pass "
+                          f"another --output_dir, or {set_aside}")
+    written = (RUN_RECORD, *POLICY_FILES, *(["README.md"] if args.use_peft else []))  # peft writes a model card
+    foreign_policy_files = rank0_view(sorted(
+        p.name for p in root.iterdir() if p.name not in owned and p.is_file() and any(
+            fnmatch.fnmatchcase(p.name, n) for n in written)) if root.is_dir() else [])
+    if foreign_policy_files:
+        raise ConfigError(f"--output_dir {root} holds {', '.join(foreign_policy_files[:4])}, which no run of this "
+                          "project wrote and the finished run would write over: move them, or pass another "
+                          "--output_dir")
+
+
+def run_ids(root: Path) -> dict[str, str]:
+    """{where: run id} of every record in output_dir that names one: each checkpoint's manifest, the finished run's
+    record, metrics.jsonl (its last line with one)."""
+    ids = {}
+    for path in checkpoint_dirs(str(root)):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            ids[f"{CHECKPOINTS}/{path.name}"] = json.loads((path / MANIFEST).read_text()).get("run_id")
+    if (record := run_record(root)) is not None:
+        ids[RUN_RECORD] = record["run_id"]
+    with contextlib.suppress(OSError):
+        for line in (root / "metrics.jsonl").read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError, AttributeError):
+                ids["metrics.jsonl"] = json.loads(line).get("run_id") or ids.get("metrics.jsonl")
+    return {where: i for where, i in ids.items() if isinstance(i, str)}
+
+
+def move_aside(output_dir: str, names: list[str], why: str) -> Path:
+    """Move these entries of output_dir (paths relative to it) into a new output_dir/abandoned/<time>_<why>/,
+    where they keep their relative paths. Signals wait until every entry has moved."""
+    root = Path(output_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    folder = root / ABANDONED / f"{stamp}_{why}"
+    for n in itertools.count(2):
+        if not folder.exists():
+            break
+        folder = root / ABANDONED / f"{stamp}_{why}_{n}"
+    with signals_held():
+        for name in names:
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(root / name, folder / name)
+    return folder
+
+
+def settle_output_dir(args, start_update: int, skipped: dict, run_id: Optional[str] = None) -> list[str]:
+    """Rank 0, before the run writes anything: what output_dir holds beyond the update the run starts from is
+    moved to output_dir/abandoned/ (nothing is deleted). With --overwrite_output_dir, every run-owned file
+    (run_owned) and nothing else. Otherwise the checkpoints of later updates (another timeline, after
+    --resume_from an older one, or damaged ones --resume skipped) and the metrics.jsonl lines after that update or
+    of another run id (those of a timeline abandoned, of updates that a killed run logged but did not checkpoint,
+    of an earlier run). Then --resume and metrics.jsonl only ever see the timeline being continued. Returns the
+    lines to print."""
+    root = Path(args.output_dir)
+    if args.overwrite_output_dir:
+        names = [n for n in run_owned(root) if n not in (LOCK, ABANDONED)]
+        if not names:
+            return []
+        folder = move_aside(args.output_dir, names, "overwritten")
+        return [f"--overwrite_output_dir: the earlier run's files ({', '.join(names)}) moved to {folder}"]
+    later = [d for d in reversed(checkpoint_dirs(args.output_dir)) if int(d.name.removeprefix("step_")) > start_update]
+    metrics = root / "metrics.jsonl"
+    kept, dropped = [], []
+    for line in metrics.read_text(errors="replace").splitlines(keepends=True) if metrics.is_file() else []:
+        try:
+            record = json.loads(line)
+            (kept if record["update"] <= start_update and record.get("run_id") == run_id else dropped).append(line)
+        except (ValueError, KeyError, TypeError, AttributeError):  # a line cut short by a kill
+            dropped.append(line)
+    if not later and not dropped:
+        return []
+    folder = move_aside(args.output_dir, [f"{CHECKPOINTS}/{d.name}" for d in later], f"after_update_{start_update}")
+    if dropped:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "metrics.jsonl").write_text("".join(dropped))
+        (root / "metrics.jsonl.tmp").write_text("".join(kept))
+        os.replace(root / "metrics.jsonl.tmp", metrics)
+    reasons = [f"{d.name}: {skipped[d]}" for d in later if d in skipped]
+    (folder / "why.txt").write_text(f"set aside when a run continued from update {start_update}, on "
+                                    f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n" + "".join(f"{r}\n" for r in reasons))
+    lines = [f"skipped damaged checkpoint {r}" for r in reasons]
+    return lines + [f"continuing from update {start_update}: moved what lies after it ("
+                    + ", ".join([d.name for d in later] + ([f"{len(dropped)} metrics.jsonl lines"] if dropped else []))
+                    + f") to {folder}"]

@@ -1,0 +1,285 @@
+"""The run's log: metrics reduced over ranks, the console, metrics.jsonl, wandb, and curves.png drawn from
+metrics.jsonl as the run goes.
+"""
+
+import contextlib
+import json
+import math
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .distributed import all_reduce
+from .errors import Fault, first_line
+
+SUM_METRICS = ("val/num_eos_tokens", "completions/masked_truncated")
+
+
+MIN_METRICS = ("completions/min_length", "clip_ratio/low_min")
+
+
+MAX_METRICS = ("completions/max_length", "mismatch/logprob_diff_max", "clip_ratio/high_max")
+
+
+MISMATCH_WARNING = 0.05  # mismatch/clipfrac above which the log says so, once a run
+
+
+def is_optional_metric(key: str, value: float) -> bool:
+    """A reward source's mean is NaN on a rank where the source applied to no completion: no data, not a
+    failure. Every other NaN is reported as NaN, never hidden."""
+    return key.startswith("reward/") and math.isnan(value)
+
+
+def reduce_metrics(metrics: dict[str, float], device: torch.device,
+                   max_metrics: tuple[str, ...] = ()) -> dict[str, float]:
+    """Metrics over all ranks: sums for counts, min/max for extremes and peak memory, means for everything else
+    (a mean over the ranks that have data, for optional metrics); also the maximum of `max_metrics` (the rollout
+    source's). Every rank must pass the same keys."""
+    keys = sorted(metrics)
+    # peak memory: the fullest rank's
+    maxima = [k for k in keys if k in MAX_METRICS + max_metrics or k.startswith("memory/")]
+    means = [k for k in keys if k not in SUM_METRICS + MIN_METRICS + tuple(maxima)]
+    has_data = [0.0 if is_optional_metric(k, metrics[k]) else 1.0 for k in means]
+    values = [metrics[k] if w else 0.0 for k, w in zip(means, has_data)]
+    sums = all_reduce(torch.tensor(values + has_data + [metrics[k] for k in SUM_METRICS if k in metrics],
+                                   dtype=torch.float64, device=device))
+    out = {k: sums[i].item() / sums[len(means) + i].item() for i, k in enumerate(means) if sums[len(means) + i] > 0}
+    out.update({k: v.item() for k, v in zip([k for k in SUM_METRICS if k in metrics], sums[2 * len(means):])})
+    for op, selected in ((dist.ReduceOp.MIN, [k for k in MIN_METRICS if k in metrics]), (dist.ReduceOp.MAX, maxima)):
+        extremes = all_reduce(torch.tensor([metrics[k] for k in selected], dtype=torch.float64, device=device), op)
+        out.update(zip(selected, extremes.tolist()))
+    return out
+
+
+def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, scores: torch.Tensor, k: int) -> dict:
+    """Length and spread statistics of one rank's (N, Tr) completions (TRL's names; a rank with no completion that
+    stopped has mean_terminated_length 0, as TRL logs it)."""
+    lengths = response_mask.sum(1).float()  # (N,)
+    per_prompt_std = scores.reshape(k, -1).std(0)  # (B,)
+    return {
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/mean_terminated_length": lengths[has_stop].mean().item() if has_stop.any() else 0.0,
+        "completions/clipped_ratio": (~has_stop).float().mean().item(),
+        "val/num_eos_tokens": has_stop.sum().item(),
+        "reward_std": per_prompt_std.mean().item(),
+        "frac_reward_zero_std": (per_prompt_std < 1e-6).float().mean().item(),
+    }
+
+
+def read_metrics(path, evals: bool = False) -> list[dict]:
+    """The lines of a metrics.jsonl: the per-update lines (they hold `objective/scores`), or with `evals` the
+    evaluation lines (they hold `eval/scores`; update 0 is the initial policy's)."""
+    if not Path(path).is_file():  # a device or a pipe (metrics.jsonl made a link to /dev/full) may never end
+        raise OSError(f"{path} is not a regular file")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [row for row in rows if ("eval/scores" if evals else "objective/scores") in row]
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over the last `window` values (fewer at the start)."""
+    chunks = [values[max(0, i - window + 1) : i + 1] for i in range(len(values))]
+    return [sum(chunk) / len(chunk) for chunk in chunks]
+
+
+def score_sources(rows: list[dict]) -> str:
+    """What a run's score is: its reward sources, read from their `reward/<source>/mean` metrics."""
+    names = dict.fromkeys(key[len("reward/"):-len("/mean")] for row in rows for key in row
+                          if key.startswith("reward/") and key.endswith("/mean"))
+    return ", ".join(name.replace("_", " ") if name == "reward_model" else f"{name}()" for name in names) or "score"
+
+
+def curve_panels(runs: list[tuple[list[dict], list[dict]]]) -> list[tuple[str, str, bool]]:
+    """(metric, title, from eval lines) of each panel drawn for these runs' (update lines, eval lines): score,
+    RLHF reward, KL, the eval score where a run evaluated, the sampler/trainer mismatch where it was logged."""
+    sources = score_sources([row for rows, _ in runs for row in rows])
+    panels = [("objective/scores", f"score ({sources})", False),
+              ("objective/rlhf_reward", "RLHF reward (score - KL penalty)", False),
+              ("objective/kl", "KL(policy || reference)", False)]
+    if any(evals for _, evals in runs):
+        panels.append(("eval/scores", f"eval score ({sources}; test prompts, near-greedy)", True))
+    if any("mismatch/logprob_diff_mean" in row for rows, _ in runs for row in rows):
+        panels.append(("mismatch/logprob_diff_mean", "sampler/trainer |log-prob difference| per token", False))
+    return panels
+
+
+def plot_curves(metrics_paths: list[Path] | Path, png_path: Path, smooth: int = 10) -> None:
+    """One panel per metric against episode, one line per metrics.jsonl (its directory's name); per-update values
+    faint, a `smooth`-update trailing mean solid; eval scores as points. Written whole (a viewer never sees half)."""
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state; Agg draws the file
+
+    metrics_paths = [metrics_paths] if isinstance(metrics_paths, (str, Path)) else list(metrics_paths)
+    runs = [(read_metrics(path), read_metrics(path, evals=True)) for path in metrics_paths]
+    panels = curve_panels(runs)
+    fig = Figure(figsize=(4.6 * len(panels), 3.6))
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for path, (rows, evals) in zip(metrics_paths, runs):
+        color = None
+        for ax, (key, title, from_evals) in zip(axes, panels):
+            points = [(row["episode"], row[key]) for row in (evals if from_evals else rows) if key in row]
+            if not points:
+                continue
+            episodes, values = zip(*points)
+            if from_evals:
+                (line,) = ax.plot(episodes, values, marker="o", color=color, label=Path(path).parent.name)
+            else:
+                (line,) = ax.plot(episodes, moving_average(list(values), smooth), color=color,
+                                  label=Path(path).parent.name)
+                ax.plot(episodes, values, color=line.get_color(), alpha=0.25, linewidth=0.8)
+            color = line.get_color()
+    for ax, (_, title, _) in zip(axes, panels):
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("episode")
+        ax.xaxis.get_major_locator().set_params(nbins=4)  # labels of 5-6 digits side by side stay apart
+        ax.grid(alpha=0.3)
+    if axes[0].get_legend_handles_labels()[0]:  # nothing to name before the first update's line
+        axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    partial = png_path.with_name(f".{png_path.name}.partial")
+    fig.savefig(partial, dpi=100, format="png")
+    os.replace(partial, png_path)
+
+
+class CurvesSink:
+    """Draws output_dir/curves.png from metrics.jsonl as the run goes: after an update at most once per
+    CURVES_EVERY x the last drawing's time (so drawing stays a few percent of the run), after each evaluation and at
+    the end. Plumbing that must never stop a run: without matplotlib, or when a drawing fails, one line, once, and
+    no more drawing."""
+
+    CURVES_EVERY = 20  # measured on 2 busy CPU cores: ~1 s for a 625-update run's curves, the first ~2 s (matplotlib's
+    # import): drawn at most once per 20 s there, under 5% of the run
+
+    def __init__(self, metrics_path: Path, say: Callable[[str], None]):
+        self.metrics_path, self.png_path, self.say = metrics_path, metrics_path.with_name("curves.png"), say
+        self.enabled, self.next_time = True, 0.0
+
+    def draw(self, force: bool = False) -> None:
+        if not self.enabled or (not force and time.perf_counter() < self.next_time):
+            return
+        start = time.perf_counter()
+        try:
+            plot_curves(self.metrics_path, self.png_path)
+        except ImportError as e:
+            self.enabled = False
+            self.say(f"no curves.png: matplotlib cannot be imported ({first_line(e)}); pip install matplotlib")
+        except Exception as e:  # noqa: BLE001: a drawing is never worth a run
+            self.enabled = False
+            self.say(f"warning: drawing {self.png_path} failed ({type(e).__name__}: {first_line(e)}); no more curves "
+                     "this run (benchmark/plot_metrics.py draws them from metrics.jsonl)")
+        end = time.perf_counter()
+        self.next_time = end + self.CURVES_EVERY * (end - start)
+
+
+class MetricsWriteError(Fault):
+    """metrics.jsonl could not be written (a full disk, a quota): the run stops, with a checkpoint where it can."""
+
+
+class RunLogger:
+    """Rank 0's outputs: a compact line per update, metrics.jsonl (appended), wandb, a progress bar, tables."""
+
+    LINE_KEYS = (("objective/scores", "score"), ("objective/rlhf_reward", "rlhf"), ("objective/kl", "kl"),
+                 ("objective/entropy", "ent"), ("policy/clipfrac_avg", "clip"), ("completions/mean_length", "len"),
+                 ("eps", "eps"))
+
+    def __init__(self, args, run_name: str, num_updates: int, start_update: int, wandb_run_id: Optional[str],
+                 run_id: Optional[str] = None, logging_steps: Optional[int] = None):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        self.metrics_path = Path(args.output_dir) / "metrics.jsonl"
+        open(self.metrics_path, "a").close()
+        self.wandb = None
+        if args.track:
+            import wandb
+
+            self.wandb = wandb
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name,
+                       config=asdict(args), dir=args.output_dir, id=wandb_run_id, resume="allow")
+        self.console = Console()
+        self.progress = Progress(TextColumn("update"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                 console=self.console, transient=True)
+        self.task = self.progress.add_task("updates", total=num_updates, completed=start_update)
+        self.progress.start()
+        self.num_updates, self.logging_steps = num_updates, logging_steps or args.logging_steps  # in updates
+        self.run_id = run_id  # on every metrics.jsonl line: a line of another run is never taken for this one's
+        self.mismatch_warned = False
+        self.curves = CurvesSink(self.metrics_path, lambda line: self.console.print(line, highlight=False,
+                                                                                       soft_wrap=True))
+
+    def log(self, update: int, metrics: dict[str, float]) -> None:
+        self.write_metrics({"update": update, **metrics})
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=int(metrics["episode"]))
+        if update % self.logging_steps and update != self.num_updates:
+            self.progress.advance(self.task)
+            return
+        parts = " ".join(f"{short} {metrics[key]:.0f}" if abs(metrics[key]) >= 100 else f"{short} {metrics[key]:.3g}"
+                         for key, short in self.LINE_KEYS if key in metrics)
+        phases = sorted(((v, k[5:]) for k, v in metrics.items() if k.startswith("time/") and k != "time/update"),
+                        reverse=True)[:2]  # the update's two longest phases: metrics.jsonl has them all
+        times = f" | {metrics['time/update']:.2f} s: " if "time/update" in metrics else " | "
+        self.console.print(f"update {update}/{self.num_updates}, episode {int(metrics['episode'])}: {parts}{times}"
+                           + ", ".join(f"{name} {v:.2f}" for v, name in phases), highlight=False, soft_wrap=True)
+        if metrics.get("mismatch/clipfrac", 0.0) > MISMATCH_WARNING and not self.mismatch_warned:
+            self.mismatch_warned = True
+            self.console.print(
+                f"warning: the sampler and the trainer disagree: {metrics['mismatch/clipfrac']:.0%} of completions "
+                f"have p_trainer / p_sampler outside the clip band (per-token |log-prob difference| mean "
+                f"{metrics['mismatch/logprob_diff_mean']:.2g}, max {metrics['mismatch/logprob_diff_max']:.2g}); see "
+                "--vllm_importance_sampling_correction (said once a run)", highlight=False, soft_wrap=True)
+        self.progress.advance(self.task)
+        self.curves.draw()
+
+    def log_eval(self, update: int, metrics: dict[str, float], episode: int) -> None:
+        self.write_metrics({"update": update, "episode": episode, **metrics})
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=episode)
+        self.console.print(f"eval after update {update}: " + " ".join(f"{k.removeprefix('eval/')} {v:.4g}"
+                                                                         for k, v in metrics.items()),
+                           highlight=False, soft_wrap=True)
+        self.curves.draw(force=update > 0)
+
+    def write_metrics(self, record: dict) -> None:
+        """One line of metrics.jsonl, whole or not at all: a write that fails (a full disk, a quota) is cut off again
+        and stops the run (MetricsWriteError)."""
+        size = self.metrics_path.stat().st_size
+        try:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps({**record, "run_id": self.run_id}) + "\n")
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.truncate(self.metrics_path, size)
+            raise MetricsWriteError(f"could not write {self.metrics_path} ({e.strerror or e})") from None
+
+    def sample_table(self, rows: list[tuple[str, str, float]], episode: int) -> None:
+        from rich.table import Table
+
+        table = Table(title=f"samples at episode {episode}", show_lines=True)
+        for column in ("query", "response", "score"):
+            table.add_column(column)
+        for query, response, score in rows:
+            table.add_row(query, response, f"{score:.4f}")
+        self.console.print(table)
+        if self.wandb is not None:
+            self.wandb.log({"samples": self.wandb.Table(columns=["query", "response", "score"],
+                                                        data=[list(r) for r in rows])}, step=episode)
+
+    @property
+    def wandb_run_id(self) -> Optional[str]:
+        return self.wandb.run.id if self.wandb is not None else None
+
+    def close(self) -> None:
+        self.progress.stop()
+        self.curves.draw(force=True)
+        if self.wandb is not None:
+            self.wandb.finish()

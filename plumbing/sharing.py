@@ -1,0 +1,137 @@
+"""The shortcuts' start-up checks. Prompt sharing: whether a model can take grouped rows (each prompt computed once for
+its k completions, rloo.grouped_rows), checked against the plain path on a probe before the run, per model.
+"""
+
+import inspect
+import json
+from typing import Callable, Optional
+
+import torch
+
+from .data import pad_sequences
+from .distributed import unwrapped
+from .errors import ConfigError, first_line
+from .kernels import attention_implementation, attention_windows
+
+
+def why_not_shared(model) -> Optional[str]:
+    """Why prompt groups cannot be fed to the model as one row each (None: they can): its attention must take a 4D
+    mask as it is (transformers' sdpa and eager attention do; flash-attention and remote code may not), explicit
+    positions, and every layer must be attention."""
+    module = unwrapped(model)
+    config = getattr(module, "config", None)
+    if attention_implementation(model) not in ("sdpa", "eager"):
+        return f"its attention ({attention_implementation(model)}) may not take a custom 4D mask"
+    if "position_ids" not in inspect.signature(module.forward).parameters:
+        return "its forward takes no position_ids"
+    if attention_windows(model) is None:
+        kinds = sorted(set(config.layer_types) - {"full_attention", "sliding_attention"})
+        return f"its {'/'.join(kinds)} layers read the whole row in order, so responses would see each other"
+    return None
+
+
+SHARING_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}  # by the weights' dtype
+
+
+PROBE_TOKENS = (24, 8)  # the probe's longest prompt and response where no sliding window asks for longer rows
+
+
+def probe_lengths(max_prompt_length: int, response_length: int, *models) -> tuple[int, int]:
+    """The probe's longest prompt and response: rows no longer than the check needs, never longer than training's.
+    What a grouped row can get wrong that one row per completion gets right is which tokens each token sees (its
+    mask) and at which position; the head reads each position on its own. Without a sliding window that shows in
+    rows of any length: a prompt of PROBE_TOKENS[0] tokens (left-padded beside one a third as long) and responses of
+    PROBE_TOKENS[1] and about half as many, side by side. A window W shows only in rows longer than it: where
+    training's rows can pass it, the prompt is W + 1 tokens (at most training's longest) and the responses are
+    training's, so that the grouped rows pass it too."""
+    windows = [w for model in models if model is not None
+               for w in (attention_windows(model) or {}).values() if w is not None]
+    if any(w < max_prompt_length + 2 * response_length for w in windows):
+        return min(max_prompt_length, max(PROBE_TOKENS[0], max(windows) + 1)), response_length
+    return min(max_prompt_length, PROBE_TOKENS[0]), min(response_length, PROBE_TOKENS[1])
+
+
+def sharing_probe(prompt_ids: list[int], max_prompt_length: int, response_length: int,
+                  device: torch.device) -> dict[str, torch.Tensor]:
+    """What the start-up check computes both ways, as rloo.Completions' fields: two prompts (max_prompt_length tokens
+    and a third as many, left-padded; probe_lengths says how long the check needs) with two responses each
+    (response_length tokens and about half as many, side by side in a group), their tokens drawn from a train
+    prompt's by a fixed generator."""
+    generator = torch.Generator().manual_seed(0)
+    pool = torch.tensor(prompt_ids)
+
+    def draw(n: int) -> torch.Tensor:
+        return pool[torch.randint(len(pool), (n,), generator=generator)]
+
+    queries, query_mask = pad_sequences([draw(n).tolist() for n in (max_prompt_length, max(1, max_prompt_length // 3))],
+                                        0, device)  # (2, Tq) each
+    long, short = response_length, response_length // 2 + 1
+    lengths = torch.tensor([long, short, short, long])  # (k*g,), k = g = 2: each group one of each
+    response_mask = torch.arange(response_length) < lengths[:, None]  # (k*g, Tr)
+    responses = draw(4 * response_length).view(4, response_length).masked_fill(~response_mask, 0)
+    return {"queries": queries, "query_mask": query_mask, "responses": responses.to(device),
+            "response_mask": response_mask.to(device)}
+
+
+@torch.no_grad()
+def sharing_error(model, probe, compute: Callable) -> float:
+    """The largest difference between compute(group, share) (the probe's log-probs of its response tokens, or a reward
+    model's scores) on grouped rows (share True) and on one row per completion, one prompt group at a time, in the
+    weights' dtype, where the model's weights are."""
+    device = next(model.parameters()).device
+    probe = probe.map_tensors(lambda t: t.to(device), lambda t: t.to(device))
+    groups = [probe.of_prompts(torch.tensor([i], device=device)) for i in range(probe.queries.shape[0])]
+    return max(float((compute(group, True).float() - compute(group, False).float()).abs().max()) for group in groups)
+
+
+HEAD_CONFIG_KEYS = {"architectures", "num_labels", "id2label", "label2id", "problem_type", "tie_word_embeddings",
+                    "_name_or_path", "transformers_version", "dtype", "torch_dtype"}
+
+
+def sharing_key(model) -> tuple:
+    """What the start-up check's verdict depends on: the backbone's code and config (its head's keys left out: a
+    head reads each position's hidden state on its own), attention implementation, adapters, dtype and device. A
+    policy and a reward model with one key share one check: the grouped rows pass through the same backbone code."""
+    module = unwrapped(model)
+    config = {key: value for key, value in module.config.to_dict().items() if key not in HEAD_CONFIG_KEYS}
+    parameter = next(module.parameters())
+    return (type(getattr(module, module.base_model_prefix, module)).__qualname__, json.dumps(config, sort_keys=True,
+            default=str), attention_implementation(model), bool(getattr(module, "_hf_peft_config_loaded", False)),
+            parameter.dtype, parameter.device)
+
+
+def shares_prompts(model, name: str, requested: Optional[bool], probe, compute: Callable, notes: list[str],
+                   checked: Optional[dict] = None) -> bool:
+    """Whether `model` computes each prompt group as one row (--share_prompt: `requested`, None by default): where
+    it can (why_not_shared) and the start-up check (sharing_error: `compute` on the probe's grouped rows against one
+    row per completion) is within SHARING_TOLERANCE, so that an architecture nobody tested cannot train on wrong
+    gradients. Else a note says why (a ConfigError where --share_prompt asked for it). `checked` ({sharing_key:
+    verdict}) carries one model's check to the next where their keys agree (a policy and its reward model of one
+    architecture and dtype): the check runs once for both."""
+    if requested is False:
+        return False
+    key = sharing_key(model)
+    if checked is not None and key in checked:
+        why = checked[key]
+    else:
+        why = why_not_shared(model)
+        if why is None:
+            tolerance = SHARING_TOLERANCE.get(next(model.parameters()).dtype, 5e-2)
+            try:
+                difference = sharing_error(model, probe, compute)
+                if not difference <= tolerance:  # NaN fails too
+                    why = (f"the start-up check found its grouped rows' results {difference:.2g} away from one row "
+                           f"per completion's (tolerance {tolerance:g})")
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # an attention that cannot take the grouped rows at all
+                why = f"its forward fails on grouped rows ({first_line(e)})"
+        if checked is not None:
+            checked[key] = why
+    if why is None:
+        return True
+    if requested:
+        raise ConfigError(f"--share_prompt: the {name} cannot share prompts exactly: {why}; "
+                          "leave the flag out (it then computes one row per completion)")
+    notes.append(f"prompt sharing is off for the {name}: {why}; it computes one row per completion")
+    return False
