@@ -212,7 +212,7 @@ bench-gpu:  ## on one GPU, offline: the GPU suite in order of value within BUDGE
 # whole suite (it stops where the next step would not fit, saying so), the second continuing from there
 DRY := GPU_WHEELS=benchmark/gpu-wheels-dry GPU_SITE=benchmark/.gpu-site-dry GPU_TRL_SITE=benchmark/.gpu-trl-site-dry
 DRY_FIRST_BUDGET ?= 90
-bench-gpu-dry: | $(INSTALLED)  ## make gpu-wheels + make bench-gpu on CPU, the suite's dry run in two calls (CI; ~3 min)
+bench-gpu-dry: | $(INSTALLED)  ## make gpu-wheels + make bench-gpu on CPU, the dry suite in 2 calls (CI; 10 min at most)
 	py=$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])') && \
 	$(MAKE) gpu-wheels $(DRY) GPU_PY=$$py && rm -rf runs/gpu_suite_dry && \
 	$(MAKE) bench-gpu $(DRY) GPU_PY=$$py GPU_PYTHON=$(abspath $(PYTHON)) GPU_SUITE_FLAGS=--dry_run \
