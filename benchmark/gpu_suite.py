@@ -228,7 +228,7 @@ def expected_seconds(step: "Step", args: Args, costs: Costs, records: dict[str, 
     """A step's expected seconds, its trainer's share from the shapes, and where the total comes from: the shapes,
     or the shapes with the trainer's share scaled by the largest measured / expected ratio of the steps of its kind
     done so far (in this call or an earlier one). `built`: its models are taken as built (--estimate_only, after a
-    step of its kind)."""
+    step that builds the same)."""
     setup_s, trainer_s = step.expected(args, costs)
     setup_s = 0.0 if built else setup_s
     ratios = {name: record.get("wall_seconds", record["seconds"]) / record["expected"]["trainer_s"]
@@ -254,6 +254,7 @@ class Step:
     kind: str  # steps of one kind (the same trainer on the same shapes) scale each other's expected seconds
     problem: Callable[[Args], Optional[str]] = lambda args: None
     needs: tuple[str, ...] = ()
+    builds: str = ""  # the models it builds if they are not there yet, shared with the steps that name the same
 
 
 def run_config(args: Args, k: int) -> throughput.RunConfig:
@@ -365,7 +366,7 @@ def throughput_step(k: int, variant: str) -> Step:
                 "trainer": trainer, "result": summary, "mismatch": mismatch}
 
     return Step(run, expected, f"throughput {trainer}", problem=lambda args: trainer_problem(args, trainer),
-                needs=("limits",))
+                needs=("limits",), builds="the throughput shape's models")
 
 
 def plan_memory_step(k: int) -> Step:
@@ -660,16 +661,20 @@ def check_args(args: Args, results: Path) -> None:
                  "--results_dir outside it")
 
 
+WRAP_UP_S = 5.0  # kept from the budget for what follows the last step (the table, the exit)
+
+
 def main(args: Args, clock: Callable[[], float] = time.time) -> None:
     """Each step not done, in order, if its expected seconds fit in what is left of the budget; then the table.
     `clock` gives the time in seconds: time.time, or a test's own."""
-    deadline = (clock() if args.started_at is None else args.started_at) + args.budget_s
+    started_at = clock() if args.started_at is None else args.started_at
+    deadline = started_at + args.budget_s - WRAP_UP_S  # the steps' end: the table, then the exit, within the budget
     results = results_dir_of(args)
     check_args(args, results)
     args = replace(args, results_dir=str(results))
     records = read_records(results) if results.exists() else {}
     failed, left = [], []
-    simulated_s, simulated_kinds = 0.0, set()  # --estimate_only: the seconds its steps would have taken, their kinds
+    simulated_s, simulated_builds = 0.0, set()  # --estimate_only: the seconds its steps would have taken, built
     for name, step in steps(args).items():
         if name in records:
             print(f"== {name}: done earlier ({name}.json), skipped", flush=True)
@@ -684,7 +689,7 @@ def main(args: Args, clock: Callable[[], float] = time.time) -> None:
             left.append(name)
             continue
         expected, trainer_s, source = expected_seconds(step, args, costs_of(args, records), records,
-                                                       built=step.kind in simulated_kinds)
+                                                       built=bool(step.builds) and step.builds in simulated_builds)
         seconds_left = deadline - clock() - simulated_s
         if expected > seconds_left:
             print(f"== {name}: not started: expected ~{expected:.0f} s ({source}), {max(seconds_left, 0):.0f} s left "
@@ -694,7 +699,7 @@ def main(args: Args, clock: Callable[[], float] = time.time) -> None:
         print(f"== {name}: expected ~{expected:.0f} s ({source}), {seconds_left:.0f} s left", flush=True)
         if args.estimate_only:
             simulated_s += expected
-            simulated_kinds.add(step.kind)  # the steps of a kind share their models (one shape): built once
+            simulated_builds.add(step.builds)  # built once, by the first step that needs them
             records[name] = {"status": "estimated"}
             continue
         start = clock()
@@ -712,7 +717,7 @@ def main(args: Args, clock: Callable[[], float] = time.time) -> None:
             continue
         save(args, results, records, name, {**measured, "kind": step.kind, "seconds": clock() - start,
                                             "expected": {"seconds": expected, "trainer_s": trainer_s, "from": source}})
-    used = args.budget_s - (deadline - clock() - simulated_s)
+    used = clock() + simulated_s - started_at
     print((f"== {len(left)} step(s) left for the next call: {', '.join(left)}" if left else "== every step done")
           + f" ({used:.0f} s of the {args.budget_s:.0f} s budget used{', as estimated' if args.estimate_only else ''})")
     if not args.estimate_only and results.exists():

@@ -28,12 +28,14 @@ phase's token positions) against a matmul measured here, and decoding's GB/s aga
 Then the ratio rloo.py / TRL of episodes/s over the A/B pairs (each TRL), min / median / max. Written: a table on stdout, `<output_dir>/throughput_<device>.json` and `.md`.
 """
 
+import contextlib
 import json
 import os
 import platform
 import random
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -320,6 +322,25 @@ def fresh_run_dir(path: Path) -> Path:
     return path
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every process below it (a trainer's engines and their workers): killing the trainer
+    alone would leave them running, holding the GPU. Read from /proc, descendants first found, then killed."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
+        except OSError:  # ended meanwhile
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, i = [pid], 0
+    while i < len(tree):
+        tree += parents.get(tree[i], [])
+        i += 1
+    for member in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)
+
+
 def run_trainer(command: list[str], log_path: Path, program: str,
                 timeout: Optional[float] = None) -> tuple[float, float]:
     """Run a trainer to the end, its output in log_path; one still running after `timeout` seconds is killed (the
@@ -330,7 +351,7 @@ def run_trainer(command: list[str], log_path: Path, program: str,
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                    env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-        timer = threading.Timer(max(timeout, 0.0), process.kill) if timeout is not None else None
+        timer = threading.Timer(max(timeout, 0.0), kill_tree, (process.pid,)) if timeout is not None else None
         if timer:
             timer.daemon = True
             timer.start()

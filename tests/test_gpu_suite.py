@@ -169,9 +169,9 @@ def test_a_step_that_cannot_finish_in_what_is_left_is_not_started_a_shorter_one_
     args = gpu_suite.Args(results_dir=str(tmp_path / "suite"), dry_run=True, budget_s=200, started_at=0.0)
     gpu_suite.main(args, clock=clock)
     out = capsys.readouterr().out
-    assert ran == ["a", "c"] and clock.now == 150 <= args.budget_s  # b did not fit the 100 s left; c did
+    assert ran == ["a", "c"] and clock.now == 150 <= args.budget_s  # b did not fit the 95 s left (100, less WRAP_UP_S); c did
     assert out.count("== b:") == 1 and \
-        "== b: not started: expected ~300 s (from the shapes), 100 s left of the budget: left for the next call" in out
+        "== b: not started: expected ~300 s (from the shapes), 95 s left of the budget: left for the next call" in out
     assert "== d: not started: it reads b, not done yet: left for the next call" in out
     assert "== 2 step(s) left for the next call: b, d (150 s of the 200 s budget used)" in out
     assert sorted(p.name for p in (tmp_path / "suite").iterdir()) == ["a.json", "c.json", "table.md"]
@@ -205,6 +205,29 @@ def test_run_trainer_stops_a_trainer_at_its_timeout(tmp_path):
     with pytest.raises(SystemExit, match="a trainer still running after 0 s, the time its budget left it, was stopped"):
         gpu_suite.throughput.run_trainer([sys.executable, "-c", "import signal; signal.pause()"], tmp_path / "log",
                                          "gpu_suite", timeout=0.2)
+
+
+def test_a_trainer_is_stopped_with_the_processes_it_started(tmp_path):
+    """A trainer's engines are processes of its own: the budget's end (kill_tree) stops them with it."""
+    child = tmp_path / "child.pid"
+    trainer = subprocess.Popen([sys.executable, "-c", "import signal, subprocess, sys; p = subprocess.Popen("
+                                "[sys.executable, '-c', 'import signal; signal.pause()']); "
+                                f"open({str(child)!r}, 'w').write(str(p.pid)); signal.pause()"])
+    deadline = time.monotonic() + 120  # a guard against a hang, not a measure of speed
+    while not child.exists() or not child.read_text():
+        assert trainer.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    gpu_suite.throughput.kill_tree(trainer.pid)
+    assert trainer.wait() == -9
+    pid = int(child.read_text())
+    while True:  # gone, or a zombie waiting for init to reap it
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX":
+                break
+        except FileNotFoundError:
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 def test_expected_seconds_from_the_shapes_then_from_what_the_run_measured():
