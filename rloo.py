@@ -194,6 +194,19 @@ class Args(plumbing.RunArgs):
         algorithm_checks(self)
 
 
+@dataclass
+class AlgorithmState:
+    """What the algorithm carries from one update to the next (a controller's coefficient, a running statistic); Args
+    never changes during a run. Made by start(args); ppo_update hands it to compute_advantages and policy_loss; main
+    changes it after an update, from metrics reduced over ranks (so every rank holds the same); every checkpoint
+    saves it and a resume restores it bit for bit: plain values and tensors (tensors come back on the CPU). Stock
+    RLOO keeps none; docs/algorithm.md has a worked example (an adaptive KL controller)."""
+
+    @classmethod
+    def start(cls, args: Args) -> "AlgorithmState":
+        return cls()
+
+
 def algorithm_rules(a: Args) -> list[tuple[str, object, bool, str]]:
     """(flag, value, whether it is allowed, what it must be) for every algorithm number a typo or a NaN makes
     meaningless without any error later: sampling at temperature inf, a clip range of 0, a negative learning rate, a
@@ -605,6 +618,10 @@ class Completions:
     # (k*B, Tr) the sampler's own log-probs of the tokens it drew (0 on padding), as it computed them while sampling
     # (a bf16 copy, an engine, vLLM): compared with the trainer's (mismatch/*); None where the sampler gave none
     sampler_logprobs: Optional[torch.Tensor] = field(default=None, kw_only=True)
+    # the distribution that sampled the batch, which every log-prob of it is of (collect_rollout, ppo_update, the
+    # mismatch metrics): softmax(sampling_logits / temperature); a batch made by hand is of softmax(logits)
+    temperature: float = field(default=1.0, kw_only=True)
+    filters: SamplingFilters = field(default=NO_FILTERS, kw_only=True)
 
     PER_PROMPT: ClassVar[tuple[str, ...]] = ("queries", "query_mask")  # every other tensor has a row per completion
 
@@ -619,10 +636,10 @@ class Completions:
         return ((self.responses == stop_token_id) & self.response_mask).any(1)
 
     def map_tensors(self, per_prompt: Callable, per_completion: Callable) -> "Completions":
-        """A copy (of the same class) with per_prompt(t) of each per-prompt tensor, per_completion(t) of the others."""
-        return replace(self, **{f.name: None if getattr(self, f.name) is None else
-                                (per_prompt if f.name in self.PER_PROMPT else per_completion)(getattr(self, f.name))
-                                for f in fields(self)})
+        """A copy (of the same class) with per_prompt(t) of each per-prompt tensor, per_completion(t) of the other
+        tensors; the other fields as they are."""
+        return replace(self, **{f.name: (per_prompt if f.name in self.PER_PROMPT else per_completion)(value)
+                                for f in fields(self) if torch.is_tensor(value := getattr(self, f.name))})
 
     def of_prompts(self, prompts: torch.Tensor) -> "Completions":
         """The completions of g of the prompts (B indices), (k, g) layout, cut to their own widths: the longest of
@@ -806,7 +823,7 @@ def sample_completions(
     responses = generate(policy, queries, query_mask, response_length, temperature, stop_token_id, pad_token_id,
                          generator, decoder, k, filters=filters)
     responses, response_mask = truncate_after_stop(responses, stop_token_id, pad_token_id)  # (k*g, Tr) each
-    return Completions(queries, query_mask, responses, response_mask)
+    return Completions(queries, query_mask, responses, response_mask, temperature=temperature, filters=filters)
 
 
 def chunks_by_prompt_length(query_mask: torch.Tensor, prompts_per_chunk: int) -> list[torch.Tensor]:
@@ -839,10 +856,13 @@ def in_chunks(c: Completions, completions_per_chunk: int, compute: Callable, wid
 def sample_in_chunks(
     policy, queries: torch.Tensor, query_mask: torch.Tensor, k: int, args: Args, stop_token_id: Optional[int],
     pad_token_id: int, generator: torch.Generator, autocast, decoder: Optional[plumbing.StaticDecoder] = None,
+    temperature: Optional[float] = None, filters: Optional[SamplingFilters] = None,
 ) -> Completions:
-    """k completions of each of the B (B, Tq) queries, (k, B) layout; local_rollout_forward_batch_size completions
-    (whole prompt groups, length-sorted) at a time: the KV cache of a chunk is what must fit. Chunks draw from
-    `generator` one after the other."""
+    """k completions of each of the B (B, Tq) queries, (k, B) layout, at `temperature` with `filters` (None: the
+    flags'); local_rollout_forward_batch_size completions (whole prompt groups, length-sorted) at a time: the KV
+    cache of a chunk is what must fit. Chunks draw from `generator` one after the other."""
+    temperature = args.temperature if temperature is None else temperature
+    filters = SamplingFilters.of(args) if filters is None else filters
     chunk = plumbing.rows_per_forward(args, policy, "generation", queries.device, k * queries.shape[0], k)
     responses = torch.full((k * queries.shape[0], args.response_length), pad_token_id, device=queries.device)
     sampler_logprobs = torch.zeros(responses.shape, device=queries.device)  # (k*B, Tr)
@@ -853,11 +873,10 @@ def sample_in_chunks(
             logprobs = sampler_logprobs.new_zeros(len(rows), args.response_length)  # (k*g, Tr)
             responses[rows] = generate(
                 policy, queries[prompts, -width:], query_mask[prompts, -width:], args.response_length,
-                args.temperature, stop_token_id, pad_token_id, generator, decoder, k, logprobs,
-                SamplingFilters.of(args))  # (k*g, Tr)
+                temperature, stop_token_id, pad_token_id, generator, decoder, k, logprobs, filters)  # (k*g, Tr)
             sampler_logprobs[rows] = logprobs
     responses, response_mask = truncate_after_stop(responses, stop_token_id, pad_token_id)  # (k*B, Tr) each
-    return Completions(queries, query_mask, responses, response_mask,
+    return Completions(queries, query_mask, responses, response_mask, temperature=temperature, filters=filters,
                        sampler_logprobs=sampler_logprobs * response_mask)  # 0 on padding
 
 
@@ -871,22 +890,25 @@ class LocalRollouts:
     def __init__(self, policy, args: Args, stop_token_id: Optional[int], pad_token_id: int,
                  generator: torch.Generator, autocast):
         self.args, self.stop_token_id, self.pad_token_id, self.generator = args, stop_token_id, pad_token_id, generator
-        self.queued = []  # (B, Tq) queries and mask, oldest first
+        self.queued = []  # (B, Tq) queries and mask, temperature, filters, oldest first
         # the module that samples: the policy under autocast, or a bf16 copy of it
         self.sampler = plumbing.bf16_copy(policy) if args.bf16_generation else policy
         self.autocast = contextlib.nullcontext if args.bf16_generation else autocast
         self.decoder = plumbing.StaticDecoder(self.sampler, args.max_prompt_length + args.response_length) \
             if args.compile_generation else None
 
-    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor) -> None:
-        """Ask for rloo_k completions of each of the (B, Tq) queries."""
-        self.queued.append((queries, query_mask))
+    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, temperature: float,
+               filters: SamplingFilters) -> None:
+        """Ask for rloo_k completions of each of the (B, Tq) queries, sampled at temperature with filters."""
+        self.queued.append((queries, query_mask, temperature, filters))
 
     def take(self) -> tuple[Completions, dict[str, float]]:
-        """The completions of the oldest submitted queries, and metrics about how they were made."""
-        queries, query_mask = self.queued.pop(0)
+        """The completions of the oldest submitted queries, carrying the settings that sampled them, and metrics
+        about how they were made."""
+        queries, query_mask, temperature, filters = self.queued.pop(0)
         return sample_in_chunks(self.sampler, queries, query_mask, self.args.rloo_k, self.args, self.stop_token_id,
-                                self.pad_token_id, self.generator, self.autocast, self.decoder), {}
+                                self.pad_token_id, self.generator, self.autocast, self.decoder, temperature,
+                                filters), {}
 
     @contextlib.contextmanager
     def behaviour_policy(self, policy):
@@ -903,22 +925,37 @@ class LocalRollouts:
         pass
 
 
-def logprobs_from_update(args: Args, sizes: BatchSizes, lookahead: int) -> bool:
+def logprobs_from_update(args: Args, sizes: BatchSizes, lookahead: int, state: Optional[AlgorithmState] = None,
+                         notes: Optional[list[str]] = None, device: torch.device = torch.device("cpu")) -> bool:
     """On-policy (one epoch, one minibatch, sampled by the weights being trained) the sampling policy's log-probs are
-    the training forward's own, detached: the update computes them, a micro-batch of whole prompt groups at a time,
-    instead of a separate pass. Not with --normalize_advantage, which needs them all before the first step."""
-    return (args.num_ppo_epochs == 1 and sizes.minibatches == 1 and lookahead == 0
-            and sizes.micro % args.rloo_k == 0 and not args.normalize_advantage)
+    the training forward's own, detached: the update computes them and the advantages, a micro-batch of whole prompt
+    groups at a time, instead of a separate pass. Exact only where compute_advantages, as it is now, gives a
+    micro-batch's groups what it gives them in the whole batch: a start-up check on synthetic tensors of the run's
+    shape and micro-batches (plumbing.apart_difference, a collective) decides; where they differ (a statistic over the
+    batch, --normalize_advantage), the plain path, and a line in `notes`."""
+    if not (args.num_ppo_epochs == 1 and sizes.minibatches == 1 and lookahead == 0 and sizes.micro % args.rloo_k == 0):
+        return False
+    state = AlgorithmState.start(args) if state is None else state
+    probe, scores = plumbing.advantages_probe(args.rloo_k, sizes.prompts, args.response_length, device)
+    whole = Rollout(**probe)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the run's draws unmoved
+        parts = [(rows, micro_batch(whole, rows, args.rloo_k))
+                 for minibatch in minibatch_plan(whole, sizes, args.rloo_k) for rows in minibatch]
+    why = plumbing.apart_difference(lambda c, rows: compute_advantages(c, scores[rows], args, state), whole, parts)
+    if why is not None and notes is not None:
+        notes.append(f"on-policy shortcut off: compute_advantages {why} (the update would compute them a micro-batch "
+                     "at a time), so the policy's log-probs take a separate pass and the advantages the whole batch")
+    return why is None
 
 
 @torch.no_grad()
 def collect_rollout(
-    policy, ref_policy, completions: Completions, args: Args, share_prompt: bool, logprobs_from_update: bool,
+    policy, ref_policy, completions: Completions, args: Args, share_prompt: bool, in_update: bool,
     autocast, timer: plumbing.PhaseTimer,
 ) -> Rollout:
-    """The completions' log-probs under the policy that sampled them, of the distribution it sampled from (the
-    filters, as the update's forward computes them; unless logprobs_from_update), then under the reference, of
-    softmax(logits / temperature) unfiltered: the KL is then KL(sampled || reference), >= 0 and finite (the reference
+    """The completions' log-probs under the policy that sampled them, of the distribution it sampled from (their
+    temperature and filters, as the update's forward computes them; unless in_update: the update's forward gives
+    them, logprobs_from_update), then under the reference, of softmax(logits / temperature) unfiltered: the KL is then KL(sampled || reference), >= 0 and finite (the reference
     gives every token mass), and counts what the filters cut as a distance. Each in length-sorted chunks of whole
     prompt groups."""
     c = completions
@@ -930,17 +967,16 @@ def collect_rollout(
     # recomputed with the training forward pass, not taken from sampling: the sequence-level ratio is the exp of
     # a sum, so small sampling-vs-training mismatches would blow up (bf16, fused kernels)
     logprobs = None
-    if not logprobs_from_update:
+    if not in_update:
         with timer("policy_forward"), autocast():
             logprobs = in_length_chunks(policy, lambda part: forward_logprobs(
-                policy, part, args.temperature, share_prompt, filters=SamplingFilters.of(args))[0])  # (k*B, Tr)
+                policy, part, c.temperature, share_prompt, filters=c.filters)[0])  # (k*B, Tr)
     ref_logprobs = None
     if ref_policy is not None:
         with timer("reference_forward"), plumbing.visiting(ref_policy, c.responses.device), autocast():
             ref_logprobs = in_length_chunks(ref_policy, lambda part: forward_logprobs(
-                ref_policy, part, args.temperature, share_prompt)[0])  # (k*B, Tr)
-    return Rollout(c.queries, c.query_mask, c.responses, c.response_mask, logprobs, ref_logprobs,
-                   sampler_logprobs=c.sampler_logprobs)
+                ref_policy, part, c.temperature, share_prompt)[0])  # (k*B, Tr)
+    return Rollout(**{f.name: getattr(c, f.name) for f in fields(c)}, logprobs=logprobs, ref_logprobs=ref_logprobs)
 
 
 # ===================================================================== rewards
@@ -1113,11 +1149,12 @@ def kl_to_reference(rollout: Rollout) -> torch.Tensor:
     return rollout.logprobs - rollout.ref_logprobs
 
 
-def compute_advantages(c: Rollout, scores: torch.Tensor, args: Args) -> None:
+def compute_advantages(c: Rollout, scores: torch.Tensor, args: Args, state: Optional[AlgorithmState] = None) -> None:
     """c.advantages and c.rlhf_reward from the scores (k*g,) of c's completions (a rollout's, or on-policy a
     micro-batch's whole prompt groups) and their KL (in the reward unless --kl_in_loss). The estimator's one caller:
     it hands it groups shaped (k, g), checks they come back so, and with --normalize_advantage whitens over every
-    rank's batch. Sets c.non_score_reward (objective/non_score_reward) from what the estimator returned."""
+    rank's batch. Sets c.non_score_reward (objective/non_score_reward) from what the estimator returned. `state`:
+    the run's AlgorithmState (ppo_update's; None in a direct call)."""
     k, g, kl_coef = c.k, c.queries.shape[0], 0.0 if args.kl_in_loss else args.kl_coef
     advantages, rlhf_reward = rloo_advantages(in_groups(scores, k), in_groups(kl_to_reference(c), k),
                                               in_groups(c.response_mask, k), kl_coef, args.token_level_kl)
@@ -1160,14 +1197,14 @@ def completions_in_loss(scores: torch.Tensor, has_stop: torch.Tensor, args: Args
     return has_stop if args.mask_truncated_completions else None
 
 
-def policy_loss(new_logprobs: torch.Tensor, batch: Rollout, args: Args,
-                entropy: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def policy_loss(new_logprobs: torch.Tensor, batch: Rollout, args: Args, entropy: Optional[torch.Tensor] = None,
+                state: Optional[AlgorithmState] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Each action's loss (ppo_update sums them over loss_normalizer), from a micro-batch's new log-probs and entropy
     (N, Tr) and what the batch holds (old and reference log-probs, advantages, in_loss). A completion is one action
     with the sequence ratio exp(sum_t new - sum_t old): losses (N,); with --token_level_kl a token is, with its own
     ratio: losses (N, Tr), 0 on padding. The clipped surrogate with the ratio in [1 - cliprange, 1 + cliprange_high],
     plus kl_coef x the KL with --kl_in_loss, times the importance weight with --vllm_importance_sampling_correction;
-    0 for the completions outside batch.in_loss, which leave the statistics too."""
+    0 for the completions outside batch.in_loss, which leave the statistics too. `state`: as compute_advantages'."""
     old_logprobs, response_mask, in_loss = batch.logprobs, batch.response_mask, batch.in_loss  # (N, Tr) x2, (N,)
     advantages, per_token = batch.advantages, args.token_level_kl  # (N,), or (N, Tr) per token
     if per_token:
@@ -1256,24 +1293,26 @@ def gradient_sync(model, enabled: bool):
 
 def ppo_update(
     model, optimizer: torch.optim.Optimizer, rollout: Rollout, scores: torch.Tensor, args: Args, sizes: BatchSizes,
-    share_prompt: bool, autocast, ref_policy=None, steps_done: int = 0,
+    share_prompt: bool, autocast, ref_policy=None, steps_done: int = 0, state: Optional[AlgorithmState] = None,
 ) -> dict[str, float]:
     """num_ppo_epochs x shuffled minibatches (an optimizer step each) x micro-batches (minibatch_plan) of policy_loss.
     Advantages come from the scores (k*B,) by compute_advantages, before the first step; or on-policy (rollout.logprobs
     None) per micro-batch from its own forward, whose detached log-probs are the ratio's denominator. Leaves rollout's
     logprobs, advantages, rlhf_reward, non_score_reward for the metrics; returns its own, averaged over micro-steps.
-    --sync_ref_model: after every ref_model_sync_steps-th optimizer step of the run, ref_policy mixes in the policy."""
+    --sync_ref_model: after every ref_model_sync_steps-th optimizer step of the run, ref_policy mixes in the policy.
+    `state`: the run's AlgorithmState (None: its start), handed to compute_advantages and policy_loss."""
+    state = AlgorithmState.start(args) if state is None else state
     stats: dict[str, list[torch.Tensor]] = {}
     ratios, grad_norms = [], []
     device, k = scores.device, rollout.k
     max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-    logprobs_from_update = rollout.logprobs is None  # on-policy: the update's forward gives them
-    if logprobs_from_update:  # filled below, a micro-batch at a time
+    in_update = rollout.logprobs is None  # on-policy: the update's forward gives them (logprobs_from_update)
+    if in_update:  # filled below, a micro-batch at a time
         rollout.logprobs = torch.zeros(rollout.responses.shape, device=device)  # (k*B, Tr)
         rollout.advantages, rollout.rlhf_reward = None, torch.zeros_like(scores)  # (k*B,); the advantages below
         rollout.non_score_reward = torch.zeros_like(scores)  # (k*B,)
     else:
-        compute_advantages(rollout, scores, args)  # all groups at once: --normalize_advantage needs them all
+        compute_advantages(rollout, scores, args, state)  # all groups at once
     for _ in range(args.num_ppo_epochs):
         for minibatch in minibatch_plan(rollout, sizes, k):
             normalizer = loss_normalizer(rollout, minibatch)  # counted once: every micro-batch divides by it
@@ -1281,16 +1320,17 @@ def ppo_update(
             for micro_step, rows in enumerate(minibatch):
                 batch = micro_batch(rollout, rows, k)  # (n, Tq') prompts, (n', Tr') responses, n' = len(rows)
                 with gradient_sync(model, enabled=micro_step == len(minibatch) - 1), autocast():
-                    new_logprobs, entropy = forward_logprobs(model, batch, args.temperature, share_prompt, True,
-                                                             SamplingFilters.of(args))  # (n', Tr') each
-                    if logprobs_from_update:  # whole prompt groups (logprobs_from_update): all that the estimator reads
+                    new_logprobs, entropy = forward_logprobs(model, batch, batch.temperature, share_prompt, True,
+                                                             batch.filters)  # (n', Tr') each
+                    if in_update:  # whole prompt groups, all that compute_advantages reads (logprobs_from_update)
                         batch.logprobs = new_logprobs.detach() * batch.response_mask
-                        compute_advantages(batch, scores[rows], args)
+                        compute_advantages(batch, scores[rows], args, state)
                         if rollout.advantages is None:  # (k*B,), or (k*B, Tr) from a per-token estimator
                             rollout.advantages = scores.new_zeros(rollout.responses.shape[:batch.advantages.dim()])
                         for name in ("logprobs", "advantages", "rlhf_reward", "non_score_reward"):
                             put_rows(getattr(rollout, name), rows, getattr(batch, name))
-                    action_losses, step_stats = policy_loss(new_logprobs, batch, args, entropy)  # (n',) or (n', Tr')
+                    action_losses, step_stats = policy_loss(new_logprobs, batch, args, entropy,
+                                                            state)  # (n',) or (n', Tr')
                     loss = action_losses.sum() / normalizer
                     loss.backward()
                 losses.append(loss.detach())
@@ -1402,9 +1442,7 @@ def table_rows(args: Args, sizes: BatchSizes) -> list[int]:
 class PromptBatch:
     """B prompts drawn for one update, their k completions asked for and not yet trained on."""
 
-    rows: dict  # the dataset's B rows: PROMPT_IDS, the prompt column, any column a reward function takes
-    queries: torch.Tensor  # (B, Tq) left-padded to this batch's longest prompt
-    query_mask: torch.Tensor  # (B, Tq)
+    examples: dict  # the dataset's B rows: PROMPT_IDS, the prompt column, any column a reward function takes
     sampler_state: dict  # the sampler before drawing them: where a resume starts while the batch is in flight
 
 
@@ -1421,8 +1459,9 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     dist_info = plumbing.setup_distributed(args.ddp_timeout)
     sizes = compute_batch_sizes(args, dist_info.world_size)
     device, master = dist_info.device, dist_info.master
-    checkpoints = plumbing.Checkpointer(args, dist_info, lock, reward_functions)  # output_dir locked, the checkpoint
-    # to start from, every input checked against those the run started with
+    state = AlgorithmState.start(args)
+    checkpoints = plumbing.Checkpointer(args, dist_info, lock, reward_functions, state)  # output_dir locked, the
+    # checkpoint to start from (the state restored from it), every input checked against those the run started with
     with checkpoints.refusal_leaves_nothing():
         plumbing.choose_kernels()
         autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=args.bf16)
@@ -1497,10 +1536,12 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
             for note in notes:
                 logger.console.print(note, highlight=False, soft_wrap=True)
         rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, sampling_rng, autocast)
-        if logger is not None and steps_per_update == 1 and rollouts.lookahead == 0:
-            logger.console.print(f"on-policy (1 PPO epoch, 1 minibatch): the ratio is 1 at every step, so the clip "
-                                 f"range [1 - {args.cliprange:g}, 1 + {args.cliprange_high:g}] cannot act (raise "
-                                 "--num_ppo_epochs or --num_mini_batches for it to)", highlight=False, soft_wrap=True)
+        notes = [f"on-policy (1 PPO epoch, 1 minibatch): the ratio is 1 at every step, so the clip range "
+                 f"[1 - {args.cliprange:g}, 1 + {args.cliprange_high:g}] cannot act (raise --num_ppo_epochs or "
+                 "--num_mini_batches for it to)"] if steps_per_update == 1 and rollouts.lookahead == 0 else []
+        in_update = logprobs_from_update(args, sizes, rollouts.lookahead, state, notes, device)  # start-up check
+        for note in notes if logger is not None else []:
+            logger.console.print(note, highlight=False, soft_wrap=True)
         timer = plumbing.PhaseTimer(device)
         timer.count_tokens_of(policy, ref_policy, sources.model, getattr(rollouts, "sampler", None))
     eval_at = evaluation_updates(num_updates, args.num_evals) if eval_dataset is not None else set()
@@ -1536,11 +1577,14 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
             policy.eval()
             with plumbing.gathered_for_rollout(policy, args.fsdp_generation):
                 while len(queued) <= min(rollouts.lookahead, num_updates - update):
-                    sampler_state, rows = sampler.state_dict(), dataset[sampler.next_indices()]
-                    queries, query_mask = plumbing.pad_sequences(rows[plumbing.PROMPT_IDS],
+                    sampler_state, examples = sampler.state_dict(), dataset[sampler.next_indices()]
+                    queries, query_mask = plumbing.pad_sequences(examples[plumbing.PROMPT_IDS],
                                                                  tokenizer.pad_token_id, device)  # (B, Tq)
-                    rollouts.submit(queries, query_mask)  # k completions each, returned in the (k, B) layout
-                    queued.append(PromptBatch(rows, queries, query_mask, sampler_state))
+                    # what samples the batch of update `update + len(queued)`, which carries it to every log-prob
+                    # of it (Completions.temperature, .filters): a schedule of a sampling setting is this line
+                    temperature, filters = args.temperature, SamplingFilters.of(args)
+                    rollouts.submit(queries, query_mask, temperature, filters)  # k completions each, (k, B) layout
+                    queued.append(PromptBatch(examples, sampler_state))
                 try:
                     with timer("generation"):
                         completions, rollout_metrics = rollouts.take()  # (B, Tq) queries, (k*B, Tr) responses
@@ -1548,11 +1592,10 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                     path = checkpoints.save(update - 1, data_position())
                     raise plumbing.RolloutSourceError(f"{e}; checkpoint of update {update - 1} saved to {path}") \
                         from None
-                batch = queued.pop(0)
+                prompt_batch = queued.pop(0)
                 with rollouts.behaviour_policy(policy) as behaviour:
-                    rollout = collect_rollout(behaviour, ref_policy, completions, args, share_prompt,
-                                              logprobs_from_update(args, sizes, rollouts.lookahead), autocast,
-                                              timer)  # (k*B, Tr) log-probs
+                    rollout = collect_rollout(behaviour, ref_policy, completions, args, share_prompt, in_update,
+                                              autocast, timer)  # (k*B, Tr) log-probs
             has_stop = rollout.ended(stop_token_id)  # (k*B,)
 
             # ALGO LOGIC 4. score every completion (reward model and reward functions), then the missing-EOS penalty
@@ -1561,8 +1604,9 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                         plumbing.reward_faults(device, f"scoring of update {update}"):
                     chunk = plumbing.rows_per_forward(args, sources.model, "scoring", device, len(rollout.responses),
                                                       args.rloo_k)
-                    raw_scores, source_means = score_completions(sources, rollout, batch.rows, args.prompt_column,
-                                                                 tokenizer, stop_token_id, chunk, autocast)  # (k*B,)
+                    raw_scores, source_means = score_completions(sources, rollout, prompt_batch.examples,
+                                                                 args.prompt_column, tokenizer, stop_token_id, chunk,
+                                                                 autocast)  # (k*B,)
                 scores = apply_missing_eos_penalty(raw_scores, has_stop, args.missing_eos_penalty)  # (k*B,)
                 if args.normalize_reward:
                     scores = whiten(scores).clamp(-args.reward_clip_range, args.reward_clip_range)
@@ -1576,14 +1620,14 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                 plumbing.check_finite({"reward": raw_scores, "log-prob": rollout.logprobs,
                                        "reference log-prob": rollout.ref_logprobs}, device)  # on every rank at once
                 train_stats = ppo_update(trained, optimizer, rollout, scores, args, sizes, share_prompt, autocast,
-                                         ref_policy, (update - 1) * steps_per_update)
+                                         ref_policy, (update - 1) * steps_per_update, state)
             rollout_metrics.update(rollouts.policy_updated(update, policy))  # rloo_multinode.py: the engines' sync
 
             # log (this rank's metrics under TRL's names, then reduced over ranks), evaluate, save
-            kl = (kl_to_reference(rollout) * rollout.response_mask).sum(1).mean().item()  # of the sequences
+            mean_kl = (kl_to_reference(rollout) * rollout.response_mask).sum(1).mean().item()  # of the sequences
             metrics = {
-                "objective/kl": kl,
-                **({"kl": kl} if ref_policy is not None else {}),  # TRL 1.x's name, logged only with a reference
+                "objective/kl": mean_kl,
+                **({"kl": mean_kl} if ref_policy is not None else {}),  # TRL 1.x's name, only with a reference
                 "objective/entropy": (-rollout.logprobs * rollout.response_mask).sum(1).mean().item(),
                 "objective/non_score_reward": rollout.non_score_reward.mean().item(),  # compute_advantages's
                 "objective/rlhf_reward": rollout.rlhf_reward.mean().item(),
@@ -1600,14 +1644,14 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                 "time/update": time.perf_counter() - update_start,  # all of the update but evaluation and saving
             }
             episode = update * sizes.all_ranks
-            metrics = plumbing.reduce_metrics(metrics, device, rollouts.max_metrics)
+            metrics = plumbing.reduce_metrics(metrics, device, rollouts.max_metrics)  # AlgorithmState's changes: here
             metrics.update(eps=episode / (time.time() - checkpoints.start_time), lr=optimizer.param_groups[0]["lr"],
                            episode=episode)
             if logger is not None:
                 logger.log(update, metrics)
                 if args.log_completions or (sample_every and (update - 1) % sample_every == 0):
-                    logger.sample_table([(tokenizer.decode(batch.queries[i % sizes.prompts][
-                        batch.query_mask[i % sizes.prompts]]), tokenizer.decode(rollout.responses[i][
+                    logger.sample_table([(tokenizer.decode(rollout.queries[i % sizes.prompts][
+                        rollout.query_mask[i % sizes.prompts]]), tokenizer.decode(rollout.responses[i][
                             rollout.response_mask[i]]), scores[i].item()) for i in table_rows(args, sizes)], episode)
             if update in eval_at:
                 evaluation(update, episode)

@@ -371,7 +371,7 @@ def test_the_bf16_sampling_copy_holds_the_new_weights_after_every_update():
         for s, p in zip(rollouts.sampler.parameters(), policy.parameters()):
             assert s.dtype == torch.bfloat16 and torch.equal(s, p.to(torch.bfloat16))
     queries, mask = left_padded(tokenizer, ["a b :", "c :"])
-    rollouts.submit(queries, mask)
+    rollouts.submit(queries, mask, 1.0, rloo.NO_FILTERS)
     completions, _ = rollouts.take()
     assert completions.responses.shape == (4, 4)
 
