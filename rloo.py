@@ -954,10 +954,10 @@ def collect_rollout(
     autocast, timer: plumbing.PhaseTimer,
 ) -> Rollout:
     """The completions' log-probs under the policy that sampled them, of the distribution it sampled from (their
-    temperature and filters, as the update's forward computes them; unless in_update: the update's forward gives
-    them, logprobs_from_update), then under the reference, of softmax(logits / temperature) unfiltered: the KL is then KL(sampled || reference), >= 0 and finite (the reference
-    gives every token mass), and counts what the filters cut as a distance. Each in length-sorted chunks of whole
-    prompt groups."""
+    temperature and filters, as the update's forward computes them; unless in_update: the update's forward gives them,
+    logprobs_from_update), then under the reference, of softmax(logits / temperature) unfiltered: the KL is then
+    KL(sampled || reference), >= 0 and finite (the reference gives every token mass), and counts what the filters cut as
+    a distance. Each in length-sorted chunks of whole prompt groups."""
     c = completions
 
     def in_length_chunks(model, logprobs: Callable) -> torch.Tensor:

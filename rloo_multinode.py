@@ -765,13 +765,13 @@ def sampling_request(temperature: float, filters: rloo.SamplingFilters) -> dict:
 
 def vllm_sampling(args: Args, stop_token_id: Optional[int], temperature: Optional[float] = None,
                   filters: Optional[rloo.SamplingFilters] = None) -> dict:
-    """vLLM sampling parameters (SamplingParams' and the completions API's names) that draw as rloo.py's sampler
-    does (rloo.sampling_logits): the batch's temperature and filters (None: the flags', --temperature, --top_k,
-    --top_p, --min_p, --repetition_penalty), whatever the model's generation config says; vLLM's meaning of each is transformers' (the penalty on the raw logits of the
-    prompt's and the output's tokens; ties at the k-th logit kept), and with logprobs_mode "processed_logprobs" the
-    log-probs it returns are of the filtered distribution, as the trainer's. Its one difference, min-p before top-p,
-    is refused (validate_engine_args). response_length tokens unless the stop token comes first, and EOS stops a
-    response only when it is the stop token."""
+    """vLLM sampling parameters (SamplingParams' and the completions API's names) that draw as rloo.py's sampler does
+    (rloo.sampling_logits): the batch's temperature and filters (None: the flags', --temperature, --top_k, --top_p,
+    --min_p, --repetition_penalty), whatever the model's generation config says; vLLM's meaning of each is transformers'
+    (the penalty on the raw logits of the prompt's and the output's tokens; ties at the k-th logit kept), and with
+    logprobs_mode "processed_logprobs" the log-probs it returns are of the filtered distribution, as the trainer's. Its
+    one difference, min-p before top-p, is refused (validate_engine_args). response_length tokens unless the stop token
+    comes first, and EOS stops a response only when it is the stop token."""
     filters = rloo.SamplingFilters.of(args) if filters is None else filters
     return {"temperature": args.temperature if temperature is None else temperature, "top_p": filters.top_p,
             "top_k": filters.top_k, "min_p": filters.min_p or 0.0, "repetition_penalty": filters.repetition_penalty,
