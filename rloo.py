@@ -15,30 +15,19 @@ One update, on every rank:
      ratio exp(sum_t logp_new - sum_t logp_old); one optimizer step per minibatch.
 With 1 epoch and 1 minibatch the ratio is 1 and this is REINFORCE with the leave-one-out baseline.
 
-Shapes: B prompts per rank and update; k = rloo_k completions each; N = k*B completions, in the (k, B) layout
-(row j*B + i is sample j of prompt i); Tq the batch's longest prompt (left-padded), Tr its longest response
-(right-padded, at most response_length); V the vocabulary; g prompt groups in a chunk or micro-batch, L the length
-of a grouped row (a prompt, then its k responses back to back), P the positions whose logits it computes; S reward
-sources.
+Shapes (every symbol of a `# (..)` comment): B prompts per rank and update; k = rloo_k completions each; k*B
+completions, in the (k, B) layout (row j*B + i is sample j of prompt i); N the completions of whatever batch a function
+gets (a micro-batch, a chunk); g prompt groups in a chunk or micro-batch (their k*g completions in the (k, g) layout);
+Tq the batch's longest prompt (left-padded), Tr its longest response (right-padded, at most response_length), T a
+sequence's; Tr' a micro-batch's longest response; V the vocabulary; H the hidden size; L the length of a grouped row (a
+prompt, then its k responses back to back), P the positions whose logits it computes; n the real (unpadded) tokens of a
+batch; S reward sources; .. any leading dimensions.
 
-Sections, in the order a run needs them; what nobody changes when changing the algorithm (the run's flags,
-checkpoints, faults, signals, measuring, logging, file loading, kernels, the prompt-sharing start-up check, the command
+Sections, in the order a run needs them (docs/algorithm.md maps each): Args (the algorithm's flags) and
+AlgorithmState (what it carries across updates), batch arithmetic, models, rollout (1-3), rewards (4), advantages
+(5), loss and update (6), evaluation, main. What nobody changes when changing the algorithm (the run's flags, data,
+checkpoints, faults, signals, measuring, logging, file loading, kernels, the shortcuts' start-up checks, the command
 line) is in plumbing/, called as plumbing.X: copying this file means copying that folder with it.
-  Args                the algorithm's flags, TRL <= 0.21's names (TRL >= 0.22's accepted); models, data and the
-                      run's in plumbing.RunArgs
-  batch arithmetic    micro / mini / local / B / all ranks, derived once, with exact divisions
-  data                a prompt's token ids; the sampler that draws B prompts per update
-  models              the policy and its frozen reference (a copy, or with LoRA the adapters switched off)
-  rollout             1-3: sampling with a KV cache, Completions, grouped rows (each prompt computed once for its k
-                      completions), log-probs, the rollout source (LocalRollouts)
-  rewards             4: reward model and reward functions, combined; the missing-EOS penalty
-  advantages          5: KL-penalized reward, the leave-one-out baseline
-  loss                6: the clipped surrogate on the sequence-level ratio
-  update              6: PPO epochs x shuffled minibatches x micro-batches (DDP syncs gradients on the last
-                      micro-step); no step on a NaN
-  evaluation          near-greedy completions of test prompts, scored
-  main                set-up, then each update's six steps inline: sample, score, advantages and PPO epochs, log,
-                      evaluate, save
 """
 
 import os
@@ -331,57 +320,6 @@ def compute_batch_sizes(args: Args, world_size: int) -> BatchSizes:
                       all_ranks=local * world_size, minibatches=minibatches)
 
 
-# ===================================================================== data
-def prompt_token_ids(rows: dict, tokenizer, prompt_column: str) -> list[list[int]]:
-    """Token ids of a batch of dataset rows: a string prompt, chat messages, or pre-tokenized `query_token`."""
-    if prompt_column in rows:
-        prompts = rows[prompt_column]
-        if prompts and isinstance(prompts[0], list):  # chat messages
-            if tokenizer.chat_template is None:
-                raise plumbing.ConfigError(f"column {prompt_column!r} holds chat messages but the tokenizer has no "
-                                           "chat template")
-            with plumbing.reading("the tokenizer's chat template", "fix the template (chat_template.jinja or "
-                                  "tokenizer_config.json) or give the prompts as strings"):
-                texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
-            return tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return tokenizer(prompts)["input_ids"]
-    # TL;DR schema: queries pre-tokenized and left-padded with the pad id; strip the padding
-    return [[t for t in ids if t != tokenizer.pad_token_id] for ids in rows["query_token"]]
-
-
-class PromptSampler:
-    """Each rank's B prompt indices per update. The dataset is cycled, reshuffled every epoch; every rank
-    computes the same permutation from (seed, epoch) and takes its own slice, so no communication is needed."""
-
-    def __init__(self, num_prompts: int, prompts_per_rank: int, rank: int, world_size: int, seed: int):
-        self.per_update = prompts_per_rank * world_size
-        if num_prompts < self.per_update:
-            raise plumbing.ConfigError(f"the training split has {num_prompts} prompts, fewer than one update takes "
-                                       f"({prompts_per_rank} per rank x {world_size} ranks); use a larger dataset or "
-                                       "smaller batches")
-        self.num_prompts, self.prompts_per_rank, self.rank, self.seed = num_prompts, prompts_per_rank, rank, seed
-        self.epoch, self.position = 0, 0
-        self._permutation = self._shuffle()
-
-    def _shuffle(self) -> torch.Tensor:
-        return torch.randperm(self.num_prompts, generator=torch.Generator().manual_seed(self.seed + self.epoch))
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = state["epoch"], state["position"]
-        self._permutation = self._shuffle()
-
-    def next_indices(self) -> list[int]:
-        if self.position + self.per_update > self.num_prompts:  # drop the epoch's remainder, reshuffle
-            self.epoch, self.position = self.epoch + 1, 0
-            self._permutation = self._shuffle()
-        start = self.position + self.rank * self.prompts_per_rank
-        self.position += self.per_update
-        return self._permutation[start : start + self.prompts_per_rank].tolist()
-
-
 # ===================================================================== models
 def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = None, tokenizer=None):
     """The policy (fp32 master weights, or with --use_peft LoRA adapters on the base; from the checkpoint when
@@ -492,10 +430,10 @@ def sampling_logits(logits: torch.Tensor, temperature: float, filters: SamplingF
 
 
 def prompt_tokens_seen(queries: torch.Tensor, query_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(n, V) bool: the token ids among each (n, Tq) query's real tokens (the repetition penalty's start)."""
+    """(g, V) bool: the token ids among each (g, Tq) query's real tokens (the repetition penalty's start)."""
     seen = torch.zeros(queries.shape[0], vocab_size, dtype=torch.bool, device=queries.device)
-    rows, columns = query_mask.nonzero(as_tuple=True)
-    seen[rows, queries[rows, columns]] = True
+    prompt, position = query_mask.nonzero(as_tuple=True)  # (n,) each, the real prompt tokens
+    seen[prompt, queries[prompt, position]] = True
     return seen
 
 
@@ -653,7 +591,7 @@ class Completions:
     def one_per_row(self, rows: torch.Tensor) -> "Completions":
         """Completions `rows` (indices into k*B) as k = 1 completions, each with its own copy of its prompt (for
         micro-batches that split prompt groups), cut to their own widths."""
-        prompts = rows % self.queries.shape[0]  # (n,)
+        prompts = rows % self.queries.shape[0]  # (N,)
         single = self.map_tensors(lambda t: t[prompts], lambda t: t[rows])
         return single.of_prompts(torch.arange(len(rows), device=rows.device))
 
@@ -751,21 +689,21 @@ def unshared_inputs(c: Completions, pad_id: int = 0) -> dict:
             "position_ids": position_ids_from_mask(attention_mask)}
 
 
-def tokens_before(c: Completions, vocab_size: int, rows: Optional[GroupedRows] = None) -> torch.Tensor:
-    """Bool (k*g, Tr, V), or (g, P, V) in `rows`' layout: the token ids before each predicted response token, its
+def tokens_before(c: Completions, vocab_size: int, grouped: Optional[GroupedRows] = None) -> torch.Tensor:
+    """Bool (k*g, Tr, V), or (g, P, V) in `grouped`'s layout: the token ids before each predicted response token, its
     prompt's real tokens and its own response's earlier ones (what the repetition penalty reads). In a grouped row
     the k responses of a prompt follow one another but none sees another's tokens, so each predictor looks up its own
     completion's."""
     first = first_seen(c, vocab_size)  # (k*g, V)
     t = torch.arange(c.responses.shape[1], dtype=torch.int32, device=first.device)  # (Tr,)
-    if rows is None:
+    if grouped is None:
         return first[:, None, :] < t[None, :, None]  # (k*g, Tr, V)
-    owner = torch.zeros(rows.targets.shape, dtype=torch.long, device=first.device)  # (g, P) the completion predicted
-    position = torch.zeros(rows.targets.shape, dtype=torch.int32, device=first.device)  # (g, P) at this position
+    owner = torch.zeros(grouped.targets.shape, dtype=torch.long, device=first.device)  # (g, P) the completion predicted
+    position = torch.zeros(grouped.targets.shape, dtype=torch.int32, device=first.device)  # (g, P) at this position
     completion, token = c.response_mask.nonzero(as_tuple=True)  # (n,) each, the real response tokens
     group = completion % c.queries.shape[0]  # (n,) completion j*g + i is in row i
-    owner[group, rows.slots[completion, token]] = completion
-    position[group, rows.slots[completion, token]] = t[token]
+    owner[group, grouped.slots[completion, token]] = completion
+    position[group, grouped.slots[completion, token]] = t[token]
     return first[owner] < position[..., None]  # (g, P, V); predictors of no token: unread
 
 
@@ -786,16 +724,16 @@ def forward_logprobs(
         logits = sampling_logits(logits, temperature, filters, seen, keep=c.responses)
         # log softmax(logits / T)[response token] and the entropy of softmax(logits / T), both differentiable
         return plumbing.SelectiveLogSoftmax.apply(logits, c.responses, temperature, with_entropy)
-    rows = grouped_rows_for(model, c)
-    logits = plumbing.logits_at(model, rows.predictors, **rows.model_inputs())  # (g, P, V)
-    seen = tokens_before(c, logits.shape[-1], rows) if filters.reads_history else None  # (g, P, V)
-    logits = sampling_logits(logits, temperature, filters, seen, keep=rows.targets)  # the drawn tokens stay
+    grouped = grouped_rows_for(model, c)
+    logits = plumbing.logits_at(model, grouped.predictors, **grouped.model_inputs())  # (g, P, V)
+    seen = tokens_before(c, logits.shape[-1], grouped) if filters.reads_history else None  # (g, P, V)
+    logits = sampling_logits(logits, temperature, filters, seen, keep=grouped.targets)  # the drawn tokens stay
     # log softmax(logits / T)[target] and the entropy of softmax(logits / T), in the logits' own layout, so that only
     # the (g, P) results are rearranged, never the (.., V) logits
-    logprobs, entropy = plumbing.SelectiveLogSoftmax.apply(logits, rows.targets, temperature,
+    logprobs, entropy = plumbing.SelectiveLogSoftmax.apply(logits, grouped.targets, temperature,
                                                            with_entropy)  # (g, P) each
     group = torch.arange(c.queries.shape[0], device=logits.device).repeat(c.k)[:, None]  # (k*g, 1)
-    return logprobs[group, rows.slots], None if entropy is None else entropy[group, rows.slots]
+    return logprobs[group, grouped.slots], None if entropy is None else entropy[group, grouped.slots]
 
 
 @dataclass
@@ -834,7 +772,7 @@ def chunks_by_prompt_length(query_mask: torch.Tensor, prompts_per_chunk: int) ->
 
 
 def put_rows(into: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
-    """into[rows] = values: a chunk's or micro-batch's (n,) values, or (n, w) cut to its own width w, back in a
+    """into[rows] = values: a chunk's or micro-batch's (N,) values, or (N, Tr') cut to its own width, back in a
     (k*B,) or (k*B, Tr) tensor."""
     into[(rows, slice(values.shape[1])) if values.dim() == 2 else rows] = values
 
@@ -1005,22 +943,12 @@ def reward_model_scores(model, c: Completions, share_prompt: bool) -> torch.Tens
     if not share_prompt:
         inputs = unshared_inputs(c)
         return sequence_rewards(model, inputs["input_ids"], inputs["attention_mask"])
-    rows = grouped_rows_for(model, c)
+    grouped = grouped_rows_for(model, c)
     backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(**rows.model_inputs(), use_cache=False).last_hidden_state  # (g, L, H)
+    hidden = backbone(**grouped.model_inputs(), use_cache=False).last_hidden_state  # (g, L, H)
     group = torch.arange(c.queries.shape[0], device=hidden.device).repeat(c.k)  # (k*g,) the (k, g) layout
-    last = rows.last_positions  # (k*g,)
+    last = grouped.last_positions  # (k*g,)
     return model.score(hidden[group, last]).squeeze(-1).float()
-
-
-def retokenize(texts: list[str], ended: list[bool], tokenizer,
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Query + completion texts in another tokenizer, with its EOS where the completion stopped.
-    Returns right-padded (ids, mask), both (N, T)."""
-    encoded = tokenizer(texts)["input_ids"]
-    sequences = [ids + [tokenizer.eos_token_id] if e and tokenizer.eos_token_id is not None else ids
-                 for ids, e in zip(encoded, ended)]
-    return plumbing.pad_sequences(sequences, 0, device, side="right")  # pad id 0: reward_model_scores masks padding
 
 
 def combine_rewards(values: torch.Tensor, applies: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -1033,15 +961,16 @@ def combine_rewards(values: torch.Tensor, applies: torch.Tensor, weights: torch.
 
 
 def score_completions(
-    sources: plumbing.RewardSources, completions: Completions, rows: dict[str, list], prompt_column: str, tokenizer,
+    sources: plumbing.RewardSources, completions: Completions, examples: dict[str, list], prompt_column: str, tokenizer,
     stop_token_id: Optional[int], chunk_size: int, autocast,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """(k*B,) combined score of each completion, and each source's mean. `rows`: the B dataset rows the completions
+    """(k*B,) combined score of each completion, and each source's mean. `examples`: the B dataset rows the completions
     came from (completion row j*B + i belongs to prompt i); reward functions get their prompts (prompt_values) and
     every other column."""
     c, n, device = completions, completions.responses.shape[0], completions.responses.device
-    prompts = prompt_values(rows, prompt_column, tokenizer)  # (B,)
-    columns = {column: values for column, values in rows.items() if column not in (plumbing.PROMPT_IDS, prompt_column)}
+    prompts = plumbing.prompt_values(examples, prompt_column, tokenizer)  # (B,)
+    columns = {column: values for column, values in examples.items() if column not in (plumbing.PROMPT_IDS,
+                                                                                         prompt_column)}
     completion_ids = [r[m].tolist() for r, m in zip(c.responses, c.response_mask)]
     ended = c.ended(stop_token_id).tolist()
     without_stop = [ids[:-1] if e else ids for ids, e in zip(completion_ids, ended)]
@@ -1059,8 +988,8 @@ def score_completions(
                                              enumerate(without_stop)], skip_special_tokens=True)
         scores = []
         for start in range(0, n, chunk_size):
-            rows = slice(start, start + chunk_size)
-            ids, mask = retokenize(full_texts[rows], ended[rows], sources.model_tokenizer, device)
+            span = slice(start, start + chunk_size)
+            ids, mask = plumbing.retokenize(full_texts[span], ended[span], sources.model_tokenizer, device)
             with autocast():
                 scores.append(sequence_rewards(sources.model, ids, mask))
         values.append(torch.cat(scores).cpu())
@@ -1078,13 +1007,6 @@ def score_completions(
         per_source[f"reward/{name}/mean"] = v[a].mean().item() if a.any() else float("nan")
         per_source[f"reward/{name}/std"] = v[a].std().item() if a.sum() > 1 else float("nan")
     return combine_rewards(values, applies, sources.weights).to(device), per_source
-
-
-def prompt_values(rows: dict, prompt_column: str, tokenizer) -> list:
-    """What reward functions see as `prompts`: the dataset's prompt column, or the decoded query tokens."""
-    if prompt_column in rows:
-        return rows[prompt_column]
-    return tokenizer.batch_decode(rows[plumbing.PROMPT_IDS], skip_special_tokens=True)
 
 
 def apply_missing_eos_penalty(scores: torch.Tensor, has_stop: torch.Tensor, penalty: Optional[float]) -> torch.Tensor:
@@ -1129,8 +1051,8 @@ def rloo_advantages(
     if not token_level:
         return rlhf_reward - baseline, rlhf_reward
     token_rewards = -kl_coef * kl  # (k, g, Tr)
-    rows = token_rewards.flatten(0, 1)  # (k*g, Tr), a view: the score goes to each row's last valid token
-    rows[torch.arange(len(rows)), last_true_index(response_mask.flatten(0, 1))] += scores.flatten()
+    per_completion = token_rewards.flatten(0, 1)  # (k*g, Tr), a view: the score goes to each one's last valid token
+    per_completion[torch.arange(len(per_completion)), last_true_index(response_mask.flatten(0, 1))] += scores.flatten()
     returns = token_rewards.flip(-1).cumsum(-1).flip(-1)  # (k, g, Tr): sum of rewards from token t on
     return (returns - baseline[..., None]) * response_mask, rlhf_reward
 
@@ -1226,8 +1148,8 @@ def policy_loss(new_logprobs: torch.Tensor, batch: Rollout, args: Args, entropy:
     per_action = torch.max(losses, losses_clipped)  # (N,) or (N, Tr)
     if args.kl_in_loss:  # GRPO's k3 = exp(ref - new) - (ref - new) - 1 per token: >= 0, and its gradient flows
         log_ref_ratio = (batch.ref_logprobs - new_logprobs) * response_mask  # (N, Tr), 0 on padding
-        kl = log_ref_ratio.exp() - log_ref_ratio - 1  # (N, Tr)
-        per_action = per_action + args.kl_coef * (kl if per_token else kl.sum(1))
+        kl_estimate = log_ref_ratio.exp() - log_ref_ratio - 1  # (N, Tr)
+        per_action = per_action + args.kl_coef * (kl_estimate if per_token else kl_estimate.sum(1))
     if args.vllm_importance_sampling_correction:  # (N,) or (N, Tr) weights; a sequence's is each of its tokens'
         if batch.sampler_logprobs is None:
             raise plumbing.ConfigError("--vllm_importance_sampling_correction needs the sampler's log-probs, which "
@@ -1252,7 +1174,7 @@ def loss_normalizer(rollout: Rollout, minibatch: list[torch.Tensor]) -> torch.Te
     """What each micro-batch's summed losses are divided by: the minibatch's completions per rank (averaged over
     ranks, as DDP and FSDP average gradients), counted before its first micro-batch, so that the loss does not depend
     on how it is cut into micro-batches. Per-token losses then give the mean of each completion's sum."""
-    rows = torch.cat(minibatch)  # (n,) this rank's completions of the minibatch
+    rows = torch.cat(minibatch)  # (N,) this rank's completions of the minibatch
     count = torch.tensor(float(len(rows)), device=rollout.responses.device)
     return plumbing.all_reduce(count) / (dist.get_world_size() if dist.is_initialized() else 1)
 
@@ -1283,14 +1205,6 @@ def micro_batch(rollout: Rollout, rows: torch.Tensor, k: int) -> Rollout:
     return rollout.one_per_row(rows)
 
 
-def gradient_sync(model, enabled: bool):
-    """DDP all-reduces gradients only when `enabled` (an optimizer step's last micro-step). FSDP reduce-scatters at
-    every micro-step, as ZeRO-3 does: more traffic, but no rank ever holds a full-size gradient."""
-    if isinstance(model, DDP) and not enabled:
-        return model.no_sync()
-    return contextlib.nullcontext()
-
-
 def ppo_update(
     model, optimizer: torch.optim.Optimizer, rollout: Rollout, scores: torch.Tensor, args: Args, sizes: BatchSizes,
     share_prompt: bool, autocast, ref_policy=None, steps_done: int = 0, state: Optional[AlgorithmState] = None,
@@ -1318,10 +1232,10 @@ def ppo_update(
             normalizer = loss_normalizer(rollout, minibatch)  # counted once: every micro-batch divides by it
             losses = []
             for micro_step, rows in enumerate(minibatch):
-                batch = micro_batch(rollout, rows, k)  # (n, Tq') prompts, (n', Tr') responses, n' = len(rows)
-                with gradient_sync(model, enabled=micro_step == len(minibatch) - 1), autocast():
+                batch = micro_batch(rollout, rows, k)  # (N, Tr') responses, N = len(rows); its prompts once each
+                with plumbing.gradient_sync(model, enabled=micro_step == len(minibatch) - 1), autocast():
                     new_logprobs, entropy = forward_logprobs(model, batch, batch.temperature, share_prompt, True,
-                                                             batch.filters)  # (n', Tr') each
+                                                             batch.filters)  # (N, Tr') each
                     if in_update:  # whole prompt groups, all that compute_advantages reads (logprobs_from_update)
                         batch.logprobs = new_logprobs.detach() * batch.response_mask
                         compute_advantages(batch, scores[rows], args, state)
@@ -1330,7 +1244,7 @@ def ppo_update(
                         for name in ("logprobs", "advantages", "rlhf_reward", "non_score_reward"):
                             put_rows(getattr(rollout, name), rows, getattr(batch, name))
                     action_losses, step_stats = policy_loss(new_logprobs, batch, args, entropy,
-                                                            state)  # (n',) or (n', Tr')
+                                                            state)  # (N,) or (N, Tr')
                     loss = action_losses.sum() / normalizer
                     loss.backward()
                 losses.append(loss.detach())
@@ -1404,27 +1318,21 @@ def evaluate(
     plumbing.note_phase("evaluation")
     with plumbing.reward_faults(dist_info.device, "evaluation", after_training=True):
         for start in range(0, len(indices), prompts_per_chunk):
-            rows = eval_dataset[indices[start : start + prompts_per_chunk]]
-            queries, query_mask = plumbing.pad_sequences(rows[plumbing.PROMPT_IDS], tokenizer.pad_token_id,
-                                                         dist_info.device)  # (b, Tq)
+            examples = eval_dataset[indices[start : start + prompts_per_chunk]]
+            queries, query_mask = plumbing.pad_sequences(examples[plumbing.PROMPT_IDS], tokenizer.pad_token_id,
+                                                         dist_info.device)  # (g, Tq)
             with autocast():
                 completions = sample_completions(policy, queries, query_mask, args.response_length, EVAL_TEMPERATURE,
                                                  stop_token_id, tokenizer.pad_token_id, k=k,
-                                                 filters=SamplingFilters.of(args))  # (k*b, Tr), (k, b) layout
-            scores, _ = score_completions(sources, completions, rows, args.prompt_column, tokenizer, stop_token_id,
-                                          k * prompts_per_chunk, autocast)  # (k*b,)
+                                                 filters=SamplingFilters.of(args))  # (k*g, Tr), (k, g) layout
+            scores, _ = score_completions(sources, completions, examples, args.prompt_column, tokenizer, stop_token_id,
+                                          k * prompts_per_chunk, autocast)  # (k*g,)
             total += torch.tensor([scores.sum().item(), completions.response_mask.sum().item(),
                                    completions.ended(stop_token_id).sum().item(), len(scores)],
                                   dtype=torch.float64, device=dist_info.device)
     score_sum, length_sum, stops, count = plumbing.all_reduce(total).tolist()
     count = max(count, 1.0)
     return {"eval/scores": score_sum / count, "eval/mean_length": length_sum / count, "eval/eos_frac": stops / count}
-
-
-def evaluation_updates(num_updates: int, num_evals: int) -> set[int]:
-    """The updates after which the policy is evaluated: num_evals of them spread evenly over the run, the last at its
-    end (num_evals 0: only the end). The initial policy's evaluation (update 0) comes on top."""
-    return {math.ceil(i * num_updates / num_evals) for i in range(1, num_evals + 1)} if num_evals else {num_updates}
 
 
 # ===================================================================== main
@@ -1469,10 +1377,10 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
             tokenizer, vocab_size = plumbing.prepare_tokenizer(args)  # and the models' configs checked
         with plumbing.startup_step("loaded the prompts", master) as said:
             dataset, eval_dataset, dropped = plumbing.load_prompts(args, tokenizer, vocab_size,
-                                                                      prompt_token_ids)
+                                                                      plumbing.prompt_token_ids)
             said.append(f"{len(dataset)} train" + (f", {len(eval_dataset)} test" if eval_dataset else "")
                         + f"; {plumbing.describe_prompt_lengths(dropped, args.max_prompt_length)}")
-        sampler = PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)
+        sampler = plumbing.PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)
         plumbing.check_reward_function_arguments(reward_functions, [
             (args.dataset_name, dataset), (args.dataset_test_split, eval_dataset)], args.prompt_column)
         steps_per_update = args.num_ppo_epochs * sizes.minibatches  # optimizer steps
@@ -1544,7 +1452,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
             logger.console.print(note, highlight=False, soft_wrap=True)
         timer = plumbing.PhaseTimer(device)
         timer.count_tokens_of(policy, ref_policy, sources.model, getattr(rollouts, "sampler", None))
-    eval_at = evaluation_updates(num_updates, args.num_evals) if eval_dataset is not None else set()
+    eval_at = plumbing.evaluation_updates(num_updates, args.num_evals) if eval_dataset is not None else set()
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0
     queued: list[PromptBatch] = []  # drawn, sampled or being sampled, not yet trained on
 
