@@ -218,10 +218,8 @@ def validate_engine_args(args: Args, world_size: int) -> None:
     if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
         raise plumbing.ConfigError("--vllm_enable_sleep_mode needs CUDA (vLLM's sleep mode works through CUDA's "
                                    "allocator); on CPUs drop it")
-    if (args.engine == "vllm" or args.vllm_mode == "colocate") and args.min_p and args.top_p < 1:
-        raise plumbing.ConfigError(f"--min_p {args.min_p} with --top_p {args.top_p}: vLLM filters by min-p before "
-                                   "top-p, the trainer (transformers' order) after, so the two distributions would "
-                                   "differ; drop one of them, or pass --engine hf")
+    if args.engine == "vllm" or args.vllm_mode == "colocate":
+        check_vllm_filters(rloo.SamplingFilters.of(args))
     if args.vllm_mode == "colocate":
         validate_colocated_args(args)
         return
@@ -763,6 +761,15 @@ def sampling_request(temperature: float, filters: rloo.SamplingFilters) -> dict:
     return {"temperature": temperature, "filters": asdict(filters)}
 
 
+def check_vllm_filters(filters: rloo.SamplingFilters) -> None:
+    """Refuse the filters vLLM would apply otherwise than the trainer: at start-up for the flags' (validate_engine_args)
+    and for every batch's (vllm_sampling: a schedule in rloo.main may set them later)."""
+    if filters.min_p and filters.top_p < 1:
+        raise plumbing.ConfigError(f"--min_p {filters.min_p} with --top_p {filters.top_p}: vLLM filters by min-p "
+                                   "before top-p, the trainer (transformers' order) after, so the two distributions "
+                                   "would differ; drop one of them, or pass --engine hf")
+
+
 def vllm_sampling(args: Args, stop_token_id: Optional[int], temperature: Optional[float] = None,
                   filters: Optional[rloo.SamplingFilters] = None) -> dict:
     """vLLM sampling parameters (SamplingParams' and the completions API's names) that draw as rloo.py's sampler does
@@ -770,9 +777,10 @@ def vllm_sampling(args: Args, stop_token_id: Optional[int], temperature: Optiona
     --min_p, --repetition_penalty), whatever the model's generation config says; vLLM's meaning of each is transformers'
     (the penalty on the raw logits of the prompt's and the output's tokens; ties at the k-th logit kept), and with
     logprobs_mode "processed_logprobs" the log-probs it returns are of the filtered distribution, as the trainer's. Its
-    one difference, min-p before top-p, is refused (validate_engine_args). response_length tokens unless the stop token
+    one difference, min-p before top-p, is refused (check_vllm_filters). response_length tokens unless the stop token
     comes first, and EOS stops a response only when it is the stop token."""
     filters = rloo.SamplingFilters.of(args) if filters is None else filters
+    check_vllm_filters(filters)
     return {"temperature": args.temperature if temperature is None else temperature, "top_p": filters.top_p,
             "top_k": filters.top_k, "min_p": filters.min_p or 0.0, "repetition_penalty": filters.repetition_penalty,
             "max_tokens": args.response_length,
