@@ -15,30 +15,19 @@ One update, on every rank:
      ratio exp(sum_t logp_new - sum_t logp_old); one optimizer step per minibatch.
 With 1 epoch and 1 minibatch the ratio is 1 and this is REINFORCE with the leave-one-out baseline.
 
-Shapes: B prompts per rank and update; k = rloo_k completions each; N = k*B completions, in the (k, B) layout
-(row j*B + i is sample j of prompt i); Tq the batch's longest prompt (left-padded), Tr its longest response
-(right-padded, at most response_length); V the vocabulary; g prompt groups in a chunk or micro-batch, L the length
-of a grouped row (a prompt, then its k responses back to back), P the positions whose logits it computes; S reward
-sources.
+Shapes (every symbol of a `# (..)` comment): B prompts per rank and update; k = rloo_k completions each; k*B
+completions, in the (k, B) layout (row j*B + i is sample j of prompt i); N the completions of whatever batch a function
+gets (a micro-batch, a chunk); g prompt groups in a chunk or micro-batch (their k*g completions in the (k, g) layout);
+Tq the batch's longest prompt (left-padded), Tr its longest response (right-padded, at most response_length), T a
+sequence's; Tr' a micro-batch's longest response; V the vocabulary; H the hidden size; L the length of a grouped row (a
+prompt, then its k responses back to back), P the positions whose logits it computes; n the real (unpadded) tokens of a
+batch; S reward sources; .. any leading dimensions.
 
-Sections, in the order a run needs them; what nobody changes when changing the algorithm (the run's flags,
-checkpoints, faults, signals, measuring, logging, file loading, kernels, the prompt-sharing start-up check, the command
+Sections, in the order a run needs them (docs/algorithm.md maps each): Args (the algorithm's flags) and
+AlgorithmState (what it carries across updates), batch arithmetic, models, rollout (1-3), rewards (4), advantages
+(5), loss and update (6), evaluation, main. What nobody changes when changing the algorithm (the run's flags, data,
+checkpoints, faults, signals, measuring, logging, file loading, kernels, the shortcuts' start-up checks, the command
 line) is in plumbing/, called as plumbing.X: copying this file means copying that folder with it.
-  Args                the algorithm's flags, TRL <= 0.21's names (TRL >= 0.22's accepted); models, data and the
-                      run's in plumbing.RunArgs
-  batch arithmetic    micro / mini / local / B / all ranks, derived once, with exact divisions
-  data                a prompt's token ids; the sampler that draws B prompts per update
-  models              the policy and its frozen reference (a copy, or with LoRA the adapters switched off)
-  rollout             1-3: sampling with a KV cache, Completions, grouped rows (each prompt computed once for its k
-                      completions), log-probs, the rollout source (LocalRollouts)
-  rewards             4: reward model and reward functions, combined; the missing-EOS penalty
-  advantages          5: KL-penalized reward, the leave-one-out baseline
-  loss                6: the clipped surrogate on the sequence-level ratio
-  update              6: PPO epochs x shuffled minibatches x micro-batches (DDP syncs gradients on the last
-                      micro-step); no step on a NaN
-  evaluation          near-greedy completions of test prompts, scored
-  main                set-up, then each update's six steps inline: sample, score, advantages and PPO epochs, log,
-                      evaluate, save
 """
 
 import os
@@ -194,6 +183,19 @@ class Args(plumbing.RunArgs):
         algorithm_checks(self)
 
 
+@dataclass
+class AlgorithmState:
+    """What the algorithm carries from one update to the next (a controller's coefficient, a running statistic); Args
+    never changes during a run. Made by start(args); ppo_update hands it to compute_advantages and policy_loss; main
+    changes it after an update, from metrics reduced over ranks (so every rank holds the same); every checkpoint
+    saves it and a resume restores it bit for bit: plain values and tensors (tensors come back on the CPU). Stock
+    RLOO keeps none; docs/algorithm.md has a worked example (an adaptive KL controller)."""
+
+    @classmethod
+    def start(cls, args: Args) -> "AlgorithmState":
+        return cls()
+
+
 def algorithm_rules(a: Args) -> list[tuple[str, object, bool, str]]:
     """(flag, value, whether it is allowed, what it must be) for every algorithm number a typo or a NaN makes
     meaningless without any error later: sampling at temperature inf, a clip range of 0, a negative learning rate, a
@@ -318,57 +320,6 @@ def compute_batch_sizes(args: Args, world_size: int) -> BatchSizes:
                       all_ranks=local * world_size, minibatches=minibatches)
 
 
-# ===================================================================== data
-def prompt_token_ids(rows: dict, tokenizer, prompt_column: str) -> list[list[int]]:
-    """Token ids of a batch of dataset rows: a string prompt, chat messages, or pre-tokenized `query_token`."""
-    if prompt_column in rows:
-        prompts = rows[prompt_column]
-        if prompts and isinstance(prompts[0], list):  # chat messages
-            if tokenizer.chat_template is None:
-                raise plumbing.ConfigError(f"column {prompt_column!r} holds chat messages but the tokenizer has no "
-                                           "chat template")
-            with plumbing.reading("the tokenizer's chat template", "fix the template (chat_template.jinja or "
-                                  "tokenizer_config.json) or give the prompts as strings"):
-                texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
-            return tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return tokenizer(prompts)["input_ids"]
-    # TL;DR schema: queries pre-tokenized and left-padded with the pad id; strip the padding
-    return [[t for t in ids if t != tokenizer.pad_token_id] for ids in rows["query_token"]]
-
-
-class PromptSampler:
-    """Each rank's B prompt indices per update. The dataset is cycled, reshuffled every epoch; every rank
-    computes the same permutation from (seed, epoch) and takes its own slice, so no communication is needed."""
-
-    def __init__(self, num_prompts: int, prompts_per_rank: int, rank: int, world_size: int, seed: int):
-        self.per_update = prompts_per_rank * world_size
-        if num_prompts < self.per_update:
-            raise plumbing.ConfigError(f"the training split has {num_prompts} prompts, fewer than one update takes "
-                                       f"({prompts_per_rank} per rank x {world_size} ranks); use a larger dataset or "
-                                       "smaller batches")
-        self.num_prompts, self.prompts_per_rank, self.rank, self.seed = num_prompts, prompts_per_rank, rank, seed
-        self.epoch, self.position = 0, 0
-        self._permutation = self._shuffle()
-
-    def _shuffle(self) -> torch.Tensor:
-        return torch.randperm(self.num_prompts, generator=torch.Generator().manual_seed(self.seed + self.epoch))
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = state["epoch"], state["position"]
-        self._permutation = self._shuffle()
-
-    def next_indices(self) -> list[int]:
-        if self.position + self.per_update > self.num_prompts:  # drop the epoch's remainder, reshuffle
-            self.epoch, self.position = self.epoch + 1, 0
-            self._permutation = self._shuffle()
-        start = self.position + self.rank * self.prompts_per_rank
-        self.position += self.per_update
-        return self._permutation[start : start + self.prompts_per_rank].tolist()
-
-
 # ===================================================================== models
 def load_policy(args: Args, device: torch.device, checkpoint: Optional[Path] = None, tokenizer=None):
     """The policy (fp32 master weights, or with --use_peft LoRA adapters on the base; from the checkpoint when
@@ -479,10 +430,10 @@ def sampling_logits(logits: torch.Tensor, temperature: float, filters: SamplingF
 
 
 def prompt_tokens_seen(queries: torch.Tensor, query_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(n, V) bool: the token ids among each (n, Tq) query's real tokens (the repetition penalty's start)."""
+    """(g, V) bool: the token ids among each (g, Tq) query's real tokens (the repetition penalty's start)."""
     seen = torch.zeros(queries.shape[0], vocab_size, dtype=torch.bool, device=queries.device)
-    rows, columns = query_mask.nonzero(as_tuple=True)
-    seen[rows, queries[rows, columns]] = True
+    prompt, position = query_mask.nonzero(as_tuple=True)  # (n,) each, the real prompt tokens
+    seen[prompt, queries[prompt, position]] = True
     return seen
 
 
@@ -605,6 +556,10 @@ class Completions:
     # (k*B, Tr) the sampler's own log-probs of the tokens it drew (0 on padding), as it computed them while sampling
     # (a bf16 copy, an engine, vLLM): compared with the trainer's (mismatch/*); None where the sampler gave none
     sampler_logprobs: Optional[torch.Tensor] = field(default=None, kw_only=True)
+    # the distribution that sampled the batch, which every log-prob of it is of (collect_rollout, ppo_update, the
+    # mismatch metrics): softmax(sampling_logits / temperature); a batch made by hand is of softmax(logits)
+    temperature: float = field(default=1.0, kw_only=True)
+    filters: SamplingFilters = field(default=NO_FILTERS, kw_only=True)
 
     PER_PROMPT: ClassVar[tuple[str, ...]] = ("queries", "query_mask")  # every other tensor has a row per completion
 
@@ -619,10 +574,10 @@ class Completions:
         return ((self.responses == stop_token_id) & self.response_mask).any(1)
 
     def map_tensors(self, per_prompt: Callable, per_completion: Callable) -> "Completions":
-        """A copy (of the same class) with per_prompt(t) of each per-prompt tensor, per_completion(t) of the others."""
-        return replace(self, **{f.name: None if getattr(self, f.name) is None else
-                                (per_prompt if f.name in self.PER_PROMPT else per_completion)(getattr(self, f.name))
-                                for f in fields(self)})
+        """A copy (of the same class) with per_prompt(t) of each per-prompt tensor, per_completion(t) of the other
+        tensors; the other fields as they are."""
+        return replace(self, **{f.name: (per_prompt if f.name in self.PER_PROMPT else per_completion)(value)
+                                for f in fields(self) if torch.is_tensor(value := getattr(self, f.name))})
 
     def of_prompts(self, prompts: torch.Tensor) -> "Completions":
         """The completions of g of the prompts (B indices), (k, g) layout, cut to their own widths: the longest of
@@ -636,7 +591,7 @@ class Completions:
     def one_per_row(self, rows: torch.Tensor) -> "Completions":
         """Completions `rows` (indices into k*B) as k = 1 completions, each with its own copy of its prompt (for
         micro-batches that split prompt groups), cut to their own widths."""
-        prompts = rows % self.queries.shape[0]  # (n,)
+        prompts = rows % self.queries.shape[0]  # (N,)
         single = self.map_tensors(lambda t: t[prompts], lambda t: t[rows])
         return single.of_prompts(torch.arange(len(rows), device=rows.device))
 
@@ -734,21 +689,21 @@ def unshared_inputs(c: Completions, pad_id: int = 0) -> dict:
             "position_ids": position_ids_from_mask(attention_mask)}
 
 
-def tokens_before(c: Completions, vocab_size: int, rows: Optional[GroupedRows] = None) -> torch.Tensor:
-    """Bool (k*g, Tr, V), or (g, P, V) in `rows`' layout: the token ids before each predicted response token, its
+def tokens_before(c: Completions, vocab_size: int, grouped: Optional[GroupedRows] = None) -> torch.Tensor:
+    """Bool (k*g, Tr, V), or (g, P, V) in `grouped`'s layout: the token ids before each predicted response token, its
     prompt's real tokens and its own response's earlier ones (what the repetition penalty reads). In a grouped row
     the k responses of a prompt follow one another but none sees another's tokens, so each predictor looks up its own
     completion's."""
     first = first_seen(c, vocab_size)  # (k*g, V)
     t = torch.arange(c.responses.shape[1], dtype=torch.int32, device=first.device)  # (Tr,)
-    if rows is None:
+    if grouped is None:
         return first[:, None, :] < t[None, :, None]  # (k*g, Tr, V)
-    owner = torch.zeros(rows.targets.shape, dtype=torch.long, device=first.device)  # (g, P) the completion predicted
-    position = torch.zeros(rows.targets.shape, dtype=torch.int32, device=first.device)  # (g, P) at this position
+    owner = torch.zeros(grouped.targets.shape, dtype=torch.long, device=first.device)  # (g, P) the completion predicted
+    position = torch.zeros(grouped.targets.shape, dtype=torch.int32, device=first.device)  # (g, P) at this position
     completion, token = c.response_mask.nonzero(as_tuple=True)  # (n,) each, the real response tokens
     group = completion % c.queries.shape[0]  # (n,) completion j*g + i is in row i
-    owner[group, rows.slots[completion, token]] = completion
-    position[group, rows.slots[completion, token]] = t[token]
+    owner[group, grouped.slots[completion, token]] = completion
+    position[group, grouped.slots[completion, token]] = t[token]
     return first[owner] < position[..., None]  # (g, P, V); predictors of no token: unread
 
 
@@ -769,16 +724,16 @@ def forward_logprobs(
         logits = sampling_logits(logits, temperature, filters, seen, keep=c.responses)
         # log softmax(logits / T)[response token] and the entropy of softmax(logits / T), both differentiable
         return plumbing.SelectiveLogSoftmax.apply(logits, c.responses, temperature, with_entropy)
-    rows = grouped_rows_for(model, c)
-    logits = plumbing.logits_at(model, rows.predictors, **rows.model_inputs())  # (g, P, V)
-    seen = tokens_before(c, logits.shape[-1], rows) if filters.reads_history else None  # (g, P, V)
-    logits = sampling_logits(logits, temperature, filters, seen, keep=rows.targets)  # the drawn tokens stay
+    grouped = grouped_rows_for(model, c)
+    logits = plumbing.logits_at(model, grouped.predictors, **grouped.model_inputs())  # (g, P, V)
+    seen = tokens_before(c, logits.shape[-1], grouped) if filters.reads_history else None  # (g, P, V)
+    logits = sampling_logits(logits, temperature, filters, seen, keep=grouped.targets)  # the drawn tokens stay
     # log softmax(logits / T)[target] and the entropy of softmax(logits / T), in the logits' own layout, so that only
     # the (g, P) results are rearranged, never the (.., V) logits
-    logprobs, entropy = plumbing.SelectiveLogSoftmax.apply(logits, rows.targets, temperature,
+    logprobs, entropy = plumbing.SelectiveLogSoftmax.apply(logits, grouped.targets, temperature,
                                                            with_entropy)  # (g, P) each
     group = torch.arange(c.queries.shape[0], device=logits.device).repeat(c.k)[:, None]  # (k*g, 1)
-    return logprobs[group, rows.slots], None if entropy is None else entropy[group, rows.slots]
+    return logprobs[group, grouped.slots], None if entropy is None else entropy[group, grouped.slots]
 
 
 @dataclass
@@ -806,7 +761,7 @@ def sample_completions(
     responses = generate(policy, queries, query_mask, response_length, temperature, stop_token_id, pad_token_id,
                          generator, decoder, k, filters=filters)
     responses, response_mask = truncate_after_stop(responses, stop_token_id, pad_token_id)  # (k*g, Tr) each
-    return Completions(queries, query_mask, responses, response_mask)
+    return Completions(queries, query_mask, responses, response_mask, temperature=temperature, filters=filters)
 
 
 def chunks_by_prompt_length(query_mask: torch.Tensor, prompts_per_chunk: int) -> list[torch.Tensor]:
@@ -817,7 +772,7 @@ def chunks_by_prompt_length(query_mask: torch.Tensor, prompts_per_chunk: int) ->
 
 
 def put_rows(into: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
-    """into[rows] = values: a chunk's or micro-batch's (n,) values, or (n, w) cut to its own width w, back in a
+    """into[rows] = values: a chunk's or micro-batch's (N,) values, or (N, Tr') cut to its own width, back in a
     (k*B,) or (k*B, Tr) tensor."""
     into[(rows, slice(values.shape[1])) if values.dim() == 2 else rows] = values
 
@@ -839,10 +794,13 @@ def in_chunks(c: Completions, completions_per_chunk: int, compute: Callable, wid
 def sample_in_chunks(
     policy, queries: torch.Tensor, query_mask: torch.Tensor, k: int, args: Args, stop_token_id: Optional[int],
     pad_token_id: int, generator: torch.Generator, autocast, decoder: Optional[plumbing.StaticDecoder] = None,
+    temperature: Optional[float] = None, filters: Optional[SamplingFilters] = None,
 ) -> Completions:
-    """k completions of each of the B (B, Tq) queries, (k, B) layout; local_rollout_forward_batch_size completions
-    (whole prompt groups, length-sorted) at a time: the KV cache of a chunk is what must fit. Chunks draw from
-    `generator` one after the other."""
+    """k completions of each of the B (B, Tq) queries, (k, B) layout, at `temperature` with `filters` (None: the
+    flags'); local_rollout_forward_batch_size completions (whole prompt groups, length-sorted) at a time: the KV
+    cache of a chunk is what must fit. Chunks draw from `generator` one after the other."""
+    temperature = args.temperature if temperature is None else temperature
+    filters = SamplingFilters.of(args) if filters is None else filters
     chunk = plumbing.rows_per_forward(args, policy, "generation", queries.device, k * queries.shape[0], k)
     responses = torch.full((k * queries.shape[0], args.response_length), pad_token_id, device=queries.device)
     sampler_logprobs = torch.zeros(responses.shape, device=queries.device)  # (k*B, Tr)
@@ -853,11 +811,10 @@ def sample_in_chunks(
             logprobs = sampler_logprobs.new_zeros(len(rows), args.response_length)  # (k*g, Tr)
             responses[rows] = generate(
                 policy, queries[prompts, -width:], query_mask[prompts, -width:], args.response_length,
-                args.temperature, stop_token_id, pad_token_id, generator, decoder, k, logprobs,
-                SamplingFilters.of(args))  # (k*g, Tr)
+                temperature, stop_token_id, pad_token_id, generator, decoder, k, logprobs, filters)  # (k*g, Tr)
             sampler_logprobs[rows] = logprobs
     responses, response_mask = truncate_after_stop(responses, stop_token_id, pad_token_id)  # (k*B, Tr) each
-    return Completions(queries, query_mask, responses, response_mask,
+    return Completions(queries, query_mask, responses, response_mask, temperature=temperature, filters=filters,
                        sampler_logprobs=sampler_logprobs * response_mask)  # 0 on padding
 
 
@@ -871,22 +828,25 @@ class LocalRollouts:
     def __init__(self, policy, args: Args, stop_token_id: Optional[int], pad_token_id: int,
                  generator: torch.Generator, autocast):
         self.args, self.stop_token_id, self.pad_token_id, self.generator = args, stop_token_id, pad_token_id, generator
-        self.queued = []  # (B, Tq) queries and mask, oldest first
+        self.queued = []  # (B, Tq) queries and mask, temperature, filters, oldest first
         # the module that samples: the policy under autocast, or a bf16 copy of it
         self.sampler = plumbing.bf16_copy(policy) if args.bf16_generation else policy
         self.autocast = contextlib.nullcontext if args.bf16_generation else autocast
         self.decoder = plumbing.StaticDecoder(self.sampler, args.max_prompt_length + args.response_length) \
             if args.compile_generation else None
 
-    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor) -> None:
-        """Ask for rloo_k completions of each of the (B, Tq) queries."""
-        self.queued.append((queries, query_mask))
+    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, temperature: float,
+               filters: SamplingFilters) -> None:
+        """Ask for rloo_k completions of each of the (B, Tq) queries, sampled at temperature with filters."""
+        self.queued.append((queries, query_mask, temperature, filters))
 
     def take(self) -> tuple[Completions, dict[str, float]]:
-        """The completions of the oldest submitted queries, and metrics about how they were made."""
-        queries, query_mask = self.queued.pop(0)
+        """The completions of the oldest submitted queries, carrying the settings that sampled them, and metrics
+        about how they were made."""
+        queries, query_mask, temperature, filters = self.queued.pop(0)
         return sample_in_chunks(self.sampler, queries, query_mask, self.args.rloo_k, self.args, self.stop_token_id,
-                                self.pad_token_id, self.generator, self.autocast, self.decoder), {}
+                                self.pad_token_id, self.generator, self.autocast, self.decoder, temperature,
+                                filters), {}
 
     @contextlib.contextmanager
     def behaviour_policy(self, policy):
@@ -903,24 +863,39 @@ class LocalRollouts:
         pass
 
 
-def logprobs_from_update(args: Args, sizes: BatchSizes, lookahead: int) -> bool:
+def logprobs_from_update(args: Args, sizes: BatchSizes, lookahead: int, state: Optional[AlgorithmState] = None,
+                         notes: Optional[list[str]] = None, device: torch.device = torch.device("cpu")) -> bool:
     """On-policy (one epoch, one minibatch, sampled by the weights being trained) the sampling policy's log-probs are
-    the training forward's own, detached: the update computes them, a micro-batch of whole prompt groups at a time,
-    instead of a separate pass. Not with --normalize_advantage, which needs them all before the first step."""
-    return (args.num_ppo_epochs == 1 and sizes.minibatches == 1 and lookahead == 0
-            and sizes.micro % args.rloo_k == 0 and not args.normalize_advantage)
+    the training forward's own, detached: the update computes them and the advantages, a micro-batch of whole prompt
+    groups at a time, instead of a separate pass. Exact only where compute_advantages, as it is now, gives a
+    micro-batch's groups what it gives them in the whole batch: a start-up check on synthetic tensors of the run's
+    shape and micro-batches (plumbing.apart_difference, a collective) decides; where they differ (a statistic over the
+    batch, --normalize_advantage), the plain path, and a line in `notes`."""
+    if not (args.num_ppo_epochs == 1 and sizes.minibatches == 1 and lookahead == 0 and sizes.micro % args.rloo_k == 0):
+        return False
+    state = AlgorithmState.start(args) if state is None else state
+    probe, scores = plumbing.advantages_probe(args.rloo_k, sizes.prompts, args.response_length, device)
+    whole = Rollout(**probe)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the run's draws unmoved
+        parts = [(rows, micro_batch(whole, rows, args.rloo_k))
+                 for minibatch in minibatch_plan(whole, sizes, args.rloo_k) for rows in minibatch]
+    why = plumbing.apart_difference(lambda c, rows: compute_advantages(c, scores[rows], args, state), whole, parts)
+    if why is not None and notes is not None:
+        notes.append(f"on-policy shortcut off: compute_advantages {why} (the update would compute them a micro-batch "
+                     "at a time), so the policy's log-probs take a separate pass and the advantages the whole batch")
+    return why is None
 
 
 @torch.no_grad()
 def collect_rollout(
-    policy, ref_policy, completions: Completions, args: Args, share_prompt: bool, logprobs_from_update: bool,
+    policy, ref_policy, completions: Completions, args: Args, share_prompt: bool, in_update: bool,
     autocast, timer: plumbing.PhaseTimer,
 ) -> Rollout:
-    """The completions' log-probs under the policy that sampled them, of the distribution it sampled from (the
-    filters, as the update's forward computes them; unless logprobs_from_update), then under the reference, of
-    softmax(logits / temperature) unfiltered: the KL is then KL(sampled || reference), >= 0 and finite (the reference
-    gives every token mass), and counts what the filters cut as a distance. Each in length-sorted chunks of whole
-    prompt groups."""
+    """The completions' log-probs under the policy that sampled them, of the distribution it sampled from (their
+    temperature and filters, as the update's forward computes them; unless in_update: the update's forward gives them,
+    logprobs_from_update), then under the reference, of softmax(logits / temperature) unfiltered: the KL is then
+    KL(sampled || reference), >= 0 and finite (the reference gives every token mass), and counts what the filters cut as
+    a distance. Each in length-sorted chunks of whole prompt groups."""
     c = completions
 
     def in_length_chunks(model, logprobs: Callable) -> torch.Tensor:
@@ -930,17 +905,16 @@ def collect_rollout(
     # recomputed with the training forward pass, not taken from sampling: the sequence-level ratio is the exp of
     # a sum, so small sampling-vs-training mismatches would blow up (bf16, fused kernels)
     logprobs = None
-    if not logprobs_from_update:
+    if not in_update:
         with timer("policy_forward"), autocast():
             logprobs = in_length_chunks(policy, lambda part: forward_logprobs(
-                policy, part, args.temperature, share_prompt, filters=SamplingFilters.of(args))[0])  # (k*B, Tr)
+                policy, part, c.temperature, share_prompt, filters=c.filters)[0])  # (k*B, Tr)
     ref_logprobs = None
     if ref_policy is not None:
         with timer("reference_forward"), plumbing.visiting(ref_policy, c.responses.device), autocast():
             ref_logprobs = in_length_chunks(ref_policy, lambda part: forward_logprobs(
-                ref_policy, part, args.temperature, share_prompt)[0])  # (k*B, Tr)
-    return Rollout(c.queries, c.query_mask, c.responses, c.response_mask, logprobs, ref_logprobs,
-                   sampler_logprobs=c.sampler_logprobs)
+                ref_policy, part, c.temperature, share_prompt)[0])  # (k*B, Tr)
+    return Rollout(**{f.name: getattr(c, f.name) for f in fields(c)}, logprobs=logprobs, ref_logprobs=ref_logprobs)
 
 
 # ===================================================================== rewards
@@ -969,22 +943,12 @@ def reward_model_scores(model, c: Completions, share_prompt: bool) -> torch.Tens
     if not share_prompt:
         inputs = unshared_inputs(c)
         return sequence_rewards(model, inputs["input_ids"], inputs["attention_mask"])
-    rows = grouped_rows_for(model, c)
+    grouped = grouped_rows_for(model, c)
     backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(**rows.model_inputs(), use_cache=False).last_hidden_state  # (g, L, H)
+    hidden = backbone(**grouped.model_inputs(), use_cache=False).last_hidden_state  # (g, L, H)
     group = torch.arange(c.queries.shape[0], device=hidden.device).repeat(c.k)  # (k*g,) the (k, g) layout
-    last = rows.last_positions  # (k*g,)
+    last = grouped.last_positions  # (k*g,)
     return model.score(hidden[group, last]).squeeze(-1).float()
-
-
-def retokenize(texts: list[str], ended: list[bool], tokenizer,
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Query + completion texts in another tokenizer, with its EOS where the completion stopped.
-    Returns right-padded (ids, mask), both (N, T)."""
-    encoded = tokenizer(texts)["input_ids"]
-    sequences = [ids + [tokenizer.eos_token_id] if e and tokenizer.eos_token_id is not None else ids
-                 for ids, e in zip(encoded, ended)]
-    return plumbing.pad_sequences(sequences, 0, device, side="right")  # pad id 0: reward_model_scores masks padding
 
 
 def combine_rewards(values: torch.Tensor, applies: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -997,15 +961,16 @@ def combine_rewards(values: torch.Tensor, applies: torch.Tensor, weights: torch.
 
 
 def score_completions(
-    sources: plumbing.RewardSources, completions: Completions, rows: dict[str, list], prompt_column: str, tokenizer,
+    sources: plumbing.RewardSources, completions: Completions, examples: dict[str, list], prompt_column: str, tokenizer,
     stop_token_id: Optional[int], chunk_size: int, autocast,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """(k*B,) combined score of each completion, and each source's mean. `rows`: the B dataset rows the completions
+    """(k*B,) combined score of each completion, and each source's mean. `examples`: the B dataset rows the completions
     came from (completion row j*B + i belongs to prompt i); reward functions get their prompts (prompt_values) and
     every other column."""
     c, n, device = completions, completions.responses.shape[0], completions.responses.device
-    prompts = prompt_values(rows, prompt_column, tokenizer)  # (B,)
-    columns = {column: values for column, values in rows.items() if column not in (plumbing.PROMPT_IDS, prompt_column)}
+    prompts = plumbing.prompt_values(examples, prompt_column, tokenizer)  # (B,)
+    columns = {column: values for column, values in examples.items() if column not in (plumbing.PROMPT_IDS,
+                                                                                         prompt_column)}
     completion_ids = [r[m].tolist() for r, m in zip(c.responses, c.response_mask)]
     ended = c.ended(stop_token_id).tolist()
     without_stop = [ids[:-1] if e else ids for ids, e in zip(completion_ids, ended)]
@@ -1023,8 +988,8 @@ def score_completions(
                                              enumerate(without_stop)], skip_special_tokens=True)
         scores = []
         for start in range(0, n, chunk_size):
-            rows = slice(start, start + chunk_size)
-            ids, mask = retokenize(full_texts[rows], ended[rows], sources.model_tokenizer, device)
+            span = slice(start, start + chunk_size)
+            ids, mask = plumbing.retokenize(full_texts[span], ended[span], sources.model_tokenizer, device)
             with autocast():
                 scores.append(sequence_rewards(sources.model, ids, mask))
         values.append(torch.cat(scores).cpu())
@@ -1042,13 +1007,6 @@ def score_completions(
         per_source[f"reward/{name}/mean"] = v[a].mean().item() if a.any() else float("nan")
         per_source[f"reward/{name}/std"] = v[a].std().item() if a.sum() > 1 else float("nan")
     return combine_rewards(values, applies, sources.weights).to(device), per_source
-
-
-def prompt_values(rows: dict, prompt_column: str, tokenizer) -> list:
-    """What reward functions see as `prompts`: the dataset's prompt column, or the decoded query tokens."""
-    if prompt_column in rows:
-        return rows[prompt_column]
-    return tokenizer.batch_decode(rows[plumbing.PROMPT_IDS], skip_special_tokens=True)
 
 
 def apply_missing_eos_penalty(scores: torch.Tensor, has_stop: torch.Tensor, penalty: Optional[float]) -> torch.Tensor:
@@ -1093,8 +1051,8 @@ def rloo_advantages(
     if not token_level:
         return rlhf_reward - baseline, rlhf_reward
     token_rewards = -kl_coef * kl  # (k, g, Tr)
-    rows = token_rewards.flatten(0, 1)  # (k*g, Tr), a view: the score goes to each row's last valid token
-    rows[torch.arange(len(rows)), last_true_index(response_mask.flatten(0, 1))] += scores.flatten()
+    per_completion = token_rewards.flatten(0, 1)  # (k*g, Tr), a view: the score goes to each one's last valid token
+    per_completion[torch.arange(len(per_completion)), last_true_index(response_mask.flatten(0, 1))] += scores.flatten()
     returns = token_rewards.flip(-1).cumsum(-1).flip(-1)  # (k, g, Tr): sum of rewards from token t on
     return (returns - baseline[..., None]) * response_mask, rlhf_reward
 
@@ -1113,11 +1071,12 @@ def kl_to_reference(rollout: Rollout) -> torch.Tensor:
     return rollout.logprobs - rollout.ref_logprobs
 
 
-def compute_advantages(c: Rollout, scores: torch.Tensor, args: Args) -> None:
+def compute_advantages(c: Rollout, scores: torch.Tensor, args: Args, state: Optional[AlgorithmState] = None) -> None:
     """c.advantages and c.rlhf_reward from the scores (k*g,) of c's completions (a rollout's, or on-policy a
     micro-batch's whole prompt groups) and their KL (in the reward unless --kl_in_loss). The estimator's one caller:
     it hands it groups shaped (k, g), checks they come back so, and with --normalize_advantage whitens over every
-    rank's batch. Sets c.non_score_reward (objective/non_score_reward) from what the estimator returned."""
+    rank's batch. Sets c.non_score_reward (objective/non_score_reward) from what the estimator returned. `state`:
+    the run's AlgorithmState (ppo_update's; None in a direct call)."""
     k, g, kl_coef = c.k, c.queries.shape[0], 0.0 if args.kl_in_loss else args.kl_coef
     advantages, rlhf_reward = rloo_advantages(in_groups(scores, k), in_groups(kl_to_reference(c), k),
                                               in_groups(c.response_mask, k), kl_coef, args.token_level_kl)
@@ -1160,14 +1119,14 @@ def completions_in_loss(scores: torch.Tensor, has_stop: torch.Tensor, args: Args
     return has_stop if args.mask_truncated_completions else None
 
 
-def policy_loss(new_logprobs: torch.Tensor, batch: Rollout, args: Args,
-                entropy: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def policy_loss(new_logprobs: torch.Tensor, batch: Rollout, args: Args, entropy: Optional[torch.Tensor] = None,
+                state: Optional[AlgorithmState] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Each action's loss (ppo_update sums them over loss_normalizer), from a micro-batch's new log-probs and entropy
     (N, Tr) and what the batch holds (old and reference log-probs, advantages, in_loss). A completion is one action
     with the sequence ratio exp(sum_t new - sum_t old): losses (N,); with --token_level_kl a token is, with its own
     ratio: losses (N, Tr), 0 on padding. The clipped surrogate with the ratio in [1 - cliprange, 1 + cliprange_high],
     plus kl_coef x the KL with --kl_in_loss, times the importance weight with --vllm_importance_sampling_correction;
-    0 for the completions outside batch.in_loss, which leave the statistics too."""
+    0 for the completions outside batch.in_loss, which leave the statistics too. `state`: as compute_advantages'."""
     old_logprobs, response_mask, in_loss = batch.logprobs, batch.response_mask, batch.in_loss  # (N, Tr) x2, (N,)
     advantages, per_token = batch.advantages, args.token_level_kl  # (N,), or (N, Tr) per token
     if per_token:
@@ -1189,8 +1148,8 @@ def policy_loss(new_logprobs: torch.Tensor, batch: Rollout, args: Args,
     per_action = torch.max(losses, losses_clipped)  # (N,) or (N, Tr)
     if args.kl_in_loss:  # GRPO's k3 = exp(ref - new) - (ref - new) - 1 per token: >= 0, and its gradient flows
         log_ref_ratio = (batch.ref_logprobs - new_logprobs) * response_mask  # (N, Tr), 0 on padding
-        kl = log_ref_ratio.exp() - log_ref_ratio - 1  # (N, Tr)
-        per_action = per_action + args.kl_coef * (kl if per_token else kl.sum(1))
+        kl_estimate = log_ref_ratio.exp() - log_ref_ratio - 1  # (N, Tr)
+        per_action = per_action + args.kl_coef * (kl_estimate if per_token else kl_estimate.sum(1))
     if args.vllm_importance_sampling_correction:  # (N,) or (N, Tr) weights; a sequence's is each of its tokens'
         if batch.sampler_logprobs is None:
             raise plumbing.ConfigError("--vllm_importance_sampling_correction needs the sampler's log-probs, which "
@@ -1215,7 +1174,7 @@ def loss_normalizer(rollout: Rollout, minibatch: list[torch.Tensor]) -> torch.Te
     """What each micro-batch's summed losses are divided by: the minibatch's completions per rank (averaged over
     ranks, as DDP and FSDP average gradients), counted before its first micro-batch, so that the loss does not depend
     on how it is cut into micro-batches. Per-token losses then give the mean of each completion's sum."""
-    rows = torch.cat(minibatch)  # (n,) this rank's completions of the minibatch
+    rows = torch.cat(minibatch)  # (N,) this rank's completions of the minibatch
     count = torch.tensor(float(len(rows)), device=rollout.responses.device)
     return plumbing.all_reduce(count) / (dist.get_world_size() if dist.is_initialized() else 1)
 
@@ -1246,51 +1205,46 @@ def micro_batch(rollout: Rollout, rows: torch.Tensor, k: int) -> Rollout:
     return rollout.one_per_row(rows)
 
 
-def gradient_sync(model, enabled: bool):
-    """DDP all-reduces gradients only when `enabled` (an optimizer step's last micro-step). FSDP reduce-scatters at
-    every micro-step, as ZeRO-3 does: more traffic, but no rank ever holds a full-size gradient."""
-    if isinstance(model, DDP) and not enabled:
-        return model.no_sync()
-    return contextlib.nullcontext()
-
-
 def ppo_update(
     model, optimizer: torch.optim.Optimizer, rollout: Rollout, scores: torch.Tensor, args: Args, sizes: BatchSizes,
-    share_prompt: bool, autocast, ref_policy=None, steps_done: int = 0,
+    share_prompt: bool, autocast, ref_policy=None, steps_done: int = 0, state: Optional[AlgorithmState] = None,
 ) -> dict[str, float]:
     """num_ppo_epochs x shuffled minibatches (an optimizer step each) x micro-batches (minibatch_plan) of policy_loss.
     Advantages come from the scores (k*B,) by compute_advantages, before the first step; or on-policy (rollout.logprobs
     None) per micro-batch from its own forward, whose detached log-probs are the ratio's denominator. Leaves rollout's
     logprobs, advantages, rlhf_reward, non_score_reward for the metrics; returns its own, averaged over micro-steps.
-    --sync_ref_model: after every ref_model_sync_steps-th optimizer step of the run, ref_policy mixes in the policy."""
+    --sync_ref_model: after every ref_model_sync_steps-th optimizer step of the run, ref_policy mixes in the policy.
+    `state`: the run's AlgorithmState (None: its start), handed to compute_advantages and policy_loss."""
+    state = AlgorithmState.start(args) if state is None else state
     stats: dict[str, list[torch.Tensor]] = {}
     ratios, grad_norms = [], []
     device, k = scores.device, rollout.k
     max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-    logprobs_from_update = rollout.logprobs is None  # on-policy: the update's forward gives them
-    if logprobs_from_update:  # filled below, a micro-batch at a time
+    in_update = rollout.logprobs is None  # on-policy: the update's forward gives them (logprobs_from_update)
+    if in_update:  # filled below, a micro-batch at a time
         rollout.logprobs = torch.zeros(rollout.responses.shape, device=device)  # (k*B, Tr)
         rollout.advantages, rollout.rlhf_reward = None, torch.zeros_like(scores)  # (k*B,); the advantages below
         rollout.non_score_reward = torch.zeros_like(scores)  # (k*B,)
     else:
-        compute_advantages(rollout, scores, args)  # all groups at once: --normalize_advantage needs them all
+        compute_advantages(rollout, scores, args, state)  # all groups at once
     for _ in range(args.num_ppo_epochs):
         for minibatch in minibatch_plan(rollout, sizes, k):
             normalizer = loss_normalizer(rollout, minibatch)  # counted once: every micro-batch divides by it
             losses = []
             for micro_step, rows in enumerate(minibatch):
-                batch = micro_batch(rollout, rows, k)  # (n, Tq') prompts, (n', Tr') responses, n' = len(rows)
-                with gradient_sync(model, enabled=micro_step == len(minibatch) - 1), autocast():
-                    new_logprobs, entropy = forward_logprobs(model, batch, args.temperature, share_prompt, True,
-                                                             SamplingFilters.of(args))  # (n', Tr') each
-                    if logprobs_from_update:  # whole prompt groups (logprobs_from_update): all that the estimator reads
+                batch = micro_batch(rollout, rows, k)  # (N, Tr') responses, N = len(rows); its prompts once each
+                with plumbing.gradient_sync(model, enabled=micro_step == len(minibatch) - 1), autocast():
+                    new_logprobs, entropy = forward_logprobs(model, batch, batch.temperature, share_prompt, True,
+                                                             batch.filters)  # (N, Tr') each
+                    if in_update:  # whole prompt groups, all that compute_advantages reads (logprobs_from_update)
                         batch.logprobs = new_logprobs.detach() * batch.response_mask
-                        compute_advantages(batch, scores[rows], args)
+                        compute_advantages(batch, scores[rows], args, state)
                         if rollout.advantages is None:  # (k*B,), or (k*B, Tr) from a per-token estimator
                             rollout.advantages = scores.new_zeros(rollout.responses.shape[:batch.advantages.dim()])
                         for name in ("logprobs", "advantages", "rlhf_reward", "non_score_reward"):
                             put_rows(getattr(rollout, name), rows, getattr(batch, name))
-                    action_losses, step_stats = policy_loss(new_logprobs, batch, args, entropy)  # (n',) or (n', Tr')
+                    action_losses, step_stats = policy_loss(new_logprobs, batch, args, entropy,
+                                                            state)  # (N,) or (N, Tr')
                     loss = action_losses.sum() / normalizer
                     loss.backward()
                 losses.append(loss.detach())
@@ -1364,27 +1318,21 @@ def evaluate(
     plumbing.note_phase("evaluation")
     with plumbing.reward_faults(dist_info.device, "evaluation", after_training=True):
         for start in range(0, len(indices), prompts_per_chunk):
-            rows = eval_dataset[indices[start : start + prompts_per_chunk]]
-            queries, query_mask = plumbing.pad_sequences(rows[plumbing.PROMPT_IDS], tokenizer.pad_token_id,
-                                                         dist_info.device)  # (b, Tq)
+            examples = eval_dataset[indices[start : start + prompts_per_chunk]]
+            queries, query_mask = plumbing.pad_sequences(examples[plumbing.PROMPT_IDS], tokenizer.pad_token_id,
+                                                         dist_info.device)  # (g, Tq)
             with autocast():
                 completions = sample_completions(policy, queries, query_mask, args.response_length, EVAL_TEMPERATURE,
                                                  stop_token_id, tokenizer.pad_token_id, k=k,
-                                                 filters=SamplingFilters.of(args))  # (k*b, Tr), (k, b) layout
-            scores, _ = score_completions(sources, completions, rows, args.prompt_column, tokenizer, stop_token_id,
-                                          k * prompts_per_chunk, autocast)  # (k*b,)
+                                                 filters=SamplingFilters.of(args))  # (k*g, Tr), (k, g) layout
+            scores, _ = score_completions(sources, completions, examples, args.prompt_column, tokenizer, stop_token_id,
+                                          k * prompts_per_chunk, autocast)  # (k*g,)
             total += torch.tensor([scores.sum().item(), completions.response_mask.sum().item(),
                                    completions.ended(stop_token_id).sum().item(), len(scores)],
                                   dtype=torch.float64, device=dist_info.device)
     score_sum, length_sum, stops, count = plumbing.all_reduce(total).tolist()
     count = max(count, 1.0)
     return {"eval/scores": score_sum / count, "eval/mean_length": length_sum / count, "eval/eos_frac": stops / count}
-
-
-def evaluation_updates(num_updates: int, num_evals: int) -> set[int]:
-    """The updates after which the policy is evaluated: num_evals of them spread evenly over the run, the last at its
-    end (num_evals 0: only the end). The initial policy's evaluation (update 0) comes on top."""
-    return {math.ceil(i * num_updates / num_evals) for i in range(1, num_evals + 1)} if num_evals else {num_updates}
 
 
 # ===================================================================== main
@@ -1402,9 +1350,7 @@ def table_rows(args: Args, sizes: BatchSizes) -> list[int]:
 class PromptBatch:
     """B prompts drawn for one update, their k completions asked for and not yet trained on."""
 
-    rows: dict  # the dataset's B rows: PROMPT_IDS, the prompt column, any column a reward function takes
-    queries: torch.Tensor  # (B, Tq) left-padded to this batch's longest prompt
-    query_mask: torch.Tensor  # (B, Tq)
+    examples: dict  # the dataset's B rows: PROMPT_IDS, the prompt column, any column a reward function takes
     sampler_state: dict  # the sampler before drawing them: where a resume starts while the batch is in flight
 
 
@@ -1421,8 +1367,9 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     dist_info = plumbing.setup_distributed(args.ddp_timeout)
     sizes = compute_batch_sizes(args, dist_info.world_size)
     device, master = dist_info.device, dist_info.master
-    checkpoints = plumbing.Checkpointer(args, dist_info, lock, reward_functions)  # output_dir locked, the checkpoint
-    # to start from, every input checked against those the run started with
+    state = AlgorithmState.start(args)
+    checkpoints = plumbing.Checkpointer(args, dist_info, lock, reward_functions, state)  # output_dir locked, the
+    # checkpoint to start from (the state restored from it), every input checked against those the run started with
     with checkpoints.refusal_leaves_nothing():
         plumbing.choose_kernels()
         autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=args.bf16)
@@ -1430,10 +1377,10 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
             tokenizer, vocab_size = plumbing.prepare_tokenizer(args)  # and the models' configs checked
         with plumbing.startup_step("loaded the prompts", master) as said:
             dataset, eval_dataset, dropped = plumbing.load_prompts(args, tokenizer, vocab_size,
-                                                                      prompt_token_ids)
+                                                                      plumbing.prompt_token_ids)
             said.append(f"{len(dataset)} train" + (f", {len(eval_dataset)} test" if eval_dataset else "")
                         + f"; {plumbing.describe_prompt_lengths(dropped, args.max_prompt_length)}")
-        sampler = PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)
+        sampler = plumbing.PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)
         plumbing.check_reward_function_arguments(reward_functions, [
             (args.dataset_name, dataset), (args.dataset_test_split, eval_dataset)], args.prompt_column)
         steps_per_update = args.num_ppo_epochs * sizes.minibatches  # optimizer steps
@@ -1497,13 +1444,15 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
             for note in notes:
                 logger.console.print(note, highlight=False, soft_wrap=True)
         rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, sampling_rng, autocast)
-        if logger is not None and steps_per_update == 1 and rollouts.lookahead == 0:
-            logger.console.print(f"on-policy (1 PPO epoch, 1 minibatch): the ratio is 1 at every step, so the clip "
-                                 f"range [1 - {args.cliprange:g}, 1 + {args.cliprange_high:g}] cannot act (raise "
-                                 "--num_ppo_epochs or --num_mini_batches for it to)", highlight=False, soft_wrap=True)
+        notes = [f"on-policy (1 PPO epoch, 1 minibatch): the ratio is 1 at every step, so the clip range "
+                 f"[1 - {args.cliprange:g}, 1 + {args.cliprange_high:g}] cannot act (raise --num_ppo_epochs or "
+                 "--num_mini_batches for it to)"] if steps_per_update == 1 and rollouts.lookahead == 0 else []
+        in_update = logprobs_from_update(args, sizes, rollouts.lookahead, state, notes, device)  # start-up check
+        for note in notes if logger is not None else []:
+            logger.console.print(note, highlight=False, soft_wrap=True)
         timer = plumbing.PhaseTimer(device)
         timer.count_tokens_of(policy, ref_policy, sources.model, getattr(rollouts, "sampler", None))
-    eval_at = evaluation_updates(num_updates, args.num_evals) if eval_dataset is not None else set()
+    eval_at = plumbing.evaluation_updates(num_updates, args.num_evals) if eval_dataset is not None else set()
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0
     queued: list[PromptBatch] = []  # drawn, sampled or being sampled, not yet trained on
 
@@ -1536,11 +1485,14 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
             policy.eval()
             with plumbing.gathered_for_rollout(policy, args.fsdp_generation):
                 while len(queued) <= min(rollouts.lookahead, num_updates - update):
-                    sampler_state, rows = sampler.state_dict(), dataset[sampler.next_indices()]
-                    queries, query_mask = plumbing.pad_sequences(rows[plumbing.PROMPT_IDS],
+                    sampler_state, examples = sampler.state_dict(), dataset[sampler.next_indices()]
+                    queries, query_mask = plumbing.pad_sequences(examples[plumbing.PROMPT_IDS],
                                                                  tokenizer.pad_token_id, device)  # (B, Tq)
-                    rollouts.submit(queries, query_mask)  # k completions each, returned in the (k, B) layout
-                    queued.append(PromptBatch(rows, queries, query_mask, sampler_state))
+                    # what samples the batch of update `update + len(queued)`, which carries it to every log-prob
+                    # of it (Completions.temperature, .filters): a schedule of a sampling setting is this line
+                    temperature, filters = args.temperature, SamplingFilters.of(args)
+                    rollouts.submit(queries, query_mask, temperature, filters)  # k completions each, (k, B) layout
+                    queued.append(PromptBatch(examples, sampler_state))
                 try:
                     with timer("generation"):
                         completions, rollout_metrics = rollouts.take()  # (B, Tq) queries, (k*B, Tr) responses
@@ -1548,11 +1500,10 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                     path = checkpoints.save(update - 1, data_position())
                     raise plumbing.RolloutSourceError(f"{e}; checkpoint of update {update - 1} saved to {path}") \
                         from None
-                batch = queued.pop(0)
+                prompt_batch = queued.pop(0)
                 with rollouts.behaviour_policy(policy) as behaviour:
-                    rollout = collect_rollout(behaviour, ref_policy, completions, args, share_prompt,
-                                              logprobs_from_update(args, sizes, rollouts.lookahead), autocast,
-                                              timer)  # (k*B, Tr) log-probs
+                    rollout = collect_rollout(behaviour, ref_policy, completions, args, share_prompt, in_update,
+                                              autocast, timer)  # (k*B, Tr) log-probs
             has_stop = rollout.ended(stop_token_id)  # (k*B,)
 
             # ALGO LOGIC 4. score every completion (reward model and reward functions), then the missing-EOS penalty
@@ -1561,8 +1512,9 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                         plumbing.reward_faults(device, f"scoring of update {update}"):
                     chunk = plumbing.rows_per_forward(args, sources.model, "scoring", device, len(rollout.responses),
                                                       args.rloo_k)
-                    raw_scores, source_means = score_completions(sources, rollout, batch.rows, args.prompt_column,
-                                                                 tokenizer, stop_token_id, chunk, autocast)  # (k*B,)
+                    raw_scores, source_means = score_completions(sources, rollout, prompt_batch.examples,
+                                                                 args.prompt_column, tokenizer, stop_token_id, chunk,
+                                                                 autocast)  # (k*B,)
                 scores = apply_missing_eos_penalty(raw_scores, has_stop, args.missing_eos_penalty)  # (k*B,)
                 if args.normalize_reward:
                     scores = whiten(scores).clamp(-args.reward_clip_range, args.reward_clip_range)
@@ -1576,14 +1528,14 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                 plumbing.check_finite({"reward": raw_scores, "log-prob": rollout.logprobs,
                                        "reference log-prob": rollout.ref_logprobs}, device)  # on every rank at once
                 train_stats = ppo_update(trained, optimizer, rollout, scores, args, sizes, share_prompt, autocast,
-                                         ref_policy, (update - 1) * steps_per_update)
+                                         ref_policy, (update - 1) * steps_per_update, state)
             rollout_metrics.update(rollouts.policy_updated(update, policy))  # rloo_multinode.py: the engines' sync
 
             # log (this rank's metrics under TRL's names, then reduced over ranks), evaluate, save
-            kl = (kl_to_reference(rollout) * rollout.response_mask).sum(1).mean().item()  # of the sequences
+            mean_kl = (kl_to_reference(rollout) * rollout.response_mask).sum(1).mean().item()  # of the sequences
             metrics = {
-                "objective/kl": kl,
-                **({"kl": kl} if ref_policy is not None else {}),  # TRL 1.x's name, logged only with a reference
+                "objective/kl": mean_kl,
+                **({"kl": mean_kl} if ref_policy is not None else {}),  # TRL 1.x's name, only with a reference
                 "objective/entropy": (-rollout.logprobs * rollout.response_mask).sum(1).mean().item(),
                 "objective/non_score_reward": rollout.non_score_reward.mean().item(),  # compute_advantages's
                 "objective/rlhf_reward": rollout.rlhf_reward.mean().item(),
@@ -1600,14 +1552,14 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                 "time/update": time.perf_counter() - update_start,  # all of the update but evaluation and saving
             }
             episode = update * sizes.all_ranks
-            metrics = plumbing.reduce_metrics(metrics, device, rollouts.max_metrics)
+            metrics = plumbing.reduce_metrics(metrics, device, rollouts.max_metrics)  # AlgorithmState's changes: here
             metrics.update(eps=episode / (time.time() - checkpoints.start_time), lr=optimizer.param_groups[0]["lr"],
                            episode=episode)
             if logger is not None:
                 logger.log(update, metrics)
                 if args.log_completions or (sample_every and (update - 1) % sample_every == 0):
-                    logger.sample_table([(tokenizer.decode(batch.queries[i % sizes.prompts][
-                        batch.query_mask[i % sizes.prompts]]), tokenizer.decode(rollout.responses[i][
+                    logger.sample_table([(tokenizer.decode(rollout.queries[i % sizes.prompts][
+                        rollout.query_mask[i % sizes.prompts]]), tokenizer.decode(rollout.responses[i][
                             rollout.response_mask[i]]), scores[i].item()) for i in table_rows(args, sizes)], episode)
             if update in eval_at:
                 evaluation(update, episode)

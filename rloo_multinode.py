@@ -218,10 +218,8 @@ def validate_engine_args(args: Args, world_size: int) -> None:
     if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
         raise plumbing.ConfigError("--vllm_enable_sleep_mode needs CUDA (vLLM's sleep mode works through CUDA's "
                                    "allocator); on CPUs drop it")
-    if (args.engine == "vllm" or args.vllm_mode == "colocate") and args.min_p and args.top_p < 1:
-        raise plumbing.ConfigError(f"--min_p {args.min_p} with --top_p {args.top_p}: vLLM filters by min-p before "
-                                   "top-p, the trainer (transformers' order) after, so the two distributions would "
-                                   "differ; drop one of them, or pass --engine hf")
+    if args.engine == "vllm" or args.vllm_mode == "colocate":
+        check_vllm_filters(rloo.SamplingFilters.of(args))
     if args.vllm_mode == "colocate":
         validate_colocated_args(args)
         return
@@ -672,8 +670,9 @@ class Engine(Protocol):
         """Complete the sync: the new weights sample from now on (vLLM: its prefix cache emptied)."""
 
     def generate(self, request: dict) -> dict:
-        """k completions of each query: {"responses": (k*b, Tr) in the (k, b) layout, "sampler_logprobs" (k*b, Tr)
-        each drawn token's log-prob at the sampling temperature (0 after a response's end), "rng_state"}."""
+        """k completions of each query, sampled at the request's "temperature" with its "filters" (the batch's own,
+        sampling_request): {"responses": (k*b, Tr) in the (k, b) layout, "sampler_logprobs" (k*b, Tr) each drawn
+        token's log-prob at that temperature (0 after a response's end), "rng_state"}."""
 
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token t | tokens < t) of every token but the first of each sequence, at temperature 1."""
@@ -718,7 +717,8 @@ class HFEngine:
         c = rloo.sample_in_chunks(
             self.model, request["queries"].to(self.device), request["query_mask"].to(self.device), request["k"],
             self.args, request["stop_token_id"], request["pad_token_id"], generator,
-            lambda: torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16), self.decoder)
+            lambda: torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16), self.decoder,
+            request["temperature"], rloo.SamplingFilters(**request["filters"]))
         return {"responses": c.responses.cpu(), "sampler_logprobs": c.sampler_logprobs.cpu(),
                 "rng_state": generator.get_state()}
 
@@ -755,16 +755,34 @@ def vllm_engine_kwargs(args: Args, index: int, backend: str) -> dict:
     return kwargs
 
 
-def vllm_sampling(args: Args, stop_token_id: Optional[int]) -> dict:
-    """vLLM sampling parameters (SamplingParams' and the completions API's names) that draw as rloo.py's sampler
-    does (rloo.sampling_logits): the temperature and --top_k, --top_p, --min_p, --repetition_penalty, whatever the
-    model's generation config says; vLLM's meaning of each is transformers' (the penalty on the raw logits of the
-    prompt's and the output's tokens; ties at the k-th logit kept), and with logprobs_mode "processed_logprobs" the
-    log-probs it returns are of the filtered distribution, as the trainer's. Its one difference, min-p before top-p,
-    is refused (validate_engine_args). response_length tokens unless the stop token comes first, and EOS stops a
-    response only when it is the stop token."""
-    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p or 0.0,
-            "repetition_penalty": args.repetition_penalty,
+def sampling_request(temperature: float, filters: rloo.SamplingFilters) -> dict:
+    """The settings that sample a batch, as an engine request carries them (plain values: they cross the control
+    store as JSON); an engine samples each batch with its own (a schedule of them in rloo.main reaches engines)."""
+    return {"temperature": temperature, "filters": asdict(filters)}
+
+
+def check_vllm_filters(filters: rloo.SamplingFilters) -> None:
+    """Refuse the filters vLLM would apply otherwise than the trainer: at start-up for the flags' (validate_engine_args)
+    and for every batch's (vllm_sampling: a schedule in rloo.main may set them later)."""
+    if filters.min_p and filters.top_p < 1:
+        raise plumbing.ConfigError(f"--min_p {filters.min_p} with --top_p {filters.top_p}: vLLM filters by min-p "
+                                   "before top-p, the trainer (transformers' order) after, so the two distributions "
+                                   "would differ; drop one of them, or pass --engine hf")
+
+
+def vllm_sampling(args: Args, stop_token_id: Optional[int], temperature: Optional[float] = None,
+                  filters: Optional[rloo.SamplingFilters] = None) -> dict:
+    """vLLM sampling parameters (SamplingParams' and the completions API's names) that draw as rloo.py's sampler does
+    (rloo.sampling_logits): the batch's temperature and filters (None: the flags', --temperature, --top_k, --top_p,
+    --min_p, --repetition_penalty), whatever the model's generation config says; vLLM's meaning of each is transformers'
+    (the penalty on the raw logits of the prompt's and the output's tokens; ties at the k-th logit kept), and with
+    logprobs_mode "processed_logprobs" the log-probs it returns are of the filtered distribution, as the trainer's. Its
+    one difference, min-p before top-p, is refused (check_vllm_filters). response_length tokens unless the stop token
+    comes first, and EOS stops a response only when it is the stop token."""
+    filters = rloo.SamplingFilters.of(args) if filters is None else filters
+    check_vllm_filters(filters)
+    return {"temperature": args.temperature if temperature is None else temperature, "top_p": filters.top_p,
+            "top_k": filters.top_k, "min_p": filters.min_p or 0.0, "repetition_penalty": filters.repetition_penalty,
             "max_tokens": args.response_length,
             "stop_token_ids": [] if stop_token_id is None else [stop_token_id], "ignore_eos": True}
 
@@ -814,7 +832,8 @@ class VLLMEngine:
         drawn from its own seed (the same weights and seeds, the same tokens), without from vLLM's seeded sampler."""
         from vllm import SamplingParams, TokensPrompt
 
-        sampling = vllm_sampling(self.args, request["stop_token_id"])
+        sampling = vllm_sampling(self.args, request["stop_token_id"], request["temperature"],
+                                 rloo.SamplingFilters(**request["filters"]))
         prompts = [TokensPrompt(prompt_token_ids=q[m].tolist())
                    for q, m in zip(request["queries"], request["query_mask"].bool())] * request["k"]  # (k, b) layout
         seeds = request.get("seeds") or [None] * len(prompts)
@@ -888,6 +907,8 @@ class BatchInFlight:
     queries: torch.Tensor  # (B, Tq), on the trainer's device
     query_mask: torch.Tensor  # (B, Tq)
     parts: list[torch.Tensor]  # the prompt indices into B of each part (split_by_prompt), one part per engine
+    temperature: float  # what samples it, carried by its completions
+    filters: rloo.SamplingFilters
 
 
 class EngineRollouts:
@@ -968,7 +989,8 @@ class EngineRollouts:
         return wait, time.perf_counter() - start
 
     # ---- the rollout source
-    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor) -> None:
+    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, temperature: float,
+               filters: rloo.SamplingFilters) -> None:
         parts = split_by_prompt(queries.shape[0], self.num_parts)  # [(B/parts,)] prompt indices
         if self.num_parts == 1:  # one engine continues this rank's random stream, as rloo.py would draw it
             states = [self.generator.get_state()]
@@ -979,11 +1001,11 @@ class EngineRollouts:
         cpu_queries, cpu_query_mask = queries.cpu(), query_mask.cpu()
         self.engines.send(self.submitted, [{
             "queries": cpu_queries[i], "query_mask": cpu_query_mask[i], "k": self.args.rloo_k,
-            "stop_token_id": self.stop_token_id, "pad_token_id": self.pad_token_id, "rng_state": state}
-            for i, state in zip(parts, states)])
+            "stop_token_id": self.stop_token_id, "pad_token_id": self.pad_token_id, "rng_state": state,
+            **sampling_request(temperature, filters)} for i, state in zip(parts, states)])
         self.batch_versions.append(self.version)
         self.submitted += 1
-        self.queued.append(BatchInFlight(queries, query_mask, parts))
+        self.queued.append(BatchInFlight(queries, query_mask, parts, temperature, filters))
 
     def take(self) -> tuple[rloo.Completions, dict[str, float]]:
         in_flight = self.queued.pop(0)
@@ -1012,7 +1034,8 @@ class EngineRollouts:
                                                             self.pad_token_id)  # (k*B, Tr)
         completions = rloo.Completions(queries, in_flight.query_mask, responses, response_mask,
                                        sampler_logprobs=sampler_logprobs.to(queries.device) * response_mask
-                                       if measured else None)
+                                       if measured else None, temperature=in_flight.temperature,
+                                       filters=in_flight.filters)
         self.sampled_by = self.batch_versions.pop(0)
         self.taken += 1
         for old in [v for v in self.snapshots if v < self.sampled_by]:  # no batch in flight was sampled by these
@@ -1365,13 +1388,14 @@ def http_json(url: str, body: Optional[dict], timeout: float):
 
 
 def completions_body(model: str, queries: torch.Tensor, query_mask: torch.Tensor, k: int, args: Args,
-                     stop_token_id: Optional[int]) -> dict:
+                     stop_token_id: Optional[int], temperature: Optional[float] = None,
+                     filters: Optional[rloo.SamplingFilters] = None) -> dict:
     """A request to vLLM's OpenAI completions API for k completions of each of the b (b, Tq) left-padded queries,
     one prompt entry each in the (k, b) layout (the server's prefix cache computes a prompt once), as token ids
-    (the prompts unpadded), answered with token ids."""
+    (the prompts unpadded), answered with token ids; sampled at temperature with filters (vllm_sampling)."""
     prompts = [q[m].tolist() for q, m in zip(queries, query_mask.bool())] * k
     return {"model": model, "prompt": prompts, "n": 1, "return_token_ids": True, "logprobs": 0,
-            **vllm_sampling(args, stop_token_id)}
+            **vllm_sampling(args, stop_token_id, temperature, filters)}
 
 
 @dataclass
@@ -1466,7 +1490,8 @@ class VLLMServers:
         answers_due = []
         for url, part in zip(self.mine, parts):
             body = completions_body(self.model, part["queries"], part["query_mask"], part["k"], self.args,
-                                    part["stop_token_id"])
+                                    part["stop_token_id"], part["temperature"],
+                                    rloo.SamplingFilters(**part["filters"]))
             answer = self.requests.submit(http_json, f"{url}/v1/completions", body, self.timeout)
             answers_due.append(AnswerDue(answer, part["pad_token_id"]))
         self.answers_due[batch] = answers_due
@@ -1533,7 +1558,7 @@ class ColocatedRollouts:
             os.environ.setdefault("LOCAL_RANK", "0")
         self.policy, self.args, self.stop_token_id, self.pad_token_id = policy, args, stop_token_id, pad_token_id
         self.generator, self.dist_info = generator, dist_info
-        self.queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # (B, Tq) queries and mask, oldest first
+        self.queued: list[tuple] = []  # (B, Tq) queries and mask, temperature, filters, oldest first
         self.version, self.engine_version = 0, None  # the updates the policy has had; those whose weights it holds
         shapes = [(name, p.shape) for name, p in named_parameters(policy).items()]  # a DTensor's: the full one
         self.buckets = plan_buckets(weights_info(shapes, engine_dtype(args)), args.sync_bucket_mb * 2**20)
@@ -1578,11 +1603,12 @@ class ColocatedRollouts:
                 error = self.failed(e)
         return error
 
-    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor) -> None:
-        self.queued.append((queries, query_mask))
+    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, temperature: float,
+               filters: rloo.SamplingFilters) -> None:
+        self.queued.append((queries, query_mask, temperature, filters))
 
     def take(self) -> tuple[rloo.Completions, dict[str, float]]:
-        queries, query_mask = self.queued.pop(0)  # (B, Tq)
+        queries, query_mask, temperature, filters = self.queued.pop(0)  # (B, Tq) each
         k, num_prompts = self.args.rloo_k, queries.shape[0]
         start, error, result = time.perf_counter(), None, None
         if self.engine_version != self.version:
@@ -1597,7 +1623,8 @@ class ColocatedRollouts:
                     self.engine.llm.wake_up(tags=["kv_cache"])
                 result = self.engine.generate({"queries": queries.cpu(), "query_mask": query_mask.cpu(), "k": k,
                                                "stop_token_id": self.stop_token_id, "seeds": seeds,
-                                               "pad_token_id": self.pad_token_id})
+                                               "pad_token_id": self.pad_token_id,
+                                               **sampling_request(temperature, filters)})
                 if self.args.vllm_enable_sleep_mode:
                     self.engine.llm.sleep(level=2)
             except Exception as e:
@@ -1608,8 +1635,8 @@ class ColocatedRollouts:
         responses, response_mask = rloo.truncate_after_stop(result["responses"].to(queries.device),
                                                             self.stop_token_id, self.pad_token_id)  # (k*B, Tr)
         sampler_logprobs = result["sampler_logprobs"].to(queries.device) * response_mask  # (k*B, Tr)
-        return rloo.Completions(queries, query_mask, responses, response_mask, sampler_logprobs=sampler_logprobs), \
-            {"time/weight_sync": sync}
+        return rloo.Completions(queries, query_mask, responses, response_mask, sampler_logprobs=sampler_logprobs,
+                                temperature=temperature, filters=filters), {"time/weight_sync": sync}
 
     @contextlib.contextmanager
     def behaviour_policy(self, policy):

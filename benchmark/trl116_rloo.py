@@ -236,7 +236,7 @@ def main(args: rloo.Args) -> None:
                                    f"stop at {stop_token_id}: give the tokenizer that EOS, or pass --stop_token None")
     reward_model = plumbing.load_reward_model(args.reward_model_path, torch.bfloat16 if args.bf16 else torch.float32,
                                               args.trust_remote_code)
-    dataset, _, _ = plumbing.load_prompts(args, tokenizer, None, rloo.prompt_token_ids)
+    dataset, _, _ = plumbing.load_prompts(args, tokenizer, None, plumbing.prompt_token_ids)
     prompt_ids = [list(ids) for ids in dataset[plumbing.PROMPT_IDS]]
     texts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
     ids_of = dict(zip(texts, prompt_ids))  # TRL tokenizes the text; it gets rloo.py's ids for it instead

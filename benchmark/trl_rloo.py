@@ -183,7 +183,7 @@ def main(args: rloo.Args) -> None:
                                           args.trust_remote_code)
     if not plumbing.same_vocabulary(tokenizer, plumbing.load_tokenizer(args.reward_model_path, args.trust_remote_code)):
         raise plumbing.ConfigError("TRL 0.21's RLOOTrainer needs the reward model to share the policy's tokenizer")
-    dataset, _, _ = plumbing.load_prompts(args, tokenizer, None, rloo.prompt_token_ids)
+    dataset, _, _ = plumbing.load_prompts(args, tokenizer, None, plumbing.prompt_token_ids)
     dataset = dataset.select_columns([plumbing.PROMPT_IDS]).rename_column(plumbing.PROMPT_IDS, "input_ids")
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)

@@ -7,16 +7,18 @@ objects (the algorithm's functions included) takes them as arguments. The rooms,
   errors        ConfigError (bad input: one line, exit 2), Fault (a run stopped: one line, exit 4), reading an input
   flags         InputArgs (models, data) and RunArgs (the run's flags), which rloo.py's Args extends; their checks
   distributed   torchrun's ranks, their devices and seeds, FSDP2, all-reduce, late ranks named
-  data          the prompt files and datasets, with one-line diagnostics; tokenized, held to --max_prompt_length
+  data          the prompt files and datasets, with one-line diagnostics; tokenized, held to --max_prompt_length;
+                the prompt sampler
   models        models and tokenizers loaded and checked, LoRA adapters and their reference, the bf16 sampling copy
   kernels       the fused log-softmax, logits where needed, KV caches, what a model's attention is
-  sharing       the shortcuts' start-up checks: prompt sharing against the plain path, per model
+  sharing       the shortcuts' start-up checks: prompt sharing per model, the on-policy update's advantages
   faults        stop signals, NaN/inf on every rank and the offending batch, the rollout source's failure
   rewards       reward model and functions: loaded, called in a thread with a timeout, failures raised on every rank
   measure       phase times, token-forwards against the minimum, rows per forward pass, sampler/trainer mismatch
   runlog        metrics over ranks, the console, metrics.jsonl, wandb, curves.png
   outputdir     one run per output_dir, the files a run writes and owns, nothing of another run overwritten
-  checkpoints   verified saves, resume, RNG states, the inputs' identities, nothing run from a checkpoint
+  checkpoints   verified saves, resume, RNG states, the algorithm's state, the inputs' identities, nothing run
+                from a checkpoint
   cli           the command line, TRL's names, exit statuses
 """
 

@@ -15,7 +15,7 @@ import re
 import shutil
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -392,6 +392,8 @@ def trainer_state_problem(state) -> Optional[str]:
         return f"{TRAINER_STATE}'s update, episode or world_size is out of range"
     if not (math.isfinite(state["elapsed"]) and 0 <= state["elapsed"] < 1e10):  # seconds: over 300 years is junk
         return f"{TRAINER_STATE}'s elapsed time {state['elapsed']!r} is not a finite number of seconds"
+    if not isinstance(state.get("state", {}), dict):
+        return f"{TRAINER_STATE}'s algorithm state is a {type(state['state']).__name__}, not a dict"
     if not (isinstance(state["sampler"].get("epoch"), int) and isinstance(state["sampler"].get("position"), int)):
         return f"{TRAINER_STATE}'s sampler state is not {{'epoch': int, 'position': int}}"
     try:  # flags, inputs and ids are plain values: compared with ==, never a tensor or an object
@@ -497,14 +499,48 @@ def check_resumable(saved: dict, args, world_size: int, saved_world_size: int) -
             if k not in ("resume", "resume_from")]
 
 
+def algorithm_state_values(state) -> dict:
+    """The fields of the algorithm's state (a dataclass, rloo.AlgorithmState) as a checkpoint holds them: tensors
+    copied to the CPU, plain values (None, bool, int, float, str, and lists, tuples and str-keyed dicts of them) as
+    they are; anything else (an object a weights_only load would refuse) raises a TypeError naming it."""
+
+    def plain(value, where: str):
+        if torch.is_tensor(value):
+            return value.detach().cpu().clone()
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, (list, tuple)):
+            return type(value)(plain(v, f"{where}[{i}]") for i, v in enumerate(value))
+        if isinstance(value, dict) and all(isinstance(key, str) for key in value):
+            return {key: plain(v, f"{where}[{key!r}]") for key, v in value.items()}
+        raise TypeError(f"{type(state).__name__}.{where} holds a {type(value).__name__}: a checkpoint keeps tensors "
+                        "and plain values (numbers, strings, lists, str-keyed dicts) only; store it as one of those")
+
+    return {f.name: plain(getattr(state, f.name), f.name) for f in fields(state)}
+
+
+def restore_algorithm_state(state, saved: dict, path: Path) -> None:
+    """A checkpoint's algorithm state into `state`, bit for bit; refused where its fields are not the dataclass's."""
+    names = [f.name for f in fields(state)]
+    if sorted(saved) != sorted(names):
+        raise ConfigError(f"cannot resume from {path}: its algorithm state has fields {sorted(saved)} but "
+                          f"{type(state).__name__} has {sorted(names)} (the code changed since it was saved): resume "
+                          "with the code that wrote it, or start a new run in another --output_dir")
+    for name in names:
+        setattr(state, name, saved[name])
+
+
 class Checkpointer:
     """The run's checkpoints, behind two calls: load() restores a resumed run's state into the objects it is given
     (and remembers them), save(update, ...) writes them. Created first thing, it takes output_dir (locked: a second
     run into it stops there) and finds the checkpoint to start from, so that a refused resume fails before anything
-    loads."""
+    loads; the algorithm's state (`algorithm_state`, a dataclass of plain values and tensors) is restored then, and
+    saved with every checkpoint."""
 
-    def __init__(self, args, dist_info, lock: OutputDirLock, reward_functions: list[tuple[str, Callable]] = ()):
+    def __init__(self, args, dist_info, lock: OutputDirLock, reward_functions: list[tuple[str, Callable]] = (),
+                 algorithm_state=None):
         self.args, self.dist_info, self.lock, self.reward_functions = args, dist_info, lock, reward_functions
+        self.algorithm_state = algorithm_state
         inputs = run_inputs(args, reward_functions)
         take_output_dir(lock, dist_info.rank, inputs)
         with self.refusal_leaves_nothing():
@@ -512,6 +548,8 @@ class Checkpointer:
             self.path, self.state, self.skipped = start.checkpoint, start.state, start.skipped
             self.changes = check_resumable(self.state["args"], args, dist_info.world_size,
                                            self.state["world_size"]) if self.state else []
+            if self.state and algorithm_state is not None:  # a checkpoint from before the state was kept: none
+                restore_algorithm_state(algorithm_state, self.state.get("state", {}), self.path)
         self.start_update = self.state["update"] if self.state else 0
         self.wandb_run_id = self.state["wandb_run_id"] if self.state else None
         # the run's identity: drawn at its first start, in args.json, every checkpoint and every metrics line
@@ -571,6 +609,7 @@ class Checkpointer:
             "elapsed": time.time() - self.start_time, "world_size": self.dist_info.world_size,
             "args": asdict(self.args), "wandb_run_id": self.wandb_run_id, "run_id": self.run_id,
             "inputs": self.inputs,
+            "state": {} if self.algorithm_state is None else algorithm_state_values(self.algorithm_state),
         }
         if self.reference is not None:  # replicated: rank 0's copy is every rank's
             trainer_state["reference"] = {name: t.detach().cpu() for name, t in self.reference.state_dict().items()}

@@ -1,5 +1,6 @@
 """The prompts: Hub datasets and local files (.jsonl, .json, .parquet, a save_to_disk directory), read with one-line
-diagnostics of what is wrong in them, tokenized and held to --max_prompt_length; a batch left-padded.
+diagnostics of what is wrong in them, tokenized (prompt_token_ids) and held to --max_prompt_length; a batch
+left-padded; the sampler that draws each rank's prompts of an update (PromptSampler).
 """
 
 import contextlib
@@ -271,3 +272,53 @@ def load_prompts(args, tokenizer, vocab_size: Optional[int], prompt_token_ids: C
                                           tokenizer, args.prompt_column, args.max_prompt_length, source, vocab_size,
                                           prompt_token_ids)
     return dataset, eval_dataset, dropped
+
+
+def prompt_token_ids(examples: dict, tokenizer, prompt_column: str) -> list[list[int]]:
+    """Token ids of a batch of dataset rows: a string prompt, chat messages, or pre-tokenized `query_token`."""
+    if prompt_column in examples:
+        prompts = examples[prompt_column]
+        if prompts and isinstance(prompts[0], list):  # chat messages
+            if tokenizer.chat_template is None:
+                raise ConfigError(f"column {prompt_column!r} holds chat messages but the tokenizer has no chat "
+                                  "template")
+            with reading("the tokenizer's chat template", "fix the template (chat_template.jinja or "
+                         "tokenizer_config.json) or give the prompts as strings"):
+                texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
+            return tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return tokenizer(prompts)["input_ids"]
+    # TL;DR schema: queries pre-tokenized and left-padded with the pad id; strip the padding
+    return [[t for t in ids if t != tokenizer.pad_token_id] for ids in examples["query_token"]]
+
+
+class PromptSampler:
+    """Each rank's B prompt indices per update. The dataset is cycled, reshuffled every epoch; every rank
+    computes the same permutation from (seed, epoch) and takes its own slice, so no communication is needed."""
+
+    def __init__(self, num_prompts: int, prompts_per_rank: int, rank: int, world_size: int, seed: int):
+        self.per_update = prompts_per_rank * world_size
+        if num_prompts < self.per_update:
+            raise ConfigError(f"the training split has {num_prompts} prompts, fewer than one update takes "
+                              f"({prompts_per_rank} per rank x {world_size} ranks); use a larger dataset or smaller "
+                              "batches")
+        self.num_prompts, self.prompts_per_rank, self.rank, self.seed = num_prompts, prompts_per_rank, rank, seed
+        self.epoch, self.position = 0, 0
+        self._permutation = self._shuffle()
+
+    def _shuffle(self) -> torch.Tensor:
+        return torch.randperm(self.num_prompts, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._permutation = self._shuffle()
+
+    def next_indices(self) -> list[int]:
+        if self.position + self.per_update > self.num_prompts:  # drop the epoch's remainder, reshuffle
+            self.epoch, self.position = self.epoch + 1, 0
+            self._permutation = self._shuffle()
+        start = self.position + self.rank * self.prompts_per_rank
+        self.position += self.per_update
+        return self._permutation[start : start + self.prompts_per_rank].tolist()

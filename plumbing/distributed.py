@@ -259,3 +259,11 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def gradient_sync(model, enabled: bool):
+    """DDP all-reduces gradients only when `enabled` (an optimizer step's last micro-step). FSDP reduce-scatters at
+    every micro-step, as ZeRO-3 does: more traffic, but no rank ever holds a full-size gradient."""
+    if isinstance(model, DDP) and not enabled:
+        return model.no_sync()
+    return contextlib.nullcontext()

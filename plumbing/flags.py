@@ -20,7 +20,15 @@ from .errors import FLOAT32_MAX, ConfigError
 @dataclass
 class InputArgs:
     """A run's inputs: the policy, the reward, the prompts. RunArgs extends it and rloo.py's Args extends RunArgs:
-    these are flags like the others, listed first by --help and docs/flags.md."""
+    these are flags like the others, listed first by --help and docs/flags.md. A run's flags never change once made
+    (dataclasses.replace makes another): a value that changes across updates is the algorithm's state."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self.__dict__ or name not in self.__dataclass_fields__:  # __init__ sets each field once
+            raise AttributeError(f"{type(self).__name__}.{name} cannot change during a run (a checkpoint's resume "
+                                 "compares the flags): a value that changes across updates goes in rloo.py's "
+                                 "AlgorithmState, which every checkpoint saves and every resume restores")
+        object.__setattr__(self, name, value)
 
     # ----- models -----
     model_name_or_path: Optional[str] = None

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .data import PROMPT_IDS
+from .data import PROMPT_IDS, pad_sequences
 from .distributed import all_reduce, seed_everything, wait_for_peers
 from .errors import FLOAT32_MAX, ConfigError, RewardFunctionError, describe, first_line
 from .faults import stop_signals_at_once
@@ -225,3 +225,20 @@ def reward_faults(device: torch.device, what: str, after_training: bool = False)
                                        key=lambda failed: failed[1][1] is not None)  # a failure before a signal
     raise RewardFunctionError(f"{message} (rank {rank}, {what})", announce=dist.get_rank() == 0,
                               after_training=after_training, signal_name=signal_name) from None
+
+
+def retokenize(texts: list[str], ended: list[bool], tokenizer,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query + completion texts in another tokenizer, with its EOS where the completion stopped.
+    Returns right-padded (ids, mask), both (N, T)."""
+    encoded = tokenizer(texts)["input_ids"]
+    sequences = [ids + [tokenizer.eos_token_id] if e and tokenizer.eos_token_id is not None else ids
+                 for ids, e in zip(encoded, ended)]
+    return pad_sequences(sequences, 0, device, side="right")  # pad id 0: reward_model_scores masks padding
+
+
+def prompt_values(examples: dict, prompt_column: str, tokenizer) -> list:
+    """What reward functions see as `prompts`: the dataset's prompt column, or the decoded query tokens."""
+    if prompt_column in examples:
+        return examples[prompt_column]
+    return tokenizer.batch_decode(examples[PROMPT_IDS], skip_special_tokens=True)

@@ -283,3 +283,9 @@ class RunLogger:
         self.curves.draw(force=True)
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def evaluation_updates(num_updates: int, num_evals: int) -> set[int]:
+    """The updates after which the policy is evaluated: num_evals of them spread evenly over the run, the last at its
+    end (num_evals 0: only the end). The initial policy's evaluation (update 0) comes on top."""
+    return {math.ceil(i * num_updates / num_evals) for i in range(1, num_evals + 1)} if num_evals else {num_updates}

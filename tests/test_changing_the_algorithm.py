@@ -5,13 +5,14 @@ import functools
 import importlib.util
 import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
 
 import plumbing
 import rloo
-from conftest import REPO, policy_tokenizer, prompt_rows, tiny_policy, tiny_reward_model
+from conftest import REPO, policy_tokenizer, prompt_rows, read_metrics, tiny_policy, tiny_reward_model
 from test_components import left_padded
 from test_shared_prompt import NO_AUTOCAST
 
@@ -90,7 +91,8 @@ def reward_model_score(c) -> torch.Tensor:
 def test_the_sections_have_the_examples():
     assert list(examples()) == ["Equal-reward groups leave the loss", "GRPO's group-normalized advantage",
                                 "Another KL estimator in the loss", "Dual-clip PPO", "Epsilon sampling",
-                                "An entropy bonus", "DAPO's token mean"]
+                                "An entropy bonus", "DAPO's token mean", "A z-score over the batch",
+                                "An adaptive KL controller", "A temperature schedule"]
 
 
 def weights(policy) -> list[torch.Tensor]:
@@ -217,3 +219,105 @@ def test_epsilon_sampling_cuts_the_same_tokens_in_the_sampler_and_the_trainer(tm
                              1, 0, torch.Generator().manual_seed(0), NO_AUTOCAST)
     trainer = eps.forward_logprobs(policy, c, 1.0, True, filters=filters)[0] * c.response_mask
     torch.testing.assert_close(c.sampler_logprobs, trainer, atol=2e-6, rtol=0)
+
+
+def run_main(module, **flags) -> list:
+    """module.main in this process with the tiny policy's flags and these; the rollouts it trained on."""
+    rollouts, collect = [], module.collect_rollout
+
+    def collect_and_keep(*args, **kwargs):
+        rollouts.append(collect(*args, **kwargs))  # ppo_update fills it on-policy: final once the update is done
+        return rollouts[-1]
+
+    module.collect_rollout = collect_and_keep
+    try:
+        module.main(module.Args(**{"reward_fn": ["reward_fns:count_a"], "max_prompt_length": 16, "response_length": 6,
+                                   "rloo_k": K, "per_device_train_batch_size": K * PROMPTS, "temperature": 1.0,
+                                   "num_sample_generations": 0, "learning_rate": 3e-3,
+                                   "lr_scheduler_type": "constant"} | flags))
+    finally:
+        module.collect_rollout = collect
+    return rollouts
+
+
+ON_POLICY = {"num_ppo_epochs": 1, "per_device_train_batch_size": K, "gradient_accumulation_steps": PROMPTS}
+
+
+def test_a_statistic_over_the_batch_trains_the_same_on_policy_as_on_the_plain_path(tmp_path):
+    """The z-score over the batch, in compute_advantages alone: with on-policy settings (a prompt group per
+    micro-batch) the start-up check takes the plain path and says so, so it trains as settings that never take the
+    shortcut (single completions per micro-batch, the same minibatch); the shortcut taken anyway would train on
+    per-group z-scores. Stock rloo.py keeps the shortcut."""
+    zscore = edited_rloo(examples()["A z-score over the batch"], tmp_path)
+    args, notes = zscore.Args(rloo_k=K, **ON_POLICY), []
+    assert not zscore.logprobs_from_update(args, zscore.compute_batch_sizes(args, 1), 0, notes=notes)
+    assert len(notes) == 1 and notes[0].startswith("on-policy shortcut off: compute_advantages sets advantages of a "
+                                                   "micro-batch's prompt groups "), notes
+    stock = rloo.Args(rloo_k=K, **ON_POLICY)
+    assert rloo.logprobs_from_update(stock, rloo.compute_batch_sizes(stock, 1), 0, notes=notes) and len(notes) == 1
+    on_policy, history = train(zscore, 2, reward_model_score, **ON_POLICY)
+    plain, _ = train(zscore, 2, reward_model_score, num_ppo_epochs=1, per_device_train_batch_size=1,
+                     gradient_accumulation_steps=K * PROMPTS)
+    for p, q in zip(on_policy.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+    advantages = history[0][0].advantages  # (k*B,) z-scored over the batch: mean 0, std 1
+    assert abs(advantages.mean().item()) < 1e-5 and advantages.std().item() == pytest.approx(1.0, abs=1e-4)
+    zscore.logprobs_from_update = lambda *_, **__: True  # the shortcut without its check
+    unchecked, _ = train(zscore, 2, reward_model_score, **ON_POLICY)
+    assert not same(weights(unchecked), weights(on_policy))
+
+
+def test_the_start_up_check_is_said_in_one_line_and_the_run_takes_the_plain_path(assets, tmp_path, capsys,
+                                                                                  signal_handlers_kept):
+    zscore = edited_rloo(examples()["A z-score over the batch"], tmp_path)
+    rollouts = run_main(zscore, model_name_or_path=str(assets["policy"]), dataset_name=str(assets["train"]),
+                        output_dir=str(tmp_path / "out"), total_episodes=K * PROMPTS, **ON_POLICY)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "on-policy shortcut off" in line]
+    assert len(lines) == 1 and "compute_advantages" in lines[0], lines
+    assert rollouts[0].logprobs is not None  # from collect_rollout's own pass, before the update
+
+
+def test_the_algorithm_state_is_saved_whole_or_refused():
+    with pytest.raises(AttributeError, match="Args.kl_coef cannot change during a run .* AlgorithmState"):
+        rloo.Args().kl_coef = 0.1
+    assert plumbing.algorithm_state_values(rloo.AlgorithmState()) == {}
+    with pytest.raises(plumbing.ConfigError, match=r"its algorithm state has fields \['kl_coef'\] but "
+                                                   r"AlgorithmState has \[\] \(the code changed since it was saved\)"):
+        plumbing.restore_algorithm_state(rloo.AlgorithmState(), {"kl_coef": 0.1}, REPO / "step_2")
+
+
+def test_an_adaptive_kl_controller_resumes_bit_identically(assets, tmp_path, signal_handlers_kept):
+    """The controller's coefficient moves every update, is saved with the checkpoint, and a run stopped after update
+    2 and resumed ends with the metrics and the weights of a run of 4 updates."""
+    controller = edited_rloo(examples()["An adaptive KL controller"], tmp_path)
+    flags = {"model_name_or_path": str(assets["policy"]), "dataset_name": str(assets["train"]), "kl_coef": 0.5,
+             "kl_target": 0.05, "kl_horizon": 64, "num_ppo_epochs": 2}
+    run_main(controller, **flags, output_dir=str(tmp_path / "full"), total_episodes=4 * K * PROMPTS)
+    run_main(controller, **flags, output_dir=str(tmp_path / "resumed"), total_episodes=2 * K * PROMPTS)
+    run_main(controller, **flags, output_dir=str(tmp_path / "resumed"), total_episodes=4 * K * PROMPTS, resume=True)
+    coefficients = [m["objective/kl_coef"] for m in read_metrics(tmp_path / "full")]
+    assert coefficients[0] == 0.5 and len(set(coefficients)) == 4, coefficients
+    saved = torch.load(tmp_path / "resumed" / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=True)
+    assert saved["state"] == {"kl_coef": coefficients[2]}
+    from test_checkpoints import assert_same_run
+
+    assert_same_run(tmp_path / "full", tmp_path / "resumed")
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_a_temperature_schedule_scores_each_batch_at_the_temperature_that_sampled_it(assets, tmp_path, epochs,
+                                                                                     signal_handlers_kept):
+    """Each update's batch carries its own temperature; the trainer's log-probs of it (a separate pass, or on-policy
+    the update's forward) are the sampler's, within rounding, which another temperature would be far from."""
+    schedule = edited_rloo(examples()["A temperature schedule"], tmp_path)
+    rollouts = run_main(schedule, model_name_or_path=str(assets["policy"]), dataset_name=str(assets["train"]),
+                        output_dir=str(tmp_path / "out"), total_episodes=4 * K * PROMPTS, num_ppo_epochs=epochs)
+    assert [r.temperature for r in rollouts] == [1.0, 0.875, 0.75, 0.625]
+    metrics = read_metrics(tmp_path / "out")
+    differences = [m["mismatch/logprob_diff_max"] for m in metrics]  # the sampler's log-probs against the trainer's
+    assert len(differences) == 4 and max(differences) < 1e-4, differences
+    last = rollouts[-1]
+    policy = tiny_policy(len(policy_tokenizer()), seed=0)  # any weights: another temperature's log-probs differ
+    at_one = rloo.forward_logprobs(policy, replace(last, temperature=1.0), 1.0, True)[0] * last.response_mask
+    at_its_own = rloo.forward_logprobs(policy, last, last.temperature, True)[0] * last.response_mask
+    assert (at_one - at_its_own).abs().max() > 1e-2

@@ -293,18 +293,18 @@ def test_prompt_sources_string_chat_and_pretokenized(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ds = plumbing.load_split(str(path), "ignored", None)
-    ds, dropped = plumbing.prepare_prompts(ds, tokenizer, "prompt", 16, "p.jsonl", None, rloo.prompt_token_ids)
+    ds, dropped = plumbing.prepare_prompts(ds, tokenizer, "prompt", 16, "p.jsonl", None, plumbing.prompt_token_ids)
     assert ds[plumbing.PROMPT_IDS] == [[2, 3, 14], [4, 14]] and dropped | {"empty": 0, "too_long": 0} == dropped
     assert ds["extra"] == [1, 2]
 
     chat = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "a b"}]}])
-    chat, _ = plumbing.prepare_prompts(chat, tokenizer, "messages", 16, "chat", None, rloo.prompt_token_ids)
+    chat, _ = plumbing.prepare_prompts(chat, tokenizer, "messages", 16, "chat", None, plumbing.prompt_token_ids)
     assert chat[plumbing.PROMPT_IDS] == [[2, 3, 14]]
 
     pretokenized = datasets.Dataset.from_dict({"query_token": [[0, 0, 2, 3, 14], [0, 4, 5, 6, 14]]})
     pretokenized.save_to_disk(str(tmp_path / "disk"))
     ds = plumbing.load_split(str(tmp_path / "disk"), "train", None)
-    ds, _ = plumbing.prepare_prompts(ds, tokenizer, "prompt", 16, "disk", None, rloo.prompt_token_ids)
+    ds, _ = plumbing.prepare_prompts(ds, tokenizer, "prompt", 16, "disk", None, plumbing.prompt_token_ids)
     assert ds[plumbing.PROMPT_IDS] == [[2, 3, 14], [4, 5, 6, 14]]
 
     datasets.DatasetDict({"train": chat}).save_to_disk(str(tmp_path / "dict"))
@@ -319,29 +319,29 @@ def test_prompt_sources_string_chat_and_pretokenized(tmp_path):
 def test_over_long_and_empty_prompts_are_dropped_and_counted_apart():
     tokenizer = policy_tokenizer()
     ds = datasets.Dataset.from_list([{"prompt": "a b c d :"}, {"prompt": "a :"}, {"prompt": ""}, {"prompt": "b c :"}])
-    ds, dropped = plumbing.prepare_prompts(ds, tokenizer, "prompt", 3, "d", None, rloo.prompt_token_ids)
+    ds, dropped = plumbing.prepare_prompts(ds, tokenizer, "prompt", 3, "d", None, plumbing.prompt_token_ids)
     assert {k: dropped[k] for k in ("empty", "too_long")} == {"empty": 1, "too_long": 1} and ds["prompt"] == ["a :", "b c :"]
     assert plumbing.describe_dropped(dropped, 3) == "1 dropped as longer than 3 tokens, 1 empty"
     with pytest.raises(plumbing.ConfigError, match="longer than max_prompt_length"):
-        plumbing.prepare_prompts(ds, tokenizer, "prompt", 1, "d", None, rloo.prompt_token_ids)
+        plumbing.prepare_prompts(ds, tokenizer, "prompt", 1, "d", None, plumbing.prompt_token_ids)
 
 
 def test_missing_prompt_column_is_named():
     ds = datasets.Dataset.from_list([{"text": "a"}])
     with pytest.raises(plumbing.ConfigError, match="no 'prompt' column .* columns are \\['text'\\]"):
-        plumbing.prepare_prompts(ds, policy_tokenizer(), "prompt", 8, "d", None, rloo.prompt_token_ids)
+        plumbing.prepare_prompts(ds, policy_tokenizer(), "prompt", 8, "d", None, plumbing.prompt_token_ids)
 
 
 def test_sampler_cycles_reshuffles_and_splits_ranks():
-    samplers = [rloo.PromptSampler(10, 2, rank, 2, seed=3) for rank in range(2)]
+    samplers = [plumbing.PromptSampler(10, 2, rank, 2, seed=3) for rank in range(2)]
     first_epoch = [samplers[r].next_indices() for _ in range(2) for r in range(2)]
     flat = [i for chunk in first_epoch for i in chunk]
     assert len(set(flat)) == 8  # ranks never share a prompt within an epoch
     next_epoch = samplers[0].next_indices()  # 2 left < 4 per update: the remainder is dropped, reshuffled
     assert samplers[0].epoch == 1 and samplers[0].position == 4
-    assert next_epoch == rloo.PromptSampler(10, 2, 0, 2, seed=4).next_indices()  # epoch 1 = seed + 1 permutation
+    assert next_epoch == plumbing.PromptSampler(10, 2, 0, 2, seed=4).next_indices()  # epoch 1 = seed + 1 permutation
     with pytest.raises(plumbing.ConfigError, match="has 3 prompts, fewer than one update"):
-        rloo.PromptSampler(3, 2, 0, 2, seed=0)
+        plumbing.PromptSampler(3, 2, 0, 2, seed=0)
 
 
 def test_pad_token_is_added_only_when_the_embedding_has_room():
@@ -371,7 +371,7 @@ def test_the_bf16_sampling_copy_holds_the_new_weights_after_every_update():
         for s, p in zip(rollouts.sampler.parameters(), policy.parameters()):
             assert s.dtype == torch.bfloat16 and torch.equal(s, p.to(torch.bfloat16))
     queries, mask = left_padded(tokenizer, ["a b :", "c :"])
-    rollouts.submit(queries, mask)
+    rollouts.submit(queries, mask, 1.0, rloo.NO_FILTERS)
     completions, _ = rollouts.take()
     assert completions.responses.shape == (4, 4)
 

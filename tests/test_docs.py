@@ -126,3 +126,27 @@ def test_slug_is_githubs():
     assert slug("TRL's names") == "trls-names"
     assert slug("What has run for real, and where") == "what-has-run-for-real-and-where"
     assert slug("Sampler/trainer mismatch") == "samplertrainer-mismatch"
+
+
+SYMBOL = r"[A-Za-z]\w*'?"  # a shape's symbol: B, k, Tr, Tq', num_ppo_epochs
+
+
+def shape_symbols(source: str) -> set[str]:
+    """The symbols of every `# (..)` shape comment of a source (a bracket of prose, e.g. `# (a bf16 copy)`, is none:
+    each of a shape's items is a product or sum of symbols and numbers, or `..`)."""
+    symbols = set()
+    for shape in re.findall(r"# \(([^()]*)\)", source):
+        items = [re.sub(r"\s*([*+])\s*", r"\1", item.strip()) for item in shape.split(",")]
+        if all(re.fullmatch(rf"(\.\.|{SYMBOL}|\d+)([*+]({SYMBOL}|\d+))*|", item) for item in items):
+            symbols |= set(re.findall(SYMBOL, shape))
+    return symbols
+
+
+def test_the_shape_legend_names_every_symbol_of_rloo_pys_shape_comments():
+    source = (REPO / "rloo.py").read_text()
+    legend = source.split("\nShapes", 1)[1].split("\n\n", 1)[0]
+    named = set(re.findall(SYMBOL, legend)) | {f.name for f in dataclasses.fields(rloo.Args)}  # a flag names itself
+    symbols = shape_symbols(source)
+    assert {"k", "B", "N", "Tr", "Tr'", "V", "L", "P", "n"} <= symbols  # the comments are read
+    assert not symbols - named, f"in shape comments, not in rloo.py's shape legend: {sorted(symbols - named)}"
+    assert shape_symbols("x = y  # (M, Tr) a (bf16 copy, an engine)") == {"M", "Tr"}  # and an unknown one is seen

@@ -57,7 +57,7 @@ def chat_tokenizer():
 def load_and_tokenize(path: Path, tokenizer) -> None:
     """What rloo.main does with --dataset_name path: load the file, tokenize and filter its prompts."""
     dataset = plumbing.load_split(str(path), "train", None)
-    plumbing.prepare_prompts(dataset, tokenizer, "prompt", 16, str(path), len(tokenizer), rloo.prompt_token_ids)
+    plumbing.prepare_prompts(dataset, tokenizer, "prompt", 16, str(path), len(tokenizer), plumbing.prompt_token_ids)
 
 
 def loads_or_says_one_line(path: Path, tokenizer) -> None:

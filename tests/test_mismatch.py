@@ -1,6 +1,7 @@
 """The sampler/trainer mismatch: measured (mismatch/* metrics) and corrected (truncated importance sampling)."""
 
 import copy
+import dataclasses
 import itertools
 import math
 
@@ -184,7 +185,7 @@ def test_token_modes_need_per_token_actions():
                      vllm_importance_sampling_mode="token_mask")
     with pytest.raises(plumbing.ConfigError, match="add --token_level_kl or pass a sequence_ mode"):
         plumbing.validate_args(args)
-    args.token_level_kl = True
+    args = dataclasses.replace(args, token_level_kl=True)
     plumbing.validate_args(args)
 
 
