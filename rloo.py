@@ -1221,10 +1221,8 @@ def ppo_update(
     device, k = scores.device, rollout.k
     max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
     in_update = rollout.logprobs is None  # on-policy: the update's forward gives them (logprobs_from_update)
-    if in_update:  # filled below, a micro-batch at a time
+    if in_update:  # filled below, a micro-batch at a time, with every field compute_advantages sets
         rollout.logprobs = torch.zeros(rollout.responses.shape, device=device)  # (k*B, Tr)
-        rollout.advantages, rollout.rlhf_reward = None, torch.zeros_like(scores)  # (k*B,); the advantages below
-        rollout.non_score_reward = torch.zeros_like(scores)  # (k*B,)
     else:
         compute_advantages(rollout, scores, args, state)  # all groups at once
     for _ in range(args.num_ppo_epochs):
@@ -1237,12 +1235,17 @@ def ppo_update(
                     new_logprobs, entropy = forward_logprobs(model, batch, batch.temperature, share_prompt, True,
                                                              batch.filters)  # (N, Tr') each
                     if in_update:  # whole prompt groups, all that compute_advantages reads (logprobs_from_update)
-                        batch.logprobs = new_logprobs.detach() * batch.response_mask
+                        batch.logprobs, before = new_logprobs.detach() * batch.response_mask, dict(vars(batch))
                         compute_advantages(batch, scores[rows], args, state)
-                        if rollout.advantages is None:  # (k*B,), or (k*B, Tr) from a per-token estimator
-                            rollout.advantages = scores.new_zeros(rollout.responses.shape[:batch.advantages.dim()])
-                        for name in ("logprobs", "advantages", "rlhf_reward", "non_score_reward"):
-                            put_rows(getattr(rollout, name), rows, getattr(batch, name))
+                        for name, value in vars(batch).items():  # what it set, back in the rollout's k*B rows
+                            if name != "logprobs" and value is before.get(name):
+                                continue
+                            if not (torch.is_tensor(value) and value.dim() and len(value) == len(rows)):
+                                setattr(rollout, name, value)  # not per completion: the same in every micro-batch
+                                continue
+                            if getattr(rollout, name, None) is None:  # (k*B,), or (k*B, Tr) per token
+                                setattr(rollout, name, value.new_zeros(rollout.responses.shape[:value.dim()]))
+                            put_rows(getattr(rollout, name), rows, value)
                     action_losses, step_stats = policy_loss(new_logprobs, batch, args, entropy,
                                                             state)  # (N,) or (N, Tr')
                     loss = action_losses.sum() / normalizer
