@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -410,6 +411,100 @@ def test_checkpoints_cannot_run_code(tmp_path):
     assert not marker.exists()
     torch.load(step / "trainer_state.pt", weights_only=False)  # what loading used to do
     assert marker.exists()  # the payload is real
+
+
+def sharded_checkpoint(root: Path) -> Path:
+    """A checkpoint as an --fsdp run writes it, in root/run: the optimizer state in DCP shards (optimizer/), not in
+    trainer_state.pt; the initial policy in root/initial."""
+    policy, optimizer, tokenizer = saved_steps(root / "run", [1])
+    policy.save_pretrained(root / "initial")
+    tokenizer.save_pretrained(root / "initial")
+    step = root / "run" / "checkpoints" / "step_1"
+    torch.save(trainer_state(1, optimizer="optimizer"), step / "trainer_state.pt")
+    dcp.save(get_optimizer_state_dict(policy, optimizer), checkpoint_id=str(step / "optimizer"))
+    forge_manifest(step)
+    return step
+
+
+def forged_shard_entry(step: Path, payload: Payload) -> None:
+    """The optimizer's shards written again with a payload for one of their non-tensor entries."""
+    policy = AutoModelForCausalLM.from_pretrained(step)
+    state = get_optimizer_state_dict(policy, torch.optim.AdamW(policy.parameters()))
+    state["param_groups"][0]["lr"] = payload
+    dcp.save(state, checkpoint_id=str(step / "optimizer"))
+
+
+def pickle_as(name: str) -> Callable:
+    return lambda step, payload: (step / name).write_bytes(pickle.dumps(payload))
+
+
+# every kind of file a checkpoint holds, forged with a payload that would run code: how resuming from it ends (the
+# line of its refusal; None: it resumes, the file never read)
+FORGED = {
+    "trainer_state.pt": (lambda step, payload: torch.save(trainer_state(1, note=payload), step / "trainer_state.pt"),
+                         "trainer_state.pt holds io.open, not only tensors and plain values"),
+    "the optimizer state in trainer_state.pt": (
+        lambda step, payload: torch.save(trainer_state(1, optimizer={"state": {}, "param_groups": [{"lr": payload}]}),
+                                         step / "trainer_state.pt"), "trainer_state.pt holds io.open"),
+    "rng_rank0.pt": (lambda step, payload: torch.save({"python": payload}, step / "rng_rank0.pt"),
+                     "rng_rank0.pt holds io.open"),
+    "optimizer/.metadata": (pickle_as("optimizer/.metadata"), ".metadata refers to io.open, which could run code"),
+    "optimizer/__0_0.distcp": (forged_shard_entry, "optimizer/*.distcp's entry 'param_groups.0.lr' holds io.open"),
+    "model.safetensors": (pickle_as("model.safetensors"), "model.safetensors is not a safetensors file"),
+    "adapter_model.safetensors": (pickle_as("adapter_model.safetensors"),
+                                  "adapter_model.safetensors is not a safetensors file"),
+    "adapter_model.bin": (lambda step, payload: torch.save({"w": payload}, step / "adapter_model.bin"), None),
+    "pytorch_model.bin": (lambda step, payload: torch.save({"w": payload}, step / "pytorch_model.bin"), None),
+    "config.json": (pickle_as("config.json"), None),
+    "generation_config.json": (pickle_as("generation_config.json"), None),
+    "tokenizer.json": (pickle_as("tokenizer.json"), None),
+    "tokenizer_config.json": (pickle_as("tokenizer_config.json"), None),
+    "manifest.json": (pickle_as("manifest.json"), "manifest.json cannot be read"),
+}
+
+
+@pytest.mark.parametrize("forged", FORGED, ids=list(FORGED))
+def test_no_file_of_a_checkpoint_can_run_code(tmp_path, forged):
+    """Each file of a (sharded) checkpoint forged, its manifest made to match: a resume refuses it in one line, before
+    any model loads, or never reads it; nothing is unpickled beyond tensors and plain values."""
+    step, marker = sharded_checkpoint(tmp_path), tmp_path / "ran"
+    forge, refusal = FORGED[forged]
+    forge(step, Payload(marker))
+    if forged != "manifest.json":
+        forge_manifest(step)
+    args = rloo.Args(model_name_or_path=str(tmp_path / "initial"), output_dir=str(tmp_path / "run"),
+                     resume_from=str(step))
+    try:  # what a resume reads: at start-up, then the weights and each rank's optimizer shard and generators
+        start = plumbing.resume_checkpoint(args)
+        policy, _, _, _ = rloo.load_policy(args, torch.device("cpu"), start.checkpoint, policy_tokenizer())
+        plumbing.read_shards(get_optimizer_state_dict(policy, torch.optim.AdamW(policy.parameters())),
+                             step / "optimizer")
+        plumbing.load_safely(step / "rng_rank0.pt")
+        problem = None
+    except plumbing.ConfigError as e:
+        problem = str(e)
+    assert not marker.exists()
+    if refusal is None:
+        assert problem is None, problem
+    else:
+        assert problem.startswith(f"--resume_from {step} is damaged: ") and refusal in problem, problem
+        assert "\n" not in problem
+    if forged.endswith(".distcp"):  # torch's default planner would have run it
+        policy = AutoModelForCausalLM.from_pretrained(tmp_path / "initial")
+        dcp.load(get_optimizer_state_dict(policy, torch.optim.AdamW(policy.parameters())),
+                 checkpoint_id=str(step / "optimizer"))
+        assert marker.exists()
+
+
+def test_a_forged_shard_is_refused_in_one_line_before_anything_loads(assets, tmp_path):
+    step, marker = sharded_checkpoint(tmp_path), tmp_path / "ran"
+    forged_shard_entry(step, Payload(marker))
+    forge_manifest(step)
+    result = run_rloo("--model_name_or_path", tmp_path / "initial", "--dataset_name", assets["train"],
+                      "--reward_fn", "reward_fns:count_a", "--output_dir", tmp_path / "run", "--resume_from", step)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
+    assert "optimizer/*.distcp's entry 'param_groups.0.lr' holds io.open" in result.stderr
+    assert not marker.exists() and "loaded the policy" not in result.stdout
 
 
 def test_a_checkpoint_cannot_choose_the_code_that_runs(tmp_path):
