@@ -302,6 +302,7 @@ def unsafe_metadata(path: Path) -> Optional[str]:
         with open(path, "rb") as f:
             metadata = MetadataUnpickler(f).load()
         files = {info.relative_path for info in metadata.storage_data.values()}
+        dict(metadata.state_dict_metadata)  # what unsafe_shards reads next
     except pickle.UnpicklingError as e:
         return f"{path.name} refers to {e}, which could run code when loaded"
     except Exception as e:  # truncated, not a pickle at all, or a pickle of something else
@@ -321,7 +322,8 @@ def unsafe_shards(directory: Path) -> Optional[str]:
         return problem
     with open(directory / ".metadata", "rb") as f:
         metadata = MetadataUnpickler(f).load()
-    entries = {fqn: None for fqn, kind in metadata.state_dict_metadata.items() if isinstance(kind, BytesStorageMetadata)}
+    entries = {fqn: None for fqn, kind in metadata.state_dict_metadata.items()
+               if isinstance(kind, BytesStorageMetadata)}  # the optimizer's hyperparameters
     try:
         read_shards(entries, directory, flatten_state_dict=False, no_dist=True)  # this rank alone
     except ConfigError as e:

@@ -10,10 +10,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
 
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -664,6 +666,90 @@ def test_a_signal_during_start_up_stops_at_once_and_marks_a_preemption(tmp_path)
             signal.signal(sig, handler)
 
 
+def test_a_signal_while_prompts_are_tokenized_stops_the_start_up_at_once(tmp_path, signal_handlers_kept):
+    """A tokenizer's Rust code keeps the thread that calls it for as long as it runs, and Python runs signal handlers
+    in the main thread only: the prompts are tokenized in a thread the main thread waits for, which a stop signal
+    ends at once."""
+    release, returned = threading.Event(), []
+
+    def stuck(rows: dict, tokenizer, column: str) -> list[list[int]]:  # a call that returns when the test says so
+        os.kill(os.getpid(), signal.SIGTERM)
+        release.wait(600)  # a hang guard only
+        returned.append(True)
+        return rloo.prompt_token_ids(rows, tokenizer, column)
+
+    plumbing.StopSignal(plumbing.OutputDirLock(str(tmp_path)), announce=False)
+    try:
+        with pytest.raises(plumbing.StartupInterrupted, match="SIGTERM received during start-up"):
+            plumbing.prepare_prompts(datasets.Dataset.from_list([{"prompt": "a :"}]), policy_tokenizer(), "prompt", 4,
+                                     "d", None, stuck)
+        assert not returned  # stopped while the tokenizer still ran
+    finally:
+        release.set()
+
+
+def test_sighup_stops_a_run_as_sigterm_does_unless_ignored_at_start(tmp_path, signal_handlers_kept):
+    """A terminal or SSH session closed: SIGHUP asks for the stop with a checkpoint, as SIGTERM does; under nohup
+    (SIGHUP ignored when the run starts) it stays ignored."""
+    lock = plumbing.OutputDirLock(str(tmp_path))
+    lock.acquire()
+    stop = plumbing.StopSignal(lock, announce=False)
+    with pytest.raises(plumbing.StartupInterrupted, match="SIGHUP received during start-up: .*nothing was trained"):
+        signal.raise_signal(signal.SIGHUP)
+    assert (tmp_path / "preempted").exists()
+    stop.training = True
+    signal.raise_signal(signal.SIGHUP)
+    assert stop.name == "SIGHUP"
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts a process
+    stop = plumbing.StopSignal(lock, announce=False)
+    stop.training = True
+    signal.raise_signal(signal.SIGHUP)
+    signal.raise_signal(signal.SIGTERM)
+    assert stop.name == "SIGTERM" and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    lock.release()
+
+
+def test_a_console_gone_or_a_thread_left_running_never_keeps_a_run_from_stopping_or_ending(assets, tmp_path):
+    """`python rloo.py ... 2>&1 | tee log`, then Ctrl-C, which reaches tee too: the run writes into a closed pipe, and
+    its reward function has left a thread running that is not a daemon. It stops after the update with a checkpoint
+    and exits 0, each metrics.jsonl line saying that the console went away; resumed with its console on a full disk
+    (/dev/full), it continues, stops on SIGHUP (the terminal closed) with a later checkpoint, exit 0."""
+    out = tmp_path / "run"
+    flags = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir", out,
+             "--reward_fn", "reward_fns:count_a_leaving_a_thread", "--rloo_k", "2", "--per_device_train_batch_size",
+             "4", "--response_length", "4", "--num_ppo_epochs", "1", "--num_sample_generations", "0",
+             "--total_episodes", 4000]  # 1000 updates: a signal stops it long before
+
+    def stopped_by(sig: signal.Signals, console, *resume: str) -> int:
+        logged = read_metrics(out) if (out / "metrics.jsonl").exists() else []
+        process = subprocess.Popen(script_command("rloo.py", *flags, *resume), stdout=console,
+                                   stderr=subprocess.STDOUT, env=script_env(), cwd=REPO)
+        if process.stdout is not None:
+            process.stdout.close()  # the reader is gone before the run writes a line
+        try:
+            deadline = time.time() + 600  # a hang guard only
+            while not ((out / "metrics.jsonl").exists() and
+                       (out / "metrics.jsonl").read_text().count("\n") > len(logged)):
+                assert time.time() < deadline and process.poll() is None, "the run never logged an update"
+                time.sleep(0.05)
+            process.send_signal(sig)
+            return process.wait(timeout=600)
+        finally:  # a run that hangs does not outlive the test
+            process.kill()
+
+    assert stopped_by(signal.SIGINT, subprocess.PIPE) == 0
+    first = plumbing.latest_checkpoint(str(out))
+    assert first is not None and (out / "preempted").read_text().strip() == str(first)
+    assert all("stdout: BrokenPipeError" in line["console_lost"] for line in read_metrics(out))
+    with open("/dev/full", "w") as full:
+        assert stopped_by(signal.SIGHUP, full, "--resume") == 0
+    second = plumbing.latest_checkpoint(str(out))
+    assert int(second.name.removeprefix("step_")) > int(first.name.removeprefix("step_"))
+    resumed = [line for line in read_metrics(out) if line["update"] > int(first.name.removeprefix("step_"))]
+    assert resumed and all("No space left on device" in line["console_lost"] for line in resumed)
+    assert (out / "preempted").read_text().strip() == str(second) and not (out / "args.json").exists()
+
+
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp_path):
     script = (
         "import resource, signal, sys, torch\n"
@@ -878,6 +964,9 @@ REWARD_FAULTS = {  # case: (what the reward function does at its 3rd call, the s
     # exit status, the run's last line after "rloo.py: " with {step_2} for the checkpoint's path)
     "sys.exit(0)": ("exit", None, [], 4, "error: reward function 'misbehaving' raised SystemExit: 0; checkpoint of "
                                          "update 2 saved to {step_2}" + FIX),
+    "os._exit(0)": ("os_exit", None, [], 4, "error: reward function 'misbehaving' called os._exit(0), which would end "
+                                            "the run at once, nothing saved: return its values, or raise; checkpoint "
+                                            "of update 2 saved to {step_2}" + FIX),
     "nan": ("nan", None, [], 4, "error: reward function 'misbehaving' returned nan for completion 0: each value must "
                                 "be a finite float32 (at most 3.403e+38 in magnitude); checkpoint of update 2 saved to "
                                 "{step_2}" + FIX),
