@@ -403,15 +403,15 @@ def exit_if_threads_left(status: int, program: str, running: set) -> None:
     """Python's exit waits for every thread left running that is not a daemon (a reward function may start one), and
     for multiprocessing's children that are not either, forever if they never end, deaf to signals: such threads
     (started since `running`) are named in one line and the process exits with `status` at once, its console
-    flushed, atexit handlers not run, its multiprocessing children terminated (none outlives the run). Returns when
-    there is none."""
+    flushed, atexit handlers not run, its multiprocessing children killed (none outlives the run; SIGKILL: a forked
+    child has the run's own signal handlers). Returns when there is none."""
     left = threads_left(running)
     if not left:
         return
     print(f"{program}: exiting with status {status} without waiting for what was left running: {', '.join(left)}",
           file=sys.stderr)
-    for child in multiprocessing.active_children():  # what multiprocessing's own atexit handler would end or join
-        child.terminate()
+    for child in multiprocessing.active_children():  # what multiprocessing's atexit handler would end or join
+        child.kill()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)

@@ -110,7 +110,7 @@ class StopSignal:
         self.lock = lock  # the run's OutputDirLock: output_dir marked as preempted only by the run holding it
         self.announce = announce
         for sig in self.SIGNALS:
-            if signal.getsignal(sig) is not signal.SIG_IGN or sig != signal.SIGHUP:  # nohup's choice is kept
+            if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's choice is kept
                 signal.signal(sig, self._record)
 
     def _record(self, signum, frame) -> None:
@@ -207,6 +207,10 @@ class ConsoleStream:
         except (OSError, ValueError) as e:
             self.drop(e)
             return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
 
     def flush(self) -> None:
         try:

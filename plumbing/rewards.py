@@ -150,9 +150,10 @@ def user_code(what: str, error: type):
         for name, (old, _) in changed.items():
             RUN_SETTINGS[name][1](old)
     if changed:
-        name, (old, new) = next(iter(changed.items()))
+        name, values = next(iter(changed.items()))
+        old, new = (getattr(value, "__qualname__", None) or repr(value) for value in values)  # a handler by its name
         others = f" (and {', '.join(list(changed)[1:])})" if len(changed) > 1 else ""
-        raise error(f"{what} changed {name} ({old!r} -> {new!r}){others} and did not set it back: the run relies on "
+        raise error(f"{what} changed {name} ({old} -> {new}){others} and did not set it back: the run relies on "
                     "it, and putting it back behind the code's back would change what its next calls compute; "
                     f"{RUN_SETTINGS[name][2]}")
 

@@ -298,15 +298,23 @@ def test_os_exit_in_a_reward_module_or_function_is_a_failure_not_the_end_of_the_
         "values, or raise"]
 
 
-def test_a_reward_module_that_changes_a_setting_of_the_run_at_import_is_refused(tmp_path, monkeypatch):
-    (tmp_path / "float64_judge.py").write_text("import torch\ntorch.set_default_dtype(torch.float64)\n"
-                                               "def f(completions, **kwargs):\n    return [0.0] * len(completions)\n")
+@pytest.mark.parametrize("module,change,fragment", [
+    ("float64_judge", "import torch\ntorch.set_default_dtype(torch.float64)",
+     "changed torch's default dtype (torch.float32 -> torch.float64)"),
+    ("own_sigterm", "import signal\nsignal.signal(signal.SIGTERM, lambda *args: None)",
+     "changed the SIGTERM handler (StopSignal._record -> <lambda>)"),
+])
+def test_a_reward_module_that_changes_a_setting_of_the_run_at_import_is_refused(tmp_path, monkeypatch, module, change,
+                                                                                fragment, signal_handlers_kept):
+    (tmp_path / f"{module}.py").write_text(f"{change}\ndef f(completions, **kwargs):\n    return [0.0]\n")
     monkeypatch.syspath_prepend(tmp_path)
+    plumbing.StopSignal(plumbing.OutputDirLock(str(tmp_path)), announce=False)  # the run's handlers, as main sets them
+    before = {name: read() for name, (read, _, _) in plumbing.RUN_SETTINGS.items()}
     with pytest.raises(plumbing.ConfigError) as error:
-        plumbing.load_reward_functions(("float64_judge:f",))
-    assert_one_line(error.value, "reward function 'float64_judge:f': importing 'float64_judge' changed torch's "
-                                 "default dtype (torch.float32 -> torch.float64)")
-    assert torch.get_default_dtype() == torch.float32
+        plumbing.load_reward_functions((f"{module}:f",))
+    assert_one_line(error.value, f"reward function '{module}:f': importing '{module}' {fragment} and did not set it "
+                                 "back")
+    assert {name: read() for name, (read, _, _) in plumbing.RUN_SETTINGS.items()} == before
 
 
 # ---------------------------------------------------------------- the flags
