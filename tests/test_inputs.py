@@ -500,3 +500,13 @@ def test_ctrl_c_while_torch_imports_is_one_line_and_exit_130(tmp_path):
             process.kill()
         assert process.returncode == 130, stderr
         assert stderr == f"{script}: SIGINT received while starting: stopped, nothing written\n", stderr
+    for script in ("rloo.py", "rloo_multinode.py"):  # `2>&1 | tee log`, Ctrl-C reaching tee too: stderr is gone
+        process = subprocess.Popen(script_command(script, "--help"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   env=script_env({"PYTHONPATH": str(tmp_path)}), cwd=REPO)
+        try:
+            assert process.stdout.readline() == b"importing torch\n"
+            process.stdout.close()
+            process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=60) == 130, script
+        finally:
+            process.kill()
