@@ -14,6 +14,7 @@ import posix
 import signal
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -65,7 +66,12 @@ REWARD_FUNCTION_ARGUMENTS = ("prompts", "completions", "completion_ids")  # and 
 
 
 def get_umask() -> str:
-    umask = os.umask(0o022)  # reading it sets it: put back at once (user code runs in no other thread meanwhile)
+    """The umask, in octal: from /proc where there is one (Linux), else set and put back at once (reading it sets
+    it, meanwhile for every thread)."""
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        status = Path("/proc/self/status").read_text().splitlines()
+        return oct(int(next(line for line in status if line.startswith("Umask:")).split()[1], 8))
+    umask = os.umask(0o022)
     os.umask(umask)
     return oct(umask)
 
