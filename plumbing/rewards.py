@@ -83,6 +83,7 @@ def set_flags(module, names: tuple[str, ...], values: tuple) -> None:
 
 CUDNN, MATMUL = ("enabled", "benchmark", "deterministic", "allow_tf32"), (
     "allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction")
+SDPA = ("flash", "mem_efficient", "math", "cudnn")  # scaled_dot_product_attention's kernels
 
 
 # the process-wide settings the run relies on and user code can change (its module at import, a reward function as it
@@ -106,6 +107,10 @@ RUN_SETTINGS = {
     "CUDA matmul's reduced-precision reductions": (
         lambda: tuple(getattr(torch.backends.cuda.matmul, n) for n in MATMUL),
         lambda values: set_flags(torch.backends.cuda.matmul, MATMUL, values), "set them back before returning"),
+    "torch's attention kernels": (lambda: tuple(getattr(torch.backends.cuda, f"{n}_sdp_enabled")() for n in SDPA),
+                                  lambda values: [getattr(torch.backends.cuda, f"enable_{n}_sdp")(v)
+                                                  for n, v in zip(SDPA, values)],
+                                  "use torch.nn.attention.sdpa_kernel() as a with-block"),
     "sys.stdout": (lambda: sys.stdout, lambda stream: setattr(sys, "stdout", stream),
                    "use contextlib.redirect_stdout as a with-block"),
     "sys.stderr": (lambda: sys.stderr, lambda stream: setattr(sys, "stderr", stream),

@@ -224,6 +224,9 @@ SETTINGS_CHANGED = {  # what a reward function leaves changed: the start of the 
                                          "changed torch's deterministic algorithms ((False, False) -> (True, False))"),
     "torch's anomaly detection": (lambda _: torch.set_anomaly_enabled(True), "changed torch's anomaly detection"),
     "cuDNN's flags": (lambda _: setattr(torch.backends.cudnn, "benchmark", True), "changed cuDNN's flags"),
+    "torch's attention kernels": (lambda _: torch.backends.cuda.enable_math_sdp(False),
+                                  "changed torch's attention kernels ((True, True, True, True) -> (True, True, False, "
+                                  "True))"),
     "sys.stdout": (lambda _: setattr(sys, "stdout", io.StringIO()), "changed sys.stdout"),
     "the umask": (lambda _: os.umask(0), "changed the umask ('0o22' -> '0o0')"),
     "two of them": (lambda _: (os.umask(0), torch.set_default_dtype(torch.float16)),
