@@ -72,17 +72,15 @@ _misbehaving_calls = 0
 
 
 def misbehaving(completions, **kwargs):
-    """count_a, until the call numbered REWARD_MISBEHAVES_AT_CALL does REWARD_MISBEHAVIOUR: exit (sys.exit(0)),
-    os_exit (os._exit(0): the process ends at once, status 0), nan, huge (1e39: inf in float32), or hang (for
-    certain: waiting for an event that never comes, after writing the file REWARD_HANGING)."""
+    """count_a, until the call numbered REWARD_MISBEHAVES_AT_CALL does REWARD_MISBEHAVIOUR: exit (sys.exit(0)), nan,
+    huge (1e39: inf in float32), or hang (for certain: waiting for an event that never comes, after writing the file
+    REWARD_HANGING)."""
     global _misbehaving_calls
     _misbehaving_calls += 1
     if str(_misbehaving_calls) == os.environ.get("REWARD_MISBEHAVES_AT_CALL"):
         behaviour = os.environ["REWARD_MISBEHAVIOUR"]
         if behaviour == "exit":
             sys.exit(0)
-        if behaviour == "os_exit":
-            os._exit(0)
         if behaviour in ("nan", "huge"):
             return [float("nan") if behaviour == "nan" else 1e39] + [1.0] * (len(completions) - 1)
         Path(os.environ["REWARD_HANGING"]).write_text("hanging\n")

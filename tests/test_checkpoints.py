@@ -712,42 +712,54 @@ def test_sighup_stops_a_run_as_sigterm_does_unless_ignored_at_start(tmp_path, si
 def test_a_console_gone_or_a_thread_left_running_never_keeps_a_run_from_stopping_or_ending(assets, tmp_path):
     """`python rloo.py ... 2>&1 | tee log`, then Ctrl-C, which reaches tee too: the run writes into a closed pipe, and
     its reward function has left a thread running that is not a daemon. It stops after the update with a checkpoint
-    and exits 0, each metrics.jsonl line saying that the console went away; resumed with its console on a full disk
-    (/dev/full), it continues, stops on SIGHUP (the terminal closed) with a later checkpoint, exit 0."""
+    a resume takes, exits 0, each metrics.jsonl line saying that the console went away."""
     out = tmp_path / "run"
-    flags = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir", out,
-             "--reward_fn", "reward_fns:count_a_leaving_a_thread", "--rloo_k", "2", "--per_device_train_batch_size",
-             "4", "--response_length", "4", "--num_ppo_epochs", "1", "--num_sample_generations", "0",
-             "--total_episodes", 4000]  # 1000 updates: a signal stops it long before
-
-    def stopped_by(sig: signal.Signals, console, *resume: str) -> int:
-        logged = read_metrics(out) if (out / "metrics.jsonl").exists() else []
-        process = subprocess.Popen(script_command("rloo.py", *flags, *resume), stdout=console,
-                                   stderr=subprocess.STDOUT, env=script_env(), cwd=REPO)
-        if process.stdout is not None:
-            process.stdout.close()  # the reader is gone before the run writes a line
-        try:
-            deadline = time.time() + 600  # a hang guard only
-            while not ((out / "metrics.jsonl").exists() and
-                       (out / "metrics.jsonl").read_text().count("\n") > len(logged)):
-                assert time.time() < deadline and process.poll() is None, "the run never logged an update"
-                time.sleep(0.05)
-            process.send_signal(sig)
-            return process.wait(timeout=600)
-        finally:  # a run that hangs does not outlive the test
-            process.kill()
-
-    assert stopped_by(signal.SIGINT, subprocess.PIPE) == 0
-    first = plumbing.latest_checkpoint(str(out))
-    assert first is not None and (out / "preempted").read_text().strip() == str(first)
+    process = subprocess.Popen(script_command(
+        "rloo.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir", out,
+        "--reward_fn", "reward_fns:count_a_leaving_a_thread", "--rloo_k", "2", "--per_device_train_batch_size", "4",
+        "--response_length", "4", "--num_ppo_epochs", "1", "--num_sample_generations", "0", "--total_episodes",
+        4000), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=script_env(), cwd=REPO)  # 1000 updates
+    process.stdout.close()  # the reader is gone before the run writes a line
+    try:
+        deadline = time.time() + 600  # a hang guard only
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 1):
+            assert time.time() < deadline and process.poll() is None, "the run never logged an update"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=600) == 0
+    finally:  # a run that hangs does not outlive the test
+        process.kill()
+    stopped_at = plumbing.latest_checkpoint(str(out))
+    assert stopped_at is not None and (out / "preempted").read_text().strip() == str(stopped_at)
+    assert plumbing.resume_checkpoint(rloo.Args(output_dir=str(out), resume=True)).checkpoint == stopped_at
     assert all("stdout: BrokenPipeError" in line["console_lost"] for line in read_metrics(out))
-    with open("/dev/full", "w") as full:
-        assert stopped_by(signal.SIGHUP, full, "--resume") == 0
-    second = plumbing.latest_checkpoint(str(out))
-    assert int(second.name.removeprefix("step_")) > int(first.name.removeprefix("step_"))
-    resumed = [line for line in read_metrics(out) if line["update"] > int(first.name.removeprefix("step_"))]
-    assert resumed and all("No space left on device" in line["console_lost"] for line in resumed)
-    assert (out / "preempted").read_text().strip() == str(second) and not (out / "args.json").exists()
+
+
+def test_a_console_write_that_fails_is_dropped_and_remembered(tmp_path):
+    """Whatever way a console goes (a closed pipe, a full disk, a closed file) a write or flush to it returns, its
+    descriptor then points at /dev/null (later writes, Python's flush at exit, succeed), and `lost` says what
+    failed; text the console cannot encode is written escaped."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    cases = {"a closed pipe": (open(write_end, "w"), "BrokenPipeError"),
+             "a full disk": (open("/dev/full", "w"), "No space left on device"),
+             "a closed file": (open(tmp_path / "closed", "w"), "I/O operation on closed file")}
+    cases["a closed file"][0].close()
+    for case, (stream, why) in cases.items():
+        console = plumbing.ConsoleStream(stream, "stdout")
+        assert console.write("x" * 100_000) == 100_000 and console.flush() is None, case
+        console.write("later\n")
+        console.flush()
+        assert console.lost.startswith("stdout: ") and why in console.lost, (case, console.lost)
+        if not stream.closed:
+            assert os.path.samefile(f"/proc/self/fd/{stream.fileno()}", os.devnull), case
+            stream.close()
+    ascii_file = tmp_path / "ascii"
+    with open(ascii_file, "w", encoding="ascii") as stream:
+        console = plumbing.ConsoleStream(stream, "stdout")
+        console.write("score \u2713 \u00e9\n")
+        assert console.lost is None
+    assert ascii_file.read_text() == "score \\u2713 \\xe9\n"
 
 
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp_path):
@@ -964,9 +976,6 @@ REWARD_FAULTS = {  # case: (what the reward function does at its 3rd call, the s
     # exit status, the run's last line after "rloo.py: " with {step_2} for the checkpoint's path)
     "sys.exit(0)": ("exit", None, [], 4, "error: reward function 'misbehaving' raised SystemExit: 0; checkpoint of "
                                          "update 2 saved to {step_2}" + FIX),
-    "os._exit(0)": ("os_exit", None, [], 4, "error: reward function 'misbehaving' called os._exit(0), which would end "
-                                            "the run at once, nothing saved: return its values, or raise; checkpoint "
-                                            "of update 2 saved to {step_2}" + FIX),
     "nan": ("nan", None, [], 4, "error: reward function 'misbehaving' returned nan for completion 0: each value must "
                                 "be a finite float32 (at most 3.403e+38 in magnitude); checkpoint of update 2 saved to "
                                 "{step_2}" + FIX),
