@@ -147,14 +147,13 @@ def plain_values_load_planner(directory: Path, **options):
     return PlainValuesLoadPlanner(**options)
 
 
-def read_shards(state: dict, directory: Path, **options) -> None:
+def read_shards(state: dict, directory: Path, no_dist: bool = False, **options) -> None:
     """torch.distributed.checkpoint's load of `state` (each rank its own share; collective when distributed, unless
     `no_dist`) from `directory` through plain_values_load_planner (its `options`); what it cannot read (a refused
     entry, a missing or truncated shard) is a ConfigError naming it, on every rank."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    no_dist = options.pop("no_dist", False)
     try:
         with warnings.catch_warnings():  # with no_dist: that it loads in one process, which is meant
             warnings.filterwarnings("ignore", "torch.distributed is disabled")

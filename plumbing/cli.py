@@ -372,40 +372,40 @@ def run_script(main: Callable, args, program: str) -> None:
     value before an optimizer step (NonFiniteError) into one line and exit status 3, a fault that stopped the run
     (Fault) into one line and exit status 4, and a signal before training (or a KeyboardInterrupt before its
     handler is set) into one line and exit status 0 (130 for SIGINT; under torchrun 128 + the signal's number);
-    and the process ends then, whatever threads user code left running (exit_if_threads_left). The console cannot
+    and the process ends then, whatever user code left running (exit_if_left_running). The console cannot
     stop it (console_survives). Shared by this project's scripts."""
     console_survives()
-    running = set(threading.enumerate())  # threads not of this run (a test's process)
+    running = {*threading.enumerate(), *multiprocessing.active_children()}  # not of this run (a test's process)
     try:
         say_how_it_ended(main, args, program)
     except SystemExit as e:
-        exit_if_threads_left(e.code if isinstance(e.code, int) else int(e.code is not None), program, running)
+        exit_if_left_running(e.code if isinstance(e.code, int) else int(e.code is not None), program, running)
         raise
     except BaseException:  # a traceback: Python's own report of it, and its exit status
-        if threads_left(running):
+        if left_running(running):
             sys.excepthook(*sys.exc_info())
-            exit_if_threads_left(1, program, running)
+            exit_if_left_running(1, program, running)
         raise
     for sig in StopSignal.SIGNALS:  # finished: the handlers that only record a signal for the update loop give way,
         if isinstance(getattr(signal.getsignal(sig), "__self__", None), StopSignal):  # so that a signal ends the exit
             signal.signal(sig, signal.SIG_DFL)  # (an atexit handler of user code that hangs)
-    exit_if_threads_left(0, program, running)
+    exit_if_left_running(0, program, running)
 
 
-def threads_left(running: set) -> list[str]:
+def left_running(running: set) -> list[str]:
     """What Python's exit would wait for, started since `running` and still running: threads that are not daemons
     and multiprocessing's child processes that are not either."""
     return [t.name for t in threading.enumerate() if not t.daemon and t not in running] + [
-        f"process {p.pid}" for p in multiprocessing.active_children() if not p.daemon]
+        f"process {p.pid}" for p in multiprocessing.active_children() if not p.daemon and p not in running]
 
 
-def exit_if_threads_left(status: int, program: str, running: set) -> None:
+def exit_if_left_running(status: int, program: str, running: set) -> None:
     """Python's exit waits for every thread left running that is not a daemon (a reward function may start one), and
-    for multiprocessing's children that are not either, forever if they never end, deaf to signals: such threads
-    (started since `running`) are named in one line and the process exits with `status` at once, its console
+    for multiprocessing's children that are not either, forever if they never end, deaf to signals: those started
+    since `running` are named in one line and the process exits with `status` at once, its console
     flushed, atexit handlers not run, its multiprocessing children killed (none outlives the run; SIGKILL: a forked
     child has the run's own signal handlers). Returns when there is none."""
-    left = threads_left(running)
+    left = left_running(running)
     if not left:
         return
     print(f"{program}: exiting with status {status} without waiting for what was left running: {', '.join(left)}",
