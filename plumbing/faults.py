@@ -227,6 +227,8 @@ class ConsoleStream:
             self.stream.flush()  # what the failed write left in the buffer, into /dev/null
 
     def __getattr__(self, name: str):  # fileno, isatty, encoding, buffer, ...: the stream's
+        if name == "stream":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
         return getattr(self.stream, name)
 
 
