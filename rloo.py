@@ -30,14 +30,17 @@ checkpoints, faults, signals, measuring, logging, file loading, kernels, the sho
 line) is in plumbing/, called as plumbing.X: copying this file means copying that folder with it.
 """
 
+import contextlib
 import os
 import signal
 
-if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: torch, transformers): one line, no
-    signal.signal(signal.SIGINT, lambda *_: (  # traceback; main's stop signals take over once it starts
-        os.write(2, b"rloo.py: SIGINT received while starting: stopped, nothing written\n"), os._exit(130)))
+if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: torch, transformers): one line (none where
+    def stopped_while_starting(*_):  # stderr is gone), no traceback; main's stop signals take over once it starts
+        with contextlib.suppress(OSError):
+            os.write(2, b"rloo.py: SIGINT received while starting: stopped, nothing written\n")
+        os._exit(130)
+    signal.signal(signal.SIGINT, stopped_while_starting)
 
-import contextlib
 import copy
 import functools
 import math
@@ -1601,9 +1604,5 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
 
 
 # ===================================================================== command line
-def cli() -> None:
-    plumbing.run_script(main, plumbing.parse_args(Args, prog="rloo.py"), "rloo.py")
-
-
 if __name__ == "__main__":
-    cli()
+    plumbing.run_script(main, plumbing.parse_args(Args, prog="rloo.py"), "rloo.py")

@@ -52,14 +52,17 @@ Sections, in file order:
   main                           make_engine_rollouts, main, cli
 """
 
+import contextlib
 import os
 import signal
 
-if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: torch, transformers): one line, no
-    signal.signal(signal.SIGINT, lambda *_: (  # traceback; main's stop signals take over once it starts
-        os.write(2, b"rloo_multinode.py: SIGINT received while starting: stopped, nothing written\n"), os._exit(130)))
+if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: torch, transformers): one line (none where
+    def stopped_while_starting(*_):  # stderr is gone), no traceback; main's stop signals take over once it starts
+        with contextlib.suppress(OSError):
+            os.write(2, b"rloo_multinode.py: SIGINT received while starting: stopped, nothing written\n")
+        os._exit(130)
+    signal.signal(signal.SIGINT, stopped_while_starting)
 
-import contextlib
 import datetime
 import errno
 import hashlib

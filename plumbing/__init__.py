@@ -7,12 +7,13 @@ objects (the algorithm's functions included) takes them as arguments. The rooms,
   errors        ConfigError (bad input: one line, exit 2), Fault (a run stopped: one line, exit 4), reading an input
   flags         InputArgs (models, data) and RunArgs (the run's flags), which rloo.py's Args extends; their checks
   distributed   torchrun's ranks, their devices and seeds, FSDP2, all-reduce, late ranks named
+  faults        stop signals, NaN/inf on every rank and the offending batch, the rollout source's failure, the
+                console that cannot stop a run, work in a thread a signal can stop
   data          the prompt files and datasets, with one-line diagnostics; tokenized, held to --max_prompt_length;
                 the prompt sampler
   models        models and tokenizers loaded and checked, LoRA adapters and their reference, the bf16 sampling copy
   kernels       the fused log-softmax, logits where needed, KV caches, what a model's attention is
   sharing       the shortcuts' start-up checks: prompt sharing per model, the on-policy update's advantages
-  faults        stop signals, NaN/inf on every rank and the offending batch, the rollout source's failure
   rewards       reward model and functions: loaded, called in a thread with a timeout, failures raised on every rank
   measure       phase times, token-forwards against the minimum, rows per forward pass, sampler/trainer mismatch
   runlog        metrics over ranks, the console, metrics.jsonl, wandb, curves.png
@@ -25,11 +26,11 @@ objects (the algorithm's functions included) takes them as arguments. The rooms,
 from .errors import *  # noqa: F401,F403
 from .flags import *  # noqa: F401,F403
 from .distributed import *  # noqa: F401,F403
+from .faults import *  # noqa: F401,F403
 from .data import *  # noqa: F401,F403
 from .models import *  # noqa: F401,F403
 from .kernels import *  # noqa: F401,F403
 from .sharing import *  # noqa: F401,F403
-from .faults import *  # noqa: F401,F403
 from .rewards import *  # noqa: F401,F403
 from .measure import *  # noqa: F401,F403
 from .runlog import *  # noqa: F401,F403

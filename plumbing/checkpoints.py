@@ -1,11 +1,13 @@
 """Checkpoints and run identity: verified saves (a manifest of sizes and sha256s), resume from the newest good one, the
 RNG states, the inputs' identities compared on resume, nothing run from a checkpoint's bytes (weights_only loads, the
-DCP metadata's pickle read by an allow-list); the Checkpointer rloo.py calls.
+DCP metadata's pickle read by an allow-list, its shards' other entries as plain values); the Checkpointer rloo.py
+calls.
 """
 
 import contextlib
 import hashlib
 import inspect
+import io
 import json
 import math
 import os
@@ -15,6 +17,7 @@ import re
 import shutil
 import time
 import uuid
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, Optional
@@ -24,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import barrier, is_fsdp_unit, note_phase, rank0_view, unwrapped
-from .errors import WRITE_ERRORS, ConfigError, Fault, first_line
+from .errors import WRITE_ERRORS, ConfigError, Fault, describe, first_line, reading
 from .models import load_pretrained, weights_readable_as_the_rest
 from .outputdir import (
     ABANDONED,
@@ -66,17 +69,18 @@ def set_rng_state(state: dict, sampling: torch.Generator) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def load_safely(path: Path):
+def load_safely(source: Path | io.BytesIO, name: Optional[str] = None):
     """torch.load with weights_only: tensors and plain Python values only, so that reading a checkpoint from
-    elsewhere can never run code. Raises ConfigError naming the file."""
+    elsewhere can never run code. Raises ConfigError naming the file (or `name`: what a message calls the source)."""
+    name = name or str(source)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        raise ConfigError(f"{path} holds {refused.group(1) if refused else 'an object'}, not only tensors and plain "
+        raise ConfigError(f"{name} holds {refused.group(1) if refused else 'an object'}, not only tensors and plain "
                           "values: refused, as loading it could run code") from None
     except Exception as e:  # a truncated or foreign file: zip, EOF and OS errors
-        raise ConfigError(f"{path} cannot be read ({first_line(e)})") from None
+        raise ConfigError(f"{name} cannot be read ({first_line(e)})") from None
 
 
 def save_policy(policy, tokenizer, path: Path, rank: int) -> None:
@@ -116,14 +120,51 @@ def save_optimizer_state(model, optimizer, directory: Path, trainer_state: dict)
 
 def load_optimizer_state(model, optimizer, checkpoint: Path, trainer_state: dict) -> None:
     if is_fsdp_unit(model):  # each rank reads its own shard
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
         state = get_optimizer_state_dict(model, optimizer)  # the layout to fill, with the state allocated
-        dcp.load(state, checkpoint_id=str(checkpoint / OPTIMIZER_SHARDS))
+        read_shards(state, checkpoint / OPTIMIZER_SHARDS)
         set_optimizer_state_dict(model, optimizer, optim_state_dict=state)
     else:
         optimizer.load_state_dict(trainer_state["optimizer"])
+
+
+def plain_values_load_planner(directory: Path, **options):
+    """torch.distributed.checkpoint's default load planner (its `options`), but for the shards' entries that are not
+    tensors (the optimizer's hyperparameters): the default unpickles those whole (torch.load with weights_only=False),
+    so that a forged shard file could run code; here they are read as tensors and plain values only (load_safely),
+    then handed to the default planner as bytes of their own making."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class PlainValuesLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            entry = load_safely(value, f"{directory.name}/*.distcp's entry {read_item.dest_index.fqn!r}")
+            value = io.BytesIO()
+            torch.save(entry, value)
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    return PlainValuesLoadPlanner(**options)
+
+
+def read_shards(state: dict, directory: Path, no_dist: bool = False, **options) -> None:
+    """torch.distributed.checkpoint's load of `state` (each rank its own share; collective when distributed, unless
+    `no_dist`) from `directory` through plain_values_load_planner (its `options`); what it cannot read (a refused
+    entry, a missing or truncated shard) is a ConfigError naming it, on every rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():  # with no_dist: that it loads in one process, which is meant
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(directory), planner=plain_values_load_planner(directory, **options),
+                     no_dist=no_dist)
+    except CheckpointException as e:  # a BaseException holding each rank's
+        failures = [failure for failure, _ in e.failures.values()]
+        refused = next((f for f in failures if isinstance(f, ConfigError)), None)
+        raise (refused or ConfigError(f"{directory} cannot be read ({describe(failures[0])})")) from None
+    except Exception as e:  # a missing or foreign .metadata: OS and pickle errors
+        raise ConfigError(f"{directory} cannot be read ({describe(e)})") from None
 
 
 def sha256_of(path: Path) -> str:
@@ -258,20 +299,55 @@ def unsafe_metadata(path: Path) -> Optional[str]:
     """Why torch.distributed.checkpoint must not unpickle this .metadata file (it uses plain pickle), or None."""
     try:
         with open(path, "rb") as f:
-            MetadataUnpickler(f).load()
+            metadata = MetadataUnpickler(f).load()
+        files = {info.relative_path for info in metadata.storage_data.values()}
+        dict(metadata.state_dict_metadata)  # what unsafe_shards reads next
     except pickle.UnpicklingError as e:
         return f"{path.name} refers to {e}, which could run code when loaded"
-    except Exception as e:  # truncated, or not a pickle at all
-        return f"{path.name} cannot be read ({first_line(e)})"
+    except Exception as e:  # truncated, not a pickle at all, or a pickle of something else
+        return f"{path.name} cannot be read ({describe(e)})"
+    elsewhere = sorted(name for name in files if not isinstance(name, str) or Path(name).name != name)
+    return f"{path.name} names shard files outside its directory ({elsewhere[0]!r})" if elsewhere else None
+
+
+def unsafe_shards(directory: Path) -> Optional[str]:
+    """Why the optimizer shards in `directory` must not be loaded, or None: their metadata (unsafe_metadata), or an
+    entry that is not a tensor and holds more than plain values (read here, before any model loads, as the load
+    itself reads it: plain_values_load_planner)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    problem = unsafe_metadata(directory / ".metadata")
+    if problem is not None:
+        return problem
+    with open(directory / ".metadata", "rb") as f:
+        metadata = MetadataUnpickler(f).load()
+    entries = {fqn: None for fqn, kind in metadata.state_dict_metadata.items()
+               if isinstance(kind, BytesStorageMetadata)}  # the optimizer's hyperparameters
+    try:
+        read_shards(entries, directory, flatten_state_dict=False, no_dist=True)  # this rank alone
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def unreadable_weights(path: Path) -> Optional[str]:
+    """Why a *.safetensors file is not one (a pickle under that name, bytes cut short), or None: its header read."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            f.keys()
+    except Exception as e:  # safetensors' own error types, and OS errors
+        return f"{path.name} is not a safetensors file ({describe(e)})"
     return None
 
 
 def checkpoint_problem(path: Path) -> Optional[str]:
     """Why a checkpoint cannot be resumed from, or None when it is intact: its manifest (which every save writes
     last) is missing or unreadable, a file it lists is missing or differs in size or sha256, its
-    weights are not in safetensors (a pickle is never loaded), or its optimizer shards' metadata refers to code.
-    Collective when distributed."""
-    metadata = path / OPTIMIZER_SHARDS / ".metadata"
+    weights are not in safetensors (a pickle is never loaded) or not readable as such, or its optimizer shards hold
+    more than tensors and plain values (unsafe_shards). Collective when distributed."""
+    shards = path / OPTIMIZER_SHARDS
     try:
         listed = json.loads((path / MANIFEST).read_text())["files"]
     except FileNotFoundError:
@@ -291,7 +367,8 @@ def checkpoint_problem(path: Path) -> Optional[str]:
         others = [p.name for p in sorted(path.iterdir()) if p.suffix in (".bin", ".pt", ".pth", ".ckpt")
                   and not p.name.startswith("rng_rank") and p.name != TRAINER_STATE]
         return f"no weights in safetensors ({', '.join(others) or 'none'} instead): a pickle is never loaded"
-    return unsafe_metadata(metadata) if metadata.is_file() else None
+    problem = next(filter(None, map(unreadable_weights, weights)), None)
+    return problem or (unsafe_shards(shards) if (shards / ".metadata").is_file() else None)
 
 
 def save_checkpoint(output_dir: str, update: int, model, optimizer, tokenizer, trainer_state: dict, rank: int,
@@ -411,6 +488,8 @@ def read_checkpoint(path: Path) -> tuple[Optional[dict], Optional[str]]:
         return None, problem
     try:
         state = load_safely(path / TRAINER_STATE)
+        for rng in sorted(path.glob("rng_rank*.pt")):  # read again by load(): refused here, before any model loads
+            load_safely(rng)
     except ConfigError as e:
         return None, " ".join(str(e).split())
     except RecursionError:
@@ -584,13 +663,16 @@ class Checkpointer:
                                                                               sampling_rng)
         self.reference = reference
         self.start_time = time.time()
-        if self.state and reference is not None:
-            reference.load_state_dict(self.state["reference"])
-        if self.state:
+        if not self.state:
+            return
+        # values of the right kinds (trainer_state_problem) may still not fit these objects: a forged or foreign file
+        with reading(f"checkpoint {self.path}", "resume from an intact checkpoint of this run (--resume_from)"):
+            if reference is not None:
+                reference.load_state_dict(self.state["reference"])
             load_optimizer_state(model, optimizer, self.path, self.state)
             sampler.load_state_dict(self.state["sampler"])
             set_rng_state(load_safely(self.path / f"rng_rank{self.dist_info.rank}.pt"), sampling_rng)
-            self.start_time -= self.state["elapsed"]
+        self.start_time -= self.state["elapsed"]
 
     def notes(self) -> list[str]:
         """Rank 0, before the run writes anything: output_dir settled for this timeline (settle_output_dir); what

@@ -6,10 +6,12 @@ import contextlib
 import difflib
 import gc
 import inspect
+import multiprocessing
 import os
 import re
 import signal
 import sys
+import threading
 import traceback
 from dataclasses import field, fields, is_dataclass, make_dataclass
 from pathlib import Path
@@ -21,7 +23,7 @@ import tyro._errors  # parse_args' one-line parse errors
 
 from .distributed import stopped_alone
 from .errors import ConfigError, Fault, first_line
-from .faults import NonFiniteError, StartupInterrupted
+from .faults import NonFiniteError, StartupInterrupted, StopSignal, console_survives
 from .flags import RunArgs
 
 # TRL >= 0.22's names for flags of the same meaning, tyro aliases of this project's (README, "Flags": both TRL
@@ -307,6 +309,7 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     --steps_per_generation S is taken as --num_mini_batches S / gradient_accumulation_steps. Bad input is one line
     on stderr and exit status 2, tyro's parse errors included (parse_error_line)."""
     prog = prog or Path(sys.argv[0]).name
+    console_survives()  # from the first line it may write
     hints = get_type_hints(cls, include_extras=True)
     names = {("bool:" if hints[f.name] is bool else "") + f.name for f in fields(cls)}
     names |= {("bool:" if hints[own] is bool else "") + trl for trl, own in TRL_NAMES.items() if own in hints}
@@ -368,8 +371,54 @@ def run_script(main: Callable, args, program: str) -> None:
     """main(args), with bad input (ConfigError) turned into one line on stderr and exit status 2, a non-finite
     value before an optimizer step (NonFiniteError) into one line and exit status 3, a fault that stopped the run
     (Fault) into one line and exit status 4, and a signal before training (or a KeyboardInterrupt before its
-    handler is set) into one line and exit status 0 (130 for SIGINT; under torchrun 128 + the signal's number).
-    Shared by this project's scripts."""
+    handler is set) into one line and exit status 0 (130 for SIGINT; under torchrun 128 + the signal's number);
+    and the process ends then, whatever user code left running (exit_if_left_running). The console cannot
+    stop it (console_survives). Shared by this project's scripts."""
+    console_survives()
+    running = {*threading.enumerate(), *multiprocessing.active_children()}  # not of this run (a test's process)
+    try:
+        say_how_it_ended(main, args, program)
+    except SystemExit as e:
+        exit_if_left_running(e.code if isinstance(e.code, int) else int(e.code is not None), program, running)
+        raise
+    except BaseException:  # a traceback: Python's own report of it, and its exit status
+        if left_running(running):
+            sys.excepthook(*sys.exc_info())
+            exit_if_left_running(1, program, running)
+        raise
+    for sig in StopSignal.SIGNALS:  # finished: the handlers that only record a signal for the update loop give way,
+        if isinstance(getattr(signal.getsignal(sig), "__self__", None), StopSignal):  # so that a signal ends the exit
+            signal.signal(sig, signal.SIG_DFL)  # (an atexit handler of user code that hangs)
+    exit_if_left_running(0, program, running)
+
+
+def left_running(running: set) -> list[str]:
+    """What Python's exit would wait for, started since `running` and still running: threads that are not daemons
+    and multiprocessing's child processes that are not either."""
+    return [t.name for t in threading.enumerate() if not t.daemon and t not in running] + [
+        f"process {p.pid}" for p in multiprocessing.active_children() if not p.daemon and p not in running]
+
+
+def exit_if_left_running(status: int, program: str, running: set) -> None:
+    """Python's exit waits for every thread left running that is not a daemon (a reward function may start one), and
+    for multiprocessing's children that are not either, forever if they never end, deaf to signals: those started
+    since `running` are named in one line and the process exits with `status` at once, its console
+    flushed, atexit handlers not run, its multiprocessing children killed (none outlives the run; SIGKILL: a forked
+    child has the run's own signal handlers). Returns when there is none."""
+    left = left_running(running)
+    if not left:
+        return
+    print(f"{program}: exiting with status {status} without waiting for what was left running: {', '.join(left)}",
+          file=sys.stderr)
+    for child in multiprocessing.active_children():  # what multiprocessing's atexit handler would end or join
+        child.kill()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def say_how_it_ended(main: Callable, args, program: str) -> None:
+    """run_script's main(args) and its end said in one line, raising SystemExit with the exit status."""
     try:
         try:
             main(args)
@@ -378,9 +427,9 @@ def run_script(main: Callable, args, program: str) -> None:
             gc.freeze()
         except BaseException:
             # the run has ended and says how: a stop signal now (torchrun's SIGTERM to the other ranks once one has
-            # failed) must not cut that line into a traceback. SIGTERM and SIGUSR1 are ignored, the exit follows;
+            # failed) must not cut that line into a traceback. SIGTERM, SIGUSR1, SIGHUP are ignored, the exit follows;
             # Ctrl-C exits at once. (Not a blocked mask: torch's threads would take the signal for the main thread)
-            for sig in (signal.SIGTERM, signal.SIGUSR1):
+            for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
                 signal.signal(sig, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             raise

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigError, describe, first_line, reading
+from .faults import interruptible
 
 PROMPT_IDS = "prompt_input_ids"  # the tokenized prompt column this script adds to the dataset
 
@@ -191,8 +192,30 @@ def describe_dropped(dropped: dict[str, int], max_prompt_length: int) -> str:
 
 def describe_prompt_lengths(dropped: dict[str, int], max_prompt_length: int) -> str:
     """Tokens per prompt before any was dropped: a tokenizer that does not fit the prompts shows here."""
+    cut = (f" ({dropped['cut']} longer than {max_prompt_length * PROMPT_CHARS_PER_TOKEN} characters, tokenized that "
+           "far only)") if dropped.get("cut") else ""
     return (f"tokens per prompt min {dropped['min_tokens']} / median {dropped['median_tokens']} / max "
-            f"{dropped['max_tokens']}; {describe_dropped(dropped, max_prompt_length)}")
+            f"{dropped['max_tokens']}{cut}; {describe_dropped(dropped, max_prompt_length)}")
+
+
+PROMPT_CHARS_PER_TOKEN = 64  # characters per --max_prompt_length token beyond which a prompt is tokenized only that
+# far (cut_prompt): text has 3-5 a token, code's runs of spaces a few tens
+
+
+def cut_prompt(value, limit: int):
+    """A prompt (a string, or chat messages: their contents in turn) cut to `limit` characters of text; the same
+    object when it has no more."""
+    if isinstance(value, str):
+        return value if len(value) <= limit else value[:limit]
+    if sum(len(m["content"]) for m in value if isinstance(m.get("content"), str)) <= limit:
+        return value
+    cut = []
+    for message in value:
+        content = message.get("content")
+        if isinstance(content, str):
+            message, limit = {**message, "content": content[:limit]}, max(0, limit - len(content))
+        cut.append(message)
+    return cut
 
 
 @contextlib.contextmanager
@@ -227,12 +250,30 @@ def _prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: 
             f"'query_token' column; its columns are {dataset.column_names}: pass --prompt_column NAME"
         )
 
-    def tokenize(rows: dict, indices: list[int]) -> dict:
-        check_prompt_values(rows, indices, prompt_column, name)
-        return {PROMPT_IDS: prompt_token_ids(rows, tokenizer, prompt_column)}
+    limit, cut = max_prompt_length * PROMPT_CHARS_PER_TOKEN, []  # cut: how many prompts were tokenized in part
 
-    # in memory: no cache files for torchrun's ranks to race on
-    dataset = dataset.map(tokenize, with_indices=True, batched=True, keep_in_memory=True)
+    def tokenize(rows: dict, indices: list[int]) -> dict:
+        """The prompts' token ids, a prompt longer than `limit` characters tokenized that far only (a 200 MB line
+        would take minutes and gigabytes): dropped as too long when that part alone has more tokens than
+        max_prompt_length, else (a tokenizer of more characters a token) tokenized whole after all."""
+        check_prompt_values(rows, indices, prompt_column, name)
+        if prompt_column not in rows:  # pre-tokenized
+            return {PROMPT_IDS: prompt_token_ids(rows, tokenizer, prompt_column)}
+        parts = [cut_prompt(value, limit) for value in rows[prompt_column]]
+        ids = prompt_token_ids({**rows, prompt_column: parts}, tokenizer, prompt_column)
+        partly = [i for i, (part, value) in enumerate(zip(parts, rows[prompt_column])) if part is not value]
+        whole = [i for i in partly if len(ids[i]) <= max_prompt_length]
+        if whole:
+            again = prompt_token_ids({column: [values[i] for i in whole] for column, values in rows.items()},
+                                     tokenizer, prompt_column)
+            for i, row_ids in zip(whole, again):
+                ids[i] = row_ids
+        cut.append(len(partly) - len(whole))
+        return {PROMPT_IDS: ids}
+
+    # in memory: no cache files for torchrun's ranks to race on; in a thread: a stop signal acts while it runs
+    dataset = interruptible(lambda: dataset.map(tokenize, with_indices=True, batched=True, keep_in_memory=True),
+                            f"tokenizing {name}")
     ids = dataset.with_format("arrow")[PROMPT_IDS]  # lengths and extremes in Arrow: no Python list per token
     lowest, highest = pc.min_max(pc.list_flatten(ids)).values()
     if vocab_size is not None and lowest.is_valid and not 0 <= lowest.as_py() <= highest.as_py() < vocab_size:
@@ -243,7 +284,7 @@ def _prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: 
     lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
     dropped = {"empty": int((lengths == 0).sum()), "too_long": int((lengths > max_prompt_length).sum()),
                "min_tokens": int(lengths.min()), "median_tokens": int(np.median(lengths)),
-               "max_tokens": int(lengths.max())}
+               "max_tokens": int(lengths.max()), "cut": sum(cut)}
     dataset = dataset.select(np.flatnonzero((lengths > 0) & (lengths <= max_prompt_length)), keep_in_memory=True)
     if len(dataset) == 0:
         raise ConfigError(f"every prompt of {name} is empty or longer than max_prompt_length ({max_prompt_length})")

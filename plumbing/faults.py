@@ -1,21 +1,23 @@
-"""Stop signals and faults: SIGTERM, SIGUSR1 and SIGINT ask the run to stop after the update with a checkpoint (at once
-during start-up); signals held while files move; NaN or inf checked on every rank at once, the offending batch kept;
-the rollout source's failure.
+"""Stop signals and faults: SIGTERM, SIGUSR1, SIGINT and SIGHUP ask the run to stop after the update with a checkpoint
+(at once during start-up); signals held while files move; NaN or inf checked on every rank at once, the offending
+batch kept; the rollout source's failure; a console that goes away (a closed pipe, a terminal gone, a full disk) never
+stops the run.
 """
 
 import contextlib
 import json
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from .distributed import all_reduce
-from .errors import RewardFunctionError
+from .errors import RewardFunctionError, describe
 
 
 class RolloutSourceError(Exception):
@@ -91,14 +93,15 @@ class StartupInterrupted(BaseException):
 
 
 class StopSignal:
-    """SIGTERM and SIGUSR1 (what SLURM sends before preemption or the time limit) and SIGINT (Ctrl-C, and what
-    many launchers send) ask the run to stop after the current update with a checkpoint; the handler only records
-    the signal, the update loop decides when to act on it. After a first SIGINT, a second one kills the process at
+    """SIGTERM and SIGUSR1 (what SLURM sends before preemption or the time limit), SIGINT (Ctrl-C, and what many
+    launchers send) and SIGHUP (the terminal or SSH session closed; unless ignored at start, as under nohup: then it
+    stays ignored) ask the run to stop after the current update with a checkpoint; the handler only records the
+    signal, the update loop decides when to act on it. After a first SIGINT, a second one kills the process at
     once (the default action, which works even inside a hung collective). Until `training` is set there is nothing
-    to save: a signal ends the run at once (StartupInterrupted), SIGTERM and SIGUSR1 leaving the `preempted` marker
-    so that a job script requeues the run."""
+    to save: a signal ends the run at once (StartupInterrupted), all but SIGINT leaving the `preempted` marker so
+    that a job script requeues the run."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 
     def __init__(self, lock, announce: bool):
         self.name: Optional[str] = None
@@ -107,7 +110,8 @@ class StopSignal:
         self.lock = lock  # the run's OutputDirLock: output_dir marked as preempted only by the run holding it
         self.announce = announce
         for sig in self.SIGNALS:
-            signal.signal(sig, self._record)
+            if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's choice is kept
+                signal.signal(sig, self._record)
 
     def _record(self, signum, frame) -> None:
         if signum == signal.SIGINT:
@@ -121,8 +125,9 @@ class StopSignal:
         if self.at_once:  # the function may never return: stop now, from the state at the start of the update
             raise RewardFunctionError(f"{name} received while a reward function ran", signal_name=name)
         if signum == signal.SIGINT and self.announce:  # os.write: print() is not safe inside a signal handler
-            os.write(2, b"rloo.py: SIGINT received: stopping after this update with a checkpoint; Ctrl-C again "
-                        b"exits at once without one\n")
+            with contextlib.suppress(OSError):  # stderr gone (a closed pipe: Ctrl-C reached `| tee` too)
+                os.write(2, b"rloo.py: SIGINT received: stopping after this update with a checkpoint; Ctrl-C again "
+                            b"exits at once without one\n")
 
     def requested(self, device: torch.device) -> bool:
         """Collective: True on every rank as soon as any rank got a signal."""
@@ -139,6 +144,35 @@ def signals_held():
         signal.pthread_sigmask(signal.SIG_UNBLOCK, StopSignal.SIGNALS)
 
 
+def in_a_thread(work: Callable[[], object], name: str, timeout: Optional[float] = None) -> dict:
+    """work() in a daemon thread of its own while this thread waits for it, at most `timeout` seconds: {"out": what
+    it returned} or {"error": what it raised, of any type}, or {} while it still runs (it is left running). Python
+    runs signal handlers in the main thread only, between bytecodes: a call into C code there (tokenizers' Rust, a
+    reward function's sleep) keeps a stop signal from acting for as long as it runs; waiting for a thread, the main
+    thread takes it at once."""
+    outcome = {}
+
+    def call() -> None:
+        try:
+            outcome["out"] = work()
+        except BaseException as e:  # noqa: BLE001: any type, sys.exit included, goes to the waiting thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=call, name=name, daemon=True)  # abandoned if the process stops meanwhile
+    thread.start()
+    thread.join(timeout)
+    return dict(outcome) if not thread.is_alive() else {}
+
+
+def interruptible(work: Callable[[], object], name: str):
+    """work(), done in a thread (in_a_thread) so that a stop signal during it ends the start-up at once: what it
+    returns or raises."""
+    outcome = in_a_thread(work, name)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["out"]
+
+
 @contextlib.contextmanager
 def stop_signals_at_once():
     """While the main thread only waits for a reward function (running in a thread of its own), a stop signal stops
@@ -152,3 +186,67 @@ def stop_signals_at_once():
         yield
     finally:
         stop.at_once = False
+
+
+class ConsoleStream:
+    """sys.stdout or sys.stderr as a run writes to them: a write or flush that fails because the console went away (a
+    closed pipe: Ctrl-C reached `| tee` too; a terminal gone; a full disk; a closed file) is dropped, not raised into
+    training or a save, and the stream's file descriptor is pointed at /dev/null, so that whatever writes to it later
+    (print, rich, a library writing to the descriptor, Python's own flush at exit) succeeds quietly. `lost`: what
+    failed, first (metrics.jsonl records it). Text the stream cannot encode is written with backslash escapes."""
+
+    def __init__(self, stream, name: str):
+        self.stream, self.name, self.lost = stream, name, None
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except UnicodeEncodeError:
+            encoding = self.stream.encoding or "utf-8"
+            return self.write(text.encode(encoding, "backslashreplace").decode(encoding))
+        except (OSError, ValueError) as e:
+            self.drop(e)
+            return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except (OSError, ValueError) as e:
+            self.drop(e)
+
+    def drop(self, error: Exception) -> None:
+        self.lost = self.lost or f"{self.name}: {describe(error)}"
+        with contextlib.suppress(OSError, ValueError):  # ValueError: the stream was closed, it has no descriptor
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self.stream.fileno())
+            os.close(null)
+            self.stream.flush()  # what the failed write left in the buffer, into /dev/null
+
+    def __getattr__(self, name: str):  # fileno, isatty, encoding, buffer, ...: the stream's
+        if name == "stream":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.stream, name)
+
+
+def console_survives() -> None:
+    """A run's console made one that never stops it (ConsoleStream), for stdout and stderr. Descriptors 0-2 closed at
+    start (`>&-`) are opened on /dev/null first, so that no file the run opens gets one of their numbers and takes
+    what is written to the console. Idempotent."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:  # open() takes the lowest free descriptor: this one
+            os.open(os.devnull, os.O_RDWR)
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if not isinstance(stream, ConsoleStream):
+            setattr(sys, name, ConsoleStream(stream or open(os.devnull, "w"), name))
+
+
+def console_lost() -> Optional[str]:
+    """What failed first on a console that went away (ConsoleStream.lost), or None."""
+    return next(filter(None, (getattr(stream, "lost", None) for stream in (sys.stdout, sys.stderr))), None)

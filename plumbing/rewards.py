@@ -4,13 +4,17 @@ a thread of its own with a timeout and its values read, and a failure on one ran
 
 import contextlib
 import copy
+import functools
+import gc
 import importlib.util
 import inspect
 import numbers
 import os
+import posix
+import signal
 import sys
-import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -19,7 +23,7 @@ import torch.distributed as dist
 from .data import PROMPT_IDS, pad_sequences
 from .distributed import all_reduce, seed_everything, wait_for_peers
 from .errors import FLOAT32_MAX, ConfigError, RewardFunctionError, describe, first_line
-from .faults import stop_signals_at_once
+from .faults import StopSignal, in_a_thread, stop_signals_at_once
 from .models import disable_dropout, load_reward_model, load_tokenizer, same_vocabulary
 
 
@@ -61,6 +65,110 @@ def load_reward_sources(args, tokenizer, functions: list[tuple[str, Callable]], 
 REWARD_FUNCTION_ARGUMENTS = ("prompts", "completions", "completion_ids")  # and every other dataset column
 
 
+def get_umask() -> str:
+    """The umask, in octal: from /proc where there is one (Linux), else set and put back at once (reading it sets
+    it, meanwhile for every thread)."""
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        status = Path("/proc/self/status").read_text().splitlines()
+        return oct(int(next(line for line in status if line.startswith("Umask:")).split()[1], 8))
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return oct(umask)
+
+
+def set_flags(module, names: tuple[str, ...], values: tuple) -> None:
+    for name, value in zip(names, values):
+        setattr(module, name, value)
+
+
+CUDNN, MATMUL = ("enabled", "benchmark", "deterministic", "allow_tf32"), (
+    "allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction")
+SDPA = ("flash", "mem_efficient", "math", "cudnn")  # scaled_dot_product_attention's kernels
+
+
+# the process-wide settings the run relies on and user code can change (its module at import, a reward function as it
+# runs): {name: (read, write, how to do without changing it)}. Each is put back after the code ran; a change is one
+# line naming it, as the code's later calls would compute with the setting they left if the run kept it
+RUN_SETTINGS = {
+    "the working directory": (os.getcwd, os.chdir, "give it absolute paths instead of os.chdir"),
+    "torch's default dtype": (torch.get_default_dtype, torch.set_default_dtype, "pass dtype= where it makes tensors"),
+    "torch's default device": (torch.get_default_device, torch.set_default_device, "pass device= where it makes "
+                                                                                   "tensors"),
+    "torch's float32 matmul precision": (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision,
+                                         "set it back before returning"),
+    "torch's deterministic algorithms": (
+        lambda: (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
+        lambda mode: torch.use_deterministic_algorithms(mode[0], warn_only=mode[1]), "set them back before returning"),
+    "torch's anomaly detection": (torch.is_anomaly_enabled, torch.set_anomaly_enabled,
+                                  "use torch.autograd.detect_anomaly() as a with-block"),
+    "cuDNN's flags": (lambda: tuple(getattr(torch.backends.cudnn, n) for n in CUDNN),
+                      lambda values: set_flags(torch.backends.cudnn, CUDNN, values),
+                      "use torch.backends.cudnn.flags() as a with-block"),
+    "CUDA matmul's reduced-precision reductions": (
+        lambda: tuple(getattr(torch.backends.cuda.matmul, n) for n in MATMUL),
+        lambda values: set_flags(torch.backends.cuda.matmul, MATMUL, values), "set them back before returning"),
+    "torch's attention kernels": (lambda: tuple(getattr(torch.backends.cuda, f"{n}_sdp_enabled")() for n in SDPA),
+                                  lambda values: [getattr(torch.backends.cuda, f"enable_{n}_sdp")(v)
+                                                  for n, v in zip(SDPA, values)],
+                                  "use torch.nn.attention.sdpa_kernel() as a with-block"),
+    "sys.stdout": (lambda: sys.stdout, lambda stream: setattr(sys, "stdout", stream),
+                   "use contextlib.redirect_stdout as a with-block"),
+    "sys.stderr": (lambda: sys.stderr, lambda stream: setattr(sys, "stderr", stream),
+                   "use contextlib.redirect_stderr as a with-block"),
+    "the umask": (get_umask, lambda umask: os.umask(int(umask, 8)), "set file modes with os.chmod instead"),
+} | {f"the {sig.name} handler": (functools.partial(signal.getsignal, sig), functools.partial(signal.signal, sig),
+                                 "leave the stop signals to the run") for sig in StopSignal.SIGNALS}
+
+
+class ExitRefused(SystemExit):
+    """os._exit called by user code while it runs inside the run (user_code): it would end the process at once, with
+    the status it names (0 included), nothing saved."""
+
+
+@contextlib.contextmanager
+def user_code(what: str, error: type):
+    """Around code of the user's in this process (a reward module's import, a reward function's call): while it runs,
+    os._exit (posix._exit) in this process raises ExitRefused instead (a process forked meanwhile exits as asked).
+    After it, torch's random generators, which the run draws from (minibatch order), are as they were: the code drew
+    from a copy, so that its draws or seeds never move the run's, which stays deterministic and resumes exactly
+    (python's and numpy's, which the run does not draw from, are the code's own, continued from call to call and
+    checkpointed); so are torch's thread count, the garbage collector and the recursion limit (speed only). Any other
+    setting it changed (RUN_SETTINGS) is put back and raised as `error` (ConfigError, RewardFunctionError): `what`
+    changed it, the values, the fix."""
+    settings = {name: read() for name, (read, _, _) in RUN_SETTINGS.items()}
+    generators = torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    speed = torch.get_num_threads(), gc.isenabled(), sys.getrecursionlimit()
+    real_exit, pid = os._exit, os.getpid()
+
+    def exit_refused(status: int) -> None:
+        if os.getpid() != pid:  # a child forked by the code: its exit is the child's
+            real_exit(status)
+        raise ExitRefused(f"os._exit({status})")
+
+    os._exit = posix._exit = exit_refused  # the same function, by its two names
+    try:
+        yield
+    finally:
+        os._exit = posix._exit = real_exit
+        torch.set_rng_state(generators[0])
+        if generators[1] is not None:
+            torch.cuda.set_rng_state_all(generators[1])
+        torch.set_num_threads(speed[0])
+        (gc.enable if speed[1] else gc.disable)()
+        sys.setrecursionlimit(speed[2])
+        changed = {name: (old, RUN_SETTINGS[name][0]()) for name, old in settings.items()
+                   if RUN_SETTINGS[name][0]() != old}
+        for name, (old, _) in changed.items():
+            RUN_SETTINGS[name][1](old)
+    if changed:
+        name, values = next(iter(changed.items()))
+        old, new = (getattr(value, "__qualname__", None) or repr(value) for value in values)  # a handler by its name
+        others = f" (and {', '.join(list(changed)[1:])})" if len(changed) > 1 else ""
+        raise error(f"{what} changed {name} ({old} -> {new}){others} and did not set it back: the run relies on "
+                    "it, and putting it back behind the code's back would change what its next calls compute; "
+                    f"{RUN_SETTINGS[name][2]}")
+
+
 def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
     """Import each `package.module:function` spec; each must take **kwargs (it is called with every column)."""
     functions = []
@@ -72,13 +180,9 @@ def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
         module_name, _, attr = spec.partition(":")
         if not module_name or not attr:
             raise ConfigError(f"--reward_fn {spec!r} is not of the form package.module:function")
-        cwd = os.getcwd()
         try:
-            module = importlib.import_module(module_name)
-            if os.getcwd() != cwd:  # relative paths (output_dir, data files) would now point elsewhere
-                os.chdir(cwd)
-                raise ConfigError(f"reward function {spec!r}: importing {module_name!r} changed the working "
-                                  "directory: give it absolute paths instead of os.chdir")
+            with user_code(f"reward function {spec!r}: importing {module_name!r}", ConfigError):
+                module = importlib.import_module(module_name)
         except ConfigError:
             raise
         except ImportError as e:
@@ -131,37 +235,33 @@ def is_number(value) -> bool:
 def call_reward_function(name: str, fn: Callable, n: int, timeout: Optional[float] = None, /,
                          **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Values (n,) and an applies-mask (n,) from a reward function returning a number or None per completion.
-    Whatever it raises (SystemExit included), anything else it returns, a value outside float32's range, and not
-    returning within `timeout` seconds become a RewardFunctionError naming it. It runs in a thread of its own while
+    Whatever it raises (SystemExit included), anything else it returns, a value outside float32's range, not
+    returning within `timeout` seconds, a call of os._exit and a setting of the run's left changed (user_code) become
+    a RewardFunctionError naming it. It runs in a thread of its own while
     this one waits, so that neither a function stuck in C code or a sleep nor its own `except` clauses can keep a
     stop signal from acting (stop_signals_at_once); it gets its own copies of the arguments to change as it likes."""
-    kwargs, outcome = copy.deepcopy(kwargs), {}
+    kwargs = copy.deepcopy(kwargs)
     cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None  # both are per thread
     grad_enabled = torch.is_grad_enabled()
 
-    def call() -> None:
-        try:
-            if cuda_device is not None:
-                torch.cuda.set_device(cuda_device)
-            with torch.set_grad_enabled(grad_enabled):
-                outcome["out"] = fn(**kwargs)
-        except BaseException as e:  # the user's code: any type, sys.exit included
-            outcome["error"] = e
+    def call():
+        if cuda_device is not None:
+            torch.cuda.set_device(cuda_device)
+        with torch.set_grad_enabled(grad_enabled):
+            return fn(**kwargs)
 
-    thread = threading.Thread(target=call, name=f"reward function {name}", daemon=True)  # abandoned if it hangs
-    cwd = os.getcwd()
-    with stop_signals_at_once():
-        thread.start()
-        thread.join(timeout)
-    if os.getcwd() != cwd:  # relative paths (output_dir) would now point elsewhere
-        os.chdir(cwd)
-        raise RewardFunctionError(f"reward function {name!r} changed the working directory: give it absolute paths "
-                                  "instead of os.chdir")
-    if thread.is_alive():
-        raise RewardFunctionError(f"reward function {name!r} did not return within --reward_fn_timeout {timeout:g} s")
-    if "error" in outcome:
-        e = outcome["error"]
-        raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {first_line(e)}") from e
+    with user_code(f"reward function {name!r}", RewardFunctionError):
+        with stop_signals_at_once():
+            outcome = in_a_thread(call, f"reward function {name}", timeout)  # abandoned if it hangs
+        if not outcome:
+            raise RewardFunctionError(f"reward function {name!r} did not return within --reward_fn_timeout "
+                                      f"{timeout:g} s")
+        if isinstance(outcome.get("error"), ExitRefused):
+            raise RewardFunctionError(f"reward function {name!r} called {outcome['error']}, which would end the run "
+                                      "at once, nothing saved: return its values, or raise")
+        if "error" in outcome:
+            e = outcome["error"]
+            raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {first_line(e)}") from e
     try:  # the boundary of what it returns: whatever reading it raises is one line naming the function
         return reward_values(name, outcome["out"], n)
     except RewardFunctionError:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from .distributed import all_reduce
 from .errors import Fault, first_line
+from .faults import console_lost
 
 SUM_METRICS = ("val/num_eos_tokens", "completions/masked_truncated")
 
@@ -251,11 +252,13 @@ class RunLogger:
 
     def write_metrics(self, record: dict) -> None:
         """One line of metrics.jsonl, whole or not at all: a write that fails (a full disk, a quota) is cut off again
-        and stops the run (MetricsWriteError)."""
+        and stops the run (MetricsWriteError). Once the console went away, each line says so (`console_lost`)."""
         size = self.metrics_path.stat().st_size
         try:
+            lost = console_lost()  # the console went away: the run went on, its lines unseen
             with open(self.metrics_path, "a") as f:
-                f.write(json.dumps({**record, "run_id": self.run_id}) + "\n")
+                f.write(json.dumps({**record, "run_id": self.run_id, **({"console_lost": lost} if lost else {})})
+                        + "\n")
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.truncate(self.metrics_path, size)

@@ -91,3 +91,11 @@ def misbehaving(completions, **kwargs):
 def huge_int(completions, **kwargs):
     """An int beyond any float (float() of it raises OverflowError): a value no reward can be."""
     return [10**400] * len(completions)
+
+
+def count_a_leaving_a_thread(completions, **kwargs):
+    """count_a, having started at its first call a thread that never ends and is not a daemon (Python's exit would
+    wait for it forever)."""
+    if not any(t.name == "left running" for t in threading.enumerate()):
+        threading.Thread(target=threading.Event().wait, name="left running", daemon=False).start()
+    return count_a(completions)

@@ -10,14 +10,17 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
 
+import datasets
 import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -412,6 +415,100 @@ def test_checkpoints_cannot_run_code(tmp_path):
     assert marker.exists()  # the payload is real
 
 
+def sharded_checkpoint(root: Path) -> Path:
+    """A checkpoint as an --fsdp run writes it, in root/run: the optimizer state in DCP shards (optimizer/), not in
+    trainer_state.pt; the initial policy in root/initial."""
+    policy, optimizer, tokenizer = saved_steps(root / "run", [1])
+    policy.save_pretrained(root / "initial")
+    tokenizer.save_pretrained(root / "initial")
+    step = root / "run" / "checkpoints" / "step_1"
+    torch.save(trainer_state(1, optimizer="optimizer"), step / "trainer_state.pt")
+    dcp.save(get_optimizer_state_dict(policy, optimizer), checkpoint_id=str(step / "optimizer"))
+    forge_manifest(step)
+    return step
+
+
+def forged_shard_entry(step: Path, payload: Payload) -> None:
+    """The optimizer's shards written again with a payload for one of their non-tensor entries."""
+    policy = AutoModelForCausalLM.from_pretrained(step)
+    state = get_optimizer_state_dict(policy, torch.optim.AdamW(policy.parameters()))
+    state["param_groups"][0]["lr"] = payload
+    dcp.save(state, checkpoint_id=str(step / "optimizer"))
+
+
+def pickle_as(name: str) -> Callable:
+    return lambda step, payload: (step / name).write_bytes(pickle.dumps(payload))
+
+
+# every kind of file a checkpoint holds, forged with a payload that would run code: how resuming from it ends (the
+# line of its refusal; None: it resumes, the file never read)
+FORGED = {
+    "trainer_state.pt": (lambda step, payload: torch.save(trainer_state(1, note=payload), step / "trainer_state.pt"),
+                         "trainer_state.pt holds io.open, not only tensors and plain values"),
+    "the optimizer state in trainer_state.pt": (
+        lambda step, payload: torch.save(trainer_state(1, optimizer={"state": {}, "param_groups": [{"lr": payload}]}),
+                                         step / "trainer_state.pt"), "trainer_state.pt holds io.open"),
+    "rng_rank0.pt": (lambda step, payload: torch.save({"python": payload}, step / "rng_rank0.pt"),
+                     "rng_rank0.pt holds io.open"),
+    "optimizer/.metadata": (pickle_as("optimizer/.metadata"), ".metadata refers to io.open, which could run code"),
+    "optimizer/__0_0.distcp": (forged_shard_entry, "optimizer/*.distcp's entry 'param_groups.0.lr' holds io.open"),
+    "model.safetensors": (pickle_as("model.safetensors"), "model.safetensors is not a safetensors file"),
+    "adapter_model.safetensors": (pickle_as("adapter_model.safetensors"),
+                                  "adapter_model.safetensors is not a safetensors file"),
+    "adapter_model.bin": (lambda step, payload: torch.save({"w": payload}, step / "adapter_model.bin"), None),
+    "pytorch_model.bin": (lambda step, payload: torch.save({"w": payload}, step / "pytorch_model.bin"), None),
+    "config.json": (pickle_as("config.json"), None),
+    "generation_config.json": (pickle_as("generation_config.json"), None),
+    "tokenizer.json": (pickle_as("tokenizer.json"), None),
+    "tokenizer_config.json": (pickle_as("tokenizer_config.json"), None),
+    "manifest.json": (pickle_as("manifest.json"), "manifest.json cannot be read"),
+}
+
+
+@pytest.mark.parametrize("forged", FORGED, ids=list(FORGED))
+def test_no_file_of_a_checkpoint_can_run_code(tmp_path, forged):
+    """Each file of a (sharded) checkpoint forged, its manifest made to match: a resume refuses it in one line, before
+    any model loads, or never reads it; nothing is unpickled beyond tensors and plain values."""
+    step, marker = sharded_checkpoint(tmp_path), tmp_path / "ran"
+    forge, refusal = FORGED[forged]
+    forge(step, Payload(marker))
+    if forged != "manifest.json":
+        forge_manifest(step)
+    args = rloo.Args(model_name_or_path=str(tmp_path / "initial"), output_dir=str(tmp_path / "run"),
+                     resume_from=str(step))
+    try:  # what a resume reads: at start-up, then the weights and each rank's optimizer shard and generators
+        start = plumbing.resume_checkpoint(args)
+        policy, _, _, _ = rloo.load_policy(args, torch.device("cpu"), start.checkpoint, policy_tokenizer())
+        plumbing.read_shards(get_optimizer_state_dict(policy, torch.optim.AdamW(policy.parameters())),
+                             step / "optimizer")
+        plumbing.load_safely(step / "rng_rank0.pt")
+        problem = None
+    except plumbing.ConfigError as e:
+        problem = str(e)
+    assert not marker.exists()
+    if refusal is None:
+        assert problem is None, problem
+    else:
+        assert problem.startswith(f"--resume_from {step} is damaged: ") and refusal in problem, problem
+        assert "\n" not in problem
+    if forged.endswith(".distcp"):  # torch's default planner would have run it
+        policy = AutoModelForCausalLM.from_pretrained(tmp_path / "initial")
+        dcp.load(get_optimizer_state_dict(policy, torch.optim.AdamW(policy.parameters())),
+                 checkpoint_id=str(step / "optimizer"))
+        assert marker.exists()
+
+
+def test_a_forged_shard_is_refused_in_one_line_before_anything_loads(assets, tmp_path):
+    step, marker = sharded_checkpoint(tmp_path), tmp_path / "ran"
+    forged_shard_entry(step, Payload(marker))
+    forge_manifest(step)
+    result = run_rloo("--model_name_or_path", tmp_path / "initial", "--dataset_name", assets["train"],
+                      "--reward_fn", "reward_fns:count_a", "--output_dir", tmp_path / "run", "--resume_from", step)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
+    assert "optimizer/*.distcp's entry 'param_groups.0.lr' holds io.open" in result.stderr
+    assert not marker.exists() and "loaded the policy" not in result.stdout
+
+
 def test_a_checkpoint_cannot_choose_the_code_that_runs(tmp_path):
     """--resume --trust_remote_code: the architecture and any remote code come from the initial model, only the
     weights from the checkpoint."""
@@ -567,6 +664,102 @@ def test_a_signal_during_start_up_stops_at_once_and_marks_a_preemption(tmp_path)
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def test_a_signal_while_prompts_are_tokenized_stops_the_start_up_at_once(tmp_path, signal_handlers_kept):
+    """A tokenizer's Rust code keeps the thread that calls it for as long as it runs, and Python runs signal handlers
+    in the main thread only: the prompts are tokenized in a thread the main thread waits for, which a stop signal
+    ends at once."""
+    release, returned = threading.Event(), []
+
+    def stuck(rows: dict, tokenizer, column: str) -> list[list[int]]:  # a call that returns when the test says so
+        os.kill(os.getpid(), signal.SIGTERM)
+        release.wait(600)  # a hang guard only
+        returned.append(True)
+        return rloo.prompt_token_ids(rows, tokenizer, column)
+
+    plumbing.StopSignal(plumbing.OutputDirLock(str(tmp_path)), announce=False)
+    try:
+        with pytest.raises(plumbing.StartupInterrupted, match="SIGTERM received during start-up"):
+            plumbing.prepare_prompts(datasets.Dataset.from_list([{"prompt": "a :"}]), policy_tokenizer(), "prompt", 4,
+                                     "d", None, stuck)
+        assert not returned  # stopped while the tokenizer still ran
+    finally:
+        release.set()
+
+
+def test_sighup_stops_a_run_as_sigterm_does_unless_ignored_at_start(tmp_path, signal_handlers_kept):
+    """A terminal or SSH session closed: SIGHUP asks for the stop with a checkpoint, as SIGTERM does; under nohup
+    (SIGHUP ignored when the run starts) it stays ignored."""
+    lock = plumbing.OutputDirLock(str(tmp_path))
+    lock.acquire()
+    stop = plumbing.StopSignal(lock, announce=False)
+    with pytest.raises(plumbing.StartupInterrupted, match="SIGHUP received during start-up: .*nothing was trained"):
+        signal.raise_signal(signal.SIGHUP)
+    assert (tmp_path / "preempted").exists()
+    stop.training = True
+    signal.raise_signal(signal.SIGHUP)
+    assert stop.name == "SIGHUP"
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts a process
+    stop = plumbing.StopSignal(lock, announce=False)
+    stop.training = True
+    signal.raise_signal(signal.SIGHUP)
+    signal.raise_signal(signal.SIGTERM)
+    assert stop.name == "SIGTERM" and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    lock.release()
+
+
+def test_a_console_gone_or_a_thread_left_running_never_keeps_a_run_from_stopping_or_ending(assets, tmp_path):
+    """`python rloo.py ... 2>&1 | tee log`, then Ctrl-C, which reaches tee too: the run writes into a closed pipe, and
+    its reward function has left a thread running that is not a daemon. It stops after the update with a checkpoint
+    a resume takes, exits 0, each metrics.jsonl line saying that the console went away."""
+    out = tmp_path / "run"
+    process = subprocess.Popen(script_command(
+        "rloo.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir", out,
+        "--reward_fn", "reward_fns:count_a_leaving_a_thread", "--rloo_k", "2", "--per_device_train_batch_size", "4",
+        "--response_length", "4", "--num_ppo_epochs", "1", "--num_sample_generations", "0", "--total_episodes",
+        4000), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=script_env(), cwd=REPO)  # 1000 updates
+    process.stdout.close()  # the reader is gone before the run writes a line
+    try:
+        deadline = time.time() + 600  # a hang guard only
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 1):
+            assert time.time() < deadline and process.poll() is None, "the run never logged an update"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=600) == 0
+    finally:  # a run that hangs does not outlive the test
+        process.kill()
+    stopped_at = plumbing.latest_checkpoint(str(out))
+    assert stopped_at is not None and (out / "preempted").read_text().strip() == str(stopped_at)
+    assert plumbing.resume_checkpoint(rloo.Args(output_dir=str(out), resume=True)).checkpoint == stopped_at
+    assert all("stdout: BrokenPipeError" in line["console_lost"] for line in read_metrics(out))
+
+
+def test_a_console_write_that_fails_is_dropped_and_remembered(tmp_path):
+    """Whatever way a console goes (a closed pipe, a full disk, a closed file) a write or flush to it returns, its
+    descriptor then points at /dev/null (later writes, Python's flush at exit, succeed), and `lost` says what
+    failed; text the console cannot encode is written escaped."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    cases = {"a closed pipe": (open(write_end, "w"), "BrokenPipeError"),
+             "a full disk": (open("/dev/full", "w"), "No space left on device"),
+             "a closed file": (open(tmp_path / "closed", "w"), "I/O operation on closed file")}
+    cases["a closed file"][0].close()
+    for case, (stream, why) in cases.items():
+        console = plumbing.ConsoleStream(stream, "stdout")
+        assert console.write("x" * 100_000) == 100_000 and console.flush() is None, case
+        console.write("later\n")
+        console.flush()
+        assert console.lost.startswith("stdout: ") and why in console.lost, (case, console.lost)
+        if not stream.closed:
+            assert os.path.samefile(f"/proc/self/fd/{stream.fileno()}", os.devnull), case
+            stream.close()
+    ascii_file = tmp_path / "ascii"
+    with open(ascii_file, "w", encoding="ascii") as stream:
+        console = plumbing.ConsoleStream(stream, "stdout")
+        console.write("score \u2713 \u00e9\n")
+        assert console.lost is None
+    assert ascii_file.read_text() == "score \\u2713 \\xe9\n"
 
 
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp_path):

@@ -326,6 +326,35 @@ def test_over_long_and_empty_prompts_are_dropped_and_counted_apart():
         plumbing.prepare_prompts(ds, tokenizer, "prompt", 1, "d", None, plumbing.prompt_token_ids)
 
 
+def test_a_prompt_longer_by_far_is_tokenized_that_far_only_and_the_drops_still_count_right():
+    """A prompt over max_prompt_length x PROMPT_CHARS_PER_TOKEN characters is tokenized that far only (a 200 MB line
+    would take minutes and gigabytes): dropped when that part alone has too many tokens; kept, tokenized whole, when
+    the tokenizer makes few tokens of many characters (here an unknown word of 1000 letters is one token)."""
+    tokenizer, given = policy_tokenizer(), []
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}:"
+    limit = 4 * plumbing.PROMPT_CHARS_PER_TOKEN
+
+    def token_ids(rows: dict, tokenizer, column: str) -> list[list[int]]:
+        given.extend(rows[column])
+        return rloo.prompt_token_ids(rows, tokenizer, column)
+
+    many_words, one_word = "a " * 100_000 + ":", "a " + "x" * 1000 + " :"
+    ds = datasets.Dataset.from_list([{"prompt": many_words}, {"prompt": "a b :"}, {"prompt": one_word}])
+    ds, dropped = plumbing.prepare_prompts(ds, tokenizer, "prompt", 4, "d", None, token_ids)
+    assert ds["prompt"] == ["a b :", one_word] and ds[plumbing.PROMPT_IDS] == [[2, 3, 14], [2, 0, 14]]
+    assert (dropped["too_long"], dropped["cut"]) == (1, 1) and many_words not in given
+    assert max(len(prompt) for prompt in given if prompt != one_word) == limit
+    assert "max 128 (1 longer than 256 characters, tokenized that far only); 1 dropped as longer than 4 tokens" in \
+        plumbing.describe_prompt_lengths(dropped, 4)
+    given.clear()
+    chat = datasets.Dataset.from_list([{"messages": [{"role": "system", "content": "b " * 100},
+                                                     {"role": "user", "content": "c " * 100_000}]},
+                                       {"messages": [{"role": "user", "content": "a b"}]}])
+    chat, dropped = plumbing.prepare_prompts(chat, tokenizer, "messages", 4, "chat", None, token_ids)
+    assert chat[plumbing.PROMPT_IDS] == [[2, 3, 14]] and (dropped["too_long"], dropped["cut"]) == (1, 1)
+    assert max(sum(len(m["content"]) for m in messages) for messages in given) == limit
+
+
 def test_missing_prompt_column_is_named():
     ds = datasets.Dataset.from_list([{"text": "a"}])
     with pytest.raises(plumbing.ConfigError, match="no 'prompt' column .* columns are \\['text'\\]"):

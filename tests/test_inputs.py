@@ -4,9 +4,11 @@ one line naming the input, or succeed, never in another exception; and the named
 import contextlib
 import decimal
 import fractions
+import gc
 import io
 import json
 import os
+import random
 import signal
 import stat
 import subprocess
@@ -212,11 +214,110 @@ def test_bools_and_exact_numbers_of_any_kind_are_rewards():
     assert values.tolist() == [1.0, 0.5, -3.0] and applies.all()
 
 
-def test_a_reward_function_that_changes_the_working_directory_is_a_fault(tmp_path):
-    cwd = os.getcwd()
-    with pytest.raises(plumbing.RewardFunctionError, match="changed the working directory"):
-        plumbing.call_reward_function("judge", lambda **kwargs: os.chdir(tmp_path) or [1.0] * N, N, None)
-    assert os.getcwd() == cwd
+SETTINGS_CHANGED = {  # what a reward function leaves changed: the start of the line that names it
+    "the working directory": (lambda tmp_path: os.chdir(tmp_path), "changed the working directory ("),
+    "torch's default dtype": (lambda _: torch.set_default_dtype(torch.float64),
+                              "changed torch's default dtype (torch.float32 -> torch.float64)"),
+    "torch's float32 matmul precision": (lambda _: torch.set_float32_matmul_precision("medium"),
+                                         "changed torch's float32 matmul precision ('highest' -> 'medium')"),
+    "torch's deterministic algorithms": (lambda _: torch.use_deterministic_algorithms(True),
+                                         "changed torch's deterministic algorithms ((False, False) -> (True, False))"),
+    "torch's anomaly detection": (lambda _: torch.set_anomaly_enabled(True), "changed torch's anomaly detection"),
+    "cuDNN's flags": (lambda _: setattr(torch.backends.cudnn, "benchmark", True), "changed cuDNN's flags"),
+    "torch's attention kernels": (lambda _: torch.backends.cuda.enable_math_sdp(False),
+                                  "changed torch's attention kernels ((True, True, True, True) -> (True, True, False, "
+                                  "True))"),
+    "sys.stdout": (lambda _: setattr(sys, "stdout", io.StringIO()), "changed sys.stdout"),
+    "the umask": (lambda _: os.umask(0), "changed the umask ('0o22' -> '0o0')"),
+    "two of them": (lambda _: (os.umask(0), torch.set_default_dtype(torch.float16)),
+                    "changed torch's default dtype (torch.float32 -> torch.float16) (and the umask)"),
+}
+
+
+@pytest.mark.parametrize("setting", SETTINGS_CHANGED, ids=list(SETTINGS_CHANGED))
+def test_a_reward_function_that_leaves_a_setting_of_the_run_changed_is_a_fault(tmp_path, setting):
+    """The run's settings are put back whatever the function did, and a change is one line naming it: putting it back
+    silently would change what the function's next calls compute."""
+    change, fragment = SETTINGS_CHANGED[setting]
+    before = {name: read() for name, (read, _, _) in plumbing.RUN_SETTINGS.items()}
+    os.umask(0o022)  # the value the fragments name
+    try:
+        with pytest.raises(plumbing.RewardFunctionError) as error:
+            plumbing.call_reward_function("judge", lambda **kwargs: change(tmp_path) or [1.0] * N, N, None)
+        assert_one_line(error.value, "reward function 'judge' " + fragment)
+        assert {name: read() for name, (read, _, _) in plumbing.RUN_SETTINGS.items()} == before
+    finally:
+        os.umask(int(before["the umask"], 8))
+
+
+def test_a_reward_function_draws_from_a_copy_of_the_runs_torch_generators_and_changes_no_speed_setting():
+    """torch's random generators are the run's (its minibatch order): a function's draws and seeds never move them,
+    and a call draws from where the run is. Python's and numpy's, which the run does not draw from, are the
+    function's own. Thread count, garbage collector and recursion limit are put back, without a word."""
+    def draws(**kwargs):
+        torch.manual_seed(0)
+        torch.set_num_threads(1)
+        gc.disable()
+        sys.setrecursionlimit(50_000)
+        return [torch.rand(()).item(), random.random(), 0.0]
+
+    torch.manual_seed(1)
+    run_state, threads, limit = torch.get_rng_state(), torch.get_num_threads(), sys.getrecursionlimit()
+    python_state = random.getstate()
+    plumbing.call_reward_function("judge", draws, N, None)
+    assert torch.equal(torch.get_rng_state(), run_state) and torch.get_num_threads() == threads
+    assert gc.isenabled() and sys.getrecursionlimit() == limit
+    assert random.getstate() != python_state  # went on from the function's draw: its own
+    with pytest.raises(plumbing.RewardFunctionError, match="'judge' raised ValueError: signal only works in main"):
+        plumbing.call_reward_function("judge", lambda **kwargs: signal.signal(signal.SIGTERM, signal.SIG_IGN), N, None)
+
+
+EXIT_REFUSED = """import os, sys
+from pathlib import Path
+import plumbing
+sys.path.insert(0, sys.argv[1])
+Path(sys.argv[1], "exits_at_import.py").write_text("import os\\nos._exit(0)\\n")
+try:
+    plumbing.load_reward_functions(("exits_at_import:f",))
+except plumbing.ConfigError as e:
+    print(e)
+try:
+    plumbing.call_reward_function("judge", lambda **kwargs: os._exit(0), 1)
+except plumbing.RewardFunctionError as e:
+    print(e)
+sys.exit(7)  # reached: neither os._exit ended the process
+"""
+
+
+def test_os_exit_in_a_reward_module_or_function_is_a_failure_not_the_end_of_the_run(tmp_path):
+    """os._exit would end the run at once with the status it names (0 included): refused while user code runs, in
+    a process of its own (were it not, it would end this one)."""
+    result = subprocess.run([sys.executable, "-c", EXIT_REFUSED, str(tmp_path)], capture_output=True, text=True,
+                            env=script_env(), cwd=REPO, timeout=300)
+    assert result.returncode == 7, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        "reward function 'exits_at_import:f': importing 'exits_at_import' failed with ExitRefused: os._exit(0)",
+        "reward function 'judge' called os._exit(0), which would end the run at once, nothing saved: return its "
+        "values, or raise"]
+
+
+@pytest.mark.parametrize("module,change,fragment", [
+    ("float64_judge", "import torch\ntorch.set_default_dtype(torch.float64)",
+     "changed torch's default dtype (torch.float32 -> torch.float64)"),
+    ("own_sigterm", "import signal\nsignal.signal(signal.SIGTERM, lambda *args: None)",
+     "changed the SIGTERM handler (StopSignal._record -> <lambda>)"),
+])
+def test_a_reward_module_that_changes_a_setting_of_the_run_at_import_is_refused(tmp_path, monkeypatch, module, change,
+                                                                                fragment, signal_handlers_kept):
+    (tmp_path / f"{module}.py").write_text(f"{change}\ndef f(completions, **kwargs):\n    return [0.0]\n")
+    monkeypatch.syspath_prepend(tmp_path)
+    plumbing.StopSignal(plumbing.OutputDirLock(str(tmp_path)), announce=False)  # the run's handlers, as main sets them
+    before = {name: read() for name, (read, _, _) in plumbing.RUN_SETTINGS.items()}
+    with pytest.raises(plumbing.ConfigError) as error:
+        plumbing.load_reward_functions((f"{module}:f",))
+    assert_one_line(error.value, f"reward function '{module}:f': importing '{module}' {fragment} and did not set it "
+                                 "back")
+    assert {name: read() for name, (read, _, _) in plumbing.RUN_SETTINGS.items()} == before
 
 
 # ---------------------------------------------------------------- the flags
@@ -402,3 +503,13 @@ def test_ctrl_c_while_torch_imports_is_one_line_and_exit_130(tmp_path):
             process.kill()
         assert process.returncode == 130, stderr
         assert stderr == f"{script}: SIGINT received while starting: stopped, nothing written\n", stderr
+    for script in ("rloo.py", "rloo_multinode.py"):  # `2>&1 | tee log`, Ctrl-C reaching tee too: stderr is gone
+        process = subprocess.Popen(script_command(script, "--help"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   env=script_env({"PYTHONPATH": str(tmp_path)}), cwd=REPO)
+        try:
+            assert process.stdout.readline() == b"importing torch\n"
+            process.stdout.close()
+            process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=60) == 130, script
+        finally:
+            process.kill()
