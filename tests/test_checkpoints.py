@@ -676,7 +676,7 @@ def test_a_signal_while_prompts_are_tokenized_stops_the_start_up_at_once(tmp_pat
         os.kill(os.getpid(), signal.SIGTERM)
         release.wait(600)  # a hang guard only
         returned.append(True)
-        return rloo.prompt_token_ids(rows, tokenizer, column)
+        return plumbing.prompt_token_ids(rows, tokenizer, column)
 
     plumbing.StopSignal(plumbing.OutputDirLock(str(tmp_path)), announce=False)
     try:

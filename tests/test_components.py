@@ -336,7 +336,7 @@ def test_a_prompt_longer_by_far_is_tokenized_that_far_only_and_the_drops_still_c
 
     def token_ids(rows: dict, tokenizer, column: str) -> list[list[int]]:
         given.extend(rows[column])
-        return rloo.prompt_token_ids(rows, tokenizer, column)
+        return plumbing.prompt_token_ids(rows, tokenizer, column)
 
     many_words, one_word = "a " * 100_000 + ":", "a " + "x" * 1000 + " :"
     ds = datasets.Dataset.from_list([{"prompt": many_words}, {"prompt": "a b :"}, {"prompt": one_word}])
