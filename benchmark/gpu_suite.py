@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import tyro
 from packaging.version import Version
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -396,4 +395,6 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    import plumbing
+
+    plumbing.run_tool("gpu_suite.py", Args, main)

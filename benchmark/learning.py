@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import tyro
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+import plumbing  # noqa: E402
 from benchmark import demo  # noqa: E402
 from benchmark.plot_metrics import moving_average  # noqa: E402
 from benchmark.plot_runs import load_run, plot_grid  # noqa: E402
@@ -156,4 +156,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    plumbing.run_tool("learning.py", Args, main)

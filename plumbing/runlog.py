@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import all_reduce
-from .errors import Fault, first_line
+from .errors import ConfigError, Fault, describe, first_line, not_a_file, reading
 
 SUM_METRICS = ("val/num_eos_tokens", "completions/masked_truncated")
 
@@ -75,11 +75,26 @@ def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, scor
 
 def read_metrics(path, evals: bool = False) -> list[dict]:
     """The lines of a metrics.jsonl: the per-update lines (they hold `objective/scores`), or with `evals` the
-    evaluation lines (they hold `eval/scores`; update 0 is the initial policy's)."""
-    if not Path(path).is_file():  # a device or a pipe (metrics.jsonl made a link to /dev/full) may never end
-        raise OSError(f"{path} is not a regular file")
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    evaluation lines (they hold `eval/scores`; update 0 is the initial policy's). A last line without its newline is
+    one a run is still writing: skipped. Any other line that is not a JSON object, or a file that is not there, is
+    a ConfigError naming it."""
+    problem = not_a_file(Path(path))  # a device or a pipe (metrics.jsonl made a link to /dev/full) may never end
+    if problem:
+        raise ConfigError(f"metrics file {path} {problem}: pass the metrics.jsonl a run wrote (or its directory)")
+    with reading(f"metrics file {path}", "pass the metrics.jsonl a run wrote"):
+        lines = Path(path).read_text(errors="replace").split("\n")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line) if line.strip() else {}
+        except ValueError as e:
+            if number == len(lines):  # a run is writing it: the rest comes with its newline
+                break
+            raise ConfigError(f"metrics file {path}: line {number} is not JSON ({describe(e)}): a metrics.jsonl "
+                              "holds one JSON object per line") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"metrics file {path}: line {number} is a JSON {type(row).__name__}, not an object")
+        rows.append(row)
     return [row for row in rows if ("eval/scores" if evals else "objective/scores") in row]
 
 
