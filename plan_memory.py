@@ -213,6 +213,8 @@ def main(args: PlanArgs) -> None:
     validate_plan_args(args)
     rloo.compute_batch_sizes(args, args.world_size)
     policy_path = args.sft_model_path or args.model_name_or_path
+    plumbing.check_model_configs(args, plumbing.load_config(policy_path, "policy", args.trust_remote_code,
+                                                             args.model_revision))  # a run rloo.py refuses: no plan
     policy = model_shape(policy_path, False, args.trust_remote_code, args if args.use_peft else None)
     reward = model_shape(args.reward_model_path, True, args.trust_remote_code) if args.reward_model_path else None
     groups = plan(args, policy, reward)

@@ -20,7 +20,7 @@ from .data import PROMPT_IDS
 from .distributed import all_reduce, seed_everything, wait_for_peers
 from .errors import FLOAT32_MAX, ConfigError, RewardFunctionError, describe, first_line
 from .faults import stop_signals_at_once
-from .models import disable_dropout, load_reward_model, load_tokenizer, same_vocabulary
+from .models import disable_dropout, has_tokenizer, load_reward_model, load_tokenizer, same_vocabulary
 
 
 @dataclass
@@ -48,10 +48,10 @@ def load_reward_sources(args, tokenizer, functions: list[tuple[str, Callable]], 
                                   args.trust_remote_code, args.attn_implementation)
         disable_dropout(model)
         model = model.to("cpu" if args.offload else device).eval().requires_grad_(False)
-        try:
-            own_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code)
-        except ConfigError:  # no tokenizer saved with the reward model: it shares the policy's
-            own_tokenizer = tokenizer
+        # no tokenizer saved with the reward model: it reads the policy's ids (of a vocabulary of the same size:
+        # check_reward_model_config)
+        own_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code) \
+            if has_tokenizer(args.reward_model_path) else tokenizer
         model_tokenizer = None if same_vocabulary(own_tokenizer, tokenizer) else own_tokenizer
     num_sources = int(model is not None) + len(functions)
     return RewardSources(model, model_tokenizer, functions, torch.tensor(args.reward_weights or [1.0] * num_sources),
