@@ -82,6 +82,9 @@ def main(args: Args) -> None:
     unknown = [s for s in args.shapes if s not in PYTHIA_SHAPES]
     if unknown:
         raise plumbing.ConfigError(f"--shapes: unknown shape(s) {unknown}; choose from {list(PYTHIA_SHAPES)}")
+    plumbing.check_outputs([("--output", Path(args.output))], [])
+    if min(args.sequence_tokens, args.engine_gpu_gib, args.gpu_memory_utilization) <= 0:
+        raise plumbing.ConfigError("--sequence_tokens, --engine_gpu_gib and --gpu_memory_utilization must be > 0")
     text = tables(args)
     print(text)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

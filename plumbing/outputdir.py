@@ -120,12 +120,12 @@ class OutputDirLock:
                 break
 
 
-def directory_problem(path: str) -> Optional[str]:
-    """Why no directory can be at `path`, found before anything is written there, in words: a name or a whole path
-    longer than its file system takes, a file (or a FIFO, a device) at it or on the way to it; None if there is none
-    of these (a read-only or full file system shows when the directory is made)."""
+def path_problem(path: str) -> Optional[str]:
+    """Why nothing can be made at `path`, found before anything is written, in words: a name or a whole path longer
+    than its file system takes, a file (or a FIFO, a device) on the way to it; None if none of these (what is at
+    the path itself is the caller's to judge; a read-only or full file system shows when it is written)."""
     absolute = Path(os.path.abspath(path))
-    existing = next(p for p in (absolute, *absolute.parents) if os.path.lexists(p))  # `/` at least
+    existing = next(p for p in absolute.parents if os.path.lexists(p))  # `/` at least
     limits = existing if existing.is_dir() else existing.parent
     name_max, path_max = os.pathconf(limits, "PC_NAME_MAX"), os.pathconf(limits, "PC_PATH_MAX")
     long = next((part for part in absolute.parts if len(os.fsencode(part)) > name_max), None)
@@ -134,8 +134,7 @@ def directory_problem(path: str) -> Optional[str]:
     if len(os.fsencode(str(absolute))) >= path_max:
         return f"is a path of {len(os.fsencode(str(absolute)))} bytes, but the system takes at most {path_max - 1}"
     if not existing.is_dir():
-        kind = not_a_file(existing) or "is a file"
-        return kind if existing == absolute else f"passes through {existing}, which {kind}"
+        return f"passes through {existing}, which {not_a_file(existing) or 'is a file'}"
     return None
 
 
@@ -147,11 +146,13 @@ def take_output_dir(lock: OutputDirLock, rank: int, inputs: Optional[dict] = Non
     directories of killed saves removed (they can be as large as a checkpoint)."""
     if not lock.output_dir.strip():
         raise ConfigError(f"--output_dir {lock.output_dir!r} is empty: pass a directory (`.` for this one)")
-    problem = directory_problem(lock.output_dir)
-    if problem:
-        raise ConfigError(f"--output_dir {inert(lock.output_dir, 120)} {problem}: pass another directory")
-    check_no_input_inside(lock.output_dir, inputs or {})
     path = Path(lock.output_dir)
+    problem = path_problem(lock.output_dir)
+    if problem is None and path.exists() and not path.is_dir():
+        problem = not_a_file(path) or "is a file"
+    if problem:
+        raise ConfigError(f"--output_dir {inert(lock.output_dir, 120)} {problem}: pass a directory")
+    check_no_input_inside(lock.output_dir, inputs or {})
     if rank != 0:
         return
     lock.acquire()
@@ -244,11 +245,15 @@ def same_file(a: Path, b: Path) -> bool:
 
 def check_outputs(outputs: list[tuple[str, Path]], inputs: list[tuple[str, Path]]) -> None:
     """Before a script writes anything: each file it writes is none of the files it reads (same_file) nor inside
-    an input directory and, if it exists, a file (not a directory, a FIFO, a device); each named by the flag that
-    gives it. Refused in one line, so that a typo never replaces or changes an input."""
+    an input directory, and if it exists a file (not a directory, a FIFO, a device), at a path that can be
+    (path_problem); each named by the flag that gives it. Refused in one line, so that a typo never replaces or
+    changes an input."""
     for output_flag, output in outputs:
         if output.exists() and not_a_file(output):
             raise ConfigError(f"{output_flag} {output} {not_a_file(output)}: pass the path of a file to write")
+        problem = path_problem(str(output))
+        if problem:
+            raise ConfigError(f"{output_flag} {output} {problem}: pass another {output_flag}")
         for input_flag, source in inputs:
             inside = source.is_dir() and any(held in out.parents for out in path_forms(output)
                                              for held in path_forms(source))
