@@ -5,6 +5,8 @@ the pad and stop tokens, LoRA adapters and the reference with them switched off,
 import contextlib
 import copy
 import functools
+import os
+import sys
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -224,16 +226,26 @@ def check_model_configs(args, policy_config) -> None:
 
 
 def check_context(config, what: str, args) -> None:
-    """A prompt and its response fit the model's positions (max_position_embeddings, under any of its names), or the
-    run is refused: a learned position table has no row past its end, and a rotary model was not trained there.
-    A model that declares no limit (state-space models, some rotary ones) is not checked."""
-    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
-    needed = args.max_prompt_length + args.response_length
-    if isinstance(positions, int) and 0 < positions < needed:
+    """A prompt and its response within the model's positions (max_position_embeddings, under any of its names). A
+    learned position table (GPT-2's, OPT's) has no row past its end, where the run would fail in the middle:
+    refused. Positions computed (rotary, ALiBi) go on past it, where the model was not trained: a warning. A
+    model that declares no limit (state-space models) is not checked."""
+    text = config.get_text_config()
+    positions, needed = getattr(text, "max_position_embeddings", None), args.max_prompt_length + args.response_length
+    if not isinstance(positions, int) or not 0 < positions < needed:
+        return
+    computed = getattr(text, "alibi", False) or any(getattr(text, name, None) is not None for name in (
+        "rope_parameters", "rope_scaling", "rope_theta", "rotary_dim", "rotary_pct"))
+    if not computed:
         raise ConfigError(f"--max_prompt_length {args.max_prompt_length} + --response_length {args.response_length} "
-                          f"= {needed} tokens, but the {what} has {positions} positions (max_position_embeddings): "
-                          f"lower --max_prompt_length to {max(positions - args.response_length, 0)} or less (longer "
-                          "prompts are dropped), or --response_length")
+                          f"= {needed} tokens, but the {what} has {positions} positions (max_position_embeddings), "
+                          f"a learned table with no row past them: lower --max_prompt_length to "
+                          f"{max(positions - args.response_length, 1)} or less (longer prompts are dropped), or "
+                          "--response_length")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"rloo.py: warning: max_prompt_length + response_length = {needed} tokens exceed the {what}'s "
+              f"{positions} positions (max_position_embeddings): longer prompts would fail or degrade; lower "
+              "--max_prompt_length", file=sys.stderr)
 
 
 def save_merged_policy(args, config, tokenizer) -> None:

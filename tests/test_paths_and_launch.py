@@ -10,11 +10,12 @@ import os
 import socket
 import subprocess
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, GPTNeoXConfig, MambaConfig
+from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, MambaConfig, OPTConfig
 
 import plan_memory
 import plumbing
@@ -124,19 +125,29 @@ def test_a_reward_model_without_tokenizer_files_must_share_the_policys_vocabular
     assert sources.model_tokenizer is None  # it reads the policy's ids, of its own vocabulary
 
 
-def test_a_context_shorter_than_prompt_and_response_is_refused_where_a_model_declares_one(tmp_path):
+def test_a_context_shorter_than_prompt_and_response_is_refused_where_positions_are_a_learned_table(tmp_path,
+                                                                                                     capsys):
     args = rloo.Args(max_prompt_length=100, response_length=53)
-    for config, positions in ((GPT2Config(n_positions=128), 128), (GPTNeoXConfig(max_position_embeddings=64), 64)):
-        with pytest.raises(plumbing.ConfigError, match=rf"= 153 tokens, but the policy has {positions} positions"):
+    for config in (GPT2Config(n_positions=128), OPTConfig(max_position_embeddings=128)):  # an embedding per position
+        with pytest.raises(plumbing.ConfigError, match=r"= 153 tokens, but the policy has 128 positions .*a learned "
+                                                       r"table .*lower --max_prompt_length to 75 or less"):
             plumbing.check_context(config, "policy", args)
-    plumbing.check_context(MambaConfig(), "policy", args)  # a state-space model declares no limit
-    plumbing.check_context(GPT2Config(n_positions=153), "policy", args)
-    GPTNeoXConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
-                  max_position_embeddings=64).save_pretrained(tmp_path / "short")
+    for config in (GPTNeoXConfig(max_position_embeddings=64), LlamaConfig(max_position_embeddings=64)):  # rotary
+        plumbing.check_context(config, "policy", args)
+        assert "exceed the policy's 64 positions" in capsys.readouterr().err
+    for config in (MambaConfig(), GPT2Config(n_positions=153)):  # no limit; a limit that holds them
+        plumbing.check_context(config, "policy", args)
+        assert capsys.readouterr().err == ""
+    config = GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=4, n_positions=64)
+    config.save_pretrained(tmp_path / "short")
     plan = plan_memory.PlanArgs(model_name_or_path=str(tmp_path / "short"), reward_fn=("reward_fns:count_a",),
                                 world_size=1, dataset_name="unused")
     with pytest.raises(plumbing.ConfigError, match="but the policy has 64 positions"):  # rloo.py refuses it: no plan
         plan_memory.main(plan)
+    config.save_pretrained(tmp_path / "reward_model")  # a reward model's table too
+    with pytest.raises(plumbing.ConfigError, match="but the reward model has 64 positions"):
+        plumbing.check_reward_model_config(str(tmp_path / "reward_model"), False, None, replace(args, response_length=6,
+                                                                                                max_prompt_length=60))
 
 
 # ---------------------------------------------------------------- torchrun's variables

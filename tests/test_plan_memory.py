@@ -105,8 +105,7 @@ def test_activations_with_checkpointing_are_an_upper_bound(tmp_path):
 def test_cli_prints_the_plan_and_the_options_that_fit(tmp_path):
     path, _ = tiny(tmp_path)
     result = subprocess.run([sys.executable, "plan_memory.py", "--model_name_or_path", path, "--reward_model_path",
-                             path, "--dataset_name", "unused", "--world_size", "2", "--gpu_gib", "0.02",
-                             "--max_prompt_length", "200"],  # + 53: within the tiny model's 256 positions
+                             path, "--dataset_name", "unused", "--world_size", "2", "--gpu_gib", "0.02"],
                             capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert "does NOT fit in 0.02 GiB" in result.stdout and "options that fit:" in result.stdout
