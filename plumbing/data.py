@@ -49,7 +49,7 @@ DATA_FIX = f"pass a {FORMATS} (UTF-8) or a save_to_disk directory with a prompt 
 def local_format(path: Path) -> Optional[str]:
     """The datasets builder that reads a local file of this name (x.jsonl, x.csv.gz, x.parquet), None for a name of
     another format."""
-    suffixes = path.suffixes[-2:]
+    suffixes = [suffix.lower() for suffix in path.suffixes[-2:]]  # PROMPTS.JSONL too
     if suffixes[-1:] and suffixes[-1] in COMPRESSIONS:
         suffixes = [suffix for suffix in suffixes[:-1] if suffix != ".parquet"]  # parquet compresses itself
     return LOCAL_FORMATS.get(suffixes[-1]) if suffixes else None
@@ -64,7 +64,7 @@ def is_local_file(name: str) -> bool:
 
 def open_bytes(path: Path):
     """The file's bytes, decompressed as its name says."""
-    return COMPRESSIONS.get(path.suffix, open)(path, "rb")
+    return COMPRESSIONS.get(path.suffix.lower(), open)(path, "rb")
 
 
 def load_split(name: str, split: str, config: Optional[str]):
@@ -175,7 +175,7 @@ def bad_json_line(path: Path) -> Optional[str]:
     with open_bytes(path) as f:  # a byte-order mark is read, as datasets does
         text = f.read().decode("utf-8-sig", errors="replace")
     lines = text.split("\n")  # not splitlines(): JSON strings may hold U+2028 and its kin
-    if ".json" in path.suffixes[-2:]:
+    if ".json" in [suffix.lower() for suffix in path.suffixes[-2:]]:
         try:
             whole = json.loads(text)
             if isinstance(whole, list):

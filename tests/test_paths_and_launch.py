@@ -4,8 +4,10 @@ model of another vocabulary without its tokenizer, a context too short, torchrun
 output_dir past the file system's limits; pruning never follows a symbolic link; the weight sync's gloo sockets
 listen where the group is served."""
 
+import bz2
 import gzip
 import json
+import lzma
 import os
 import socket
 import subprocess
@@ -91,8 +93,9 @@ def test_compressed_json_lines_and_csv_load_and_other_kinds_are_named(tmp_path):
     (tmp_path / "a.json.gz").write_bytes(gzip.compress(json.dumps(rows).encode()))
     csv = "prompt,target\n" + "".join(f"{r['prompt']},{r['target']}\n" for r in rows)
     (tmp_path / "a.csv").write_text(csv)
-    (tmp_path / "a.csv.bz2").write_bytes(__import__("bz2").compress(csv.encode()))
-    for name in ("a.jsonl.gz", "a.json.gz", "a.csv", "a.csv.bz2"):
+    (tmp_path / "a.csv.bz2").write_bytes(bz2.compress(csv.encode()))
+    (tmp_path / "B.JSONL.XZ").write_bytes(lzma.compress(text.encode()))  # a name in capitals
+    for name in ("a.jsonl.gz", "a.json.gz", "a.csv", "a.csv.bz2", "B.JSONL.XZ"):
         loaded = plumbing.load_split(str(tmp_path / name), "train", None)
         assert loaded["prompt"] == [r["prompt"] for r in rows], name
         assert not plumbing.has_splits(str(tmp_path / name))
