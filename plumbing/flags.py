@@ -301,9 +301,11 @@ def check_launch_environment() -> None:
                           f"not fit together (0 <= LOCAL_RANK <= RANK < WORLD_SIZE, a port below 65536): {fix}")
 
 
-def validate_args(args) -> None:
-    """Refuse flags that clash before anything is loaded."""
-    check_launch_environment()
+def validate_args(args, launching: bool = True) -> None:
+    """Refuse flags that clash before anything is loaded. `launching`: also how this process was started
+    (torchrun's variables, --fsdp under torchrun); plan_memory.py, which plans a launch, checks the rest."""
+    if launching:
+        check_launch_environment()
     resolve_paths(args)
     if args.model_name_or_path is None and args.sft_model_path is None:
         raise ConfigError("no policy: pass --model_name_or_path (and --sft_model_path if the weights live elsewhere)")
@@ -358,7 +360,7 @@ def validate_args(args) -> None:
     elif args.bnb_4bit_quant_type != "nf4" or args.use_bnb_nested_quant:
         raise ConfigError(f"--{'use_bnb_nested_quant' if args.use_bnb_nested_quant else 'bnb_4bit_quant_type'} is "
                           "an option of the 4-bit base: add --load_in_4bit (with --use_peft)")
-    if args.fsdp and "RANK" not in os.environ:
+    if launching and args.fsdp and "RANK" not in os.environ:
         raise ConfigError("--fsdp shards the policy over torchrun's processes: launch with torchrun")
     check_model_options(args)
 

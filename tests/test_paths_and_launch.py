@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, MambaConfig, OPTConfig
 
 import plan_memory
@@ -151,6 +152,20 @@ def test_a_context_shorter_than_prompt_and_response_is_refused_where_positions_a
     with pytest.raises(plumbing.ConfigError, match="but the reward model has 64 positions"):
         plumbing.check_reward_model_config(str(tmp_path / "reward_model"), False, None, replace(args, response_length=6,
                                                                                                 max_prompt_length=60))
+
+
+def test_plan_memory_plans_what_rloo_py_runs_and_refuses_what_it_refuses(assets, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    plan = dict(model_name_or_path=str(assets["policy"]), reward_fn=("reward_fns:count_a",), max_prompt_length=16,
+                dataset_name="unused")
+    plan_memory.main(plan_memory.PlanArgs(**plan, fsdp=True, world_size=2))  # a torchrun launch, planned without one
+    assert "fits in 80 GiB" in capsys.readouterr().out
+    with pytest.raises(plumbing.ConfigError, match="^--use_peft: Target modules nothing_here not found .* pass "
+                                                   "--lora_target_modules"):
+        plan_memory.main(plan_memory.PlanArgs(**plan, use_peft=True, lora_target_modules=("nothing_here",)))
+    monkeypatch.setattr(transformers.GPTNeoXPreTrainedModel, "_no_split_modules", None)  # a model naming none
+    with pytest.raises(plumbing.ConfigError, match="^--fsdp: GPTNeoXForCausalLM names no transformer block class"):
+        plan_memory.main(plan_memory.PlanArgs(**plan, fsdp=True, world_size=2))
 
 
 # ---------------------------------------------------------------- torchrun's variables
