@@ -215,7 +215,7 @@ def main(args: rloo.Args) -> None:
         import trl
     except ImportError as e:
         raise plumbing.ConfigError(f"benchmark/trl116_rloo.py drives TRL {TRL_VERSION}, which this Python cannot "
-                                   f"import ({e}): run `make bench-env` and put benchmark/.trl116-site first on "
+                                   f"import ({plumbing.first_line(e)}): run `make bench-env` and put benchmark/.trl116-site first on "
                                    "PYTHONPATH")
     if trl.__version__ != TRL_VERSION:
         raise plumbing.ConfigError(f"benchmark/trl116_rloo.py drives TRL {TRL_VERSION}; this Python imports TRL "

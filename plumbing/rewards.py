@@ -87,10 +87,10 @@ def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
                 raise ConfigError(f"reward function {spec!r}: importing {module_name!r} failed: it imports "
                                   f"{e.name!r}, which is not installed ({first_line(e)})") from None
             where = os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
-            raise ConfigError(f"unknown reward function {spec!r}: cannot import {module_name!r} ({e}); looked in the "
-                              f"working directory {os.getcwd()}, PYTHONPATH ({where or 'unset'}) and the installed "
-                              f"packages: run from the folder that holds {top}.py (or the package {top}/), or add "
-                              f"that folder to PYTHONPATH") from None
+            raise ConfigError(f"unknown reward function {spec!r}: cannot import {module_name!r} ({first_line(e)}); "
+                              f"looked in the working directory {os.getcwd()}, PYTHONPATH ({where or 'unset'}) and "
+                              f"the installed packages: run from the folder that holds {top}.py (or the package "
+                              f"{top}/), or add that folder to PYTHONPATH") from None
         except (Exception, SystemExit) as e:  # a SyntaxError, anything the module's own code raises
             raise ConfigError(f"reward function {spec!r}: importing {module_name!r} failed with {type(e).__name__}: "
                               f"{first_line(e)}") from None
