@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import all_reduce
-from .errors import ConfigError, Fault, describe, first_line, not_a_file, reading
+from .errors import ConfigError, Fault, describe, first_line, inert, not_a_file, reading
 
 SUM_METRICS = ("val/num_eos_tokens", "completions/masked_truncated")
 
@@ -194,6 +194,9 @@ class CurvesSink:
         self.next_time = end + self.CURVES_EVERY * (end - start)
 
 
+SAMPLE_CHARACTERS = 2000  # of a prompt or a completion in the console's sample table
+
+
 class MetricsWriteError(Fault):
     """metrics.jsonl could not be written (a full disk, a quota): the run stops, with a checkpoint where it can."""
 
@@ -220,7 +223,7 @@ class RunLogger:
             self.wandb = wandb
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name,
                        config=asdict(args), dir=args.output_dir, id=wandb_run_id, resume="allow")
-        self.console = Console()
+        self.console = Console(markup=False)  # a path, a prompt or a completion holding `[/]` is text, not markup
         self.progress = Progress(TextColumn("update"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                                  console=self.console, transient=True)
         self.task = self.progress.add_task("updates", total=num_updates, completed=start_update)
@@ -277,13 +280,17 @@ class RunLogger:
             raise MetricsWriteError(f"could not write {self.metrics_path} ({e.strerror or e})") from None
 
     def sample_table(self, rows: list[tuple[str, str, float]], episode: int) -> None:
+        """The first completions of an update with their prompts and scores: the data's and the policy's words, as
+        inert text (Text: no markup either), a line each."""
         from rich.table import Table
+        from rich.text import Text
 
         table = Table(title=f"samples at episode {episode}", show_lines=True)
         for column in ("query", "response", "score"):
             table.add_column(column)
         for query, response, score in rows:
-            table.add_row(query, response, f"{score:.4f}")
+            table.add_row(Text(inert(query, SAMPLE_CHARACTERS)), Text(inert(response, SAMPLE_CHARACTERS)),
+                          f"{score:.4f}")
         self.console.print(table)
         if self.wandb is not None:
             self.wandb.log({"samples": self.wandb.Table(columns=["query", "response", "score"],

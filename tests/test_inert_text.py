@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import plumbing
+import rloo
 import rloo_multinode as mn
 from benchmark.tldr import judge
 from conftest import REPO, policy_tokenizer, run_rloo, tiny_policy, tiny_reward_model, write_jsonl
@@ -204,3 +205,18 @@ def test_a_run_whose_reward_function_raises_escapes_says_one_inert_line(tmp_path
     assert result.returncode == 4, result.stderr[-3000:]
     assert_inert(result.stderr.strip(), "reward function 'score' raised RuntimeError")
     assert "\x1b" not in result.stdout + result.stderr and "\r" not in result.stderr
+
+
+def test_the_sample_table_shows_prompts_and_completions_as_inert_text_never_as_markup(tmp_path, capsys):
+    """A prompt (a file's words) or a completion (a tokenizer's) holding rich's markup (`[/]` crashed the run) or a
+    terminal escape."""
+    logger = plumbing.RunLogger(rloo.Args(output_dir=str(tmp_path)), "run", 2, 0, None)
+    try:
+        logger.sample_table([("what does [/] or [bold]x[/bold] mean?", HOSTILE["CSI clear screen"][0] +
+                              HOSTILE["a fake saved line"][0], 0.5)], episode=8)
+        logger.console.print(f"a note naming {tmp_path / '[/]'}")  # a path, a run name: text too
+    finally:
+        logger.close()
+    out = capsys.readouterr().out
+    assert "[/] or [bold]x[/bold]" in out and out.strip().endswith("[/]"), out
+    assert "\x1b" not in out and "\r" not in out and "\\x1b[2J\\x1b[Hthe server is" in out, out
