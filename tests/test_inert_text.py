@@ -15,7 +15,7 @@ import plumbing
 import rloo
 import rloo_multinode as mn
 from benchmark.tldr import judge
-from conftest import REPO, policy_tokenizer, run_rloo, tiny_policy, tiny_reward_model, write_jsonl
+from conftest import policy_tokenizer, tiny_policy, tiny_reward_model, write_jsonl
 
 HTML_404 = ("<!DOCTYPE html>\n<html>\n<head><title>404 Not Found</title></head>\n<body>\n<h1>Not Found</h1>\n"
             "<p>The requested URL was not found on this server.</p>\n</body>\n</html>\n")
@@ -189,22 +189,27 @@ def test_a_datasets_values_a_models_config_and_a_loaders_error_are_inert(tmp_pat
     assert_inert(str(refused.value))
 
 
-def test_a_run_whose_reward_function_raises_escapes_says_one_inert_line(tmp_path):
-    """End to end: what reaches stderr when a reward function's message holds a whole attack."""
+def test_a_run_whose_reward_function_raises_escapes_says_one_inert_line(tmp_path, capfd, monkeypatch,
+                                                                       signal_handlers_kept):
+    """A whole run (in this process): what reaches stderr when a reward function's message holds a whole attack."""
     tokenizer = policy_tokenizer()
     tiny_policy(len(tokenizer)).save_pretrained(tmp_path / "policy")
     tokenizer.save_pretrained(tmp_path / "policy")
     write_jsonl(tmp_path / "train.jsonl", [{"prompt": "a b :"}] * 8)
     attack = "".join(text for name, (text, _) in HOSTILE.items() if name != "a 2 MB body")
     (tmp_path / "hostile_reward.py").write_text(f"def score(**kwargs):\n    raise RuntimeError({attack!r})\n")
-    result = run_rloo("--model_name_or_path", tmp_path / "policy", "--dataset_name", tmp_path / "train.jsonl",
-                      "--reward_fn", "hostile_reward:score", "--output_dir", tmp_path / "out", "--total_episodes", 8,
-                      "--per_device_train_batch_size", 4, "--gradient_accumulation_steps", 1, "--rloo_k", 2,
-                      "--response_length", 4, "--max_prompt_length", 8, "--num_sample_generations", 0,
-                      env={"PYTHONPATH": f"{tmp_path}:{REPO / 'tests'}"})
-    assert result.returncode == 4, result.stderr[-3000:]
-    assert_inert(result.stderr.strip(), "reward function 'score' raised RuntimeError")
-    assert "\x1b" not in result.stdout + result.stderr and "\r" not in result.stderr
+    monkeypatch.syspath_prepend(tmp_path)
+    argv = ["--model_name_or_path", tmp_path / "policy", "--dataset_name", tmp_path / "train.jsonl", "--reward_fn",
+            "hostile_reward:score", "--output_dir", tmp_path / "out", "--total_episodes", 8,
+            "--per_device_train_batch_size", 4, "--gradient_accumulation_steps", 1, "--rloo_k", 2,
+            "--response_length", 4, "--max_prompt_length", 8, "--num_sample_generations", 0]
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exit_status:
+        plumbing.run_script(rloo.main, plumbing.parse_args(rloo.Args, [str(a) for a in argv]), "rloo.py")
+    out, err = capfd.readouterr()
+    assert exit_status.value.code == 4, err[-3000:]
+    assert_inert(err.strip(), "rloo.py: error: reward function 'score' raised RuntimeError")
+    assert "\x1b" not in out + err and "\r" not in err
 
 
 def test_the_sample_table_shows_prompts_and_completions_as_inert_text_never_as_markup(tmp_path, capsys):

@@ -7,16 +7,14 @@ import importlib
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import plumbing
-from benchmark import plot_metrics, plot_runs, throughput
+from benchmark import plot_metrics, plot_runs, sync_cost, throughput
 from benchmark.tldr import judge
-from conftest import REPO, cpu_env
+from conftest import REPO
 
 SCRIPTS = sorted(str(path.relative_to(REPO)) for pattern in ("*.py", "benchmark/*.py", "benchmark/tldr/*.py",
                                                              "docs/*.py") for path in REPO.glob(pattern)
@@ -96,8 +94,9 @@ def metrics_lines(*updates: int, tail: str = "") -> str:
 
 def run_tool(script, program: str, argv: list, capsys) -> tuple[int, str]:
     """A script's run_tool in this process: its exit status (0 when it returned) and stderr."""
+    target = (script.Args, script.main) if hasattr(script, "Args") else (script.main,)
     try:
-        plumbing.run_tool(program, script.main, argv=[str(a) for a in argv])
+        plumbing.run_tool(program, *target, argv=[str(a) for a in argv])
         code = 0
     except SystemExit as e:
         code = e.code
@@ -222,10 +221,8 @@ def test_the_judge_never_writes_over_its_dataset_model_or_cache(assets, tmp_path
                                    "pass another --output"),
     ("/proc/sync_cost.md", 4, "FileNotFoundError: [Errno 2] No such file or directory: '/proc/sync_cost.md'"),
 ])
-def test_a_script_that_cannot_write_its_output_says_so_in_one_line(tmp_path, output, status, line):
+def test_a_script_that_cannot_write_its_output_says_so_in_one_line(tmp_path, capsys, output, status, line):
     (tmp_path / "file").write_text("")
-    result = subprocess.run([sys.executable, "benchmark/sync_cost.py", "--shapes", "pythia-14m", "--output",
-                             output.format(tmp=tmp_path)], capture_output=True, text=True, cwd=REPO, env=cpu_env(),
-                            timeout=300)
-    assert result.returncode == status and result.stderr.strip().splitlines() == [
-        f"sync_cost.py: error: {line.format(tmp=tmp_path)}"], result.stderr
+    code, err = run_tool(sync_cost, "sync_cost.py", ["--shapes", "pythia-14m", "--output", output.format(tmp=tmp_path)],
+                         capsys)
+    assert code == status and err == f"sync_cost.py: error: {line.format(tmp=tmp_path)}\n", err
