@@ -1376,7 +1376,8 @@ def http_json(url: str, body: Optional[dict], timeout: float):
             hint = "; start the server with VLLM_SERVER_DEV_MODE=1, which enables it"
         elif e.code == 401:
             hint = f"; set {API_KEY_VARIABLE} to the server's --api-key"
-        answer = plumbing.inert(e.read(1 << 16).decode(errors="replace"))  # the server's words: inert, one line
+        # the server's words, inert and on one line
+        answer = plumbing.inert(e.read(1 << 16).decode(errors="replace")) or plumbing.inert(e.reason)
         raise EngineError(f"vLLM server {url} answered {e.code}: {answer}{hint}") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:  # ValueError: cut-off JSON
         reason = plumbing.inert(getattr(e, "reason", e))
