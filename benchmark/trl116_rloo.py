@@ -215,8 +215,8 @@ def main(args: rloo.Args) -> None:
         import trl
     except ImportError as e:
         raise plumbing.ConfigError(f"benchmark/trl116_rloo.py drives TRL {TRL_VERSION}, which this Python cannot "
-                                   f"import ({plumbing.first_line(e)}): run `make bench-env` and put benchmark/.trl116-site first on "
-                                   "PYTHONPATH")
+                                   f"import ({plumbing.first_line(e)}): run `make bench-env` and put "
+                                   "benchmark/.trl116-site first on PYTHONPATH")
     if trl.__version__ != TRL_VERSION:
         raise plumbing.ConfigError(f"benchmark/trl116_rloo.py drives TRL {TRL_VERSION}; this Python imports TRL "
                                    f"{trl.__version__} from {Path(trl.__file__).parent}: put benchmark/.trl116-site "

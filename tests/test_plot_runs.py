@@ -44,7 +44,8 @@ def test_aggregate_three_seeds_on_a_common_grid():
 
 def test_disjoint_runs_are_refused():
     with pytest.raises(plumbing.ConfigError, match="share no episode range"):
-        plot_runs.aggregate([(np.array([0.0, 1.0]), np.array([0.0, 1.0])), (np.array([2.0, 3.0]), np.array([0.0, 1.0]))])
+        plot_runs.aggregate([(np.array([0.0, 1.0]), np.array([0.0, 1.0])),
+                             (np.array([2.0, 3.0]), np.array([0.0, 1.0]))])
 
 
 def test_curve_keeps_the_last_value_of_a_repeated_episode():
