@@ -234,8 +234,9 @@ def check_context(config, what: str, args) -> None:
     positions, needed = getattr(text, "max_position_embeddings", None), args.max_prompt_length + args.response_length
     if not isinstance(positions, int) or not 0 < positions < needed:
         return
-    computed = getattr(text, "alibi", False) or any(getattr(text, name, None) is not None for name in (
-        "rope_parameters", "rope_scaling", "rope_theta", "rotary_dim", "rotary_pct"))
+    computed = getattr(text, "alibi", False) or getattr(text, "position_embedding_type", "absolute") != "absolute" \
+        or any(getattr(text, name, None) is not None for name in ("rope_parameters", "rope_scaling", "rope_theta",
+                                                                   "rotary_dim", "rotary_pct", "rotary_emb_base"))
     if not computed:
         raise ConfigError(f"--max_prompt_length {args.max_prompt_length} + --response_length {args.response_length} "
                           f"= {needed} tokens, but the {what} has {positions} positions (max_position_embeddings), "

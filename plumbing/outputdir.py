@@ -249,11 +249,11 @@ def check_outputs(outputs: list[tuple[str, Path]], inputs: list[tuple[str, Path]
     (path_problem); each named by the flag that gives it. Refused in one line, so that a typo never replaces or
     changes an input."""
     for output_flag, output in outputs:
-        if output.exists() and not_a_file(output):
-            raise ConfigError(f"{output_flag} {output} {not_a_file(output)}: pass the path of a file to write")
         problem = path_problem(str(output))
         if problem:
-            raise ConfigError(f"{output_flag} {output} {problem}: pass another {output_flag}")
+            raise ConfigError(f"{output_flag} {inert(output, 120)} {problem}: pass another {output_flag}")
+        if output.exists() and not_a_file(output):
+            raise ConfigError(f"{output_flag} {output} {not_a_file(output)}: pass the path of a file to write")
         for input_flag, source in inputs:
             inside = source.is_dir() and any(held in out.parents for out in path_forms(output)
                                              for held in path_forms(source))
