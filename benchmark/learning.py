@@ -104,6 +104,10 @@ def spread(values: list[float]) -> str:
 def main(args: Args) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    if not args.seeds or args.total_episodes < 1:
+        raise plumbing.ConfigError(f"--seeds {' '.join(map(str, args.seeds))} --total_episodes {args.total_episodes}: "
+                                   "at least one seed and one episode")
+
     commands = trainer_commands(args.trl_python, "learning")
     start = time.time()
     assets = ensure_assets((REPO_ROOT / args.cache_dir).resolve())
