@@ -262,6 +262,23 @@ def check_outputs(outputs: list[tuple[str, Path]], inputs: list[tuple[str, Path]
                                   f"{source}: it would be written over; pass another {output_flag}")
 
 
+def check_new_output_dir(output_dir: str, inputs: dict[str, tuple[str, Optional[Path]]]) -> None:
+    """For a script that writes its files into output_dir without a run's bookkeeping (the TRL drivers of the
+    benchmarks): a new or empty directory, at a path that can be one, neither being, holding nor inside an input;
+    else refused in one line, before anything loads: what is there would be written over."""
+    path = Path(output_dir)
+    problem = path_problem(output_dir) or (not_a_file(path) or "is a file" if path.exists() and not path.is_dir()
+                                           else None)
+    if problem:
+        raise ConfigError(f"--output_dir {inert(output_dir, 120)} {problem}: pass a new or empty directory")
+    check_no_input_inside(output_dir, inputs)
+    held = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    if held:
+        raise ConfigError(f"--output_dir {output_dir} holds {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}: "
+                          "this script writes metrics.jsonl and the policy there, over what is there; pass a new or "
+                          "empty directory")
+
+
 def check_no_input_inside(output_dir: str, inputs: dict[str, tuple[str, Optional[Path]]]) -> None:
     """output_dir neither is, holds nor lies inside an input (any local path of run_inputs), the paths compared
     as typed and with their symlinks resolved."""

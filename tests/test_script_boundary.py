@@ -226,3 +226,22 @@ def test_a_script_that_cannot_write_its_output_says_so_in_one_line(tmp_path, cap
     code, err = run_tool(sync_cost, "sync_cost.py", ["--shapes", "pythia-14m", "--output", output.format(tmp=tmp_path)],
                          capsys)
     assert code == status and err == f"sync_cost.py: error: {line.format(tmp=tmp_path)}\n", err
+
+
+def test_the_trl_drivers_write_only_into_a_new_or_empty_directory(assets, tmp_path):
+    """benchmark/trl_rloo.py and trl116_rloo.py write metrics.jsonl and a policy with "w": a directory holding an
+    earlier run (rloo.py's own default output_dir) or an input is refused before anything loads."""
+    (tmp_path / "earlier").mkdir()
+    (tmp_path / "earlier" / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "file").write_text("")
+    inputs = {"model_name_or_path": (str(assets["policy"]), assets["policy"])}
+    for output_dir, line in ((tmp_path / "earlier", "holds metrics.jsonl: this script writes metrics.jsonl and the "
+                                                    "policy there, over what is there"),
+                             (tmp_path / "file", "is a file: pass a new or empty directory"),
+                             (assets["policy"], "is the input --model_name_or_path")):
+        with pytest.raises(plumbing.ConfigError, match=line):
+            plumbing.check_new_output_dir(str(output_dir), inputs)
+    (tmp_path / "empty").mkdir()
+    for fresh in (tmp_path / "empty", tmp_path / "new" / "run"):
+        plumbing.check_new_output_dir(str(fresh), inputs)
+    assert (tmp_path / "earlier" / "metrics.jsonl").read_text() == "{}\n"
