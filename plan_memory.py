@@ -71,7 +71,7 @@ def validate_plan_args(args: PlanArgs) -> None:
     if args.load_in_4bit:
         raise plumbing.ConfigError("--load_in_4bit: the planner counts the base's weights in fp32 (4 bytes each), not "
                                    "in 4 bits (about 0.5): plan without the flag for an upper bound")
-    plumbing.validate_args(args)
+    plumbing.validate_args(args, launching=False)  # a plan for a torchrun launch (--fsdp) is made without one
     for name, value, allowed, requirement in [
         ("world_size", args.world_size, args.world_size >= 1, "at least 1 (the number of GPUs)"),
         ("gpu_gib", args.gpu_gib, math.isfinite(args.gpu_gib) and args.gpu_gib > 0, "a finite number of GiB > 0"),
@@ -93,9 +93,10 @@ class Shape:
 
 
 def model_shape(path: str, sequence_classifier: bool, trust_remote_code: bool,
-                lora: rloo.Args | None = None) -> Shape:
+                lora: rloo.Args | None = None, fsdp: bool = False) -> Shape:
     """The model's parameter count (built on the meta device: no memory, no weights; with `lora`, the Args of a
-    --use_peft run, its adapters added as rloo.py adds them) and dimensions."""
+    --use_peft run, its adapters added as rloo.py adds them) and dimensions; with `fsdp`, refused as --fsdp
+    refuses a model without transformer blocks to shard."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     config = plumbing.load_pretrained(AutoConfig.from_pretrained, path, "config", trust_remote_code=trust_remote_code)
@@ -105,7 +106,9 @@ def model_shape(path: str, sequence_classifier: bool, trust_remote_code: bool,
     with torch.device("meta"):
         model = auto.from_config(config, trust_remote_code=trust_remote_code)
         if lora is not None:
-            model.add_adapter(plumbing.lora_config(lora))
+            plumbing.add_adapters(model, lora, None)  # and its refusals (no module to adapt), as rloo.py's
+        if fsdp:
+            plumbing.transformer_blocks(model)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     parameters = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if lora is not None else None
@@ -213,7 +216,9 @@ def main(args: PlanArgs) -> None:
     validate_plan_args(args)
     rloo.compute_batch_sizes(args, args.world_size)
     policy_path = args.sft_model_path or args.model_name_or_path
-    policy = model_shape(policy_path, False, args.trust_remote_code, args if args.use_peft else None)
+    plumbing.check_model_configs(args, plumbing.load_config(policy_path, "policy", args.trust_remote_code,
+                                                             args.model_revision))  # a run rloo.py refuses: no plan
+    policy = model_shape(policy_path, False, args.trust_remote_code, args if args.use_peft else None, args.fsdp)
     reward = model_shape(args.reward_model_path, True, args.trust_remote_code) if args.reward_model_path else None
     groups = plan(args, policy, reward)
     lora = f" ({policy.trainable / 1e6:.3g}M in LoRA adapters)" if policy.trainable is not None else ""

@@ -319,6 +319,18 @@ def listening_socket(host: str, port: int, listen: bool = True) -> int:
     return sock.detach()
 
 
+def address_toward(host: str, port: int, own: bool) -> str:
+    """The address at which this machine serves peers that reach it through host: host's own address (`own`: host
+    is this machine), else this machine's address on the route to host (asked of the kernel: a UDP socket's
+    connect sends nothing)."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    if own:
+        return address[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)
+        return probe.getsockname()[0]
+
+
 def tcp_store(host: str, port: int, master: bool, timeout: float) -> dist.TCPStore:
     """A TCPStore at host:port whose server end (master) listens on host's address alone: left to bind its own
     socket, TCPStore's server listens on every interface whatever host says, so it is handed one bound here."""
@@ -544,12 +556,17 @@ def trainer_weight_group(backend: str, host: str, port: int, size: int, timeout:
 
 class GlooWeightGroup:
     """A gloo group outside torchrun's, on its own store (rank 0 serves it); every broadcast is bounded by the
-    timeout."""
+    timeout. Each member's gloo sockets listen on the address it serves the group on: rank 0 (the trainer) on
+    host's, the others on their own address on the route to host (gloo's default would be the address the
+    machine's hostname resolves to, whatever network that is on)."""
 
     def __init__(self, host: str, port: int, rank: int, size: int, timeout: float):
         self.store = tcp_store(host, port, rank == 0, timeout)
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore("weights", self.store), rank, size,
-                                           datetime.timedelta(seconds=timeout))
+        # no public constructor takes a device: _Options is how torch's own tests bind gloo to an address
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=address_toward(host, port, rank == 0))]
+        options._timeout = datetime.timedelta(seconds=timeout)
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore("weights", self.store), rank, size, options)
         self.options = dist.BroadcastOptions()
         self.options.rootRank, self.options.timeout = 0, datetime.timedelta(seconds=timeout)
 
@@ -982,7 +999,8 @@ class EngineRollouts:
                 try:
                     self.group.broadcast(pack_bucket(tensors, bucket))
                 except RuntimeError as e:  # a peer died or timed out; keep gathering so no rank hangs
-                    error = self.engines.explain(EngineError(f"weight sync {version} failed: {e}"))
+                    failed = EngineError(f"weight sync {version} failed: {plumbing.first_line(e)}")
+                    error = self.engines.explain(failed)
         if master and error is None:
             try:
                 self.engines.end_sync(version)
@@ -1166,7 +1184,7 @@ def serve(serve_args: ServeArgs) -> None:
     except Exception as e:
         with contextlib.suppress(dist.DistError):
             store.set("failed", {"error": f"engine {index} ({socket.gethostname()}, pid {os.getpid()}) failed: "
-                                          f"{type(e).__name__}: {e}"})
+                                          f"{plumbing.describe(e)}"})
         raise
     finally:
         stop_beating.set()
@@ -1197,7 +1215,7 @@ class ServedEngines:
     def check(self) -> None:
         """Raise EngineError naming the first engine found dead, failed or silent."""
         if self.store.check("failed"):
-            raise EngineError(self.read("failed")["error"])
+            raise EngineError(plumbing.inert(self.read("failed")["error"]))
         for index, process in self.processes.items():
             if process.poll() is not None:
                 end_engine(process)
@@ -1384,10 +1402,23 @@ def http_json(url: str, body: Optional[dict], timeout: float):
             hint = "; start the server with VLLM_SERVER_DEV_MODE=1, which enables it"
         elif e.code == 401:
             hint = f"; set {API_KEY_VARIABLE} to the server's --api-key"
-        answer = e.read().decode(errors="replace")[:300]
+        # the server's words, inert and on one line
+        answer = plumbing.inert(e.read(1 << 16).decode(errors="replace")) or plumbing.inert(e.reason)
         raise EngineError(f"vLLM server {url} answered {e.code}: {answer}{hint}") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:  # ValueError: cut-off JSON
-        raise EngineError(f"vLLM server {url} failed: {type(e).__name__}: {getattr(e, 'reason', e)}") from None
+        reason = plumbing.inert(getattr(e, "reason", e))
+        raise EngineError(f"vLLM server {url} failed: {type(e).__name__}: {reason}") from None
+
+
+@contextlib.contextmanager
+def answer_of(url: str):
+    """The boundary of a server's JSON answer as it is read: one of another shape than vLLM's API (a proxy's, another
+    server's) is an EngineError naming the server, in one line."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        raise EngineError(f"vLLM server {url} answered in another shape than vLLM's API ({plumbing.describe(e)}): "
+                          "is it a vLLM server of this project's version (README, Scaling out)?") from None
 
 
 def completions_body(model: str, queries: torch.Tensor, query_mask: torch.Tensor, k: int, args: Args,
@@ -1430,8 +1461,8 @@ class VLLMServers:
         self.connected = False
         for url in self.urls if dist_info.master else self.mine:
             self.wait_until_up(url)
-        # the served model's name
-        self.model = http_json(f"{self.mine[0]}/v1/models", None, self.timeout)["data"][0]["id"]
+        with answer_of(self.mine[0]):  # the served model's name
+            self.model = str(http_json(f"{self.mine[0]}/v1/models", None, self.timeout)["data"][0]["id"])
 
     def wait_until_up(self, url: str) -> None:
         """A server may still be loading its model: its /health answers once it serves."""
@@ -1452,19 +1483,21 @@ class VLLMServers:
 
     def check_server(self, url: str, backend: str) -> None:
         """Refuse a server whose configuration cannot serve this run, with the flag that fixes it."""
-        config = http_json(f"{url}/server_info?config_format=json", None, self.timeout)["vllm_config"]
-        served = (config.get("weight_transfer_config") or {}).get("backend")
+        with answer_of(url):
+            config = http_json(f"{url}/server_info?config_format=json", None, self.timeout)["vllm_config"]
+            served = (config.get("weight_transfer_config") or {}).get("backend")
+            logprobs_mode = config["model_config"].get("logprobs_mode")
+            longest = int(config["model_config"]["max_model_len"])
         if served != backend:
             fix = f"--weight-transfer-config '{{\"backend\": \"{backend}\"}}'"
             if backend == "gloo":  # the worker extension registers gloo with vLLM
                 fix += " --worker-extension-cls rloo_multinode.VLLMWorkerExtension"
-            takes = f"takes weights over {served}" if served else "has no weight transfer"
+            takes = f"takes weights over {plumbing.inert(served, 40)}" if served else "has no weight transfer"
             raise EngineError(f"vLLM server {url} {takes} but this trainer sends them over {backend} (nccl from a "
                               f"CUDA trainer, gloo from a CPU one): restart it with {fix}")
-        if config["model_config"].get("logprobs_mode") != "processed_logprobs":  # raw: at temperature 1
+        if logprobs_mode != "processed_logprobs":  # raw: at temperature 1
             raise EngineError(f"vLLM server {url} returns log-probs before the temperature, not the ones trained on: "
                               "restart it with --logprobs-mode processed_logprobs")
-        longest = config["model_config"]["max_model_len"]
         needed = self.args.max_prompt_length + self.args.response_length
         if longest < needed:
             raise EngineError(f"vLLM server {url} has --max-model-len {longest} but a prompt and its response "
@@ -1475,7 +1508,10 @@ class VLLMServers:
         trainer's rank 0, in the order of the URLs."""
         for url in self.urls:
             self.check_server(url, backend)
-        workers = [http_json(f"{url}/get_world_size", None, self.timeout)["world_size"] for url in self.urls]
+        workers = []
+        for url in self.urls:
+            with answer_of(url):
+                workers.append(int(http_json(f"{url}/get_world_size", None, self.timeout)["world_size"]))
         offsets = [1 + sum(workers[:i]) for i in range(len(self.urls))]
         host, port, size = trainer_host(), self.args.engine_port + 1, 1 + sum(workers)
         joins = []
@@ -1501,12 +1537,14 @@ class VLLMServers:
 
     def receive(self, batch: int) -> list[dict]:
         results = []
-        for due in self.answers_due.pop(batch):
-            choices = sorted(due.answer.result()["choices"], key=lambda c: c["index"])  # one per prompt, in order
-            results.append({"responses": padded_responses([c["token_ids"] for c in choices],
-                                                          self.args.response_length, due.pad_token_id),
-                            "sampler_logprobs": padded_responses([c["logprobs"]["token_logprobs"] for c in choices],
-                                                                 self.args.response_length, 0, torch.float32)})
+        for url, due in zip(self.mine, self.answers_due.pop(batch)):
+            with answer_of(url):
+                choices = sorted(due.answer.result()["choices"], key=lambda c: c["index"])  # one per prompt, in order
+                results.append({"responses": padded_responses([c["token_ids"] for c in choices],
+                                                              self.args.response_length, due.pad_token_id),
+                                "sampler_logprobs": padded_responses([c["logprobs"]["token_logprobs"]
+                                                                      for c in choices],
+                                                                     self.args.response_length, 0, torch.float32)})
         return results  # vLLM seeds its own sampler: no RNG state
 
     def begin_sync(self, version: int, info: dict) -> None:
@@ -1579,7 +1617,7 @@ class ColocatedRollouts:
             raise failure
 
     def failed(self, error: Exception) -> EngineError:
-        return EngineError(f"rank {self.dist_info.rank}'s vLLM engine failed: {type(error).__name__}: {error}")
+        return EngineError(f"rank {self.dist_info.rank}'s vLLM engine failed: {plumbing.describe(error)}")
 
     def load_weights(self) -> Optional[EngineError]:
         """The policy's weights into the engine, bucket by bucket (with FSDP every rank gathers each bucket's
@@ -1698,6 +1736,7 @@ def make_engine_rollouts(args: Args, launched: dict[int, subprocess.Popen]):
 
 
 def main(args: Args) -> None:
+    plumbing.check_launch_environment()  # before WORLD_SIZE is read
     validate_engine_args(args, int(os.environ.get("WORLD_SIZE", 1)))
     check_engine_secret(args)
     launched: dict[int, subprocess.Popen] = {}

@@ -13,13 +13,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import tyro
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # `python benchmark/demo.py` only puts benchmark/ on the path
 
+import plumbing  # noqa: E402
 from plumbing import read_metrics  # noqa: E402
 from benchmark.synthetic_task import ensure_assets, mean_true_score  # noqa: E402
 
@@ -112,4 +112,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    plumbing.run_tool("demo.py", Args, main)

@@ -27,15 +27,15 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import tyro
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+import plumbing  # noqa: E402
 from benchmark.synthetic_task import save_tokenizer  # noqa: E402
 from benchmark.throughput import (PYTHIA_VOCAB, RunConfig, build_tokenizer, calibrate_stop_token,  # noqa: E402
-                                  fresh_run_dir, prompt_lengths, run_trainer, summarize_run, trainer_flags,
-                                  write_report)
+                                  check_run_config, fresh_run_dir, prompt_lengths, run_trainer, summarize_run,
+                                  trainer_flags, write_report)
 
 MODES = ("rloo.py", "colocate", "server")
 
@@ -111,6 +111,7 @@ def mode_command(mode: str, args: Args) -> list[str]:
 
 
 def main(args: Args) -> None:
+    check_run_config(args)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB per CPU engine; vLLM's CPU default is far larger
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
@@ -135,4 +136,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    plumbing.run_tool("generation_modes.py", Args, main)

@@ -91,7 +91,6 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-import tyro
 from packaging.version import Version
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -739,4 +738,6 @@ def save(args: Args, results: Path, records: dict[str, dict], name: str, record:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    import plumbing
+
+    plumbing.run_tool("gpu_suite.py", Args, main)

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import tyro
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+import plumbing  # noqa: E402
 from benchmark import demo  # noqa: E402
 from benchmark.plot_metrics import moving_average  # noqa: E402
 from benchmark.plot_runs import load_run, plot_grid  # noqa: E402
@@ -104,6 +104,10 @@ def spread(values: list[float]) -> str:
 def main(args: Args) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    if not args.seeds or args.total_episodes < 1:
+        raise plumbing.ConfigError(f"--seeds {' '.join(map(str, args.seeds))} --total_episodes {args.total_episodes}: "
+                                   "at least one seed and one episode")
+
     commands = trainer_commands(args.trl_python, "learning")
     start = time.time()
     assets = ensure_assets((REPO_ROOT / args.cache_dir).resolve())
@@ -156,4 +160,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    plumbing.run_tool("learning.py", Args, main)

@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import plumbing  # noqa: E402
 from benchmark.throughput import (  # noqa: E402
-    PHASES, PYTHIA_SHAPES, REPO_ROOT, RunConfig, ensure_shape_assets, fresh_run_dir, hardware, run_trainer,
+    PHASES, REPO_ROOT, RunConfig, check_run_config, ensure_shape_assets, fresh_run_dir, hardware, run_trainer,
     summarize_run, trainer_flags,
 )
 
@@ -49,10 +49,10 @@ class Args(RunConfig):
 
 
 def main(args: Args) -> None:
-    unknown = [o for o in args.options if o not in OPTION_SETS] + [s for s in args.shapes if s not in PYTHIA_SHAPES]
+    check_run_config(args)
+    unknown = [o for o in args.options if o not in OPTION_SETS]
     if unknown:
-        sys.exit(f"options_cost: unknown option set(s) or shape(s) {unknown}; choose from {list(OPTION_SETS)} and "
-                 f"{list(PYTHIA_SHAPES)}")
+        raise plumbing.ConfigError(f"--options: unknown option set(s) {unknown}; choose from {list(OPTION_SETS)}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # torchrun would otherwise set 1
     batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
@@ -87,4 +87,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    plumbing.run_tool("options_cost.py", Args, main)

@@ -7,12 +7,29 @@ output_dir/curves.png with the same code, plumbing.plot_curves, as it goes).
 import sys
 from pathlib import Path
 
-import tyro
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmark/plot_metrics.py` adds benchmark/
+import plumbing  # noqa: E402
 from plumbing import moving_average, plot_curves, read_metrics  # noqa: E402
 
 __all__ = ["moving_average", "plot_curves", "read_metrics"]
 
+
+def main(metrics_paths: list[Path], png_path: Path, smooth: int = 10) -> None:
+    """Draw the curves of runs into one PNG.
+
+    Args:
+        metrics_paths: the metrics.jsonl of each run (or the run's directory); a run still writing is drawn up to
+            its last complete line.
+        png_path: the PNG to write (never one of the metrics files).
+        smooth: trailing mean over this many updates (1: none).
+    """
+    if smooth < 1:
+        raise plumbing.ConfigError(f"--smooth {smooth}: a trailing mean needs at least 1 update (1: no smoothing)")
+    metrics_paths = [path / "metrics.jsonl" if path.is_dir() else path for path in metrics_paths]
+    plumbing.check_outputs([("--png-path", png_path)], [("--metrics-paths", path) for path in metrics_paths])
+    plot_curves(metrics_paths, png_path, smooth)
+    print(f"plot_metrics.py: wrote {png_path}")
+
+
 if __name__ == "__main__":
-    tyro.cli(plot_curves)
+    plumbing.run_tool("plot_metrics.py", main)

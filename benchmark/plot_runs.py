@@ -18,13 +18,13 @@ from pathlib import Path
 
 import matplotlib
 import numpy as np
-import tyro
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmark/plot_runs.py` only adds benchmark/
+import plumbing  # noqa: E402
 from benchmark.plot_metrics import moving_average, read_metrics  # noqa: E402
 
 METRICS = ("objective/rlhf_reward", "objective/scores", "objective/kl", "objective/entropy", "policy/clipfrac_avg",
@@ -41,20 +41,30 @@ def as_float(value) -> float:
         return math.nan
 
 
-def load_run(path: str | Path) -> Run:
-    """The columns of one run (a run directory, its metrics.jsonl, or a wandb CSV), `train/` prefixes dropped."""
+def run_file(path: str | Path) -> Path:
+    """The file of a run: a run directory's metrics.jsonl, or the path itself."""
     path = Path(path)
-    if path.is_dir():
-        path = path / "metrics.jsonl"
+    return path / "metrics.jsonl" if path.is_dir() else path
+
+
+def load_run(path: str | Path) -> Run:
+    """The columns of one run (a run directory, its metrics.jsonl, or a wandb CSV), `train/` prefixes dropped; a
+    file that is not there or cannot be read is a ConfigError naming it."""
+    path = run_file(path)
     if path.suffix == ".csv":
-        with open(path, newline="") as f:
+        if plumbing.not_a_file(path):
+            raise plumbing.ConfigError(f"--runs: {path} {plumbing.not_a_file(path)}: pass a CSV exported from wandb")
+        with plumbing.reading(f"--runs: the wandb CSV {path}", "pass a CSV exported from wandb"), \
+                open(path, newline="") as f:
             rows = list(csv.DictReader(f))
     else:
         rows = read_metrics(path)
-    rows = [{key.removeprefix("train/"): value for key, value in row.items()} for row in rows]
+    rows = [{key.removeprefix("train/"): value for key, value in row.items() if isinstance(key, str)}
+            for row in rows]
     columns = dict.fromkeys(key for row in rows for key in row)
     if "episode" not in columns:
-        raise ValueError(f"{path}: no `episode` or `train/episode` column")
+        raise plumbing.ConfigError(f"--runs: {path} has no `episode` or `train/episode` column"
+                                   + ("" if rows else " (no logged update yet)"))
     return {key: np.array([as_float(row.get(key)) for row in rows]) for key in columns}
 
 
@@ -82,7 +92,8 @@ def common_grid(curves: list[Curve], num_points: int) -> np.ndarray:
     """`num_points` episodes evenly spread over the range that every curve covers (nothing is extrapolated)."""
     start, end = max(c[0][0] for c in curves), min(c[0][-1] for c in curves)
     if start > end:
-        raise ValueError(f"the runs share no episode range: one starts at {start:g}, another ends at {end:g}")
+        raise plumbing.ConfigError(f"the runs share no episode range: one starts at {start:g}, another ends at "
+                                   f"{end:g}; plot runs of the same length together")
     return np.linspace(start, end, num_points)
 
 
@@ -103,9 +114,12 @@ def parse_methods(specs: tuple[str, ...]) -> dict[str, list[Path]]:
     methods: dict[str, list[Path]] = {}
     for spec in specs:
         name, sep, paths = spec.partition("=")
-        if not sep or not name or not paths:
-            raise ValueError(f"{spec!r}: expected NAME=PATH[,PATH...]")
+        if not sep or not name or not all(paths.split(",")):
+            raise plumbing.ConfigError(f"--runs {spec!r}: expected NAME=PATH[,PATH...], a method's name and its "
+                                       "runs (directories, metrics.jsonl files or wandb CSVs)")
         methods.setdefault(name, []).extend(Path(p) for p in paths.split(","))
+    if not methods:
+        raise plumbing.ConfigError("--runs: no method given; pass NAME=PATH[,PATH...] for each")
     return methods
 
 
@@ -160,10 +174,16 @@ def main(runs: tuple[str, ...], png_path: Path = Path("runs/compare.png"), metri
         smooth: trailing mean over this many logged points of each seed before aggregating (1: none).
         num_points: points of the common episode grid.
     """
-    methods = {name: {str(p): load_run(p) for p in paths} for name, paths in parse_methods(runs).items()}
+    for flag, value in (("--smooth", smooth), ("--num-points", num_points)):
+        if value < 1:
+            raise plumbing.ConfigError(f"{flag} {value}: must be at least 1")
+    methods = parse_methods(runs)
+    plumbing.check_outputs([("--png-path", Path(png_path))],
+                           [("--runs", run_file(p)) for paths in methods.values() for p in paths])
+    methods = {name: {str(p): load_run(p) for p in paths} for name, paths in methods.items()}
     plot_grid(methods, png_path, metrics, smooth, num_points)
     print(f"plot_runs.py: wrote {png_path}")
 
 
 if __name__ == "__main__":
-    tyro.cli(main)
+    plumbing.run_tool("plot_runs.py", main)

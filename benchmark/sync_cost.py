@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import plumbing  # noqa: E402
 from benchmark.throughput import PYTHIA_SHAPES, pythia_config  # noqa: E402
 
 LINKS = {  # nominal one-way GB/s between trainer rank 0 and an engine, and bytes per parameter sent over it
@@ -81,7 +81,10 @@ def tables(args: Args) -> str:
 def main(args: Args) -> None:
     unknown = [s for s in args.shapes if s not in PYTHIA_SHAPES]
     if unknown:
-        sys.exit(f"sync_cost: unknown shape(s) {unknown}; choose from {list(PYTHIA_SHAPES)}")
+        raise plumbing.ConfigError(f"--shapes: unknown shape(s) {unknown}; choose from {list(PYTHIA_SHAPES)}")
+    plumbing.check_outputs([("--output", Path(args.output))], [])
+    if min(args.sequence_tokens, args.engine_gpu_gib, args.gpu_memory_utilization) <= 0:
+        raise plumbing.ConfigError("--sequence_tokens, --engine_gpu_gib and --gpu_memory_utilization must be > 0")
     text = tables(args)
     print(text)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
@@ -89,4 +92,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    plumbing.run_tool("sync_cost.py", Args, main)

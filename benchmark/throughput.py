@@ -46,11 +46,11 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import torch
-import tyro
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+import plumbing  # noqa: E402
 from benchmark import accounting  # noqa: E402
 from benchmark.synthetic_task import save_tokenizer  # noqa: E402
 
@@ -111,6 +111,27 @@ class RunConfig:
     """where each run's directory (metrics.jsonl, final policy) and its log (<directory>.log, beside it) go"""
     seed: int = 1
     """seed of both trainers"""
+
+
+def check_run_config(args: RunConfig) -> None:
+    """The numbers of RunConfig a run of either trainer cannot take, refused in one line before anything is built;
+    rloo.py checks the rest of its flags itself."""
+    unknown = [s for s in args.shapes if s not in PYTHIA_SHAPES]
+    if unknown:
+        raise plumbing.ConfigError(f"--shapes: unknown shape(s) {unknown}; choose from {list(PYTHIA_SHAPES)}")
+    for flag, value, allowed, requirement in [
+        ("updates", args.updates, args.updates > args.warmup_updates >= 0,
+         f"more than --warmup_updates ({args.warmup_updates}, >= 0): the averages need an update after them"),
+        ("prompt_length", args.prompt_length, args.prompt_length >= 1, "at least 1"),
+        ("response_length", args.response_length, args.response_length >= 1, "at least 1"),
+        ("mean_response_length", args.mean_response_length, args.mean_response_length is None
+         or 0 < args.mean_response_length <= args.response_length, "in (0, --response_length], or None"),
+        *[(name, getattr(args, name), getattr(args, name) >= 1, "at least 1") for name in (
+            "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs",
+            "local_rollout_forward_batch_size", *(["repeats"] if hasattr(args, "repeats") else []))],
+    ]:
+        if not allowed:
+            raise plumbing.ConfigError(f"--{flag} {value}: must be {requirement}")
 
 
 @dataclass
@@ -316,8 +337,21 @@ def trl116_command(site: str) -> tuple[list[str], Optional[str]]:
 
 
 def fresh_run_dir(path: Path) -> Path:
-    """An empty run directory: rloo.py refuses to start over a directory that holds an earlier run."""
-    shutil.rmtree(path, ignore_errors=True)
+    """An empty run directory: rloo.py refuses to start over a directory that holds an earlier run. What is there
+    is removed only if it is an earlier run's (a trainer's metrics.jsonl, or only what an rloo.py run writes,
+    plumbing.run_owned): a directory of the user's that happens to have the name is refused, never deleted, and a
+    link is not followed."""
+    if path.is_symlink() or path.exists() and not path.is_dir():
+        what = "a symbolic link" if path.is_symlink() else "not a directory"
+        raise plumbing.ConfigError(f"{path} is in the way of a benchmark run ({what}): move it, or pass another "
+                                   "--runs_dir")
+    if path.is_dir():
+        names = {p.name for p in path.iterdir()}
+        if "metrics.jsonl" not in names and names - set(plumbing.run_owned(path)):
+            raise plumbing.ConfigError(f"{path} holds {', '.join(sorted(names)[:3])} and no run's metrics.jsonl: a "
+                                       "benchmark run replaces only an earlier run's directory; move it, or pass "
+                                       "another --runs_dir")
+        shutil.rmtree(path)
     path.mkdir(parents=True)
     return path
 
@@ -470,11 +504,9 @@ def markdown_table(summary: dict, peaks: Optional[dict] = None) -> str:
 
 
 def main(args: Args) -> None:
-    unknown = [s for s in args.shapes if s not in PYTHIA_SHAPES]
-    if unknown:
-        sys.exit(f"throughput: unknown shape(s) {unknown}; choose from {list(PYTHIA_SHAPES)}")
+    check_run_config(args)
     if not args.trls:
-        sys.exit("throughput: --trls names no TRL trainer to set rloo.py against; pass trl, trl116 or both")
+        raise plumbing.ConfigError("--trls names no TRL trainer to set rloo.py against; pass trl, trl116 or both")
     commands = {"rloo.py": [sys.executable, "rloo.py"]}
     if "trl" in args.trls:
         commands["trl"] = trainer_commands(args.trl_python, "throughput")["trl"]
@@ -527,4 +559,4 @@ def write_report(name: str, args, batch: int, results: dict, table: str, start: 
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    plumbing.run_tool("throughput.py", Args, main)

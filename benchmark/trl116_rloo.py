@@ -215,8 +215,8 @@ def main(args: rloo.Args) -> None:
         import trl
     except ImportError as e:
         raise plumbing.ConfigError(f"benchmark/trl116_rloo.py drives TRL {TRL_VERSION}, which this Python cannot "
-                                   f"import ({e}): run `make bench-env` and put benchmark/.trl116-site first on "
-                                   "PYTHONPATH")
+                                   f"import ({plumbing.first_line(e)}): run `make bench-env` and put "
+                                   "benchmark/.trl116-site first on PYTHONPATH")
     if trl.__version__ != TRL_VERSION:
         raise plumbing.ConfigError(f"benchmark/trl116_rloo.py drives TRL {TRL_VERSION}; this Python imports TRL "
                                    f"{trl.__version__} from {Path(trl.__file__).parent}: put benchmark/.trl116-site "
@@ -226,6 +226,7 @@ def main(args: rloo.Args) -> None:
     from transformers import PrinterCallback
     from trl import RLOOTrainer
 
+    plumbing.check_new_output_dir(args.output_dir, plumbing.run_inputs(args))  # nothing there written over
     transformers.set_seed(args.seed)
     plumbing.quiet_hub_progress_bars()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -173,6 +173,7 @@ def main(args: rloo.Args) -> None:
     from transformers import PrinterCallback
     from trl import RLOOTrainer
 
+    plumbing.check_new_output_dir(args.output_dir, plumbing.run_inputs(args))  # nothing there written over
     transformers.set_seed(args.seed)  # trl 0.21's trainer seeds only its prompt order
     plumbing.quiet_hub_progress_bars()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -214,9 +214,18 @@ def render() -> str:
     return "\n".join(parts)
 
 
-if __name__ == "__main__":
+def main(check: bool = False) -> None:
+    """Write docs/flags.md from the Args docstrings.
+
+    Args:
+        check: write nothing; exit status 1 when docs/flags.md is not what this script writes.
+    """
     text = render()
-    if sys.argv[1:] == ["--check"]:
+    if check:
         sys.exit(0 if FLAGS_MD.exists() and FLAGS_MD.read_text() == text else 1)
     FLAGS_MD.write_text(text)
     print(f"wrote {FLAGS_MD.relative_to(REPO)}: {text.count(chr(10))} lines")
+
+
+if __name__ == "__main__":
+    plumbing.run_tool("make_flags.py", main)

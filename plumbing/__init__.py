@@ -4,7 +4,8 @@ rloo.py holds the algorithm and calls this package as `plumbing.X` (every module
 imports both. Copying rloo.py means copying this folder with it. Nothing here imports rloo.py: what needs the run's
 objects (the algorithm's functions included) takes them as arguments. The rooms, each imported only by those below it:
 
-  errors        ConfigError (bad input: one line, exit 2), Fault (a run stopped: one line, exit 4), reading an input
+  errors        ConfigError (bad input: one line, exit 2), Fault (a run stopped: one line, exit 4), reading an input,
+                outside words made inert
   flags         InputArgs (models, data) and RunArgs (the run's flags), which rloo.py's Args extends; their checks
   distributed   torchrun's ranks, their devices and seeds, FSDP2, all-reduce, late ranks named
   faults        stop signals, NaN/inf on every rank and the offending batch, the rollout source's failure, the
@@ -20,7 +21,7 @@ objects (the algorithm's functions included) takes them as arguments. The rooms,
   outputdir     one run per output_dir, the files a run writes and owns, nothing of another run overwritten
   checkpoints   verified saves, resume, RNG states, the algorithm's state, the inputs' identities, nothing run
                 from a checkpoint
-  cli           the command line, TRL's names, exit statuses
+  cli           the command line, TRL's names, exit statuses; run_tool, every helper script's boundary
 """
 
 from .errors import *  # noqa: F401,F403

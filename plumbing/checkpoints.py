@@ -40,6 +40,7 @@ from .outputdir import (
     check_output_dir,
     checkpoint_dirs,
     latest_checkpoint,
+    remove_checkpoint,
     run_ids,
     settle_output_dir,
     steps_to_prune,
@@ -410,11 +411,11 @@ def save_checkpoint(output_dir: str, update: int, model, optimizer, tokenizer, t
                     + (f"the newest, {previous}, is intact" if previous else "there is no earlier checkpoint")
                     + ": free space (or fix the filesystem) and continue with --resume") from e
     if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)  # the same update of this timeline, written again after a fault
+        remove_checkpoint(final)  # the same update of this timeline, written again after a fault
         os.replace(partial, final)  # atomic: step_<update> appears complete or not at all
         steps = [int(m.group(1)) for d in root.iterdir() if (m := STEP_DIR.match(d.name))]
         for old in steps_to_prune(steps, save_total_limit, update):
-            shutil.rmtree(root / f"step_{old}")
+            remove_checkpoint(root / f"step_{old}")
     barrier(what)
     return final
 

@@ -22,7 +22,7 @@ import tyro
 import tyro._errors  # parse_args' one-line parse errors
 
 from .distributed import stopped_alone
-from .errors import ConfigError, Fault, first_line
+from .errors import ConfigError, Fault, describe, first_line
 from .faults import NonFiniteError, StartupInterrupted, StopSignal, console_survives
 from .flags import RunArgs
 
@@ -469,3 +469,22 @@ def say_how_it_ended(main: Callable, args, program: str) -> None:
             print(f"{program}: rank {os.environ['RANK']}: error: a collective failed (a rank stopped, was lost or "
                   f"timed out): {first_line(e)}", file=sys.stderr, flush=True)
         os._exit(4)
+
+
+def run_tool(program: str, target: Callable, main: Optional[Callable] = None, argv: Optional[list[str]] = None) -> None:
+    """A helper script's command line and end, behind rloo.py's boundary: tyro parses `target` (a dataclass, which
+    `main` then gets; or a function, called with its flags), a parse error is one line and exit status 2
+    (parse_error_line), and the rest ends as a run does (run_script: bad input one line, exit 2; a file that
+    cannot be read or written one line, exit 4)."""
+    flags = [f"--{name}" for name in inspect.signature(target).parameters]
+
+    def parsed_and_run(argv: Optional[list[str]]) -> None:
+        try:
+            with tyro._errors.on_parse_error(raise_parse_error(flags)):
+                parsed = tyro.cli(target, args=argv, prog=program)
+            if main is not None:
+                main(parsed)
+        except OSError as e:  # a file it reads or writes: the disk, a permission, a path through a file
+            raise Fault(describe(e)) from None
+
+    run_script(parsed_and_run, argv, program)

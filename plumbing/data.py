@@ -1,10 +1,13 @@
-"""The prompts: Hub datasets and local files (.jsonl, .json, .parquet, a save_to_disk directory), read with one-line
-diagnostics of what is wrong in them, tokenized (prompt_token_ids) and held to --max_prompt_length; a batch
-left-padded; the sampler that draws each rank's prompts of an update (PromptSampler).
+"""The prompts: Hub datasets and local files (.jsonl, .json, .csv, compressed or not, .parquet, a save_to_disk
+directory), read with one-line diagnostics of what is wrong in them, tokenized (prompt_token_ids) and held to
+--max_prompt_length; a batch left-padded; the sampler that draws each rank's prompts of an update (PromptSampler).
 """
 
+import bz2
 import contextlib
+import gzip
 import json
+import lzma
 import time
 from pathlib import Path
 from typing import Callable, Literal, Optional
@@ -12,7 +15,7 @@ from typing import Callable, Literal, Optional
 import numpy as np
 import torch
 
-from .errors import ConfigError, describe, first_line, reading
+from .errors import ConfigError, describe, first_line, inert, not_a_file, reading
 from .faults import interruptible
 
 PROMPT_IDS = "prompt_input_ids"  # the tokenized prompt column this script adds to the dataset
@@ -32,10 +35,37 @@ def pad_sequences(
     return ids.to(device), mask.to(device)
 
 
-LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}  # datasets' builder of each
 
 
-DATA_FIX = "pass a .jsonl/.json/.parquet file (UTF-8) or a save_to_disk directory with a prompt column of strings"
+COMPRESSIONS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}  # of the text formats, read by datasets too
+
+
+FORMATS = ".jsonl/.json/.csv (also .gz/.bz2/.xz) or .parquet file"
+
+
+DATA_FIX = f"pass a {FORMATS} (UTF-8) or a save_to_disk directory with a prompt column of strings"
+
+
+def local_format(path: Path) -> Optional[str]:
+    """The datasets builder that reads a local file of this name (x.jsonl, x.csv.gz, x.parquet), None for a name of
+    another format."""
+    suffixes = [suffix.lower() for suffix in path.suffixes[-2:]]  # PROMPTS.JSONL too
+    if suffixes[-1:] and suffixes[-1] in COMPRESSIONS:
+        suffixes = [suffix for suffix in suffixes[:-1] if suffix != ".parquet"]  # parquet compresses itself
+    return LOCAL_FORMATS.get(suffixes[-1]) if suffixes else None
+
+
+def is_local_file(name: str) -> bool:
+    """Whether a dataset flag names a single local file (by a name of a format read here, or anything there that is
+    not a directory: a FIFO, a file of another format), not a save_to_disk directory nor a Hub dataset."""
+    path = Path(name)
+    return local_format(path) is not None or (path.exists() and not path.is_dir())
+
+
+def open_bytes(path: Path):
+    """The file's bytes, decompressed as its name says."""
+    return COMPRESSIONS.get(path.suffix.lower(), open)(path, "rb")
 
 
 def load_split(name: str, split: str, config: Optional[str]):
@@ -49,14 +79,14 @@ def _load_split(name: str, split: str, config: Optional[str]):
     import datasets
 
     path = Path(name)
-    if path.suffix in LOCAL_FORMATS:
+    if is_local_file(name):
         return load_local_file(path)
     if path.is_dir():
         try:
             loaded = datasets.load_from_disk(str(path))
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"dataset directory {name} is not a dataset written by save_to_disk "
-                              f"({first_line(e)}); pass such a directory or a .jsonl/.json/.parquet file") from None
+                              f"({first_line(e)}); pass such a directory or a {FORMATS}") from None
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
                 raise ConfigError(f"dataset {name} has no split {split!r}; its splits are {list(loaded)}")
@@ -66,9 +96,8 @@ def _load_split(name: str, split: str, config: Optional[str]):
         return datasets.load_dataset(name, config, split=split)
     except Exception as e:  # the Hub client raises many types; the user needs the first line of any
         raise ConfigError(
-            f"could not load dataset {name!r} (split {split!r}) from the Hugging Face Hub: "
-            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} - without network, pass a local "
-            ".jsonl/.json/.parquet file or a save_to_disk directory"
+            f"could not load dataset {name!r} (split {split!r}) from the Hugging Face Hub: {describe(e)} - without "
+            f"network, pass a local {FORMATS} or a save_to_disk directory"
         ) from None
 
 
@@ -76,20 +105,27 @@ def has_splits(name: str) -> bool:
     """Whether the dataset has named splits: a Hub dataset or a saved DatasetDict does, a single file or a saved
     Dataset does not (any split name would silently give the whole of it)."""
     path = Path(name)
-    if path.suffix in LOCAL_FORMATS:
+    if is_local_file(name):
         return False
     return not path.is_dir() or (path / "dataset_dict.json").is_file()
 
 
 def load_local_file(path: Path):
-    """A .jsonl/.json/.parquet file as one dataset; a file that cannot be read is named with its first bad line."""
+    """A .jsonl/.json/.csv (compressed or not) or .parquet file as one dataset; a file that cannot be read is named
+    with its first bad line; anything else at the path (a FIFO, which datasets would read more than once, a file of
+    another format) is named as what it is."""
     import datasets
 
-    if not path.is_file():
-        raise ConfigError(f"dataset file {path} does not exist")
+    problem = not_a_file(path)
+    if problem:
+        raise ConfigError(f"dataset {path} {problem}" + ("" if problem == "does not exist" else f": {DATA_FIX}"))
+    if local_format(path) is None:
+        raise ConfigError(f"dataset file {path}: {''.join(path.suffixes[-2:]) or 'a name without a suffix'} is not a "
+                          f"format read here; {DATA_FIX}")
     if path.stat().st_size == 0:
         raise ConfigError(f"dataset file {path} is empty")
-    problem = not_utf8(path) if path.suffix in (".jsonl", ".json") else None  # pyarrow takes such bytes unchecked
+    # pyarrow takes bytes that are not UTF-8 unchecked
+    problem = not_utf8(path) if local_format(path) in ("json", "csv") else None
     if problem:
         raise ConfigError(f"dataset file {path} cannot be read: {problem}: re-encode it as UTF-8 "
                           "(e.g. iconv -f latin1 -t utf-8)")
@@ -99,7 +135,7 @@ def load_local_file(path: Path):
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs its own copy of a parse error first
     try:
-        dataset = datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
+        dataset = datasets.load_dataset(local_format(path), data_files=str(path), split="train")
     except Exception as e:  # pyarrow's and datasets' many types; the line that is wrong is what the user needs
         raise ConfigError(f"dataset file {path} cannot be read: {bad_json_line(path) or describe(e)}") from None
     finally:
@@ -115,7 +151,7 @@ def not_utf8(path: Path, chunk: int = 1 << 20) -> Optional[str]:
     import codecs
 
     decoder, lines = codecs.getincrementaldecoder("utf-8")(), 1
-    with path.open("rb") as f:
+    with open_bytes(path) as f:
         while True:
             data = f.read(chunk)
             pending = decoder.getstate()[0]  # a character cut by the chunk's end: its first bytes
@@ -135,11 +171,12 @@ def bad_json_line(path: Path) -> Optional[str]:
     file that is not JSON, or a list holding something else than objects); None when every line is. Checked before
     datasets reads the file: some files of JSON values that are not objects crash its reader (a segmentation fault,
     datasets 4 with pyarrow 22), which no except clause catches."""
-    if path.suffix not in (".jsonl", ".json"):
+    if local_format(path) != "json":
         return None
-    text = path.read_text(encoding="utf-8-sig", errors="replace")  # a byte-order mark is read, as datasets does
+    with open_bytes(path) as f:  # a byte-order mark is read, as datasets does
+        text = f.read().decode("utf-8-sig", errors="replace")
     lines = text.split("\n")  # not splitlines(): JSON strings may hold U+2028 and its kin
-    if path.suffix == ".json":
+    if ".json" in [suffix.lower() for suffix in path.suffixes[-2:]]:
         try:
             whole = json.loads(text)
             if isinstance(whole, list):
@@ -182,7 +219,8 @@ def check_prompt_values(rows: dict, indices: list[int], prompt_column: str, name
         valid = lambda ids: isinstance(ids, list) and all(isinstance(t, int) for t in ids)  # noqa: E731
     for row, value in zip(indices, rows[column]):
         if not valid(value):
-            raise ConfigError(f"dataset {name}, row {row}: column {column!r} holds {repr(value)[:60]}, not {what}")
+            raise ConfigError(f"dataset {name}, row {row}: column {column!r} holds {inert(repr(value), 60)}, not "
+                              f"{what}")
 
 
 def describe_dropped(dropped: dict[str, int], max_prompt_length: int) -> str:
@@ -294,7 +332,7 @@ def _prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: 
 def load_prompts(args, tokenizer, vocab_size: Optional[int], prompt_token_ids: Callable):
     """Train prompts tokenized by prompt_token_ids, test prompts (None without --dataset_test_split), and how many
     were dropped (see prepare_prompts)."""
-    test_is_file = args.dataset_test_split is not None and Path(args.dataset_test_split).suffix in LOCAL_FORMATS
+    test_is_file = args.dataset_test_split is not None and is_local_file(args.dataset_test_split)
     for flag, split in (("--dataset_train_split", args.dataset_train_split), ("--dataset_test_split",
                                                                                args.dataset_test_split)):
         if split not in (None, "train") and not (flag == "--dataset_test_split" and test_is_file) \

@@ -62,11 +62,7 @@ def shard_policy(policy, bf16: bool, offload: bool = False):
     optimizer state stay in CPU memory; a unit's weights visit the GPU while it computes."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    block_classes = set(getattr(policy, "_no_split_modules", None) or ())
-    blocks = [m for m in policy.modules() if type(m).__name__ in block_classes]
-    if not blocks:
-        raise ConfigError(f"--fsdp: {type(policy).__name__} names no transformer block class (_no_split_modules) "
-                          "to shard by; drop --fsdp to replicate it with DDP")
+    blocks = transformer_blocks(policy)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     placement = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     for block in blocks:
@@ -81,6 +77,17 @@ def shard_policy(policy, bf16: bool, offload: bool = False):
         for unit in units:
             unit.set_force_sum_reduction_for_comms(True)
     return policy
+
+
+def transformer_blocks(policy) -> list:
+    """The modules --fsdp shards one by one: the blocks of the classes the model's `_no_split_modules` names; a
+    model that names none is refused (plan_memory.py checks the same on its meta-device model)."""
+    block_classes = set(getattr(policy, "_no_split_modules", None) or ())
+    blocks = [m for m in policy.modules() if type(m).__name__ in block_classes]
+    if not blocks:
+        raise ConfigError(f"--fsdp: {type(policy).__name__} names no transformer block class (_no_split_modules) "
+                          "to shard by; drop --fsdp to replicate it with DDP")
+    return blocks
 
 
 def reduce_scatter_averages(device: torch.device) -> bool:

@@ -2,10 +2,12 @@
 rloo.py's Args extends with the algorithm's, and the checks made before anything loads (validate_args).
 """
 
+import difflib
 import importlib.util
 import logging
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +16,7 @@ from typing import ClassVar, Literal, Optional
 import torch
 import tyro
 
-from .errors import FLOAT32_MAX, ConfigError
+from .errors import FLOAT32_MAX, ConfigError, inert
 
 
 @dataclass
@@ -229,8 +231,90 @@ def number_rules(args) -> list[tuple[str, object, bool, str]]:
     ]
 
 
-def validate_args(args) -> None:
-    """Refuse flags that clash before anything is loaded."""
+PATH_FLAGS = ("model_name_or_path", "sft_model_path", "reward_model_path", "dataset_name", "dataset_test_split",
+              "output_dir", "resume_from")  # the flags that may name a local path
+
+
+def looks_local(value: str) -> bool:
+    """Whether a model or dataset flag names a local path rather than a Hub id (`owner/name`): it starts as a path
+    does (/, ./, ../, ~), has more parts than owner/name, or its first part is a directory here."""
+    parts = Path(value).parts
+    return value.startswith(("/", "./", "../", "~")) or value in (".", "..") or len(parts) > 2 or \
+        (len(parts) == 2 and Path(parts[0]).is_dir())
+
+
+def missing_local_path(value: str) -> Optional[str]:
+    """For a model or dataset path that looks local (looks_local) and is not there: `no such file or directory`,
+    with the existing path closest to it (in the nearest existing directory above it, the entry whose name is most
+    like the missing part's: a typo); else None."""
+    if Path(value).exists() or not looks_local(value):
+        return None
+    missing = Path(os.path.abspath(value))
+    while not missing.parent.exists() and missing.parent != missing:
+        missing = missing.parent
+    try:
+        names = [entry.name for entry in missing.parent.iterdir()]
+    except OSError:  # not a directory, not readable
+        names = []
+    close = difflib.get_close_matches(missing.name, names, n=1, cutoff=0.6)
+    shown = os.path.relpath(missing.parent / close[0]) if close and not os.path.isabs(value) else \
+        str(missing.parent / close[0]) if close else None
+    return "no such file or directory" + (f" (the closest that exists: {inert(shown)})" if shown else "")
+
+
+def resolve_paths(args) -> None:
+    """The path flags as the shell would have given them, checked before anything loads: a leading `~` (quoted, so
+    the shell left it) is expanded to the home directory; a shell variable the shell did not expand (`'$HOME/x'`)
+    is refused, as is a model or dataset path that looks local and does not exist (missing_local_path), instead of
+    the Hub's answer to a malformed repo id."""
+    for flag in PATH_FLAGS:
+        value = getattr(args, flag)
+        if not value:
+            continue
+        if value.startswith("~"):
+            value = os.path.expanduser(value)
+            setattr(args, flag, value)
+        variable = re.search(r"\$\{?([A-Za-z_]\w*)", value)
+        if variable and not Path(value).exists():
+            raise ConfigError(f"--{flag} {value}: ${variable.group(1)} was not expanded (quoted?): the path is "
+                              "taken as written; pass it unquoted, or the path itself")
+        problem = missing_local_path(value) if flag not in ("output_dir", "resume_from") else None
+        if problem and (flag != "dataset_test_split" or "/" in value):  # else a split's name
+            raise ConfigError(f"--{flag} {value}: {problem}")
+
+
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_launch_environment() -> None:
+    """A process started with torchrun's RANK, LOCAL_RANK or WORLD_SIZE in its environment must have all of them
+    and the rendezvous's address, with values that fit: refused in one line otherwise, before anything loads (left
+    exported from an interactive torchrun session, a plain `python rloo.py` would fail deep in torch)."""
+    given = [name for name in TORCHRUN_VARIABLES[:3] if name in os.environ]
+    if not given:
+        return
+    missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+    fix = (f"launch with torchrun, or unset {' '.join(given)} for a single process (left from a torchrun session?)")
+    if missing:
+        raise ConfigError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} set but {', '.join(missing)} "
+                          f"{'is' if len(missing) == 1 else 'are'} not: {fix}")
+    try:
+        rank, local_rank, world_size, port = (int(os.environ[name]) for name in (*TORCHRUN_VARIABLES[:3],
+                                                                                  "MASTER_PORT"))
+    except ValueError:
+        shown = ", ".join(f"{name}={inert(os.environ[name], 40)}" for name in TORCHRUN_VARIABLES)
+        raise ConfigError(f"torchrun's variables are not all numbers where they must be ({shown}): {fix}") from None
+    if not (0 <= rank < world_size and 0 <= local_rank <= rank and 0 < port < 65536):
+        raise ConfigError(f"RANK={rank}, LOCAL_RANK={local_rank}, WORLD_SIZE={world_size}, MASTER_PORT={port} do "
+                          f"not fit together (0 <= LOCAL_RANK <= RANK < WORLD_SIZE, a port below 65536): {fix}")
+
+
+def validate_args(args, launching: bool = True) -> None:
+    """Refuse flags that clash before anything is loaded. `launching`: also how this process was started
+    (torchrun's variables, --fsdp under torchrun); plan_memory.py, which plans a launch, checks the rest."""
+    if launching:
+        check_launch_environment()
+    resolve_paths(args)
     if args.model_name_or_path is None and args.sft_model_path is None:
         raise ConfigError("no policy: pass --model_name_or_path (and --sft_model_path if the weights live elsewhere)")
     if args.reward_model_path is None and not args.reward_fn:
@@ -284,7 +368,7 @@ def validate_args(args) -> None:
     elif args.bnb_4bit_quant_type != "nf4" or args.use_bnb_nested_quant:
         raise ConfigError(f"--{'use_bnb_nested_quant' if args.use_bnb_nested_quant else 'bnb_4bit_quant_type'} is "
                           "an option of the 4-bit base: add --load_in_4bit (with --use_peft)")
-    if args.fsdp and "RANK" not in os.environ:
+    if launching and args.fsdp and "RANK" not in os.environ:
         raise ConfigError("--fsdp shards the policy over torchrun's processes: launch with torchrun")
     check_model_options(args)
 

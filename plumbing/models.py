@@ -12,8 +12,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .errors import WRITE_ERRORS, ConfigError, Fault, first_line, reading
-from .flags import policy_options
+from .errors import WRITE_ERRORS, ConfigError, Fault, first_line, inert, reading
+from .flags import missing_local_path, policy_options
 from .outputdir import MERGED
 
 
@@ -32,7 +32,11 @@ def transformers_quiet():
 
 def load_pretrained(loader: Callable, path: str, what: str, **kwargs):
     """loader(path, **kwargs), the one boundary of a model, tokenizer or config (reading): whatever it raises is one
-    line naming it. transformers' load report is not printed: newly_initialized says what matters in it."""
+    line naming it, and a local-looking path that is not there is said so (not the Hub's answer to a malformed
+    repo id). transformers' load report is not printed: newly_initialized says what matters in it."""
+    problem = missing_local_path(path)
+    if problem:
+        raise ConfigError(f"could not load {what} from {path!r}: {problem}")
     with transformers_quiet(), reading(f"could not load {what} from {path!r}",
                                        "without network, pass a local directory written by save_pretrained"):
         return loader(path, **kwargs)
@@ -81,14 +85,24 @@ REWARD_MODEL_FIX = ("pass a reward model trained and saved as an AutoModelForSeq
 POLICY_FIX = "pass a causal LM saved by save_pretrained (an AutoModelForCausalLM with its lm_head)"
 
 
-def check_reward_model_config(path: str, trust_remote_code: bool) -> None:
-    """A saved classification head must give one score per sequence (a causal LM gets a new one-label head)."""
+def check_reward_model_config(path: str, trust_remote_code: bool, policy_vocab_size: Optional[int] = None,
+                              args=None) -> None:
+    """A saved classification head must give one score per sequence (a causal LM gets a new one-label head); a
+    reward model without tokenizer files reads the policy's token ids, which needs the policy's vocabulary; with
+    `args`, a prompt and its response fit its positions (check_context)."""
     config = load_config(path, "reward model", trust_remote_code)
+    vocab_size = getattr(config.get_text_config(), "vocab_size", None)
+    if policy_vocab_size is not None and vocab_size not in (None, policy_vocab_size) and not has_tokenizer(path):
+        raise ConfigError(f"reward model {path!r} has no tokenizer files, so it would read the policy's token ids, but "
+                          f"its vocabulary has {vocab_size} ids and the policy's {policy_vocab_size}: save the reward "
+                          "model's tokenizer with it (tokenizer.save_pretrained(path))")
+    if args is not None:
+        check_context(config, "reward model", args)
     classifier = any(name.endswith("ForSequenceClassification") for name in config.architectures or ())
     causal = [name for name in config.architectures or () if name.endswith(("ForCausalLM", "LMHeadModel"))]
     if causal and not classifier:
-        raise ConfigError(f"reward model {path!r} is a {causal[0]}, not a reward model: its score head would be "
-                          f"newly initialized, random scores; {REWARD_MODEL_FIX}")
+        raise ConfigError(f"reward model {path!r} is a {inert(causal[0], 60)}, not a reward model: its score head "
+                          f"would be newly initialized, random scores; {REWARD_MODEL_FIX}")
     if classifier and config.num_labels != 1:
         raise ConfigError(f"reward model {path!r} has a {config.num_labels}-label classification head, but a reward is "
                           "one number per completion: use a reward model saved with num_labels=1")
@@ -111,10 +125,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "spiece.model", "sentencepiece.bpe.model")
 
 
+def has_tokenizer(path: str) -> bool:
+    """Whether the model at `path` has its own tokenizer: a local directory with tokenizer files (transformers
+    would build an empty tokenizer from a config alone), or a Hub id (its files are looked for there)."""
+    return not Path(path).is_dir() or any((Path(path) / name).exists() for name in TOKENIZER_FILES)
+
+
 def load_tokenizer(path: str, trust_remote_code: bool, revision: str = "main"):
     from transformers import AutoTokenizer
 
-    if Path(path).is_dir() and not any((Path(path) / name).exists() for name in TOKENIZER_FILES):
+    if not has_tokenizer(path):
         # transformers would build an empty tokenizer from the config alone, which makes every prompt empty
         raise ConfigError(f"{path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES[:3])}, ...): save the "
                           "model's tokenizer there (tokenizer.save_pretrained(path))")
@@ -191,14 +211,42 @@ def prepare_tokenizer(args):
         if stop_token_id is not None and stop_token_id >= vocab_size:
             raise ConfigError(f"stop_token_id = {stop_token_id} is outside the policy's vocabulary of {vocab_size}: "
                               "pass an id below it")
-    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if positions and args.max_prompt_length + args.response_length > positions and os.environ.get("RANK", "0") == "0":
-        print(f"rloo.py: warning: max_prompt_length + response_length = {args.max_prompt_length + args.response_length}"
-              f" tokens exceed the policy's {positions} positions (max_position_embeddings): longer prompts would "
-              "fail or degrade; lower --max_prompt_length", file=sys.stderr)
-    if args.reward_model_path is not None:
-        check_reward_model_config(args.reward_model_path, args.trust_remote_code)
+    check_model_configs(args, config)
     return tokenizer, vocab_size
+
+
+def check_model_configs(args, policy_config) -> None:
+    """What the models' configs alone tell (no tokenizer, no weights; plan_memory.py makes the same checks): a
+    prompt and its response fit the policy's positions, the reward model's head gives one score, its vocabulary
+    and positions fit."""
+    check_context(policy_config, "policy", args)
+    if args.reward_model_path is not None:
+        check_reward_model_config(args.reward_model_path, args.trust_remote_code,
+                                  getattr(policy_config.get_text_config(), "vocab_size", None), args)
+
+
+def check_context(config, what: str, args) -> None:
+    """A prompt and its response within the model's positions (max_position_embeddings, under any of its names). A
+    learned position table (GPT-2's, OPT's) has no row past its end, where the run would fail in the middle:
+    refused. Positions computed (rotary, ALiBi) go on past it, where the model was not trained: a warning. A
+    model that declares no limit (state-space models) is not checked."""
+    text = config.get_text_config()
+    positions, needed = getattr(text, "max_position_embeddings", None), args.max_prompt_length + args.response_length
+    if not isinstance(positions, int) or not 0 < positions < needed:
+        return
+    computed = getattr(text, "alibi", False) or getattr(text, "position_embedding_type", "absolute") != "absolute" \
+        or any(getattr(text, name, None) is not None for name in ("rope_parameters", "rope_scaling", "rope_theta",
+                                                                   "rotary_dim", "rotary_pct", "rotary_emb_base"))
+    if not computed:
+        raise ConfigError(f"--max_prompt_length {args.max_prompt_length} + --response_length {args.response_length} "
+                          f"= {needed} tokens, but the {what} has {positions} positions (max_position_embeddings), "
+                          f"a learned table with no row past them: lower --max_prompt_length to "
+                          f"{max(positions - args.response_length, 1)} or less (longer prompts are dropped), or "
+                          "--response_length")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"rloo.py: warning: max_prompt_length + response_length = {needed} tokens exceed the {what}'s "
+              f"{positions} positions (max_position_embeddings): longer prompts would fail or degrade; lower "
+              "--max_prompt_length", file=sys.stderr)
 
 
 def save_merged_policy(args, config, tokenizer) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from .distributed import rank0_view
-from .errors import ConfigError
+from .errors import ConfigError, inert, not_a_file
 from .faults import signals_held
 
 CHECKPOINTS = "checkpoints"
@@ -120,6 +120,24 @@ class OutputDirLock:
                 break
 
 
+def path_problem(path: str) -> Optional[str]:
+    """Why nothing can be made at `path`, found before anything is written, in words: a name or a whole path longer
+    than its file system takes, a file (or a FIFO, a device) on the way to it; None if none of these (what is at
+    the path itself is the caller's to judge; a read-only or full file system shows when it is written)."""
+    absolute = Path(os.path.abspath(path))
+    existing = next(p for p in absolute.parents if os.path.lexists(p))  # `/` at least
+    limits = existing if existing.is_dir() else existing.parent
+    name_max, path_max = os.pathconf(limits, "PC_NAME_MAX"), os.pathconf(limits, "PC_PATH_MAX")
+    long = next((part for part in absolute.parts if len(os.fsencode(part)) > name_max), None)
+    if long is not None:
+        return f"has a name of {len(os.fsencode(long))} bytes, but its file system takes at most {name_max}"
+    if len(os.fsencode(str(absolute))) >= path_max:
+        return f"is a path of {len(os.fsencode(str(absolute)))} bytes, but the system takes at most {path_max - 1}"
+    if not existing.is_dir():
+        return f"passes through {existing}, which {not_a_file(existing) or 'is a file'}"
+    return None
+
+
 def take_output_dir(lock: OutputDirLock, rank: int, inputs: Optional[dict] = None) -> None:
     """Before anything is read from output_dir, rank 0 makes it this run's: refused if empty or if it is, holds or
     lies inside one of the run's `inputs` (run_inputs), so that not even the lock is written there; locked (`lock`
@@ -128,16 +146,31 @@ def take_output_dir(lock: OutputDirLock, rank: int, inputs: Optional[dict] = Non
     directories of killed saves removed (they can be as large as a checkpoint)."""
     if not lock.output_dir.strip():
         raise ConfigError(f"--output_dir {lock.output_dir!r} is empty: pass a directory (`.` for this one)")
-    check_no_input_inside(lock.output_dir, inputs or {})
     path = Path(lock.output_dir)
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"--output_dir {lock.output_dir} is a file: pass a directory")
+    problem = path_problem(lock.output_dir)
+    if problem is None and path.exists() and not path.is_dir():
+        problem = not_a_file(path) or "is a file"
+    if problem:
+        raise ConfigError(f"--output_dir {inert(lock.output_dir, 120)} {problem}: pass a directory")
+    check_no_input_inside(lock.output_dir, inputs or {})
     if rank != 0:
         return
     lock.acquire()
     (path / PREEMPTED).unlink(missing_ok=True)
     for debris in (path / CHECKPOINTS).glob(".tmp_step_*"):
-        shutil.rmtree(debris, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            remove_checkpoint(debris)
+
+
+def remove_checkpoint(path: Path) -> None:
+    """A checkpoint directory of this run removed, if there is one (pruned by --save_total_limit, written again, the
+    debris of a killed save): a symbolic link is removed, never followed, so that what it points to (another run's
+    checkpoint, a directory of the user's) stays whole. A symbolic link above it (output_dir, output_dir/checkpoints
+    on another disk) is where the run's checkpoints live: followed."""
+    if path.is_symlink():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 def steps_to_prune(steps: list[int], keep: Optional[int], newest: int) -> list[int]:
@@ -197,6 +230,53 @@ def run_owned(root: Path) -> list[str]:
 def path_forms(path: Path) -> set[Path]:
     """A path as typed (made absolute) and with its symlinks resolved: both are compared."""
     return {Path(os.path.abspath(path)), path.resolve()}
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file: as typed (`./x` and `x`), through symbolic links, or by device and inode
+    (a hard link, a bind mount, another case of a name on a case-insensitive file system)."""
+    if path_forms(a) & path_forms(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
+
+
+def check_outputs(outputs: list[tuple[str, Path]], inputs: list[tuple[str, Path]]) -> None:
+    """Before a script writes anything: each file it writes is none of the files it reads (same_file) nor inside
+    an input directory, and if it exists a file (not a directory, a FIFO, a device), at a path that can be
+    (path_problem); each named by the flag that gives it. Refused in one line, so that a typo never replaces or
+    changes an input."""
+    for output_flag, output in outputs:
+        problem = path_problem(str(output))
+        if problem:
+            raise ConfigError(f"{output_flag} {inert(output, 120)} {problem}: pass another {output_flag}")
+        if output.exists() and not_a_file(output):
+            raise ConfigError(f"{output_flag} {output} {not_a_file(output)}: pass the path of a file to write")
+        for input_flag, source in inputs:
+            inside = source.is_dir() and any(held in out.parents for out in path_forms(output)
+                                             for held in path_forms(source))
+            if inside or same_file(output, source):
+                raise ConfigError(f"{output_flag} {output} is {'inside ' if inside else ''}the input {input_flag} "
+                                  f"{source}: it would be written over; pass another {output_flag}")
+
+
+def check_new_output_dir(output_dir: str, inputs: dict[str, tuple[str, Optional[Path]]]) -> None:
+    """For a script that writes its files into output_dir without a run's bookkeeping (the TRL drivers of the
+    benchmarks): a new or empty directory, at a path that can be one, neither being, holding nor inside an input;
+    else refused in one line, before anything loads: what is there would be written over."""
+    path = Path(output_dir)
+    problem = path_problem(output_dir) or (not_a_file(path) or "is a file" if path.exists() and not path.is_dir()
+                                           else None)
+    if problem:
+        raise ConfigError(f"--output_dir {inert(output_dir, 120)} {problem}: pass a new or empty directory")
+    check_no_input_inside(output_dir, inputs)
+    held = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    if held:
+        raise ConfigError(f"--output_dir {output_dir} holds {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}: "
+                          "this script writes metrics.jsonl and the policy there, over what is there; pass a new or "
+                          "empty directory")
 
 
 def check_no_input_inside(output_dir: str, inputs: dict[str, tuple[str, Optional[Path]]]) -> None:

@@ -24,7 +24,7 @@ from .data import PROMPT_IDS, pad_sequences
 from .distributed import all_reduce, seed_everything, wait_for_peers
 from .errors import FLOAT32_MAX, ConfigError, RewardFunctionError, describe, first_line
 from .faults import StopSignal, in_a_thread, stop_signals_at_once
-from .models import disable_dropout, load_reward_model, load_tokenizer, same_vocabulary
+from .models import disable_dropout, has_tokenizer, load_reward_model, load_tokenizer, same_vocabulary
 
 
 @dataclass
@@ -52,10 +52,10 @@ def load_reward_sources(args, tokenizer, functions: list[tuple[str, Callable]], 
                                   args.trust_remote_code, args.attn_implementation)
         disable_dropout(model)
         model = model.to("cpu" if args.offload else device).eval().requires_grad_(False)
-        try:
-            own_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code)
-        except ConfigError:  # no tokenizer saved with the reward model: it shares the policy's
-            own_tokenizer = tokenizer
+        # no tokenizer saved with the reward model: it reads the policy's ids (of a vocabulary of the same size:
+        # check_reward_model_config)
+        own_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code) \
+            if has_tokenizer(args.reward_model_path) else tokenizer
         model_tokenizer = None if same_vocabulary(own_tokenizer, tokenizer) else own_tokenizer
     num_sources = int(model is not None) + len(functions)
     return RewardSources(model, model_tokenizer, functions, torch.tensor(args.reward_weights or [1.0] * num_sources),
@@ -191,10 +191,10 @@ def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
                 raise ConfigError(f"reward function {spec!r}: importing {module_name!r} failed: it imports "
                                   f"{e.name!r}, which is not installed ({first_line(e)})") from None
             where = os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
-            raise ConfigError(f"unknown reward function {spec!r}: cannot import {module_name!r} ({e}); looked in the "
-                              f"working directory {os.getcwd()}, PYTHONPATH ({where or 'unset'}) and the installed "
-                              f"packages: run from the folder that holds {top}.py (or the package {top}/), or add "
-                              f"that folder to PYTHONPATH") from None
+            raise ConfigError(f"unknown reward function {spec!r}: cannot import {module_name!r} ({first_line(e)}); "
+                              f"looked in the working directory {os.getcwd()}, PYTHONPATH ({where or 'unset'}) and "
+                              f"the installed packages: run from the folder that holds {top}.py (or the package "
+                              f"{top}/), or add that folder to PYTHONPATH") from None
         except (Exception, SystemExit) as e:  # a SyntaxError, anything the module's own code raises
             raise ConfigError(f"reward function {spec!r}: importing {module_name!r} failed with {type(e).__name__}: "
                               f"{first_line(e)}") from None

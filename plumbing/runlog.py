@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import all_reduce
-from .errors import Fault, first_line
+from .errors import ConfigError, Fault, describe, first_line, inert, not_a_file, reading
 from .faults import console_lost
 
 SUM_METRICS = ("val/num_eos_tokens", "completions/masked_truncated")
@@ -76,11 +76,26 @@ def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, scor
 
 def read_metrics(path, evals: bool = False) -> list[dict]:
     """The lines of a metrics.jsonl: the per-update lines (they hold `objective/scores`), or with `evals` the
-    evaluation lines (they hold `eval/scores`; update 0 is the initial policy's)."""
-    if not Path(path).is_file():  # a device or a pipe (metrics.jsonl made a link to /dev/full) may never end
-        raise OSError(f"{path} is not a regular file")
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    evaluation lines (they hold `eval/scores`; update 0 is the initial policy's). A last line without its newline is
+    one a run is still writing: skipped. Any other line that is not a JSON object, or a file that is not there, is
+    a ConfigError naming it."""
+    problem = not_a_file(Path(path))  # a device or a pipe (metrics.jsonl made a link to /dev/full) may never end
+    if problem:
+        raise ConfigError(f"metrics file {path} {problem}: pass the metrics.jsonl a run wrote (or its directory)")
+    with reading(f"metrics file {path}", "pass the metrics.jsonl a run wrote"):
+        lines = Path(path).read_text(errors="replace").split("\n")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line) if line.strip() else {}
+        except ValueError as e:
+            if number == len(lines):  # a run is writing it: the rest comes with its newline
+                break
+            raise ConfigError(f"metrics file {path}: line {number} is not JSON ({describe(e)}): a metrics.jsonl "
+                              "holds one JSON object per line") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"metrics file {path}: line {number} is a JSON {type(row).__name__}, not an object")
+        rows.append(row)
     return [row for row in rows if ("eval/scores" if evals else "objective/scores") in row]
 
 
@@ -180,6 +195,9 @@ class CurvesSink:
         self.next_time = end + self.CURVES_EVERY * (end - start)
 
 
+SAMPLE_CHARACTERS = 2000  # of a prompt or a completion in the console's sample table
+
+
 class MetricsWriteError(Fault):
     """metrics.jsonl could not be written (a full disk, a quota): the run stops, with a checkpoint where it can."""
 
@@ -206,7 +224,7 @@ class RunLogger:
             self.wandb = wandb
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name,
                        config=asdict(args), dir=args.output_dir, id=wandb_run_id, resume="allow")
-        self.console = Console()
+        self.console = Console(markup=False)  # a path, a prompt or a completion holding `[/]` is text, not markup
         self.progress = Progress(TextColumn("update"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                                  console=self.console, transient=True)
         self.task = self.progress.add_task("updates", total=num_updates, completed=start_update)
@@ -265,13 +283,17 @@ class RunLogger:
             raise MetricsWriteError(f"could not write {self.metrics_path} ({e.strerror or e})") from None
 
     def sample_table(self, rows: list[tuple[str, str, float]], episode: int) -> None:
+        """The first completions of an update with their prompts and scores: the data's and the policy's words, as
+        inert text (Text: no markup either), a line each."""
         from rich.table import Table
+        from rich.text import Text
 
         table = Table(title=f"samples at episode {episode}", show_lines=True)
         for column in ("query", "response", "score"):
             table.add_column(column)
         for query, response, score in rows:
-            table.add_row(query, response, f"{score:.4f}")
+            table.add_row(Text(inert(query, SAMPLE_CHARACTERS)), Text(inert(response, SAMPLE_CHARACTERS)),
+                          f"{score:.4f}")
         self.console.print(table)
         if self.wandb is not None:
             self.wandb.log({"samples": self.wandb.Table(columns=["query", "response", "score"],

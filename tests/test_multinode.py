@@ -361,7 +361,7 @@ def test_a_pickle_sent_to_the_control_store_is_refused_and_runs_nothing(tmp_path
     assert request["info"]["names"] == ["a"] and torch.equal(request["queries"], torch.ones(2, 3))
     # an engine reading it where the trainer publishes the run's configuration: one line, exit 2, no command run
     port = free_port()
-    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    store = mn.tcp_store("127.0.0.1", port, True, 60.0)  # listening on loopback alone
     store.set("config", payload)
     engine = serve_engine(port, "--model", "m")
     assert engine.returncode == 2, engine.stderr[-3000:]
@@ -392,7 +392,7 @@ def test_an_engine_refuses_a_configuration_not_signed_by_the_run_or_naming_anoth
                                      trust_remote_code=case in ("another_model", "remote_code"))),
               "world_size": 1, "trainer_device_type": "cpu", "backend": "gloo", "init_infos": []}
     port = free_port()
-    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    store = mn.tcp_store("127.0.0.1", port, True, 60.0)  # listening on loopback alone
     another = "another run's secret " + "0" * 32
     signer = mn.ControlStore(store, mn.secret_key(another if case == "wrong_secret" else SECRET))
     if case == "unsigned":
@@ -564,7 +564,7 @@ def test_an_engine_timeout_of_zero_and_a_port_in_use_are_refused_before_anything
         with pytest.raises(plumbing.ConfigError, match="engine_timeout = .* must be a finite number of seconds > 0"):
             mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", engine_timeout=timeout), 1)
     with socket.socket() as taken:  # what an earlier run, or anything else, listening there looks like
-        taken.bind(("", 0))
+        taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         for engine_port in (port, port - 1):  # the control store's port, or the weight group's after it

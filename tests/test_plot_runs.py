@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import plumbing
 from benchmark import plot_runs
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -42,8 +43,9 @@ def test_aggregate_three_seeds_on_a_common_grid():
 
 
 def test_disjoint_runs_are_refused():
-    with pytest.raises(ValueError, match="share no episode range"):
-        plot_runs.aggregate([(np.array([0.0, 1.0]), np.array([0.0, 1.0])), (np.array([2.0, 3.0]), np.array([0.0, 1.0]))])
+    with pytest.raises(plumbing.ConfigError, match="share no episode range"):
+        plot_runs.aggregate([(np.array([0.0, 1.0]), np.array([0.0, 1.0])),
+                             (np.array([2.0, 3.0]), np.array([0.0, 1.0]))])
 
 
 def test_curve_keeps_the_last_value_of_a_repeated_episode():
@@ -74,7 +76,7 @@ def test_jsonl_run_directory_skips_evaluation_lines(tmp_path):
 def test_parse_methods():
     assert plot_runs.parse_methods(("ours=a,b", "trl=c.csv", "ours=d")) == {
         "ours": [Path(p) for p in "abd"], "trl": [Path("c.csv")]}
-    with pytest.raises(ValueError, match="NAME=PATH"):
+    with pytest.raises(plumbing.ConfigError, match="NAME=PATH"):
         plot_runs.parse_methods(("runs/a",))
 
 

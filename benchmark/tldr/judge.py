@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import tyro
 from rich.progress import track
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -165,12 +164,13 @@ def cache_key(model: str, prompt: str) -> str:
 
 
 def http_error_message(error: urllib.error.HTTPError) -> str:
-    """The server's own message: the OpenAI error body's `error.message`, else the start of the body."""
-    body = error.read().decode(errors="replace")
+    """The server's own message, as inert text on one line: the OpenAI error body's `error.message`, else the start
+    of the body."""
+    body = error.read(1 << 16).decode(errors="replace")
     try:
-        return str(json.loads(body)["error"]["message"])
+        return plumbing.inert(json.loads(body)["error"]["message"])
     except (ValueError, KeyError, TypeError):
-        return body.strip()[:300] or str(error.reason)
+        return plumbing.inert(body) or plumbing.inert(error.reason)
 
 
 class JudgeClient:
@@ -238,7 +238,7 @@ class JudgeClient:
                     hint = " - check the API key (--api_key_env)" if e.code in (401, 403) else ""
                     raise JudgeError(f"{self.url} refused the request with {failure}{hint}") from None
             except (OSError, http.client.HTTPException) as e:  # refused, reset, DNS, timeout, bad status line
-                failure = f"{type(e).__name__}: {getattr(e, 'reason', None) or e}"
+                failure = f"{type(e).__name__}: {plumbing.inert(getattr(e, 'reason', None) or e)}"
             if attempt < self.max_retries:
                 time.sleep(min(MAX_BACKOFF, self.backoff * 2**attempt) * random.uniform(1.0, 1.5))
         else:
@@ -250,7 +250,8 @@ class JudgeClient:
         try:
             return json.loads(body)["choices"][0]["message"]["content"] or ""  # null content (a refusal): a tie
         except (ValueError, KeyError, IndexError, TypeError):
-            raise JudgeError(f"{self.url} answered without choices[0].message.content: {body[:300]!r}") from None
+            answer = plumbing.inert(body.decode(errors="replace"))
+            raise JudgeError(f"{self.url} answered without choices[0].message.content: {answer}") from None
 
 
 def judge_all(client: JudgeClient, prompts: list[str], num_workers: int) -> list[str]:
@@ -332,13 +333,17 @@ def main(args: Args) -> dict:
         raise plumbing.ConfigError("num_examples, batch_size, num_workers and response_length must be >= 1")
     if args.temperature < 0 or args.max_retries < 0:
         raise plumbing.ConfigError("temperature and max_retries must be >= 0")
+    summaries_path = None if args.output_path is None else \
+        Path(args.output_path).with_name(Path(args.output_path).stem + ".summaries.jsonl")
+    inputs = [("--dataset_name", Path(args.dataset_name)), ("--model_name_or_path", Path(args.model_name_or_path))]
+    plumbing.check_outputs([("--cache_path", Path(args.cache_path))], inputs)
+    plumbing.check_outputs([("--output_path", Path(path)) for path in (args.output_path, summaries_path) if path],
+                           [*inputs, ("--cache_path", Path(args.cache_path))])
     plumbing.quiet_hub_progress_bars()
     prompts, references = load_examples(args)
     summaries = generate_summaries(args, prompts)
     rows = [{"prompt": p, "reference": r, "summary": s} for p, r, s in zip(prompts, references, summaries)]
-    summaries_path = None
-    if args.output_path is not None:  # written now too, so a failed judging step keeps the generations
-        summaries_path = Path(args.output_path).with_name(Path(args.output_path).stem + ".summaries.jsonl")
+    if summaries_path is not None:  # written now too, so a failed judging step keeps the generations
         write_jsonl(summaries_path, rows)
 
     firsts = policy_first(len(rows), args.seed)
@@ -371,7 +376,7 @@ def main(args: Args) -> dict:
 
 
 def cli() -> None:
-    plumbing.run_script(main, tyro.cli(Args), "judge.py")
+    plumbing.run_tool("judge.py", Args, main)
 
 
 if __name__ == "__main__":

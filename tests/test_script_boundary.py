@@ -1,0 +1,247 @@
+"""Every script of the repository behind rloo.py's boundary (bad input: one line, exit status 2, no traceback), and no
+script writing over one of its inputs: the plotting scripts' inputs of every kind, and the outputs of every script
+checked against its inputs as typed, through links and by inode."""
+
+import ast
+import importlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import plumbing
+from benchmark import plot_metrics, plot_runs, sync_cost, throughput
+from benchmark.tldr import judge
+from conftest import REPO
+
+SCRIPTS = sorted(str(path.relative_to(REPO)) for pattern in ("*.py", "benchmark/*.py", "benchmark/tldr/*.py",
+                                                             "docs/*.py") for path in REPO.glob(pattern)
+                 if 'if __name__ == "__main__":' in path.read_text())
+
+
+def main_call(script: str) -> ast.Call:
+    """The outermost call of the script's last `if __name__ == "__main__":` block: how it runs."""
+    tree = ast.parse((REPO / script).read_text())
+    block = [node for node in tree.body if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)][-1]
+    return [node for node in ast.walk(block) if isinstance(node, ast.Call)][0]
+
+
+def test_every_script_runs_behind_the_one_line_boundary():
+    assert len(SCRIPTS) >= 14, SCRIPTS  # rloo.py, plan_memory.py, the benchmarks, judge.py, make_flags.py, ...
+    unguarded = [script for script in SCRIPTS
+                 if ast.unparse(main_call(script).func) not in ("plumbing.run_tool", "plumbing.run_script", "cli")]
+    assert not unguarded, unguarded
+
+
+def script_module(script: str):
+    """The script imported as a module (its `__main__` block not run)."""
+    name = script.removesuffix(".py").replace("/", ".")
+    if name.startswith("benchmark."):
+        return importlib.import_module(name)
+    spec = importlib.util.spec_from_file_location(Path(script).stem, REPO / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TOOLS = [script for script in SCRIPTS if ast.unparse(main_call(script).func) == "plumbing.run_tool"]
+
+
+@pytest.mark.parametrize("script", TOOLS)
+def test_every_helper_script_says_a_parse_error_in_one_line_with_exit_2(script, capsys):
+    call = main_call(script)
+    module = script_module(script)
+    program, *targets = [ast.literal_eval(a) if isinstance(a, ast.Constant) else getattr(module, a.id)
+                         for a in call.args]
+    with pytest.raises(SystemExit) as exit_status:
+        plumbing.run_tool(program, *targets, argv=["--no_such_flag", "1"])
+    err = capsys.readouterr().err
+    assert exit_status.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"{program}: error: ") and "Traceback" not in err, err
+
+
+# ---------------------------------------------------------------- outputs are never inputs
+def test_an_output_is_refused_when_it_is_an_input_in_any_form(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("{}\n")
+    os.link(metrics, tmp_path / "hard.jsonl")
+    (tmp_path / "soft.jsonl").symlink_to(metrics)
+    (tmp_path / "runs").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    same = [Path("metrics.jsonl"), Path("./metrics.jsonl"), tmp_path / "sub" / ".." / "metrics.jsonl",
+            tmp_path / "hard.jsonl", tmp_path / "soft.jsonl"]
+    for output in same:
+        with pytest.raises(plumbing.ConfigError, match="is the input --in .*it would be written over; pass another "
+                                                       "--out"):
+            plumbing.check_outputs([("--out", output)], [("--in", metrics)])
+    with pytest.raises(plumbing.ConfigError, match="is inside the input --in"):
+        plumbing.check_outputs([("--out", tmp_path / "runs" / "new.png")], [("--in", tmp_path / "runs")])
+    for output, kind in ((tmp_path / "runs", "is a directory"), (tmp_path / "fifo", r"is a FIFO \(named pipe\)")):
+        with pytest.raises(plumbing.ConfigError, match=f"--out {output} {kind}: pass the path of a file to write"):
+            plumbing.check_outputs([("--out", output)], [])
+    plumbing.check_outputs([("--out", tmp_path / "curves.png"), ("--out", tmp_path / "metrics.jsonl.png")],
+                           [("--in", metrics), ("--in", Path("trl-lib/tldr"))])  # elsewhere, and a Hub id: fine
+
+
+def metrics_lines(*updates: int, tail: str = "") -> str:
+    rows = [{"update": u, "episode": 8 * u, "objective/scores": 0.1 * u, "objective/rlhf_reward": 0.1 * u,
+             "objective/kl": 0.01} for u in updates]
+    return "".join(json.dumps(row) + "\n" for row in rows) + tail
+
+
+def run_tool(script, program: str, argv: list, capsys) -> tuple[int, str]:
+    """A script's run_tool in this process: its exit status (0 when it returned) and stderr."""
+    target = (script.Args, script.main) if hasattr(script, "Args") else (script.main,)
+    try:
+        plumbing.run_tool(program, *target, argv=[str(a) for a in argv])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def test_plot_metrics_never_writes_over_its_input_and_takes_a_run_still_writing(tmp_path, capsys):
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.parent.mkdir()
+    metrics.write_text(metrics_lines(1, 2, tail='{"update": 3, "episode": 2'))  # a run writing its third line
+    before = metrics.read_bytes()
+    os.link(metrics, tmp_path / "linked.jsonl")
+    for png in (metrics, tmp_path / "run" / "." / "metrics.jsonl", tmp_path / "linked.jsonl"):
+        code, err = run_tool(plot_metrics, "plot_metrics.py", ["--metrics-paths", metrics, "--png-path", png], capsys)
+        assert code == 2 and err.count("\n") == 1 and "is the input --metrics-paths" in err, err
+    assert metrics.read_bytes() == before
+    code, err = run_tool(plot_metrics, "plot_metrics.py", ["--metrics-paths", metrics.parent, "--png-path",
+                                                           tmp_path / "curves.png"], capsys)
+    assert code == 0 and (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG", err
+
+
+@pytest.mark.parametrize("case", ["missing", "fifo", "smooth 0", "bad line", "not an object"])
+def test_plot_metrics_answers_bad_input_in_one_line(tmp_path, capsys, case):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(metrics_lines(1, 2))
+    argv = ["--metrics-paths", metrics, "--png-path", tmp_path / "curves.png"]
+    expected = {"missing": "metrics file .*nope.jsonl does not exist", "fifo": r"is a FIFO \(named pipe\)",
+                "smooth 0": "--smooth 0: a trailing mean needs at least 1 update",
+                "bad line": "line 2 is not JSON", "not an object": "line 1 is a JSON list, not an object"}[case]
+    if case == "missing":
+        argv[1] = tmp_path / "nope.jsonl"
+    elif case == "fifo":
+        os.mkfifo(tmp_path / "pipe.jsonl")  # never opened: a reader would wait for a writer forever
+        argv[1] = tmp_path / "pipe.jsonl"
+    elif case == "smooth 0":
+        argv += ["--smooth", "0"]
+    else:
+        metrics.write_text("[1]\n" + metrics_lines(1) if case == "not an object" else
+                           metrics_lines(1) + "{cut\n" + metrics_lines(3))
+    code, err = run_tool(plot_metrics, "plot_metrics.py", argv, capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("plot_metrics.py: error: "), err
+    assert __import__("re").search(expected, err), err
+    assert not (tmp_path / "curves.png").exists()
+
+
+@pytest.mark.parametrize("runs,expected", [
+    (["bad"], "expected NAME=PATH"), (["a="], "expected NAME=PATH"), (["a=run,"], "expected NAME=PATH"),
+    (["a=nope"], "metrics file nope/metrics.jsonl does not exist|metrics file nope does not exist"),
+    (["a=nope.csv"], "nope.csv does not exist"), (["a=pipe.csv"], r"is a FIFO \(named pipe\)"),
+    (["a=empty.csv"], "has no `episode` or `train/episode` column"), (["a=run"], None),
+    (["a=run", "--smooth", "0"], "--smooth 0: must be at least 1"), (["a=run", "--png-path", "run/metrics.jsonl"],
+                                                                    "is the input --runs"),
+    (["a=run.csv", "--png-path", "run.csv"], "is the input --runs"),
+])
+def test_plot_runs_answers_bad_input_in_one_line_and_draws_a_run_still_writing(tmp_path, capsys, monkeypatch,
+                                                                              runs, expected):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text(metrics_lines(1, 2, 3, tail='{"upd'))
+    (tmp_path / "run.csv").write_text("episode,train/objective/scores\n8,0.1\n16,0.2\n")
+    (tmp_path / "empty.csv").write_text("")
+    os.mkfifo(tmp_path / "pipe.csv")
+    code, err = run_tool(plot_runs, "plot_runs.py", ["--runs", *runs] + (
+        [] if "--png-path" in runs else ["--png-path", "out.png"]), capsys)
+    if expected is None:
+        assert code == 0 and (tmp_path / "out.png").is_file(), err
+    else:
+        assert code == 2 and err.count("\n") == 1 and err.startswith("plot_runs.py: error: "), err
+        assert __import__("re").search(expected, err), err
+    assert (tmp_path / "run.csv").read_text().startswith("episode")
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().startswith('{"update": 1')
+
+
+def test_a_benchmark_replaces_only_an_earlier_runs_directory(tmp_path):
+    mine = tmp_path / "runs" / "rloo_py_0"
+    mine.mkdir(parents=True)
+    (mine / "thesis.tex").write_text("years of work")
+    with pytest.raises(plumbing.ConfigError, match="holds thesis.tex and no run's metrics.jsonl"):
+        throughput.fresh_run_dir(mine)
+    (tmp_path / "runs" / "linked").symlink_to(mine)
+    with pytest.raises(plumbing.ConfigError, match=r"is in the way of a benchmark run \(a symbolic link\)"):
+        throughput.fresh_run_dir(tmp_path / "runs" / "linked")
+    assert (mine / "thesis.tex").read_text() == "years of work"
+    earlier = tmp_path / "runs" / "rloo_py_1"
+    earlier.mkdir()
+    for name in ("metrics.jsonl", "config.json", "model.safetensors"):  # a TRL run's: metrics and its policy
+        (earlier / name).write_text("")
+    assert throughput.fresh_run_dir(earlier) == earlier and not any(earlier.iterdir())
+
+
+def test_benchmark_numbers_without_meaning_are_refused_in_one_line():
+    for changes, line in (({"updates": 1, "warmup_updates": 1}, "--updates 1: must be more than --warmup_updates"),
+                          ({"shapes": ("pythia-13b",)}, r"--shapes: unknown shape\(s\) \['pythia-13b'\]"),
+                          ({"per_device_train_batch_size": 0}, "--per_device_train_batch_size 0: must be at least 1"),
+                          ({"mean_response_length": 99.0}, r"--mean_response_length 99.0: must be in \(0")):
+        with pytest.raises(plumbing.ConfigError, match=line):
+            throughput.check_run_config(throughput.Args(**changes))
+
+
+def test_the_judge_never_writes_over_its_dataset_model_or_cache(assets, tmp_path):
+    data = tmp_path / "tldr.jsonl"
+    data.write_text('{"prompt": "p", "completion": "c"}\n')
+    cache = tmp_path / "cache.jsonl"
+    cache.write_text("")
+    for flags, line in (({"output_path": str(data)}, "--output_path .* is the input --dataset_name"),
+                        ({"output_path": str(cache)}, "--output_path .* is the input --cache_path"),
+                        ({"output_path": str(tmp_path / "tldr.json")}, r"--output_path .*tldr\.summaries\.jsonl is"),
+                        ({"output_path": str(assets["policy"] / "judge.json")}, "is inside the input "
+                                                                                 "--model_name_or_path"),
+                        ({"cache_path": str(data)}, "--cache_path .* is the input --dataset_name")):
+        if flags.get("output_path", "").endswith("tldr.json"):
+            os.link(data, tmp_path / "tldr.summaries.jsonl")  # where its summaries would go: the dataset itself
+        args = judge.Args(model_name_or_path=str(assets["policy"]), dataset_name=str(data),
+                          cache_path=flags.get("cache_path", str(cache)), output_path=flags.get("output_path"))
+        with pytest.raises(plumbing.ConfigError, match=line):
+            judge.main(args)
+    assert data.read_text() == '{"prompt": "p", "completion": "c"}\n' and cache.read_text() == ""
+
+
+@pytest.mark.parametrize("output,status,line", [
+    ("{tmp}/file/sync_cost.md", 2, "--output {tmp}/file/sync_cost.md passes through {tmp}/file, which is a file: "
+                                   "pass another --output"),
+    ("/proc/sync_cost.md", 4, "FileNotFoundError: [Errno 2] No such file or directory: '/proc/sync_cost.md'"),
+])
+def test_a_script_that_cannot_write_its_output_says_so_in_one_line(tmp_path, capsys, output, status, line):
+    (tmp_path / "file").write_text("")
+    code, err = run_tool(sync_cost, "sync_cost.py", ["--shapes", "pythia-14m", "--output", output.format(tmp=tmp_path)],
+                         capsys)
+    assert code == status and err == f"sync_cost.py: error: {line.format(tmp=tmp_path)}\n", err
+
+
+def test_the_trl_drivers_write_only_into_a_new_or_empty_directory(assets, tmp_path):
+    """benchmark/trl_rloo.py and trl116_rloo.py write metrics.jsonl and a policy with "w": a directory holding an
+    earlier run (rloo.py's own default output_dir) or an input is refused before anything loads."""
+    (tmp_path / "earlier").mkdir()
+    (tmp_path / "earlier" / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "file").write_text("")
+    inputs = {"model_name_or_path": (str(assets["policy"]), assets["policy"])}
+    for output_dir, line in ((tmp_path / "earlier", "holds metrics.jsonl: this script writes metrics.jsonl and the "
+                                                    "policy there, over what is there"),
+                             (tmp_path / "file", "is a file: pass a new or empty directory"),
+                             (assets["policy"], "is the input --model_name_or_path")):
+        with pytest.raises(plumbing.ConfigError, match=line):
+            plumbing.check_new_output_dir(str(output_dir), inputs)
+    (tmp_path / "empty").mkdir()
+    for fresh in (tmp_path / "empty", tmp_path / "new" / "run"):
+        plumbing.check_new_output_dir(str(fresh), inputs)
+    assert (tmp_path / "earlier" / "metrics.jsonl").read_text() == "{}\n"
