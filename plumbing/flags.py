@@ -32,6 +32,14 @@ class InputArgs:
                                  "AlgorithmState, which every checkpoint saves and every resume restores")
         object.__setattr__(self, name, value)
 
+    def __post_init__(self) -> None:
+        """A path flag as the shell would have given it: a leading `~` (quoted, so the shell left it) is the home
+        directory. Here, as the flags are made: they never change afterwards."""
+        for flag in PATH_FLAGS:
+            value = getattr(self, flag, None)
+            if isinstance(value, str) and value.startswith("~"):
+                object.__setattr__(self, flag, os.path.expanduser(value))
+
     # ----- models -----
     model_name_or_path: Optional[str] = None
     """policy tokenizer, and policy weights unless --sft_model_path is given (Hub id or local path)"""
@@ -263,17 +271,13 @@ def missing_local_path(value: str) -> Optional[str]:
 
 
 def resolve_paths(args) -> None:
-    """The path flags as the shell would have given them, checked before anything loads: a leading `~` (quoted, so
-    the shell left it) is expanded to the home directory; a shell variable the shell did not expand (`'$HOME/x'`)
-    is refused, as is a model or dataset path that looks local and does not exist (missing_local_path), instead of
-    the Hub's answer to a malformed repo id."""
+    """The path flags (`~` expanded as they were made: InputArgs.__post_init__) checked before anything loads: a
+    shell variable the shell did not expand (`'$HOME/x'`) is refused, as is a model or dataset path that looks local
+    and does not exist (missing_local_path), instead of the Hub's answer to a malformed repo id."""
     for flag in PATH_FLAGS:
         value = getattr(args, flag)
         if not value:
             continue
-        if value.startswith("~"):
-            value = os.path.expanduser(value)
-            setattr(args, flag, value)
         variable = re.search(r"\$\{?([A-Za-z_]\w*)", value)
         if variable and not Path(value).exists():
             raise ConfigError(f"--{flag} {value}: ${variable.group(1)} was not expanded (quoted?): the path is "
