@@ -234,20 +234,28 @@ SETTINGS_CHANGED = {  # what a reward function leaves changed: the start of the 
 }
 
 
+SETTINGS_AT_START = {"the umask": "0o22", "torch's default dtype": torch.float32,
+                     "torch's float32 matmul precision": "highest", "torch's deterministic algorithms": (False, False),
+                     "torch's attention kernels": (True, True, True, True)}
+
+
 @pytest.mark.parametrize("setting", SETTINGS_CHANGED, ids=list(SETTINGS_CHANGED))
 def test_a_reward_function_that_leaves_a_setting_of_the_run_changed_is_a_fault(tmp_path, setting):
     """The run's settings are put back whatever the function did, and a change is one line naming it: putting it back
     silently would change what the function's next calls compute."""
     change, fragment = SETTINGS_CHANGED[setting]
     before = {name: read() for name, (read, _, _) in plumbing.RUN_SETTINGS.items()}
-    os.umask(0o022)  # the value the fragments name
+    for name, value in SETTINGS_AT_START.items():  # the values the fragments name, whatever tests ran before
+        plumbing.RUN_SETTINGS[name][1](value)
     try:
+        start = {name: read() for name, (read, _, _) in plumbing.RUN_SETTINGS.items()}
         with pytest.raises(plumbing.RewardFunctionError) as error:
             plumbing.call_reward_function("judge", lambda **kwargs: change(tmp_path) or [1.0] * N, N, None)
         assert_one_line(error.value, "reward function 'judge' " + fragment)
-        assert {name: read() for name, (read, _, _) in plumbing.RUN_SETTINGS.items()} == before
+        assert {name: read() for name, (read, _, _) in plumbing.RUN_SETTINGS.items()} == start
     finally:
-        os.umask(int(before["the umask"], 8))
+        for name in SETTINGS_AT_START:
+            plumbing.RUN_SETTINGS[name][1](before[name])
 
 
 def test_a_reward_function_draws_from_a_copy_of_the_runs_torch_generators_and_changes_no_speed_setting():
