@@ -205,12 +205,21 @@ def takes_as_own(hint, value: str) -> bool:
     return value in choices
 
 
-def trl_arguments(argv: list[str], hints: dict, prog: str) -> list[str]:
+def default_words(name: str, default) -> list[str]:
+    """`--name` at `default` as command-line words (None, and a list flag's reset to its default: `None`)."""
+    if isinstance(default, bool):
+        return [f"--{name}" if default else f"--no-{name}"]
+    return [f"--{name}", "None" if default is None or isinstance(default, tuple) else str(default)]
+
+
+def trl_arguments(argv: list[str], hints: dict, defaults: dict, prog: str) -> list[str]:
     """argv with TRL's forms rewritten into this project's (`hints`: this script's flags and TRL >= 0.22's aliases,
-    with their types). A `trl rloo` flag given at TRL 1.16's default (trl_default_given) asks for nothing: left out,
-    so this script's default stands, when the flag is not this script's or TRL's default says "not set" (NOTHING:
-    --max_steps -1, --weight_decay 0.0, --disable_dropout False, --fp16 False, ...), unless it is one of the flag's
-    own choices (--eval_strategy no). Then `--flag True|False` for a bool flag (--flag / --no-flag); `--bf16 None`
+    with their types; `defaults`: its flags' defaults). A `trl rloo` flag given at TRL 1.16's default
+    (trl_default_given) asks for nothing: a flag this script does not have is left out; one it has takes TRL's
+    default with TRL's meaning, or where TRL's default says "not set" (NOTHING: --max_steps -1, --weight_decay 0.0,
+    --save_total_limit None, ...) this script's default, unless that is one of the flag's own choices (--eval_strategy
+    no): so a later occurrence still overrides an earlier one. Then `--flag True|False` for a bool flag (--flag /
+    --no-flag); `--bf16 None`
     (TRL's: bf16 unless fp16) as --bf16; `--reward_funcs pkg.module.fn ...` (TRL's dotted paths) as --reward_fn
     pkg.module:fn; `--report_to wandb|tensorboard|none` as --track / --tensorboard / neither; `--fsdp "full_shard
     ..."` as --fsdp; `--resume_from_checkpoint DIR` as --resume_from DIR (`True`: --resume); for rloo_multinode.py
@@ -241,16 +250,18 @@ def trl_arguments(argv: list[str], hints: dict, prog: str) -> list[str]:
         values = [eq_value] if has_eq else values_after(i)
         used = 1 + (0 if has_eq else len(values))
         value = values[0] if values else "true"
-        own = name in hints or name in TRL_NAMES or (engines and name in ENGINE_FLAGS)
+        own = TRL_NAMES.get(name, name)  # the flag's name here
+        converted = {"report_to", "reward_funcs", "resume_from_checkpoint", *(ENGINE_FLAGS if engines else ())}
+        default_given = trl_default_given(name, values) and name != "dataset_name"  # TRL's None: none given
         if name in TRL_LAUNCHER:
             count = f" {value}" if name == "num_processes" and values else " GPUS"
             raise ConfigError(f"--{name}: {TRL_LAUNCHER[name]}".replace(" GPUS", count, 1))
         elif name == "bf16" and value.lower() in ("none", "null", "~"):
             out.append("--bf16")  # TRL's None: bf16 wherever fp16 is not asked for, which is refused here
-        elif trl_default_given(name, values) and not (own and takes_as_own(hints.get(name), value)) and (
-                not own or TRL116[name] in NOTHING) and not (name == "dataset_name" or engines and name == "use_vllm"):
-            pass  # asks for nothing: this script's default stands (TRL's dataset None is none given; its use_vllm
-            # False is rloo.py's sampling, not rloo_multinode.py's engines)
+        elif default_given and own not in hints and name not in converted:
+            pass  # a flag this script does not have, at TRL's default: asks for nothing
+        elif default_given and own in defaults and TRL116[name] in NOTHING and not takes_as_own(hints[own], value):
+            out += default_words(own, defaults[own])  # TRL's "not set": this script's default
         elif name in ENGINE_FLAGS and not engines:
             raise ConfigError(f"--{name}: rloo.py samples in the training processes, without engines; vLLM "
                               "generation is rloo_multinode.py's: `torchrun ... rloo_multinode.py --vllm_mode "
@@ -277,6 +288,8 @@ def trl_arguments(argv: list[str], hints: dict, prog: str) -> list[str]:
             server[name] = value
         elif name == "vllm_server_timeout":
             out += ["--engine_timeout", value]
+        elif name == "reward_funcs" and default_given:
+            pass  # TRL's None: no function named
         elif name == "reward_funcs":
             for path in values:
                 module, dot, function = path.rpartition(".")
@@ -298,8 +311,8 @@ def trl_arguments(argv: list[str], hints: dict, prog: str) -> list[str]:
                                   "as full_shard); pass --fsdp or drop it")
             out.append("--fsdp")
         elif name == "resume_from_checkpoint":
-            out += ["--resume"] if value.lower() == "true" else [] if value.lower() in ("false", "none") else \
-                ["--resume_from", value]
+            out += ["--resume"] if value.lower() == "true" else ["--no-resume", "--resume_from", "None"] if \
+                value.lower() in ("false", "none") else ["--resume_from", value]
         elif name == "reward_clip_range" and len(values) > 1:
             raise ConfigError(f"--reward_clip_range {' '.join(values)}: TRL's (min, max) clips raw rewards; here "
                               "--reward_clip_range C clips the --normalize_reward scores to [-C, C]: pass one number "
@@ -403,11 +416,12 @@ def help_groups(cls, program: str) -> dict[str, str]:
 
 
 def last_values(parts: tuple, default):
-    """A list flag's values over its occurrences (--reward_fn a --reward_fn b c: a, b, c); `None` resets it."""
+    """A list flag's values over its occurrences (--reward_fn a --reward_fn b c: a, b, c); `None` resets it to its
+    default."""
     if not parts:
         return default
     resets = [i for i, part in enumerate(parts) if part is None]
-    return None if resets[-1:] == [len(parts) - 1] else sum(parts[(resets or [-1])[-1] + 1:], ())
+    return default if resets[-1:] == [len(parts) - 1] else sum(parts[(resets or [-1])[-1] + 1:], ())
 
 
 def parse_error_line(event, flags: list[str]) -> Optional[str]:
@@ -457,13 +471,14 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     hints = get_type_hints(cls, include_extras=True)
     plain = get_type_hints(cls) | {"steps_per_generation": Optional[int]}  # the types without tyro's markers
     known = {*plain, *TRL_NAMES, *TRL116, *TRL_FIXED, *TRL_REFUSED, *TRL_LAUNCHER, *ENGINE_FLAGS}
+    defaults = cls()
     try:
         argv = trl_arguments(config_arguments(sys.argv[1:] if argv is None else list(argv), plain, known), plain,
-                             prog)
+                             {f.name: getattr(defaults, f.name) for f in fields(cls)}, prog)
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
-    defaults, starts = cls(), help_groups(cls, prog)
+    starts = help_groups(cls, prog)
     docs = {p.arg_name: " ".join(p.description.split()) for c in reversed(cls.__mro__) if is_dataclass(c)
             for p in docstring_parser.parse_from_object(c).params if p.description}
     # tyro lists a flag's aliases before its name: TRL's name is tyro's and the flag's own its alias, so that --help

@@ -94,6 +94,16 @@ def test_every_trl_default_that_asks_for_nothing_is_accepted_and_changes_nothing
         assert parse(*spelling, cls=cls, prog=script) == plain, spelling
 
 
+def test_trls_not_set_after_a_value_of_the_same_flag_still_wins():
+    """A TRL "not set" is this script's default, not a flag left out: the last occurrence wins, as argparse's."""
+    assert parse("--max_steps", 12, "--max_steps", -1).max_steps is None
+    assert parse("--save_total_limit", 2, "--save_total_limit=None").save_total_limit is None
+    assert parse("--fsdp", "--fsdp", "None").fsdp is False and parse("--top_k", 5, "--top_k", 0).top_k == 0
+    assert parse("--report_to", "wandb", "--report_to", "none").track is False
+    assert parse("--normalize_advantages", "--normalize_advantages", "False").normalize_advantage is False
+    assert parse("--output_dir", "runs/a", "--output_dir", "None").output_dir == rloo.Args().output_dir
+
+
 def test_a_recipe_of_every_trl_default_runs_through_the_parser(tmp_path):
     """A YAML of all of TRL 1.16's `trl rloo` fields at their defaults (what RLOOConfig() and ModelConfig() hold):
     TRL's meaning where rloo.py has the flag (its learning rate, epochs, completion length, gradient checkpointing,
