@@ -267,6 +267,7 @@ def add_adapters(policy, args, checkpoint: Optional[Path]) -> None:
         except ValueError as e:  # no target modules known for the architecture, or a name that matches nothing
             raise ConfigError(f"--use_peft: {first_line(e)} - pass --lora_target_modules (module names, or "
                               "all-linear)") from None
+    policy.eval()  # peft's new modules come in train mode, their --lora_dropout on: off until training switches it on
     base = policy.peft_config["default"].base_model_name_or_path  # the path as typed; a Hub id stays as it is
     if base and Path(base).is_dir():  # absolute: the saved adapter loads its base from any folder
         policy.peft_config["default"].base_model_name_or_path = str(Path(base).resolve())
