@@ -1365,7 +1365,7 @@ def evaluate(
     settings) of up to eval_max_prompts test prompts, spread over the ranks."""
     k = args.num_generations_eval or 1
     indices = list(range(dist_info.rank, min(len(eval_dataset), args.eval_max_prompts), dist_info.world_size))
-    total = torch.zeros(4, dtype=torch.float64, device=dist_info.device)  # score sum, length sum, stops, count
+    total = torch.zeros(5, dtype=torch.float64, device=dist_info.device)  # score sum, scored, length sum, stops, count
     chunk = min(plumbing.rows_per_forward(args, policy, "generation", dist_info.device, k * len(indices), k),
                 plumbing.rows_per_forward(args, sources.model, "scoring", dist_info.device, k * len(indices), k))
     prompts_per_chunk = max(chunk // k, 1)
@@ -1381,12 +1381,14 @@ def evaluate(
                                                  filters=SamplingFilters.of(args))  # (k*b, Tr), (k, b) layout
             scores, _ = score_completions(sources, completions, rows, args.prompt_column, tokenizer, stop_token_id,
                                           k * prompts_per_chunk, autocast)  # (k*b,)
-            total += torch.tensor([scores.sum().item(), completions.response_mask.sum().item(),
+            total += torch.tensor([scores.nansum().item(), (~scores.isnan()).sum().item(),  # NaN: no source scored it
+                                   completions.response_mask.sum().item(),
                                    completions.ended(stop_token_id).sum().item(), len(scores)],
                                   dtype=torch.float64, device=dist_info.device)
-    score_sum, length_sum, stops, count = plumbing.all_reduce(total).tolist()
+    score_sum, scored, length_sum, stops, count = plumbing.all_reduce(total).tolist()
     count = max(count, 1.0)
-    return {"eval/scores": score_sum / count, "eval/mean_length": length_sum / count, "eval/eos_frac": stops / count}
+    return {"eval/scores": score_sum / max(scored, 1.0), "eval/mean_length": length_sum / count,
+            "eval/eos_frac": stops / count}
 
 
 # ===================================================================== main
@@ -1578,7 +1580,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
 
             # ALGO LOGIC 5-6. KL-penalized rewards and leave-one-out advantages (compute_advantages), then PPO epochs
             # of the clipped surrogate. On-policy, the update computes them from its own forward (logprobs_from_update)
-            policy.train()  # dropout is off; train mode only switches gradient checkpointing on
+            policy.train()  # switches gradient checkpointing on, and LoRA's --lora_dropout (every other dropout is off)
             with timer("training"), plumbing.batch_kept_if_nonfinite(args.output_dir, update, dist_info.rank,
                                                                      tokenizer, rollout, raw_scores):
                 plumbing.check_finite({  # without a reward model, NaN is a completion no source scored (TRL's)

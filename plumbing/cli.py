@@ -228,7 +228,7 @@ def trl_arguments(argv: list[str], hints: dict, defaults: dict, prog: str) -> li
     `--vllm_server_timeout` as --engine_timeout. A TRL flag with no meaning here (TRL_FIXED, TRL_REFUSED, the `trl`
     launcher's TRL_LAUNCHER, a two-value --reward_clip_range, engine flags given to rloo.py) is a ConfigError
     naming the reason."""
-    bools = {name for name, hint in hints.items() if hint is bool}
+    bools = {name for name, hint in hints.items() if hint is bool or set(get_args(hint)) == {bool, type(None)}}
     out, i, server = [], 0, {}
     given = {arg[2:].partition("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
     engines = "engine_urls" in hints

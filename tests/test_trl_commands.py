@@ -170,6 +170,7 @@ bf16: true
 gradient_checkpointing: false
 total_episodes: 4096
 lora_target_modules: [q_proj, v_proj]
+share_prompt: false
 """)
     args = parse("--config", path)
     assert (args.model_name_or_path, args.rloo_k, args.kl_coef, args.learning_rate, args.response_length) == (
@@ -177,6 +178,7 @@ lora_target_modules: [q_proj, v_proj]
     assert args.reward_fn == ("my_rewards.lengths:reward_len", "my_rewards.format:has_answer") and args.track
     assert args.save_strategy == "no" and args.bf16 and not args.gradient_checkpointing  # YAML's unquoted no: "no"
     assert args.total_episodes == 4096 and args.lora_target_modules == ("q_proj", "v_proj")
+    assert args.share_prompt is False  # an optional switch: True / False as TRL's bools
     # the command line wins, under either name, list flags included (replaced, not added to)
     args = parse("--rloo_k", 2, f"--config={path}", "--kl-coef", 0.1, "--reward_fn", "mine:f", "--no-track",
                  "--lora_target_modules", "all-linear")
@@ -384,6 +386,22 @@ def test_tensorboard_gets_every_metric_at_its_episode_and_a_resume_purges_the_la
     assert resumed.purge_step == 64  # the first episode the resumed timeline writes again
 
 
+def test_tensorboard_event_files_hold_the_metrics(tmp_path):
+    """With the tensorboard package (an extra: pip install tensorboard), what TensorBoard reads back."""
+    pytest.importorskip("tensorboard", reason="needs the tensorboard package (pip install tensorboard)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = plumbing.RunLogger(rloo.Args(output_dir=str(tmp_path), tensorboard=True), "run", 2, 0, None, "run-a", 1)
+    for update in (1, 2):
+        logger.log(update, {"objective/scores": 0.25 * update, "episode": 16 * update})
+    logger.log_eval(2, {"eval/scores": 0.75}, 32)
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("objective/scores")] == [(16, 0.25), (32, 0.5)]
+    assert [(e.step, e.value) for e in events.Scalars("eval/scores")] == [(32, 0.75)]
+
+
 def test_trl_names_of_the_lora_options_reach_peft():
     """--lora_target_parameters (peft's target_parameters: adapters on parameters, beside the modules'), which peft
     takes without dropout only: refused in one line with TRL's --lora_dropout 0.05, before anything loads."""
@@ -408,10 +426,12 @@ def test_trl_names_of_the_lora_options_reach_peft():
 # ---------------------------------------------------------------- a run: epochs, evaluation at each, the start-up lines
 def test_num_train_epochs_is_passes_over_the_prompts_and_the_start_up_says_it_in_numbers(assets, tmp_path):
     """8 prompts, k=4, 16 completions per update: an epoch is 32 completions, 2 updates; 2 epochs are 4 updates,
-    evaluated after each epoch (TRL's --eval_strategy epoch), with a console line every half of the run."""
+    evaluated after each epoch (TRL's --eval_strategy epoch), with a console line every half of the run. The reward
+    function scores the completions of an even number of words only: the others are unscored, as in TRL (the run
+    goes on, its means over the scored ones)."""
     prompts = write_jsonl(tmp_path / "eight.jsonl", [{"prompt": f"{a} {b} :"} for a, b in zip("abcdefgh", "hgfedcba")])
     result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", prompts, "--reward_fn",
-                      "reward_fns:count_a", "--output_dir", tmp_path / "out", "--rloo_k", "4",
+                      "reward_fns:only_even_lengths", "--output_dir", tmp_path / "out", "--rloo_k", "4",
                       "--per_device_train_batch_size", "16", "--num_ppo_epochs", "1", "--response_length", "4",
                       "--max_prompt_length", "16", "--num_train_epochs", "2", "--eval_strategy", "epoch",
                       "--dataset_test_split", assets["test"], "--logging_steps", "0.5", "--num_sample_generations",
@@ -423,4 +443,6 @@ def test_num_train_epochs_is_passes_over_the_prompts_and_the_start_up_says_it_in
            "about that much" in result.stdout  # 1e-3 x (1 + 3/4 + 2/4 + 1/4), linear decay
     metrics = read_metrics(tmp_path / "out")
     assert [m["update"] for m in metrics if "eval/scores" in m] == [0, 2, 4]
+    assert all(m["objective/scores"] == 1.0 and m["reward"] == 1.0 for m in metrics if "objective/scores" in m)
+    assert all(m["eval/scores"] == 1.0 for m in metrics if "eval/scores" in m)  # over the scored completions
     assert [line.split()[1] for line in result.stdout.splitlines() if line.startswith("update ")] == ["2/4,", "4/4,"]
