@@ -219,19 +219,20 @@ def trl_arguments(argv: list[str], hints: dict, defaults: dict, prog: str) -> li
     default with TRL's meaning, or where TRL's default says "not set" (NOTHING: --max_steps -1, --weight_decay 0.0,
     --save_total_limit None, ...) this script's default, unless that is one of the flag's own choices (--eval_strategy
     no): so a later occurrence still overrides an earlier one. Then `--flag True|False` for a bool flag (--flag /
-    --no-flag); `--bf16 None`
-    (TRL's: bf16 unless fp16) as --bf16; `--reward_funcs pkg.module.fn ...` (TRL's dotted paths) as --reward_fn
-    pkg.module:fn; `--report_to wandb|tensorboard|none` as --track / --tensorboard / neither; `--fsdp "full_shard
-    ..."` as --fsdp; `--resume_from_checkpoint DIR` as --resume_from DIR (`True`: --resume); for rloo_multinode.py
-    (the script with engines), `--use_vllm` (its engines are vLLM's; without --vllm_mode colocated, TRL 1.16's
-    default), `--vllm_server_base_url URL` and `--vllm_server_host H --vllm_server_port P` as --engine_urls,
-    `--vllm_server_timeout` as --engine_timeout. A TRL flag with no meaning here (TRL_FIXED, TRL_REFUSED, the `trl`
-    launcher's TRL_LAUNCHER, a two-value --reward_clip_range, engine flags given to rloo.py) is a ConfigError
-    naming the reason."""
+    --no-flag); `--bf16 None` (TRL's: bf16 unless fp16) as --bf16; `--reward_funcs pkg.module.fn ...` (TRL's
+    dotted paths) as --reward_fn pkg.module:fn; `--report_to wandb|tensorboard|none` as --track / --tensorboard /
+    neither; `--fsdp "full_shard ..."` as --fsdp; `--resume_from_checkpoint DIR` as --resume_from DIR (`True`:
+    --resume); for rloo_multinode.py (the script with engines), `--use_vllm` (its engines are vLLM's; without
+    --vllm_mode colocated, TRL 1.16's default), `--vllm_server_base_url URL` and `--vllm_server_host H
+    --vllm_server_port P` as --engine_urls, `--vllm_server_timeout` as --engine_timeout. A TRL flag with no meaning
+    here (TRL_FIXED, TRL_REFUSED, the `trl` launcher's TRL_LAUNCHER, a two-value --reward_clip_range, engine flags
+    given to rloo.py) is a ConfigError naming the reason."""
     bools = {name for name, hint in hints.items() if hint is bool or set(get_args(hint)) == {bool, type(None)}}
     out, i, server = [], 0, {}
     given = {arg[2:].partition("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
     engines = "engine_urls" in hints
+    converted = {"report_to", "reward_funcs", "resume_from_checkpoint", *(ENGINE_FLAGS if engines else ())}  # TRL's
+    # forms of this script's flags, rewritten below
 
     def values_after(j: int) -> list[str]:  # the values that follow the flag at j (up to the next --flag)
         taken = []
@@ -251,7 +252,6 @@ def trl_arguments(argv: list[str], hints: dict, defaults: dict, prog: str) -> li
         used = 1 + (0 if has_eq else len(values))
         value = values[0] if values else "true"
         own = TRL_NAMES.get(name, name)  # the flag's name here
-        converted = {"report_to", "reward_funcs", "resume_from_checkpoint", *(ENGINE_FLAGS if engines else ())}
         default_given = trl_default_given(name, values) and name != "dataset_name"  # TRL's None: none given
         if name in TRL_LAUNCHER:
             count = f" {value}" if name == "num_processes" and values else " GPUS"
@@ -377,8 +377,9 @@ def config_arguments(argv: list[str], hints: dict, known: set[str]) -> list[str]
         raise ConfigError(f"--config {path} is not valid YAML" + (f" (line {mark.line + 1})" if mark else "")
                           + f": {getattr(e, 'problem', None) or first_line(e)}") from None
     if not isinstance(config, dict):
-        raise ConfigError(f"--config {path} holds a YAML {type(config).__name__}, not a mapping of flag names to "
-                          "values (as TRL's recipes: `learning_rate: 1.0e-6`, one per line)")
+        holds = "is empty" if config is None else f"holds a YAML {type(config).__name__}"
+        raise ConfigError(f"--config {path} {holds}, not a mapping of flag names to values (as TRL's recipes: "
+                          "`learning_rate: 1.0e-6`, one per line)")
     if "env" in config:
         raise ConfigError(f"--config {path}: its `env:` section sets environment variables, which rloo.py reads "
                           "as it starts (torch at import, torchrun for every rank): set them in the shell "

@@ -193,6 +193,7 @@ share_prompt: false
     ("zzzz: 1\n", "not a flag of this script, nor of TRL's `trl rloo`"),
     ("env:\n  CUDA_VISIBLE_DEVICES: 0\nlearning_rate: 1.0e-6\n", "set them in the shell"),
     ("- learning_rate\n- 1.0e-6\n", "holds a YAML list, not a mapping"),
+    ("# nothing but a comment\n", "is empty, not a mapping of flag names to values"),
     ("learning_rate: [1.0e-6\n", "is not valid YAML (line 2)"),
     ("config: other.yaml\n", "a --config file cannot name another"),
     ("num_processes: 4\n", "torchrun --nproc_per_node 4 rloo.py"),  # the clis.md recipe's launcher key
