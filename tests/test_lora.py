@@ -357,3 +357,14 @@ def test_the_adapters_come_in_eval_mode_so_that_their_dropout_waits_for_training
     policy = tiny_policy(len(policy_tokenizer()))
     plumbing.add_adapters(policy, rloo.Args(use_peft=True, lora_r=4), None)
     assert rloo.Args().lora_dropout > 0 and not any(module.training for module in policy.modules())
+
+
+def test_bnb_4bit_quant_storage_is_the_dtype_the_4bit_weights_are_packed_in(assets):
+    """TRL's ModelConfig.bnb_4bit_quant_storage, passed to bitsandbytes as TRL's get_quantization_config does."""
+    bnb = bitsandbytes()
+    args = lora_args(assets, load_in_4bit=True, bnb_4bit_quant_storage="bfloat16")
+    plumbing.validate_args(args)
+    assert plumbing.quantization_config(args).bnb_4bit_quant_storage == torch.bfloat16
+    policy, _, _, _ = rloo.load_policy(args, torch.device("cpu"))
+    layers = [m for m in policy.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and all(m.weight.dtype == torch.bfloat16 for m in layers)
