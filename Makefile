@@ -21,8 +21,14 @@ BENCH_CONSTRAINTS := $(if $(filter 1,$(LOCK)),-c benchmark/constraints.txt)
 
 .PHONY: help install demo test test-newest test-engines test-qlora bench-env bench bench-results lock
 
+# the variables the descriptions name, given to awk with this make's values: `make help` prints them expanded
+HELP_VARIABLES = $(sort $(shell sed -n 's/^[a-zA-Z_-]*:.*## //p' $(MAKEFILE_LIST) | grep -o '\$$([A-Z0-9_]*)' | tr -d '$$()'))
+
 help:  ## this list: each target and what it does
-	@awk 'BEGIN { FS = ":.*## " } /^[a-zA-Z_-]+:.*## / { printf "  make %-14s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
+	@$(foreach v,$(HELP_VARIABLES),$(v)='$($(v))') awk 'BEGIN { FS = ":.*## " } /^[a-zA-Z_-]+:.*## / { text = $$2; \
+		while (match(text, /\$$\([A-Z0-9_]+\)/)) text = substr(text, 1, RSTART - 1) \
+			ENVIRON[substr(text, RSTART + 2, RLENGTH - 3)] substr(text, RSTART + RLENGTH); \
+		printf "  make %-14s %s\n", $$1, text }' $(MAKEFILE_LIST)
 
 install: $(INSTALLED)  ## only the install (make demo and make test do it themselves)
 

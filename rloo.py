@@ -95,7 +95,7 @@ class Args(plumbing.RunArgs):
     None: cliprange"""
     mask_truncated_completions: bool = False
     """completions that never emit the stop token leave the loss (their loss terms are 0; the loss is still divided
-    by every completion, and their rewards stay in their groups' baselines, as in TRL)"""
+    by every completion) and their KL leaves their reward, which stays in their groups' baselines (TRL's)"""
     sync_ref_model: bool = False
     """TR-DPO: every ref_model_sync_steps optimizer steps the reference becomes
     ref_model_mixup_alpha x policy + (1 - ref_model_mixup_alpha) x reference (its weights go into checkpoints)"""
@@ -149,12 +149,13 @@ class Args(plumbing.RunArgs):
 
     # ----- optimization -----
     total_episodes: Optional[int] = None
-    """completions to train on, all ranks together; None is num_train_epochs x the number of prompts"""
+    """completions to train on, all ranks together; None is num_train_epochs x the prompts x rloo_k"""
     max_steps: Optional[int] = None
     """optimizer steps of the run (TRL's Trainer), a multiple of num_ppo_epochs x num_mini_batches (an update's);
     replaces --total_episodes; --save_steps and --logging_steps then count optimizer steps too, as TRL's do"""
     num_train_epochs: float = 1.0
-    """used only when --total_episodes is None"""
+    """passes over the prompts, each prompt sampled rloo_k times (TRL 1.16's epoch; TRL <= 0.21's was 1/rloo_k of
+    it); used only without --total_episodes and --max_steps"""
     per_device_train_batch_size: int = 8
     """completions per forward/backward pass, per rank (the micro-batch)"""
     gradient_accumulation_steps: int = 1
@@ -173,6 +174,8 @@ class Args(plumbing.RunArgs):
     learning_rate (then decays, or stays constant)"""
     adam_epsilon: float = 1e-8
     """AdamW epsilon"""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay, on every trained weight but biases and norms (TRL's default and meaning)"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this (<= 0: no clipping, the norm is still logged)"""
 
@@ -213,6 +216,7 @@ def algorithm_rules(a: Args) -> list[tuple[str, object, bool, str]]:
          finite(a.vllm_importance_sampling_cap) and a.vllm_importance_sampling_cap > 0, "a finite number > 0"),
         ("learning_rate", a.learning_rate, finite(a.learning_rate) and a.learning_rate >= 0, "a finite number >= 0"),
         ("adam_epsilon", a.adam_epsilon, finite(a.adam_epsilon) and a.adam_epsilon > 0, "a finite number > 0"),
+        ("weight_decay", a.weight_decay, finite(a.weight_decay) and a.weight_decay >= 0, "a finite number >= 0"),
         ("kl_coef", a.kl_coef, finite(a.kl_coef) and a.kl_coef >= 0, "a finite number >= 0"),
         ("max_grad_norm", a.max_grad_norm, not math.isnan(a.max_grad_norm), "a number (<= 0: no clipping)"),
         ("reward_clip_range", a.reward_clip_range, finite(a.reward_clip_range) and a.reward_clip_range > 0,
@@ -874,7 +878,8 @@ def logprobs_from_update(args: Args, sizes: BatchSizes, lookahead: int, state: O
     micro-batch's groups what it gives them in the whole batch: a start-up check on synthetic tensors of the run's
     shape and micro-batches (plumbing.apart_difference, a collective) decides; where they differ (a statistic over the
     batch, --normalize_advantage), the plain path, and a line in `notes`."""
-    if not (args.num_ppo_epochs == 1 and sizes.minibatches == 1 and lookahead == 0 and sizes.micro % args.rloo_k == 0):
+    if not (args.num_ppo_epochs == 1 and sizes.minibatches == 1 and lookahead == 0 and sizes.micro % args.rloo_k == 0
+            and not (args.use_peft and args.lora_dropout)):  # a training forward with dropout is not the sampler's
         return False
     state = AlgorithmState.start(args) if state is None else state
     probe, scores = plumbing.advantages_probe(args.rloo_k, sizes.prompts, args.response_length, device)
@@ -955,12 +960,9 @@ def reward_model_scores(model, c: Completions, share_prompt: bool) -> torch.Tens
 
 
 def combine_rewards(values: torch.Tensor, applies: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Weighted sum over the sources that apply. values and applies (S, N), weights (S,) -> (N,)."""
-    if not applies.any(0).all():
-        missing = (~applies.any(0)).nonzero().flatten().tolist()
-        raise plumbing.RewardFunctionError(f"no reward source applies to completions {missing[:10]} (every reward "
-                                           "function returned None for them and there is no reward model)")
-    return (values * applies * weights[:, None]).sum(0)
+    """Weighted sum over the sources that apply. values and applies (S, N), weights (S,) -> (N,); NaN where none
+    applies (TRL's: every reward function returned None, and no reward model), which rloo_advantages leaves out."""
+    return (values * applies * weights[:, None]).sum(0).where(applies.any(0), torch.nan)
 
 
 def score_completions(
@@ -1030,11 +1032,14 @@ def in_groups(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def leave_one_out_baseline(rewards: torch.Tensor) -> torch.Tensor:
-    """(k, g) rewards -> (k, g) mean reward of the other k-1 samples of the same prompt (column)."""
+    """(k, g) rewards -> (k, g) mean reward of the other k-1 samples of the same prompt (column). A NaN reward (no
+    source scored it) is left out of its siblings' baselines, as TRL does; its own, or one with no scored sibling, is
+    NaN."""
     k = rewards.shape[0]
     if k < 2:
         raise ValueError(f"rloo_k = {k}: the leave-one-out baseline needs k >= 2")
-    return (rewards.sum(0, keepdim=True) - rewards) / (k - 1)
+    scored = (~rewards.isnan()).sum(0, keepdim=True)  # (1, g)
+    return (rewards.nansum(0, keepdim=True) - rewards) / (scored - 1)
 
 
 def rloo_advantages(
@@ -1081,15 +1086,18 @@ def compute_advantages(c: Rollout, scores: torch.Tensor, args: Args, state: Opti
     rank's batch. Sets c.non_score_reward (objective/non_score_reward) from what the estimator returned. `state`:
     the run's AlgorithmState (ppo_update's; None in a direct call)."""
     k, g, kl_coef = c.k, c.queries.shape[0], 0.0 if args.kl_in_loss else args.kl_coef
-    advantages, rlhf_reward = rloo_advantages(in_groups(scores, k), in_groups(kl_to_reference(c), k),
-                                              in_groups(c.response_mask, k), kl_coef, args.token_level_kl)
+    kl = kl_to_reference(c) if c.in_loss is None else kl_to_reference(c) * c.in_loss[:, None]  # TRL: a masked
+    # completion's KL leaves its reward (its completion mask is zeroed), so its group's baselines see its raw score
+    advantages, rlhf_reward = rloo_advantages(in_groups(scores, k), in_groups(kl, k), in_groups(c.response_mask, k),
+                                              kl_coef, args.token_level_kl)
     if advantages.shape[:2] != (k, g) or rlhf_reward.shape != (k, g):
         raise ValueError(f"the advantage estimator returned advantages {tuple(advantages.shape)} and rlhf_reward "
                          f"{tuple(rlhf_reward.shape)} for groups (k, g) = {(k, g)}: it must keep that layout")
     advantages = advantages.flatten(0, 1)  # (k*g,), or (k*g, Tr)
-    if args.normalize_advantage:
-        advantages = whiten(advantages, None if advantages.dim() == 1 else c.response_mask)
-    c.advantages, c.rlhf_reward = advantages, rlhf_reward.flatten()  # (k*g,)
+    scored = ~advantages.isnan()  # NaN: a completion no source scored, or the one scored of its group (TRL's)
+    if args.normalize_advantage:  # over the scored completions
+        advantages = whiten(advantages, scored if advantages.dim() == 1 else scored & c.response_mask)
+    c.advantages, c.rlhf_reward = advantages.where(scored, 0.0), rlhf_reward.flatten()  # (k*g,); no signal from NaN
     c.non_score_reward = c.rlhf_reward - scores  # (k*g,) what the estimator added to the score: -kl_coef * KL here
 
 
@@ -1317,7 +1325,7 @@ def evaluate(
     settings) of up to eval_max_prompts test prompts, spread over the ranks."""
     k = args.num_generations_eval or 1
     indices = list(range(dist_info.rank, min(len(eval_dataset), args.eval_max_prompts), dist_info.world_size))
-    total = torch.zeros(4, dtype=torch.float64, device=dist_info.device)  # score sum, length sum, stops, count
+    total = torch.zeros(5, dtype=torch.float64, device=dist_info.device)  # score sum, scored, length sum, stops, count
     chunk = min(plumbing.rows_per_forward(args, policy, "generation", dist_info.device, k * len(indices), k),
                 plumbing.rows_per_forward(args, sources.model, "scoring", dist_info.device, k * len(indices), k))
     prompts_per_chunk = max(chunk // k, 1)
@@ -1333,12 +1341,14 @@ def evaluate(
                                                  filters=SamplingFilters.of(args))  # (k*g, Tr), (k, g) layout
             scores, _ = score_completions(sources, completions, examples, args.prompt_column, tokenizer, stop_token_id,
                                           k * prompts_per_chunk, autocast)  # (k*g,)
-            total += torch.tensor([scores.sum().item(), completions.response_mask.sum().item(),
+            total += torch.tensor([scores.nansum().item(), (~scores.isnan()).sum().item(),  # NaN: no source scored it
+                                   completions.response_mask.sum().item(),
                                    completions.ended(stop_token_id).sum().item(), len(scores)],
                                   dtype=torch.float64, device=dist_info.device)
-    score_sum, length_sum, stops, count = plumbing.all_reduce(total).tolist()
+    score_sum, scored, length_sum, stops, count = plumbing.all_reduce(total).tolist()
     count = max(count, 1.0)
-    return {"eval/scores": score_sum / count, "eval/mean_length": length_sum / count, "eval/eos_frac": stops / count}
+    return {"eval/scores": score_sum / max(scored, 1.0), "eval/mean_length": length_sum / count,
+            "eval/eos_frac": stops / count}
 
 
 # ===================================================================== main
@@ -1390,14 +1400,15 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         plumbing.check_reward_function_arguments(reward_functions, [
             (args.dataset_name, dataset), (args.dataset_test_split, eval_dataset)], args.prompt_column)
         steps_per_update = args.num_ppo_epochs * sizes.minibatches  # optimizer steps
-        save_every, log_every = plumbing.update_intervals(args, steps_per_update)  # --save_steps, --logging_steps
-        episodes = args.total_episodes or int(args.num_train_epochs * len(dataset))
+        epoch = len(dataset) * args.rloo_k  # completions: each prompt sampled k times (TRL 1.16's epoch)
+        episodes = args.total_episodes or int(args.num_train_epochs * epoch)
         num_updates = args.max_steps // steps_per_update if args.max_steps else math.ceil(episodes / sizes.all_ranks)
         if num_updates < 1:  # a tiny --num_train_epochs: saving the input weights as a finished run would hide it
             raise plumbing.ConfigError(
-                f"--num_train_epochs {args.num_train_epochs:g} of {len(dataset)} prompts is {episodes} episodes: no "
-                f"update (one takes {sizes.all_ranks}); pass --num_train_epochs {sizes.all_ranks / len(dataset):.3g} "
-                f"or more, or --total_episodes {sizes.all_ranks}")
+                f"--num_train_epochs {args.num_train_epochs:g} of {len(dataset)} prompts x k={args.rloo_k} is "
+                f"{episodes} episodes: no update (one takes {sizes.all_ranks}); pass --num_train_epochs "
+                f"{sizes.all_ranks / epoch:.3g} or more, or --total_episodes {sizes.all_ranks}")
+        save_every, log_every = plumbing.update_intervals(args, steps_per_update, num_updates)  # in updates
         checkpoints.check_continues(num_updates, sizes.all_ranks)
         reference = "" if args.kl_coef == 0 else " and its reference" + (" (adapters off)" if args.use_peft else "")
         with plumbing.startup_step(f"loaded the policy{reference}", master):
@@ -1426,7 +1437,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         else:
             trained = policy  # the policy as training calls it; `policy` samples, scores log-probs and is saved
         trainable = [p for p in policy.parameters() if p.requires_grad]  # all, or with --use_peft the adapters
-        optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=args.adam_epsilon,
+        optimizer = torch.optim.AdamW(plumbing.weight_decay_groups(policy, trainable, args.weight_decay),
+                                      lr=args.learning_rate, eps=args.adam_epsilon,
                                       fused=device.type == "cuda" and not args.offload)  # one kernel for all tensors
         plumbing.seed_everything(args.seed + dist_info.rank)  # from here on each rank samples differently
         sampling_rng = torch.Generator(device).manual_seed(args.seed + dist_info.rank)  # only sampling draws from it
@@ -1445,8 +1457,11 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                              f"{sum(p.numel() for p in policy.parameters()):,}; adapted modules "
                              f"{sorted(policy.peft_config['default'].target_modules)}")
             notes.append(f"{run_name}: {num_updates} updates x {sizes.all_ranks} completions ({sizes.prompts} prompts "
-                         f"x k={args.rloo_k} per rank x {dist_info.world_size} ranks); reward sources "
-                         f"{sources.names}")  # the prompts' counts: the start-up line that loaded them
+                         f"x k={args.rloo_k} per rank x {dist_info.world_size} ranks); an epoch: {len(dataset)} "
+                         f"prompts x k={args.rloo_k} = {epoch} completions = {epoch / sizes.all_ranks:.3g} updates; "
+                         f"reward sources {sources.names}")  # the prompts' counts: the start-up line that loaded them
+            notes += plumbing.movement_note(trainable, args, steps_per_update * sum(learning_rate_at(
+                u, num_updates, args) for u in range(1, num_updates + 1)))
             for note in notes:
                 logger.console.print(note, highlight=False, soft_wrap=True)
         rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, sampling_rng, autocast)
@@ -1458,7 +1473,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
             logger.console.print(note, highlight=False, soft_wrap=True)
         timer = plumbing.PhaseTimer(device)
         timer.count_tokens_of(policy, ref_policy, sources.model, getattr(rollouts, "sampler", None))
-    eval_at = plumbing.evaluation_updates(num_updates, args.num_evals) if eval_dataset is not None else set()
+    eval_at = plumbing.evaluation_updates(args, num_updates, steps_per_update, len(dataset) // sampler.per_update) \
+        if eval_dataset is not None else set()
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0
     queued: list[PromptBatch] = []  # drawn, sampled or being sampled, not yet trained on
 
@@ -1523,16 +1539,17 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                                                                  autocast)  # (k*B,)
                 scores = apply_missing_eos_penalty(raw_scores, has_stop, args.missing_eos_penalty)  # (k*B,)
                 if args.normalize_reward:
-                    scores = whiten(scores).clamp(-args.reward_clip_range, args.reward_clip_range)
+                    scores = whiten(scores, ~scores.isnan()).clamp(-args.reward_clip_range, args.reward_clip_range)
             rollout.in_loss = completions_in_loss(scores, has_stop, args)  # (k*B,) bool, or None: all count
 
             # ALGO LOGIC 5-6. KL-penalized rewards and leave-one-out advantages (compute_advantages), then PPO epochs
             # of the clipped surrogate. On-policy, the update computes them from its own forward (logprobs_from_update)
-            policy.train()  # dropout is off; train mode only switches gradient checkpointing on
+            policy.train()  # switches gradient checkpointing on, and LoRA's --lora_dropout (every other dropout is off)
             with timer("training"), plumbing.batch_kept_if_nonfinite(args.output_dir, update, dist_info.rank,
                                                                      tokenizer, rollout, raw_scores):
-                plumbing.check_finite({"reward": raw_scores, "log-prob": rollout.logprobs,
-                                       "reference log-prob": rollout.ref_logprobs}, device)  # on every rank at once
+                plumbing.check_finite({  # without a reward model, NaN is a completion no source scored (TRL's)
+                    "reward": raw_scores if sources.model else raw_scores[~raw_scores.isnan()],
+                    "log-prob": rollout.logprobs, "reference log-prob": rollout.ref_logprobs}, device)  # every rank
                 train_stats = ppo_update(trained, optimizer, rollout, scores, args, sizes, share_prompt, autocast,
                                          ref_policy, (update - 1) * steps_per_update, state)
             rollout_metrics.update(rollouts.policy_updated(update, policy))  # rloo_multinode.py: the engines' sync
@@ -1543,11 +1560,11 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                 "objective/kl": mean_kl,
                 **({"kl": mean_kl} if ref_policy is not None else {}),  # TRL 1.x's name, only with a reference
                 "objective/entropy": (-rollout.logprobs * rollout.response_mask).sum(1).mean().item(),
-                "objective/non_score_reward": rollout.non_score_reward.mean().item(),  # compute_advantages's
-                "objective/rlhf_reward": rollout.rlhf_reward.mean().item(),
-                "objective/scores": scores.mean().item(),
-                "objective/raw_scores": raw_scores.mean().item(),
-                "reward": raw_scores.mean().item(),  # TRL 1.x: the sources' weighted sum
+                "objective/non_score_reward": rollout.non_score_reward.nanmean().item(),  # compute_advantages's
+                "objective/rlhf_reward": rollout.rlhf_reward.nanmean().item(),  # of the scored completions (TRL's)
+                "objective/scores": scores.nanmean().item(),
+                "objective/raw_scores": raw_scores.nanmean().item(),
+                "reward": raw_scores.nanmean().item(),  # TRL 1.x: the sources' weighted sum
                 **train_stats,  # policy/*, loss/policy_avg, val/ratio*
                 **plumbing.completion_metrics(rollout.response_mask, has_stop, scores, args.rloo_k),
                 **({} if rollout.sampler_logprobs is None else

@@ -24,6 +24,7 @@ from plumbing import read_metrics  # noqa: E402
 from benchmark.synthetic_task import ensure_assets, mean_true_score  # noqa: E402
 
 MIN_RISE = 0.1  # required gain of the mean score, last 3 updates vs first 3
+LOGGING_STEPS = 25  # a console line every this many updates (metrics.jsonl has every update)
 
 
 @dataclass
@@ -60,6 +61,7 @@ def rloo_command(args: Args, assets: dict[str, str]) -> list[str]:
         "local_rollout_forward_batch_size": 128,
         "missing_eos_penalty": 1.0,
         "num_sample_generations": 2,
+        "logging_steps": LOGGING_STEPS,
         "seed": args.seed,
     }
     return [sys.executable, "rloo.py"] + [s for key, value in flags.items() for s in (f"--{key}", str(value))] + [
@@ -92,7 +94,8 @@ def main(args: Args) -> None:
     assets = ensure_assets(cache_dir)
     metrics_path = Path(args.output_dir) / "metrics.jsonl"
     command = rloo_command(args, assets)
-    stage(f"training with rloo.py: {args.total_episodes} completions, a line per update (metrics in {metrics_path})")
+    stage(f"training with rloo.py: {args.total_episodes} completions, a line every {LOGGING_STEPS} updates (every "
+          f"update's metrics in {metrics_path}); the command, a starting point for a small model of your own:")
     print("$ " + shlex.join(command), flush=True)
     returncode = subprocess.run(command, cwd=REPO_ROOT).returncode
     if returncode != 0:

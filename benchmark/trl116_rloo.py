@@ -50,7 +50,7 @@ SAME_NAMES = ("seed", "learning_rate", "adam_epsilon", "max_grad_norm", "lr_sche
               "per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "bf16",
               "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "epsilon_high",
               "mask_truncated_completions", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",
-              "trust_remote_code")  # rloo.py flags RLOOConfig has under the same name and meaning
+              "trust_remote_code", "weight_decay")  # rloo.py flags RLOOConfig has under the same name and meaning
 HONOURED = SAME_NAMES + (  # mapped to TRL's names (trl_config), or read by rloo.py's loaders this driver calls
     "model_name_or_path", "sft_model_path", "reward_model_path", "pad_token", "dataset_name", "dataset_config",
     "dataset_train_split", "prompt_column", "max_prompt_length", "exp_name", "run_name", "output_dir", "rloo_k",
@@ -108,7 +108,7 @@ def trl_config(args: rloo.Args, updates: int, use_cpu: bool, use_vllm: bool):
         max_completion_length=args.response_length, num_iterations=args.num_ppo_epochs,
         steps_per_generation=args.gradient_accumulation_steps * args.num_mini_batches,
         generation_kwargs=None if args.stop_token else full_length, max_steps=updates * steps_per_update,
-        weight_decay=0.0, warmup_steps=args.warmup_ratio,  # transformers 5: a float < 1 is a ratio
+        warmup_steps=args.warmup_ratio,  # transformers 5: a float < 1 is a ratio
         use_vllm=use_vllm, vllm_mode="colocate",
     )
 

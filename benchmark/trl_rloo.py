@@ -66,11 +66,12 @@ def trl_config(args: rloo.Args, use_cpu: bool):
         cliprange=args.cliprange, response_length=args.response_length, temperature=args.temperature,
         stop_token=args.stop_token, stop_token_id=args.stop_token_id,
         local_rollout_forward_batch_size=args.local_rollout_forward_batch_size,
-        total_episodes=args.total_episodes, num_train_epochs=args.num_train_epochs,
+        total_episodes=args.total_episodes, num_train_epochs=args.num_train_epochs * args.rloo_k,  # TRL 0.21's
+        # epoch is the prompts once (rloo.py's, TRL 1.16's: each prompt k times)
         per_device_train_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, num_mini_batches=args.num_mini_batches,
         num_ppo_epochs=args.num_ppo_epochs, learning_rate=args.learning_rate, adam_epsilon=args.adam_epsilon,
-        lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
+        lr_scheduler_type="linear", warmup_steps=0, weight_decay=args.weight_decay,
     )
 
 

@@ -55,22 +55,29 @@ given twice keeps every value (`--reward_fn a:f --reward_fn b:g` is `--reward_fn
 
 TRL_REFUSED_INTRO = """TRL 1.16's other flags (its `RLOOConfig`, the `TrainingArguments` it inherits, the `trl rloo`
 script's) mean nothing here, or what rloo.py always does: each is accepted with the values that say what rloo.py does,
-and otherwise refused in one line with the reason below (exit status 2), before anything loads.
-`tests/test_trl_parity.py` holds TRL 1.16's whole field list against both scripts.
+and otherwise refused in one line with the reason below (exit status 2), before anything loads. Any `trl rloo` flag
+given at TRL 1.16's own default is accepted: it asks for nothing the user chose (`--fp16 False`, `--push_to_hub
+False`, `--per_device_eval_batch_size 8`); where rloo.py has the flag, TRL's default is taken with TRL's meaning, and
+TRL's "not set" (`--max_steps -1`, `None`) leaves rloo.py's default. TRL's defaults are read from
+`plumbing/trl116_defaults.json`, written from TRL 1.16's dataclasses by `benchmark/trl116_defaults.py` (a test
+compares the two). The `trl` command's own launcher options (`--num_processes`, `--accelerate_config`, ...) are
+refused naming torchrun. `tests/test_trl_parity.py` holds TRL 1.16's whole field list against both scripts.
 
 | TRL flag | accepted values | why |
 | --- | --- | --- |
 """
 
-# What TRL's own defaults and meanings are cannot be read from this project's code: said here, once.
+# What TRL's names mean beside rloo.py's flags, said here once; TRL 1.16's defaults from plumbing.TRL116
 TRL_NOTES = {
     "num_generations": "",
     "beta": " (sequence-level KL in the reward)",
     "epsilon": " (the low side of the clip; `--epsilon_high`, as TRL's, the high side)",
-    "num_iterations": " (TRL's default is 1, rloo.py's {default})",
-    "max_completion_length": " (TRL's default is 256, rloo.py's {default})",
+    "num_iterations": f" (TRL's default is {plumbing.TRL116['num_iterations']}, rloo.py's {{default}})",
+    "max_completion_length": f" (TRL 1.16's default is {plumbing.TRL116['max_completion_length']}, rloo.py's "
+                             "{default})",
     "normalize_advantages": ": both whiten the advantages over the batch",
     "reward_model_name_or_path": " (the `trl rloo` script's name)",
+    "activation_checkpointing": " (transformers 5.23's name)",
 }
 
 TRL_OTHER_ROWS = [  # (rloo.py's name, TRL >= 0.22's, what rloo.py does with it)
@@ -87,15 +94,38 @@ TRL_OTHER_ROWS = [  # (rloo.py's name, TRL >= 0.22's, what rloo.py does with it)
      "update's `num_ppo_epochs x num_mini_batches`"),
     ("`--reward_fn pkg.module:fn`", "`--reward_funcs pkg.module.fn` (the `trl rloo` script's)",
      "converted: the dotted path's last dot becomes the colon; TRL's built-in names (`accuracy_reward`) are refused"),
-    ("`--track` / `--no-track`", "`--report_to wandb` / `none`",
-     "converted; any other logger is refused (metrics.jsonl is always written)"),
+    ("`--track`, `--tensorboard`", "`--report_to wandb`, `tensorboard` (both, or `none`)",
+     "converted; any other logger is refused (metrics.jsonl is always written); TensorBoard needs `pip install "
+     "tensorboard`, refused in one line without it"),
+    ("`--config FILE.yaml`", "`--config FILE.yaml` (the `trl` command's)",
+     "the same format: a mapping of flag names to values, TRL's names and rloo.py's alike; a flag on the command "
+     "line wins over the file's, under either name; an unknown key, an `env:` section or a launcher key is one line "
+     "naming the file"),
+    ("`--num_train_epochs`", "`--num_train_epochs`",
+     "TRL 1.16's meaning: passes over the prompts, each sampled k times (`num_train_epochs x prompts x k` episodes); "
+     "TRL <= 0.21 counted `num_train_epochs x prompts` episodes, 1/k of it. The start-up line says what an epoch is "
+     "in prompts, completions and updates"),
+    ("`--weight_decay`", "`--weight_decay`",
+     "TRL's default (0.0, both TRLs) and meaning: every trained weight decays but biases and norms, as transformers' "
+     "Trainer groups them. Before the flag, rloo.py's AdamW decayed every weight by torch's 0.01"),
+    ("`--eval_strategy`, `--eval_steps`", "`--eval_strategy`, `--eval_steps`",
+     "TRL's meaning (`no`, `steps` every `--eval_steps`, else `--logging_steps`; `epoch`), with TRL's `test` split "
+     "when `--dataset_test_split` is not given; left out, rloo.py evaluates `--num_evals` times when "
+     "`--dataset_test_split` is given"),
+    ("`--mask_truncated_completions`", "`--mask_truncated_completions`",
+     "TRL's meaning: a completion without the stop token leaves the loss and its KL leaves its reward, which stays in "
+     "its group's baselines (checked against TRL 1.16's code on the same batch)"),
+    ("reward functions' `None`", "reward functions' `None`",
+     "TRL's meaning: a completion no source scores is left out of its group's baselines, with advantage 0 (so is "
+     "the only scored completion of a group)"),
     ("`--resume_from DIR` / `--resume`", "`--resume_from_checkpoint DIR` / `True`", "converted"),
     ("`--fsdp`", "`--fsdp \"full_shard auto_wrap\"`", "converted (FSDP2 shards as full_shard); other modes refused"),
     ("`--flag` / `--no-flag`", "`--flag True` / `--flag False`", "converted, for every switch"),
     ("`--save_steps`, `--logging_steps`", "`--save_steps`, `--logging_steps`",
      "same names, counted in updates (TRL <= 0.21's unit); in a command with `--max_steps`, in optimizer steps "
-     "as TRL >= 0.22 counts them (`--save_steps` then a multiple of an update's steps); `--logging_steps` spaces the "
-     "console line, metrics.jsonl gets every update; `--save_strategy no` is `--save_steps 0`"),
+     "as TRL >= 0.22 counts them (`--save_steps` then a multiple of an update's steps); below 1, a share of the "
+     "run's updates, as TRL's; `--logging_steps` spaces the console line, metrics.jsonl gets every update; "
+     "`--save_strategy no` is `--save_steps 0`"),
     ("`rloo_multinode.py`'s `--engine vllm`, `--engine_urls`, `--engine_timeout`",
      "`--use_vllm`, `--vllm_server_base_url` (or `--vllm_server_host` and `--vllm_server_port`), "
      "`--vllm_server_timeout`",

@@ -1,11 +1,13 @@
 """The command line: tyro parsing with one-line errors, TRL's names (>= 0.22's aliases, 1.16's options taken with their
-meaning or refused with the reason), and run_script: a run's end as an exit status and one line.
+meaning or refused with the reason, TRL 1.16's defaults accepted as asking for nothing), --config files in TRL's recipe
+format, and run_script: a run's end as an exit status and one line.
 """
 
 import contextlib
 import difflib
 import gc
 import inspect
+import json
 import multiprocessing
 import os
 import re
@@ -15,7 +17,7 @@ import threading
 import traceback
 from dataclasses import field, fields, is_dataclass, make_dataclass
 from pathlib import Path
-from typing import Annotated, Callable, Optional, get_args, get_origin, get_type_hints
+from typing import Annotated, Callable, Literal, Optional, get_args, get_origin, get_type_hints
 
 import docstring_parser
 import tyro
@@ -30,11 +32,22 @@ from .flags import RunArgs
 # generations' names side by side)
 TRL_NAMES = {"num_generations": "rloo_k", "beta": "kl_coef", "epsilon": "cliprange", "num_iterations": "num_ppo_epochs",
              "max_completion_length": "response_length", "normalize_advantages": "normalize_advantage",
-             "reward_model_name_or_path": "reward_model_path"}
+             "reward_model_name_or_path": "reward_model_path", "activation_checkpointing": "gradient_checkpointing"}
+
+
+# TRL 1.16's `trl rloo` fields with their defaults, read from its dataclasses by benchmark/trl116_defaults.py (a test
+# compares the table with the TRL 1.16 of `make bench-env`): a flag given at TRL's default asks for nothing the
+# user chose (trl_default_given)
+TRL116 = {name: default for fields in json.loads(Path(__file__).with_name("trl116_defaults.json").read_text())[
+    "fields"].values() for name, default in fields.items()}
+
+
+NOTHING = (None, False, -1, 0, "", "no", "none", [], {})  # how TRL's defaults say "not set" or "off"
 
 
 TRL_DEFAULTS = ("TRL >= 0.22's names are aliases of the flags they are listed beside.\n\nFlags left out keep this "
-                "script's defaults:\n--num_iterations 4 (TRL's: 1), --max_completion_length 53 (TRL's: 256).")
+                f"script's defaults:\n--num_iterations 4 (TRL's: {TRL116['num_iterations']}), --max_completion_length "
+                f"53 (TRL's: {TRL116['max_completion_length']}).")
 
 
 STEPS_PER_GENERATION = ("TRL >= 0.22's micro-batches per rank and generation, S (not a rename): taken as "
@@ -67,7 +80,6 @@ TRL_FIXED = {
     "logging_strategy": (("steps",), "metrics are logged every update (--logging_steps: the console line)"),
     "adam_beta1": (("0.9",), "AdamW's betas are torch's (0.9, 0.999)"),
     "adam_beta2": (("0.999",), "AdamW's betas are torch's (0.9, 0.999)"),
-    "weight_decay": (("0.01",), "AdamW's weight decay is torch's, 0.01"),
     "optim": (("adamw_torch", "adamw_torch_fused"), "the optimizer is torch's AdamW (fused on CUDA)"),
     "warmup_steps": (("0",), "pass --warmup_ratio (a share of the updates)"),
     "torch_dtype": (("auto", "float32"), DTYPE_REASON),
@@ -77,6 +89,9 @@ TRL_FIXED = {
     "remove_unused_columns": (("false",), "every dataset column goes to the reward functions"),
     "ddp_find_unused_parameters": (("false", "none"), "every trained parameter gets a gradient"),
     "dataloader_num_workers": (("0",), "prompts are tokenized once at load time"),
+    "eval_on_start": (("true",), "the initial policy is always evaluated (update 0) when the run evaluates"),
+    "average_tokens_across_devices": (("true",), "a minibatch's loss is divided by its completions over all ranks "
+                                                 "(rloo.loss_normalizer)"),
 }
 
 
@@ -98,9 +113,7 @@ TRL_REFUSED = {
     "hub_model_id": "nothing is uploaded: output_dir holds the policy in transformers' format",
     "logging_dir": "metrics go to output_dir/metrics.jsonl (and wandb with --track)",
     "logging_first_step": "every update is logged",
-    "do_eval": "evaluation runs when --dataset_test_split is given (--num_evals times)",
-    "eval_strategy": "evaluation runs when --dataset_test_split is given, --num_evals times a run",
-    "eval_steps": "evaluation runs when --dataset_test_split is given, --num_evals times a run",
+    "do_eval": "evaluation runs when --dataset_test_split is given (--num_evals times), or as --eval_strategy says",
     "per_device_eval_batch_size": "evaluation runs --local_rollout_forward_batch_size completions at a time",
     "gradient_checkpointing_kwargs": "gradient checkpointing is non-reentrant here, with no other option",
     "torch_compile": "only decoding is compiled: --compile_generation",
@@ -118,10 +131,10 @@ TRL_REFUSED = {
     "disable_tqdm": "the progress bar is rich's, on rank 0's console only",
     "label_names": "there are no labels: the rewards come from --reward_model_path and --reward_fn",
     "hub_strategy": "nothing is uploaded: output_dir holds the policy in transformers' format",
-    "eval_on_start": "evaluation runs --num_evals times over the run, plus once at the end",
     "include_num_input_tokens_seen": "the tokens of each phase are logged as work/* (metrics.jsonl)",
-    "average_tokens_across_devices": "a minibatch's loss is divided by its completions over all ranks "
-                                     "(rloo.loss_normalizer)",
+    "datasets": "one dataset per run: --dataset_name (with --dataset_config, --dataset_train_split)",
+    "streaming": "the prompt set is loaded whole (its prompts are shuffled every epoch)",
+    "test_split_size": "the test prompts are a split or file of their own: --dataset_test_split",
 }
 
 
@@ -150,24 +163,78 @@ TRL_REFUSED |= {name: reason for names, reason in (  # the rest of transformers'
 ) for name in names}
 
 
+# The `trl` command's own options (it launches the script with `accelerate launch`): the launcher here is torchrun
+LAUNCH_WITH_TORCHRUN = ("launch rloo.py with torchrun: torchrun --nproc_per_node GPUS rloo.py ... (across nodes, add "
+                        "--nnodes N --rdzv_backend c10d --rdzv_endpoint HOST:PORT)")
+TRL_LAUNCHER = {name: f"`trl`'s accelerate option; {LAUNCH_WITH_TORCHRUN}" for name in (
+    "num_processes", "accelerate_config", "config_file", "num_machines", "machine_rank", "main_process_ip",
+    "main_process_port", "mixed_precision", "multi_gpu", "gpu_ids", "rdzv_backend", "use_deepspeed", "use_fsdp",
+    "same_network", "dynamo_backend")}
+
+
 ENGINE_FLAGS = ("use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",
                 "vllm_server_timeout", "vllm_enable_sleep_mode", "vllm_gpu_memory_utilization",
                 "vllm_tensor_parallel_size", "vllm_model_impl")
 
 
-def trl_arguments(argv: list[str], fields_of: set[str], prog: str) -> list[str]:
-    """argv with TRL's forms rewritten into this project's: `--flag True|False` for a bool flag (--flag /
-    --no-flag); `--reward_funcs pkg.module.fn ...` (TRL's dotted paths) as --reward_fn pkg.module:fn; `--report_to
-    wandb|none` as --track / --no-track; `--fsdp "full_shard ..."` as --fsdp; `--resume_from_checkpoint DIR` as
-    --resume_from DIR (`True`: --resume); for rloo_multinode.py (the script with engines), `--use_vllm` (its engines
-    are vLLM's; without --vllm_mode colocated, TRL 1.16's default), `--vllm_server_base_url URL` and
-    `--vllm_server_host H --vllm_server_port P` as --engine_urls, `--vllm_server_timeout` as --engine_timeout. A TRL
-    flag with no meaning here (TRL_FIXED, TRL_REFUSED, a two-value --reward_clip_range, engine flags given to rloo.py)
-    is a ConfigError naming the reason."""
-    bools = {name.removeprefix("bool:") for name in fields_of if name.startswith("bool:")}
-    fields_of = {name.removeprefix("bool:") for name in fields_of}
+def trl_default_given(name: str, values: list[str]) -> bool:
+    """Whether `--name values` (as a command line or a --config file spells them) is TRL 1.16's default of a
+    `trl rloo` field (TRL116): a switch alone is True, None / null / ~ is None, numbers compare as numbers."""
+    if name not in TRL116:
+        return False
+    default, values = TRL116[name], values or ["true"]
+    if isinstance(default, (list, dict)):
+        return not default and values == ["true"]  # an empty list or mapping: the flag with no values
+    if len(values) != 1:
+        return False
+    text = values[0].strip().lower()
+    if default == "no" and text == "false":  # YAML reads an unquoted no as False
+        return True
+    if default is None or isinstance(default, bool):
+        return text in {None: ("none", "null", "~"), True: ("true", "1"), False: ("false", "0")}[default]
+    if isinstance(default, (int, float)):
+        try:
+            return float(text) == default
+        except ValueError:
+            return False
+    return text == str(default).lower()
+
+
+def takes_as_own(hint, value: str) -> bool:
+    """Whether a flag of type `hint` has `value` among its own choices (a Literal's): TRL's `--eval_strategy no`
+    is this script's `no` too, not a default left out."""
+    choices = [a for h in (hint, *get_args(hint)) if get_origin(h) is Literal for a in get_args(h)]
+    return value in choices
+
+
+def default_words(name: str, default) -> list[str]:
+    """`--name` at `default` as command-line words (None, and a list flag's reset to its default: `None`)."""
+    if isinstance(default, bool):
+        return [f"--{name}" if default else f"--no-{name}"]
+    return [f"--{name}", "None" if default is None or isinstance(default, tuple) else str(default)]
+
+
+def trl_arguments(argv: list[str], hints: dict, defaults: dict, prog: str) -> list[str]:
+    """argv with TRL's forms rewritten into this project's (`hints`: this script's flags and TRL >= 0.22's aliases,
+    with their types; `defaults`: its flags' defaults). A `trl rloo` flag given at TRL 1.16's default
+    (trl_default_given) asks for nothing: a flag this script does not have is left out; one it has takes TRL's
+    default with TRL's meaning, or where TRL's default says "not set" (NOTHING: --max_steps -1, --weight_decay 0.0,
+    --save_total_limit None, ...) this script's default, unless that is one of the flag's own choices (--eval_strategy
+    no): so a later occurrence still overrides an earlier one. Then `--flag True|False` for a bool flag (--flag /
+    --no-flag); `--bf16 None` (TRL's: bf16 unless fp16) as --bf16; `--reward_funcs pkg.module.fn ...` (TRL's
+    dotted paths) as --reward_fn pkg.module:fn; `--report_to wandb|tensorboard|none` as --track / --tensorboard /
+    neither; `--fsdp "full_shard ..."` as --fsdp; `--resume_from_checkpoint DIR` as --resume_from DIR (`True`:
+    --resume); for rloo_multinode.py (the script with engines), `--use_vllm` (its engines are vLLM's; without
+    --vllm_mode colocated, TRL 1.16's default), `--vllm_server_base_url URL` and `--vllm_server_host H
+    --vllm_server_port P` as --engine_urls, `--vllm_server_timeout` as --engine_timeout. A TRL flag with no meaning
+    here (TRL_FIXED, TRL_REFUSED, the `trl` launcher's TRL_LAUNCHER, a two-value --reward_clip_range, engine flags
+    given to rloo.py) is a ConfigError naming the reason."""
+    bools = {name for name, hint in hints.items() if hint is bool or set(get_args(hint)) == {bool, type(None)}}
     out, i, server = [], 0, {}
     given = {arg[2:].partition("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+    engines = "engine_urls" in hints
+    converted = {"report_to", "reward_funcs", "resume_from_checkpoint", *(ENGINE_FLAGS if engines else ())}  # TRL's
+    # forms of this script's flags, rewritten below
 
     def values_after(j: int) -> list[str]:  # the values that follow the flag at j (up to the next --flag)
         taken = []
@@ -186,15 +253,26 @@ def trl_arguments(argv: list[str], fields_of: set[str], prog: str) -> list[str]:
         values = [eq_value] if has_eq else values_after(i)
         used = 1 + (0 if has_eq else len(values))
         value = values[0] if values else "true"
-        if name in ENGINE_FLAGS and "engine_urls" not in fields_of:
+        own = TRL_NAMES.get(name, name)  # the flag's name here
+        default_given = trl_default_given(name, values) and name != "dataset_name"  # TRL's None: none given
+        if name in TRL_LAUNCHER:
+            count = f" {value}" if name == "num_processes" and values else " GPUS"
+            raise ConfigError(f"--{name}: {TRL_LAUNCHER[name]}".replace(" GPUS", count, 1))
+        elif name == "bf16" and value.lower() in ("none", "null", "~"):
+            out.append("--bf16")  # TRL's None: bf16 wherever fp16 is not asked for, which is refused here
+        elif default_given and own not in hints and name not in converted:
+            pass  # a flag this script does not have, at TRL's default: asks for nothing
+        elif default_given and own in defaults and TRL116[name] in NOTHING and not takes_as_own(hints[own], value):
+            out += default_words(own, defaults[own])  # TRL's "not set": this script's default
+        elif name in ENGINE_FLAGS and not engines:
             raise ConfigError(f"--{name}: rloo.py samples in the training processes, without engines; vLLM "
                               "generation is rloo_multinode.py's: `torchrun ... rloo_multinode.py --vllm_mode "
                               "colocate` (or server) with the same flags")
-        elif name in TRL_FIXED and name not in fields_of:
+        elif name in TRL_FIXED and name not in hints:
             allowed, reason = TRL_FIXED[name]
             if value.lower() not in allowed:
                 raise ConfigError(f"--{name} {value}: {reason}; drop the flag")
-        elif name in TRL_REFUSED and name not in fields_of:
+        elif name in TRL_REFUSED and name not in hints:
             raise ConfigError(f"--{name} (TRL's) has no meaning here: {TRL_REFUSED[name]}; drop the flag")
         elif name == "use_vllm":
             if value.lower() not in ("true", "1"):
@@ -212,6 +290,8 @@ def trl_arguments(argv: list[str], fields_of: set[str], prog: str) -> list[str]:
             server[name] = value
         elif name == "vllm_server_timeout":
             out += ["--engine_timeout", value]
+        elif name == "reward_funcs" and default_given:
+            pass  # TRL's None: no function named
         elif name == "reward_funcs":
             for path in values:
                 module, dot, function = path.rpartition(".")
@@ -221,23 +301,26 @@ def trl_arguments(argv: list[str], fields_of: set[str], prog: str) -> list[str]:
                 out += ["--reward_fn", f"{module}:{function}"]
         elif name == "report_to":
             targets = {v.lower() for v in values} or {"none"}
-            if not targets <= {"wandb", "none"}:
+            if not targets <= {"wandb", "tensorboard", "none"}:
                 raise ConfigError(f"--report_to {' '.join(values)}: metrics go to output_dir/metrics.jsonl and, "
-                                  "with wandb, to Weights & Biases; pass --report_to wandb or none")
-            out.append("--track" if "wandb" in targets else "--no-track")
+                                  "with wandb, to Weights & Biases, with tensorboard, to TensorBoard event files; "
+                                  "pass --report_to wandb, tensorboard (or both) or none")
+            out += ["--track" if "wandb" in targets else "--no-track",
+                    "--tensorboard" if "tensorboard" in targets else "--no-tensorboard"]
         elif name == "fsdp" and values and not has_eq and value.lower() not in ("true", "false"):
             if "full_shard" not in value:
                 raise ConfigError(f"--fsdp {value!r}: --fsdp shards weights, gradients and optimizer state (FSDP2, "
                                   "as full_shard); pass --fsdp or drop it")
             out.append("--fsdp")
         elif name == "resume_from_checkpoint":
-            out += ["--resume"] if value.lower() == "true" else [] if value.lower() in ("false", "none") else \
-                ["--resume_from", value]
+            out += ["--resume"] if value.lower() == "true" else ["--no-resume", "--resume_from", "None"] if \
+                value.lower() in ("false", "none") else ["--resume_from", value]
         elif name == "reward_clip_range" and len(values) > 1:
             raise ConfigError(f"--reward_clip_range {' '.join(values)}: TRL's (min, max) clips raw rewards; here "
                               "--reward_clip_range C clips the --normalize_reward scores to [-C, C]: pass one number "
                               "with --normalize_reward, or clip in the reward function")
-        elif name in bools and len(values) == 1 and value.lower() in ("true", "false", "1", "0"):
+        elif name in bools | {n for n, own_name in TRL_NAMES.items() if own_name in bools} and len(values) == 1 \
+                and value.lower() in ("true", "false", "1", "0"):
             out.append(f"--{name}" if value.lower() in ("true", "1") else f"--no-{name}")
         else:
             out += argv[i:i + used]
@@ -246,6 +329,81 @@ def trl_arguments(argv: list[str], fields_of: set[str], prog: str) -> list[str]:
         out += ["--engine_urls", f"http://{server.get('vllm_server_host', '0.0.0.0')}:"
                                  f"{server.get('vllm_server_port', '8000')}"]
     return out
+
+
+# TRL's names of flags that are this script's under another name or form: a --config key that the command line gives
+# under any of its names is left out (the command line wins)
+SAME_FLAG = TRL_NAMES | {"reward_funcs": "reward_fn", "report_to": "track", "resume_from_checkpoint": "resume_from",
+                         "steps_per_generation": "num_mini_batches", "vllm_server_base_url": "engine_urls",
+                         "vllm_server_host": "engine_urls", "vllm_server_port": "engine_urls",
+                         "vllm_server_timeout": "engine_timeout", "use_vllm": "engine"}
+
+
+def yaml_values(value, hint) -> list[str]:
+    """A --config value as command-line words: a list as several values, a mapping as JSON, None as None; YAML's
+    unquoted `no` (a bool to YAML) as `no` for a flag whose choices hold it (--save_strategy no)."""
+    if isinstance(value, bool) and takes_as_own(hint, "no"):
+        return ["yes" if value else "no"]
+    if isinstance(value, (list, tuple)):
+        return [word for item in value for word in yaml_values(item, None)]
+    return [json.dumps(value) if isinstance(value, dict) else str(value)]
+
+
+def config_arguments(argv: list[str], hints: dict, known: set[str]) -> list[str]:
+    """argv with `--config FILE.yaml` replaced by the flags the file sets, in TRL's recipe format (a mapping of flag
+    names to values, TRL 1.16's names and this script's alike), put before the command line's: a flag the command
+    line gives too, under any of its names (SAME_FLAG), is left out of the file's, so the command line wins, list
+    flags included. One line naming the file for a file that cannot be read or parsed, a key neither this script
+    nor a `trl rloo` recipe knows (with the closest name), and an `env:` section."""
+    at = [i for i, arg in enumerate(argv) if arg == "--config" or arg.startswith("--config=")]
+    if not at:
+        return argv
+    if len(at) > 1:
+        raise ConfigError("--config is given twice: pass one file (the command line's flags override it)")
+    i = at[0]
+    if argv[i] == "--config" and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+        raise ConfigError("--config needs a file: --config recipe.yaml")
+    path, rest = (argv[i + 1], argv[:i] + argv[i + 2:]) if argv[i] == "--config" else \
+        (argv[i].partition("=")[2], argv[:i] + argv[i + 1:])
+    import yaml  # transformers' dependency
+
+    try:
+        config = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"--config {path} cannot be read ({e.strerror or e}): pass a YAML file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config {path} is not UTF-8 text (byte {e.object[e.start:e.start + 1]!r}): re-encode "
+                          "it as UTF-8") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise ConfigError(f"--config {path} is not valid YAML" + (f" (line {mark.line + 1})" if mark else "")
+                          + f": {getattr(e, 'problem', None) or first_line(e)}") from None
+    if not isinstance(config, dict):
+        holds = "is empty" if config is None else f"holds a YAML {type(config).__name__}"
+        raise ConfigError(f"--config {path} {holds}, not a mapping of flag names to values (as TRL's recipes: "
+                          "`learning_rate: 1.0e-6`, one per line)")
+    if "env" in config:
+        raise ConfigError(f"--config {path}: its `env:` section sets environment variables, which rloo.py reads "
+                          "as it starts (torch at import, torchrun for every rank): set them in the shell "
+                          "(VAR=value python rloo.py ...) and drop the section")
+
+    def canonical(name: str) -> str:
+        name = name.replace("-", "_")
+        name = name[3:] if name.startswith("no_") and name[3:] in known else name
+        return SAME_FLAG.get(name, name)
+
+    given = {canonical(arg[2:].partition("=")[0]) for arg in rest if arg.startswith("--")}
+    out = []
+    for key, value in config.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            raise ConfigError(f"--config {path}: unknown key {key!r}: " + (
+                "a --config file cannot name another" if name == "config" else f"did you mean {close[0]}?" if close
+                else "not a flag of this script, nor of TRL's `trl rloo`"))
+        if canonical(name) not in given:
+            out += [f"--{name}", *yaml_values(value, hints.get(name))]
+    return out + rest
 
 
 def help_groups(cls, program: str) -> dict[str, str]:
@@ -261,11 +419,12 @@ def help_groups(cls, program: str) -> dict[str, str]:
 
 
 def last_values(parts: tuple, default):
-    """A list flag's values over its occurrences (--reward_fn a --reward_fn b c: a, b, c); `None` resets it."""
+    """A list flag's values over its occurrences (--reward_fn a --reward_fn b c: a, b, c); `None` resets it to its
+    default."""
     if not parts:
         return default
     resets = [i for i, part in enumerate(parts) if part is None]
-    return None if resets[-1:] == [len(parts) - 1] else sum(parts[(resets or [-1])[-1] + 1:], ())
+    return default if resets[-1:] == [len(parts) - 1] else sum(parts[(resets or [-1])[-1] + 1:], ())
 
 
 def parse_error_line(event, flags: list[str]) -> Optional[str]:
@@ -305,20 +464,25 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     """The command line parsed by tyro into `cls`, a flat dataclass. tyro parses a dataclass of groups (help_groups)
     built from cls's fields, so --help shows them grouped, under their own names (each field's docstring, joined)
     and TRL >= 0.22's (TRL_NAMES) as aliases. A list flag given several times keeps every value; any other flag,
-    under either name, its last, as argparse does (a launch script's "$@" overrides its defaults). TRL's
-    --steps_per_generation S is taken as --num_mini_batches S / gradient_accumulation_steps. Bad input is one line
-    on stderr and exit status 2, tyro's parse errors included (parse_error_line)."""
+    under either name, its last, as argparse does (a launch script's "$@" overrides its defaults); `--config
+    FILE.yaml` gives flags that the command line's override (config_arguments), and TRL's forms are rewritten
+    (trl_arguments). TRL's --steps_per_generation S is taken as --num_mini_batches S / gradient_accumulation_steps;
+    TRL's --eval_strategy no loads no test split, steps or epoch evaluate on TRL's default split (test) when
+    --dataset_test_split is not given. Bad input is one line on stderr and exit status 2, tyro's parse errors
+    included (parse_error_line)."""
     prog = prog or Path(sys.argv[0]).name
     console_survives()  # from the first line it may write
     hints = get_type_hints(cls, include_extras=True)
-    names = {("bool:" if hints[f.name] is bool else "") + f.name for f in fields(cls)}
-    names |= {("bool:" if hints[own] is bool else "") + trl for trl, own in TRL_NAMES.items() if own in hints}
+    plain = get_type_hints(cls) | {"steps_per_generation": Optional[int]}  # the types without tyro's markers
+    known = {*plain, *TRL_NAMES, *TRL116, *TRL_FIXED, *TRL_REFUSED, *TRL_LAUNCHER, *ENGINE_FLAGS}
+    defaults = cls()
     try:
-        argv = trl_arguments(sys.argv[1:] if argv is None else list(argv), names, prog)
+        argv = trl_arguments(config_arguments(sys.argv[1:] if argv is None else list(argv), plain, known), plain,
+                             {f.name: getattr(defaults, f.name) for f in fields(cls)}, prog)
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
-    defaults, starts = cls(), help_groups(cls, prog)
+    starts = help_groups(cls, prog)
     docs = {p.arg_name: " ".join(p.description.split()) for c in reversed(cls.__mro__) if is_dataclass(c)
             for p in docstring_parser.parse_from_object(c).params if p.description}
     # tyro lists a flag's aliases before its name: TRL's name is tyro's and the flag's own its alias, so that --help
@@ -361,6 +525,10 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
                 raise ConfigError(f"--steps_per_generation {steps} means --num_mini_batches {steps // accumulation} "
                                   f"with gradient_accumulation_steps {accumulation}, but --num_mini_batches {given} "
                                   "is given too: pass one of them")
+        if values.get("eval_strategy") == "no":  # TRL's: no evaluation, nor a test split loaded
+            values["dataset_test_split"] = None
+        elif values.get("eval_strategy") and values["dataset_test_split"] is None:
+            values["dataset_test_split"] = TRL116["dataset_test_split"]  # where TRL's `trl rloo` evaluates
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)

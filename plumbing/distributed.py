@@ -165,7 +165,7 @@ def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 def global_mean_std(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and (unbiased) std of the masked entries of x over all ranks."""
     mask = torch.ones_like(x, dtype=torch.bool) if mask is None else mask
-    x = x.float() * mask
+    x = torch.where(mask, x.float(), 0.0)  # a masked-out NaN (a completion no reward source scored) counts nothing
     moments = all_reduce(torch.stack([x.sum(), (x * x).sum(), mask.sum().float()]))  # (3,)
     total, total_sq, count = moments
     mean = total / count

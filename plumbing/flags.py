@@ -11,7 +11,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal, Optional
+from typing import ClassVar, Literal, Optional, Union
 
 import torch
 import tyro
@@ -93,7 +93,8 @@ class RunArgs(InputArgs):
         "local_rollout_forward_batch_size", "gradient_checkpointing", "total_episodes", "num_train_epochs",
         "save_steps", "save_total_limit", "resume", "resume_from", "overwrite_output_dir", "ddp_timeout",
         "fsdp_generation", "compile_generation", "share_prompt", "bf16_generation", "reward_fn_timeout",
-        "merge_lora", "logging_steps", "save_strategy", "max_steps", "allow_changed_inputs"})
+        "merge_lora", "logging_steps", "save_strategy", "max_steps", "allow_changed_inputs", "eval_strategy",
+        "eval_steps", "tensorboard"})
 
     # ----- experiment -----
     exp_name: str = "rloo"
@@ -107,6 +108,9 @@ class RunArgs(InputArgs):
     """where `metrics.jsonl`, `args.json`, the final policy and its tokenizer are written"""
     track: bool = False
     """log to Weights & Biases (with WANDB_MODE=offline it logs without network)"""
+    tensorboard: bool = False
+    """also write the metrics to TensorBoard event files in output_dir/tensorboard (TRL's --report_to tensorboard;
+    torch.utils.tensorboard, which needs `pip install tensorboard`)"""
     wandb_project_name: str = "rloo"
     """the wandb project"""
     wandb_entity: Optional[str] = None
@@ -147,12 +151,15 @@ class RunArgs(InputArgs):
     """LoRA rank"""
     lora_alpha: int = 32
     """LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_r"""
-    lora_dropout: float = 0.0
-    """dropout on the adapters' input, in training forward passes only; 0 (TRL: 0.05), so that the policy
-    trained is the one that sampled"""
+    lora_dropout: float = 0.05
+    """dropout on the adapters' input, in training forward passes only (TRL's default); 0: the policy trained is
+    exactly the one that sampled"""
     lora_target_modules: Optional[tuple[str, ...]] = None
     """module names to adapt, or `all-linear`; None: peft's default for the architecture (attention projections,
     e.g. q_proj and v_proj for Llama, query_key_value for GPT-NeoX)"""
+    lora_target_parameters: Optional[tuple[str, ...]] = None
+    """parameter names to adapt directly (peft's target_parameters: e.g. a mixture of experts' stacked weights,
+    which are no linear modules), beside --lora_target_modules"""
     lora_modules_to_save: Optional[tuple[str, ...]] = None
     """modules trained in full beside the adapters and saved with them (e.g. lm_head)"""
     use_rslora: bool = False
@@ -169,23 +176,32 @@ class RunArgs(InputArgs):
     """the 4-bit data type of --load_in_4bit"""
     use_bnb_nested_quant: bool = False
     """with --load_in_4bit: quantize the quantization constants too (double quantization, ~0.4 bits per weight less)"""
+    bnb_4bit_quant_storage: Optional[Literal["uint8", "float16", "bfloat16", "float32"]] = None
+    """with --load_in_4bit: the dtype the packed 4-bit weights are stored in; None: bitsandbytes' (uint8)"""
 
     # ----- samples and evaluation -----
     num_sample_generations: int = 10
     """times per run a table of query / response / score is printed (and logged to wandb)"""
-    logging_steps: int = 1
-    """the console line every this many updates (metrics.jsonl and wandb get every update's metrics); with --max_steps,
-    optimizer steps, as TRL >= 0.22 counts (update_intervals)"""
+    logging_steps: Union[int, float] = 1
+    """the console line every this many updates (metrics.jsonl and wandb get every update's metrics); below 1, that
+    share of the run's updates, as TRL's; with --max_steps, optimizer steps, as TRL >= 0.22 counts (update_intervals)"""
     num_evals: int = 4
     """evaluations on --dataset_test_split, spread evenly over the run, the last at its end; plus one of the initial
     policy before the first update (not repeated on resume)"""
     eval_max_prompts: int = 256
     """test prompts per evaluation (all ranks together)"""
+    eval_strategy: Optional[Literal["no", "steps", "epoch"]] = None
+    """TRL's: no: no evaluation; steps: every --eval_steps; epoch: after each pass over the prompts; with steps or
+    epoch, --dataset_test_split defaults to TRL's test. None: --num_evals times, when --dataset_test_split is given"""
+    eval_steps: Optional[Union[int, float]] = None
+    """with --eval_strategy steps: updates between evaluations (below 1, that share of the run's; with --max_steps,
+    optimizer steps, as --logging_steps); None: --logging_steps, as TRL's"""
 
     # ----- checkpoints and faults -----
-    save_steps: int = 0
+    save_steps: Union[int, float] = 0
     """write a resumable checkpoint to output_dir/checkpoints/step_<update> every this many updates (TRL <= 0.21's
-    unit; with --max_steps, optimizer steps, TRL >= 0.22's: update_intervals) (0: only at the end, or on a signal)"""
+    unit; with --max_steps, optimizer steps, TRL >= 0.22's: update_intervals); below 1, that share of the run's,
+    as TRL's (0: only at the end, or on a signal)"""
     save_strategy: Literal["steps", "no"] = "steps"
     """steps: a checkpoint every --save_steps updates; no: none but the last one (as TRL's `no`, with --save_steps 0)"""
     save_total_limit: Optional[int] = None
@@ -214,6 +230,12 @@ def is_finite_number(x) -> bool:
     return x is not None and abs(x) <= FLOAT32_MAX  # nan too
 
 
+def is_interval(x) -> bool:
+    """An interval flag's value (--logging_steps, --save_steps, --eval_steps): a whole number >= 1, or a share of the
+    run in (0, 1), as transformers takes them."""
+    return is_finite_number(x) and (0 < x < 1 or (x >= 1 and x == int(x)))
+
+
 def number_rules(args) -> list[tuple[str, object, bool, str]]:
     """(flag, value, whether it is allowed, what it must be) for every number of the run's flags (RunArgs, InputArgs)
     a typo or a NaN makes meaningless without any error later; the algorithm's are rloo.algorithm_rules."""
@@ -228,8 +250,12 @@ def number_rules(args) -> list[tuple[str, object, bool, str]]:
         ("num_sample_generations", a.num_sample_generations, a.num_sample_generations >= 0, ">= 0 (0: none)"),
         ("num_evals", a.num_evals, a.num_evals >= 0, ">= 0 (0: only at the end)"),
         ("eval_max_prompts", a.eval_max_prompts, a.eval_max_prompts >= 1, "at least 1"),
-        ("logging_steps", a.logging_steps, a.logging_steps >= 1, "at least 1"),
-        ("save_steps", a.save_steps, a.save_steps >= 0, ">= 0 (0: only at the end and on a signal)"),
+        ("logging_steps", a.logging_steps, is_interval(a.logging_steps), "a whole number >= 1, or a share of the run "
+         "in (0, 1)"),
+        ("save_steps", a.save_steps, a.save_steps == 0 or is_interval(a.save_steps), "a whole number >= 0 (0: only at "
+         "the end and on a signal), or a share of the run in (0, 1)"),
+        ("eval_steps", a.eval_steps, a.eval_steps is None or is_interval(a.eval_steps), "a whole number >= 1, a share "
+         "of the run in (0, 1), or None (then --logging_steps)"),
         ("save_total_limit", a.save_total_limit, a.save_total_limit is None or a.save_total_limit >= 1,
          "at least 1, or None to keep every checkpoint"),
         ("ddp_timeout", a.ddp_timeout, finite(a.ddp_timeout) and a.ddp_timeout > 0, "a finite number of seconds > 0"),
@@ -337,6 +363,18 @@ def validate_args(args, launching: bool = True) -> None:
         raise ConfigError("--overwrite_output_dir starts over, --resume continues: pass one of them")
     if args.save_strategy == "no" and args.save_steps:
         raise ConfigError(f"--save_strategy no but --save_steps {args.save_steps}: drop one of them")
+    if args.eval_strategy in ("steps", "epoch") and args.dataset_test_split is None:
+        raise ConfigError(f"--eval_strategy {args.eval_strategy} evaluates on --dataset_test_split: pass it (TRL's "
+                          "default is test)")
+    if args.eval_strategy == "no" and args.dataset_test_split is not None:
+        raise ConfigError(f"--eval_strategy no, but --dataset_test_split {args.dataset_test_split} asks for "
+                          "evaluation: drop one of them")
+    if args.eval_steps is not None and args.eval_strategy != "steps":
+        raise ConfigError(f"--eval_steps {args.eval_steps} spaces the evaluations of --eval_strategy steps: add it, or "
+                          "drop --eval_steps")
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("--report_to tensorboard (--tensorboard) writes through torch.utils.tensorboard, which needs "
+                          "the tensorboard package: pip install tensorboard (or drop it)")
     if args.compile_generation and args.fsdp:
         raise ConfigError("--compile_generation cannot trace FSDP's gathers of a sharded policy yet: drop one of "
                           "--compile_generation and --fsdp")
@@ -354,14 +392,17 @@ def validate_args(args, launching: bool = True) -> None:
         if args.lora_r < 1 or args.lora_alpha <= 0 or not 0 <= args.lora_dropout < 1:
             raise ConfigError(f"--lora_r {args.lora_r}, --lora_alpha {args.lora_alpha}, --lora_dropout "
                               f"{args.lora_dropout}: the rank must be >= 1, alpha > 0 and dropout in [0, 1)")
+        if args.lora_target_parameters and args.lora_dropout:
+            raise ConfigError(f"--lora_target_parameters: peft's adapters on parameters take no dropout, and "
+                              f"--lora_dropout is {args.lora_dropout:g} (TRL's default): pass --lora_dropout 0")
     elif args.merge_lora:
         raise ConfigError("--merge_lora merges LoRA adapters into the base: add --use_peft")
     elif args.load_in_4bit:
         raise ConfigError("--load_in_4bit quantizes a base that LoRA adapters train on (QLoRA), and a 4-bit model "
                           "cannot train itself: add --use_peft")
-    elif args.use_rslora or args.use_dora:
-        raise ConfigError(f"--{'use_rslora' if args.use_rslora else 'use_dora'} is a kind of LoRA adapter: add "
-                          "--use_peft")
+    elif args.use_rslora or args.use_dora or args.lora_target_parameters:
+        option = next(name for name in ("use_rslora", "use_dora", "lora_target_parameters") if getattr(args, name))
+        raise ConfigError(f"--{option} is an option of LoRA adapters: add --use_peft")
     if args.load_in_4bit:
         if importlib.util.find_spec("bitsandbytes") is None:
             raise ConfigError("--load_in_4bit quantizes the base with bitsandbytes, which is not installed: pip "
@@ -369,27 +410,50 @@ def validate_args(args, launching: bool = True) -> None:
         if args.bf16_generation:
             raise ConfigError("--bf16_generation samples from a bf16 copy of the policy, but a --load_in_4bit base "
                               "is 4-bit: drop --bf16_generation (the 4-bit base samples as it trains)")
-    elif args.bnb_4bit_quant_type != "nf4" or args.use_bnb_nested_quant:
-        raise ConfigError(f"--{'use_bnb_nested_quant' if args.use_bnb_nested_quant else 'bnb_4bit_quant_type'} is "
-                          "an option of the 4-bit base: add --load_in_4bit (with --use_peft)")
+    elif args.bnb_4bit_quant_type != "nf4" or args.use_bnb_nested_quant or args.bnb_4bit_quant_storage:
+        option = next(name for name, on in (("use_bnb_nested_quant", args.use_bnb_nested_quant),
+                                            ("bnb_4bit_quant_storage", args.bnb_4bit_quant_storage),
+                                            ("bnb_4bit_quant_type", True)) if on)
+        raise ConfigError(f"--{option} is an option of the 4-bit base: add --load_in_4bit (with --use_peft)")
     if launching and args.fsdp and "RANK" not in os.environ:
         raise ConfigError("--fsdp shards the policy over torchrun's processes: launch with torchrun")
     check_model_options(args)
 
 
-def update_intervals(args, steps_per_update: int) -> tuple[int, int]:
-    """--save_steps and --logging_steps in updates. They count updates, as in TRL <= 0.21, whose names the flags keep;
-    but a command that sets the run's length with --max_steps counts in optimizer steps, as TRL >= 0.22's Trainer
-    does (an update is num_ppo_epochs x num_mini_batches of them), and so do its --save_steps and --logging_steps
-    (a checkpoint needs a whole update: a multiple of it; a console line comes at the first update that reaches
-    the step)."""
-    if args.max_steps is None:
-        return args.save_steps, args.logging_steps
-    if args.save_steps % steps_per_update:
+def in_updates(steps, args, steps_per_update: int, num_updates: int) -> int:
+    """An interval flag (--save_steps, --logging_steps, --eval_steps) in updates: below 1, that share of the run's
+    updates, rounded up (TRL's fractions); else updates, as in TRL <= 0.21, whose names the flags keep, but in a
+    command that sets the run's length with --max_steps, optimizer steps, as TRL >= 0.22's Trainer counts them (an
+    update is num_ppo_epochs x num_mini_batches of them): the first update that reaches the step."""
+    if 0 < steps < 1:
+        return math.ceil(steps * num_updates)
+    return int(steps) if args.max_steps is None else math.ceil(steps / steps_per_update)
+
+
+def update_intervals(args, steps_per_update: int, num_updates: int) -> tuple[int, int]:
+    """--save_steps and --logging_steps in updates (in_updates); with --max_steps a checkpoint needs a whole update:
+    --save_steps a multiple of its optimizer steps."""
+    if args.max_steps is not None and args.save_steps >= 1 and args.save_steps % steps_per_update:
         raise ConfigError(f"--save_steps {args.save_steps} counts optimizer steps with --max_steps (TRL >= 0.22's "
                           f"unit), and a checkpoint comes after a whole update of {steps_per_update} steps "
                           f"(num_ppo_epochs x num_mini_batches): pass a multiple of {steps_per_update}")
-    return args.save_steps // steps_per_update, math.ceil(args.logging_steps / steps_per_update)
+    return (in_updates(args.save_steps, args, steps_per_update, num_updates),
+            in_updates(args.logging_steps, args, steps_per_update, num_updates))
+
+
+def evaluation_updates(args, num_updates: int, steps_per_update: int, updates_per_epoch: int) -> set[int]:
+    """The updates after which the policy is evaluated (the initial policy's evaluation, update 0, comes on top).
+    --eval_strategy steps: every --eval_steps (else --logging_steps; in_updates); epoch: at the end of each pass over
+    the prompts (updates_per_epoch); no: none. By default --num_evals of them spread evenly over the run, the last at
+    its end (--num_evals 0: only the end)."""
+    if args.eval_strategy in ("steps", "epoch"):
+        every = updates_per_epoch if args.eval_strategy == "epoch" else in_updates(
+            args.logging_steps if args.eval_steps is None else args.eval_steps, args, steps_per_update, num_updates)
+        return set(range(every, num_updates + 1, every))
+    if args.eval_strategy == "no":
+        return set()
+    return {math.ceil(i * num_updates / args.num_evals) for i in range(1, args.num_evals + 1)} if args.num_evals \
+        else {num_updates}
 
 
 NO_4D_MASK = ("takes no 4D mask, and rloo.py's grouped rows (each prompt computed once for its k completions, in "
@@ -454,7 +518,9 @@ def quantization_config(args):
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type,
                               bnb_4bit_use_double_quant=args.use_bnb_nested_quant,
-                              bnb_4bit_compute_dtype=torch.float32)
+                              bnb_4bit_compute_dtype=torch.float32,
+                              **({"bnb_4bit_quant_storage": args.bnb_4bit_quant_storage}
+                                 if args.bnb_4bit_quant_storage else {}))
 
 
 def policy_options(args) -> dict:

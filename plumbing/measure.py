@@ -1,8 +1,9 @@
 """Measuring: each phase's time and tokens per update, the token-forwards against the minimum, free memory turned into
-rows per forward pass, the sampler/trainer mismatch metrics.
+rows per forward pass, the sampler/trainer mismatch metrics, how far a run's learning rates can move the weights.
 """
 
 import contextlib
+import math
 import os
 import time
 from typing import Callable, Optional
@@ -162,3 +163,18 @@ def mismatch_metrics(rollout, args, importance_weights: Callable, cliprange: flo
         out["mismatch/is_weight_mean"] = ((weights * counted).sum() / n).item()
         out["mismatch/is_capped_frac"] = (((raw > args.vllm_importance_sampling_cap) * counted).sum() / n).item()
     return out
+
+
+def movement_note(trainable: list, args, learning_rate_sum: float) -> list[str]:
+    """A start-up line: how far the run's learning rates can move the policy's weights. An AdamW step moves a weight
+    by about the learning rate at most (the gradient's running mean over its running RMS), so the whole run by at
+    most the sum of its steps' learning rates, set here against the RMS of the trained matrices. None with LoRA
+    (the adapters start at 0) or FSDP (the weights are sharded)."""
+    if args.use_peft or args.fsdp:
+        return []
+    matrices = [p.detach() for p in trainable if p.dim() >= 2]
+    squares = sum(m.float().square().sum().item() for m in matrices)
+    rms = math.sqrt(squares / max(1, sum(m.numel() for m in matrices)))
+    total = f"the learning rates of the run's optimizer steps sum to {learning_rate_sum:.3g}"
+    return [f"{total}: AdamW moves each weight by at most about that much, {learning_rate_sum / rms:.1%} of the "
+            f"policy's weight RMS ({rms:.3g})" if rms > 0 else total]

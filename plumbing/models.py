@@ -282,7 +282,23 @@ def lora_config(args):
     return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, task_type="CAUSAL_LM",
                       use_rslora=args.use_rslora, use_dora=args.use_dora,
                       target_modules=targets[0] if targets and len(targets) == 1 else targets and list(targets),
-                      modules_to_save=args.lora_modules_to_save and list(args.lora_modules_to_save))
+                      modules_to_save=args.lora_modules_to_save and list(args.lora_modules_to_save),
+                      target_parameters=args.lora_target_parameters and list(args.lora_target_parameters))
+
+
+def weight_decay_groups(model, trainable: list, weight_decay: float) -> list[dict]:
+    """AdamW's parameter groups for --weight_decay as transformers' Trainer makes them (TRL's): every trained weight
+    decays but biases and norms (Trainer.get_decay_parameter_names, which reads only the model); one group when it
+    is 0."""
+    if weight_decay == 0:
+        return [{"params": trainable, "weight_decay": 0.0}]
+    from transformers import Trainer
+
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for name, p in named if name in decay], "weight_decay": weight_decay},
+              {"params": [p for name, p in named if name not in decay], "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
 
 
 def add_adapters(policy, args, checkpoint: Optional[Path]) -> None:
@@ -299,6 +315,7 @@ def add_adapters(policy, args, checkpoint: Optional[Path]) -> None:
         except ValueError as e:  # no target modules known for the architecture, or a name that matches nothing
             raise ConfigError(f"--use_peft: {first_line(e)} - pass --lora_target_modules (module names, or "
                               "all-linear)") from None
+    policy.eval()  # peft's new modules come in train mode, their --lora_dropout on: off until training switches it on
     base = policy.peft_config["default"].base_model_name_or_path  # the path as typed; a Hub id stays as it is
     if base and Path(base).is_dir():  # absolute: the saved adapter loads its base from any folder
         policy.peft_config["default"].base_model_name_or_path = str(Path(base).resolve())

@@ -45,8 +45,9 @@ ABANDONED = "abandoned"  # output_dir/abandoned/<time>_<why>/: work a run set as
 MERGED = "merged"  # output_dir/merged: --merge_lora's policy, written with the final one
 
 
-RUN_OUTPUTS = (CHECKPOINTS, "metrics.jsonl*", "curves.png", PREEMPTED, "nonfinite", "wandb", LOCK,  # what a run
-               ABANDONED, "engine_*.log", "engines.json")  # writes before it ends (the last two: rloo_multinode.py's)
+RUN_OUTPUTS = (CHECKPOINTS, "metrics.jsonl*", "curves.png", PREEMPTED, "nonfinite", "wandb", "tensorboard", LOCK,
+               ABANDONED, "engine_*.log", "engines.json")  # what a run writes before it ends (the last two:
+# rloo_multinode.py's)
 
 
 # ---- output_dir: one run at a time, nothing deleted

@@ -59,9 +59,13 @@ def reduce_metrics(metrics: dict[str, float], device: torch.device,
 
 def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, scores: torch.Tensor, k: int) -> dict:
     """Length and spread statistics of one rank's (N, Tr) completions (TRL's names; a rank with no completion that
-    stopped has mean_terminated_length 0, as TRL logs it)."""
+    stopped has mean_terminated_length 0, as TRL logs it). The spread of a prompt's scores is over the scored ones
+    (a NaN score: no source scored it), as TRL's nanstd."""
     lengths = response_mask.sum(1).float()  # (N,)
-    per_prompt_std = scores.reshape(k, -1).std(0)  # (B,)
+    grouped = scores.reshape(k, -1)  # (k, B)
+    scored = ~grouped.isnan()
+    mean = grouped.nansum(0) / scored.sum(0)  # (B,)
+    per_prompt_std = ((grouped - mean).square().nansum(0) / (scored.sum(0) - 1)).sqrt()  # (B,) unbiased, as std
     return {
         "completions/mean_length": lengths.mean().item(),
         "completions/min_length": lengths.min().item(),
@@ -69,7 +73,7 @@ def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, scor
         "completions/mean_terminated_length": lengths[has_stop].mean().item() if has_stop.any() else 0.0,
         "completions/clipped_ratio": (~has_stop).float().mean().item(),
         "val/num_eos_tokens": has_stop.sum().item(),
-        "reward_std": per_prompt_std.mean().item(),
+        "reward_std": per_prompt_std.nanmean().item(),
         "frac_reward_zero_std": (per_prompt_std < 1e-6).float().mean().item(),
     }
 
@@ -112,30 +116,43 @@ def score_sources(rows: list[dict]) -> str:
     return ", ".join(name.replace("_", " ") if name == "reward_model" else f"{name}()" for name in names) or "score"
 
 
+MISMATCH_SHOWN = 1e-4  # per-token |log-prob difference| above float32's rounding: a sampler that is not the trainer
+
+
 def curve_panels(runs: list[tuple[list[dict], list[dict]]]) -> list[tuple[str, str, bool]]:
-    """(metric, title, from eval lines) of each panel drawn for these runs' (update lines, eval lines): score,
-    RLHF reward, KL, the eval score where a run evaluated, the sampler/trainer mismatch where it was logged."""
+    """(metric, title, from eval lines) of each panel drawn for these runs' (update lines, eval lines), what a
+    newcomer reads first first: the score, the eval score where a run evaluated, the KL, the completions' length
+    and entropy, the RLHF reward; then the sampler/trainer mismatch, only where a sampler differs from the trainer
+    (above MISMATCH_SHOWN: a bf16 copy, autocast's, an engine; the same fp32 weights differ by ~1e-7, which means
+    nothing)."""
     sources = score_sources([row for rows, _ in runs for row in rows])
-    panels = [("objective/scores", f"score ({sources})", False),
-              ("objective/rlhf_reward", "RLHF reward (score - KL penalty)", False),
-              ("objective/kl", "KL(policy || reference)", False)]
+    panels = [("objective/scores", f"score ({sources})", False)]
     if any(evals for _, evals in runs):
         panels.append(("eval/scores", f"eval score ({sources}; test prompts, near-greedy)", True))
-    if any("mismatch/logprob_diff_mean" in row for rows, _ in runs for row in rows):
+    panels += [("objective/kl", "KL(policy || reference)", False),
+               ("completions/mean_length", "completion length (tokens)", False),
+               ("objective/entropy", "entropy of the sampled tokens (per completion)", False),
+               ("objective/rlhf_reward", "RLHF reward (score - KL penalty)", False)]
+    if any(row.get("mismatch/logprob_diff_mean", 0.0) > MISMATCH_SHOWN for rows, _ in runs for row in rows):
         panels.append(("mismatch/logprob_diff_mean", "sampler/trainer |log-prob difference| per token", False))
     return panels
 
 
 def plot_curves(metrics_paths: list[Path] | Path, png_path: Path, smooth: int = 10) -> None:
-    """One panel per metric against episode, one line per metrics.jsonl (its directory's name); per-update values
-    faint, a `smooth`-update trailing mean solid; eval scores as points. Written whole (a viewer never sees half)."""
+    """One panel per metric (curve_panels) against episode, in a grid of rows of 3, one line per metrics.jsonl (its
+    directory's name); per-update values faint, a `smooth`-update trailing mean solid; eval scores as points.
+    Written whole (a viewer never sees half)."""
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state; Agg draws the file
 
     metrics_paths = [metrics_paths] if isinstance(metrics_paths, (str, Path)) else list(metrics_paths)
     runs = [(read_metrics(path), read_metrics(path, evals=True)) for path in metrics_paths]
     panels = curve_panels(runs)
-    fig = Figure(figsize=(4.6 * len(panels), 3.6))
-    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    columns, rows = min(3, len(panels)), math.ceil(len(panels) / 3)
+    fig = Figure(figsize=(4.6 * columns, 3.4 * rows))
+    grid = fig.subplots(rows, columns, squeeze=False).flatten()
+    for unused in grid[len(panels):]:
+        unused.set_visible(False)
+    axes = grid[:len(panels)]
     for path, (rows, evals) in zip(metrics_paths, runs):
         color = None
         for ax, (key, title, from_evals) in zip(axes, panels):
@@ -203,7 +220,8 @@ class MetricsWriteError(Fault):
 
 
 class RunLogger:
-    """Rank 0's outputs: a compact line per update, metrics.jsonl (appended), wandb, a progress bar, tables."""
+    """Rank 0's outputs: a compact line per update, metrics.jsonl (appended), wandb, TensorBoard, a progress bar,
+    tables."""
 
     LINE_KEYS = (("objective/scores", "score"), ("objective/rlhf_reward", "rlhf"), ("objective/kl", "kl"),
                  ("objective/entropy", "ent"), ("policy/clipfrac_avg", "clip"), ("completions/mean_length", "len"),
@@ -224,6 +242,8 @@ class RunLogger:
             self.wandb = wandb
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name,
                        config=asdict(args), dir=args.output_dir, id=wandb_run_id, resume="allow")
+        self.tensorboard_dir = Path(args.output_dir) / "tensorboard" if args.tensorboard else None
+        self.tensorboard, self.resumed = None, start_update > 0  # the writer, opened by publish
         self.console = Console(markup=False)  # a path, a prompt or a completion holding `[/]` is text, not markup
         self.progress = Progress(TextColumn("update"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                                  console=self.console, transient=True)
@@ -237,8 +257,7 @@ class RunLogger:
 
     def log(self, update: int, metrics: dict[str, float]) -> None:
         self.write_metrics({"update": update, **metrics})
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=int(metrics["episode"]))
+        self.publish(metrics, int(metrics["episode"]))
         if update % self.logging_steps and update != self.num_updates:
             self.progress.advance(self.task)
             return
@@ -261,12 +280,25 @@ class RunLogger:
 
     def log_eval(self, update: int, metrics: dict[str, float], episode: int) -> None:
         self.write_metrics({"update": update, "episode": episode, **metrics})
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=episode)
+        self.publish(metrics, episode)
         self.console.print(f"eval after update {update}: " + " ".join(f"{k.removeprefix('eval/')} {v:.4g}"
                                                                          for k, v in metrics.items()),
                            highlight=False, soft_wrap=True)
         self.curves.draw(force=update > 0)
+
+    def publish(self, metrics: dict[str, float], step: int) -> None:
+        """An update's or an evaluation's metrics to wandb and TensorBoard, at its episode. TensorBoard's writer opens
+        at the first: a resumed run's drops the events its earlier timeline wrote from that step on (purge_step)."""
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if self.tensorboard_dir is not None:
+            if self.tensorboard is None:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tensorboard = SummaryWriter(str(self.tensorboard_dir), purge_step=step if self.resumed else None,
+                                                 flush_secs=30)
+            for key, value in metrics.items():
+                self.tensorboard.add_scalar(key, value, step)
 
     def write_metrics(self, record: dict) -> None:
         """One line of metrics.jsonl, whole or not at all: a write that fails (a full disk, a quota) is cut off again
@@ -308,9 +340,5 @@ class RunLogger:
         self.curves.draw(force=True)
         if self.wandb is not None:
             self.wandb.finish()
-
-
-def evaluation_updates(num_updates: int, num_evals: int) -> set[int]:
-    """The updates after which the policy is evaluated: num_evals of them spread evenly over the run, the last at its
-    end (num_evals 0: only the end). The initial policy's evaluation (update 0) comes on top."""
-    return {math.ceil(i * num_updates / num_evals) for i in range(1, num_evals + 1)} if num_evals else {num_updates}
+        if self.tensorboard is not None:
+            self.tensorboard.close()

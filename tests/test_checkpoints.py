@@ -263,7 +263,7 @@ def test_no_optimizer_step_on_a_nonfinite_loss():
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1.0)
     with pytest.raises(plumbing.NonFiniteError, match="non-finite loss on rank 0"):
-        rloo.ppo_update(policy, optimizer, rollout, torch.tensor([1.0, float("nan"), 0.0, 0.0]), args,
+        rloo.ppo_update(policy, optimizer, rollout, torch.tensor([1.0, float("inf"), 0.0, 0.0]), args,  # NaN: unscored
                         rloo.compute_batch_sizes(args, 1), True, lambda: torch.autocast("cpu", enabled=False))
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
 

@@ -173,7 +173,7 @@ def test_fsdp_outside_torchrun_is_refused(assets, tmp_path):
 # ---------------------------------------------------------------- TRL >= 0.22's names
 TRL_VALUES = {"num_generations": ("4", 4), "beta": ("0.03", 0.03), "epsilon": ("0.3", 0.3), "num_iterations": ("2", 2),
               "max_completion_length": ("17", 17), "normalize_advantages": (None, True),
-              "reward_model_name_or_path": ("models/rm", "models/rm")}
+              "reward_model_name_or_path": ("models/rm", "models/rm"), "activation_checkpointing": (None, True)}
 
 
 def test_every_trl_name_sets_rloo_flag():
@@ -480,8 +480,12 @@ BAD_INPUTS = {  # case: (flags that replace or add to a valid command, fragments
                                     ["is a GPTNeoXForCausalLM, not a reward model: its score head would be newly "
                                      "initialized", "AutoModelForSequenceClassification with num_labels=1"]),
     "zero updates": ({"num_train_epochs": "0.0001"},
-                     ["--num_train_epochs 0.0001 of 256 prompts is 0 episodes: no update (one takes 8)",
-                      "--num_train_epochs 0.0312 or more, or --total_episodes 8"]),
+                     ["--num_train_epochs 0.0001 of 256 prompts x k=2 is 0 episodes: no update (one takes 8)",
+                      "--num_train_epochs 0.0156 or more, or --total_episodes 8"]),
+    "fractional logging_steps above 1": ({"logging_steps": "2.5"}, ["logging_steps = 2.5", "a share of the run"]),
+    "eval_steps without eval_strategy steps": ({"eval_steps": "10"}, ["--eval_steps 10 spaces the evaluations"]),
+    "LoRA on parameters with dropout": ({"use_peft": None, "lora_target_parameters": "mlp.dense_h_to_4h.weight"},
+                                        ["take no dropout", "pass --lora_dropout 0"]),
     "reward model with two labels": ({"reward_model_path": "two_label_rm"},
                                      ["two_label_rm", "2-label classification head", "num_labels=1"]),
     "LoRA with FSDP": ({"use_peft": None, "fsdp": None}, ["--use_peft with --fsdp is not supported yet"]),

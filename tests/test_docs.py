@@ -150,3 +150,22 @@ def test_the_shape_legend_names_every_symbol_of_rloo_pys_shape_comments():
     assert {"k", "B", "N", "Tr", "Tr'", "V", "L", "P", "n"} <= symbols  # the comments are read
     assert not symbols - named, f"in shape comments, not in rloo.py's shape legend: {sorted(symbols - named)}"
     assert shape_symbols("x = y  # (M, Tr) a (bf16 copy, an engine)") == {"M", "Tr"}  # and an unknown one is seen
+
+
+def test_readmes_first_run_is_the_demos_starting_point_and_runs_as_written():
+    """"Your model, your data": the environment's python named, and the demo's settings (which `make demo` prints
+    and trains with until its score rises): the same flags and values, but for the paths and the completion length."""
+    from benchmark import demo
+
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"```bash\n(\.venv/bin/python rloo\.py .*?)\n\.venv/bin/torchrun", readme, flags=re.S).group(1)
+    words = block.replace("\\\n", " ").split()[2:]
+    readme_flags = dict(zip(words[::2], words[1::2]))
+    assert all(word.startswith("--") for word in words[::2]), words
+    demo_words = demo.rloo_command(demo.Args(), {k: "x" for k in ("policy", "reward_model", "train", "test")})[2:]
+    demo_flags = dict(zip(demo_words[::2], demo_words[1::2]))
+    shared = {"--rloo_k", "--per_device_train_batch_size", "--num_ppo_epochs", "--learning_rate", "--kl_coef",
+              "--temperature", "--missing_eos_penalty", "--total_episodes", "--logging_steps"}
+    assert shared <= set(readme_flags), set(readme_flags)
+    assert {f: float(readme_flags[f]) for f in shared} == {f: float(demo_flags[f]) for f in shared}
+    plumbing.validate_args(plumbing.parse_args(rloo.Args, argv=words, prog="rloo.py"))

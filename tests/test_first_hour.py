@@ -89,18 +89,19 @@ def test_openmp_threads_sleep_unless_the_user_says_otherwise(script, own):
     (7, 4, {2, 4, 6, 7}), (7, 0, {7}), (7, 1, {7}), (7, 7, set(range(1, 8))), (7, 20, set(range(1, 8))),
     (40, 2, {20, 40}), (10, 3, {4, 7, 10}), (1, 4, {1}), (245, 4, {62, 123, 184, 245})])
 def test_num_evals_is_the_number_of_evaluations(num_updates, num_evals, expected):
-    at = plumbing.evaluation_updates(num_updates, num_evals)
+    at = plumbing.evaluation_updates(rloo.Args(num_evals=num_evals), num_updates, 1, 1)
     assert at == expected
     assert len(at) == min(max(num_evals, 1), num_updates) and max(at) == num_updates
 
 
-def metrics_file(path: Path, sources: list[str], evals: bool = True, mismatch: bool = False) -> Path:
+def metrics_file(path: Path, sources: list[str], evals: bool = True, mismatch: float | None = None) -> Path:
     lines = [{"update": 0, "episode": 0, "eval/scores": 0.1}] if evals else []
     for update in range(1, 6):
         lines.append({"update": update, "episode": 64 * update, "objective/scores": 0.1 * update,
                       "objective/rlhf_reward": 0.1 * update, "objective/kl": 0.01 * update,
+                      "completions/mean_length": 5.0, "objective/entropy": 9.0 - update,
                       **{f"reward/{s}/mean": 0.5 for s in sources},
-                      **({"mismatch/logprob_diff_mean": 1e-7} if mismatch else {})})
+                      **({"mismatch/logprob_diff_mean": mismatch} if mismatch is not None else {})})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
@@ -113,17 +114,23 @@ def test_curve_titles_say_what_the_score_is(tmp_path, sources, title):
     runs = [(plumbing.read_metrics(path), plumbing.read_metrics(path, evals=True))
             for path in [metrics_file(tmp_path / "metrics.jsonl", sources)]]
     panels = plumbing.curve_panels(runs)
-    assert panels[0][1] == title and panels[3][0] == "eval/scores" and title[6:-1] in panels[3][1]
-    assert len(panels) == 4  # no mismatch logged, no mismatch panel
+    assert panels[0][1] == title and panels[1][0] == "eval/scores" and title[6:-1] in panels[1][1]
+    assert len(panels) == 6  # no mismatch logged, no mismatch panel
 
 
 def test_curves_panels_follow_what_was_logged(tmp_path):
-    path = metrics_file(tmp_path / "a" / "metrics.jsonl", ["count_a"], evals=False, mismatch=True)
-    runs = [(plumbing.read_metrics(path), plumbing.read_metrics(path, evals=True))]
-    assert [key for key, _, _ in plumbing.curve_panels(runs)] == [
-        "objective/scores", "objective/rlhf_reward", "objective/kl", "mismatch/logprob_diff_mean"]
+    """The reward, the evaluation, the KL, length and entropy first; the sampler/trainer mismatch only where a sampler
+    differs from the trainer (a bf16 copy: ~1e-2 per token), not at float32's rounding (the same weights: ~1e-7)."""
+    first = ["objective/scores", "objective/kl", "completions/mean_length", "objective/entropy", "objective/rlhf_reward"]
+    for mismatch, panels in ((1e-7, first), (2e-2, [*first, "mismatch/logprob_diff_mean"])):
+        path = metrics_file(tmp_path / f"{mismatch}" / "metrics.jsonl", ["count_a"], evals=False, mismatch=mismatch)
+        runs = [(plumbing.read_metrics(path), plumbing.read_metrics(path, evals=True))]
+        assert [key for key, _, _ in plumbing.curve_panels(runs)] == panels
     plumbing.plot_curves([path, metrics_file(tmp_path / "b" / "metrics.jsonl", ["count_a"])], tmp_path / "c.png")
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    from PIL import Image
+
+    assert Image.open(tmp_path / "c.png").size == (1380, 1020)  # 7 panels: a grid of 3 columns and 3 rows
 
 
 def test_a_run_without_matplotlib_says_so_once_and_goes_on(tmp_path, monkeypatch):
@@ -168,3 +175,4 @@ def test_make_help_lists_every_described_target():
     listed = [line.split()[1] for line in result.stdout.splitlines()]
     assert listed == described and {"demo", "test", "test-newest", "help"} <= set(listed), result.stdout
     assert all(len(line.split(None, 2)) == 3 for line in result.stdout.splitlines())  # each with its description
+    assert "$(" not in result.stdout and "TRL 0.21 in benchmark/.venv-trl" in result.stdout  # variables expanded

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 import plumbing
 import rloo
-from conftest import REPO, cpu_env, read_metrics, run_rloo, script_env
+from conftest import REPO, cpu_env, policy_tokenizer, read_metrics, run_rloo, script_env, tiny_policy
 from test_checkpoints import comparable, interrupt_after_first_update
 
 LORA = ("--use_peft", "--lora_r", "4", "--lora_alpha", "8")
@@ -348,3 +348,23 @@ def test_bitsandbytes_imports_with_hub_kernels_blocked(tmp_path):
                             env=script_env({"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}))
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["blocked", "kernels"]
+
+
+def test_the_adapters_come_in_eval_mode_so_that_their_dropout_waits_for_training():
+    """peft's new modules start in train mode: with --lora_dropout (TRL's 0.05, the default) a resumed policy's
+    start-up check of prompt sharing (its adapters not 0) saw dropout's noise, switched sharing off, and the resume
+    was not bit-identical (test_a_lora_run_resumes_bit_identical_and_both_saved_forms_load)."""
+    policy = tiny_policy(len(policy_tokenizer()))
+    plumbing.add_adapters(policy, rloo.Args(use_peft=True, lora_r=4), None)
+    assert rloo.Args().lora_dropout > 0 and not any(module.training for module in policy.modules())
+
+
+def test_bnb_4bit_quant_storage_is_the_dtype_the_4bit_weights_are_packed_in(assets):
+    """TRL's ModelConfig.bnb_4bit_quant_storage, passed to bitsandbytes as TRL's get_quantization_config does."""
+    bnb = bitsandbytes()
+    args = lora_args(assets, load_in_4bit=True, bnb_4bit_quant_storage="bfloat16")
+    plumbing.validate_args(args)
+    assert plumbing.quantization_config(args).bnb_4bit_quant_storage == torch.bfloat16
+    policy, _, _, _ = rloo.load_policy(args, torch.device("cpu"))
+    layers = [m for m in policy.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and all(m.weight.dtype == torch.bfloat16 for m in layers)

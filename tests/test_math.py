@@ -45,6 +45,39 @@ def test_baseline_matches_brute_force(k, b):
     torch.testing.assert_close(advantages.reshape(k, b).sum(0), torch.zeros(b), atol=1e-5, rtol=0)
 
 
+def test_an_unscored_completion_is_left_out_of_its_groups_baselines_with_advantage_zero():
+    """TRL's nan-aware leave-one-out: a NaN reward (no source scored it) is not in its siblings' baselines, and a
+    completion with no scored sibling, or none itself, gets advantage 0."""
+    nan = math.nan
+    rewards = torch.tensor([[1.0, 5.0, nan], [nan, 6.0, 2.0], [3.0, nan, nan], [5.0, nan, nan]])  # (k=4, g=3)
+    baseline = rloo.leave_one_out_baseline(rewards)
+    torch.testing.assert_close(baseline[[0, 2, 3], 0], torch.tensor([4.0, 3.0, 2.0]))  # over the other 2 scored
+    torch.testing.assert_close(baseline[:2, 1], torch.tensor([6.0, 5.0]))  # the other one
+    assert baseline[1, 0].isnan() and baseline[1, 2].isnan()  # unscored; the only scored one of its group
+    rollout = rloo.Rollout(torch.ones(3, 1, dtype=torch.long), torch.ones(3, 1, dtype=torch.bool),
+                           torch.ones(12, 1, dtype=torch.long), torch.ones(12, 1, dtype=torch.bool),
+                           torch.zeros(12, 1), torch.zeros(12, 1))
+    rloo.compute_advantages(rollout, rewards.flatten(), rloo.Args(rloo_k=4, kl_coef=0.1))
+    assert rollout.advantages.tolist() == [-3.0, -1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 3.0, 0.0, 0.0]
+    rloo.compute_advantages(rollout, rewards.flatten(), rloo.Args(rloo_k=4, kl_coef=0.1, normalize_advantage=True))
+    scored = torch.tensor([-3.0, -1.0, 1.0, 0.0, 3.0])  # whitened over the 5 with an advantage: mean 0, std sqrt(5)
+    torch.testing.assert_close(rollout.advantages[[0, 1, 4, 6, 9]], scored / (math.sqrt(5) + 1e-8))
+    assert rollout.advantages[[2, 3, 5, 7, 8, 10, 11]].abs().sum() == 0
+
+
+def test_a_masked_completions_kl_leaves_its_reward_which_stays_in_its_groups_baseline():
+    """--mask_truncated_completions, TRL 1.16's meaning: the completion mask of a truncated completion is zeroed,
+    so its reward is its score alone, and its siblings' baselines see that."""
+    rollout = rloo.Rollout(torch.ones(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool),
+                           torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool),
+                           torch.tensor([[-0.2], [-0.4]]), torch.tensor([[-0.6], [-1.0]]), in_loss=torch.tensor(
+                               [True, False]))
+    rloo.compute_advantages(rollout, torch.tensor([1.0, 2.0]), rloo.Args(rloo_k=2, kl_coef=0.5))
+    # completion 0: 1 - 0.5 x 0.4 = 0.8; completion 1 (masked): 2, its KL 0.6 left out
+    torch.testing.assert_close(rollout.rlhf_reward, torch.tensor([0.8, 2.0]))
+    torch.testing.assert_close(rollout.advantages, torch.tensor([0.8 - 2.0, 2.0 - 0.8]))
+
+
 def test_k_below_two_is_refused():
     with pytest.raises(ValueError, match="k >= 2"):
         rloo.leave_one_out_baseline(torch.ones(1, 4))
@@ -207,8 +240,9 @@ def test_combine_rewards_with_none():
     applies = torch.tensor([[True, True, False], [True, False, True]])
     combined = rloo.combine_rewards(values, applies, torch.tensor([1.0, 0.5]))
     assert combined.tolist() == [6.0, 2.0, 15.0]
-    with pytest.raises(plumbing.RewardFunctionError, match="no reward source applies to completions \\[1\\]"):
-        rloo.combine_rewards(values, torch.tensor([[True, False, True], [False, False, True]]), torch.ones(2))
+    # a completion no source applies to is NaN (TRL's: every function returned None), left out of its baselines
+    unscored = rloo.combine_rewards(values, torch.tensor([[True, False, True], [False, False, True]]), torch.ones(2))
+    assert unscored[1].isnan() and unscored[[0, 2]].tolist() == [1.0, 30.0]
 
 
 def test_reduce_metrics_single_process():

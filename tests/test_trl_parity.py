@@ -49,7 +49,7 @@ RLOO_CONFIG = {  # TRL 1.16 RLOOConfig's own fields
     "repetition_penalty": (["1.1"], ("repetition_penalty", 1.1)),
     "cache_implementation": (["static"], REFUSED),
     "use_vllm": (["True"], ("engine", "vllm")),
-    "vllm_mode": (["colocate"], ("vllm_mode", "colocate")),
+    "vllm_mode": (["server"], ("vllm_mode", "server")),  # TRL's default colocate: asks for nothing in rloo.py
     "vllm_model_impl": (["transformers"], REFUSED),
     "vllm_enable_sleep_mode": (["True"], ("vllm_enable_sleep_mode", True)),
     "vllm_structured_outputs_regex": (["a+"], REFUSED),
@@ -57,7 +57,7 @@ RLOO_CONFIG = {  # TRL 1.16 RLOOConfig's own fields
     "vllm_server_host": (["10.0.0.3"], ("engine_urls", "http://10.0.0.3:8000")),
     "vllm_server_port": (["8001"], ("engine_urls", "http://0.0.0.0:8001")),
     "vllm_server_timeout": (["120"], ("engine_timeout", 120.0)),
-    "vllm_group_port": (["51216"], REFUSED),
+    "vllm_group_port": (["51217"], REFUSED),
     "vllm_gpu_memory_utilization": (["0.5"], ("vllm_gpu_memory_utilization", 0.5)),
     "vllm_max_model_length": (["1024"], REFUSED),
     "vllm_tensor_parallel_size": (["2"], ("vllm_tensor_parallel_size", 2)),
@@ -85,13 +85,13 @@ TRAINING_ARGUMENTS = {  # transformers' TrainingArguments, as RLOOConfig inherit
     "overwrite_output_dir": (["True"], ("overwrite_output_dir", True)),
     "do_train": (["True"], NOOP),
     "do_eval": (["True"], REFUSED),
-    "eval_strategy": (["steps"], REFUSED),
-    "eval_steps": (["100"], REFUSED),
+    "eval_strategy": (["steps"], ("eval_strategy", "steps")),
+    "eval_steps": (["100"], ("eval_steps", 100)),
     "per_device_train_batch_size": (["4"], ("per_device_train_batch_size", 4)),
     "per_device_eval_batch_size": (["4"], REFUSED),
     "gradient_accumulation_steps": (["2"], ("gradient_accumulation_steps", 2)),
     "learning_rate": (["1e-6"], ("learning_rate", 1e-6)),
-    "weight_decay": (["0.0"], REFUSED),
+    "weight_decay": (["0.1"], ("weight_decay", 0.1)),
     "adam_beta1": (["0.9"], NOOP),
     "adam_beta2": (["0.95"], REFUSED),
     "adam_epsilon": (["1e-6"], ("adam_epsilon", 1e-6)),
@@ -105,9 +105,10 @@ TRAINING_ARGUMENTS = {  # transformers' TrainingArguments, as RLOOConfig inherit
     "logging_dir": (["logs"], REFUSED),
     "logging_strategy": (["steps"], NOOP),
     "logging_first_step": (["True"], REFUSED),
-    "logging_steps": (["10"], ("logging_steps", 10)),
+    "logging_steps": (["0.1"], ("logging_steps", 0.1)),
     "save_strategy": (["no"], ("save_strategy", "no")),
     "save_steps": (["50"], ("save_steps", 50)),
+    "activation_checkpointing": (["True"], ("gradient_checkpointing", True)),
     "save_total_limit": (["2"], ("save_total_limit", 2)),
     "save_only_model": (["True"], REFUSED),
     "seed": (["42"], ("seed", 42)),
@@ -132,14 +133,14 @@ TRAINING_ARGUMENTS = {  # transformers' TrainingArguments, as RLOOConfig inherit
     "gradient_checkpointing_kwargs": (['{"use_reentrant": false}'], REFUSED),
     "push_to_hub": (["True"], REFUSED),
     "hub_model_id": (["me/model"], REFUSED),
-    "hub_strategy": (["every_save"], REFUSED),
+    "hub_strategy": (["end"], REFUSED),
     "resume_from_checkpoint": (["runs/x/checkpoints/step_2"], ("resume_from", "runs/x/checkpoints/step_2")),
     "optim": (["adamw_torch"], NOOP),
     "torch_compile": (["True"], REFUSED),
     "use_liger_kernel": (["True"], REFUSED),
-    "eval_on_start": (["True"], REFUSED),
+    "eval_on_start": (["True"], NOOP),
     "include_num_input_tokens_seen": (["True"], REFUSED),
-    "average_tokens_across_devices": (["True"], REFUSED),
+    "average_tokens_across_devices": (["False"], REFUSED),
 }
 TRL_RLOO_SCRIPT = {  # the `trl rloo` script's ModelConfig and ScriptArguments
     "model_name_or_path": (["models/policy"], ("model_name_or_path", "models/policy")),
@@ -153,6 +154,7 @@ TRL_RLOO_SCRIPT = {  # the `trl rloo` script's ModelConfig and ScriptArguments
     "lora_dropout": (["0.05"], ("lora_dropout", 0.05)),
     "lora_target_modules": (["q_proj", "v_proj"], ("lora_target_modules", ("q_proj", "v_proj"))),
     "lora_modules_to_save": (["lm_head"], ("lora_modules_to_save", ("lm_head",))),
+    "lora_target_parameters": (["mlp.experts.gate_up_proj"], ("lora_target_parameters", ("mlp.experts.gate_up_proj",))),
     "lora_task_type": (["SEQ_CLS"], REFUSED),
     "use_rslora": (["True"], ("use_rslora", True)),
     "use_dora": (["True"], ("use_dora", True)),
@@ -160,6 +162,7 @@ TRL_RLOO_SCRIPT = {  # the `trl rloo` script's ModelConfig and ScriptArguments
     "load_in_4bit": (["True"], ("load_in_4bit", True)),
     "bnb_4bit_quant_type": (["fp4"], ("bnb_4bit_quant_type", "fp4")),
     "use_bnb_nested_quant": (["True"], ("use_bnb_nested_quant", True)),
+    "bnb_4bit_quant_storage": (["bfloat16"], ("bnb_4bit_quant_storage", "bfloat16")),
     "dataset_name": (["trl-lib/ultrafeedback-prompt"], ("dataset_name", "trl-lib/ultrafeedback-prompt")),
     "dataset_config": (["default"], ("dataset_config", "default")),
     "dataset_train_split": (["train"], ("dataset_train_split", "train")),
@@ -170,6 +173,9 @@ TRL_RLOO_SCRIPT = {  # the `trl rloo` script's ModelConfig and ScriptArguments
     "ignore_bias_buffers": (["True"], REFUSED),
     "reward_model_name_or_path": (["models/rm"], ("reward_model_path", "models/rm")),
     "reward_funcs": (["my_rewards.lengths.reward_len"], ("reward_fn", ("my_rewards.lengths:reward_len",))),
+    "datasets": (['{"path": "trl-lib/tldr"}'], REFUSED),  # DatasetMixtureConfig's
+    "streaming": (["True"], REFUSED),
+    "test_split_size": (["0.1"], REFUSED),
 }
 TRL_FIELDS = RLOO_CONFIG | TRAINING_ARGUMENTS | TRL_RLOO_SCRIPT
 
@@ -196,6 +202,12 @@ train_sampling_strategy length_column_name ddp_find_unused_parameters ddp_bucket
 ddp_static_graph ddp_backend ddp_timeout fsdp fsdp_config deepspeed debug skip_memory_metrics do_train do_eval
 do_predict resume_from_checkpoint local_rank
 """.split()
+
+
+def test_the_tables_above_hold_every_field_of_trl_1_16s_table():
+    """The tables written out here against plumbing.TRL116, read from TRL 1.16's dataclasses (the `trl rloo` parser's
+    RLOOConfig, ModelConfig, script and dataset arguments): a field TRL adds is a case here first."""
+    assert set(plumbing.TRL116) - set(TRL_FIELDS) - set(TRANSFORMERS_TRAINING_ARGUMENTS) == set()
 
 
 @pytest.mark.parametrize("script", ["rloo.py", "rloo_multinode.py"])
@@ -275,7 +287,7 @@ def test_trl_forms_of_values():
 
 @pytest.mark.parametrize("argv,message", [
     (["--reward_funcs", "accuracy_reward"], "TRL's built-in reward functions are not here"),
-    (["--report_to", "tensorboard"], "pass --report_to wandb or none"),
+    (["--report_to", "mlflow"], "pass --report_to wandb, tensorboard (or both) or none"),
     (["--dtype", "float16"], "fp32 master weights"),
     (["--dtype=bfloat16"], "pass --bf16 instead"),
     (["--torch_dtype", "bfloat16"], "pass --bf16 instead"),
@@ -401,14 +413,17 @@ def test_attn_implementation_reaches_both_models_and_prompt_sharing_passes_its_c
 
 
 def test_save_and_logging_steps_count_updates_or_with_max_steps_optimizer_steps():
-    """TRL <= 0.21's unit (updates) by default; with --max_steps, TRL >= 0.22's (optimizer steps), as max_steps."""
+    """TRL <= 0.21's unit (updates) by default; with --max_steps, TRL >= 0.22's (optimizer steps), as max_steps;
+    below 1, TRL's share of the run (here in whole updates, rounded up)."""
     args = lambda **flags: rloo.Args(**{"save_steps": 8, "logging_steps": 6, **flags})  # noqa: E731
-    assert plumbing.update_intervals(args(), 4) == (8, 6)
-    assert plumbing.update_intervals(args(max_steps=16), 4) == (2, 2)  # a console line from the update reaching 6
-    assert plumbing.update_intervals(args(max_steps=16), 1) == (8, 6)
-    assert plumbing.update_intervals(rloo.Args(max_steps=16), 4) == (0, 1)  # the defaults: only at the end; every update
+    assert plumbing.update_intervals(args(), 4, 40) == (8, 6)
+    assert plumbing.update_intervals(args(max_steps=16), 4, 4) == (2, 2)  # a console line from the update reaching 6
+    assert plumbing.update_intervals(args(max_steps=16), 1, 16) == (8, 6)
+    assert plumbing.update_intervals(rloo.Args(max_steps=16), 4, 4) == (0, 1)  # defaults: only at the end; every update
     with pytest.raises(plumbing.ConfigError, match="pass a multiple of 4"):
-        plumbing.update_intervals(args(max_steps=16, save_steps=6), 4)
+        plumbing.update_intervals(args(max_steps=16, save_steps=6), 4, 4)
+    assert plumbing.update_intervals(args(save_steps=0.25, logging_steps=0.1), 4, 30) == (8, 3)  # ceil(7.5), ceil(3)
+    assert plumbing.update_intervals(args(save_steps=0.5, logging_steps=0.5, max_steps=12), 4, 3) == (2, 2)
 
 
 def test_with_max_steps_a_run_saves_and_logs_at_trls_optimizer_steps(assets, tmp_path):
@@ -441,7 +456,16 @@ def test_with_max_steps_a_run_saves_and_logs_at_trls_optimizer_steps(assets, tmp
     ({"max_steps": 8, "total_episodes": 64}, "pass one of them"),
     ({"warmup_ratio": 1.5}, "warmup_ratio = 1.5 must be in [0, 1]"),
     ({"save_strategy": "no", "save_steps": 5}, "--save_strategy no but --save_steps 5"),
-    ({"use_dora": True}, "--use_dora is a kind of LoRA adapter: add --use_peft"),
+    ({"use_dora": True}, "--use_dora is an option of LoRA adapters: add --use_peft"),
+    ({"lora_target_parameters": ("w",)}, "--lora_target_parameters is an option of LoRA adapters: add --use_peft"),
+    ({"bnb_4bit_quant_storage": "bfloat16"}, "--bnb_4bit_quant_storage is an option of the 4-bit base"),
+    ({"eval_strategy": "steps"}, "--eval_strategy steps evaluates on --dataset_test_split"),
+    ({"eval_strategy": "no", "dataset_test_split": "t"}, "--eval_strategy no, but --dataset_test_split t"),
+    ({"eval_steps": 5}, "--eval_steps 5 spaces the evaluations of --eval_strategy steps"),
+    ({"logging_steps": 2.5}, "logging_steps = 2.5 must be a whole number >= 1, or a share of the run"),
+    ({"save_steps": 1.0001}, "save_steps = 1.0001 must be"),
+    ({"eval_steps": 0, "eval_strategy": "steps", "dataset_test_split": "t"}, "eval_steps = 0 must be"),
+    ({"weight_decay": -0.1}, "weight_decay = -0.1 must be a finite number >= 0"),
 ])
 def test_clashing_algorithm_flags_are_refused(flags, message):
     with pytest.raises(plumbing.ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
@@ -529,15 +553,21 @@ def test_masked_completions_have_no_loss_no_gradient_and_leave_the_statistics():
 
 
 def test_mask_truncated_keeps_the_normalizer_and_the_baselines_as_trl_does():
-    """TRL's sequence loss is a mean over every completion of the batch, a masked one counting as 0, and its rewards
-    stay in their groups' baselines: so here the normalizer counts every completion and the advantages of the others
-    are the ones without the flag."""
-    policy, history = train(1, mask=True)
-    rollout, stats = history[0]
-    assert rollout.in_loss is not None and not rollout.in_loss.all() and rollout.in_loss.any()
-    assert stats["completions/masked_truncated"] == float((~rollout.in_loss).sum())
-    _, plain = train(1)
-    torch.testing.assert_close(rollout.advantages, plain[0][0].advantages, rtol=0, atol=0)
+    """TRL's sequence loss is a mean over every completion of the batch, a masked one counting as 0, and a masked
+    completion's reward stays in its group's baselines without its KL (TRL 1.16 zeroes its completion mask): so the
+    normalizer counts every completion, a masked completion's reward is its score, the others' are the plain run's,
+    and without a KL penalty the advantages are the plain run's (tests/trl116_same_batch.py: against TRL's code)."""
+    policy, history = train(2, mask=True)
+    rollout, stats = history[1]  # the second update's: the policy has moved from its reference
+    masked = ~rollout.in_loss
+    assert masked.any() and not masked.all()
+    assert stats["completions/masked_truncated"] == float(masked.sum())
+    kl = ((rollout.logprobs - rollout.ref_logprobs) * rollout.response_mask).sum(1)  # (k*B,)
+    assert rollout.non_score_reward[masked].abs().sum() == 0 and kl[masked].abs().sum() > 0
+    torch.testing.assert_close(rollout.non_score_reward[~masked], -0.1 * kl[~masked])
+    (without_kl, _), = train(1, mask=True, kl_coef=0.0)[1]
+    (plain_without_kl, _), = train(1, kl_coef=0.0)[1]
+    torch.testing.assert_close(without_kl.advantages, plain_without_kl.advantages, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- training: neutral settings, active settings

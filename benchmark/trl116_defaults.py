@@ -1,0 +1,45 @@
+"""Writes plumbing/trl116_defaults.json: every field a `trl rloo` command or recipe can set in TRL 1.16 (RLOOConfig
+with the transformers TrainingArguments it extends, ModelConfig, the script's RLOOScriptArguments and
+DatasetMixtureConfig), with its default, read from TRL's own dataclasses. plumbing.cli reads the table: a TRL flag
+given at TRL's default asks for nothing the user chose.
+
+    PYTHONPATH=benchmark/.trl116-site python benchmark/trl116_defaults.py            # rewrites the table
+    PYTHONPATH=benchmark/.trl116-site python benchmark/trl116_defaults.py --check    # exit status 1 if it differs
+
+(`make bench-env` installs TRL 1.16 in benchmark/.trl116-site.)
+"""
+
+import dataclasses
+import enum
+import json
+import sys
+from pathlib import Path
+
+TABLE = Path(__file__).resolve().parents[1] / "plumbing" / "trl116_defaults.json"
+
+
+def default_of(field: dataclasses.Field):
+    """A field's default as JSON holds it: an enum by its value, a factory's product."""
+    value = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def render() -> str:
+    import transformers
+    import trl
+    from trl import DatasetMixtureConfig, ModelConfig, RLOOConfig
+    from trl.scripts.rloo import RLOOScriptArguments
+
+    classes = (RLOOConfig, ModelConfig, RLOOScriptArguments, DatasetMixtureConfig)  # the `trl rloo` parser's
+    table = {"trl": trl.__version__, "transformers": transformers.__version__,
+             "fields": {cls.__name__: {f.name: default_of(f) for f in dataclasses.fields(cls) if f.init}
+                        for cls in classes}}
+    return json.dumps(table, indent=1) + "\n"
+
+
+if __name__ == "__main__":
+    text = render()
+    if sys.argv[1:] == ["--check"]:
+        sys.exit(0 if TABLE.exists() and TABLE.read_text() == text else 1)
+    TABLE.write_text(text)
+    print(f"wrote {TABLE}: {sum(len(f) for f in json.loads(text)['fields'].values())} fields")
