@@ -15,6 +15,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmark/trl116_defaults.py` adds benchmark/
+import plumbing  # noqa: E402
+
 TABLE = Path(__file__).resolve().parents[1] / "plumbing" / "trl116_defaults.json"
 
 
@@ -37,9 +40,18 @@ def render() -> str:
     return json.dumps(table, indent=1) + "\n"
 
 
-if __name__ == "__main__":
+def main(check: bool = False) -> None:
+    """Writes the table from the TRL on PYTHONPATH.
+
+    Args:
+        check: write nothing; exit status 1 where the committed table is not what this TRL gives.
+    """
     text = render()
-    if sys.argv[1:] == ["--check"]:
+    if check:
         sys.exit(0 if TABLE.exists() and TABLE.read_text() == text else 1)
     TABLE.write_text(text)
     print(f"wrote {TABLE}: {sum(len(f) for f in json.loads(text)['fields'].values())} fields")
+
+
+if __name__ == "__main__":
+    plumbing.run_tool("trl116_defaults.py", main)

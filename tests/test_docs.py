@@ -5,6 +5,9 @@ import dataclasses
 import importlib.util
 import inspect
 import re
+import shutil
+
+import pytest
 
 import plumbing
 import rloo
@@ -152,9 +155,10 @@ def test_the_shape_legend_names_every_symbol_of_rloo_pys_shape_comments():
     assert shape_symbols("x = y  # (M, Tr) a (bf16 copy, an engine)") == {"M", "Tr"}  # and an unknown one is seen
 
 
-def test_readmes_first_run_is_the_demos_starting_point_and_runs_as_written():
+def test_readmes_first_run_is_the_demos_starting_point_and_runs_as_written(tmp_path, monkeypatch):
     """"Your model, your data": the environment's python named, and the demo's settings (which `make demo` prints
-    and trains with until its score rises): the same flags and values, but for the paths and the completion length."""
+    and trains with until its score rises): the same flags and values, but for the paths and the completion length.
+    Its checks pass where the user's model and data are at the paths it names."""
     from benchmark import demo
 
     readme = (REPO / "README.md").read_text()
@@ -168,4 +172,12 @@ def test_readmes_first_run_is_the_demos_starting_point_and_runs_as_written():
               "--temperature", "--missing_eos_penalty", "--total_episodes", "--logging_steps"}
     assert shared <= set(readme_flags), set(readme_flags)
     assert {f: float(readme_flags[f]) for f in shared} == {f: float(demo_flags[f]) for f in shared}
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / readme_flags["--model_name_or_path"]).mkdir(parents=True)
+    for flag in ("--dataset_name", "--dataset_test_split"):
+        (tmp_path / readme_flags[flag]).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / readme_flags[flag]).write_text('{"prompt": "a"}\n')
     plumbing.validate_args(plumbing.parse_args(rloo.Args, argv=words, prog="rloo.py"))
+    with pytest.raises(plumbing.ConfigError, match="--model_name_or_path path/to/sft_model: no such file"):
+        shutil.rmtree(tmp_path / "path")  # and where they are not, the first missing one is named
+        plumbing.validate_args(plumbing.parse_args(rloo.Args, argv=words, prog="rloo.py"))

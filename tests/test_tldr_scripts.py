@@ -115,7 +115,9 @@ def test_script_runs_the_published_settings_from_any_directory(script, fake_bin,
     assert run["torchrun"].nproc_per_node == "8" and run["torchrun"].training_script == "rloo.py"
     expected = PUBLISHED | PER_SCRIPT[script.name]
     assert {name: getattr(args, name) for name in expected} == expected
-    monkeypatch.setenv("RANK", "0")  # as torchrun starts it
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "8"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)  # as torchrun starts it
     plumbing.validate_args(args)
     sizes = rloo.compute_batch_sizes(args, world_size=8)
     text = script.read_text()
