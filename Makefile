@@ -19,7 +19,7 @@ BENCH_ENV ?= benchmark/.venv-trl
 BENCH_INSTALLED := $(BENCH_ENV)/.rloo-installed-lock$(LOCK)
 BENCH_CONSTRAINTS := $(if $(filter 1,$(LOCK)),-c benchmark/constraints.txt)
 
-.PHONY: help install demo test test-newest test-engines test-qlora bench-env bench bench-results lock
+.PHONY: help install demo test test-bench test-newest test-engines test-qlora bench-env bench bench-results lock
 
 # the variables the descriptions name, given to awk with this make's values: `make help` prints them expanded
 HELP_VARIABLES = $(sort $(shell sed -n 's/^[a-zA-Z_-]*:.*## //p' $(MAKEFILE_LIST) | grep -o '\$$([A-Z0-9_]*)' | tr -d '$$()'))
@@ -50,10 +50,20 @@ demo: $(INSTALLED)  ## offline: build a tiny task, train it with rloo.py, plot t
 
 # OpenMP threads that wait sleep instead of spinning: same results, and on a busy machine (other work on the same
 # cores) runs of the small models here 1.7-6.6x faster (measured at load average 3-4)
-demo test test-newest test-engines test-qlora mutate: export OMP_WAIT_POLICY ?= PASSIVE
+demo test test-bench test-newest test-engines test-qlora mutate: export OMP_WAIT_POLICY ?= PASSIVE
 
-test: $(INSTALLED)  ## CPU, no network, ~14 min; a skipped test's line says what it needs (-rs)
-	$(PYTHON) -m pytest -q -rs tests --ignore tests/test_multinode.py
+# Most tests wait on a run of rloo.py in a process of its own (its imports, a few updates): TEST_WORKERS pytest
+# processes (pytest-xdist) take tests as they finish, one per core up to 8 (2 on 2 cores: half the time of one)
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 8 ? n : 8 )))
+PYTEST_WORKERS = -n $(TEST_WORKERS) --dist worksteal
+
+test: $(INSTALLED)  ## CPU, no network, ~12 min on 2 cores; a skipped test's line says what it needs (-rs)
+	$(PYTHON) -m pytest -q -rs $(PYTEST_WORKERS) -m "not bench" tests --ignore tests/test_multinode.py
+
+# The benchmark scripts end to end at tiny shapes: throughput and learning beside TRL 0.21 and 1.16, the options'
+# cost, the GPU suite's dry run (each step's trainers). They need make bench-env's TRL environments
+test-bench: $(BENCH_INSTALLED) $(TRL116_INSTALLED)  ## the benchmarks end to end beside TRL, tiny shapes: ~3 min
+	$(PYTHON) -m pytest -q -rs $(PYTEST_WORKERS) -m bench tests
 
 # The newest releases requirements.txt allows, upgraded on every call in an environment of their own, and the tests
 # that meet them first (transformers' models, caches and peft; rloo.py run as a user runs it, by its path): a

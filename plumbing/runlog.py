@@ -183,22 +183,23 @@ def plot_curves(metrics_paths: list[Path] | Path, png_path: Path, smooth: int = 
 
 
 class CurvesSink:
-    """Draws output_dir/curves.png from metrics.jsonl as the run goes: after an update at most once per
-    CURVES_EVERY x the last drawing's time (so drawing stays a few percent of the run), after each evaluation and at
-    the end. Plumbing that must never stop a run: without matplotlib, or when a drawing fails, one line, once, and
-    no more drawing."""
+    """Draws output_dir/curves.png from metrics.jsonl as the run goes: after an update or an evaluation when drawing
+    has taken under SHARE of the run's time so far, counting the next drawing at the last one's cost (a run of
+    minutes is redrawn every few seconds' worth of drawing, a test's run of seconds only at its end), and at the
+    end always. Plumbing that must never stop a run: without matplotlib, or when a drawing fails, one line, once,
+    and no more drawing."""
 
-    CURVES_EVERY = 20  # measured on 2 busy CPU cores: ~1 s for a 625-update run's curves, the first ~2 s (matplotlib's
-    # import): drawn at most once per 20 s there, under 5% of the run
+    SHARE = 0.05
+    FIRST_COST = 2.0  # seconds, measured on 2 busy CPU cores: matplotlib's import and a first grid; later ones ~1 s
 
     def __init__(self, metrics_path: Path, say: Callable[[str], None]):
         self.metrics_path, self.png_path, self.say = metrics_path, metrics_path.with_name("curves.png"), say
-        self.enabled, self.next_time = True, 0.0
+        self.enabled, self.started, self.spent, self.cost = True, time.perf_counter(), 0.0, self.FIRST_COST
 
     def draw(self, force: bool = False) -> None:
-        if not self.enabled or (not force and time.perf_counter() < self.next_time):
-            return
         start = time.perf_counter()
+        if not self.enabled or (not force and self.spent + self.cost > self.SHARE * (start - self.started)):
+            return
         try:
             plot_curves(self.metrics_path, self.png_path)
         except ImportError as e:
@@ -208,8 +209,8 @@ class CurvesSink:
             self.enabled = False
             self.say(f"warning: drawing {self.png_path} failed ({type(e).__name__}: {first_line(e)}); no more curves "
                      "this run (benchmark/plot_metrics.py draws them from metrics.jsonl)")
-        end = time.perf_counter()
-        self.next_time = end + self.CURVES_EVERY * (end - start)
+        self.cost = time.perf_counter() - start
+        self.spent += self.cost
 
 
 SAMPLE_CHARACTERS = 2000  # of a prompt or a completion in the console's sample table
@@ -284,7 +285,7 @@ class RunLogger:
         self.console.print(f"eval after update {update}: " + " ".join(f"{k.removeprefix('eval/')} {v:.4g}"
                                                                          for k, v in metrics.items()),
                            highlight=False, soft_wrap=True)
-        self.curves.draw(force=update > 0)
+        self.curves.draw()
 
     def publish(self, metrics: dict[str, float], step: int) -> None:
         """An update's or an evaluation's metrics to wandb and TensorBoard, at its episode. TensorBoard's writer opens

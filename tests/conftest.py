@@ -18,6 +18,11 @@ sys.path.insert(0, str(REPO))  # rloo.py is a script at the top level, not a pac
 LETTERS = "abcdefghijkl"
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "bench: a benchmark script run end to end (its trainers, TRL's too): make "
+                            "test-bench, kept out of make test's 15 minutes")
+
+
 def word_tokenizer(words: list[str], pad: str | None = "<pad>", eos: str = "<eos>") -> PreTrainedTokenizerFast:
     """Whitespace word-level tokenizer; ids follow the order of `words` (special tokens included there)."""
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))

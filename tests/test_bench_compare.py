@@ -83,6 +83,7 @@ def test_trl_runner_refuses_what_trl_cannot_do(trl_python, tmp_path):
     assert result.returncode == 2 and "--reward_weights 1 0" in result.stderr
 
 
+@pytest.mark.bench
 def test_trl116_runner_refuses_what_it_cannot_do_in_one_line_before_importing_trl():
     """The project's environment has no TRL: each refusal comes before TRL's import, and its absence is one line."""
     def run(*flags):
@@ -107,6 +108,7 @@ def test_trl116_runner_refuses_what_it_cannot_do_in_one_line_before_importing_tr
     assert "which this Python cannot import" in missing and "benchmark/.trl116-site first on PYTHONPATH" in missing
 
 
+@pytest.mark.bench
 def test_trl116_runner_maps_epochs_and_minibatches_to_one_row_per_update(trl116, tmp_path):
     """num_ppo_epochs 2 x num_mini_batches 2: TRL 1.16's num_iterations 2, steps_per_generation 2 (micro-batches),
     4 optimizer steps per generation, one metrics row each with rloo.py's names; the training passes feed each
@@ -130,6 +132,7 @@ def test_trl116_runner_maps_epochs_and_minibatches_to_one_row_per_update(trl116,
     assert (tmp_path / "run" / "model.safetensors").exists()
 
 
+@pytest.mark.bench
 def test_throughput_runs_both_trainers_and_reports_the_ratio_and_the_work(trl_python, trl116, tmp_path):
     run_benchmark_script("benchmark/throughput.py", "--trl_python", trl_python, "--repeats", "1", "--updates", "2",
                "--shapes", "pythia-14m", "--prompt_length", "72", "--response_length", "6",
@@ -152,6 +155,7 @@ def test_throughput_runs_both_trainers_and_reports_the_ratio_and_the_work(trl_py
     assert "rloo.py / TRL 0.21" in table and "rloo.py / TRL 1.16" in table and "k=2 trl116 |" in table
 
 
+@pytest.mark.bench
 def test_learning_trains_both_and_plots(trl_python, tmp_path):
     paths = synthetic_task.asset_paths(tmp_path / "cache")
     synthetic_task.build_assets(paths, policy_steps=30, reward_steps=30)  # weak but quick

@@ -69,6 +69,7 @@ def run_benchmark_script(*args) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
+@pytest.mark.bench
 def test_options_cost_runs_an_option_set(tmp_path):
     """The set that launches the most (torchrun, FSDP, offload); the baseline is throughput.py's run, tested there."""
     run_benchmark_script(

@@ -77,10 +77,11 @@ def assert_same_run(full: Path, resumed: Path) -> None:
                          ids=["python-SIGINT", "torchrun-SIGUSR1", "torchrun-fsdp-SIGUSR1"])
 def test_signal_saves_and_resume_is_exact(assets, tmp_path, nproc, sig, extra):
     # 64 prompts: an epoch is 8 updates of one rank (4 of two), so the resumed run reshuffles the data, as a long run
-    # does, in 12 updates
+    # does, in 12 updates (6 of two ranks)
     train = write_jsonl(tmp_path / "train.jsonl", prompt_rows(64, seed=0))
     common = ["--model_name_or_path", assets["policy"], "--dataset_name", train, "--dataset_test_split",
-              assets["test"], "--total_episodes", PER_UPDATE * 12 * max(nproc, 1), *RUN, *extra]
+              assets["test"], "--total_episodes", PER_UPDATE * 12 if not nproc else PER_UPDATE * 6 * nproc, *RUN,
+              *extra]
     if nproc:  # a reward model beside the function: loaded on every rank, and resumed with the run
         common += ["--reward_model_path", assets["reward_model"]]
     full, interrupted = tmp_path / "full", tmp_path / "interrupted"

@@ -47,6 +47,7 @@ def test_measured_limits_are_positive_and_sized():
     assert "| run | 1.0 (50%) | - | - | - | - | 0.1 (25.0%) |" in table
 
 
+@pytest.mark.bench
 def test_the_dry_run_starts_every_step_writes_its_results_and_resumes(tmp_path, monkeypatch, capsys):
     """The first run in this process (its trainers are processes of their own, on the CPU), the second from the
     command line, as make bench-gpu starts it. A budget no CPU reaches: what fits is tested with a clock of the
