@@ -47,10 +47,8 @@ def main(check: bool = False) -> None:
         check: write nothing; exit status 1 where the committed table is not what this TRL gives.
     """
     text = render()
-    if check:
-        sys.exit(0 if TABLE.exists() and TABLE.read_text() == text else 1)
-    TABLE.write_text(text)
-    print(f"wrote {TABLE}: {sum(len(f) for f in json.loads(text)['fields'].values())} fields")
+    fields = sum(len(f) for f in json.loads(text)["fields"].values())
+    plumbing.write_generated(TABLE, text, check, f"wrote {TABLE}: {fields} fields")
 
 
 if __name__ == "__main__":

@@ -251,10 +251,7 @@ def main(check: bool = False) -> None:
         check: write nothing; exit status 1 when docs/flags.md is not what this script writes.
     """
     text = render()
-    if check:
-        sys.exit(0 if FLAGS_MD.exists() and FLAGS_MD.read_text() == text else 1)
-    FLAGS_MD.write_text(text)
-    print(f"wrote {FLAGS_MD.relative_to(REPO)}: {text.count(chr(10))} lines")
+    plumbing.write_generated(FLAGS_MD, text, check, f"wrote {FLAGS_MD.relative_to(REPO)}: {text.count(chr(10))} lines")
 
 
 if __name__ == "__main__":

@@ -656,3 +656,12 @@ def run_tool(program: str, target: Callable, main: Optional[Callable] = None, ar
             raise Fault(describe(e)) from None
 
     run_script(parsed_and_run, argv, program)
+
+
+def write_generated(path: Path, text: str, check: bool, wrote: str) -> None:
+    """A file a script generates (docs/flags.md, TRL's defaults): written, then `wrote` printed; or with `check`,
+    nothing written and exit status 1 where the file is not `text`."""
+    if check:
+        sys.exit(0 if path.exists() and path.read_text() == text else 1)
+    path.write_text(text)
+    print(wrote)

@@ -121,7 +121,8 @@ def test_curve_titles_say_what_the_score_is(tmp_path, sources, title):
 def test_curves_panels_follow_what_was_logged(tmp_path):
     """The reward, the evaluation, the KL, length and entropy first; the sampler/trainer mismatch only where a sampler
     differs from the trainer (a bf16 copy: ~1e-2 per token), not at float32's rounding (the same weights: ~1e-7)."""
-    first = ["objective/scores", "objective/kl", "completions/mean_length", "objective/entropy", "objective/rlhf_reward"]
+    first = ["objective/scores", "objective/kl", "completions/mean_length", "objective/entropy",
+             "objective/rlhf_reward"]
     for mismatch, panels in ((1e-7, first), (2e-2, [*first, "mismatch/logprob_diff_mean"])):
         path = metrics_file(tmp_path / f"{mismatch}" / "metrics.jsonl", ["count_a"], evals=False, mismatch=mismatch)
         runs = [(plumbing.read_metrics(path), plumbing.read_metrics(path, evals=True))]

@@ -275,7 +275,6 @@ def test_the_rollouts_log_probs_are_the_models_and_the_kl_to_the_initial_policy_
     with a positive KL on the run's own samples, as objective/kl says."""
     temperature = short_run["flags"]["temperature"]
     initial = AutoModelForCausalLM.from_pretrained(assets["policy"]).eval()
-    final = AutoModelForCausalLM.from_pretrained(short_run["out"]).eval()
     first, last = short_run["rollouts"][0], short_run["rollouts"][-1]
     rows = range(0, len(first.responses), 3)  # every third completion: the oracle is slow on purpose
 

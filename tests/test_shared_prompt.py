@@ -405,7 +405,8 @@ def test_the_probe_is_as_long_as_the_check_needs_and_still_catches_a_broken_mask
 def test_one_check_for_a_policy_and_reward_model_that_agree(monkeypatch):
     calls = []
     sharing_error = plumbing.sharing_error
-    monkeypatch.setattr(plumbing.sharing, "sharing_error", lambda model, *a: calls.append(model) or sharing_error(model, *a))
+    monkeypatch.setattr(plumbing.sharing, "sharing_error",
+                        lambda model, *a: calls.append(model) or sharing_error(model, *a))
     policy, reward_model = tiny("llama"), tiny("llama", "ForSequenceClassification", seed=1)
     probe, notes, checked = probe_of(PROMPTS[0]), [], {}
     assert plumbing.sharing_key(policy) == plumbing.sharing_key(reward_model)  # the heads differ, the backbone not

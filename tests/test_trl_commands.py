@@ -118,7 +118,8 @@ def test_a_recipe_of_every_trl_default_runs_through_the_parser(tmp_path):
         trl["beta"], trl["num_iterations"], trl["seed"], trl["logging_steps"], trl["save_steps"], trl["lora_dropout"])
     assert args.gradient_checkpointing and args.bf16  # TRL's RLOOConfig defaults: True, and None = bf16 unless fp16
     assert args.max_steps is None and args.weight_decay == 0.0 and args.dataset_test_split is None
-    assert args.dataset_name == "data/train.jsonl" and args.output_dir == rloo.Args().output_dir  # TRL's None: a default
+    # TRL's None: a default
+    assert args.dataset_name == "data/train.jsonl" and args.output_dir == rloo.Args().output_dir
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -408,7 +409,8 @@ def test_trl_names_of_the_lora_options_reach_peft():
     takes without dropout only: refused in one line with TRL's --lora_dropout 0.05, before anything loads."""
     assert rloo.Args().lora_dropout == 0.05 == plumbing.TRL116["lora_dropout"]
     targets = {"use_peft": True, "lora_target_parameters": ("mlp.dense_h_to_4h.weight",)}  # and peft's default modules
-    with pytest.raises(plumbing.ConfigError, match="take no dropout, and --lora_dropout is 0.05 .* pass --lora_dropout 0"):
+    with pytest.raises(plumbing.ConfigError,
+                       match="take no dropout, and --lora_dropout is 0.05 .* pass --lora_dropout 0"):
         plumbing.validate_args(rloo.Args(model_name_or_path="p", reward_fn=("m:f",), **targets))
     args = rloo.Args(lora_dropout=0.0, **targets)
     assert plumbing.lora_config(args).target_parameters == ["mlp.dense_h_to_4h.weight"]
