@@ -57,7 +57,7 @@ demo test test-bench test-newest test-engines test-qlora mutate: export OMP_WAIT
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 8 ? n : 8 )))
 PYTEST_WORKERS = -n $(TEST_WORKERS) --dist worksteal
 
-test: $(INSTALLED)  ## CPU, no network, ~12 min on 2 cores; a skipped test's line says what it needs (-rs)
+test: $(INSTALLED)  ## CPU, no network, ~13 min on 2 cores; a skipped test's line says what it needs (-rs)
 	$(PYTHON) -m pytest -q -rs $(PYTEST_WORKERS) -m "not bench" tests --ignore tests/test_multinode.py
 
 # The benchmark scripts end to end at tiny shapes: throughput and learning beside TRL 0.21 and 1.16, the options'
