@@ -62,7 +62,7 @@ test: $(INSTALLED)  ## CPU, no network, ~13 min on 2 cores; a skipped test's lin
 
 # The benchmark scripts end to end at tiny shapes: throughput and learning beside TRL 0.21 and 1.16, the options'
 # cost, the GPU suite's dry run (each step's trainers). They need make bench-env's TRL environments
-test-bench: $(BENCH_INSTALLED) $(TRL116_INSTALLED)  ## the benchmarks end to end beside TRL, tiny shapes: ~4 min
+test-bench: $(BENCH_INSTALLED) $(TRL116_INSTALLED)  ## the benchmarks end to end beside TRL, tiny shapes: ~3 min
 	$(PYTHON) -m pytest -q -rs $(PYTEST_WORKERS) -m bench tests
 
 # The newest releases requirements.txt allows, upgraded on every call in an environment of their own, and the tests
