@@ -178,6 +178,6 @@ def test_readmes_first_run_is_the_demos_starting_point_and_runs_as_written(tmp_p
         (tmp_path / readme_flags[flag]).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / readme_flags[flag]).write_text('{"prompt": "a"}\n')
     plumbing.validate_args(plumbing.parse_args(rloo.Args, argv=words, prog="rloo.py"))
+    shutil.rmtree(tmp_path / "path")  # and where they are not, the first missing one is named
     with pytest.raises(plumbing.ConfigError, match="--model_name_or_path path/to/sft_model: no such file"):
-        shutil.rmtree(tmp_path / "path")  # and where they are not, the first missing one is named
         plumbing.validate_args(plumbing.parse_args(rloo.Args, argv=words, prog="rloo.py"))
