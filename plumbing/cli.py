@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import re
 import signal
+import stat
 import sys
 import threading
 import traceback
@@ -22,11 +23,12 @@ from typing import Annotated, Callable, Literal, Optional, get_args, get_origin,
 import docstring_parser
 import tyro
 import tyro._errors  # parse_args' one-line parse errors
+import yaml  # transformers' dependency
 
 from .distributed import stopped_alone
 from .errors import ConfigError, Fault, describe, first_line
 from .faults import NonFiniteError, StartupInterrupted, StopSignal, console_survives
-from .flags import RunArgs
+from .flags import PATH_FLAGS, RunArgs
 
 # TRL >= 0.22's names for flags of the same meaning, tyro aliases of this project's (README, "Flags": both TRL
 # generations' names side by side)
@@ -179,7 +181,7 @@ ENGINE_FLAGS = ("use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_ho
 
 def trl_default_given(name: str, values: list[str]) -> bool:
     """Whether `--name values` (as a command line or a --config file spells them) is TRL 1.16's default of a
-    `trl rloo` field (TRL116): a switch alone is True, None / null / ~ is None, numbers compare as numbers."""
+    `trl rloo` field (TRL116): a switch alone is True, None / null is None (a `~` is a path: the home directory), numbers compare as numbers."""
     if name not in TRL116:
         return False
     default, values = TRL116[name], values or ["true"]
@@ -191,7 +193,7 @@ def trl_default_given(name: str, values: list[str]) -> bool:
     if default == "no" and text == "false":  # YAML reads an unquoted no as False
         return True
     if default is None or isinstance(default, bool):
-        return text in {None: ("none", "null", "~"), True: ("true", "1"), False: ("false", "0")}[default]
+        return text in {None: ("none", "null"), True: ("true", "1"), False: ("false", "0")}[default]
     if isinstance(default, (int, float)):
         try:
             return float(text) == default
@@ -258,7 +260,7 @@ def trl_arguments(argv: list[str], hints: dict, defaults: dict, prog: str) -> li
         if name in TRL_LAUNCHER:
             count = f" {value}" if name == "num_processes" and values else " GPUS"
             raise ConfigError(f"--{name}: {TRL_LAUNCHER[name]}".replace(" GPUS", count, 1))
-        elif name == "bf16" and value.lower() in ("none", "null", "~"):
+        elif name == "bf16" and value.lower() in ("none", "null"):
             out.append("--bf16")  # TRL's None: bf16 wherever fp16 is not asked for, which is refused here
         elif default_given and own not in hints and name not in converted:
             pass  # a flag this script does not have, at TRL's default: asks for nothing
@@ -339,14 +341,151 @@ SAME_FLAG = TRL_NAMES | {"reward_funcs": "reward_fn", "report_to": "track", "res
                          "vllm_server_timeout": "engine_timeout", "use_vllm": "engine"}
 
 
-def yaml_values(value, hint) -> list[str]:
-    """A --config value as command-line words: a list as several values, a mapping as JSON, None as None; YAML's
-    unquoted `no` (a bool to YAML) as `no` for a flag whose choices hold it (--save_strategy no)."""
-    if isinstance(value, bool) and takes_as_own(hint, "no"):
-        return ["yes" if value else "no"]
-    if isinstance(value, (list, tuple)):
-        return [word for item in value for word in yaml_values(item, None)]
-    return [json.dumps(value) if isinstance(value, dict) else str(value)]
+CONFIG_LIMITS = {"bytes": 1 << 20, "values": 10_000, "depth": 32, "digits": 100}  # of a --config file: a recipe
+# is a few kB of flags; aliases count each time they are used (an alias bomb), digits of a number (5000-digit ints)
+YAML_NULL = ("~", "null", "Null", "NULL", "")  # YAML 1.2's core schema's null, written plainly (unquoted)
+YAML_INT = re.compile(r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+")  # YAML 1.2's core schema's int and float
+YAML_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)")
+
+
+def core_number(text: str):
+    """The int or float a plain YAML scalar is in YAML 1.2's core schema (`010` is 10, `0x1f` 31, `.inf`, `1e309`
+    inf), or None: YAML 1.1's `1:20` (80), `1_000`, `on` are text."""
+    if YAML_INT.fullmatch(text):
+        base = {"0o": 8, "0x": 16}.get(text[:2], 10)
+        return int(text[2:] if base != 10 else text, base)
+    if YAML_FLOAT.fullmatch(text):
+        return float(text.lower().replace(".inf", "inf").replace(".nan", "nan"))
+    return None
+
+
+class PlainLoader(yaml.SafeLoader):
+    """PyYAML's safe loader resolving no plain scalar's type (YAML 1.1's `on`, `010`, `1:20`, dates): read_config
+    reads the text."""
+    yaml_implicit_resolvers = {}
+
+
+def read_config(path: str):
+    """A --config file as data: {key: value}, each value the text of a scalar as written (a str flag keeps `010`,
+    `on`, `1:20` as they read; the flag's own type reads the text later), None for a plain null (`null`, empty; a
+    plain `~` is refused for a path flag: quoted, `'~'` is the home directory), a list, or a mapping (its scalars in
+    YAML 1.2's core schema). Only a regular file of at most CONFIG_LIMITS bytes in UTF-8 (UTF-16/32 with a BOM);
+    aliases and merge keys expand within CONFIG_LIMITS' values and depth; explicit tags other than YAML's own,
+    duplicate keys and numbers of more than CONFIG_LIMITS' digits are refused. Every problem is a ConfigError, one
+    line naming the file."""
+    where = f"--config {path}"
+    try:  # non-blocking: a FIFO opens at once (and is refused below) instead of waiting for a writer
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except OSError as e:
+        raise ConfigError(f"{where} cannot be read ({e.strerror or e}): pass a YAML file") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
+                stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}.get(stat.S_IFMT(mode), "not a file")
+        raise ConfigError(f"{where} is {kind}, not a regular file: pass a YAML file")
+    os.set_blocking(fd, True)
+    with os.fdopen(fd, "rb") as file:
+        try:
+            data = file.read(CONFIG_LIMITS["bytes"] + 1)
+        except OSError as e:
+            raise ConfigError(f"{where} cannot be read ({e.strerror or e}): pass a YAML file") from None
+    if len(data) > CONFIG_LIMITS["bytes"]:
+        raise ConfigError(f"{where} is over {CONFIG_LIMITS['bytes'] >> 20} MiB, not a recipe of flags: pass a YAML "
+                          "file of flag names and values")
+    boms = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"), (b"\xef\xbb\xbf", "utf-8-sig"),
+            (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16"))
+    encoding = next((name for bom, name in boms if data.startswith(bom)), "utf-8")
+    try:
+        text = data.decode(encoding)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where} is not UTF-8 text (byte {e.object[e.start:e.start + 1]!r}): re-encode it as "
+                          "UTF-8") from None
+    try:
+        loader = PlainLoader(text)
+        try:
+            node = loader.get_single_node()  # nodes, not values: nothing is resolved or expanded yet
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise ConfigError(f"{where} is not valid YAML" + (f" (line {mark.line + 1})" if mark else "")
+                          + f": {getattr(e, 'problem', None) or first_line(e)}") from None
+    except RecursionError:
+        raise ConfigError(f"{where} nests deeper than {CONFIG_LIMITS['depth']} levels: a recipe is a mapping of "
+                          "flag names to values") from None
+    count = [0]
+
+    def value(node, key: str, depth: int, typed: bool):
+        count[0] += 1
+        if count[0] > CONFIG_LIMITS["values"] or depth > CONFIG_LIMITS["depth"]:
+            what = f"more than {CONFIG_LIMITS['values']:,} values" if depth <= CONFIG_LIMITS["depth"] else \
+                f"nesting deeper than {CONFIG_LIMITS['depth']} levels"
+            raise ConfigError(f"{where}: {key}: {what}, aliases expanded: a recipe is a mapping of flag names to "
+                              "values")
+        tag = node.tag.rpartition(":")[2] if node.tag.startswith("tag:yaml.org,2002:") else node.tag
+        if tag not in ("str", "int", "float", "bool", "null", "seq", "map", "merge"):
+            raise ConfigError(f"{where}: {key}: the tag {node.tag} is not read here: write the value plainly")
+        if isinstance(node, yaml.ScalarNode):
+            text, plain = node.value, node.style is None
+            if plain and depth == 1 and text == "~" and key in PATH_FLAGS:
+                raise ConfigError(f"{where}: {key}: ~ unquoted is YAML's null: quote it ('~') for the home "
+                                  f"directory (as the command line's), or write null for the default")
+            if (plain and text in YAML_NULL) or tag == "null":
+                return None
+            if len(text) > CONFIG_LIMITS["digits"] and re.fullmatch(r"[-+0-9a-fA-FoxX._:]+", text):
+                raise ConfigError(f"{where}: {key}: a number of {len(text):,} digits: no flag takes one that large")
+            if typed and plain:  # inside a mapping value (JSON): YAML 1.2's core schema
+                if text in ("true", "True", "TRUE", "false", "False", "FALSE"):
+                    return text.lower() == "true"
+                return text if core_number(text) is None else core_number(text)
+            return text
+        if isinstance(node, yaml.SequenceNode):
+            return [value(item, key, depth + 1, typed) for item in node.value]
+        own, merged = {}, {}
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise ConfigError(f"{where}: {key}: a key that is a {key_node.id}, not a name")
+            if key_node.value == "<<" and key_node.style is None:  # a merge key: its mappings' keys, own keys win
+                parts = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                for part in parts:
+                    if not isinstance(part, yaml.MappingNode):
+                        raise ConfigError(f"{where}: {key}: a merge key (<<) takes mappings")
+                    merged = value(part, key, depth, typed) | merged
+                continue
+            name = key_node.value
+            if name in own:
+                raise ConfigError(f"{where}: {key}: the key {name!r} is given twice: keep one")
+            own[name] = value(value_node, name if depth == 0 else key, depth + 1, typed or depth > 0)
+        return merged | own
+
+    return None if node is None else value(node, "the file", 0, False)
+
+
+def takes_text(hint) -> bool:
+    """Whether a flag of type `hint` (or a list flag of such items) takes text: its value is the YAML scalar as
+    written, never a number read from it."""
+    return hint is str or any(takes_text(h) for h in get_args(hint) if h is not Ellipsis) or (
+        get_origin(hint) is Literal and any(isinstance(a, str) for a in get_args(hint)))
+
+
+def yaml_values(value, hint, key: str, path: str) -> list[str]:
+    """A --config value (read_config's) as command-line words: a list as several values, a mapping as JSON, None as
+    None; a number in YAML 1.2's core schema, for a flag that takes no text, as Python writes it (`0x10` is 16,
+    `.inf` inf); `false` / `true` as `no` / `yes` for a flag whose choices hold them (--save_strategy no). A word
+    that would read as a flag (`--overwrite_output_dir` in a list) is refused: values are never flags."""
+    if isinstance(value, list):
+        if any(isinstance(item, (list, dict)) for item in value):
+            raise ConfigError(f"--config {path}: {key}: a list of lists or mappings: a list flag takes plain values")
+        return [word for item in value for word in yaml_values(item, hint, key, path)]
+    if isinstance(value, str) and value.lower() in ("false", "true") and takes_as_own(hint, "no"):
+        return ["yes" if value.lower() == "true" else "no"]
+    number = core_number(value) if isinstance(value, str) and not takes_text(hint) else None
+    word = json.dumps(value) if isinstance(value, dict) else str(value if number is None else number)
+    if word.startswith("-") and core_number(word) is None:
+        raise ConfigError(f"--config {path}: {key}: the value {word[:60]!r} would be read as a flag: a value "
+                          "cannot start with - (a flag is a key of its own)")
+    return [word]
 
 
 def config_arguments(argv: list[str], hints: dict, known: set[str]) -> list[str]:
@@ -365,19 +504,7 @@ def config_arguments(argv: list[str], hints: dict, known: set[str]) -> list[str]
         raise ConfigError("--config needs a file: --config recipe.yaml")
     path, rest = (argv[i + 1], argv[:i] + argv[i + 2:]) if argv[i] == "--config" else \
         (argv[i].partition("=")[2], argv[:i] + argv[i + 1:])
-    import yaml  # transformers' dependency
-
-    try:
-        config = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ConfigError(f"--config {path} cannot be read ({e.strerror or e}): pass a YAML file") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"--config {path} is not UTF-8 text (byte {e.object[e.start:e.start + 1]!r}): re-encode "
-                          "it as UTF-8") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        raise ConfigError(f"--config {path} is not valid YAML" + (f" (line {mark.line + 1})" if mark else "")
-                          + f": {getattr(e, 'problem', None) or first_line(e)}") from None
+    config = read_config(path)
     if not isinstance(config, dict):
         holds = "is empty" if config is None else f"holds a YAML {type(config).__name__}"
         raise ConfigError(f"--config {path} {holds}, not a mapping of flag names to values (as TRL's recipes: "
@@ -402,7 +529,7 @@ def config_arguments(argv: list[str], hints: dict, known: set[str]) -> list[str]
                 "a --config file cannot name another" if name == "config" else f"did you mean {close[0]}?" if close
                 else "not a flag of this script, nor of TRL's `trl rloo`"))
         if canonical(name) not in given:
-            out += [f"--{name}", *yaml_values(value, hints.get(name))]
+            out += [f"--{name}", *yaml_values(value, hints.get(name), str(key), path)]
     return out + rest
 
 

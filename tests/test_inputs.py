@@ -521,3 +521,120 @@ def test_ctrl_c_while_torch_imports_is_one_line_and_exit_130(tmp_path):
             assert process.wait(timeout=60) == 130, script
         finally:
             process.kill()
+
+
+# ---------------------------------------------------------------- the recipe file (--config) as data
+def parsed(*argv):
+    return plumbing.parse_args(rloo.Args, argv=[str(a) for a in argv], prog="rloo.py")
+
+
+def config_refusal(capsys, path, *fragments: str) -> str:
+    """The one line naming the file that `--config path` is refused with (exit status 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        parsed("--config", path)
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and error.count("\n") == 1 and error.startswith("rloo.py: error: "), error
+    assert str(path) in error and all(fragment in error for fragment in fragments), error
+    return error
+
+
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi"))  # 9^9 values, 444 bytes
+
+
+@pytest.mark.parametrize("text,fragments", [
+    (BOMB, ["more than 10,000 values, aliases expanded"]),  # the issue's 444-byte alias bomb
+    ("reward_fn: [&r0 x]\n" + "".join(f"k{i}: &r{i + 1} {{a: [{', '.join([f'*r{i}'] * 4)}], <<: {{b: *r{i}}}}}\n"
+                                     for i in range(12)), ["aliases expanded"]),  # mappings, merge keys: 4^12
+    ("[" * 50 + "]" * 50 + "\n", ["nesting deeper than 32 levels"]),
+    ("[" * 100_000 + "\n", ["nests deeper than 32 levels"]),  # PyYAML's own recursion
+    ("seed: " + "9" * 5000 + "\n", ["seed: a number of 5,000 digits"]),
+    ("seed: 0x" + "f" * 5000 + "\n", ["seed: a number of"]),
+    ("reward_fn: ['--overwrite_output_dir']\n", ["reward_fn: the value '--overwrite_output_dir' would be read as a flag"]),
+    ("reward_fn:\n  - mine:f\n  - --resume\n", ["would be read as a flag"]),
+    ("exp_name: --overwrite_output_dir\n", ["exp_name: the value"]),  # a scalar too
+    ("exp_name: -h\n", ["would be read as a flag"]),
+    ("reward_fn: [[a:b], c:d]\n", ["a list of lists or mappings"]),
+    ("seed: 2\nseed: 3\n", ["the key 'seed' is given twice"]),
+    ("exp_name: !!python/object/apply:os.system [true]\n", ["is not read here"]),
+    ("exp_name: !custom x\n", ["the tag !custom is not read here"]),
+    ("exp_name: !!binary aGVsbG8=\n", ["is not read here"]),
+    ("? [a, b]\n: 1\n", ["a key that is a sequence"]),
+    ("\tseed: 3\n", ["is not valid YAML (line 1)", "'\\t'"]),  # a tab before a key
+    ("seed: 1\n---\nseed: 2\n", ["is not valid YAML"]),  # two documents
+    ("seed: 1\x00\n", ["is not valid YAML"]),  # a NUL byte
+    ("output_dir: ~\n", ["output_dir: ~ unquoted is YAML's null: quote it ('~')"]),
+    ("sft_model_path: ~\n", ["sft_model_path: ~ unquoted"]),
+    ("<<: 3\n", ["a merge key (<<) takes mappings"]),
+])
+def test_a_recipe_is_read_as_data_within_limits_or_refused_in_one_line(capsys, tmp_path, text, fragments):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    assert len(BOMB) <= 444
+    config_refusal(capsys, path, *fragments)
+
+
+def test_a_recipe_that_is_no_regular_file_is_refused_at_once(capsys, tmp_path):
+    """A FIFO without a writer (opened non-blocking, never waited on), a character device, a directory, a file over
+    1 MiB: one line each."""
+    fifo = tmp_path / "recipe.yaml"
+    os.mkfifo(fifo)
+    config_refusal(capsys, fifo, "is a FIFO, not a regular file")
+    config_refusal(capsys, "/dev/zero", "is a character device, not a regular file")
+    config_refusal(capsys, tmp_path, "is a directory, not a regular file")
+    big = tmp_path / "big.yaml"
+    big.write_text("exp_name: " + "x" * (1 << 20) + "\n")
+    config_refusal(capsys, big, "is over 1 MiB")
+    link = tmp_path / "link.yaml"  # a symlink to a recipe is read as the recipe
+    (tmp_path / "real.yaml").write_text("seed: 5\n")
+    link.symlink_to(tmp_path / "real.yaml")
+    assert parsed("--config", link).seed == 5
+
+
+@pytest.mark.parametrize("text,expected", [
+    # a str flag keeps its text (YAML 1.1 read 010 as 8, on as True, 1:20 as 80, a date as a date)
+    ("exp_name: 010\nrun_name: on\n", {"exp_name": "010", "run_name": "on"}),
+    ("exp_name: 1:20\nrun_name: 2024-01-01\n", {"exp_name": "1:20", "run_name": "2024-01-01"}),
+    ("exp_name: 1_000\nrun_name: .inf\n", {"exp_name": "1_000", "run_name": ".inf"}),
+    ("exp_name: 'yes'\nrun_name: \"0x10\"\n", {"exp_name": "yes", "run_name": "0x10"}),  # quoted: text
+    ("exp_name: =\nrun_name: 0o17\n", {"exp_name": "=", "run_name": "0o17"}),
+    # a number flag reads YAML 1.2's core schema
+    ("seed: 010\n", {"seed": 10}), ("seed: 0x1f\n", {"seed": 31}), ("seed: 0o17\n", {"seed": 15}),
+    ("learning_rate: 5e-7\n", {"learning_rate": 5e-7}), ("learning_rate: 1.0e-6\n", {"learning_rate": 1e-6}),
+    ("reward_weights: [-1, .5, 0x2]\nreward_fn: [a:b, c:d, e:f]\n", {"reward_weights": (-1.0, 0.5, 2.0)}),
+    # YAML's null: TRL's "not set", the default; a quoted ~ is the home directory, as on the command line
+    ("output_dir: null\n", {"output_dir": "models/rloo"}), ("output_dir:\n", {"output_dir": "models/rloo"}),
+    ("output_dir: none\n", {"output_dir": "models/rloo"}), ("max_steps: ~\n", {"max_steps": None}),
+    ("output_dir: '~'\n", {"output_dir": os.path.expanduser("~")}),
+    ("output_dir: \"~/runs/a\"\n", {"output_dir": os.path.expanduser("~/runs/a")}),
+    # anchors and merge keys, own keys winning; an anchored mapping under a key that is no flag is refused, not read
+    ("base: &b {seed: 3}\n", None),
+    ("<<: {seed: 3, exp_name: x}\nseed: 4\n", {"seed": 4, "exp_name": "x"}),
+    ("<<: [{seed: 3}, {exp_name: '010'}]\n", {"seed": 3, "exp_name": "010"}),
+    ("save_strategy: no\nbf16: true\ngradient_checkpointing: False\n",
+     {"save_strategy": "no", "bf16": True, "gradient_checkpointing": False}),
+])
+def test_a_recipes_values_are_read_by_the_flags_type(capsys, tmp_path, text, expected):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    if expected is None:
+        config_refusal(capsys, path, "unknown key 'base'")
+        return
+    args = parsed("--config", path)
+    assert {name: getattr(args, name) for name in expected} == expected
+
+
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-32", "utf-16-be"])
+def test_a_recipe_in_utf_16_or_with_a_bom_is_read_or_named(capsys, tmp_path, encoding):
+    path = tmp_path / "recipe.yaml"
+    bom = "\ufeff" if encoding == "utf-16-be" else ""  # the others write their own
+    path.write_bytes(f"{bom}seed: 7\nexp_name: café\n".encode(encoding))
+    args = parsed("--config", path)
+    assert (args.seed, args.exp_name) == (7, "café")
+
+
+def test_the_command_lines_quoted_tilde_is_the_home_directory():
+    """`--output_dir '~'` (the shell left the ~) is the home directory, as the README says, not TRL's None; `None`
+    and `null` are TRL's "not set": the default."""
+    assert parsed("--output_dir", "~").output_dir == os.path.expanduser("~")
+    assert parsed("--output_dir", "None").output_dir == parsed("--output_dir", "null").output_dir == "models/rloo"
