@@ -1460,8 +1460,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                          f"x k={args.rloo_k} per rank x {dist_info.world_size} ranks); an epoch: {len(dataset)} "
                          f"prompts x k={args.rloo_k} = {epoch} completions = {epoch / sizes.all_ranks:.3g} updates; "
                          f"reward sources {sources.names}")  # the prompts' counts: the start-up line that loaded them
-            notes += plumbing.movement_note(trainable, args, steps_per_update * sum(learning_rate_at(
-                u, num_updates, args) for u in range(1, num_updates + 1)))
+            notes += plumbing.movement_note(trainable, args, steps_per_update * plumbing.sum_over_updates(
+                functools.partial(learning_rate_at, num_updates=num_updates, args=args), num_updates))
             for note in notes:
                 logger.console.print(note, highlight=False, soft_wrap=True)
         rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, sampling_rng, autocast)

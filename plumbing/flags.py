@@ -430,9 +430,28 @@ def in_updates(steps, args, steps_per_update: int, num_updates: int) -> int:
     return int(steps) if args.max_steps is None else math.ceil(steps / steps_per_update)
 
 
+def round_down(x: float, digits: int = 3) -> float:
+    """x > 0 rounded down to `digits` significant digits: a limit shown as a number that stays within it."""
+    unit = 10.0 ** (math.floor(math.log10(x)) - digits + 1)
+    return math.floor(x / unit) * unit
+
+
+MAX_UPDATES = 1_000_000  # a run's updates: a million at 0.1 s each is 28 hours of the fastest tiny run
+
+
 def update_intervals(args, steps_per_update: int, num_updates: int) -> tuple[int, int]:
     """--save_steps and --logging_steps in updates (in_updates); with --max_steps a checkpoint needs a whole update:
-    --save_steps a multiple of its optimizer steps."""
+    --save_steps a multiple of its optimizer steps. A run of more than MAX_UPDATES updates is refused, naming the
+    most the flag that set its length can take: what start-up counts over updates (the evaluation updates, the
+    learning rates' sum) stays bounded."""
+    if num_updates > MAX_UPDATES:
+        scale = MAX_UPDATES / num_updates
+        flag, most = ("max_steps", f"{MAX_UPDATES * steps_per_update}") if args.max_steps is not None else (
+            "total_episodes", f"{int(args.total_episodes * scale)}") if args.total_episodes is not None else (
+            "num_train_epochs", f"{round_down(args.num_train_epochs * scale):g}")
+        value = getattr(args, flag)
+        raise ConfigError(f"--{flag} {f'{value:g}' if isinstance(value, float) else value} is {num_updates:,} "
+                          f"updates, more than the {MAX_UPDATES:,} a run takes: pass --{flag} {most} or less")
     if args.max_steps is not None and args.save_steps >= 1 and args.save_steps % steps_per_update:
         raise ConfigError(f"--save_steps {args.save_steps} counts optimizer steps with --max_steps (TRL >= 0.22's "
                           f"unit), and a checkpoint comes after a whole update of {steps_per_update} steps "

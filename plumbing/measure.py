@@ -165,6 +165,14 @@ def mismatch_metrics(rollout, args, importance_weights: Callable, cliprange: flo
     return out
 
 
+def sum_over_updates(value_at: Callable[[int], float], num_updates: int, most: int = 10_000) -> float:
+    """value_at(u) summed over the updates u = 1 .. num_updates: exactly up to `most` updates, else estimated from
+    `most` evenly spread ones (the midpoints of equal spans), so that start-up work stays bounded."""
+    if num_updates <= most:
+        return sum(value_at(u) for u in range(1, num_updates + 1))
+    return num_updates / most * sum(value_at(1 + int((i + 0.5) * num_updates / most)) for i in range(most))
+
+
 def movement_note(trainable: list, args, learning_rate_sum: float) -> list[str]:
     """A start-up line: how far the run's learning rates can move the policy's weights. An AdamW step moves a weight
     by about the learning rate at most (the gradient's running mean over its running RMS), so the whole run by at

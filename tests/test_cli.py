@@ -482,6 +482,13 @@ BAD_INPUTS = {  # case: (flags that replace or add to a valid command, fragments
     "zero updates": ({"num_train_epochs": "0.0001"},
                      ["--num_train_epochs 0.0001 of 256 prompts x k=2 is 0 episodes: no update (one takes 8)",
                       "--num_train_epochs 0.0156 or more, or --total_episodes 8"]),
+    "absurd num_train_epochs": ({"num_train_epochs": "1e15"},  # a Python sum over every update's learning rate
+                                ["--num_train_epochs 1e+15 is 64,000,000,000,000,000 updates, more than the 1,000,000 a "
+                                 "run takes: pass --num_train_epochs 15600 or less"]),
+    "absurd max_steps": ({"max_steps": str(10 ** 20)}, ["--max_steps 100000000000000000000 is 25,000,000,000,000,000,000 updates",
+                                          "pass --max_steps 4000000 or less"]),
+    "absurd total_episodes": ({"total_episodes": str(10 ** 30)}, ["--total_episodes 1000000000000000000000000000000 is",
+                                                                   "pass --total_episodes 8000000 or less"]),
     "fractional logging_steps above 1": ({"logging_steps": "2.5"}, ["logging_steps = 2.5", "a share of the run"]),
     "eval_steps without eval_strategy steps": ({"eval_steps": "10"}, ["--eval_steps 10 spaces the evaluations"]),
     "LoRA on parameters with dropout": ({"use_peft": None, "lora_target_parameters": "mlp.dense_h_to_4h.weight"},

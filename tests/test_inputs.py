@@ -7,6 +7,7 @@ import fractions
 import gc
 import io
 import json
+import math
 import os
 import random
 import signal
@@ -638,3 +639,35 @@ def test_the_command_lines_quoted_tilde_is_the_home_directory():
     and `null` are TRL's "not set": the default."""
     assert parsed("--output_dir", "~").output_dir == os.path.expanduser("~")
     assert parsed("--output_dir", "None").output_dir == parsed("--output_dir", "null").output_dir == "models/rloo"
+
+
+# ---------------------------------------------------------------- start-up work bounded
+@pytest.mark.parametrize("schedule", ["linear", "cosine", "constant_with_warmup"])
+def test_the_learning_rates_sum_is_exact_for_a_short_run_and_bounded_for_a_long_one(schedule):
+    """The start-up note's sum over every update's learning rate (it was a Python sum over 10^17 updates for
+    --num_train_epochs 1e15): exact up to 10,000 updates, from 10,000 of them beyond, within 1e-6 of the exact."""
+    args = rloo.Args(lr_scheduler_type=schedule, warmup_ratio=0.1, learning_rate=1.0)
+    calls = []
+
+    def rate(num_updates):
+        def at(update):
+            calls.append(update)
+            return rloo.learning_rate_at(update, num_updates, args)
+        return at
+
+    assert plumbing.sum_over_updates(rate(10_000), 10_000) == sum(rloo.learning_rate_at(u, 10_000, args)
+                                                                  for u in range(1, 10_001))
+    calls.clear()
+    n = plumbing.MAX_UPDATES
+    estimate = plumbing.sum_over_updates(rate(n), n)
+    assert len(calls) == 10_000 and all(1 <= u <= n for u in calls)
+    exact = math.fsum(rloo.learning_rate_at(u, n, args) for u in range(1, n + 1))
+    assert abs(estimate - exact) <= 1e-6 * exact
+
+
+def test_a_run_of_more_updates_than_it_can_count_is_refused_with_what_fits():
+    args = rloo.Args(num_train_epochs=2.0)
+    assert plumbing.update_intervals(args, 4, plumbing.MAX_UPDATES) == (0, 1)  # the most: accepted
+    with pytest.raises(plumbing.ConfigError, match=r"--num_train_epochs 2 is 1,000,001 updates, more than the "
+                                                   r"1,000,000 a run takes: pass --num_train_epochs 1.99 or less"):
+        plumbing.update_intervals(args, 4, plumbing.MAX_UPDATES + 1)
