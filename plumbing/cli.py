@@ -29,6 +29,7 @@ from .distributed import stopped_alone
 from .errors import ConfigError, Fault, describe, first_line
 from .faults import NonFiniteError, StartupInterrupted, StopSignal, console_survives
 from .flags import PATH_FLAGS, RunArgs
+from .rewards import end_processes_left
 
 # TRL >= 0.22's names for flags of the same meaning, tyro aliases of this project's (README, "Flags": both TRL
 # generations' names side by side)
@@ -667,8 +668,8 @@ def run_script(main: Callable, args, program: str) -> None:
     value before an optimizer step (NonFiniteError) into one line and exit status 3, a fault that stopped the run
     (Fault) into one line and exit status 4, and a signal before training (or a KeyboardInterrupt before its
     handler is set) into one line and exit status 0 (130 for SIGINT; under torchrun 128 + the signal's number);
-    and the process ends then, whatever user code left running (exit_if_left_running). The console cannot
-    stop it (console_survives). Shared by this project's scripts."""
+    and the process ends then, whatever user code left running (exit_if_left_running; the processes it started are
+    ended, end_processes_left). The console cannot stop it (console_survives). Shared by this project's scripts."""
     console_survives()
     running = {*threading.enumerate(), *multiprocessing.active_children()}  # not of this run (a test's process)
     try:
@@ -755,6 +756,7 @@ def say_how_it_ended(main: Callable, args, program: str) -> None:
         if not stopped_alone():
             print(f"{program}: rank {os.environ['RANK']}: {e}", file=sys.stderr, flush=True)
         stopped_alone(mark=True)
+        end_processes_left(program)
         os._exit(128 + signal.Signals[e.signal_name])  # not sys.exit: no process group teardown that waits
     except RuntimeError as e:  # under torchrun, a collective cut short by a rank that is gone: one line, not a trace
         frames = traceback.extract_tb(e.__traceback__)
@@ -763,7 +765,10 @@ def say_how_it_ended(main: Callable, args, program: str) -> None:
         if not stopped_alone():  # else that rank has said why already
             print(f"{program}: rank {os.environ['RANK']}: error: a collective failed (a rank stopped, was lost or "
                   f"timed out): {first_line(e)}", file=sys.stderr, flush=True)
+        end_processes_left(program)
         os._exit(4)
+    finally:  # however it ended: the processes user code left running end with it (they may hold the console)
+        end_processes_left(program)
 
 
 def run_tool(program: str, target: Callable, main: Optional[Callable] = None, argv: Optional[list[str]] = None) -> None:

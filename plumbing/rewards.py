@@ -2,6 +2,7 @@
 a thread of its own with a timeout and its values read, and a failure on one rank raised on every rank together.
 """
 
+import atexit
 import contextlib
 import copy
 import functools
@@ -13,6 +14,7 @@ import os
 import posix
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -81,6 +83,29 @@ def set_flags(module, names: tuple[str, ...], values: tuple) -> None:
         setattr(module, name, value)
 
 
+class IntervalTimer:
+    """An interval timer's setting (signal.setitimer's; signal.alarm sets the real one), compared as user_code
+    compares settings: armed or not, and its interval (the time left runs down); restore() sets it as it was read."""
+
+    def __init__(self, which: int):
+        self.which = which
+        self.value, self.interval = signal.getitimer(which)
+
+    def __eq__(self, other) -> bool:
+        return (self.value > 0, self.interval) == (other.value > 0, other.interval)
+
+    def __repr__(self) -> str:
+        return "off" if not self.value else f"{self.value:.3g} s" + (f", then every {self.interval:g} s" if
+                                                                    self.interval else "")
+
+    def restore(self) -> None:
+        signal.setitimer(self.which, self.value, self.interval)
+
+
+TIMER_SIGNALS = {signal.ITIMER_REAL: signal.SIGALRM, signal.ITIMER_VIRTUAL: signal.SIGVTALRM,
+                 signal.ITIMER_PROF: signal.SIGPROF}  # what each interval timer sends: by default, the end of the run
+
+
 CUDNN, MATMUL = ("enabled", "benchmark", "deterministic", "allow_tf32"), (
     "allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction")
 SDPA = ("flash", "mem_efficient", "math", "cudnn")  # scaled_dot_product_attention's kernels
@@ -117,7 +142,95 @@ RUN_SETTINGS = {
                    "use contextlib.redirect_stderr as a with-block"),
     "the umask": (get_umask, lambda umask: os.umask(int(umask, 8)), "set file modes with os.chmod instead"),
 } | {f"the {sig.name} handler": (functools.partial(signal.getsignal, sig), functools.partial(signal.signal, sig),
-                                 "leave the stop signals to the run") for sig in StopSignal.SIGNALS}
+                                 "leave the stop signals to the run") for sig in StopSignal.SIGNALS} | {
+    f"the {name} interval timer": (functools.partial(IntervalTimer, which), IntervalTimer.restore,
+                                   f"time the work with a timeout of its own: {TIMER_SIGNALS[which].name} would end "
+                                   "the run, or interrupt it later") for which, name in (
+        (signal.ITIMER_REAL, "real (signal.alarm's)"), (signal.ITIMER_VIRTUAL, "virtual"),
+        (signal.ITIMER_PROF, "profiling"))} | {  # the timers before their signals' handlers: put back in this order
+    f"the {sig.name} handler": (functools.partial(signal.getsignal, sig), functools.partial(signal.signal, sig),
+                                "time the work with a timeout of its own (a thread's join, subprocess's timeout=)")
+    for sig in TIMER_SIGNALS.values()}
+
+
+EXIT_HANDLER_TIMEOUT = 10.0  # seconds an atexit handler that user code registered may take as the process exits
+LEFT_RUNNING: dict[int, tuple[str, str]] = {}  # the processes user code started and left running, ended as the script
+# ends (end_processes_left): {pid: (its start time, what started it)}. Process-wide as the processes are
+
+
+def descendants(roots: Optional[list[int]] = None) -> dict[int, str]:
+    """The descendants of `roots` (default: this process), children of children included: {pid: its start time}
+    (/proc's, which tells a pid taken again by another process; {} where there is no /proc)."""
+    children, started = {}, {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if entry.name.isdigit():
+                    text = Path("/proc", entry.name, "stat").read_text()
+                    after = text[text.rindex(")") + 2:].split()  # state, ppid, ... (the name may hold spaces)
+                    if after[0] not in "ZX":  # a zombie has ended
+                        children.setdefault(int(after[1]), []).append(int(entry.name))
+                        started[int(entry.name)] = after[19]
+    found, parents = {}, list(roots or [os.getpid()])
+    while parents:
+        for child in children.get(parents.pop(), ()):
+            found[child] = started[child]
+            parents.append(child)
+    return found
+
+
+def end_processes_left(program: str) -> None:
+    """Ends the processes that user code started and left running (user_code records them), whatever they hold (the
+    console's pipe: `rloo.py | cat` would wait for them): SIGTERM, then SIGKILL to those still running after 2 s,
+    and one line naming them. A pid now another process's (another start time) is left alone."""
+    import time
+
+    alive = lambda: {pid: what for pid, (start, what) in LEFT_RUNNING.items()  # noqa: E731
+                     if descendants().get(pid) == start}
+    left = alive()
+    if not left:
+        return
+    for parent in list(left):  # and what they started since (a shell's children), ended with them
+        for pid, start in descendants([parent]).items():
+            LEFT_RUNNING.setdefault(pid, (start, LEFT_RUNNING[parent][1]))
+    left = alive()
+    print(f"{program}: ending {len(left)} process(es) that user code started and left running: "
+          + ", ".join(f"pid {pid} ({what})" for pid, what in left.items()), file=sys.stderr, flush=True)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + 2.0
+        while left and time.monotonic() < deadline:
+            for pid in left:  # a child of this process lingers as a zombie until reaped
+                with contextlib.suppress(ChildProcessError, OSError):
+                    os.waitpid(pid, os.WNOHANG)
+            left = alive()
+            time.sleep(0.02)
+    LEFT_RUNNING.clear()
+
+
+class ExitHandler:
+    """An atexit handler that user code registered, run as the process exits for at most EXIT_HANDLER_TIMEOUT
+    seconds (in a thread of its own): one that sleeps or waits would keep a finished run from exiting. Equal to the
+    function it runs, so that atexit.unregister(fn) finds it."""
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict):
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+
+    def __eq__(self, other) -> bool:
+        return other is self or other == self.fn
+
+    __hash__ = object.__hash__
+
+    def __call__(self) -> None:
+        name = getattr(self.fn, "__qualname__", None) or repr(self.fn)
+        outcome = in_a_thread(lambda: self.fn(*self.args, **self.kwargs), f"atexit {name}", EXIT_HANDLER_TIMEOUT)
+        if not outcome:
+            print(f"{Path(sys.argv[0]).name}: an exit handler of user code ({name}) did not return within "
+                  f"{EXIT_HANDLER_TIMEOUT:g} s: exiting without it", file=sys.stderr, flush=True)
+        elif "error" in outcome:
+            raise outcome["error"]
 
 
 class ExitRefused(SystemExit):
@@ -138,7 +251,17 @@ def user_code(what: str, error: type):
     settings = {name: read() for name, (read, _, _) in RUN_SETTINGS.items()}
     generators = torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     speed = torch.get_num_threads(), gc.isenabled(), sys.getrecursionlimit()
-    real_exit, pid = os._exit, os.getpid()
+    real_exit, pid, real_register, processes = os._exit, os.getpid(), atexit.register, descendants()
+    fired = []  # a timer's signal while the code runs: by default the end of the run (SIGALRM: exit 142)
+    recorder = lambda signum, frame: fired.append(signal.Signals(signum).name)  # noqa: E731
+    caught = [sig for sig in TIMER_SIGNALS.values() if threading.current_thread() is threading.main_thread()
+              and signal.getsignal(sig) == signal.SIG_DFL]
+    for sig in caught:
+        signal.signal(sig, recorder)
+
+    def register(fn: Callable, *args, **kwargs) -> Callable:
+        real_register(ExitHandler(fn, args, kwargs))
+        return fn
 
     def exit_refused(status: int) -> None:
         if os.getpid() != pid:  # a child forked by the code: its exit is the child's
@@ -146,20 +269,32 @@ def user_code(what: str, error: type):
         raise ExitRefused(f"os._exit({status})")
 
     os._exit = posix._exit = exit_refused  # the same function, by its two names
+    atexit.register = register  # `from atexit import register` in the code's module too: bound as the process exits
     try:
         yield
     finally:
         os._exit = posix._exit = real_exit
+        atexit.register = real_register
+        LEFT_RUNNING.update({child: (start, what) for child, start in descendants().items()
+                             if processes.get(child) != start})
         torch.set_rng_state(generators[0])
         if generators[1] is not None:
             torch.cuda.set_rng_state_all(generators[1])
         torch.set_num_threads(speed[0])
         (gc.enable if speed[1] else gc.disable)()
         sys.setrecursionlimit(speed[2])
-        changed = {name: (old, RUN_SETTINGS[name][0]()) for name, old in settings.items()
-                   if RUN_SETTINGS[name][0]() != old}
-        for name, (old, _) in changed.items():
+        now = {name: RUN_SETTINGS[name][0]() for name in settings}
+        changed = {name: (old, now[name]) for name, old in settings.items()
+                   if (signal.SIG_DFL if now[name] is recorder else now[name]) != old}
+        for name, (old, _) in changed.items():  # the timers first: off before their signals' handlers are put back
             RUN_SETTINGS[name][1](old)
+        for sig in caught:
+            if signal.getsignal(sig) is recorder:
+                signal.signal(sig, signal.SIG_DFL)
+    if fired:
+        raise error(f"{what} set a timer whose {fired[0]} came while it ran (signal.alarm, signal.setitimer): it would "
+                    "have ended the run at once, nothing saved; time the work with a timeout of its own (a thread's "
+                    "join, subprocess's timeout=)")
     if changed:
         name, values = next(iter(changed.items()))
         old, new = (getattr(value, "__qualname__", None) or repr(value) for value in values)  # a handler by its name

@@ -671,3 +671,103 @@ def test_a_run_of_more_updates_than_it_can_count_is_refused_with_what_fits():
     with pytest.raises(plumbing.ConfigError, match=r"--num_train_epochs 2 is 1,000,001 updates, more than the "
                                                    r"1,000,000 a run takes: pass --num_train_epochs 1.99 or less"):
         plumbing.update_intervals(args, 4, plumbing.MAX_UPDATES + 1)
+
+
+# ---------------------------------------------------------------- user code cannot end or hold the run
+@pytest.mark.parametrize("which,call", [
+    ("ITIMER_REAL", "signal.alarm(1)"),  # SIGALRM while it runs: exit 142 without a checkpoint, before
+    ("ITIMER_REAL", "signal.setitimer(signal.ITIMER_REAL, 0.05)"),
+    ("ITIMER_VIRTUAL", "signal.setitimer(signal.ITIMER_VIRTUAL, 0.01)"),  # SIGVTALRM, after CPU time
+    ("ITIMER_PROF", "signal.setitimer(signal.ITIMER_PROF, 0.01)"),
+])
+def test_a_timer_that_fires_while_a_reward_function_runs_is_a_fault_not_the_end_of_the_run(tmp_path, which, call):
+    """The timer's signal is caught while user code runs (the function returns once its timer has run out, busy for
+    the CPU-time ones) and is one line; the timer and the handler are as before."""
+    module = tmp_path / "timed.py"
+    module.write_text(f"import signal\ndef f(**kwargs):\n    {call}\n    while signal.getitimer(signal.{which})[0] > 0:"
+                      "\n        pass\n    return [1.0]\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        [(name, fn)] = plumbing.load_reward_functions(("timed:f",))
+    finally:
+        sys.path.remove(str(tmp_path))
+    with pytest.raises(plumbing.RewardFunctionError) as error:
+        plumbing.call_reward_function(name, fn, 1, None)
+    assert_one_line(error.value, "reward function 'f' set a timer whose SIG")
+    assert [signal.getitimer(which) for which in plumbing.TIMER_SIGNALS] == [(0.0, 0.0)] * 3
+    assert [signal.getsignal(sig) for sig in plumbing.TIMER_SIGNALS.values()] == [signal.SIG_DFL] * 3
+
+
+def test_a_timer_left_armed_or_a_timer_handler_set_by_user_code_is_put_back_and_named(tmp_path, monkeypatch,
+                                                                                      signal_handlers_kept):
+    with pytest.raises(plumbing.RewardFunctionError) as error:
+        plumbing.call_reward_function("judge", lambda **kwargs: signal.alarm(3600) and None or [1.0], 1, None)
+    assert_one_line(error.value, "changed the real (signal.alarm's) interval timer (off -> ")
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    with pytest.raises(plumbing.RewardFunctionError) as error:
+        plumbing.call_reward_function("judge", lambda **kwargs: signal.setitimer(signal.ITIMER_PROF, 600, 5)
+                                      and None or [1.0], 1, None)
+    assert_one_line(error.value, "changed the profiling interval timer (off -> 600 s, then every 5 s)")
+    assert signal.getitimer(signal.ITIMER_PROF) == (0.0, 0.0)
+    (tmp_path / "own_alarm.py").write_text("import signal\nsignal.signal(signal.SIGALRM, lambda *a: None)\n"
+                                           "def f(**kwargs):\n    return [0.0]\n")
+    monkeypatch.syspath_prepend(tmp_path)
+    with pytest.raises(plumbing.ConfigError) as error:  # a module's own handler, set at import (the main thread)
+        plumbing.load_reward_functions(("own_alarm:f",))
+    assert_one_line(error.value, "importing 'own_alarm' changed the SIGALRM handler (<Handlers.SIG_DFL: 0> -> <lambda>)")
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
+
+
+LEAVES_RUNNING = """import atexit, os, subprocess, sys, threading, time
+from pathlib import Path
+atexit.register(threading.Event().wait)  # at import: waits forever as the process exits
+pids = Path(sys.argv[1], "pids")
+
+def f(completions, **kwargs):
+    from atexit import register
+    register(lambda: time.sleep(3600))  # at a call
+    children = [subprocess.Popen(["sleep", "3600"]),  # holds the console's pipe
+                subprocess.Popen(["sleep", "3600"], start_new_session=True),  # a session of its own
+                subprocess.Popen(["sh", "-c", f"sleep 3600 & echo $! > {pids}.sh; wait"])]  # with a child of its own
+    while not (pids.with_suffix(".sh").exists() and pids.with_suffix(".sh").read_text().endswith("\\n")):
+        time.sleep(0.01)  # the shell's child started
+    child = os.fork()
+    if child == 0:  # a forked child of the run
+        time.sleep(3600)
+        os._exit(0)
+    pids.write_text(" ".join(str(p) for p in [c.pid for c in children] + [child]) + " "
+                    + pids.with_suffix(".sh").read_text())
+    return [1.0] * len(completions)
+"""
+RUN_THAT_LEAVES = """import sys
+from pathlib import Path
+import plumbing
+plumbing.rewards.EXIT_HANDLER_TIMEOUT = 0.2
+sys.path.insert(0, sys.argv[1])
+Path(sys.argv[1], "leaves.py").write_text(sys.argv[2])
+
+def main(args):
+    [(name, fn)] = plumbing.load_reward_functions(("leaves:f",))
+    plumbing.call_reward_function(name, fn, 2, None, completions=["a", "b"])
+    print("finished", flush=True)
+
+plumbing.run_script(main, None, "rloo.py")
+"""
+
+
+def test_the_run_exits_whatever_exit_handlers_and_processes_user_code_left(tmp_path):
+    """`rloo.py | cat` ends when the run does: the processes a reward function started (a Popen, one in a session of
+    its own, a shell's child, a forked child) are ended and named in one line; its atexit handlers that wait run for
+    at most EXIT_HANDLER_TIMEOUT, each named. Without it, communicate() here would wait for an hour."""
+    result = subprocess.run([sys.executable, "-c", RUN_THAT_LEAVES, str(tmp_path), LEAVES_RUNNING],
+                            capture_output=True, text=True, env=script_env(), cwd=REPO, timeout=300)
+    assert result.returncode == 0 and result.stdout == "finished\n", result.stderr[-3000:]
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("rloo.py: ending 5 process(es) that user code started and left running: pid "), lines
+    assert "(reward function 'f')" in lines[0]
+    assert sorted(lines[1:]) == sorted([
+        "-c: an exit handler of user code (f.<locals>.<lambda>) did not return within 0.2 s: exiting without it",
+        "-c: an exit handler of user code (Event.wait) did not return within 0.2 s: exiting without it"]), lines
+    for pid in (tmp_path / "pids").read_text().split():
+        with contextlib.suppress(FileNotFoundError):  # gone, or a zombie its new parent has not reaped
+            assert Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] in "ZX", pid
