@@ -1534,9 +1534,9 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                         plumbing.reward_faults(device, f"scoring of update {update}"):
                     chunk = plumbing.rows_per_forward(args, sources.model, "scoring", device, len(rollout.responses),
                                                       args.rloo_k)
-                    raw_scores, source_means = score_completions(sources, rollout, prompt_batch.examples,
-                                                                 args.prompt_column, tokenizer, stop_token_id, chunk,
-                                                                 autocast)  # (k*B,)
+                    raw_scores, source_means = plumbing.said_if_unscored(update, sources, *score_completions(
+                        sources, rollout, prompt_batch.examples, args.prompt_column, tokenizer, stop_token_id, chunk,
+                        autocast))  # (k*B,)
                 scores = apply_missing_eos_penalty(raw_scores, has_stop, args.missing_eos_penalty)  # (k*B,)
                 if args.normalize_reward:
                     scores = whiten(scores, ~scores.isnan()).clamp(-args.reward_clip_range, args.reward_clip_range)

@@ -9,13 +9,14 @@ import functools
 import gc
 import importlib.util
 import inspect
+import math
 import numbers
 import os
 import posix
 import signal
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -39,6 +40,8 @@ class RewardSources:
     weights: torch.Tensor  # (S,)
     share_prompt: bool = False  # the reward model reads a prompt group as one row (grouped_rows)
     timeout: Optional[float] = None  # seconds a reward function's call may take (--reward_fn_timeout)
+    scored_any: bool = False  # whether any completion was scored yet in this process (said_if_unscored)
+    said_unscored: set = field(default_factory=set)  # the functions said to have scored nothing in an update
 
     @property
     def names(self) -> list[str]:
@@ -460,6 +463,29 @@ def reward_faults(device: torch.device, what: str, after_training: bool = False)
                                        key=lambda failed: failed[1][1] is not None)  # a failure before a signal
     raise RewardFunctionError(f"{message} (rank {rank}, {what})", announce=dist.get_rank() == 0,
                               after_training=after_training, signal_name=signal_name) from None
+
+
+def said_if_unscored(update: int, sources: RewardSources, scores: torch.Tensor,
+                     per_source: dict) -> tuple[torch.Tensor, dict]:
+    """An update's scores (k*B,) and per-source metrics as score_completions returns them, checked for what was
+    scored on this rank: a reward function that scored none of the completions (returned only None; TRL warns) is
+    said in one line, once a run; an update none of whose completions any source scored, before any completion was
+    ever scored, is a RewardFunctionError (a run that would train on nothing: a completion no source scores is left
+    out of the loss)."""
+    rank = f" on rank {dist.get_rank()}" if dist.is_initialized() else ""
+    unscored = bool(scores.isnan().all())
+    if unscored and not sources.scored_any:
+        raise RewardFunctionError(f"no completion of update {update} was scored{rank}: every reward function returned "
+                                  "only None (and no reward model scores them), so the run would train on nothing: "
+                                  "return a number for the completions a function applies to")
+    for name, _ in sources.functions:
+        if math.isnan(per_source[f"reward/{name}/mean"]) and name not in sources.said_unscored:
+            sources.said_unscored.add(name)
+            print(f"{Path(sys.argv[0]).name}: warning: reward function {name!r} scored none of the {len(scores)} "
+                  f"completions of update {update}{rank}: it returned only None (said once a run)", file=sys.stderr,
+                  flush=True)
+    sources.scored_any = sources.scored_any or not unscored
+    return scores, per_source
 
 
 def retokenize(texts: list[str], ended: list[bool], tokenizer,

@@ -21,6 +21,11 @@ def only_even_lengths(completions, **kwargs):
     return [1.0 if len(c.split()) % 2 == 0 else None for c in completions]
 
 
+def scores_nothing(completions, **kwargs):
+    """Applies to no completion: only None (TRL warns; nothing to train on)."""
+    return [None] * len(completions)
+
+
 def not_a_list(**kwargs):
     return 3.0
 

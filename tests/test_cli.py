@@ -111,6 +111,24 @@ def base(assets, tmp_path) -> list:
             tmp_path / "out", "--reward_fn", "reward_fns:count_a"]
 
 
+def test_a_run_in_which_no_completion_is_scored_is_refused_and_a_function_scoring_nothing_is_said(assets, tmp_path):
+    """A reward function that returns only None trained on nothing, exit 0, no word: now its update is refused
+    (exit 4, the run's last finished update kept) and, beside one that scores, it is said once in one line."""
+    result = run_rloo(*base(assets, tmp_path)[:-2], "--reward_fn", "reward_fns:scores_nothing", "--total_episodes",
+                      "64", *TINY_RUN)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 4 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("rloo.py: error: no completion of update 1 was scored: every reward function returned "
+                               "only None"), lines
+    out = tmp_path / "out2"
+    result = run_rloo(*base(assets, tmp_path)[:-3], str(out), "--reward_fn", "reward_fns:count_a",
+                      "reward_fns:scores_nothing", "--total_episodes", "64", *TINY_RUN)
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if "scored none" in line]
+    assert said == ["rloo.py: warning: reward function 'scores_nothing' scored none of the 16 completions of update "
+                    "1: it returned only None (said once a run)"], result.stderr[-3000:]
+
+
 def test_k_equal_one_is_refused(assets, tmp_path):
     assert_one_line_error(run_rloo(*base(assets, tmp_path), "--rloo-k", "1"), "rloo_k = 1", "--rloo_k 2")
 
