@@ -2,6 +2,7 @@
 rloo.py's Args extends with the algorithm's, and the checks made before anything loads (validate_args).
 """
 
+import dataclasses
 import difflib
 import importlib.util
 import logging
@@ -372,6 +373,15 @@ def validate_args(args, launching: bool = True) -> None:
     if args.eval_steps is not None and args.eval_strategy != "steps":
         raise ConfigError(f"--eval_steps {args.eval_steps} spaces the evaluations of --eval_strategy steps: add it, or "
                           "drop --eval_steps")
+    default_evals = next(f.default for f in dataclasses.fields(args) if f.name == "num_evals")
+    if args.eval_strategy is not None and args.num_evals != default_evals:
+        raise ConfigError(f"--num_evals {args.num_evals} spreads the evaluations over the run without --eval_strategy, "
+                          f"and --eval_strategy {args.eval_strategy} " + ("evaluates nowhere" if args.eval_strategy ==
+                                                                           "no" else "places them itself")
+                          + ": drop one of them")
+    if args.pad_token is not None and not args.pad_token:
+        raise ConfigError("--pad_token '' is empty: pass a token (the default [PAD], or one the tokenizer has, such as "
+                          "its EOS), or None to refuse a tokenizer without one")
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("--report_to tensorboard (--tensorboard) writes through torch.utils.tensorboard, which needs "
                           "the tensorboard package: pip install tensorboard (or drop it)")
@@ -463,12 +473,13 @@ def update_intervals(args, steps_per_update: int, num_updates: int) -> tuple[int
 def evaluation_updates(args, num_updates: int, steps_per_update: int, updates_per_epoch: int) -> set[int]:
     """The updates after which the policy is evaluated (the initial policy's evaluation, update 0, comes on top).
     --eval_strategy steps: every --eval_steps (else --logging_steps; in_updates); epoch: at the end of each pass over
-    the prompts (updates_per_epoch); no: none. By default --num_evals of them spread evenly over the run, the last at
+    the prompts (updates_per_epoch) and at the end of the run, the end of its last pass, whole or not (TRL's
+    Trainer's: a run shorter than an epoch evaluates at its end); no: none. By default --num_evals of them spread evenly over the run, the last at
     its end (--num_evals 0: only the end)."""
     if args.eval_strategy in ("steps", "epoch"):
-        every = updates_per_epoch if args.eval_strategy == "epoch" else in_updates(
+        every = max(1, updates_per_epoch) if args.eval_strategy == "epoch" else in_updates(
             args.logging_steps if args.eval_steps is None else args.eval_steps, args, steps_per_update, num_updates)
-        return set(range(every, num_updates + 1, every))
+        return set(range(every, num_updates + 1, every)) | ({num_updates} if args.eval_strategy == "epoch" else set())
     if args.eval_strategy == "no":
         return set()
     return {math.ceil(i * num_updates / args.num_evals) for i in range(1, args.num_evals + 1)} if args.num_evals \

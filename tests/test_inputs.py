@@ -771,3 +771,24 @@ def test_the_run_exits_whatever_exit_handlers_and_processes_user_code_left(tmp_p
     for pid in (tmp_path / "pids").read_text().split():
         with contextlib.suppress(FileNotFoundError):  # gone, or a zombie its new parent has not reaped
             assert Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] in "ZX", pid
+
+
+# ---------------------------------------------------------------- odd values: one line, or working
+@pytest.mark.parametrize("argv,fragment", [
+    (["--pad_token", ""], "--pad_token '' is empty"),  # a TypeError in the tokenizer, before
+    (["--eval_strategy", "no", "--num_evals", "3"], "--num_evals 3 spreads the evaluations over the run without "
+                                                    "--eval_strategy, and --eval_strategy no evaluates nowhere"),
+    (["--eval_strategy", "epoch", "--dataset_test_split", "test", "--num_evals", "0"], "places them itself"),
+])
+def test_odd_values_are_one_line(argv, fragment):
+    status, error = parse_and_check([*VALID, *argv])
+    assert status == 2 and error.count("\n") == 1 and fragment in error, error
+
+
+def test_eval_strategy_epoch_on_a_run_shorter_than_an_epoch_evaluates_at_its_end():
+    """TRL's Trainer evaluates at the end of the last pass, whole or not: before, a run of 3 updates in an epoch of 4
+    never evaluated."""
+    args = rloo.Args(eval_strategy="epoch", dataset_test_split="test")
+    assert plumbing.evaluation_updates(args, 3, 1, 4) == {3}
+    assert plumbing.evaluation_updates(args, 9, 1, 4) == {4, 8, 9}
+    assert plumbing.evaluation_updates(args, 3, 1, 0) == {1, 2, 3}  # an epoch shorter than an update: each update

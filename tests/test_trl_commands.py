@@ -321,7 +321,7 @@ def test_evaluation_schedules():
     assert at(eval_strategy="steps", logging_steps=5) == {5, 10}  # TRL: eval_steps defaults to logging_steps
     assert at(eval_strategy="steps", eval_steps=0.25) == {3, 6, 9}  # ceil(2.5)
     assert at(eval_strategy="steps", eval_steps=8, max_steps=40, steps_per_update=4) == {2, 4, 6, 8, 10}
-    assert at(eval_strategy="epoch") == {4, 8}
+    assert at(eval_strategy="epoch") == {4, 8, 10}  # and the end of the last pass, whole or not (TRL's Trainer)
     assert at(eval_strategy="no") == set() and at(num_evals=2) == {5, 10}
 
 
