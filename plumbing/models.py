@@ -91,6 +91,7 @@ def check_reward_model_config(path: str, trust_remote_code: bool, policy_vocab_s
     reward model without tokenizer files reads the policy's token ids, which needs the policy's vocabulary; with
     `args`, a prompt and its response fit its positions (check_context)."""
     config = load_config(path, "reward model", trust_remote_code)
+    check_sizes(config, "reward model")
     vocab_size = getattr(config.get_text_config(), "vocab_size", None)
     if policy_vocab_size is not None and vocab_size not in (None, policy_vocab_size) and not has_tokenizer(path):
         raise ConfigError(f"reward model {path!r} has no tokenizer files, so it would read the policy's token ids, but "
@@ -216,13 +217,36 @@ def prepare_tokenizer(args):
 
 
 def check_model_configs(args, policy_config) -> None:
-    """What the models' configs alone tell (no tokenizer, no weights; plan_memory.py makes the same checks): a
-    prompt and its response fit the policy's positions, the reward model's head gives one score, its vocabulary
+    """What the models' configs alone tell (no tokenizer, no weights; plan_memory.py makes the same checks): its
+    sizes make a model (check_sizes), a prompt and its response fit the policy's positions, the reward model's head gives one score, its vocabulary
     and positions fit."""
+    check_sizes(policy_config, "policy")
     check_context(policy_config, "policy", args)
     if args.reward_model_path is not None:
         check_reward_model_config(args.reward_model_path, args.trust_remote_code,
                                   getattr(policy_config.get_text_config(), "vocab_size", None), args)
+
+
+MODEL_SIZES = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+MAX_LAYERS = 10_000  # the largest models have a few hundred; building (on the meta device too) loops over them
+
+
+def check_sizes(config, what: str) -> None:
+    """The sizes of a model's config (MODEL_SIZES, where it has them) are whole numbers >= 1, and its layers at most
+    MAX_LAYERS: a 0 or a negative size is a ZeroDivisionError or a negative dimension deep in the model's code, 10^12
+    layers a build that never ends."""
+    text = config.get_text_config()
+    for name in MODEL_SIZES:
+        value = getattr(text, name, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"the {what}'s config has {name} = {value!r}: a model's sizes are whole numbers >= 1; "
+                              "fix its config.json")
+    layers = getattr(text, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers > MAX_LAYERS:
+        raise ConfigError(f"the {what}'s config has num_hidden_layers = {layers:,}, more than the {MAX_LAYERS:,} a "
+                          "model here may have: fix its config.json")
 
 
 def check_context(config, what: str, args) -> None:

@@ -151,3 +151,22 @@ def test_an_entropy_in_the_loss_costs_the_one_logit_buffer_the_plan_adds(tmp_pat
     without, with_entropy = (plan_memory.plan(replace(args, entropy_in_loss=e), shape, None)["training"][line]
                              for e in (False, True))
     assert with_entropy - without == n * width * shape.vocab * 4
+
+
+@pytest.mark.parametrize("size,value", [("num_hidden_layers", 0), ("num_hidden_layers", -2), ("hidden_size", -64),
+                                        ("hidden_size", 0), ("intermediate_size", -5), ("vocab_size", -3),
+                                        ("vocab_size", 0), ("num_hidden_layers", 10**12)])
+def test_a_config_whose_sizes_make_no_model_is_one_line(tmp_path, size, value):
+    """A 0 or a negative size was a ZeroDivisionError or a negative dimension (a traceback), 10^12 layers a build
+    on the meta device that never ended: one line naming the size, for the policy and the reward model."""
+    import json
+
+    path, config = tiny(tmp_path)
+    fields = json.loads((path / "config.json").read_text()) | {size: value}
+    (path / "config.json").write_text(json.dumps(fields))
+    good, _ = tiny(tmp_path, hidden=32)
+    for args in (plan_memory.PlanArgs(model_name_or_path=str(path), reward_fn=("m:f",), world_size=1),
+                 plan_memory.PlanArgs(model_name_or_path=str(good), reward_model_path=str(path), world_size=1)):
+        with pytest.raises(plumbing.ConfigError, match=f"config has {size} = {value:,}" if value > 10**4 else
+                           f"config has {size} = {value}: a model's sizes are whole numbers >= 1"):
+            plan_memory.main(args)
