@@ -97,6 +97,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmark import accounting, demo, generation_modes, synthetic_task, throughput  # noqa: E402
+import plumbing  # noqa: E402
 
 VARIANTS = {  # throughput step: (trainer, rloo.py's own flags)
     "rloo": ("rloo.py", []),
@@ -574,7 +575,21 @@ def results_dir_of(args: Args) -> Path:
 
 
 def read_records(results: Path) -> dict[str, dict]:
-    return {path.stem: json.loads(path.read_text()) for path in sorted(results.glob("*.json"))}
+    """The steps done: {name: its JSON object}. A file there that is not one (cut short, edited) is one line naming
+    it: its step runs again once it is removed."""
+    records = {}
+    for path in sorted(results.glob("*.json")):
+        try:
+            records[path.stem] = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, OSError) as e:  # UnicodeDecodeError is a ValueError
+            problem = f"unreadable ({e.strerror or e})" if isinstance(e, OSError) else \
+                f"not JSON ({plumbing.first_line(e)})"
+        else:
+            if isinstance(records[path.stem], dict):
+                continue
+            problem = f"a JSON {type(records[path.stem]).__name__}, not a step's object"
+        raise plumbing.ConfigError(f"{path} is {problem}: remove it, and its step runs again at the next call")
+    return records
 
 
 def fmt(value, spec: str = ".2f") -> str:
@@ -644,20 +659,23 @@ def table(args: Args, results: Path) -> str:
 # ---------------------------------------------------------------- the call
 
 
-def check_args(args: Args, results: Path) -> None:
-    """Bad input refused in one line, before anything is written."""
+def check_args(args: Args, results: Path, now: float) -> None:
+    """Bad input refused in one line (a ConfigError: exit status 2), before anything is written."""
     if args.shape not in throughput.PYTHIA_SHAPES:
-        sys.exit(f"gpu_suite: unknown shape {args.shape}; choose from {list(throughput.PYTHIA_SHAPES)}")
+        raise plumbing.ConfigError(f"unknown shape {args.shape}; choose from {list(throughput.PYTHIA_SHAPES)}")
     if not (math.isfinite(args.budget_s) and args.budget_s > 0):
-        sys.exit(f"gpu_suite: --budget_s {args.budget_s} is not a positive number of seconds: pass e.g. 480")
+        raise plumbing.ConfigError(f"--budget_s {args.budget_s} is not a positive number of seconds: pass e.g. 480")
+    if args.started_at is not None and not (math.isfinite(args.started_at) and args.started_at <= now):
+        raise plumbing.ConfigError(f"--started_at {args.started_at} is not a time in Unix seconds before now ({now:.0f}): "
+                                   "pass when the call began (date +%s), or leave it out for this script's start")
     if not args.rloo_ks:
-        sys.exit("gpu_suite: --rloo_ks is empty: pass at least one k, e.g. 2")
+        raise plumbing.ConfigError("--rloo_ks is empty: pass at least one k, e.g. 2")
     if not torch.cuda.is_available() and not (args.dry_run or args.estimate_only):
-        sys.exit("gpu_suite: no CUDA device; --dry_run runs the suite at tiny shapes on this machine, "
-                 "--estimate_only prints what a call would run")
+        raise plumbing.ConfigError("no CUDA device; --dry_run runs the suite at tiny shapes on this machine, "
+                                   "--estimate_only prints what a call would run")
     if args.dry_run and results.is_relative_to(GPU_RESULTS):
-        sys.exit("gpu_suite: a dry run measures no GPU, and benchmark/results/gpu holds only GPUs' results: pass a "
-                 "--results_dir outside it")
+        raise plumbing.ConfigError("a dry run measures no GPU, and benchmark/results/gpu holds only GPUs' results: "
+                                   "pass a --results_dir outside it")
 
 
 WRAP_UP_S = 5.0  # kept from the budget for what follows the last step (the table, the exit)
@@ -666,10 +684,11 @@ WRAP_UP_S = 5.0  # kept from the budget for what follows the last step (the tabl
 def main(args: Args, clock: Callable[[], float] = time.time) -> None:
     """Each step not done, in order, if its expected seconds fit in what is left of the budget; then the table.
     `clock` gives the time in seconds: time.time, or a test's own."""
-    started_at = clock() if args.started_at is None else args.started_at
+    now = clock()
+    started_at = now if args.started_at is None else args.started_at
     deadline = started_at + args.budget_s - WRAP_UP_S  # the steps' end: the table, then the exit, within the budget
     results = results_dir_of(args)
-    check_args(args, results)
+    check_args(args, results, now)
     args = replace(args, results_dir=str(results))
     records = read_records(results) if results.exists() else {}
     failed, left = [], []

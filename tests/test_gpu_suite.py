@@ -7,6 +7,7 @@ throughput.py)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import plumbing
 
 from benchmark import accounting, gpu_suite
 from benchmark.throughput import pythia_config, trl_environment_problem
@@ -287,14 +290,14 @@ def test_results_are_named_by_the_gpu_and_a_dry_run_writes_none_there(monkeypatc
     assert gpu_suite.results_dir_of(gpu_suite.Args()) == REPO / "benchmark/results/gpu/nvidia-h100-80gb-hbm3"
     assert gpu_suite.results_dir_of(gpu_suite.Args(dry_run=True)) == REPO / "runs/gpu_suite_dry/nvidia-h100-80gb-hbm3"
     assert gpu_suite.slug("NVIDIA H200") == "nvidia-h200"
-    with pytest.raises(SystemExit, match="a dry run measures no GPU, and benchmark/results/gpu holds only GPUs'"):
+    with pytest.raises(plumbing.ConfigError, match="a dry run measures no GPU, and benchmark/results/gpu holds only GPUs'"):
         gpu_suite.main(gpu_suite.Args(dry_run=True, results_dir="benchmark/results/gpu/cpu"))
 
 
 @pytest.mark.parametrize("budget", [0.0, -5.0, float("nan"), float("inf")])
 def test_a_budget_not_a_positive_number_is_refused_in_one_line(tmp_path, budget):
-    with pytest.raises(SystemExit, match=r"^gpu_suite: --budget_s \S+ is not a positive number of seconds: pass e.g. "
-                                         r"480$"):
+    with pytest.raises(plumbing.ConfigError, match=r"^--budget_s \S+ is not a positive number of seconds: pass e.g. "
+                                                   r"480$"):
         gpu_suite.main(gpu_suite.Args(dry_run=True, results_dir=str(tmp_path / "suite"), budget_s=budget))
     assert not (tmp_path / "suite").exists()
 
@@ -310,7 +313,7 @@ def test_make_bench_gpu_refuses_a_budget_not_a_positive_number_before_installing
 
 def test_without_cuda_and_without_the_flag_the_suite_refuses_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit, match="no CUDA device; --dry_run runs the suite at tiny shapes"):
+    with pytest.raises(plumbing.ConfigError, match="no CUDA device; --dry_run runs the suite at tiny shapes"):
         gpu_suite.main(gpu_suite.Args(results_dir=str(tmp_path / "suite")))
     assert not (tmp_path / "suite").exists()  # refused before anything is written
 
@@ -374,3 +377,35 @@ def test_where_vllm_imports_the_colocated_steps_build_their_run(tmp_path, monkey
     if torch.cuda.device_count() < 2:  # one GPU has no NCCL weight sync: the step says so
         problem = gpu_suite.vllm_problem("vllm_engine_nccl", args)
         assert problem.startswith("a weight sync over NCCL needs 2 GPUs"), problem
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--budget_s", "0"], "--budget_s 0.0 is not a positive number of seconds"),  # exit 1, before
+    (["--budget_s", "nan"], "--budget_s nan is not a positive number of seconds"),
+    (["--started_at", "nan"], "--started_at nan is not a time in Unix seconds before now"),  # ignored the budget
+    (["--started_at", "inf"], "--started_at inf is not a time"),
+    (["--started_at", "1e12"], "--started_at 1000000000000.0 is not a time in Unix seconds before now"),  # the future
+])
+def test_the_suites_numbers_are_refused_in_one_line_with_exit_2(tmp_path, flags, fragment):
+    result = subprocess.run([sys.executable, "benchmark/gpu_suite.py", "--estimate_only", "--results_dir",
+                             str(tmp_path / "suite"), *flags], capture_output=True, text=True, cwd=REPO, env=cpu_env())
+    assert result.returncode == 2 and result.stdout == "", result.stdout
+    assert result.stderr.startswith("gpu_suite.py: error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert fragment in result.stderr, result.stderr
+    assert not (tmp_path / "suite").exists()
+
+
+@pytest.mark.parametrize("content,fragment", [
+    (b"{not json", "is not JSON (Expecting property name"),
+    (b"", "is not JSON"),  # cut short by a kill
+    (b"\xff\xfe{}", "is not JSON"),
+    (b"[1, 2]", "is a JSON list, not a step's object"),
+    (b'"done"', "is a JSON str, not a step's object"),
+])
+def test_a_step_file_that_is_not_a_steps_json_is_one_line_naming_it(tmp_path, content, fragment):
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "throughput_k2_rloo.json").write_bytes(content)
+    with pytest.raises(plumbing.ConfigError, match="throughput_k2_rloo.json " + re.escape(fragment)):
+        gpu_suite.main(gpu_suite.Args(estimate_only=True, results_dir=str(suite)))
+    assert (suite / "throughput_k2_rloo.json").read_bytes() == content
