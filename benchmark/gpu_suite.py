@@ -666,8 +666,9 @@ def check_args(args: Args, results: Path, now: float) -> None:
     if not (math.isfinite(args.budget_s) and args.budget_s > 0):
         raise plumbing.ConfigError(f"--budget_s {args.budget_s} is not a positive number of seconds: pass e.g. 480")
     if args.started_at is not None and not (math.isfinite(args.started_at) and args.started_at <= now):
-        raise plumbing.ConfigError(f"--started_at {args.started_at} is not a time in Unix seconds before now ({now:.0f}): "
-                                   "pass when the call began (date +%s), or leave it out for this script's start")
+        raise plumbing.ConfigError(f"--started_at {args.started_at} is not a time in Unix seconds before now "
+                                   f"({now:.0f}): pass when the call began (date +%s), or leave it out for this "
+                                   "script's start")
     if not args.rloo_ks:
         raise plumbing.ConfigError("--rloo_ks is empty: pass at least one k, e.g. 2")
     if not torch.cuda.is_available() and not (args.dry_run or args.estimate_only):

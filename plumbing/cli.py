@@ -182,7 +182,8 @@ ENGINE_FLAGS = ("use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_ho
 
 def trl_default_given(name: str, values: list[str]) -> bool:
     """Whether `--name values` (as a command line or a --config file spells them) is TRL 1.16's default of a
-    `trl rloo` field (TRL116): a switch alone is True, None / null is None (a `~` is a path: the home directory), numbers compare as numbers."""
+    `trl rloo` field (TRL116): a switch alone is True, None / null is None (a `~` is a path: the home directory),
+    numbers compare as numbers."""
     if name not in TRL116:
         return False
     default, values = TRL116[name], values or ["true"]

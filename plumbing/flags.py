@@ -474,8 +474,8 @@ def evaluation_updates(args, num_updates: int, steps_per_update: int, updates_pe
     """The updates after which the policy is evaluated (the initial policy's evaluation, update 0, comes on top).
     --eval_strategy steps: every --eval_steps (else --logging_steps; in_updates); epoch: at the end of each pass over
     the prompts (updates_per_epoch) and at the end of the run, the end of its last pass, whole or not (TRL's
-    Trainer's: a run shorter than an epoch evaluates at its end); no: none. By default --num_evals of them spread evenly over the run, the last at
-    its end (--num_evals 0: only the end)."""
+    Trainer's: a run shorter than an epoch evaluates at its end); no: none. By default --num_evals of them spread
+    evenly over the run, the last at its end (--num_evals 0: only the end)."""
     if args.eval_strategy in ("steps", "epoch"):
         every = max(1, updates_per_epoch) if args.eval_strategy == "epoch" else in_updates(
             args.logging_steps if args.eval_steps is None else args.eval_steps, args, steps_per_update, num_updates)

@@ -218,8 +218,8 @@ def prepare_tokenizer(args):
 
 def check_model_configs(args, policy_config) -> None:
     """What the models' configs alone tell (no tokenizer, no weights; plan_memory.py makes the same checks): its
-    sizes make a model (check_sizes), a prompt and its response fit the policy's positions, the reward model's head gives one score, its vocabulary
-    and positions fit."""
+    sizes make a model (check_sizes), a prompt and its response fit the policy's positions, the reward model's head
+    gives one score, its vocabulary and positions fit."""
     check_sizes(policy_config, "policy")
     check_context(policy_config, "policy", args)
     if args.reward_model_path is not None:
