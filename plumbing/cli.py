@@ -45,9 +45,53 @@ TRL116 = {name: default for fields in json.loads(Path(__file__).with_name("trl11
 NOTHING = (None, False, -1, 0, "", "no", "none", [], {})  # how TRL's defaults say "not set" or "off"
 
 
-TRL_DEFAULTS = ("TRL >= 0.22's names are aliases of the flags they are listed beside.\n\nFlags left out keep this "
-                f"script's defaults:\n--num_iterations 4 (TRL's: {TRL116['num_iterations']}), --max_completion_length "
-                f"53 (TRL's: {TRL116['max_completion_length']}).")
+TRL_DEFAULTS = ("TRL >= 0.22's names are aliases of the flags they are listed beside.\n\nThe algorithm's flags left "
+                "out take TRL <= 0.21's defaults (the TL;DR recipe's):\n--num_iterations 4 (TRL 1.16's: "
+                f"{TRL116['num_iterations']}), --max_completion_length 53 (TRL 1.16's: "
+                f"{TRL116['max_completion_length']}); --trl_defaults 1.16 gives them TRL 1.16's.")
+
+
+TRL_NEWER = ("max_steps", "steps_per_generation", "generation_batch_size")  # TRL >= 0.22's way of sizing a run
+
+
+TRL_RELEASES = {"0.21": "TRL <= 0.21's", "1.16": "TRL 1.16's"}  # --trl_defaults: whose defaults the algorithm's take
+
+
+def algorithm_defaults(cls) -> dict[str, tuple]:
+    """{flag: (TRL <= 0.21's default, TRL 1.16's)} of cls's algorithm flags (those that are not plumbing.RunArgs')
+    whose TRL 1.16 default (TRL116, under TRL >= 0.22's name) is another value, one that sets something (TRL's "not
+    set", NOTHING, is this script's: --max_steps -1 is None): what --trl_defaults switches. The class's defaults are
+    TRL <= 0.21's."""
+    trl_name, base = {own: trl for trl, own in TRL_NAMES.items()}, cls()
+    run_flags = {f.name for f in fields(RunArgs)}
+    return {f.name: (getattr(base, f.name), TRL116[trl]) for f in fields(cls)
+            if f.name not in run_flags and (trl := trl_name.get(f.name, f.name)) in TRL116
+            and TRL116[trl] not in NOTHING and TRL116[trl] != getattr(base, f.name)}
+
+
+def release_asked(argv: list[str]) -> str:
+    """The last --trl_defaults of argv ("0.21" when none; a value that is neither is left to tyro to refuse)."""
+    release = "0.21"
+    for i, arg in enumerate(argv):
+        name, has_eq, value = arg.partition("=")
+        if name.replace("-", "_") == "__trl_defaults":
+            value = value if has_eq else argv[i + 1] if i + 1 < len(argv) else ""
+            release = value if value in TRL_RELEASES else release
+    return release
+
+
+def defaults_in_force_line(cls, values: dict, given: set[str], release: str, prog: str) -> Optional[str]:
+    """One line naming each algorithm flag left out (not in `given`, this script's names) whose value in force, the
+    `release`'s default, the other release's default would change (--num_train_epochs is not in force with
+    --max_steps or --total_episodes), and the flag that switches; None when there is none."""
+    other = "0.21" if release == "1.16" else "1.16"
+    trl_name = {own: trl for trl, own in TRL_NAMES.items()}
+    changed = [f"--{name}" + (f" (--{trl_name[name]})" if name in trl_name else "")
+               + f" {values[name]} ({TRL_RELEASES[other]}: {pair[other == '1.16']})"
+               for name, pair in algorithm_defaults(cls).items() if name not in given
+               and not (name == "num_train_epochs" and (values.get("max_steps") or values.get("total_episodes")))]
+    return changed and (f"{prog}: {TRL_RELEASES[release]} defaults in force (--trl_defaults {release}): "
+                        f"{', '.join(changed)}; --trl_defaults {other} takes {TRL_RELEASES[other]}") or None
 
 
 STEPS_PER_GENERATION = ("TRL >= 0.22's micro-batches per rank and generation, S (not a rename): taken as "
@@ -475,10 +519,16 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     hints = get_type_hints(cls, include_extras=True)
     plain = get_type_hints(cls) | {"steps_per_generation": Optional[int]}  # the types without tyro's markers
     known = {*plain, *TRL_NAMES, *TRL116, *TRL_FIXED, *TRL_REFUSED, *TRL_LAUNCHER, *ENGINE_FLAGS}
-    defaults = cls()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    from_file = any(arg == "--config" or arg.startswith("--config=") for arg in argv)
     try:
-        argv = trl_arguments(config_arguments(sys.argv[1:] if argv is None else list(argv), plain, known), plain,
-                             {f.name: getattr(defaults, f.name) for f in fields(cls)}, prog)
+        argv = config_arguments(argv, plain, known)
+        release = release_asked(argv)  # whose defaults the algorithm's flags left out take
+        defaults = cls(**{name: pair[1] for name, pair in algorithm_defaults(cls).items()} if release == "1.16" else {})
+        names = {arg[2:].partition("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+        trl_forms = any(name in TRL_NAMES or name in TRL_NEWER or (name in known and name not in plain)
+                        for name in names)  # TRL >= 0.22's names, or TRL's forms of this script's flags
+        argv = trl_arguments(argv, plain, {f.name: getattr(defaults, f.name) for f in fields(cls)}, prog)
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -532,6 +582,11 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    given = {TRL_NAMES.get(name, name) for name in (arg[2:].partition("=")[0].replace("-", "_").removeprefix("no_")
+                                                    for arg in argv if arg.startswith("--"))}
+    line = defaults_in_force_line(cls, values, given, release, prog) if from_file or trl_forms else None
+    if line and os.environ.get("RANK", "0") == "0":  # a TRL 1.x user is told which of TRL's defaults are not in force
+        print(line, flush=True)
     return cls(**values)
 
 

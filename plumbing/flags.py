@@ -94,7 +94,7 @@ class RunArgs(InputArgs):
         "save_steps", "save_total_limit", "resume", "resume_from", "overwrite_output_dir", "ddp_timeout",
         "fsdp_generation", "compile_generation", "share_prompt", "bf16_generation", "reward_fn_timeout",
         "merge_lora", "logging_steps", "save_strategy", "max_steps", "allow_changed_inputs", "eval_strategy",
-        "eval_steps", "tensorboard"})
+        "eval_steps", "tensorboard", "trl_defaults"})  # trl_defaults: the values it chose are compared themselves
 
     # ----- experiment -----
     exp_name: str = "rloo"
@@ -104,6 +104,10 @@ class RunArgs(InputArgs):
     None: `{exp_name}__{seed}__{unix time}`"""
     seed: int = 1
     """random seed; rank r samples with seed + r"""
+    trl_defaults: Literal["0.21", "1.16"] = "0.21"
+    """whose defaults the algorithm's flags left out take: TRL <= 0.21's (the TL;DR recipe's: 4 PPO epochs,
+    temperature 0.7, learning rate 3e-6, 53 new tokens, 1 epoch) or TRL 1.16's RLOOConfig's (num_iterations 1,
+    temperature 1.0, learning rate 1e-6, max_completion_length 512, 3 epochs); the run's flags keep this project's"""
     output_dir: str = "models/rloo"
     """where `metrics.jsonl`, `args.json`, the final policy and its tokenizer are written"""
     track: bool = False

@@ -4,6 +4,7 @@ docs, the `trl` launcher's options, and TRL's meaning for the names rloo.py shar
 strategy, fractional intervals, TensorBoard, and the advantages of masked and unscored completions against TRL 1.16's
 own code."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -120,6 +121,63 @@ def test_a_recipe_of_every_trl_default_runs_through_the_parser(tmp_path):
     assert args.max_steps is None and args.weight_decay == 0.0 and args.dataset_test_split is None
     # TRL's None: a default
     assert args.dataset_name == "data/train.jsonl" and args.output_dir == rloo.Args().output_dir
+
+
+def test_trl_defaults_1_16_gives_every_algorithm_flag_left_out_trl_1_16s_default(tmp_path):
+    """--trl_defaults 1.16: each algorithm flag whose TRL 1.16 default sets something takes it (num_iterations 1,
+    temperature 1.0, learning rate 1e-6, 512 new tokens, 3 epochs); the run's flags keep this script's; a flag given
+    wins wherever it stands; a --config file may choose it too."""
+    switched = plumbing.algorithm_defaults(rloo.Args)
+    assert {"num_ppo_epochs", "temperature", "learning_rate", "response_length", "num_train_epochs"} <= switched.keys()
+    trl_name = {own: trl for trl, own in plumbing.TRL_NAMES.items()}
+    args, old = parse("--trl_defaults", "1.16"), rloo.Args()
+    for f in dataclasses.fields(rloo.Args):
+        trl = trl_name.get(f.name, f.name)
+        if f.name in switched:
+            assert getattr(args, f.name) == plumbing.TRL116[trl] == switched[f.name][1] != getattr(old, f.name)
+        else:  # the same default in both releases, a "not set" of TRL's, or a run's flag (seed 1, not TRL's 42)
+            assert getattr(args, f.name) == getattr(old, f.name) or f.name == "trl_defaults", f.name
+    assert (args.num_ppo_epochs, args.temperature, args.learning_rate, args.response_length) == (1, 1.0, 1e-6, 512)
+    for argv in (["--num_iterations", 2, "--trl_defaults", "1.16"], ["--trl-defaults=1.16", "--num_ppo_epochs", 2]):
+        assert parse(*argv).num_ppo_epochs == 2 and parse(*argv).temperature == 1.0
+    assert parse("--trl_defaults", "1.16", "--trl_defaults", "0.21").num_ppo_epochs == 4  # the last one
+    path = tmp_path / "recipe.yaml"
+    path.write_text("trl_defaults: 1.16\nnum_generations: 4\n")
+    assert parse("--config", path).num_ppo_epochs == 1 and parse("--config", path, "--trl_defaults", "0.21") \
+        .num_ppo_epochs == 4
+
+
+def test_trl_names_or_a_config_file_bring_a_line_naming_the_defaults_in_force(capsys, tmp_path):
+    """Every algorithm setting left out that the other release's default would change, in one line with the flag that
+    switches; nothing for a command in this script's own names; given flags are not named."""
+    parse("--num_generations", 4, "--beta", 0.1, "--max_steps", 40, "--temperature", 0.9)
+    line = capsys.readouterr().out
+    assert line.count("\n") == 1 and line.startswith("rloo.py: TRL <= 0.21's defaults in force (--trl_defaults 0.21)")
+    for named in ("--num_ppo_epochs (--num_iterations) 4 (TRL 1.16's: 1)", "--learning_rate 3e-06 (TRL 1.16's: 1e-06)",
+                  "--response_length (--max_completion_length) 53 (TRL 1.16's: 512)",
+                  "; --trl_defaults 1.16 takes TRL 1.16's"):
+        assert named in line, line
+    assert "--temperature" not in line and "--num_train_epochs" not in line  # given; not in force with --max_steps
+    parse("--rloo_k", 4, "--kl_coef", 0.1)
+    assert capsys.readouterr().out == ""  # TRL <= 0.21's names: TRL <= 0.21's defaults, as its users expect
+    path = tmp_path / "recipe.yaml"
+    path.write_text("rloo_k: 4\n")
+    parse("--config", path)
+    assert "--num_train_epochs 1.0 (TRL 1.16's: 3.0)" in capsys.readouterr().out
+    parse("--num_generations", 4, "--trl_defaults", "1.16", "--learning_rate", 1e-6)
+    line = capsys.readouterr().out
+    assert "TRL 1.16's defaults in force (--trl_defaults 1.16): " in line and "(TRL <= 0.21's: 4)" in line
+    assert "--learning_rate" not in line and line.strip().endswith("--trl_defaults 0.21 takes TRL <= 0.21's")
+    parse("--num_generations", 4, "--num_iterations", 4, "--temperature", 1, "--learning_rate", 1, "--num_train_epochs",
+          1, "--max_completion_length", 8)
+    assert capsys.readouterr().out == ""  # every switched setting given: nothing to say
+
+
+def test_a_trl_recipe_runs_trls_updates_and_episodes_with_and_without_trl_1_16s_defaults():
+    """Against TRL 1.16's RLOOConfig and RLOOTrainer._prepare_inputs' own line (tests/trl116_run_length.py)."""
+    result = with_trl116("tests/trl116_run_length.py")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count(": same") == 8
 
 
 @pytest.mark.parametrize("argv,message", [
