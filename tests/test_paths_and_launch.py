@@ -10,6 +10,8 @@ import json
 import lzma
 import os
 import socket
+import subprocess
+import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -23,7 +25,7 @@ import plan_memory
 import plumbing
 import rloo
 import rloo_multinode as mn
-from conftest import policy_tokenizer, prompt_rows, tiny_reward_model
+from conftest import REPO, policy_tokenizer, prompt_rows, tiny_reward_model
 from test_checkpoints import saved_steps
 from test_multinode import listening_sockets
 
@@ -285,3 +287,73 @@ def test_the_weight_groups_gloo_sockets_listen_on_the_served_address_alone(monke
     assert torch.equal(received[1], torch.arange(4.0))
     opened = [s for inode, s in listening_sockets([os.getpid()]).items() if inode not in before]
     assert len(opened) >= 2 and {address for address, _ in opened} == {"127.0.0.1"}, (interface, opened)
+
+
+# ---------------------------------------------------------------- a launch gets what it asked for
+LAUNCHERS = ("ACCELERATE_NUM_PROCESSES", "ACCELERATE_MIXED_PRECISION", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS",
+             "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+
+
+@pytest.mark.parametrize("env,line", [
+    ({"ACCELERATE_NUM_PROCESSES": "4"}, "ACCELERATE_NUM_PROCESSES=4 asks for that many processes, but this run has 1 "
+                                        r"process \(no torchrun's WORLD_SIZE\)"),
+    ({**TORCHRUN, "WORLD_SIZE": "2", "ACCELERATE_NUM_PROCESSES": "4"}, "=4 asks .* but this run has WORLD_SIZE=2"),
+    ({"SLURM_STEP_NUM_TASKS": "8"}, "SLURM_STEP_NUM_TASKS=8 tasks were started, but this run has 1 process .* each "
+                                    "task would train alone"),
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_SIZE=2 tasks were started, but this run has 1 process"),
+    ({"PMI_SIZE": "3"}, "PMI_SIZE=3 tasks"),
+    ({**TORCHRUN, "TORCHELASTIC_RUN_ID": "x", "GROUP_WORLD_SIZE": "1", "SLURM_STEP_NUM_TASKS": "2"},
+     "SLURM_STEP_NUM_TASKS=2 tasks were started, but this run has GROUP_WORLD_SIZE=1 torchrun agents"),
+    ({"ACCELERATE_MIXED_PRECISION": "no", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+     r"accelerate launch's config .*default_config.yaml \(num_processes\) asks for 4 processes, but this run has 1 "
+     "process"),
+])
+def test_a_launch_that_asked_for_other_processes_is_one_line_naming_both(monkeypatch, tmp_path, env, line):
+    """accelerate's (its simple launcher runs a MULTI_CPU config's script once: it sets MASTER_ADDR, not WORLD_SIZE;
+    the number from its command line or config file), srun's and mpirun's task counts against the processes (or,
+    under torchrun, torchrun's agents: one per node) this run has."""
+    for name in (*TORCHRUN, *LAUNCHERS):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    (tmp_path / "accelerate").mkdir()
+    (tmp_path / "accelerate" / "default_config.yaml").write_text("distributed_type: MULTI_CPU\nnum_processes: 4\n")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(plumbing.ConfigError, match=line + ".*launch with torchrun: torchrun --nproc_per_node N") as e:
+        plumbing.check_launch_environment()
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("env", [
+    {"ACCELERATE_NUM_PROCESSES": "1"},
+    {**TORCHRUN, "WORLD_SIZE": "2", "ACCELERATE_NUM_PROCESSES": "2", "ACCELERATE_MIXED_PRECISION": "no"},  # its
+    # torchrun launcher (a MULTI_GPU config)
+    {"ACCELERATE_MIXED_PRECISION": "no"},  # accelerate launch of one process: no MASTER_ADDR
+    {"SLURM_NTASKS": "8"},  # salloc -n 8, then a single process (or torchrun --nproc_per_node 2): an allocation's
+    {**TORCHRUN, "WORLD_SIZE": "16", "RANK": "9", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "x",
+     "GROUP_WORLD_SIZE": "2", "SLURM_STEP_NUM_TASKS": "2"},  # srun -N 2 --ntasks-per-node 1 torchrun --nnodes 2
+    {**TORCHRUN, "WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "3", "SLURM_STEP_NUM_TASKS": "4"},  # srun's tasks as
+    # the ranks (RANK from SLURM_PROCID), no torchrun
+])
+def test_a_launch_that_got_what_it_asked_for_passes(monkeypatch, env):
+    for name in (*TORCHRUN, *LAUNCHERS):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    plumbing.check_launch_environment()
+
+
+def test_accelerate_launch_of_a_multi_cpu_config_is_refused_naming_its_processes(tmp_path):
+    """The real launcher: `accelerate launch --config_file` of a MULTI_CPU config of 2 processes ran one process."""
+    config = tmp_path / "multi_cpu.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\n"
+                      "num_machines: 1\nmachine_rank: 0\nmixed_precision: 'no'\nuse_cpu: true\n")
+    probe = tmp_path / "probe.py"
+    probe.write_text(f"import sys\nsys.path.insert(0, {str(REPO)!r})\nimport plumbing\n"
+                     "plumbing.check_launch_environment()\n")
+    env = {name: value for name, value in os.environ.items() if name not in (*TORCHRUN, *LAUNCHERS)}
+    result = subprocess.run([str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
+                             str(config), str(probe)], capture_output=True, text=True, cwd=tmp_path,
+                            env={**env, "HF_HOME": str(tmp_path)}, timeout=300)
+    assert f"accelerate launch's config {config} (num_processes) asks for 2 processes, but this run has 1 " \
+           "process" in result.stderr, result.stderr[-2000:]
