@@ -25,7 +25,7 @@ import plan_memory
 import plumbing
 import rloo
 import rloo_multinode as mn
-from conftest import REPO, policy_tokenizer, prompt_rows, tiny_reward_model
+from conftest import REPO, policy_tokenizer, prompt_rows, tiny_reward_model, write_jsonl
 from test_checkpoints import saved_steps
 from test_multinode import listening_sockets
 
@@ -132,27 +132,54 @@ def test_a_reward_model_without_tokenizer_files_must_share_the_policys_vocabular
 
 def test_a_context_shorter_than_prompt_and_response_is_refused_where_positions_are_a_learned_table(tmp_path,
                                                                                                      capsys):
-    args = rloo.Args(max_prompt_length=100, response_length=53)
+    args = rloo.Args(response_length=53)  # the longest prompt: 100 tokens
     for config in (GPT2Config(n_positions=128), OPTConfig(max_position_embeddings=128)):  # an embedding per position
-        with pytest.raises(plumbing.ConfigError, match=r"= 153 tokens, but the policy has 128 positions .*a learned "
+        with pytest.raises(plumbing.ConfigError, match=r"the longest prompt, 100 tokens, \+ --response_length 53 = 153 "
+                                                       r"tokens, but the policy has 128 positions .*a learned "
                                                        r"table .*lower --max_prompt_length to 75 or less"):
-            plumbing.check_context(config, "policy", args)
+            plumbing.check_context(config, "policy", args, 100)
     for config in (GPTNeoXConfig(max_position_embeddings=64), LlamaConfig(max_position_embeddings=64)):  # rotary
-        plumbing.check_context(config, "policy", args)
+        plumbing.check_context(config, "policy", args, 100)
         assert "exceed the policy's 64 positions" in capsys.readouterr().err
     for config in (MambaConfig(), GPT2Config(n_positions=153)):  # no limit; a limit that holds them
-        plumbing.check_context(config, "policy", args)
+        plumbing.check_context(config, "policy", args, 100)
         assert capsys.readouterr().err == ""
     config = GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=4, n_positions=64)
     config.save_pretrained(tmp_path / "short")
     plan = plan_memory.PlanArgs(model_name_or_path=str(tmp_path / "short"), reward_fn=("reward_fns:count_a",),
                                 world_size=1, dataset_name="unused")
-    with pytest.raises(plumbing.ConfigError, match="but the policy has 64 positions"):  # rloo.py refuses it: no plan
+    with pytest.raises(plumbing.ConfigError, match="but the policy has 64 positions"):  # plans prompts of 512
         plan_memory.main(plan)
     config.save_pretrained(tmp_path / "reward_model")  # a reward model's table too
     with pytest.raises(plumbing.ConfigError, match="but the reward model has 64 positions"):
-        plumbing.check_reward_model_config(str(tmp_path / "reward_model"), False, None, replace(args, response_length=6,
-                                                                                                max_prompt_length=60))
+        plumbing.check_reward_model_config(str(tmp_path / "reward_model"), False, None, replace(args, response_length=6),
+                                           60)
+
+
+def test_the_context_check_reads_the_datas_longest_prompt_not_the_flags_cap(assets, tmp_path, capsys):
+    """A learned position table of 16 and prompts of 5 tokens, under --max_prompt_length 512: accepted, nothing said
+    (as a rotary model of 64 positions); a response that does not fit after the longest prompt, train or test, is
+    refused (a learned table) or warned about (rotary), naming that prompt's length."""
+    tokenizer = policy_tokenizer()
+    learned = tmp_path / "learned"
+    GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=4, n_positions=16, bos_token_id=1,
+               eos_token_id=1).save_pretrained(learned)
+    tokenizer.save_pretrained(learned)
+    test = write_jsonl(tmp_path / "test.jsonl", [{"prompt": "a b c d e f g h i :"}])  # 10 tokens
+    for policy in (learned, assets["policy"]):
+        plumbing.load_prompts(args_of(assets, model_name_or_path=str(policy), max_prompt_length=512,
+                                      response_length=11), tokenizer, len(tokenizer), plumbing.prompt_token_ids)
+        assert "warning" not in capsys.readouterr().err  # 5 + 11 tokens
+    with pytest.raises(plumbing.ConfigError, match=r"^the longest prompt, 5 tokens, \+ --response_length 12 = 17 "
+                                                   r"tokens, but the policy has 16 positions"):
+        plumbing.load_prompts(args_of(assets, model_name_or_path=str(learned), max_prompt_length=512,
+                                      response_length=12), tokenizer, len(tokenizer), plumbing.prompt_token_ids)
+    with pytest.raises(plumbing.ConfigError, match=r"^the longest prompt, 10 tokens, \+ --response_length 11"):
+        plumbing.load_prompts(args_of(assets, model_name_or_path=str(learned), response_length=11,
+                                      dataset_test_split=str(test)), tokenizer, len(tokenizer), plumbing.prompt_token_ids)
+    plumbing.load_prompts(args_of(assets, response_length=60), tokenizer, len(tokenizer), plumbing.prompt_token_ids)
+    assert "warning: the longest prompt, 5 tokens, + --response_length = 65 tokens exceed the policy's 64 " \
+           "positions" in capsys.readouterr().err
 
 
 def test_plan_memory_plans_what_rloo_py_runs_and_refuses_what_it_refuses(assets, capsys, monkeypatch):
