@@ -38,8 +38,36 @@ TRL_NAMES = {"num_generations": "rloo_k", "beta": "kl_coef", "epsilon": "clipran
 # TRL 1.16's `trl rloo` fields with their defaults, read from its dataclasses by benchmark/trl116_defaults.py (a test
 # compares the table with the TRL 1.16 of `make bench-env`): a flag given at TRL's default asks for nothing the
 # user chose (trl_default_given)
-TRL116 = {name: default for fields in json.loads(Path(__file__).with_name("trl116_defaults.json").read_text())[
-    "fields"].values() for name, default in fields.items()}
+TRL116_TABLE = json.loads(Path(__file__).with_name("trl116_defaults.json").read_text())
+TRL116 = {name: default for fields in TRL116_TABLE["fields"].values() for name, default in fields.items()}
+
+
+# TRL 1.16's GRPOConfig fields that its RLOOConfig lacks (the table's grpo_only): GRPO's options, named as GRPO's,
+# with what RLOO does instead where there is something to say. The names rloo.py has (GRPO's vLLM importance sampling
+# correction) are its flags.
+GRPO_ONLY = frozenset(TRL116_TABLE["grpo_only"])
+GRPO_REASONS = {
+    "loss_type": "RLOO's loss is the clipped surrogate of each completion's sequence ratio, averaged over the "
+                 "completions (per token with --token_level_kl), not one of GRPO's token normalizations",
+    "scale_rewards": "RLOO's advantage is the reward minus the mean of the other k-1, unscaled; --normalize_advantage "
+                     "whitens them over the batch, --normalize_reward standardizes the scores",
+    "importance_sampling_level": "the ratio is the sequence's; --token_level_kl makes it per token",
+    "delta": "the ratio is clipped to [1 - --cliprange, 1 + --epsilon_high]",
+    "multi_objective_aggregation": "the reward sources are summed with --reward_weights",
+}
+
+
+# Other codebases' and peft's names of the LoRA flags (OpenRLHF's and verl's lora_rank, peft's LoraConfig fields),
+# rewritten to this project's; peft's other LoraConfig options are refused (PEFT_REFUSED): the adapters take peft's
+# default for them
+LORA_NAMES = {"lora_rank": "lora_r", "r": "lora_r", "target_modules": "lora_target_modules",
+              "modules_to_save": "lora_modules_to_save", "target_parameters": "lora_target_parameters"}
+PEFT_REFUSED = ("exclude_modules", "fan_in_fan_out", "bias", "lora_bias", "init_lora_weights", "layers_to_transform",
+                "layers_pattern", "rank_pattern", "alpha_pattern", "layer_replication", "trainable_token_indices",
+                "loftq_config", "eva_config", "corda_config", "lora_ga_config", "use_qalora", "qalora_group_size",
+                "megatron_config", "use_bdlora", "ensure_weight_tying")
+LORA_FLAGS = ("--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules, --lora_target_parameters, "
+              "--lora_modules_to_save, --use_rslora, --use_dora")
 
 
 NOTHING = (None, False, -1, 0, "", "no", "none", [], {})  # how TRL's defaults say "not set" or "off"
@@ -308,6 +336,14 @@ def trl_arguments(argv: list[str], hints: dict, defaults: dict, prog: str) -> li
             pass  # a flag this script does not have, at TRL's default: asks for nothing
         elif default_given and own in defaults and TRL116[name] in NOTHING and not takes_as_own(hints[own], value):
             out += default_words(own, defaults[own])  # TRL's "not set": this script's default
+        elif name in GRPO_ONLY and name not in hints:
+            raise ConfigError(f"--{name} is TRL's GRPOTrainer's (GRPOConfig), not RLOO's: "
+                              + GRPO_REASONS.get(name, "RLOOConfig has no such option") + "; drop the flag")
+        elif name in LORA_NAMES and name not in hints:
+            out += [f"--{LORA_NAMES[name]}", *values]
+        elif name in PEFT_REFUSED and name not in hints:
+            raise ConfigError(f"--{name} is an option of peft's LoraConfig that the adapters here do not take (they "
+                              f"keep peft's default): the LoRA flags are {LORA_FLAGS}; drop it")
         elif name in ENGINE_FLAGS and not engines:
             raise ConfigError(f"--{name}: rloo.py samples in the training processes, without engines; vLLM "
                               "generation is rloo_multinode.py's: `torchrun ... rloo_multinode.py --vllm_mode "
@@ -380,7 +416,7 @@ def trl_arguments(argv: list[str], hints: dict, defaults: dict, prog: str) -> li
 SAME_FLAG = TRL_NAMES | {"reward_funcs": "reward_fn", "report_to": "track", "resume_from_checkpoint": "resume_from",
                          "steps_per_generation": "num_mini_batches", "vllm_server_base_url": "engine_urls",
                          "vllm_server_host": "engine_urls", "vllm_server_port": "engine_urls",
-                         "vllm_server_timeout": "engine_timeout", "use_vllm": "engine"}
+                         "vllm_server_timeout": "engine_timeout", "use_vllm": "engine"} | LORA_NAMES
 
 
 def yaml_values(value, hint) -> list[str]:
@@ -518,9 +554,12 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     console_survives()  # from the first line it may write
     hints = get_type_hints(cls, include_extras=True)
     plain = get_type_hints(cls) | {"steps_per_generation": Optional[int]}  # the types without tyro's markers
-    known = {*plain, *TRL_NAMES, *TRL116, *TRL_FIXED, *TRL_REFUSED, *TRL_LAUNCHER, *ENGINE_FLAGS}
+    known = {*plain, *TRL_NAMES, *TRL116, *TRL_FIXED, *TRL_REFUSED, *TRL_LAUNCHER, *ENGINE_FLAGS, *GRPO_ONLY,
+             *LORA_NAMES, *PEFT_REFUSED}
     argv = sys.argv[1:] if argv is None else list(argv)
-    from_file = any(arg == "--config" or arg.startswith("--config=") for arg in argv)
+    at = [i for i, arg in enumerate(argv) if arg == "--config" or arg.startswith("--config=")]
+    from_file = at and (argv[at[0]].partition("=")[2] or (argv[at[0] + 1] if at[0] + 1 < len(argv) else ""))
+    on_command_line = {arg[2:].partition("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
     try:
         argv = config_arguments(argv, plain, known)
         release = release_asked(argv)  # whose defaults the algorithm's flags left out take
@@ -530,7 +569,9 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
                         for name in names)  # TRL >= 0.22's names, or TRL's forms of this script's flags
         argv = trl_arguments(argv, plain, {f.name: getattr(defaults, f.name) for f in fields(cls)}, prog)
     except ConfigError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        flag = re.match(r"--(\w+)", str(e))  # a flag the --config file gave (the launcher's, `datasets:`): named so
+        where = f"--config {from_file}: " if from_file and flag and flag[1] not in on_command_line else ""
+        print(f"{prog}: error: {where}{e}", file=sys.stderr)
         sys.exit(2)
     starts = help_groups(cls, prog)
     docs = {p.arg_name: " ".join(p.description.split()) for c in reversed(cls.__mro__) if is_dataclass(c)

@@ -205,6 +205,51 @@ def test_the_trl_launchers_options_name_torchrun(capsys, argv, message):
     assert message in error and f"--{argv[0][2:]}" in error, error
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--loss_type", "dapo"], "--loss_type is TRL's GRPOTrainer's (GRPOConfig), not RLOO's: RLOO's loss is"),
+    (["--scale_rewards", "group"], "--scale_rewards is TRL's GRPOTrainer's (GRPOConfig), not RLOO's: "),
+    (["--importance_sampling_level", "token"], "not RLOO's: the ratio is the sequence's; --token_level_kl"),
+    (["--top_entropy_quantile", "0.2"], "--top_entropy_quantile is TRL's GRPOTrainer's (GRPOConfig), not RLOO's: "
+                                        "RLOOConfig has no such option"),
+    (["--bias", "all"], "--bias is an option of peft's LoraConfig that the adapters here do not take"),
+    (["--init_lora_weights", "pissa"], "the LoRA flags are --lora_r, --lora_alpha"),
+])
+def test_grpo_and_peft_options_are_named_as_what_they_are(capsys, argv, message):
+    error = refusal(capsys, *argv)
+    assert message in error and "did you mean" not in error, error
+
+
+def test_every_grpo_only_option_is_named_as_grpos_and_peft_names_of_the_lora_flags_are_taken(capsys, tmp_path):
+    """Each GRPOConfig field RLOOConfig lacks (TRL 1.16's, in the committed table) that rloo.py does not have; LoRA's
+    rank under OpenRLHF's and verl's name and peft's, peft's target names, on the command line and in a recipe."""
+    mine = set(rloo.Args.__dataclass_fields__)
+    assert "loss_type" in plumbing.GRPO_ONLY and "vllm_importance_sampling_cap" in plumbing.GRPO_ONLY & mine
+    for name in sorted(plumbing.GRPO_ONLY - mine):
+        assert f"--{name} is TRL's GRPOTrainer's (GRPOConfig), not RLOO's" in refusal(capsys, f"--{name}", "1")
+    args = parse("--lora_rank", 8, "--target_modules", "q_proj", "v_proj", "--modules_to_save", "lm_head")
+    assert (args.lora_r, args.lora_target_modules, args.lora_modules_to_save) == (8, ("q_proj", "v_proj"), ("lm_head",))
+    assert parse("--r", 4, "--target_parameters", "mlp.experts").lora_target_parameters == ("mlp.experts",)
+    path = tmp_path / "recipe.yaml"
+    path.write_text("lora_rank: 4\ntarget_modules: [q_proj]\n")
+    assert (parse("--config", path).lora_r, parse("--config", path, "--lora_r", 9).lora_r) == (4, 9)
+    assert parse("--config", path).lora_target_modules == ("q_proj",)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("num_processes: 4\n", "--num_processes: `trl`'s accelerate option; launch rloo.py with torchrun"),
+    ("accelerate_config: zero2\n", "--accelerate_config: `trl`'s accelerate option"),
+    ("datasets:\n  - path: trl-lib/tldr\n", "--datasets (TRL's) has no meaning here: one dataset per run"),
+    ("loss_type: dapo\n", "--loss_type is TRL's GRPOTrainer's"),
+])
+def test_a_recipes_refused_lines_name_the_file(capsys, tmp_path, text, message):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    assert refusal(capsys, "--config", path).startswith(f"rloo.py: error: --config {path}: {message}")
+    flag = text.partition(":")[0]
+    error = refusal(capsys, "--config", path, f"--{flag}", "x")  # the command line's own: not the file's
+    assert f"--config {path}" not in error and message.split(":")[0].split(" ")[0] in error, error
+
+
 # ---------------------------------------------------------------- --config FILE.yaml
 def recipe(tmp_path, text: str, name: str = "recipe.yaml"):
     path = tmp_path / name
