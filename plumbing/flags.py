@@ -71,7 +71,8 @@ class InputArgs:
     dataset_config: Optional[str] = None
     """the Hub dataset's configuration name, if it has several"""
     dataset_train_split: str = "train"
-    """split to train on (ignored for a single local file)"""
+    """split to train on; a single local file or saved Dataset is one split, `train` (as `datasets` and TRL load it):
+    another name is refused"""
     dataset_test_split: Optional[str] = None
     """split (or local file) to evaluate on; None disables evaluation"""
     prompt_column: str = "prompt"

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import plumbing
 import rloo
-from conftest import (neox_config, policy_tokenizer, read_metrics, run_rloo, tiny_policy, word_tokenizer,
+from conftest import (REPO, neox_config, policy_tokenizer, read_metrics, run_rloo, tiny_policy, word_tokenizer,
                       write_jsonl)
 
 TINY_RUN = ("--rloo_k", "4", "--per_device_train_batch_size", "16", "--response_length", "6", "--temperature", "1.0",
@@ -525,6 +525,14 @@ def test_bad_input_is_one_line_before_any_model_loads_and_changes_nothing(case, 
     assert snapshot(watched) == before
     assert not (out / "checkpoints").exists()
     assert not (watched / plumbing.LOCK).exists() and [output_dir.exists(), output_dir.parent.exists()] == existed
+
+
+def test_the_docs_of_a_local_files_split_say_what_the_code_does():
+    """A single file is one split, `train`: another --dataset_train_split is refused (the refusal: the cases above),
+    and flags.md says so instead of "ignored"."""
+    row = next(line for line in (REPO / "docs" / "flags.md").read_text().splitlines() if "`--dataset_train_split`" in
+               line)
+    assert "ignored" not in row and "another name is refused" in row
 
 
 def test_the_flags_cap_alone_neither_refuses_nor_warns(assets, capsys):
