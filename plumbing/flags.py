@@ -349,8 +349,8 @@ TASK_COUNTS = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_
 
 
 def accelerate_processes() -> Optional[tuple[str, str]]:
-    """Where `accelerate launch` says how many processes it was asked for, and how many (text), when it started this process
-    without torchrun (its simple launcher: a MULTI_CPU config, one `python` whatever num_processes says; it sets
+    """Where `accelerate launch` says how many processes it was asked for, and how many (text), when it started this
+    process without torchrun (its simple launcher: a MULTI_CPU config, one `python` whatever num_processes says; it sets
     MASTER_ADDR only for several): ACCELERATE_NUM_PROCESSES, else its command line's --num_processes or
     --config_file's num_processes, else the default config file's; None when not launched so or asked for one."""
     if "ACCELERATE_MIXED_PRECISION" not in os.environ or "WORLD_SIZE" in os.environ \

@@ -285,8 +285,8 @@ def test_trls_judge_tldr_flags_are_taken(tmp_path):
     assert (args.model, args.num_examples) == ("gpt-3.5-turbo-0125", None)
     hub = tyro.cli(judge.Args, args=["--model_name_or_path", "m", "--judge_model",
                                      "meta-llama/Meta-Llama-3-70B-Instruct"])
-    with pytest.raises(plumbing.ConfigError, match="^--judge_model meta-llama/Meta-Llama-3-70B-Instruct is a Hub model, "
-                                                   "which OpenAI's API does not serve: pass --base_url"):
+    with pytest.raises(plumbing.ConfigError, match="^--judge_model meta-llama/Meta-Llama-3-70B-Instruct is a Hub "
+                                                   "model, which OpenAI's API does not serve: pass --base_url"):
         judge.main(hub)
     rows = [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(3)]
     every = tyro.cli(judge.Args, args=["--model_name_or_path", "m", "--dataset_name",

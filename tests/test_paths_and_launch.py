@@ -152,8 +152,8 @@ def test_a_context_shorter_than_prompt_and_response_is_refused_where_positions_a
         plan_memory.main(plan)
     config.save_pretrained(tmp_path / "reward_model")  # a reward model's table too
     with pytest.raises(plumbing.ConfigError, match="but the reward model has 64 positions"):
-        plumbing.check_reward_model_config(str(tmp_path / "reward_model"), False, None, replace(args, response_length=6),
-                                           60)
+        plumbing.check_reward_model_config(str(tmp_path / "reward_model"), False, None,
+                                           replace(args, response_length=6), 60)
 
 
 def test_the_context_check_reads_the_datas_longest_prompt_not_the_flags_cap(assets, tmp_path, capsys):
@@ -176,7 +176,8 @@ def test_the_context_check_reads_the_datas_longest_prompt_not_the_flags_cap(asse
                                       response_length=12), tokenizer, len(tokenizer), plumbing.prompt_token_ids)
     with pytest.raises(plumbing.ConfigError, match=r"^the longest prompt, 10 tokens, \+ --response_length 11"):
         plumbing.load_prompts(args_of(assets, model_name_or_path=str(learned), response_length=11,
-                                      dataset_test_split=str(test)), tokenizer, len(tokenizer), plumbing.prompt_token_ids)
+                                      dataset_test_split=str(test)), tokenizer, len(tokenizer),
+                              plumbing.prompt_token_ids)
     plumbing.load_prompts(args_of(assets, response_length=60), tokenizer, len(tokenizer), plumbing.prompt_token_ids)
     assert "warning: the longest prompt, 5 tokens, + --response_length = 65 tokens exceed the policy's 64 " \
            "positions" in capsys.readouterr().err
