@@ -86,13 +86,14 @@ TRL_RELEASES = {"0.21": "TRL <= 0.21's", "1.16": "TRL 1.16's"}  # --trl_defaults
 
 
 def algorithm_defaults(cls) -> dict[str, tuple]:
-    """{flag: (TRL <= 0.21's default, TRL 1.16's)} of cls's algorithm flags (those that are not plumbing.RunArgs')
-    whose TRL 1.16 default (TRL116, under TRL >= 0.22's name) is another value, one that sets something (TRL's "not
-    set", NOTHING, is this script's: --max_steps -1 is None): what --trl_defaults switches. The class's defaults are
-    TRL <= 0.21's."""
+    """{flag: (TRL <= 0.21's default, TRL 1.16's)} of cls's algorithm flags (those of the class that extends
+    plumbing.RunArgs, rloo.py's Args: not the run's, nor rloo_multinode.py's engines') whose TRL 1.16 default (TRL116,
+    under TRL >= 0.22's name) is another value, one that sets something (TRL's "not set", NOTHING, is this script's:
+    --max_steps -1 is None): what --trl_defaults switches. The class's defaults are TRL <= 0.21's."""
     trl_name, base = {own: trl for trl, own in TRL_NAMES.items()}, cls()
+    algorithm = next((c for c in cls.__mro__ if RunArgs in c.__bases__), cls)
     run_flags = {f.name for f in fields(RunArgs)}
-    return {f.name: (getattr(base, f.name), TRL116[trl]) for f in fields(cls)
+    return {f.name: (getattr(base, f.name), TRL116[trl]) for f in fields(algorithm)
             if f.name not in run_flags and (trl := trl_name.get(f.name, f.name)) in TRL116
             and TRL116[trl] not in NOTHING and TRL116[trl] != getattr(base, f.name)}
 

@@ -129,6 +129,7 @@ def test_trl_defaults_1_16_gives_every_algorithm_flag_left_out_trl_1_16s_default
     wins wherever it stands; a --config file may choose it too."""
     switched = plumbing.algorithm_defaults(rloo.Args)
     assert {"num_ppo_epochs", "temperature", "learning_rate", "response_length", "num_train_epochs"} <= switched.keys()
+    assert plumbing.algorithm_defaults(rloo_multinode.Args) == switched  # the algorithm's: not the engines' vllm_mode
     trl_name = {own: trl for trl, own in plumbing.TRL_NAMES.items()}
     args, old = parse("--trl_defaults", "1.16"), rloo.Args()
     for f in dataclasses.fields(rloo.Args):
