@@ -217,7 +217,8 @@ def main(args: PlanArgs) -> None:
     rloo.compute_batch_sizes(args, args.world_size)
     policy_path = args.sft_model_path or args.model_name_or_path
     plumbing.check_model_configs(args, plumbing.load_config(policy_path, "policy", args.trust_remote_code,
-                                                             args.model_revision))  # a run rloo.py refuses: no plan
+                                                             args.model_revision), args.max_prompt_length)  # the
+    # plan's prompts are --max_prompt_length tokens long: positions the models do not have are refused, no plan
     policy = model_shape(policy_path, False, args.trust_remote_code, args if args.use_peft else None, args.fsdp)
     reward = model_shape(args.reward_model_path, True, args.trust_remote_code) if args.reward_model_path else None
     groups = plan(args, policy, reward)

@@ -316,8 +316,8 @@ def compute_batch_sizes(args: Args, world_size: int) -> BatchSizes:
     local = mini * minibatches
     if args.max_steps is not None and args.max_steps % (args.num_ppo_epochs * minibatches):
         raise plumbing.ConfigError(f"--max_steps {args.max_steps} is not a multiple of an update's optimizer steps "
-                                   f"(num_ppo_epochs {args.num_ppo_epochs} x num_mini_batches {minibatches} = "
-                                   f"{args.num_ppo_epochs * minibatches}): pass a multiple")
+                                   f"(num_ppo_epochs {args.num_ppo_epochs} x num_mini_batches {minibatches}): pass a "
+                                   "multiple, or --num_iterations 1 (TRL 1.16's default; --trl_defaults 1.16: all)")
     if local % args.rloo_k:
         raise plumbing.ConfigError(f"per_device_train_batch_size ({micro}) x gradient_accumulation_steps "
                                    f"({args.gradient_accumulation_steps}) x num_mini_batches ({minibatches})"

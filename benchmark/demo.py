@@ -7,6 +7,7 @@ Fails (exit status 1) when the reward-model score did not rise by at least MIN_R
 
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from benchmark.synthetic_task import ensure_assets, mean_true_score  # noqa: E40
 
 MIN_RISE = 0.1  # required gain of the mean score, last 3 updates vs first 3
 LOGGING_STEPS = 25  # a console line every this many updates (metrics.jsonl has every update)
+EXP_NAME = "rloo_demo"  # the demo's runs' name: with the demo's inputs in a finished run's args.json, a demo's own
 
 
 @dataclass
@@ -63,9 +65,34 @@ def rloo_command(args: Args, assets: dict[str, str]) -> list[str]:
         "num_sample_generations": 2,
         "logging_steps": LOGGING_STEPS,
         "seed": args.seed,
+        "exp_name": EXP_NAME,
     }
     return [sys.executable, "rloo.py"] + [s for key, value in flags.items() for s in (f"--{key}", str(value))] + [
-        "--overwrite_output_dir"]  # an earlier demo's run moves to output_dir/abandoned/
+        "--overwrite_output_dir"]  # what replace_previous_demo leaves (not a demo's finished run) moves to abandoned/
+
+
+def replace_previous_demo(output_dir: str, assets: dict[str, str]) -> list[str]:
+    """A finished earlier demo run in output_dir is deleted, so that each `make demo` replaces its own run instead of
+    piling them up in output_dir/abandoned/: only a run whose args.json names this demo (EXP_NAME, its policy, its
+    prompts, this output_dir), and only the files that run wrote (plumbing.run_owned; not abandoned/, nor anything
+    else), under the directory's lock (a run in it now keeps it). Anything else, an unfinished run's files included,
+    rloo.py's --overwrite_output_dir moves aside as before. Returns the names deleted."""
+    root = Path(output_dir)
+    record = plumbing.run_record(root) or {}
+    ours = {"exp_name": EXP_NAME, "model_name_or_path": assets["policy"], "dataset_name": assets["train"],
+            "output_dir": output_dir}
+    if any(record.get(key) != value for key, value in ours.items()):
+        return []
+    lock = plumbing.OutputDirLock(output_dir)
+    lock.acquire()
+    try:
+        names = [name for name in plumbing.run_owned(root) if name not in (plumbing.ABANDONED, plumbing.LOCK)]
+        for name in names:
+            path = root / name
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    finally:
+        lock.release()
+    return names
 
 
 def read_prompts(path: str) -> list[str]:
@@ -93,6 +120,9 @@ def main(args: Args) -> None:
           f"a line per fifth of each model's steps; cached in {cache_dir})")
     assets = ensure_assets(cache_dir)
     metrics_path = Path(args.output_dir) / "metrics.jsonl"
+    replaced = replace_previous_demo(args.output_dir, assets)
+    if replaced:
+        stage(f"the previous demo run in {args.output_dir} replaced ({len(replaced)} files and folders it wrote)")
     command = rloo_command(args, assets)
     stage(f"training with rloo.py: {args.total_episodes} completions, a line every {LOGGING_STEPS} updates (every "
           f"update's metrics in {metrics_path}); the command, a starting point for a small model of your own:")

@@ -1,7 +1,8 @@
 """Writes plumbing/trl116_defaults.json: every field a `trl rloo` command or recipe can set in TRL 1.16 (RLOOConfig
 with the transformers TrainingArguments it extends, ModelConfig, the script's RLOOScriptArguments and
-DatasetMixtureConfig), with its default, read from TRL's own dataclasses. plumbing.cli reads the table: a TRL flag
-given at TRL's default asks for nothing the user chose.
+DatasetMixtureConfig), with its default, read from TRL's own dataclasses, and GRPOConfig's fields that RLOOConfig
+lacks (grpo_only). plumbing.cli reads the table: a TRL flag given at TRL's default asks for nothing the user chose; a
+GRPO-only flag is named as GRPO's.
 
     PYTHONPATH=benchmark/.trl116-site python benchmark/trl116_defaults.py            # rewrites the table
     PYTHONPATH=benchmark/.trl116-site python benchmark/trl116_defaults.py --check    # exit status 1 if it differs
@@ -30,13 +31,15 @@ def default_of(field: dataclasses.Field):
 def render() -> str:
     import transformers
     import trl
-    from trl import DatasetMixtureConfig, ModelConfig, RLOOConfig
+    from trl import DatasetMixtureConfig, GRPOConfig, ModelConfig, RLOOConfig
     from trl.scripts.rloo import RLOOScriptArguments
 
     classes = (RLOOConfig, ModelConfig, RLOOScriptArguments, DatasetMixtureConfig)  # the `trl rloo` parser's
+    rloo = {f.name for f in dataclasses.fields(RLOOConfig)}
     table = {"trl": trl.__version__, "transformers": transformers.__version__,
              "fields": {cls.__name__: {f.name: default_of(f) for f in dataclasses.fields(cls) if f.init}
-                        for cls in classes}}
+                        for cls in classes},
+             "grpo_only": sorted(f.name for f in dataclasses.fields(GRPOConfig) if f.init and f.name not in rloo)}
     return json.dumps(table, indent=1) + "\n"
 
 

@@ -44,8 +44,9 @@ TRL_INTRO = """## TRL's names
 
 The flags are TRL <= 0.21's `RLOOConfig` names, so published commands run unchanged. TRL 0.22 renamed several;
 where the new name means exactly what rloo.py's flag means, rloo.py accepts it too, as a tyro alias (`--help` lists
-it beside the flag). A TRL >= 0.22 name brings rloo.py's default with it, not TRL's: `--num_iterations` left out is
-rloo.py's 4 PPO epochs, where TRL's default is 1. A flag given twice, under one name or both, takes the last value
+it beside the flag). The algorithm's flags left out take TRL <= 0.21's defaults (`--num_iterations` left out is 4 PPO
+epochs), or with `--trl_defaults 1.16` TRL 1.16's (1); a command in TRL >= 0.22's names is told which in one line at
+start-up ([flag-notes.md](flag-notes.md#--trl_defaults)). A flag given twice, under one name or both, takes the last value
 (argparse's rule, which the TL;DR scripts rely on: their extra arguments override their defaults), but a list flag
 given twice keeps every value (`--reward_fn a:f --reward_fn b:g` is `--reward_fn a:f b:g`).
 

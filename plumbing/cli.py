@@ -41,16 +41,89 @@ TRL_NAMES = {"num_generations": "rloo_k", "beta": "kl_coef", "epsilon": "clipran
 # TRL 1.16's `trl rloo` fields with their defaults, read from its dataclasses by benchmark/trl116_defaults.py (a test
 # compares the table with the TRL 1.16 of `make bench-env`): a flag given at TRL's default asks for nothing the
 # user chose (trl_default_given)
-TRL116 = {name: default for fields in json.loads(Path(__file__).with_name("trl116_defaults.json").read_text())[
-    "fields"].values() for name, default in fields.items()}
+TRL116_TABLE = json.loads(Path(__file__).with_name("trl116_defaults.json").read_text())
+TRL116 = {name: default for fields in TRL116_TABLE["fields"].values() for name, default in fields.items()}
+
+
+# TRL 1.16's GRPOConfig fields that its RLOOConfig lacks (the table's grpo_only): GRPO's options, named as GRPO's,
+# with what RLOO does instead where there is something to say. The names rloo.py has (GRPO's vLLM importance sampling
+# correction) are its flags.
+GRPO_ONLY = frozenset(TRL116_TABLE["grpo_only"])
+GRPO_REASONS = {
+    "loss_type": "RLOO's loss is the clipped surrogate of each completion's sequence ratio, averaged over the "
+                 "completions (per token with --token_level_kl), not one of GRPO's token normalizations",
+    "scale_rewards": "RLOO's advantage is the reward minus the mean of the other k-1, unscaled; --normalize_advantage "
+                     "whitens them over the batch, --normalize_reward standardizes the scores",
+    "importance_sampling_level": "the ratio is the sequence's; --token_level_kl makes it per token",
+    "delta": "the ratio is clipped to [1 - --cliprange, 1 + --epsilon_high]",
+    "multi_objective_aggregation": "the reward sources are summed with --reward_weights",
+}
+
+
+# Other codebases' and peft's names of the LoRA flags (OpenRLHF's and verl's lora_rank, peft's LoraConfig fields),
+# rewritten to this project's; peft's other LoraConfig options are refused (PEFT_REFUSED): the adapters take peft's
+# default for them
+LORA_NAMES = {"lora_rank": "lora_r", "r": "lora_r", "target_modules": "lora_target_modules",
+              "modules_to_save": "lora_modules_to_save", "target_parameters": "lora_target_parameters"}
+PEFT_REFUSED = ("exclude_modules", "fan_in_fan_out", "bias", "lora_bias", "init_lora_weights", "layers_to_transform",
+                "layers_pattern", "rank_pattern", "alpha_pattern", "layer_replication", "trainable_token_indices",
+                "loftq_config", "eva_config", "corda_config", "lora_ga_config", "use_qalora", "qalora_group_size",
+                "megatron_config", "use_bdlora", "ensure_weight_tying")
+LORA_FLAGS = ("--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules, --lora_target_parameters, "
+              "--lora_modules_to_save, --use_rslora, --use_dora")
 
 
 NOTHING = (None, False, -1, 0, "", "no", "none", [], {})  # how TRL's defaults say "not set" or "off"
 
 
-TRL_DEFAULTS = ("TRL >= 0.22's names are aliases of the flags they are listed beside.\n\nFlags left out keep this "
-                f"script's defaults:\n--num_iterations 4 (TRL's: {TRL116['num_iterations']}), --max_completion_length "
-                f"53 (TRL's: {TRL116['max_completion_length']}).")
+TRL_DEFAULTS = ("TRL >= 0.22's names are aliases of the flags they are listed beside.\n\nThe algorithm's flags left "
+                "out take TRL <= 0.21's defaults (the TL;DR recipe's):\n--num_iterations 4 (TRL 1.16's: "
+                f"{TRL116['num_iterations']}), --max_completion_length 53 (TRL 1.16's: "
+                f"{TRL116['max_completion_length']}); --trl_defaults 1.16 gives them TRL 1.16's.")
+
+
+TRL_NEWER = ("max_steps", "steps_per_generation", "generation_batch_size")  # TRL >= 0.22's way of sizing a run
+
+
+TRL_RELEASES = {"0.21": "TRL <= 0.21's", "1.16": "TRL 1.16's"}  # --trl_defaults: whose defaults the algorithm's take
+
+
+def algorithm_defaults(cls) -> dict[str, tuple]:
+    """{flag: (TRL <= 0.21's default, TRL 1.16's)} of cls's algorithm flags (those of the class that extends
+    plumbing.RunArgs, rloo.py's Args: not the run's, nor rloo_multinode.py's engines') whose TRL 1.16 default (TRL116,
+    under TRL >= 0.22's name) is another value, one that sets something (TRL's "not set", NOTHING, is this script's:
+    --max_steps -1 is None): what --trl_defaults switches. The class's defaults are TRL <= 0.21's."""
+    trl_name, base = {own: trl for trl, own in TRL_NAMES.items()}, cls()
+    algorithm = next((c for c in cls.__mro__ if RunArgs in c.__bases__), cls)
+    run_flags = {f.name for f in fields(RunArgs)}
+    return {f.name: (getattr(base, f.name), TRL116[trl]) for f in fields(algorithm)
+            if f.name not in run_flags and (trl := trl_name.get(f.name, f.name)) in TRL116
+            and TRL116[trl] not in NOTHING and TRL116[trl] != getattr(base, f.name)}
+
+
+def release_asked(argv: list[str]) -> str:
+    """The last --trl_defaults of argv ("0.21" when none; a value that is neither is left to tyro to refuse)."""
+    release = "0.21"
+    for i, arg in enumerate(argv):
+        name, has_eq, value = arg.partition("=")
+        if name.replace("-", "_") == "__trl_defaults":
+            value = value if has_eq else argv[i + 1] if i + 1 < len(argv) else ""
+            release = value if value in TRL_RELEASES else release
+    return release
+
+
+def defaults_in_force_line(cls, values: dict, given: set[str], release: str, prog: str) -> Optional[str]:
+    """One line naming each algorithm flag left out (not in `given`, this script's names) whose value in force, the
+    `release`'s default, the other release's default would change (--num_train_epochs is not in force with
+    --max_steps or --total_episodes), and the flag that switches; None when there is none."""
+    other = "0.21" if release == "1.16" else "1.16"
+    trl_name = {own: trl for trl, own in TRL_NAMES.items()}
+    changed = [f"--{name}" + (f" (--{trl_name[name]})" if name in trl_name else "")
+               + f" {values[name]} ({TRL_RELEASES[other]}: {pair[other == '1.16']})"
+               for name, pair in algorithm_defaults(cls).items() if name not in given
+               and not (name == "num_train_epochs" and (values.get("max_steps") or values.get("total_episodes")))]
+    return changed and (f"{prog}: {TRL_RELEASES[release]} defaults in force (--trl_defaults {release}): "
+                        f"{', '.join(changed)}; --trl_defaults {other} takes {TRL_RELEASES[other]}") or None
 
 
 STEPS_PER_GENERATION = ("TRL >= 0.22's micro-batches per rank and generation, S (not a rename): taken as "
@@ -268,6 +341,14 @@ def trl_arguments(argv: list[str], hints: dict, defaults: dict, prog: str) -> li
             pass  # a flag this script does not have, at TRL's default: asks for nothing
         elif default_given and own in defaults and TRL116[name] in NOTHING and not takes_as_own(hints[own], value):
             out += default_words(own, defaults[own])  # TRL's "not set": this script's default
+        elif name in GRPO_ONLY and name not in hints:
+            raise ConfigError(f"--{name} is TRL's GRPOTrainer's (GRPOConfig), not RLOO's: "
+                              + GRPO_REASONS.get(name, "RLOOConfig has no such option") + "; drop the flag")
+        elif name in LORA_NAMES and name not in hints:
+            out += [f"--{LORA_NAMES[name]}", *values]
+        elif name in PEFT_REFUSED and name not in hints:
+            raise ConfigError(f"--{name} is an option of peft's LoraConfig that the adapters here do not take (they "
+                              f"keep peft's default): the LoRA flags are {LORA_FLAGS}; drop it")
         elif name in ENGINE_FLAGS and not engines:
             raise ConfigError(f"--{name}: rloo.py samples in the training processes, without engines; vLLM "
                               "generation is rloo_multinode.py's: `torchrun ... rloo_multinode.py --vllm_mode "
@@ -340,7 +421,7 @@ def trl_arguments(argv: list[str], hints: dict, defaults: dict, prog: str) -> li
 SAME_FLAG = TRL_NAMES | {"reward_funcs": "reward_fn", "report_to": "track", "resume_from_checkpoint": "resume_from",
                          "steps_per_generation": "num_mini_batches", "vllm_server_base_url": "engine_urls",
                          "vllm_server_host": "engine_urls", "vllm_server_port": "engine_urls",
-                         "vllm_server_timeout": "engine_timeout", "use_vllm": "engine"}
+                         "vllm_server_timeout": "engine_timeout", "use_vllm": "engine"} | LORA_NAMES
 
 
 CONFIG_LIMITS = {"bytes": 1 << 20, "values": 10_000, "depth": 32, "digits": 100}  # of a --config file: a recipe
@@ -603,13 +684,24 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     console_survives()  # from the first line it may write
     hints = get_type_hints(cls, include_extras=True)
     plain = get_type_hints(cls) | {"steps_per_generation": Optional[int]}  # the types without tyro's markers
-    known = {*plain, *TRL_NAMES, *TRL116, *TRL_FIXED, *TRL_REFUSED, *TRL_LAUNCHER, *ENGINE_FLAGS}
-    defaults = cls()
+    known = {*plain, *TRL_NAMES, *TRL116, *TRL_FIXED, *TRL_REFUSED, *TRL_LAUNCHER, *ENGINE_FLAGS, *GRPO_ONLY,
+             *LORA_NAMES, *PEFT_REFUSED}
+    argv = sys.argv[1:] if argv is None else list(argv)
+    at = [i for i, arg in enumerate(argv) if arg == "--config" or arg.startswith("--config=")]
+    from_file = at and (argv[at[0]].partition("=")[2] or (argv[at[0] + 1] if at[0] + 1 < len(argv) else ""))
+    on_command_line = {arg[2:].partition("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
     try:
-        argv = trl_arguments(config_arguments(sys.argv[1:] if argv is None else list(argv), plain, known), plain,
-                             {f.name: getattr(defaults, f.name) for f in fields(cls)}, prog)
+        argv = config_arguments(argv, plain, known)
+        release = release_asked(argv)  # whose defaults the algorithm's flags left out take
+        defaults = cls(**{name: pair[1] for name, pair in algorithm_defaults(cls).items()} if release == "1.16" else {})
+        names = {arg[2:].partition("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+        trl_forms = any(name in TRL_NAMES or name in TRL_NEWER or (name in known and name not in plain)
+                        for name in names)  # TRL >= 0.22's names, or TRL's forms of this script's flags
+        argv = trl_arguments(argv, plain, {f.name: getattr(defaults, f.name) for f in fields(cls)}, prog)
     except ConfigError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        flag = re.match(r"--(\w+)", str(e))  # a flag the --config file gave (the launcher's, `datasets:`): named so
+        where = f"--config {from_file}: " if from_file and flag and flag[1] not in on_command_line else ""
+        print(f"{prog}: error: {where}{e}", file=sys.stderr)
         sys.exit(2)
     starts = help_groups(cls, prog)
     docs = {p.arg_name: " ".join(p.description.split()) for c in reversed(cls.__mro__) if is_dataclass(c)
@@ -661,6 +753,11 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    given = {TRL_NAMES.get(name, name) for name in (arg[2:].partition("=")[0].replace("-", "_").removeprefix("no_")
+                                                    for arg in argv if arg.startswith("--"))}
+    line = defaults_in_force_line(cls, values, given, release, prog) if from_file or trl_forms else None
+    if line and os.environ.get("RANK", "0") == "0":  # a TRL 1.x user is told which of TRL's defaults are not in force
+        print(line, flush=True)
     return cls(**values)
 
 

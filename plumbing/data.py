@@ -323,7 +323,9 @@ def _prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: 
     dropped = {"empty": int((lengths == 0).sum()), "too_long": int((lengths > max_prompt_length).sum()),
                "min_tokens": int(lengths.min()), "median_tokens": int(np.median(lengths)),
                "max_tokens": int(lengths.max()), "cut": sum(cut)}
-    dataset = dataset.select(np.flatnonzero((lengths > 0) & (lengths <= max_prompt_length)), keep_in_memory=True)
+    kept = (lengths > 0) & (lengths <= max_prompt_length)
+    dropped["longest_kept"] = int(lengths[kept].max()) if kept.any() else 0  # what the models' positions must hold
+    dataset = dataset.select(np.flatnonzero(kept), keep_in_memory=True)
     if len(dataset) == 0:
         raise ConfigError(f"every prompt of {name} is empty or longer than max_prompt_length ({max_prompt_length})")
     return dataset, dropped
@@ -331,7 +333,8 @@ def _prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: 
 
 def load_prompts(args, tokenizer, vocab_size: Optional[int], prompt_token_ids: Callable):
     """Train prompts tokenized by prompt_token_ids, test prompts (None without --dataset_test_split), and how many
-    were dropped (see prepare_prompts)."""
+    were dropped (see prepare_prompts); the longest prompt kept, train or test, and its response checked against the
+    models' positions (check_positions)."""
     test_is_file = args.dataset_test_split is not None and is_local_file(args.dataset_test_split)
     for flag, split in (("--dataset_train_split", args.dataset_train_split), ("--dataset_test_split",
                                                                                args.dataset_test_split)):
@@ -344,12 +347,16 @@ def load_prompts(args, tokenizer, vocab_size: Optional[int], prompt_token_ids: C
     dataset = load_split(args.dataset_name, args.dataset_train_split, args.dataset_config)
     dataset, dropped = prepare_prompts(dataset, tokenizer, args.prompt_column, args.max_prompt_length,
                                        args.dataset_name, vocab_size, prompt_token_ids)
-    eval_dataset = None
+    eval_dataset, longest = None, dropped["longest_kept"]
     if args.dataset_test_split is not None:
         source = args.dataset_test_split if test_is_file else args.dataset_name
-        eval_dataset, _ = prepare_prompts(load_split(source, args.dataset_test_split, args.dataset_config),
-                                          tokenizer, args.prompt_column, args.max_prompt_length, source, vocab_size,
-                                          prompt_token_ids)
+        eval_dataset, eval_dropped = prepare_prompts(load_split(source, args.dataset_test_split, args.dataset_config),
+                                                     tokenizer, args.prompt_column, args.max_prompt_length, source,
+                                                     vocab_size, prompt_token_ids)
+        longest = max(longest, eval_dropped["longest_kept"])
+    from .models import check_positions  # models.py reads the data's files through this module
+
+    check_positions(args, longest)
     return dataset, eval_dataset, dropped
 
 

@@ -72,7 +72,8 @@ class InputArgs:
     dataset_config: Optional[str] = None
     """the Hub dataset's configuration name, if it has several"""
     dataset_train_split: str = "train"
-    """split to train on (ignored for a single local file)"""
+    """split to train on; a single local file or saved Dataset is one split, `train` (as `datasets` and TRL load it):
+    another name is refused"""
     dataset_test_split: Optional[str] = None
     """split (or local file) to evaluate on; None disables evaluation"""
     prompt_column: str = "prompt"
@@ -95,7 +96,7 @@ class RunArgs(InputArgs):
         "save_steps", "save_total_limit", "resume", "resume_from", "overwrite_output_dir", "ddp_timeout",
         "fsdp_generation", "compile_generation", "share_prompt", "bf16_generation", "reward_fn_timeout",
         "merge_lora", "logging_steps", "save_strategy", "max_steps", "allow_changed_inputs", "eval_strategy",
-        "eval_steps", "tensorboard"})
+        "eval_steps", "tensorboard", "trl_defaults"})  # trl_defaults: the values it chose are compared themselves
 
     # ----- experiment -----
     exp_name: str = "rloo"
@@ -105,6 +106,10 @@ class RunArgs(InputArgs):
     None: `{exp_name}__{seed}__{unix time}`"""
     seed: int = 1
     """random seed; rank r samples with seed + r"""
+    trl_defaults: Literal["0.21", "1.16"] = "0.21"
+    """whose defaults the algorithm's flags left out take: TRL <= 0.21's (the TL;DR recipe's: 4 PPO epochs,
+    temperature 0.7, learning rate 3e-6, 53 new tokens, 1 epoch) or TRL 1.16's RLOOConfig's (num_iterations 1,
+    temperature 1.0, learning rate 1e-6, max_completion_length 512, 3 epochs); the run's flags keep this project's"""
     output_dir: str = "models/rloo"
     """where `metrics.jsonl`, `args.json`, the final policy and its tokenizer are written"""
     track: bool = False
@@ -323,7 +328,7 @@ def check_launch_environment() -> None:
     exported from an interactive torchrun session, a plain `python rloo.py` would fail deep in torch)."""
     given = [name for name in TORCHRUN_VARIABLES[:3] if name in os.environ]
     if not given:
-        return
+        return check_processes_asked()
     missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
     fix = (f"launch with torchrun, or unset {' '.join(given)} for a single process (left from a torchrun session?)")
     if missing:
@@ -338,6 +343,66 @@ def check_launch_environment() -> None:
     if not (0 <= rank < world_size and 0 <= local_rank <= rank and 0 < port < 65536):
         raise ConfigError(f"RANK={rank}, LOCAL_RANK={local_rank}, WORLD_SIZE={world_size}, MASTER_PORT={port} do "
                           f"not fit together (0 <= LOCAL_RANK <= RANK < WORLD_SIZE, a port below 65536): {fix}")
+    check_processes_asked()
+
+
+TASK_COUNTS = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")  # srun's, mpirun's
+
+
+def accelerate_processes() -> Optional[tuple[str, str]]:
+    """Where `accelerate launch` says how many processes it was asked for, and how many (text), when it started this
+    process without torchrun (its simple launcher: a MULTI_CPU config, one `python` whatever num_processes says; it sets
+    MASTER_ADDR only for several): ACCELERATE_NUM_PROCESSES, else its command line's --num_processes or
+    --config_file's num_processes, else the default config file's; None when not launched so or asked for one."""
+    if "ACCELERATE_MIXED_PRECISION" not in os.environ or "WORLD_SIZE" in os.environ \
+            or "MASTER_ADDR" not in os.environ or any(name in os.environ for name in TASK_COUNTS):
+        return None
+    try:
+        words = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        words = []
+    options = {word.partition("=")[0]: word.partition("=")[2] or (words[i + 1] if i + 1 < len(words) else "")
+               for i, word in enumerate(words) if word in ("--num_processes", "--config_file")
+               or word.startswith(("--num_processes=", "--config_file="))}
+    if "--num_processes" in options:
+        return "accelerate launch --num_processes", inert(options["--num_processes"], 20)
+    home = os.environ.get("HF_HOME", os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface"))
+    path = Path(options.get("--config_file") or os.path.join(home, "accelerate", "default_config.yaml")).expanduser()
+    try:
+        import yaml  # transformers' dependency
+
+        asked = yaml.safe_load(path.read_text()).get("num_processes")
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        asked = None
+    return (f"accelerate launch's config {path} (num_processes)", inert(str(asked), 20)) if asked is not None \
+        else ("accelerate launch (it set MASTER_ADDR)", "several")
+
+
+def check_processes_asked() -> None:
+    """A launcher that says how many processes it started or was asked for, and a run that sees another number,
+    refused in one line naming both: ACCELERATE_NUM_PROCESSES, `accelerate launch` of several processes without
+    torchrun (accelerate_processes), srun's SLURM_STEP_NUM_TASKS and mpirun's world sizes. A launcher's tasks are
+    torchrun's agents (GROUP_WORLD_SIZE: one torchrun per node) where torchrun runs in them, else the run's processes
+    (WORLD_SIZE, 1 without torchrun). SLURM_NTASKS alone is an allocation's, not a launch's (salloc -n 8 then
+    torchrun --nproc_per_node 2 is two processes asked for): not compared."""
+    seen = int(os.environ.get("WORLD_SIZE", "1"))
+    seen_as = f"WORLD_SIZE={seen}" if "WORLD_SIZE" in os.environ else "1 process (no torchrun's WORLD_SIZE)"
+    fix = "launch with torchrun: torchrun --nproc_per_node N rloo.py ... (one torchrun per node: --nnodes, " \
+          "--rdzv_endpoint); accelerate launch and mpirun start one copy of a script that is not accelerate's"
+    asked = os.environ.get("ACCELERATE_NUM_PROCESSES")
+    if asked is not None and asked.strip() != str(seen):
+        raise ConfigError(f"ACCELERATE_NUM_PROCESSES={inert(asked, 20)} asks for that many processes, but this run "
+                          f"has {seen_as}: {fix}")
+    accelerate = accelerate_processes()
+    if accelerate is not None:
+        raise ConfigError(f"{accelerate[0]} asks for {accelerate[1]} processes, but this run has {seen_as}: {fix}")
+    agents = os.environ.get("GROUP_WORLD_SIZE") if "TORCHELASTIC_RUN_ID" in os.environ else None
+    for name in TASK_COUNTS:
+        tasks = os.environ.get(name)
+        if tasks is not None and tasks.strip() != (agents or str(seen)):
+            has = f"GROUP_WORLD_SIZE={agents} torchrun agents" if agents else seen_as
+            raise ConfigError(f"{name}={inert(tasks, 20)} tasks were started, but this run has {has}: each task "
+                              f"would train alone; {fix}")
 
 
 def validate_args(args, launching: bool = True) -> None:

@@ -86,10 +86,10 @@ POLICY_FIX = "pass a causal LM saved by save_pretrained (an AutoModelForCausalLM
 
 
 def check_reward_model_config(path: str, trust_remote_code: bool, policy_vocab_size: Optional[int] = None,
-                              args=None) -> None:
+                              args=None, longest_prompt: Optional[int] = None) -> None:
     """A saved classification head must give one score per sequence (a causal LM gets a new one-label head); a
     reward model without tokenizer files reads the policy's token ids, which needs the policy's vocabulary; with
-    `args`, a prompt and its response fit its positions (check_context)."""
+    `args` and `longest_prompt`, that prompt and a response fit its positions (check_context)."""
     config = load_config(path, "reward model", trust_remote_code)
     check_sizes(config, "reward model")
     vocab_size = getattr(config.get_text_config(), "vocab_size", None)
@@ -97,8 +97,8 @@ def check_reward_model_config(path: str, trust_remote_code: bool, policy_vocab_s
         raise ConfigError(f"reward model {path!r} has no tokenizer files, so it would read the policy's token ids, but "
                           f"its vocabulary has {vocab_size} ids and the policy's {policy_vocab_size}: save the reward "
                           "model's tokenizer with it (tokenizer.save_pretrained(path))")
-    if args is not None:
-        check_context(config, "reward model", args)
+    if args is not None and longest_prompt is not None:
+        check_context(config, "reward model", args, longest_prompt)
     classifier = any(name.endswith("ForSequenceClassification") for name in config.architectures or ())
     causal = [name for name in config.architectures or () if name.endswith(("ForCausalLM", "LMHeadModel"))]
     if causal and not classifier:
@@ -216,15 +216,17 @@ def prepare_tokenizer(args):
     return tokenizer, vocab_size
 
 
-def check_model_configs(args, policy_config) -> None:
+def check_model_configs(args, policy_config, longest_prompt: Optional[int] = None) -> None:
     """What the models' configs alone tell (no tokenizer, no weights; plan_memory.py makes the same checks): its
-    sizes make a model (check_sizes), a prompt and its response fit the policy's positions, the reward model's head
-    gives one score, its vocabulary and positions fit."""
+    sizes make a model (check_sizes), the reward model's head gives one score, its vocabulary fits; with
+    `longest_prompt` (tokens: the data's, once read, check_positions; plan_memory.py's planned length), that prompt and
+    its response fit both models' positions."""
     check_sizes(policy_config, "policy")
-    check_context(policy_config, "policy", args)
+    if longest_prompt is not None:
+        check_context(policy_config, "policy", args, longest_prompt)
     if args.reward_model_path is not None:
         check_reward_model_config(args.reward_model_path, args.trust_remote_code,
-                                  getattr(policy_config.get_text_config(), "vocab_size", None), args)
+                                  getattr(policy_config.get_text_config(), "vocab_size", None), args, longest_prompt)
 
 
 MODEL_SIZES = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
@@ -249,28 +251,41 @@ def check_sizes(config, what: str) -> None:
                           "model here may have: fix its config.json")
 
 
-def check_context(config, what: str, args) -> None:
-    """A prompt and its response within the model's positions (max_position_embeddings, under any of its names). A
-    learned position table (GPT-2's, OPT's) has no row past its end, where the run would fail in the middle:
-    refused. Positions computed (rotary, ALiBi) go on past it, where the model was not trained: a warning. A
+def check_positions(args, longest_prompt: int) -> None:
+    """The data's longest tokenized prompt (train and test, after --max_prompt_length's cut) and --response_length
+    within the models' positions (check_context): the data's length, not the flag's cap, which alone neither refuses
+    nor warns."""
+    policy = load_config(args.sft_model_path or args.model_name_or_path, "policy", args.trust_remote_code,
+                         args.model_revision)
+    check_context(policy, "policy", args, longest_prompt)
+    if args.reward_model_path is not None:
+        check_context(load_config(args.reward_model_path, "reward model", args.trust_remote_code), "reward model",
+                      args, longest_prompt)
+
+
+def check_context(config, what: str, args, longest_prompt: int) -> None:
+    """The longest prompt (tokens) and a response within the model's positions (max_position_embeddings, under any
+    of its names). A learned position table (GPT-2's, OPT's) has no row past its end, where the run would fail in the
+    middle: refused. Positions computed (rotary, ALiBi) go on past it, where the model was not trained: a warning. A
     model that declares no limit (state-space models) is not checked."""
     text = config.get_text_config()
-    positions, needed = getattr(text, "max_position_embeddings", None), args.max_prompt_length + args.response_length
+    positions, needed = getattr(text, "max_position_embeddings", None), longest_prompt + args.response_length
     if not isinstance(positions, int) or not 0 < positions < needed:
         return
     computed = getattr(text, "alibi", False) or getattr(text, "position_embedding_type", "absolute") != "absolute" \
         or any(getattr(text, name, None) is not None for name in ("rope_parameters", "rope_scaling", "rope_theta",
                                                                    "rotary_dim", "rotary_pct", "rotary_emb_base"))
     if not computed:
-        raise ConfigError(f"--max_prompt_length {args.max_prompt_length} + --response_length {args.response_length} "
-                          f"= {needed} tokens, but the {what} has {positions} positions (max_position_embeddings), "
+        raise ConfigError(f"the longest prompt, {longest_prompt} tokens, + --response_length {args.response_length} = "
+                          f"{needed} tokens, but the {what} has {positions} positions (max_position_embeddings), "
                           f"a learned table with no row past them: lower --max_prompt_length to "
                           f"{max(positions - args.response_length, 1)} or less (longer prompts are dropped), or "
                           "--response_length")
     if os.environ.get("RANK", "0") == "0":
-        print(f"rloo.py: warning: max_prompt_length + response_length = {needed} tokens exceed the {what}'s "
-              f"{positions} positions (max_position_embeddings): longer prompts would fail or degrade; lower "
-              "--max_prompt_length", file=sys.stderr)
+        print(f"rloo.py: warning: the longest prompt, {longest_prompt} tokens, + --response_length = {needed} tokens "
+              f"exceed the {what}'s {positions} positions (max_position_embeddings), where it was not trained: lower "
+              f"--max_prompt_length to {max(positions - args.response_length, 1)} (longer prompts are dropped) or "
+              "--response_length", file=sys.stderr)
 
 
 def save_merged_policy(args, config, tokenizer) -> None:

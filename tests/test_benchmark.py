@@ -3,6 +3,7 @@ demo is `make demo`)."""
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,39 @@ def test_demo_command_uses_only_real_flags():
     assert command[1] == "rloo.py"
     args = tyro.cli(rloo.Args, args=command[2:])
     rloo.compute_batch_sizes(args, world_size=1)  # the demo's batch sizes are consistent
+
+
+def test_make_demo_replaces_its_own_finished_run_and_nothing_else(tmp_path):
+    """A finished demo run (its args.json: the demo's name, inputs and output_dir) is deleted, its files only: not
+    abandoned/ nor a file of the user's; another run's, an unfinished one, an args.json that is not a run's record
+    are left to rloo.py's --overwrite_output_dir, which moves them aside."""
+    assets = {"policy": "/cache/policy", "train": "/cache/train.jsonl"}
+    out = tmp_path / "demo"
+
+    def demo_run(**record) -> None:
+        (out / "checkpoints" / "step_3").mkdir(parents=True)
+        (out / "checkpoints" / "step_3" / "trainer_state.pt").write_text("x")
+        (out / "abandoned" / "20260101_overwritten").mkdir(parents=True)
+        for name in ("metrics.jsonl", "curves.png", "model.safetensors", "config.json", "notes.txt"):
+            (out / name).write_text("x")
+        (out / "args.json").write_text(json.dumps({
+            "exp_name": demo.EXP_NAME, "model_name_or_path": assets["policy"], "dataset_name": assets["train"],
+            "output_dir": str(out), "run_id": "r1", "files": ["model.safetensors", "config.json"], **record}))
+
+    demo_run()
+    assert demo.replace_previous_demo(str(out), assets) == ["args.json", "checkpoints", "config.json", "curves.png",
+                                                           "metrics.jsonl", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["abandoned", "notes.txt"]
+    assert (out / "abandoned" / "20260101_overwritten").is_dir()
+    for other in ({"exp_name": "mine"}, {"model_name_or_path": "/my/policy"}, {"output_dir": "/elsewhere"},
+                  {"run_id": None}):
+        shutil.rmtree(out)
+        demo_run(**other)
+        assert demo.replace_previous_demo(str(out), assets) == [] and (out / "model.safetensors").exists()
+    (out / "args.json").unlink()  # an unfinished run: no record
+    assert demo.replace_previous_demo(str(out), assets) == [] and (out / "metrics.jsonl").exists()
+    assert demo.EXP_NAME in demo.rloo_command(demo.Args(), {k: "x" for k in ("policy", "reward_model", "train",
+                                                                              "test")})
 
 
 def test_plot_curves_writes_a_png(tmp_path):

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import plumbing
 import rloo
-from conftest import (neox_config, policy_tokenizer, read_metrics, run_rloo, tiny_policy, word_tokenizer,
+from conftest import (REPO, neox_config, policy_tokenizer, read_metrics, run_rloo, tiny_policy, word_tokenizer,
                       write_jsonl)
 
 TINY_RUN = ("--rloo_k", "4", "--per_device_train_batch_size", "16", "--response_length", "6", "--temperature", "1.0",
@@ -552,10 +552,17 @@ def test_bad_input_is_one_line_before_any_model_loads_and_changes_nothing(case, 
     assert not (watched / plumbing.LOCK).exists() and [output_dir.exists(), output_dir.parent.exists()] == existed
 
 
-def test_a_sequence_longer_than_the_policys_positions_is_warned_about(assets, capsys):
-    args = rloo.Args(model_name_or_path=str(assets["policy"]), max_prompt_length=60, response_length=10)
-    plumbing.prepare_tokenizer(args)  # the tiny policy has 64 positions
-    assert ("warning: max_prompt_length + response_length = 70 tokens exceed the policy's 64 positions"
-            in capsys.readouterr().err)
-    plumbing.prepare_tokenizer(rloo.Args(model_name_or_path=str(assets["policy"]), max_prompt_length=16, response_length=6))
+def test_the_docs_of_a_local_files_split_say_what_the_code_does():
+    """A single file is one split, `train`: another --dataset_train_split is refused (the refusal: the cases above),
+    and flags.md says so instead of "ignored"."""
+    row = next(line for line in (REPO / "docs" / "flags.md").read_text().splitlines() if "`--dataset_train_split`" in
+               line)
+    assert "ignored" not in row and "another name is refused" in row
+
+
+def test_the_flags_cap_alone_neither_refuses_nor_warns(assets, capsys):
+    """--max_prompt_length 60 + --response_length 10 exceed the tiny policy's 64 positions, but no prompt has been read:
+    nothing said (the data's longest prompt is checked once read: test_paths_and_launch.py)."""
+    plumbing.prepare_tokenizer(rloo.Args(model_name_or_path=str(assets["policy"]), max_prompt_length=60,
+                                         response_length=10))
     assert capsys.readouterr().err == ""

@@ -274,3 +274,21 @@ def test_bad_dataset_and_model_are_config_errors(assets, tldr_rows, tmp_path):
     data = write_jsonl(tmp_path / "tldr.jsonl", tldr_rows)
     with pytest.raises(plumbing.ConfigError, match="could not load tokenizer from"):
         judge.main(judge.Args(model_name_or_path=str(tmp_path / "no_such_model"), dataset_name=str(data)))
+
+
+def test_trls_judge_tldr_flags_are_taken(tmp_path):
+    """TRL's examples/scripts/evals/judge_tldr.py: --model_name_or_path, --judge_model, --num_examples (None: all); a
+    Hub judge (TRL asks Hugging Face's inference API) needs a --base_url that serves it: one line, before anything
+    loads."""
+    args = tyro.cli(judge.Args, args=["--model_name_or_path", "m", "--judge_model", "gpt-3.5-turbo-0125",
+                                      "--num_examples", "None"])
+    assert (args.model, args.num_examples) == ("gpt-3.5-turbo-0125", None)
+    hub = tyro.cli(judge.Args, args=["--model_name_or_path", "m", "--judge_model",
+                                     "meta-llama/Meta-Llama-3-70B-Instruct"])
+    with pytest.raises(plumbing.ConfigError, match="^--judge_model meta-llama/Meta-Llama-3-70B-Instruct is a Hub "
+                                                   "model, which OpenAI's API does not serve: pass --base_url"):
+        judge.main(hub)
+    rows = [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(3)]
+    every = tyro.cli(judge.Args, args=["--model_name_or_path", "m", "--dataset_name",
+                                       str(write_jsonl(tmp_path / "d.jsonl", rows)), "--num_examples", "None"])
+    assert judge.load_examples(every)[1] == ["c0", "c1", "c2"]

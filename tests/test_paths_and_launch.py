@@ -10,6 +10,8 @@ import json
 import lzma
 import os
 import socket
+import subprocess
+import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -23,7 +25,7 @@ import plan_memory
 import plumbing
 import rloo
 import rloo_multinode as mn
-from conftest import policy_tokenizer, prompt_rows, tiny_reward_model
+from conftest import REPO, policy_tokenizer, prompt_rows, tiny_reward_model, write_jsonl
 from test_checkpoints import saved_steps
 from test_multinode import listening_sockets
 
@@ -130,27 +132,55 @@ def test_a_reward_model_without_tokenizer_files_must_share_the_policys_vocabular
 
 def test_a_context_shorter_than_prompt_and_response_is_refused_where_positions_are_a_learned_table(tmp_path,
                                                                                                      capsys):
-    args = rloo.Args(max_prompt_length=100, response_length=53)
+    args = rloo.Args(response_length=53)  # the longest prompt: 100 tokens
     for config in (GPT2Config(n_positions=128), OPTConfig(max_position_embeddings=128)):  # an embedding per position
-        with pytest.raises(plumbing.ConfigError, match=r"= 153 tokens, but the policy has 128 positions .*a learned "
+        with pytest.raises(plumbing.ConfigError, match=r"the longest prompt, 100 tokens, \+ --response_length 53 = 153 "
+                                                       r"tokens, but the policy has 128 positions .*a learned "
                                                        r"table .*lower --max_prompt_length to 75 or less"):
-            plumbing.check_context(config, "policy", args)
+            plumbing.check_context(config, "policy", args, 100)
     for config in (GPTNeoXConfig(max_position_embeddings=64), LlamaConfig(max_position_embeddings=64)):  # rotary
-        plumbing.check_context(config, "policy", args)
+        plumbing.check_context(config, "policy", args, 100)
         assert "exceed the policy's 64 positions" in capsys.readouterr().err
     for config in (MambaConfig(), GPT2Config(n_positions=153)):  # no limit; a limit that holds them
-        plumbing.check_context(config, "policy", args)
+        plumbing.check_context(config, "policy", args, 100)
         assert capsys.readouterr().err == ""
     config = GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=4, n_positions=64)
     config.save_pretrained(tmp_path / "short")
     plan = plan_memory.PlanArgs(model_name_or_path=str(tmp_path / "short"), reward_fn=("reward_fns:count_a",),
                                 world_size=1, dataset_name="unused")
-    with pytest.raises(plumbing.ConfigError, match="but the policy has 64 positions"):  # rloo.py refuses it: no plan
+    with pytest.raises(plumbing.ConfigError, match="but the policy has 64 positions"):  # plans prompts of 512
         plan_memory.main(plan)
     config.save_pretrained(tmp_path / "reward_model")  # a reward model's table too
     with pytest.raises(plumbing.ConfigError, match="but the reward model has 64 positions"):
-        plumbing.check_reward_model_config(str(tmp_path / "reward_model"), False, None, replace(args, response_length=6,
-                                                                                                max_prompt_length=60))
+        plumbing.check_reward_model_config(str(tmp_path / "reward_model"), False, None,
+                                           replace(args, response_length=6), 60)
+
+
+def test_the_context_check_reads_the_datas_longest_prompt_not_the_flags_cap(assets, tmp_path, capsys):
+    """A learned position table of 16 and prompts of 5 tokens, under --max_prompt_length 512: accepted, nothing said
+    (as a rotary model of 64 positions); a response that does not fit after the longest prompt, train or test, is
+    refused (a learned table) or warned about (rotary), naming that prompt's length."""
+    tokenizer = policy_tokenizer()
+    learned = tmp_path / "learned"
+    GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=4, n_positions=16, bos_token_id=1,
+               eos_token_id=1).save_pretrained(learned)
+    tokenizer.save_pretrained(learned)
+    test = write_jsonl(tmp_path / "test.jsonl", [{"prompt": "a b c d e f g h i :"}])  # 10 tokens
+    for policy in (learned, assets["policy"]):
+        plumbing.load_prompts(args_of(assets, model_name_or_path=str(policy), max_prompt_length=512,
+                                      response_length=11), tokenizer, len(tokenizer), plumbing.prompt_token_ids)
+        assert "warning" not in capsys.readouterr().err  # 5 + 11 tokens
+    with pytest.raises(plumbing.ConfigError, match=r"^the longest prompt, 5 tokens, \+ --response_length 12 = 17 "
+                                                   r"tokens, but the policy has 16 positions"):
+        plumbing.load_prompts(args_of(assets, model_name_or_path=str(learned), max_prompt_length=512,
+                                      response_length=12), tokenizer, len(tokenizer), plumbing.prompt_token_ids)
+    with pytest.raises(plumbing.ConfigError, match=r"^the longest prompt, 10 tokens, \+ --response_length 11"):
+        plumbing.load_prompts(args_of(assets, model_name_or_path=str(learned), response_length=11,
+                                      dataset_test_split=str(test)), tokenizer, len(tokenizer),
+                              plumbing.prompt_token_ids)
+    plumbing.load_prompts(args_of(assets, response_length=60), tokenizer, len(tokenizer), plumbing.prompt_token_ids)
+    assert "warning: the longest prompt, 5 tokens, + --response_length = 65 tokens exceed the policy's 64 " \
+           "positions" in capsys.readouterr().err
 
 
 def test_plan_memory_plans_what_rloo_py_runs_and_refuses_what_it_refuses(assets, capsys, monkeypatch):
@@ -285,3 +315,73 @@ def test_the_weight_groups_gloo_sockets_listen_on_the_served_address_alone(monke
     assert torch.equal(received[1], torch.arange(4.0))
     opened = [s for inode, s in listening_sockets([os.getpid()]).items() if inode not in before]
     assert len(opened) >= 2 and {address for address, _ in opened} == {"127.0.0.1"}, (interface, opened)
+
+
+# ---------------------------------------------------------------- a launch gets what it asked for
+LAUNCHERS = ("ACCELERATE_NUM_PROCESSES", "ACCELERATE_MIXED_PRECISION", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS",
+             "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+
+
+@pytest.mark.parametrize("env,line", [
+    ({"ACCELERATE_NUM_PROCESSES": "4"}, "ACCELERATE_NUM_PROCESSES=4 asks for that many processes, but this run has 1 "
+                                        r"process \(no torchrun's WORLD_SIZE\)"),
+    ({**TORCHRUN, "WORLD_SIZE": "2", "ACCELERATE_NUM_PROCESSES": "4"}, "=4 asks .* but this run has WORLD_SIZE=2"),
+    ({"SLURM_STEP_NUM_TASKS": "8"}, "SLURM_STEP_NUM_TASKS=8 tasks were started, but this run has 1 process .* each "
+                                    "task would train alone"),
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_SIZE=2 tasks were started, but this run has 1 process"),
+    ({"PMI_SIZE": "3"}, "PMI_SIZE=3 tasks"),
+    ({**TORCHRUN, "TORCHELASTIC_RUN_ID": "x", "GROUP_WORLD_SIZE": "1", "SLURM_STEP_NUM_TASKS": "2"},
+     "SLURM_STEP_NUM_TASKS=2 tasks were started, but this run has GROUP_WORLD_SIZE=1 torchrun agents"),
+    ({"ACCELERATE_MIXED_PRECISION": "no", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+     r"accelerate launch's config .*default_config.yaml \(num_processes\) asks for 4 processes, but this run has 1 "
+     "process"),
+])
+def test_a_launch_that_asked_for_other_processes_is_one_line_naming_both(monkeypatch, tmp_path, env, line):
+    """accelerate's (its simple launcher runs a MULTI_CPU config's script once: it sets MASTER_ADDR, not WORLD_SIZE;
+    the number from its command line or config file), srun's and mpirun's task counts against the processes (or,
+    under torchrun, torchrun's agents: one per node) this run has."""
+    for name in (*TORCHRUN, *LAUNCHERS):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    (tmp_path / "accelerate").mkdir()
+    (tmp_path / "accelerate" / "default_config.yaml").write_text("distributed_type: MULTI_CPU\nnum_processes: 4\n")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(plumbing.ConfigError, match=line + ".*launch with torchrun: torchrun --nproc_per_node N") as e:
+        plumbing.check_launch_environment()
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("env", [
+    {"ACCELERATE_NUM_PROCESSES": "1"},
+    {**TORCHRUN, "WORLD_SIZE": "2", "ACCELERATE_NUM_PROCESSES": "2", "ACCELERATE_MIXED_PRECISION": "no"},  # its
+    # torchrun launcher (a MULTI_GPU config)
+    {"ACCELERATE_MIXED_PRECISION": "no"},  # accelerate launch of one process: no MASTER_ADDR
+    {"SLURM_NTASKS": "8"},  # salloc -n 8, then a single process (or torchrun --nproc_per_node 2): an allocation's
+    {**TORCHRUN, "WORLD_SIZE": "16", "RANK": "9", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "x",
+     "GROUP_WORLD_SIZE": "2", "SLURM_STEP_NUM_TASKS": "2"},  # srun -N 2 --ntasks-per-node 1 torchrun --nnodes 2
+    {**TORCHRUN, "WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "3", "SLURM_STEP_NUM_TASKS": "4"},  # srun's tasks as
+    # the ranks (RANK from SLURM_PROCID), no torchrun
+])
+def test_a_launch_that_got_what_it_asked_for_passes(monkeypatch, env):
+    for name in (*TORCHRUN, *LAUNCHERS):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    plumbing.check_launch_environment()
+
+
+def test_accelerate_launch_of_a_multi_cpu_config_is_refused_naming_its_processes(tmp_path):
+    """The real launcher: `accelerate launch --config_file` of a MULTI_CPU config of 2 processes ran one process."""
+    config = tmp_path / "multi_cpu.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\n"
+                      "num_machines: 1\nmachine_rank: 0\nmixed_precision: 'no'\nuse_cpu: true\n")
+    probe = tmp_path / "probe.py"
+    probe.write_text(f"import sys\nsys.path.insert(0, {str(REPO)!r})\nimport plumbing\n"
+                     "plumbing.check_launch_environment()\n")
+    env = {name: value for name, value in os.environ.items() if name not in (*TORCHRUN, *LAUNCHERS)}
+    result = subprocess.run([str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
+                             str(config), str(probe)], capture_output=True, text=True, cwd=tmp_path,
+                            env={**env, "HF_HOME": str(tmp_path)}, timeout=300)
+    assert f"accelerate launch's config {config} (num_processes) asks for 2 processes, but this run has 1 " \
+           "process" in result.stderr, result.stderr[-2000:]

@@ -4,6 +4,7 @@ docs, the `trl` launcher's options, and TRL's meaning for the names rloo.py shar
 strategy, fractional intervals, TensorBoard, and the advantages of masked and unscored completions against TRL 1.16's
 own code."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -122,6 +123,64 @@ def test_a_recipe_of_every_trl_default_runs_through_the_parser(tmp_path):
     assert args.dataset_name == "data/train.jsonl" and args.output_dir == rloo.Args().output_dir
 
 
+def test_trl_defaults_1_16_gives_every_algorithm_flag_left_out_trl_1_16s_default(tmp_path):
+    """--trl_defaults 1.16: each algorithm flag whose TRL 1.16 default sets something takes it (num_iterations 1,
+    temperature 1.0, learning rate 1e-6, 512 new tokens, 3 epochs); the run's flags keep this script's; a flag given
+    wins wherever it stands; a --config file may choose it too."""
+    switched = plumbing.algorithm_defaults(rloo.Args)
+    assert {"num_ppo_epochs", "temperature", "learning_rate", "response_length", "num_train_epochs"} <= switched.keys()
+    assert plumbing.algorithm_defaults(rloo_multinode.Args) == switched  # the algorithm's: not the engines' vllm_mode
+    trl_name = {own: trl for trl, own in plumbing.TRL_NAMES.items()}
+    args, old = parse("--trl_defaults", "1.16"), rloo.Args()
+    for f in dataclasses.fields(rloo.Args):
+        trl = trl_name.get(f.name, f.name)
+        if f.name in switched:
+            assert getattr(args, f.name) == plumbing.TRL116[trl] == switched[f.name][1] != getattr(old, f.name)
+        else:  # the same default in both releases, a "not set" of TRL's, or a run's flag (seed 1, not TRL's 42)
+            assert getattr(args, f.name) == getattr(old, f.name) or f.name == "trl_defaults", f.name
+    assert (args.num_ppo_epochs, args.temperature, args.learning_rate, args.response_length) == (1, 1.0, 1e-6, 512)
+    for argv in (["--num_iterations", 2, "--trl_defaults", "1.16"], ["--trl-defaults=1.16", "--num_ppo_epochs", 2]):
+        assert parse(*argv).num_ppo_epochs == 2 and parse(*argv).temperature == 1.0
+    assert parse("--trl_defaults", "1.16", "--trl_defaults", "0.21").num_ppo_epochs == 4  # the last one
+    path = tmp_path / "recipe.yaml"
+    path.write_text("trl_defaults: 1.16\nnum_generations: 4\n")
+    assert parse("--config", path).num_ppo_epochs == 1 and parse("--config", path, "--trl_defaults", "0.21") \
+        .num_ppo_epochs == 4
+
+
+def test_trl_names_or_a_config_file_bring_a_line_naming_the_defaults_in_force(capsys, tmp_path):
+    """Every algorithm setting left out that the other release's default would change, in one line with the flag that
+    switches; nothing for a command in this script's own names; given flags are not named."""
+    parse("--num_generations", 4, "--beta", 0.1, "--max_steps", 40, "--temperature", 0.9)
+    line = capsys.readouterr().out
+    assert line.count("\n") == 1 and line.startswith("rloo.py: TRL <= 0.21's defaults in force (--trl_defaults 0.21)")
+    for named in ("--num_ppo_epochs (--num_iterations) 4 (TRL 1.16's: 1)", "--learning_rate 3e-06 (TRL 1.16's: 1e-06)",
+                  "--response_length (--max_completion_length) 53 (TRL 1.16's: 512)",
+                  "; --trl_defaults 1.16 takes TRL 1.16's"):
+        assert named in line, line
+    assert "--temperature" not in line and "--num_train_epochs" not in line  # given; not in force with --max_steps
+    parse("--rloo_k", 4, "--kl_coef", 0.1)
+    assert capsys.readouterr().out == ""  # TRL <= 0.21's names: TRL <= 0.21's defaults, as its users expect
+    path = tmp_path / "recipe.yaml"
+    path.write_text("rloo_k: 4\n")
+    parse("--config", path)
+    assert "--num_train_epochs 1.0 (TRL 1.16's: 3.0)" in capsys.readouterr().out
+    parse("--num_generations", 4, "--trl_defaults", "1.16", "--learning_rate", 1e-6)
+    line = capsys.readouterr().out
+    assert "TRL 1.16's defaults in force (--trl_defaults 1.16): " in line and "(TRL <= 0.21's: 4)" in line
+    assert "--learning_rate" not in line and line.strip().endswith("--trl_defaults 0.21 takes TRL <= 0.21's")
+    parse("--num_generations", 4, "--num_iterations", 4, "--temperature", 1, "--learning_rate", 1, "--num_train_epochs",
+          1, "--max_completion_length", 8)
+    assert capsys.readouterr().out == ""  # every switched setting given: nothing to say
+
+
+def test_a_trl_recipe_runs_trls_updates_and_episodes_with_and_without_trl_1_16s_defaults():
+    """Against TRL 1.16's RLOOConfig and RLOOTrainer._prepare_inputs' own line (tests/trl116_run_length.py)."""
+    result = with_trl116("tests/trl116_run_length.py")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count(": same") == 8
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--fp16", "True"], "fp16 needs loss scaling"),
     (["--push_to_hub", "True"], "nothing is uploaded"),
@@ -145,6 +204,51 @@ def test_a_trl_value_other_than_its_default_still_needs_a_meaning_here(capsys, a
 def test_the_trl_launchers_options_name_torchrun(capsys, argv, message):
     error = refusal(capsys, *argv)
     assert message in error and f"--{argv[0][2:]}" in error, error
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--loss_type", "dapo"], "--loss_type is TRL's GRPOTrainer's (GRPOConfig), not RLOO's: RLOO's loss is"),
+    (["--scale_rewards", "group"], "--scale_rewards is TRL's GRPOTrainer's (GRPOConfig), not RLOO's: "),
+    (["--importance_sampling_level", "token"], "not RLOO's: the ratio is the sequence's; --token_level_kl"),
+    (["--top_entropy_quantile", "0.2"], "--top_entropy_quantile is TRL's GRPOTrainer's (GRPOConfig), not RLOO's: "
+                                        "RLOOConfig has no such option"),
+    (["--bias", "all"], "--bias is an option of peft's LoraConfig that the adapters here do not take"),
+    (["--init_lora_weights", "pissa"], "the LoRA flags are --lora_r, --lora_alpha"),
+])
+def test_grpo_and_peft_options_are_named_as_what_they_are(capsys, argv, message):
+    error = refusal(capsys, *argv)
+    assert message in error and "did you mean" not in error, error
+
+
+def test_every_grpo_only_option_is_named_as_grpos_and_peft_names_of_the_lora_flags_are_taken(capsys, tmp_path):
+    """Each GRPOConfig field RLOOConfig lacks (TRL 1.16's, in the committed table) that rloo.py does not have; LoRA's
+    rank under OpenRLHF's and verl's name and peft's, peft's target names, on the command line and in a recipe."""
+    mine = set(rloo.Args.__dataclass_fields__)
+    assert "loss_type" in plumbing.GRPO_ONLY and "vllm_importance_sampling_cap" in plumbing.GRPO_ONLY & mine
+    for name in sorted(plumbing.GRPO_ONLY - mine):
+        assert f"--{name} is TRL's GRPOTrainer's (GRPOConfig), not RLOO's" in refusal(capsys, f"--{name}", "1")
+    args = parse("--lora_rank", 8, "--target_modules", "q_proj", "v_proj", "--modules_to_save", "lm_head")
+    assert (args.lora_r, args.lora_target_modules, args.lora_modules_to_save) == (8, ("q_proj", "v_proj"), ("lm_head",))
+    assert parse("--r", 4, "--target_parameters", "mlp.experts").lora_target_parameters == ("mlp.experts",)
+    path = tmp_path / "recipe.yaml"
+    path.write_text("lora_rank: 4\ntarget_modules: [q_proj]\n")
+    assert (parse("--config", path).lora_r, parse("--config", path, "--lora_r", 9).lora_r) == (4, 9)
+    assert parse("--config", path).lora_target_modules == ("q_proj",)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("num_processes: 4\n", "--num_processes: `trl`'s accelerate option; launch rloo.py with torchrun"),
+    ("accelerate_config: zero2\n", "--accelerate_config: `trl`'s accelerate option"),
+    ("datasets:\n  - path: trl-lib/tldr\n", "--datasets (TRL's) has no meaning here: one dataset per run"),
+    ("loss_type: dapo\n", "--loss_type is TRL's GRPOTrainer's"),
+])
+def test_a_recipes_refused_lines_name_the_file(capsys, tmp_path, text, message):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    assert refusal(capsys, "--config", path).startswith(f"rloo.py: error: --config {path}: {message}")
+    flag = text.partition(":")[0]
+    error = refusal(capsys, "--config", path, f"--{flag}", "x")  # the command line's own: not the file's
+    assert f"--config {path}" not in error and message.split(":")[0].split(" ")[0] in error, error
 
 
 # ---------------------------------------------------------------- --config FILE.yaml

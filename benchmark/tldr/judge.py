@@ -4,6 +4,7 @@
     python benchmark/tldr/judge.py --model_name_or_path models/rloo_tldr --base_url http://localhost:8000/v1 --model M
 
 The first asks OpenAI (OPENAI_API_KEY set); the second any OpenAI-compatible server, e.g. `vllm serve M --port 8000`.
+TRL's examples/scripts/evals/judge_tldr.py flags are taken: --judge_model (= --model), --num_examples None (all).
 
 1. Summarize the first --num_examples posts of the split with the policy (greedy by default): with vLLM when
    it is installed, else with rloo.py's sampler in batches. The vLLM path needs a GPU and is not covered by
@@ -33,9 +34,10 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import torch
+import tyro
 from rich.progress import track
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -59,8 +61,8 @@ class Args:
     """column with the post as the policy sees it: "SUBREDDIT: ... TITLE: ... POST: ... TL;DR:" """
     completion_column: str = "completion"
     """column with the reference summary"""
-    num_examples: int = 1000
-    """evaluate on the first this many rows of the split (all of them if it has fewer)"""
+    num_examples: Optional[int] = 1000
+    """evaluate on the first this many rows of the split (all of them if it has fewer); None: all (TRL's default)"""
     response_length: int = 53
     """tokens generated per summary at most; generation stops at EOS"""
     temperature: float = 0.0
@@ -73,8 +75,10 @@ class Args:
     """allow models and tokenizers with custom code from the Hub"""
     base_url: str = "https://api.openai.com/v1"
     """the judge's OpenAI-compatible API; requests go to {base_url}/chat/completions"""
-    model: str = "gpt-4o-mini"
-    """the judge model"""
+    model: Annotated[str, tyro.conf.arg(aliases=("--judge-model",))] = "gpt-4o-mini"
+    """the judge model (TRL's judge_tldr.py: --judge_model); a Hub id (owner/name) needs --base_url of a server that
+    runs it: TRL asks Hugging Face's inference API, e.g. --base_url https://router.huggingface.co/v1 --api_key_env
+    HF_TOKEN, or `vllm serve` it"""
     api_key_env: str = "OPENAI_API_KEY"
     """environment variable holding the API key; unset sends no Authorization header (local servers)"""
     seed: int = 0
@@ -91,6 +95,9 @@ class Args:
     """seconds per request"""
     num_workers: int = 8
     """requests in flight at once"""
+
+
+OPENAI = Args.__dataclass_fields__["base_url"].default
 
 
 # ===================================================================== judging prompt and answers
@@ -280,7 +287,7 @@ def load_examples(args: Args) -> tuple[list[str], list[str]]:
         )
     if len(dataset) == 0:
         raise plumbing.ConfigError(f"dataset {args.dataset_name} (split {args.dataset_split!r}) is empty")
-    dataset = dataset.select(range(min(args.num_examples, len(dataset))))
+    dataset = dataset.select(range(len(dataset) if args.num_examples is None else min(args.num_examples, len(dataset))))
     return list(dataset[args.prompt_column]), [c.strip() for c in dataset[args.completion_column]]
 
 
@@ -329,10 +336,15 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 # ===================================================================== main
 def main(args: Args) -> dict:
-    if min(args.num_examples, args.batch_size, args.num_workers, args.response_length) < 1:
+    if min(args.num_examples or 1, args.batch_size, args.num_workers, args.response_length) < 1:
         raise plumbing.ConfigError("num_examples, batch_size, num_workers and response_length must be >= 1")
     if args.temperature < 0 or args.max_retries < 0:
         raise plumbing.ConfigError("temperature and max_retries must be >= 0")
+    if "/" in args.model and args.base_url == OPENAI:
+        raise plumbing.ConfigError(f"--judge_model {args.model} is a Hub model, which OpenAI's API does not serve: "
+                                   "pass --base_url of a server that runs it (Hugging Face's inference API, as TRL's "
+                                   "judge_tldr.py: --base_url https://router.huggingface.co/v1 --api_key_env HF_TOKEN; "
+                                   "or `vllm serve` it), or an OpenAI model (gpt-4o-mini)")
     summaries_path = None if args.output_path is None else \
         Path(args.output_path).with_name(Path(args.output_path).stem + ".summaries.jsonl")
     inputs = [("--dataset_name", Path(args.dataset_name)), ("--model_name_or_path", Path(args.model_name_or_path))]
