@@ -559,6 +559,8 @@ def yaml_values(value, hint, key: str, path: str) -> list[str]:
     that would read as a flag (`--overwrite_output_dir` in a list) is refused: values are never flags."""
     if isinstance(value, list):
         if any(isinstance(item, (list, dict)) for item in value):
+            if hint is None:  # no flag of this script (`datasets:`, a launcher's key): its own refusal names it
+                return [json.dumps(value)]
             raise ConfigError(f"--config {path}: {key}: a list of lists or mappings: a list flag takes plain values")
         return [word for item in value for word in yaml_values(item, hint, key, path)]
     if isinstance(value, str) and value.lower() in ("false", "true") and takes_as_own(hint, "no"):
