@@ -25,8 +25,8 @@ INSTALLED := $(ENV)/.rloo-installed-lock$(LOCK)
 ENV_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/rloo-envs
 env_key = $(shell { cat $(1); echo "$(TORCH_VERSION) $(LOCK) $(2)"; python3 -V; } 2>&1 | sha256sum | cut -c1-12)
 # $(call cached,PATH,NAME): PATH a link to $(ENV_CACHE)/NAME, then the lock of NAME held until the recipe line ends
-cached = if [ -n "$(ENV_CACHE)" ] && { [ -L $(1) ] || [ ! -e $(1) ]; }; then mkdir -p $(ENV_CACHE)/$(2) && \
-	ln -sfn $(ENV_CACHE)/$(2) $(1) && exec 9>$(ENV_CACHE)/$(2).lock && flock 9; fi
+cached = if [ -n "$(ENV_CACHE)" ] && { [ -L $(1) ] || [ ! -e $(1) ]; }; then mkdir -p $(ENV_CACHE)/$(2) $(dir $(1)) && \
+	ln -sfn $(ENV_CACHE)/$(2) $(1) && exec 9>$(ENV_CACHE)/$(2).lock && flock 9 || exit 1; fi
 
 BENCH_ENV ?= benchmark/.venv-trl
 BENCH_KEY := $(call env_key,benchmark/requirements.txt benchmark/constraints.txt)
