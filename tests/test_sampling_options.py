@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 import plumbing
 import rloo
 from conftest import policy_tokenizer, prompt_rows, read_metrics, run_rloo, tiny_policy, write_jsonl
-from test_checkpoints import assert_same_run, interrupt_after_first_update
+from helpers import assert_same_run, interrupt_after_first_update
 
 CPU = torch.device("cpu")
 NO_AUTOCAST = contextlib.nullcontext

@@ -8,23 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
-
-
-def planned_commands(target: str, env_dir, **variables) -> list[str]:
-    """The commands `make TARGET` would run (make -n), with the environment at env_dir and no active one."""
-    environment = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "CONDA_PREFIX", "MAKEFLAGS")}
-    overrides = [f"{k}={v}" for k, v in {"ENV": env_dir, **variables}.items()]
-    result = subprocess.run(["make", "-n", "-C", str(REPO), target, *overrides], capture_output=True, text=True,
-                            env=environment)
-    assert result.returncode == 0, result.stderr
-    return [line for line in result.stdout.splitlines() if not line.startswith("make")]
-
-
-def position(commands: list[str], pattern: str) -> int:
-    matches = [i for i, c in enumerate(commands) if re.search(pattern, c)]
-    assert matches, (pattern, commands)
-    return matches[0]
+from helpers import REPO, planned_commands, position  # noqa: F401 (kept importable from here)
 
 
 @pytest.mark.parametrize("target,runs", [("demo", r"benchmark/demo\.py"), ("test", r"-m pytest")])
