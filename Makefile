@@ -71,7 +71,7 @@ demo test test-bench test-newest test-engines test-qlora mutate: export OMP_WAIT
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 8 ? n : 8 )))
 PYTEST_WORKERS = -n $(TEST_WORKERS) --dist worksteal
 
-test: $(INSTALLED)  ## CPU, no network, ~13 min on 2 cores; a skipped test's line says what it needs (-rs)
+test: $(INSTALLED)  ## CPU, no network, within 4 min on 2 idle cores; a skipped test's line says what it needs (-rs)
 	$(PYTHON) -m pytest -q -rs $(PYTEST_WORKERS) -m "not bench" tests --ignore tests/test_multinode.py
 
 # The benchmark scripts end to end at tiny shapes: throughput and learning beside TRL 0.21 and 1.16, the options'
@@ -261,5 +261,5 @@ bench-gpu-dry: | $(INSTALLED)  ## make gpu-wheels + make bench-gpu on CPU, the d
 
 .PHONY: mutate
 
-mutate: $(INSTALLED)  ## mutation testing: bugs put in rloo.py one at a time, each must fail a test (6-8 min idle)
+mutate: $(INSTALLED)  ## mutation testing: bugs put in rloo.py one at a time, each must fail the tests running its lines
 	$(PYTHON) tests/mutation.py
