@@ -23,6 +23,7 @@ import json
 import os
 import queue
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -212,13 +213,39 @@ def run_tests(root: Path, tests: list[str], env: dict | None = None) -> tuple[bo
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
            "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
     start = time.perf_counter()
+    with subprocess.Popen([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests,
+                           *(f"--deselect={test}" for test in DESELECT)], cwd=root, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True) as process:
+        RUNNING.add(process)
+        try:
+            output, _ = process.communicate(timeout=HANG_GUARD_S)
+        except subprocess.TimeoutExpired:
+            stop(process)
+            return True, time.perf_counter() - start, f"hung past {HANG_GUARD_S} s"
+        finally:
+            RUNNING.discard(process)
+    return process.returncode != 0, time.perf_counter() - start, output.strip()
+
+
+RUNNING: set = set()  # the pytest processes running now: stopped with their children when this script is stopped
+TEMPORARY: list = []  # the copies of the repository: removed then too
+
+
+def stop(process: subprocess.Popen) -> None:
+    """A pytest process and whatever it started (its own session)."""
     try:
-        result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests,
-                                 *(f"--deselect={test}" for test in DESELECT)],
-                                cwd=root, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
-    except subprocess.TimeoutExpired:
-        return True, time.perf_counter() - start, f"hung past {HANG_GUARD_S} s"
-    return result.returncode != 0, time.perf_counter() - start, (result.stdout + result.stderr).strip()
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def stop_all_and_exit(signum, frame) -> None:
+    for process in list(RUNNING):
+        stop(process)
+    for folder in TEMPORARY:
+        shutil.rmtree(folder, ignore_errors=True)
+    os._exit(128 + signum)  # the worker threads too
 
 
 # ---------------------------------------------------------------- the line tracer, as a pytest plugin (-p mutation)
@@ -315,10 +342,13 @@ def main() -> int:
             print(f"{path}: {name}")
         return 0
     survivors, start = [], time.perf_counter()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop_all_and_exit)
     workers = max(1, min(options.workers, len(mutants)))
     # each pytest process its share of the cores: OpenMP threads of several processes on one core only wait
     threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))}
     with tempfile.TemporaryDirectory(prefix="rloo-mutants-") as tmp:
+        TEMPORARY.append(tmp)
         roots = [Path(tmp) / f"repo{i}" for i in range(workers)]
         for root in roots:
             copy_repo(root)
