@@ -20,7 +20,8 @@ def test_snippet_lines_are_the_lines_a_snippet_spans():
 
 
 def test_the_tracer_finds_the_tests_that_run_a_line_and_a_line_run_at_import_selects_every_test(tmp_path):
-    (tmp_path / "rloo.py").write_text("LIMIT = 3\n\n\ndef bump(x):\n    return x + 1\n\n\ndef unused():\n    return 0\n")
+    (tmp_path / "rloo.py").write_text("LIMIT = 3\n\n\ndef bump(x):\n    return x + 1\n\n\n"
+                                      "def unused():\n    return 0\n")
     (tmp_path / "test_a.py").write_text("import rloo\n\n\ndef test_bumps():\n    assert rloo.bump(1) == 2\n")
     (tmp_path / "test_b.py").write_text("import rloo\n\n\ndef test_limit():\n    assert rloo.LIMIT == 3\n")
     out = tmp_path / "coverage.json"
