@@ -5,6 +5,7 @@ fixtures (the tiny assets, built once per session) and keeps these names importa
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
