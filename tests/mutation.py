@@ -1,23 +1,35 @@
 """Mutation testing of the algorithm: deliberate bugs of the kinds a researcher makes (a sign, a reshape, a dropped
 term, a clamp bound, a missed temperature, an off-by-one), applied one at a time to a copy of the repository in a
-temporary directory (never the working tree), each then run against the algorithm's fast tests. A mutant is killed
-when a test fails; a survivor is a bug the tests would let through.
+temporary directory (never the working tree), each then run against the algorithm's fast tests that execute the
+mutated lines. A mutant is killed when a test fails; a survivor is a bug the tests would let through.
 
     python tests/mutation.py            # all mutants (make mutate)
     python tests/mutation.py -k kl      # those whose name contains "kl" (-k repeatable)
     python tests/mutation.py --list     # the mutants, nothing run
+    python tests/mutation.py --workers 1 --all_tests   # one at a time, every fast test for each (the slow, old way)
+
+First the fast tests run once on the unmutated code under a line tracer (this file is also that pytest plugin,
+`-p mutation`): which test executes which line of the mutated files. Each mutant then runs only the tests that
+execute one of its lines (all of them when a line runs outside any test, at import), in `--workers` copies of the
+repository at once (one per core, up to 4). A mutant those tests let through is run again against every fast test
+before it counts as a survivor, so the selection never hides a kill.
 
 Each mutant is an exact snippet of a file and its replacement. The script refuses to run, naming the mutant, when a
 snippet no longer occurs exactly once: after a change to rloo.py, update the snippet (or drop the mutant) here.
 Exit status: 0 when every mutant is killed, 1 when some survive, 2 when the list is stale."""
 
 import argparse
+import json
 import os
+import queue
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -196,18 +208,115 @@ def copy_repo(dest: Path) -> None:
             shutil.copy2(item, dest / item.name)
 
 
-def run_tests(root: Path, tests: list[str]) -> tuple[bool, float, str]:
+def run_tests(root: Path, tests: list[str], env: dict | None = None) -> tuple[bool, float, str]:
     """(killed, seconds, the last lines of pytest's output)."""
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
-           "PYTHONDONTWRITEBYTECODE": "1"}
+           "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
     start = time.perf_counter()
+    with subprocess.Popen([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests,
+                           *(f"--deselect={test}" for test in DESELECT)], cwd=root, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True) as process:
+        RUNNING.add(process)
+        try:
+            output, _ = process.communicate(timeout=HANG_GUARD_S)
+        except subprocess.TimeoutExpired:
+            stop(process)
+            return True, time.perf_counter() - start, f"hung past {HANG_GUARD_S} s"
+        finally:
+            RUNNING.discard(process)
+    return process.returncode != 0, time.perf_counter() - start, output.strip()
+
+
+RUNNING: set = set()  # the pytest processes running now: stopped with their children when this script is stopped
+TEMPORARY: list = []  # the copies of the repository: removed then too
+
+
+def stop(process: subprocess.Popen) -> None:
+    """A pytest process and whatever it started (its own session)."""
     try:
-        result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests,
-                                 *(f"--deselect={test}" for test in DESELECT)],
-                                cwd=root, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
-    except subprocess.TimeoutExpired:
-        return True, time.perf_counter() - start, f"hung past {HANG_GUARD_S} s"
-    return result.returncode != 0, time.perf_counter() - start, (result.stdout + result.stderr).strip()
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def stop_all_and_exit(signum, frame) -> None:
+    for process in list(RUNNING):
+        stop(process)
+    for folder in TEMPORARY:
+        shutil.rmtree(folder, ignore_errors=True)
+    os._exit(128 + signum)  # the worker threads too
+
+
+# ---------------------------------------------------------------- the line tracer, as a pytest plugin (-p mutation)
+COVERAGE_OUT = "MUTATION_COVERAGE_OUT"  # where the plugin writes {test: [[file, line], ...]}; unset: the plugin idles
+OUTSIDE_TESTS = "<outside any test>"  # lines run at import or collection: every test counts as executing them
+
+
+class _LineTracer:
+    """Which test executes which line of the files mutants change (sys.settrace: 3.11 has no sys.monitoring)."""
+
+    def __init__(self, root: Path):
+        paths = {path for _, path, _, _ in MUTANTS}
+        self.files = {str(root / path) for path in paths} | {os.path.realpath(root / path) for path in paths}
+        self.lines: dict[str, set] = {}
+        self.current = OUTSIDE_TESTS
+
+    def _global(self, frame, event, arg):
+        return self._local if frame.f_code.co_filename in self.files else None
+
+    def _local(self, frame, event, arg):
+        if event == "line":
+            self.lines.setdefault(self.current, set()).add((frame.f_code.co_filename, frame.f_lineno))
+        return self._local
+
+
+_TRACER: _LineTracer | None = None
+
+
+def pytest_configure(config):
+    global _TRACER
+    if os.environ.get(COVERAGE_OUT):
+        _TRACER = _LineTracer(Path(str(config.rootpath)))
+        sys.settrace(_TRACER._global)
+        threading.settrace(_TRACER._global)
+
+
+def pytest_runtest_protocol(item, nextitem):
+    if _TRACER is not None:
+        _TRACER.current = item.nodeid
+    # None: pytest's own protocol runs the test
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    if _TRACER is not None:
+        _TRACER.current = OUTSIDE_TESTS
+
+
+def pytest_unconfigure(config):
+    if _TRACER is not None:
+        sys.settrace(None)
+        threading.settrace(None)
+        roots = (str(config.rootpath) + os.sep, os.path.realpath(config.rootpath) + os.sep)
+        Path(os.environ[COVERAGE_OUT]).write_text(json.dumps(
+            {test: sorted([path.removeprefix(roots[0]).removeprefix(roots[1]), line] for path, line in lines)
+             for test, lines in _TRACER.lines.items()}))
+
+
+def covering_tests(coverage: dict[str, list], path: str, lines: range) -> list[str] | None:
+    """The tests that execute one of LINES of PATH, in the order they ran; None: lines run outside tests (all)."""
+    def executes(test):
+        return any(p == path and line in lines for p, line in coverage[test])
+    if OUTSIDE_TESTS in coverage and executes(OUTSIDE_TESTS):
+        return None
+    return [test for test in coverage if test != OUTSIDE_TESTS and executes(test)]
+
+
+def snippet_lines(text: str, snippet: str) -> range:
+    """The 1-based line numbers the snippet spans in TEXT (its leading and trailing newlines not counted)."""
+    at = text.index(snippet) + (len(snippet) - len(snippet.lstrip("\n")))
+    first = text.count("\n", 0, at) + 1
+    return range(first, first + snippet.strip("\n").count("\n") + 1)
 
 
 def main() -> int:
@@ -215,7 +324,14 @@ def main() -> int:
     parser.add_argument("-k", action="append", default=[], help="only the mutants whose name contains this "
                         "(repeatable: any of them)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 4),
+                        help="mutants tested at once, each in its own copy of the repository (default: one per "
+                        "core, up to 4)")
+    parser.add_argument("--all_tests", action="store_true", help="every fast test for each mutant, not only those "
+                        "executing its lines (no tracing run)")
     options = parser.parse_args()
+    if options.workers < 1:
+        parser.error(f"--workers {options.workers}: must be at least 1")
     stale = check_snippets(MUTANTS)
     if stale:
         print("\n".join(stale) + "\nupdate tests/mutation.py's MUTANTS to the code", file=sys.stderr)
@@ -226,27 +342,60 @@ def main() -> int:
             print(f"{path}: {name}")
         return 0
     survivors, start = [], time.perf_counter()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop_all_and_exit)
+    workers = max(1, min(options.workers, len(mutants)))
+    # each pytest process its share of the cores: OpenMP threads of several processes on one core only wait
+    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))}
     with tempfile.TemporaryDirectory(prefix="rloo-mutants-") as tmp:
-        root = Path(tmp) / "repo"
-        copy_repo(root)
-        tests = [t for t in TESTS if (root / t.split("::")[0]).exists()]
-        killed, seconds, output = run_tests(root, tests)
+        TEMPORARY.append(tmp)
+        roots = [Path(tmp) / f"repo{i}" for i in range(workers)]
+        for root in roots:
+            copy_repo(root)
+        tests = [t for t in TESTS if (roots[0] / t.split("::")[0]).exists()]
+        coverage_path = Path(tmp) / "coverage.json"
+        trace = {} if options.all_tests else {COVERAGE_OUT: str(coverage_path), "PYTHONPATH": str(roots[0] / "tests"),
+                                              "PYTEST_ADDOPTS": "-p mutation"}
+        killed, seconds, output = run_tests(roots[0], tests, {**threads, **trace})
         if killed:  # the unmutated code must pass, or every mutant would count as killed
             print(f"the tests fail on the unmutated code:\n{output[-3000:]}", file=sys.stderr)
             return 2
-        print(f"unmutated: tests pass in {seconds:.0f} s; {len(mutants)} mutants", flush=True)
-        for i, (name, path, snippet, replacement) in enumerate(mutants, 1):
+        coverage = None if options.all_tests else json.loads(coverage_path.read_text())
+        print(f"unmutated: tests pass in {seconds:.0f} s{'' if coverage is None else ' (traced)'}; {len(mutants)} "
+              f"mutants, {workers} at a time", flush=True)
+
+        free: queue.Queue[Path] = queue.Queue()
+        for root in roots:
+            free.put(root)
+
+        def attempt(mutant) -> tuple[bool, float, str, int]:
+            """(killed, seconds, the first failure line, how many tests ran)."""
+            name, path, snippet, replacement = mutant
+            root = free.get()
             original = (root / path).read_text()
+            selected = tests if coverage is None else covering_tests(coverage, path,
+                                                                     snippet_lines(original, snippet))
             (root / path).write_text(original.replace(snippet, replacement))
             try:
-                killed, seconds, output = run_tests(root, tests)
+                killed, seconds, output = (False, 0.0, "") if selected == [] else \
+                    run_tests(root, tests if selected is None else selected, threads)
+                if not killed and selected is not None and selected != tests:  # never a survivor by selection
+                    killed, more, output = run_tests(root, tests, threads)
+                    seconds += more
             finally:
                 (root / path).write_text(original)
+                free.put(root)
             failed = next((line for line in output.splitlines() if line.startswith(("FAILED", "ERROR"))), "")
-            print(f"[{i}/{len(mutants)}] {'killed  ' if killed else 'SURVIVED'} {seconds:5.0f} s  {name}"
-                  f"{'  (' + failed[:100] + ')' if failed else ''}", flush=True)
-            if not killed:
-                survivors.append(f"{path}: {name}")
+            return killed, seconds, failed, len(tests if selected is None else selected)
+
+        with ThreadPoolExecutor(workers) as pool:
+            futures = {pool.submit(attempt, mutant): mutant for mutant in mutants}
+            for i, future in enumerate(as_completed(futures), 1):
+                (name, path, _, _), (killed, seconds, failed, ran) = futures[future], future.result()
+                print(f"[{i}/{len(mutants)}] {'killed  ' if killed else 'SURVIVED'} {seconds:5.0f} s {ran:3d} tests"
+                      f"  {name}{'  (' + failed[:100] + ')' if failed else ''}", flush=True)
+                if not killed:
+                    survivors.append(f"{path}: {name}")
     total = len(mutants)
     print(f"\nmutation score: {total - len(survivors)}/{total} killed in {time.perf_counter() - start:.0f} s")
     for survivor in survivors:

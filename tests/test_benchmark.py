@@ -15,7 +15,7 @@ import rloo
 from benchmark import demo, learning, sync_cost, synthetic_task, throughput
 from benchmark.plot_metrics import plot_curves
 from conftest import REPO, cpu_env
-from test_setup import planned_commands
+from helpers import planned_commands
 
 
 def test_true_score_by_hand():

@@ -13,8 +13,7 @@ import torch
 import plumbing
 import rloo
 from conftest import REPO, policy_tokenizer, prompt_rows, read_metrics, tiny_policy, tiny_reward_model
-from test_components import left_padded
-from test_shared_prompt import NO_AUTOCAST
+from helpers import NO_AUTOCAST, left_padded
 
 CPU = torch.device("cpu")
 K, PROMPTS = 4, 4  # 16 completions an update
@@ -299,7 +298,7 @@ def test_an_adaptive_kl_controller_resumes_bit_identically(assets, tmp_path, sig
     assert coefficients[0] == 0.5 and len(set(coefficients)) == 4, coefficients
     saved = torch.load(tmp_path / "resumed" / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=True)
     assert saved["state"] == {"kl_coef": coefficients[2]}
-    from test_checkpoints import assert_same_run
+    from helpers import assert_same_run
 
     assert_same_run(tmp_path / "full", tmp_path / "resumed")
 

@@ -26,50 +26,10 @@ from transformers import AutoModelForCausalLM
 
 import plumbing
 import rloo
-from conftest import (REPO, policy_tokenizer, prompt_rows, read_metrics, run_rloo, script_command, script_env,
-                      tiny_policy, write_jsonl)
+from helpers import (NOT_REPRODUCIBLE, PER_UPDATE, REPO, RUN, assert_same_run, comparable,  # noqa: F401 (kept here)
+                     fake_run, interrupt_after_first_update, launch, policy_tokenizer, prompt_rows, read_metrics,
+                     run_rloo, saved_steps, script_command, script_env, tiny_policy, trainer_state, tree, write_jsonl)
 
-RUN = ("--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train_batch_size", "16",
-       "--response_length", "6", "--temperature", "1.0", "--max_prompt_length", "16",
-       "--local_rollout_forward_batch_size", "32", "--num_ppo_epochs", "2", "--num_mini_batches", "2",
-       "--learning_rate", "3e-3", "--num_sample_generations", "0", "--num_evals", "3")
-PER_UPDATE = 32  # completions per update and rank: 16 x 1 x 2 minibatches (8 prompts x k=4)
-NOT_REPRODUCIBLE = ("eps", "time/", "run_id")  # wall-clock measurements, and each run's own id
-
-
-def comparable(metrics: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if not k.startswith(NOT_REPRODUCIBLE)} for m in metrics]
-
-
-def launch(args: list, nproc: int = 0) -> subprocess.Popen:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-                "--signals_to_handle", "SIGTERM,SIGINT,SIGUSR1"] if nproc else [sys.executable]
-    env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-    return subprocess.Popen([*launcher, str(REPO / "rloo.py"), *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
-
-
-def interrupt_after_first_update(args: list, sig: signal.Signals, nproc: int = 0,
-                                 meanwhile: Callable = lambda process: None) -> tuple[int, str, str]:
-    """Start a run, once it has logged an update call `meanwhile` and send it a real signal, wait for it to end."""
-    process = launch(args, nproc)
-    metrics = Path(args[args.index("--output_dir") + 1]) / "metrics.jsonl"
-    deadline = time.time() + 600  # a hang guard only
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 1) and process.poll() is None:
-        assert time.time() < deadline, "the run never logged an update"
-        time.sleep(0.05)
-    meanwhile(process)
-    process.send_signal(sig)
-    stdout, stderr = process.communicate(timeout=600)
-    return process.returncode, stdout, stderr
-
-
-def assert_same_run(full: Path, resumed: Path) -> None:
-    run_id = json.loads((resumed / "args.json").read_text())["run_id"]  # the id drawn at the first start, kept
-    assert {m["run_id"] for m in read_metrics(resumed)} == {run_id}
-    assert comparable(read_metrics(resumed)) == comparable(read_metrics(full))
-    a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-identical
 
 
 @pytest.mark.parametrize("nproc,sig,extra", [(0, signal.SIGINT, []), (2, signal.SIGUSR1, []),
@@ -270,23 +230,6 @@ def test_no_optimizer_step_on_a_nonfinite_loss():
 
 
 # ---------------------------------------------------------------- checkpoints in this process
-def trainer_state(update: int, run_id: str = "run-a", **changes) -> dict:
-    """A trainer state as Checkpointer.save writes it (the optimizer's is added by save_checkpoint)."""
-    return {"update": update, "episode": update, "sampler": {"epoch": 0, "position": 0}, "elapsed": 0.0,
-            "world_size": 1, "args": {}, "wandb_run_id": None, "run_id": run_id, "inputs": {}, **changes}
-
-
-def saved_steps(out: Path, steps, keep=None, run_id: str = "run-a") -> tuple:
-    """Checkpoints of a tiny policy at these steps in out/checkpoints, as a run writes them."""
-    tokenizer = policy_tokenizer()
-    policy = tiny_policy(len(tokenizer))
-    optimizer = torch.optim.AdamW(policy.parameters())
-    for step in steps:
-        plumbing.save_checkpoint(str(out), step, policy, optimizer, tokenizer, trainer_state(step, run_id), 0, keep,
-                                 torch.Generator())
-    return policy, optimizer, tokenizer
-
-
 def test_save_total_limit_keeps_the_newest_and_never_deletes_it(tmp_path):
     assert plumbing.steps_to_prune([1, 2, 3], 2, newest=3) == [1]
     assert plumbing.steps_to_prune([1, 2, 3], 1, newest=3) == [1, 2]
@@ -593,28 +536,6 @@ def test_rng_states_survive_a_safe_round_trip(tmp_path):
     expected = draws()
     plumbing.set_rng_state(plumbing.load_safely(tmp_path / "rng.pt"), sampling)
     assert draws() == expected
-
-
-def fake_run(out: Path, steps: list[int], run_id: str = "run-a") -> None:
-    """What rloo.py leaves in output_dir, in outline: checkpoints, metrics, a final policy and its run record, and
-    files of the user's (a plot, notes, a git checkout)."""
-    for step in steps:
-        (out / "checkpoints" / f"step_{step}").mkdir(parents=True)
-        (out / "checkpoints" / f"step_{step}" / "manifest.json").write_text(json.dumps({"files": {}, "run_id": run_id}))
-    lines = [json.dumps({"update": step, "run_id": run_id}) + "\n" for step in range(1, max(steps) + 1)]
-    (out / "metrics.jsonl").write_text("".join(lines) + '{"update": 4, "objective/sc')  # the last one cut short
-    policy_files = ["model.safetensors", "config.json", "tokenizer.json"]
-    (out / "args.json").write_text(json.dumps({"run_id": run_id, "files": policy_files}))
-    for name in policy_files + ["my_plot.png", "notes.txt"]:
-        (out / name).write_text("{}")
-    (out / ".git").mkdir()
-    (out / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
-
-
-def tree(root: Path) -> dict[str, bytes]:
-    """Every file under root (but the lock) with its bytes: what a run may not have changed."""
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and not p.is_symlink() and p.name != plumbing.LOCK}
 
 
 def test_another_timeline_is_moved_aside_and_an_overwrite_moves_only_the_runs_files(tmp_path):

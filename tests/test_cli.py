@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import plumbing
 import rloo
+from helpers import argv_of, valid_flags  # noqa: F401 (kept importable from here)
 from conftest import (REPO, neox_config, policy_tokenizer, read_metrics, run_rloo, tiny_policy, word_tokenizer,
                       write_jsonl)
 
@@ -311,16 +312,6 @@ def snapshot(directory: Path) -> dict:
     """Every file under directory with its size and modification time; the lock file is the run's, not data."""
     return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
             for p in directory.rglob("*") if p.is_file() and p.name != plumbing.LOCK}
-
-
-def valid_flags(assets, output_dir: Path) -> dict:
-    """A valid command, as {flag: value}."""
-    return {"model_name_or_path": assets["policy"], "dataset_name": assets["train"], "output_dir": output_dir,
-            "reward_fn": "reward_fns:count_a", "max_prompt_length": 16, "response_length": 6}
-
-
-def argv_of(flags: dict) -> list[str]:
-    return [s for name, value in flags.items() for s in (f"--{name}", *([] if value is None else [str(value)]))]
 
 
 def checkpoint_of(output_dir: Path, update: int, args: rloo.Args, inputs: dict) -> Path:

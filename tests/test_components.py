@@ -12,16 +12,12 @@ import torch
 
 import plumbing
 import rloo
+from helpers import left_padded  # noqa: F401 (kept importable from here)
 from conftest import LETTERS, policy_tokenizer, tiny_policy, tiny_reward_model, word_tokenizer
 
 
 def NO_AUTOCAST():
     return torch.autocast("cpu", enabled=False)
-
-
-def left_padded(tokenizer, texts):
-    return plumbing.pad_sequences([tokenizer(t)["input_ids"] for t in texts], tokenizer.pad_token_id,
-                                  torch.device("cpu"))
 
 
 # ---------------------------------------------------------------- generation

@@ -14,8 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import plumbing
 import rloo
 from conftest import REPO, cpu_env, tiny_policy, policy_tokenizer
-from test_cli import argv_of, valid_flags
-from test_judge import free_port
+from helpers import argv_of, free_port, valid_flags
 
 
 def run(script_args: list[str], out, wrapper: str = "ddp") -> None:

@@ -104,6 +104,21 @@ def anchors(path) -> set[str]:
     return {slug(h) for h in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)}
 
 
+def test_the_time_budgets_are_written_where_a_reader_looks_and_ci_prints_its_total():
+    """`.ci/run` within 35 minutes and `make test` within 4 on 2 idle cores: said in the README, docs/tests.md and
+    make help, never an older figure beside them; .ci/run prints each target's seconds and its total."""
+    readme, tests_md = (REPO / "README.md").read_text(), (DOCS / "tests.md").read_text()
+    makefile, ci = (REPO / "Makefile").read_text(), (REPO / ".ci" / "run").read_text()
+    assert re.search(r"make test +# .*within 4 min on 2 idle cores", readme)
+    assert "within 35 minutes on 2 idle cores" in readme
+    assert "**`bash .ci/run` within 35 minutes**" in tests_md and "**`make\ntest` within 4 minutes**" in tests_md
+    assert re.search(r"^test: .*## .*within 4 min on 2 idle cores", makefile, flags=re.M)
+    assert not re.search(r"~13 min|about 13 minutes", readme + tests_md + makefile)
+    assert "budget 35 min" in ci and "total $total s" in ci
+    targets = re.findall(r"^target ([a-z-]+)", ci, flags=re.M)  # every target through the timer
+    assert not re.search(r"^make ", ci, flags=re.M) and len(targets) == 10, targets
+
+
 def test_every_relative_link_points_to_a_file_and_heading_that_exist():
     checked, broken = 0, []
     pages = [REPO / "README.md", *sorted(DOCS.glob("*.md")), *(REPO / "benchmark").glob("README.md"),

@@ -2,7 +2,6 @@
 
 import json
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import plumbing
 from benchmark.tldr import judge
 from conftest import LETTERS, REPO, cpu_env, write_jsonl
+from helpers import free_port  # noqa: F401 (kept importable from here)
 
 JUDGE_MODEL = "stand-in-judge"
 SLOTS = re.compile(r"\nSummary A:\n(.*)\n\nSummary B:\n(.*)\n\nFIRST provide", re.DOTALL)
@@ -86,13 +86,6 @@ def stand_in():
 def client(stand_in: StandIn, cache_path, model: str = JUDGE_MODEL, api_key=None, max_retries: int = 3):
     return judge.JudgeClient(stand_in.base_url, model, api_key, str(cache_path), max_retries, backoff=0.001,
                              timeout=5.0)
-
-
-def free_port() -> int:
-    """A port with nothing listening on it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- pure functions

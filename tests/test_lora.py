@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 import plumbing
 import rloo
 from conftest import REPO, cpu_env, policy_tokenizer, read_metrics, run_rloo, script_env, tiny_policy
-from test_checkpoints import comparable, interrupt_after_first_update
+from helpers import comparable, interrupt_after_first_update
 
 LORA = ("--use_peft", "--lora_r", "4", "--lora_alpha", "8")
 RUN = ("--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train_batch_size", "16",

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 import plumbing
 import rloo
 from conftest import REPO, cpu_env, policy_loss_of, policy_tokenizer, tiny_policy
-from test_cli import argv_of, valid_flags
+from helpers import argv_of, valid_flags
 
 
 # ---------------------------------------------------------------- naive oracles

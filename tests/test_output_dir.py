@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import plumbing
 import rloo
 from conftest import REPO, read_metrics, script_command, script_env
-from test_checkpoints import PER_UPDATE, RUN, fake_run, saved_steps, trainer_state, tree
+from helpers import PER_UPDATE, RUN, fake_run, saved_steps, trainer_state, tree
 
 
 # ---------------------------------------------------------------- the output directory's rules, over layouts

@@ -26,7 +26,7 @@ import plumbing
 import rloo
 import rloo_multinode as mn
 from conftest import REPO, policy_tokenizer, prompt_rows, tiny_reward_model, write_jsonl
-from test_checkpoints import saved_steps
+from helpers import saved_steps
 from test_multinode import listening_sockets
 
 

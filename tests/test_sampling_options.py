@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 import plumbing
 import rloo
 from conftest import policy_tokenizer, prompt_rows, read_metrics, run_rloo, tiny_policy, write_jsonl
-from test_checkpoints import assert_same_run, interrupt_after_first_update
+from helpers import assert_same_run, interrupt_after_first_update, run_rloo_in_process
 
 CPU = torch.device("cpu")
 NO_AUTOCAST = contextlib.nullcontext
@@ -238,15 +238,24 @@ def test_the_sample_table_shows_each_prompts_completions_together():
 
 
 # ----- end to end: tiny runs of rloo.py
+def tiny_run(assets, out) -> list:
+    return ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
+            "--dataset_test_split", assets["test"], "--reward_fn", "reward_fns:count_a", "--rloo_k", "2",
+            "--per_device_train_batch_size", "8", "--response_length", "6", "--temperature", "1.0",
+            "--total_episodes", "24", "--num_ppo_epochs", "2", "--num_sample_generations", "0",
+            "--num_evals", "1", "--eval_max_prompts", "4", "--learning_rate", "3e-3", "--output_dir", out]
+
+
 def run(assets, out, *flags):
-    result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
-                      "--dataset_test_split", assets["test"], "--reward_fn", "reward_fns:count_a", "--rloo_k", "2",
-                      "--per_device_train_batch_size", "8", "--response_length", "6", "--temperature", "1.0",
-                      "--total_episodes", "24", "--num_ppo_epochs", "2", "--num_sample_generations", "0",
-                      "--num_evals", "1", "--eval_max_prompts", "4", "--learning_rate", "3e-3", "--output_dir", out,
-                      *flags)
+    result = run_rloo(*tiny_run(assets, out), *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     return load_file(out / "model.safetensors"), result
+
+
+def run_here(assets, out, *flags) -> dict:
+    """The same run in this process (its imports shared with the other runs of the test): the trained weights."""
+    run_rloo_in_process(*tiny_run(assets, out), *flags)
+    return load_file(out / "model.safetensors")
 
 
 def same(a: dict, b: dict) -> bool:
@@ -254,12 +263,14 @@ def same(a: dict, b: dict) -> bool:
 
 
 def test_neutral_settings_train_bit_identically_and_each_option_changes_training(assets, tmp_path):
-    plain, _ = run(assets, tmp_path / "plain")
-    neutral, _ = run(assets, tmp_path / "neutral", *NEUTRAL, "--generation_batch_size", "8")
+    # six runs in this process: one import for all (a process of its own each took 5-6 s of imports more)
+    plain = run_here(assets, tmp_path / "plain")
+    neutral = run_here(assets, tmp_path / "neutral", *NEUTRAL, "--generation_batch_size", "8")
     assert same(plain, neutral)
     for name, flags in OPTIONS.items():
-        active, _ = run(assets, tmp_path / name, *flags)
+        active = run_here(assets, tmp_path / name, *flags)
         assert not same(plain, active), name
+    assert same(plain, run_here(assets, tmp_path / "plain_again"))  # the runs before it left nothing behind
 
 
 def test_num_generations_eval_and_log_completions(assets, tmp_path):

@@ -4,26 +4,11 @@ requirements.txt asks for. (CI itself runs `make demo` then `make test` in a fre
 import os
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from conftest import REPO
-
-
-def planned_commands(target: str, env_dir, **variables) -> list[str]:
-    """The commands `make TARGET` would run (make -n), with the environment at env_dir and no active one."""
-    environment = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "CONDA_PREFIX", "MAKEFLAGS")}
-    overrides = [f"{k}={v}" for k, v in {"ENV": env_dir, **variables}.items()]
-    result = subprocess.run(["make", "-n", "-C", str(REPO), target, *overrides], capture_output=True, text=True,
-                            env=environment)
-    assert result.returncode == 0, result.stderr
-    return [line for line in result.stdout.splitlines() if not line.startswith("make")]
-
-
-def position(commands: list[str], pattern: str) -> int:
-    matches = [i for i, c in enumerate(commands) if re.search(pattern, c)]
-    assert matches, (pattern, commands)
-    return matches[0]
+from helpers import REPO, planned_commands, position  # noqa: F401 (kept importable from here)
 
 
 @pytest.mark.parametrize("target,runs", [("demo", r"benchmark/demo\.py"), ("test", r"-m pytest")])
@@ -90,3 +75,45 @@ def test_the_lock_pins_every_requirement(requirements, constraints):
 def test_the_locked_transformers_is_one_vllm_accepts():
     major, minor = (int(x) for x in pinned(REPO / "constraints.txt")["transformers"].split(".")[:2])
     assert (5, 16) <= (major, minor) < (5, 20)  # vLLM 0.32: transformers >= 5.16.1, < 5.20
+
+
+
+EXTRA_PATHS = {"bench-env": ("BENCH_ENV", "TRL116_SITE"), "test-qlora": ("BNB_SITE",), "test-vllm": ("VLLM_ENV",)}
+
+
+def make_extra(target: str, clone, cache, *flags: str, **variables) -> subprocess.CompletedProcess:
+    """make TARGET with the extra environments' paths in CLONE and ENV_CACHE=CACHE, the project's one installed."""
+    installed = cache.parent / "installed"
+    installed.touch()
+    paths = {name: clone / name.lower() for names in EXTRA_PATHS.values() for name in names}
+    environment = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "CONDA_PREFIX", "MAKEFLAGS")}
+    return subprocess.run(["make", *flags, "-C", str(REPO), target, f"ENV_CACHE={cache}", f"INSTALLED={installed}",
+                           *(f"{k}={v}" for k, v in {**paths, **variables}.items())],
+                          capture_output=True, text=True, env=environment)
+
+
+@pytest.mark.parametrize("target", ["bench-env", "test-vllm"])
+def test_an_extra_environment_installed_once_is_found_by_a_fresh_clone(tmp_path, target):
+    """Installed once per machine: a fresh clone's make links its path to the environment in ENV_CACHE and installs
+    nothing; another requirement (here another TORCH_VERSION) is another environment, installed anew."""
+    cache = tmp_path / "cache"
+    plan = make_extra(target, tmp_path / "clone1", cache, "-n")
+    assert plan.returncode == 0, plan.stderr
+    links = re.findall(rf"ln -sfn ({cache}/\S+) (\S+) ", plan.stdout)
+    markers = re.findall(r"test -e (\S+/\.rloo-installed-\w+) \|\|", plan.stdout)
+    assert len(links) == len(markers) == len(EXTRA_PATHS[target]) and "pip install" in plan.stdout, plan.stdout
+    for (folder, path), marker in zip(links, markers):  # as an install on this machine left them
+        assert Path(marker).parent == Path(path) and Path(folder).name.endswith(marker.split("-")[-1])
+        Path(folder).mkdir(parents=True)
+        (Path(folder) / Path(marker).name).touch()
+    for clone in ("clone1", "clone2"):  # no install (it would fail: the folders hold no python), only the links
+        # test-vllm: its install alone (the marker), not its tests
+        goal = target if target == "bench-env" else marker.replace("clone1", clone)
+        result = make_extra(goal, tmp_path / clone, cache)
+        assert result.returncode == 0 and "installing" not in result.stdout, result.stdout + result.stderr
+        for folder, path in links:
+            clone_path = Path(str(path).replace("clone1", clone))
+            assert clone_path.is_symlink() and clone_path.resolve() == Path(folder).resolve()
+    other = make_extra(target, tmp_path / "clone3", cache, "-n", TORCH_VERSION="0.0.1")
+    assert not set(re.findall(rf"ln -sfn ({cache}/\S+) ", other.stdout)) & {f for f, _ in links}
+    assert "pip install" in other.stdout

@@ -10,13 +10,10 @@ import transformers
 
 import plumbing
 import rloo
+from helpers import NO_AUTOCAST
 from conftest import policy_loss_of, policy_tokenizer, read_metrics, run_rloo, tiny_policy, tiny_reward_model
 
 PROMPTS = ["a b c d e f :", "g :", "h i :"]  # 3 prompts of 7, 2 and 3 tokens
-
-
-def NO_AUTOCAST():
-    return torch.autocast("cpu", enabled=False)
 
 
 def eos_prone_policy(seed: int = 0, attention: str = "sdpa"):

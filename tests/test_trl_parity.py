@@ -12,8 +12,7 @@ import rloo
 import rloo_multinode
 from conftest import (policy_loss_of, policy_tokenizer, prompt_rows, read_metrics, run_rloo, tiny_policy,
                       tiny_reward_model)
-from test_components import left_padded
-from test_shared_prompt import NO_AUTOCAST
+from helpers import NO_AUTOCAST, left_padded
 
 CPU = torch.device("cpu")
 
