@@ -24,7 +24,7 @@ import tyro
 import tyro._errors  # parse_args' one-line parse errors
 
 from .distributed import stopped_alone
-from .errors import ConfigError, Fault, describe, first_line
+from .errors import ConfigError, Fault, describe, first_line, inert, without_credentials
 from .faults import NonFiniteError, StartupInterrupted, StopSignal, console_survives
 from .flags import RunArgs
 
@@ -602,17 +602,19 @@ def say_how_it_ended(main: Callable, args, program: str) -> None:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             raise
     except ConfigError as e:
-        print(f"{program}: error: {e}", file=sys.stderr)
+        print(f"{program}: error: {without_credentials(e)}", file=sys.stderr)
         sys.exit(2)
     except NonFiniteError as e:
         where = Path(args.output_dir) / "nonfinite"
-        print(f"{program}: error: {e}: stopped before any optimizer step on it; the offending batch " + (
-            f"is in {where}" if e.unwritten is None else f"could not be written to {where} ({e.unwritten})"),
+        print(f"{program}: error: {without_credentials(e)}: stopped before any optimizer step on it; the offending "
+              "batch " + (
+            f"is in {inert(where, 200)}" if e.unwritten is None else
+            f"could not be written to {inert(where, 200)} ({e.unwritten})"),
             file=sys.stderr)
         sys.exit(3)
     except Fault as e:
         if e.announce:
-            print(f"{program}: error: {e}", file=sys.stderr)
+            print(f"{program}: error: {without_credentials(e)}", file=sys.stderr)
         sys.exit(4)
     except KeyboardInterrupt:  # Ctrl-C before the stop signals' handler is in place (a reward module's import)
         print(f"{program}: SIGINT received while starting: stopped, nothing trained; run the same command again",
