@@ -97,6 +97,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmark import accounting, demo, generation_modes, synthetic_task, throughput  # noqa: E402
+import plumbing  # noqa: E402
 
 VARIANTS = {  # throughput step: (trainer, rloo.py's own flags)
     "rloo": ("rloo.py", []),
@@ -637,7 +638,7 @@ def table(args: Args, results: Path) -> str:
                      f"{step['score_first_3']:.3f} (first 3 updates) -> {step['score_last_3']:.3f} (last 3): "
                      + ("learns" if step["learns"] else f"rose less than {demo.MIN_RISE}"))
     text = "\n".join(lines) + "\n"
-    (results / "table.md").write_text(text)
+    plumbing.write_own(results / "table.md", text + TABLE_MARK)  # never through a link
     return text
 
 
@@ -658,6 +659,14 @@ def check_args(args: Args, results: Path) -> None:
     if args.dry_run and results.is_relative_to(GPU_RESULTS):
         sys.exit("gpu_suite: a dry run measures no GPU, and benchmark/results/gpu holds only GPUs' results: pass a "
                  "--results_dir outside it")
+    table_md = results / "table.md"  # the suite's own (its mark), or none: a user's table.md is never replaced
+    if not args.estimate_only and (table_md.is_symlink() or table_md.exists()) and (
+            table_md.is_symlink() or plumbing.written_by(table_md) != "benchmark/gpu_suite.py"):
+        sys.exit(f"gpu_suite: {plumbing.inert(table_md, 200)} exists and the suite did not write it: it would be "
+                 "replaced; move it, or pass another --results_dir")
+
+
+TABLE_MARK = "\n<!-- written by benchmark/gpu_suite.py -->\n"  # plumbing.written_by reads it
 
 
 WRAP_UP_S = 5.0  # kept from the budget for what follows the last step (the table, the exit)
@@ -731,7 +740,7 @@ def save(args: Args, results: Path, records: dict[str, dict], name: str, record:
     if not args.estimate_only:
         record = {"step": name, **record, "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         results.mkdir(parents=True, exist_ok=True)
-        (results / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+        plumbing.write_own(results / f"{name}.json", json.dumps(record, indent=2) + "\n")
         records[name] = record
     print(f"== {name}: {record['status']}" + (f" ({record['seconds']:.0f} s)" if "seconds" in record else ""),
           flush=True)
