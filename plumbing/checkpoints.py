@@ -739,5 +739,4 @@ class Checkpointer:
         where = "no update had finished, nothing to save" if path is None else \
             f"checkpoint of update {path.name.removeprefix('step_')} saved to {path}"
         self.lock.mark_preempted(str(path or where))
-        logger.console.print(f"rloo.py: {what}; {where}; continue with the same command and --resume",
-                             highlight=False, soft_wrap=True)
+        logger.say(f"rloo.py: {what}; {where}; continue with the same command and --resume")

@@ -62,6 +62,12 @@ def without_credentials(text) -> str:
     return URL_CREDENTIALS.sub(r"\1***@", str(text))
 
 
+def shown(message) -> str:
+    """A whole message of this project's as it is printed (an error's line, a note): inert, never cut, so that a
+    path or a value holding ESC, an RLO or a line break shows as escapes, and a URL without its credentials."""
+    return inert(message, 1 << 20)
+
+
 def describe(e: BaseException) -> str:
     """What an exception says, in one line, for the one-line errors: bytes that are not UTF-8 named as such."""
     if isinstance(e, UnicodeError):

@@ -123,19 +123,22 @@ class OutputDirLock:
                 break
 
 
-def path_problem(path: str) -> Optional[str]:
+def path_problem(path: str, below: int = 0) -> Optional[str]:
     """Why nothing can be made at `path`, found before anything is written, in words: a name or a whole path longer
-    than its file system takes, a file (or a FIFO, a device) on the way to it; None if none of these (what is at
-    the path itself is the caller's to judge; a read-only or full file system shows when it is written)."""
+    than its file system takes (with `below` more bytes: the longest path a run writes under its output_dir), a
+    file (or a FIFO, a device) on the way to it; None if none of these (what is at the path itself is the caller's
+    to judge; a read-only or full file system shows when it is written)."""
     absolute = Path(os.path.abspath(path))
-    existing = next(p for p in absolute.parents if os.path.lexists(p))  # `/` at least
+    existing = next((p for p in absolute.parents if os.path.lexists(p)), absolute)  # `/` at least
     limits = existing if existing.is_dir() else existing.parent
     name_max, path_max = os.pathconf(limits, "PC_NAME_MAX"), os.pathconf(limits, "PC_PATH_MAX")
     long = next((part for part in absolute.parts if len(os.fsencode(part)) > name_max), None)
     if long is not None:
         return f"has a name of {len(os.fsencode(long))} bytes, but its file system takes at most {name_max}"
-    if len(os.fsencode(str(absolute))) >= path_max:
-        return f"is a path of {len(os.fsencode(str(absolute)))} bytes, but the system takes at most {path_max - 1}"
+    if len(os.fsencode(str(absolute))) + below >= path_max:
+        return (f"is a path of {len(os.fsencode(str(absolute)))} bytes" + (
+            f", and the run's files below it take up to {below} more," if below else ",")
+            + f" but the system takes at most {path_max - 1}")
     if not existing.is_dir():
         return f"passes through {existing}, which {not_a_file(existing) or 'is a file'}"
     return None
@@ -192,6 +195,10 @@ def foreign_entries(root: Path) -> list[str]:
     return [f"{inert(p.name, 80)} ({why})" for p, why in found]
 
 
+RUN_PATHS_BELOW = 200  # bytes: the longest path a run writes below output_dir, with room (abandoned/<time>_<why>/
+# checkpoints/step_<n>/<a tokenizer's or a shard's file>)
+
+
 def take_output_dir(lock: OutputDirLock, rank: int, inputs: Optional[dict] = None) -> None:
     """Before anything is read from output_dir, rank 0 makes it this run's: refused if empty or if it is, holds or
     lies inside one of the run's `inputs` (run_inputs), so that not even the lock is written there; locked (`lock`
@@ -201,9 +208,11 @@ def take_output_dir(lock: OutputDirLock, rank: int, inputs: Optional[dict] = Non
     if not lock.output_dir.strip():
         raise ConfigError(f"--output_dir {lock.output_dir!r} is empty: pass a directory (`.` for this one)")
     path = Path(lock.output_dir)
-    problem = path_problem(lock.output_dir)
+    problem = path_problem(lock.output_dir, below=RUN_PATHS_BELOW)
     if problem is None and path.exists() and not path.is_dir():
         problem = not_a_file(path) or "is a file"
+    if problem is None and Path(os.path.abspath(path)).parent == Path(os.path.abspath(path)):
+        problem = "is the root directory, which holds the whole system"
     if problem:
         raise ConfigError(f"--output_dir {inert(lock.output_dir, 120)} {problem}: pass a directory")
     check_no_input_inside(lock.output_dir, inputs or {})

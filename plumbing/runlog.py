@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .distributed import all_reduce
 from .errors import (ConfigError, Fault, describe, first_line, inert, new_file, not_a_file, open_own, reading,
-                     without_credentials)
+                     shown, without_credentials)
 from .faults import console_lost
 
 SUM_METRICS = ("val/num_eos_tokens", "completions/masked_truncated")
@@ -260,8 +260,12 @@ class RunLogger:
         self.num_updates, self.logging_steps = num_updates, logging_steps or args.logging_steps  # in updates
         self.run_id = run_id  # on every metrics.jsonl line: a line of another run is never taken for this one's
         self.mismatch_warned = False
-        self.curves = CurvesSink(self.metrics_path, lambda line: self.console.print(line, highlight=False,
-                                                                                       soft_wrap=True))
+        self.curves = CurvesSink(self.metrics_path, self.say)
+
+    def say(self, line: str) -> None:
+        """A line of the run's own (a note, a warning) on the console, as inert text (shown): a path in it holding
+        ESC or an RLO shows as escapes."""
+        self.console.print(shown(line), highlight=False, soft_wrap=True)
 
     def log(self, update: int, metrics: dict[str, float]) -> None:
         self.write_metrics({"update": update, **metrics})

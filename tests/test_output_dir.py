@@ -395,8 +395,7 @@ def test_a_symlink_under_a_run_name_is_refused_and_nothing_is_written_through_it
     assert sorted(p.name for p in out.iterdir()) == [name] and (out / name).is_symlink()
 
 
-def test_a_symlinked_checkpoints_folder_stays_where_the_runs_checkpoints_live_and_step_links_inside_other_folders_are_refused(  # noqa: E501
-        tmp_path):
+def test_a_symlinked_checkpoints_folder_is_where_checkpoints_live_links_inside_other_folders_are_refused(tmp_path):
     out, scratch = tmp_path / "out", tmp_path / "scratch"
     out.mkdir()
     scratch.mkdir()
@@ -444,7 +443,8 @@ def test_a_users_own_file_under_a_run_name_is_refused_never_written_over_moved_o
         assert line == (f"--output_dir {out} holds {said} under the name of a file a run writes, which no run "
                         "wrote: a run writes only files it made; move it, or pass another --output_dir"), line
     assert tree(tmp_path) == before  # (tree leaves run.lock out: its bytes checked here)
-    assert (out / plumbing.LOCK).read_bytes() == content if name == plumbing.LOCK else not (out / plumbing.LOCK).exists()
+    lock = out / plumbing.LOCK
+    assert lock.read_bytes() == content if name == plumbing.LOCK else not lock.exists()
 
 
 def test_what_a_run_writes_under_its_names_is_its_own(tmp_path):
