@@ -175,6 +175,8 @@ def foreign_entry(entry: Path) -> Optional[str]:
             f"holds the symbolic link {inert(links[0], 80)}" if links else None
     if not entry.is_file():
         return "is not a regular file"
+    if entry.stat().st_nlink > 1:  # appended to, the other name's file would change too
+        return "has another name (a hard link)"
     if pattern is None:
         return None
     try:

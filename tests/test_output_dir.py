@@ -501,3 +501,13 @@ def test_the_writers_never_follow_a_link_into_a_fifo_or_through_a_hard_link(tmp_
         with plumbing.new_file(tmp_path / "fifo") as f:  # unlinked first, so made anew: no error...
             raise FileExistsError  # ...and nothing blocks
     assert outside.read_text() == "precious\n"
+
+
+def test_a_run_file_hard_linked_to_a_file_elsewhere_is_refused(tmp_path):
+    """A metrics.jsonl in the run's own words that is also a file elsewhere: appending would change that file."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "elsewhere.jsonl").write_text('{"update": 1, "run_id": "a"}\n')
+    os.link(tmp_path / "elsewhere.jsonl", out / "metrics.jsonl")
+    assert "holds metrics.jsonl (has another name (a hard link)) under the name" in refusal(out, resume=True)
+    assert (tmp_path / "elsewhere.jsonl").read_text() == '{"update": 1, "run_id": "a"}\n'
