@@ -1463,14 +1463,14 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
             notes += plumbing.movement_note(trainable, args, steps_per_update * plumbing.sum_over_updates(
                 functools.partial(learning_rate_at, num_updates=num_updates, args=args), num_updates))
             for note in notes:
-                logger.console.print(note, highlight=False, soft_wrap=True)
+                logger.say(note)
         rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, sampling_rng, autocast)
         notes = [f"on-policy (1 PPO epoch, 1 minibatch): the ratio is 1 at every step, so the clip range "
                  f"[1 - {args.cliprange:g}, 1 + {args.cliprange_high:g}] cannot act (raise --num_ppo_epochs or "
                  "--num_mini_batches for it to)"] if steps_per_update == 1 and rollouts.lookahead == 0 else []
         in_update = logprobs_from_update(args, sizes, rollouts.lookahead, state, notes, device)  # start-up check
         for note in notes if logger is not None else []:
-            logger.console.print(note, highlight=False, soft_wrap=True)
+            logger.say(note)
         timer = plumbing.PhaseTimer(device)
         timer.count_tokens_of(policy, ref_policy, sources.model, getattr(rollouts, "sampler", None))
     eval_at = plumbing.evaluation_updates(args, num_updates, steps_per_update, len(dataset) // sampler.per_update) \
@@ -1599,7 +1599,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                 plumbing.save_merged_policy(args, policy.config, tokenizer)
             if logger is not None:
                 checkpoints.mark_finished()
-                logger.console.print(f"saved the policy and tokenizer to {args.output_dir}")
+                logger.say(f"saved the policy and tokenizer to {args.output_dir}")
     except plumbing.RewardFunctionError as e:  # every rank at once: keep the last finished update, then stop
         where = checkpoints.keep(update, data_position()) if e.after_training else \
             checkpoints.keep(update - 1, update_position, update_rng)

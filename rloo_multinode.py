@@ -63,6 +63,7 @@ if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: torch, t
         os._exit(130)
     signal.signal(signal.SIGINT, stopped_while_starting)
 
+import base64
 import datetime
 import errno
 import hashlib
@@ -78,6 +79,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
@@ -175,7 +177,10 @@ class ServeArgs:
 
 
 class EngineError(plumbing.RolloutSourceError):
-    """An engine died, failed or stopped answering."""
+    """An engine died, failed or stopped answering. Its message shows no URL's credentials."""
+
+    def __init__(self, message: str):
+        super().__init__(plumbing.without_credentials(message))
 
 
 class UntrustedMessageError(plumbing.ConfigError):
@@ -183,7 +188,33 @@ class UntrustedMessageError(plumbing.ConfigError):
 
 
 def engine_urls(args: Args) -> list[str]:
-    return [url.strip().rstrip("/") for url in (args.engine_urls or "").split(",") if url.strip()]
+    """The --engine_urls, each refused in one line unless it is http(s)://HOST[:PORT][/PATH] (url_problem): no
+    other scheme's handler (file://, ftp://) is ever asked for an answer."""
+    urls = [url.strip() for url in (args.engine_urls or "").split(",") if url.strip()]
+    for url in urls:
+        if problem := url_problem(url):
+            raise plumbing.ConfigError(f"--engine_urls {plumbing.inert(url, 120)} {problem}: pass each engine as "
+                                       "http://HOST:PORT (or https://)")
+    return [url.rstrip("/") for url in urls]
+
+
+def url_problem(url: str) -> Optional[str]:
+    """Why `url` is no address of a `vllm serve` server, in words, or None."""
+    if "://" not in url:
+        return "has no scheme"
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError as e:  # an unclosed `[` of an IPv6 address
+        return f"is not a URL ({plumbing.first_line(e)})"
+    if parts.scheme.lower() not in ("http", "https"):
+        return f"has the scheme {plumbing.inert(parts.scheme, 20)}://; an engine is reached over http or https only"
+    try:
+        parts.port  # noqa: B018  (raises on a port that is no number of 0-65535)
+    except ValueError:
+        return "has a port that is not a number from 0 to 65535"
+    if not parts.hostname or any(c.isspace() or not c.isprintable() for c in parts.hostname):
+        return "names no host"
+    return None
 
 
 def engine_count(args: Args) -> int:
@@ -1361,12 +1392,12 @@ def launch_engines(args: Args, dist_info: plumbing.Dist, store: ControlStore, se
                    str(args.engine_timeout), "--model", args.sft_model_path or args.model_name_or_path]
         command += (["--trust_remote_code"] if args.trust_remote_code else []) + (
             ["--device", "cuda:0"] if devices is not None else [])
-        log = open(Path(args.output_dir) / f"engine_{index}.log", "w")
+        log = plumbing.new_file(Path(args.output_dir) / f"engine_{index}.log")  # never through a link
         with plumbing.signals_held():  # a signal between the start and the record would leave the engine unrecorded
             processes[index] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                 start_new_session=True)  # and with them held: serve releases them
         placement[index] = {"pid": processes[index].pid, "cuda_visible_devices": devices}
-    (Path(args.output_dir) / "engines.json").write_text(json.dumps(placement, indent=2))
+    plumbing.write_own(Path(args.output_dir) / "engines.json", json.dumps(placement, indent=2))
     return processes
 
 
@@ -1387,6 +1418,11 @@ def http_json(url: str, body: Optional[dict], timeout: float):
     """GET `url` (body None) or POST `body` as JSON, with the API key of $VLLM_API_KEY when set; the JSON answer
     (None if empty). Any failure (refused, reset, timed out, an error status) is an EngineError naming the server."""
     headers = {"Content-Type": "application/json"}
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is not None:  # http://USER:PASSWORD@HOST: HTTP basic authentication, the URL without them
+        secret = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+        headers["Authorization"] = f"Basic {base64.b64encode(secret.encode()).decode()}"
+        url = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
     if os.environ.get(API_KEY_VARIABLE):
         headers["Authorization"] = f"Bearer {os.environ[API_KEY_VARIABLE]}"
     payload = None if body is None else json.dumps(body).encode()

@@ -652,7 +652,7 @@ def table(args: Args, results: Path) -> str:
                      f"{step['score_first_3']:.3f} (first 3 updates) -> {step['score_last_3']:.3f} (last 3): "
                      + ("learns" if step["learns"] else f"rose less than {demo.MIN_RISE}"))
     text = "\n".join(lines) + "\n"
-    (results / "table.md").write_text(text)
+    plumbing.write_own(results / "table.md", text + TABLE_MARK)  # never through a link
     return text
 
 
@@ -677,6 +677,14 @@ def check_args(args: Args, results: Path, now: float) -> None:
     if args.dry_run and results.is_relative_to(GPU_RESULTS):
         raise plumbing.ConfigError("a dry run measures no GPU, and benchmark/results/gpu holds only GPUs' results: "
                                    "pass a --results_dir outside it")
+    table_md = results / "table.md"  # the suite's own (its mark), or none: a user's table.md is never replaced
+    if not args.estimate_only and (table_md.is_symlink() or table_md.exists()) and (
+            table_md.is_symlink() or plumbing.written_by(table_md) != "benchmark/gpu_suite.py"):
+        raise plumbing.ConfigError(f"{plumbing.inert(table_md, 200)} exists and the suite did not write it: it "
+                                   "would be replaced; move it, or pass another --results_dir")
+
+
+TABLE_MARK = "\n<!-- written by benchmark/gpu_suite.py -->\n"  # plumbing.written_by reads it
 
 
 WRAP_UP_S = 5.0  # kept from the budget for what follows the last step (the table, the exit)
@@ -751,7 +759,7 @@ def save(args: Args, results: Path, records: dict[str, dict], name: str, record:
     if not args.estimate_only:
         record = {"step": name, **record, "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         results.mkdir(parents=True, exist_ok=True)
-        (results / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+        plumbing.write_own(results / f"{name}.json", json.dumps(record, indent=2) + "\n")
         records[name] = record
     print(f"== {name}: {record['status']}" + (f" ({record['seconds']:.0f} s)" if "seconds" in record else ""),
           flush=True)

@@ -13,6 +13,7 @@ taken over seeds on that grid. A run that lacks a metric is left out of that pan
 
 import csv
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -26,6 +27,8 @@ from matplotlib.lines import Line2D  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmark/plot_runs.py` only adds benchmark/
 import plumbing  # noqa: E402
 from benchmark.plot_metrics import moving_average, read_metrics  # noqa: E402
+
+WRITER = "benchmark/plot_runs.py"  # the mark its PNGs carry: a path that exists is replaced only if it has it
 
 METRICS = ("objective/rlhf_reward", "objective/scores", "objective/kl", "objective/entropy", "policy/clipfrac_avg",
            "val/ratio", "eps")
@@ -159,7 +162,10 @@ def plot_grid(methods: dict[str, dict[str, Run]], png_path: Path, metrics: tuple
     fig.legend(handles=handles, loc="upper center", ncol=len(handles), title="mean over seeds; band: min to max")
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.8 / fig.get_figheight()))  # ~0.8 inch on top for the legend
     Path(png_path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png_path, dpi=120)
+    partial = Path(png_path).with_name(f".{Path(png_path).name}.partial")
+    with plumbing.new_file(partial, binary=True) as f:  # never through a link; whole or not at all
+        fig.savefig(f, dpi=120, format="png", metadata={"Software": plumbing.PNG_WRITER + WRITER})
+    os.replace(partial, png_path)
     plt.close(fig)
 
 
@@ -179,7 +185,7 @@ def main(runs: tuple[str, ...], png_path: Path = Path("runs/compare.png"), metri
             raise plumbing.ConfigError(f"{flag} {value}: must be at least 1")
     methods = parse_methods(runs)
     plumbing.check_outputs([("--png-path", Path(png_path))],
-                           [("--runs", run_file(p)) for paths in methods.values() for p in paths])
+                           [("--runs", run_file(p)) for paths in methods.values() for p in paths], WRITER)
     methods = {name: {str(p): load_run(p) for p in paths} for name, paths in methods.items()}
     plot_grid(methods, png_path, metrics, smooth, num_points)
     print(f"plot_runs.py: wrote {png_path}")

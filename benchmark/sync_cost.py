@@ -18,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import plumbing  # noqa: E402
 from benchmark.throughput import PYTHIA_SHAPES, pythia_config  # noqa: E402
 
+WRITER = "benchmark/sync_cost.py"  # the mark of its output: a path that exists is replaced only if it has it
+
 LINKS = {  # nominal one-way GB/s between trainer rank 0 and an engine, and bytes per parameter sent over it
     "NVLink 4 (H100 SXM)": (450.0, 2),  # vLLM engines, --bf16: weights travel in bf16
     "NVLink 3 (A100 SXM)": (300.0, 2),
@@ -82,13 +84,13 @@ def main(args: Args) -> None:
     unknown = [s for s in args.shapes if s not in PYTHIA_SHAPES]
     if unknown:
         raise plumbing.ConfigError(f"--shapes: unknown shape(s) {unknown}; choose from {list(PYTHIA_SHAPES)}")
-    plumbing.check_outputs([("--output", Path(args.output))], [])
+    plumbing.check_outputs([("--output", Path(args.output))], [], WRITER)
     if min(args.sequence_tokens, args.engine_gpu_gib, args.gpu_memory_utilization) <= 0:
         raise plumbing.ConfigError("--sequence_tokens, --engine_gpu_gib and --gpu_memory_utilization must be > 0")
     text = tables(args)
     print(text)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(text)
+    plumbing.write_own(Path(args.output), text + f"\n<!-- written by {WRITER} -->\n")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from .distributed import barrier, is_fsdp_unit, note_phase, rank0_view, unwrapped
-from .errors import WRITE_ERRORS, ConfigError, Fault, describe, first_line, reading
+from .errors import (WRITE_ERRORS, ConfigError, Fault, describe, first_line, reading, without_credentials,
+                     write_own)
 from .models import load_pretrained, weights_readable_as_the_rest
 from .outputdir import (
     ABANDONED,
@@ -388,7 +389,7 @@ def save_checkpoint(output_dir: str, update: int, model, optimizer, tokenizer, t
     note_phase(what)
     try:
         if rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)  # debris of an earlier save that was killed
+            remove_checkpoint(partial)  # debris of an earlier save that was killed (a link: removed, not followed)
             partial.mkdir(parents=True)
         barrier(what)
         torch.save(rng if rng is not None else rng_state(sampling), partial / f"rng_rank{rank}.pt")
@@ -427,10 +428,18 @@ def save_final_policy(policy, tokenizer, output_dir: str, rank: int, checkpoint:
     names written (on rank 0), which the run record lists as the run's own."""
     written = []
     try:
-        if checkpoint is None:
-            before = {p.name for p in Path(output_dir).iterdir()}
-            save_policy(policy, tokenizer, Path(output_dir), rank)
-            written = sorted({p.name for p in Path(output_dir).iterdir()} - before)
+        if checkpoint is None:  # written into a new folder of its own, then moved: no link at a name is followed
+            fresh = Path(output_dir) / ".tmp_final_policy"
+            if rank == 0:
+                remove_checkpoint(fresh)
+                fresh.mkdir()
+            barrier("saving the final policy")
+            save_policy(policy, tokenizer, fresh, rank)
+            if rank == 0:
+                written = sorted(p.name for p in fresh.iterdir())
+                for name in written:
+                    os.replace(fresh / name, Path(output_dir) / name)
+                fresh.rmdir()
         elif rank == 0:
             for file in sorted(checkpoint.iterdir()):
                 if not file.is_file() or file.name in (TRAINER_STATE, MANIFEST) or file.name.startswith("rng_rank"):
@@ -717,8 +726,9 @@ class Checkpointer:
     def mark_finished(self) -> None:
         """Rank 0, last: the run record args.json (its flags, run_id and the files it wrote at the top of output_dir,
         which run_owned reads), whose presence with the policy marks a finished run."""
-        record = {**asdict(self.args), "run_id": self.run_id, "files": getattr(self, "final_files", [])}
-        (Path(self.args.output_dir) / RUN_RECORD).write_text(json.dumps(record, indent=2))
+        flags = {k: without_credentials(v) if isinstance(v, str) else v for k, v in asdict(self.args).items()}
+        record = {**flags, "run_id": self.run_id, "files": getattr(self, "final_files", [])}
+        write_own(Path(self.args.output_dir) / RUN_RECORD, json.dumps(record, indent=2))
 
     def stopped(self, logger, what: str) -> None:
         """After a stop signal, on rank 0 (the one with a logger): the marker job scripts requeue on, naming the newest
@@ -729,5 +739,4 @@ class Checkpointer:
         where = "no update had finished, nothing to save" if path is None else \
             f"checkpoint of update {path.name.removeprefix('step_')} saved to {path}"
         self.lock.mark_preempted(str(path or where))
-        logger.console.print(f"rloo.py: {what}; {where}; continue with the same command and --resume",
-                             highlight=False, soft_wrap=True)
+        logger.say(f"rloo.py: {what}; {where}; continue with the same command and --resume")

@@ -26,7 +26,7 @@ import tyro._errors  # parse_args' one-line parse errors
 import yaml  # transformers' dependency
 
 from .distributed import stopped_alone
-from .errors import ConfigError, Fault, describe, first_line
+from .errors import ConfigError, Fault, describe, first_line, inert, shown
 from .faults import NonFiniteError, StartupInterrupted, StopSignal, console_survives
 from .flags import PATH_FLAGS, RunArgs
 from .rewards import end_processes_left
@@ -703,7 +703,7 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     except ConfigError as e:
         flag = re.match(r"--(\w+)", str(e))  # a flag the --config file gave (the launcher's, `datasets:`): named so
         where = f"--config {from_file}: " if from_file and flag and flag[1] not in on_command_line else ""
-        print(f"{prog}: error: {where}{e}", file=sys.stderr)
+        print(f"{prog}: error: {where}{shown(e)}", file=sys.stderr)
         sys.exit(2)
     starts = help_groups(cls, prog)
     docs = {p.arg_name: " ".join(p.description.split()) for c in reversed(cls.__mro__) if is_dataclass(c)
@@ -753,7 +753,7 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
         elif values.get("eval_strategy") and values["dataset_test_split"] is None:
             values["dataset_test_split"] = TRL116["dataset_test_split"]  # where TRL's `trl rloo` evaluates
     except ConfigError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {shown(e)}", file=sys.stderr)
         sys.exit(2)
     given = {TRL_NAMES.get(name, name) for name in (arg[2:].partition("=")[0].replace("-", "_").removeprefix("no_")
                                                     for arg in argv if arg.startswith("--"))}
@@ -830,17 +830,19 @@ def say_how_it_ended(main: Callable, args, program: str) -> None:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             raise
     except ConfigError as e:
-        print(f"{program}: error: {e}", file=sys.stderr)
+        print(f"{program}: error: {shown(e)}", file=sys.stderr)
         sys.exit(2)
     except NonFiniteError as e:
         where = Path(args.output_dir) / "nonfinite"
-        print(f"{program}: error: {e}: stopped before any optimizer step on it; the offending batch " + (
-            f"is in {where}" if e.unwritten is None else f"could not be written to {where} ({e.unwritten})"),
+        print(f"{program}: error: {shown(e)}: stopped before any optimizer step on it; the offending "
+              "batch " + (
+            f"is in {inert(where, 200)}" if e.unwritten is None else
+            f"could not be written to {inert(where, 200)} ({e.unwritten})"),
             file=sys.stderr)
         sys.exit(3)
     except Fault as e:
         if e.announce:
-            print(f"{program}: error: {e}", file=sys.stderr)
+            print(f"{program}: error: {shown(e)}", file=sys.stderr)
         sys.exit(4)
     except KeyboardInterrupt:  # Ctrl-C before the stop signals' handler is in place (a reward module's import)
         print(f"{program}: SIGINT received while starting: stopped, nothing trained; run the same command again",
@@ -848,13 +850,13 @@ def say_how_it_ended(main: Callable, args, program: str) -> None:
         sys.exit(130)
     except StartupInterrupted as e:
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            print(f"{program}: {e}", file=sys.stderr)
+            print(f"{program}: {shown(e)}", file=sys.stderr)
             sys.exit(130 if e.signal_name == "SIGINT" else 0)
         # under torchrun the rank that got it says so and fails: an exit 0 would leave a rank that did not get it
         # waiting for this one, and torchrun stops the others when one fails, with a SIGTERM of its own that may
         # reach them while they are still starting: those say nothing (a rank has said why already)
         if not stopped_alone():
-            print(f"{program}: rank {os.environ['RANK']}: {e}", file=sys.stderr, flush=True)
+            print(f"{program}: rank {os.environ['RANK']}: {shown(e)}", file=sys.stderr, flush=True)
         stopped_alone(mark=True)
         end_processes_left(program)
         os._exit(128 + signal.Signals[e.signal_name])  # not sys.exit: no process group teardown that waits

@@ -288,6 +288,9 @@ def _prepare_prompts(dataset, tokenizer, prompt_column: str, max_prompt_length: 
             f"'query_token' column; its columns are {dataset.column_names}: pass --prompt_column NAME"
         )
 
+    if PROMPT_IDS in dataset.column_names:  # the column this script adds: it would replace the dataset's silently
+        raise ConfigError(f"dataset {inert(name, 120)} has a column {PROMPT_IDS!r}, the name of the column this script "
+                          "adds (the prompts' token ids): rename it (pre-tokenized prompts go in 'query_token')")
     limit, cut = max_prompt_length * PROMPT_CHARS_PER_TOKEN, []  # cut: how many prompts were tokenized in part
 
     def tokenize(rows: dict, indices: list[int]) -> dict:

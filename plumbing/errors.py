@@ -1,10 +1,13 @@
 """How a run ends when it cannot go on, in one line: ConfigError (bad input: the problem and its fix, exit 2), Fault (a
 run stopped by a fault, exit 4) and RewardFunctionError; `reading` turns a library's exception while an input is read
 into such a line; `inert` makes what an outside party wrote (a server, a file, a library, a reward function) safe to
-show in one. It imports no other module of this package.
+show in one; open_own, new_file and write_own write a file without following a link. It imports no other module
+of this package.
 """
 
 import contextlib
+import errno
+import os
 import re
 import stat
 import unicodedata
@@ -36,8 +39,8 @@ def inert(text, limit: int = SHOWN) -> str:
     become one space; control characters (ESC of terminal sequences, CR, NUL, DEL, C1), bidirectional overrides and
     other invisible format characters are written as escapes (`\\x1b`, `\\u202e`), so that nothing a server, a file
     or a library wrote can move the cursor, clear the screen, retitle the window or fake a line of its own; a longer
-    text is cut, saying how much was left out."""
-    whole = str(text)
+    text is cut, saying how much was left out. A URL's credentials are masked (without_credentials)."""
+    whole = without_credentials(text)
     text = re.sub(r"\s+", " ", whole.lstrip()[:8 * limit]).strip()  # of a 2 MB body only the start can be shown
     shown, length = [], 0
     for char in text:
@@ -48,6 +51,21 @@ def inert(text, limit: int = SHOWN) -> str:
         shown.append(char)
         length += len(char)
     return "".join(shown)
+
+
+URL_CREDENTIALS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^\s/?#@]*@")  # scheme://user:password@
+
+
+def without_credentials(text) -> str:
+    """`text` with the user and password of every URL in it (`http://user:secret@host`) written as `***`: what the
+    one-line errors, the logs and the run's records show of a URL."""
+    return URL_CREDENTIALS.sub(r"\1***@", str(text))
+
+
+def shown(message) -> str:
+    """A whole message of this project's as it is printed (an error's line, a note): inert, never cut, so that a
+    path or a value holding ESC, an RLO or a line break shows as escapes, and a URL without its credentials."""
+    return inert(message, 1 << 20)
 
 
 def describe(e: BaseException) -> str:
@@ -83,6 +101,51 @@ def reading(what: str, fix: str):
         raise
     except Exception as e:  # any library's, any type: the user needs the input, the first line, the fix
         raise ConfigError(f"{what}: {describe(e)}; {fix}") from None
+
+
+# ---- files of one's own: never written through a link, never a file made by another
+def open_own(path: Path, mode: str = "a"):
+    """A file of the run's own opened to append to ('a'; 'a+' to read it too), created if missing: never through a
+    symbolic link (O_NOFOLLOW), never a FIFO or a device (which would block or swallow the writes), never a file
+    that also has another name (a hard link: the writes would land in a file elsewhere). OSError saying why
+    otherwise. A file written whole goes through write_own."""
+    flags = {"a": os.O_WRONLY, "a+": os.O_RDWR}[mode] | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, f"{inert(path, 200)} is a symbolic link, which a run never writes through")
+        if e.errno == errno.ENXIO:  # a FIFO without a reader, a device without its driver
+            raise OSError(errno.ENXIO, f"{inert(path, 200)} is not a regular file")
+        raise
+    info = os.fstat(fd)
+    problem = None if stat.S_ISREG(info.st_mode) else "is not a regular file"
+    problem = problem or (f"has {info.st_nlink} names (a hard link), which a run never writes through"
+                          if info.st_nlink > 1 else None)
+    if problem:
+        os.close(fd)
+        raise OSError(errno.EPERM, f"{inert(path, 200)} {problem}")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, mode)
+
+
+def new_file(path: Path, binary: bool = False):
+    """A file created for writing where none is (O_EXCL: not a link, not a file already there): the debris of an
+    earlier attempt of the caller's under that name (a hidden `.NAME.partial`) removed first."""
+    path = Path(path)
+    path.unlink(missing_ok=True)  # a link itself, never what it points to
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    return os.fdopen(fd, "wb" if binary else "w")
+
+
+def write_own(path: Path, data: str | bytes) -> None:
+    """A file written whole: into a new hidden `.NAME.partial` beside it (new_file), then renamed over `path`, which
+    replaces the name (a link there is replaced, never followed); a reader never sees half."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
+    with new_file(partial, binary=isinstance(data, bytes)) as f:
+        f.write(data)
+    os.replace(partial, path)
 
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4e38: beyond it a value is inf in the tensors it meets

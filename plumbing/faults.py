@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import all_reduce
-from .errors import RewardFunctionError, describe
+from .errors import RewardFunctionError, describe, new_file
 
 
 class RolloutSourceError(Exception):
@@ -54,7 +54,7 @@ def dump_batch(path: Path, tokenizer, rollout, scores: torch.Tensor,
     (null where the update had not computed them yet)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     num_prompts = rollout.queries.shape[0]
-    with open(path, "w") as f:
+    with new_file(path) as f:  # never through a link planted under the name
         for i in range(len(scores)):
             prompt = rollout.queries[i % num_prompts][rollout.query_mask[i % num_prompts]]
             completion = rollout.responses[i][rollout.response_mask[i]]

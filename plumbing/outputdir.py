@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from .distributed import rank0_view
-from .errors import ConfigError, inert, not_a_file
+from .errors import ConfigError, inert, new_file, not_a_file, open_own, write_own
 from .faults import signals_held
 
 CHECKPOINTS = "checkpoints"
@@ -74,9 +74,10 @@ class OutputDirLock:
         created = [d for d in (path, *path.parents) if not d.exists()]
         try:
             path.mkdir(parents=True, exist_ok=True)
-            lock = open(path / LOCK, "a+")
+            lock = open_own(path / LOCK, "a+")
         except OSError as e:
-            raise ConfigError(f"cannot write to --output_dir {self.output_dir}: {e.strerror or e}") from None
+            raise ConfigError(f"cannot write to --output_dir {inert(self.output_dir, 120)}: {e.strerror or e}"
+                              ) from None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if os.fstat(lock.fileno()).st_ino != os.stat(path / LOCK).st_ino:  # removed by the run that held it
@@ -89,11 +90,12 @@ class OutputDirLock:
             lock.seek(0)
             holder = lock.read().strip() or "a process that has not written its pid yet"
             lock.close()
-            raise ConfigError(f"--output_dir {self.output_dir} is in use by another run ({holder}): wait for it to "
-                              "end or stop it, or pass another --output_dir") from None
+            raise ConfigError(f"--output_dir {inert(self.output_dir, 120)} is in use by another run "
+                              f"({inert(holder)}): wait for it to end or stop it, or pass another --output_dir"
+                              ) from None
         except OSError as e:  # a filesystem without locks (Lustre without -o flock, some NFS setups)
-            print(f"rloo.py: warning: cannot lock --output_dir {self.output_dir} ({e.strerror or e}): a second run "
-                  "into it would not be stopped", file=sys.stderr)
+            print(f"rloo.py: warning: cannot lock --output_dir {inert(self.output_dir, 120)} ({e.strerror or e}): a "
+                  "second run into it would not be stopped", file=sys.stderr)
         lock.seek(0)
         lock.truncate()
         lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
@@ -103,7 +105,7 @@ class OutputDirLock:
 
     def mark_preempted(self, note: str) -> None:
         """The marker job scripts requeue on (PREEMPTED), saying what a resume starts from."""
-        (Path(self.output_dir) / PREEMPTED).write_text(f"{note}\n")
+        write_own(Path(self.output_dir) / PREEMPTED, f"{note}\n")
 
     def release(self) -> None:
         """When the run ends (finished, refused, stopped, failed), by the process that holds it: the lock file
@@ -121,22 +123,82 @@ class OutputDirLock:
                 break
 
 
-def path_problem(path: str) -> Optional[str]:
+def path_problem(path: str, below: int = 0) -> Optional[str]:
     """Why nothing can be made at `path`, found before anything is written, in words: a name or a whole path longer
-    than its file system takes, a file (or a FIFO, a device) on the way to it; None if none of these (what is at
-    the path itself is the caller's to judge; a read-only or full file system shows when it is written)."""
+    than its file system takes (with `below` more bytes: the longest path a run writes under its output_dir), a
+    file (or a FIFO, a device) on the way to it; None if none of these (what is at the path itself is the caller's
+    to judge; a read-only or full file system shows when it is written)."""
     absolute = Path(os.path.abspath(path))
-    existing = next(p for p in absolute.parents if os.path.lexists(p))  # `/` at least
+    existing = next((p for p in absolute.parents if os.path.lexists(p)), absolute)  # `/` at least
     limits = existing if existing.is_dir() else existing.parent
     name_max, path_max = os.pathconf(limits, "PC_NAME_MAX"), os.pathconf(limits, "PC_PATH_MAX")
     long = next((part for part in absolute.parts if len(os.fsencode(part)) > name_max), None)
     if long is not None:
         return f"has a name of {len(os.fsencode(long))} bytes, but its file system takes at most {name_max}"
-    if len(os.fsencode(str(absolute))) >= path_max:
-        return f"is a path of {len(os.fsencode(str(absolute)))} bytes, but the system takes at most {path_max - 1}"
+    if len(os.fsencode(str(absolute))) + below >= path_max:
+        return (f"is a path of {len(os.fsencode(str(absolute)))} bytes" + (
+            f", and the run's files below it take up to {below} more," if below else ",")
+            + f" but the system takes at most {path_max - 1}")
     if not existing.is_dir():
         return f"passes through {existing}, which {not_a_file(existing) or 'is a file'}"
     return None
+
+
+OWN_ENTRIES = {  # what a run's entry at the top of output_dir holds when a run wrote it: a file's first bytes, a
+    # directory's entries (rloo_multinode.py's engine logs and placement: any regular file)
+    LOCK: re.compile(rb"(pid \d+ on .*, since |$)"),
+    "metrics.jsonl*": re.compile(rb'(\{"update": |$)'),
+    "curves.png": re.compile(rb"\x89PNG\r\n\x1a\n.{0,4000}tEXtSoftware\x00rloo ", re.S),
+    PREEMPTED: re.compile(rb"(.*/)?checkpoints/step_\d+\n|stopped during start-up|no update had finished"),
+    CHECKPOINTS: re.compile(r"\.?(tmp_)?step_\d+"), "nonfinite": re.compile(r"update_\d+_rank_\d+\.jsonl"),
+    "tensorboard": re.compile(r"events\.out\.tfevents\..*"), ABANDONED: re.compile(r"\d{8}-\d{6}_.*"),
+    "engine_*.log": None, "engines.json": None,
+}
+
+
+def foreign_entry(entry: Path) -> Optional[str]:
+    """Why an entry of output_dir under one of a run's names is not a run's, in words, or None: a symbolic link
+    (a run writes through none; output_dir/checkpoints alone may be one to a directory, on another disk), another
+    kind of file than the run writes there, or what no run writes (a user's own curves.png or preempted, a folder
+    of theirs named checkpoints). wandb/ is wandb's, a folder per run, never written over: not judged."""
+    pattern = next((OWN_ENTRIES[n] for n in OWN_ENTRIES if fnmatch.fnmatchcase(entry.name, n)), "")
+    if pattern == "":  # the finished run's record and policy files: judged by check_output_dir, links here
+        return "is a symbolic link" if entry.is_symlink() else None
+    if entry.is_symlink() and not (entry.name == CHECKPOINTS and entry.is_dir()):
+        return "is a symbolic link"
+    if isinstance(pattern, re.Pattern) and isinstance(pattern.pattern, str):  # a directory of the run's
+        if not entry.is_dir():
+            return "is not a directory"
+        strange = sorted(p.name for p in entry.iterdir() if not pattern.fullmatch(p.name))
+        links = sorted(p.name for p in entry.iterdir() if p.is_symlink() and entry.name != CHECKPOINTS)
+        return f"holds {inert(strange[0], 80)}, which no run writes there" if strange else \
+            f"holds the symbolic link {inert(links[0], 80)}" if links else None
+    if not entry.is_file():
+        return "is not a regular file"
+    if entry.stat().st_nlink > 1:  # appended to, the other name's file would change too
+        return "has another name (a hard link)"
+    if pattern is None:
+        return None
+    try:
+        with open(entry, "rb") as f:
+            head = f.read(4096)
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    return None if pattern.match(head) else "holds what no run of this project wrote"
+
+
+def foreign_entries(root: Path) -> list[str]:
+    """`NAME (why)` of each entry of output_dir under a run's name that is not a run's (foreign_entry)."""
+    if not root.is_dir():
+        return []
+    names = [p for p in root.iterdir() if any(fnmatch.fnmatchcase(p.name, n) for n in (*OWN_ENTRIES, RUN_RECORD,
+                                                                                        MERGED, *POLICY_FILES))]
+    found = [(p, why) for p in sorted(names) if (why := foreign_entry(p))]
+    return [f"{inert(p.name, 80)} ({why})" for p, why in found]
+
+
+RUN_PATHS_BELOW = 200  # bytes: the longest path a run writes below output_dir, with room (abandoned/<time>_<why>/
+# checkpoints/step_<n>/<a tokenizer's or a shard's file>)
 
 
 def take_output_dir(lock: OutputDirLock, rank: int, inputs: Optional[dict] = None) -> None:
@@ -148,14 +210,21 @@ def take_output_dir(lock: OutputDirLock, rank: int, inputs: Optional[dict] = Non
     if not lock.output_dir.strip():
         raise ConfigError(f"--output_dir {lock.output_dir!r} is empty: pass a directory (`.` for this one)")
     path = Path(lock.output_dir)
-    problem = path_problem(lock.output_dir)
+    problem = path_problem(lock.output_dir, below=RUN_PATHS_BELOW)
     if problem is None and path.exists() and not path.is_dir():
         problem = not_a_file(path) or "is a file"
+    if problem is None and Path(os.path.abspath(path)).parent == Path(os.path.abspath(path)):
+        problem = "is the root directory, which holds the whole system"
     if problem:
         raise ConfigError(f"--output_dir {inert(lock.output_dir, 120)} {problem}: pass a directory")
     check_no_input_inside(lock.output_dir, inputs or {})
     if rank != 0:
         return
+    foreign = foreign_entries(path)
+    if foreign:
+        raise ConfigError(f"--output_dir {inert(lock.output_dir, 120)} holds {', '.join(foreign[:3])} under the "
+                          "name of a file a run writes, which no run wrote: a run writes only files it made; move "
+                          "it, or pass another --output_dir")
     lock.acquire()
     (path / PREEMPTED).unlink(missing_ok=True)
     for debris in (path / CHECKPOINTS).glob(".tmp_step_*"):
@@ -244,23 +313,59 @@ def same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def check_outputs(outputs: list[tuple[str, Path]], inputs: list[tuple[str, Path]]) -> None:
+WRITTEN_BY = re.compile(rb'"written_by": "([^"]{1,200})"|<!-- written by (\S{1,200}) -->')  # a text file's mark
+
+
+def written_by(path: Path) -> Optional[str]:
+    """Which script of this project wrote the file at `path`, from the mark it left: a PNG's Software text
+    `rloo SCRIPT` (plot_curves), a JSON report's `"written_by": "SCRIPT"`, a Markdown table's
+    `<!-- written by SCRIPT -->`, in its first 64 KiB; None for a file without one (a user's, a model's)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return None
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):  # its chunks: length, type, data, CRC; text before the image
+        at = 8
+        while at + 8 <= len(head) and head[at + 4:at + 8] != b"IDAT":
+            length, kind = int.from_bytes(head[at:at + 4], "big"), head[at + 4:at + 8]
+            key, _, text = head[at + 8:at + 8 + length].partition(b"\x00")
+            if kind == b"tEXt" and key == b"Software" and text.startswith(b"rloo "):
+                return text[5:].decode(errors="replace")
+            at += 12 + length
+        return None
+    found = WRITTEN_BY.search(head)
+    return (found.group(1) or found.group(2)).decode(errors="replace") if found else None
+
+
+def check_outputs(outputs: list[tuple[str, Path]], inputs: list[tuple[str, Path]], writer: str,
+                  overwrite: bool = False) -> None:
     """Before a script writes anything: each file it writes is none of the files it reads (same_file) nor inside
-    an input directory, and if it exists a file (not a directory, a FIFO, a device), at a path that can be
-    (path_problem); each named by the flag that gives it. Refused in one line, so that a typo never replaces or
-    changes an input."""
+    an input directory, and if it exists a file (not a directory, a FIFO, a device, a symbolic link) that `writer`
+    (the script) wrote (written_by: it replaces its own output), at a path that can be (path_problem); each named
+    by the flag that gives it. Refused in one line, so that a typo never replaces an input, a model, a run's file
+    or a script of the repository; `overwrite` (the script's explicit flag) lets it replace a file it did not
+    write, never an input."""
     for output_flag, output in outputs:
         problem = path_problem(str(output))
         if problem:
             raise ConfigError(f"{output_flag} {inert(output, 120)} {problem}: pass another {output_flag}")
-        if output.exists() and not_a_file(output):
-            raise ConfigError(f"{output_flag} {output} {not_a_file(output)}: pass the path of a file to write")
         for input_flag, source in inputs:
             inside = source.is_dir() and any(held in out.parents for out in path_forms(output)
                                              for held in path_forms(source))
             if inside or same_file(output, source):
-                raise ConfigError(f"{output_flag} {output} is {'inside ' if inside else ''}the input {input_flag} "
-                                  f"{source}: it would be written over; pass another {output_flag}")
+                raise ConfigError(f"{output_flag} {inert(output, 120)} is {'inside ' if inside else ''}the input "
+                                  f"{input_flag} {inert(source, 120)}: it would be written over; pass another "
+                                  f"{output_flag}")
+        if output.is_symlink():
+            raise ConfigError(f"{output_flag} {inert(output, 120)} is a symbolic link, which is never written "
+                              f"through: pass another {output_flag}")
+        if output.exists() and not_a_file(output):
+            raise ConfigError(f"{output_flag} {inert(output, 120)} {not_a_file(output)}: pass the path of a file to "
+                              "write")
+        if output.exists() and not overwrite and written_by(output) != writer:
+            raise ConfigError(f"{output_flag} {inert(output, 120)} exists and {writer} did not write it: it would "
+                              f"be replaced; pass a new path, or move that file")
 
 
 def check_new_output_dir(output_dir: str, inputs: dict[str, tuple[str, Optional[Path]]]) -> None:
@@ -364,7 +469,8 @@ def settle_output_dir(args, start_update: int, skipped: dict, run_id: Optional[s
     lines to print."""
     root = Path(args.output_dir)
     if args.overwrite_output_dir:
-        names = [n for n in run_owned(root) if n not in (LOCK, ABANDONED)]
+        names = [n for n in run_owned(root) if n not in (LOCK, ABANDONED, "wandb")]  # wandb/: a folder per run,
+        # other projects' too where output_dir is shared (home): nothing of it is written over
         if not names:
             return []
         folder = move_aside(args.output_dir, names, "overwritten")
@@ -384,8 +490,7 @@ def settle_output_dir(args, start_update: int, skipped: dict, run_id: Optional[s
     if dropped:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "metrics.jsonl").write_text("".join(dropped))
-        (root / "metrics.jsonl.tmp").write_text("".join(kept))
-        os.replace(root / "metrics.jsonl.tmp", metrics)
+        write_own(metrics, "".join(kept))
     reasons = [f"{d.name}: {skipped[d]}" for d in later if d in skipped]
     (folder / "why.txt").write_text(f"set aside when a run continued from update {start_update}, on "
                                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n" + "".join(f"{r}\n" for r in reasons))

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .data import PROMPT_IDS, pad_sequences
 from .distributed import all_reduce, seed_everything, wait_for_peers
-from .errors import FLOAT32_MAX, ConfigError, RewardFunctionError, describe, first_line
+from .errors import FLOAT32_MAX, ConfigError, RewardFunctionError, describe, first_line, inert
 from .faults import StopSignal, in_a_thread, stop_signals_at_once
 from .models import disable_dropout, has_tokenizer, load_reward_model, load_tokenizer, same_vocabulary
 
@@ -350,9 +350,15 @@ def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
 def check_reward_function_arguments(functions: list[tuple[str, Callable]], splits: list[tuple[str, object]],
                                     prompt_column: str) -> None:
     """Each parameter a reward function requires must be one it is given, for each (name, dataset) of `splits`
-    (None: absent): a fixed argument, or a column other than the prompt's (given as `prompts`)."""
+    (None: absent): a fixed argument, or a column other than the prompt's (given as `prompts`). A column named as
+    one of the fixed arguments (`completions`, ...) would be passed twice: refused, naming it."""
     for dataset_name, dataset in splits:
         columns = [] if dataset is None else [c for c in dataset.column_names if c not in (PROMPT_IDS, prompt_column)]
+        clash = [c for c in columns if c in REWARD_FUNCTION_ARGUMENTS] if functions else []
+        if clash:
+            raise ConfigError(f"dataset {inert(dataset_name, 120)} has a column {clash[0]!r}, the name of an argument "
+                              f"the reward functions are given ({', '.join(REWARD_FUNCTION_ARGUMENTS)}): rename the "
+                              "column")
         for name, fn in functions if dataset is not None else ():
             for parameter in inspect.signature(fn).parameters.values():
                 required = parameter.default is inspect.Parameter.empty and parameter.kind in (

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from .distributed import all_reduce
-from .errors import ConfigError, Fault, describe, first_line, inert, not_a_file, reading
+from .errors import (ConfigError, Fault, describe, first_line, inert, new_file, not_a_file, open_own, reading,
+                     shown, without_credentials)
 from .faults import console_lost
 
 SUM_METRICS = ("val/num_eos_tokens", "completions/masked_truncated")
@@ -138,10 +139,14 @@ def curve_panels(runs: list[tuple[list[dict], list[dict]]]) -> list[tuple[str, s
     return panels
 
 
-def plot_curves(metrics_paths: list[Path] | Path, png_path: Path, smooth: int = 10) -> None:
+PNG_WRITER = "rloo "  # the start of the PNG's Software text: `rloo <the script that drew it>` (written_by)
+
+
+def plot_curves(metrics_paths: list[Path] | Path, png_path: Path, smooth: int = 10, writer: str = "rloo.py") -> None:
     """One panel per metric (curve_panels) against episode, in a grid of rows of 3, one line per metrics.jsonl (its
     directory's name); per-update values faint, a `smooth`-update trailing mean solid; eval scores as points.
-    Written whole (a viewer never sees half)."""
+    Written whole (a viewer never sees half), never through a link, and signed by `writer` (the PNG's Software
+    text), by which a run or a script tells its own drawing from a file it must not write over."""
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state; Agg draws the file
 
     metrics_paths = [metrics_paths] if isinstance(metrics_paths, (str, Path)) else list(metrics_paths)
@@ -178,7 +183,8 @@ def plot_curves(metrics_paths: list[Path] | Path, png_path: Path, smooth: int = 
     png_path = Path(png_path)
     png_path.parent.mkdir(parents=True, exist_ok=True)
     partial = png_path.with_name(f".{png_path.name}.partial")
-    fig.savefig(partial, dpi=100, format="png")
+    with new_file(partial, binary=True) as f:
+        fig.savefig(f, dpi=100, format="png", metadata={"Software": PNG_WRITER + writer})
     os.replace(partial, png_path)
 
 
@@ -235,14 +241,15 @@ class RunLogger:
 
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         self.metrics_path = Path(args.output_dir) / "metrics.jsonl"
-        open(self.metrics_path, "a").close()
+        open_own(self.metrics_path).close()  # never through a link: take_output_dir refused a foreign one
         self.wandb = None
         if args.track:
             import wandb
 
             self.wandb = wandb
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name,
-                       config=asdict(args), dir=args.output_dir, id=wandb_run_id, resume="allow")
+                       config={k: without_credentials(v) if isinstance(v, str) else v
+                               for k, v in asdict(args).items()}, dir=args.output_dir, id=wandb_run_id, resume="allow")
         self.tensorboard_dir = Path(args.output_dir) / "tensorboard" if args.tensorboard else None
         self.tensorboard, self.resumed = None, start_update > 0  # the writer, opened by publish
         self.console = Console(markup=False)  # a path, a prompt or a completion holding `[/]` is text, not markup
@@ -253,8 +260,12 @@ class RunLogger:
         self.num_updates, self.logging_steps = num_updates, logging_steps or args.logging_steps  # in updates
         self.run_id = run_id  # on every metrics.jsonl line: a line of another run is never taken for this one's
         self.mismatch_warned = False
-        self.curves = CurvesSink(self.metrics_path, lambda line: self.console.print(line, highlight=False,
-                                                                                       soft_wrap=True))
+        self.curves = CurvesSink(self.metrics_path, self.say)
+
+    def say(self, line: str) -> None:
+        """A line of the run's own (a note, a warning) on the console, as inert text (shown): a path in it holding
+        ESC or an RLO shows as escapes."""
+        self.console.print(shown(line), highlight=False, soft_wrap=True)
 
     def log(self, update: int, metrics: dict[str, float]) -> None:
         self.write_metrics({"update": update, **metrics})
@@ -307,7 +318,7 @@ class RunLogger:
         size = self.metrics_path.stat().st_size
         try:
             lost = console_lost()  # the console went away: the run went on, its lines unseen
-            with open(self.metrics_path, "a") as f:
+            with open_own(self.metrics_path) as f:
                 f.write(json.dumps({**record, "run_id": self.run_id, **({"console_lost": lost} if lost else {})})
                         + "\n")
         except OSError as e:

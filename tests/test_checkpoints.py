@@ -185,11 +185,10 @@ def test_sigkill_during_saves_never_leaves_a_broken_latest_checkpoint(tmp_path):
 @pytest.mark.parametrize("disk_full", [False, True], ids=["batch-written", "disk-full"])
 def test_nonfinite_loss_stops_the_run_and_saves_the_batch(assets, tmp_path, disk_full):
     out = tmp_path / "run"
-    if disk_full:  # the batch's file cannot be written (ENOSPC): the run stops all the same, and says so
-        (out / "nonfinite").mkdir(parents=True)
-        (out / "nonfinite" / "update_2_rank_0.jsonl").symlink_to("/dev/full")
+    # disk-full: the batch's file cannot be written (ENOSPC): the run stops all the same, and says so
     result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir", out,
-                      "--total_episodes", PER_UPDATE * 5, *RUN[2:], "--reward_fn", "reward_fns:huge_at_second_call")
+                      "--total_episodes", PER_UPDATE * 5, *RUN[2:], "--reward_fn", "reward_fns:huge_at_second_call",
+                      env=full_disk("update_2_rank_0.jsonl") if disk_full else None)
     assert result.returncode == 3, result.stderr[-3000:]
     error = result.stderr.strip().splitlines()[-1]
     assert "non-finite loss at update 2 on rank 0" in error and "Traceback" not in result.stderr
@@ -711,12 +710,16 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp
     assert plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True)).checkpoint == step_1
 
 
+def full_disk(*names: str) -> dict:
+    """The environment of a run whose writes to files of these names fail with ENOSPC (tests/full_disk)."""
+    return {"PYTHONPATH": f"{REPO / 'tests' / 'full_disk'}{os.pathsep}{REPO / 'tests'}", "FULL_DISK": ",".join(names)}
+
+
 def test_a_full_disk_outside_a_save_stops_with_a_checkpoint_and_one_line(assets, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    (out / "metrics.jsonl").symlink_to("/dev/full")  # every write fails with ENOSPC, as on a full disk
     result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir", out,
-                      *RUN, "--total_episodes", PER_UPDATE * 3)
+                      *RUN, "--total_episodes", PER_UPDATE * 3, env=full_disk("metrics.jsonl"))  # every write: ENOSPC
     assert result.returncode == 4 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1] == (
         f"rloo.py: error: could not write {out / 'metrics.jsonl'} (No space left on device) after update 1; "

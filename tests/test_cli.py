@@ -374,9 +374,9 @@ def bad_files(assets, tmp_path_factory) -> dict[str, Path]:
     tiny_policy(15).save_pretrained(files["a_model"])
     files["leftovers"] = root / "leftovers"  # what runs that stopped before their first checkpoint leave
     for name in ("wandb/run/x", "nonfinite/update_1_rank_0.jsonl", "metrics.jsonl", "engine_0.log",
-                 "engines.json", "abandoned/x/config.json"):
+                 "engines.json", "abandoned/20250101-000000_overwritten/config.json"):  # as runs write them
         (files["leftovers"] / name).parent.mkdir(parents=True, exist_ok=True)
-        (files["leftovers"] / name).write_text("{}\n")
+        (files["leftovers"] / name).write_text('{"update": 1, "run_id": "a"}\n')
     for name, edited in (("resumable", None), ("edited_initial_model", "model.safetensors")):
         files[name] = root / name  # the table's valid command, checkpointed after update 5 (8 episodes each)
         args = tyro.cli(rloo.Args, args=argv_of(valid_flags(assets, files[name])))

@@ -357,6 +357,25 @@ def test_missing_prompt_column_is_named():
         plumbing.prepare_prompts(ds, policy_tokenizer(), "prompt", 8, "d", None, plumbing.prompt_token_ids)
 
 
+@pytest.mark.parametrize("column", ["completions", "prompts", "completion_ids"])
+def test_a_column_named_as_a_reward_functions_argument_is_refused_naming_it(column):
+    ds = datasets.Dataset.from_list([{"prompt": "a", column: "x", "label": 1}])
+
+    def fn(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    with pytest.raises(plumbing.ConfigError, match=f"dataset d has a column '{column}', the name of an argument"):
+        plumbing.check_reward_function_arguments([("fn", fn)], [("d", ds)], "prompt")
+    plumbing.check_reward_function_arguments([], [("d", ds)], "prompt")  # no reward function: nothing collides
+    plumbing.check_reward_function_arguments([("fn", fn)], [("d", ds.rename_column("prompt", "p"))], column)
+
+
+def test_a_column_named_as_the_prompt_ids_column_is_refused_not_replaced():
+    ds = datasets.Dataset.from_list([{"prompt": "a b", plumbing.PROMPT_IDS: [9, 9, 9]}])
+    with pytest.raises(plumbing.ConfigError, match="dataset d\\\\x1b has a column 'prompt_input_ids'.*rename it"):
+        plumbing.prepare_prompts(ds, policy_tokenizer(), "prompt", 8, "d\x1b", None, plumbing.prompt_token_ids)
+
+
 def test_sampler_cycles_reshuffles_and_splits_ranks():
     samplers = [plumbing.PromptSampler(10, 2, rank, 2, seed=3) for rank in range(2)]
     first_epoch = [samplers[r].next_indices() for _ in range(2) for r in range(2)]

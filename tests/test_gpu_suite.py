@@ -113,6 +113,8 @@ def test_the_dry_run_starts_every_step_writes_its_results_and_resumes(tmp_path, 
         assert records[name]["status"] == "skipped: vLLM not importable"
     assert records["learning"]["status"] == "measured" and records["learning"]["updates"] == 2
     table = (results / "table.md").read_text()
+    assert plumbing.written_by(results / "table.md") == "benchmark/gpu_suite.py"  # its own: the next call rewrites it
+    table = table.removesuffix(gpu_suite.TABLE_MARK)
     assert all(f"| {name} |" in table for name in names if name.startswith(("throughput_", "vllm_")))
     assert f", measured {records['limits']['finished_at'][:10]}" in table.splitlines()[0]
     assert f"({len(names)} of {len(names)} steps done)" in table.splitlines()[0]
@@ -127,7 +129,7 @@ def test_the_dry_run_starts_every_step_writes_its_results_and_resumes(tmp_path, 
         assert f"== {name}: done earlier ({name}.json), skipped" in second.stdout
     assert "\n$ " not in second.stdout  # no trainer started
     assert {name: (results / f"{name}.json").stat().st_mtime_ns for name in names} == written
-    assert (results / "table.md").read_text() == table
+    assert (results / "table.md").read_text() == table + gpu_suite.TABLE_MARK
 
 
 def test_the_order_is_by_value_the_headline_pair_first():
@@ -409,3 +411,20 @@ def test_a_step_file_that_is_not_a_steps_json_is_one_line_naming_it(tmp_path, co
     with pytest.raises(plumbing.ConfigError, match="throughput_k2_rloo.json " + re.escape(fragment)):
         gpu_suite.main(gpu_suite.Args(estimate_only=True, results_dir=str(suite)))
     assert (suite / "throughput_k2_rloo.json").read_bytes() == content
+
+
+@pytest.mark.parametrize("kind", ["a user's table", "a link"])
+def test_a_table_md_the_suite_did_not_write_is_never_replaced(tmp_path, kind):
+    """Issue 47: gpu_suite.py overwrote a user's table.md."""
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (tmp_path / "mine.md").write_text("| my | table |\n")
+    if kind == "a link":
+        (suite / "table.md").symlink_to(tmp_path / "mine.md")
+    else:
+        (suite / "table.md").write_text("| my | table |\n")
+    with pytest.raises(plumbing.ConfigError, match=r"^\S+/suite/table.md exists and the suite did not write it: it "
+                                         r"would be replaced; move it, or pass another --results_dir$"):
+        gpu_suite.main(gpu_suite.Args(dry_run=True, results_dir=str(suite)))
+    assert sorted(p.name for p in suite.iterdir()) == ["table.md"] and (tmp_path / "mine.md").read_text() == \
+        "| my | table |\n"

@@ -225,3 +225,39 @@ def test_the_sample_table_shows_prompts_and_completions_as_inert_text_never_as_m
     out = capsys.readouterr().out
     assert "[/] or [bold]x[/bold]" in out and out.strip().endswith("[/]"), out
     assert "\x1b" not in out and "\r" not in out and "\\x1b[2J\\x1b[Hthe server is" in out, out
+
+
+def test_a_path_holding_escapes_is_inert_in_every_message_that_shows_it(tmp_path, capsys):
+    """Issue 47: ESC and RLO characters in a path reached the terminal raw. Each message is printed at one boundary
+    (run_script's error line, the run's notes: plumbing.shown), whatever formatted the path."""
+    from test_checkpoints import fake_run
+
+    out = tmp_path / "out\x1b[2J\u202egnp.exe\nrloo.py: done"
+    out.mkdir()
+    fake_run(out, [1])
+    (out / "curves.png").write_text("mine")
+    refusals = [  # (what is run, an args object with output_dir for run_script)
+        lambda: plumbing.resume_checkpoint(rloo.Args(output_dir=str(out))),  # another run's files
+        lambda: plumbing.take_output_dir(plumbing.OutputDirLock(str(out)), 0, {}),  # a foreign curves.png
+        lambda: plumbing.check_outputs([("--png-path", out / "args.json")], [], "x.py"),
+        lambda: plumbing.check_new_output_dir(str(out), {}),
+        lambda: plumbing.check_no_input_inside(str(out), {"model_name_or_path": (str(out), out)}),
+    ]
+    for refused in refusals:
+        with pytest.raises(SystemExit):
+            plumbing.run_script(lambda _: refused(), rloo.Args(output_dir=str(out)), "rloo.py")
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "\x1b" not in err and "\u202e" not in err, repr(err)
+        assert "out\\x1b[2J\\u202egnp.exe rloo.py: done" in err, repr(err)
+    for error in (plumbing.NonFiniteError("loss", [0]), plumbing.Fault(f"could not write {out}")):
+        with pytest.raises(SystemExit):
+            plumbing.run_script(lambda _: (_ for _ in ()).throw(error), rloo.Args(output_dir=str(out)), "rloo.py")
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "\x1b" not in err and "\u202e" not in err, repr(err)
+    logger = object.__new__(plumbing.RunLogger)
+    from rich.console import Console
+
+    logger.console = Console(markup=False, force_terminal=False)
+    logger.say(f"saved the policy and tokenizer to {out}")
+    printed = capsys.readouterr().out
+    assert "\x1b" not in printed and "\u202e" not in printed and printed.count("\n") == 1, repr(printed)

@@ -151,7 +151,7 @@ def test_client_retries_503_and_429_then_caches(stand_in, tmp_path):
     assert "Authorization" not in stand_in.received[-1][0]  # no key: no header
     second.complete(prompt)
     assert second.num_requests == 3 and second.num_cached == 1 and stand_in.requests == 6
-    assert len((tmp_path / "cache.jsonl").read_text().splitlines()) == 2
+    assert len((tmp_path / "cache.jsonl").read_text().splitlines()) == 3  # its signature and two answers
 
 
 def test_client_fails_at_once_on_4xx_and_after_retries_on_5xx(stand_in, tmp_path):

@@ -341,6 +341,60 @@ class RunsCode:
         return os.system, (f"touch {self.marker}",)
 
 
+@pytest.mark.parametrize("url, problem", [
+    ("file:///etc/passwd", "has the scheme file://; an engine is reached over http or https only"),
+    ("ftp://a:21", "has the scheme ftp://"), ("FILE:///etc/hosts", "has the scheme file://"),
+    ("a:8000", "has no scheme"), ("localhost", "has no scheme"), ("//a:8000", "has no scheme"),
+    ("http://", "names no host"), ("http://:8000", "names no host"),
+    ("http://a:99999", "has a port that is not a number"), ("http://a:80x", "has a port that is not a number"),
+    ("http://u:s3cret@a:8000,gopher://u:s3cret@b", "has the scheme gopher://"),
+    ("http://a\x1b[2J:1", "is not a URL"), ("http://a\x1b:1", "names no host"),
+    ("javascript:alert(1)", "has no scheme"),
+])
+def test_an_engine_url_of_another_scheme_is_refused_at_once_its_credentials_never_shown(url, problem):
+    """Before any request: no waiting out --engine_timeout, no file:// read as an answer, no password shown."""
+    with pytest.raises(plumbing.ConfigError, match=re.escape(problem)) as refused:
+        mn.validate_engine_args(mn.Args(model_name_or_path="m", engine_urls=url), 1)
+    line = str(refused.value)
+    assert "s3cret" not in line and "\x1b" not in line and "\n" not in line and "pass each engine as http" in line
+    for good in ("http://a:8000", "HTTPS://a.example/v1/", "http://[::1]:8000", "http://u:p@a:8000"):
+        assert mn.engine_urls(mn.Args(model_name_or_path="m", engine_urls=good)) == [good.rstrip("/")]
+
+
+def test_an_engine_urls_credentials_are_sent_as_basic_authentication_and_never_shown():
+    import base64
+    import http.server
+    import threading
+
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            seen.append((self.path, self.headers.get("Authorization")))
+            self.send_response(500 if self.path == "/fail" else 200)
+            self.end_headers()
+            self.wfile.write(b"http://u:s3cret@echoed" if self.path == "/fail" else b'{"ok": 1}')
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://us%40er:s3cret@127.0.0.1:{server.server_address[1]}"
+        assert mn.http_json(f"{base}/health", None, 10) == {"ok": 1}
+        assert seen[-1] == ("/health", "Basic " + base64.b64encode(b"us@er:s3cret").decode())
+        with pytest.raises(mn.EngineError) as failed:
+            mn.http_json(f"{base}/fail", None, 10)
+        assert "s3cret" not in str(failed.value) and "answered 500: http://***@echoed" in str(failed.value)
+        with pytest.raises(mn.EngineError) as unreachable:
+            mn.http_json("http://u:s3cret@127.0.0.1:1/health", None, 10)
+        assert "s3cret" not in str(unreachable.value)
+    finally:
+        server.shutdown()
+    assert plumbing.without_credentials("a https://x:y@h/p and ftp://@h") == "a https://***@h/p and ftp://***@h"
+
+
 def serve_engine(port: int, *flags, secret: str = SECRET, env: dict | None = None) -> subprocess.CompletedProcess:
     """`rloo_multinode.py serve` for the control store at 127.0.0.1:port, run to its end."""
     return subprocess.run([sys.executable, str(REPO / "rloo_multinode.py"), "serve", "--trainer_address",

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -358,3 +359,155 @@ def test_the_reader_accepts_what_a_run_writes(one_checkpoint):
     write_state(one_checkpoint, trainer_state(1, optimizer={}))
     state, problem = plumbing.read_checkpoint(one_checkpoint)
     assert problem is None and state["run_id"] == "run-a"
+
+
+# ---------------------------------------------------------------- the run writes only files it made
+RUN_NAMES = ["run.lock", "metrics.jsonl", "args.json", "curves.png", "preempted", "model.safetensors", "config.json",
+             "tokenizer.json", "metrics.jsonl.tmp", "abandoned", "tensorboard", "nonfinite", "merged", "engines.json"]
+
+
+def refusal(out: Path, **flags) -> str:
+    """The one line a run into `out` is refused with, before anything is written (as rloo.main: the Checkpointer)."""
+    args = rloo.Args(output_dir=str(out), **flags)
+    lock = plumbing.OutputDirLock(args.output_dir)
+    try:
+        with pytest.raises(plumbing.ConfigError) as refused:
+            plumbing.Checkpointer(args, SimpleNamespace(rank=0, world_size=1), lock, [])
+    finally:
+        lock.release()
+    assert "\n" not in str(refused.value)
+    return str(refused.value)
+
+
+@pytest.mark.parametrize("dangling", [False, True], ids=["to a file", "dangling"])
+@pytest.mark.parametrize("name", RUN_NAMES)
+def test_a_symlink_under_a_run_name_is_refused_and_nothing_is_written_through_it(tmp_path, name, dangling):
+    """Issue 47: run.lock truncated an outside file, metrics.jsonl appended to one, a dangling args.json made one."""
+    out, outside = tmp_path / "out", tmp_path / "outside"
+    out.mkdir()
+    if not dangling:
+        outside.write_text("precious\n")
+    (out / name).symlink_to(outside)
+    for flags in ({}, {"overwrite_output_dir": True}, {"resume": True}):
+        line = refusal(out, **flags)
+        assert f"holds {name} (is a symbolic link) under the name of a file a run writes" in line, line
+    assert (outside.read_text() == "precious\n") if not dangling else not outside.exists()
+    assert sorted(p.name for p in out.iterdir()) == [name] and (out / name).is_symlink()
+
+
+def test_a_symlinked_checkpoints_folder_is_where_checkpoints_live_links_inside_other_folders_are_refused(tmp_path):
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    out.mkdir()
+    scratch.mkdir()
+    (out / "checkpoints").symlink_to(scratch)  # a larger disk: the documented use
+    assert plumbing.foreign_entries(out) == []
+    (out / "nonfinite").mkdir()
+    (out / "nonfinite" / "update_2_rank_0.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")
+    assert refusal(out).startswith(f"--output_dir {out} holds nonfinite (holds the symbolic link update_2_rank_0")
+    (out / "checkpoints").unlink()
+    (out / "checkpoints").symlink_to(tmp_path / "missing")  # dangling: no directory of the user's to hold them
+    assert "checkpoints (is a symbolic link)" in refusal(out)
+
+
+FOREIGN = {  # a user's own file under a run's name: (what it is, what is said)
+    "curves.png": (b"\x89PNG\r\n\x1a\n my own plot", "curves.png (holds what no run of this project wrote)"),
+    "preempted": (b"my notes on preemption\n", "preempted (holds what no run of this project wrote)"),
+    "run.lock": (b"my lock of another tool\n", "run.lock (holds what no run of this project wrote)"),
+    "metrics.jsonl": (b'{"loss": 1.0}\n', "metrics.jsonl (holds what no run of this project wrote)"),
+    "metrics.jsonl.old": (b"a,b\n1,2\n", "metrics.jsonl.old (holds what no run of this project wrote)"),
+    "checkpoints/my_model.bin": (b"weights", "checkpoints (holds my_model.bin, which no run writes there)"),
+    "tensorboard/notes.txt": (b"notes", "tensorboard (holds notes.txt, which no run writes there)"),
+    "abandoned/old stuff.txt": (b"mine", "abandoned (holds old stuff.txt, which no run writes there)"),
+    "nonfinite": (b"a file, not a folder", "nonfinite (is not a directory)"),
+    "curves.png/": (None, "curves.png (is not a regular file)"),
+    "preempted|fifo": (None, "preempted (is not a regular file)"),
+}
+
+
+@pytest.mark.parametrize("name", FOREIGN)
+def test_a_users_own_file_under_a_run_name_is_refused_never_written_over_moved_or_deleted(tmp_path, name):
+    """Issue 47: a user's curves.png was overwritten, their preempted deleted."""
+    out = tmp_path / "out"
+    content, said = FOREIGN[name]
+    path = out / name.rstrip("/").removesuffix("|fifo")
+    path.parent.mkdir(parents=True)
+    if name.endswith("/"):
+        path.mkdir()
+    elif name.endswith("|fifo"):
+        os.mkfifo(path)  # never opened: a read would block
+    else:
+        path.write_bytes(content)
+    before = tree(tmp_path)
+    for flags in ({}, {"overwrite_output_dir": True}, {"resume": True}):
+        line = refusal(out, **flags)
+        assert line == (f"--output_dir {out} holds {said} under the name of a file a run writes, which no run "
+                        "wrote: a run writes only files it made; move it, or pass another --output_dir"), line
+    assert tree(tmp_path) == before  # (tree leaves run.lock out: its bytes checked here)
+    lock = out / plumbing.LOCK
+    assert lock.read_bytes() == content if name == plumbing.LOCK else not lock.exists()
+
+
+def test_what_a_run_writes_under_its_names_is_its_own(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    fake_run(out, [1, 2])
+    plumbing.plot_curves(out / "metrics.jsonl", out / "curves.png")
+    lock = plumbing.OutputDirLock(str(out))
+    lock.acquire()
+    lock.mark_preempted(str(out / "checkpoints" / "step_2"))
+    assert plumbing.foreign_entries(out) == []
+    for note in ("checkpoints/step_3", "stopped during start-up, before any update",
+                 "no update had finished, nothing to save"):
+        lock.mark_preempted(note)
+        assert plumbing.foreign_entries(out) == []
+    lock.release()
+    (out / "run.lock").write_text("")  # a run killed between its open and its write
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events.out.tfevents.1.host.1.0").write_bytes(b"")
+    (out / "checkpoints" / ".tmp_step_3").mkdir()
+    assert plumbing.foreign_entries(out) == [] and plumbing.written_by(out / "curves.png") == "rloo.py"
+
+
+def test_an_overwrite_never_moves_wandb_which_holds_other_projects_runs(tmp_path):
+    """Issue 47: --overwrite_output_dir with output_dir at home moved ~/wandb (other projects' runs) into abandoned/."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "wandb" / "run-20250101_000000-otherproj").mkdir(parents=True)
+    (home / "wandb" / "run-20250101_000000-otherproj" / "files").write_text("theirs")
+    fake_run(home, [1])
+    args = rloo.Args(output_dir=str(home), overwrite_output_dir=True)
+    plumbing.resume_checkpoint(args)
+    lines = plumbing.settle_output_dir(args, 0, {}, "run-b")
+    assert "wandb" not in lines[0] and (home / "wandb" / "run-20250101_000000-otherproj" / "files").exists()
+
+
+def test_the_writers_never_follow_a_link_into_a_fifo_or_through_a_hard_link(tmp_path):
+    outside = tmp_path / "outside"
+    outside.write_text("precious\n")
+    (tmp_path / "link").symlink_to(outside)
+    os.link(outside, tmp_path / "hard")
+    os.mkfifo(tmp_path / "fifo")
+    for name, why in (("link", "is a symbolic link, which a run never writes through"),
+                      ("hard", "has 2 names (a hard link), which a run never writes through"),
+                      ("fifo", "is not a regular file")):
+        for mode in ("a", "a+"):
+            with pytest.raises(OSError, match=re.escape(why)):
+                plumbing.open_own(tmp_path / name, mode)  # the FIFO: no waiting for a reader
+    plumbing.write_own(tmp_path / "link", "mine\n")  # the link itself replaced, never followed
+    with plumbing.new_file(tmp_path / "hard") as f:  # the name is made anew: the other name keeps its bytes
+        f.write("mine\n")
+    assert outside.read_text() == "precious\n" and not (tmp_path / "link").is_symlink()
+    with pytest.raises(FileExistsError):
+        with plumbing.new_file(tmp_path / "fifo") as f:  # unlinked first, so made anew: no error...
+            raise FileExistsError  # ...and nothing blocks
+    assert outside.read_text() == "precious\n"
+
+
+def test_a_run_file_hard_linked_to_a_file_elsewhere_is_refused(tmp_path):
+    """A metrics.jsonl in the run's own words that is also a file elsewhere: appending would change that file."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "elsewhere.jsonl").write_text('{"update": 1, "run_id": "a"}\n')
+    os.link(tmp_path / "elsewhere.jsonl", out / "metrics.jsonl")
+    assert "holds metrics.jsonl (has another name (a hard link)) under the name" in refusal(out, resume=True)
+    assert (tmp_path / "elsewhere.jsonl").read_text() == '{"update": 1, "run_id": "a"}\n'

@@ -238,7 +238,8 @@ def test_an_output_dir_no_file_system_can_hold_is_one_line_and_leaves_nothing(tm
     (tmp_path / "file").write_text("")
     os.mkfifo(tmp_path / "pipe")
     cases = {"n" * 300: r"has a name of 300 bytes, but its file system takes at most \d+",
-             "/".join(["d" * 200] * 25): r"is a path of \d+ bytes, but the system takes at most \d+",
+             "/".join(["d" * 200] * 25): r"is a path of \d+ bytes, and the run's files below it take up to 200 more, "
+                                         r"but the system takes at most \d+",
              "file/run": f"passes through {tmp_path / 'file'}, which is a file",
              "pipe": r"is a FIFO \(named pipe\)", "pipe/run": r"which is a FIFO \(named pipe\)", "file": "is a file"}
     for name, line in cases.items():
@@ -246,6 +247,22 @@ def test_an_output_dir_no_file_system_can_hold_is_one_line_and_leaves_nothing(tm
         with pytest.raises(plumbing.ConfigError, match=f"^--output_dir .*{line}: pass a directory$"):
             plumbing.take_output_dir(lock, 0, {})
         assert not lock.held
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "pipe"]
+    # issue 47: a 4,069-byte output_dir trained, then could not save (said: free space); `/` was a StopIteration
+    deep = str(tmp_path)
+    while 4069 - len(deep) - 1 > 200:
+        deep += "/" + "d" * 200
+    deep += "/" + "e" * (4069 - len(deep) - 1)
+    assert len(deep) == 4069
+    root = "is the root directory, which holds the whole system"
+    for path, line in ((deep, "is a path of 4069 bytes, and the run's files below it take up to 200 more, but the "
+                              r"system takes at most 4095"), ("/", root), ("//", root)):
+        lock = plumbing.OutputDirLock(path)
+        with pytest.raises(plumbing.ConfigError, match=f"^--output_dir .*{line}: pass a directory$"):
+            plumbing.take_output_dir(lock, 0, {})
+        assert not lock.held
+    with pytest.raises(plumbing.ConfigError, match="^--png-path / is a directory"):
+        plumbing.check_outputs([("--png-path", Path("/"))], [], "x.py")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "pipe"]
     if Path("/proc/self").is_dir():  # a file system that makes no directory: the kernel's own words, one line
         with pytest.raises(plumbing.ConfigError, match="^cannot write to --output_dir /proc/rloo: "):

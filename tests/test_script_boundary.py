@@ -76,14 +76,14 @@ def test_an_output_is_refused_when_it_is_an_input_in_any_form(tmp_path, monkeypa
     for output in same:
         with pytest.raises(plumbing.ConfigError, match="is the input --in .*it would be written over; pass another "
                                                        "--out"):
-            plumbing.check_outputs([("--out", output)], [("--in", metrics)])
+            plumbing.check_outputs([("--out", output)], [("--in", metrics)], "x.py")
     with pytest.raises(plumbing.ConfigError, match="is inside the input --in"):
-        plumbing.check_outputs([("--out", tmp_path / "runs" / "new.png")], [("--in", tmp_path / "runs")])
+        plumbing.check_outputs([("--out", tmp_path / "runs" / "new.png")], [("--in", tmp_path / "runs")], "x.py")
     for output, kind in ((tmp_path / "runs", "is a directory"), (tmp_path / "fifo", r"is a FIFO \(named pipe\)")):
         with pytest.raises(plumbing.ConfigError, match=f"--out {output} {kind}: pass the path of a file to write"):
-            plumbing.check_outputs([("--out", output)], [])
+            plumbing.check_outputs([("--out", output)], [], "x.py")
     plumbing.check_outputs([("--out", tmp_path / "curves.png"), ("--out", tmp_path / "metrics.jsonl.png")],
-                           [("--in", metrics), ("--in", Path("trl-lib/tldr"))])  # elsewhere, and a Hub id: fine
+                           [("--in", metrics), ("--in", Path("trl-lib/tldr"))], "x.py")  # elsewhere, a Hub id: fine
 
 
 def metrics_lines(*updates: int, tail: str = "") -> str:
@@ -200,7 +200,7 @@ def test_the_judge_never_writes_over_its_dataset_model_or_cache(assets, tmp_path
     data = tmp_path / "tldr.jsonl"
     data.write_text('{"prompt": "p", "completion": "c"}\n')
     cache = tmp_path / "cache.jsonl"
-    cache.write_text("")
+    cache.write_text('{"written_by": "benchmark/tldr/judge.py"}\n')  # its own cache: read and appended to
     for flags, line in (({"output_path": str(data)}, "--output_path .* is the input --dataset_name"),
                         ({"output_path": str(cache)}, "--output_path .* is the input --cache_path"),
                         ({"output_path": str(tmp_path / "tldr.json")}, r"--output_path .*tldr\.summaries\.jsonl is"),
@@ -213,13 +213,14 @@ def test_the_judge_never_writes_over_its_dataset_model_or_cache(assets, tmp_path
                           cache_path=flags.get("cache_path", str(cache)), output_path=flags.get("output_path"))
         with pytest.raises(plumbing.ConfigError, match=line):
             judge.main(args)
-    assert data.read_text() == '{"prompt": "p", "completion": "c"}\n' and cache.read_text() == ""
+    assert data.read_text() == '{"prompt": "p", "completion": "c"}\n'
+    assert cache.read_text() == '{"written_by": "benchmark/tldr/judge.py"}\n'
 
 
 @pytest.mark.parametrize("output,status,line", [
     ("{tmp}/file/sync_cost.md", 2, "--output {tmp}/file/sync_cost.md passes through {tmp}/file, which is a file: "
                                    "pass another --output"),
-    ("/proc/sync_cost.md", 4, "FileNotFoundError: [Errno 2] No such file or directory: '/proc/sync_cost.md'"),
+    ("/proc/sync_cost.md", 4, "FileNotFoundError: [Errno 2] No such file or directory: '/proc/.sync_cost.md.partial'"),
 ])
 def test_a_script_that_cannot_write_its_output_says_so_in_one_line(tmp_path, capsys, output, status, line):
     (tmp_path / "file").write_text("")
@@ -245,3 +246,70 @@ def test_the_trl_drivers_write_only_into_a_new_or_empty_directory(assets, tmp_pa
     for fresh in (tmp_path / "empty", tmp_path / "new" / "run"):
         plumbing.check_new_output_dir(str(fresh), inputs)
     assert (tmp_path / "earlier" / "metrics.jsonl").read_text() == "{}\n"
+
+
+# ---------------------------------------------------------------- a script writes only new files or its own
+def test_plot_metrics_never_replaces_a_file_it_did_not_write(tmp_path, capsys, monkeypatch):
+    """Issue 47: --png-path naming a run's model.safetensors, trainer_state.pt, args.json or a script of the
+    repository replaced it with a PNG, exit 0."""
+    monkeypatch.chdir(tmp_path)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    (tmp_path / "run" / "checkpoints" / "step_1").mkdir(parents=True)
+    metrics.write_text(metrics_lines(1, 2))
+    theirs = {"run/model.safetensors": b"weights", "run/checkpoints/step_1/trainer_state.pt": b"state",
+              "run/args.json": b'{"run_id": "a"}', "rloo.py": b"# the algorithm", "run/curves.png": b"\x89PNG mine",
+              "plot.PNG": b"\x89PNG\r\n\x1a\n\x00\x00\x00\x0etEXtSoftware\x00rloo other.py"}
+    for name, content in theirs.items():
+        (tmp_path / name).write_bytes(content)
+    os.link(tmp_path / "rloo.py", tmp_path / "hard.png")
+    (tmp_path / "link.png").symlink_to(tmp_path / "run" / "args.json")
+    (tmp_path / "dangling.png").symlink_to(tmp_path / "nowhere.png")
+    for png in [*theirs, "hard.png", "./rloo.py", Path("run") / ".." / "rloo.py", tmp_path / "link.png",
+                "dangling.png"]:
+        code, err = run_tool(plot_metrics, "plot_metrics.py", ["--metrics-paths", metrics, "--png-path", png], capsys)
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+        assert "did not write it: it would be replaced; pass a new path" in err or "is a symbolic link" in err, err
+    assert all((tmp_path / name).read_bytes() == content for name, content in theirs.items())
+    assert not (tmp_path / "nowhere.png").exists()
+    for _ in range(2):  # its own PNG: drawn again
+        code, err = run_tool(plot_metrics, "plot_metrics.py", ["--metrics-paths", metrics, "--png-path", "new.png"],
+                             capsys)
+        assert code == 0 and plumbing.written_by(tmp_path / "new.png") == "benchmark/plot_metrics.py", err
+    code, err = run_tool(plot_runs, "plot_runs.py", ["--runs", f"a={metrics}", "--png-path", "new.png"], capsys)
+    assert code == 2 and "benchmark/plot_runs.py did not write it" in err and "Traceback" not in err, err
+
+
+def test_plot_runs_refuses_a_file_it_did_not_write_in_one_line_and_redraws_its_own(tmp_path, capsys):
+    """Issue 47: plot_runs.py refused with a traceback."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(metrics_lines(1, 2, 3))
+    (tmp_path / "compare.png").write_bytes(b"a user's picture")
+    for png in ("compare.png", "link.png"):
+        if png == "link.png":
+            (tmp_path / png).symlink_to(tmp_path / "compare.png")
+        code, err = run_tool(plot_runs, "plot_runs.py", ["--runs", f"a={metrics}", "--png-path", tmp_path / png],
+                             capsys)
+        assert code == 2 and err.count("\n") == 1 and err.startswith("plot_runs.py: error: --png-path "), err
+    assert (tmp_path / "compare.png").read_bytes() == b"a user's picture"
+    for _ in range(2):
+        code, err = run_tool(plot_runs, "plot_runs.py", ["--runs", f"a={metrics}", "--png-path", tmp_path / "o.png"],
+                             capsys)
+        assert code == 0 and plumbing.written_by(tmp_path / "o.png") == "benchmark/plot_runs.py", err
+
+
+def test_sync_cost_and_the_judge_replace_only_their_own_outputs(tmp_path, capsys):
+    (tmp_path / "notes.md").write_text("my notes\n")
+    code, err = run_tool(sync_cost, "sync_cost.py", ["--output", tmp_path / "notes.md"], capsys)
+    assert code == 2 and "benchmark/sync_cost.py did not write it" in err and err.count("\n") == 1, err
+    assert (tmp_path / "notes.md").read_text() == "my notes\n"
+    for _ in range(2):
+        code, err = run_tool(sync_cost, "sync_cost.py", ["--output", tmp_path / "sync.md"], capsys)
+        assert code == 0 and plumbing.written_by(tmp_path / "sync.md") == "benchmark/sync_cost.py", err
+    assert plumbing.written_by(REPO / "benchmark" / "results" / "sync_cost.md") == "benchmark/sync_cost.py"
+    (tmp_path / "result.json").write_text('{"mine": 1}')
+    with pytest.raises(plumbing.ConfigError, match="--output_path .*result.json exists and benchmark/tldr/judge.py "
+                                                   "did not write it"):
+        judge.main(judge.Args(model_name_or_path="m", output_path=str(tmp_path / "result.json"),
+                              cache_path=str(tmp_path / "cache.jsonl")))
+    with pytest.raises(plumbing.ConfigError, match="--cache_path .*notes.md exists and benchmark/tldr/judge.py"):
+        judge.main(judge.Args(model_name_or_path="m", cache_path=str(tmp_path / "notes.md")))

@@ -46,6 +46,8 @@ sys.path.insert(0, str(REPO_ROOT))  # `python benchmark/tldr/judge.py` only puts
 import plumbing
 import rloo  # noqa: E402
 
+WRITER = "benchmark/tldr/judge.py"  # the mark of its outputs: a path that exists is written only if it has it
+
 
 @dataclass
 class Args:
@@ -207,9 +209,10 @@ class JudgeClient:
                 record = json.loads(line)
             except ValueError:  # the unfinished last line of an interrupted run
                 continue
-            cache[record["key"]] = record["answer"]
+            if isinstance(record, dict) and isinstance(record.get("key"), str):  # the first line: the signature
+                cache[record["key"]] = record.get("answer")
         if text and not text.endswith("\n"):  # end that line, so the next record starts on its own
-            with open(self.cache_path, "a") as f:
+            with plumbing.open_own(self.cache_path) as f:
                 f.write("\n")
         return cache
 
@@ -222,7 +225,9 @@ class JudgeClient:
         answer = self._request(prompt)
         with self._lock:
             self.cache[key] = answer
-            with open(self.cache_path, "a") as f:
+            with plumbing.open_own(self.cache_path) as f:
+                if f.tell() == 0:  # a new cache, signed on its first line (check_outputs: judge.py's own)
+                    f.write(json.dumps({"written_by": WRITER}) + "\n")
                 f.write(json.dumps({"key": key, "model": self.model, "answer": answer}) + "\n")
         return answer
 
@@ -330,8 +335,10 @@ def generate_summaries(args: Args, prompts: list[str]) -> list[str]:
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """The rows, one JSON line each, the first signed (`written_by`: a later call replaces its own file only)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    rows = [{"written_by": WRITER, **row} if i == 0 else row for i, row in enumerate(rows)]
+    plumbing.write_own(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 # ===================================================================== main
@@ -348,9 +355,9 @@ def main(args: Args) -> dict:
     summaries_path = None if args.output_path is None else \
         Path(args.output_path).with_name(Path(args.output_path).stem + ".summaries.jsonl")
     inputs = [("--dataset_name", Path(args.dataset_name)), ("--model_name_or_path", Path(args.model_name_or_path))]
-    plumbing.check_outputs([("--cache_path", Path(args.cache_path))], inputs)
+    plumbing.check_outputs([("--cache_path", Path(args.cache_path))], inputs, WRITER)
     plumbing.check_outputs([("--output_path", Path(path)) for path in (args.output_path, summaries_path) if path],
-                           [*inputs, ("--cache_path", Path(args.cache_path))])
+                           [*inputs, ("--cache_path", Path(args.cache_path))], WRITER)
     plumbing.quiet_hub_progress_bars()
     prompts, references = load_examples(args)
     summaries = generate_summaries(args, prompts)
@@ -382,7 +389,7 @@ def main(args: Args) -> dict:
           f"ties {result['ties']} = unparseable answers)")
     if args.output_path is not None:
         write_jsonl(summaries_path, rows)
-        Path(args.output_path).write_text(json.dumps(result, indent=2) + "\n")
+        plumbing.write_own(Path(args.output_path), json.dumps({"written_by": WRITER, **result}, indent=2) + "\n")
         print(f"wrote {args.output_path} and {summaries_path}")
     return result
 
