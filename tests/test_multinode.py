@@ -127,10 +127,11 @@ def test_hf_engine_run_equals_rloo_run_with_the_same_seed(assets, tmp_path, npro
     assert engines.returncode == 0, engines.stderr[-3000:]
     local_metrics, engine_metrics = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "engines")
     # the same numbers, but the engines' own log-probs of their tokens: another process's kernels round otherwise
+    # (the mismatch metrics are themselves rounding, ~1e-7 apart between the two runs: within 1e-6 of each other)
     for engine, local in zip(comparable(engine_metrics), comparable(local_metrics), strict=True):
         mismatch = [k for k in local if k.startswith("mismatch/")]
         assert mismatch and [engine.pop(k) for k in mismatch] == pytest.approx([local.pop(k) for k in mismatch],
-                                                                              rel=1e-6, abs=1e-7)
+                                                                              rel=1e-6, abs=1e-6)
         assert engine == local
     assert [m["rollout/staleness"] for m in engine_metrics] == [0, 0, 0]
     assert all(m["time/weight_sync"] >= 0 for m in engine_metrics)
