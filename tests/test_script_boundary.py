@@ -383,3 +383,18 @@ def test_the_committed_benchmark_reports_carry_their_scripts_mark():
     wrong = {path: mark for path, mark in marks.items()
              if mark != f"benchmark/{script[path.name.split('_')[0].split('.')[0]]}.py"}
     assert not wrong, wrong
+
+
+def test_a_generated_file_is_never_written_through_a_link_or_over_another_kind_of_file(tmp_path, capsys):
+    """docs/make_flags.py and benchmark/trl116_defaults.py (plumbing.write_generated): their fixed paths."""
+    (tmp_path / "outside").write_text("someone else's\n")
+    (tmp_path / "flags.md").symlink_to(tmp_path / "outside")
+    (tmp_path / "table.json").mkdir()
+    for name, why in (("flags.md", "is a symbolic link"), ("table.json", "is a directory")):
+        with pytest.raises(plumbing.ConfigError, match=f"{tmp_path / name} {why}, which is never written through"):
+            plumbing.write_generated(tmp_path / name, "text\n", False, "wrote")
+    assert (tmp_path / "outside").read_text() == "someone else's\n" and (tmp_path / "flags.md").is_symlink()
+    (tmp_path / "flags.md").unlink()
+    for _ in range(2):  # new, then its own replaced
+        plumbing.write_generated(tmp_path / "flags.md", "text\n", False, "wrote")
+        assert (tmp_path / "flags.md").read_text() == "text\n" and capsys.readouterr().out == "wrote\n"
