@@ -296,6 +296,8 @@ def test_plot_runs_refuses_a_file_it_did_not_write_in_one_line_and_redraws_its_o
         code, err = run_tool(plot_runs, "plot_runs.py", ["--runs", f"a={metrics}", "--png-path", tmp_path / "o.png"],
                              capsys)
         assert code == 0 and plumbing.written_by(tmp_path / "o.png") == "benchmark/plot_runs.py", err
+    plot_runs.plot_grid({"a": {"s": plot_runs.load_run(metrics)}}, tmp_path / "o.png", writer="benchmark/learning.py")
+    assert plumbing.written_by(tmp_path / "o.png") == "benchmark/learning.py"  # learning.py's PNGs: its mark
 
 
 def test_sync_cost_and_the_judge_replace_only_their_own_outputs(tmp_path, capsys):
