@@ -209,9 +209,11 @@ def url_problem(url: str) -> Optional[str]:
     if parts.scheme.lower() not in ("http", "https"):
         return f"has the scheme {plumbing.inert(parts.scheme, 20)}://; an engine is reached over http or https only"
     try:
-        parts.port  # noqa: B018  (raises on a port that is no number of 0-65535)
+        port = parts.port  # raises on a port that is no number of 0-65535
     except ValueError:
-        return "has a port that is not a number from 0 to 65535"
+        port = 0
+    if port == 0:  # port 0 is no server's: connecting to it fails, or reaches whatever the OS maps it to
+        return "has a port that is not a number from 1 to 65535"
     if not parts.hostname or any(c.isspace() or not c.isprintable() for c in parts.hostname):
         return "names no host"
     return None

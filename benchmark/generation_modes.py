@@ -35,9 +35,10 @@ import plumbing  # noqa: E402
 from benchmark.synthetic_task import save_tokenizer  # noqa: E402
 from benchmark.throughput import (PYTHIA_VOCAB, RunConfig, build_tokenizer, calibrate_stop_token,  # noqa: E402
                                   check_run_config, fresh_run_dir, prompt_lengths, run_trainer, summarize_run,
-                                  trainer_flags, write_report)
+                                  trainer_flags, check_report, write_report)
 
 MODES = ("rloo.py", "colocate", "server")
+WRITER = "benchmark/generation_modes.py"  # the mark of its reports: a path that exists is replaced only if it has it
 
 
 @dataclass
@@ -114,6 +115,7 @@ def main(args: Args) -> None:
     check_run_config(args)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB per CPU engine; vLLM's CPU default is far larger
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_report(f"generation_modes_{device}", args, WRITER)  # before any run: nothing of the user's written over
     batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     assets = ensure_assets(args, batch // args.rloo_k * args.updates)
     start, results = time.time(), {mode: [] for mode in MODES}
@@ -132,7 +134,7 @@ def main(args: Args) -> None:
                     f"{mean['training_s']:.2f} | {mean['episodes_per_s']:.2f} | {mean['mean_response_length']:.1f} |")
     table = "\n".join(rows)
     print(table)
-    write_report(f"generation_modes_{device}", args, batch, results, table, start)
+    write_report(f"generation_modes_{device}", args, batch, results, table, start, WRITER)
 
 
 if __name__ == "__main__":

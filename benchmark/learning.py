@@ -34,10 +34,11 @@ from benchmark import demo  # noqa: E402
 from benchmark.plot_metrics import moving_average  # noqa: E402
 from benchmark.plot_runs import load_run, plot_grid  # noqa: E402
 from benchmark.synthetic_task import ensure_assets, sample_completions, score_pairs, true_reward  # noqa: E402
-from benchmark.throughput import TRAINERS, fresh_run_dir, run_trainer, trainer_commands  # noqa: E402
+from benchmark.throughput import TRAINERS, check_report, fresh_run_dir, run_trainer, trainer_commands  # noqa: E402
 
 TRUE_SCORE = "reward/true_reward/mean"
 SMOOTH = 10  # updates in the moving average of the training curves
+WRITER = "benchmark/learning.py"  # the mark of its outputs: a path that exists is replaced only if it has it
 
 
 @dataclass
@@ -107,6 +108,7 @@ def main(args: Args) -> None:
     if not args.seeds or args.total_episodes < 1:
         raise plumbing.ConfigError(f"--seeds {' '.join(map(str, args.seeds))} --total_episodes {args.total_episodes}: "
                                    "at least one seed and one episode")
+    check_report("learning", args, WRITER, others=("learning_episodes.png", "learning_seconds.png"))  # before any run
 
     commands = trainer_commands(args.trl_python, "learning")
     start = time.time()
@@ -147,15 +149,15 @@ def main(args: Args) -> None:
     output_dir = REPO_ROOT / args.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
     metrics = ("objective/scores", TRUE_SCORE)
-    plot_grid(runs, output_dir / "learning_episodes.png", metrics, smooth=SMOOTH)
+    plot_grid(runs, output_dir / "learning_episodes.png", metrics, smooth=SMOOTH, writer=WRITER)
     plot_grid(runs, output_dir / "learning_seconds.png", metrics, smooth=SMOOTH, x="time/elapsed",
-              xlabel="training seconds (sum of time/update)")
+              xlabel="training seconds (sum of time/update)", writer=WRITER)
     report = {"config": asdict(args), "flags": trainer_flags(args, assets, 0, Path("RUN_DIR")),
               "trl_final_true_score_sampled": trl_final, "trl_final_training_true_score": trl_curve_final,
               "results": results, "seconds": time.time() - start}
-    (output_dir / "learning.json").write_text(json.dumps(report, indent=2) + "\n")
-    (output_dir / "learning.md").write_text(
-        f"Mean (min to max) over seeds {list(args.seeds)}, {args.total_episodes} episodes each.\n\n{table}\n")
+    plumbing.write_own(output_dir / "learning.json", json.dumps({"written_by": WRITER, **report}, indent=2) + "\n")
+    plumbing.write_own(output_dir / "learning.md", f"Mean (min to max) over seeds {list(args.seeds)}, "
+                       f"{args.total_episodes} episodes each.\n\n{table}\n\n<!-- written by {WRITER} -->\n")
     print(f"wrote {output_dir}/learning.json, .md and the PNGs ({time.time() - start:.0f}s)")
 
 

@@ -9,10 +9,10 @@ The FSDP sets run under a one-process torchrun (what a one-GPU user launches). O
 (everything already lives in host memory): its row measures the bookkeeping only.
 """
 
-import json
 import os
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,9 +21,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import plumbing  # noqa: E402
 from benchmark.throughput import (  # noqa: E402
-    PHASES, REPO_ROOT, RunConfig, check_run_config, ensure_shape_assets, fresh_run_dir, hardware, run_trainer,
-    summarize_run, trainer_flags,
+    PHASES, REPO_ROOT, RunConfig, check_report, check_run_config, ensure_shape_assets, fresh_run_dir, hardware,
+    run_trainer, summarize_run, trainer_flags, write_report,
 )
+
+WRITER = "benchmark/options_cost.py"  # the mark of its reports: a path that exists is replaced only if it has it
 
 OPTION_SETS = {  # name: (launched under a 1-process torchrun, rloo.py flags)
     "baseline": (False, []),
@@ -54,6 +56,8 @@ def main(args: Args) -> None:
     if unknown:
         raise plumbing.ConfigError(f"--options: unknown option set(s) {unknown}; choose from {list(OPTION_SETS)}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_report(f"{args.output_name}_{device}", args, WRITER)  # before any run: nothing of the user's written over
+    start = time.time()
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # torchrun would otherwise set 1
     batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     runs = {}
@@ -78,12 +82,8 @@ def main(args: Args) -> None:
         f"| {run} | " + " | ".join(f"{r[c]:.2f}" if c in r else "-" for c in columns) + " |"
         for run, r in results.items()])
     print(table)
-    output_dir = REPO_ROOT / args.output_dir
-    output_dir.mkdir(parents=True, exist_ok=True)
     report = {"hardware": hardware(), "config": asdict(args), "results": results, "runs": runs}
-    (output_dir / f"{args.output_name}_{device}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (output_dir / f"{args.output_name}_{device}.md").write_text(
-        f"Hardware: {json.dumps(report['hardware'])}\n\nConfig: {json.dumps(asdict(args))}\n\n{table}\n")
+    write_report(f"{args.output_name}_{device}", args, batch, results, table, start, WRITER, report=report)
 
 
 if __name__ == "__main__":

@@ -139,9 +139,10 @@ def method_curves(runs: dict[str, Run], metric: str, x: str = "episode") -> list
 
 
 def plot_grid(methods: dict[str, dict[str, Run]], png_path: Path, metrics: tuple[str, ...] = METRICS,
-              smooth: int = 1, num_points: int = 200, x: str = "episode", xlabel: str | None = None) -> None:
+              smooth: int = 1, num_points: int = 200, x: str = "episode", xlabel: str | None = None,
+              writer: str = WRITER) -> None:
     """One panel per metric against `x` (a column of every run); per method, the mean over seeds as a line and the
-    min-max as a band."""
+    min-max as a band. The PNG carries `writer`'s mark (plumbing.written_by: the script that checked its path)."""
     cols = min(4, len(metrics))
     rows = math.ceil(len(metrics) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
@@ -164,7 +165,7 @@ def plot_grid(methods: dict[str, dict[str, Run]], png_path: Path, metrics: tuple
     Path(png_path).parent.mkdir(parents=True, exist_ok=True)
     partial = Path(png_path).with_name(f".{Path(png_path).name}.partial")
     with plumbing.new_file(partial, binary=True) as f:  # never through a link; whole or not at all
-        fig.savefig(f, dpi=120, format="png", metadata={"Software": plumbing.PNG_WRITER + WRITER})
+        fig.savefig(f, dpi=120, format="png", metadata={"Software": plumbing.PNG_WRITER + writer})
     os.replace(partial, png_path)
     plt.close(fig)
 

@@ -54,6 +54,8 @@ import plumbing  # noqa: E402
 from benchmark import accounting  # noqa: E402
 from benchmark.synthetic_task import save_tokenizer  # noqa: E402
 
+WRITER = "benchmark/throughput.py"  # the mark of its reports: a path that exists is replaced only if it has it
+
 # Pythia shapes (EleutherAI/pythia-*-deduped configs): hidden size, layers, attention heads
 PYTHIA_SHAPES = {
     "pythia-14m": (128, 6, 4),
@@ -505,6 +507,8 @@ def markdown_table(summary: dict, peaks: Optional[dict] = None) -> str:
 
 def main(args: Args) -> None:
     check_run_config(args)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_report(f"throughput_{device}", args, WRITER)  # before any run: nothing of the user's written over
     if not args.trls:
         raise plumbing.ConfigError("--trls names no TRL trainer to set rloo.py against; pass trl, trl116 or both")
     commands = {"rloo.py": [sys.executable, "rloo.py"]}
@@ -514,7 +518,6 @@ def main(args: Args) -> None:
         commands["trl116"], problem = trl116_command(args.trl116_site)
         if problem:
             sys.exit(f"throughput: {problem}, or pass --trls trl")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     peaks = accounting.measure_peaks(torch.device(device), torch.bfloat16 if args.bf16 and device == "cuda"
                                      else torch.float32)
@@ -541,21 +544,34 @@ def main(args: Args) -> None:
     limits = accounting.limits_table(limits_rows(summary, parameters, peaks), peaks)
     table = markdown_table(summary, peaks) + "\n\n" + limits
     print(table)
-    write_report(f"throughput_{device}", args, batch, summary, table, start, peaks)
+    write_report(f"throughput_{device}", args, batch, summary, table, start, WRITER, peaks)
 
 
-def write_report(name: str, args, batch: int, results: dict, table: str, start: float,
-                 peaks: Optional[dict] = None) -> None:
-    """args.output_dir/<name>.json (hardware and its measured limits, config, results) and <name>.md (the table);
-    generation_modes.py's too."""
-    output_dir = REPO_ROOT / args.output_dir
-    output_dir.mkdir(parents=True, exist_ok=True)
-    report = {"hardware": {**hardware(), **({"measured": peaks} if peaks else {})}, "config": asdict(args),
-              "completions_per_update": batch, "results": results, "seconds": time.time() - start}
-    (output_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (output_dir / f"{name}.md").write_text(
-        f"Hardware: {json.dumps(report['hardware'])}\n\nConfig: {json.dumps(asdict(args))}\n\n{table}\n")
-    print(f"wrote {output_dir}/{name}.json and .md ({time.time() - start:.0f}s)")
+def report_paths(name: str, args) -> list[Path]:
+    """args.output_dir/<name>.json and <name>.md: a benchmark's report."""
+    return [REPO_ROOT / args.output_dir / f"{name}{suffix}" for suffix in (".json", ".md")]
+
+
+def check_report(name: str, args, writer: str, others: tuple[str, ...] = ()) -> None:
+    """Before a benchmark runs anything: its report files (and `others`, more of its files in args.output_dir) are
+    new or `writer`'s own (plumbing.check_outputs: a user's file of the same name, a link, refused in one line)."""
+    plumbing.check_outputs([("--output_dir", path) for path in report_paths(name, args)]
+                           + [("--output_dir", REPO_ROOT / args.output_dir / other) for other in others], [], writer)
+
+
+def write_report(name: str, args, batch: int, results: dict, table: str, start: float, writer: str,
+                 peaks: Optional[dict] = None, report: Optional[dict] = None) -> None:
+    """args.output_dir/<name>.json (hardware and its measured limits, config, results) and <name>.md (the table),
+    each marked as `writer`'s (plumbing.written_by) and never written through a link; generation_modes.py's and
+    options_cost.py's too (`report`: their JSON instead of the one built here)."""
+    json_path, md_path = report_paths(name, args)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    report = report or {"hardware": {**hardware(), **({"measured": peaks} if peaks else {})}, "config": asdict(args),
+                        "completions_per_update": batch, "results": results, "seconds": time.time() - start}
+    plumbing.write_own(json_path, json.dumps({"written_by": writer, **report}, indent=2) + "\n")
+    plumbing.write_own(md_path, f"Hardware: {json.dumps(report['hardware'])}\n\nConfig: {json.dumps(asdict(args))}\n\n"
+                       f"{table}\n" + f"\n<!-- written by {writer} -->\n")
+    print(f"wrote {json_path.parent}/{name}.json and .md ({time.time() - start:.0f}s)")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import tyro._errors  # parse_args' one-line parse errors
 import yaml  # transformers' dependency
 
 from .distributed import stopped_alone
-from .errors import ConfigError, Fault, describe, first_line, inert, shown
+from .errors import ConfigError, Fault, describe, first_line, inert, not_a_file, shown, write_own
 from .faults import NonFiniteError, StartupInterrupted, StopSignal, console_survives
 from .flags import PATH_FLAGS, RunArgs
 from .rewards import end_processes_left
@@ -894,8 +894,14 @@ def run_tool(program: str, target: Callable, main: Optional[Callable] = None, ar
 
 def write_generated(path: Path, text: str, check: bool, wrote: str) -> None:
     """A file a script generates (docs/flags.md, TRL's defaults): written, then `wrote` printed; or with `check`,
-    nothing written and exit status 1 where the file is not `text`."""
+    nothing written and exit status 1 where the file is not `text`. Its path is the script's own, in the
+    repository: a symbolic link or another kind of file planted there is refused in one line, never written
+    through (write_own)."""
     if check:
         sys.exit(0 if path.exists() and path.read_text() == text else 1)
-    path.write_text(text)
+    problem = "is a symbolic link" if path.is_symlink() else not_a_file(path) if path.exists() else None
+    if problem:
+        raise ConfigError(f"{inert(path, 120)} {problem}, which is never written through: put the repository's file "
+                          "back (git checkout -- PATH), then run this again")
+    write_own(path, text)
     print(wrote)

@@ -140,6 +140,7 @@ def test_throughput_runs_both_trainers_and_reports_the_ratio_and_the_work(trl_py
                "--gradient_accumulation_steps", "1", "--local_rollout_forward_batch_size", "4",  # TRL 1.16: equal
                "--cache_dir", tmp_path / "cache", "--output_dir", tmp_path / "results", "--runs_dir", tmp_path / "runs")
     report = json.loads((tmp_path / "results" / "throughput_cpu.json").read_text())
+    assert report["written_by"] == "benchmark/throughput.py"  # its mark: a rerun replaces it, nothing else
     result = report["results"]["pythia-14m k=2"]  # TL;DR-like prompt lengths (clipped to 64..72), EOS-prone policy
     for name in ("rloo.py", "trl", "trl116"):  # TRL 0.21 and TRL 1.16, each after rloo.py
         (run,) = result[name]
@@ -162,6 +163,7 @@ def test_learning_trains_both_and_plots(trl_python, tmp_path):
     run_benchmark_script("benchmark/learning.py", "--trl_python", trl_python, "--seeds", "1", "--total_episodes", "128",
                "--cache_dir", tmp_path / "cache", "--output_dir", tmp_path / "results", "--runs_dir", tmp_path / "runs")
     report = json.loads((tmp_path / "results" / "learning.json").read_text())
+    assert report["written_by"] == "benchmark/learning.py"  # its mark: a rerun replaces it, nothing else
     for name in ("rloo.py", "trl"):
         (result,) = report["results"][name]
         assert 0 <= result["true_score_sampled"] <= 1 and 0 <= result["true_score_greedy"] <= 1

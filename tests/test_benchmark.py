@@ -114,6 +114,7 @@ def test_options_cost_runs_an_option_set(tmp_path):
         "--output_dir", tmp_path / "results", "--runs_dir", tmp_path / "runs")
     report = json.loads((tmp_path / "results" / "options_cost_cpu.json").read_text())
     assert list(report["results"]) == ["pythia-14m fsdp_offload"]
+    assert report["written_by"] == "benchmark/options_cost.py"  # its mark: a rerun replaces it, nothing else
     for run in report["results"].values():
         assert run["updates_measured"] == 1 and run["seconds_per_update"] > 0 and run["peak_rss_gib"] > 0
 

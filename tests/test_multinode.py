@@ -348,6 +348,7 @@ class RunsCode:
     ("a:8000", "has no scheme"), ("localhost", "has no scheme"), ("//a:8000", "has no scheme"),
     ("http://", "names no host"), ("http://:8000", "names no host"),
     ("http://a:99999", "has a port that is not a number"), ("http://a:80x", "has a port that is not a number"),
+    ("http://a:0", "has a port that is not a number from 1 to 65535"), ("https://[::1]:00/", "from 1 to 65535"),
     ("http://u:s3cret@a:8000,gopher://u:s3cret@b", "has the scheme gopher://"),
     ("http://a\x1b[2J:1", "is not a URL"), ("http://a\x1b:1", "names no host"),
     ("javascript:alert(1)", "has no scheme"),

@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -295,6 +296,8 @@ def test_plot_runs_refuses_a_file_it_did_not_write_in_one_line_and_redraws_its_o
         code, err = run_tool(plot_runs, "plot_runs.py", ["--runs", f"a={metrics}", "--png-path", tmp_path / "o.png"],
                              capsys)
         assert code == 0 and plumbing.written_by(tmp_path / "o.png") == "benchmark/plot_runs.py", err
+    plot_runs.plot_grid({"a": {"s": plot_runs.load_run(metrics)}}, tmp_path / "o.png", writer="benchmark/learning.py")
+    assert plumbing.written_by(tmp_path / "o.png") == "benchmark/learning.py"  # learning.py's PNGs: its mark
 
 
 def test_sync_cost_and_the_judge_replace_only_their_own_outputs(tmp_path, capsys):
@@ -313,3 +316,87 @@ def test_sync_cost_and_the_judge_replace_only_their_own_outputs(tmp_path, capsys
                               cache_path=str(tmp_path / "cache.jsonl")))
     with pytest.raises(plumbing.ConfigError, match="--cache_path .*notes.md exists and benchmark/tldr/judge.py"):
         judge.main(judge.Args(model_name_or_path="m", cache_path=str(tmp_path / "notes.md")))
+
+
+BENCHMARK_REPORTS = {  # script: (the first step after its outputs are checked, its files in --output_dir, flags)
+    "throughput": ("trainer_commands", ("throughput_{device}.json", "throughput_{device}.md"), ["--trls", "trl"]),
+    "generation_modes": ("ensure_assets", ("generation_modes_{device}.json", "generation_modes_{device}.md"), []),
+    "options_cost": ("ensure_shape_assets", ("mine_{device}.json", "mine_{device}.md"), ["--output_name", "mine"]),
+    "learning": ("trainer_commands", ("learning.json", "learning.md", "learning_episodes.png", "learning_seconds.png"),
+                 []),
+}
+
+
+@pytest.mark.parametrize("name", BENCHMARK_REPORTS)
+def test_a_benchmark_replaces_only_its_own_reports_and_refuses_before_any_run(name, tmp_path, capsys, monkeypatch):
+    """Its reports (JSON, Markdown, PNGs) in --output_dir: a user's file of the same name or a link there is refused
+    in one line before anything runs; what the script wrote itself (its mark) is replaced."""
+    import torch
+
+    module = importlib.import_module(f"benchmark.{name}")
+    program, writer = f"{name}.py", f"benchmark/{name}.py"
+    first_step, files, flags = BENCHMARK_REPORTS[name]
+    files = [f.format(device="cuda" if torch.cuda.is_available() else "cpu") for f in files]
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # what the scripts set for their runs, kept out of this process
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+
+    def reached(*args, **kwargs):
+        raise plumbing.ConfigError("reached the runs")
+    monkeypatch.setattr(module, first_step, reached)
+    argv = [*flags, "--output_dir", tmp_path]
+    for index, file in enumerate(files):
+        for planted in ("mine", "link"):
+            path = tmp_path / file
+            if planted == "mine":
+                path.write_text("my notes\n")
+            else:
+                path.unlink()
+                (tmp_path / "outside").write_text(f"<!-- written by {writer} -->\n")
+                path.symlink_to(tmp_path / "outside")
+            code, err = run_tool(module, program, argv, capsys)
+            why = f"exists and {writer} did not write it" if planted == "mine" else "is a symbolic link"
+            assert code == 2 and f"--output_dir {path} {why}" in err and err.count("\n") == 1, err
+        path.unlink()
+        assert (tmp_path / "outside").read_text() == f"<!-- written by {writer} -->\n"
+    for file in files:  # the script's own files, in the forms it writes them
+        if file.endswith(".png"):
+            shutil.copy(REPO / "benchmark" / "results" / file, tmp_path / file)
+        elif file.endswith(".json"):
+            (tmp_path / file).write_text(json.dumps({"written_by": writer, "results": {}}, indent=2) + "\n")
+        else:
+            (tmp_path / file).write_text(f"| table |\n\n<!-- written by {writer} -->\n")
+    if name != "learning":
+        args = module.Args(output_dir=str(tmp_path), **({"output_name": "mine"} if name == "options_cost" else {}))
+        throughput.write_report(files[0].removesuffix(".json"), args, 4, {}, "| table |", 0.0, writer,
+                                report={"hardware": {}} if name == "options_cost" else None)
+        assert all(plumbing.written_by(tmp_path / file) == writer for file in files)
+    code, err = run_tool(module, program, argv, capsys)
+    assert code == 2 and err == f"{program}: error: reached the runs\n", err
+
+
+def test_the_committed_benchmark_reports_carry_their_scripts_mark():
+    """So that `make bench-results` (and a rerun into the folders of benchmark/results) replaces them."""
+    results = REPO / "benchmark" / "results"
+    marks = {path.relative_to(results): plumbing.written_by(path) for path in results.rglob("*")
+             if path.name.startswith(("throughput_", "generation_modes_", "options_cost_", "learning", "sync_cost"))}
+    assert len(marks) >= 23, marks
+    script = {"throughput": "throughput", "generation": "generation_modes", "options": "options_cost",
+              "learning": "learning", "sync": "sync_cost"}
+    wrong = {path: mark for path, mark in marks.items()
+             if mark != f"benchmark/{script[path.name.split('_')[0].split('.')[0]]}.py"}
+    assert not wrong, wrong
+
+
+def test_a_generated_file_is_never_written_through_a_link_or_over_another_kind_of_file(tmp_path, capsys):
+    """docs/make_flags.py and benchmark/trl116_defaults.py (plumbing.write_generated): their fixed paths."""
+    (tmp_path / "outside").write_text("someone else's\n")
+    (tmp_path / "flags.md").symlink_to(tmp_path / "outside")
+    (tmp_path / "table.json").mkdir()
+    for name, why in (("flags.md", "is a symbolic link"), ("table.json", "is a directory")):
+        with pytest.raises(plumbing.ConfigError, match=f"{tmp_path / name} {why}, which is never written through"):
+            plumbing.write_generated(tmp_path / name, "text\n", False, "wrote")
+    assert (tmp_path / "outside").read_text() == "someone else's\n" and (tmp_path / "flags.md").is_symlink()
+    (tmp_path / "flags.md").unlink()
+    for _ in range(2):  # new, then its own replaced
+        plumbing.write_generated(tmp_path / "flags.md", "text\n", False, "wrote")
+        assert (tmp_path / "flags.md").read_text() == "text\n" and capsys.readouterr().out == "wrote\n"
