@@ -390,8 +390,9 @@ def test_an_ema_reference_resumes_bit_identically_on_two_ranks(assets, tmp_path)
     assert saved.keys() == initial.keys() and not all(torch.equal(saved[k], initial[k]) for k in saved)
 
 
-def test_a_stock_reference_is_not_saved(tmp_path):
-    """A reference nothing changed is the initial model: no checkpoint holds a copy of it."""
+def test_the_reference_fingerprint_sees_any_change_and_nothing_else():
+    """What decides whether a checkpoint saves the reference: equal weights, equal fingerprints (a stock reference,
+    never changed, is not saved); a change of one weight by 1e-7 is seen."""
     tokenizer = policy_tokenizer()
     policy, reference = tiny_policy(len(tokenizer)), tiny_policy(len(tokenizer)).requires_grad_(False)
     assert plumbing.fingerprint(plumbing.reference_tensors(reference)) == \
