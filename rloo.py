@@ -190,12 +190,11 @@ class Args(plumbing.RunArgs):
 
 
 @dataclass
-class AlgorithmState:
+class AlgorithmState(plumbing.FieldsState):
     """What the algorithm carries from one update to the next (a controller's coefficient, a running statistic); Args
-    never changes during a run. Made by start(args); ppo_update hands it to compute_advantages and policy_loss; main
-    changes it after an update, from metrics reduced over ranks (so every rank holds the same); every checkpoint
-    saves it and a resume restores it bit for bit: plain values and tensors (tensors come back on the CPU). Stock
-    RLOO keeps none; docs/algorithm.md has a worked example (an adaptive KL controller)."""
+    never changes during a run. Made by start(args), handed by ppo_update to compute_advantages and policy_loss,
+    changed by main after an update. Each rank saves its own; a resume restores it bit for bit, type-checked: plain
+    values and tensors (back on the CPU). Stock RLOO keeps none; docs/algorithm.md has worked examples."""
 
     @classmethod
     def start(cls, args: Args) -> "AlgorithmState":
@@ -1384,8 +1383,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     sizes = compute_batch_sizes(args, dist_info.world_size)
     device, master = dist_info.device, dist_info.master
     state = AlgorithmState.start(args)
-    checkpoints = plumbing.Checkpointer(args, dist_info, lock, reward_functions, state)  # output_dir locked, the
-    # checkpoint to start from (the state restored from it), every input checked against those the run started with
+    checkpoints = plumbing.Checkpointer(args, dist_info, lock, reward_functions)  # output_dir locked, where to resume
     with checkpoints.refusal_leaves_nothing():
         plumbing.choose_kernels()
         autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=args.bf16)
@@ -1440,12 +1438,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         optimizer = torch.optim.AdamW(plumbing.weight_decay_groups(policy, trainable, args.weight_decay),
                                       lr=args.learning_rate, eps=args.adam_epsilon,
                                       fused=device.type == "cuda" and not args.offload)  # one kernel for all tensors
-        plumbing.seed_everything(args.seed + dist_info.rank)  # from here on each rank samples differently
-        sampling_rng = torch.Generator(device).manual_seed(args.seed + dist_info.rank)  # only sampling draws from it
-        # a resumed run's state restored; with --sync_ref_model the reference's weights too: they are not the
-        # initial model's, nor can they be derived from the policy's
-        checkpoints.load(policy, optimizer, tokenizer, sampler, sampling_rng,
-                         reference=ref_policy if args.sync_ref_model else None)
+        # python's, numpy's and torch's generators seeded (each rank differently), and .sampling, only sampling's own
+        generators = plumbing.Generators(args.seed + dist_info.rank, device)
         notes = (checkpoints.notes() if master else []) + notes  # output_dir settled for this run's timeline
         run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
         logger = plumbing.RunLogger(args, run_name, num_updates, checkpoints.start_update, checkpoints.wandb_run_id,
@@ -1464,7 +1458,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                 functools.partial(learning_rate_at, num_updates=num_updates, args=args), num_updates))
             for note in notes:
                 logger.console.print(note, highlight=False, soft_wrap=True)
-        rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, sampling_rng, autocast)
+        rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, generators.sampling, autocast)
         notes = [f"on-policy (1 PPO epoch, 1 minibatch): the ratio is 1 at every step, so the clip range "
                  f"[1 - {args.cliprange:g}, 1 + {args.cliprange_high:g}] cannot act (raise --num_ppo_epochs or "
                  "--num_mini_batches for it to)"] if steps_per_update == 1 and rollouts.lookahead == 0 else []
@@ -1473,13 +1467,19 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
             logger.console.print(note, highlight=False, soft_wrap=True)
         timer = plumbing.PhaseTimer(device)
         timer.count_tokens_of(policy, ref_policy, sources.model, getattr(rollouts, "sampler", None))
+        checkpoints.restore(policy=policy, tokenizer=tokenizer,  # the run's stateful parts, one a line (HF, once)
+            optimizer=optimizer,  # once (with FSDP: each rank its shard)
+            reference=ref_policy,  # once, whenever its weights are no longer those it was loaded with
+            algorithm_state=state,  # this and every part below: per rank, each rank's own
+            sampler=sampler,  # where the oldest batch not yet trained on was drawn (data_position)
+            rollouts=rollouts if hasattr(rollouts, "state_dict") else None,  # the rollout source's own, if any
+            generators=generators)  # restored last: as seeded, or the checkpoint's (nothing draws in between)
     eval_at = plumbing.evaluation_updates(args, num_updates, steps_per_update, len(dataset) // sampler.per_update) \
         if eval_dataset is not None else set()
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0
     queued: list[PromptBatch] = []  # drawn, sampled or being sampled, not yet trained on
 
-    def data_position() -> dict:
-        """The sampler before the oldest batch not yet trained on: where a resume draws again."""
+    def data_position() -> dict:  # the sampler before the oldest batch not yet trained on: where a resume draws again
         return queued[0].sampler_state if queued else sampler.state_dict()
 
     def evaluation(update: int, episode: int) -> None:
@@ -1497,7 +1497,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         for update in range(checkpoints.start_update + 1, num_updates + 1):
             timer.start_update()
             update_start = time.perf_counter()
-            update_position, update_rng = data_position(), plumbing.rng_state(sampling_rng)  # a reward fault's restart
+            restart = dict(sampler=data_position(), generators=generators.state_dict())  # a reward fault's
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate_at(update, num_updates, args)
 
@@ -1519,7 +1519,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                     with timer("generation"):
                         completions, rollout_metrics = rollouts.take()  # (B, Tq) queries, (k*B, Tr) responses
                 except plumbing.RolloutSourceError as e:  # the last update's state is intact: keep it, then stop
-                    path = checkpoints.save(update - 1, data_position())
+                    path = checkpoints.save(update - 1, sampler=data_position())
                     raise plumbing.RolloutSourceError(f"{e}; checkpoint of update {update - 1} saved to {path}") \
                         from None
                 prompt_batch = queued.pop(0)
@@ -1588,7 +1588,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                 evaluation(update, episode)
             stop = stop_signal.requested(device)  # on every rank as soon as any rank got a signal
             if stop or update == num_updates or (save_every > 0 and update % save_every == 0):
-                checkpoints.save(update, data_position())
+                checkpoints.save(update, sampler=data_position())
             if stop:
                 checkpoints.stopped(logger, f"{stop_signal.name or 'a signal to another rank'} received: stopped "
                                             f"after update {update}")
@@ -1601,14 +1601,14 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                 checkpoints.mark_finished()
                 logger.console.print(f"saved the policy and tokenizer to {args.output_dir}")
     except plumbing.RewardFunctionError as e:  # every rank at once: keep the last finished update, then stop
-        where = checkpoints.keep(update, data_position()) if e.after_training else \
-            checkpoints.keep(update - 1, update_position, update_rng)
+        where = checkpoints.keep(update, sampler=data_position()) if e.after_training else \
+            checkpoints.keep(update - 1, **restart)
         if e.signal_name is None:
             raise plumbing.RewardFunctionError(f"{e}; {where}", e.announce) from None
         checkpoints.stopped(logger, f"{e.signal_name} received while a reward function ran: stopped at once")
     except plumbing.MetricsWriteError as e:  # rank 0's alone: a checkpoint needs every rank
         where = "no checkpoint: it needs every rank (torchrun stops the others)" if dist.is_initialized() else \
-            checkpoints.keep(update, data_position())
+            checkpoints.keep(update, sampler=data_position())
         raise plumbing.MetricsWriteError(f"{e} after update {update}; {where}") from None
     finally:  # an error on one rank alone must not wait for the others: torchrun stops them
         rollouts.close()

@@ -4,15 +4,19 @@ applied to a copy of rloo.py and trained with for a few updates on the tiny mode
 import functools
 import importlib.util
 import math
+import os
 import re
-from dataclasses import replace
+import signal
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import plumbing
 import rloo
-from conftest import REPO, policy_tokenizer, prompt_rows, read_metrics, tiny_policy, tiny_reward_model
+from conftest import REPO, policy_tokenizer, prompt_rows, read_metrics, run_rloo, tiny_policy, tiny_reward_model
 from test_components import left_padded
 from test_shared_prompt import NO_AUTOCAST
 
@@ -92,7 +96,8 @@ def test_the_sections_have_the_examples():
     assert list(examples()) == ["Equal-reward groups leave the loss", "GRPO's group-normalized advantage",
                                 "Another KL estimator in the loss", "Dual-clip PPO", "Epsilon sampling",
                                 "An entropy bonus", "DAPO's token mean", "A z-score over the batch",
-                                "An adaptive KL controller", "A temperature schedule"]
+                                "An adaptive KL controller", "An EMA reference", "A rank-local statistic",
+                                "A temperature schedule"]
 
 
 def weights(policy) -> list[torch.Tensor]:
@@ -277,13 +282,57 @@ def test_the_start_up_check_is_said_in_one_line_and_the_run_takes_the_plain_path
     assert rollouts[0].logprobs is not None  # from collect_rollout's own pass, before the update
 
 
+@dataclass
+class KLState(plumbing.FieldsState):  # an AlgorithmState as a researcher extends it
+    kl_coef: float = 0.05
+    steps: int = 0
+    history: list = field(default_factory=list)
+    running: torch.Tensor = field(default_factory=lambda: torch.zeros(3))
+    pair: tuple = (0.0, 1)
+
+
 def test_the_algorithm_state_is_saved_whole_or_refused():
     with pytest.raises(AttributeError, match="Args.kl_coef cannot change during a run .* AlgorithmState"):
         rloo.Args().kl_coef = 0.1
-    assert plumbing.algorithm_state_values(rloo.AlgorithmState()) == {}
-    with pytest.raises(plumbing.ConfigError, match=r"its algorithm state has fields \['kl_coef'\] but "
-                                                   r"AlgorithmState has \[\] \(the code changed since it was saved\)"):
-        plumbing.restore_algorithm_state(rloo.AlgorithmState(), {"kl_coef": 0.1}, REPO / "step_2")
+    assert rloo.AlgorithmState().state_dict() == {}
+    with pytest.raises(ValueError, match=r"its fields are \['kl_coef'\] but AlgorithmState has \[\] \(the code "
+                                         r"changed since it was saved\)"):
+        rloo.AlgorithmState().load_state_dict({"kl_coef": 0.1})
+    saved = KLState(0.2, 3, [1.5, {"a": 2}], torch.ones(3), (0.5, 2)).state_dict()
+    state = KLState()
+    state.load_state_dict(saved)  # bit for bit, and an int where a float is
+    assert (state.kl_coef, state.steps, state.history, state.pair) == (0.2, 3, [1.5, {"a": 2}], (0.5, 2))
+    assert torch.equal(state.running, torch.ones(3))
+    state.load_state_dict(saved | {"kl_coef": 1})
+    assert state.kl_coef == 1
+
+
+@pytest.mark.parametrize("field_name,value,refusal", [
+    ("kl_coef", True, "KLState.kl_coef is True (a bool), not a float"),
+    ("kl_coef", float("nan"), "KLState.kl_coef is nan, not a finite number"),
+    ("kl_coef", float("inf"), "KLState.kl_coef is inf, not a finite number"),
+    ("kl_coef", "0.1", "KLState.kl_coef is '0.1' (a str), not a float"),
+    ("kl_coef", torch.tensor(0.1), "KLState.kl_coef is a torch.float32 tensor of shape (), not a float"),
+    ("steps", 2.0, "KLState.steps is 2.0 (a float), not an int"),
+    ("history", [1.0, float("nan")], "KLState.history[1] is nan, not a finite number"),
+    ("history", {"a": 1}, "KLState.history is {'a': 1} (a dict), not a list"),
+    ("history", [0] * 20_000_000, "KLState.history holds 20,000,000 values (a state keeps statistics, not data: "
+                                  "keep them as a tensor)"),
+    ("running", torch.tensor([1.0, float("nan"), 0.0]), "KLState.running holds a value that is not finite"),
+    ("running", torch.zeros(3, dtype=torch.int64), "KLState.running is a torch.int64 tensor of shape (3,), not a "
+                                                   "torch.float32 tensor"),
+    ("running", [0.0, 0.0, 0.0], "KLState.running is [0.0, 0.0, 0.0] (a list), not a torch.float32 tensor"),
+    ("pair", (0.5, 1, 2), "KLState.pair is (0.5, 1, 2) (a tuple), not a tuple of 2"),
+])
+def test_an_algorithm_state_of_the_wrong_type_is_refused_naming_the_field(field_name, value, refusal):
+    """A forged or foreign checkpoint's algorithm state: every field against the type of the value the run holds,
+    numbers finite, no absurd sizes; nothing set unless every field passes."""
+    state = KLState()
+    with pytest.raises(ValueError) as refused:
+        state.load_state_dict(KLState().state_dict() | {field_name: value})
+    assert str(refused.value) == refusal
+    assert (state.kl_coef, state.steps, state.history, state.pair) == (0.05, 0, [], (0.0, 1))  # nothing set
+    assert torch.equal(state.running, torch.zeros(3))
 
 
 def test_an_adaptive_kl_controller_resumes_bit_identically(assets, tmp_path, signal_handlers_kept):
@@ -297,11 +346,73 @@ def test_an_adaptive_kl_controller_resumes_bit_identically(assets, tmp_path, sig
     run_main(controller, **flags, output_dir=str(tmp_path / "resumed"), total_episodes=4 * K * PROMPTS, resume=True)
     coefficients = [m["objective/kl_coef"] for m in read_metrics(tmp_path / "full")]
     assert coefficients[0] == 0.5 and len(set(coefficients)) == 4, coefficients
-    saved = torch.load(tmp_path / "resumed" / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=True)
-    assert saved["state"] == {"kl_coef": coefficients[2]}
+    saved = torch.load(tmp_path / "resumed" / "checkpoints" / "step_2" / "rank0.pt", weights_only=True)
+    assert saved["algorithm_state"] == {"kl_coef": coefficients[2]}
     from test_checkpoints import assert_same_run
 
     assert_same_run(tmp_path / "full", tmp_path / "resumed")
+
+
+TWO_RANKS = ["--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train_batch_size", "16",
+             "--response_length", "6", "--temperature", "1.0", "--max_prompt_length", "16", "--num_ppo_epochs", "2",
+             "--learning_rate", "3e-3", "--num_sample_generations", "0", "--total_episodes", 4 * 16 * 2]  # 4 updates
+
+
+def stopped_and_resumed_on_two_ranks(module, assets, tmp_path, *flags) -> Path:
+    """The edited rloo.py (`module`'s file) trained for 4 updates on two ranks (torchrun, gloo, CPU), and again
+    stopped by SIGTERM after an update and resumed: the same metrics and bit-identical weights. Returns the
+    resumed run's output_dir."""
+    from test_checkpoints import assert_same_run, interrupt_after_first_update
+
+    script = Path(module.__file__)
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *TWO_RANKS, *flags]
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    result = run_rloo(*common, "--output_dir", full, nproc=2, env=env, script=str(script))
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, stdout, stderr = interrupt_after_first_update([*common, "--output_dir", stopped], signal.SIGTERM, 2,
+                                                     script=script)
+    assert "SIGTERM received" in stdout and not (stopped / "model.safetensors").exists(), stdout + stderr[-3000:]
+    result = run_rloo(*common, "--output_dir", stopped, "--resume", nproc=2, env=env, script=str(script))
+    assert result.returncode == 0 and "resuming from" in result.stdout, result.stderr[-3000:]
+    assert_same_run(full, stopped)
+    return stopped
+
+
+def test_an_ema_reference_resumes_bit_identically_on_two_ranks(assets, tmp_path):
+    """The reference mixed with the policy after every update: its weights differ from the initial model's, so every
+    checkpoint saves them (the fingerprint), and the resumed run's KL and weights are the uninterrupted run's."""
+    ema = edited_rloo(examples()["An EMA reference"], tmp_path)
+    stopped = stopped_and_resumed_on_two_ranks(ema, assets, tmp_path, "--kl_coef", "0.5")
+    step = plumbing.latest_checkpoint(str(stopped))
+    saved = torch.load(step / "trainer_state.pt", weights_only=True)["reference"]
+    initial = AutoModelForCausalLM.from_pretrained(assets["policy"]).state_dict()
+    assert saved.keys() == initial.keys() and not all(torch.equal(saved[k], initial[k]) for k in saved)
+
+
+def test_the_reference_fingerprint_sees_any_change_and_nothing_else():
+    """What decides whether a checkpoint saves the reference: equal weights, equal fingerprints (a stock reference,
+    never changed, is not saved); a change of one weight by 1e-7 is seen."""
+    tokenizer = policy_tokenizer()
+    policy, reference = tiny_policy(len(tokenizer)), tiny_policy(len(tokenizer)).requires_grad_(False)
+    assert plumbing.fingerprint(plumbing.reference_tensors(reference)) == \
+        plumbing.fingerprint(plumbing.reference_tensors(policy))
+    before = plumbing.fingerprint(plumbing.reference_tensors(reference))
+    rloo.sync_reference(reference, policy, 0.5)  # the same weights mixed: unchanged
+    assert plumbing.fingerprint(plumbing.reference_tensors(reference)) == before
+    with torch.no_grad():
+        next(reference.parameters())[0, 0] += 1e-7
+    assert plumbing.fingerprint(plumbing.reference_tensors(reference)) != before
+
+
+def test_a_rank_local_statistic_resumes_with_each_ranks_own_value(assets, tmp_path):
+    """Each rank's running scale of its own scores: saved in its own rank<r>.pt (the ranks' values differ), and the
+    resumed run is the uninterrupted one's, bit for bit."""
+    local = edited_rloo(examples()["A rank-local statistic"], tmp_path)
+    stopped = stopped_and_resumed_on_two_ranks(local, assets, tmp_path)
+    step = plumbing.latest_checkpoint(str(stopped))
+    scales = [torch.load(step / f"rank{r}.pt", weights_only=True)["algorithm_state"]["score_scale"] for r in (0, 1)]
+    assert scales[0] != scales[1] and all(0 < s < 5 for s in scales), scales
 
 
 @pytest.mark.parametrize("epochs", [1, 2])
