@@ -403,9 +403,8 @@ NO_FILTERS = SamplingFilters()
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """Everything that samples a batch, chosen per batch in main and carried by its Completions to every log-prob of
-    it: softmax(sampling_logits / temperature) with `filters`, at most max_new_tokens tokens a completion (the
-    batch's width Tr). Every rollout source honours each batch's own (RolloutSource)."""
+    """What samples a batch, chosen per batch in main and carried by its Completions to every log-prob of it (on every
+    RolloutSource): softmax(sampling_logits / temperature) with `filters`, max_new_tokens a completion (its Tr)."""
 
     temperature: float = 1.0
     filters: SamplingFilters = NO_FILTERS
@@ -787,12 +786,10 @@ def sample_completions(
 def completions_of(queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
                    sampling: SamplingSettings, stop_token_id: Optional[int], pad_token_id: int,
                    sampler_logprobs: Optional[torch.Tensor] = None) -> Completions:
-    """The Completions of every rollout source: the (k*B, Tr) tokens it sampled of the (B, Tq) queries with
-    `sampling` (Tr = sampling.max_new_tokens), cut after their first stop token, carrying `sampling`, and the
-    sampler's log-probs of them (k*B, Tr) zeroed on the padding."""
-    if responses.shape[1] != sampling.max_new_tokens:
-        raise ValueError(f"a rollout source returned responses of {responses.shape[1]} tokens for a batch of "
-                         f"{sampling.max_new_tokens}: it must sample each batch at its own SamplingSettings")
+    """Every RolloutSource's Completions: its (k*B, Tr) tokens of the (B, Tq) queries, Tr = sampling.max_new_tokens,
+    cut after the first stop token, carrying `sampling`, with the sampler's log-probs (k*B, Tr) zeroed on padding."""
+    if responses.shape[1] != sampling.max_new_tokens:  # a source that sampled another batch's length
+        raise ValueError(f"responses of {responses.shape[1]} tokens for a batch of {sampling.max_new_tokens}")
     responses, response_mask = truncate_after_stop(responses.to(queries.device), stop_token_id, pad_token_id)
     return Completions(queries, query_mask, responses, response_mask, sampling=sampling, sampler_logprobs=None
                        if sampler_logprobs is None else sampler_logprobs.to(queries.device) * response_mask)
@@ -852,26 +849,20 @@ def sample_in_chunks(
 
 class RolloutSource(Protocol):
     """Where each update's completions come from (main's `make_rollouts` makes one): LocalRollouts, sampled in this
-    process by the policy being trained; rloo_multinode.py's engines (HF or vLLM, served or colocated)."""
+    process by the policy being trained; rloo_multinode.py's engines (HF or vLLM, served or colocated). `submit` asks
+    for rloo_k completions of each (B, Tq) query with the batch's own settings; `take` gives the oldest batch's
+    (completions_of: carrying its settings, as wide as its max_new_tokens) and metrics of how they were made;
+    `behaviour_policy` a with-block's module holding the weights that sampled it; `policy_updated` is called on
+    every rank after each update's optimizer steps (returns metrics), `close` at the end, whatever ended the run."""
 
     lookahead: int  # batches sampled ahead of the one trained on (0: on-policy)
     max_metrics: tuple[str, ...]  # metrics of its own that are reduced over ranks by their maximum
 
-    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, sampling: SamplingSettings) -> None:
-        """Ask for rloo_k completions of each of the (B, Tq) queries, sampled with this batch's `sampling`."""
-
-    def take(self) -> tuple[Completions, dict[str, float]]:
-        """The oldest submitted batch's completions (completions_of: they carry its `sampling`, are as wide as its
-        max_new_tokens), and metrics about how they were made."""
-
-    def behaviour_policy(self, policy) -> contextlib.AbstractContextManager:
-        """For a with-block: the module with the weights that sampled the batch just taken."""
-
-    def policy_updated(self, update: int, policy) -> dict[str, float]:
-        """Called on every rank after each update's optimizer steps; returns metrics."""
-
-    def close(self) -> None:
-        """Every rank, at the end of the run, whatever ended it."""
+    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, sampling: SamplingSettings) -> None: ...
+    def take(self) -> tuple[Completions, dict[str, float]]: ...
+    def behaviour_policy(self, policy) -> contextlib.AbstractContextManager: ...
+    def policy_updated(self, update: int, policy) -> dict[str, float]: ...
+    def close(self) -> None: ...
 
 
 class LocalRollouts:
@@ -912,11 +903,9 @@ class LocalRollouts:
 
 
 def logprobs_from_update(args: Args, sizes: BatchSizes, lookahead: int) -> bool:
-    """Whether the update's own forward may give the sampling policy's log-probs (the on-policy shortcut): one epoch,
-    one minibatch, sampled by the weights being trained, micro-batches of whole prompt groups. The update then
-    computes them and the advantages a micro-batch at a time instead of a separate pass: exact only where
-    compute_advantages gives a micro-batch's groups what it gives them in the whole batch, which the first update
-    checks on its own batch (advantages_apart) before main takes the shortcut."""
+    """Whether the settings allow the on-policy shortcut (one epoch and minibatch, sampled by the weights trained,
+    micro-batches of whole groups): the update's forward gives the log-probs and the advantages a micro-batch at a
+    time, exact where compute_advantages reads only its groups, which the first update checks (advantages_apart)."""
     return (args.num_ppo_epochs == 1 and sizes.minibatches == 1 and lookahead == 0 and sizes.micro % args.rloo_k == 0
             and not (args.use_peft and args.lora_dropout))  # a training forward with dropout is not the sampler's
 
@@ -1108,9 +1097,8 @@ def kl_to_reference(rollout: Rollout) -> torch.Tensor:
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """(N, Tr) Schulman's estimator of KL(policy || reference) at each sampled token, from its log-probs (N, Tr) under
-    the policy and the reference (0 on padding gives 0), r = logref - logp: k1 = -r (unbiased), k2 = r^2 / 2 (biased,
-    low variance), k3 = exp(r) - r - 1 (unbiased, >= 0)."""
+    """(N, Tr) Schulman's estimate of KL(policy || reference) at each sampled token from its log-probs (N, Tr), r =
+    logref - logp: k1 = -r (unbiased), k2 = r^2 / 2 (biased, low variance), k3 = exp(r) - r - 1 (unbiased, >= 0)."""
     log_ref_ratio = ref_logprobs - logprobs  # (N, Tr) r
     if estimator == "k1":
         return -log_ref_ratio
@@ -1121,9 +1109,8 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
 
 @dataclass
 class Advantages:
-    """What compute_advantages gives a batch's k*g completions ((k, g) layout): what the loss trains on and the
-    metrics log. A value a researcher adds is one more field: per completion (its first dimension k*g) or one value
-    for the whole batch; on-policy, ppo_update gathers each micro-batch's back into the rollout's rows."""
+    """What compute_advantages gives a batch's k*g completions, for the loss and the metrics. A value a researcher adds
+    is one more field: per completion (first dimension k*g; on-policy gathered from each micro-batch) or one value."""
 
     advantages: torch.Tensor  # (k*g,), or (k*g, Tr) per token
     rlhf_reward: torch.Tensor  # (k*g,) score - kl_coef * KL
@@ -1133,21 +1120,16 @@ class Advantages:
     def values(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    def of_rows(self, rows: torch.Tensor, width: int) -> "Advantages":
-        """The values of completions `rows` (N,): per completion (N, ..), cut to `width` columns; the others whole."""
-        n = len(self.advantages)
-        return replace(self, **{name: v[rows] if v.dim() == 1 else v[rows, :width] for name, v in self.values().items()
-                                if torch.is_tensor(v) and v.dim() and len(v) == n})
+    def of_rows(self, rows: torch.Tensor, width: int) -> "Advantages":  # completions `rows`' (N, ..), width Tr'
+        return Advantages(**plumbing.rows_of(self.values(), rows, len(self.advantages), width))
 
 
 def compute_advantages(c: Rollout, scores: torch.Tensor, args: Args,
                        state: Optional[AlgorithmState] = None) -> Advantages:
     """The advantages and KL-penalized rewards of c's completions (a rollout's, or on-policy a micro-batch's whole
-    prompt groups) from their scores (k*g,) and KL (in the reward unless --kl_in_loss; --kl_estimator's). The
+    prompt groups) from their scores (k*g,) and KL (--kl_estimator's, in the reward unless --kl_in_loss). The
     estimator's one caller: it hands it groups shaped (k, g), checks they come back so, and with
-    --normalize_advantage whitens over every rank's batch. Reads only c: on-policy the first update checks that a
-    micro-batch's groups get what they get in the whole batch (advantages_apart). `state`: the run's AlgorithmState
-    (ppo_update's; None in a direct call)."""
+    --normalize_advantage whitens over every rank's batch. `state`: the run's AlgorithmState (None: a direct call)."""
     k, g, kl_coef = c.k, c.queries.shape[0], 0.0 if args.kl_in_loss else args.kl_coef
     kl = torch.zeros_like(c.logprobs) if c.ref_logprobs is None else \
         kl_estimate(c.logprobs, c.ref_logprobs, args.kl_estimator or "k1")  # (k*g, Tr)
@@ -1288,10 +1270,9 @@ def micro_batch(rollout: Rollout, rows: torch.Tensor, k: int) -> Rollout:
 
 def advantages_apart(rollout: Rollout, scores: torch.Tensor, whole: Advantages, args: Args, sizes: BatchSizes,
                      state: AlgorithmState) -> Optional[str]:
-    """Whether compute_advantages, as it is, gives each micro-batch's whole prompt groups what it gave them in the
-    whole batch (`whole`, from the rollout with every field it carries and its scores (k*B,)), on micro-batches of a
-    plan as ppo_update draws one: the first difference in words (plumbing.apart_difference), None where there is
-    none. A collective: every rank calls it, as compute_advantages may reduce over ranks (--normalize_advantage)."""
+    """Whether compute_advantages gives each micro-batch's whole prompt groups (a plan as ppo_update draws one) what it
+    gave them in the whole batch (`whole`: of the rollout, every field it carries, and its scores (k*B,)): the first
+    difference in words (plumbing.apart_difference), or None. A collective (compute_advantages may reduce)."""
     device = rollout.responses.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the run's draws unmoved
         parts = [rows for minibatch in minibatch_plan(rollout, sizes, args.rloo_k) for rows in minibatch]
@@ -1331,12 +1312,7 @@ def ppo_update(
                         batch.logprobs = new_logprobs.detach() * batch.response_mask
                         put_rows(rollout.logprobs, rows, batch.logprobs)
                         values = compute_advantages(batch, scores[rows], args, state)
-                        for name, value in values.values().items():  # back in the rollout's k*B rows
-                            if not (torch.is_tensor(value) and value.dim() and len(value) == len(rows)):
-                                gathered[name] = value  # not per completion: the same in every micro-batch
-                                continue
-                            put_rows(gathered.setdefault(name, value.new_zeros(  # (k*B,), or (k*B, Tr, ..)
-                                rollout.responses.shape[:min(value.dim(), 2)] + value.shape[2:])), rows, value)
+                        plumbing.put_rows_of(gathered, rows, values.values(), rollout.responses.shape)  # (k*B, ..)
                     else:
                         values = trained_on.of_rows(rows, batch.responses.shape[1])  # (N,) or (N, Tr')
                     action_losses, step_stats = policy_loss(new_logprobs, batch, values, args, entropy,
@@ -1442,21 +1418,6 @@ def table_rows(args: Args, sizes: BatchSizes) -> list[int]:
         return list(range(min(5, sizes.prompts)))
     by_prompt = [j * sizes.prompts + i for i in range(sizes.prompts) for j in range(args.rloo_k)]  # prompt-major
     return by_prompt[: args.num_completions_to_print]
-
-
-def on_policy_notes(args: Args, update: int, metrics: dict[str, float], apart: Optional[str]) -> list[str]:
-    """What the run's first update showed, in a line each: whether the on-policy shortcut starts (`apart`: None, or
-    the difference advantages_apart found; "" unchecked), and whether the PPO ratio (its reduced val/ratio metrics)
-    was 1 at every step, so that the clip range cannot act."""
-    notes = [] if apart == "" else [
-        f"on-policy shortcut on from update {update + 1}: compute_advantages gave each micro-batch's prompt groups of "
-        f"update {update} what it gave the whole batch, so the update's forward gives the policy's log-probs"
-        if apart is None else f"on-policy shortcut off: compute_advantages {apart} (update {update}'s batch), so the "
-        "policy's log-probs keep a separate pass and the advantages the whole batch"]
-    if abs(metrics["val/ratio"] - 1) < 1e-4 and metrics["val/ratio_var"] < 1e-8:
-        notes.append(f"the PPO ratio was 1 at every step of update {update}, so the clip range [1 - {args.cliprange:g}"
-                     f", 1 + {args.cliprange_high:g}] cannot act (raise --num_ppo_epochs or --num_mini_batches)")
-    return notes
 
 
 @dataclass
@@ -1664,9 +1625,11 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
                 "objective/raw_scores": raw_scores.nanmean().item(),
                 "reward": raw_scores.nanmean().item(),  # TRL 1.x: the sources' weighted sum
                 **train_stats,  # policy/*, loss/policy_avg, val/ratio*
-                **plumbing.completion_metrics(rollout.response_mask, has_stop, scores, args.rloo_k),
-                **({} if rollout.sampler_logprobs is None else
-                   plumbing.mismatch_metrics(rollout, args, importance_weights, args.cliprange, args.cliprange_high)),
+                **plumbing.completion_metrics(rollout.response_mask, has_stop, in_groups(scores, args.rloo_k)),
+                **({} if rollout.sampler_logprobs is None else plumbing.mismatch_metrics(rollout, args.cliprange,
+                   args.cliprange_high, args.vllm_importance_sampling_cap, functools.partial(importance_weights,
+                   mode=args.vllm_importance_sampling_mode, cap=args.vllm_importance_sampling_cap)
+                   if args.vllm_importance_sampling_correction else None)),
                 **source_means, **rollout_metrics, **timer.metrics(),
                 "work/minimum_tokens": plumbing.minimum_forward_tokens(rollout, sum(
                     args.num_ppo_epochs if phase == "training" else 1 for phase in timer.tokens)),
@@ -1678,8 +1641,8 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
                            episode=episode)
             if logger is not None:
                 logger.log(update, metrics)
-                for note in on_policy_notes(args, update, metrics, apart) if update == checkpoints.start_update + 1 \
-                        else []:  # what the run's first update showed
+                for note in plumbing.on_policy_notes(update, apart, metrics, args.cliprange, args.cliprange_high) \
+                        if update == checkpoints.start_update + 1 else []:  # what the run's first update showed
                     logger.console.print(note, highlight=False, soft_wrap=True)
                 if args.log_completions or (sample_every and (update - 1) % sample_every == 0):
                     logger.sample_table([(tokenizer.decode(rollout.queries[i % sizes.prompts][

@@ -158,29 +158,67 @@ def value_difference(mine, full) -> Optional[str]:
     return None if worst <= APART_TOLERANCE * scale else f"{worst:.2g} away from"
 
 
+def per_completion(value, n: int) -> bool:
+    """Whether `value` holds one entry per completion of a batch of n: a tensor whose first dimension is n."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == n
+
+
+def rows_of(values: dict, rows: torch.Tensor, n: int, width: Optional[int] = None) -> dict:
+    """`values` (name -> value) of a batch of n completions, for its completions `rows` (indices): each per-completion
+    value's rows, cut to `width` columns where it has columns; any other value as it is."""
+    return {name: (value[rows] if value.dim() == 1 or width is None else value[rows, :width])
+            if per_completion(value, n) else value for name, value in values.items()}
+
+
+def put_rows_of(whole: dict, rows: torch.Tensor, values: dict, shape: tuple) -> None:
+    """A part's `values` (of the whole batch's completions `rows`, each cut to the part's width) put into `whole`
+    (name -> value): a per-completion value into the whole's tensor of it, (shape[0],) or (shape[0], shape[1], ..),
+    zeros until a part fills its rows; any other value as the part gives it (the same in every part)."""
+    for name, value in values.items():
+        if not per_completion(value, len(rows)):
+            whole[name] = value
+            continue
+        into = whole.setdefault(name, value.new_zeros(tuple(shape[:min(value.dim(), 2)]) + tuple(value.shape[2:])))
+        into[(rows, slice(value.shape[1])) if value.dim() >= 2 else rows] = value
+
+
 def apart_difference(whole: dict, parts: list[torch.Tensor], compute: Callable) -> Optional[str]:
     """Whether compute(rows), the values (name -> value) an algorithm function gives the completions `rows` (indices
     into the whole batch's) computed apart (rloo.compute_advantages on a micro-batch), are what it gave those rows in
-    the whole batch (`whole`): every value, a completion's row of a per-completion tensor (its first dimension the
-    batch's completions) at the part's rows and widths, any other value whole. Returns the first difference in words
-    (or compute's error on a part), None where there is none. A collective: every rank calls it with as many parts
-    (compute may reduce over ranks), and a difference on any rank is every rank's."""
+    the whole batch (`whole`): a per-completion value (rows_of) at the part's rows and widths, any other value whole.
+    Returns the first difference in words (or compute's error on a part), None where there is none. A collective:
+    every rank calls it with as many parts (compute may reduce over ranks), and a difference on any rank is every
+    rank's."""
     first = next(iter(whole.values()))  # (N, ..): per completion, as the advantages are
     n, device, why = len(first), first.device, None
     for rows in parts:
         try:
-            mine_values = compute(rows)
+            mine = compute(rows)
         except Exception as e:  # an estimator that cannot take a micro-batch's groups alone
             why = why or f"fails on a micro-batch's prompt groups ({first_line(e)})"
             continue
         for name, full in whole.items():
-            mine = mine_values.get(name)
-            if torch.is_tensor(full) and full.dim() and full.shape[0] == n:  # per completion
-                full = full[rows]  # (n, ..), cut to the part's width where it has one
-                full = full[:, : mine.shape[1]] if full.dim() >= 2 and getattr(mine, "ndim", 0) >= 2 else full
-            error = value_difference(mine, full)
+            value = mine.get(name)
+            width = value.shape[1] if getattr(value, "ndim", 0) >= 2 else None
+            error = value_difference(value, rows_of({name: full}, rows, n, width)[name])
             if error is not None and why is None:
                 why = f"gives {name} of a micro-batch's prompt groups {error} the whole batch's"
     if all_reduce(torch.tensor([float(why is not None)], device=device), dist.ReduceOp.MAX).item() and why is None:
         why = "gives other values to a micro-batch's prompt groups than to the whole batch on another rank"
     return why
+
+
+def on_policy_notes(update: int, apart: Optional[str], metrics: dict, cliprange: float,
+                    cliprange_high: float) -> list[str]:
+    """What a run's first update showed, in a line each: whether the on-policy shortcut starts (`apart`: None, or the
+    difference rloo.advantages_apart found; "" unchecked), and whether the PPO ratio (the update's reduced val/ratio
+    and val/ratio_var) was 1 at every step, so that the clip range [1 - cliprange, 1 + cliprange_high] cannot act."""
+    notes = [] if apart == "" else [
+        f"on-policy shortcut on from update {update + 1}: compute_advantages gave each micro-batch's prompt groups of "
+        f"update {update} what it gave the whole batch, so the update's forward gives the policy's log-probs"
+        if apart is None else f"on-policy shortcut off: compute_advantages {apart} (update {update}'s batch), so the "
+        "policy's log-probs keep a separate pass and the advantages the whole batch"]
+    if abs(metrics["val/ratio"] - 1) < 1e-4 and metrics["val/ratio_var"] < 1e-8:
+        notes.append(f"the PPO ratio was 1 at every step of update {update}, so the clip range [1 - {cliprange:g}, "
+                     f"1 + {cliprange_high:g}] cannot act (raise --num_ppo_epochs or --num_mini_batches)")
+    return notes

@@ -167,8 +167,6 @@ MUTANTS = [
      "progress = (update - 1 - warmup) / (num_updates - warmup)",
      "progress = (update - warmup) / (num_updates - warmup)"),
     # ----- metrics (plumbing/)
-    ("(B, k) reshape in completion_metrics", "plumbing/runlog.py",
-     "grouped = scores.reshape(k, -1)  # (k, B)", "grouped = scores.reshape(-1, k).T  # (k, B)"),
     ("global std without the mean", "plumbing/distributed.py",
      "var = (total_sq - count * mean * mean) / (count - 1).clamp(min=1)", "var = total_sq / (count - 1).clamp(min=1)"),
 ]

@@ -161,7 +161,7 @@ def test_completion_metrics_values_in_the_k_b_layout(k):
     lengths = [3, 1, 4, 2, 4, 4, 0, 2]
     mask = torch.arange(4) < torch.tensor(lengths)[:, None]
     has_stop = torch.tensor([True, False, True, True, False, False, True, True])
-    out = plumbing.completion_metrics(mask, has_stop, scores, k)
+    out = plumbing.completion_metrics(mask, has_stop, rloo.in_groups(scores, k))
     # prompt i's samples are rows j*B + i
     groups = [[scores[j * b + i].item() for j in range(k)] for i in range(b)]
     stds = [math.sqrt(sum((x - sum(g) / k) ** 2 for x in g) / (k - 1)) for g in groups]

@@ -529,7 +529,7 @@ def test_mismatch_clipfrac_uses_the_losss_clip_range():
                            sampler_logprobs=torch.zeros(2, 1))
     for high, expected in ((0.2, 0.5), (0.28, 0.0)):
         args = rloo.Args(cliprange=0.2, epsilon_high=high)
-        metrics = plumbing.mismatch_metrics(rollout, args, rloo.importance_weights, args.cliprange, args.cliprange_high)
+        metrics = plumbing.mismatch_metrics(rollout, args.cliprange, args.cliprange_high)
         assert metrics["mismatch/clipfrac"] == expected
 
 
