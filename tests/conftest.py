@@ -57,9 +57,11 @@ def policy_loss_of(new, old, advantages, mask, cliprange=0.2, per_token=False, e
     prompts) holding them, and Args with the flags (per_token: --token_level_kl)."""
     import rloo
     batch = rloo.Rollout(torch.ones(len(new), 1, dtype=torch.long), torch.ones(len(new), 1, dtype=torch.bool),
-                         torch.ones(new.shape, dtype=torch.long), mask.bool(), old, ref_logprobs, advantages=advantages,
-                         in_loss=in_loss, sampler_logprobs=sampler_logprobs)
-    return rloo.policy_loss(new, batch, rloo.Args(cliprange=cliprange, token_level_kl=per_token, **flags), entropy)
+                         torch.ones(new.shape, dtype=torch.long), mask.bool(), old, ref_logprobs, in_loss=in_loss,
+                         sampler_logprobs=sampler_logprobs)
+    values = rloo.Advantages(advantages, *(torch.zeros(len(new)) for _ in range(3)))  # what the loss reads of them
+    return rloo.policy_loss(new, batch, values, rloo.Args(cliprange=cliprange, token_level_kl=per_token, **flags),
+                            entropy)
 
 
 def prompt_rows(n: int, seed: int) -> list[dict]:
