@@ -47,7 +47,7 @@ import math
 import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Callable, ClassVar, Literal, Optional
+from typing import Callable, ClassVar, Literal, Optional, Protocol
 
 # OpenMP's threads that wait for work sleep instead of spinning: the same results, and on a CPU that other work
 # shares, runs several times faster (docs/speed-and-memory.md). OpenMP reads it once, when torch loads it; a value
@@ -78,8 +78,11 @@ class Args(plumbing.RunArgs):
     """per-token KL penalties with token-level returns (each token's advantage sees the KL of the tokens
     after it) instead of one sequence-level penalty; the loss then uses per-token ratios"""
     kl_in_loss: bool = False
-    """GRPO's placement: the KL to the reference is a term of the loss (kl_coef x its k3 estimate, summed over each
-    completion's tokens), not a penalty of the reward"""
+    """GRPO's placement: the KL to the reference is a term of the loss (kl_coef x its estimate, k3 by default,
+    summed over each completion's tokens), not a penalty of the reward"""
+    kl_estimator: Optional[Literal["k1", "k2", "k3"]] = None
+    """Schulman's per-token estimator of the KL in the reward (or with --kl_in_loss the loss), r = logref - logp:
+    k1 = -r, k2 = r^2 / 2, k3 = exp(r) - r - 1; None: k1 in the reward (TRL's RLOO), k3 in the loss (GRPO's)"""
     missing_eos_penalty: Optional[float] = None
     """subtracted from the score of completions that never emit the stop token ("EOS trick")"""
     normalize_reward: bool = False
@@ -190,12 +193,11 @@ class Args(plumbing.RunArgs):
 
 
 @dataclass
-class AlgorithmState:
+class AlgorithmState(plumbing.FieldsState):
     """What the algorithm carries from one update to the next (a controller's coefficient, a running statistic); Args
-    never changes during a run. Made by start(args); ppo_update hands it to compute_advantages and policy_loss; main
-    changes it after an update, from metrics reduced over ranks (so every rank holds the same); every checkpoint
-    saves it and a resume restores it bit for bit: plain values and tensors (tensors come back on the CPU). Stock
-    RLOO keeps none; docs/algorithm.md has a worked example (an adaptive KL controller)."""
+    never changes during a run. Made by start(args), handed by ppo_update to compute_advantages and policy_loss,
+    changed by main after an update. Each rank saves its own; a resume restores it bit for bit, type-checked: plain
+    values and tensors (back on the CPU). Stock RLOO keeps none; docs/algorithm.md has worked examples."""
 
     @classmethod
     def start(cls, args: Args) -> "AlgorithmState":
@@ -398,6 +400,20 @@ class SamplingFilters:
 NO_FILTERS = SamplingFilters()
 
 
+@dataclass(frozen=True)
+class SamplingSettings:
+    """What samples a batch, chosen per batch in main and carried by its Completions to every log-prob of it (on every
+    RolloutSource): softmax(sampling_logits / temperature) with `filters`, max_new_tokens a completion (its Tr)."""
+
+    temperature: float = 1.0
+    filters: SamplingFilters = NO_FILTERS
+    max_new_tokens: Optional[int] = None  # None: a batch made by hand, as wide as its responses
+
+    @classmethod
+    def of(cls, args) -> "SamplingSettings":  # the flags': --temperature, the filters' flags, --response_length
+        return cls(args.temperature, SamplingFilters.of(args), args.response_length)
+
+
 def sampling_logits(logits: torch.Tensor, temperature: float, filters: SamplingFilters,
                     seen: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The logits (.., V) of the distribution sampled from, at the model's scale (the caller divides by the
@@ -563,10 +579,9 @@ class Completions:
     # (k*B, Tr) the sampler's own log-probs of the tokens it drew (0 on padding), as it computed them while sampling
     # (a bf16 copy, an engine, vLLM): compared with the trainer's (mismatch/*); None where the sampler gave none
     sampler_logprobs: Optional[torch.Tensor] = field(default=None, kw_only=True)
-    # the distribution that sampled the batch, which every log-prob of it is of (collect_rollout, ppo_update, the
-    # mismatch metrics): softmax(sampling_logits / temperature); a batch made by hand is of softmax(logits)
-    temperature: float = field(default=1.0, kw_only=True)
-    filters: SamplingFilters = field(default=NO_FILTERS, kw_only=True)
+    # what sampled the batch, which every log-prob of it is of (collect_rollout, ppo_update, the mismatch metrics):
+    # softmax(sampling_logits / temperature); a batch made by hand is of softmax(logits)
+    sampling: SamplingSettings = field(default=SamplingSettings(), kw_only=True)
 
     PER_PROMPT: ClassVar[tuple[str, ...]] = ("queries", "query_mask")  # every other tensor has a row per completion
 
@@ -750,10 +765,6 @@ class Rollout(Completions):
     logprobs: Optional[torch.Tensor]  # (k*B, Tr) under the policy that sampled, by a forward pass (0 on padding);
     # None until the update's own forward fills them, when that is the same forward (on-policy: logprobs_from_update)
     ref_logprobs: Optional[torch.Tensor]  # (k*B, Tr) reference log-probs (0 on padding); None if kl_coef = 0
-    # set by ppo_update (compute_advantages): what it trained on, for the metrics
-    advantages: Optional[torch.Tensor] = field(default=None, kw_only=True)  # (k*B,), or (k*B, Tr) per token
-    rlhf_reward: Optional[torch.Tensor] = field(default=None, kw_only=True)  # (k*B,) score - kl_coef * KL
-    non_score_reward: Optional[torch.Tensor] = field(default=None, kw_only=True)  # (k*B,) rlhf_reward - score
     # (k*B,) bool: the completions whose loss counts (--mask_truncated_completions: those that stopped); None: all
     in_loss: Optional[torch.Tensor] = field(default=None, kw_only=True)
 
@@ -766,9 +777,21 @@ def sample_completions(
 ) -> Completions:
     """Sample k completions of each (g, Tq) query, (k, g) layout, and cut each after its first stop token."""
     responses = generate(policy, queries, query_mask, response_length, temperature, stop_token_id, pad_token_id,
-                         generator, decoder, k, filters=filters)
-    responses, response_mask = truncate_after_stop(responses, stop_token_id, pad_token_id)  # (k*g, Tr) each
-    return Completions(queries, query_mask, responses, response_mask, temperature=temperature, filters=filters)
+                         generator, decoder, k, filters=filters)  # (k*g, Tr)
+    return completions_of(queries, query_mask, responses, SamplingSettings(temperature, filters, response_length),
+                          stop_token_id, pad_token_id)
+
+
+def completions_of(queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
+                   sampling: SamplingSettings, stop_token_id: Optional[int], pad_token_id: int,
+                   sampler_logprobs: Optional[torch.Tensor] = None) -> Completions:
+    """Every RolloutSource's Completions: its (k*B, Tr) tokens of the (B, Tq) queries, Tr = sampling.max_new_tokens,
+    cut after the first stop token, carrying `sampling`, with the sampler's log-probs (k*B, Tr) zeroed on padding."""
+    if responses.shape[1] != sampling.max_new_tokens:  # a source that sampled another batch's length
+        raise ValueError(f"responses of {responses.shape[1]} tokens for a batch of {sampling.max_new_tokens}")
+    responses, response_mask = truncate_after_stop(responses.to(queries.device), stop_token_id, pad_token_id)
+    return Completions(queries, query_mask, responses, response_mask, sampling=sampling, sampler_logprobs=None
+                       if sampler_logprobs is None else sampler_logprobs.to(queries.device) * response_mask)
 
 
 def chunks_by_prompt_length(query_mask: torch.Tensor, prompts_per_chunk: int) -> list[torch.Tensor]:
@@ -801,67 +824,75 @@ def in_chunks(c: Completions, completions_per_chunk: int, compute: Callable, wid
 def sample_in_chunks(
     policy, queries: torch.Tensor, query_mask: torch.Tensor, k: int, args: Args, stop_token_id: Optional[int],
     pad_token_id: int, generator: torch.Generator, autocast, decoder: Optional[plumbing.StaticDecoder] = None,
-    temperature: Optional[float] = None, filters: Optional[SamplingFilters] = None,
+    sampling: Optional[SamplingSettings] = None,
 ) -> Completions:
-    """k completions of each of the B (B, Tq) queries, (k, B) layout, at `temperature` with `filters` (None: the
-    flags'); local_rollout_forward_batch_size completions (whole prompt groups, length-sorted) at a time: the KV
-    cache of a chunk is what must fit. Chunks draw from `generator` one after the other."""
-    temperature = args.temperature if temperature is None else temperature
-    filters = SamplingFilters.of(args) if filters is None else filters
+    """k completions of each of the B (B, Tq) queries, (k, B) layout, with `sampling` (None: the flags');
+    local_rollout_forward_batch_size completions (whole prompt groups, length-sorted) at a time: the KV cache of a
+    chunk is what must fit. Chunks draw from `generator` one after the other."""
+    sampling = SamplingSettings.of(args) if sampling is None else sampling
     chunk = plumbing.rows_per_forward(args, policy, "generation", queries.device, k * queries.shape[0], k)
-    responses = torch.full((k * queries.shape[0], args.response_length), pad_token_id, device=queries.device)
+    responses = torch.full((k * queries.shape[0], sampling.max_new_tokens), pad_token_id, device=queries.device)
     sampler_logprobs = torch.zeros(responses.shape, device=queries.device)  # (k*B, Tr)
     with autocast():
         for prompts in chunks_by_prompt_length(query_mask, chunk // k):
             width = int(query_mask[prompts].sum(1).max())  # this chunk's longest prompt
             rows = completion_rows(prompts, queries.shape[0], k)
-            logprobs = sampler_logprobs.new_zeros(len(rows), args.response_length)  # (k*g, Tr)
+            logprobs = sampler_logprobs.new_zeros(len(rows), sampling.max_new_tokens)  # (k*g, Tr)
             responses[rows] = generate(
-                policy, queries[prompts, -width:], query_mask[prompts, -width:], args.response_length,
-                temperature, stop_token_id, pad_token_id, generator, decoder, k, logprobs, filters)  # (k*g, Tr)
+                policy, queries[prompts, -width:], query_mask[prompts, -width:], sampling.max_new_tokens,
+                sampling.temperature, stop_token_id, pad_token_id, generator, decoder, k, logprobs,
+                sampling.filters)  # (k*g, Tr)
             sampler_logprobs[rows] = logprobs
-    responses, response_mask = truncate_after_stop(responses, stop_token_id, pad_token_id)  # (k*B, Tr) each
-    return Completions(queries, query_mask, responses, response_mask, temperature=temperature, filters=filters,
-                       sampler_logprobs=sampler_logprobs * response_mask)  # 0 on padding
+    return completions_of(queries, query_mask, responses, sampling, stop_token_id, pad_token_id, sampler_logprobs)
+
+
+class RolloutSource(Protocol):
+    """Where each update's completions come from (main's `make_rollouts` makes one): LocalRollouts, sampled in this
+    process by the policy being trained; rloo_multinode.py's engines (HF or vLLM, served or colocated). `submit` asks
+    for rloo_k completions of each (B, Tq) query with the batch's own settings; `take` gives the oldest batch's
+    (completions_of: carrying its settings, as wide as its max_new_tokens) and metrics of how they were made;
+    `behaviour_policy` a with-block's module holding the weights that sampled it; `policy_updated` is called on
+    every rank after each update's optimizer steps (returns metrics), `close` at the end, whatever ended the run."""
+
+    lookahead: int  # batches sampled ahead of the one trained on (0: on-policy)
+    max_metrics: tuple[str, ...]  # metrics of its own that are reduced over ranks by their maximum
+
+    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, sampling: SamplingSettings) -> None: ...
+    def take(self) -> tuple[Completions, dict[str, float]]: ...
+    def behaviour_policy(self, policy) -> contextlib.AbstractContextManager: ...
+    def policy_updated(self, update: int, policy) -> dict[str, float]: ...
+    def close(self) -> None: ...
 
 
 class LocalRollouts:
-    """Where each update's completions come from: here sampled in this process by the policy being trained;
-    rloo_multinode.py's engines behind the same five methods, `lookahead` batches ahead (0: on-policy)."""
+    """The RolloutSource of a single process: sampled by the policy being trained (or its bf16 copy)."""
 
     lookahead = 0
-    max_metrics: tuple[str, ...] = ()  # metrics of its own that are reduced over ranks by their maximum
+    max_metrics: tuple[str, ...] = ()
 
     def __init__(self, policy, args: Args, stop_token_id: Optional[int], pad_token_id: int,
                  generator: torch.Generator, autocast):
         self.args, self.stop_token_id, self.pad_token_id, self.generator = args, stop_token_id, pad_token_id, generator
-        self.queued = []  # (B, Tq) queries and mask, temperature, filters, oldest first
+        self.queued = []  # (B, Tq) queries and mask, sampling settings, oldest first
         # the module that samples: the policy under autocast, or a bf16 copy of it
         self.sampler = plumbing.bf16_copy(policy) if args.bf16_generation else policy
         self.autocast = contextlib.nullcontext if args.bf16_generation else autocast
         self.decoder = plumbing.StaticDecoder(self.sampler, args.max_prompt_length + args.response_length) \
             if args.compile_generation else None
 
-    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, temperature: float,
-               filters: SamplingFilters) -> None:
-        """Ask for rloo_k completions of each of the (B, Tq) queries, sampled at temperature with filters."""
-        self.queued.append((queries, query_mask, temperature, filters))
+    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, sampling: SamplingSettings) -> None:
+        self.queued.append((queries, query_mask, sampling))
 
     def take(self) -> tuple[Completions, dict[str, float]]:
-        """The completions of the oldest submitted queries, carrying the settings that sampled them, and metrics
-        about how they were made."""
-        queries, query_mask, temperature, filters = self.queued.pop(0)
+        queries, query_mask, sampling = self.queued.pop(0)
         return sample_in_chunks(self.sampler, queries, query_mask, self.args.rloo_k, self.args, self.stop_token_id,
-                                self.pad_token_id, self.generator, self.autocast, self.decoder, temperature,
-                                filters), {}
+                                self.pad_token_id, self.generator, self.autocast, self.decoder, sampling), {}
 
     @contextlib.contextmanager
     def behaviour_policy(self, policy):
-        """For a with-block: the module with the weights that sampled the batch just taken. Here the policy."""
-        yield policy
+        yield policy  # the policy itself sampled
 
     def policy_updated(self, update: int, policy) -> dict[str, float]:
-        """Called on every rank after each update's optimizer steps; returns metrics."""
         if self.sampler is not policy:
             plumbing.copy_weights(policy, self.sampler)
         return {}
@@ -870,28 +901,12 @@ class LocalRollouts:
         pass
 
 
-def logprobs_from_update(args: Args, sizes: BatchSizes, lookahead: int, state: Optional[AlgorithmState] = None,
-                         notes: Optional[list[str]] = None, device: torch.device = torch.device("cpu")) -> bool:
-    """On-policy (one epoch, one minibatch, sampled by the weights being trained) the sampling policy's log-probs are
-    the training forward's own, detached: the update computes them and the advantages, a micro-batch of whole prompt
-    groups at a time, instead of a separate pass. Exact only where compute_advantages, as it is now, gives a
-    micro-batch's groups what it gives them in the whole batch: a start-up check on synthetic tensors of the run's
-    shape and micro-batches (plumbing.apart_difference, a collective) decides; where they differ (a statistic over the
-    batch, --normalize_advantage), the plain path, and a line in `notes`."""
-    if not (args.num_ppo_epochs == 1 and sizes.minibatches == 1 and lookahead == 0 and sizes.micro % args.rloo_k == 0
-            and not (args.use_peft and args.lora_dropout)):  # a training forward with dropout is not the sampler's
-        return False
-    state = AlgorithmState.start(args) if state is None else state
-    probe, scores = plumbing.advantages_probe(args.rloo_k, sizes.prompts, args.response_length, device)
-    whole = Rollout(**probe)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the run's draws unmoved
-        parts = [(rows, micro_batch(whole, rows, args.rloo_k))
-                 for minibatch in minibatch_plan(whole, sizes, args.rloo_k) for rows in minibatch]
-    why = plumbing.apart_difference(lambda c, rows: compute_advantages(c, scores[rows], args, state), whole, parts)
-    if why is not None and notes is not None:
-        notes.append(f"on-policy shortcut off: compute_advantages {why} (the update would compute them a micro-batch "
-                     "at a time), so the policy's log-probs take a separate pass and the advantages the whole batch")
-    return why is None
+def logprobs_from_update(args: Args, sizes: BatchSizes, lookahead: int) -> bool:
+    """Whether the settings allow the on-policy shortcut (one epoch and minibatch, sampled by the weights trained,
+    micro-batches of whole groups): the update's forward gives the log-probs and the advantages a micro-batch at a
+    time, exact where compute_advantages reads only its groups, which the first update checks (advantages_apart)."""
+    return (args.num_ppo_epochs == 1 and sizes.minibatches == 1 and lookahead == 0 and sizes.micro % args.rloo_k == 0
+            and not (args.use_peft and args.lora_dropout))  # a training forward with dropout is not the sampler's
 
 
 @torch.no_grad()
@@ -916,12 +931,12 @@ def collect_rollout(
     if not in_update:
         with timer("policy_forward"), autocast():
             logprobs = in_length_chunks(policy, lambda part: forward_logprobs(
-                policy, part, c.temperature, share_prompt, filters=c.filters)[0])  # (k*B, Tr)
+                policy, part, c.sampling.temperature, share_prompt, filters=c.sampling.filters)[0])  # (k*B, Tr)
     ref_logprobs = None
     if ref_policy is not None:
         with timer("reference_forward"), plumbing.visiting(ref_policy, c.responses.device), autocast():
             ref_logprobs = in_length_chunks(ref_policy, lambda part: forward_logprobs(
-                ref_policy, part, c.temperature, share_prompt)[0])  # (k*B, Tr)
+                ref_policy, part, c.sampling.temperature, share_prompt)[0])  # (k*B, Tr)
     return Rollout(**{f.name: getattr(c, f.name) for f in fields(c)}, logprobs=logprobs, ref_logprobs=ref_logprobs)
 
 
@@ -1073,20 +1088,51 @@ def whiten(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor
 
 
 def kl_to_reference(rollout: Rollout) -> torch.Tensor:
-    """(k*B, Tr) per-token log-ratio of the sampling policy to the reference (0 without a reference, and on padding)."""
+    """(k*B, Tr) per-token log-ratio of the sampling policy to the reference (0 without a reference, and on padding):
+    k1, whose sum is objective/kl whatever estimator the reward or the loss uses."""
     if rollout.ref_logprobs is None:
         return torch.zeros_like(rollout.logprobs)
     return rollout.logprobs - rollout.ref_logprobs
 
 
-def compute_advantages(c: Rollout, scores: torch.Tensor, args: Args, state: Optional[AlgorithmState] = None) -> None:
-    """c.advantages and c.rlhf_reward from the scores (k*g,) of c's completions (a rollout's, or on-policy a
-    micro-batch's whole prompt groups) and their KL (in the reward unless --kl_in_loss). The estimator's one caller:
-    it hands it groups shaped (k, g), checks they come back so, and with --normalize_advantage whitens over every
-    rank's batch. Sets c.non_score_reward (objective/non_score_reward) from what the estimator returned. `state`:
-    the run's AlgorithmState (ppo_update's; None in a direct call)."""
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """(N, Tr) Schulman's estimate of KL(policy || reference) at each sampled token from its log-probs (N, Tr), r =
+    logref - logp: k1 = -r (unbiased), k2 = r^2 / 2 (biased, low variance), k3 = exp(r) - r - 1 (unbiased, >= 0)."""
+    log_ref_ratio = ref_logprobs - logprobs  # (N, Tr) r
+    if estimator == "k1":
+        return -log_ref_ratio
+    if estimator == "k2":
+        return 0.5 * log_ref_ratio.square()
+    return log_ref_ratio.exp() - log_ref_ratio - 1
+
+
+@dataclass
+class Advantages:
+    """What compute_advantages gives a batch's k*g completions, for the loss and the metrics. A value a researcher adds
+    is one more field: per completion (first dimension k*g; on-policy gathered from each micro-batch) or one value."""
+
+    advantages: torch.Tensor  # (k*g,), or (k*g, Tr) per token
+    rlhf_reward: torch.Tensor  # (k*g,) score - kl_coef * KL
+    non_score_reward: torch.Tensor  # (k*g,) rlhf_reward - score: what the estimator added to the score
+    reward_kl: torch.Tensor  # (k*g,) the reward's KL estimate summed over each completion's tokens
+
+    def values(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def of_rows(self, rows: torch.Tensor, width: int) -> "Advantages":  # completions `rows`' (N, ..), width Tr'
+        return Advantages(**plumbing.rows_of(self.values(), rows, len(self.advantages), width))
+
+
+def compute_advantages(c: Rollout, scores: torch.Tensor, args: Args,
+                       state: Optional[AlgorithmState] = None) -> Advantages:
+    """The advantages and KL-penalized rewards of c's completions (a rollout's, or on-policy a micro-batch's whole
+    prompt groups) from their scores (k*g,) and KL (--kl_estimator's, in the reward unless --kl_in_loss). The
+    estimator's one caller: it hands it groups shaped (k, g), checks they come back so, and with
+    --normalize_advantage whitens over every rank's batch. `state`: the run's AlgorithmState (None: a direct call)."""
     k, g, kl_coef = c.k, c.queries.shape[0], 0.0 if args.kl_in_loss else args.kl_coef
-    kl = kl_to_reference(c) if c.in_loss is None else kl_to_reference(c) * c.in_loss[:, None]  # TRL: a masked
+    kl = torch.zeros_like(c.logprobs) if c.ref_logprobs is None else \
+        kl_estimate(c.logprobs, c.ref_logprobs, args.kl_estimator or "k1")  # (k*g, Tr)
+    kl = kl if c.in_loss is None else kl * c.in_loss[:, None]  # TRL: a masked
     # completion's KL leaves its reward (its completion mask is zeroed), so its group's baselines see its raw score
     advantages, rlhf_reward = rloo_advantages(in_groups(scores, k), in_groups(kl, k), in_groups(c.response_mask, k),
                                               kl_coef, args.token_level_kl)
@@ -1097,8 +1143,9 @@ def compute_advantages(c: Rollout, scores: torch.Tensor, args: Args, state: Opti
     scored = ~advantages.isnan()  # NaN: a completion no source scored, or the one scored of its group (TRL's)
     if args.normalize_advantage:  # over the scored completions
         advantages = whiten(advantages, scored if advantages.dim() == 1 else scored & c.response_mask)
-    c.advantages, c.rlhf_reward = advantages.where(scored, 0.0), rlhf_reward.flatten()  # (k*g,); no signal from NaN
-    c.non_score_reward = c.rlhf_reward - scores  # (k*g,) what the estimator added to the score: -kl_coef * KL here
+    rlhf_reward = rlhf_reward.flatten()  # (k*g,)
+    return Advantages(advantages.where(scored, 0.0), rlhf_reward, rlhf_reward - scores,  # no signal from NaN
+                      (kl * c.response_mask).sum(1))
 
 
 # ===================================================================== loss
@@ -1130,16 +1177,18 @@ def completions_in_loss(scores: torch.Tensor, has_stop: torch.Tensor, args: Args
     return has_stop if args.mask_truncated_completions else None
 
 
-def policy_loss(new_logprobs: torch.Tensor, batch: Rollout, args: Args, entropy: Optional[torch.Tensor] = None,
+def policy_loss(new_logprobs: torch.Tensor, batch: Rollout, values: Advantages, args: Args,
+                entropy: Optional[torch.Tensor] = None,
                 state: Optional[AlgorithmState] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Each action's loss (ppo_update sums them over loss_normalizer), from a micro-batch's new log-probs and entropy
-    (N, Tr) and what the batch holds (old and reference log-probs, advantages, in_loss). A completion is one action
-    with the sequence ratio exp(sum_t new - sum_t old): losses (N,); with --token_level_kl a token is, with its own
-    ratio: losses (N, Tr), 0 on padding. The clipped surrogate with the ratio in [1 - cliprange, 1 + cliprange_high],
-    plus kl_coef x the KL with --kl_in_loss, times the importance weight with --vllm_importance_sampling_correction;
-    0 for the completions outside batch.in_loss, which leave the statistics too. `state`: as compute_advantages'."""
+    (N, Tr), what the batch holds (old and reference log-probs, in_loss) and its compute_advantages `values`. A
+    completion is one action with the sequence ratio exp(sum_t new - sum_t old): losses (N,); with --token_level_kl a
+    token is, with its own ratio: losses (N, Tr), 0 on padding. The clipped surrogate with the ratio in
+    [1 - cliprange, 1 + cliprange_high], plus kl_coef x the KL (--kl_estimator's) with --kl_in_loss, times the
+    importance weight with --vllm_importance_sampling_correction; 0 for the completions outside batch.in_loss, which
+    leave the statistics too. `state`: as compute_advantages'."""
     old_logprobs, response_mask, in_loss = batch.logprobs, batch.response_mask, batch.in_loss  # (N, Tr) x2, (N,)
-    advantages, per_token = batch.advantages, args.token_level_kl  # (N,), or (N, Tr) per token
+    advantages, per_token = values.advantages, args.token_level_kl  # (N,), or (N, Tr) per token
     if per_token:
         log_ratio = (new_logprobs - old_logprobs) * response_mask  # (N, Tr)
         advantages = advantages if advantages.dim() == 2 else advantages[:, None]  # (N, Tr) or (N, 1)
@@ -1157,10 +1206,10 @@ def policy_loss(new_logprobs: torch.Tensor, batch: Rollout, args: Args, entropy:
     losses = -advantages * ratio
     losses_clipped = -advantages * torch.clamp(ratio, 1.0 - args.cliprange, 1.0 + args.cliprange_high)
     per_action = torch.max(losses, losses_clipped)  # (N,) or (N, Tr)
-    if args.kl_in_loss:  # GRPO's k3 = exp(ref - new) - (ref - new) - 1 per token: >= 0, and its gradient flows
-        log_ref_ratio = (batch.ref_logprobs - new_logprobs) * response_mask  # (N, Tr), 0 on padding
-        kl_estimate = log_ref_ratio.exp() - log_ref_ratio - 1  # (N, Tr)
-        per_action = per_action + args.kl_coef * (kl_estimate if per_token else kl_estimate.sum(1))
+    if args.kl_in_loss:  # GRPO's k3 = exp(ref - new) - (ref - new) - 1 per token by default; its gradient flows
+        estimator = args.kl_estimator or "k3"
+        kl = kl_estimate(new_logprobs * response_mask, batch.ref_logprobs * response_mask, estimator)  # (N, Tr)
+        per_action = per_action + args.kl_coef * (kl if per_token else kl.sum(1))
     if args.vllm_importance_sampling_correction:  # (N,) or (N, Tr) weights; a sequence's is each of its tokens'
         if batch.sampler_logprobs is None:
             raise plumbing.ConfigError("--vllm_importance_sampling_correction needs the sampler's log-probs, which "
@@ -1176,6 +1225,8 @@ def policy_loss(new_logprobs: torch.Tensor, batch: Rollout, args: Args, entropy:
                  "clip_ratio/low_mean": masked_mean(low.float(), weight),  # TRL 1.x's names
                  "clip_ratio/high_mean": masked_mean(high.float(), weight),
                  "clip_ratio/region_mean": masked_mean((low | high).float(), weight)}
+        if args.kl_in_loss:  # the loss's KL term under the policy as it trains, per completion
+            stats[f"policy/kl_{estimator}_avg"] = kl.sum(1).mean()
         if entropy is not None:
             stats["policy/entropy_avg"] = stats["entropy"] = masked_mean(entropy, token_mask)  # TRL 1.x: entropy
     return per_action * weight if per_token or in_loss is not None else per_action, stats
@@ -1216,14 +1267,26 @@ def micro_batch(rollout: Rollout, rows: torch.Tensor, k: int) -> Rollout:
     return rollout.one_per_row(rows)
 
 
+def advantages_apart(rollout: Rollout, scores: torch.Tensor, whole: Advantages, args: Args, sizes: BatchSizes,
+                     state: AlgorithmState) -> Optional[str]:
+    """Whether compute_advantages gives each micro-batch's whole prompt groups (a plan as ppo_update draws one) what it
+    gave them in the whole batch (`whole`: of the rollout, every field it carries, and its scores (k*B,)): the first
+    difference in words (plumbing.apart_difference), or None. A collective (compute_advantages may reduce)."""
+    device = rollout.responses.device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the run's draws unmoved
+        parts = [rows for minibatch in minibatch_plan(rollout, sizes, args.rloo_k) for rows in minibatch]
+    return plumbing.apart_difference(whole.values(), parts, lambda rows: compute_advantages(
+        micro_batch(rollout, rows, args.rloo_k), scores[rows], args, state).values())
+
+
 def ppo_update(
     model, optimizer: torch.optim.Optimizer, rollout: Rollout, scores: torch.Tensor, args: Args, sizes: BatchSizes,
     share_prompt: bool, autocast, ref_policy=None, steps_done: int = 0, state: Optional[AlgorithmState] = None,
-) -> dict[str, float]:
+) -> tuple[dict[str, float], Advantages]:
     """num_ppo_epochs x shuffled minibatches (an optimizer step each) x micro-batches (minibatch_plan) of policy_loss.
     Advantages come from the scores (k*B,) by compute_advantages, before the first step; or on-policy (rollout.logprobs
-    None) per micro-batch from its own forward, whose detached log-probs are the ratio's denominator. Leaves rollout's
-    logprobs, advantages, rlhf_reward, non_score_reward for the metrics; returns its own, averaged over micro-steps.
+    None) per micro-batch from its own forward, whose detached log-probs are the ratio's denominator (put in
+    rollout.logprobs). Returns its metrics, averaged over micro-steps, and what it trained on (k*B rows).
     --sync_ref_model: after every ref_model_sync_steps-th optimizer step of the run, ref_policy mixes in the policy.
     `state`: the run's AlgorithmState (None: its start), handed to compute_advantages and policy_loss."""
     state = AlgorithmState.start(args) if state is None else state
@@ -1232,10 +1295,9 @@ def ppo_update(
     device, k = scores.device, rollout.k
     max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
     in_update = rollout.logprobs is None  # on-policy: the update's forward gives them (logprobs_from_update)
-    if in_update:  # filled below, a micro-batch at a time, with every field compute_advantages sets
+    if in_update:  # filled below, a micro-batch at a time, as is every value compute_advantages returns
         rollout.logprobs = torch.zeros(rollout.responses.shape, device=device)  # (k*B, Tr)
-    else:
-        compute_advantages(rollout, scores, args, state)  # all groups at once
+    trained_on, gathered = None if in_update else compute_advantages(rollout, scores, args, state), {}  # all at once
     for _ in range(args.num_ppo_epochs):
         for minibatch in minibatch_plan(rollout, sizes, k):
             normalizer = loss_normalizer(rollout, minibatch)  # counted once: every micro-batch divides by it
@@ -1243,21 +1305,16 @@ def ppo_update(
             for micro_step, rows in enumerate(minibatch):
                 batch = micro_batch(rollout, rows, k)  # (N, Tr') responses, N = len(rows); its prompts once each
                 with plumbing.gradient_sync(model, enabled=micro_step == len(minibatch) - 1), autocast():
-                    new_logprobs, entropy = forward_logprobs(model, batch, batch.temperature, share_prompt, True,
-                                                             batch.filters)  # (N, Tr') each
+                    new_logprobs, entropy = forward_logprobs(model, batch, batch.sampling.temperature, share_prompt,
+                                                             True, batch.sampling.filters)  # (N, Tr') each
                     if in_update:  # whole prompt groups, all that compute_advantages reads (logprobs_from_update)
-                        batch.logprobs, before = new_logprobs.detach() * batch.response_mask, dict(vars(batch))
-                        compute_advantages(batch, scores[rows], args, state)
-                        for name, value in vars(batch).items():  # what it set, back in the rollout's k*B rows
-                            if name != "logprobs" and value is before.get(name):
-                                continue
-                            if not (torch.is_tensor(value) and value.dim() and len(value) == len(rows)):
-                                setattr(rollout, name, value)  # not per completion: the same in every micro-batch
-                                continue
-                            if getattr(rollout, name, None) is None:  # (k*B,), or (k*B, Tr) per token
-                                setattr(rollout, name, value.new_zeros(rollout.responses.shape[:value.dim()]))
-                            put_rows(getattr(rollout, name), rows, value)
-                    action_losses, step_stats = policy_loss(new_logprobs, batch, args, entropy,
+                        batch.logprobs = new_logprobs.detach() * batch.response_mask
+                        put_rows(rollout.logprobs, rows, batch.logprobs)
+                        values = compute_advantages(batch, scores[rows], args, state)
+                        plumbing.put_rows_of(gathered, rows, values.values(), rollout.responses.shape)  # (k*B, ..)
+                    else:
+                        values = trained_on.of_rows(rows, batch.responses.shape[1])  # (N,) or (N, Tr')
+                    action_losses, step_stats = policy_loss(new_logprobs, batch, values, args, entropy,
                                                             state)  # (N,) or (N, Tr')
                     loss = action_losses.sum() / normalizer
                     loss.backward()
@@ -1285,7 +1342,7 @@ def ppo_update(
     out["clip_ratio/low_min"], out["clip_ratio/high_max"] = out["clip_ratio/low_mean"], out["clip_ratio/high_mean"]
     if rollout.in_loss is not None:  # reduced over ranks by a sum
         out["completions/masked_truncated"] = float((~rollout.in_loss).sum())
-    return out
+    return out, trained_on or Advantages(**gathered)
 
 
 @torch.no_grad()
@@ -1370,9 +1427,9 @@ class PromptBatch:
     sampler_state: dict  # the sampler before drawing them: where a resume starts while the batch is in flight
 
 
-def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
+def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts) -> None:
     """Train: set up, then the six steps of each update. `make_rollouts(policy, args, stop_token_id, pad_token_id,
-    generator, autocast)` gives the source of completions (LocalRollouts); rloo_multinode.py passes its engines'."""
+    generator, autocast)` gives the RolloutSource (LocalRollouts); rloo_multinode.py passes its engines'."""
     lock = plumbing.OutputDirLock(args.output_dir)  # one run per output_dir: taken by the Checkpointer below
     stop_signal = plumbing.StopSignal(lock, announce=os.environ.get("RANK", "0") == "0")  # until training:
     # a signal ends the run at once; from then on, after the update, with a checkpoint
@@ -1384,8 +1441,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
     sizes = compute_batch_sizes(args, dist_info.world_size)
     device, master = dist_info.device, dist_info.master
     state = AlgorithmState.start(args)
-    checkpoints = plumbing.Checkpointer(args, dist_info, lock, reward_functions, state)  # output_dir locked, the
-    # checkpoint to start from (the state restored from it), every input checked against those the run started with
+    checkpoints = plumbing.Checkpointer(args, dist_info, lock, reward_functions)  # output_dir locked, where to resume
     with checkpoints.refusal_leaves_nothing():
         plumbing.choose_kernels()
         autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=args.bf16)
@@ -1440,12 +1496,8 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         optimizer = torch.optim.AdamW(plumbing.weight_decay_groups(policy, trainable, args.weight_decay),
                                       lr=args.learning_rate, eps=args.adam_epsilon,
                                       fused=device.type == "cuda" and not args.offload)  # one kernel for all tensors
-        plumbing.seed_everything(args.seed + dist_info.rank)  # from here on each rank samples differently
-        sampling_rng = torch.Generator(device).manual_seed(args.seed + dist_info.rank)  # only sampling draws from it
-        # a resumed run's state restored; with --sync_ref_model the reference's weights too: they are not the
-        # initial model's, nor can they be derived from the policy's
-        checkpoints.load(policy, optimizer, tokenizer, sampler, sampling_rng,
-                         reference=ref_policy if args.sync_ref_model else None)
+        # python's, numpy's and torch's generators seeded (each rank differently), and .sampling, only sampling's own
+        generators = plumbing.Generators(args.seed + dist_info.rank, device)
         notes = (checkpoints.notes() if master else []) + notes  # output_dir settled for this run's timeline
         run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
         logger = plumbing.RunLogger(args, run_name, num_updates, checkpoints.start_update, checkpoints.wandb_run_id,
@@ -1464,22 +1516,24 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                 functools.partial(learning_rate_at, num_updates=num_updates, args=args), num_updates))
             for note in notes:
                 logger.say(note)
-        rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, sampling_rng, autocast)
-        notes = [f"on-policy (1 PPO epoch, 1 minibatch): the ratio is 1 at every step, so the clip range "
-                 f"[1 - {args.cliprange:g}, 1 + {args.cliprange_high:g}] cannot act (raise --num_ppo_epochs or "
-                 "--num_mini_batches for it to)"] if steps_per_update == 1 and rollouts.lookahead == 0 else []
-        in_update = logprobs_from_update(args, sizes, rollouts.lookahead, state, notes, device)  # start-up check
-        for note in notes if logger is not None else []:
-            logger.say(note)
+        rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, generators.sampling, autocast)
+        # the update's forward may give the log-probs: checked on the first update's batch, which takes the plain path
+        shortcut, in_update, apart = logprobs_from_update(args, sizes, rollouts.lookahead), False, ""
         timer = plumbing.PhaseTimer(device)
         timer.count_tokens_of(policy, ref_policy, sources.model, getattr(rollouts, "sampler", None))
+        checkpoints.restore(policy=policy, tokenizer=tokenizer,  # the run's stateful parts, one a line (HF, once)
+            optimizer=optimizer,  # once (with FSDP: each rank its shard)
+            reference=ref_policy,  # once, whenever its weights are no longer those it was loaded with
+            algorithm_state=state,  # this and every part below: per rank, each rank's own
+            sampler=sampler,  # where the oldest batch not yet trained on was drawn (data_position)
+            rollouts=rollouts if hasattr(rollouts, "state_dict") else None,  # the rollout source's own, if any
+            generators=generators)  # restored last: as seeded, or the checkpoint's (nothing draws in between)
     eval_at = plumbing.evaluation_updates(args, num_updates, steps_per_update, len(dataset) // sampler.per_update) \
         if eval_dataset is not None else set()
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0
     queued: list[PromptBatch] = []  # drawn, sampled or being sampled, not yet trained on
 
-    def data_position() -> dict:
-        """The sampler before the oldest batch not yet trained on: where a resume draws again."""
+    def data_position() -> dict:  # the sampler before the oldest batch not yet trained on: where a resume draws again
         return queued[0].sampler_state if queued else sampler.state_dict()
 
     def evaluation(update: int, episode: int) -> None:
@@ -1497,7 +1551,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
         for update in range(checkpoints.start_update + 1, num_updates + 1):
             timer.start_update()
             update_start = time.perf_counter()
-            update_position, update_rng = data_position(), plumbing.rng_state(sampling_rng)  # a reward fault's restart
+            restart = dict(sampler=data_position(), generators=generators.state_dict())  # a reward fault's
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate_at(update, num_updates, args)
 
@@ -1511,15 +1565,15 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                     queries, query_mask = plumbing.pad_sequences(examples[plumbing.PROMPT_IDS],
                                                                  tokenizer.pad_token_id, device)  # (B, Tq)
                     # what samples the batch of update `update + len(queued)`, which carries it to every log-prob
-                    # of it (Completions.temperature, .filters): a schedule of a sampling setting is this line
-                    temperature, filters = args.temperature, SamplingFilters.of(args)
-                    rollouts.submit(queries, query_mask, temperature, filters)  # k completions each, (k, B) layout
+                    # of it (Completions.sampling): a schedule of a sampling setting or the length is this line
+                    sampling = SamplingSettings.of(args)
+                    rollouts.submit(queries, query_mask, sampling)  # k completions each, (k, B) layout
                     queued.append(PromptBatch(examples, sampler_state))
                 try:
                     with timer("generation"):
                         completions, rollout_metrics = rollouts.take()  # (B, Tq) queries, (k*B, Tr) responses
                 except plumbing.RolloutSourceError as e:  # the last update's state is intact: keep it, then stop
-                    path = checkpoints.save(update - 1, data_position())
+                    path = checkpoints.save(update - 1, sampler=data_position())
                     raise plumbing.RolloutSourceError(f"{e}; checkpoint of update {update - 1} saved to {path}") \
                         from None
                 prompt_batch = queued.pop(0)
@@ -1550,25 +1604,32 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                 plumbing.check_finite({  # without a reward model, NaN is a completion no source scored (TRL's)
                     "reward": raw_scores if sources.model else raw_scores[~raw_scores.isnan()],
                     "log-prob": rollout.logprobs, "reference log-prob": rollout.ref_logprobs}, device)  # every rank
-                train_stats = ppo_update(trained, optimizer, rollout, scores, args, sizes, share_prompt, autocast,
-                                         ref_policy, (update - 1) * steps_per_update, state)
+                train_stats, trained_on = ppo_update(trained, optimizer, rollout, scores, args, sizes, share_prompt,
+                                                     autocast, ref_policy, (update - 1) * steps_per_update, state)
+            if shortcut and not in_update:  # the first update: the shortcut from the next one on, or never
+                apart = advantages_apart(rollout, scores, trained_on, args, sizes, state)
+                in_update = shortcut = apart is None
             rollout_metrics.update(rollouts.policy_updated(update, policy))  # rloo_multinode.py: the engines' sync
 
             # log (this rank's metrics under TRL's names, then reduced over ranks), evaluate, save
-            mean_kl = (kl_to_reference(rollout) * rollout.response_mask).sum(1).mean().item()  # of the sequences
+            mean_kl = (kl_to_reference(rollout) * rollout.response_mask).sum(1).mean().item()  # k1, of the sequences
             metrics = {
                 "objective/kl": mean_kl,
                 **({"kl": mean_kl} if ref_policy is not None else {}),  # TRL 1.x's name, only with a reference
+                **({f"objective/kl_{args.kl_estimator}": trained_on.reward_kl.mean().item()} if ref_policy is not None
+                   and not args.kl_in_loss and args.kl_estimator not in (None, "k1") else {}),  # the reward's
                 "objective/entropy": (-rollout.logprobs * rollout.response_mask).sum(1).mean().item(),
-                "objective/non_score_reward": rollout.non_score_reward.nanmean().item(),  # compute_advantages's
-                "objective/rlhf_reward": rollout.rlhf_reward.nanmean().item(),  # of the scored completions (TRL's)
+                "objective/non_score_reward": trained_on.non_score_reward.nanmean().item(),  # compute_advantages's
+                "objective/rlhf_reward": trained_on.rlhf_reward.nanmean().item(),  # of the scored completions (TRL's)
                 "objective/scores": scores.nanmean().item(),
                 "objective/raw_scores": raw_scores.nanmean().item(),
                 "reward": raw_scores.nanmean().item(),  # TRL 1.x: the sources' weighted sum
                 **train_stats,  # policy/*, loss/policy_avg, val/ratio*
-                **plumbing.completion_metrics(rollout.response_mask, has_stop, scores, args.rloo_k),
-                **({} if rollout.sampler_logprobs is None else
-                   plumbing.mismatch_metrics(rollout, args, importance_weights, args.cliprange, args.cliprange_high)),
+                **plumbing.completion_metrics(rollout.response_mask, has_stop, in_groups(scores, args.rloo_k)),
+                **({} if rollout.sampler_logprobs is None else plumbing.mismatch_metrics(rollout, args.cliprange,
+                   args.cliprange_high, args.vllm_importance_sampling_cap, functools.partial(importance_weights,
+                   mode=args.vllm_importance_sampling_mode, cap=args.vllm_importance_sampling_cap)
+                   if args.vllm_importance_sampling_correction else None)),
                 **source_means, **rollout_metrics, **timer.metrics(),
                 "work/minimum_tokens": plumbing.minimum_forward_tokens(rollout, sum(
                     args.num_ppo_epochs if phase == "training" else 1 for phase in timer.tokens)),
@@ -1580,6 +1641,9 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                            episode=episode)
             if logger is not None:
                 logger.log(update, metrics)
+                for note in plumbing.on_policy_notes(update, apart, metrics, args.cliprange, args.cliprange_high) \
+                        if update == checkpoints.start_update + 1 else []:  # what the run's first update showed
+                    logger.console.print(note, highlight=False, soft_wrap=True)
                 if args.log_completions or (sample_every and (update - 1) % sample_every == 0):
                     logger.sample_table([(tokenizer.decode(rollout.queries[i % sizes.prompts][
                         rollout.query_mask[i % sizes.prompts]]), tokenizer.decode(rollout.responses[i][
@@ -1588,7 +1652,7 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                 evaluation(update, episode)
             stop = stop_signal.requested(device)  # on every rank as soon as any rank got a signal
             if stop or update == num_updates or (save_every > 0 and update % save_every == 0):
-                checkpoints.save(update, data_position())
+                checkpoints.save(update, sampler=data_position())
             if stop:
                 checkpoints.stopped(logger, f"{stop_signal.name or 'a signal to another rank'} received: stopped "
                                             f"after update {update}")
@@ -1601,14 +1665,14 @@ def main(args: Args, make_rollouts: Callable = LocalRollouts) -> None:
                 checkpoints.mark_finished()
                 logger.say(f"saved the policy and tokenizer to {args.output_dir}")
     except plumbing.RewardFunctionError as e:  # every rank at once: keep the last finished update, then stop
-        where = checkpoints.keep(update, data_position()) if e.after_training else \
-            checkpoints.keep(update - 1, update_position, update_rng)
+        where = checkpoints.keep(update, sampler=data_position()) if e.after_training else \
+            checkpoints.keep(update - 1, **restart)
         if e.signal_name is None:
             raise plumbing.RewardFunctionError(f"{e}; {where}", e.announce) from None
         checkpoints.stopped(logger, f"{e.signal_name} received while a reward function ran: stopped at once")
     except plumbing.MetricsWriteError as e:  # rank 0's alone: a checkpoint needs every rank
         where = "no checkpoint: it needs every rank (torchrun stops the others)" if dist.is_initialized() else \
-            checkpoints.keep(update, data_position())
+            checkpoints.keep(update, sampler=data_position())
         raise plumbing.MetricsWriteError(f"{e} after update {update}; {where}") from None
     finally:  # an error on one rank alone must not wait for the others: torchrun stops them
         rollouts.close()

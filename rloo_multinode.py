@@ -723,9 +723,9 @@ class Engine(Protocol):
         """Complete the sync: the new weights sample from now on (vLLM: its prefix cache emptied)."""
 
     def generate(self, request: dict) -> dict:
-        """k completions of each query, sampled at the request's "temperature" with its "filters" (the batch's own,
-        sampling_request): {"responses": (k*b, Tr) in the (k, b) layout, "sampler_logprobs" (k*b, Tr) each drawn
-        token's log-prob at that temperature (0 after a response's end), "rng_state"}."""
+        """k completions of each query, sampled with the request's "sampling" (the batch's own SamplingSettings,
+        sampling_request): {"responses": (k*b, Tr) in the (k, b) layout (Tr: its max_new_tokens), "sampler_logprobs"
+        (k*b, Tr) each drawn token's log-prob at that temperature (0 after a response's end), "rng_state"}."""
 
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token t | tokens < t) of every token but the first of each sequence, at temperature 1."""
@@ -771,7 +771,7 @@ class HFEngine:
             self.model, request["queries"].to(self.device), request["query_mask"].to(self.device), request["k"],
             self.args, request["stop_token_id"], request["pad_token_id"], generator,
             lambda: torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16), self.decoder,
-            request["temperature"], rloo.SamplingFilters(**request["filters"]))
+            settings_of(request))
         return {"responses": c.responses.cpu(), "sampler_logprobs": c.sampler_logprobs.cpu(),
                 "rng_state": generator.get_state()}
 
@@ -808,10 +808,20 @@ def vllm_engine_kwargs(args: Args, index: int, backend: str) -> dict:
     return kwargs
 
 
-def sampling_request(temperature: float, filters: rloo.SamplingFilters) -> dict:
+def sampling_request(sampling: rloo.SamplingSettings, args: Args) -> dict:
     """The settings that sample a batch, as an engine request carries them (plain values: they cross the control
-    store as JSON); an engine samples each batch with its own (a schedule of them in rloo.main reaches engines)."""
-    return {"temperature": temperature, "filters": asdict(filters)}
+    store as JSON); an engine samples each batch with its own (a schedule of them in rloo.main reaches engines), at
+    most --response_length tokens (what engines and their caches are sized for)."""
+    if not 1 <= sampling.max_new_tokens <= args.response_length:
+        raise plumbing.ConfigError(f"a batch of {sampling.max_new_tokens} new tokens: the engines are sized for "
+                                   f"--response_length {args.response_length}; raise it, or sample at most that many")
+    return {"sampling": asdict(sampling)}
+
+
+def settings_of(request: dict) -> rloo.SamplingSettings:
+    """The SamplingSettings a request carries (sampling_request)."""
+    return rloo.SamplingSettings(**{**request["sampling"],
+                                    "filters": rloo.SamplingFilters(**request["sampling"]["filters"])})
 
 
 def check_vllm_filters(filters: rloo.SamplingFilters) -> None:
@@ -823,20 +833,21 @@ def check_vllm_filters(filters: rloo.SamplingFilters) -> None:
                                    "would differ; drop one of them, or pass --engine hf")
 
 
-def vllm_sampling(args: Args, stop_token_id: Optional[int], temperature: Optional[float] = None,
-                  filters: Optional[rloo.SamplingFilters] = None) -> dict:
+def vllm_sampling(args: Args, stop_token_id: Optional[int],
+                  sampling: Optional[rloo.SamplingSettings] = None) -> dict:
     """vLLM sampling parameters (SamplingParams' and the completions API's names) that draw as rloo.py's sampler does
-    (rloo.sampling_logits): the batch's temperature and filters (None: the flags', --temperature, --top_k, --top_p,
-    --min_p, --repetition_penalty), whatever the model's generation config says; vLLM's meaning of each is transformers'
-    (the penalty on the raw logits of the prompt's and the output's tokens; ties at the k-th logit kept), and with
+    (rloo.sampling_logits): the batch's SamplingSettings (None: the flags', --temperature, --top_k, --top_p, --min_p,
+    --repetition_penalty, --response_length), whatever the model's generation config says; vLLM's meaning of each is
+    transformers' (the penalty on the raw logits of the prompt's and the output's tokens; ties at the k-th logit kept), and with
     logprobs_mode "processed_logprobs" the log-probs it returns are of the filtered distribution, as the trainer's. Its
-    one difference, min-p before top-p, is refused (check_vllm_filters). response_length tokens unless the stop token
+    one difference, min-p before top-p, is refused (check_vllm_filters). max_new_tokens tokens unless the stop token
     comes first, and EOS stops a response only when it is the stop token."""
-    filters = rloo.SamplingFilters.of(args) if filters is None else filters
+    sampling = rloo.SamplingSettings.of(args) if sampling is None else sampling
+    filters = sampling.filters
     check_vllm_filters(filters)
-    return {"temperature": args.temperature if temperature is None else temperature, "top_p": filters.top_p,
+    return {"temperature": sampling.temperature, "top_p": filters.top_p,
             "top_k": filters.top_k, "min_p": filters.min_p or 0.0, "repetition_penalty": filters.repetition_penalty,
-            "max_tokens": args.response_length,
+            "max_tokens": sampling.max_new_tokens,
             "stop_token_ids": [] if stop_token_id is None else [stop_token_id], "ignore_eos": True}
 
 
@@ -885,14 +896,13 @@ class VLLMEngine:
         drawn from its own seed (the same weights and seeds, the same tokens), without from vLLM's seeded sampler."""
         from vllm import SamplingParams, TokensPrompt
 
-        sampling = vllm_sampling(self.args, request["stop_token_id"], request["temperature"],
-                                 rloo.SamplingFilters(**request["filters"]))
+        sampling = vllm_sampling(self.args, request["stop_token_id"], settings_of(request))
         prompts = [TokensPrompt(prompt_token_ids=q[m].tolist())
                    for q, m in zip(request["queries"], request["query_mask"].bool())] * request["k"]  # (k, b) layout
         seeds = request.get("seeds") or [None] * len(prompts)
         params = [SamplingParams(n=1, detokenize=False, logprobs=0, seed=seed, **sampling) for seed in seeds]
         outputs = [o.outputs[0] for o in self.llm.generate(prompts, params, use_tqdm=False)]
-        length = self.args.response_length
+        length = sampling["max_tokens"]
         out = {"responses": padded_responses([list(o.token_ids) for o in outputs], length, request["pad_token_id"]),
                "sampler_logprobs": padded_responses([[p[t].logprob for p, t in zip(o.logprobs, o.token_ids)]
                                                      for o in outputs], length, 0.0, torch.float32)}
@@ -960,12 +970,11 @@ class BatchInFlight:
     queries: torch.Tensor  # (B, Tq), on the trainer's device
     query_mask: torch.Tensor  # (B, Tq)
     parts: list[torch.Tensor]  # the prompt indices into B of each part (split_by_prompt), one part per engine
-    temperature: float  # what samples it, carried by its completions
-    filters: rloo.SamplingFilters
+    sampling: rloo.SamplingSettings  # what samples it, carried by its completions
 
 
 class EngineRollouts:
-    """rloo.py's rollout source (the five methods of rloo.LocalRollouts), served by engines: those of `serve`
+    """An rloo.RolloutSource served by engines: those of `serve`
     (ServedEngines) or `vllm serve` processes (VLLMServers). Every training rank submits its own queries and takes
     its own completions; rank 0 also sends the weights. The ranks agree on every engine failure, so all stop at the
     same point."""
@@ -1043,8 +1052,7 @@ class EngineRollouts:
         return wait, time.perf_counter() - start
 
     # ---- the rollout source
-    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, temperature: float,
-               filters: rloo.SamplingFilters) -> None:
+    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, sampling: rloo.SamplingSettings) -> None:
         parts = split_by_prompt(queries.shape[0], self.num_parts)  # [(B/parts,)] prompt indices
         if self.num_parts == 1:  # one engine continues this rank's random stream, as rloo.py would draw it
             states = [self.generator.get_state()]
@@ -1056,10 +1064,10 @@ class EngineRollouts:
         self.engines.send(self.submitted, [{
             "queries": cpu_queries[i], "query_mask": cpu_query_mask[i], "k": self.args.rloo_k,
             "stop_token_id": self.stop_token_id, "pad_token_id": self.pad_token_id, "rng_state": state,
-            **sampling_request(temperature, filters)} for i, state in zip(parts, states)])
+            **sampling_request(sampling, self.args)} for i, state in zip(parts, states)])
         self.batch_versions.append(self.version)
         self.submitted += 1
-        self.queued.append(BatchInFlight(queries, query_mask, parts, temperature, filters))
+        self.queued.append(BatchInFlight(queries, query_mask, parts, sampling))
 
     def take(self) -> tuple[rloo.Completions, dict[str, float]]:
         in_flight = self.queued.pop(0)
@@ -1077,19 +1085,15 @@ class EngineRollouts:
         if self.num_parts == 1 and "rng_state" in results[0]:  # where the engine left this rank's random stream
             self.generator.set_state(results[0]["rng_state"])
         k, num_prompts = self.args.rloo_k, queries.shape[0]
-        responses = torch.empty(k * num_prompts, self.args.response_length, dtype=torch.long)  # (k*B, Tr)
+        responses = torch.empty(k * num_prompts, in_flight.sampling.max_new_tokens, dtype=torch.long)  # (k*B, Tr)
         sampler_logprobs = torch.zeros(responses.shape)  # (k*B, Tr) what each engine's sampler gave its tokens
         measured = all("sampler_logprobs" in result for result in results)
         for prompts, result in zip(in_flight.parts, results):  # each part's (k*b, Tr) in its own (k, b) layout
             responses[rloo.completion_rows(prompts, num_prompts, k)] = result["responses"]
             if measured:
                 sampler_logprobs[rloo.completion_rows(prompts, num_prompts, k)] = result["sampler_logprobs"]
-        responses, response_mask = rloo.truncate_after_stop(responses.to(queries.device), self.stop_token_id,
-                                                            self.pad_token_id)  # (k*B, Tr)
-        completions = rloo.Completions(queries, in_flight.query_mask, responses, response_mask,
-                                       sampler_logprobs=sampler_logprobs.to(queries.device) * response_mask
-                                       if measured else None, temperature=in_flight.temperature,
-                                       filters=in_flight.filters)
+        completions = rloo.completions_of(queries, in_flight.query_mask, responses, in_flight.sampling,
+                                          self.stop_token_id, self.pad_token_id, sampler_logprobs if measured else None)
         self.sampled_by = self.batch_versions.pop(0)
         self.taken += 1
         for old in [v for v in self.snapshots if v < self.sampled_by]:  # no batch in flight was sampled by these
@@ -1460,14 +1464,13 @@ def answer_of(url: str):
 
 
 def completions_body(model: str, queries: torch.Tensor, query_mask: torch.Tensor, k: int, args: Args,
-                     stop_token_id: Optional[int], temperature: Optional[float] = None,
-                     filters: Optional[rloo.SamplingFilters] = None) -> dict:
+                     stop_token_id: Optional[int], sampling: Optional[rloo.SamplingSettings] = None) -> dict:
     """A request to vLLM's OpenAI completions API for k completions of each of the b (b, Tq) left-padded queries,
     one prompt entry each in the (k, b) layout (the server's prefix cache computes a prompt once), as token ids
-    (the prompts unpadded), answered with token ids; sampled at temperature with filters (vllm_sampling)."""
+    (the prompts unpadded), answered with token ids; sampled with `sampling` (vllm_sampling)."""
     prompts = [q[m].tolist() for q, m in zip(queries, query_mask.bool())] * k
     return {"model": model, "prompt": prompts, "n": 1, "return_token_ids": True, "logprobs": 0,
-            **vllm_sampling(args, stop_token_id, temperature, filters)}
+            **vllm_sampling(args, stop_token_id, sampling)}
 
 
 @dataclass
@@ -1476,6 +1479,7 @@ class AnswerDue:
 
     answer: Future  # http_json's result: the server's JSON answer
     pad_token_id: int  # what pads the part's responses
+    length: int  # ... to the batch's max_new_tokens
 
 
 class VLLMServers:
@@ -1567,10 +1571,9 @@ class VLLMServers:
         answers_due = []
         for url, part in zip(self.mine, parts):
             body = completions_body(self.model, part["queries"], part["query_mask"], part["k"], self.args,
-                                    part["stop_token_id"], part["temperature"],
-                                    rloo.SamplingFilters(**part["filters"]))
+                                    part["stop_token_id"], settings_of(part))
             answer = self.requests.submit(http_json, f"{url}/v1/completions", body, self.timeout)
-            answers_due.append(AnswerDue(answer, part["pad_token_id"]))
+            answers_due.append(AnswerDue(answer, part["pad_token_id"], body["max_tokens"]))
         self.answers_due[batch] = answers_due
 
     def receive(self, batch: int) -> list[dict]:
@@ -1578,11 +1581,10 @@ class VLLMServers:
         for url, due in zip(self.mine, self.answers_due.pop(batch)):
             with answer_of(url):
                 choices = sorted(due.answer.result()["choices"], key=lambda c: c["index"])  # one per prompt, in order
-                results.append({"responses": padded_responses([c["token_ids"] for c in choices],
-                                                              self.args.response_length, due.pad_token_id),
+                results.append({"responses": padded_responses([c["token_ids"] for c in choices], due.length,
+                                                              due.pad_token_id),
                                 "sampler_logprobs": padded_responses([c["logprobs"]["token_logprobs"]
-                                                                      for c in choices],
-                                                                     self.args.response_length, 0, torch.float32)})
+                                                                      for c in choices], due.length, 0, torch.float32)})
         return results  # vLLM seeds its own sampler: no RNG state
 
     def begin_sync(self, version: int, info: dict) -> None:
@@ -1618,7 +1620,7 @@ class VLLMServers:
 
 # ===================================================================== transport: colocated vLLM
 class ColocatedRollouts:
-    """rloo.py's rollout source with a vLLM engine inside every training process (--vllm_mode colocate), on the
+    """An rloo.RolloutSource with a vLLM engine inside every training process (--vllm_mode colocate), on the
     rank's own device: vLLM's external launcher over torchrun's group, each engine a tensor-parallel group of one
     sampling its own rank's batches. Before the first batch after an optimizer step the engine takes the rank's
     weights in place (the "in_process" weight-transfer backend: no copy over a network, no second process); with
@@ -1637,7 +1639,7 @@ class ColocatedRollouts:
             os.environ.setdefault("LOCAL_RANK", "0")
         self.policy, self.args, self.stop_token_id, self.pad_token_id = policy, args, stop_token_id, pad_token_id
         self.generator, self.dist_info = generator, dist_info
-        self.queued: list[tuple] = []  # (B, Tq) queries and mask, temperature, filters, oldest first
+        self.queued: list[tuple] = []  # (B, Tq) queries and mask, sampling settings, oldest first
         self.version, self.engine_version = 0, None  # the updates the policy has had; those whose weights it holds
         shapes = [(name, p.shape) for name, p in named_parameters(policy).items()]  # a DTensor's: the full one
         self.buckets = plan_buckets(weights_info(shapes, engine_dtype(args)), args.sync_bucket_mb * 2**20)
@@ -1682,12 +1684,11 @@ class ColocatedRollouts:
                 error = self.failed(e)
         return error
 
-    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, temperature: float,
-               filters: rloo.SamplingFilters) -> None:
-        self.queued.append((queries, query_mask, temperature, filters))
+    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, sampling: rloo.SamplingSettings) -> None:
+        self.queued.append((queries, query_mask, sampling))
 
     def take(self) -> tuple[rloo.Completions, dict[str, float]]:
-        queries, query_mask, temperature, filters = self.queued.pop(0)  # (B, Tq) each
+        queries, query_mask, sampling = self.queued.pop(0)  # (B, Tq) each
         k, num_prompts = self.args.rloo_k, queries.shape[0]
         start, error, result = time.perf_counter(), None, None
         if self.engine_version != self.version:
@@ -1703,7 +1704,7 @@ class ColocatedRollouts:
                 result = self.engine.generate({"queries": queries.cpu(), "query_mask": query_mask.cpu(), "k": k,
                                                "stop_token_id": self.stop_token_id, "seeds": seeds,
                                                "pad_token_id": self.pad_token_id,
-                                               **sampling_request(temperature, filters)})
+                                               **sampling_request(sampling, self.args)})
                 if self.args.vllm_enable_sleep_mode:
                     self.engine.llm.sleep(level=2)
             except Exception as e:
@@ -1711,11 +1712,8 @@ class ColocatedRollouts:
         failure = agree(self.dist_info, error)  # every rank stops at this same point, or none does
         if failure is not None:
             raise failure
-        responses, response_mask = rloo.truncate_after_stop(result["responses"].to(queries.device),
-                                                            self.stop_token_id, self.pad_token_id)  # (k*B, Tr)
-        sampler_logprobs = result["sampler_logprobs"].to(queries.device) * response_mask  # (k*B, Tr)
-        return rloo.Completions(queries, query_mask, responses, response_mask, sampler_logprobs=sampler_logprobs,
-                                temperature=temperature, filters=filters), {"time/weight_sync": sync}
+        return rloo.completions_of(queries, query_mask, result["responses"], sampling, self.stop_token_id,
+                                   self.pad_token_id, result["sampler_logprobs"]), {"time/weight_sync": sync}
 
     @contextlib.contextmanager
     def behaviour_policy(self, policy):

@@ -14,7 +14,7 @@ objects (the algorithm's functions included) takes them as arguments. The rooms,
                 the prompt sampler
   models        models and tokenizers loaded and checked, LoRA adapters and their reference, the bf16 sampling copy
   kernels       the fused log-softmax, logits where needed, KV caches, what a model's attention is
-  sharing       the shortcuts' start-up checks: prompt sharing per model, the on-policy update's advantages
+  sharing       the shortcuts' checks: prompt sharing per model, the on-policy update's advantages (first update)
   rewards       reward model and functions: loaded, called in a thread with a timeout, failures raised on every rank
   measure       phase times, token-forwards against the minimum, rows per forward pass, sampler/trainer mismatch
   runlog        metrics over ranks, the console, metrics.jsonl, wandb, curves.png

@@ -18,6 +18,7 @@ import shutil
 import time
 import uuid
 import warnings
+import zipfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, Optional
@@ -26,10 +27,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .distributed import barrier, is_fsdp_unit, note_phase, rank0_view, unwrapped
+from .distributed import barrier, is_fsdp_unit, note_phase, rank0_view, seed_everything, unwrapped
 from .errors import (WRITE_ERRORS, ConfigError, Fault, describe, first_line, reading, without_credentials,
                      write_own)
-from .models import load_pretrained, weights_readable_as_the_rest
+from .models import AdaptersOff, load_pretrained, weights_readable_as_the_rest
 from .outputdir import (
     ABANDONED,
     CHECKPOINTS,
@@ -71,10 +72,40 @@ def set_rng_state(state: dict, sampling: torch.Generator) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+class Generators:
+    """Every generator of a rank, seeded with `seed`: python's, numpy's, torch's (and CUDA's), and `sampling` (on
+    `device`), the one sampling draws from; one part of the checkpoint (state_dict() / load_state_dict()).
+    Checkpointer.restore sets them last, to the checkpoint's states on resume and to these seeded ones on a fresh
+    start, so that nothing drawn during the set-up (a console, a logger) moves what the first update draws."""
+
+    def __init__(self, seed: int, device: torch.device):
+        seed_everything(seed)
+        self.sampling = torch.Generator(device).manual_seed(seed)
+        self.seeded = self.state_dict()
+
+    def state_dict(self) -> dict:
+        return rng_state(self.sampling)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_rng_state(state, self.sampling)
+
+
+MAX_PICKLE_BYTES = 16 * 2**20  # the values outside tensors of one checkpoint file (the optimizer's layout, flags)
+
+
 def load_safely(source: Path | io.BytesIO, name: Optional[str] = None):
     """torch.load with weights_only: tensors and plain Python values only, so that reading a checkpoint from
     elsewhere can never run code. Raises ConfigError naming the file (or `name`: what a message calls the source)."""
     name = name or str(source)
+    if isinstance(source, Path):  # its values outside tensors unpickled one by one: minutes for an absurd list
+        try:
+            with zipfile.ZipFile(source) as archive:
+                size = sum(info.file_size for info in archive.infolist() if info.filename.endswith("/data.pkl"))
+        except (zipfile.BadZipFile, OSError):  # not torch.save's zip format: its whole size
+            size = source.stat().st_size if source.is_file() else 0
+        if size > MAX_PICKLE_BYTES:
+            raise ConfigError(f"{name} holds {size / 2**20:.1f} MiB of values outside tensors, more than a checkpoint "
+                              f"of this code writes ({MAX_PICKLE_BYTES // 2**20} MiB): not read") from None
     try:
         return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -367,22 +398,28 @@ def checkpoint_problem(path: Path) -> Optional[str]:
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         others = [p.name for p in sorted(path.iterdir()) if p.suffix in (".bin", ".pt", ".pth", ".ckpt")
-                  and not p.name.startswith("rng_rank") and p.name != TRAINER_STATE]
+                  and not RANK_FILE.fullmatch(p.name) and p.name != TRAINER_STATE]
         return f"no weights in safetensors ({', '.join(others) or 'none'} instead): a pickle is never loaded"
     problem = next(filter(None, map(unreadable_weights, weights)), None)
     return problem or (unsafe_shards(shards) if (shards / ".metadata").is_file() else None)
 
 
+def rank_file(rank: int) -> str:
+    """The file of a rank's own parts (every part but the model-sized ones), in each checkpoint."""
+    return f"rank{rank}.pt"
+
+
 def save_checkpoint(output_dir: str, update: int, model, optimizer, tokenizer, trainer_state: dict, rank: int,
-                    save_total_limit: Optional[int], sampling: torch.Generator, rng: Optional[dict] = None) -> Path:
+                    save_total_limit: Optional[int], rank_state: dict) -> Path:
     """Write output_dir/checkpoints/step_<update>: the policy in HF format (loadable on its own) and its
-    tokenizer, trainer_state.pt (counters, data position, args; the optimizer, or with FSDP the optimizer/
-    directory of shards), every rank's RNG states (`rng`, default: as they are now) and, last, manifest.json
+    tokenizer, trainer_state.pt (counters, args; the optimizer, or with FSDP the optimizer/ directory of shards;
+    the reference's weights where they changed), every rank's own parts `rank_state` in rank<r>.pt and, last,
+    manifest.json
     with the size and sha256 of every file, by which a resume tells an intact checkpoint from a damaged one.
     Everything goes into a temporary directory first, renamed into place once complete, so a process killed
     mid-save leaves the previous checkpoints intact and no half-written step_<n>; a save that fails (a full disk)
     removes its temporary directory and raises a Fault saying so. Multi-node runs need output_dir on a shared
-    filesystem: every rank writes its RNG file there."""
+    filesystem: every rank writes its own file there."""
     root = Path(output_dir) / CHECKPOINTS
     final, partial = root / f"step_{update}", root / f".tmp_step_{update}"
     what = f"saving checkpoint step_{update}"
@@ -392,7 +429,7 @@ def save_checkpoint(output_dir: str, update: int, model, optimizer, tokenizer, t
             remove_checkpoint(partial)  # debris of an earlier save that was killed (a link: removed, not followed)
             partial.mkdir(parents=True)
         barrier(what)
-        torch.save(rng if rng is not None else rng_state(sampling), partial / f"rng_rank{rank}.pt")
+        torch.save(rank_state, partial / rank_file(rank))
         barrier(what)
         save_optimizer_state(model, optimizer, partial, trainer_state)
         save_policy(unwrapped(model), tokenizer, partial, rank)
@@ -442,7 +479,7 @@ def save_final_policy(policy, tokenizer, output_dir: str, rank: int, checkpoint:
                 fresh.rmdir()
         elif rank == 0:
             for file in sorted(checkpoint.iterdir()):
-                if not file.is_file() or file.name in (TRAINER_STATE, MANIFEST) or file.name.startswith("rng_rank"):
+                if not file.is_file() or file.name in (TRAINER_STATE, MANIFEST) or RANK_FILE.fullmatch(file.name):
                     continue
                 written.append(file.name)
                 (Path(output_dir) / file.name).unlink(missing_ok=True)  # this run's own, of an earlier finish
@@ -457,7 +494,8 @@ def save_final_policy(policy, tokenizer, output_dir: str, rank: int, checkpoint:
     return written
 
 
-TRAINER_STATE_KEYS = {"update": int, "episode": int, "sampler": dict, "elapsed": float, "world_size": int,
+RANK_FILE = re.compile(r"rank\d+\.pt")  # rank_file's names
+TRAINER_STATE_KEYS = {"update": int, "episode": int, "elapsed": float, "world_size": int,
                       "args": dict, "run_id": str, "inputs": dict, "optimizer": (dict, str)}  # and their types
 
 
@@ -479,10 +517,6 @@ def trainer_state_problem(state) -> Optional[str]:
         return f"{TRAINER_STATE}'s update, episode or world_size is out of range"
     if not (math.isfinite(state["elapsed"]) and 0 <= state["elapsed"] < 1e10):  # seconds: over 300 years is junk
         return f"{TRAINER_STATE}'s elapsed time {state['elapsed']!r} is not a finite number of seconds"
-    if not isinstance(state.get("state", {}), dict):
-        return f"{TRAINER_STATE}'s algorithm state is a {type(state['state']).__name__}, not a dict"
-    if not (isinstance(state["sampler"].get("epoch"), int) and isinstance(state["sampler"].get("position"), int)):
-        return f"{TRAINER_STATE}'s sampler state is not {{'epoch': int, 'position': int}}"
     try:  # flags, inputs and ids are plain values: compared with ==, never a tensor or an object
         json.dumps([state["args"], state["inputs"], state["run_id"], state.get("wandb_run_id")], allow_nan=False)
     except (TypeError, ValueError, RecursionError) as e:
@@ -498,8 +532,9 @@ def read_checkpoint(path: Path) -> tuple[Optional[dict], Optional[str]]:
         return None, problem
     try:
         state = load_safely(path / TRAINER_STATE)
-        for rng in sorted(path.glob("rng_rank*.pt")):  # read again by load(): refused here, before any model loads
-            load_safely(rng)
+        for own in sorted(p for p in path.iterdir() if RANK_FILE.fullmatch(p.name)):  # read again by restore():
+            if not isinstance(load_safely(own), dict):  # refused here, before any model loads
+                raise ConfigError(f"{own.name} holds no dict of parts")
     except ConfigError as e:
         return None, " ".join(str(e).split())
     except RecursionError:
@@ -608,28 +643,178 @@ def algorithm_state_values(state) -> dict:
     return {f.name: plain(getattr(state, f.name), f.name) for f in fields(state)}
 
 
-def restore_algorithm_state(state, saved: dict, path: Path) -> None:
-    """A checkpoint's algorithm state into `state`, bit for bit; refused where its fields are not the dataclass's."""
-    names = [f.name for f in fields(state)]
-    if sorted(saved) != sorted(names):
-        raise ConfigError(f"cannot resume from {path}: its algorithm state has fields {sorted(saved)} but "
-                          f"{type(state).__name__} has {sorted(names)} (the code changed since it was saved): resume "
-                          "with the code that wrote it, or start a new run in another --output_dir")
-    for name in names:
-        setattr(state, name, saved[name])
+MAX_PLAIN_VALUES = 1_000_000  # numbers and strings outside tensors in one part: more is data, not state
+
+
+def value_problem(value, like, where: str, counted: Optional[list] = None) -> Optional[str]:
+    """Why a checkpoint's `value` cannot stand where the run holds `like` (its field's value now), or None: another
+    type (a bool is not a number; an int stands for a float), a number that is not finite, a tensor of another dtype
+    or with a non-finite value, a list or tuple of another length where `like` is a fixed-length tuple, a dict with
+    other than str keys, more than MAX_PLAIN_VALUES plain values in all. `like` None (an unset field): any of those."""
+    counted = [0] if counted is None else counted
+    counted[0] += 1
+    if counted[0] > MAX_PLAIN_VALUES:
+        return f"holds more than {MAX_PLAIN_VALUES:,} values outside tensors (a state keeps statistics, not data)"
+    if torch.is_tensor(like) or (like is None and torch.is_tensor(value)):
+        if not torch.is_tensor(value) or (like is not None and value.dtype != like.dtype):
+            return f"{where} is {describe_value(value)}, not a {like.dtype} tensor"
+        local = value.to_local() if hasattr(value, "to_local") else value  # an FSDP shard: this rank's own
+        if (local.is_floating_point() or local.is_complex()) and not bool(torch.isfinite(local).all()):
+            return f"{where} holds a value that is not finite"
+        return None
+    if isinstance(like, bool) or (like is None and isinstance(value, bool)):
+        return None if isinstance(value, bool) else f"{where} is {describe_value(value)}, not a bool"
+    if isinstance(like, (int, float)) or (like is None and isinstance(value, (int, float))):
+        if isinstance(value, bool) or not isinstance(value, (float, int) if isinstance(like, float) or like is None
+                                                       else int):
+            return f"{where} is {describe_value(value)}, not {'an int' if isinstance(like, int) else 'a float'}"
+        return None if math.isfinite(value) else f"{where} is {value!r}, not a finite number"
+    if isinstance(like, str) or (like is None and isinstance(value, str)):
+        return None if isinstance(value, str) else f"{where} is {describe_value(value)}, not a str"
+    if isinstance(like, (list, tuple)) or (like is None and isinstance(value, (list, tuple))):
+        if not isinstance(value, (list, tuple)) or (isinstance(like, tuple) and len(value) != len(like)):
+            return f"{where} is {describe_value(value)}, not a {type(like).__name__} of {len(like)}" \
+                if isinstance(like, tuple) else f"{where} is {describe_value(value)}, not a list"
+        if len(value) > MAX_PLAIN_VALUES - counted[0]:
+            return f"{where} holds {len(value):,} values (a state keeps statistics, not data: keep them as a tensor)"
+        for i, item in enumerate(value):
+            template = like[i] if isinstance(like, tuple) else None
+            if problem := value_problem(item, template, f"{where}[{i}]", counted):
+                return problem
+        return None
+    if isinstance(like, dict) or (like is None and isinstance(value, dict)):
+        if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+            return f"{where} is {describe_value(value)}, not a dict with str keys"
+        for key, item in value.items():
+            if problem := value_problem(item, like.get(key) if like else None, f"{where}[{key!r}]", counted):
+                return problem
+        return None
+    if like is None and value is None:
+        return None
+    return f"{where} is {describe_value(value)}, not {describe_value(like)}"
+
+
+def describe_value(value) -> str:
+    """A value as a one-line message shows it: a short one itself, else its type and size."""
+    if torch.is_tensor(value):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (list, tuple, dict)) and len(value) > 4:
+        return f"a {type(value).__name__} of {len(value):,} items"
+    text = repr(value)
+    return f"{text} (a {type(value).__name__})" if len(text) <= 40 else f"a {type(value).__name__}"
+
+
+class FieldsState:
+    """The checkpoint's interface (state_dict() / load_state_dict()) of a dataclass of plain values and tensors, such
+    as rloo.AlgorithmState: its fields, tensors copied to the CPU; on load, every field checked against the type of
+    the value it holds now (value_problem) and set, bit for bit."""
+
+    def state_dict(self) -> dict:
+        return algorithm_state_values(self)
+
+    def load_state_dict(self, saved: dict) -> None:
+        names = [f.name for f in fields(self)]
+        if not isinstance(saved, dict) or sorted(saved) != sorted(names):
+            raise ValueError(f"its fields are {sorted(saved) if isinstance(saved, dict) else saved!r} but "
+                             f"{type(self).__name__} has {sorted(names)} (the code changed since it was saved): "
+                             "resume with the code that wrote it, or start a new run in another --output_dir")
+        counted = [0]
+        for name in names:
+            problem = value_problem(saved[name], getattr(self, name), f"{type(self).__name__}.{name}", counted)
+            if problem:
+                raise ValueError(problem)
+        for name in names:
+            setattr(self, name, saved[name])
+
+
+def optimizer_state_problem(saved, optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """Why `saved` (an optimizer's state_dict()) cannot be loaded into `optimizer`, or None: not its groups or their
+    parameters, a hyperparameter of another type than the optimizer's own (value_problem: three betas, a string lr)
+    or out of its range, a per-parameter state of another shape than its parameter, a step that is not a finite
+    count >= 0, a value that is not finite."""
+    ours = optimizer.state_dict()
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict) or \
+            not isinstance(saved.get("param_groups"), list):
+        return "is not an optimizer's state ({'state': dict, 'param_groups': list})"
+    if len(saved["param_groups"]) != len(ours["param_groups"]):
+        return f"has {len(saved['param_groups'])} parameter groups, not {len(ours['param_groups'])}"
+    parameters = {}  # index in the state_dict -> the parameter
+    for i, (group, own, live) in enumerate(zip(saved["param_groups"], ours["param_groups"], optimizer.param_groups)):
+        where = f"param_groups[{i}]"
+        if not isinstance(group, dict) or sorted(group) != sorted(own):
+            return f"{where} has keys {sorted(group) if isinstance(group, dict) else group!r}, not {sorted(own)}"
+        if group["params"] != own["params"]:
+            return f"{where}['params'] are not the optimizer's {len(own['params'])} parameters"
+        parameters.update(zip(own["params"], live["params"]))
+        for key, value in group.items():
+            if key != "params" and (problem := value_problem(value, own[key], f"{where}[{key!r}]")):
+                return problem
+        bad = [key for key, ok in (("lr", lambda v: v >= 0), ("eps", lambda v: v > 0),
+                                   ("weight_decay", lambda v: v >= 0),
+                                   ("betas", lambda v: all(0 <= b < 1 for b in v)))
+               if key in group and not ok(group[key])]
+        if bad:
+            return f"{where}[{bad[0]!r}] is {group[bad[0]]!r}, out of its range"
+    adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+    for index, entry in saved["state"].items():
+        where = f"state[{index!r}]"
+        if index not in parameters or not isinstance(entry, dict):
+            return f"{where} is of no parameter of the optimizer" if index not in parameters else \
+                f"{where} is {describe_value(entry)}, not a dict"
+        missing = sorted({"step", "exp_avg", "exp_avg_sq"} - entry.keys()) if adam else []
+        if missing:
+            return f"{where} has no {missing[0]!r}"
+        parameter = parameters[index]
+        for key, value in entry.items():
+            if not torch.is_tensor(value):
+                return f"{where}[{key!r}] is {describe_value(value)}, not a tensor"
+            if key == "step":
+                step = value.to_local() if hasattr(value, "to_local") else value
+                if step.numel() != 1 or not bool(torch.isfinite(step).all()) or step.item() < 0 or \
+                        step.item() != int(step.item()):
+                    return f"{where}['step'] is {describe_value(step) if step.numel() != 1 else step.item()!r}, " \
+                           "not a count >= 0"
+            elif value.shape != parameter.shape:
+                return f"{where}[{key!r}] has shape {tuple(value.shape)}, but its parameter has " \
+                       f"{tuple(parameter.shape)}"
+            elif problem := value_problem(value, None, f"{where}[{key!r}]"):
+                return problem
+    return None
+
+
+def fingerprint(tensors) -> str:
+    """The sha256 of these tensors' bytes (an FSDP shard: this rank's own), to tell whether weights changed."""
+    digest = hashlib.sha256()
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        digest.update(t.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy())
+    return digest.hexdigest()
+
+
+def reference_tensors(reference) -> list:
+    """What a reference's fingerprint covers: its state_dict; with --use_peft (AdaptersOff) the policy's base under
+    the adapters (its frozen parameters), which no checkpoint saves."""
+    if isinstance(reference, AdaptersOff):
+        return [p for p in reference.parameters() if not p.requires_grad]
+    return list(reference.state_dict().values())
+
+
+WHOLE_PARTS = ("policy", "tokenizer", "optimizer", "reference")  # model-sized, in their own formats, once per run
 
 
 class Checkpointer:
-    """The run's checkpoints, behind two calls: load() restores a resumed run's state into the objects it is given
-    (and remembers them), save(update, ...) writes them. Created first thing, it takes output_dir (locked: a second
-    run into it stops there) and finds the checkpoint to start from, so that a refused resume fails before anything
-    loads; the algorithm's state (`algorithm_state`, a dataclass of plain values and tensors) is restored then, and
-    saved with every checkpoint."""
+    """The run's checkpoints, behind two calls: restore(**parts) is given every stateful part of the run (restored
+    from the checkpoint on resume, the generators last), save(update) writes them all. The model-sized parts
+    (WHOLE_PARTS: the same on every rank) are written once: the policy in HF format with its tokenizer (a resume
+    loads it with load_policy), the optimizer (with FSDP each rank its shard), the reference's weights whenever they
+    are no longer those it was loaded with (its fingerprint, compared at each save); every other part is anything
+    with state_dict() / load_state_dict() (None: no such part in this run), saved per rank, each rank's in its own
+    rank<r>.pt, so that a value a rank holds for itself resumes with that rank's value. Created first thing, it
+    takes output_dir (locked: a second run into it stops there) and finds the checkpoint to start from, so that a
+    refused resume fails before anything loads."""
 
-    def __init__(self, args, dist_info, lock: OutputDirLock, reward_functions: list[tuple[str, Callable]] = (),
-                 algorithm_state=None):
+    def __init__(self, args, dist_info, lock: OutputDirLock, reward_functions: list[tuple[str, Callable]] = ()):
         self.args, self.dist_info, self.lock, self.reward_functions = args, dist_info, lock, reward_functions
-        self.algorithm_state = algorithm_state
         inputs = run_inputs(args, reward_functions)
         take_output_dir(lock, dist_info.rank, inputs)
         with self.refusal_leaves_nothing():
@@ -637,8 +822,6 @@ class Checkpointer:
             self.path, self.state, self.skipped = start.checkpoint, start.state, start.skipped
             self.changes = check_resumable(self.state["args"], args, dist_info.world_size,
                                            self.state["world_size"]) if self.state else []
-            if self.state and algorithm_state is not None:  # a checkpoint from before the state was kept: none
-                restore_algorithm_state(algorithm_state, self.state.get("state", {}), self.path)
         self.start_update = self.state["update"] if self.state else 0
         self.wandb_run_id = self.state["wandb_run_id"] if self.state else None
         # the run's identity: drawn at its first start, in args.json, every checkpoint and every metrics line
@@ -665,23 +848,62 @@ class Checkpointer:
             self.lock.release()
             raise
 
-    def load(self, model, optimizer, tokenizer, sampler, sampling_rng: torch.Generator, reference=None) -> None:
-        """A resumed run's optimizer, data position and sampling generator restored (the weights were loaded with
-        the model), and a `reference` model's weights when given (one that changes during the run: TR-DPO's);
-        what later saves write."""
-        self.model, self.optimizer, self.tokenizer, self.sampler, self.rng = (model, optimizer, tokenizer, sampler,
-                                                                              sampling_rng)
-        self.reference = reference
+    def restore(self, **parts) -> None:
+        """Every stateful part of the run, by name (WHOLE_PARTS and the per-rank ones: see the class): remembered for
+        the saves and, on resume, restored from the checkpoint, the generators last (nothing may draw from them
+        between this and the first update). A part the checkpoint cannot restore exactly (missing, extra, or not
+        fitting it) is refused in one line naming the part and the file."""
+        self.parts = parts
+        self.own = {name: part for name, part in parts.items() if name not in WHOLE_PARTS and part is not None}
+        for name, part in self.own.items():
+            if not (callable(getattr(part, "state_dict", None)) and callable(getattr(part, "load_state_dict", None))):
+                raise TypeError(f"the checkpoint's part {name!r} is a {type(part).__name__}, which has no state_dict() "
+                                "and load_state_dict(): give it those (plumbing.FieldsState does, for a dataclass)")
+        reference = parts.get("reference")
+        self.reference_loaded = None if reference is None else fingerprint(reference_tensors(reference))
         self.start_time = time.time()
         if not self.state:
+            for part in self.own.values():  # a fresh start's generators: as seeded, whatever the set-up drew
+                if isinstance(part, Generators):
+                    part.load_state_dict(part.seeded)
             return
-        # values of the right kinds (trainer_state_problem) may still not fit these objects: a forged or foreign file
-        with reading(f"checkpoint {self.path}", "resume from an intact checkpoint of this run (--resume_from)"):
-            if reference is not None:
+        model, optimizer = parts["policy"], parts["optimizer"]
+        refuse = f"resume with the code and flags that wrote {self.path}, or start a new run in another --output_dir"
+        if "reference" in self.state:
+            if reference is None or isinstance(reference, AdaptersOff):
+                raise ConfigError(f"cannot resume from {self.path}: it holds weights of a reference, which this run "
+                                  f"does not have (part 'reference'): {refuse}")
+            with reading(f"cannot resume from {self.path}: the reference's weights in {TRAINER_STATE}", refuse):
                 reference.load_state_dict(self.state["reference"])
-            load_optimizer_state(model, optimizer, self.path, self.state)
-            sampler.load_state_dict(self.state["sampler"])
-            set_rng_state(load_safely(self.path / f"rng_rank{self.dist_info.rank}.pt"), sampling_rng)
+        if is_fsdp_unit(model):
+            with reading(f"cannot resume from {self.path}: its {OPTIMIZER_SHARDS}/", refuse):
+                load_optimizer_state(model, optimizer, self.path, self.state)
+            problem = optimizer_state_problem(optimizer.state_dict(), optimizer)
+        else:
+            problem = optimizer_state_problem(self.state["optimizer"], optimizer)
+        if problem:
+            where = f"{OPTIMIZER_SHARDS}/" if is_fsdp_unit(model) else TRAINER_STATE
+            raise ConfigError(f"cannot resume from {self.path}: the optimizer's state in {where} {problem}: {refuse}")
+        if not is_fsdp_unit(model):
+            with reading(f"cannot resume from {self.path}: the optimizer's state in {TRAINER_STATE}", refuse):
+                optimizer.load_state_dict(self.state["optimizer"])
+        own_file = self.path / rank_file(self.dist_info.rank)
+        saved = load_safely(own_file) if own_file.is_file() else None
+        if saved is None:
+            raise ConfigError(f"cannot resume from {self.path}: it has no {own_file.name} (written by an older "
+                              f"rloo.py, or by fewer ranks): {refuse}")
+        for name in sorted(saved.keys() ^ self.own.keys()):
+            raise ConfigError(f"cannot resume from {self.path}: part {name!r} is "
+                              + (f"in {own_file.name} but not in this run" if name in saved else
+                                 f"in this run but not in {own_file.name} (added since it was saved)") + f": {refuse}")
+        last = [name for name, part in self.own.items() if isinstance(part, Generators)]
+        for name in sorted(self.own, key=lambda name: name in last):  # the generators last
+            try:
+                self.own[name].load_state_dict(saved[name])
+            except Exception as e:  # a part's own check (FieldsState's), or whatever a part that does not fit raises
+                raise ConfigError(f"cannot resume from {self.path}: {own_file.name}'s part {name!r}: "
+                                  f"{describe(e) if not isinstance(e, (ValueError, ConfigError)) else first_line(e)}"
+                                  ) from None
         self.start_time -= self.state["elapsed"]
 
     def notes(self) -> list[str]:
@@ -693,34 +915,50 @@ class Checkpointer:
                          + (f"; changed: {', '.join(self.changes)}" if self.changes else ""))
         return notes
 
-    def save(self, update: int, sampler_state: dict, rng: Optional[dict] = None) -> Path:
-        """A resumable checkpoint after `update`, the data position `sampler_state` (the sampler before the first
-        batch not yet trained on) and the generators' states `rng` (default: as they are now)."""
+    def save(self, update: int, **states) -> Path:
+        """A resumable checkpoint after `update` of every part (restore's), each as its state_dict() gives it now,
+        or as `states` give it (by name: the sampler before the oldest batch not yet trained on, the generators at an
+        update's start)."""
         trainer_state = {
-            "update": update, "episode": update * self.episodes_per_update, "sampler": sampler_state,
+            "update": update, "episode": update * self.episodes_per_update,
             "elapsed": time.time() - self.start_time, "world_size": self.dist_info.world_size,
             "args": asdict(self.args), "wandb_run_id": self.wandb_run_id, "run_id": self.run_id,
             "inputs": self.inputs,
-            "state": {} if self.algorithm_state is None else algorithm_state_values(self.algorithm_state),
         }
-        if self.reference is not None:  # replicated: rank 0's copy is every rank's
-            trainer_state["reference"] = {name: t.detach().cpu() for name, t in self.reference.state_dict().items()}
-        return save_checkpoint(self.args.output_dir, update, self.model, self.optimizer, self.tokenizer,
-                               trainer_state, self.dist_info.rank, self.args.save_total_limit, self.rng, rng)
+        reference = self.parts.get("reference")
+        now = None if reference is None else fingerprint(reference_tensors(reference))
+        prints = [(self.reference_loaded, now)] * self.dist_info.world_size  # every rank's (as loaded, now)
+        if dist.is_initialized():
+            dist.all_gather_object(prints, prints[0])
+        if any(loaded != now for loaded, now in prints):  # on any rank: on every rank alike
+            if isinstance(reference, AdaptersOff):
+                raise Fault("with --use_peft the reference is the policy's base under its adapters, and its weights "
+                            "changed during the run, which no checkpoint keeps (it saves the adapters): change only "
+                            "the adapters, or train without --use_peft for a reference of its own")
+            if len({now for _, now in prints}) > 1:
+                raise Fault("the reference's weights differ between ranks, so one copy cannot be saved: change them "
+                            "alike on every rank (from values reduced over ranks)")
+            # the same on every rank: rank 0's copy is every rank's
+            trainer_state["reference"] = {name: t.detach().cpu() for name, t in reference.state_dict().items()}
+        rank_state = {name: states[name] if name in states else part.state_dict() for name, part in self.own.items()}
+        return save_checkpoint(self.args.output_dir, update, self.parts["policy"], self.parts["optimizer"],
+                               self.parts["tokenizer"], trainer_state, self.dist_info.rank,
+                               self.args.save_total_limit, rank_state)
 
-    def keep(self, finished: int, sampler_state: dict, rng: Optional[dict] = None) -> str:
-        """After a fault: the state after update `finished` saved (unless it is already), and how to continue."""
+    def keep(self, finished: int, **states) -> str:
+        """After a fault: the state after update `finished` saved (unless it is already; `states`: save's), and how
+        to continue."""
         if finished == self.start_update:  # nothing new: the run can start again as it did
             return "no update had finished since the start, nothing new to save; fix it and run the same command"
         path = Path(self.args.output_dir) / CHECKPOINTS / f"step_{finished}"  # saved already when save_steps divides
-        path = path if path.is_dir() else self.save(finished, sampler_state, rng)
+        path = path if path.is_dir() else self.save(finished, **states)
         return f"checkpoint of update {finished} saved to {path}; fix it, then continue with --resume"
 
     def save_final(self, policy, num_updates: int) -> None:
         """The finished run's policy and tokenizer in output_dir, stored once with the final checkpoint's (the one
         this run wrote, or resumed from, as rank 0 sees it)."""
         final = Path(self.args.output_dir) / CHECKPOINTS / f"step_{num_updates}"
-        self.final_files = save_final_policy(policy, self.tokenizer, self.args.output_dir, self.dist_info.rank,
+        self.final_files = save_final_policy(policy, self.parts["tokenizer"], self.args.output_dir, self.dist_info.rank,
                                              final if rank0_view(final.is_dir()) else None)
 
     def mark_finished(self) -> None:

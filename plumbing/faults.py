@@ -48,10 +48,9 @@ def check_finite(named: dict[str, Optional[torch.Tensor]], device: torch.device)
             raise NonFiniteError(name, ranks.nonzero().flatten().tolist())
 
 
-def dump_batch(path: Path, tokenizer, rollout, scores: torch.Tensor,
-               advantages: Optional[torch.Tensor]) -> None:
-    """One JSON line per completion of the offending batch: prompt, completion, score, advantage and log-prob sum
-    (null where the update had not computed them yet)."""
+def dump_batch(path: Path, tokenizer, rollout, scores: torch.Tensor) -> None:
+    """One JSON line per completion of the offending batch: prompt, completion, score and log-prob sum (null where
+    the update had not computed them yet; the advantages are the update's own, computed from these)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     num_prompts = rollout.queries.shape[0]
     with new_file(path) as f:  # never through a link planted under the name
@@ -60,7 +59,7 @@ def dump_batch(path: Path, tokenizer, rollout, scores: torch.Tensor,
             completion = rollout.responses[i][rollout.response_mask[i]]
             f.write(json.dumps({
                 "prompt": tokenizer.decode(prompt), "completion": tokenizer.decode(completion),
-                "score": scores[i].item(), "advantage": None if advantages is None else advantages[i].sum().item(),
+                "score": scores[i].item(),
                 "logprob_sum": None if rollout.logprobs is None else rollout.logprobs[i].sum().item(),
             }) + "\n")
 
@@ -76,7 +75,7 @@ def batch_kept_if_nonfinite(output_dir: str, update: int, rank: int, tokenizer, 
         if rank in e.ranks:
             try:
                 dump_batch(Path(output_dir) / "nonfinite" / f"update_{update}_rank_{rank}.jsonl", tokenizer, rollout,
-                           scores, rollout.advantages)
+                           scores)
             except OSError as error:  # a full disk: the run stops all the same, and says the batch is not there
                 unwritten = error.strerror or str(error)
         raise NonFiniteError(f"{e.quantity} at update {update}", e.ranks, unwritten) from None

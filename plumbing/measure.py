@@ -140,12 +140,13 @@ def rows_per_forward(args, model, phase: str, device: torch.device, rows: int, k
     return max(1, min(rows, int(0.9 * free_memory_bytes(device) // per_row)))
 
 
-def mismatch_metrics(rollout, args, importance_weights: Callable, cliprange: float,
-                     cliprange_high: float) -> dict[str, float]:
+def mismatch_metrics(rollout, cliprange: float, cliprange_high: float, cap: Optional[float] = None,
+                     correction: Optional[Callable] = None) -> dict[str, float]:
     """How far the sampler's log-probs of its tokens are from the trainer's (the PPO ratio's denominator), for one
-    rank's (k*B, Tr) rollout: per valid token, and as the sequence ratio p_trainer / p_sampler (the importance
-    weight that --vllm_importance_sampling_correction truncates with rloo.importance_weights); mismatch/clipfrac: the
-    share outside the loss's clip band [1 - cliprange, 1 + cliprange_high]."""
+    rank's (k*B, Tr) rollout: per valid token, and as the sequence ratio p_trainer / p_sampler; mismatch/clipfrac:
+    the share outside the loss's clip band [1 - cliprange, 1 + cliprange_high]. With `correction` (old, sampler,
+    mask -> the importance weights the loss applies, rloo.importance_weights with its mode and `cap`): their mean
+    and the share of ratios above the cap."""
     mask = rollout.response_mask
     diff = (rollout.logprobs - rollout.sampler_logprobs).double() * mask  # (k*B, Tr)
     ratio = diff.sum(1).exp()  # (k*B,)
@@ -154,14 +155,13 @@ def mismatch_metrics(rollout, args, importance_weights: Callable, cliprange: flo
            "mismatch/ratio_mean": ratio.mean().item(),
            "mismatch/ratio_std": ratio.std().item() if ratio.numel() > 1 else 0.0,
            "mismatch/clipfrac": ((ratio < 1 - cliprange) | (ratio > 1 + cliprange_high)).double().mean().item()}
-    if args.vllm_importance_sampling_correction:
-        weights = importance_weights(rollout.logprobs.double(), rollout.sampler_logprobs.double(), mask,
-                                     args.vllm_importance_sampling_mode, args.vllm_importance_sampling_cap)
+    if correction is not None:
+        weights = correction(rollout.logprobs.double(), rollout.sampler_logprobs.double(), mask)
         raw = ratio if weights.dim() == 1 else diff.exp()  # (k*B,) or (k*B, Tr)
         counted = torch.ones_like(weights) if weights.dim() == 1 else mask.double()  # the weights that act
         n = counted.sum().clamp(min=1)
         out["mismatch/is_weight_mean"] = ((weights * counted).sum() / n).item()
-        out["mismatch/is_capped_frac"] = (((raw > args.vllm_importance_sampling_cap) * counted).sum() / n).item()
+        out["mismatch/is_capped_frac"] = (((raw > cap) * counted).sum() / n).item()
     return out
 
 

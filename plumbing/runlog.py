@@ -58,12 +58,12 @@ def reduce_metrics(metrics: dict[str, float], device: torch.device,
     return out
 
 
-def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, scores: torch.Tensor, k: int) -> dict:
+def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, grouped: torch.Tensor) -> dict:
     """Length and spread statistics of one rank's (N, Tr) completions (TRL's names; a rank with no completion that
-    stopped has mean_terminated_length 0, as TRL logs it). The spread of a prompt's scores is over the scored ones
-    (a NaN score: no source scored it), as TRL's nanstd."""
+    stopped has mean_terminated_length 0, as TRL logs it), and of their scores `grouped` (k, B) by prompt (column i
+    prompt i's k, as rloo.in_groups gives them). The spread of a prompt's scores is over the scored ones (a NaN
+    score: no source scored it), as TRL's nanstd."""
     lengths = response_mask.sum(1).float()  # (N,)
-    grouped = scores.reshape(k, -1)  # (k, B)
     scored = ~grouped.isnan()
     mean = grouped.nansum(0) / scored.sum(0)  # (B,)
     per_prompt_std = ((grouped - mean).square().nansum(0) / (scored.sum(0) - 1)).sqrt()  # (B,) unbiased, as std

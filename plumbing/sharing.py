@@ -1,7 +1,8 @@
-"""The shortcuts' start-up checks, each against the plain path on a probe before the run. Prompt sharing: whether a
-model can take grouped rows (each prompt computed once for its k completions, rloo.grouped_rows), per model. Computed
-apart: whether an algorithm function (rloo.compute_advantages, as the researcher left it) gives a micro-batch's prompt
-groups what it gives them in the whole batch, which the on-policy update's advantages per micro-batch assume.
+"""The shortcuts' checks against the plain path. Prompt sharing, on a probe before the run: whether a model can take
+grouped rows (each prompt computed once for its k completions, rloo.grouped_rows), per model. Computed
+apart: whether an algorithm function's values (rloo.compute_advantages's, as the researcher left it, on the first
+update's own batch) for a micro-batch's prompt groups are what it gives them in the whole batch, which the on-policy
+update's advantages per micro-batch assume.
 """
 
 import inspect
@@ -141,28 +142,6 @@ def shares_prompts(model, name: str, requested: Optional[bool], probe, compute: 
     return False
 
 
-def advantages_probe(k: int, num_prompts: int, response_length: int,
-                     device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """A synthetic batch of the run's shape, no model needed: rloo.Rollout's fields (num_prompts prompts of 1-3
-    tokens, k responses each of 1 to response_length tokens, policy and reference log-probs of a spread such that a
-    KL, a z-score or a clip acts) and scores (k*B,) spread over groups and within them. Drawn from a fixed generator
-    and the rank, so that the ranks' batches differ as in training."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    generator = torch.Generator().manual_seed(1 + rank)
-    n = k * num_prompts
-    query_mask = torch.arange(3) >= 3 - torch.randint(1, 4, (num_prompts, 1), generator=generator)  # (B, 3)
-    response_mask = torch.arange(response_length) < torch.randint(1, response_length + 1, (n, 1),
-                                                                  generator=generator)  # (k*B, Tr)
-    responses = torch.randint(3, 9, (n, response_length), generator=generator) * response_mask
-    logprobs, ref_logprobs = (-2 * torch.rand(n, response_length, generator=generator) * response_mask
-                              for _ in range(2))  # (k*B, Tr) each
-    scores = 3 * torch.randn(n, generator=generator) + 5 * torch.randn(num_prompts, generator=generator).repeat(k)
-    fields = {"queries": torch.ones(num_prompts, 3, dtype=torch.long), "query_mask": query_mask,
-              "responses": responses, "response_mask": response_mask, "logprobs": logprobs,
-              "ref_logprobs": ref_logprobs}
-    return {name: t.to(device) for name, t in fields.items()}, scores.to(device)
-
-
 APART_TOLERANCE = 1e-5  # relative to the largest value: float32 rounding of the same arithmetic on other shapes
 
 
@@ -179,32 +158,67 @@ def value_difference(mine, full) -> Optional[str]:
     return None if worst <= APART_TOLERANCE * scale else f"{worst:.2g} away from"
 
 
-def apart_difference(compute: Callable, whole, parts: list[tuple[torch.Tensor, object]]) -> Optional[str]:
-    """Whether compute(batch, rows), which sets fields of a batch of completions (rloo.compute_advantages on a
-    rloo.Rollout), gives each part (its rows, indices into the whole's completions, and the batch of those rows)
-    what it gives those rows in the whole batch: every field it sets, a completion's row of a (k*B, ..) tensor at the
-    part's rows and widths, any other value whole. Returns the first difference in words (or compute's error on a
-    part), None where there is none. A collective: every rank calls it with as many parts (compute may reduce over
-    ranks, as --normalize_advantage does), and a difference on any rank is every rank's."""
-    before = dict(vars(whole))
-    compute(whole, torch.arange(whole.responses.shape[0], device=whole.responses.device))
-    changed = [name for name, value in vars(whole).items() if name not in before or value is not before[name]]
-    why = None
-    for rows, part in parts:
+def per_completion(value, n: int) -> bool:
+    """Whether `value` holds one entry per completion of a batch of n: a tensor whose first dimension is n."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == n
+
+
+def rows_of(values: dict, rows: torch.Tensor, n: int, width: Optional[int] = None) -> dict:
+    """`values` (name -> value) of a batch of n completions, for its completions `rows` (indices): each per-completion
+    value's rows, cut to `width` columns where it has columns; any other value as it is."""
+    return {name: (value[rows] if value.dim() == 1 or width is None else value[rows, :width])
+            if per_completion(value, n) else value for name, value in values.items()}
+
+
+def put_rows_of(whole: dict, rows: torch.Tensor, values: dict, shape: tuple) -> None:
+    """A part's `values` (of the whole batch's completions `rows`, each cut to the part's width) put into `whole`
+    (name -> value): a per-completion value into the whole's tensor of it, (shape[0],) or (shape[0], shape[1], ..),
+    zeros until a part fills its rows; any other value as the part gives it (the same in every part)."""
+    for name, value in values.items():
+        if not per_completion(value, len(rows)):
+            whole[name] = value
+            continue
+        into = whole.setdefault(name, value.new_zeros(tuple(shape[:min(value.dim(), 2)]) + tuple(value.shape[2:])))
+        into[(rows, slice(value.shape[1])) if value.dim() >= 2 else rows] = value
+
+
+def apart_difference(whole: dict, parts: list[torch.Tensor], compute: Callable) -> Optional[str]:
+    """Whether compute(rows), the values (name -> value) an algorithm function gives the completions `rows` (indices
+    into the whole batch's) computed apart (rloo.compute_advantages on a micro-batch), are what it gave those rows in
+    the whole batch (`whole`): a per-completion value (rows_of) at the part's rows and widths, any other value whole.
+    Returns the first difference in words (or compute's error on a part), None where there is none. A collective:
+    every rank calls it with as many parts (compute may reduce over ranks), and a difference on any rank is every
+    rank's."""
+    first = next(iter(whole.values()))  # (N, ..): per completion, as the advantages are
+    n, device, why = len(first), first.device, None
+    for rows in parts:
         try:
-            compute(part, rows)
+            mine = compute(rows)
         except Exception as e:  # an estimator that cannot take a micro-batch's groups alone
             why = why or f"fails on a micro-batch's prompt groups ({first_line(e)})"
             continue
-        for name in changed:
-            mine, full = getattr(part, name), getattr(whole, name)
-            if torch.is_tensor(full) and full.dim() and full.shape[0] == whole.responses.shape[0]:  # per completion
-                full = full[rows]  # (n, ..), cut to the part's width where it has one
-                full = full[:, : mine.shape[1]] if full.dim() == 2 and getattr(mine, "ndim", 0) == 2 else full
-            error = value_difference(mine, full)
+        for name, full in whole.items():
+            value = mine.get(name)
+            width = value.shape[1] if getattr(value, "ndim", 0) >= 2 else None
+            error = value_difference(value, rows_of({name: full}, rows, n, width)[name])
             if error is not None and why is None:
-                why = f"sets {name} of a micro-batch's prompt groups {error} the whole batch's"
-    device = whole.responses.device
+                why = f"gives {name} of a micro-batch's prompt groups {error} the whole batch's"
     if all_reduce(torch.tensor([float(why is not None)], device=device), dist.ReduceOp.MAX).item() and why is None:
-        why = "sets other values on a micro-batch's prompt groups than on the whole batch on another rank"
+        why = "gives other values to a micro-batch's prompt groups than to the whole batch on another rank"
     return why
+
+
+def on_policy_notes(update: int, apart: Optional[str], metrics: dict, cliprange: float,
+                    cliprange_high: float) -> list[str]:
+    """What a run's first update showed, in a line each: whether the on-policy shortcut starts (`apart`: None, or the
+    difference rloo.advantages_apart found; "" unchecked), and whether the PPO ratio (the update's reduced val/ratio
+    and val/ratio_var) was 1 at every step, so that the clip range [1 - cliprange, 1 + cliprange_high] cannot act."""
+    notes = [] if apart == "" else [
+        f"on-policy shortcut on from update {update + 1}: compute_advantages gave each micro-batch's prompt groups of "
+        f"update {update} what it gave the whole batch, so the update's forward gives the policy's log-probs"
+        if apart is None else f"on-policy shortcut off: compute_advantages {apart} (update {update}'s batch), so the "
+        "policy's log-probs keep a separate pass and the advantages the whole batch"]
+    if abs(metrics["val/ratio"] - 1) < 1e-4 and metrics["val/ratio_var"] < 1e-8:
+        notes.append(f"the PPO ratio was 1 at every step of update {update}, so the clip range [1 - {cliprange:g}, "
+                     f"1 + {cliprange_high:g}] cannot act (raise --num_ppo_epochs or --num_mini_batches)")
+    return notes

@@ -61,9 +61,11 @@ def policy_loss_of(new, old, advantages, mask, cliprange=0.2, per_token=False, e
     prompts) holding them, and Args with the flags (per_token: --token_level_kl)."""
     import rloo
     batch = rloo.Rollout(torch.ones(len(new), 1, dtype=torch.long), torch.ones(len(new), 1, dtype=torch.bool),
-                         torch.ones(new.shape, dtype=torch.long), mask.bool(), old, ref_logprobs, advantages=advantages,
-                         in_loss=in_loss, sampler_logprobs=sampler_logprobs)
-    return rloo.policy_loss(new, batch, rloo.Args(cliprange=cliprange, token_level_kl=per_token, **flags), entropy)
+                         torch.ones(new.shape, dtype=torch.long), mask.bool(), old, ref_logprobs, in_loss=in_loss,
+                         sampler_logprobs=sampler_logprobs)
+    values = rloo.Advantages(advantages, *(torch.zeros(len(new)) for _ in range(3)))  # what the loss reads of them
+    return rloo.policy_loss(new, batch, values, rloo.Args(cliprange=cliprange, token_level_kl=per_token, **flags),
+                            entropy)
 
 
 def prompt_rows(n: int, seed: int) -> list[dict]:
@@ -167,18 +169,21 @@ def comparable(metrics: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if not k.startswith(NOT_REPRODUCIBLE)} for m in metrics]
 
 
-def launch(args: list, nproc: int = 0) -> subprocess.Popen:
+def launch(args: list, nproc: int = 0, script: Path = REPO / "rloo.py") -> subprocess.Popen:
+    """`script` (rloo.py, or an edited copy elsewhere: the repository is on its path) with `args`, on `nproc` ranks."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                 "--signals_to_handle", "SIGTERM,SIGINT,SIGUSR1"] if nproc else [sys.executable]
-    env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-    return subprocess.Popen([*launcher, str(REPO / "rloo.py"), *map(str, args)], stdout=subprocess.PIPE,
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)]), "HF_HUB_OFFLINE": "1",
+           "WANDB_MODE": "offline"}
+    return subprocess.Popen([*launcher, str(script), *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
 
 
 def interrupt_after_first_update(args: list, sig: signal.Signals, nproc: int = 0,
-                                 meanwhile: Callable = lambda process: None) -> tuple[int, str, str]:
+                                 meanwhile: Callable = lambda process: None,
+                                 script: Path = REPO / "rloo.py") -> tuple[int, str, str]:
     """Start a run, once it has logged an update call `meanwhile` and send it a real signal, wait for it to end."""
-    process = launch(args, nproc)
+    process = launch(args, nproc, script)
     metrics = Path(args[args.index("--output_dir") + 1]) / "metrics.jsonl"
     deadline = time.time() + 600  # a hang guard only
     while not (metrics.exists() and metrics.read_text().count("\n") >= 1) and process.poll() is None:
@@ -211,7 +216,7 @@ def saved_steps(out: Path, steps, keep=None, run_id: str = "run-a") -> tuple:
     optimizer = torch.optim.AdamW(policy.parameters())
     for step in steps:
         plumbing.save_checkpoint(str(out), step, policy, optimizer, tokenizer, trainer_state(step, run_id), 0, keep,
-                                 torch.Generator())
+                                 {})
     return policy, optimizer, tokenizer
 
 

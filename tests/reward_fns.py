@@ -104,3 +104,24 @@ def count_a_leaving_a_thread(completions, **kwargs):
     if not any(t.name == "left running" for t in threading.enumerate()):
         threading.Thread(target=threading.Event().wait, name="left running", daemon=False).start()
     return count_a(completions)
+
+
+def count_a_python_noise(completions, **kwargs):
+    """count_a plus noise from Python's global generator (random): a resume is exact only if it continues it."""
+    import random
+
+    return [count_a([c])[0] + random.random() for c in completions]
+
+
+def count_a_numpy_noise(completions, **kwargs):
+    """count_a plus noise from numpy's global generator."""
+    import numpy as np
+
+    return [count_a([c])[0] + float(np.random.rand()) for c in completions]
+
+
+def count_a_torch_noise(completions, **kwargs):
+    """count_a plus noise from torch's global generator."""
+    import torch
+
+    return [count_a([c])[0] + torch.rand(()).item() for c in completions]

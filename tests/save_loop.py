@@ -16,4 +16,4 @@ if __name__ == "__main__":
     ballast = torch.randn(4_000_000)  # 16 MB of state, so that a save takes long enough to be interrupted
     for step in itertools.count(1):
         plumbing.save_checkpoint(sys.argv[1], step, policy, optimizer, tokenizer, {"update": step, "ballast": ballast}, 0, 3,
-                             torch.Generator())
+                             {})

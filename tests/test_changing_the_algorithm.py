@@ -4,15 +4,21 @@ applied to a copy of rloo.py and trained with for a few updates on the tiny mode
 import functools
 import importlib.util
 import math
+import os
 import re
-from dataclasses import replace
+import signal
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 import plumbing
 import rloo
-from conftest import REPO, policy_tokenizer, prompt_rows, read_metrics, tiny_policy, tiny_reward_model
+from conftest import REPO, policy_tokenizer, prompt_rows, read_metrics, run_rloo, tiny_policy, tiny_reward_model
 from helpers import NO_AUTOCAST, left_padded
 
 CPU = torch.device("cpu")
@@ -51,8 +57,9 @@ def edited_rloo(diffs: list[str], tmp_path):
 
 def train(module, updates: int, score, **flags) -> tuple[torch.nn.Module, list]:
     """`updates` updates of the tiny policy on 4 prompts x 4 completions with module's functions as main calls them:
-    sample, log-probs (unless the update computes them; the reference's with kl_coef > 0), score(completions), which
-    count in the loss, ppo_update. Returns the policy and each update's (rollout, stats)."""
+    sample, log-probs (unless the update computes them: on-policy settings, from the second update on, once the first
+    found compute_advantages the same apart; the reference's with kl_coef > 0), score(completions), which count in
+    the loss, ppo_update. Returns the policy and each update's (rollout, stats, the Advantages it trained on)."""
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer), seed=0)
     reference = tiny_policy(len(tokenizer), seed=0).requires_grad_(False) if flags.get("kl_coef") else None
@@ -63,18 +70,22 @@ def train(module, updates: int, score, **flags) -> tuple[torch.nn.Module, list]:
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
     generator = torch.Generator().manual_seed(0)
     rows = prompt_rows(PROMPTS * updates, seed=3)
-    history = []
+    history, state = [], module.AlgorithmState.start(args)
+    shortcut, in_update = module.logprobs_from_update(args, sizes, 0), False
     for update in range(updates):
         queries, query_mask = left_padded(tokenizer, [r["prompt"] for r in rows[update * PROMPTS:][:PROMPTS]])
         c = module.sample_completions(policy, queries, query_mask, args.response_length, 1.0, 1, 0, generator, k=K,
                                       filters=module.SamplingFilters.of(args))
-        rollout = module.collect_rollout(policy, reference, c, args, True, module.logprobs_from_update(args, sizes, 0),
-                                         NO_AUTOCAST, plumbing.PhaseTimer(CPU))
+        rollout = module.collect_rollout(policy, reference, c, args, True, in_update, NO_AUTOCAST,
+                                         plumbing.PhaseTimer(CPU))
         scores = score(c)  # (k*B,)
         rollout.in_loss = module.completions_in_loss(scores, rollout.ended(1), args)
         torch.manual_seed(update)
-        stats = module.ppo_update(policy, optimizer, rollout, scores, args, sizes, True, NO_AUTOCAST)
-        history.append((rollout, stats))
+        stats, values = module.ppo_update(policy, optimizer, rollout, scores, args, sizes, True, NO_AUTOCAST,
+                                          state=state)
+        if shortcut and not in_update:  # as main decides it
+            in_update = shortcut = module.advantages_apart(rollout, scores, values, args, sizes, state) is None
+        history.append((rollout, stats, values))
     return policy, history
 
 
@@ -89,9 +100,10 @@ def reward_model_score(c) -> torch.Tensor:
 
 def test_the_sections_have_the_examples():
     assert list(examples()) == ["Equal-reward groups leave the loss", "GRPO's group-normalized advantage",
-                                "Another KL estimator in the loss", "Dual-clip PPO", "Epsilon sampling",
+                                "Another KL estimator", "Dual-clip PPO", "Epsilon sampling",
                                 "An entropy bonus", "DAPO's token mean", "A z-score over the batch",
-                                "An adaptive KL controller", "A temperature schedule"]
+                                "An adaptive KL controller", "An EMA reference", "A rank-local statistic",
+                                "A temperature schedule", "A response-length schedule"]
 
 
 def weights(policy) -> list[torch.Tensor]:
@@ -113,29 +125,46 @@ def test_equal_reward_groups_leave_the_loss(tmp_path):
         return scores.flatten()
 
     (stock, plain), (policy, history) = (train(module, 2, score, kl_coef=0.1) for module in (rloo, filtered))
-    for (rollout, _), (kept, _) in zip(plain, history):
+    for (rollout, _, _), (kept, _, _) in zip(plain, history):
         assert rollout.in_loss is None
         assert kept.in_loss.view(K, PROMPTS).tolist() == [[False, False, True, True]] * K
-    torch.testing.assert_close(history[0][0].advantages, plain[0][0].advantages, rtol=0, atol=0)  # the same start
+    torch.testing.assert_close(history[0][2].advantages, plain[0][2].advantages, rtol=0, atol=0)  # the same start
     assert not same(weights(policy), weights(stock))
     both = train(filtered, 1, score, kl_coef=0.1, mask_truncated_completions=True)[1][0][0]
     assert both.in_loss.tolist() == (both.ended(1) & history[0][0].in_loss).tolist()  # with the flag's too
 
 
-def test_another_kl_estimator_in_the_loss_trains_otherwise(tmp_path):
-    """k2 instead of k3, with --kl_in_loss: 2 epochs, so that the policy leaves the reference and the KL acts."""
-    k2 = edited_rloo(examples()["Another KL estimator in the loss"], tmp_path)
-    flags = {"kl_coef": 1.0, "kl_in_loss": True, "num_ppo_epochs": 2}
-    (k3_policy, k3_history), (k2_policy, k2_history) = (train(m, 2, reward_model_score, **flags) for m in (rloo, k2))
-    assert not same(weights(k2_policy), weights(k3_policy))
-    for rollout, stats in k2_history:  # the reward holds no KL: it is in the loss
-        assert torch.equal(rollout.non_score_reward, torch.zeros_like(rollout.non_score_reward))
-        assert all(math.isfinite(v) for v in stats.values())
-    new, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
-    batch = k2.Rollout(torch.ones(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool), torch.ones(1, 2).long(),
-                       torch.ones(1, 2, dtype=torch.bool), new, ref, advantages=torch.zeros(1))
-    losses, _ = k2.policy_loss(new, batch, k2.Args(kl_coef=1.0, kl_in_loss=True))
-    assert losses.tolist() == pytest.approx([0.5 * (0.5**2 + 1.0**2)])  # sum_t (ref - new)^2 / 2
+def test_another_kl_estimator_in_the_reward_and_in_the_loss(tmp_path):
+    """verl's |r| added as a --kl_estimator choice: the reward's penalty is kl_coef x its sum (the k1 log-ratio that
+    objective/kl reads unchanged), and with --kl_in_loss the loss's term; it trains otherwise than k1 and k3."""
+    absolute = edited_rloo(examples()["Another KL estimator"], tmp_path)
+    flags = {"kl_coef": 1.0, "num_ppo_epochs": 2}
+    (k1_policy, _), (abs_policy, history) = (train(m, 2, reward_model_score, **flags, **extra)
+                                             for m, extra in ((rloo, {}), (absolute, {"kl_estimator": "abs"})))
+    assert not same(weights(abs_policy), weights(k1_policy))
+    rollout, _, values = history[1]  # the second update's: the policy has left its reference
+    log_ratio = (rollout.logprobs - rollout.ref_logprobs) * rollout.response_mask  # (k*B, Tr)
+    torch.testing.assert_close(values.non_score_reward, -log_ratio.abs().sum(1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(absolute.kl_to_reference(rollout) * rollout.response_mask, log_ratio)
+    in_loss = train(absolute, 2, reward_model_score, kl_in_loss=True, kl_estimator="abs", **flags)[1]
+    for _, stats, values in in_loss:  # the reward holds no KL: it is in the loss
+        assert torch.equal(values.non_score_reward, torch.zeros_like(values.non_score_reward))
+        assert stats["policy/kl_abs_avg"] > 0 and all(math.isfinite(v) for v in stats.values())
+
+
+def test_the_k3_kl_in_the_reward_leaves_objective_kl_k1s(assets, tmp_path, signal_handlers_kept):
+    """--kl_estimator k3 in a run: the first update samples the same completions from the same policy, so
+    objective/kl (the k1 sum) is k1's run's to the bit; the reward is penalized by objective/kl_k3, which differs.
+    (--top_k: the policy's sampled distribution is not the reference's from the start, so the KL is not 0.)"""
+    flags = {"model_name_or_path": str(assets["policy"]), "dataset_name": str(assets["train"]), "kl_coef": 0.5,
+             "num_ppo_epochs": 2, "total_episodes": 2 * K * PROMPTS, "top_k": 5}
+    run_main(rloo, **flags, output_dir=str(tmp_path / "k1"))
+    run_main(rloo, **flags, output_dir=str(tmp_path / "k3"), kl_estimator="k3")
+    k1, k3 = read_metrics(tmp_path / "k1"), read_metrics(tmp_path / "k3")
+    assert k3[0]["objective/kl"] == k1[0]["objective/kl"] and "objective/kl_k3" not in k1[0]
+    for m in k3:
+        assert m["objective/kl_k3"] >= 0 and m["objective/kl_k3"] != m["objective/kl"]
+        assert m["objective/non_score_reward"] == pytest.approx(-0.5 * m["objective/kl_k3"], rel=1e-5, abs=1e-7)
 
 
 def test_dual_clip_caps_the_loss_of_a_negative_advantage(tmp_path):
@@ -143,20 +172,21 @@ def test_dual_clip_caps_the_loss_of_a_negative_advantage(tmp_path):
     new = torch.tensor([[math.log(5.0)], [math.log(5.0)], [math.log(0.5)]])  # ratios 5, 5, 0.5
     batch = dual.Rollout(torch.ones(3, 1, dtype=torch.long), torch.ones(3, 1, dtype=torch.bool),
                          torch.ones(3, 1, dtype=torch.long), torch.ones(3, 1, dtype=torch.bool), torch.zeros(3, 1),
-                         None, advantages=torch.tensor([-1.0, 1.0, -1.0]))
+                         None)
+    values = dual.Advantages(torch.tensor([-1.0, 1.0, -1.0]), *(torch.zeros(3) for _ in range(3)))
     for module, expected in ((rloo, [5.0, -1.2, 0.8]), (dual, [3.0, -1.2, 0.8])):  # max(-A r, -A clip(r)), then <= 3|A|
-        losses, _ = module.policy_loss(new, batch, module.Args(cliprange=0.2))
+        losses, _ = module.policy_loss(new, batch, values, module.Args(cliprange=0.2))
         assert losses.tolist() == pytest.approx(expected)
     _, history = train(dual, 2, reward_model_score, num_ppo_epochs=2)
-    assert all(math.isfinite(v) for _, stats in history for v in stats.values())
+    assert all(math.isfinite(v) for _, stats, _ in history for v in stats.values())
 
 
 def test_grpo_advantages_have_unit_std_in_each_group(tmp_path):
     grpo = edited_rloo(examples()["GRPO's group-normalized advantage"], tmp_path)
     for module, unit in ((grpo, True), (rloo, False)):
         _, history = train(module, 2, reward_model_score)
-        for rollout, _ in history:
-            advantages, rewards = (x.view(K, PROMPTS) for x in (rollout.advantages, rollout.rlhf_reward))  # (k, B)
+        for _, _, values in history:
+            advantages, rewards = (x.view(K, PROMPTS) for x in (values.advantages, values.rlhf_reward))  # (k, B)
             spread = rewards.std(0) > 0.1  # groups whose rewards differ
             assert spread.sum() >= 2
             torch.testing.assert_close(advantages.mean(0), torch.zeros(PROMPTS), atol=1e-5, rtol=0)
@@ -209,7 +239,7 @@ def test_epsilon_sampling_cuts_the_same_tokens_in_the_sampler_and_the_trainer(tm
     kept = eps.sampling_logits(logits, 1.0, filters) > -1e30
     assert kept.tolist() == [[True, True, True, False, False]]
     policy, history = train(eps, 2, reward_model_score, epsilon_cutoff=3e-4)
-    for rollout, stats in history:
+    for _, stats, _ in history:
         assert all(torch.isfinite(torch.tensor(v)) for v in stats.values())
     tokenizer = policy_tokenizer()
     queries, query_mask = left_padded(tokenizer, ["a b :", "c :"])
@@ -220,12 +250,15 @@ def test_epsilon_sampling_cuts_the_same_tokens_in_the_sampler_and_the_trainer(tm
     torch.testing.assert_close(c.sampler_logprobs, trainer, atol=2e-6, rtol=0)
 
 
-def run_main(module, **flags) -> list:
-    """module.main in this process with the tiny policy's flags and these; the rollouts it trained on."""
+def run_main(module, in_update: Optional[list] = None, **flags) -> list:
+    """module.main in this process with the tiny policy's flags and these; the rollouts it trained on (and in
+    `in_update`, whether the update's forward gave each one's log-probs)."""
     rollouts, collect = [], module.collect_rollout
 
     def collect_and_keep(*args, **kwargs):
         rollouts.append(collect(*args, **kwargs))  # ppo_update fills it on-policy: final once the update is done
+        if in_update is not None:
+            in_update.append(args[5])
         return rollouts[-1]
 
     module.collect_rollout = collect_and_keep
@@ -244,45 +277,109 @@ ON_POLICY = {"num_ppo_epochs": 1, "per_device_train_batch_size": K, "gradient_ac
 
 def test_a_statistic_over_the_batch_trains_the_same_on_policy_as_on_the_plain_path(tmp_path):
     """The z-score over the batch, in compute_advantages alone: with on-policy settings (a prompt group per
-    micro-batch) the start-up check takes the plain path and says so, so it trains as settings that never take the
-    shortcut (single completions per micro-batch, the same minibatch); the shortcut taken anyway would train on
-    per-group z-scores. Stock rloo.py keeps the shortcut."""
+    micro-batch) the first update's check finds it and the run keeps the plain path, so it trains as settings that
+    never take the shortcut (single completions per micro-batch, the same minibatch); the shortcut taken anyway
+    would train on per-group z-scores."""
     zscore = edited_rloo(examples()["A z-score over the batch"], tmp_path)
-    args, notes = zscore.Args(rloo_k=K, **ON_POLICY), []
-    assert not zscore.logprobs_from_update(args, zscore.compute_batch_sizes(args, 1), 0, notes=notes)
-    assert len(notes) == 1 and notes[0].startswith("on-policy shortcut off: compute_advantages sets advantages of a "
-                                                   "micro-batch's prompt groups "), notes
-    stock = rloo.Args(rloo_k=K, **ON_POLICY)
-    assert rloo.logprobs_from_update(stock, rloo.compute_batch_sizes(stock, 1), 0, notes=notes) and len(notes) == 1
     on_policy, history = train(zscore, 2, reward_model_score, **ON_POLICY)
     plain, _ = train(zscore, 2, reward_model_score, num_ppo_epochs=1, per_device_train_batch_size=1,
                      gradient_accumulation_steps=K * PROMPTS)
     for p, q in zip(on_policy.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
-    advantages = history[0][0].advantages  # (k*B,) z-scored over the batch: mean 0, std 1
+    advantages = history[0][2].advantages  # (k*B,) z-scored over the batch: mean 0, std 1
     assert abs(advantages.mean().item()) < 1e-5 and advantages.std().item() == pytest.approx(1.0, abs=1e-4)
-    zscore.logprobs_from_update = lambda *_, **__: True  # the shortcut without its check
+    zscore.advantages_apart = lambda *_, **__: None  # the shortcut without its check
     unchecked, _ = train(zscore, 2, reward_model_score, **ON_POLICY)
     assert not same(weights(unchecked), weights(on_policy))
 
 
-def test_the_start_up_check_is_said_in_one_line_and_the_run_takes_the_plain_path(assets, tmp_path, capsys,
-                                                                                  signal_handlers_kept):
-    zscore = edited_rloo(examples()["A z-score over the batch"], tmp_path)
-    rollouts = run_main(zscore, model_name_or_path=str(assets["policy"]), dataset_name=str(assets["train"]),
-                        output_dir=str(tmp_path / "out"), total_episodes=K * PROMPTS, **ON_POLICY)
-    lines = [line for line in capsys.readouterr().out.splitlines() if "on-policy shortcut off" in line]
-    assert len(lines) == 1 and "compute_advantages" in lines[0], lines
-    assert rollouts[0].logprobs is not None  # from collect_rollout's own pass, before the update
+ADDED_FIELD = """
+     ref_logprobs: Optional[torch.Tensor]  # (k*B, Tr) reference log-probs (0 on padding); None if kl_coef = 0
++    lengths: Optional[torch.Tensor] = field(default=None, kw_only=True)  # (k*B,) each response's length
+@@ main
+             has_stop = rollout.ended(stop_token_id)  # (k*B,)
++            rollout.lengths = rollout.response_mask.sum(1).float()  # (k*B,)
+@@ compute_advantages
+     advantages = advantages.flatten(0, 1)  # (k*g,), or (k*g, Tr)
++    advantages = advantages - 0.1 * {}  # a length penalty
+"""
+
+
+@pytest.mark.parametrize("penalty,shortcut", [("(c.lengths - c.lengths.mean())", False), ("c.lengths", True)],
+                         ids=["from-the-batch-mean", "per-completion"])
+def test_an_estimator_reading_a_field_added_to_the_rollout_is_checked_on_the_first_update(
+        assets, tmp_path, capsys, signal_handlers_kept, penalty, shortcut):
+    """A field a researcher adds to Rollout, set in main, read by compute_advantages: the first update takes the plain
+    path and checks compute_advantages on its own batch with that field; one that reads the batch's mean (not
+    local) turns the shortcut off, in one line, and every update keeps the separate log-prob pass; one that reads
+    each completion's own keeps it, from the second update on."""
+    edited = edited_rloo([ADDED_FIELD.format(penalty)], tmp_path)
+    in_update = []
+    run_main(edited, model_name_or_path=str(assets["policy"]), dataset_name=str(assets["train"]),
+             output_dir=str(tmp_path / "out"), total_episodes=3 * K * PROMPTS, in_update=in_update, **ON_POLICY)
+    out = capsys.readouterr().out.splitlines()
+    lines = [line for line in out if "on-policy shortcut" in line]
+    if shortcut:
+        assert len(lines) == 1 and lines[0].startswith("on-policy shortcut on from update 2: "), lines
+        assert in_update == [False, True, True]
+    else:
+        assert len(lines) == 1 and lines[0].startswith("on-policy shortcut off: compute_advantages gives advantages "
+                                                       "of a micro-batch's prompt groups "), lines
+        assert in_update == [False, False, False]
+    assert sum(line.startswith("the PPO ratio was 1 at every step of update 1, ") for line in out) == 1
+
+
+@dataclass
+class KLState(plumbing.FieldsState):  # an AlgorithmState as a researcher extends it
+    kl_coef: float = 0.05
+    steps: int = 0
+    history: list = field(default_factory=list)
+    running: torch.Tensor = field(default_factory=lambda: torch.zeros(3))
+    pair: tuple = (0.0, 1)
 
 
 def test_the_algorithm_state_is_saved_whole_or_refused():
     with pytest.raises(AttributeError, match="Args.kl_coef cannot change during a run .* AlgorithmState"):
         rloo.Args().kl_coef = 0.1
-    assert plumbing.algorithm_state_values(rloo.AlgorithmState()) == {}
-    with pytest.raises(plumbing.ConfigError, match=r"its algorithm state has fields \['kl_coef'\] but "
-                                                   r"AlgorithmState has \[\] \(the code changed since it was saved\)"):
-        plumbing.restore_algorithm_state(rloo.AlgorithmState(), {"kl_coef": 0.1}, REPO / "step_2")
+    assert rloo.AlgorithmState().state_dict() == {}
+    with pytest.raises(ValueError, match=r"its fields are \['kl_coef'\] but AlgorithmState has \[\] \(the code "
+                                         r"changed since it was saved\)"):
+        rloo.AlgorithmState().load_state_dict({"kl_coef": 0.1})
+    saved = KLState(0.2, 3, [1.5, {"a": 2}], torch.ones(3), (0.5, 2)).state_dict()
+    state = KLState()
+    state.load_state_dict(saved)  # bit for bit, and an int where a float is
+    assert (state.kl_coef, state.steps, state.history, state.pair) == (0.2, 3, [1.5, {"a": 2}], (0.5, 2))
+    assert torch.equal(state.running, torch.ones(3))
+    state.load_state_dict(saved | {"kl_coef": 1})
+    assert state.kl_coef == 1
+
+
+@pytest.mark.parametrize("field_name,value,refusal", [
+    ("kl_coef", True, "KLState.kl_coef is True (a bool), not a float"),
+    ("kl_coef", float("nan"), "KLState.kl_coef is nan, not a finite number"),
+    ("kl_coef", float("inf"), "KLState.kl_coef is inf, not a finite number"),
+    ("kl_coef", "0.1", "KLState.kl_coef is '0.1' (a str), not a float"),
+    ("kl_coef", torch.tensor(0.1), "KLState.kl_coef is a torch.float32 tensor of shape (), not a float"),
+    ("steps", 2.0, "KLState.steps is 2.0 (a float), not an int"),
+    ("history", [1.0, float("nan")], "KLState.history[1] is nan, not a finite number"),
+    ("history", {"a": 1}, "KLState.history is {'a': 1} (a dict), not a list"),
+    ("history", [0] * 20_000_000, "KLState.history holds 20,000,000 values (a state keeps statistics, not data: "
+                                  "keep them as a tensor)"),
+    ("running", torch.tensor([1.0, float("nan"), 0.0]), "KLState.running holds a value that is not finite"),
+    ("running", torch.zeros(3, dtype=torch.int64), "KLState.running is a torch.int64 tensor of shape (3,), not a "
+                                                   "torch.float32 tensor"),
+    ("running", [0.0, 0.0, 0.0], "KLState.running is [0.0, 0.0, 0.0] (a list), not a torch.float32 tensor"),
+    ("pair", (0.5, 1, 2), "KLState.pair is (0.5, 1, 2) (a tuple), not a tuple of 2"),
+])
+def test_an_algorithm_state_of_the_wrong_type_is_refused_naming_the_field(field_name, value, refusal):
+    """A forged or foreign checkpoint's algorithm state: every field against the type of the value the run holds,
+    numbers finite, no absurd sizes; nothing set unless every field passes."""
+    state = KLState()
+    with pytest.raises(ValueError) as refused:
+        state.load_state_dict(KLState().state_dict() | {field_name: value})
+    assert str(refused.value) == refusal
+    assert (state.kl_coef, state.steps, state.history, state.pair) == (0.05, 0, [], (0.0, 1))  # nothing set
+    assert torch.equal(state.running, torch.zeros(3))
 
 
 def test_an_adaptive_kl_controller_resumes_bit_identically(assets, tmp_path, signal_handlers_kept):
@@ -296,11 +393,73 @@ def test_an_adaptive_kl_controller_resumes_bit_identically(assets, tmp_path, sig
     run_main(controller, **flags, output_dir=str(tmp_path / "resumed"), total_episodes=4 * K * PROMPTS, resume=True)
     coefficients = [m["objective/kl_coef"] for m in read_metrics(tmp_path / "full")]
     assert coefficients[0] == 0.5 and len(set(coefficients)) == 4, coefficients
-    saved = torch.load(tmp_path / "resumed" / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=True)
-    assert saved["state"] == {"kl_coef": coefficients[2]}
+    saved = torch.load(tmp_path / "resumed" / "checkpoints" / "step_2" / "rank0.pt", weights_only=True)
+    assert saved["algorithm_state"] == {"kl_coef": coefficients[2]}
     from helpers import assert_same_run
 
     assert_same_run(tmp_path / "full", tmp_path / "resumed")
+
+
+TWO_RANKS = ["--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train_batch_size", "16",
+             "--response_length", "6", "--temperature", "1.0", "--max_prompt_length", "16", "--num_ppo_epochs", "2",
+             "--learning_rate", "3e-3", "--num_sample_generations", "0", "--total_episodes", 4 * 16 * 2]  # 4 updates
+
+
+def stopped_and_resumed_on_two_ranks(module, assets, tmp_path, *flags) -> Path:
+    """The edited rloo.py (`module`'s file) trained for 4 updates on two ranks (torchrun, gloo, CPU), and again
+    stopped by SIGTERM after an update and resumed: the same metrics and bit-identical weights. Returns the
+    resumed run's output_dir."""
+    from test_checkpoints import assert_same_run, interrupt_after_first_update
+
+    script = Path(module.__file__)
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *TWO_RANKS, *flags]
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    result = run_rloo(*common, "--output_dir", full, nproc=2, env=env, script=str(script))
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, stdout, stderr = interrupt_after_first_update([*common, "--output_dir", stopped], signal.SIGTERM, 2,
+                                                     script=script)
+    assert "SIGTERM received" in stdout and not (stopped / "model.safetensors").exists(), stdout + stderr[-3000:]
+    result = run_rloo(*common, "--output_dir", stopped, "--resume", nproc=2, env=env, script=str(script))
+    assert result.returncode == 0 and "resuming from" in result.stdout, result.stderr[-3000:]
+    assert_same_run(full, stopped)
+    return stopped
+
+
+def test_an_ema_reference_resumes_bit_identically_on_two_ranks(assets, tmp_path):
+    """The reference mixed with the policy after every update: its weights differ from the initial model's, so every
+    checkpoint saves them (the fingerprint), and the resumed run's KL and weights are the uninterrupted run's."""
+    ema = edited_rloo(examples()["An EMA reference"], tmp_path)
+    stopped = stopped_and_resumed_on_two_ranks(ema, assets, tmp_path, "--kl_coef", "0.5")
+    step = plumbing.latest_checkpoint(str(stopped))
+    saved = torch.load(step / "trainer_state.pt", weights_only=True)["reference"]
+    initial = AutoModelForCausalLM.from_pretrained(assets["policy"]).state_dict()
+    assert saved.keys() == initial.keys() and not all(torch.equal(saved[k], initial[k]) for k in saved)
+
+
+def test_the_reference_fingerprint_sees_any_change_and_nothing_else():
+    """What decides whether a checkpoint saves the reference: equal weights, equal fingerprints (a stock reference,
+    never changed, is not saved); a change of one weight by 1e-7 is seen."""
+    tokenizer = policy_tokenizer()
+    policy, reference = tiny_policy(len(tokenizer)), tiny_policy(len(tokenizer)).requires_grad_(False)
+    assert plumbing.fingerprint(plumbing.reference_tensors(reference)) == \
+        plumbing.fingerprint(plumbing.reference_tensors(policy))
+    before = plumbing.fingerprint(plumbing.reference_tensors(reference))
+    rloo.sync_reference(reference, policy, 0.5)  # the same weights mixed: unchanged
+    assert plumbing.fingerprint(plumbing.reference_tensors(reference)) == before
+    with torch.no_grad():
+        next(reference.parameters())[0, 0] += 1e-7
+    assert plumbing.fingerprint(plumbing.reference_tensors(reference)) != before
+
+
+def test_a_rank_local_statistic_resumes_with_each_ranks_own_value(assets, tmp_path):
+    """Each rank's running scale of its own scores: saved in its own rank<r>.pt (the ranks' values differ), and the
+    resumed run is the uninterrupted one's, bit for bit."""
+    local = edited_rloo(examples()["A rank-local statistic"], tmp_path)
+    stopped = stopped_and_resumed_on_two_ranks(local, assets, tmp_path)
+    step = plumbing.latest_checkpoint(str(stopped))
+    scales = [torch.load(step / f"rank{r}.pt", weights_only=True)["algorithm_state"]["score_scale"] for r in (0, 1)]
+    assert scales[0] != scales[1] and all(0 < s < 5 for s in scales), scales
 
 
 @pytest.mark.parametrize("epochs", [1, 2])
@@ -311,12 +470,56 @@ def test_a_temperature_schedule_scores_each_batch_at_the_temperature_that_sample
     schedule = edited_rloo(examples()["A temperature schedule"], tmp_path)
     rollouts = run_main(schedule, model_name_or_path=str(assets["policy"]), dataset_name=str(assets["train"]),
                         output_dir=str(tmp_path / "out"), total_episodes=4 * K * PROMPTS, num_ppo_epochs=epochs)
-    assert [r.temperature for r in rollouts] == [1.0, 0.875, 0.75, 0.625]
+    assert [r.sampling.temperature for r in rollouts] == [1.0, 0.875, 0.75, 0.625]
     metrics = read_metrics(tmp_path / "out")
     differences = [m["mismatch/logprob_diff_max"] for m in metrics]  # the sampler's log-probs against the trainer's
     assert len(differences) == 4 and max(differences) < 1e-4, differences
     last = rollouts[-1]
     policy = tiny_policy(len(policy_tokenizer()), seed=0)  # any weights: another temperature's log-probs differ
-    at_one = rloo.forward_logprobs(policy, replace(last, temperature=1.0), 1.0, True)[0] * last.response_mask
-    at_its_own = rloo.forward_logprobs(policy, last, last.temperature, True)[0] * last.response_mask
+    at_one = rloo.forward_logprobs(policy, last, 1.0, True)[0] * last.response_mask
+    at_its_own = rloo.forward_logprobs(policy, last, last.sampling.temperature, True)[0] * last.response_mask
     assert (at_one - at_its_own).abs().max() > 1e-2
+
+
+def test_a_response_length_schedule_samples_each_batch_at_its_length_on_the_local_source(assets, tmp_path,
+                                                                                          signal_handlers_kept):
+    """From half of --response_length to the whole: each update's batch is sampled at its own length (its width,
+    its SamplingSettings), the sampler's log-probs the trainer's; no trailing padding counts as tokens."""
+    schedule = edited_rloo(examples()["A response-length schedule"], tmp_path)
+    rollouts = run_main(schedule, model_name_or_path=str(assets["policy"]), dataset_name=str(assets["train"]),
+                        output_dir=str(tmp_path / "out"), total_episodes=4 * K * PROMPTS, stop_token=None)
+    lengths = [3, 4, 4, 5]  # round(6 x (0.5 + 0.5 x progress)), progress 0, 1/4, 1/2, 3/4
+    assert [r.sampling.max_new_tokens for r in rollouts] == [r.responses.shape[1] for r in rollouts] == lengths
+    metrics = read_metrics(tmp_path / "out")
+    assert [m["completions/max_length"] for m in metrics] == lengths  # without a stop token: every token sampled
+    assert max(m["mismatch/logprob_diff_max"] for m in metrics) < 1e-4
+
+
+def test_a_response_length_schedule_through_the_hf_engines_trains_as_the_local_run(assets, tmp_path):
+    """The same schedule run by rloo_multinode.py's HF engines (a copy of the repository with the edited rloo.py):
+    the engines sample each batch at its length, and the run is the local run's, bit for bit."""
+    import shutil
+
+    from conftest import run_rloo
+    from test_multinode import PER_UPDATE, RUN, comparable, free_port
+
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO / "plumbing", repo / "plumbing", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "rloo_multinode.py", repo)
+    shutil.copy(edited_rloo(examples()["A response-length schedule"], tmp_path).__file__, repo / "rloo.py")
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *RUN,
+              "--total_episodes", 3 * PER_UPDATE, "--stop_token", "None"]
+    local = run_rloo(*common, "--output_dir", tmp_path / "local", script=str(repo / "rloo.py"))
+    assert local.returncode == 0, local.stderr[-3000:]
+    engines = run_rloo(*common, "--output_dir", tmp_path / "engines", "--engine", "hf", "--engine_port", free_port(),
+                       script=str(repo / "rloo_multinode.py"))
+    assert engines.returncode == 0, engines.stderr[-3000:]
+    local_metrics, engine_metrics = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "engines")
+    assert [m["completions/max_length"] for m in engine_metrics] == [3, 4, 5]  # no stop token: every token sampled
+    for engine, local in zip(comparable(engine_metrics), comparable(local_metrics), strict=True):
+        mismatch = [k for k in local if k.startswith("mismatch/")]
+        assert [engine.pop(k) for k in mismatch] == pytest.approx([local.pop(k) for k in mismatch], rel=1e-6,
+                                                                  abs=1e-7)
+        assert engine == local
+    trained = [load_file(tmp_path / d / "model.safetensors") for d in ("local", "engines")]
+    assert all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0])

@@ -6,6 +6,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -73,6 +74,22 @@ def test_signal_saves_and_resume_is_exact(assets, tmp_path, nproc, sig, extra):
     assert f"resuming from {stopped_at}" in result.stdout and not (interrupted / "preempted").exists()
     assert_same_run(full, interrupted)  # metrics.jsonl appended line by line, same weights
     AutoModelForCausalLM.from_pretrained(interrupted)  # a plain HF checkpoint, also when saved from FSDP shards
+
+
+@pytest.mark.parametrize("reward_fn", ["count_a_python_noise", "count_a_numpy_noise", "count_a_torch_noise"])
+def test_a_reward_function_drawing_random_numbers_resumes_exactly(assets, tmp_path, reward_fn, signal_handlers_kept):
+    """The generators are restored as the last step before the first resumed update (nothing draws from them in
+    between, the console's construction included): a reward function drawing from python's, numpy's or torch's
+    global generator scores a resumed run as it scores an uninterrupted one, bit for bit."""
+    from test_changing_the_algorithm import K, PROMPTS, run_main
+
+    flags = {"model_name_or_path": str(assets["policy"]), "dataset_name": str(assets["train"]),
+             "reward_fn": [f"reward_fns:{reward_fn}"], "kl_coef": 0.1}
+    run_main(rloo, **flags, output_dir=str(tmp_path / "full"), total_episodes=3 * K * PROMPTS)
+    run_main(rloo, **flags, output_dir=str(tmp_path / "resumed"), total_episodes=K * PROMPTS)
+    run_main(rloo, **flags, output_dir=str(tmp_path / "resumed"), total_episodes=3 * K * PROMPTS, resume=True)
+    assert len({m["objective/raw_scores"] for m in read_metrics(tmp_path / "full")}) == 3
+    assert_same_run(tmp_path / "full", tmp_path / "resumed")
 
 
 def files_of(directory: Path) -> dict:
@@ -254,7 +271,7 @@ def test_the_final_policy_is_the_final_checkpoints_stored_once_where_the_filesys
     plumbing.save_final_policy(policy, tokenizer, str(tmp_path), 0, step)
     names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
     assert names == sorted(p.name for p in step.iterdir() if p.name not in ("trainer_state.pt", "manifest.json")
-                           and not p.name.startswith("rng_rank") and p.is_file())
+                           and not plumbing.RANK_FILE.fullmatch(p.name) and p.is_file())
     for name in names:
         assert (tmp_path / name).samefile(step / name) == (link is not no_hard_links), name
         assert (tmp_path / name).read_bytes() == (step / name).read_bytes(), name
@@ -281,7 +298,7 @@ def pickled_weights(step: Path) -> None:
 NO_MANIFEST = "no manifest.json, which every save writes: a copy that did not finish, or a damaged checkpoint"
 DAMAGE = {"truncated weights": (lambda step: truncate(step / "model.safetensors"), "model.safetensors has"),
           "truncated trainer state": (lambda step: truncate(step / "trainer_state.pt"), "trainer_state.pt has"),
-          "a missing rank file": (lambda step: (step / "rng_rank0.pt").unlink(), "rng_rank0.pt is missing"),
+          "a missing rank file": (lambda step: (step / "rank0.pt").unlink(), "rank0.pt is missing"),
           "no manifest": (lambda step: (step / "manifest.json").rename(step / "kept"), NO_MANIFEST),
           "no manifest, truncated weights": (without_manifest(lambda step: truncate(step / "model.safetensors")),
                                              NO_MANIFEST),
@@ -339,13 +356,13 @@ def test_checkpoints_cannot_run_code(tmp_path):
     policy, optimizer, _ = saved_steps(tmp_path, [1])
     step, marker = tmp_path / "checkpoints" / "step_1", tmp_path / "ran"
     torch.save({"update": 1, "note": Payload(marker)}, step / "trainer_state.pt")
-    torch.save({"python": Payload(marker)}, step / "rng_rank0.pt")
+    torch.save({"generators": {"python": Payload(marker)}}, step / "rank0.pt")
     forge_manifest(step)
     assert plumbing.checkpoint_problem(step) is None  # the manifest matches: only what the files hold can tell
     with pytest.raises(plumbing.ConfigError, match="trainer_state.pt holds io.open, not only tensors"):
         plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume_from=str(step)))
-    with pytest.raises(plumbing.ConfigError, match="rng_rank0.pt holds io.open"):
-        plumbing.load_safely(step / "rng_rank0.pt")
+    with pytest.raises(plumbing.ConfigError, match="rank0.pt holds io.open"):
+        plumbing.load_safely(step / "rank0.pt")
     # torch.distributed.checkpoint unpickles its metadata with pickle: read by an allow-list first
     dcp.save({"optimizer": optimizer.state_dict()}, checkpoint_id=str(step / "optimizer"))
     forge_manifest(step)
@@ -391,8 +408,8 @@ FORGED = {
     "the optimizer state in trainer_state.pt": (
         lambda step, payload: torch.save(trainer_state(1, optimizer={"state": {}, "param_groups": [{"lr": payload}]}),
                                          step / "trainer_state.pt"), "trainer_state.pt holds io.open"),
-    "rng_rank0.pt": (lambda step, payload: torch.save({"python": payload}, step / "rng_rank0.pt"),
-                     "rng_rank0.pt holds io.open"),
+    "rank0.pt": (lambda step, payload: torch.save({"python": payload}, step / "rank0.pt"),
+                     "rank0.pt holds io.open"),
     "optimizer/.metadata": (pickle_as("optimizer/.metadata"), ".metadata refers to io.open, which could run code"),
     "optimizer/__0_0.distcp": (forged_shard_entry, "optimizer/*.distcp's entry 'param_groups.0.lr' holds io.open"),
     "model.safetensors": (pickle_as("model.safetensors"), "model.safetensors is not a safetensors file"),
@@ -424,7 +441,7 @@ def test_no_file_of_a_checkpoint_can_run_code(tmp_path, forged):
         policy, _, _, _ = rloo.load_policy(args, torch.device("cpu"), start.checkpoint, policy_tokenizer())
         plumbing.read_shards(get_optimizer_state_dict(policy, torch.optim.AdamW(policy.parameters())),
                              step / "optimizer")
-        plumbing.load_safely(step / "rng_rank0.pt")
+        plumbing.load_safely(step / "rank0.pt")
         problem = None
     except plumbing.ConfigError as e:
         problem = str(e)
@@ -450,6 +467,76 @@ def test_a_forged_shard_is_refused_in_one_line_before_anything_loads(assets, tmp
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
     assert "optimizer/*.distcp's entry 'param_groups.0.lr' holds io.open" in result.stderr
     assert not marker.exists() and "loaded the policy" not in result.stdout
+
+
+def forged_optimizer(change: Callable) -> Callable:
+    """A forgery of a checkpoint's optimizer state (trainer_state.pt's) by `change(state_dict)`."""
+    def forge(step: Path) -> None:
+        state = torch.load(step / "trainer_state.pt", weights_only=True)
+        change(state["optimizer"])
+        torch.save(state, step / "trainer_state.pt")
+    return forge
+
+
+def forged_part(name: str, value) -> Callable:
+    """A forgery of rank 0's part `name` in its rank0.pt."""
+    def forge(step: Path) -> None:
+        parts = torch.load(step / "rank0.pt", weights_only=True)
+        parts[name] = value
+        torch.save(parts, step / "rank0.pt")
+    return forge
+
+
+FORGED_CONTENTS = {  # a forgery of the right kinds of values (a weights_only load reads it): what it says
+    "a wrong-shaped exp_avg": (forged_optimizer(lambda o: o["state"][0].update(exp_avg=torch.zeros(3, 5))),
+                               "trainer_state.pt state[0]['exp_avg'] has shape (3, 5), but its parameter has (15, 32)"),
+    "three betas": (forged_optimizer(lambda o: o["param_groups"][0].update(betas=(0.9, 0.99, 0.999))),
+                    "trainer_state.pt param_groups[0]['betas'] is (0.9, 0.99, 0.999) (a tuple), not a tuple of 2"),
+    "a negative step": (forged_optimizer(lambda o: o["state"][1].update(step=torch.tensor(-2.0))),
+                        "trainer_state.pt state[1]['step'] is -2.0, not a count >= 0"),
+    "a NaN in exp_avg_sq": (forged_optimizer(lambda o: o["state"][2]["exp_avg_sq"].view(-1)[0].fill_(float("nan"))),
+                            "trainer_state.pt state[2]['exp_avg_sq'] holds a value that is not finite"),
+    "a string lr": (forged_optimizer(lambda o: o["param_groups"][0].update(lr="0.1")),
+                    "trainer_state.pt param_groups[0]['lr'] is '0.1' (a str), not a float"),
+    "a state of no parameter": (forged_optimizer(lambda o: o["state"].update({999: {}})),
+                                "trainer_state.pt state[999] is of no parameter of the optimizer"),
+    "kl_coef: True in the algorithm state": (forged_part("algorithm_state", {"kl_coef": True}),
+                                             "rank0.pt's part 'algorithm_state': its fields are ['kl_coef'] but "
+                                             "AlgorithmState has []"),
+    "a sampler's epoch as a string": (forged_part("sampler", {"epoch": "x", "position": 0}),
+                                      "rank0.pt's part 'sampler': "),
+    "a part the run does not have": (forged_part("replay", [0] * 10), "part 'replay' is in rank0.pt but not in this run"),
+    "an absurd size": (forged_part("algorithm_state", {"notes": "x" * 17_000_000}),
+                       "rank0.pt holds 16.2 MiB of values outside tensors, more than a checkpoint of this code writes "
+                       "(16 MiB): not read"),
+    "no generators": (forged_part("generators", None), "rank0.pt's part 'generators': "),
+}
+
+
+@pytest.fixture(scope="module")
+def one_update(assets, tmp_path_factory) -> Path:
+    """A run of one update (single process) and its checkpoint."""
+    out = tmp_path_factory.mktemp("one_update") / "run"
+    result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir", out,
+                      *RUN[:-2], "--total_episodes", PER_UPDATE)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out / "checkpoints" / "step_1"
+
+
+@pytest.mark.parametrize("forged", FORGED_CONTENTS, ids=list(FORGED_CONTENTS))
+def test_a_checkpoints_contents_are_checked_by_type_and_shape_before_training(assets, tmp_path, one_update, forged):
+    """Values of the right kinds that do not fit the run (a forged or foreign checkpoint): one line naming the file
+    and the field, exit 2, no traceback, before the first update."""
+    step = tmp_path / "checkpoints" / "step_1"
+    shutil.copytree(one_update, step)
+    forge, refusal = FORGED_CONTENTS[forged]
+    forge(step)
+    forge_manifest(step)
+    result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir",
+                      tmp_path / "run", *RUN[:-2], "--total_episodes", 2 * PER_UPDATE, "--resume_from", step)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
+    assert str(step) in result.stderr and refusal in result.stderr, result.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run")
 
 
 def test_a_checkpoint_cannot_choose_the_code_that_runs(tmp_path):
@@ -693,12 +780,12 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp
         "policy = tiny_policy(len(tokenizer))\n"
         "optimizer = torch.optim.AdamW(policy.parameters())\n"
         "from test_checkpoints import trainer_state\n"
-        "plumbing.save_checkpoint(out, 1, policy, optimizer, tokenizer, trainer_state(1), 0, None, torch.Generator())\n"
+        "plumbing.save_checkpoint(out, 1, policy, optimizer, tokenizer, trainer_state(1), 0, None, {})\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails (EFBIG), as on a full disk\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))\n"
         "state = {'update': 2, 'ballast': torch.zeros(1 << 20)}  # 4 MB\n"
         "plumbing.run_script(lambda _: plumbing.save_checkpoint(out, 2, policy, optimizer, tokenizer, state, 0, None,\n"
-        "                                               torch.Generator()), None, 'rloo.py')\n")
+        "                                               {}), None, 'rloo.py')\n")
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
     result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env,
                             timeout=600)

@@ -321,7 +321,7 @@ def checkpoint_of(output_dir: Path, update: int, args: rloo.Args, inputs: dict) 
     state = {"update": update, "episode": 0, "sampler": {"epoch": 0, "position": 0}, "elapsed": 0.0, "world_size": 1,
              "args": asdict(args), "wandb_run_id": None, "run_id": "run-a", "inputs": inputs}
     return plumbing.save_checkpoint(str(output_dir), update, policy, torch.optim.AdamW(policy.parameters()), tokenizer,
-                                state, 0, None, torch.Generator())
+                                state, 0, None, {})
 
 
 @pytest.fixture(scope="module")

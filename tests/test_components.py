@@ -272,8 +272,8 @@ def test_one_update_with_positive_advantage_raises_that_completions_logprob():
                      temperature=1.0)
     sizes = rloo.compute_batch_sizes(args, 1)
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
-    stats = rloo.ppo_update(policy, optimizer, rollout, scores, args, sizes, True, NO_AUTOCAST)
-    assert rollout.advantages.tolist() == [1.0, 0.0, -1.0, 0.0]
+    stats, values = rloo.ppo_update(policy, optimizer, rollout, scores, args, sizes, True, NO_AUTOCAST)
+    assert values.advantages.tolist() == [1.0, 0.0, -1.0, 0.0]
     with torch.no_grad():
         new, _ = rloo.forward_logprobs(policy, c, 1.0, share_prompt=True)
     new_total = (new * c.response_mask).sum(1)
@@ -415,7 +415,7 @@ def test_the_bf16_sampling_copy_holds_the_new_weights_after_every_update():
         for s, p in zip(rollouts.sampler.parameters(), policy.parameters()):
             assert s.dtype == torch.bfloat16 and torch.equal(s, p.to(torch.bfloat16))
     queries, mask = left_padded(tokenizer, ["a b :", "c :"])
-    rollouts.submit(queries, mask, 1.0, rloo.NO_FILTERS)
+    rollouts.submit(queries, mask, rloo.SamplingSettings.of(args))
     completions, _ = rollouts.take()
     assert completions.responses.shape == (4, 4)
 

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 from dataclasses import replace
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -368,3 +369,31 @@ def test_bnb_4bit_quant_storage_is_the_dtype_the_4bit_weights_are_packed_in(asse
     policy, _, _, _ = rloo.load_policy(args, torch.device("cpu"))
     layers = [m for m in policy.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert layers and all(m.weight.dtype == torch.bfloat16 for m in layers)
+
+
+def test_a_change_to_the_base_under_the_adapters_is_refused_at_the_next_save(assets, tmp_path):
+    """With --use_peft the reference is the policy's base with the adapters off (AdaptersOff): an edit that changes
+    the reference (an EMA of the policy, written as for a reference of its own) changes the base, which no checkpoint
+    keeps (it saves the adapters). The next save refuses it in one line; until then, saves go on as usual."""
+    args = lora_args(assets, output_dir=str(tmp_path / "out"), dataset_name=str(assets["train"]))
+    policy, reference, tokenizer, _ = rloo.load_policy(args, torch.device("cpu"))
+    assert isinstance(reference, plumbing.AdaptersOff)
+    lock = plumbing.OutputDirLock(args.output_dir)
+    try:
+        checkpoints = plumbing.Checkpointer(args, SimpleNamespace(rank=0, world_size=1), lock)
+        checkpoints.check_continues(4, 16)
+        optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad])
+        checkpoints.restore(policy=policy, tokenizer=tokenizer, optimizer=optimizer, reference=reference)
+        with torch.no_grad():
+            next(p for p in policy.parameters() if p.requires_grad).add_(1.0)  # the adapters: saved, as usual
+        step = checkpoints.save(1)
+        assert "reference" not in torch.load(step / "trainer_state.pt", weights_only=True)
+        with torch.no_grad():
+            next(p for p in reference.parameters() if not p.requires_grad).mul_(0.5)
+        with pytest.raises(plumbing.Fault) as refused:
+            checkpoints.save(2)
+        assert str(refused.value).startswith("with --use_peft the reference is the policy's base under its adapters, "
+                                             "and its weights changed during the run, which no checkpoint keeps")
+        assert "\n" not in str(refused.value)
+    finally:
+        lock.release()

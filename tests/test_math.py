@@ -57,12 +57,13 @@ def test_an_unscored_completion_is_left_out_of_its_groups_baselines_with_advanta
     rollout = rloo.Rollout(torch.ones(3, 1, dtype=torch.long), torch.ones(3, 1, dtype=torch.bool),
                            torch.ones(12, 1, dtype=torch.long), torch.ones(12, 1, dtype=torch.bool),
                            torch.zeros(12, 1), torch.zeros(12, 1))
-    rloo.compute_advantages(rollout, rewards.flatten(), rloo.Args(rloo_k=4, kl_coef=0.1))
-    assert rollout.advantages.tolist() == [-3.0, -1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 3.0, 0.0, 0.0]
-    rloo.compute_advantages(rollout, rewards.flatten(), rloo.Args(rloo_k=4, kl_coef=0.1, normalize_advantage=True))
+    out = rloo.compute_advantages(rollout, rewards.flatten(), rloo.Args(rloo_k=4, kl_coef=0.1))
+    assert out.advantages.tolist() == [-3.0, -1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 3.0, 0.0, 0.0]
+    out = rloo.compute_advantages(rollout, rewards.flatten(),
+                                  rloo.Args(rloo_k=4, kl_coef=0.1, normalize_advantage=True))
     scored = torch.tensor([-3.0, -1.0, 1.0, 0.0, 3.0])  # whitened over the 5 with an advantage: mean 0, std sqrt(5)
-    torch.testing.assert_close(rollout.advantages[[0, 1, 4, 6, 9]], scored / (math.sqrt(5) + 1e-8))
-    assert rollout.advantages[[2, 3, 5, 7, 8, 10, 11]].abs().sum() == 0
+    torch.testing.assert_close(out.advantages[[0, 1, 4, 6, 9]], scored / (math.sqrt(5) + 1e-8))
+    assert out.advantages[[2, 3, 5, 7, 8, 10, 11]].abs().sum() == 0
 
 
 def test_a_masked_completions_kl_leaves_its_reward_which_stays_in_its_groups_baseline():
@@ -72,10 +73,10 @@ def test_a_masked_completions_kl_leaves_its_reward_which_stays_in_its_groups_bas
                            torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool),
                            torch.tensor([[-0.2], [-0.4]]), torch.tensor([[-0.6], [-1.0]]), in_loss=torch.tensor(
                                [True, False]))
-    rloo.compute_advantages(rollout, torch.tensor([1.0, 2.0]), rloo.Args(rloo_k=2, kl_coef=0.5))
+    out = rloo.compute_advantages(rollout, torch.tensor([1.0, 2.0]), rloo.Args(rloo_k=2, kl_coef=0.5))
     # completion 0: 1 - 0.5 x 0.4 = 0.8; completion 1 (masked): 2, its KL 0.6 left out
-    torch.testing.assert_close(rollout.rlhf_reward, torch.tensor([0.8, 2.0]))
-    torch.testing.assert_close(rollout.advantages, torch.tensor([0.8 - 2.0, 2.0 - 0.8]))
+    torch.testing.assert_close(out.rlhf_reward, torch.tensor([0.8, 2.0]))
+    torch.testing.assert_close(out.advantages, torch.tensor([0.8 - 2.0, 2.0 - 0.8]))
 
 
 def test_k_below_two_is_refused():

@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import functools
 import itertools
 import math
 
@@ -35,15 +36,15 @@ def hand_made_rollout() -> rloo.Rollout:
 def test_mismatch_metrics_by_hand():
     rollout = hand_made_rollout()
     ratios = [math.exp(0.2 - 0.1), math.exp(0.6)]  # p_trainer / p_sampler of each completion: 1.105, 1.822
-    metrics = plumbing.mismatch_metrics(rollout, rloo.Args(cliprange=0.2), rloo.importance_weights, 0.2, 0.2)
+    metrics = plumbing.mismatch_metrics(rollout, 0.2, 0.2)
     assert metrics["mismatch/logprob_diff_mean"] == pytest.approx((0.2 + 0.1 + 0 + 0 + 0.6) / 5)  # 5 valid tokens
     assert metrics["mismatch/logprob_diff_max"] == pytest.approx(0.6)
     assert metrics["mismatch/ratio_mean"] == pytest.approx(sum(ratios) / 2)
     assert metrics["mismatch/ratio_std"] == pytest.approx(abs(ratios[0] - ratios[1]) / math.sqrt(2))
     assert metrics["mismatch/clipfrac"] == 0.5  # 1.822 is outside [0.8, 1.2]
     assert "mismatch/is_weight_mean" not in metrics
-    corrected = rloo.Args(cliprange=0.2, vllm_importance_sampling_correction=True, vllm_importance_sampling_cap=1.5)
-    metrics = plumbing.mismatch_metrics(rollout, corrected, rloo.importance_weights, 0.2, 0.2)
+    metrics = plumbing.mismatch_metrics(rollout, 0.2, 0.2, 1.5, functools.partial(
+        rloo.importance_weights, mode="sequence_truncate", cap=1.5))  # --vllm_importance_sampling_correction's
     assert metrics["mismatch/is_weight_mean"] == pytest.approx((ratios[0] + 1.5) / 2)
     assert metrics["mismatch/is_capped_frac"] == 0.5
 
@@ -113,13 +114,13 @@ def test_the_samplers_log_probs_are_the_trainers_in_fp32_and_differ_for_the_bf16
     same = sample_and_recompute(policy, policy, args, NO_AUTOCAST, NO_AUTOCAST)
     assert same.response_mask.sum() > 20 and (same.sampler_logprobs[~same.response_mask] == 0).all()
     torch.testing.assert_close(same.sampler_logprobs, same.logprobs, atol=1e-5, rtol=0)
-    metrics = plumbing.mismatch_metrics(same, args, rloo.importance_weights, args.cliprange, args.cliprange_high)
+    metrics = plumbing.mismatch_metrics(same, args.cliprange, args.cliprange_high)
     assert metrics["mismatch/logprob_diff_max"] < 1e-5 and metrics["mismatch/clipfrac"] == 0
     assert metrics["mismatch/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
     # the bf16 copy samples; the trainer recomputes under bf16 autocast with fp32 weights (--bf16 --bf16_generation)
     bf16 = sample_and_recompute(plumbing.bf16_copy(policy), policy, args, NO_AUTOCAST, BF16_AUTOCAST)
     # here: mean 6e-4, max 2e-3 (fp32: max below 1e-6)
-    metrics = plumbing.mismatch_metrics(bf16, args, rloo.importance_weights, args.cliprange, args.cliprange_high)
+    metrics = plumbing.mismatch_metrics(bf16, args.cliprange, args.cliprange_high)
     assert metrics["mismatch/logprob_diff_mean"] > 1e-4 and metrics["mismatch/logprob_diff_max"] > 5e-4, metrics
 
 

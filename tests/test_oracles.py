@@ -58,16 +58,82 @@ def test_rlhf_reward_is_the_score_minus_the_kl_to_the_reference_on_hand_computed
     # k = 2, one prompt; row 1's second token is padding (its made-up log-probs must not count)
     rollout = rollout_of([[-1.0, -2.0], [-0.5, -9.0]], [[-1.5, -1.0], [-0.25, -1.0]], [[True, True], [True, False]], 1)
     scores = torch.tensor([1.0, 2.0])
-    rloo.compute_advantages(rollout, scores, rloo.Args(rloo_k=2, kl_coef=0.1, token_level_kl=token_level_kl))
+    out = rloo.compute_advantages(rollout, scores, rloo.Args(rloo_k=2, kl_coef=0.1, token_level_kl=token_level_kl))
     # row 0: sum_t (logp - ref) = (-1 + 1.5) + (-2 + 1) = -0.5 -> 1 - 0.1 * -0.5 = 1.05
     # row 1: (-0.5 + 0.25) = -0.25 -> 2 - 0.1 * -0.25 = 2.025
-    assert rollout.rlhf_reward.tolist() == pytest.approx([1.05, 2.025])
+    assert out.rlhf_reward.tolist() == pytest.approx([1.05, 2.025])
     if not token_level_kl:
-        assert rollout.advantages.tolist() == pytest.approx([1.05 - 2.025, 2.025 - 1.05])
+        assert out.advantages.tolist() == pytest.approx([1.05 - 2.025, 2.025 - 1.05])
     # a policy that puts more mass than the reference on its samples pays: its reward is below its score
     rollout = rollout_of([[-0.1]] * 2, [[-2.0]] * 2, [[True]] * 2, 1)
-    rloo.compute_advantages(rollout, torch.zeros(2), rloo.Args(rloo_k=2, kl_coef=0.5, token_level_kl=token_level_kl))
-    assert rollout.rlhf_reward.tolist() == pytest.approx([-0.95, -0.95])
+    out = rloo.compute_advantages(rollout, torch.zeros(2), rloo.Args(rloo_k=2, kl_coef=0.5,
+                                                                     token_level_kl=token_level_kl))
+    assert out.rlhf_reward.tolist() == pytest.approx([-0.95, -0.95])
+
+
+ESTIMATORS = {"k1": lambda r: -r, "k2": lambda r: 0.5 * r * r, "k3": lambda r: math.exp(r) - r - 1}  # of r = ref - logp
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("kl_in_loss", [False, True])
+def test_each_kl_estimator_against_its_formula_in_the_reward_and_in_the_loss(estimator, kl_in_loss):
+    """--kl_estimator: Schulman's estimator of each valid token, r = ref - logp, summed over a completion, in a plain
+    loop: the reward's penalty (kl_coef x it), or with --kl_in_loss the loss's term (the reward then holds none).
+    objective/kl's helper stays the k1 log-ratio whatever the estimator."""
+    gen = torch.Generator().manual_seed(5)
+    n, width, kl_coef = 6, 4, 0.3
+    mask = (torch.arange(width) < torch.randint(1, width + 1, (n,), generator=gen)[:, None]).tolist()
+    logprobs = (-torch.rand(n, width, generator=gen) * 3).tolist()
+    ref_logprobs = (-torch.rand(n, width, generator=gen) * 3).tolist()
+    sums = [sum(ESTIMATORS[estimator](ref_logprobs[i][t] - logprobs[i][t]) for t in range(width) if mask[i][t])
+            for i in range(n)]
+    scores = torch.randn(n, generator=gen)
+    args = rloo.Args(rloo_k=2, kl_coef=kl_coef, kl_estimator=estimator, kl_in_loss=kl_in_loss)
+    rollout = rollout_of(logprobs, ref_logprobs, mask, 3)
+    out = rloo.compute_advantages(rollout, scores, args)
+    assert out.non_score_reward.tolist() == pytest.approx([0.0] * n if kl_in_loss else [-kl_coef * x for x in sums],
+                                                          abs=1e-5)
+    assert out.reward_kl.tolist() == pytest.approx(sums, abs=1e-5)  # objective/kl_<estimator>'s
+    assert rloo.kl_to_reference(rollout).mul(rollout.response_mask).sum(1).tolist() == pytest.approx(
+        naive_kl_sums(logprobs, ref_logprobs, mask), abs=1e-5)  # objective/kl: k1 whatever the estimator
+    new = torch.tensor(logprobs)  # ratio 1 and advantages 0: the loss is the KL term alone
+    losses, stats = policy_loss_of(new, new, torch.zeros(n), rollout.response_mask, ref_logprobs=rollout.ref_logprobs,
+                                   kl_in_loss=True, kl_coef=kl_coef, kl_estimator=estimator)
+    assert losses.tolist() == pytest.approx([kl_coef * x for x in sums], abs=1e-5)
+    assert stats[f"policy/kl_{estimator}_avg"].item() == pytest.approx(sum(sums) / n, abs=1e-5)
+
+
+def test_the_kl_in_the_reward_and_in_the_loss_are_trl_1_16s_on_the_same_batch():
+    """TRL 1.16's own lines, pasted: RLOOTrainer folds k1 into the reward (`per_token_kl = old_per_token_logps -
+    ref_per_token_logps`, summed over the completion mask, `rewards - self.beta * kl`), GRPOTrainer's loss adds
+    `self.beta * per_token_kl` with k3 (`torch.exp(ref - logps) - (ref - logps) - 1`); ours by default, and k3 in the
+    reward is that same k3 summed."""
+    gen = torch.Generator().manual_seed(6)
+    n, width, beta = 4, 5, 0.05
+    completion_mask = (torch.arange(width) < torch.randint(1, width + 1, (n,), generator=gen)[:, None]).float()
+    per_token_logps = -torch.rand(n, width, generator=gen) * 3 * completion_mask
+    ref_per_token_logps = -torch.rand(n, width, generator=gen) * 3 * completion_mask
+    rewards = torch.randn(n, generator=gen)
+    old_per_token_logps = per_token_logps
+    # ---- TRL 1.16, RLOOTrainer._generate_and_score_completions
+    per_token_kl = old_per_token_logps - ref_per_token_logps
+    kl = (per_token_kl * completion_mask).sum(-1)
+    trl_rewards = rewards - beta * kl
+    # ---- TRL 1.16, GRPOTrainer._compute_loss
+    per_token_kl = (
+        torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
+    )
+    # ----
+    rollout = rloo.Rollout(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool),
+                           torch.ones(n, width, dtype=torch.long), completion_mask.bool(), per_token_logps,
+                           ref_per_token_logps)
+    out = rloo.compute_advantages(rollout, rewards, rloo.Args(rloo_k=2, kl_coef=beta))
+    torch.testing.assert_close(out.rlhf_reward, trl_rewards)
+    losses, _ = policy_loss_of(per_token_logps, per_token_logps, torch.zeros(n), completion_mask, per_token=True,
+                               ref_logprobs=ref_per_token_logps, kl_in_loss=True, kl_coef=beta)
+    torch.testing.assert_close(losses, beta * per_token_kl * completion_mask)
+    k3 = rloo.compute_advantages(rollout, rewards, rloo.Args(rloo_k=2, kl_coef=beta, kl_estimator="k3"))
+    torch.testing.assert_close(k3.reward_kl, (per_token_kl * completion_mask).sum(-1))
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -80,10 +146,10 @@ def test_rlhf_reward_against_a_naive_loop(k):
     ref_logprobs = (-torch.rand(n, width, generator=gen) * 3).tolist()
     scores = torch.randn(n, generator=gen)
     rollout = rollout_of(logprobs, ref_logprobs, mask, 3)
-    rloo.compute_advantages(rollout, scores, rloo.Args(rloo_k=k, kl_coef=kl_coef))
+    out = rloo.compute_advantages(rollout, scores, rloo.Args(rloo_k=k, kl_coef=kl_coef))
     kl = naive_kl_sums(logprobs, ref_logprobs, mask)
     expected = [scores[i].item() - kl_coef * kl[i] for i in range(n)]
-    assert rollout.rlhf_reward.tolist() == pytest.approx(expected, abs=1e-5)
+    assert out.rlhf_reward.tolist() == pytest.approx(expected, abs=1e-5)
     assert rloo.kl_to_reference(rollout).mul(rollout.response_mask).sum(1).tolist() == pytest.approx(kl, abs=1e-5)
 
 
@@ -95,7 +161,7 @@ def test_completion_metrics_values_in_the_k_b_layout(k):
     lengths = [3, 1, 4, 2, 4, 4, 0, 2]
     mask = torch.arange(4) < torch.tensor(lengths)[:, None]
     has_stop = torch.tensor([True, False, True, True, False, False, True, True])
-    out = plumbing.completion_metrics(mask, has_stop, scores, k)
+    out = plumbing.completion_metrics(mask, has_stop, rloo.in_groups(scores, k))
     # prompt i's samples are rows j*B + i
     groups = [[scores[j * b + i].item() for j in range(k)] for i in range(b)]
     stds = [math.sqrt(sum((x - sum(g) / k) ** 2 for x in g) / (k - 1)) for g in groups]
@@ -151,9 +217,9 @@ def test_kl_in_the_loss_is_kl_coef_times_k3_by_hand_and_leaves_the_reward(token_
     # the reward has no KL then: rlhf_reward is the score, non_score_reward 0
     rollout = rollout_of([[-1.0, -2.0], [-0.5, -9.0]], [[-1.5, -1.0], [-0.25, -1.0]], [[True, True], [True, False]], 1)
     scores = torch.tensor([1.0, 2.0])
-    rloo.compute_advantages(rollout, scores, rloo.Args(rloo_k=2, kl_coef=0.1, kl_in_loss=True,
-                                                       token_level_kl=token_level_kl))
-    assert rollout.rlhf_reward.tolist() == [1.0, 2.0] and rollout.non_score_reward.abs().sum() == 0
+    out = rloo.compute_advantages(rollout, scores, rloo.Args(rloo_k=2, kl_coef=0.1, kl_in_loss=True,
+                                                             token_level_kl=token_level_kl))
+    assert out.rlhf_reward.tolist() == [1.0, 2.0] and out.non_score_reward.abs().sum() == 0
     with pytest.raises(plumbing.ConfigError, match="--kl_in_loss .* kl_coef 0 there is no reference"):
         rloo.algorithm_checks(rloo.Args(kl_coef=0.0, kl_in_loss=True))
 

@@ -174,7 +174,7 @@ def test_the_hf_engine_samples_with_the_filters(assets):
     generator = torch.Generator().manual_seed(3)
     out = engine.generate({"queries": q, "query_mask": mask, "k": 2, "stop_token_id": 1, "pad_token_id": 0,
                            "rng_state": generator.get_state(),
-                           **rloo_multinode.sampling_request(0.7, rloo.SamplingFilters.of(args))})
+                           **rloo_multinode.sampling_request(rloo.SamplingSettings.of(args), args)})
     c = rloo.sample_in_chunks(engine.model, q, mask, 2, args, 1, 0, generator, NO_AUTOCAST)
     assert torch.equal(out["responses"], c.responses)
     trainer = rloo.forward_logprobs(engine.model, c, 0.7, True, filters=rloo.SamplingFilters.of(args))[0]

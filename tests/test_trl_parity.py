@@ -529,7 +529,7 @@ def test_mismatch_clipfrac_uses_the_losss_clip_range():
                            sampler_logprobs=torch.zeros(2, 1))
     for high, expected in ((0.2, 0.5), (0.28, 0.0)):
         args = rloo.Args(cliprange=0.2, epsilon_high=high)
-        metrics = plumbing.mismatch_metrics(rollout, args, rloo.importance_weights, args.cliprange, args.cliprange_high)
+        metrics = plumbing.mismatch_metrics(rollout, args.cliprange, args.cliprange_high)
         assert metrics["mismatch/clipfrac"] == expected
 
 
@@ -558,15 +558,15 @@ def test_mask_truncated_keeps_the_normalizer_and_the_baselines_as_trl_does():
     normalizer counts every completion, a masked completion's reward is its score, the others' are the plain run's,
     and without a KL penalty the advantages are the plain run's (tests/trl116_same_batch.py: against TRL's code)."""
     policy, history = train(2, mask=True)
-    rollout, stats = history[1]  # the second update's: the policy has moved from its reference
+    rollout, stats, values = history[1]  # the second update's: the policy has moved from its reference
     masked = ~rollout.in_loss
     assert masked.any() and not masked.all()
     assert stats["completions/masked_truncated"] == float(masked.sum())
     kl = ((rollout.logprobs - rollout.ref_logprobs) * rollout.response_mask).sum(1)  # (k*B,)
-    assert rollout.non_score_reward[masked].abs().sum() == 0 and kl[masked].abs().sum() > 0
-    torch.testing.assert_close(rollout.non_score_reward[~masked], -0.1 * kl[~masked])
-    (without_kl, _), = train(1, mask=True, kl_coef=0.0)[1]
-    (plain_without_kl, _), = train(1, kl_coef=0.0)[1]
+    assert values.non_score_reward[masked].abs().sum() == 0 and kl[masked].abs().sum() > 0
+    torch.testing.assert_close(values.non_score_reward[~masked], -0.1 * kl[~masked])
+    (_, _, without_kl), = train(1, mask=True, kl_coef=0.0)[1]
+    (_, _, plain_without_kl), = train(1, kl_coef=0.0)[1]
     torch.testing.assert_close(without_kl.advantages, plain_without_kl.advantages, rtol=0, atol=0)
 
 
@@ -600,9 +600,9 @@ def train(updates: int = UPDATES, mask: bool = False, in_loss_all: bool = False,
             torch.ones_like(has_stop) if in_loss_all else None
         scores = 10 * rloo.reward_model_scores(reward_model, c, True)  # (k*B,)
         torch.manual_seed(update)
-        stats = rloo.ppo_update(policy, optimizer, rollout, scores, args, sizes, True, NO_AUTOCAST, ref_policy,
-                                update * steps_per_update)
-        history.append((rollout, stats))
+        stats, values = rloo.ppo_update(policy, optimizer, rollout, scores, args, sizes, True, NO_AUTOCAST,
+                                        ref_policy, update * steps_per_update)
+        history.append((rollout, stats, values))
     train.ref_policy = ref_policy
     return policy, history
 
@@ -638,8 +638,8 @@ def test_the_active_setting_changes_training(plain, active):
     policy, history = train(**active)
     assert not same(weights(policy), plain[0])
     if "epsilon_high" in active:  # the clip acted in the plain run above 1 + cliprange, and not here
-        assert any(s["clip_ratio/high_mean"] > 0 for _, s in plain[1])
-        assert all(s["clip_ratio/high_mean"] == 0 for _, s in history)
+        assert any(s["clip_ratio/high_mean"] > 0 for _, s, _ in plain[1])
+        assert all(s["clip_ratio/high_mean"] == 0 for _, s, _ in history)
 
 
 def test_trdpo_mixes_the_reference_every_sync_steps_optimizer_steps(monkeypatch):
@@ -667,10 +667,10 @@ def test_trdpo_mixes_the_reference_every_sync_steps_optimizer_steps(monkeypatch)
 
 
 def test_non_score_reward_is_what_the_estimator_added_to_the_score(plain):
-    rollout, _ = plain[1][-1]  # the first update's policy is its reference
+    rollout, _, values = plain[1][-1]  # the first update's policy is its reference
     kl = (rollout.logprobs - rollout.ref_logprobs) * rollout.response_mask
-    torch.testing.assert_close(rollout.non_score_reward, -0.1 * kl.sum(1), rtol=0, atol=1e-6)
-    assert rollout.non_score_reward.abs().sum() > 0
+    torch.testing.assert_close(values.non_score_reward, -0.1 * kl.sum(1), rtol=0, atol=1e-6)
+    assert values.non_score_reward.abs().sum() > 0
 
 
 def test_warmup_ratio_rises_then_decays():

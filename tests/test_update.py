@@ -26,17 +26,37 @@ def check_reads_only_its_own_groups(args: rloo.Args) -> None:
     """compute_advantages (and so rloo.rloo_advantages, whatever it is now) of any whole prompt groups, in any order,
     gives what it gives them in the whole batch."""
     rollout, scores = random_rollout(k=args.rloo_k)
-    rloo.compute_advantages(rollout, scores, args)
+    out = rloo.compute_advantages(rollout, scores, args)
     num_prompts = rollout.queries.shape[0]
     for prompts in ([0], [4, 1], [2, 3, 0], [4, 3, 2, 1, 0]):
         prompts = torch.tensor(prompts)
         rows = rloo.completion_rows(prompts, num_prompts, args.rloo_k)  # (k*g,)
-        part = rollout.of_prompts(prompts)
-        rloo.compute_advantages(part, scores[rows], args)
-        whole = rollout.advantages[rows] if part.advantages.dim() == 1 else \
-            rollout.advantages[rows, :part.advantages.shape[1]]
+        part = rloo.compute_advantages(rollout.of_prompts(prompts), scores[rows], args)
+        whole = out.advantages[rows] if part.advantages.dim() == 1 else \
+            out.advantages[rows, :part.advantages.shape[1]]
         torch.testing.assert_close(part.advantages, whole, msg=f"prompts {prompts.tolist()}")
-        torch.testing.assert_close(part.rlhf_reward, rollout.rlhf_reward[rows])
+        torch.testing.assert_close(part.rlhf_reward, out.rlhf_reward[rows])
+
+
+@pytest.mark.parametrize("token_level_kl", [False, True])
+def test_the_first_updates_check_runs_compute_advantages_on_the_batch_itself(token_level_kl):
+    """rloo.advantages_apart, what the on-policy shortcut waits for: on the rollout with every field it carries,
+    stock compute_advantages gives each micro-batch of whole groups what it gives the whole batch; a statistic over
+    the batch (--normalize_advantage) does not, and the value is named. The run's random draws are left as they
+    were."""
+    rollout, scores = random_rollout(k=3)  # 5 prompts
+    args = rloo.Args(rloo_k=3, per_device_train_batch_size=3, gradient_accumulation_steps=5, num_ppo_epochs=1,
+                     kl_coef=0.3, token_level_kl=token_level_kl)
+    sizes, state, draws = rloo.compute_batch_sizes(args, 1), rloo.AlgorithmState.start(args), torch.get_rng_state()
+    assert rloo.logprobs_from_update(args, sizes, 0)  # the settings allow the shortcut
+    whole = rloo.compute_advantages(rollout, scores, args, state)
+    assert rloo.advantages_apart(rollout, scores, whole, args, sizes, state) is None
+    args = rloo.replace(args, normalize_advantage=True)
+    assert rloo.logprobs_from_update(args, sizes, 0)  # decided on the batch, not on the flags
+    whole = rloo.compute_advantages(rollout, scores, args, state)
+    why = rloo.advantages_apart(rollout, scores, whole, args, sizes, state)
+    assert why.startswith("gives advantages of a micro-batch's prompt groups ") and "away from the whole batch's" in why
+    assert torch.equal(torch.get_rng_state(), draws)
 
 
 @pytest.mark.parametrize("token_level_kl", [False, True])

@@ -67,8 +67,8 @@ def ours(b: dict, mask_truncated: bool, normalize: bool, kl_coef: float) -> torc
                            torch.ones(K * B, T, dtype=torch.long), b["response_mask"], b["logprobs"],
                            b["ref_logprobs"])
     rollout.in_loss = rloo.completions_in_loss(scores, b["has_stop"], args)
-    rloo.compute_advantages(rollout, scores, args)
-    return rollout.advantages
+    out = rloo.compute_advantages(rollout, scores, args)
+    return out.advantages
 
 
 def trls(b: dict, mask_truncated: bool, normalize: bool, kl_coef: float) -> torch.Tensor:
