@@ -55,6 +55,16 @@ def setup_distributed(timeout: float = 1800.0) -> Dist:
     return Dist(rank, local_rank, world_size, device)
 
 
+def for_training(policy, fsdp: bool, bf16: bool, offload: bool, device: torch.device):
+    """The policy as training calls it: sharded in place with --fsdp (shard_policy: `policy` is then the sharded
+    module), wrapped in DDP across ranks, or the policy itself in one process."""
+    if fsdp:
+        return shard_policy(policy, bf16, offload)
+    if dist.is_initialized():
+        return DDP(policy, device_ids=[device.index] if device.type == "cuda" else None)
+    return policy
+
+
 def shard_policy(policy, bf16: bool, offload: bool = False):
     """FSDP2 over all ranks: one unit per transformer block (the classes in the model's `_no_split_modules`), the
     embeddings and head in the root unit. fp32 master weights; bf16 compute with --bf16; gradients reduced in fp32

@@ -514,6 +514,19 @@ def round_down(x: float, digits: int = 3) -> float:
 MAX_UPDATES = 1_000_000  # a run's updates: a million at 0.1 s each is 28 hours of the fastest tiny run
 
 
+def run_length(args, epoch: int, per_update: int, steps_per_update: int) -> int:
+    """The run's updates: --max_steps optimizer steps (steps_per_update an update), else --total_episodes or
+    --num_train_epochs epochs of `epoch` completions (each prompt sampled k times: TRL 1.16's epoch), `per_update`
+    completions an update. None is refused: saving the input weights as a finished run would hide a tiny epoch."""
+    episodes = args.total_episodes or int(args.num_train_epochs * epoch)
+    num_updates = args.max_steps // steps_per_update if args.max_steps else math.ceil(episodes / per_update)
+    if num_updates < 1:
+        raise ConfigError(f"--num_train_epochs {args.num_train_epochs:g} of {epoch // args.rloo_k} prompts x "
+                          f"k={args.rloo_k} is {episodes} episodes: no update (one takes {per_update}); pass "
+                          f"--num_train_epochs {per_update / epoch:.3g} or more, or --total_episodes {per_update}")
+    return num_updates
+
+
 def update_intervals(args, steps_per_update: int, num_updates: int) -> tuple[int, int]:
     """--save_steps and --logging_steps in updates (in_updates); with --max_steps a checkpoint needs a whole update:
     --save_steps a multiple of its optimizer steps. A run of more than MAX_UPDATES updates is refused, naming the
