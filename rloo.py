@@ -884,6 +884,15 @@ def logprobs_from_update(args: Args, sizes: BatchSizes, lookahead: int) -> bool:
             and not (args.use_peft and args.lora_dropout))  # a training forward with dropout is not the sampler's
 
 
+@dataclass
+class OnPolicyShortcut(plumbing.FieldsState):
+    """The shortcut's verdict, a part of the checkpoint: a resume goes on with the run's own, not a check of another
+    batch (whose plain path would differ by rounding). Checked from the start where the settings rule it out."""
+
+    checked: bool  # by the first update, on its own batch (advantages_apart)
+    on: bool = False  # from the update after the check: the update's forward gives the log-probs and advantages
+
+
 @torch.no_grad()
 def collect_rollout(
     policy, ref_policy, completions: Completions, args: Args, share_prompt: bool, in_update: bool,
@@ -1460,13 +1469,14 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
                 sum_over_updates(functools.partial(learning_rate_at, num_updates=num_updates, args=args), num_updates)))
         rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, generators.sampling, autocast)
         # the update's forward may give the log-probs: checked on the first update's batch, which takes the plain path
-        shortcut, in_update, apart = logprobs_from_update(args, sizes, rollouts.lookahead), False, ""
+        shortcut, apart = OnPolicyShortcut(checked=not logprobs_from_update(args, sizes, rollouts.lookahead)), ""
         timer = plumbing.PhaseTimer(device)
         timer.count_tokens_of(policy, ref_policy, sources.model, getattr(rollouts, "sampler", None))
         checkpoints.restore(policy=policy, tokenizer=tokenizer,  # the run's stateful parts, one a line (HF, once)
             optimizer=optimizer,  # once (with FSDP: each rank its shard)
             reference=ref_policy,  # once, whenever its weights are no longer those it was loaded with
             algorithm_state=state,  # this and every part below: per rank, each rank's own
+            on_policy_shortcut=shortcut,  # the first update's verdict
             sampler=sampler,  # where the oldest batch not yet trained on was drawn (data_position)
             rollouts=rollouts if hasattr(rollouts, "state_dict") else None,  # the rollout source's own, if any
             generators=generators)  # restored last: as seeded, or the checkpoint's (nothing draws in between)
@@ -1515,7 +1525,7 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
                     completions, rollout_metrics = rollouts.take()  # (B, Tq) queries, (k*B, Tr) responses
                 prompt_batch = queued.pop(0)
                 with rollouts.behaviour_policy(policy) as behaviour:
-                    rollout = collect_rollout(behaviour, ref_policy, completions, args, share_prompt, in_update,
+                    rollout = collect_rollout(behaviour, ref_policy, completions, args, share_prompt, shortcut.on,
                                               autocast, timer)  # (k*B, Tr) log-probs
             has_stop = rollout.ended(stop_token_id)  # (k*B,)
 
@@ -1543,9 +1553,9 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
                     "log-prob": rollout.logprobs, "reference log-prob": rollout.ref_logprobs}, device)  # every rank
                 train_stats, trained_on = ppo_update(trained, optimizer, rollout, scores, args, sizes, share_prompt,
                                                      autocast, ref_policy, (update - 1) * steps_per_update, state)
-            if shortcut and not in_update:  # the first update: the shortcut from the next one on, or never
+            if not shortcut.checked:  # the first update: the shortcut from the next one on, or never
                 apart = advantages_apart(rollout, scores, trained_on, args, sizes, state)
-                in_update = shortcut = apart is None
+                shortcut.checked, shortcut.on = True, apart is None
             rollout_metrics.update(rollouts.policy_updated(update, policy))  # rloo_multinode.py: the engines' sync
 
             # log (this rank's metrics under TRL's names, then reduced over ranks), evaluate, save
