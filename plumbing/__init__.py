@@ -1,8 +1,9 @@
 """The plumbing of rloo.py: what a run needs and nobody changes when changing the algorithm, one module per concern.
 
-rloo.py holds the algorithm and calls this package as `plumbing.X` (every module's names are here); rloo_multinode.py
-imports both. Copying rloo.py means copying this folder with it. Nothing here imports rloo.py: what needs the run's
-objects (the algorithm's functions included) takes them as arguments. The rooms, each imported only by those below it:
+rloo.py holds the algorithm and calls this package as `plumbing.X` (X: what a module names in its `__all__`);
+rloo_multinode.py imports both. Copying rloo.py means copying this folder with it. Nothing here imports rloo.py: what
+needs the run's objects (the algorithm's functions included) takes them as arguments. The rooms, each imported only
+by those below it:
 
   startup       before torch loads: OpenMP's waiting threads sleep; Ctrl-C while a script imports is one line
   errors        ConfigError (bad input: one line, exit 2), Fault (a run stopped: one line, exit 4), reading an input,

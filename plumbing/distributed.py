@@ -20,6 +20,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .errors import ConfigError, Fault
 
+__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
+    "Dist", "setup_distributed", "for_training", "shard_policy", "transformer_blocks", "visiting", "is_fsdp_unit",
+    "gathered_for_rollout", "reshard", "unwrapped", "all_reduce", "global_mean_std", "note_phase", "wait_for_peers",
+    "barrier", "end_distributed", "seed_everything", "gradient_sync",
+]
+
 
 @dataclass(frozen=True)
 class Dist:

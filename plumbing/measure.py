@@ -12,6 +12,11 @@ import torch
 
 from .distributed import all_reduce, note_phase
 
+__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
+    "PhaseTimer", "minimum_forward_tokens", "forward_bytes_per_row", "rows_per_forward", "mismatch_metrics",
+    "sum_over_updates", "movement_note", "EvalTotals",
+]
+
 
 class PhaseTimer:
     """Per phase of an update (`with timer("generation"): ...`): wall-clock seconds (CUDA synchronized, so GPU time

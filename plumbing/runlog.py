@@ -18,6 +18,11 @@ from .distributed import all_reduce
 from .errors import ConfigError, Fault, describe, first_line, inert, not_a_file, reading
 from .faults import console_lost
 
+__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
+    "reduce_metrics", "completion_metrics", "read_metrics", "moving_average", "curve_panels", "plot_curves",
+    "CurvesSink", "MetricsWriteError", "run_notes", "RunLogger",
+]
+
 SUM_METRICS = ("val/num_eos_tokens", "completions/masked_truncated")
 
 

@@ -18,6 +18,11 @@ from .distributed import all_reduce, unwrapped, visiting
 from .errors import ConfigError, first_line
 from .kernels import attention_implementation, attention_windows
 
+__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
+    "why_not_shared", "probe_lengths", "sharing_probe", "sharing_error", "sharing_key", "shares_prompts",
+    "prompt_sharing", "rows_of", "put_rows_of", "apart_difference", "on_policy_notes",
+]
+
 
 def why_not_shared(model) -> Optional[str]:
     """Why prompt groups cannot be fed to the model as one row each (None: they can): its attention must take a 4D
