@@ -31,24 +31,14 @@ The activation constants were measured on GPT-NeoX (Pythia) blocks in fp32 with 
 within the tolerance docs/speed-and-memory.md states, on tiny models.
 """
 
-import os
-import signal
-
-if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: torch, transformers): one line, no
-    signal.signal(signal.SIGINT, lambda *_: (  # traceback; main's stop signals take over once it starts
-        os.write(2, b"plan_memory.py: SIGINT received while starting: stopped, nothing written\n"), os._exit(130)))
-
 import itertools
 import math
 from dataclasses import dataclass, replace
 
-# OpenMP threads that wait sleep, not spin (a value of the user's own kept): set before torch loads OpenMP, as rloo.py
-os.environ["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY") or "PASSIVE"
+import plumbing  # first, before torch loads: OMP_WAIT_POLICY, and Ctrl-C while importing (plumbing/startup.py)
+import torch
 
-import torch  # noqa: E402
-
-import plumbing  # noqa: E402
-import rloo  # noqa: E402
+import rloo
 
 GIB = 2**30
 LOGIT_BUFFERS = 3.2  # fp32 (N, Tr, V) buffers alive at the training peak: logits, softmax, backward

@@ -31,34 +31,18 @@ line) is in plumbing/, called as plumbing.X: copying this file means copying tha
 """
 
 import contextlib
-import os
-import signal
-
-if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: torch, transformers): one line (none where
-    def stopped_while_starting(*_):  # stderr is gone), no traceback; main's stop signals take over once it starts
-        with contextlib.suppress(OSError):
-            os.write(2, b"rloo.py: SIGINT received while starting: stopped, nothing written\n")
-        os._exit(130)
-    signal.signal(signal.SIGINT, stopped_while_starting)
-
 import copy
 import functools
 import math
+import os
 import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, ClassVar, Literal, Optional, Protocol
 
-# OpenMP's threads that wait for work sleep instead of spinning: the same results, and on a CPU that other work
-# shares, runs several times faster (docs/speed-and-memory.md). OpenMP reads it once, when torch loads it; a value
-# of the user's own is kept. rloo_multinode.py and plan_memory.py set it the same way before importing torch
-os.environ["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY") or "PASSIVE"
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-
-import plumbing  # noqa: E402
+import plumbing  # first, before torch loads: OMP_WAIT_POLICY, and Ctrl-C while importing (plumbing/startup.py)
+import torch
+import torch.distributed as dist
 
 
 @dataclass
@@ -209,24 +193,21 @@ def algorithm_rules(a: Args) -> list[tuple[str, object, bool, str]]:
     meaningless without any error later: sampling at temperature inf, a clip range of 0, a negative learning rate, a
     KL coefficient that float32 makes inf. The run's numbers are in plumbing.number_rules."""
     finite = plumbing.is_finite_number
+
+    def each(requirement: str, allowed: Callable[[object], bool], *names: str) -> list:  # one rule, several flags
+        return [(name, getattr(a, name), allowed(getattr(a, name)), requirement) for name in names]
+
     return [
-        ("temperature", a.temperature, finite(a.temperature) and a.temperature > 0, "a finite number > 0"),
-        ("cliprange", a.cliprange, finite(a.cliprange) and a.cliprange > 0, "a finite number > 0"),
+        *each("a finite number > 0", lambda x: finite(x) and x > 0, "temperature", "cliprange",
+              "vllm_importance_sampling_cap", "adam_epsilon", "reward_clip_range", "num_train_epochs"),
+        *each("a finite number >= 0", lambda x: finite(x) and x >= 0, "learning_rate", "weight_decay", "kl_coef"),
+        *each("at least 1, or None", lambda x: x is None or x >= 1, "generation_batch_size", "num_generations_eval",
+              "num_completions_to_print"),
         ("epsilon_high", a.epsilon_high, a.epsilon_high is None or (finite(a.epsilon_high) and a.epsilon_high > 0),
          "a finite number > 0, or None (then --cliprange)"),
-        ("vllm_importance_sampling_cap", a.vllm_importance_sampling_cap,
-         finite(a.vllm_importance_sampling_cap) and a.vllm_importance_sampling_cap > 0, "a finite number > 0"),
-        ("learning_rate", a.learning_rate, finite(a.learning_rate) and a.learning_rate >= 0, "a finite number >= 0"),
-        ("adam_epsilon", a.adam_epsilon, finite(a.adam_epsilon) and a.adam_epsilon > 0, "a finite number > 0"),
-        ("weight_decay", a.weight_decay, finite(a.weight_decay) and a.weight_decay >= 0, "a finite number >= 0"),
-        ("kl_coef", a.kl_coef, finite(a.kl_coef) and a.kl_coef >= 0, "a finite number >= 0"),
         ("max_grad_norm", a.max_grad_norm, not math.isnan(a.max_grad_norm), "a number (<= 0: no clipping)"),
-        ("reward_clip_range", a.reward_clip_range, finite(a.reward_clip_range) and a.reward_clip_range > 0,
-         "a finite number > 0"),
         ("missing_eos_penalty", a.missing_eos_penalty, a.missing_eos_penalty is None or finite(a.missing_eos_penalty),
          "a finite number or None"),
-        ("num_train_epochs", a.num_train_epochs, finite(a.num_train_epochs) and a.num_train_epochs > 0,
-         "a finite number > 0"),
         ("total_episodes", a.total_episodes, a.total_episodes is None or a.total_episodes >= 1, ">= 1, or None"),
         ("max_steps", a.max_steps, a.max_steps is None or a.max_steps >= 1, ">= 1, or None (then --total_episodes)"),
         ("warmup_ratio", a.warmup_ratio, finite(a.warmup_ratio) and 0 <= a.warmup_ratio <= 1, "in [0, 1]"),
@@ -240,12 +221,6 @@ def algorithm_rules(a: Args) -> list[tuple[str, object, bool, str]]:
         ("min_p", a.min_p, a.min_p is None or (finite(a.min_p) and 0 <= a.min_p <= 1), "in [0, 1], or None"),
         ("repetition_penalty", a.repetition_penalty, finite(a.repetition_penalty) and a.repetition_penalty > 0,
          "a finite number > 0 (1: none)"),
-        ("generation_batch_size", a.generation_batch_size, a.generation_batch_size is None or
-         a.generation_batch_size >= 1, "at least 1, or None"),
-        ("num_generations_eval", a.num_generations_eval, a.num_generations_eval is None or
-         a.num_generations_eval >= 1, "at least 1, or None"),
-        ("num_completions_to_print", a.num_completions_to_print, a.num_completions_to_print is None or
-         a.num_completions_to_print >= 1, "at least 1, or None"),
     ]
 
 
@@ -909,6 +884,15 @@ def logprobs_from_update(args: Args, sizes: BatchSizes, lookahead: int) -> bool:
             and not (args.use_peft and args.lora_dropout))  # a training forward with dropout is not the sampler's
 
 
+@dataclass
+class OnPolicyShortcut(plumbing.FieldsState):
+    """The shortcut's verdict, a part of the checkpoint: a resume goes on with the run's own, not a check of another
+    batch (whose plain path would differ by rounding). Checked from the start where the settings rule it out."""
+
+    checked: bool  # by the first update, on its own batch (advantages_apart)
+    on: bool = False  # from the update after the check: the update's forward gives the log-probs and advantages
+
+
 @torch.no_grad()
 def collect_rollout(
     policy, ref_policy, completions: Completions, args: Args, share_prompt: bool, in_update: bool,
@@ -1382,7 +1366,7 @@ def evaluate(
     settings) of up to eval_max_prompts test prompts, spread over the ranks."""
     k = args.num_generations_eval or 1
     indices = list(range(dist_info.rank, min(len(eval_dataset), args.eval_max_prompts), dist_info.world_size))
-    total = torch.zeros(5, dtype=torch.float64, device=dist_info.device)  # score sum, scored, length sum, stops, count
+    totals = plumbing.EvalTotals(dist_info.device)  # over every rank's completions
     chunk = min(plumbing.rows_per_forward(args, policy, "generation", dist_info.device, k * len(indices), k),
                 plumbing.rows_per_forward(args, sources.model, "scoring", dist_info.device, k * len(indices), k))
     prompts_per_chunk = max(chunk // k, 1)
@@ -1398,14 +1382,8 @@ def evaluate(
                                                  filters=SamplingFilters.of(args))  # (k*g, Tr), (k, g) layout
             scores, _ = score_completions(sources, completions, examples, args.prompt_column, tokenizer, stop_token_id,
                                           k * prompts_per_chunk, autocast)  # (k*g,)
-            total += torch.tensor([scores.nansum().item(), (~scores.isnan()).sum().item(),  # NaN: no source scored it
-                                   completions.response_mask.sum().item(),
-                                   completions.ended(stop_token_id).sum().item(), len(scores)],
-                                  dtype=torch.float64, device=dist_info.device)
-    score_sum, scored, length_sum, stops, count = plumbing.all_reduce(total).tolist()
-    count = max(count, 1.0)
-    return {"eval/scores": score_sum / max(scored, 1.0), "eval/mean_length": length_sum / count,
-            "eval/eos_frac": stops / count}
+            totals.add(scores, completions.response_mask, completions.ended(stop_token_id))
+    return totals.metrics()  # eval/scores, eval/mean_length, eval/eos_frac
 
 
 # ===================================================================== main
@@ -1456,14 +1434,7 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
         plumbing.check_reward_function_arguments(reward_functions, [
             (args.dataset_name, dataset), (args.dataset_test_split, eval_dataset)], args.prompt_column)
         steps_per_update = args.num_ppo_epochs * sizes.minibatches  # optimizer steps
-        epoch = len(dataset) * args.rloo_k  # completions: each prompt sampled k times (TRL 1.16's epoch)
-        episodes = args.total_episodes or int(args.num_train_epochs * epoch)
-        num_updates = args.max_steps // steps_per_update if args.max_steps else math.ceil(episodes / sizes.all_ranks)
-        if num_updates < 1:  # a tiny --num_train_epochs: saving the input weights as a finished run would hide it
-            raise plumbing.ConfigError(
-                f"--num_train_epochs {args.num_train_epochs:g} of {len(dataset)} prompts x k={args.rloo_k} is "
-                f"{episodes} episodes: no update (one takes {sizes.all_ranks}); pass --num_train_epochs "
-                f"{sizes.all_ranks / epoch:.3g} or more, or --total_episodes {sizes.all_ranks}")
+        num_updates = plumbing.run_length(args, len(dataset) * args.rloo_k, sizes.all_ranks, steps_per_update)
         save_every, log_every = plumbing.update_intervals(args, steps_per_update, num_updates)  # in updates
         checkpoints.check_continues(num_updates, sizes.all_ranks)
         reference = "" if args.kl_coef == 0 else " and its reference" + (" (adapters off)" if args.use_peft else "")
@@ -1472,26 +1443,14 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
         with plumbing.startup_step("loaded the reward model" if args.reward_model_path else "set up the reward "
                                    "functions", master):
             sources = plumbing.load_reward_sources(args, tokenizer, reward_functions, device)
-        # each prompt computed once for its k completions, in every phase, where the model can take it exactly
-        with plumbing.startup_step("start-up check of prompt sharing (each prompt computed once for its k "
-                                   "completions, checked against the plain path)", master):
-            probe = Completions(**plumbing.sharing_probe(dataset[0][plumbing.PROMPT_IDS], *plumbing.probe_lengths(
-                args.max_prompt_length, args.response_length, policy, sources.model), device))
-            notes, checked = [], {}  # notes printed once the run starts; checked: one check where both models agree
-            share_prompt = plumbing.shares_prompts(policy, "policy", args.share_prompt, probe, lambda c, share:
-                                                   forward_logprobs(policy, c, 1.0, share)[0][c.response_mask], notes,
-                                                   checked)
-            with plumbing.visiting(sources.model, device):  # --offload: a frozen model's passes are on the GPU
-                sources.share_prompt = sources.model is not None and sources.model_tokenizer is None and \
-                    plumbing.shares_prompts(sources.model, "reward model", args.share_prompt, probe, lambda c, share:
-                                            reward_model_scores(sources.model, c, share), notes, checked)
+        # each prompt computed once for its k completions, in every phase, where the model can take it exactly;
+        # notes: printed once the run starts
+        share_prompt, notes = plumbing.prompt_sharing(
+            args, dataset[0][plumbing.PROMPT_IDS], policy, sources, device, master, Completions,
+            lambda c, share: forward_logprobs(policy, c, 1.0, share)[0][c.response_mask], reward_model_scores)
 
-        if args.fsdp:
-            trained = plumbing.shard_policy(policy, args.bf16, args.offload)  # in place: policy is the sharded module
-        elif dist.is_initialized():
-            trained = DDP(policy, device_ids=[device.index] if device.type == "cuda" else None)
-        else:
-            trained = policy  # the policy as training calls it; `policy` samples, scores log-probs and is saved
+        # the policy as training calls it (FSDP2 in place, DDP, or itself); `policy` samples, scores and is saved
+        trained = plumbing.for_training(policy, args.fsdp, args.bf16, args.offload, device)
         trainable = [p for p in policy.parameters() if p.requires_grad]  # all, or with --use_peft the adapters
         optimizer = torch.optim.AdamW(plumbing.weight_decay_groups(policy, trainable, args.weight_decay),
                                       lr=args.learning_rate, eps=args.adam_epsilon,
@@ -1503,28 +1462,21 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
         logger = plumbing.RunLogger(args, run_name, num_updates, checkpoints.start_update, checkpoints.wandb_run_id,
                                     checkpoints.run_id, log_every) if master else None
         checkpoints.wandb_run_id = logger and logger.wandb_run_id  # saved with each checkpoint, for a resume
-        if logger is not None:
-            if args.use_peft:
-                notes.append(f"LoRA: {sum(p.numel() for p in trainable):,} trainable parameters of "
-                             f"{sum(p.numel() for p in policy.parameters()):,}; adapted modules "
-                             f"{sorted(policy.peft_config['default'].target_modules)}")
-            notes.append(f"{run_name}: {num_updates} updates x {sizes.all_ranks} completions ({sizes.prompts} prompts "
-                         f"x k={args.rloo_k} per rank x {dist_info.world_size} ranks); an epoch: {len(dataset)} "
-                         f"prompts x k={args.rloo_k} = {epoch} completions = {epoch / sizes.all_ranks:.3g} updates; "
-                         f"reward sources {sources.names}")  # the prompts' counts: the start-up line that loaded them
-            notes += plumbing.movement_note(trainable, args, steps_per_update * plumbing.sum_over_updates(
-                functools.partial(learning_rate_at, num_updates=num_updates, args=args), num_updates))
-            for note in notes:
-                logger.say(note)
+        if logger is not None:  # the run's shape and its learning rates' reach, after the checks' notes
+            logger.print_notes(notes + plumbing.run_notes(
+                run_name, num_updates, sizes.prompts, args.rloo_k, dist_info.world_size, len(dataset), sources.names,
+                policy, trainable, args) + plumbing.movement_note(trainable, args, steps_per_update * plumbing.
+                sum_over_updates(functools.partial(learning_rate_at, num_updates=num_updates, args=args), num_updates)))
         rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, generators.sampling, autocast)
         # the update's forward may give the log-probs: checked on the first update's batch, which takes the plain path
-        shortcut, in_update, apart = logprobs_from_update(args, sizes, rollouts.lookahead), False, ""
+        shortcut, apart = OnPolicyShortcut(checked=not logprobs_from_update(args, sizes, rollouts.lookahead)), ""
         timer = plumbing.PhaseTimer(device)
         timer.count_tokens_of(policy, ref_policy, sources.model, getattr(rollouts, "sampler", None))
         checkpoints.restore(policy=policy, tokenizer=tokenizer,  # the run's stateful parts, one a line (HF, once)
             optimizer=optimizer,  # once (with FSDP: each rank its shard)
             reference=ref_policy,  # once, whenever its weights are no longer those it was loaded with
             algorithm_state=state,  # this and every part below: per rank, each rank's own
+            on_policy_shortcut=shortcut,  # the first update's verdict
             sampler=sampler,  # where the oldest batch not yet trained on was drawn (data_position)
             rollouts=rollouts if hasattr(rollouts, "state_dict") else None,  # the rollout source's own, if any
             generators=generators)  # restored last: as seeded, or the checkpoint's (nothing draws in between)
@@ -1545,7 +1497,7 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
 
     stop_signal.training = True
     try:
-        update = checkpoints.start_update  # what a fault during the initial evaluation reports: nothing new
+        update, restart = checkpoints.start_update, {}  # what a fault in the initial evaluation reports: nothing new
         if eval_at and update == 0:  # the initial policy: where the curves start (not again on resume)
             evaluation(0, 0)
         for update in range(checkpoints.start_update + 1, num_updates + 1):
@@ -1569,16 +1521,11 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
                     sampling = SamplingSettings.of(args)
                     rollouts.submit(queries, query_mask, sampling)  # k completions each, (k, B) layout
                     queued.append(PromptBatch(examples, sampler_state))
-                try:
-                    with timer("generation"):
-                        completions, rollout_metrics = rollouts.take()  # (B, Tq) queries, (k*B, Tr) responses
-                except plumbing.RolloutSourceError as e:  # the last update's state is intact: keep it, then stop
-                    path = checkpoints.save(update - 1, sampler=data_position())
-                    raise plumbing.RolloutSourceError(f"{e}; checkpoint of update {update - 1} saved to {path}") \
-                        from None
+                with checkpoints.kept_if_rollouts_fail(update - 1, data_position), timer("generation"):
+                    completions, rollout_metrics = rollouts.take()  # (B, Tq) queries, (k*B, Tr) responses
                 prompt_batch = queued.pop(0)
                 with rollouts.behaviour_policy(policy) as behaviour:
-                    rollout = collect_rollout(behaviour, ref_policy, completions, args, share_prompt, in_update,
+                    rollout = collect_rollout(behaviour, ref_policy, completions, args, share_prompt, shortcut.on,
                                               autocast, timer)  # (k*B, Tr) log-probs
             has_stop = rollout.ended(stop_token_id)  # (k*B,)
 
@@ -1606,9 +1553,9 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
                     "log-prob": rollout.logprobs, "reference log-prob": rollout.ref_logprobs}, device)  # every rank
                 train_stats, trained_on = ppo_update(trained, optimizer, rollout, scores, args, sizes, share_prompt,
                                                      autocast, ref_policy, (update - 1) * steps_per_update, state)
-            if shortcut and not in_update:  # the first update: the shortcut from the next one on, or never
+            if not shortcut.checked:  # the first update: the shortcut from the next one on, or never
                 apart = advantages_apart(rollout, scores, trained_on, args, sizes, state)
-                in_update = shortcut = apart is None
+                shortcut.checked, shortcut.on = True, apart is None
             rollout_metrics.update(rollouts.policy_updated(update, policy))  # rloo_multinode.py: the engines' sync
 
             # log (this rank's metrics under TRL's names, then reduced over ranks), evaluate, save
@@ -1641,9 +1588,9 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
                            episode=episode)
             if logger is not None:
                 logger.log(update, metrics)
-                for note in plumbing.on_policy_notes(update, apart, metrics, args.cliprange, args.cliprange_high) \
-                        if update == checkpoints.start_update + 1 else []:  # what the run's first update showed
-                    logger.console.print(note, highlight=False, soft_wrap=True)
+                if update == checkpoints.start_update + 1:  # what the run's first update showed
+                    logger.print_notes(plumbing.on_policy_notes(update, apart, metrics, args.cliprange,
+                                                                args.cliprange_high))
                 if args.log_completions or (sample_every and (update - 1) % sample_every == 0):
                     logger.sample_table([(tokenizer.decode(rollout.queries[i % sizes.prompts][
                         rollout.query_mask[i % sizes.prompts]]), tokenizer.decode(rollout.responses[i][
@@ -1658,22 +1605,9 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
                                             f"after update {update}")
                 break
         else:  # the final policy, its tokenizer and args.json: their presence in output_dir marks a finished run
-            checkpoints.save_final(policy, num_updates)
-            if args.merge_lora and master:
-                plumbing.save_merged_policy(args, policy.config, tokenizer)
-            if logger is not None:
-                checkpoints.mark_finished()
-                logger.say(f"saved the policy and tokenizer to {args.output_dir}")
-    except plumbing.RewardFunctionError as e:  # every rank at once: keep the last finished update, then stop
-        where = checkpoints.keep(update, sampler=data_position()) if e.after_training else \
-            checkpoints.keep(update - 1, **restart)
-        if e.signal_name is None:
-            raise plumbing.RewardFunctionError(f"{e}; {where}", e.announce) from None
-        checkpoints.stopped(logger, f"{e.signal_name} received while a reward function ran: stopped at once")
-    except plumbing.MetricsWriteError as e:  # rank 0's alone: a checkpoint needs every rank
-        where = "no checkpoint: it needs every rank (torchrun stops the others)" if dist.is_initialized() else \
-            checkpoints.keep(update, sampler=data_position())
-        raise plumbing.MetricsWriteError(f"{e} after update {update}; {where}") from None
+            checkpoints.finish(policy, num_updates, logger)
+    except (plumbing.RewardFunctionError, plumbing.MetricsWriteError) as e:  # keep the last finished update, stop
+        checkpoints.fault(e, update, dict(sampler=data_position()), restart, logger)
     finally:  # an error on one rank alone must not wait for the others: torchrun stops them
         rollouts.close()
         if logger is not None:

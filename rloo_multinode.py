@@ -56,12 +56,7 @@ import contextlib
 import os
 import signal
 
-if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: torch, transformers): one line (none where
-    def stopped_while_starting(*_):  # stderr is gone), no traceback; main's stop signals take over once it starts
-        with contextlib.suppress(OSError):
-            os.write(2, b"rloo_multinode.py: SIGINT received while starting: stopped, nothing written\n")
-        os._exit(130)
-    signal.signal(signal.SIGINT, stopped_while_starting)
+import plumbing  # first, before torch loads: OMP_WAIT_POLICY, and Ctrl-C while importing (plumbing/startup.py)
 
 import base64
 import datetime
@@ -86,18 +81,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import ClassVar, Literal, NamedTuple, Optional, Protocol
 
-# OpenMP threads that wait sleep, not spin (a value of the user's own kept): set before torch loads OpenMP, as rloo.py
-os.environ["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY") or "PASSIVE"
+import safetensors
+import safetensors.torch
+import torch
+import torch.distributed as dist
+import tyro
+from torch.distributed.tensor import DTensor
 
-import safetensors  # noqa: E402
-import safetensors.torch  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import tyro  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-
-import plumbing  # noqa: E402
-import rloo  # noqa: E402
+import rloo
 
 VLLM_VERSION = "0.32"  # the vLLM release series whose API the vLLM engines use; requirements-vllm.txt pins it
 API_KEY_VARIABLE = "VLLM_API_KEY"  # the trainer sends it to `vllm serve --api-key` (which reads the same variable)

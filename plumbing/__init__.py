@@ -1,9 +1,11 @@
 """The plumbing of rloo.py: what a run needs and nobody changes when changing the algorithm, one module per concern.
 
-rloo.py holds the algorithm and calls this package as `plumbing.X` (every module's names are here); rloo_multinode.py
-imports both. Copying rloo.py means copying this folder with it. Nothing here imports rloo.py: what needs the run's
-objects (the algorithm's functions included) takes them as arguments. The rooms, each imported only by those below it:
+rloo.py holds the algorithm and calls this package as `plumbing.X` (X: what a module names in its `__all__`);
+rloo_multinode.py imports both. Copying rloo.py means copying this folder with it. Nothing here imports rloo.py: what
+needs the run's objects (the algorithm's functions included) takes them as arguments. The rooms, each imported only
+by those below it:
 
+  startup       before torch loads: OpenMP's waiting threads sleep; Ctrl-C while a script imports is one line
   errors        ConfigError (bad input: one line, exit 2), Fault (a run stopped: one line, exit 4), reading an input,
                 outside words made inert
   flags         InputArgs (models, data) and RunArgs (the run's flags), which rloo.py's Args extends; their checks
@@ -24,6 +26,7 @@ objects (the algorithm's functions included) takes them as arguments. The rooms,
   cli           the command line, TRL's names, exit statuses; run_tool, every helper script's boundary
 """
 
+from .startup import *  # noqa: F401,F403  first: before anything imports torch
 from .errors import *  # noqa: F401,F403
 from .flags import *  # noqa: F401,F403
 from .distributed import *  # noqa: F401,F403

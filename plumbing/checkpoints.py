@@ -28,9 +28,11 @@ import torch
 import torch.distributed as dist
 
 from .distributed import barrier, is_fsdp_unit, note_phase, rank0_view, seed_everything, unwrapped
-from .errors import (WRITE_ERRORS, ConfigError, Fault, describe, first_line, reading, without_credentials,
-                     write_own)
-from .models import AdaptersOff, load_pretrained, weights_readable_as_the_rest
+from .errors import (WRITE_ERRORS, ConfigError, Fault, RewardFunctionError, describe, first_line, reading,
+                     without_credentials, write_own)
+from .faults import RolloutSourceError
+from .runlog import MetricsWriteError
+from .models import AdaptersOff, load_pretrained, save_merged_policy, weights_readable_as_the_rest
 from .outputdir import (
     ABANDONED,
     CHECKPOINTS,
@@ -48,6 +50,14 @@ from .outputdir import (
     steps_to_prune,
     take_output_dir,
 )
+
+__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
+    "rng_state", "set_rng_state", "Generators", "load_safely", "save_policy", "read_shards", "file_digests",
+    "model_identity", "run_inputs", "input_identities", "check_same_inputs", "unsafe_metadata", "unsafe_shards",
+    "unreadable_weights", "checkpoint_problem", "save_checkpoint", "save_final_policy", "RANK_FILE",
+    "TRAINER_STATE_KEYS", "read_checkpoint", "resume_checkpoint", "check_resumable", "FieldsState", "fingerprint",
+    "reference_tensors", "Checkpointer",
+]
 
 
 def rng_state(sampling: torch.Generator) -> dict:
@@ -953,6 +963,41 @@ class Checkpointer:
         path = Path(self.args.output_dir) / CHECKPOINTS / f"step_{finished}"  # saved already when save_steps divides
         path = path if path.is_dir() else self.save(finished, **states)
         return f"checkpoint of update {finished} saved to {path}; fix it, then continue with --resume"
+
+    @contextlib.contextmanager
+    def kept_if_rollouts_fail(self, finished: int, data_position: Callable[[], dict]):
+        """Around taking a batch from the rollout source: where it fails (RolloutSourceError), the state after update
+        `finished` is intact: saved (the sampler at data_position()), and the error says where, then stops the run."""
+        try:
+            yield
+        except RolloutSourceError as e:
+            path = self.save(finished, sampler=data_position())
+            raise RolloutSourceError(f"{e}; checkpoint of update {finished} saved to {path}") from None
+
+    def fault(self, e: Fault, update: int, after: dict, restart: dict, logger) -> None:
+        """A fault during `update`: a reward function's (every rank at once) keeps the last finished update (keep:
+        this one's with `after`'s states when it came after training, else the one before with `restart`'s, the
+        states at this update's start) and raises it again saying where, or, when a stop signal came while a reward
+        function ran, stops as a signal does; metrics rank 0 could not write (MetricsWriteError) keep this update
+        in one process (a checkpoint needs every rank: torchrun stops the others)."""
+        if isinstance(e, RewardFunctionError):
+            where = self.keep(update, **after) if e.after_training else self.keep(update - 1, **restart)
+            if e.signal_name is None:
+                raise RewardFunctionError(f"{e}; {where}", e.announce) from None
+            return self.stopped(logger, f"{e.signal_name} received while a reward function ran: stopped at once")
+        where = "no checkpoint: it needs every rank (torchrun stops the others)" if dist.is_initialized() else \
+            self.keep(update, **after)
+        raise MetricsWriteError(f"{e} after update {update}; {where}") from None
+
+    def finish(self, policy, num_updates: int, logger) -> None:
+        """The end of a finished run: the final policy and tokenizer (save_final), the merged model with
+        --merge_lora, then on rank 0 (the one with a logger), last, args.json: their presence marks a finished run."""
+        self.save_final(policy, num_updates)
+        if self.args.merge_lora and self.dist_info.master:
+            save_merged_policy(self.args, policy.config, self.parts["tokenizer"])
+        if logger is not None:
+            self.mark_finished()
+            logger.say(f"saved the policy and tokenizer to {self.args.output_dir}")
 
     def save_final(self, policy, num_updates: int) -> None:
         """The finished run's policy and tokenizer in output_dir, stored once with the final checkpoint's (the one

@@ -31,6 +31,12 @@ from .faults import NonFiniteError, StartupInterrupted, StopSignal, console_surv
 from .flags import PATH_FLAGS, RunArgs
 from .rewards import end_processes_left
 
+__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
+    "TRL_NAMES", "TRL116", "GRPO_ONLY", "NOTHING", "TRL_DEFAULTS", "algorithm_defaults", "TRL_FIXED", "TRL_REFUSED",
+    "TRL_LAUNCHER", "trl_default_given", "trl_arguments", "config_arguments", "help_groups", "parse_args", "run_script",
+    "run_tool", "write_generated",
+]
+
 # TRL >= 0.22's names for flags of the same meaning, tyro aliases of this project's (README, "Flags": both TRL
 # generations' names side by side)
 TRL_NAMES = {"num_generations": "rloo_k", "beta": "kl_coef", "epsilon": "cliprange", "num_iterations": "num_ppo_epochs",

@@ -18,6 +18,12 @@ import torch
 from .errors import ConfigError, describe, first_line, inert, not_a_file, reading
 from .faults import interruptible
 
+__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
+    "PROMPT_IDS", "pad_sequences", "load_split", "has_splits", "check_prompt_values", "describe_dropped",
+    "describe_prompt_lengths", "PROMPT_CHARS_PER_TOKEN", "cut_prompt", "startup_step", "prepare_prompts",
+    "load_prompts", "prompt_token_ids", "PromptSampler",
+]
+
 PROMPT_IDS = "prompt_input_ids"  # the tokenized prompt column this script adds to the dataset
 
 

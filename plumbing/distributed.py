@@ -20,6 +20,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .errors import ConfigError, Fault
 
+__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
+    "Dist", "setup_distributed", "for_training", "shard_policy", "transformer_blocks", "visiting", "is_fsdp_unit",
+    "gathered_for_rollout", "reshard", "unwrapped", "all_reduce", "global_mean_std", "note_phase", "wait_for_peers",
+    "barrier", "end_distributed", "seed_everything", "gradient_sync",
+]
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -53,6 +59,16 @@ def setup_distributed(timeout: float = 1800.0) -> Dist:
     dist.init_process_group(backend="cuda:nccl,cpu:gloo" if backend == "nccl" else backend,
                             timeout=datetime.timedelta(seconds=timeout))
     return Dist(rank, local_rank, world_size, device)
+
+
+def for_training(policy, fsdp: bool, bf16: bool, offload: bool, device: torch.device):
+    """The policy as training calls it: sharded in place with --fsdp (shard_policy: `policy` is then the sharded
+    module), wrapped in DDP across ranks, or the policy itself in one process."""
+    if fsdp:
+        return shard_policy(policy, bf16, offload)
+    if dist.is_initialized():
+        return DDP(policy, device_ids=[device.index] if device.type == "cuda" else None)
+    return policy
 
 
 def shard_policy(policy, bf16: bool, offload: bool = False):

@@ -16,6 +16,11 @@ from typing import Optional
 
 import torch
 
+__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
+    "ConfigError", "Fault", "inert", "describe", "not_a_file", "reading", "first_line", "RewardFunctionError",
+    "without_credentials", "new_file", "write_own", "open_own", "shown",
+]
+
 
 class ConfigError(Exception):
     """Bad input the user can fix; reported as one line and exit status 2."""

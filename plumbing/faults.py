@@ -19,6 +19,11 @@ import torch.distributed as dist
 from .distributed import all_reduce
 from .errors import RewardFunctionError, describe, new_file
 
+__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
+    "RolloutSourceError", "NonFiniteError", "check_finite", "batch_kept_if_nonfinite", "StartupInterrupted",
+    "StopSignal", "signals_held", "in_a_thread", "interruptible", "ConsoleStream", "console_survives",
+]
+
 
 class RolloutSourceError(Exception):
     """The completions of an update cannot be had (an engine died): the run checkpoints and stops."""

@@ -19,6 +19,12 @@ import tyro
 
 from .errors import FLOAT32_MAX, ConfigError, inert
 
+__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
+    "InputArgs", "RunArgs", "is_finite_number", "number_rules", "PATH_FLAGS", "missing_local_path", "resolve_paths",
+    "check_launch_environment", "validate_args", "in_updates", "MAX_UPDATES", "run_length", "update_intervals",
+    "evaluation_updates", "quantization_config", "policy_options",
+]
+
 
 @dataclass
 class InputArgs:
@@ -512,6 +518,19 @@ def round_down(x: float, digits: int = 3) -> float:
 
 
 MAX_UPDATES = 1_000_000  # a run's updates: a million at 0.1 s each is 28 hours of the fastest tiny run
+
+
+def run_length(args, epoch: int, per_update: int, steps_per_update: int) -> int:
+    """The run's updates: --max_steps optimizer steps (steps_per_update an update), else --total_episodes or
+    --num_train_epochs epochs of `epoch` completions (each prompt sampled k times: TRL 1.16's epoch), `per_update`
+    completions an update. None is refused: saving the input weights as a finished run would hide a tiny epoch."""
+    episodes = args.total_episodes or int(args.num_train_epochs * epoch)
+    num_updates = args.max_steps // steps_per_update if args.max_steps else math.ceil(episodes / per_update)
+    if num_updates < 1:
+        raise ConfigError(f"--num_train_epochs {args.num_train_epochs:g} of {epoch // args.rloo_k} prompts x "
+                          f"k={args.rloo_k} is {episodes} episodes: no update (one takes {per_update}); pass "
+                          f"--num_train_epochs {per_update / epoch:.3g} or more, or --total_episodes {per_update}")
+    return num_updates
 
 
 def update_intervals(args, steps_per_update: int, num_updates: int) -> tuple[int, int]:

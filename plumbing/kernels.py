@@ -10,6 +10,11 @@ import torch
 
 from .distributed import unwrapped
 
+__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
+    "choose_kernels", "preallocated_cache", "StaticDecoder", "accepts_logits_to_keep", "logits_at",
+    "attention_implementation", "attention_windows", "SelectiveLogSoftmax",
+]
+
 
 def choose_kernels() -> None:
     """TF32 matmuls, and no cuDNN attention: it builds an execution plan for every new sequence length, and a

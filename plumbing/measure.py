@@ -10,7 +10,12 @@ from typing import Callable, Optional
 
 import torch
 
-from .distributed import note_phase
+from .distributed import all_reduce, note_phase
+
+__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
+    "PhaseTimer", "minimum_forward_tokens", "forward_bytes_per_row", "rows_per_forward", "mismatch_metrics",
+    "sum_over_updates", "movement_note", "EvalTotals",
+]
 
 
 class PhaseTimer:
@@ -186,3 +191,22 @@ def movement_note(trainable: list, args, learning_rate_sum: float) -> list[str]:
     total = f"the learning rates of the run's optimizer steps sum to {learning_rate_sum:.3g}"
     return [f"{total}: AdamW moves each weight by at most about that much, {learning_rate_sum / rms:.1%} of the "
             f"policy's weight RMS ({rms:.3g})" if rms > 0 else total]
+
+
+class EvalTotals:
+    """The evaluation's sums, reduced over every rank's completions by metrics(): eval/scores (the mean of the scored
+    ones; NaN is a completion no source scored), eval/mean_length (tokens) and eval/eos_frac (those that stopped)."""
+
+    def __init__(self, device: torch.device):
+        self.total = torch.zeros(5, dtype=torch.float64, device=device)  # score sum, scored, length sum, stops, count
+
+    def add(self, scores: torch.Tensor, response_mask: torch.Tensor, ended: torch.Tensor) -> None:
+        """A chunk's scores (N,), response mask (N, Tr) and whether each stopped (N,)."""
+        self.total += torch.tensor([scores.nansum().item(), (~scores.isnan()).sum().item(), response_mask.sum().item(),
+                                    ended.sum().item(), len(scores)], dtype=torch.float64, device=self.total.device)
+
+    def metrics(self) -> dict[str, float]:  # a collective
+        score_sum, scored, length_sum, stops, count = all_reduce(self.total).tolist()
+        count = max(count, 1.0)
+        return {"eval/scores": score_sum / max(scored, 1.0), "eval/mean_length": length_sum / count,
+                "eval/eos_frac": stops / count}

@@ -29,6 +29,12 @@ from .errors import FLOAT32_MAX, ConfigError, RewardFunctionError, describe, fir
 from .faults import StopSignal, in_a_thread, stop_signals_at_once
 from .models import disable_dropout, has_tokenizer, load_reward_model, load_tokenizer, same_vocabulary
 
+__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
+    "RewardSources", "load_reward_sources", "TIMER_SIGNALS", "RUN_SETTINGS", "user_code", "load_reward_functions",
+    "check_reward_function_arguments", "call_reward_function", "reward_faults", "said_if_unscored", "retokenize",
+    "prompt_values",
+]
+
 
 @dataclass
 class RewardSources:

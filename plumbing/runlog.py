@@ -19,6 +19,11 @@ from .errors import (ConfigError, Fault, describe, first_line, inert, new_file, 
                      shown, without_credentials)
 from .faults import console_lost
 
+__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
+    "reduce_metrics", "completion_metrics", "read_metrics", "moving_average", "curve_panels", "plot_curves",
+    "CurvesSink", "MetricsWriteError", "run_notes", "RunLogger", "PNG_WRITER",
+]
+
 SUM_METRICS = ("val/num_eos_tokens", "completions/masked_truncated")
 
 
@@ -226,6 +231,19 @@ class MetricsWriteError(Fault):
     """metrics.jsonl could not be written (a full disk, a quota): the run stops, with a checkpoint where it can."""
 
 
+def run_notes(run_name: str, num_updates: int, prompts: int, k: int, world_size: int, dataset_prompts: int,
+              source_names, policy, trainable: list, args) -> list[str]:
+    """Start-up lines: with --use_peft the adapters' size, then the run's shape: its updates of `prompts` x k
+    completions per rank, an epoch's prompts (their counts: the start-up line that loaded them) and reward sources."""
+    per_update, epoch = prompts * k * world_size, dataset_prompts * k
+    lora = [f"LoRA: {sum(p.numel() for p in trainable):,} trainable parameters of "
+            f"{sum(p.numel() for p in policy.parameters()):,}; adapted modules "
+            f"{sorted(policy.peft_config['default'].target_modules)}"] if args.use_peft else []
+    return lora + [f"{run_name}: {num_updates} updates x {per_update} completions ({prompts} prompts x k={k} per rank "
+                   f"x {world_size} ranks); an epoch: {dataset_prompts} prompts x k={k} = {epoch} completions = "
+                   f"{epoch / per_update:.3g} updates; reward sources {source_names}"]
+
+
 class RunLogger:
     """Rank 0's outputs: a compact line per update, metrics.jsonl (appended), wandb, TensorBoard, a progress bar,
     tables."""
@@ -342,6 +360,11 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log({"samples": self.wandb.Table(columns=["query", "response", "score"],
                                                         data=[list(r) for r in rows])}, step=episode)
+
+    def print_notes(self, notes: list[str]) -> None:
+        """Start-up notes and what the first update showed: a line each, as written (no markup, no wrapping)."""
+        for note in notes:
+            self.say(note)
 
     @property
     def wandb_run_id(self) -> Optional[str]:

@@ -13,10 +13,15 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .data import pad_sequences
-from .distributed import all_reduce, unwrapped
+from .data import pad_sequences, startup_step
+from .distributed import all_reduce, unwrapped, visiting
 from .errors import ConfigError, first_line
 from .kernels import attention_implementation, attention_windows
+
+__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
+    "why_not_shared", "probe_lengths", "sharing_probe", "sharing_error", "sharing_key", "shares_prompts",
+    "prompt_sharing", "rows_of", "put_rows_of", "apart_difference", "on_policy_notes",
+]
 
 
 def why_not_shared(model) -> Optional[str]:
@@ -140,6 +145,27 @@ def shares_prompts(model, name: str, requested: Optional[bool], probe, compute: 
                           "leave the flag out (it then computes one row per completion)")
     notes.append(f"prompt sharing is off for the {name}: {why}; it computes one row per completion")
     return False
+
+
+def prompt_sharing(args, prompt_ids: list[int], policy, sources, device: torch.device, announce: bool,
+                   make_completions: Callable, policy_logprobs: Callable,
+                   reward_scores: Callable) -> tuple[bool, list[str]]:
+    """The start-up step that decides, per model, whether each prompt is computed once for its k completions
+    (shares_prompts): for the policy (`policy_logprobs(c, share)`, the policy's log-probs of the probe's real
+    tokens) and the reward model (`reward_scores(model, c, share)`; not with a tokenizer of its own), on a probe of
+    rloo.Completions (`make_completions`) drawn from a train prompt. Sets sources.share_prompt; returns the
+    policy's verdict and the notes to print once the run starts. One check where both models agree (sharing_key)."""
+    with startup_step("start-up check of prompt sharing (each prompt computed once for its k completions, checked "
+                      "against the plain path)", announce):
+        probe = make_completions(**sharing_probe(prompt_ids, *probe_lengths(
+            args.max_prompt_length, args.response_length, policy, sources.model), device))
+        notes, checked = [], {}
+        share_prompt = shares_prompts(policy, "policy", args.share_prompt, probe, policy_logprobs, notes, checked)
+        with visiting(sources.model, device):  # --offload: a frozen model's passes are on the GPU
+            sources.share_prompt = sources.model is not None and sources.model_tokenizer is None and shares_prompts(
+                sources.model, "reward model", args.share_prompt, probe,
+                lambda c, share: reward_scores(sources.model, c, share), notes, checked)
+    return share_prompt, notes
 
 
 APART_TOLERANCE = 1e-5  # relative to the largest value: float32 rounding of the same arithmetic on other shapes

@@ -400,6 +400,25 @@ def test_an_adaptive_kl_controller_resumes_bit_identically(assets, tmp_path, sig
     assert_same_run(tmp_path / "full", tmp_path / "resumed")
 
 
+def test_an_on_policy_run_resumes_with_its_shortcut_verdict_bit_identically(assets, tmp_path, signal_handlers_kept):
+    """The on-policy shortcut is decided once, on the first update's batch; the checkpoint holds the verdict, so a run
+    stopped after update 2 and resumed takes the shortcut at update 3 as the uninterrupted run does (checking again,
+    it would take the plain path there: the same values but for rounding) and ends bit-identical to it."""
+    flags = {"model_name_or_path": str(assets["policy"]), "dataset_name": str(assets["train"]), "kl_coef": 0.5,
+             **ON_POLICY}
+    full, stopped, resumed = [], [], []
+    run_main(rloo, full, **flags, output_dir=str(tmp_path / "full"), total_episodes=4 * K * PROMPTS)
+    run_main(rloo, stopped, **flags, output_dir=str(tmp_path / "resumed"), total_episodes=2 * K * PROMPTS)
+    run_main(rloo, resumed, **flags, output_dir=str(tmp_path / "resumed"), total_episodes=4 * K * PROMPTS,
+             resume=True)
+    assert full == [False, True, True, True] and stopped + resumed == full, (full, stopped, resumed)
+    saved = torch.load(tmp_path / "resumed" / "checkpoints" / "step_2" / "rank0.pt", weights_only=True)
+    assert saved["on_policy_shortcut"] == {"checked": True, "on": True}
+    from test_checkpoints import assert_same_run
+
+    assert_same_run(tmp_path / "full", tmp_path / "resumed")
+
+
 TWO_RANKS = ["--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train_batch_size", "16",
              "--response_length", "6", "--temperature", "1.0", "--max_prompt_length", "16", "--num_ppo_epochs", "2",
              "--learning_rate", "3e-3", "--num_sample_generations", "0", "--total_episodes", 4 * 16 * 2]  # 4 updates

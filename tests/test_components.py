@@ -461,3 +461,63 @@ def test_the_phase_timer_counts_the_tokens_fed_and_the_bytes_each_decoding_step_
     assert metrics["work/decode_bytes"] == 4 * (weights + cache)
     timer.start_update()
     assert timer.metrics()["work/forward_tokens"] == 0
+
+
+def top_level_names(path) -> set[str]:
+    """The names a module's own source defines at its top level (functions, classes, assignments), not imports."""
+    import ast
+
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            names |= {t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                      if isinstance(t, ast.Name)}
+    return names
+
+
+def plumbing_names_used(path) -> set[str]:
+    """Every NAME of `plumbing.NAME` in a file's code (not its docstrings or comments)."""
+    import ast
+
+    return {node.attr for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name) and node.value.id == "plumbing"}
+
+
+def test_each_plumbing_module_names_its_exports_and_every_name_the_scripts_use_is_one_of_them():
+    """plumbing/__init__.py star-imports every module: each names what it gives in __all__, only what it defines
+    itself (never a module or a name it imports), no name is given by two modules, and every plumbing.NAME that
+    the repository's scripts and tests use is given by one. A failure names the name and the module whose __all__ to fix."""
+    import importlib
+    from pathlib import Path
+
+    folder = Path(plumbing.__file__).parent
+    defined, given, problems = {}, {}, []
+    for path in sorted(folder.glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        module = importlib.import_module(f"plumbing.{path.stem}")
+        defined[path.stem] = top_level_names(path)
+        if not isinstance(getattr(module, "__all__", None), list):
+            problems.append(f"plumbing/{path.name} has no __all__ list: name what it gives as plumbing.NAME")
+            continue
+        for name in module.__all__:
+            if name not in defined[path.stem]:
+                problems.append(f"plumbing/{path.name}'s __all__ names {name!r}, which it does not define itself")
+            if name in given:
+                problems.append(f"{name!r} is in the __all__ of plumbing/{given[name]}.py and of plumbing/{path.name}: "
+                                "keep it in one")
+            given.setdefault(name, path.stem)
+    root = folder.parent
+    scripts = [path.relative_to(root) for pattern in ("*.py", "benchmark/**/*.py", "tests/*.py", "docs/*.py")
+               for path in sorted(root.glob(pattern)) if path.name != "test_components.py"
+               and not any(part.startswith(".") for part in path.relative_to(root).parts)]  # not the environments
+    for script in scripts:
+        for name in sorted(plumbing_names_used(root / script) - set(defined)):  # plumbing.module.x: a path
+            if name not in given:
+                home = [stem for stem, names in defined.items() if name in names]
+                problems.append(f"plumbing.{name}, used in {script}, is missing from the __all__ of " +
+                                (f"plumbing/{home[0]}.py" if home else "any module (no plumbing module defines it)"))
+    assert not problems, "\n".join(problems)
+    assert set(given) <= set(dir(plumbing))  # all of them reach the package's namespace

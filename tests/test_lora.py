@@ -327,8 +327,8 @@ def test_lora_flags_without_a_4bit_base_pass_the_checks(assets, flags):
 
 
 def test_load_in_4bit_without_bitsandbytes_is_one_line_naming_the_fix(assets, tmp_path, monkeypatch):
-    real = plumbing.importlib.util.find_spec
-    monkeypatch.setattr(plumbing.importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes"
+    real = plumbing.flags.importlib.util.find_spec  # the module validate_args checks bitsandbytes with
+    monkeypatch.setattr(plumbing.flags.importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes"
                         else real(name, *a))
     with pytest.raises(plumbing.ConfigError, match="bitsandbytes, which is not installed: pip install bitsandbytes"):
         plumbing.validate_args(lora_args(assets, load_in_4bit=True))

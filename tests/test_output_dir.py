@@ -2,6 +2,7 @@
 every checkpoint and metrics line carries, the inputs checked on resume, and the checkpoint reader under malformed
 trainer states. In process where the rule is a function; end to end for what only a run shows."""
 
+import dataclasses
 import io
 import json
 import os
@@ -263,7 +264,7 @@ def test_every_input_is_fingerprinted_and_a_change_is_refused_unless_allowed(ass
     same = rloo.Args(**{**flags, "model_name_or_path": str(tmp_path / "a" / "policy"),
                         "reward_model_path": "a/reward_model/"})
     assert plumbing.check_same_inputs(saved, plumbing.input_identities(same, functions), ()) == []
-    assert plumbing.check_resumable(plumbing.asdict(args), same, 1, 1) == []  # the same inputs, other spellings
+    assert plumbing.check_resumable(dataclasses.asdict(args), same, 1, 1) == []  # the same inputs, other spellings
     edits = {"reward_model_path": tmp_path / "a" / "reward_model" / "model.safetensors",
              "dataset_name": tmp_path / "train.jsonl", "dataset_test_split": tmp_path / "test.jsonl",
              "reward_fn my_rewards:f": tmp_path / "my_rewards.py"}
