@@ -481,6 +481,24 @@ def test_a_rank_local_statistic_resumes_with_each_ranks_own_value(assets, tmp_pa
     assert scales[0] != scales[1] and all(0 < s < 5 for s in scales), scales
 
 
+@pytest.mark.parametrize("example,flags", [("A response-length schedule", ()),
+                                           (None, ("--kl_estimator", "k3", "--kl_coef", "0.5"))],
+                         ids=["a-length-schedule", "k3-in-the-reward"])
+def test_the_length_schedule_and_the_k3_reward_resume_bit_identically_on_two_ranks(assets, tmp_path, example, flags):
+    """The other two worked examples as the first two are run: two ranks, stopped by SIGTERM after an update and
+    resumed, the same metrics and bit-identical weights (a batch's length is chosen from the update: nothing of it
+    is state; k3 is a flag)."""
+    module = edited_rloo(examples()[example], tmp_path) if example else rloo
+    stopped = stopped_and_resumed_on_two_ranks(module, assets, tmp_path, *flags)
+    metrics = read_metrics(stopped)
+    if example:
+        lengths = [3, 4, 4, 5]  # round(6 x (0.5 + 0.5 x progress)): as in the one-process test
+        assert len(metrics) == 4 and all(m["completions/max_length"] <= n for m, n in zip(metrics, lengths)), metrics
+    else:
+        assert all("objective/kl_k3" in m for m in metrics)  # update 1 samples the reference itself: both 0
+        assert all(m["objective/kl_k3"] != m["objective/kl"] for m in metrics[1:]), metrics
+
+
 @pytest.mark.parametrize("epochs", [1, 2])
 def test_a_temperature_schedule_scores_each_batch_at_the_temperature_that_sampled_it(assets, tmp_path, epochs,
                                                                                      signal_handlers_kept):
