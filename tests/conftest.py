@@ -6,9 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (LETTERS, ON_CPU, REPO, cpu_env, neox_config, policy_loss_of, policy_tokenizer,  # noqa: F401
-                     prompt_rows, read_metrics, run_rloo, script_command, script_env, tiny_policy, tiny_reward_model,
-                     word_tokenizer, write_jsonl)
+from helpers import (LETTERS, ON_CPU, REPO, cpu_env, forked_interpreter, neox_config,  # noqa: F401
+                     policy_loss_of, policy_tokenizer, prompt_rows, read_metrics, run_rloo, script_command, script_env,
+                     tiny_policy, tiny_reward_model, word_tokenizer, write_jsonl)
+
+
+def pytest_sessionstart(session):
+    """The server of forked interpreters (helpers.python) imports its libraries while this worker collects tests;
+    xdist's controller runs none."""
+    if hasattr(session.config, "workerinput") or not getattr(session.config.option, "numprocesses", None):
+        forked_interpreter()
 
 
 def pytest_configure(config):

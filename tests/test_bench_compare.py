@@ -7,7 +7,6 @@ they are skipped, unless REQUIRE_BENCH_ENV=1 (as in CI, which builds it) makes t
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -15,6 +14,7 @@ from benchmark import synthetic_task
 from benchmark.throughput import trl116_command, trl_environment_problem
 from benchmark.trl_rloo import decode_for_monitors
 from conftest import REPO
+from helpers import python
 from test_benchmark import run_benchmark_script
 
 TRL_PYTHON = REPO / "benchmark" / ".venv-trl" / "bin" / "python"
@@ -87,7 +87,7 @@ def test_trl_runner_refuses_what_trl_cannot_do(trl_python, tmp_path):
 def test_trl116_runner_refuses_what_it_cannot_do_in_one_line_before_importing_trl():
     """The project's environment has no TRL: each refusal comes before TRL's import, and its absence is one line."""
     def run(*flags):
-        result = subprocess.run([sys.executable, "benchmark/trl116_rloo.py", *flags], capture_output=True, text=True,
+        result = subprocess.run([python(), "benchmark/trl116_rloo.py", *flags], capture_output=True, text=True,
                                 cwd=REPO, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
         assert result.returncode == 2, result.stderr
         (line,) = result.stderr.strip().splitlines()

@@ -5,7 +5,6 @@ import json
 import random
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import rloo
 from benchmark import demo, learning, sync_cost, synthetic_task, throughput
 from benchmark.plot_metrics import plot_curves
 from conftest import REPO, cpu_env
-from helpers import planned_commands
+from helpers import planned_commands, python
 
 
 def test_true_score_by_hand():
@@ -98,7 +97,7 @@ def test_plot_curves_writes_a_png(tmp_path):
 def run_benchmark_script(*args) -> None:
     """A benchmark script to the end, its OpenMP threads sleeping when idle instead of spinning (as `make test` sets
     for all tests): on a busy 2-core machine the spinning made these runs several times slower. Same results."""
-    result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=REPO, timeout=600,
+    result = subprocess.run([python(), *map(str, args)], capture_output=True, text=True, cwd=REPO, timeout=600,
                             env=cpu_env({"OMP_WAIT_POLICY": "PASSIVE"}))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 

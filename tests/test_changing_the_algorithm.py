@@ -7,7 +7,7 @@ import math
 import os
 import re
 import signal
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 

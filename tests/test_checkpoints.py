@@ -22,14 +22,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import plumbing
 import rloo
 from helpers import (NOT_REPRODUCIBLE, PER_UPDATE, REPO, RUN, assert_same_run, comparable,  # noqa: F401 (kept here)
-                     fake_run, interrupt_after_first_update, launch, policy_tokenizer, prompt_rows, read_metrics,
-                     run_rloo, saved_steps, script_command, script_env, tiny_policy, trainer_state, tree, write_jsonl)
+                     fake_run, interrupt_after_first_update, launch, pid_of, policy_tokenizer, prompt_rows, python,
+                     read_metrics, run_rloo, saved_steps, script_command, script_env, tiny_policy, trainer_state, tree,
+                     write_jsonl)
 
 
 
@@ -50,11 +50,11 @@ def test_signal_saves_and_resume_is_exact(assets, tmp_path, nproc, sig, extra):
     assert result.returncode == 0, result.stderr[-3000:]
 
     def second_run_is_refused(first: subprocess.Popen) -> None:  # a job submitted twice, a requeue too early
-        first.send_signal(signal.SIGSTOP)  # holding its lock, it must not finish meanwhile
+        os.kill(pid_of(first), signal.SIGSTOP)  # holding its lock, it must not finish meanwhile
         second = run_rloo(*common, "--output_dir", interrupted, "--resume")
-        first.send_signal(signal.SIGCONT)
+        os.kill(pid_of(first), signal.SIGCONT)
         assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr[-3000:]
-        assert f"is in use by another run (pid {first.pid} on {socket.gethostname()}, since " in second.stderr
+        assert f"is in use by another run (pid {pid_of(first)} on {socket.gethostname()}, since " in second.stderr
 
     returncode, stdout, stderr = interrupt_after_first_update([*common, "--output_dir", interrupted], sig, nproc,
                                                               second_run_is_refused if nproc == 0 else lambda p: None)
@@ -574,7 +574,7 @@ def hub_snapshot(cache: Path, commit: str) -> None:
 def hub_identity(cache: Path) -> dict:
     """model_identity("org/tiny") in a process whose Hugging Face cache is `cache` (read when it starts)."""
     code = "import json, plumbing; print(json.dumps(plumbing.model_identity('org/tiny')))"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+    result = subprocess.run([python(), "-c", code], capture_output=True, text=True, cwd=REPO,
                             env={**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
     return json.loads(result.stdout)
 
@@ -787,7 +787,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp
         "plumbing.run_script(lambda _: plumbing.save_checkpoint(out, 2, policy, optimizer, tokenizer, state, 0, None,\n"
         "                                               {}), None, 'rloo.py')\n")
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
-    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env,
+    result = subprocess.run([python(), "-c", script, str(tmp_path)], capture_output=True, text=True, env=env,
                             timeout=600)
     assert result.returncode == 4 and result.stderr.strip().count("\n") == 0, result.stderr[-3000:]
     step_1 = tmp_path / "checkpoints" / "step_1"
@@ -825,7 +825,7 @@ def test_a_full_disk_outside_a_save_stops_with_a_checkpoint_and_one_line(assets,
         "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))\n"
         "plumbing.run_script(lambda _: logger.write_metrics({'update': 2, 'text': 'x' * 10000}), None, 'rloo.py')\n")
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
-    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "metrics.jsonl")], capture_output=True,
+    result = subprocess.run([python(), "-c", script, str(tmp_path / "metrics.jsonl")], capture_output=True,
                             text=True, env=env, timeout=600)
     assert result.returncode == 4 and result.stderr.startswith("rloo.py: error: could not write "), result.stderr
     assert (tmp_path / "metrics.jsonl").read_text() == '{"update": 1, "run_id": null}\n'
@@ -904,7 +904,7 @@ plumbing.run_script(main, None, "rloo.py")
 def test_a_signal_while_the_run_says_how_it_ended_does_not_cut_the_line_into_a_traceback(sig):
     """torchrun sends SIGTERM to the other ranks once one has failed: it may reach a rank while that rank is saying
     why it stopped (a collective failed). The line is said whole, then the process exits with its own status."""
-    result = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_SAYING_HOW_IT_ENDED, sig], capture_output=True,
+    result = subprocess.run([python(), "-c", SIGNAL_WHILE_SAYING_HOW_IT_ENDED, sig], capture_output=True,
                             text=True, cwd=REPO, env=script_env(), timeout=120)
     assert (result.returncode, result.stderr) == (2, "rloo.py: error: the input is wrong\n"), result.stderr[-3000:]
 
@@ -947,7 +947,7 @@ def test_a_signal_to_one_rank_during_start_up_stops_every_rank_with_one_line(ass
 
 def test_a_failing_or_stuck_rank_stops_every_rank_with_one_line_naming_it(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    result = subprocess.run([python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                              str(REPO / "tests" / "peers.py"), str(tmp_path / "seen.json"), "10"],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -3,7 +3,6 @@ and with FSDP2; FSDP2's rollout mode uses its public API only."""
 
 import gc
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,12 +13,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import plumbing
 import rloo
 from conftest import REPO, cpu_env, tiny_policy, policy_tokenizer
-from helpers import argv_of, free_port, valid_flags
+from helpers import argv_of, free_port, python, valid_flags
 
 
 def run(script_args: list[str], out, wrapper: str = "ddp") -> None:
     env = cpu_env({"PYTHONPATH": f"{REPO / 'tests'}:{REPO}"})
-    result = subprocess.run([sys.executable, *script_args, str(REPO / "tests" / "ddp_update.py"), str(out), wrapper],
+    result = subprocess.run([python(), *script_args, str(REPO / "tests" / "ddp_update.py"), str(out), wrapper],
                             capture_output=True, text=True, env=env, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
 

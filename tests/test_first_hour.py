@@ -12,6 +12,7 @@ import pytest
 import plumbing
 import rloo
 from conftest import REPO, cpu_env, read_metrics
+from helpers import python
 
 TINY_RUN = ("--rloo_k", "4", "--per_device_train_batch_size", "16", "--response_length", "6", "--temperature", "1.0",
             "--max_prompt_length", "16", "--local_rollout_forward_batch_size", "32", "--num_ppo_epochs", "1")
@@ -27,7 +28,7 @@ def run_from(folder: Path, *args, env: dict | None = None) -> subprocess.Complet
     environment = cpu_env({"WANDB_MODE": "offline", **(env or {})})
     environment.pop("PYTHONPATH", None)
     environment.update(env or {})
-    return subprocess.run([sys.executable, str(REPO / "rloo.py"), *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([python(), str(REPO / "rloo.py"), *map(str, args)], capture_output=True, text=True,
                           env=environment, cwd=folder, timeout=300)
 
 

@@ -22,6 +22,7 @@ import plumbing
 from benchmark import accounting, gpu_suite
 from benchmark.throughput import pythia_config, trl_environment_problem
 from conftest import REPO, cpu_env
+from helpers import python
 
 TRL_PYTHON = REPO / "benchmark" / ".venv-trl" / "bin" / "python"
 
@@ -121,7 +122,7 @@ def test_the_dry_run_starts_every_step_writes_its_results_and_resumes(tmp_path, 
     assert table in first.out
 
     written = {name: (results / f"{name}.json").stat().st_mtime_ns for name in names}
-    command = [sys.executable, str(REPO / "benchmark" / "gpu_suite.py"), "--dry_run", "--results_dir", str(results),
+    command = [python(), str(REPO / "benchmark" / "gpu_suite.py"), "--dry_run", "--results_dir", str(results),
                "--runs_dir", str(runs), "--rloo_ks", "2"]
     second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=cpu_env(), timeout=300)
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
@@ -389,7 +390,7 @@ def test_where_vllm_imports_the_colocated_steps_build_their_run(tmp_path, monkey
     (["--started_at", "1e12"], "--started_at 1000000000000.0 is not a time in Unix seconds before now"),  # the future
 ])
 def test_the_suites_numbers_are_refused_in_one_line_with_exit_2(tmp_path, flags, fragment):
-    result = subprocess.run([sys.executable, "benchmark/gpu_suite.py", "--estimate_only", "--results_dir",
+    result = subprocess.run([python(), "benchmark/gpu_suite.py", "--estimate_only", "--results_dir",
                              str(tmp_path / "suite"), *flags], capture_output=True, text=True, cwd=REPO, env=cpu_env())
     assert result.returncode == 2 and result.stdout == "", result.stdout
     assert result.stderr.startswith("gpu_suite.py: error: ") and result.stderr.count("\n") == 1, result.stderr

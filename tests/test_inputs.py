@@ -29,6 +29,7 @@ import plan_memory
 import plumbing
 import rloo
 from conftest import (REPO, policy_tokenizer, run_rloo, script_command, script_env, tiny_policy, tiny_reward_model)
+from helpers import python
 
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -301,7 +302,7 @@ sys.exit(7)  # reached: neither os._exit ended the process
 def test_os_exit_in_a_reward_module_or_function_is_a_failure_not_the_end_of_the_run(tmp_path):
     """os._exit would end the run at once with the status it names (0 included): refused while user code runs, in
     a process of its own (were it not, it would end this one)."""
-    result = subprocess.run([sys.executable, "-c", EXIT_REFUSED, str(tmp_path)], capture_output=True, text=True,
+    result = subprocess.run([python(), "-c", EXIT_REFUSED, str(tmp_path)], capture_output=True, text=True,
                             env=script_env(), cwd=REPO, timeout=300)
     assert result.returncode == 7, result.stderr[-3000:]
     assert result.stdout.splitlines() == [
@@ -759,7 +760,7 @@ def test_the_run_exits_whatever_exit_handlers_and_processes_user_code_left(tmp_p
     """`rloo.py | cat` ends when the run does: the processes a reward function started (a Popen, one in a session of
     its own, a shell's child, a forked child) are ended and named in one line; its atexit handlers that wait run for
     at most EXIT_HANDLER_TIMEOUT, each named. Without it, communicate() here would wait for an hour."""
-    result = subprocess.run([sys.executable, "-c", RUN_THAT_LEAVES, str(tmp_path), LEAVES_RUNNING],
+    result = subprocess.run([python(), "-c", RUN_THAT_LEAVES, str(tmp_path), LEAVES_RUNNING],
                             capture_output=True, text=True, env=script_env(), cwd=REPO, timeout=300)
     assert result.returncode == 0 and result.stdout == "finished\n", result.stderr[-3000:]
     lines = result.stderr.splitlines()

@@ -3,7 +3,6 @@
 import json
 import re
 import subprocess
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -15,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import plumbing
 from benchmark.tldr import judge
 from conftest import LETTERS, REPO, cpu_env, write_jsonl
-from helpers import free_port  # noqa: F401 (kept importable from here)
+from helpers import free_port, python  # noqa: F401 (kept importable from here)
 
 JUDGE_MODEL = "stand-in-judge"
 SLOTS = re.compile(r"\nSummary A:\n(.*)\n\nSummary B:\n(.*)\n\nFIRST provide", re.DOTALL)
@@ -194,7 +193,7 @@ def tldr_rows() -> list[dict]:
 
 def run_judge(*args, env: dict | None = None) -> subprocess.CompletedProcess:
     full_env = cpu_env(env)
-    return subprocess.run([sys.executable, str(REPO / "benchmark" / "tldr" / "judge.py"), *map(str, args)],
+    return subprocess.run([python(), str(REPO / "benchmark" / "tldr" / "judge.py"), *map(str, args)],
                           capture_output=True, text=True, env=full_env, cwd=REPO, timeout=120)
 
 

@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from dataclasses import replace
 from types import SimpleNamespace
 from pathlib import Path
@@ -18,7 +17,7 @@ from transformers import AutoModelForCausalLM
 import plumbing
 import rloo
 from conftest import REPO, cpu_env, policy_tokenizer, read_metrics, run_rloo, script_env, tiny_policy
-from helpers import comparable, interrupt_after_first_update
+from helpers import comparable, interrupt_after_first_update, python
 
 LORA = ("--use_peft", "--lora_r", "4", "--lora_alpha", "8")
 RUN = ("--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train_batch_size", "16",
@@ -127,7 +126,7 @@ def test_a_lora_run_resumes_bit_identical_and_both_saved_forms_load(assets, tmp_
     # its base is recorded absolute: the adapter alone loads from another folder (peft reads the base from there)
     assert json.loads((full / plumbing.ADAPTER_CONFIG).read_text())["base_model_name_or_path"] == str(
         Path(assets["policy"]).resolve())
-    loaded = subprocess.run([sys.executable, "-c", "import sys; from peft import AutoPeftModelForCausalLM; "
+    loaded = subprocess.run([python(), "-c", "import sys; from peft import AutoPeftModelForCausalLM; "
                              "AutoPeftModelForCausalLM.from_pretrained(sys.argv[1])", str(full)], cwd=tmp_path,
                             capture_output=True, text=True, env=cpu_env())
     assert loaded.returncode == 0, loaded.stderr[-2000:]
@@ -345,7 +344,7 @@ def test_bitsandbytes_imports_with_hub_kernels_blocked(tmp_path):
             "try:\n    plumbing.quantization_config(rloo.Args(load_in_4bit=True, use_peft=True))\n"
             "except Exception:\n    pass  # the stand-in is no real bitsandbytes for transformers' config\n"
             "import bitsandbytes, kernels\nprint(bitsandbytes.REACHED, kernels.__name__)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+    result = subprocess.run([python(), "-c", code], capture_output=True, text=True, cwd=REPO,
                             env=script_env({"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}))
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["blocked", "kernels"]

@@ -7,7 +7,6 @@ import json
 import math
 import signal
 import subprocess
-import sys
 
 import datasets
 import pytest
@@ -18,7 +17,7 @@ from transformers import AutoModelForCausalLM
 import plumbing
 import rloo
 from conftest import REPO, cpu_env, policy_loss_of, policy_tokenizer, tiny_policy
-from helpers import argv_of, valid_flags
+from helpers import argv_of, python, valid_flags
 
 
 # ---------------------------------------------------------------- naive oracles
@@ -422,7 +421,7 @@ def test_metrics_reduced_over_two_ranks(tmp_path):
     """Rank r logs objective/scores 1 + r, a count 3 + r, min/max lengths, a peak memory and a rank-0-only optional
     metric: the reduction gives means, sums, minima and maxima as a hand computation does."""
     env = cpu_env({"PYTHONPATH": f"{REPO / 'tests'}:{REPO}"})
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    result = subprocess.run([python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                              str(REPO / "tests" / "two_rank_metrics.py"), str(tmp_path)],
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

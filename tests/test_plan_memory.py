@@ -2,7 +2,6 @@
 
 import subprocess
 from dataclasses import replace
-import sys
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import plan_memory
 import plumbing
 import rloo
 from conftest import REPO
+from helpers import python
 
 ACTIVATION_TOLERANCE = 0.15  # relative, without gradient checkpointing (docs/speed-and-memory.md)
 
@@ -104,13 +104,13 @@ def test_activations_with_checkpointing_are_an_upper_bound(tmp_path):
 
 def test_cli_prints_the_plan_and_the_options_that_fit(tmp_path):
     path, _ = tiny(tmp_path)
-    result = subprocess.run([sys.executable, "plan_memory.py", "--model_name_or_path", path, "--reward_model_path",
+    result = subprocess.run([python(), "plan_memory.py", "--model_name_or_path", path, "--reward_model_path",
                              path, "--dataset_name", "unused", "--world_size", "2", "--gpu_gib", "0.02"],
                             capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert "does NOT fit in 0.02 GiB" in result.stdout and "options that fit:" in result.stdout
     assert "--fsdp" in result.stdout.split("options that fit:")[1]
-    result = subprocess.run([sys.executable, "plan_memory.py", "--model_name_or_path", path, "--dataset_name", "x",
+    result = subprocess.run([python(), "plan_memory.py", "--model_name_or_path", path, "--dataset_name", "x",
                              "--reward_model_path", path, "--rloo_k", "1"], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 2 and "plan_memory.py: error: rloo_k = 1" in result.stderr
 

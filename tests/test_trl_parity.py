@@ -12,7 +12,7 @@ import rloo
 import rloo_multinode
 from conftest import (policy_loss_of, policy_tokenizer, prompt_rows, read_metrics, run_rloo, tiny_policy,
                       tiny_reward_model)
-from helpers import NO_AUTOCAST, left_padded
+from helpers import NO_AUTOCAST, left_padded, python
 
 CPU = torch.device("cpu")
 
@@ -336,7 +336,6 @@ def test_model_revision_loads_that_revision_of_a_hub_policy_and_takes_part_in_it
     a revision the cache lacks is one line."""
     import json
     import subprocess
-    import sys
 
     from conftest import REPO
 
@@ -349,7 +348,7 @@ def test_model_revision_loads_that_revision_of_a_hub_policy_and_takes_part_in_it
     env = {**__import__("os").environ, "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
     seen = {}
     for revision in ("main", "v1", "missing"):
-        result = subprocess.run([sys.executable, "-c", code, revision], capture_output=True, text=True, cwd=REPO,
+        result = subprocess.run([python(), "-c", code, revision], capture_output=True, text=True, cwd=REPO,
                                 env=env)
         if revision == "missing":
             assert result.returncode != 0 and "could not load" in result.stderr and "org/tiny" in result.stderr
