@@ -1,10 +1,16 @@
 """The fixtures: tiny models and datasets built in code (no network), once per session. The helpers are in
 helpers.py (their names stay importable from here)."""
 
+import os
 import signal
 from pathlib import Path
 
-import pytest
+# One OpenMP thread per process, this one and every run it starts (inherited), unless the caller set its own: the
+# models are tiny, the pytest workers are one per core, and each run's threads would contend for cores the other
+# worker's run is using. Set before torch loads (helpers imports it): OpenMP reads it then.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
 
 from helpers import (LETTERS, ON_CPU, REPO, cpu_env, forked_interpreter, neox_config,  # noqa: F401
                      policy_loss_of, policy_tokenizer, prompt_rows, read_metrics, run_rloo, script_command, script_env,
@@ -52,12 +58,13 @@ def synthetic_sft(tmp_path_factory) -> dict:
     return {"tokenizer": tokenizer, "policy": synthetic_task.build_policy(tokenizer, path, steps=150), "path": path}
 
 
-@pytest.fixture
-def signal_handlers_kept():
-    """rloo.main installs its signal handlers in this process: put pytest's back."""
-    import plumbing
-
-    saved = {sig: signal.getsignal(sig) for sig in plumbing.StopSignal.SIGNALS}
+@pytest.fixture(autouse=True)
+def signal_dispositions_kept():
+    """Every signal's disposition as it was before the test: what rloo.main or run_script install or ignore in the
+    test's process (a run ending ignores SIGTERM) would otherwise reach the later tests and every process they start
+    (an ignored signal is inherited)."""
+    saved = {sig: signal.getsignal(sig) for sig in signal.Signals if sig not in (signal.SIGKILL, signal.SIGSTOP)}
     yield
     for sig, handler in saved.items():
-        signal.signal(sig, handler)
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)

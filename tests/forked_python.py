@@ -199,25 +199,10 @@ def serve(address: str, client_path: str) -> None:
                 reap(runs)
             else:
                 conn, _ = listener.accept()
-                request = receive(conn)
-                if request is None:
-                    conn.close()
-                    continue
-                fds, asked = request
-                how = parse(asked["argv"])
-                refused = why_not(asked, how, env, preloaded)
-                if refused:
-                    print(f"exec {asked['argv'][:3]}: {refused}", flush=True)  # server.log
-                    conn.sendall(b"exec\n")
-                    conn.close()
-                    for fd in fds:
-                        os.close(fd)
-                    continue
                 sys.stdout.flush()
                 sys.stderr.flush()
-                asked["env"].setdefault("PYTHON_EXEC", client_path)
-                pid = os.fork()
-                if pid == 0:  # the run: never returns to this loop
+                pid = os.fork()  # at once: the request is read by the fork, so no client can hold up this loop
+                if pid == 0:  # never returns to this loop
                     for other in runs.values():
                         other.close()
                     selector.close()
@@ -225,15 +210,26 @@ def serve(address: str, client_path: str) -> None:
                     signal.set_wakeup_fd(-1)
                     os.close(wake_r)
                     os.close(wake_w)
-                    run(conn, fds, asked, how, said, base_path)
-                for fd in fds:
-                    os.close(fd)
-                try:
-                    conn.sendall(f"pid {pid}\n".encode())
-                except OSError:
-                    pass
+                    become(conn, env, preloaded, said, base_path, client_path)
                 runs[pid] = conn
                 reap(runs)
+
+
+def become(conn: socket.socket, env: dict, preloaded: set, said: tuple, base_path: list[str], client_path: str):
+    """In a fork of the server: the run the client asks for, or (exec) its refusal, logged."""
+    request = receive(conn)
+    if request is None:
+        os._exit(0)
+    fds, asked = request
+    how = parse(asked["argv"])
+    refused = why_not(asked, how, env, preloaded)
+    if refused:
+        print(f"exec {asked['argv'][:3]}: {refused}", flush=True)  # server.log
+        conn.sendall(b"exec\n")
+        os._exit(0)
+    asked["env"].setdefault("PYTHON_EXEC", client_path)
+    conn.sendall(f"pid {os.getpid()}\n".encode())
+    run(conn, fds, asked, how, said, base_path)
 
 
 def receive(conn: socket.socket):

@@ -379,8 +379,10 @@ def main() -> int:
                                                                      snippet_lines(original, snippet))
             (root / path).write_text(original.replace(snippet, replacement))
             try:
+                # a mutant's few tests: no server of forked interpreters (its imports would cost more than it saves)
                 killed, seconds, output = (False, 0.0, "") if selected == [] else \
-                    run_tests(root, tests if selected is None else selected, threads)
+                    run_tests(root, tests if selected is None else selected,
+                              {**threads, "TESTS_FORK": "0"} if selected is not None else threads)
                 if not killed and selected is not None and selected != tests:  # never a survivor by selection
                     killed, more, output = run_tests(root, tests, threads)
                     seconds += more

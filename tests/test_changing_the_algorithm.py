@@ -152,7 +152,7 @@ def test_another_kl_estimator_in_the_reward_and_in_the_loss(tmp_path):
         assert stats["policy/kl_abs_avg"] > 0 and all(math.isfinite(v) for v in stats.values())
 
 
-def test_the_k3_kl_in_the_reward_leaves_objective_kl_k1s(assets, tmp_path, signal_handlers_kept):
+def test_the_k3_kl_in_the_reward_leaves_objective_kl_k1s(assets, tmp_path):
     """--kl_estimator k3 in a run: the first update samples the same completions from the same policy, so
     objective/kl (the k1 sum) is k1's run's to the bit; the reward is penalized by objective/kl_k3, which differs.
     (--top_k: the policy's sampled distribution is not the reference's from the start, so the KL is not 0.)"""
@@ -308,7 +308,7 @@ ADDED_FIELD = """
 @pytest.mark.parametrize("penalty,shortcut", [("(c.lengths - c.lengths.mean())", False), ("c.lengths", True)],
                          ids=["from-the-batch-mean", "per-completion"])
 def test_an_estimator_reading_a_field_added_to_the_rollout_is_checked_on_the_first_update(
-        assets, tmp_path, capsys, signal_handlers_kept, penalty, shortcut):
+        assets, tmp_path, capsys, penalty, shortcut):
     """A field a researcher adds to Rollout, set in main, read by compute_advantages: the first update takes the plain
     path and checks compute_advantages on its own batch with that field; one that reads the batch's mean (not
     local) turns the shortcut off, in one line, and every update keeps the separate log-prob pass; one that reads
@@ -382,7 +382,7 @@ def test_an_algorithm_state_of_the_wrong_type_is_refused_naming_the_field(field_
     assert torch.equal(state.running, torch.zeros(3))
 
 
-def test_an_adaptive_kl_controller_resumes_bit_identically(assets, tmp_path, signal_handlers_kept):
+def test_an_adaptive_kl_controller_resumes_bit_identically(assets, tmp_path):
     """The controller's coefficient moves every update, is saved with the checkpoint, and a run stopped after update
     2 and resumed ends with the metrics and the weights of a run of 4 updates."""
     controller = edited_rloo(examples()["An adaptive KL controller"], tmp_path)
@@ -400,7 +400,7 @@ def test_an_adaptive_kl_controller_resumes_bit_identically(assets, tmp_path, sig
     assert_same_run(tmp_path / "full", tmp_path / "resumed")
 
 
-def test_an_on_policy_run_resumes_with_its_shortcut_verdict_bit_identically(assets, tmp_path, signal_handlers_kept):
+def test_an_on_policy_run_resumes_with_its_shortcut_verdict_bit_identically(assets, tmp_path):
     """The on-policy shortcut is decided once, on the first update's batch; the checkpoint holds the verdict, so a run
     stopped after update 2 and resumed takes the shortcut at update 3 as the uninterrupted run does (checking again,
     it would take the plain path there: the same values but for rounding) and ends bit-identical to it."""
@@ -500,8 +500,7 @@ def test_the_length_schedule_and_the_k3_reward_resume_bit_identically_on_two_ran
 
 
 @pytest.mark.parametrize("epochs", [1, 2])
-def test_a_temperature_schedule_scores_each_batch_at_the_temperature_that_sampled_it(assets, tmp_path, epochs,
-                                                                                     signal_handlers_kept):
+def test_a_temperature_schedule_scores_each_batch_at_the_temperature_that_sampled_it(assets, tmp_path, epochs):
     """Each update's batch carries its own temperature; the trainer's log-probs of it (a separate pass, or on-policy
     the update's forward) are the sampler's, within rounding, which another temperature would be far from."""
     schedule = edited_rloo(examples()["A temperature schedule"], tmp_path)
@@ -518,8 +517,7 @@ def test_a_temperature_schedule_scores_each_batch_at_the_temperature_that_sample
     assert (at_one - at_its_own).abs().max() > 1e-2
 
 
-def test_a_response_length_schedule_samples_each_batch_at_its_length_on_the_local_source(assets, tmp_path,
-                                                                                          signal_handlers_kept):
+def test_a_response_length_schedule_samples_each_batch_at_its_length_on_the_local_source(assets, tmp_path):
     """From half of --response_length to the whole: each update's batch is sampled at its own length (its width,
     its SamplingSettings), the sampler's log-probs the trainer's; no trailing padding counts as tokens."""
     schedule = edited_rloo(examples()["A response-length schedule"], tmp_path)

@@ -77,7 +77,7 @@ def test_signal_saves_and_resume_is_exact(assets, tmp_path, nproc, sig, extra):
 
 
 @pytest.mark.parametrize("reward_fn", ["count_a_python_noise", "count_a_numpy_noise", "count_a_torch_noise"])
-def test_a_reward_function_drawing_random_numbers_resumes_exactly(assets, tmp_path, reward_fn, signal_handlers_kept):
+def test_a_reward_function_drawing_random_numbers_resumes_exactly(assets, tmp_path, reward_fn):
     """The generators are restored as the last step before the first resumed update (nothing draws from them in
     between, the console's construction included): a reward function drawing from python's, numpy's or torch's
     global generator scores a resumed run as it scores an uninterrupted one, bit for bit."""
@@ -674,7 +674,7 @@ def test_a_signal_during_start_up_stops_at_once_and_marks_a_preemption(tmp_path)
             signal.signal(sig, handler)
 
 
-def test_a_signal_while_prompts_are_tokenized_stops_the_start_up_at_once(tmp_path, signal_handlers_kept):
+def test_a_signal_while_prompts_are_tokenized_stops_the_start_up_at_once(tmp_path):
     """A tokenizer's Rust code keeps the thread that calls it for as long as it runs, and Python runs signal handlers
     in the main thread only: the prompts are tokenized in a thread the main thread waits for, which a stop signal
     ends at once."""
@@ -696,7 +696,7 @@ def test_a_signal_while_prompts_are_tokenized_stops_the_start_up_at_once(tmp_pat
         release.set()
 
 
-def test_sighup_stops_a_run_as_sigterm_does_unless_ignored_at_start(tmp_path, signal_handlers_kept):
+def test_sighup_stops_a_run_as_sigterm_does_unless_ignored_at_start(tmp_path):
     """A terminal or SSH session closed: SIGHUP asks for the stop with a checkpoint, as SIGTERM does; under nohup
     (SIGHUP ignored when the run starts) it stays ignored."""
     lock = plumbing.OutputDirLock(str(tmp_path))
@@ -786,7 +786,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp
         "state = {'update': 2, 'ballast': torch.zeros(1 << 20)}  # 4 MB\n"
         "plumbing.run_script(lambda _: plumbing.save_checkpoint(out, 2, policy, optimizer, tokenizer, state, 0, None,\n"
         "                                               {}), None, 'rloo.py')\n")
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
+    env = script_env({"PYTHONPATH": f"{REPO / 'tests'}:{REPO}"})  # offline: as the server of forks
     result = subprocess.run([python(), "-c", script, str(tmp_path)], capture_output=True, text=True, env=env,
                             timeout=600)
     assert result.returncode == 4 and result.stderr.strip().count("\n") == 0, result.stderr[-3000:]
@@ -824,7 +824,7 @@ def test_a_full_disk_outside_a_save_stops_with_a_checkpoint_and_one_line(assets,
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails (EFBIG)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))\n"
         "plumbing.run_script(lambda _: logger.write_metrics({'update': 2, 'text': 'x' * 10000}), None, 'rloo.py')\n")
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
+    env = script_env({"PYTHONPATH": f"{REPO / 'tests'}:{REPO}"})  # offline: as the server of forks
     result = subprocess.run([python(), "-c", script, str(tmp_path / "metrics.jsonl")], capture_output=True,
                             text=True, env=env, timeout=600)
     assert result.returncode == 4 and result.stderr.startswith("rloo.py: error: could not write "), result.stderr
@@ -946,7 +946,7 @@ def test_a_signal_to_one_rank_during_start_up_stops_every_rank_with_one_line(ass
 
 
 def test_a_failing_or_stuck_rank_stops_every_rank_with_one_line_naming_it(tmp_path):
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
+    env = script_env({"PYTHONPATH": f"{REPO / 'tests'}:{REPO}"})  # offline: as the server of forks
     result = subprocess.run([python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                              str(REPO / "tests" / "peers.py"), str(tmp_path / "seen.json"), "10"],
                             capture_output=True, text=True, env=env, timeout=600)

@@ -512,7 +512,7 @@ BAD_INPUTS = {  # case: (flags that replace or add to a valid command, fragments
 
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=list(BAD_INPUTS))
 def test_bad_input_is_one_line_before_any_model_loads_and_changes_nothing(case, assets, bad_files, tmp_path, capfd,
-                                                                          signal_handlers_kept, monkeypatch):
+                                                                          monkeypatch):
     changes, fragments = BAD_INPUTS[case]
     for loader in ("load_causal_lm", "load_reward_model"):  # any weights loaded: the check came too late
         for where in (plumbing, plumbing.models, plumbing.rewards):  # wherever a caller looks the loader up

@@ -36,8 +36,7 @@ def test_two_rank_update_equals_one_rank_update(tmp_path, wrapper):
     assert moved > len(one) // 2  # the update did change the parameters
 
 
-def test_a_run_frees_its_ddp_wrapper_before_the_process_group(assets, tmp_path, monkeypatch,
-                                                              signal_handlers_kept):
+def test_a_run_frees_its_ddp_wrapper_before_the_process_group(assets, tmp_path, monkeypatch):
     """DDP's reducer holds the process group: freed last, in a destructor that keeps the GIL, it would join gloo's
     worker threads while one of them waits for the GIL (a rare hang at the very end of a CPU run, seen in CI). A run
     as torchrun's one rank, with DDP, destroys the group when no DDP module is left."""

@@ -91,7 +91,8 @@ def test_a_signal_to_the_client_reaches_the_run_and_its_end_is_the_clients(tmp_p
     code = ("import os, signal, sys, time\n" + (
         "signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))\n" if handled else "") +
         f"open({str(ready)!r}, 'w').write(str(os.getpid()))\ntime.sleep(300)\n")
-    process = subprocess.Popen([python(), "-c", code], env=script_env())
+    default = lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)  # noqa: E731  whatever this process inherited
+    process = subprocess.Popen([python(), "-c", code], env=script_env(), preexec_fn=default)
     run = int(wait_for(ready, process))
     assert fork_served(process.pid, run) and pid_of(process) == run
     process.send_signal(signal.SIGTERM)

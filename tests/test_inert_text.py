@@ -189,8 +189,7 @@ def test_a_datasets_values_a_models_config_and_a_loaders_error_are_inert(tmp_pat
     assert_inert(str(refused.value))
 
 
-def test_a_run_whose_reward_function_raises_escapes_says_one_inert_line(tmp_path, capfd, monkeypatch,
-                                                                       signal_handlers_kept):
+def test_a_run_whose_reward_function_raises_escapes_says_one_inert_line(tmp_path, capfd, monkeypatch):
     """A whole run (in this process): what reaches stderr when a reward function's message holds a whole attack."""
     tokenizer = policy_tokenizer()
     tiny_policy(len(tokenizer)).save_pretrained(tmp_path / "policy")

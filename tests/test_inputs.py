@@ -266,7 +266,7 @@ def test_a_reward_function_draws_from_a_copy_of_the_runs_torch_generators_and_ch
     function's own. Thread count, garbage collector and recursion limit are put back, without a word."""
     def draws(**kwargs):
         torch.manual_seed(0)
-        torch.set_num_threads(1)
+        torch.set_num_threads(torch.get_num_threads() + 1)  # another count than the run's, whatever that is
         gc.disable()
         sys.setrecursionlimit(50_000)
         return [torch.rand(()).item(), random.random(), 0.0]
@@ -318,7 +318,7 @@ def test_os_exit_in_a_reward_module_or_function_is_a_failure_not_the_end_of_the_
      "changed the SIGTERM handler (StopSignal._record -> <lambda>)"),
 ])
 def test_a_reward_module_that_changes_a_setting_of_the_run_at_import_is_refused(tmp_path, monkeypatch, module, change,
-                                                                                fragment, signal_handlers_kept):
+                                                                                fragment):
     (tmp_path / f"{module}.py").write_text(f"{change}\ndef f(completions, **kwargs):\n    return [0.0]\n")
     monkeypatch.syspath_prepend(tmp_path)
     plumbing.StopSignal(plumbing.OutputDirLock(str(tmp_path)), announce=False)  # the run's handlers, as main sets them
@@ -699,8 +699,7 @@ def test_a_timer_that_fires_while_a_reward_function_runs_is_a_fault_not_the_end_
     assert [signal.getsignal(sig) for sig in plumbing.TIMER_SIGNALS.values()] == [signal.SIG_DFL] * 3
 
 
-def test_a_timer_left_armed_or_a_timer_handler_set_by_user_code_is_put_back_and_named(tmp_path, monkeypatch,
-                                                                                      signal_handlers_kept):
+def test_a_timer_left_armed_or_a_timer_handler_set_by_user_code_is_put_back_and_named(tmp_path, monkeypatch):
     with pytest.raises(plumbing.RewardFunctionError) as error:
         plumbing.call_reward_function("judge", lambda **kwargs: signal.alarm(3600) and None or [1.0], 1, None)
     assert_one_line(error.value, "changed the real (signal.alarm's) interval timer (off -> ")

@@ -218,8 +218,7 @@ def test_torchruns_variables_left_in_the_environment_are_one_line(monkeypatch, e
 
 
 @pytest.mark.parametrize("main", [rloo.main, mn.main], ids=["rloo.py", "rloo_multinode.py"])
-def test_a_plain_run_with_ranks_left_in_the_environment_stops_before_anything(assets, tmp_path, monkeypatch, main,
-                                                                              signal_handlers_kept):
+def test_a_plain_run_with_ranks_left_in_the_environment_stops_before_anything(assets, tmp_path, monkeypatch, main):
     for name in TORCHRUN:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RANK", "0")

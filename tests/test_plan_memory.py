@@ -12,7 +12,7 @@ import plan_memory
 import plumbing
 import rloo
 from conftest import REPO
-from helpers import python
+from helpers import cpu_env, python
 
 ACTIVATION_TOLERANCE = 0.15  # relative, without gradient checkpointing (docs/speed-and-memory.md)
 
@@ -106,12 +106,13 @@ def test_cli_prints_the_plan_and_the_options_that_fit(tmp_path):
     path, _ = tiny(tmp_path)
     result = subprocess.run([python(), "plan_memory.py", "--model_name_or_path", path, "--reward_model_path",
                              path, "--dataset_name", "unused", "--world_size", "2", "--gpu_gib", "0.02"],
-                            capture_output=True, text=True, cwd=REPO)
+                            capture_output=True, text=True, cwd=REPO, env=cpu_env())
     assert result.returncode == 0, result.stderr
     assert "does NOT fit in 0.02 GiB" in result.stdout and "options that fit:" in result.stdout
     assert "--fsdp" in result.stdout.split("options that fit:")[1]
     result = subprocess.run([python(), "plan_memory.py", "--model_name_or_path", path, "--dataset_name", "x",
-                             "--reward_model_path", path, "--rloo_k", "1"], capture_output=True, text=True, cwd=REPO)
+                             "--reward_model_path", path, "--rloo_k", "1"], capture_output=True, text=True, cwd=REPO,
+                            env=cpu_env())
     assert result.returncode == 2 and "plan_memory.py: error: rloo_k = 1" in result.stderr
 
 

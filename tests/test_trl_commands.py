@@ -19,7 +19,7 @@ import plumbing
 import rloo
 import rloo_multinode
 from conftest import REPO, read_metrics, run_rloo, tiny_policy, write_jsonl
-from helpers import python
+from helpers import cpu_env, python
 
 SITE = "benchmark/.trl116-site"
 
@@ -53,7 +53,7 @@ def with_trl116(*command: str, timeout: int = 300) -> subprocess.CompletedProces
     problem = trl116_problem()
     if problem:
         pytest.skip(problem)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / SITE), str(REPO), str(REPO / "tests")])}
+    env = cpu_env({"PYTHONPATH": os.pathsep.join([str(REPO / SITE), str(REPO), str(REPO / "tests")])})
     return subprocess.run([python(), *command], capture_output=True, text=True, cwd=REPO, env=env,
                           timeout=timeout)
 
