@@ -66,8 +66,9 @@ demo: $(INSTALLED)  ## offline: build a tiny task, train it with rloo.py, plot t
 # cores) runs of the small models here 1.7-6.6x faster (measured at load average 3-4)
 demo test test-bench test-newest test-engines test-qlora mutate: export OMP_WAIT_POLICY ?= PASSIVE
 
-# Most tests wait on a run of rloo.py in a process of its own (its imports, a few updates): TEST_WORKERS pytest
-# processes (pytest-xdist) take tests as they finish, one per core up to 8 (2 on 2 cores: half the time of one)
+# Most tests wait on a run of rloo.py in a process of its own, a fork of a server that has imported the libraries
+# (tests/forked_python.py; TESTS_FORK=0: real interpreters): TEST_WORKERS pytest processes (pytest-xdist) take
+# tests as they finish, one per core up to 8 (2 on 2 cores: half the time of one; 3 measured slower)
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 8 ? n : 8 )))
 PYTEST_WORKERS = -n $(TEST_WORKERS) --dist worksteal
 

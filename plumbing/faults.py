@@ -113,6 +113,7 @@ class StopSignal:
         self.at_once = False  # the main thread only waits for a reward function (stop_signals_at_once)
         self.lock = lock  # the run's OutputDirLock: output_dir marked as preempted only by the run holding it
         self.announce = announce
+        self.disarmed: set[int] = set()  # signals whose handler this object gave back to the default itself
         for sig in self.SIGNALS:
             if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's choice is kept
                 signal.signal(sig, self._record)
@@ -120,6 +121,7 @@ class StopSignal:
     def _record(self, signum, frame) -> None:
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
+            self.disarmed.add(signum)
         name = signal.Signals(signum).name
         if not self.training:
             if signum != signal.SIGINT and self.lock.held:

@@ -247,6 +247,14 @@ class ExitRefused(SystemExit):
     the status it names (0 included), nothing saved."""
 
 
+def disarmed_by_the_run(name: str, old, new) -> bool:
+    """Whether RUN_SETTINGS' `name`, a stop signal's handler, went from the run's StopSignal to the default by that
+    StopSignal's own doing (a first Ctrl-C, landing while user code ran, arms the second): not the code's change."""
+    stop = getattr(old, "__self__", None)
+    return isinstance(stop, StopSignal) and new == signal.SIG_DFL and any(
+        name == f"the {signal.Signals(sig).name} handler" for sig in stop.disarmed)
+
+
 @contextlib.contextmanager
 def user_code(what: str, error: type):
     """Around code of the user's in this process (a reward module's import, a reward function's call): while it runs,
@@ -294,7 +302,8 @@ def user_code(what: str, error: type):
         sys.setrecursionlimit(speed[2])
         now = {name: RUN_SETTINGS[name][0]() for name in settings}
         changed = {name: (old, now[name]) for name, old in settings.items()
-                   if (signal.SIG_DFL if now[name] is recorder else now[name]) != old}
+                   if (signal.SIG_DFL if now[name] is recorder else now[name]) != old
+                   and not disarmed_by_the_run(name, old, now[name])}
         for name, (old, _) in changed.items():  # the timers first: off before their signals' handlers are put back
             RUN_SETTINGS[name][1](old)
         for sig in caught:

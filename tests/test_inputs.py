@@ -330,6 +330,21 @@ def test_a_reward_module_that_changes_a_setting_of_the_run_at_import_is_refused(
     assert {name: read() for name, (read, _, _) in plumbing.RUN_SETTINGS.items()} == before
 
 
+def test_a_ctrl_c_while_a_reward_function_runs_is_the_runs_not_a_change_the_function_made(tmp_path):
+    """The run's first SIGINT gives its handler back to the default (the second exits at once): landing while user
+    code runs (here as its values are checked, after the thread that ran it), it is the run's stop, not a change
+    blamed on the code; the code's own changes still are."""
+    stop = plumbing.StopSignal(plumbing.OutputDirLock(str(tmp_path)), announce=False)
+    stop.training = True
+    with plumbing.user_code("reward function 'judge'", plumbing.RewardFunctionError):
+        os.kill(os.getpid(), signal.SIGINT)
+    assert stop.name == "SIGINT" and signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+    for sig, handler in ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGINT, lambda *_: None)):
+        with pytest.raises(plumbing.RewardFunctionError, match=f"changed the {sig.name} handler"):
+            with plumbing.user_code("reward function 'judge'", plumbing.RewardFunctionError):
+                signal.signal(sig, handler)
+
+
 # ---------------------------------------------------------------- the flags
 NUMERIC_FLAGS = ["learning_rate", "rloo_k", "kl_coef", "temperature", "cliprange", "num_train_epochs", "total_episodes",
                  "per_device_train_batch_size", "response_length", "max_prompt_length", "seed", "save_total_limit",
