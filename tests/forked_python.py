@@ -20,7 +20,8 @@ real interpreter (exec): a run is never refused, only slower:
   (a stand-in torch) or that site imports at start-up only (usercustomize; a sitecustomize on PYTHONPATH is
   imported by the run as site would).
 When the client is killed (SIGKILL), the run gets SIGIO (the kernel's, once its socket to the client closes: its
-default ends the process). One difference from a new interpreter is left: the runs share the server's hash seed
+default ends the process). SIGSTOP cannot be forwarded: a test that stops a run, or reads the pid a run writes (its
+lock file), asks `Interpreter.pid_of(process)` for the run's own pid. One difference from a new interpreter is left: the runs share the server's hash seed
 (PYTHONHASHSEED). `TESTS_FORK=0 make test` runs every test with real interpreters.
 """
 
@@ -49,9 +50,10 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.
            "matplotlib.backends.backend_agg", "torch.distributed.launcher.api")  # torchrun's, not it (runpy warns)
 PRELOAD_NAMES = ("AutoConfig", "AutoModelForCausalLM", "AutoModelForSequenceClassification", "AutoTokenizer",
                  "PreTrainedTokenizerFast", "GenerationConfig", "PreTrainedModel")  # transformers' lazy ones
-FORWARDED = [s for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD, signal.SIGPIPE,
-                                                        signal.SIGWINCH, signal.SIGURG, signal.SIGTSTP, signal.SIGTTIN,
-                                                        signal.SIGTTOU, signal.SIGCONT, signal.SIGIO)]
+FORWARDED = [s for s in signal.Signals if s not in (  # what another process sends (not the client's own faults)
+    signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD, signal.SIGPIPE, signal.SIGWINCH, signal.SIGURG, signal.SIGTSTP,
+    signal.SIGTTIN, signal.SIGTTOU, signal.SIGCONT, signal.SIGIO, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL,
+    signal.SIGFPE, signal.SIGTRAP, signal.SIGSYS)]
 DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN,
             signal.SIGXFSZ: signal.SIG_IGN}  # what a new interpreter installs; every other signal: SIG_DFL
 
