@@ -21,8 +21,9 @@ real interpreter (exec): a run is never refused, only slower:
   imported by the run as site would).
 When the client is killed (SIGKILL), the run gets SIGIO (the kernel's, once its socket to the client closes: its
 default ends the process). SIGSTOP cannot be forwarded: a test that stops a run, or reads the pid a run writes (its
-lock file), asks `Interpreter.pid_of(process)` for the run's own pid. One difference from a new interpreter is left: the runs share the server's hash seed
-(PYTHONHASHSEED). `TESTS_FORK=0 make test` runs every test with real interpreters.
+lock file), asks `Interpreter.pid_of(process)` for the run's own pid. One difference from a new interpreter is
+left: the runs share the server's hash seed (PYTHONHASHSEED). `TESTS_FORK=0 make test` runs every test with real
+interpreters.
 """
 
 import gc
@@ -82,6 +83,11 @@ def parse(argv: list[str]):
     return None
 
 
+def pid_file(directory: str, client_pid: int) -> str:
+    """Where the client with pid `client_pid` writes the pid of its run."""
+    return os.path.join(directory, "pids", str(client_pid))
+
+
 # --------------------------------------------------------------------------------------------------- the client
 def client(address: str, python: str, argv: list[str]) -> None:
     """Run `python ARGV` as a fork of the server at `address`, or exec `python` itself."""
@@ -116,7 +122,7 @@ def client(address: str, python: str, argv: list[str]) -> None:
 
     for s in FORWARDED:  # those ignored here too: the run may handle what it inherited as ignored, as a new one may
         signal.signal(s, forward)
-    with open(os.path.join(os.path.dirname(address), "pids", str(os.getpid())), "w") as f:
+    with open(pid_file(os.path.dirname(address), os.getpid()), "w") as f:
         f.write(str(pid))  # Interpreter.pid_of
     end = replies.readline().split()  # "exit CODE" or "signal N", once the run has ended
     if len(end) == 2 and end[0] == "signal":
@@ -258,9 +264,8 @@ def why_not(asked: dict, how, env: dict, preloaded: set) -> str:
     """Why a fork cannot run what the client asked for ('' if it can)."""
     if how is None:
         return "an option a fork cannot give"
-    ours = os.environ.get("OMP_NUM_THREADS")  # the server's own: a run must then ask for the same
-    if effective(asked["env"]) != env or ours is not None and asked["env"].get("OMP_NUM_THREADS") != ours:
-        theirs = effective(asked["env"])
+    ours, theirs = os.environ.get("OMP_NUM_THREADS"), effective(asked["env"])  # ours set: a run must ask for it
+    if theirs != env or ours is not None and asked["env"].get("OMP_NUM_THREADS") != ours:
         return "import-time variables differ: " + ", ".join(sorted(k for k in {*env, *theirs}
                                                                    if env.get(k) != theirs.get(k)))
     module = shadowed(asked, how, preloaded)
@@ -393,36 +398,37 @@ class Interpreter:
     """The server for this pytest worker, started in the background, and the client's executable (`path`)."""
 
     def __init__(self, directory: str, env: dict):
+        import shlex
         import subprocess
 
-        self.address = os.path.join(directory, "server")
-        self.path = os.path.join(directory, "python")
+        self.directory = directory
+        self.address, self.path, self.log = (os.path.join(directory, name) for name in ("server", "python",
+                                                                                        "server.log"))
+        client_command = [sys.executable, "-I", "-S", __file__, "client", self.address, sys.executable]
         with open(self.path, "w") as f:
-            f.write(f"#!/bin/sh\nexec {sys.executable} -I -S {__file__} client {self.address} {sys.executable} "
-                    '"$@"\n')
+            f.write(f"#!/bin/sh\nexec {shlex.join(client_command)} \"$@\"\n")
         os.chmod(self.path, 0o755)
         os.mkdir(os.path.join(directory, "pids"))
         env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
-        with open(os.path.join(directory, "server.log"), "wb") as log:
-            self.server = subprocess.Popen([sys.executable, __file__, "serve", self.address, self.path], stdin=subprocess.PIPE,
-                                           stdout=log, stderr=log, env=env, cwd=directory)
+        with open(self.log, "wb") as log:
+            self.server = subprocess.Popen([sys.executable, __file__, "serve", self.address, self.path],
+                                           stdin=subprocess.PIPE, stdout=log, stderr=log, env=env, cwd=directory)
 
     def wait_until_serving(self) -> None:
         """Until the server forks runs (before, a client runs a real interpreter): for the tests of the forks."""
         import time
 
-        log = os.path.join(os.path.dirname(self.path), "server.log")
         deadline = time.monotonic() + 600  # a hang guard only
-        while not (os.path.exists(log) and open(log).read().startswith("ready\n")):
+        while not open(self.log).read().startswith("ready\n"):
             if self.server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server of forked interpreters did not start: {open(log).read()[-2000:]}")
+                raise RuntimeError(f"the server of forked interpreters did not start: {open(self.log).read()[-2000:]}")
             time.sleep(0.05)
 
     def pid_of(self, process) -> int:
         """The pid of the run that `process` (a Popen of `path`) stands for: its fork's, once the server has made it,
         else the process's own (a real interpreter)."""
         try:
-            with open(os.path.join(os.path.dirname(self.path), "pids", str(process.pid))) as f:
+            with open(pid_file(self.directory, process.pid)) as f:
                 return int(f.read())
         except (OSError, ValueError):
             return process.pid
