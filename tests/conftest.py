@@ -1,14 +1,24 @@
 """The fixtures: tiny models and datasets built in code (no network), once per session. The helpers are in
 helpers.py (their names stay importable from here)."""
 
+import atexit
 import os
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 # One OpenMP thread per process, this one and every run it starts (inherited), unless the caller set its own: the
 # models are tiny, the pytest workers are one per core, and each run's threads would contend for cores the other
 # worker's run is using. Set before torch loads (helpers imports it): OpenMP reads it then.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Offline, and the tests' own Hugging Face cache, one per pytest process, empty at the start, never the user's: a test
+# that needs a model "from the Hub" puts its snapshots there under a name of its own (helpers.hub_cache_repo). This
+# process and every run it starts read the same one, forks of the server included (huggingface_hub reads both as it
+# imports).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="rloo-tests-hub-")
+atexit.register(shutil.rmtree, os.environ["HF_HUB_CACHE"], True)
 
 import pytest  # noqa: E402
 

@@ -87,6 +87,12 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def hub_cache_repo(name: str) -> tuple[str, Path]:
+    """A model id of the tests' own Hugging Face cache (HF_HUB_CACHE, set by conftest) and its folder there, for a
+    test to put snapshots in as a download of them leaves them: `name` the test's own (its tmp_path's)."""
+    return f"org/{name}", Path(os.environ["HF_HUB_CACHE"]) / f"models--org--{name}"
+
+
 @functools.cache
 def forked_interpreter() -> forked_python.Interpreter | None:
     """This pytest worker's server of forked interpreters (tests/forked_python.py), started at the first call; None

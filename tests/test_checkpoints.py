@@ -27,7 +27,8 @@ from transformers import AutoModelForCausalLM
 import plumbing
 import rloo
 from helpers import (NOT_REPRODUCIBLE, PER_UPDATE, REPO, RUN, assert_same_run, comparable,  # noqa: F401 (kept here)
-                     fake_run, interrupt_after_first_update, launch, pid_of, policy_tokenizer, prompt_rows, python,
+                     fake_run, hub_cache_repo, interrupt_after_first_update, launch, pid_of, policy_tokenizer,
+                     prompt_rows, python,
                      read_metrics, run_rloo, saved_steps, script_command, script_env, tiny_policy, trainer_state, tree,
                      write_jsonl)
 
@@ -563,44 +564,37 @@ def test_a_checkpoint_cannot_choose_the_code_that_runs(tmp_path):
         assert all(torch.equal(value, expected[name][key]) for key, value in model.state_dict().items()), name
 
 
-def hub_snapshot(cache: Path, commit: str) -> None:
-    """org/tiny in a Hugging Face cache, its main branch at `commit` (as a download leaves it)."""
-    (cache / "models--org--tiny" / "snapshots" / commit).mkdir(parents=True)
-    (cache / "models--org--tiny" / "snapshots" / commit / "config.json").write_text("{}")
-    (cache / "models--org--tiny" / "refs").mkdir(exist_ok=True)
-    (cache / "models--org--tiny" / "refs" / "main").write_text(commit)
-
-
-def hub_identity(cache: Path) -> dict:
-    """model_identity("org/tiny") in a process whose Hugging Face cache is `cache` (read when it starts)."""
-    code = "import json, plumbing; print(json.dumps(plumbing.model_identity('org/tiny')))"
-    result = subprocess.run([python(), "-c", code], capture_output=True, text=True, cwd=REPO,
-                            env={**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
-    return json.loads(result.stdout)
+def hub_snapshot(root: Path, commit: str) -> None:
+    """A model in the tests' Hugging Face cache (its folder `root`), its main branch at `commit`, as a download
+    leaves it."""
+    (root / "snapshots" / commit).mkdir(parents=True)
+    (root / "snapshots" / commit / "config.json").write_text("{}")
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
 
 
 INITIAL_MODEL_CHANGES = {  # what happens to the initial model between a save and a resume: the error's fragment
     "weights edited": (lambda root: truncate(root / "model.safetensors"), "these files differ: model.safetensors"),
     "a file added": (lambda root: (root / "extra.py").write_text(""), "these files differ: extra.py"),
     "config edited": (lambda root: (root / "config.json").write_text("{}"), "these files differ: config.json"),
-    "a new Hub revision": (lambda cache: hub_snapshot(cache, "b" * 40), f"revision {'a' * 40} -> {'b' * 40}"),
+    "a new Hub revision": (lambda root: hub_snapshot(root, "b" * 40), f"revision {'a' * 40} -> {'b' * 40}"),
 }
 
 
 @pytest.mark.parametrize("change", INITIAL_MODEL_CHANGES, ids=list(INITIAL_MODEL_CHANGES))
 def test_a_resume_refuses_an_initial_model_that_changed(tmp_path, change):
     tokenizer = policy_tokenizer()
+    model, root = hub_cache_repo(tmp_path.name) if change == "a new Hub revision" else (str(tmp_path), tmp_path)
     if change == "a new Hub revision":
-        hub_snapshot(tmp_path, "a" * 40)
-        identity = lambda: hub_identity(tmp_path)  # noqa: E731
+        hub_snapshot(root, "a" * 40)
     else:
-        tiny_policy(len(tokenizer)).save_pretrained(tmp_path)
-        tokenizer.save_pretrained(tmp_path)
-        identity = lambda: plumbing.model_identity(str(tmp_path))  # noqa: E731
+        tiny_policy(len(tokenizer)).save_pretrained(root)
+        tokenizer.save_pretrained(root)
+    identity = lambda: plumbing.model_identity(model)  # noqa: E731
     saved = {"model_name_or_path": identity()}
     assert plumbing.check_same_inputs(saved, {"model_name_or_path": identity()}, ()) == []  # unchanged: resumes
     apply, fragment = INITIAL_MODEL_CHANGES[change]
-    apply(tmp_path)
+    apply(root)
     with pytest.raises(plumbing.ConfigError, match=re.escape(
             f"cannot resume: the input --model_name_or_path is not the one the run started with ({fragment}): restore "
             "it, or pass --allow_changed_inputs model_name_or_path to continue with it as it is now")):

@@ -85,6 +85,42 @@ def test_an_uncaught_exception_is_a_traceback_of_the_script_and_exit_1(tmp_path)
     assert "forked_python" not in result.stderr and f'File "{script}", line 3' in result.stderr, result.stderr
 
 
+ENDING = """import atexit, concurrent.futures, os, sys, threading, time
+if sys.argv[1] == "stdout unwritable":  # a pipe without a reader: its buffer cannot be flushed at the end
+    reader, writer = os.pipe()
+    os.close(reader)
+    sys.stdout = os.fdopen(writer, "w")
+    sys.stdout.write("buffered")
+class Noisy:
+    def __del__(self):
+        print("finalized", file=sys.__stdout__, flush=True)
+held = Noisy()  # finalized once the interpreter clears __main__
+atexit.register(lambda: print("atexit", file=sys.__stdout__, flush=True))
+late = lambda what: (time.sleep(0.2), print(what, file=sys.__stdout__, flush=True))
+threading.Thread(target=late, args=("thread",)).start()
+concurrent.futures.ThreadPoolExecutor(1).submit(late, "executor")
+print("main", file=sys.__stdout__, flush=True)
+if sys.argv[1] == "sys.exit with a message":
+    sys.exit("a message")
+if sys.argv[1] == "KeyboardInterrupt":
+    raise KeyboardInterrupt
+"""
+
+
+@pytest.mark.parametrize("case", ["returns", "sys.exit with a message", "KeyboardInterrupt", "stdout unwritable"])
+def test_a_run_ends_as_an_interpreter_ends(tmp_path, case):
+    """Threads and executors waited for, then atexit handlers, then __main__'s objects finalized; the exit status
+    (a message: 1; stdout that cannot be flushed: 120; an uncaught KeyboardInterrupt: SIGINT) and what is said."""
+    script = tmp_path / "ending.py"
+    script.write_text(ENDING)
+    ended = [started(interpreter, script, case, env=script_env()) for interpreter in (sys.executable, python())]
+    real, forked = ((r.returncode, r.stdout.split(), r.stderr) for r in ended)
+    assert forked == real and sorted(real[1][1:3]) == ["executor", "thread"] and real[1][::3] == ["main", "atexit"] \
+        and real[1][-1] == "finalized", (real, forked)
+    assert real[0] == {"returns": 0, "sys.exit with a message": 1, "KeyboardInterrupt": -signal.SIGINT,
+                       "stdout unwritable": 120}[case]
+
+
 @pytest.mark.parametrize("handled", [True, False], ids=["a handler", "fatal"])
 def test_a_signal_to_the_client_reaches_the_run_and_its_end_is_the_clients(tmp_path, handled):
     ready = tmp_path / "ready"

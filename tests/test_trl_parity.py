@@ -1,7 +1,10 @@
 """TRL 1.16 parity: clip-higher, TRL 1.x's metrics, --mask_truncated_completions, TR-DPO's reference sync, the Trainer's
 and the `trl rloo` script's names, and TRL 1.16's whole RLOOConfig field list against both scripts' parsers."""
 
+import json
 import math
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ import rloo
 import rloo_multinode
 from conftest import (policy_loss_of, policy_tokenizer, prompt_rows, read_metrics, run_rloo, tiny_policy,
                       tiny_reward_model)
-from helpers import NO_AUTOCAST, left_padded, python
+from helpers import NO_AUTOCAST, REPO, hub_cache_repo, left_padded, python, script_env
 
 CPU = torch.device("cpu")
 
@@ -319,10 +322,9 @@ def test_use_vllm_without_vllm_mode_is_colocated_as_in_trl_1_16(capsys):
 
 
 # ---------------------------------------------------------------- the `trl rloo` script's model options
-def hub_model(cache, revisions: dict) -> None:
-    """org/tiny in a Hugging Face cache, one snapshot per {ref: seed} (a policy and its tokenizer), as downloads
-    of those revisions leave it."""
-    root = cache / "models--org--tiny"
+def hub_model(root: Path, revisions: dict) -> None:
+    """A model in the tests' Hugging Face cache (its folder `root`), one snapshot per {ref: seed} (a policy and its
+    tokenizer), as downloads of those revisions leave it."""
     for i, (ref, seed) in enumerate(revisions.items()):
         commit = str(i + 1) * 40
         tiny_policy(len(policy_tokenizer()), seed=seed).save_pretrained(root / "snapshots" / commit)
@@ -334,24 +336,19 @@ def hub_model(cache, revisions: dict) -> None:
 def test_model_revision_loads_that_revision_of_a_hub_policy_and_takes_part_in_its_identity(tmp_path):
     """The policy (and its tokenizer, reference and fingerprint for resume) come from --model_revision's snapshot;
     a revision the cache lacks is one line."""
-    import json
-    import subprocess
-
-    from conftest import REPO
-
-    hub_model(tmp_path, {"main": 0, "v1": 1})
-    code = ("import json, sys, torch, plumbing, rloo; args = rloo.Args(model_name_or_path='org/tiny', reward_fn="
+    model, root = hub_cache_repo(tmp_path.name)
+    hub_model(root, {"main": 0, "v1": 1})
+    code = (f"import json, sys, torch, plumbing, rloo; args = rloo.Args(model_name_or_path={model!r}, reward_fn="
             "('m:f',), model_revision=sys.argv[1]); plumbing.validate_args(args); policy, ref, _, _ = "
             "rloo.load_policy(args, torch.device('cpu')); print(json.dumps({'weights': policy.gpt_neox.embed_in.weight"
             "[:2, :2].tolist(), 'reference': torch.equal(ref.gpt_neox.embed_in.weight, policy.gpt_neox.embed_in."
             "weight), 'identity': plumbing.input_identities(args)['model_name_or_path']}))")
-    env = {**__import__("os").environ, "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
     seen = {}
     for revision in ("main", "v1", "missing"):
         result = subprocess.run([python(), "-c", code, revision], capture_output=True, text=True, cwd=REPO,
-                                env=env)
+                                env=script_env())
         if revision == "missing":
-            assert result.returncode != 0 and "could not load" in result.stderr and "org/tiny" in result.stderr
+            assert result.returncode != 0 and "could not load" in result.stderr and model in result.stderr
             continue
         assert result.returncode == 0, result.stderr[-2000:]
         seen[revision] = json.loads(result.stdout.splitlines()[-1])
