@@ -55,9 +55,17 @@ def setup_distributed(timeout: float = 1800.0) -> Dist:
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    # gloo too on GPUs: collectives on CPU tensors (--offload's gradient shards, their norm) have a backend
-    dist.init_process_group(backend="cuda:nccl,cpu:gloo" if backend == "nccl" else backend,
-                            timeout=datetime.timedelta(seconds=timeout))
+    from .faults import interruptible  # (faults imports this module)
+
+    def join() -> None:  # gloo too on GPUs: collectives on CPU tensors (--offload's gradient shards, their norm)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # this thread's device too
+        dist.init_process_group(backend="cuda:nccl,cpu:gloo" if backend == "nccl" else backend,
+                                timeout=datetime.timedelta(seconds=timeout))
+
+    # waited for in a thread: the wait for the other ranks, in C++, would keep a stop signal's handler from running
+    # until every rank had joined (torchrun's SIGTERM once a rank failed while starting: 30 s, then SIGKILL)
+    interruptible(join, "init_process_group")
     return Dist(rank, local_rank, world_size, device)
 
 
@@ -246,12 +254,19 @@ STOPPED_ALONE = "rloo/stopped_alone"  # set by a rank that stops on its own: the
 
 
 def stopped_alone(mark: bool = False) -> bool:
-    """Whether a rank has marked (with `mark`: marks) in the store that it stops on its own, having said why."""
-    store = process_group_store()
+    """Whether a rank has marked (with `mark`: marks) in the store that it stops on its own, having said why: the
+    process group's, or before it exists (a rank stopped while starting, the others waiting for it to join) torchrun's
+    own, under this launch's id."""
+    store, key = process_group_store(), STOPPED_ALONE
     with contextlib.suppress(RuntimeError):  # the store is gone too: nothing to say or learn
+        if store is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=datetime.timedelta(seconds=10))
+            key = "/".join([STOPPED_ALONE, *(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID",
+                                                                              "TORCHELASTIC_RESTART_COUNT"))])
         if store is not None and mark:
-            store.set(STOPPED_ALONE, "1")
-        return store is not None and store.check([STOPPED_ALONE])
+            store.set(key, "1")
+        return store is not None and store.check([key])
     return False
 
 

@@ -937,6 +937,8 @@ def test_a_signal_to_one_rank_during_start_up_stops_every_rank_with_one_line(ass
     said = [said for said in stderr.splitlines() if said.startswith("rloo.py")]  # SIGKILL: rank 0 says what it saw
     assert len(said) == 1 and said[0].startswith(line) and (sig == signal.SIGKILL or said[0] == line), stderr[-3000:]
     assert str(REPO / "rloo.py") + '", line' not in stderr  # no traceback from a rank (torchrun prints its own)
+    exits = dict(re.findall(r"rank +: (\d+) \(local_rank: \d+\)\n +exitcode +: (-?\d+)", stderr))  # torchrun's
+    assert exits.get("0", "-9") != "-9", stderr[-3000:]  # rank 0 answered its SIGTERM, not killed after its grace
 
 
 def test_a_failing_or_stuck_rank_stops_every_rank_with_one_line_naming_it(tmp_path):
