@@ -1,10 +1,11 @@
 """Two gloo ranks under torchrun, scoring as rloo.py's update does. First a reward function that raises on rank 1
 only: both ranks stop with rank 1's error. Then rank 1's reward function hangs: past its timeout (both ranks stop
 with its error); until rank 1 gets a SIGTERM (both stop as for a signal); the same while rank 0's raises (its failure
-wins). Then rank 1 stalls in the scoring of the next update: rank 0 stops after --ddp_timeout (argv[2] seconds)
-with a Fault naming rank 1 and its phase. Rank 0 writes what it saw to
+wins). Then rank 1 stalls in the scoring of the next update: rank 0 stops after the ranks' timeout (--ddp_timeout, argv[2]
+seconds, then argv[3]) with a Fault naming rank 1 and its phase. Rank 0 writes what it saw to
 argv[1] as JSON. Used by test_checkpoints.py."""
 
+import datetime
 import json
 import os
 import signal
@@ -46,6 +47,9 @@ if __name__ == "__main__":
                     plumbing.call_reward_function("judge", judge, 2, timeout, completions=["a", "b"])
         except plumbing.RewardFunctionError as e:
             seen[phase] = [str(e), e.signal_name, e.announce]
+    # the ranks' waits time out sooner from here on (the store's timeout, which --ddp_timeout sets): rank 1 stalls
+    # until rank 0 has given up, however long that takes
+    plumbing.distributed.process_group_store().set_timeout(datetime.timedelta(seconds=float(sys.argv[3])))
     try:
         with plumbing.reward_faults(dist_info.device, "scoring of update 2"):
             plumbing.note_phase("scoring")

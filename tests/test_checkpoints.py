@@ -944,7 +944,7 @@ def test_a_signal_to_one_rank_during_start_up_stops_every_rank_with_one_line(ass
 def test_a_failing_or_stuck_rank_stops_every_rank_with_one_line_naming_it(tmp_path):
     env = script_env({"PYTHONPATH": f"{REPO / 'tests'}:{REPO}"})  # offline: as the server of forks
     result = subprocess.run([python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             str(REPO / "tests" / "peers.py"), str(tmp_path / "seen.json"), "10"],
+                             str(REPO / "tests" / "peers.py"), str(tmp_path / "seen.json"), "10", "2"],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads((tmp_path / "seen.json").read_text())
@@ -957,7 +957,7 @@ def test_a_failing_or_stuck_rank_stops_every_rank_with_one_line_naming_it(tmp_pa
     assert seen["failed and signalled"] == ["reward function 'judge' raised ConnectionError: the judge does not "
                                             "answer (rank 0, scoring of failed and signalled)", None, True]
     message, announce = seen["stuck"]
-    assert announce and message.startswith("the other ranks waited --ddp_timeout 10 s after scoring of update 2: "
+    assert announce and message.startswith("the other ranks waited --ddp_timeout 2 s after scoring of update 2: "
                                            "rank 1 is in 'scoring' since ")
     assert "nothing saved, a checkpoint needs every rank" in message
 
