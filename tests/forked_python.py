@@ -51,8 +51,10 @@ PER_RUN = ("PYTHONPATH", "PYTHON_EXEC", "OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERR
 # Imported once by the server: what a run of rloo.py imports outside the project (its own modules are imported by
 # each run). A library that is not installed is skipped.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "numpy",
-           "safetensors.torch", "yaml", "tyro", "datasets", "transformers", "peft", "matplotlib.figure",
-           "matplotlib.backends.backend_agg", "torch.distributed.launcher.api")  # torchrun's, not it (runpy warns)
+           "safetensors.torch", "yaml", "tyro", "tyro._backends._tyro_backend", "typeguard", "datasets",
+           "transformers", "transformers.models.gpt_neox.modeling_gpt_neox", "peft", "matplotlib.figure",
+           "matplotlib.backends.backend_agg", "rich.console", "rich.progress", "rich.table",
+           "torch.distributed.launcher.api")  # torchrun's, not it (runpy warns)
 PRELOAD_NAMES = ("AutoConfig", "AutoModelForCausalLM", "AutoModelForSequenceClassification", "AutoTokenizer",
                  "PreTrainedTokenizerFast", "GenerationConfig", "PreTrainedModel")  # transformers' lazy ones
 FORWARDED = [s for s in signal.Signals if s not in (  # what another process sends (not the client's own faults)
