@@ -12,13 +12,14 @@ from pathlib import Path
 # models are tiny, the pytest workers are one per core, and each run's threads would contend for cores the other
 # worker's run is using. Set before torch loads (helpers imports it): OpenMP reads it then.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Offline, and the tests' own Hugging Face cache, one per pytest process, empty at the start, never the user's: a test
-# that needs a model "from the Hub" puts its snapshots there under a name of its own (helpers.hub_cache_repo). This
-# process and every run it starts read the same one, forks of the server included (huggingface_hub reads both as it
-# imports).
+# Offline, and the tests' own Hugging Face home, one per pytest process, empty at the start, never the user's (their
+# token, their accelerate config): a test that needs a model "from the Hub" puts its snapshots in its cache under a
+# name of its own (helpers.hub_cache_repo). This process and every run it starts read the same one, forks of the
+# server included (huggingface_hub reads them as it imports).
 os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="rloo-tests-hub-")
-atexit.register(shutil.rmtree, os.environ["HF_HUB_CACHE"], True)
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="rloo-tests-hf-home-")
+os.environ["HF_HUB_CACHE"] = os.path.join(os.environ["HF_HOME"], "hub")
+atexit.register(shutil.rmtree, os.environ["HF_HOME"], True)
 
 import pytest  # noqa: E402
 
