@@ -699,12 +699,12 @@ def test_a_run_of_more_updates_than_it_can_count_is_refused_with_what_fits():
 def test_a_timer_that_fires_while_a_reward_function_runs_is_a_fault_not_the_end_of_the_run(tmp_path, which, call):
     """The timer's signal is caught while user code runs (the function returns once its timer has run out, busy for
     the CPU-time ones) and is one line; the timer and the handler are as before."""
-    module = tmp_path / "timed.py"
+    module = tmp_path / f"{tmp_path.name}.py"  # a name of its own: an imported module stays in sys.modules
     module.write_text(f"import signal\ndef f(**kwargs):\n    {call}\n    while signal.getitimer(signal.{which})[0] > 0:"
                       "\n        pass\n    return [1.0]\n")
     sys.path.insert(0, str(tmp_path))
     try:
-        [(name, fn)] = plumbing.load_reward_functions(("timed:f",))
+        [(name, fn)] = plumbing.load_reward_functions((f"{module.stem}:f",))
     finally:
         sys.path.remove(str(tmp_path))
     with pytest.raises(plumbing.RewardFunctionError) as error:
