@@ -23,9 +23,10 @@ When the client is killed (SIGKILL), the run gets SIGIO (the kernel's, once its 
 default ends the process). SIGSTOP cannot be forwarded: a test that stops a run, or reads the pid a run writes (its
 lock file), asks `Interpreter.pid_of(process)` for the run's own pid. A run ends as Python ends (threads waited
 for, atexit handlers, its modules' objects finalized, stdout flushed) but without tearing down the preloaded
-libraries (0.3 s of every run): what only they still hold is not finalized. The other difference from a new
-interpreter: the runs share the server's hash seed (PYTHONHASHSEED). `TESTS_FORK=0 make test` runs every test with
-real interpreters.
+libraries (0.3 s of every run): what only they still hold is not finalized. The other differences from a new
+interpreter: the runs share the server's hash seed (PYTHONHASHSEED), and a run's parent process is the server, not
+the process that started it (a test whose run reads its launcher's command line, /proc/PPID/cmdline, uses
+sys.executable). `TESTS_FORK=0 make test` runs every test with real interpreters.
 """
 
 import gc
@@ -61,6 +62,7 @@ FORWARDED = [s for s in signal.Signals if s not in (  # what another process sen
     signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD, signal.SIGPIPE, signal.SIGWINCH, signal.SIGURG, signal.SIGTSTP,
     signal.SIGTTIN, signal.SIGTTOU, signal.SIGCONT, signal.SIGIO, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL,
     signal.SIGFPE, signal.SIGTRAP, signal.SIGSYS)]
+SERVER_MODULE = "__forked_python_server__"  # this file's module in the server and its forks (no run imports it)
 DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN,
             signal.SIGXFSZ: signal.SIG_IGN}  # what a new interpreter installs; every other signal: SIG_DFL
 
@@ -188,6 +190,14 @@ def serve(address: str, client_path: str) -> None:
     base_path = [p for p in sys.path[1:] if p]  # the interpreter's own folders, without this file's and PYTHONPATH's
     base_path = [p for p in base_path if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     preloaded = {name.partition(".")[0] for name in sys.modules} | {"usercustomize"}  # sitecustomize: site_customizes
+    # inspect.stack() (torchrun's agent calls it 18 times a run) searches every module for a frame's file it has not
+    # seen: this file's frames, below each run's, are found under this name (a run's own __main__ replaces ours), and
+    # the search's cache is filled once here, not in every run
+    sys.modules[SERVER_MODULE] = sys.modules["__main__"]
+    import inspect
+
+    inspect.stack()
+    gc.freeze()
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(address)
     listener.listen(64)
@@ -364,7 +374,15 @@ def run(conn: socket.socket, fds: list[int], asked: dict, how: tuple, said: tupl
                 code = compile(f.read(), target, "exec")
             exec(code, main.__dict__)
         elif mode == "-m":
-            runpy._run_module_as_main(target)  # what `python -m` calls (argv[0]: the module's file)
+            try:
+                name, spec, code = runpy._get_module_details(target, runpy._Error)
+            except runpy._Error as e:
+                sys.exit(f"{sys.executable}: {e}")
+            sys.argv[0] = spec.origin
+            main.__dict__.update(__name__="__main__", __file__=spec.origin if spec.has_location else None,
+                                 __cached__=spec.cached if spec.has_location else None, __doc__=None,
+                                 __loader__=spec.loader, __package__=spec.parent, __spec__=spec)
+            exec(code, main.__dict__)
         else:
             exec(compile(target, "<string>", "exec"), main.__dict__)
     except SystemExit as e:
@@ -424,6 +442,8 @@ def flushed(status: int) -> int:
     """sys.stdout and sys.stderr flushed as Python's end flushes them: `status`, or 120 where that failed (stdout's
     failure said)."""
     for stream in (sys.stdout, sys.stderr):
+        if stream is None or stream.closed:  # closed by the script (json.tool's): nothing to flush
+            continue
         try:
             stream.flush()
         except Exception as e:  # noqa: BLE001: any failure, as Python's

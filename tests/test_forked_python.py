@@ -96,7 +96,7 @@ class Noisy:
         print("finalized", file=sys.__stdout__, flush=True)
 held = Noisy()  # finalized once the interpreter clears __main__
 atexit.register(lambda: print("atexit", file=sys.__stdout__, flush=True))
-late = lambda what: (time.sleep(0.2), print(what, file=sys.__stdout__, flush=True))
+late = lambda what: (time.sleep(0.2), os.write(1, f"{what}\\n".encode()))  # one write: lines whole
 threading.Thread(target=late, args=("thread",)).start()
 concurrent.futures.ThreadPoolExecutor(1).submit(late, "executor")
 print("main", file=sys.__stdout__, flush=True)
@@ -114,11 +114,23 @@ def test_a_run_ends_as_an_interpreter_ends(tmp_path, case):
     script = tmp_path / "ending.py"
     script.write_text(ENDING)
     ended = [started(interpreter, script, case, env=script_env()) for interpreter in (sys.executable, python())]
-    real, forked = ((r.returncode, r.stdout.split(), r.stderr) for r in ended)
-    assert forked == real and sorted(real[1][1:3]) == ["executor", "thread"] and real[1][::3] == ["main", "atexit"] \
-        and real[1][-1] == "finalized", (real, forked)
+    # the thread and the executor's worker, both waited for, end in either order
+    real, forked = ((r.returncode, [*r.stdout.split()[:1], *sorted(r.stdout.split()[1:3]), *r.stdout.split()[3:]],
+                     r.stderr) for r in ended)
+    assert forked == real and real[1] == ["main", "executor", "thread", "atexit", "finalized"], (real, forked)
     assert real[0] == {"returns": 0, "sys.exit with a message": 1, "KeyboardInterrupt": -signal.SIGINT,
                        "stdout unwritable": 120}[case]
+
+
+@pytest.mark.parametrize("argv", [["-c", "import sys; print('x'); sys.stdout.close()"], ["-m", "json.tool"],
+                                  ["-m", "json"], ["-m", "no_such_module_here"]])
+def test_a_module_run_with_m_or_a_script_closing_stdout_ends_as_with_python(argv):
+    """`python -m` of a module (json.tool reads stdin, writes stdout and closes it), of a package without __main__,
+    of no module: what is said and the exit status."""
+    ended = [started(interpreter, *argv, input='{"a": 1}', env=script_env(), cwd=REPO)
+             for interpreter in (sys.executable, python())]
+    assert [(r.returncode, r.stdout, r.stderr) for r in ended[1:]] == [(r.returncode, r.stdout, r.stderr)
+                                                                      for r in ended[:1]], ended
 
 
 @pytest.mark.parametrize("handled", [True, False], ids=["a handler", "fatal"])
