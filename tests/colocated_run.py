@@ -13,7 +13,7 @@ import torch
 import conftest  # noqa: F401  (puts the repository on the path)
 import rloo
 import rloo_multinode as mn
-from test_vllm import fixed_sequences, max_difference, trainer_logprobs
+from helpers import fixed_sequences, max_difference, trainer_logprobs
 
 
 class WatchedRollouts(mn.ColocatedRollouts):

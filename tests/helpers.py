@@ -4,6 +4,7 @@ or in the test's process (one import shared by every run), and the checks of a r
 fixtures (the tiny assets, built once per session) and keeps these names importable from it."""
 
 import atexit
+import contextlib
 import functools
 import json
 import os
@@ -30,6 +31,7 @@ LETTERS = "abcdefghijkl"
 
 import plumbing  # noqa: E402  (from REPO, put on the path above)
 import forked_python  # noqa: E402
+import rloo  # noqa: E402
 
 
 def word_tokenizer(words: list[str], pad: str | None = "<pad>", eos: str = "<eos>") -> PreTrainedTokenizerFast:
@@ -277,6 +279,176 @@ def tree(root: Path) -> dict[str, bytes]:
     """Every file under root (but the lock) with its bytes: what a run may not have changed."""
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
             if p.is_file() and not p.is_symlink() and p.name != plumbing.LOCK}
+
+
+# ---------------------------------------------------------------- the update: completions sampled and trained on
+UNEVEN_PROMPTS = ["a b c d e f :", "g :", "h i :"]  # 3 prompts of 7, 2 and 3 tokens
+
+
+def eos_prone_policy(seed: int = 0, attention: str = "sdpa") -> tuple[PreTrainedTokenizerFast, GPTNeoXForCausalLM]:
+    """A tiny policy whose EOS (id 1) is likely, so that completions end at different lengths."""
+    tokenizer = policy_tokenizer()
+    policy = tiny_policy(len(tokenizer), seed=seed)
+    policy.set_attn_implementation(attention)
+    with torch.no_grad():
+        policy.get_output_embeddings().weight[1] *= 3
+    return tokenizer, policy
+
+
+def sampled(k: int, attention: str = "sdpa", seed: int = 0) -> tuple[torch.nn.Module, rloo.Completions]:
+    tokenizer, policy = eos_prone_policy(attention=attention)
+    queries, query_mask = plumbing.pad_sequences([tokenizer(p)["input_ids"] for p in UNEVEN_PROMPTS], 0,
+                                                 torch.device("cpu"))
+    c = rloo.sample_completions(policy, queries, query_mask, 6, 1.0, 1, 0, torch.Generator().manual_seed(seed), k=k)
+    assert len(set(c.response_mask.sum(1).tolist())) > 1  # responses of several lengths
+    return policy, c
+
+
+def trained(share_prompt: bool, c: rloo.Completions, logprobs_from_update: bool, **flags) -> dict:
+    """Parameters after a ppo_update from the same start and the same random draws."""
+    k = c.k
+    policy = tiny_policy(len(policy_tokenizer()), seed=3)
+    args = rloo.Args(rloo_k=k, temperature=1.0, kl_coef=0.1, **flags)
+    sizes = rloo.compute_batch_sizes(args, 1)
+    with torch.no_grad():
+        ref, _ = rloo.forward_logprobs(tiny_policy(len(policy_tokenizer()), seed=4), c, 1.0, share_prompt)
+        logprobs = None if logprobs_from_update else \
+            rloo.forward_logprobs(policy, c, 1.0, share_prompt)[0] * c.response_mask
+    rollout = rloo.Rollout(c.queries, c.query_mask, c.responses, c.response_mask, logprobs, ref * c.response_mask)
+    scores = torch.randn(c.responses.shape[0], generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(7)
+    stats, _ = rloo.ppo_update(policy, torch.optim.SGD(policy.parameters(), lr=1.0), rollout, scores, args, sizes,
+                               share_prompt, NO_AUTOCAST)
+    return {"stats": stats, "logprobs": rollout.logprobs, **{n: p.detach() for n, p in policy.named_parameters()}}
+
+
+# ---------------------------------------------------------------- changing the algorithm: a module's main, in process
+K, PROMPTS = 4, 4  # 16 completions an update
+
+
+def run_main(module, in_update: list | None = None, **flags) -> list:
+    """module.main in this process with the tiny policy's flags and these; the rollouts it trained on (and in
+    `in_update`, whether the update's forward gave each one's log-probs)."""
+    rollouts, collect = [], module.collect_rollout
+
+    def collect_and_keep(*args, **kwargs):
+        rollouts.append(collect(*args, **kwargs))  # ppo_update fills it on-policy: final once the update is done
+        if in_update is not None:
+            in_update.append(args[5])
+        return rollouts[-1]
+
+    module.collect_rollout = collect_and_keep
+    try:
+        module.main(module.Args(**{"reward_fn": ["reward_fns:count_a"], "max_prompt_length": 16, "response_length": 6,
+                                   "rloo_k": K, "per_device_train_batch_size": K * PROMPTS, "temperature": 1.0,
+                                   "num_sample_generations": 0, "learning_rate": 3e-3,
+                                   "lr_scheduler_type": "constant"} | flags))
+    finally:
+        module.collect_rollout = collect
+    return rollouts
+
+
+# ---------------------------------------------------------------- engines (rloo_multinode.py): runs, sockets, processes
+# RUN but for --local_rollout_forward_batch_size 12 and --num_evals 0; PER_UPDATE completions per update and rank
+ENGINE_RUN = ("--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train_batch_size", "16",
+              "--response_length", "6", "--temperature", "1.0", "--max_prompt_length", "16",
+              "--local_rollout_forward_batch_size", "12", "--num_ppo_epochs", "2", "--num_mini_batches", "2",
+              "--learning_rate", "3e-3", "--num_sample_generations", "0", "--num_evals", "0")
+ENGINE_ONLY = ("time/", "eps", "rollout/staleness", "work/", "run_id")  # wall-clock, what only the engines' run
+# measures, the trainer's own forward passes (the local run also generates), and each run's own id
+SECRET = "tests-secret-" + "0" * 32  # a run's control-store secret, as a user exports it
+
+
+def run_script(script: str, *args, nproc: int = 0, wait: bool = True,
+               env: dict | None = None) -> subprocess.CompletedProcess | subprocess.Popen:
+    """The script run to the end, or with wait=False started and returned running."""
+    if wait:
+        return run_rloo(*args, nproc=nproc, script=script, env=env)
+    return subprocess.Popen(script_command(script, *args, nproc=nproc), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=script_env(env), cwd=REPO)
+
+
+def wait_for_updates(trainer: subprocess.Popen, out: Path, count: int, timeout: float) -> None:
+    """Until the running trainer has logged `count` updates to out/metrics.jsonl; a failure if it exits first."""
+    deadline = time.time() + timeout
+    while not ((out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= count):
+        assert time.time() < deadline and trainer.poll() is None, trainer.communicate()[1][-3000:]
+        time.sleep(0.1)
+
+
+def engine_comparable(metrics: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith(ENGINE_ONLY)} for m in metrics]
+
+
+def ip_address(hex_address: str) -> str:
+    """An address as /proc/net/tcp(6) writes it (32-bit words in host order, little-endian here), as text."""
+    raw = bytes.fromhex(hex_address)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, words)
+
+
+def listening_sockets(pids: list[int]) -> dict[int, tuple[str, int]]:
+    """Every listening TCP socket the processes hold: {inode: (address, port)}."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:["):
+                        inodes.add(int(target[len("socket:[") : -1]))
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[9]) in inodes:  # 0A: LISTEN
+                address, port = fields[1].rsplit(":", 1)
+                found[int(fields[9])] = (ip_address(address), int(port, 16))
+    return found
+
+
+def live_processes_in_group(pgid: int) -> list[int]:
+    """The pids of the process group's members that still run (zombies, which nobody may reap here, excluded)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            state, _, group = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]  # after "pid (comm)"
+            if state != "Z" and int(group) == pgid:
+                pids.append(int(entry.name))
+    return pids
+
+
+# ---------------------------------------------------------------- vLLM engines: their log-probs against the trainer's
+def fixed_sequences() -> list[list[int]]:
+    """Prompts and completions written out as token ids (letters, ':', EOS), of different lengths."""
+    tokenizer = policy_tokenizer()
+    texts = ["a b c d : a b", "l k : l k l <eos>", "e f g h i j : e f g h i j e f", "c :"]
+    return [tokenizer(text)["input_ids"] for text in texts]
+
+
+@torch.no_grad()
+def trainer_logprobs(policy, sequences: list[list[int]]) -> list[list[float]]:
+    """The trainer's log p(token t | tokens < t), t >= 1, by a plain forward of the policy."""
+    out = []
+    for ids in sequences:
+        ids = torch.tensor([ids])  # (1, T)
+        logp = torch.log_softmax(policy(ids).logits.float(), -1)[0, :-1]  # (T-1, V)
+        out.append(logp.gather(-1, ids[0, 1:, None])[:, 0].tolist())
+    return out
+
+
+def max_difference(a: list[list[float]], b: list[list[float]]) -> float:
+    assert [len(x) for x in a] == [len(x) for x in b]
+    return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+
+
+# ---------------------------------------------------------------- the benchmark scripts
+def run_benchmark_script(*args) -> None:
+    """A benchmark script to the end, its OpenMP threads sleeping when idle instead of spinning (as `make test` sets
+    for all tests): on a busy 2-core machine the spinning made these runs several times slower. Same results."""
+    result = subprocess.run([python(), *map(str, args)], capture_output=True, text=True, cwd=REPO, timeout=600,
+                            env=cpu_env({"OMP_WAIT_POLICY": "PASSIVE"}))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
 # ---------------------------------------------------------------- the Makefile

@@ -14,8 +14,7 @@ from benchmark import synthetic_task
 from benchmark.throughput import trl116_command, trl_environment_problem
 from benchmark.trl_rloo import decode_for_monitors
 from conftest import REPO
-from helpers import python
-from test_benchmark import run_benchmark_script
+from helpers import python, run_benchmark_script
 
 TRL_PYTHON = REPO / "benchmark" / ".venv-trl" / "bin" / "python"
 

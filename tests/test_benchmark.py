@@ -4,7 +4,6 @@ demo is `make demo`)."""
 import json
 import random
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,8 +12,8 @@ import tyro
 import rloo
 from benchmark import demo, learning, sync_cost, synthetic_task, throughput
 from benchmark.plot_metrics import plot_curves
-from conftest import REPO, cpu_env
-from helpers import planned_commands, python
+from conftest import REPO
+from helpers import planned_commands, run_benchmark_script
 
 
 def test_true_score_by_hand():
@@ -92,14 +91,6 @@ def test_plot_curves_writes_a_png(tmp_path):
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     plot_curves([path, path], tmp_path / "curves.png")
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def run_benchmark_script(*args) -> None:
-    """A benchmark script to the end, its OpenMP threads sleeping when idle instead of spinning (as `make test` sets
-    for all tests): on a busy 2-core machine the spinning made these runs several times slower. Same results."""
-    result = subprocess.run([python(), *map(str, args)], capture_output=True, text=True, cwd=REPO, timeout=600,
-                            env=cpu_env({"OMP_WAIT_POLICY": "PASSIVE"}))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
 @pytest.mark.bench

@@ -9,7 +9,6 @@ import re
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch
@@ -19,10 +18,10 @@ from transformers import AutoModelForCausalLM
 import plumbing
 import rloo
 from conftest import REPO, policy_tokenizer, prompt_rows, read_metrics, run_rloo, tiny_policy, tiny_reward_model
-from helpers import NO_AUTOCAST, left_padded
+from helpers import (ENGINE_RUN, K, NO_AUTOCAST, PER_UPDATE, PROMPTS, assert_same_run, engine_comparable, free_port,
+                     interrupt_after_first_update, left_padded, run_main)
 
 CPU = torch.device("cpu")
-K, PROMPTS = 4, 4  # 16 completions an update
 
 
 def examples() -> dict[str, list[str]]:
@@ -250,28 +249,6 @@ def test_epsilon_sampling_cuts_the_same_tokens_in_the_sampler_and_the_trainer(tm
     torch.testing.assert_close(c.sampler_logprobs, trainer, atol=2e-6, rtol=0)
 
 
-def run_main(module, in_update: Optional[list] = None, **flags) -> list:
-    """module.main in this process with the tiny policy's flags and these; the rollouts it trained on (and in
-    `in_update`, whether the update's forward gave each one's log-probs)."""
-    rollouts, collect = [], module.collect_rollout
-
-    def collect_and_keep(*args, **kwargs):
-        rollouts.append(collect(*args, **kwargs))  # ppo_update fills it on-policy: final once the update is done
-        if in_update is not None:
-            in_update.append(args[5])
-        return rollouts[-1]
-
-    module.collect_rollout = collect_and_keep
-    try:
-        module.main(module.Args(**{"reward_fn": ["reward_fns:count_a"], "max_prompt_length": 16, "response_length": 6,
-                                   "rloo_k": K, "per_device_train_batch_size": K * PROMPTS, "temperature": 1.0,
-                                   "num_sample_generations": 0, "learning_rate": 3e-3,
-                                   "lr_scheduler_type": "constant"} | flags))
-    finally:
-        module.collect_rollout = collect
-    return rollouts
-
-
 ON_POLICY = {"num_ppo_epochs": 1, "per_device_train_batch_size": K, "gradient_accumulation_steps": PROMPTS}
 
 
@@ -395,8 +372,6 @@ def test_an_adaptive_kl_controller_resumes_bit_identically(assets, tmp_path):
     assert coefficients[0] == 0.5 and len(set(coefficients)) == 4, coefficients
     saved = torch.load(tmp_path / "resumed" / "checkpoints" / "step_2" / "rank0.pt", weights_only=True)
     assert saved["algorithm_state"] == {"kl_coef": coefficients[2]}
-    from helpers import assert_same_run
-
     assert_same_run(tmp_path / "full", tmp_path / "resumed")
 
 
@@ -414,8 +389,6 @@ def test_an_on_policy_run_resumes_with_its_shortcut_verdict_bit_identically(asse
     assert full == [False, True, True, True] and stopped + resumed == full, (full, stopped, resumed)
     saved = torch.load(tmp_path / "resumed" / "checkpoints" / "step_2" / "rank0.pt", weights_only=True)
     assert saved["on_policy_shortcut"] == {"checked": True, "on": True}
-    from test_checkpoints import assert_same_run
-
     assert_same_run(tmp_path / "full", tmp_path / "resumed")
 
 
@@ -428,8 +401,6 @@ def stopped_and_resumed_on_two_ranks(module, assets, tmp_path, *flags) -> Path:
     """The edited rloo.py (`module`'s file) trained for 4 updates on two ranks (torchrun, gloo, CPU), and again
     stopped by SIGTERM after an update and resumed: the same metrics and bit-identical weights. Returns the
     resumed run's output_dir."""
-    from test_checkpoints import assert_same_run, interrupt_after_first_update
-
     script = Path(module.__file__)
     common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *TWO_RANKS, *flags]
     env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
@@ -536,13 +507,12 @@ def test_a_response_length_schedule_through_the_hf_engines_trains_as_the_local_r
     import shutil
 
     from conftest import run_rloo
-    from test_multinode import PER_UPDATE, RUN, comparable, free_port
 
     repo = tmp_path / "repo"
     shutil.copytree(REPO / "plumbing", repo / "plumbing", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "rloo_multinode.py", repo)
     shutil.copy(edited_rloo(examples()["A response-length schedule"], tmp_path).__file__, repo / "rloo.py")
-    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *RUN,
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *ENGINE_RUN,
               "--total_episodes", 3 * PER_UPDATE, "--stop_token", "None"]
     local = run_rloo(*common, "--output_dir", tmp_path / "local", script=str(repo / "rloo.py"))
     assert local.returncode == 0, local.stderr[-3000:]
@@ -551,7 +521,7 @@ def test_a_response_length_schedule_through_the_hf_engines_trains_as_the_local_r
     assert engines.returncode == 0, engines.stderr[-3000:]
     local_metrics, engine_metrics = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "engines")
     assert [m["completions/max_length"] for m in engine_metrics] == [3, 4, 5]  # no stop token: every token sampled
-    for engine, local in zip(comparable(engine_metrics), comparable(local_metrics), strict=True):
+    for engine, local in zip(engine_comparable(engine_metrics), engine_comparable(local_metrics), strict=True):
         mismatch = [k for k in local if k.startswith("mismatch/")]
         assert [engine.pop(k) for k in mismatch] == pytest.approx([local.pop(k) for k in mismatch], rel=1e-6,
                                                                   abs=1e-7)

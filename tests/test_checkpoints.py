@@ -26,11 +26,10 @@ from transformers import AutoModelForCausalLM
 
 import plumbing
 import rloo
-from helpers import (NOT_REPRODUCIBLE, PER_UPDATE, REPO, RUN, assert_same_run, comparable,  # noqa: F401 (kept here)
-                     fake_run, hub_cache_repo, interrupt_after_first_update, launch, pid_of, policy_tokenizer,
-                     prompt_rows, python,
-                     read_metrics, run_rloo, saved_steps, script_command, script_env, tiny_policy, trainer_state, tree,
-                     write_jsonl)
+from helpers import (K, NOT_REPRODUCIBLE, PER_UPDATE, PROMPTS, REPO, RUN, assert_same_run,  # noqa: F401 (kept here)
+                     comparable, fake_run, hub_cache_repo, interrupt_after_first_update, launch, pid_of,
+                     policy_tokenizer, prompt_rows, python, read_metrics, run_main, run_rloo, saved_steps,
+                     script_command, script_env, tiny_policy, trainer_state, tree, write_jsonl)
 
 
 
@@ -82,8 +81,6 @@ def test_a_reward_function_drawing_random_numbers_resumes_exactly(assets, tmp_pa
     """The generators are restored as the last step before the first resumed update (nothing draws from them in
     between, the console's construction included): a reward function drawing from python's, numpy's or torch's
     global generator scores a resumed run as it scores an uninterrupted one, bit for bit."""
-    from test_changing_the_algorithm import K, PROMPTS, run_main
-
     flags = {"model_name_or_path": str(assets["policy"]), "dataset_name": str(assets["train"]),
              "reward_fn": [f"reward_fns:{reward_fn}"], "kl_coef": 0.1}
     run_main(rloo, **flags, output_dir=str(tmp_path / "full"), total_episodes=3 * K * PROMPTS)
@@ -773,7 +770,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp
         "out, tokenizer = sys.argv[1], policy_tokenizer()\n"
         "policy = tiny_policy(len(tokenizer))\n"
         "optimizer = torch.optim.AdamW(policy.parameters())\n"
-        "from test_checkpoints import trainer_state\n"
+        "from helpers import trainer_state\n"
         "plumbing.save_checkpoint(out, 1, policy, optimizer, tokenizer, trainer_state(1), 0, None, {})\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails (EFBIG), as on a full disk\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))\n"

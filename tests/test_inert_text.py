@@ -16,6 +16,7 @@ import rloo
 import rloo_multinode as mn
 from benchmark.tldr import judge
 from conftest import policy_tokenizer, tiny_policy, tiny_reward_model, write_jsonl
+from helpers import fake_run
 
 HTML_404 = ("<!DOCTYPE html>\n<html>\n<head><title>404 Not Found</title></head>\n<body>\n<h1>Not Found</h1>\n"
             "<p>The requested URL was not found on this server.</p>\n</body>\n</html>\n")
@@ -229,8 +230,6 @@ def test_the_sample_table_shows_prompts_and_completions_as_inert_text_never_as_m
 def test_a_path_holding_escapes_is_inert_in_every_message_that_shows_it(tmp_path, capsys):
     """Issue 47: ESC and RLO characters in a path reached the terminal raw. Each message is printed at one boundary
     (run_script's error line, the run's notes: plumbing.shown), whatever formatted the path."""
-    from test_checkpoints import fake_run
-
     out = tmp_path / "out\x1b[2J\u202egnp.exe\nrloo.py: done"
     out.mkdir()
     fake_run(out, [1])

@@ -1,6 +1,5 @@
 """rloo_multinode.py on CPU: hf engines in separate processes, weights over gloo, no vLLM."""
 
-import contextlib
 import json
 import os
 import pickle
@@ -20,48 +19,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 import plumbing
 import rloo
 import rloo_multinode as mn
-from conftest import REPO, policy_tokenizer, read_metrics, run_rloo, script_command, script_env, tiny_policy
-
-RUN = ("--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train_batch_size", "16",
-       "--response_length", "6", "--temperature", "1.0", "--max_prompt_length", "16",
-       "--local_rollout_forward_batch_size", "12", "--num_ppo_epochs", "2", "--num_mini_batches", "2",
-       "--learning_rate", "3e-3", "--num_sample_generations", "0", "--num_evals", "0")
-PER_UPDATE = 32  # completions per update and rank
-ENGINE_ONLY = ("time/", "eps", "rollout/staleness", "work/", "run_id")  # wall-clock, what only the engines' run
-# measures, the trainer's own forward passes (the local run also generates), and each run's own id
-SECRET = "tests-secret-" + "0" * 32  # a run's control-store secret, as a user exports it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run(script: str, *args, nproc: int = 0, wait: bool = True, env: dict | None = None):
-    """The script run to the end, or with wait=False started and returned running."""
-    if wait:
-        return run_rloo(*args, nproc=nproc, script=script, env=env)
-    return subprocess.Popen(script_command(script, *args, nproc=nproc), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=script_env(env), cwd=REPO)
-
+from conftest import REPO, policy_tokenizer, read_metrics, script_env, tiny_policy
+from helpers import (ENGINE_RUN, PER_UPDATE, SECRET, engine_comparable, free_port, listening_sockets,
+                     live_processes_in_group, run_script, wait_for_updates)
 
 ENGINE_NEVER_ANSWERS = """import sys, threading
 if sys.argv[1:2] == ["serve"]:  # an engine process: it never starts, however fast the machine
     threading.Event().wait()
 """
-
-
-def wait_for_updates(trainer: subprocess.Popen, out, count: int, timeout: float) -> None:
-    """Until the running trainer has logged `count` updates to out/metrics.jsonl; a failure if it exits first."""
-    deadline = time.time() + timeout
-    while not ((out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= count):
-        assert time.time() < deadline and trainer.poll() is None, trainer.communicate()[1][-3000:]
-        time.sleep(0.1)
-
-
-def comparable(metrics: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if not k.startswith(ENGINE_ONLY)} for m in metrics]
 
 
 def test_buckets_pack_in_order_and_unpack_to_the_same_tensors():
@@ -118,17 +83,17 @@ def test_after_a_sync_every_engine_holds_the_trainers_weights_bit_for_bit(archit
 @pytest.mark.parametrize("nproc,flags", [(0, []), (2, ["--fsdp", "--num_engines", 2, "--sync_bucket_mb", 1])],
                          ids=["one_process", "fsdp_two_ranks_two_engines"])
 def test_hf_engine_run_equals_rloo_run_with_the_same_seed(assets, tmp_path, nproc, flags):
-    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *RUN,
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *ENGINE_RUN,
               "--total_episodes", 3 * PER_UPDATE * max(nproc, 1), "--kl_coef", 0.05, *flags[:1]]
-    local = run("rloo.py", *common, "--output_dir", tmp_path / "local", nproc=nproc)
+    local = run_script("rloo.py", *common, "--output_dir", tmp_path / "local", nproc=nproc)
     assert local.returncode == 0, local.stderr[-3000:]
-    engines = run("rloo_multinode.py", *common, *flags[1:], "--output_dir", tmp_path / "engines", "--engine", "hf",
-                  "--engine_port", free_port(), nproc=nproc)
+    engines = run_script("rloo_multinode.py", *common, *flags[1:], "--output_dir", tmp_path / "engines", "--engine",
+                         "hf", "--engine_port", free_port(), nproc=nproc)
     assert engines.returncode == 0, engines.stderr[-3000:]
     local_metrics, engine_metrics = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "engines")
     # the same numbers, but the engines' own log-probs of their tokens: another process's kernels round otherwise
     # (the mismatch metrics are themselves rounding, ~1e-7 apart between the two runs: within 1e-6 of each other)
-    for engine, local in zip(comparable(engine_metrics), comparable(local_metrics), strict=True):
+    for engine, local in zip(engine_comparable(engine_metrics), engine_comparable(local_metrics), strict=True):
         mismatch = [k for k in local if k.startswith("mismatch/")]
         assert mismatch and [engine.pop(k) for k in mismatch] == pytest.approx([local.pop(k) for k in mismatch],
                                                                               rel=1e-6, abs=1e-6)
@@ -156,11 +121,12 @@ def test_async_generation_with_two_engines_trains_one_step_off_policy_with_and_w
     metrics = {}
     for fsdp in (False, True):
         out = tmp_path / f"async_fsdp{fsdp}"
-        result = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
-                     *RUN, "--num_ppo_epochs", 1, "--num_mini_batches", 1,  # one step per batch: 16 per update
-                     "--total_episodes", 3 * PER_UPDATE // 2, "--output_dir", out, "--engine", "hf",
-                     "--num_engines", 2, "--async_generation", "--engine_port", free_port(),
-                     *(["--fsdp"] if fsdp else []), nproc=1 if fsdp else 0)
+        result = run_script("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name",
+                            assets["train"], *ENGINE_RUN, "--num_ppo_epochs", 1,
+                            "--num_mini_batches", 1,  # one step per batch: 16 per update
+                            "--total_episodes", 3 * PER_UPDATE // 2, "--output_dir", out, "--engine", "hf",
+                            "--num_engines", 2, "--async_generation", "--engine_port", free_port(),
+                            *(["--fsdp"] if fsdp else []), nproc=1 if fsdp else 0)
         assert result.returncode == 0, result.stderr[-3000:]
         metrics[fsdp] = read_metrics(out)
         assert [m["rollout/staleness"] for m in metrics[fsdp]] == [0, 1, 1]  # the first batch waits for nothing
@@ -178,9 +144,9 @@ def test_async_generation_with_two_engines_trains_one_step_off_policy_with_and_w
 
 def test_an_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(assets, tmp_path):
     out = tmp_path / "dies"
-    trainer = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
-                  *RUN, "--total_episodes", 1000 * PER_UPDATE, "--output_dir", out, "--engine", "hf",
-                  "--engine_port", free_port(), wait=False)
+    trainer = run_script("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name",
+                         assets["train"], *ENGINE_RUN, "--total_episodes", 1000 * PER_UPDATE, "--output_dir", out,
+                         "--engine", "hf", "--engine_port", free_port(), wait=False)
     wait_for_updates(trainer, out, 1, timeout=120)
     os.kill(json.loads((out / "engines.json").read_text())["0"]["pid"], signal.SIGKILL)
     stdout, stderr = trainer.communicate(timeout=60)  # never a hang
@@ -191,9 +157,9 @@ def test_an_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(assets
     saved = torch.load(checkpoint / plumbing.TRAINER_STATE, weights_only=False)["update"] if checkpoint else 0
     assert saved >= 1
     # the same command with --resume continues with fresh engines, which start from the checkpoint's weights
-    resumed = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
-                  *RUN, "--total_episodes", (saved + 1) * PER_UPDATE, "--output_dir", out, "--engine", "hf",
-                  "--engine_port", free_port(), "--resume")
+    resumed = run_script("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name",
+                         assets["train"], *ENGINE_RUN, "--total_episodes", (saved + 1) * PER_UPDATE, "--output_dir",
+                         out, "--engine", "hf", "--engine_port", free_port(), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {checkpoint}" in resumed.stdout and read_metrics(out)[-1]["update"] == saved + 1
 
@@ -215,10 +181,12 @@ def test_attached_vllm_servers_serve_two_ranks_and_hold_the_trainers_weights(ass
     servers = [vllm_standin(tmp_path, "a", assets["policy"], "--workers", 2),
                vllm_standin(tmp_path, "b", assets["policy"])]
     try:
-        result = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
-                     *RUN, "--output_dir", out, "--num_ppo_epochs", 1, "--num_mini_batches", 1,  # one step per batch,
-                     "--total_episodes", 2 * 2 * PER_UPDATE // 2,  # at the sampling weights; 16 per update and rank
-                     "--engine_urls", ",".join(url for _, url, _ in servers), "--engine_port", free_port(), nproc=2)
+        result = run_script("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name",
+                            assets["train"], *ENGINE_RUN, "--output_dir", out, "--num_ppo_epochs", 1,
+                            "--num_mini_batches", 1,  # one step per batch, at the sampling weights;
+                            "--total_episodes", 2 * 2 * PER_UPDATE // 2,  # 16 per update and rank
+                            "--engine_urls", ",".join(url for _, url, _ in servers), "--engine_port", free_port(),
+                            nproc=2)
     finally:
         for process, _, _ in servers:
             process.kill()
@@ -252,10 +220,10 @@ def test_attached_vllm_servers_serve_two_ranks_and_hold_the_trainers_weights(ass
 def test_one_rank_over_two_vllm_servers_splits_by_prompt_and_stops_with_a_checkpoint_when_one_dies(assets, tmp_path):
     out = tmp_path / "dies"
     servers = [vllm_standin(tmp_path, name, assets["policy"]) for name in "ab"]
-    trainer = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
-                  *RUN, "--total_episodes", 1000 * PER_UPDATE, "--output_dir", out,
-                  "--engine_urls", ",".join(url for _, url, _ in servers), "--async_generation",
-                  "--engine_port", free_port(), wait=False)
+    trainer = run_script("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name",
+                         assets["train"], *ENGINE_RUN, "--total_episodes", 1000 * PER_UPDATE, "--output_dir", out,
+                         "--engine_urls", ",".join(url for _, url, _ in servers), "--async_generation",
+                         "--engine_port", free_port(), wait=False)
     try:
         wait_for_updates(trainer, out, 2, timeout=120)
     finally:
@@ -278,9 +246,9 @@ def test_one_rank_over_two_vllm_servers_splits_by_prompt_and_stops_with_a_checkp
 def test_a_vllm_server_without_development_mode_is_refused_with_the_fix(assets, tmp_path):
     server, url, _ = vllm_standin(tmp_path, "a", assets["policy"], "--no-dev_mode")
     try:
-        result = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
-                     *RUN, "--total_episodes", PER_UPDATE, "--output_dir", tmp_path / "out", "--engine_urls", url,
-                     "--engine_port", free_port())
+        result = run_script("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name",
+                            assets["train"], *ENGINE_RUN, "--total_episodes", PER_UPDATE, "--output_dir",
+                            tmp_path / "out", "--engine_urls", url, "--engine_port", free_port())
     finally:
         server.kill()
     assert result.returncode == 4 and "VLLM_SERVER_DEV_MODE=1" in result.stderr, result.stderr[-3000:]
@@ -309,9 +277,9 @@ def test_vllm_servers_that_cannot_serve_the_run_are_refused_with_the_fix(assets,
 
 
 def test_engine_flags_that_clash_are_refused_in_one_line(assets, tmp_path):
-    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *RUN,
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *ENGINE_RUN,
               "--output_dir", tmp_path]
-    tensor_parallel = run("rloo_multinode.py", *common, "--engine", "hf", "--vllm_tensor_parallel_size", 2)
+    tensor_parallel = run_script("rloo_multinode.py", *common, "--engine", "hf", "--vllm_tensor_parallel_size", 2)
     assert tensor_parallel.returncode == 2 and "the hf engine is one device" in tensor_parallel.stderr
     # the same check, in process (plumbing.run_script turns a ConfigError into the one line and exit 2 shown above)
     with pytest.raises(plumbing.ConfigError, match="drop --engine hf"):
@@ -327,7 +295,7 @@ def test_engine_flags_that_clash_are_refused_in_one_line(assets, tmp_path):
     try:
         import vllm  # noqa: F401
     except ImportError:
-        no_vllm = run("rloo_multinode.py", *common)
+        no_vllm = run_script("rloo_multinode.py", *common)
         assert no_vllm.returncode == 2 and "--engine vllm needs vLLM" in no_vllm.stderr
         assert len(no_vllm.stderr.strip().splitlines()) == 1
 
@@ -495,44 +463,6 @@ def test_the_trainer_refuses_a_forged_or_moved_engine_message_and_a_replayed_hea
         engines.check()
 
 
-def ip_address(hex_address: str) -> str:
-    """An address as /proc/net/tcp(6) writes it (32-bit words in host order, little-endian here), as text."""
-    raw = bytes.fromhex(hex_address)
-    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, words)
-
-
-def listening_sockets(pids: list[int]) -> dict[int, tuple[str, int]]:
-    """Every listening TCP socket the processes hold: {inode: (address, port)}."""
-    inodes = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                with contextlib.suppress(OSError):
-                    target = os.readlink(fd)
-                    if target.startswith("socket:["):
-                        inodes.add(int(target[len("socket:[") : -1]))
-    found = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[9]) in inodes:  # 0A: LISTEN
-                address, port = fields[1].rsplit(":", 1)
-                found[int(fields[9])] = (ip_address(address), int(port, 16))
-    return found
-
-
-def live_processes_in_group(pgid: int) -> list[int]:
-    """The pids of the process group's members that still run (zombies, which nobody may reap here, excluded)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError, ValueError):
-            state, _, group = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]  # after "pid (comm)"
-            if state != "Z" and int(group) == pgid:
-                pids.append(int(entry.name))
-    return pids
-
-
 def test_the_trainer_and_its_engines_listen_on_master_addr_never_on_every_interface(tmp_path):
     """One node (MASTER_ADDR unset: 127.0.0.1): the control store and the weight group's rendezvous listen on
     loopback; no socket of the trainer or its engine, gloo's own included, listens on a wildcard address."""
@@ -568,10 +498,10 @@ def test_engines_started_at_start_up_are_ended_when_start_up_fails_or_is_signall
     out, hook = tmp_path / "out", tmp_path / "hook"
     hook.mkdir()  # a sitecustomize of this test's own: the engine hangs for certain before it answers
     (hook / "sitecustomize.py").write_text(ENGINE_NEVER_ANSWERS)
-    trainer = run("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name", assets["train"],
-                  *RUN, "--total_episodes", PER_UPDATE, "--output_dir", out, "--engine", "hf",
-                  "--engine_port", free_port(), *(["--engine_timeout", 1] if how == "error" else []), wait=False,
-                  env={"PYTHONPATH": f"{hook}:{REPO}:{REPO / 'tests'}"})
+    trainer = run_script("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name",
+                         assets["train"], *ENGINE_RUN, "--total_episodes", PER_UPDATE, "--output_dir", out, "--engine",
+                         "hf", "--engine_port", free_port(), *(["--engine_timeout", 1] if how == "error" else []),
+                         wait=False, env={"PYTHONPATH": f"{hook}:{REPO}:{REPO / 'tests'}"})
     deadline = time.time() + 600  # a hang guard only
     while not (out / "engines.json").is_file():
         assert trainer.poll() is None and time.time() < deadline, trainer.communicate()[1][-3000:]
@@ -599,15 +529,15 @@ def test_an_engine_started_by_hand_with_the_secret_and_the_model_serves_a_run(as
                               stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO,
                               env=script_env({mn.SECRET_VARIABLE: SECRET}))
     try:
-        common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *RUN,
+        common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *ENGINE_RUN,
                   "--total_episodes", PER_UPDATE, "--output_dir", out, "--engine", "hf", "--engine_port", port,
                   "--no-launch_engines"]
         monkeypatch.delenv(mn.SECRET_VARIABLE, raising=False)
-        refused = run("rloo_multinode.py", *common)  # without the secret: one line, before anything loads
+        refused = run_script("rloo_multinode.py", *common)  # without the secret: one line, before anything loads
         assert refused.returncode == 2 and f"{mn.SECRET_VARIABLE}=$(openssl rand -hex 32)" in refused.stderr
         assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-3000:]
         monkeypatch.setenv(mn.SECRET_VARIABLE, SECRET)
-        result = run("rloo_multinode.py", *common)
+        result = run_script("rloo_multinode.py", *common)
         assert result.returncode == 0, result.stderr[-3000:]
         assert [m["update"] for m in read_metrics(out)] == [1]
         assert engine.wait(timeout=60) == 0, log.read_text()[-3000:]  # stopped by the trainer
@@ -658,16 +588,16 @@ def test_colocated_flags_that_clash_are_refused_in_one_line(assets, tmp_path):
             mn.validate_engine_args(mn.Args(model_name_or_path="m", vllm_mode="colocate", **flags), 1)
     with pytest.raises(plumbing.ConfigError, match="add --vllm_mode colocate"):
         mn.validate_engine_args(mn.Args(model_name_or_path="m", vllm_enable_sleep_mode=True), 1)
-    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *RUN,
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *ENGINE_RUN,
               "--output_dir", tmp_path, "--vllm_mode", "colocate"]
     if not torch.cuda.is_available():
-        sleep = run("rloo_multinode.py", *common, "--vllm_enable_sleep_mode")
+        sleep = run_script("rloo_multinode.py", *common, "--vllm_enable_sleep_mode")
         assert sleep.returncode == 2 and "--vllm_enable_sleep_mode needs CUDA" in sleep.stderr, sleep.stderr
         assert len(sleep.stderr.strip().splitlines()) == 1
     try:
         import vllm  # noqa: F401
     except ImportError:
-        no_vllm = run("rloo_multinode.py", *common)
+        no_vllm = run_script("rloo_multinode.py", *common)
         assert no_vllm.returncode == 2 and "--vllm_mode colocate needs vLLM" in no_vllm.stderr, no_vllm.stderr
         assert len(no_vllm.stderr.strip().splitlines()) == 1
 
@@ -690,16 +620,16 @@ def test_the_generation_modes_benchmark_passes_only_real_flags():
 
 def test_a_run_with_hf_engines_and_every_option_equals_rloo_py_s(assets, tmp_path):
     """rloo_multinode.py's hf engines sample with rloo.py's own filtered sampler: the same run, bit for bit."""
-    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *RUN,
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *ENGINE_RUN,
               "--total_episodes", 2 * PER_UPDATE, "--top_k", 5, "--top_p", 0.8, "--min_p", 0.1,
               "--repetition_penalty", 1.3]
-    local = run("rloo.py", *common, "--output_dir", tmp_path / "local")
+    local = run_script("rloo.py", *common, "--output_dir", tmp_path / "local")
     assert local.returncode == 0, local.stderr[-3000:]
-    engines = run("rloo_multinode.py", *common, "--output_dir", tmp_path / "engines", "--engine", "hf",
-                  "--engine_port", free_port())
+    engines = run_script("rloo_multinode.py", *common, "--output_dir", tmp_path / "engines", "--engine", "hf",
+                         "--engine_port", free_port())
     assert engines.returncode == 0, engines.stderr[-3000:]
-    for engine, local in zip(comparable(read_metrics(tmp_path / "engines")),
-                             comparable(read_metrics(tmp_path / "local")), strict=True):
+    for engine, local in zip(engine_comparable(read_metrics(tmp_path / "engines")),
+                             engine_comparable(read_metrics(tmp_path / "local")), strict=True):
         mismatch = [k for k in local if k.startswith("mismatch/")]
         assert mismatch and engine["mismatch/logprob_diff_max"] < 1e-5  # the engine's filtered log-probs, fp32
         assert [engine.pop(k) for k in mismatch] == pytest.approx([local.pop(k) for k in mismatch], rel=1e-6,

@@ -11,6 +11,7 @@ import lzma
 import os
 import socket
 import subprocess
+import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -25,8 +26,7 @@ import plumbing
 import rloo
 import rloo_multinode as mn
 from conftest import REPO, policy_tokenizer, prompt_rows, tiny_reward_model, write_jsonl
-from helpers import python, saved_steps
-from test_multinode import listening_sockets
+from helpers import listening_sockets, saved_steps
 
 
 def args_of(assets, **changes) -> rloo.Args:
@@ -395,10 +395,10 @@ def test_accelerate_launch_of_a_multi_cpu_config_is_refused_naming_its_processes
     probe.write_text(f"import sys\nsys.path.insert(0, {str(REPO)!r})\nimport plumbing\n"
                      "plumbing.check_launch_environment()\n")
     env = {name: value for name, value in os.environ.items() if name not in (*TORCHRUN, *LAUNCHERS)}
-    # accelerate's own command line (`accelerate launch`), which runs `python probe.py` itself (the tests' python: a
-    # fork, as every run here; --no_python: the command as given); the tests' Hugging Face home has no default config
-    result = subprocess.run([python(), "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
-                             str(config), "--no_python", python(), str(probe)], capture_output=True, text=True,
-                            cwd=tmp_path, env=env, timeout=300)
+    # real interpreters, not forks: the probe reads its launcher's command line (/proc/PPID/cmdline), and a fork's
+    # parent is the server of forks; the tests' Hugging Face home has no default config of accelerate's
+    result = subprocess.run([str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
+                             str(config), str(probe)], capture_output=True, text=True, cwd=tmp_path, env=env,
+                            timeout=300)
     assert f"accelerate launch's config {config} (num_processes) asks for 2 processes, but this run has 1 " \
            "process" in result.stderr, result.stderr[-2000:]

@@ -10,28 +10,8 @@ import transformers
 
 import plumbing
 import rloo
-from helpers import NO_AUTOCAST
-from conftest import policy_loss_of, policy_tokenizer, read_metrics, run_rloo, tiny_policy, tiny_reward_model
-
-PROMPTS = ["a b c d e f :", "g :", "h i :"]  # 3 prompts of 7, 2 and 3 tokens
-
-
-def eos_prone_policy(seed: int = 0, attention: str = "sdpa"):
-    """A tiny policy whose EOS (id 1) is likely, so that completions end at different lengths."""
-    tokenizer = policy_tokenizer()
-    policy = tiny_policy(len(tokenizer), seed=seed)
-    policy.set_attn_implementation(attention)
-    with torch.no_grad():
-        policy.get_output_embeddings().weight[1] *= 3
-    return tokenizer, policy
-
-
-def sampled(k: int, attention: str = "sdpa", seed: int = 0) -> tuple[torch.nn.Module, rloo.Completions]:
-    tokenizer, policy = eos_prone_policy(attention=attention)
-    queries, query_mask = plumbing.pad_sequences([tokenizer(p)["input_ids"] for p in PROMPTS], 0, torch.device("cpu"))
-    c = rloo.sample_completions(policy, queries, query_mask, 6, 1.0, 1, 0, torch.Generator().manual_seed(seed), k=k)
-    assert len(set(c.response_mask.sum(1).tolist())) > 1  # responses of several lengths
-    return policy, c
+from conftest import policy_loss_of, policy_tokenizer, read_metrics, run_rloo, tiny_reward_model
+from helpers import UNEVEN_PROMPTS, eos_prone_policy, sampled, trained
 
 
 def probe_of(prompt: str) -> rloo.Completions:
@@ -56,7 +36,8 @@ def shares(model, requested, probe, notes, reward_model=False) -> bool:
 @pytest.mark.parametrize("k", [2, 4])
 def test_sampling_prefills_each_prompt_once_and_draws_the_same_tokens(k):
     tokenizer, policy = eos_prone_policy()
-    queries, query_mask = plumbing.pad_sequences([tokenizer(p)["input_ids"] for p in PROMPTS], 0, torch.device("cpu"))
+    queries, query_mask = plumbing.pad_sequences([tokenizer(p)["input_ids"] for p in UNEVEN_PROMPTS], 0,
+                                                 torch.device("cpu"))
     for temperature in (0.0, 1.0):
         shared = rloo.generate(policy, queries, query_mask, 6, temperature, 1, 0, torch.Generator().manual_seed(5),
                                k=k)  # (k*B, Tr)
@@ -152,23 +133,6 @@ def replace_args(args: rloo.Args, **changes) -> rloo.Args:
     return replace(args, **changes)
 
 
-def trained(share_prompt: bool, c: rloo.Completions, logprobs_from_update: bool, **flags) -> dict:
-    """Parameters after a ppo_update from the same start and the same random draws."""
-    k = c.k
-    policy = tiny_policy(len(policy_tokenizer()), seed=3)
-    args = rloo.Args(rloo_k=k, temperature=1.0, kl_coef=0.1, **flags)
-    sizes = rloo.compute_batch_sizes(args, 1)
-    with torch.no_grad():
-        ref, _ = rloo.forward_logprobs(tiny_policy(len(policy_tokenizer()), seed=4), c, 1.0, share_prompt)
-        logprobs = None if logprobs_from_update else rloo.forward_logprobs(policy, c, 1.0, share_prompt)[0] * c.response_mask
-    rollout = rloo.Rollout(c.queries, c.query_mask, c.responses, c.response_mask, logprobs, ref * c.response_mask)
-    scores = torch.randn(c.responses.shape[0], generator=torch.Generator().manual_seed(2))
-    torch.manual_seed(7)
-    stats, _ = rloo.ppo_update(policy, torch.optim.SGD(policy.parameters(), lr=1.0), rollout, scores, args, sizes,
-                            share_prompt, NO_AUTOCAST)
-    return {"stats": stats, "logprobs": rollout.logprobs, **{n: p.detach() for n, p in policy.named_parameters()}}
-
-
 @pytest.mark.parametrize("k", [2, 4])
 def test_a_whole_update_equals_unshared(k):
     _, c = sampled(k)  # 3 prompts of different widths: 3 micro-batches of one group, accumulated; 2 epochs
@@ -258,7 +222,8 @@ def greedy_without_cache(model, queries: torch.Tensor, query_mask: torch.Tensor,
 def test_every_architecture_shares_exactly_or_says_it_does_not(family):
     tokenizer, k = policy_tokenizer(), 3
     policy, fallback = tiny(family), ARCHITECTURES[family][1]
-    queries, query_mask = plumbing.pad_sequences([tokenizer(p)["input_ids"] for p in PROMPTS], 0, torch.device("cpu"))
+    queries, query_mask = plumbing.pad_sequences([tokenizer(p)["input_ids"] for p in UNEVEN_PROMPTS], 0,
+                                                 torch.device("cpu"))
     # sampling: one prefill per prompt draws what k prefills draw, and greedy decoding what no cache at all gives
     for temperature in (0.0, 1.0):
         shared = rloo.generate(policy, queries, query_mask, 6, temperature, None, 0, torch.Generator().manual_seed(5),
@@ -272,7 +237,7 @@ def test_every_architecture_shares_exactly_or_says_it_does_not(family):
     c = rloo.sample_completions(policy, queries, query_mask, 6, 1.0, 1, 0, torch.Generator().manual_seed(0), k=k)
     assert len(set(c.response_mask.sum(1).tolist())) > 1 and c.query_mask.sum(1).max() + 6 > 4  # rows > window
 
-    probe, notes = probe_of(PROMPTS[0]), []
+    probe, notes = probe_of(UNEVEN_PROMPTS[0]), []
     reward_model = tiny(family, "ForSequenceClassification", seed=1) \
         if hasattr(transformers, type(policy).__name__.replace("ForCausalLM", "ForSequenceClassification")) else None
     if fallback is not None:  # off, in one line; refused when asked for
@@ -309,7 +274,7 @@ def test_every_architecture_shares_exactly_or_says_it_does_not(family):
 @pytest.mark.parametrize("broken", ["window dropped", "responses see each other"])
 def test_the_start_up_check_catches_a_broken_mask_and_falls_back(broken, monkeypatch):
     policy = tiny("gemma2")
-    probe = probe_of(PROMPTS[0])
+    probe = probe_of(UNEVEN_PROMPTS[0])
     assert shares(policy, None, probe, [])
     grouped_rows = rloo.grouped_rows
 
@@ -367,7 +332,7 @@ def test_the_probe_is_as_long_as_the_check_needs_and_still_catches_a_broken_mask
         assert plumbing.probe_lengths(64, 53, type(policy)(with_window)) == (64, 53)  # never past training's prompts
         assert plumbing.probe_lengths(512, 53, policy, type(policy)(with_window)) == (101, 53)  # both models'
     assert plumbing.probe_lengths(10, 3, policy) == (10, 3)  # never longer than training's rows
-    ids = policy_tokenizer()(PROMPTS[0])["input_ids"] * 40
+    ids = policy_tokenizer()(UNEVEN_PROMPTS[0])["input_ids"] * 40
     lengths = plumbing.probe_lengths(512, 53, policy)
     probe = rloo.Completions(**plumbing.sharing_probe(ids, *lengths, torch.device("cpu")))
     assert shares(policy, None, probe, [])
@@ -404,7 +369,7 @@ def test_one_check_for_a_policy_and_reward_model_that_agree(monkeypatch):
     monkeypatch.setattr(plumbing.sharing, "sharing_error",
                         lambda model, *a: calls.append(model) or sharing_error(model, *a))
     policy, reward_model = tiny("llama"), tiny("llama", "ForSequenceClassification", seed=1)
-    probe, notes, checked = probe_of(PROMPTS[0]), [], {}
+    probe, notes, checked = probe_of(UNEVEN_PROMPTS[0]), [], {}
     assert plumbing.sharing_key(policy) == plumbing.sharing_key(reward_model)  # the heads differ, the backbone not
     assert plumbing.shares_prompts(policy, "policy", None, probe, computed(policy), notes, checked)
     assert plumbing.shares_prompts(reward_model, "reward model", None, probe, computed(reward_model, True), notes,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import rloo
-from test_shared_prompt import sampled, trained
+from helpers import sampled, trained
 
 
 def random_rollout(k: int = 3, prompts: int = 5, width: int = 4) -> tuple[rloo.Rollout, torch.Tensor]:

@@ -25,13 +25,13 @@ else:
 import plumbing
 import rloo_multinode as mn  # noqa: E402
 from conftest import REPO, neox_config, policy_tokenizer, read_metrics, run_rloo, script_env  # noqa: E402
-from test_multinode import (RUN, SECRET, free_port, listening_sockets, live_processes_in_group,  # noqa: E402
-                            run, wait_for_updates)
+from helpers import (ENGINE_RUN, SECRET, fixed_sequences, free_port, listening_sockets,  # noqa: E402
+                     live_processes_in_group, max_difference, run_script, trainer_logprobs, wait_for_updates)
 
 LOGPROB_TOLERANCE = 1e-5  # fp32 on both sides, on CPU: measured after a sync, up to 7e-7 (and 1.4 before it)
 ENGINE_FLAGS = ("--vllm_gpu_memory_utilization", 0.2, "--vllm_enforce_eager")  # on CPU: host memory, no compile
 CPU_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache per engine; vLLM's CPU default is far larger
-PER_UPDATE = 32  # completions per update and rank with RUN
+PER_UPDATE = 32  # completions per update and rank with ENGINE_RUN
 on_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU engines (the vllm-cpu build): run `make test-vllm` "
                             "on a machine without a GPU; on GPUs the NCCL tests run instead")
 on_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs and vLLM's CUDA build: run "
@@ -54,29 +54,6 @@ def vllm_policy(tmp_path_factory):
 def cpu_engine_env(monkeypatch):
     for key, value in CPU_ENGINE_ENV.items():
         monkeypatch.setenv(key, value)
-
-
-def fixed_sequences() -> list[list[int]]:
-    """Prompts and completions written out as token ids (letters, ':', EOS), of different lengths."""
-    tokenizer = policy_tokenizer()
-    texts = ["a b c d : a b", "l k : l k l <eos>", "e f g h i j : e f g h i j e f", "c :"]
-    return [tokenizer(text)["input_ids"] for text in texts]
-
-
-@torch.no_grad()
-def trainer_logprobs(policy, sequences: list[list[int]]) -> list[list[float]]:
-    """The trainer's log p(token t | tokens < t), t >= 1, by a plain forward of the policy."""
-    out = []
-    for ids in sequences:
-        ids = torch.tensor([ids])  # (1, T)
-        logp = torch.log_softmax(policy(ids).logits.float(), -1)[0, :-1]  # (T-1, V)
-        out.append(logp.gather(-1, ids[0, 1:, None])[:, 0].tolist())
-    return out
-
-
-def max_difference(a: list[list[float]], b: list[list[float]]) -> float:
-    assert [len(x) for x in a] == [len(x) for x in b]
-    return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
 
 
 @torch.no_grad()
@@ -170,9 +147,10 @@ def test_after_a_sync_a_vllm_engine_scores_completions_as_the_trainer_does(vllm_
 @on_cpu
 def test_a_run_generates_with_a_bf16_vllm_engine_and_finishes(assets, vllm_policy, tmp_path):
     """With --bf16 the engine runs in bf16 and the weights travel in bf16 (the decisive check above is fp32)."""
-    result = run("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *RUN,
-                 "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes", 3 * PER_UPDATE // 2,
-                 "--output_dir", tmp_path, "--engine", "vllm", "--engine_port", free_port(), "--bf16", *ENGINE_FLAGS)
+    result = run_script("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"],
+                        *ENGINE_RUN, "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes",
+                        3 * PER_UPDATE // 2, "--output_dir", tmp_path, "--engine", "vllm", "--engine_port",
+                        free_port(), "--bf16", *ENGINE_FLAGS)
     assert result.returncode == 0, result.stderr[-3000:] + (tmp_path / "engine_0.log").read_text()[-3000:]
     metrics = read_metrics(tmp_path)
     assert [m["update"] for m in metrics] == [1, 2, 3]  # 16 completions each, one optimizer step
@@ -189,10 +167,10 @@ def test_a_run_generates_with_a_bf16_vllm_engine_and_finishes(assets, vllm_polic
 def test_a_vllm_engine_samples_from_the_filtered_distribution_the_trainer_scores(assets, vllm_policy, tmp_path):
     """--top_k, --top_p and --repetition_penalty reach vLLM's SamplingParams, and with processed_logprobs the
     log-probs it returns of the tokens it drew are the trainer's of the filtered distribution (fp32 both sides)."""
-    result = run("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *RUN,
-                 "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes", PER_UPDATE, "--output_dir",
-                 tmp_path, "--engine", "vllm", "--engine_port", free_port(), "--top_k", 5, "--top_p", 0.9,
-                 "--repetition_penalty", 1.3, *ENGINE_FLAGS)
+    result = run_script("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"],
+                        *ENGINE_RUN, "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes", PER_UPDATE,
+                        "--output_dir", tmp_path, "--engine", "vllm", "--engine_port", free_port(), "--top_k", 5,
+                        "--top_p", 0.9, "--repetition_penalty", 1.3, *ENGINE_FLAGS)
     assert result.returncode == 0, result.stderr[-3000:] + (tmp_path / "engine_0.log").read_text()[-3000:]
     metrics = read_metrics(tmp_path)
     print("mismatch of the filtering vLLM engine:", [{k: v for k, v in m.items() if k.startswith("mismatch/")}
@@ -203,9 +181,9 @@ def test_a_vllm_engine_samples_from_the_filtered_distribution_the_trainer_scores
 
 @on_cpu
 def test_a_vllm_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(assets, vllm_policy, tmp_path):
-    trainer = run("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *RUN,
-                  "--total_episodes", 1000 * PER_UPDATE, "--output_dir", tmp_path, "--engine", "vllm",
-                  "--engine_port", free_port(), *ENGINE_FLAGS, wait=False)
+    trainer = run_script("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"],
+                         *ENGINE_RUN, "--total_episodes", 1000 * PER_UPDATE, "--output_dir", tmp_path, "--engine",
+                         "vllm", "--engine_port", free_port(), *ENGINE_FLAGS, wait=False)
     wait_for_updates(trainer, tmp_path, 1, timeout=300)  # vLLM's start-up, then one update
     engine = json.loads((tmp_path / "engines.json").read_text())["0"]["pid"]
     assert len(live_processes_in_group(engine)) >= 3  # `serve`, vLLM's engine core and its worker
@@ -222,9 +200,9 @@ def test_a_vllm_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(as
 def test_a_vllm_engine_started_at_start_up_is_ended_by_a_sigterm_while_it_loads(assets, vllm_policy, tmp_path):
     """SIGTERM to the trainer while its vLLM engine loads (vLLM's engine core already started): nothing was
     trained, and none of the engine's processes is left."""
-    trainer = run("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *RUN,
-                  "--total_episodes", PER_UPDATE, "--output_dir", tmp_path, "--engine", "vllm",
-                  "--engine_port", free_port(), *ENGINE_FLAGS, wait=False)
+    trainer = run_script("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"],
+                         *ENGINE_RUN, "--total_episodes", PER_UPDATE, "--output_dir", tmp_path, "--engine", "vllm",
+                         "--engine_port", free_port(), *ENGINE_FLAGS, wait=False)
     deadline, engine = time.time() + 300, None
     while engine is None or len(live_processes_in_group(engine)) < 2:  # `serve`, then vLLM's engine core
         assert trainer.poll() is None and time.time() < deadline, trainer.communicate()[1][-3000:]
@@ -243,7 +221,7 @@ def test_a_vllm_engine_started_at_start_up_is_ended_by_a_sigterm_while_it_loads(
 
 # ----- --vllm_mode colocate: a vLLM engine in every training process
 COLOCATED = ("--vllm_mode", "colocate", "--num_ppo_epochs", 1, "--num_mini_batches", 1, *ENGINE_FLAGS)
-COLOCATED_PER_UPDATE = 16  # completions per update and rank with RUN and COLOCATED
+COLOCATED_PER_UPDATE = 16  # completions per update and rank with ENGINE_RUN and COLOCATED
 
 
 @pytest.fixture(scope="module")
@@ -278,8 +256,9 @@ def assert_every_load_exact(out, rank: int, versions: list[int]) -> None:
 
 @on_cpu
 def test_colocated_engines_on_two_ranks_sample_with_each_update_s_weights(assets, llama_policy, tmp_path):
-    result = run("tests/colocated_run.py", "--model_name_or_path", llama_policy, "--dataset_name", assets["train"],
-                 *RUN, *COLOCATED, "--total_episodes", 3 * 2 * COLOCATED_PER_UPDATE, "--output_dir", tmp_path, nproc=2)
+    result = run_script("tests/colocated_run.py", "--model_name_or_path", llama_policy, "--dataset_name",
+                        assets["train"], *ENGINE_RUN, *COLOCATED, "--total_episodes", 3 * 2 * COLOCATED_PER_UPDATE,
+                        "--output_dir", tmp_path, nproc=2)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert all(abs(m["val/ratio"] - 1) < 1e-5 for m in read_metrics(tmp_path))
     assert [m["update"] for m in read_metrics(tmp_path)] == [1, 2, 3]
@@ -291,7 +270,7 @@ def test_colocated_engines_on_two_ranks_sample_with_each_update_s_weights(assets
 @on_cpu
 def test_a_colocated_engine_that_fails_stops_the_run_with_a_checkpoint_and_the_run_resumes(assets, llama_policy,
                                                                                            tmp_path):
-    command = ("--model_name_or_path", llama_policy, "--dataset_name", assets["train"], *RUN, *COLOCATED,
+    command = ("--model_name_or_path", llama_policy, "--dataset_name", assets["train"], *ENGINE_RUN, *COLOCATED,
                "--total_episodes", 4 * COLOCATED_PER_UPDATE, "--output_dir", tmp_path)
     failed = run_rloo(*command, env={"FAIL_AT_BATCH": "3"}, script="tests/colocated_run.py")
     assert failed.returncode == 4, failed.stderr[-3000:]
@@ -313,8 +292,8 @@ def test_a_colocated_engine_that_fails_stops_the_run_with_a_checkpoint_and_the_r
 def test_a_colocated_engine_is_refused_for_a_model_vllm_runs_through_transformers(assets, vllm_policy, tmp_path):
     """vLLM's Transformers backend (GPT-NeoX in vLLM 0.32) rewrites transformers' own class in the process it runs
     in: refused in one line before the engine starts."""
-    result = run("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *RUN,
-                 *COLOCATED, "--output_dir", tmp_path)
+    result = run_script("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"],
+                        *ENGINE_RUN, *COLOCATED, "--output_dir", tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "runs GPTNeoXForCausalLM through its Transformers backend" in result.stderr.strip().splitlines()[-1]
 
@@ -398,9 +377,10 @@ def test_a_run_attached_to_a_vllm_server_leaves_it_scoring_as_the_trained_policy
     sequences = fixed_sequences()
     before = server_logprobs(url, sequences)
     monkeypatch.setenv(mn.API_KEY_VARIABLE, API_KEY)
-    result = run("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *RUN,
-                 "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes", PER_UPDATE // 2,
-                 "--output_dir", tmp_path, "--engine_urls", url, "--engine_port", free_port(), "--temperature", 0.7)
+    result = run_script("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"],
+                        *ENGINE_RUN, "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes",
+                        PER_UPDATE // 2, "--output_dir", tmp_path, "--engine_urls", url, "--engine_port", free_port(),
+                        "--temperature", 0.7)
     assert result.returncode == 0, result.stderr[-3000:] + log.read_text()[-3000:]
     [metrics] = read_metrics(tmp_path)
     assert abs(metrics["val/ratio"] - 1) < 1e-5 and metrics["time/weight_sync"] > 0
@@ -419,9 +399,9 @@ def test_a_run_attached_to_a_vllm_server_leaves_it_scoring_as_the_trained_policy
 # ----- GPUs: vLLM's own NCCL backend (not run by this project: its CI machines have no GPU)
 @on_two_gpus
 def test_a_run_syncs_a_vllm_engine_on_another_gpu_over_nccl(assets, vllm_policy, tmp_path):
-    result = run("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *RUN,
-                 "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes", PER_UPDATE,
-                 "--output_dir", tmp_path, "--engine", "vllm", "--engine_port", free_port(), *ENGINE_FLAGS)
+    result = run_script("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"],
+                        *ENGINE_RUN, "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes", PER_UPDATE,
+                        "--output_dir", tmp_path, "--engine", "vllm", "--engine_port", free_port(), *ENGINE_FLAGS)
     assert result.returncode == 0, result.stderr[-3000:] + (tmp_path / "engine_0.log").read_text()[-3000:]
     assert all(abs(m["val/ratio"] - 1) < 1e-5 and m["time/weight_sync"] > 0 for m in read_metrics(tmp_path))
     assert "Creating weight transfer engine: NCCLWeightTransferEngine" in (tmp_path / "engine_0.log").read_text()
@@ -440,9 +420,10 @@ def test_a_run_attached_to_a_stock_vllm_serve_syncs_over_nccl(assets, vllm_polic
     url = f"http://127.0.0.1:{port}"
     try:
         sequences = fixed_sequences()
-        result = run("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"],
-                     *RUN, "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes", PER_UPDATE // 2,
-                     "--output_dir", tmp_path / "out", "--engine_urls", url, "--engine_port", free_port())
+        result = run_script("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name",
+                            assets["train"], *ENGINE_RUN, "--num_ppo_epochs", 1, "--num_mini_batches", 1,
+                            "--total_episodes", PER_UPDATE // 2, "--output_dir", tmp_path / "out", "--engine_urls",
+                            url, "--engine_port", free_port())
         assert result.returncode == 0, result.stderr[-3000:] + log.read_text()[-3000:]
         trained = trainer_logprobs(plumbing.load_causal_lm(str(tmp_path / "out"), torch.float32, False).eval(),
                                    sequences)
