@@ -5,6 +5,7 @@ format, and run_script: a run's end as an exit status and one line.
 
 import contextlib
 import difflib
+import functools
 import gc
 import inspect
 import json
@@ -678,6 +679,14 @@ def raise_parse_error(flags: list[str]) -> Callable:
     return hook
 
 
+@functools.cache
+def field_docs(cls) -> dict[str, str]:
+    """Each field's docstring, from the source of cls and of its dataclass bases: read once per class (parsing the
+    source was a third of a parse of the command line)."""
+    return {p.arg_name: " ".join(p.description.split()) for c in reversed(cls.__mro__) if is_dataclass(c)
+            for p in docstring_parser.parse_from_object(c).params if p.description}
+
+
 def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None):
     """The command line parsed by tyro into `cls`, a flat dataclass. tyro parses a dataclass of groups (help_groups)
     built from cls's fields, so --help shows them grouped, under their own names (each field's docstring, joined)
@@ -712,8 +721,7 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
         print(f"{prog}: error: {where}{shown(e)}", file=sys.stderr)
         sys.exit(2)
     starts = help_groups(cls, prog)
-    docs = {p.arg_name: " ".join(p.description.split()) for c in reversed(cls.__mro__) if is_dataclass(c)
-            for p in docstring_parser.parse_from_object(c).params if p.description}
+    docs = field_docs(cls)
     # tyro lists a flag's aliases before its name: TRL's name is tyro's and the flag's own its alias, so that --help
     # and tyro's errors show the own name first
     aliases = {own: {"name": trl, "aliases": (f"--{own}",)} for trl, own in TRL_NAMES.items()}

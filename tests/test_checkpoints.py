@@ -178,13 +178,13 @@ def test_sigkill_during_saves_never_leaves_a_broken_latest_checkpoint(tmp_path):
     rng = random.Random(0)
     out = tmp_path / "out"
     for attempt in range(4):
-        process = subprocess.Popen([sys.executable, str(REPO / "tests" / "save_loop.py"), str(out)], env=env)
+        process = subprocess.Popen([python(), str(REPO / "tests" / "save_loop.py"), str(out)], env=env)
         deadline = time.time() + 600  # a hang guard only
         while plumbing.latest_checkpoint(str(out)) is None or attempt == 0 and len(list((out / "checkpoints").glob("step_*"))) < 2:
             assert time.time() < deadline and process.poll() is None
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 0.5))
-        process.send_signal(signal.SIGKILL)
+        os.kill(pid_of(process), signal.SIGKILL)  # the process that saves (a fork: not its client)
         process.wait()
         latest = plumbing.latest_checkpoint(str(out))
         assert latest is not None and latest.name.startswith("step_")
