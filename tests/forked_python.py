@@ -181,10 +181,45 @@ def preload() -> tuple[bytes, bytes]:
     return captured[0], captured[1]
 
 
+def warm_up() -> None:
+    """A tiny model saved and loaded once, what it prints dropped: transformers' loading compiles its patterns and
+    fills its caches here rather than in every run (0.05 s of each model a run loads). Then what warns only once is
+    reset (transformers' warning_once, each module's warnings registry), so that a run still says it."""
+    import tempfile
+
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    try:
+        config = transformers.GPTNeoXConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                            intermediate_size=16, max_position_embeddings=32)
+        with tempfile.TemporaryDirectory() as folder:
+            transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+            transformers.AutoModelForCausalLM.from_pretrained(folder)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        for fd, saved_fd in zip((1, 2), saved):
+            os.dup2(saved_fd, fd)
+            os.close(saved_fd)
+        os.close(devnull)
+    for once in ("warning_once", "info_once"):
+        getattr(getattr(transformers.utils.logging, once, None), "cache_clear", lambda: None)()
+    for module in list(sys.modules.values()):  # (vars: a lazy module's getattr would import)
+        registry = vars(module).get("__warningregistry__") if isinstance(module, types.ModuleType) else None
+        if isinstance(registry, dict):
+            registry.clear()
+
+
 def serve(address: str, client_path: str) -> None:
     """Preload, listen at `address`, fork a run per client; end when stdin (the pytest worker's pipe) closes. A run's
     torchrun starts its ranks through `client_path` too (PYTHON_EXEC), unless the run names its own."""
     said = preload()
+    warm_up()
     gc.freeze()  # the collector of each run leaves the preloaded objects alone: no copy-on-write of all their pages
     env = effective(dict(os.environ))
     base_path = [p for p in sys.path[1:] if p]  # the interpreter's own folders, without this file's and PYTHONPATH's
