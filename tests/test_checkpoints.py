@@ -690,6 +690,7 @@ def test_a_signal_while_prompts_are_tokenized_stops_the_start_up_at_once(tmp_pat
 def test_sighup_stops_a_run_as_sigterm_does_unless_ignored_at_start(tmp_path):
     """A terminal or SSH session closed: SIGHUP asks for the stop with a checkpoint, as SIGTERM does; under nohup
     (SIGHUP ignored when the run starts) it stays ignored."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a terminal's session, whatever this process inherited (nohup)
     lock = plumbing.OutputDirLock(str(tmp_path))
     lock.acquire()
     stop = plumbing.StopSignal(lock, announce=False)
