@@ -182,11 +182,17 @@ def preload() -> tuple[bytes, bytes]:
 
 
 def warm_up() -> None:
-    """A tiny model saved and loaded once, what it prints dropped: transformers' loading compiles its patterns and
-    fills its caches here rather than in every run (0.05 s of each model a run loads). Then what warns only once is
-    reset (transformers' warning_once, each module's warnings registry), so that a run still says it."""
+    """What every run would do first, done once here. inspect.stack() (torchrun's agent calls it 18 times a run)
+    searches every module for a frame's file it has not seen: this file's frames, below each run's, are found under
+    SERVER_MODULE (a run's own __main__ replaces ours), and the search's cache is filled here. A tiny model is saved
+    and loaded, what it prints dropped: transformers' loading compiles its patterns and fills its caches (0.05 s of
+    each model a run loads); then what warns only once is reset (transformers' warning_once, each module's warnings
+    registry), so that a run still says it."""
+    import inspect
     import tempfile
 
+    sys.modules[SERVER_MODULE] = sys.modules["__main__"]
+    inspect.stack()
     transformers = sys.modules.get("transformers")
     if transformers is None:
         return
@@ -220,19 +226,11 @@ def serve(address: str, client_path: str) -> None:
     torchrun starts its ranks through `client_path` too (PYTHON_EXEC), unless the run names its own."""
     said = preload()
     warm_up()
+    preloaded = {name.partition(".")[0] for name in sys.modules} | {"usercustomize"}  # sitecustomize: site_customizes
     gc.freeze()  # the collector of each run leaves the preloaded objects alone: no copy-on-write of all their pages
     env = effective(dict(os.environ))
     base_path = [p for p in sys.path[1:] if p]  # the interpreter's own folders, without this file's and PYTHONPATH's
     base_path = [p for p in base_path if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
-    preloaded = {name.partition(".")[0] for name in sys.modules} | {"usercustomize"}  # sitecustomize: site_customizes
-    # inspect.stack() (torchrun's agent calls it 18 times a run) searches every module for a frame's file it has not
-    # seen: this file's frames, below each run's, are found under this name (a run's own __main__ replaces ours), and
-    # the search's cache is filled once here, not in every run
-    sys.modules[SERVER_MODULE] = sys.modules["__main__"]
-    import inspect
-
-    inspect.stack()
-    gc.freeze()
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(address)
     listener.listen(64)
@@ -395,10 +393,10 @@ def run(conn: socket.socket, fds: list[int], asked: dict, how: tuple, said: tupl
     extra = [os.path.abspath(p) for p in asked["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [*extra, *base_path]
     sys.argv = ["-c" if mode == "-c" else target, *args]  # -m: runpy puts the module's file in argv[0]
+    libraries = set(sys.modules) - {"__main__"}  # the server's: not torn down at the end (end)
     if any(os.path.exists(os.path.join(folder, "sitecustomize.py")) for folder in extra):
         site_customizes()
     sys.path.insert(0, {"script": os.path.dirname(os.path.realpath(target)), "-m": os.getcwd(), "-c": ""}[mode])
-    libraries = set(sys.modules) - {"__main__"}  # the server's: not torn down at the end (end)
     interrupted = False
     main = sys.modules["__main__"] = types.ModuleType("__main__")  # the run's own; this file's module stays as it is
     try:
@@ -410,7 +408,7 @@ def run(conn: socket.socket, fds: list[int], asked: dict, how: tuple, said: tupl
             exec(code, main.__dict__)
         elif mode == "-m":
             try:
-                name, spec, code = runpy._get_module_details(target, runpy._Error)
+                _, spec, code = runpy._get_module_details(target, runpy._Error)
             except runpy._Error as e:
                 sys.exit(f"{sys.executable}: {e}")
             sys.argv[0] = spec.origin
@@ -447,9 +445,9 @@ def end(status: int, libraries: set, interrupted: bool) -> None:
     """Python's end, for what the run did: non-daemon threads waited for (threading's own shutdown, which also stops
     concurrent.futures' executors), the atexit handlers, the run's modules (its __main__, what it imported) taken
     out and their objects finalized as an interpreter clears them, stdout and stderr flushed before and after that
-    (status 120 when that fails). Then os._exit: the server's preloaded libraries are not torn down, nor what only they still hold
-    finalized (their teardown, which copies most of the server's pages, took 0.3 s of every run). `interrupted`
-    (an uncaught KeyboardInterrupt): after all that, the process ends by SIGINT, as Python's does."""
+    (status 120 when that fails). Then os._exit: the server's preloaded libraries are not torn down, nor what only
+    they still hold finalized (their teardown, which copies most of the server's pages, took 0.3 s of every run).
+    `interrupted` (an uncaught KeyboardInterrupt): after all that, the process ends by SIGINT, as Python's does."""
     import atexit
     import threading
     import weakref

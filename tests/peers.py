@@ -1,9 +1,9 @@
 """Two gloo ranks under torchrun, scoring as rloo.py's update does. First a reward function that raises on rank 1
 only: both ranks stop with rank 1's error. Then rank 1's reward function hangs: past its timeout (both ranks stop
 with its error); until rank 1 gets a SIGTERM (both stop as for a signal); the same while rank 0's raises (its failure
-wins). Then rank 1 stalls in the scoring of the next update: rank 0 stops after the ranks' timeout (--ddp_timeout, argv[2]
-seconds, then argv[3]) with a Fault naming rank 1 and its phase. Rank 0 writes what it saw to
-argv[1] as JSON. Used by test_checkpoints.py."""
+wins). Then rank 1 stalls in the scoring of the next update: rank 0 stops after the ranks' timeout (--ddp_timeout,
+argv[2] seconds, then argv[3]) with a Fault naming rank 1 and its phase. Rank 0 writes what it saw to argv[1] as
+JSON. Used by test_checkpoints.py."""
 
 import datetime
 import json
