@@ -353,8 +353,11 @@ def throughput_step(k: int, variant: str) -> Step:
                                                 batch_of(config) // k * config.updates, config)
         run_dir = throughput.fresh_run_dir(REPO_ROOT / config.runs_dir / f"throughput_k{k}_{variant}")
         full = trainer_command(args, trainer) + throughput.trainer_flags(config, k, assets, run_dir) + own
-        seconds, rss = throughput.run_trainer(full, run_dir.parent / f"{run_dir.name}.log", "gpu_suite",
-                                              timeout=deadline - time.time())
+        try:
+            seconds, rss = throughput.run_trainer(full, run_dir.parent / f"{run_dir.name}.log", "gpu_suite",
+                                                  timeout=deadline - time.time())
+        finally:  # measured from metrics.jsonl: the weights only fill the disk
+            throughput.drop_weights(run_dir)
         summary = throughput.summarize_run(run_dir / "metrics.jsonl", config, rss)
         peaks = json.loads((results / "limits.json").read_text())["bf16" if config.bf16 else "fp32"]
         summary.update(accounting.achieved(summary, accounting.block_parameters(throughput.pythia_config(shape)),
@@ -474,8 +477,11 @@ def vllm_step(name: str) -> Step:
         else:
             command = generation_modes.mode_command("colocate", modes)
         full = command + throughput.trainer_flags(modes, 2, assets, run_dir)
-        seconds, rss = throughput.run_trainer(full, run_dir.parent / f"{run_dir.name}.log", "gpu_suite",
-                                              timeout=deadline - time.time())
+        try:
+            seconds, rss = throughput.run_trainer(full, run_dir.parent / f"{run_dir.name}.log", "gpu_suite",
+                                                  timeout=deadline - time.time())
+        finally:
+            throughput.drop_weights(run_dir)
         summary = throughput.summarize_run(run_dir / "metrics.jsonl", modes, rss)
         rows = read_rows(run_dir / "metrics.jsonl", modes.warmup_updates)
         summary["weight_sync_s"] = statistics.mean(row.get("time/weight_sync", 0.0) for row in rows)

@@ -51,6 +51,21 @@ def test_measured_limits_are_positive_and_sized():
     assert "| run | 1.0 (50%) | - | - | - | - | 0.1 (25.0%) |" in table
 
 
+def test_a_measured_runs_weights_are_dropped_its_metrics_kept_and_no_link_followed(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "model.safetensors").write_bytes(b"another's")
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_2").mkdir(parents=True)
+    (run / "checkpoints" / "step_2" / "rank0.pt").write_bytes(b"x")
+    for name in ("model.safetensors", "pytorch_model.bin", "metrics.jsonl", "args.json", "config.json"):
+        (run / name).write_text("x")
+    (run / "linked.safetensors").symlink_to(outside / "model.safetensors")
+    gpu_suite.throughput.drop_weights(run)
+    assert sorted(p.name for p in run.iterdir()) == ["args.json", "config.json", "metrics.jsonl"]
+    assert (outside / "model.safetensors").read_bytes() == b"another's"
+
+
 @pytest.mark.bench
 def test_the_dry_run_starts_every_step_writes_its_results_and_resumes(tmp_path, monkeypatch, capsys):
     """The first run in this process (its trainers are processes of their own, on the CPU), the second from the
@@ -86,6 +101,9 @@ def test_the_dry_run_starts_every_step_writes_its_results_and_resumes(tmp_path, 
     assert records["limits"]["bf16"]["matmul_tflop_per_s"] > 0 and records["limits"]["fp32"]["copy_gb_per_s"] > 0
     for variant in ("rloo", "rloo_bf16_generation", "rloo_compile_generation"):
         record = records[f"throughput_k2_{variant}"]
+        run_dir = runs / f"throughput_k2_{variant}"  # measured, then its weights dropped: the disk holds few
+        assert (run_dir / "metrics.jsonl").is_file() and not (run_dir / "checkpoints").exists()
+        assert not [p.name for p in run_dir.iterdir() if p.suffix in (".safetensors", ".bin", ".pt")]
         run = record["result"]
         assert record["status"] == "measured" and run["seconds_per_update"] > 0 and run["training_tflop_per_s"] > 0
         assert 0 < run["training_of_matmul"] and run["training_tokens"] > 0
