@@ -299,9 +299,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+@contextlib.contextmanager
 def gradient_sync(model, enabled: bool):
     """DDP all-reduces gradients only when `enabled` (an optimizer step's last micro-step). FSDP reduce-scatters at
-    every micro-step, as ZeRO-3 does: more traffic, but no rank ever holds a full-size gradient."""
+    every micro-step, as ZeRO-3 does: more traffic, but no rank ever holds a full-size gradient; but when it trains
+    LoRA adapters (peft's, whose full gradients are small) it too only when `enabled`, the micro-steps' gradients
+    summed unsharded in fp32 meanwhile."""
     if isinstance(model, DDP) and not enabled:
-        return model.no_sync()
-    return contextlib.nullcontext()
+        with model.no_sync():
+            yield
+    elif is_fsdp_unit(model) and hasattr(model, "peft_config") and not enabled:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield

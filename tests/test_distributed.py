@@ -23,17 +23,26 @@ def run(script_args: list[str], out, wrapper: str = "ddp") -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp", "fsdp_offload"])
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp", "fsdp_offload", "fsdp_lora"])
 def test_two_rank_update_equals_one_rank_update(tmp_path, wrapper):
-    run([], tmp_path / "one.pt")
+    """FSDP2 reduce-scatters at every micro-step, but with LoRA adapters (a tied Llama-like model: every block's unit
+    holds frozen and trained weights, the root's only frozen ones) at an optimizer step's last alone."""
+    run([], tmp_path / "one.pt", "lora" if "lora" in wrapper else "ddp")
     run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"], tmp_path / "two.pt", wrapper)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
-    initial = tiny_policy(len(policy_tokenizer()), seed=0).state_dict()
-    moved = 0
-    for name, value in one.items():
-        torch.testing.assert_close(two[name], value, atol=1e-6, rtol=1e-5, msg=name)
-        moved += not torch.equal(value, initial[name])
-    assert moved > len(one) // 2  # the update did change the parameters
+    assert one["initial"].keys() == two["final"].keys() == one["final"].keys()
+    for name, value in one["final"].items():
+        torch.testing.assert_close(two["final"][name], value, atol=1e-6, rtol=1e-5, msg=name)
+    moved = {name for name, value in one["final"].items() if not torch.equal(value, one["initial"][name])}
+    if "lora" in wrapper:  # the adapters, all of them, and nothing else
+        assert moved == {name for name in one["final"] if ".lora_" in name}
+    else:
+        assert len(moved) > len(one["final"]) // 2  # the update did change the parameters
+    # two epochs of one minibatch, of two micro-steps each on each of the two ranks; FSDP2: whether a micro-step
+    # left gradient shards (it reduce-scattered), at each one, or with LoRA at each step's last alone
+    assert [last for last, _ in two["synced"]] == [False, True] * 2
+    if wrapper.startswith("fsdp"):
+        assert [reduced for _, reduced in two["synced"]] == ([False, True] * 2 if "lora" in wrapper else [True] * 4)
 
 
 def test_a_run_frees_its_ddp_wrapper_before_the_process_group(assets, tmp_path, monkeypatch):
