@@ -83,7 +83,8 @@ def shard_policy(policy, bf16: bool, offload: bool = False):
     """FSDP2 over all ranks: one unit per transformer block (the classes in the model's `_no_split_modules`), the
     embeddings and head in the root unit. fp32 master weights; bf16 compute with --bf16; gradients reduced in fp32
     (they sum log-prob gradients over thousands of tokens). With `offload` the shards, their gradients and so the
-    optimizer state stay in CPU memory; a unit's weights visit the GPU while it computes."""
+    optimizer state stay in CPU memory; a unit's weights visit the GPU while it computes. LoRA adapters, added
+    before, are sharded and gathered with the block they sit in, beside its frozen base weights (sharded too)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     blocks = transformer_blocks(policy)

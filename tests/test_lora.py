@@ -239,6 +239,17 @@ def test_plan_memory_counts_the_adapters_state_and_no_reference(assets):
     full = plan_memory.plan(replace(args, use_peft=False), plan_memory.model_shape(args.model_name_or_path, False,
                                                                                     False), None)["resident"]
     assert full["reference policy"] == 4 * plan_memory.model_shape(args.model_name_or_path, False, False).parameters
+    sharded = plan_memory.plan(replace(args, fsdp=True), shape, None)["resident"]  # the base sharded, the adapters'
+    assert sharded["policy weights (fp32)"] == 4 * shape.parameters / 2  # gradients held whole between micro-steps
+    assert sharded["policy gradients (fp32)"] == 4 * shape.trainable and sharded["DDP gradient buckets"] == 0.0
+    assert sharded["AdamW m and v (fp32)"] == 8 * shape.trainable / 2
+    # pythia-6.9b with adapters of rank 16 on its attention: its fp32 base alone is 27 GB, over a 24 GiB GPU
+    pythia_6p9b = plan_memory.Shape(parameters=6_865_690_624, hidden=4096, intermediate=16384, layers=32,
+                                    vocab=50304, trainable=32 * 16 * (4096 + 3 * 4096))
+    planned = replace(args, world_size=8, gpu_gib=24, bf16=True, per_device_train_batch_size=8,
+                      local_rollout_forward_batch_size=16, response_length=53)
+    assert plan_memory.peak_bytes(plan_memory.plan(planned, pythia_6p9b, None)) > 24 * plan_memory.GIB
+    assert any(label.startswith("--fsdp") for label, _ in plan_memory.options_that_fit(planned, pythia_6p9b, None))
 
 
 def test_plan_memory_refuses_a_4bit_base_it_would_count_in_fp32(assets):
