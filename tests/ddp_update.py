@@ -2,7 +2,8 @@
 split by prompt over the ranks of a torchrun, with DDP or (argv[2] "fsdp", "fsdp_offload") FSDP2; "lora": LoRA
 adapters on a tied Llama-like model, in one process, "fsdp_lora" sharded with them. Rank 0 saves to argv[1] the
 parameters before and after, and after each micro-step whether the sharded trained parameters held a gradient yet
-(FSDP: whether that micro-step reduce-scattered). Used by test_distributed.py."""
+(FSDP: whether that micro-step reduce-scattered); with LoRA, the adapter as a run saves it to argv[1].adapter. Used
+by test_distributed.py."""
 
 import contextlib
 import sys
@@ -82,6 +83,8 @@ def main(out_path: str, wrapper: str) -> None:
         state = policy.state_dict()
     if dist_info.master:
         torch.save({"initial": initial, "final": state, "synced": synced}, out_path)
+    if "lora" in wrapper:  # with FSDP a collective
+        plumbing.save_policy(policy, tokenizer, f"{out_path}.adapter", dist_info.rank)
     plumbing.barrier()  # no rank tears the group down while another still uses it
 
 

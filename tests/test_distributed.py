@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import tyro
+from safetensors.torch import load_file
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import plumbing
 import rloo
-from conftest import REPO, cpu_env, tiny_policy, policy_tokenizer
+from conftest import REPO, cpu_env
 from helpers import argv_of, free_port, python, valid_flags
 
 
@@ -34,8 +35,13 @@ def test_two_rank_update_equals_one_rank_update(tmp_path, wrapper):
     for name, value in one["final"].items():
         torch.testing.assert_close(two["final"][name], value, atol=1e-6, rtol=1e-5, msg=name)
     moved = {name for name, value in one["final"].items() if not torch.equal(value, one["initial"][name])}
-    if "lora" in wrapper:  # the adapters, all of them, and nothing else
+    if "lora" in wrapper:  # the adapters, all of them, and nothing else; saved whole from the shards
         assert moved == {name for name in one["final"] if ".lora_" in name}
+        unsharded, saved = (load_file(tmp_path / f"{run}.pt.adapter" / plumbing.ADAPTER_WEIGHTS)
+                            for run in ("one", "two"))
+        assert saved.keys() == unsharded.keys() and len(saved) == len(moved)
+        for name, value in unsharded.items():
+            torch.testing.assert_close(saved[name], value, atol=1e-6, rtol=1e-5, msg=name)
     else:
         assert len(moved) > len(one["final"]) // 2  # the update did change the parameters
     # two epochs of one minibatch, of two micro-steps each on each of the two ranks; FSDP2: whether a micro-step
