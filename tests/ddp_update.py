@@ -2,8 +2,9 @@
 split by prompt over the ranks of a torchrun, with DDP or (argv[2] "fsdp", "fsdp_offload") FSDP2; "lora": LoRA
 adapters on a tied Llama-like model, in one process, "fsdp_lora" sharded with them. Rank 0 saves to argv[1] the
 parameters before and after, and after each micro-step whether the sharded trained parameters held a gradient yet
-(FSDP: whether that micro-step reduce-scattered); with LoRA, the adapter as a run saves it to argv[1].adapter. Used
-by test_distributed.py."""
+(FSDP: whether that micro-step reduce-scattered), and the updated policy's log-probs of the whole batch (with LoRA,
+its reference's too: the same module with its adapters off), FSDP's blocks gathered as for a rollout; with LoRA, the
+adapter as a run saves it to argv[1].adapter. Used by test_distributed.py."""
 
 import contextlib
 import sys
@@ -75,6 +76,10 @@ def main(out_path: str, wrapper: str) -> None:
     plumbing.gradient_sync = observed  # rloo.ppo_update looks it up there at each micro-step
     rloo.ppo_update(model, optimizer, rollout, scores[rows], args, sizes, True,
                     lambda: torch.autocast("cpu", enabled=False))  # whole prompt groups: the same advantages
+    with torch.no_grad(), plumbing.gathered_for_rollout(policy, "unshard"):  # every rank: FSDP's forward gathers
+        logprobs = {"policy": rloo.forward_logprobs(policy, c, 1.0, share_prompt=True)[0]}  # (k*B, Tr)
+        if "lora" in wrapper:
+            logprobs["reference"] = rloo.forward_logprobs(plumbing.AdaptersOff(policy), c, 1.0, share_prompt=True)[0]
     if wrapper.startswith("fsdp"):  # every rank sends its shards
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -82,7 +87,7 @@ def main(out_path: str, wrapper: str) -> None:
     else:
         state = policy.state_dict()
     if dist_info.master:
-        torch.save({"initial": initial, "final": state, "synced": synced}, out_path)
+        torch.save({"initial": initial, "final": state, "synced": synced, "logprobs": logprobs}, out_path)
     if "lora" in wrapper:  # with FSDP a collective
         plumbing.save_policy(policy, tokenizer, f"{out_path}.adapter", dist_info.rank)
     plumbing.barrier()  # no rank tears the group down while another still uses it
