@@ -128,17 +128,19 @@ def load_safely(source: Path | io.BytesIO, name: Optional[str] = None):
 
 def save_policy(policy, tokenizer, path: Path, rank: int) -> None:
     """The policy in HF format (with --use_peft, its adapter in peft's format) and its tokenizer at `path`, written
-    by rank 0. With FSDP a collective: every rank sends its shards to rank 0's CPU first."""
-    state = None
+    by rank 0. With FSDP a collective: every rank sends its shards to rank 0's CPU first, of the trained parameters
+    alone with LoRA (the adapters whole; the frozen base, never saved, stays sharded)."""
+    state, adapters = None, hasattr(policy, "peft_config")
     if is_fsdp_unit(policy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                      ignore_frozen_params=adapters))
     if rank == 0:
         policy.save_pretrained(path, state_dict=state)
         tokenizer.save_pretrained(path)
         weights_readable_as_the_rest(Path(path))
-        if state is not None:  # fully_shard renamed the class FSDP<Model>: record the model's own name
+        if state is not None and not adapters:  # fully_shard renamed the class FSDP<Model>: record the model's own name
             config_path = Path(path) / "config.json"
             config = json.loads(config_path.read_text())
             config["architectures"] = [name.removeprefix("FSDP") for name in config.get("architectures") or []]

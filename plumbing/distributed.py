@@ -83,7 +83,8 @@ def shard_policy(policy, bf16: bool, offload: bool = False):
     """FSDP2 over all ranks: one unit per transformer block (the classes in the model's `_no_split_modules`), the
     embeddings and head in the root unit. fp32 master weights; bf16 compute with --bf16; gradients reduced in fp32
     (they sum log-prob gradients over thousands of tokens). With `offload` the shards, their gradients and so the
-    optimizer state stay in CPU memory; a unit's weights visit the GPU while it computes."""
+    optimizer state stay in CPU memory; a unit's weights visit the GPU while it computes. LoRA adapters, added
+    before, are sharded and gathered with the block they sit in, beside its frozen base weights (sharded too)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     blocks = transformer_blocks(policy)
@@ -299,9 +300,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+@contextlib.contextmanager
 def gradient_sync(model, enabled: bool):
     """DDP all-reduces gradients only when `enabled` (an optimizer step's last micro-step). FSDP reduce-scatters at
-    every micro-step, as ZeRO-3 does: more traffic, but no rank ever holds a full-size gradient."""
+    every micro-step, as ZeRO-3 does: more traffic, but no rank ever holds a full-size gradient; but when it trains
+    LoRA adapters (peft's, whose full gradients are small) it too only when `enabled`, the micro-steps' gradients
+    summed unsharded in fp32 meanwhile."""
     if isinstance(model, DDP) and not enabled:
-        return model.no_sync()
-    return contextlib.nullcontext()
+        with model.no_sync():
+            yield
+    elif is_fsdp_unit(model) and hasattr(model, "peft_config") and not enabled:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield

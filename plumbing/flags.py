@@ -467,9 +467,6 @@ def validate_args(args, launching: bool = True) -> None:
                           "--nproc_per_node 1 for one GPU)")
     # ----- LoRA (--use_peft) -----
     if args.use_peft:
-        if args.fsdp:
-            raise ConfigError("--use_peft with --fsdp is not supported yet: the adapters' base is not sharded; drop "
-                              "--fsdp (LoRA's states are small: DDP replicates them)")
         if args.lora_r < 1 or args.lora_alpha <= 0 or not 0 <= args.lora_dropout < 1:
             raise ConfigError(f"--lora_r {args.lora_r}, --lora_alpha {args.lora_alpha}, --lora_dropout "
                               f"{args.lora_dropout}: the rank must be >= 1, alpha > 0 and dropout in [0, 1)")
@@ -485,6 +482,10 @@ def validate_args(args, launching: bool = True) -> None:
         option = next(name for name in ("use_rslora", "use_dora", "lora_target_parameters") if getattr(args, name))
         raise ConfigError(f"--{option} is an option of LoRA adapters: add --use_peft")
     if args.load_in_4bit:
+        if args.fsdp:
+            raise ConfigError("--load_in_4bit with --fsdp: FSDP2 would shard bitsandbytes' 4-bit weights as plain "
+                              "bytes, without the quantization state their layers compute with: drop --fsdp (DDP "
+                              "replicates the 4-bit base, half a byte per weight)")
         if importlib.util.find_spec("bitsandbytes") is None:
             raise ConfigError("--load_in_4bit quantizes the base with bitsandbytes, which is not installed: pip "
                               "install bitsandbytes (or drop the flag)")

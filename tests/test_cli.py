@@ -504,7 +504,8 @@ BAD_INPUTS = {  # case: (flags that replace or add to a valid command, fragments
                                         ["take no dropout", "pass --lora_dropout 0"]),
     "reward model with two labels": ({"reward_model_path": "two_label_rm"},
                                      ["two_label_rm", "2-label classification head", "num_labels=1"]),
-    "LoRA with FSDP": ({"use_peft": None, "fsdp": None}, ["--use_peft with --fsdp is not supported yet"]),
+    "QLoRA with FSDP": ({"use_peft": None, "load_in_4bit": None, "fsdp": None}, ["--load_in_4bit with --fsdp",
+                                                                                 "drop --fsdp"]),
     "LoRA rank 0": ({"use_peft": None, "lora_r": "0"}, ["--lora_r 0", "the rank must be >= 1"]),
     "merge_lora without LoRA": ({"merge_lora": None}, ["--merge_lora merges LoRA adapters", "add --use_peft"]),
 }
