@@ -175,7 +175,7 @@ MUTANTS = [
      "mini = micro * args.gradient_accumulation_steps", "mini = micro"),
     ("minibatch plan splits completions as groups", "rloo.py",
      "for minibatch in order.split(sizes.mini // k):", "for minibatch in order.split(sizes.mini):"),
-    ("learning rate decays one update early", "rloo.py",
+    ("learning rate decays one update early", "plumbing/schedule.py",
      "progress = (update - 1 - warmup) / (num_updates - warmup)",
      "progress = (update - warmup) / (num_updates - warmup)"),
     # ----- metrics (plumbing/)

@@ -126,18 +126,21 @@ def test_a_recipe_of_every_trl_default_runs_through_the_parser(tmp_path):
 
 def test_trl_defaults_1_16_gives_every_algorithm_flag_left_out_trl_1_16s_default(tmp_path):
     """--trl_defaults 1.16: each algorithm flag whose TRL 1.16 default sets something takes it (num_iterations 1,
-    temperature 1.0, learning rate 1e-6, 512 new tokens, 3 epochs); the run's flags keep this script's; a flag given
-    wins wherever it stands; a --config file may choose it too."""
-    switched = plumbing.algorithm_defaults(rloo.Args)
+    temperature 1.0, learning rate 1e-6, 512 new tokens, 3 epochs), and of the run's flags those that change what it
+    computes (gradient checkpointing, seed 42, bf16 where there is a GPU: on this CPU a line says it is off); the
+    others keep this script's; a flag given wins wherever it stands; a --config file may choose it too."""
+    switched = plumbing.algorithm_defaults(rloo.Args) | {"gradient_checkpointing": (False, True), "seed": (1, 42)}
+    assert plumbing.release_defaults(rloo.Args, "1.16") == switched  # bf16: (False, False) on a CPU, not switched
     assert {"num_ppo_epochs", "temperature", "learning_rate", "response_length", "num_train_epochs"} <= switched.keys()
-    assert plumbing.algorithm_defaults(rloo_multinode.Args) == switched  # the algorithm's: not the engines' vllm_mode
+    assert plumbing.algorithm_defaults(rloo_multinode.Args) == plumbing.algorithm_defaults(rloo.Args)  # not vllm_mode
     trl_name = {own: trl for trl, own in plumbing.TRL_NAMES.items()}
     args, old = parse("--trl_defaults", "1.16"), rloo.Args()
     for f in dataclasses.fields(rloo.Args):
         trl = trl_name.get(f.name, f.name)
         if f.name in switched:
+            trl = trl if trl in plumbing.TRL116 else f.name  # gradient_checkpointing: TRL 1.16's transformers' name
             assert getattr(args, f.name) == plumbing.TRL116[trl] == switched[f.name][1] != getattr(old, f.name)
-        else:  # the same default in both releases, a "not set" of TRL's, or a run's flag (seed 1, not TRL's 42)
+        else:  # the same default in both releases, a "not set" of TRL's, or a run's flag (output_dir, save_steps)
             assert getattr(args, f.name) == getattr(old, f.name) or f.name == "trl_defaults", f.name
     assert (args.num_ppo_epochs, args.temperature, args.learning_rate, args.response_length) == (1, 1.0, 1e-6, 512)
     for argv in (["--num_iterations", 2, "--trl_defaults", "1.16"], ["--trl-defaults=1.16", "--num_ppo_epochs", 2]):
@@ -167,11 +170,20 @@ def test_trl_names_or_a_config_file_bring_a_line_naming_the_defaults_in_force(ca
     parse("--config", path)
     assert "--num_train_epochs 1.0 (TRL 1.16's: 3.0)" in capsys.readouterr().out
     parse("--num_generations", 4, "--trl_defaults", "1.16", "--learning_rate", 1e-6)
-    line = capsys.readouterr().out
+    line, bf16 = capsys.readouterr().out.splitlines()
     assert "TRL 1.16's defaults in force (--trl_defaults 1.16): " in line and "(TRL <= 0.21's: 4)" in line
     assert "--learning_rate" not in line and line.strip().endswith("--trl_defaults 0.21 takes TRL <= 0.21's")
+    for named in ("--gradient_checkpointing (--activation_checkpointing) True (TRL <= 0.21's: False)",
+                  "--seed 42 (TRL <= 0.21's: 1)"):  # the run's flags it switches too
+        assert named in line, line
+    assert bf16 == "rloo.py: TRL 1.16's default bf16 is off here: no GPU (on the CPU, --bf16 computes in bf16 anyway, " \
+                   "slowly)"  # said even without TRL's names; not with --bf16 given
+    parse("--trl_defaults", "1.16", "--seed", 3, "--gradient_checkpointing")
+    assert capsys.readouterr().out == bf16 + "\n"
+    parse("--trl_defaults", "1.16", "--no-bf16")
+    assert capsys.readouterr().out == ""
     parse("--num_generations", 4, "--num_iterations", 4, "--temperature", 1, "--learning_rate", 1, "--num_train_epochs",
-          1, "--max_completion_length", 8)
+          1, "--max_completion_length", 8, "--seed", 42, "--gradient_checkpointing", "False")
     assert capsys.readouterr().out == ""  # every switched setting given: nothing to say
 
 
@@ -185,7 +197,6 @@ def test_a_trl_recipe_runs_trls_updates_and_episodes_with_and_without_trl_1_16s_
 @pytest.mark.parametrize("argv,message", [
     (["--fp16", "True"], "fp16 needs loss scaling"),
     (["--push_to_hub", "True"], "nothing is uploaded"),
-    (["--warmup_steps", "10"], "pass --warmup_ratio"),
     (["--per_device_eval_batch_size", "4"], "--local_rollout_forward_batch_size"),
     (["--disable_dropout", "False", "--shuffle_dataset", "False"], "reshuffled every epoch"),
     (["--tf32", "False"], "matmul precision"),
@@ -421,7 +432,7 @@ def test_evaluation_schedules():
     """--eval_strategy steps every --eval_steps (--logging_steps when None, fractions of the run, optimizer steps
     with --max_steps), epoch at each pass's end, no never; by default --num_evals spread over the run."""
     at = lambda steps_per_update=1, updates_per_epoch=4, **flags: plumbing.evaluation_updates(  # noqa: E731
-        rloo.Args(**flags), 10, steps_per_update, updates_per_epoch)
+        rloo.Args(**flags), plumbing.RunLength(10, steps_per_update), updates_per_epoch)
     assert at(eval_strategy="steps", eval_steps=3) == {3, 6, 9}
     assert at(eval_strategy="steps", logging_steps=5) == {5, 10}  # TRL: eval_steps defaults to logging_steps
     assert at(eval_strategy="steps", eval_steps=0.25) == {3, 6, 9}  # ceil(2.5)
