@@ -86,7 +86,7 @@ def trl_run(recipe: dict, num_prompts: int, tmp_path, world_size: int = 1) -> di
             if getattr(control, f"should_{act}"):
                 acts.setdefault(act, []).append(step)
     generations = sum(step % generate_every == 0 for step in range(max_steps * accumulation))  # TRL's _step
-    bf16 = (c["bf16"] if c["bf16"] is not None else not c["fp16"]) and torch.cuda.is_available()  # where the device has it
+    bf16 = (c["bf16"] if c["bf16"] is not None else not c["fp16"]) and torch.cuda.is_available()  # where it can be
     return {"steps": max_steps, "updates": generations, "completions": generations * generation_batch,
             "steps_per_update": generate_every // accumulation, "rates": rates, "log": acts.get("log", []),
             "save": acts.get("save", []), "evaluate": acts.get("evaluate", []), "bf16": bf16,
