@@ -335,6 +335,13 @@ def test_the_logged_objective_metrics_against_a_naive_loop_over_the_rollouts(sho
         assert metrics["objective/scores"] == pytest.approx(scores.mean().item(), abs=1e-5)
         assert metrics["objective/rlhf_reward"] == pytest.approx(
             sum(scores[i].item() - kl_coef * kl[i] for i in range(n)) / n, abs=1e-5)
+        # TRL 1.16's names, TRL 1.16's meanings: kl per token; reward_std over all completions; frac_reward_zero_std
+        # of the prompts whose k KL-penalized rewards (the (k, B) layout: prompt i's are rows i, i + B) are all equal
+        assert metrics["kl"] == pytest.approx(sum(kl) / sum(map(sum, mask)), abs=1e-6)
+        assert metrics["reward_std"] == pytest.approx(statistics.stdev(scores.tolist()), abs=1e-5)
+        rlhf, b = [scores[i].item() - kl_coef * kl[i] for i in range(n)], n // 2
+        same = [math.isclose(rlhf[i], rlhf[i + b], abs_tol=1e-7) for i in range(b)]
+        assert metrics["frac_reward_zero_std"] == pytest.approx(sum(same) / b)
 
 
 def test_the_rollouts_log_probs_are_the_models_and_the_kl_to_the_initial_policy_grows_positive(short_run, assets):

@@ -19,7 +19,7 @@ import plumbing
 import rloo
 import rloo_multinode
 from conftest import REPO, read_metrics, run_rloo, tiny_policy, write_jsonl
-from helpers import cpu_env, python
+from helpers import TRL116_RECIPES, cpu_env, python
 
 SITE = "benchmark/.trl116-site"
 
@@ -189,10 +189,11 @@ def test_trl_names_or_a_config_file_bring_a_line_naming_the_defaults_in_force(ca
 
 
 def test_a_trl_recipe_runs_trls_updates_and_episodes_with_and_without_trl_1_16s_defaults():
-    """Against TRL 1.16's RLOOConfig and RLOOTrainer._prepare_inputs' own line (tests/trl116_run_length.py)."""
+    """Against TRL 1.16's RLOOConfig and RLOOTrainer._prepare_inputs' own line (tests/trl116_run_length.py); and the
+    arithmetic of TRL 1.16 that tests/test_trl116_run.py computes from the committed table, against TRL 1.16's."""
     result = with_trl116("tests/trl116_run_length.py")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.count(": same") == 8
+    assert result.stdout.count(": same") == 8 + len(TRL116_RECIPES)
 
 
 @pytest.mark.parametrize("argv,message", [
