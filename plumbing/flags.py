@@ -113,7 +113,9 @@ class RunArgs(InputArgs):
     trl_defaults: Literal["0.21", "1.16"] = "0.21"
     """whose defaults the algorithm's flags left out take: TRL <= 0.21's (the TL;DR recipe's: 4 PPO epochs,
     temperature 0.7, learning rate 3e-6, 53 new tokens, 1 epoch) or TRL 1.16's RLOOConfig's (num_iterations 1,
-    temperature 1.0, learning rate 1e-6, max_completion_length 512, 3 epochs); the run's flags keep this project's"""
+    temperature 1.0, learning rate 1e-6, max_completion_length 512, 3 epochs; of the run's flags gradient
+    checkpointing, seed 42, bf16 on a GPU), and whose arithmetic the run follows: TRL 1.16's counts its length,
+    intervals and learning rate in optimizer steps, as its Trainer does"""
     output_dir: str = "models/rloo"
     """where `metrics.jsonl`, `args.json`, the final policy and its tokenizer are written"""
     track: bool = False
