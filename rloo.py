@@ -1211,7 +1211,7 @@ def policy_loss(new_logprobs: torch.Tensor, batch: Rollout, values: Advantages, 
                  "clip_ratio/low_mean": masked_mean(low.float(), weight),  # TRL 1.x's names
                  "clip_ratio/high_mean": masked_mean(high.float(), weight),
                  "clip_ratio/region_mean": masked_mean((low | high).float(), weight),
-                 "clip_ratio/low_min": low.float().min(), "clip_ratio/high_max": high.float().max()}  # TRL's: any
+                 "clip_ratio/low_min": low.float().min(), "clip_ratio/high_max": high.float().max()}  # TRL 1.16's
         if args.kl_in_loss:  # the loss's KL term under the policy as it trains, per completion
             stats[f"policy/kl_{estimator}_avg"] = kl.sum(1).mean()
         if entropy is not None:
@@ -1320,8 +1320,9 @@ def ppo_update(
             plumbing.check_finite({"loss": torch.stack(losses), "gradient norm": grad_norm}, device)
             stats.setdefault("loss/policy_avg", []).append(torch.stack(losses).sum())  # the minibatch's loss
             grad_norms.append(grad_norm)
-            for group in optimizer.param_groups if learning_rate is not None else ():  # the run's schedule, this step's
-                group["lr"] = learning_rate(steps_done + 1)
+            if learning_rate is not None:  # the run's schedule: this optimizer step's rate
+                for group in optimizer.param_groups:
+                    group["lr"] = learning_rate(steps_done + 1)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             steps_done += 1
