@@ -1333,8 +1333,7 @@ def ppo_update(
     out["val/ratio"] = ratios.mean().item()
     out["val/ratio_var"] = ratios.var().item() if ratios.numel() > 1 else 0.0
     out["policy/grad_norm"] = torch.stack(grad_norms).mean().item()
-    out |= {"loss": out["loss/policy_avg"], "grad_norm": grad_norms[-1].item(),  # TRL 1.16's names, at its last step
-            "learning_rate": optimizer.param_groups[0]["lr"]}
+    out |= {"loss": out["loss/policy_avg"], "grad_norm": grad_norms[-1].item()}  # TRL 1.16's names: at the last step
     if rollout.in_loss is not None:  # reduced over ranks by a sum
         out["completions/masked_truncated"] = float((~rollout.in_loss).sum())
     return out, trained_on or Advantages(**gathered)
@@ -1582,7 +1581,8 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
             }
             episode = update * sizes.all_ranks
             metrics = plumbing.reduce_metrics(metrics, device, rollouts.max_metrics)  # AlgorithmState's changes: here
-            metrics.update(eps=episode / (time.time() - checkpoints.start_time), lr=optimizer.param_groups[0]["lr"],
+            lr = optimizer.param_groups[0]["lr"]  # the update's last optimizer step's: TRL 1.16's learning_rate too
+            metrics.update(eps=episode / (time.time() - checkpoints.start_time), lr=lr, learning_rate=lr,
                            episode=episode)
             if logger is not None:
                 logger.log(update, metrics)

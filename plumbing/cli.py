@@ -688,8 +688,8 @@ def parse_error_line(event, flags: list[str]) -> Optional[str]:
     if isinstance(event, events.BadValue):
         return f"{flag_of(event.argument)} " + ("needs a value" if event.offending_value is None else
                                                  f"takes no value, given {event.offending_value!r}") + "; see --help"
-    if isinstance(event, events.InvalidChoice):  # an Optional[Literal]'s choices come from a set: sorted, None last
-        choices = sorted(event.choices, key=lambda c: (c == "None", c))
+    if isinstance(event, events.InvalidChoice):  # an Optional[Literal]'s come from a set (any order): sorted, None last
+        choices = sorted(event.choices, key=lambda c: (c == "None", c)) if "None" in event.choices else event.choices
         return f"{flag_of(event.argument)} {event.value!r} is not one of {', '.join(choices)}"
     if isinstance(event, events.MissingArgs):
         return f"missing {', '.join(flag_of(a.arg) for a in event.missing_arguments)}; see --help"

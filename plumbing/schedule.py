@@ -92,18 +92,20 @@ def in_updates(steps, args, run: RunLength) -> int:
     return math.ceil(steps / run.steps_per_update) if in_steps else int(steps)
 
 
-def firing_updates(steps, args, run: RunLength) -> set[int]:
-    """The updates after which an interval flag (--logging_steps, --eval_steps) acts. In updates: every
-    in_updates-th. In optimizer steps (--max_steps, TRL 1.16's arithmetic): each update in which the run's step count
-    passes a multiple of the interval, as TRL's Trainer acts at every step where global_step % steps == 0 (a share
-    below 1: of the run's steps, rounded up)."""
+def firing_updates(steps, args, run: RunLength) -> int | set[int]:
+    """The updates after which an interval flag (--logging_steps, --eval_steps) acts: every this many, or these. In
+    updates: every in_updates-th. In optimizer steps (--max_steps, TRL 1.16's arithmetic): each update in which the
+    run's step count passes a multiple of the interval, as TRL's Trainer acts at every step where global_step % steps
+    == 0 (a share below 1: of the run's steps, rounded up); every this many where that is regular."""
     if not (args.max_steps is not None or trl116_arithmetic(args)):
-        return set(range(in_updates(steps, args, run), run.updates + 1, in_updates(steps, args, run)))
+        return in_updates(steps, args, run)
     every, per = math.ceil(steps * run.steps) if 0 < steps < 1 else int(steps), run.steps_per_update
+    if every % per == 0 or every < per:  # shorter than an update: every update holds a multiple
+        return max(every // per, 1)
     return {u for u in range(1, run.updates + 1) if min(u * per, run.steps) // every > (u - 1) * per // every}
 
 
-def update_intervals(args, run: RunLength) -> tuple[int, set[int]]:
+def update_intervals(args, run: RunLength) -> tuple[int, int | set[int]]:
     """--save_steps in updates (in_updates; in optimizer steps a checkpoint needs a whole update: --save_steps a
     multiple of its optimizer steps), and the updates of --logging_steps' console lines (firing_updates). A run of
     more than MAX_UPDATES updates is refused, naming the most the flag that set its length can take: what start-up
@@ -134,8 +136,9 @@ def evaluation_updates(args, run: RunLength, updates_per_epoch: int) -> set[int]
     evenly over the run, the last at its end (--num_evals 0: only the end)."""
     num_updates = run.updates
     if args.eval_strategy == "steps":
-        return firing_updates(args.logging_steps if args.eval_steps is None else args.eval_steps, args, run) | (
-            {num_updates} if trl116_arithmetic(args) else set())
+        at = firing_updates(args.logging_steps if args.eval_steps is None else args.eval_steps, args, run)
+        at = set(range(at, num_updates + 1, at)) if isinstance(at, int) else at
+        return at | ({num_updates} if trl116_arithmetic(args) else set())
     if args.eval_strategy == "epoch":
         every = max(1, updates_per_epoch)
         return set(range(every, num_updates + 1, every)) | {num_updates}
