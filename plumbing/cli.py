@@ -837,8 +837,9 @@ def as_given(line: str, argv: Optional[list[str]] = None) -> str:
     names = {arg[2:].partition("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
     at = [i for i, arg in enumerate(argv) if arg.partition("=")[0] == "--config"]
     path = at and (argv[at[0]].partition("=")[2] or (argv[at[0] + 1] if at[0] + 1 < len(argv) else ""))
-    with contextlib.suppress(ConfigError, AttributeError):  # the file's refusal is said by parse_args
-        names |= {str(key).replace("-", "_") for key in read_config(path)} if path else set()
+    with contextlib.suppress(ConfigError):  # the file's own refusal is said by parse_args
+        config = read_config(path) if path else None
+        names |= {str(key).replace("-", "_") for key in config} if isinstance(config, dict) else set()
     for trl, own in TRL_NAMES.items():
         if trl in names and own not in names:
             line = re.sub(rf"(?<![\w-])(--)?{own}\b", lambda m: (m.group(1) or "") + trl, line)
