@@ -16,6 +16,7 @@ import signal
 import stat
 import sys
 import threading
+import time
 import traceback
 from dataclasses import field, fields, is_dataclass, make_dataclass
 from pathlib import Path
@@ -33,8 +34,8 @@ from .flags import PATH_FLAGS, RunArgs
 from .rewards import end_processes_left
 
 __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "TRL_NAMES", "TRL116", "GRPO_ONLY", "NOTHING", "TRL_DEFAULTS", "algorithm_defaults", "TRL_FIXED", "TRL_REFUSED",
-    "TRL_LAUNCHER", "trl_default_given", "trl_arguments", "config_arguments", "help_groups", "parse_args", "run_script",
+    "TRL_NAMES", "TRL116", "GRPO_ONLY", "NOTHING", "TRL_DEFAULTS", "algorithm_defaults", "release_defaults",
+    "TRL_FIXED", "TRL_REFUSED", "TRL_LAUNCHER", "trl_default_given", "trl_arguments", "config_arguments", "help_groups", "parse_args", "run_script",
     "run_tool", "write_generated",
 ]
 
@@ -108,6 +109,29 @@ def algorithm_defaults(cls) -> dict[str, tuple]:
             and TRL116[trl] not in NOTHING and TRL116[trl] != getattr(base, f.name)}
 
 
+TRL116_RUN = ("bf16", "gradient_checkpointing", "seed")  # the run's flags whose TRL 1.16 defaults --trl_defaults 1.16
+# takes too: they change what the run computes (bf16: where the device has it, TRL's None being bf16 unless fp16)
+
+
+def bf16_here() -> bool:
+    """Whether this process's device computes in bf16 where TRL 1.16's default asks for it: a GPU (rloo.py trains on
+    CUDA or the CPU; on the CPU TRL refuses bf16 without --use_cpu, and autocast's bf16 is slow there)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def release_defaults(cls, release: str) -> dict[str, tuple]:
+    """{flag: (TRL <= 0.21's default, TRL 1.16's)} of what --trl_defaults switches: the algorithm's flags
+    (algorithm_defaults) and, of the run's, TRL116_RUN's; bf16 only where this device has it (bf16_here). Only
+    under --trl_defaults 1.16 is the device asked: not otherwise, nor for --help's listing."""
+    base, run = cls(), {"gradient_checkpointing": TRL116["gradient_checkpointing"], "seed": TRL116["seed"]}
+    if release == "1.16":
+        run["bf16"] = bf16_here()
+    return algorithm_defaults(cls) | {name: (getattr(base, name), value) for name, value in run.items()
+                                      if value != getattr(base, name)}
+
+
 def release_asked(argv: list[str]) -> str:
     """The last --trl_defaults of argv ("0.21" when none; a value that is neither is left to tyro to refuse)."""
     release = "0.21"
@@ -127,7 +151,7 @@ def defaults_in_force_line(cls, values: dict, given: set[str], release: str, pro
     trl_name = {own: trl for trl, own in TRL_NAMES.items()}
     changed = [f"--{name}" + (f" (--{trl_name[name]})" if name in trl_name else "")
                + f" {values[name]} ({TRL_RELEASES[other]}: {pair[other == '1.16']})"
-               for name, pair in algorithm_defaults(cls).items() if name not in given
+               for name, pair in release_defaults(cls, release).items() if name not in given
                and not (name == "num_train_epochs" and (values.get("max_steps") or values.get("total_episodes")))]
     return changed and (f"{prog}: {TRL_RELEASES[release]} defaults in force (--trl_defaults {release}): "
                         f"{', '.join(changed)}; --trl_defaults {other} takes {TRL_RELEASES[other]}") or None
@@ -164,7 +188,6 @@ TRL_FIXED = {
     "adam_beta1": (("0.9",), "AdamW's betas are torch's (0.9, 0.999)"),
     "adam_beta2": (("0.999",), "AdamW's betas are torch's (0.9, 0.999)"),
     "optim": (("adamw_torch", "adamw_torch_fused"), "the optimizer is torch's AdamW (fused on CUDA)"),
-    "warmup_steps": (("0",), "pass --warmup_ratio (a share of the updates)"),
     "torch_dtype": (("auto", "float32"), DTYPE_REASON),
     "dtype": (("auto", "float32"), DTYPE_REASON),
     "lora_task_type": (("causal_lm",), "the adapters are a causal LM's"),
@@ -239,7 +262,7 @@ TRL_REFUSED |= {name: reason for names, reason in (  # the rest of transformers'
       "torch_empty_cache_steps", "torch_compile_backend", "torch_compile_mode", "liger_kernel_config"),
      "the loss and optimizer are rloo.py's own (torch's AdamW: --learning_rate, --adam_epsilon, --max_grad_norm)"),
     (("ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend", "accelerator_config",
-      "parallelism_config", "use_cpu", "save_on_each_node", "enable_jit_checkpoint",
+      "parallelism_config", "save_on_each_node", "enable_jit_checkpoint",
       "restore_callback_states_from_checkpoint"),
      "rloo.py sets up torch.distributed itself under torchrun (NCCL on GPUs, gloo on CPUs: CUDA_VISIBLE_DEVICES= "
      "runs on the CPU) and writes its own checkpoints"),
@@ -344,6 +367,8 @@ def trl_arguments(argv: list[str], hints: dict, defaults: dict, prog: str) -> li
             raise ConfigError(f"--{name}: {TRL_LAUNCHER[name]}".replace(" GPUS", count, 1))
         elif name == "bf16" and value.lower() in ("none", "null"):
             out.append("--bf16")  # TRL's None: bf16 wherever fp16 is not asked for, which is refused here
+        elif name == "use_cpu":
+            pass  # TRL's: taken by use_cpu() before the defaults were chosen
         elif default_given and own not in hints and name not in converted:
             pass  # a flag this script does not have, at TRL's default: asks for nothing
         elif default_given and own in defaults and TRL116[name] in NOTHING and not takes_as_own(hints[own], value):
@@ -663,8 +688,9 @@ def parse_error_line(event, flags: list[str]) -> Optional[str]:
     if isinstance(event, events.BadValue):
         return f"{flag_of(event.argument)} " + ("needs a value" if event.offending_value is None else
                                                  f"takes no value, given {event.offending_value!r}") + "; see --help"
-    if isinstance(event, events.InvalidChoice):
-        return f"{flag_of(event.argument)} {event.value!r} is not one of {', '.join(event.choices)}"
+    if isinstance(event, events.InvalidChoice):  # an Optional[Literal]'s come from a set (any order): sorted, None last
+        choices = sorted(event.choices, key=lambda c: (c == "None", c)) if "None" in event.choices else event.choices
+        return f"{flag_of(event.argument)} {event.value!r} is not one of {', '.join(choices)}"
     if isinstance(event, events.MissingArgs):
         return f"missing {', '.join(flag_of(a.arg) for a in event.missing_arguments)}; see --help"
     return None
@@ -710,7 +736,9 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     try:
         argv = config_arguments(argv, plain, known)
         release = release_asked(argv)  # whose defaults the algorithm's flags left out take
-        defaults = cls(**{name: pair[1] for name, pair in algorithm_defaults(cls).items()} if release == "1.16" else {})
+        use_cpu(argv)  # before bf16_here asks for the device
+        defaults = cls(**{name: pair[1] for name, pair in release_defaults(cls, release).items()}
+                       if release == "1.16" else {})
         names = {arg[2:].partition("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
         trl_forms = any(name in TRL_NAMES or name in TRL_NEWER or (name in known and name not in plain)
                         for name in names)  # TRL >= 0.22's names, or TRL's forms of this script's flags
@@ -718,7 +746,7 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     except ConfigError as e:
         flag = re.match(r"--(\w+)", str(e))  # a flag the --config file gave (the launcher's, `datasets:`): named so
         where = f"--config {from_file}: " if from_file and flag and flag[1] not in on_command_line else ""
-        print(f"{prog}: error: {where}{shown(e)}", file=sys.stderr)
+        say(f"{prog}: error: {where}{shown(e)}", argv)
         sys.exit(2)
     starts = help_groups(cls, prog)
     docs = field_docs(cls)
@@ -767,14 +795,86 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
         elif values.get("eval_strategy") and values["dataset_test_split"] is None:
             values["dataset_test_split"] = TRL116["dataset_test_split"]  # where TRL's `trl rloo` evaluates
     except ConfigError as e:
-        print(f"{prog}: error: {shown(e)}", file=sys.stderr)
+        say(f"{prog}: error: {shown(e)}", argv)
         sys.exit(2)
     given = {TRL_NAMES.get(name, name) for name in (arg[2:].partition("=")[0].replace("-", "_").removeprefix("no_")
                                                     for arg in argv if arg.startswith("--"))}
     line = defaults_in_force_line(cls, values, given, release, prog) if from_file or trl_forms else None
     if line and os.environ.get("RANK", "0") == "0":  # a TRL 1.x user is told which of TRL's defaults are not in force
         print(line, flush=True)
+    if release == "1.16" and "bf16" not in given and not values["bf16"] and os.environ.get("RANK", "0") == "0":
+        print(f"{prog}: TRL 1.16's default bf16 is off here: no GPU (on the CPU, --bf16 computes in bf16 anyway, "
+              "slowly)", flush=True)
     return cls(**values)
+
+
+def use_cpu(argv: list[str]) -> None:
+    """TRL's --use_cpu [True] (its last occurrence): train on the CPU where a GPU is visible. This process then sees
+    no GPU (CUDA_VISIBLE_DEVICES=, read by torch when it first looks for one, so that nothing of the run uses one), set
+    before anything of the run looks; where something looked already, one line with the variable to set instead."""
+    at = [i for i, arg in enumerate(argv) if arg.partition("=")[0].replace("-", "_") == "__use_cpu"]
+    if not at:
+        return
+    name, has_eq, value = argv[at[-1]].partition("=")
+    value = value if has_eq else argv[at[-1] + 1] if at[-1] + 1 < len(argv) and not argv[at[-1] + 1].startswith(
+        "--") else "true"
+    if value.lower() not in ("true", "false", "1", "0"):
+        raise ConfigError(f"--use_cpu {value}: pass --use_cpu (True) to train on the CPU, or leave it out")
+    if value.lower() in ("true", "1"):
+        import torch
+
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        if torch.cuda.is_available():
+            raise ConfigError("--use_cpu: a GPU was found before the flag was read: set CUDA_VISIBLE_DEVICES= in the "
+                              "environment instead (CUDA_VISIBLE_DEVICES= python rloo.py ...)")
+
+
+def as_given(line: str, argv: Optional[list[str]] = None) -> str:
+    """A line that names a flag this script's way (--kl_coef, kl_coef) named as the command line gave it where that
+    used TRL >= 0.22's name (--beta), on the command line or as a --config file's key; `argv`: the command line
+    (this process's)."""
+    argv = sys.argv[1:] if argv is None else argv
+    names = {arg[2:].partition("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+    at = [i for i, arg in enumerate(argv) if arg.partition("=")[0] == "--config"]
+    path = at and (argv[at[0]].partition("=")[2] or (argv[at[0] + 1] if at[0] + 1 < len(argv) else ""))
+    with contextlib.suppress(ConfigError):  # the file's own refusal is said by parse_args
+        config = read_config(path) if path else None
+        names |= {str(key).replace("-", "_") for key in config} if isinstance(config, dict) else set()
+    for trl, own in TRL_NAMES.items():
+        if trl in names and own not in names:
+            line = re.sub(rf"(?<![\w-])(--)?{own}\b", lambda m: (m.group(1) or "") + trl, line)
+    return line
+
+
+def accelerate_quiet() -> Optional[bool]:
+    """Whether `accelerate launch`'s single-process launcher (no torchrun inside) started this process with --quiet;
+    None when it did not start it. Without --quiet it follows a failed run with its own traceback."""
+    if "ACCELERATE_MIXED_PRECISION" not in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        return None
+    try:
+        words = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    launch = next((i for i, word in enumerate(words) if word == "launch"), None)
+    return None if launch is None else any(word in ("--quiet", "-q") for word in words[launch:])
+
+
+def say(line: str, argv: Optional[list[str]] = None) -> None:
+    """The run's last line (why it ended; stderr), its flags named as given (as_given), and where its launcher shows
+    it last: torchrun (and accelerate launch of several processes, which runs torchrun's launcher) ends with its
+    summary of the failed ranks, whose `traceback :` entry is the line (the rank's error file, TORCHELASTIC_ERROR_FILE,
+    created for it); accelerate launch of one process follows the line with its own traceback, which nothing in the
+    process can prevent, so the line names the option that leaves it out."""
+    line = as_given(line, argv)
+    if accelerate_quiet() is False:
+        line += " (accelerate launch's traceback follows it: accelerate launch --quiet leaves that out)"
+    print(line, file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE") if "TORCHELASTIC_RUN_ID" in os.environ else None
+    with contextlib.suppress(OSError):  # never another file: a new one, or nothing
+        if path:
+            with open(path, "x") as file:  # torchrun's format (the @record decorator's), read by its summary
+                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                      "timestamp": str(int(time.time()))}}}, file)
 
 
 def run_script(main: Callable, args, program: str) -> None:
@@ -844,19 +944,17 @@ def say_how_it_ended(main: Callable, args, program: str) -> None:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             raise
     except ConfigError as e:
-        print(f"{program}: error: {shown(e)}", file=sys.stderr)
+        say(f"{program}: error: {shown(e)}")
         sys.exit(2)
     except NonFiniteError as e:
         where = Path(args.output_dir) / "nonfinite"
-        print(f"{program}: error: {shown(e)}: stopped before any optimizer step on it; the offending "
-              "batch " + (
+        say(f"{program}: error: {shown(e)}: stopped before any optimizer step on it; the offending batch " + (
             f"is in {inert(where, 200)}" if e.unwritten is None else
-            f"could not be written to {inert(where, 200)} ({e.unwritten})"),
-            file=sys.stderr)
+            f"could not be written to {inert(where, 200)} ({e.unwritten})"))
         sys.exit(3)
     except Fault as e:
         if e.announce:
-            print(f"{program}: error: {shown(e)}", file=sys.stderr)
+            say(f"{program}: error: {shown(e)}")
         sys.exit(4)
     except KeyboardInterrupt:  # Ctrl-C before the stop signals' handler is in place (a reward module's import)
         print(f"{program}: SIGINT received while starting: stopped, nothing trained; run the same command again",

@@ -6,7 +6,6 @@ import dataclasses
 import difflib
 import importlib.util
 import logging
-import math
 import os
 import re
 import sys
@@ -20,9 +19,8 @@ import tyro
 from .errors import FLOAT32_MAX, ConfigError, inert
 
 __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "InputArgs", "RunArgs", "is_finite_number", "number_rules", "PATH_FLAGS", "missing_local_path", "resolve_paths",
-    "check_launch_environment", "validate_args", "in_updates", "MAX_UPDATES", "run_length", "update_intervals",
-    "evaluation_updates", "quantization_config", "policy_options",
+    "InputArgs", "RunArgs", "is_finite_number", "is_interval", "number_rules", "PATH_FLAGS", "missing_local_path",
+    "resolve_paths", "check_launch_environment", "validate_args", "quantization_config", "policy_options",
 ]
 
 
@@ -115,7 +113,9 @@ class RunArgs(InputArgs):
     trl_defaults: Literal["0.21", "1.16"] = "0.21"
     """whose defaults the algorithm's flags left out take: TRL <= 0.21's (the TL;DR recipe's: 4 PPO epochs,
     temperature 0.7, learning rate 3e-6, 53 new tokens, 1 epoch) or TRL 1.16's RLOOConfig's (num_iterations 1,
-    temperature 1.0, learning rate 1e-6, max_completion_length 512, 3 epochs); the run's flags keep this project's"""
+    temperature 1.0, learning rate 1e-6, max_completion_length 512, 3 epochs; of the run's flags gradient
+    checkpointing, seed 42, bf16 on a GPU), and whose arithmetic the run follows: TRL 1.16's counts its length,
+    intervals and learning rate in optimizer steps, as its Trainer does"""
     output_dir: str = "models/rloo"
     """where `metrics.jsonl`, `args.json`, the final policy and its tokenizer are written"""
     track: bool = False
@@ -500,75 +500,6 @@ def validate_args(args, launching: bool = True) -> None:
     if launching and args.fsdp and "RANK" not in os.environ:
         raise ConfigError("--fsdp shards the policy over torchrun's processes: launch with torchrun")
     check_model_options(args)
-
-
-def in_updates(steps, args, steps_per_update: int, num_updates: int) -> int:
-    """An interval flag (--save_steps, --logging_steps, --eval_steps) in updates: below 1, that share of the run's
-    updates, rounded up (TRL's fractions); else updates, as in TRL <= 0.21, whose names the flags keep, but in a
-    command that sets the run's length with --max_steps, optimizer steps, as TRL >= 0.22's Trainer counts them (an
-    update is num_ppo_epochs x num_mini_batches of them): the first update that reaches the step."""
-    if 0 < steps < 1:
-        return math.ceil(steps * num_updates)
-    return int(steps) if args.max_steps is None else math.ceil(steps / steps_per_update)
-
-
-def round_down(x: float, digits: int = 3) -> float:
-    """x > 0 rounded down to `digits` significant digits: a limit shown as a number that stays within it."""
-    unit = 10.0 ** (math.floor(math.log10(x)) - digits + 1)
-    return math.floor(x / unit) * unit
-
-
-MAX_UPDATES = 1_000_000  # a run's updates: a million at 0.1 s each is 28 hours of the fastest tiny run
-
-
-def run_length(args, epoch: int, per_update: int, steps_per_update: int) -> int:
-    """The run's updates: --max_steps optimizer steps (steps_per_update an update), else --total_episodes or
-    --num_train_epochs epochs of `epoch` completions (each prompt sampled k times: TRL 1.16's epoch), `per_update`
-    completions an update. None is refused: saving the input weights as a finished run would hide a tiny epoch."""
-    episodes = args.total_episodes or int(args.num_train_epochs * epoch)
-    num_updates = args.max_steps // steps_per_update if args.max_steps else math.ceil(episodes / per_update)
-    if num_updates < 1:
-        raise ConfigError(f"--num_train_epochs {args.num_train_epochs:g} of {epoch // args.rloo_k} prompts x "
-                          f"k={args.rloo_k} is {episodes} episodes: no update (one takes {per_update}); pass "
-                          f"--num_train_epochs {per_update / epoch:.3g} or more, or --total_episodes {per_update}")
-    return num_updates
-
-
-def update_intervals(args, steps_per_update: int, num_updates: int) -> tuple[int, int]:
-    """--save_steps and --logging_steps in updates (in_updates); with --max_steps a checkpoint needs a whole update:
-    --save_steps a multiple of its optimizer steps. A run of more than MAX_UPDATES updates is refused, naming the
-    most the flag that set its length can take: what start-up counts over updates (the evaluation updates, the
-    learning rates' sum) stays bounded."""
-    if num_updates > MAX_UPDATES:
-        scale = MAX_UPDATES / num_updates
-        flag, most = ("max_steps", f"{MAX_UPDATES * steps_per_update}") if args.max_steps is not None else (
-            "total_episodes", f"{int(args.total_episodes * scale)}") if args.total_episodes is not None else (
-            "num_train_epochs", f"{round_down(args.num_train_epochs * scale):g}")
-        value = getattr(args, flag)
-        raise ConfigError(f"--{flag} {f'{value:g}' if isinstance(value, float) else value} is {num_updates:,} "
-                          f"updates, more than the {MAX_UPDATES:,} a run takes: pass --{flag} {most} or less")
-    if args.max_steps is not None and args.save_steps >= 1 and args.save_steps % steps_per_update:
-        raise ConfigError(f"--save_steps {args.save_steps} counts optimizer steps with --max_steps (TRL >= 0.22's "
-                          f"unit), and a checkpoint comes after a whole update of {steps_per_update} steps "
-                          f"(num_ppo_epochs x num_mini_batches): pass a multiple of {steps_per_update}")
-    return (in_updates(args.save_steps, args, steps_per_update, num_updates),
-            in_updates(args.logging_steps, args, steps_per_update, num_updates))
-
-
-def evaluation_updates(args, num_updates: int, steps_per_update: int, updates_per_epoch: int) -> set[int]:
-    """The updates after which the policy is evaluated (the initial policy's evaluation, update 0, comes on top).
-    --eval_strategy steps: every --eval_steps (else --logging_steps; in_updates); epoch: at the end of each pass over
-    the prompts (updates_per_epoch) and at the end of the run, the end of its last pass, whole or not (TRL's
-    Trainer's: a run shorter than an epoch evaluates at its end); no: none. By default --num_evals of them spread
-    evenly over the run, the last at its end (--num_evals 0: only the end)."""
-    if args.eval_strategy in ("steps", "epoch"):
-        every = max(1, updates_per_epoch) if args.eval_strategy == "epoch" else in_updates(
-            args.logging_steps if args.eval_steps is None else args.eval_steps, args, steps_per_update, num_updates)
-        return set(range(every, num_updates + 1, every)) | ({num_updates} if args.eval_strategy == "epoch" else set())
-    if args.eval_strategy == "no":
-        return set()
-    return {math.ceil(i * num_updates / args.num_evals) for i in range(1, args.num_evals + 1)} if args.num_evals \
-        else {num_updates}
 
 
 NO_4D_MASK = ("takes no 4D mask, and rloo.py's grouped rows (each prompt computed once for its k completions, in "

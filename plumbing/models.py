@@ -283,17 +283,18 @@ def check_context(config, what: str, args, longest_prompt: int) -> None:
     computed = getattr(text, "alibi", False) or getattr(text, "position_embedding_type", "absolute") != "absolute" \
         or any(getattr(text, name, None) is not None for name in ("rope_parameters", "rope_scaling", "rope_theta",
                                                                    "rotary_dim", "rotary_pct", "rotary_emb_base"))
+    fixes = [f"--max_prompt_length to {positions - args.response_length} or less (longer prompts are dropped)"] \
+        if positions > args.response_length else []  # only a fix that leaves room for the other length is offered
+    fixes += [f"--response_length to {positions - longest_prompt} or less"] if positions > longest_prompt else []
+    fix = " or ".join(fixes) if fixes else f"--max_prompt_length and --response_length to a sum of {positions} or less"
     if not computed:
         raise ConfigError(f"the longest prompt, {longest_prompt} tokens, + --response_length {args.response_length} = "
                           f"{needed} tokens, but the {what} has {positions} positions (max_position_embeddings), "
-                          f"a learned table with no row past them: lower --max_prompt_length to "
-                          f"{max(positions - args.response_length, 1)} or less (longer prompts are dropped), or "
-                          "--response_length")
+                          f"a learned table with no row past them: lower {fix}")
     if os.environ.get("RANK", "0") == "0":
         print(f"rloo.py: warning: the longest prompt, {longest_prompt} tokens, + --response_length = {needed} tokens "
               f"exceed the {what}'s {positions} positions (max_position_embeddings), where it was not trained: lower "
-              f"--max_prompt_length to {max(positions - args.response_length, 1)} (longer prompts are dropped) or "
-              "--response_length", file=sys.stderr)
+              f"{fix}", file=sys.stderr)
 
 
 def save_merged_policy(args, config, tokenizer) -> None:

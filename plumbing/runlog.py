@@ -14,10 +14,11 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .distributed import all_reduce
+from .distributed import all_reduce, global_mean_std
 from .errors import (ConfigError, Fault, describe, first_line, inert, new_file, not_a_file, open_own, reading,
                      shown, without_credentials)
 from .faults import console_lost
+from .schedule import RunLength, trl116_arithmetic
 
 __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
     "reduce_metrics", "completion_metrics", "read_metrics", "moving_average", "curve_panels", "plot_curves",
@@ -42,20 +43,24 @@ def is_optional_metric(key: str, value: float) -> bool:
     return key.startswith("reward/") and math.isnan(value)
 
 
-def reduce_metrics(metrics: dict[str, float], device: torch.device,
+def reduce_metrics(metrics: dict[str, float | tuple[float, float]], device: torch.device,
                    max_metrics: tuple[str, ...] = ()) -> dict[str, float]:
     """Metrics over all ranks: sums for counts, min/max for extremes and peak memory, means for everything else
-    (a mean over the ranks that have data, for optional metrics); also the maximum of `max_metrics` (the rollout
-    source's). Every rank must pass the same keys."""
+    (a mean over the ranks that have data, for optional metrics); a (numerator, denominator) pair is a mean over
+    every rank's items (tokens, completions): both summed over ranks, then divided (by at least 1, as TRL's); also the
+    maximum of `max_metrics` (the rollout source's). Every rank must pass the same keys."""
     keys = sorted(metrics)
     # peak memory: the fullest rank's
     maxima = [k for k in keys if k in MAX_METRICS + max_metrics or k.startswith("memory/")]
     means = [k for k in keys if k not in SUM_METRICS + MIN_METRICS + tuple(maxima)]
-    has_data = [0.0 if is_optional_metric(k, metrics[k]) else 1.0 for k in means]
-    values = [metrics[k] if w else 0.0 for k, w in zip(means, has_data)]
+    pairs = {k for k in means if isinstance(metrics[k], tuple)}
+    has_data = [float(metrics[k][1]) if k in pairs else 0.0 if is_optional_metric(k, metrics[k]) else 1.0
+                for k in means]
+    values = [metrics[k][0] if k in pairs else metrics[k] if w else 0.0 for k, w in zip(means, has_data)]
     sums = all_reduce(torch.tensor(values + has_data + [metrics[k] for k in SUM_METRICS if k in metrics],
                                    dtype=torch.float64, device=device))
-    out = {k: sums[i].item() / sums[len(means) + i].item() for i, k in enumerate(means) if sums[len(means) + i] > 0}
+    out = {k: sums[i].item() / max(sums[len(means) + i].item(), k in pairs) for i, k in enumerate(means)
+           if sums[len(means) + i] > 0 or k in pairs}
     out.update({k: v.item() for k, v in zip([k for k in SUM_METRICS if k in metrics], sums[2 * len(means):])})
     for op, selected in ((dist.ReduceOp.MIN, [k for k in MIN_METRICS if k in metrics]), (dist.ReduceOp.MAX, maxima)):
         extremes = all_reduce(torch.tensor([metrics[k] for k in selected], dtype=torch.float64, device=device), op)
@@ -63,11 +68,14 @@ def reduce_metrics(metrics: dict[str, float], device: torch.device,
     return out
 
 
-def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, grouped: torch.Tensor) -> dict:
-    """Length and spread statistics of one rank's (N, Tr) completions (TRL's names; a rank with no completion that
-    stopped has mean_terminated_length 0, as TRL logs it), and of their scores `grouped` (k, B) by prompt (column i
-    prompt i's k, as rloo.in_groups gives them). The spread of a prompt's scores is over the scored ones (a NaN
-    score: no source scored it), as TRL's nanstd."""
+def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, rewards: torch.Tensor,
+                       grouped: torch.Tensor) -> dict:
+    """Length and spread statistics of one rank's (N, Tr) completions, under TRL 1.16's names with TRL 1.16's
+    meanings (a collective: reward_std is over every rank's): the lengths; mean_terminated_length over every rank's
+    completions that stopped (0 when none did); reward_std, the spread of the sources' combined rewards (N,) over all
+    completions; frac_reward_zero_std, the share of prompts whose `grouped` (k, B) rewards (column i prompt i's k, as
+    rloo.in_groups gives them: TRL's are the KL-penalized rewards the advantages come from) have a spread of 0. A
+    spread is over the scored completions (NaN: no source scored it), unbiased, as TRL's nanstd."""
     lengths = response_mask.sum(1).float()  # (N,)
     scored = ~grouped.isnan()
     mean = grouped.nansum(0) / scored.sum(0)  # (B,)
@@ -76,11 +84,11 @@ def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, grou
         "completions/mean_length": lengths.mean().item(),
         "completions/min_length": lengths.min().item(),
         "completions/max_length": lengths.max().item(),
-        "completions/mean_terminated_length": lengths[has_stop].mean().item() if has_stop.any() else 0.0,
+        "completions/mean_terminated_length": (lengths[has_stop].sum().item(), has_stop.sum().item()),
         "completions/clipped_ratio": (~has_stop).float().mean().item(),
         "val/num_eos_tokens": has_stop.sum().item(),
-        "reward_std": per_prompt_std.nanmean().item(),
-        "frac_reward_zero_std": (per_prompt_std < 1e-6).float().mean().item(),
+        "reward_std": global_mean_std(rewards, ~rewards.isnan())[1].item(),
+        "frac_reward_zero_std": torch.isclose(per_prompt_std, torch.zeros(())).float().mean().item(),
     }
 
 
@@ -232,16 +240,24 @@ class MetricsWriteError(Fault):
 
 
 def run_notes(run_name: str, num_updates: int, prompts: int, k: int, world_size: int, dataset_prompts: int,
-              source_names, policy, trainable: list, args) -> list[str]:
+              source_names, policy, trainable: list, args, run: Optional[RunLength] = None) -> list[str]:
     """Start-up lines: with --use_peft the adapters' size, then the run's shape: its updates of `prompts` x k
-    completions per rank, an epoch's prompts (their counts: the start-up line that loaded them) and reward sources."""
+    completions per rank, its optimizer steps (`run`), an epoch's prompts (their counts: the start-up line that loaded
+    them) and reward sources."""
     per_update, epoch = prompts * k * world_size, dataset_prompts * k
+    run = run or RunLength(num_updates, 1)
+    last = run.steps_in(run.updates)
+    steps = f"{run.steps} optimizer steps ({run.steps_per_update} an update" + (
+        f", {last} in the last" if last < run.steps_per_update else "") + ")"
     lora = [f"LoRA: {sum(p.numel() for p in trainable):,} trainable parameters of "
             f"{sum(p.numel() for p in policy.parameters()):,}; adapted modules "
             f"{sorted(policy.peft_config['default'].target_modules)}"] if args.use_peft else []
+    whole, left = divmod(dataset_prompts, prompts * world_size)  # TRL 1.16's epoch: the batches its prompts fill
+    length = f"{whole} updates ({left} prompts left out, as TRL 1.16's sampler)" if trl116_arithmetic(args) else \
+        f"{epoch / per_update:.3g} updates"
     return lora + [f"{run_name}: {num_updates} updates x {per_update} completions ({prompts} prompts x k={k} per rank "
-                   f"x {world_size} ranks); an epoch: {dataset_prompts} prompts x k={k} = {epoch} completions = "
-                   f"{epoch / per_update:.3g} updates; reward sources {source_names}"]
+                   f"x {world_size} ranks), {steps}; an epoch: {dataset_prompts} prompts x k={k} = {epoch} "
+                   f"completions = {length}; reward sources {source_names}"]
 
 
 class RunLogger:
@@ -253,7 +269,7 @@ class RunLogger:
                  ("eps", "eps"))
 
     def __init__(self, args, run_name: str, num_updates: int, start_update: int, wandb_run_id: Optional[str],
-                 run_id: Optional[str] = None, logging_steps: Optional[int] = None):
+                 run_id: Optional[str] = None, logging_steps: Optional[int | set[int]] = None):
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -275,7 +291,8 @@ class RunLogger:
                                  console=self.console, transient=True)
         self.task = self.progress.add_task("updates", total=num_updates, completed=start_update)
         self.progress.start()
-        self.num_updates, self.logging_steps = num_updates, logging_steps or args.logging_steps  # in updates
+        # the updates with a console line: every this many, or these (plumbing.update_intervals), and the last
+        self.num_updates, self.logging_steps = num_updates, logging_steps or args.logging_steps
         self.run_id = run_id  # on every metrics.jsonl line: a line of another run is never taken for this one's
         self.mismatch_warned = False
         self.curves = CurvesSink(self.metrics_path, self.say)
@@ -288,7 +305,8 @@ class RunLogger:
     def log(self, update: int, metrics: dict[str, float]) -> None:
         self.write_metrics({"update": update, **metrics})
         self.publish(metrics, int(metrics["episode"]))
-        if update % self.logging_steps and update != self.num_updates:
+        if (update not in self.logging_steps if isinstance(self.logging_steps, set) else update % self.logging_steps) \
+                and update != self.num_updates:
             self.progress.advance(self.task)
             return
         parts = " ".join(f"{short} {metrics[key]:.0f}" if abs(metrics[key]) >= 100 else f"{short} {metrics[key]:.3g}"

@@ -666,27 +666,30 @@ def test_the_learning_rates_sum_is_exact_for_a_short_run_and_bounded_for_a_long_
     calls = []
 
     def rate(num_updates):
+        schedule = plumbing.learning_rates(args, plumbing.RunLength(num_updates, 1))
+
         def at(update):
             calls.append(update)
-            return rloo.learning_rate_at(update, num_updates, args)
+            return schedule(update)
         return at
 
-    assert plumbing.sum_over_updates(rate(10_000), 10_000) == sum(rloo.learning_rate_at(u, 10_000, args)
-                                                                  for u in range(1, 10_001))
+    short = plumbing.learning_rates(args, plumbing.RunLength(10_000, 1))
+    assert plumbing.sum_over_updates(rate(10_000), 10_000) == sum(short(u) for u in range(1, 10_001))
     calls.clear()
     n = plumbing.MAX_UPDATES
     estimate = plumbing.sum_over_updates(rate(n), n)
     assert len(calls) == 10_000 and all(1 <= u <= n for u in calls)
-    exact = math.fsum(rloo.learning_rate_at(u, n, args) for u in range(1, n + 1))
+    long = plumbing.learning_rates(args, plumbing.RunLength(n, 1))
+    exact = math.fsum(long(u) for u in range(1, n + 1))
     assert abs(estimate - exact) <= 1e-6 * exact
 
 
 def test_a_run_of_more_updates_than_it_can_count_is_refused_with_what_fits():
     args = rloo.Args(num_train_epochs=2.0)
-    assert plumbing.update_intervals(args, 4, plumbing.MAX_UPDATES) == (0, 1)  # the most: accepted
+    assert plumbing.update_intervals(args, plumbing.RunLength(plumbing.MAX_UPDATES, 4)) == (0, 1)  # the most
     with pytest.raises(plumbing.ConfigError, match=r"--num_train_epochs 2 is 1,000,001 updates, more than the "
                                                    r"1,000,000 a run takes: pass --num_train_epochs 1.99 or less"):
-        plumbing.update_intervals(args, 4, plumbing.MAX_UPDATES + 1)
+        plumbing.update_intervals(args, plumbing.RunLength(plumbing.MAX_UPDATES + 1, 4))
 
 
 # ---------------------------------------------------------------- user code cannot end or hold the run
@@ -804,6 +807,6 @@ def test_eval_strategy_epoch_on_a_run_shorter_than_an_epoch_evaluates_at_its_end
     """TRL's Trainer evaluates at the end of the last pass, whole or not: before, a run of 3 updates in an epoch of 4
     never evaluated."""
     args = rloo.Args(eval_strategy="epoch", dataset_test_split="test")
-    assert plumbing.evaluation_updates(args, 3, 1, 4) == {3}
-    assert plumbing.evaluation_updates(args, 9, 1, 4) == {4, 8, 9}
-    assert plumbing.evaluation_updates(args, 3, 1, 0) == {1, 2, 3}  # an epoch shorter than an update: each update
+    assert plumbing.evaluation_updates(args, plumbing.RunLength(3, 1), 4) == {3}
+    assert plumbing.evaluation_updates(args, plumbing.RunLength(9, 1), 4) == {4, 8, 9}
+    assert plumbing.evaluation_updates(args, plumbing.RunLength(3, 1), 0) == {1, 2, 3}  # an epoch shorter than an update: each update

@@ -387,18 +387,23 @@ def test_a_launch_that_got_what_it_asked_for_passes(monkeypatch, env):
 
 
 def test_accelerate_launch_of_a_multi_cpu_config_is_refused_naming_its_processes(tmp_path):
-    """The real launcher: `accelerate launch --config_file` of a MULTI_CPU config of 2 processes ran one process."""
+    """The real launcher: `accelerate launch --config_file` of a MULTI_CPU config of 2 processes ran one process. Its
+    traceback follows the refusal, which names --quiet (with it, accelerate exits 1 saying nothing more: its
+    simple_launcher)."""
     config = tmp_path / "multi_cpu.yaml"
     config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\n"
                       "num_machines: 1\nmachine_rank: 0\nmixed_precision: 'no'\nuse_cpu: true\n")
     probe = tmp_path / "probe.py"
     probe.write_text(f"import sys\nsys.path.insert(0, {str(REPO)!r})\nimport plumbing\n"
-                     "plumbing.check_launch_environment()\n")
+                     "plumbing.run_script(lambda _: plumbing.check_launch_environment(), None, 'probe.py')\n")
     env = {name: value for name, value in os.environ.items() if name not in (*TORCHRUN, *LAUNCHERS)}
     # real interpreters, not forks: the probe reads its launcher's command line (/proc/PPID/cmdline), and a fork's
     # parent is the server of forks; the tests' Hugging Face home has no default config of accelerate's
     result = subprocess.run([str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
                              str(config), str(probe)], capture_output=True, text=True, cwd=tmp_path, env=env,
                             timeout=300)
+    line = next(line for line in result.stderr.splitlines() if line.startswith("probe.py: error: "))
     assert f"accelerate launch's config {config} (num_processes) asks for 2 processes, but this run has 1 " \
-           "process" in result.stderr, result.stderr[-2000:]
+           "process" in line, result.stderr[-2000:]
+    assert line.endswith("(accelerate launch's traceback follows it: accelerate launch --quiet leaves that out)")
+    assert "CalledProcessError" in result.stderr.split(line)[1]
