@@ -201,10 +201,16 @@ def save_optimizer_state(model, optimizer, folder: Folder, trainer_state: dict, 
     if rank == 0:
         folder.new_folder(OPTIMIZER_SHARDS).close()
     barrier("saving the optimizer's shards")
+    from torch.distributed.checkpoint.api import CheckpointException
+
     with folder.folder(OPTIMIZER_SHARDS) as shards:
         writer = dcp.FileSystemWriter(shards.os_path)
         writer.fs = own_file_system()
-        dcp.save(get_optimizer_state_dict(model, optimizer), storage_writer=writer)
+        try:
+            dcp.save(get_optimizer_state_dict(model, optimizer), storage_writer=writer)
+        except CheckpointException as e:  # a BaseException holding each rank's failure: a full disk, a planted link
+            failures = [failure for failure, _ in e.failures.values()]
+            raise next((f for f in failures if isinstance(f, WRITE_ERRORS)), OSError(describe(failures[0]))) from None
     trainer_state["optimizer"] = OPTIMIZER_SHARDS
 
 

@@ -45,9 +45,9 @@ class Folder:
     def at(cls, path, identity: Optional[tuple] = None, create: bool = False) -> "Folder":
         """The folder at `path`, the links on the way followed (output_dir may be a link, or lie under one); made if
         `create` (its parents too). With `identity` (an earlier Folder's .identity), a folder that is not that one
-        (renamed, moved, removed or replaced since) raises FolderMoved."""
+        (renamed, moved, removed or replaced since) raises FolderMoved, and none is made."""
         path = Path(path)
-        if create:
+        if create and identity is None:
             path.mkdir(parents=True, exist_ok=True)
         try:
             fd = os.open(path, DIRECTORY)

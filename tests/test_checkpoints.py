@@ -878,6 +878,23 @@ def test_a_full_disk_outside_a_save_stops_with_a_checkpoint_and_one_line(assets,
     assert (tmp_path / "metrics.jsonl").read_text() == '{"update": 1, "run_id": null}\n'
 
 
+def test_output_dir_renamed_while_the_run_writes_stops_it_in_one_line(assets, tmp_path):
+    """Issue 56: output_dir renamed mid-run gave a FileNotFoundError traceback. The next write there says which folder
+    went, in one line, exit 4; nothing is written elsewhere, and the moved folder holds the run up to then."""
+    out = tmp_path / "run"
+    result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir", out,
+                      "--reward_fn", "reward_fns:count_a_moving_the_run", *RUN[2:-2], "--num_evals", "0",
+                      "--total_episodes", PER_UPDATE * 3, "--save_steps", "1",
+                      env={"REWARD_MOVES_AT_CALL": "2", "REWARD_MOVES": str(out)})
+    assert result.returncode == 4 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"rloo.py: error: could not write checkpoint step_2: {out} is gone (renamed, moved or removed while the run "
+        "wrote it); the run's checkpoints are where it left them: put the folder back, then continue with --resume")
+    moved = tmp_path / "run.moved"
+    assert not out.exists() and [p.name for p in (moved / "checkpoints").iterdir()] == ["step_1"]
+    assert [m["update"] for m in read_metrics(moved)] == [1]
+
+
 RANK_0_IN_COLLECTIVES = """import os
 import torch.distributed as dist
 if os.environ.get("RANK") == "0":  # rank 0 says when it enters and leaves each collective, in the file RANK_0_WAITING

@@ -753,3 +753,14 @@ def test_a_verdict_is_taken_only_where_the_settings_could_have_reached_it():
         else:
             with pytest.raises(ValueError, match="OnPolicyShortcut says the shortcut is on, which"):
                 verdict.load_state_dict(saved)
+
+
+def test_a_load_error_under_a_heading_says_its_whole_reason_in_one_line():
+    """Issue 56: the reference's load error was cut to "Error(s) in loading state_dict for GPTNeoXForCausalLM:;" (its
+    first line): a first line that is a heading (ending in a colon) is said with the lines under it."""
+    with pytest.raises(RuntimeError) as failed:
+        torch.nn.Linear(2, 2).load_state_dict({"weight": torch.zeros(3, 2), "bias": torch.zeros(2)})
+    line = plumbing.first_line(failed.value)
+    assert line.startswith("Error(s) in loading state_dict for Linear: size mismatch for weight: copying a param with "
+                           "shape torch.Size([3, 2]) from checkpoint"), line
+    assert plumbing.first_line(ValueError("one line\nand a second")) == "one line"
