@@ -48,6 +48,7 @@ from .outputdir import (
     checkpoint_dirs,
     latest_checkpoint,
     move_aside,
+    read_json,
     run_record,
     run_ids,
     settle_output_dir,
@@ -445,7 +446,7 @@ def checkpoint_problem(path: Path) -> Optional[str]:
     more than tensors and plain values (unsafe_shards). Collective when distributed."""
     shards = path / OPTIMIZER_SHARDS
     try:
-        listed = json.loads((path / MANIFEST).read_text())["files"]
+        listed = read_json(path, MANIFEST)["files"]
     except FileNotFoundError:
         return f"no {MANIFEST}, which every save writes: a copy that did not finish, or a damaged checkpoint"
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -734,7 +735,7 @@ def read_checkpoint(path: Path) -> tuple[Optional[dict], Optional[str]]:
         problem = trainer_state_problem(state)
         if problem is not None:
             return None, problem
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = read_json(path, MANIFEST)
         for key in ("run_id", "update"):
             if manifest.get(key) != state[key]:
                 return None, (f"{MANIFEST} is of {key.replace('_', ' ')} {inert(repr(manifest.get(key)), 80)}, but "

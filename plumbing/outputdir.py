@@ -27,7 +27,7 @@ __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.
     "TRAINER_STATE", "MANIFEST", "LOCK", "ABANDONED", "MERGED", "RUN_OUTPUTS", "OutputDirLock", "take_output_dir",
     "steps_to_prune", "checkpoint_dirs", "latest_checkpoint", "run_record", "run_owned", "check_outputs",
     "check_new_output_dir", "check_output_dir", "move_aside", "settle_output_dir", "written_by",
-    "check_no_input_inside", "foreign_entries", "marked_png", "marked_text",
+    "check_no_input_inside", "foreign_entries", "marked_png", "marked_text", "read_json",
 ]
 
 CHECKPOINTS = "checkpoints"
@@ -278,11 +278,21 @@ POLICY_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.saf
                 "*.model", "adapter_config.json")  # what a finished run may write at the top of output_dir
 
 
+def read_json(folder: Path, name: str, limit: int = 64 << 20):
+    """The JSON file `name` in `folder` (a manifest, a run record), read only where it is a regular file (never
+    through a link, never a FIFO, which would block) of at most `limit` bytes. OSError or ValueError otherwise."""
+    with Folder.at(folder) as held, held.open_read(name) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{name} is larger than {limit} bytes")
+    return json.loads(data)
+
+
 def run_record(root: Path) -> Optional[dict]:
     """A finished run's record (args.json holding a run_id), or None: an args.json without one is not this
     project's, as a user's model directory may hold one."""
     try:
-        record = json.loads((root / RUN_RECORD).read_text())
+        record = read_json(root, RUN_RECORD)
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) and isinstance(record.get("run_id"), str) else None
@@ -493,7 +503,7 @@ def run_ids(root: Path) -> dict[str, str]:
     ids = {}
     for path in checkpoint_dirs(str(root)):
         with contextlib.suppress(OSError, ValueError, AttributeError):
-            ids[f"{CHECKPOINTS}/{path.name}"] = json.loads((path / MANIFEST).read_text()).get("run_id")
+            ids[f"{CHECKPOINTS}/{path.name}"] = read_json(path, MANIFEST).get("run_id")
     if (record := run_record(root)) is not None:
         ids[RUN_RECORD] = record["run_id"]
     with contextlib.suppress(OSError):

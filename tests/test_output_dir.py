@@ -764,3 +764,16 @@ def test_a_load_error_under_a_heading_says_its_whole_reason_in_one_line():
     assert line.startswith("Error(s) in loading state_dict for Linear: size mismatch for weight: copying a param with "
                            "shape torch.Size([3, 2]) from checkpoint"), line
     assert plumbing.first_line(ValueError("one line\nand a second")) == "one line"
+
+
+def test_a_fifo_or_a_link_where_a_checkpoint_has_its_manifest_never_blocks_a_resume(tmp_path):
+    """What a resume reads of each checkpoint (its manifest, the run record) is read only as a regular file: a FIFO
+    there, which would block the read forever, makes that checkpoint damaged, and --resume goes to the one before."""
+    saved_steps(tmp_path, [1, 2, 3])
+    (tmp_path / "checkpoints" / "step_3" / "manifest.json").unlink()
+    os.mkfifo(tmp_path / "checkpoints" / "step_3" / "manifest.json")
+    (tmp_path / "checkpoints" / "step_2" / "manifest.json").rename(tmp_path / "manifest.json")
+    (tmp_path / "checkpoints" / "step_2" / "manifest.json").symlink_to(tmp_path / "manifest.json")
+    start = plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True))
+    assert start.checkpoint == tmp_path / "checkpoints" / "step_1"
+    assert [why.split(" (")[0] for why in start.skipped.values()] == ["manifest.json cannot be read"] * 2
