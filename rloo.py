@@ -887,7 +887,7 @@ def logprobs_from_update(args: Args, sizes: BatchSizes, lookahead: int) -> bool:
 
 
 @dataclass
-class OnPolicyShortcut(plumbing.FieldsState):
+class OnPolicyShortcut(plumbing.Verdict):
     """The shortcut's verdict, a part of the checkpoint: a resume goes on with the run's own, not a check of another
     batch (whose plain path would differ by rounding). Checked from the start where the settings rule it out."""
 
@@ -1432,7 +1432,7 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
         run = plumbing.run_length(args, len(dataset) * args.rloo_k, sizes.all_ranks, steps_per_update)
         num_updates, learning_rate = run.updates, plumbing.learning_rates(args, run)  # of each optimizer step
         save_every, log_every = plumbing.update_intervals(args, run)  # in updates
-        checkpoints.check_continues(num_updates, sizes.all_ranks)
+        checkpoints.check_continues(num_updates, sizes.all_ranks, algorithm_state=state, sampler=sampler)
         reference = "" if args.kl_coef == 0 else " and its reference" + (" (adapters off)" if args.use_peft else "")
         with plumbing.startup_step(f"loaded the policy{reference}", master):
             policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device, checkpoints.path, tokenizer)
@@ -1453,16 +1453,10 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
                                       fused=device.type == "cuda" and not args.offload)  # one kernel for all tensors
         # python's, numpy's and torch's generators seeded (each rank differently), and .sampling, only sampling's own
         generators = plumbing.Generators(args.seed + dist_info.rank, device)
-        notes = (checkpoints.notes() if master else []) + notes  # output_dir settled for this run's timeline
         run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
         logger = plumbing.RunLogger(args, run_name, num_updates, checkpoints.start_update, checkpoints.wandb_run_id,
                                     checkpoints.run_id, log_every) if master else None
         checkpoints.wandb_run_id = logger and logger.wandb_run_id  # saved with each checkpoint, for a resume
-        if logger is not None:  # the run's shape and its learning rates' reach, after the checks' notes
-            logger.print_notes(notes + plumbing.run_notes(
-                run_name, num_updates, sizes.prompts, args.rloo_k, dist_info.world_size, len(dataset), sources.names,
-                policy, trainable, args, run) + plumbing.movement_note(trainable, args, plumbing.sum_over_updates(
-                learning_rate, run.steps)))
         rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, generators.sampling, autocast)
         # the update's forward may give the log-probs: checked on the first update's batch, which takes the plain path
         shortcut, apart = OnPolicyShortcut(checked=not logprobs_from_update(args, sizes, rollouts.lookahead)), ""
@@ -1476,6 +1470,12 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
             sampler=sampler,  # where the oldest batch not yet trained on was drawn (data_position)
             rollouts=rollouts if hasattr(rollouts, "state_dict") else None,  # the rollout source's own, if any
             generators=generators)  # restored last: as seeded, or the checkpoint's (nothing draws in between)
+        notes = (checkpoints.notes() if master else []) + notes  # output_dir settled, once no refusal can come
+        if logger is not None:  # the run's shape and its learning rates' reach, after the checks' notes
+            logger.print_notes(notes + plumbing.run_notes(
+                run_name, num_updates, sizes.prompts, args.rloo_k, dist_info.world_size, len(dataset), sources.names,
+                policy, trainable, args, run) + plumbing.movement_note(trainable, args, plumbing.sum_over_updates(
+                learning_rate, run.steps)))
     eval_at = plumbing.evaluation_updates(args, run, len(dataset) // sampler.per_update) \
         if eval_dataset is not None else set()
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0

@@ -658,7 +658,7 @@ def table(args: Args, results: Path) -> str:
                      f"{step['score_first_3']:.3f} (first 3 updates) -> {step['score_last_3']:.3f} (last 3): "
                      + ("learns" if step["learns"] else f"rose less than {demo.MIN_RISE}"))
     text = "\n".join(lines) + "\n"
-    plumbing.write_own(results / "table.md", text + TABLE_MARK)  # never through a link
+    plumbing.write_own(results / "table.md", plumbing.marked_text(text + "\n", WRITER))  # never through a link
     return text
 
 
@@ -685,12 +685,12 @@ def check_args(args: Args, results: Path, now: float) -> None:
                                    "pass a --results_dir outside it")
     table_md = results / "table.md"  # the suite's own (its mark), or none: a user's table.md is never replaced
     if not args.estimate_only and (table_md.is_symlink() or table_md.exists()) and (
-            table_md.is_symlink() or plumbing.written_by(table_md) != "benchmark/gpu_suite.py"):
+            table_md.is_symlink() or plumbing.written_by(table_md) != WRITER):
         raise plumbing.ConfigError(f"{plumbing.inert(table_md, 200)} exists and the suite did not write it: it "
                                    "would be replaced; move it, or pass another --results_dir")
 
 
-TABLE_MARK = "\n<!-- written by benchmark/gpu_suite.py -->\n"  # plumbing.written_by reads it
+WRITER = "benchmark/gpu_suite.py"  # the mark of its table.md (plumbing.marked_text), which it alone replaces
 
 
 WRAP_UP_S = 5.0  # kept from the budget for what follows the last step (the table, the exit)

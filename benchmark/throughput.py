@@ -581,8 +581,8 @@ def write_report(name: str, args, batch: int, results: dict, table: str, start: 
     report = report or {"hardware": {**hardware(), **({"measured": peaks} if peaks else {})}, "config": asdict(args),
                         "completions_per_update": batch, "results": results, "seconds": time.time() - start}
     plumbing.write_own(json_path, json.dumps({"written_by": writer, **report}, indent=2) + "\n")
-    plumbing.write_own(md_path, f"Hardware: {json.dumps(report['hardware'])}\n\nConfig: {json.dumps(asdict(args))}\n\n"
-                       f"{table}\n" + f"\n<!-- written by {writer} -->\n")
+    plumbing.write_own(md_path, plumbing.marked_text(f"Hardware: {json.dumps(report['hardware'])}\n\nConfig: "
+                                                     f"{json.dumps(asdict(args))}\n\n{table}\n\n", writer))
     print(f"wrote {json_path.parent}/{name}.json and .md ({time.time() - start:.0f}s)")
 
 

