@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Optional
 
@@ -743,29 +743,28 @@ def test_a_vllm_server_that_dies_or_stalls_mid_sync_stops_the_run_with_a_checkpo
         assert "did not answer within --weight_sync_timeout 5 s" in line, line
 
 
-@pytest.mark.parametrize("fault", ["fail_init", "no-join"])
-def test_a_weight_group_that_fails_or_never_forms_stops_start_up_in_one_line(assets, tmp_path, fault):
-    """A server whose /init_weight_transfer_engine fails (its workers cannot join): the run stops at once with the
-    server's account, long before --weight_sync_timeout; one that answers but never joins the group: at
-    --weight_sync_timeout, naming it and the group's address."""
-    server, url, _ = vllm_standin(tmp_path, "a", assets["policy"], f"--{fault}")
-    timeout = 290 if fault == "fail_init" else 3
+@pytest.mark.parametrize("fault", ["fail_init", "no_join"])
+def test_a_weight_group_that_fails_or_never_forms_stops_start_up_naming_the_server(url_transport, fault):
+    """A server whose /init_weight_transfer_engine fails (its workers cannot join): the wait for the group stops at
+    once with the server's account, long before --weight_sync_timeout; one that answers but never joins the group:
+    at --weight_sync_timeout, naming it and the group's address. (An EngineError at start-up is the run's one line,
+    exit 4, as test_a_vllm_server_without_development_mode_is_refused_with_the_fix shows.)"""
+    args, url, _, _ = url_transport
+    mn.http_json(f"{url}/standin/set", {"fail_init": True} if fault == "fail_init" else {"join": False}, 60)
+    args = replace(args, engine_port=free_port(), weight_sync_timeout=290 if fault == "fail_init" else 3)
     try:
-        result = run_script("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name",
-                            assets["train"], *ENGINE_RUN, "--total_episodes", PER_UPDATE, "--output_dir",
-                            tmp_path / "out", "--engine_urls", url, "--engine_port", free_port(),
-                            "--weight_sync_timeout", timeout)
+        servers = mn.VLLMServers(args, plumbing.Dist(0, 0, 1, torch.device("cpu")))
+        with pytest.raises(mn.EngineError) as failed:
+            servers.connect("gloo", 2**20)
     finally:
-        server.kill()
-    assert result.returncode == 4 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    line = result.stderr.strip().splitlines()[-1]
-    print(line)
+        mn.http_json(f"{url}/standin/set", {"fail_init": False, "join": True}, 60)
+    print(failed.value)
     if fault == "fail_init":
-        assert line.startswith(f"rloo_multinode.py: error: vLLM server {url}/init_weight_transfer_engine answered "
-                               "500: ") and "cannot join the weight group" in line, line
+        assert str(failed.value).startswith(f"vLLM server {url}/init_weight_transfer_engine answered 500: ")
+        assert "cannot join the weight group" in str(failed.value)
     else:
-        assert line.startswith(f"rloo_multinode.py: error: vLLM server {url} (joining the weight group at "
-                               f"127.0.0.1:") and line.endswith("did not answer within --weight_sync_timeout 3 s"), line
+        assert str(failed.value) == (f"vLLM server {url} (joining the weight group at 127.0.0.1:{args.engine_port + 1}"
+                                     ") did not answer within --weight_sync_timeout 3 s")
 
 
 def test_a_served_engine_whose_weight_transfer_init_fails_stops_start_up_in_one_line(assets, tmp_path, monkeypatch):
