@@ -1508,7 +1508,9 @@ class ServedEngines:
     def check(self) -> None:
         """Raise EngineError naming the first engine found dead, failed or silent."""
         if self.store.check("failed"):
-            raise EngineError(plumbing.inert(self.read("failed").get("error")))
+            failed = self.read("failed")
+            raise EngineError(plumbing.inert(failed["error"]) if isinstance(failed.get("error"), str) else
+                              f"an engine reported a failure in another shape: {plumbing.inert(repr(failed), 200)}")
         for index, process in self.processes.items():
             if process.poll() is not None:
                 end_engine(process)

@@ -460,8 +460,15 @@ def test_the_trainer_refuses_a_forged_or_moved_engine_message_and_a_replayed_hea
     engines.parts_sent = {1: (1, mn.engine_deadline(args))}
     with pytest.raises(mn.EngineError, match="refused a control-store message under 'out/1/0/0'"):
         engines.receive(1)
+    engine.set("engine/0/beat", {"beat": "4"})  # a count of another type: no sign of life either, but said
+    with pytest.raises(mn.EngineError, match=r"^engine 0 sent the heartbeat '4', not a count$"):
+        engines.check()
+    engine.set("engine/0/beat", {"beat": 4})
     store.store.set("failed", b"engine 0 failed: stop the run")  # anyone who reaches the port could write this
     with pytest.raises(mn.EngineError, match="^refused a control-store message under 'failed' at 127.0.0.1"):
+        engines.check()
+    engine.set("failed", {"account": "not the field an engine writes"})  # signed, of another shape: still a failure
+    with pytest.raises(mn.EngineError, match=r"^an engine reported a failure in another shape: \{'account': "):
         engines.check()
 
 
