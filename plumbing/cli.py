@@ -28,9 +28,9 @@ import yaml  # transformers' dependency
 
 from .distributed import stopped_alone
 from .errors import ConfigError, Fault, describe, first_line, inert, not_a_file, shown, write_own
-from .faults import NonFiniteError, StartupInterrupted, StopSignal, console_survives
+from .faults import NonFiniteError, StartupInterrupted, StopSignal, console_survives, run_only
 from .flags import PATH_FLAGS, RunArgs
-from .rewards import end_processes_left
+from .rewards import end_processes_left, exit_bounded
 
 __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
     "TRL_NAMES", "TRL116", "GRPO_ONLY", "NOTHING", "TRL_DEFAULTS", "algorithm_defaults", "TRL_FIXED", "TRL_REFUSED",
@@ -790,16 +790,19 @@ def run_script(main: Callable, args, program: str) -> None:
         say_how_it_ended(main, args, program)
     except SystemExit as e:
         exit_if_left_running(e.code if isinstance(e.code, int) else int(e.code is not None), program, running)
+        exit_bounded(program, e.code if isinstance(e.code, int) else int(e.code is not None))
         raise
     except BaseException:  # a traceback: Python's own report of it, and its exit status
         if left_running(running):
             sys.excepthook(*sys.exc_info())
             exit_if_left_running(1, program, running)
+        exit_bounded(program, 1)
         raise
     for sig in StopSignal.SIGNALS:  # finished: the handlers that only record a signal for the update loop give way,
         if isinstance(getattr(signal.getsignal(sig), "__self__", None), StopSignal):  # so that a signal ends the exit
             signal.signal(sig, signal.SIG_DFL)  # (an atexit handler of user code that hangs)
     exit_if_left_running(0, program, running)
+    exit_bounded(program, 0)
 
 
 def left_running(running: set) -> list[str]:
@@ -812,19 +815,32 @@ def left_running(running: set) -> list[str]:
 def exit_if_left_running(status: int, program: str, running: set) -> None:
     """Python's exit waits for every thread left running that is not a daemon (a reward function may start one), and
     for multiprocessing's children that are not either, forever if they never end, deaf to signals: those started
-    since `running` are named in one line and the process exits with `status` at once, its console
-    flushed, atexit handlers not run, its multiprocessing children killed (none outlives the run; SIGKILL: a forked
-    child has the run's own signal handlers). Returns when there is none."""
+    since `running` are named in one line. The children are ended (SIGTERM, then SIGKILL after 2 s); a thread cannot
+    be: then the process exits with `status` at once, its console flushed, atexit handlers not run, its
+    multiprocessing children killed (none outlives the run). Returns when no thread is left."""
     left = left_running(running)
     if not left:
         return
     print(f"{program}: exiting with status {status} without waiting for what was left running: {', '.join(left)}",
-          file=sys.stderr)
+          file=sys.stderr, flush=True)
+    if all(name.startswith("process ") for name in left):  # a daemon pool's workers are left to multiprocessing's end
+        for child in multiprocessing.active_children():
+            if not child.daemon and child not in running:
+                child.terminate()
+                child.join(2.0)
+                child.kill()
+                child.join()
+        return
     for child in multiprocessing.active_children():  # what multiprocessing's atexit handler would end or join
         child.kill()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+@run_only
+def ending(signum, frame) -> None:
+    """A stop signal while the run says how it ended: nothing (the exit follows)."""
 
 
 def say_how_it_ended(main: Callable, args, program: str) -> None:
@@ -837,10 +853,12 @@ def say_how_it_ended(main: Callable, args, program: str) -> None:
             gc.freeze()
         except BaseException:
             # the run has ended and says how: a stop signal now (torchrun's SIGTERM to the other ranks once one has
-            # failed) must not cut that line into a traceback. SIGTERM, SIGUSR1, SIGHUP are ignored, the exit follows;
-            # Ctrl-C exits at once. (Not a blocked mask: torch's threads would take the signal for the main thread)
+            # failed) must not cut that line into a traceback. SIGTERM, SIGUSR1, SIGHUP do nothing, the exit follows;
+            # Ctrl-C exits at once. (Not a blocked mask: torch's threads would take the signal for the main thread;
+            # not SIG_IGN, which the processes user code starts meanwhile would inherit, a pool's workers included)
             for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
-                signal.signal(sig, signal.SIG_IGN)
+                if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's SIGHUP stays as it is
+                    signal.signal(sig, ending)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             raise
     except ConfigError as e:
@@ -872,7 +890,7 @@ def say_how_it_ended(main: Callable, args, program: str) -> None:
         if not stopped_alone():
             print(f"{program}: rank {os.environ['RANK']}: {shown(e)}", file=sys.stderr, flush=True)
         stopped_alone(mark=True)
-        end_processes_left(program)
+        end_processes_left(program, at_once=True)
         os._exit(128 + signal.Signals[e.signal_name])  # not sys.exit: no process group teardown that waits
     except RuntimeError as e:  # under torchrun, a collective cut short by a rank that is gone: one line, not a trace
         frames = traceback.extract_tb(e.__traceback__)
@@ -881,7 +899,7 @@ def say_how_it_ended(main: Callable, args, program: str) -> None:
         if not stopped_alone():  # else that rank has said why already
             print(f"{program}: rank {os.environ['RANK']}: error: a collective failed (a rank stopped, was lost or "
                   f"timed out): {first_line(e)}", file=sys.stderr, flush=True)
-        end_processes_left(program)
+        end_processes_left(program, at_once=True)
         os._exit(4)
     finally:  # however it ended: the processes user code left running end with it (they may hold the console)
         end_processes_left(program)

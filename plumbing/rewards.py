@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .data import PROMPT_IDS, pad_sequences
 from .distributed import all_reduce, seed_everything, wait_for_peers
 from .errors import FLOAT32_MAX, ConfigError, RewardFunctionError, describe, first_line, inert
-from .faults import StopSignal, in_a_thread, stop_signals_at_once
+from .faults import StopSignal, in_a_thread, run_only, stop_signals_at_once
 from .models import disable_dropout, has_tokenizer, load_reward_model, load_tokenizer, same_vocabulary
 
 __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
@@ -163,6 +163,7 @@ RUN_SETTINGS = {
 
 
 EXIT_HANDLER_TIMEOUT = 10.0  # seconds an atexit handler that user code registered may take as the process exits
+EXIT_HANDLERS = [0]  # how many atexit handlers user code registered (ExitHandler): the exit's time (exit_bounded)
 LEFT_RUNNING: dict[int, tuple[str, str]] = {}  # the processes user code started and left running, ended as the script
 # ends (end_processes_left): {pid: (its start time, what started it)}. Process-wide as the processes are
 
@@ -188,14 +189,36 @@ def descendants(roots: Optional[list[int]] = None) -> dict[int, str]:
     return found
 
 
-def end_processes_left(program: str) -> None:
+MULTIPROCESSING_HELPERS = (b"from multiprocessing.forkserver import main", b"from multiprocessing.resource_tracker "
+                           b"import main")  # the command lines of multiprocessing's helper processes
+
+
+def multiprocessings_own() -> set[int]:
+    """The processes multiprocessing itself ends as Python exits: its children (a Pool's workers, a
+    ProcessPoolExecutor's, a Process), its forkserver and resource tracker (which end once this process is gone), and
+    what those started. Ended from outside before that, a pool worker holding its queue's lock would leave the pool's
+    own end waiting for the lock forever."""
+    import multiprocessing
+
+    roots = [child.pid for child in multiprocessing.active_children()]
+    for pid in descendants():
+        with contextlib.suppress(OSError):
+            if any(helper in Path(f"/proc/{pid}/cmdline").read_bytes() for helper in MULTIPROCESSING_HELPERS):
+                roots.append(pid)
+    return {*roots, *descendants(roots)} if roots else set()
+
+
+def end_processes_left(program: str, at_once: bool = False) -> None:
     """Ends the processes that user code started and left running (user_code records them), whatever they hold (the
     console's pipe: `rloo.py | cat` would wait for them): SIGTERM, then SIGKILL to those still running after 2 s,
-    and one line naming them. A pid now another process's (another start time) is left alone."""
+    and one line naming them. A pid now another process's (another start time) is left alone. Multiprocessing's
+    own (multiprocessings_own) are left to Python's exit, where multiprocessing ends them (its workers take SIGTERM:
+    given_back_in_child), unless the process exits `at_once` (os._exit, which runs no exit handler)."""
     import time
 
+    spared = set() if at_once else multiprocessings_own()
     alive = lambda: {pid: what for pid, (start, what) in LEFT_RUNNING.items()  # noqa: E731
-                     if descendants().get(pid) == start}
+                     if descendants().get(pid) == start and pid not in spared}
     left = alive()
     if not left:
         return
@@ -219,6 +242,42 @@ def end_processes_left(program: str) -> None:
     LEFT_RUNNING.clear()
 
 
+def exit_bounded(program: str, status: int) -> None:
+    """As the process goes on to Python's exit: multiprocessing ends its children there (a pool's workers, with
+    SIGTERM) and waits for each; one that does not end (its own code ignores SIGTERM: a pool's initializer) would
+    keep the process from ever exiting. When any is left, a watchdog thread gives the exit the exit handlers' time
+    (EXIT_HANDLER_TIMEOUT for each of user code's, and once more), then names and kills what this process still has
+    below it, and after as long again exits with `status`."""
+    import multiprocessing
+    import threading
+    import time
+
+    if not multiprocessing.active_children():
+        return
+    limit = EXIT_HANDLER_TIMEOUT * (1 + EXIT_HANDLERS[0])
+
+    def kill_all_below() -> list[int]:  # a pool replaces a worker that died: what it started meanwhile too
+        left = sorted(descendants())
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        return left
+
+    def watch() -> None:
+        time.sleep(limit)
+        left = kill_all_below()
+        if left:
+            print(f"{program}: the processes of user code's multiprocessing did not end within {limit:g} s of the run's "
+                  f"end (SIGTERM ignored?): killed pid {', '.join(map(str, left))}", file=sys.stderr, flush=True)
+        time.sleep(limit)
+        print(f"{program}: the exit did not finish within {2 * limit:g} s of the run's end: exiting with status "
+              f"{status} without it", file=sys.stderr, flush=True)
+        kill_all_below()
+        os._exit(status)
+
+    threading.Thread(target=watch, name="exit watchdog", daemon=True).start()
+
+
 class ExitHandler:
     """An atexit handler that user code registered, run as the process exits for at most EXIT_HANDLER_TIMEOUT
     seconds (in a thread of its own): one that sleeps or waits would keep a finished run from exiting. Equal to the
@@ -226,6 +285,7 @@ class ExitHandler:
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict):
         self.fn, self.args, self.kwargs = fn, args, kwargs
+        EXIT_HANDLERS[0] += 1
 
     def __eq__(self, other) -> bool:
         return other is self or other == self.fn
@@ -270,7 +330,11 @@ def user_code(what: str, error: type):
     speed = torch.get_num_threads(), gc.isenabled(), sys.getrecursionlimit()
     real_exit, pid, real_register, processes = os._exit, os.getpid(), atexit.register, descendants()
     fired = []  # a timer's signal while the code runs: by default the end of the run (SIGALRM: exit 142)
-    recorder = lambda signum, frame: fired.append(signal.Signals(signum).name)  # noqa: E731
+
+    @run_only  # a process the code forks meanwhile gets the default back
+    def recorder(signum, frame) -> None:
+        fired.append(signal.Signals(signum).name)
+
     caught = [sig for sig in TIMER_SIGNALS.values() if threading.current_thread() is threading.main_thread()
               and signal.getsignal(sig) == signal.SIG_DFL]
     for sig in caught:

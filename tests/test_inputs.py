@@ -788,6 +788,80 @@ def test_the_run_exits_whatever_exit_handlers_and_processes_user_code_left(tmp_p
             assert Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] in "ZX", pid
 
 
+POOLS = """import multiprocessing, signal, time
+from concurrent.futures import ProcessPoolExecutor
+pools = []
+
+def f(completions, **kwargs):  # pools kept across calls, as a reward service's client keeps them
+    if DEAF:  # a pool whose workers ignore SIGTERM (their own choice), one busy for good: its end waits for it
+        if not pools:
+            pools.append(multiprocessing.get_context("fork").Pool(1, signal.signal, (signal.SIGTERM, signal.SIG_IGN)))
+            pools[0].apply_async(time.sleep, (3600,))
+        return [1.0] * len(completions)
+    if not pools:
+        pools.extend([multiprocessing.get_context("fork").Pool(2), ProcessPoolExecutor(1, multiprocessing.get_context())])
+    return [float(sum(sum(pool.map(len, completions)) for pool in pools))] * len(completions)
+"""
+RUN_WITH_POOLS = """import multiprocessing, sys, types
+from pathlib import Path
+import plumbing
+plumbing.rewards.EXIT_HANDLER_TIMEOUT = 0.2 if sys.argv[3] == "True" else 10  # the deaf worker's wait: cut short
+sys.path.insert(0, sys.argv[1])
+Path(sys.argv[1], "pools.py").write_text(f"DEAF = {sys.argv[3]}\\n" + sys.argv[2])
+
+def main(args):
+    stop = plumbing.StopSignal(types.SimpleNamespace(held=False), announce=True)  # the run's handlers
+    stop.training = True
+    [(name, fn)] = plumbing.load_reward_functions(("pools:f",))
+    for _ in range(2):
+        plumbing.call_reward_function(name, fn, 2, None, completions=["a", "bb"])
+    for child in multiprocessing.active_children():  # SIGTERM caught in none: the run's handler given back
+        status = Path(f"/proc/{child.pid}/status").read_text()
+        masks = {line.split(":")[0]: int(line.split()[1], 16) for line in status.splitlines() if line[:3] == "Sig" and line[3] != "Q"}
+        print(child.name, masks["SigCgt"] >> (signal.SIGTERM - 1) & 1, masks["SigBlk"] >> (signal.SIGTERM - 1) & 1)
+    print("finished", flush=True)
+
+import signal
+plumbing.run_script(main, None, "rloo.py")
+"""
+
+
+@pytest.mark.parametrize("deaf", [False, True])
+def test_a_finished_run_exits_whatever_pools_its_reward_function_keeps(tmp_path, deaf):
+    """A reward function's multiprocessing pools kept across calls (a fork Pool, a ProcessPoolExecutor): their workers
+    start with SIGTERM's default action, not the run's handler that only records it, and the finished
+    run exits, its console's pipe closed (communicate() here returns). Ended from outside before multiprocessing's
+    own end, a fork pool's worker holding its queue's lock left that end waiting forever; a worker that ignores
+    SIGTERM itself, busy for good, is named and killed once the exit handlers' time has passed."""
+    result = subprocess.run([python(), "-c", RUN_WITH_POOLS, str(tmp_path), POOLS, str(deaf)], capture_output=True,
+                            text=True, env=script_env(), cwd=REPO, timeout=300)
+    assert result.returncode == 0 and result.stdout.endswith("finished\n"), result.stderr[-3000:]
+    workers = result.stdout.splitlines()[:-1]
+    assert len(workers) == (1 if deaf else 3) and all(line.endswith(" 0 0") for line in workers), workers
+    watchdog = "rloo.py: the processes of user code's multiprocessing did not end within 0.2 s of the run's end"
+    assert (watchdog in result.stderr) == deaf and "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+FORKED_IN_C = """import os, signal, sys, threading, types
+import plumbing
+stop = plumbing.StopSignal(types.SimpleNamespace(held=False), announce=True)
+stop.training = True
+stop.pid = -1  # as in a child forked where Python's fork hooks do not run (a fork in C code): not the run's process
+os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+threading.Event().wait(600)  # a hang guard only: the signal ends the process before
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_the_runs_stop_signal_handler_does_nothing_outside_the_runs_own_process(sig):
+    """In a process that is not the run's own, the run's handler gives the signal its default back and delivers it
+    again: SIGTERM ends the process, SIGINT raises KeyboardInterrupt (which ends it by SIGINT)."""
+    result = subprocess.run([python(), "-c", FORKED_IN_C, sig], capture_output=True, text=True, env=script_env(),
+                            cwd=REPO, timeout=300)
+    assert result.returncode == -getattr(signal, sig), result.stderr[-2000:]  # Python ends by the signal itself
+    assert ("KeyboardInterrupt" in result.stderr) == (sig == "SIGINT"), result.stderr[-2000:]
+
+
 # ---------------------------------------------------------------- odd values: one line, or working
 @pytest.mark.parametrize("argv,fragment", [
     (["--pad_token", ""], "--pad_token '' is empty"),  # a TypeError in the tokenizer, before
