@@ -13,7 +13,6 @@ import multiprocessing
 import os
 import re
 import signal
-import stat
 import sys
 import threading
 import traceback
@@ -27,7 +26,7 @@ import tyro._errors  # parse_args' one-line parse errors
 import yaml  # transformers' dependency
 
 from .distributed import stopped_alone
-from .errors import ConfigError, Fault, describe, first_line, inert, not_a_file, shown, write_own
+from .errors import ConfigError, Fault, describe, first_line, inert, not_a_file, read_input, shown, write_own
 from .faults import NonFiniteError, StartupInterrupted, StopSignal, console_survives, run_only
 from .flags import PATH_FLAGS, RunArgs
 from .rewards import end_processes_left, exit_bounded
@@ -464,25 +463,7 @@ def read_config(path: str):
     duplicate keys and numbers of more than CONFIG_LIMITS' digits are refused. Every problem is a ConfigError, one
     line naming the file."""
     where = f"--config {path}"
-    try:  # non-blocking: a FIFO opens at once (and is refused below) instead of waiting for a writer
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
-    except OSError as e:
-        raise ConfigError(f"{where} cannot be read ({e.strerror or e}): pass a YAML file") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        kind = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
-                stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}.get(stat.S_IFMT(mode), "not a file")
-        raise ConfigError(f"{where} is {kind}, not a regular file: pass a YAML file")
-    os.set_blocking(fd, True)
-    with os.fdopen(fd, "rb") as file:
-        try:
-            data = file.read(CONFIG_LIMITS["bytes"] + 1)
-        except OSError as e:
-            raise ConfigError(f"{where} cannot be read ({e.strerror or e}): pass a YAML file") from None
-    if len(data) > CONFIG_LIMITS["bytes"]:
-        raise ConfigError(f"{where} is over {CONFIG_LIMITS['bytes'] >> 20} MiB, not a recipe of flags: pass a YAML "
-                          "file of flag names and values")
+    data = read_input(path, where, "pass a YAML file of flag names and values", CONFIG_LIMITS["bytes"])
     boms = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"), (b"\xef\xbb\xbf", "utf-8-sig"),
             (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16"))
     encoding = next((name for bom, name in boms if data.startswith(bom)), "utf-8")

@@ -596,12 +596,12 @@ def test_a_recipe_that_is_no_regular_file_is_refused_at_once(capsys, tmp_path):
     1 MiB: one line each."""
     fifo = tmp_path / "recipe.yaml"
     os.mkfifo(fifo)
-    config_refusal(capsys, fifo, "is a FIFO, not a regular file")
+    config_refusal(capsys, fifo, "is a FIFO (named pipe), not a regular file")
     config_refusal(capsys, "/dev/zero", "is a character device, not a regular file")
     config_refusal(capsys, tmp_path, "is a directory, not a regular file")
     big = tmp_path / "big.yaml"
     big.write_text("exp_name: " + "x" * (1 << 20) + "\n")
-    config_refusal(capsys, big, "is over 1 MiB")
+    config_refusal(capsys, big, "is 1,048,587 bytes, over the limit of 1 MiB for this input")
     link = tmp_path / "link.yaml"  # a symlink to a recipe is read as the recipe
     (tmp_path / "real.yaml").write_text("seed: 5\n")
     link.symlink_to(tmp_path / "real.yaml")
@@ -860,6 +860,32 @@ def test_the_runs_stop_signal_handler_does_nothing_outside_the_runs_own_process(
                             cwd=REPO, timeout=300)
     assert result.returncode == -getattr(signal, sig), result.stderr[-2000:]  # Python ends by the signal itself
     assert ("KeyboardInterrupt" in result.stderr) == (sig == "SIGINT"), result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("module,kind,line", [
+    ("fifo_rewards", "fifo", r"fifo_rewards.py is a FIFO \(named pipe\), not a regular file, which Python's import "
+                             "skips: put the module's source there"),
+    ("zero_rewards", "/dev/zero", "zero_rewards.py is a character device, not a regular file"),
+    ("pkg.sub", "fifo", r"pkg/sub.py is a FIFO \(named pipe\)"),  # a package's module
+    ("big_rewards", "big", "big_rewards.py is 1,100 bytes, over the limit of 1 KiB for this input"),
+])
+def test_a_reward_modules_file_is_a_regular_file_within_limits(tmp_path, monkeypatch, module, kind, line):
+    """A reward module's file that is no regular file (the import system skips it: it was "no module named") or is
+    over SOURCE_LIMIT is one line naming the file, before any import."""
+    monkeypatch.setattr(plumbing.rewards, "SOURCE_LIMIT", 1024)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    path = tmp_path.joinpath(*module.split(".")).with_suffix(".py")
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "big":
+        path.write_text("def f(**kwargs):\n    return []\n" + "#" * 1068 + "\n")
+    else:
+        path.symlink_to(kind)
+    with pytest.raises(plumbing.ConfigError, match=line):
+        plumbing.load_reward_functions((f"{module}:f",))
+    assert module not in sys.modules
 
 
 # ---------------------------------------------------------------- odd values: one line, or working
