@@ -430,6 +430,13 @@ SAME_FLAG = TRL_NAMES | {"reward_funcs": "reward_fn", "report_to": "track", "res
                          "vllm_server_timeout": "engine_timeout", "use_vllm": "engine"} | LORA_NAMES
 
 
+# what a recipe's key sets, where that is not one flag under one of its names (canonical): TRL's vLLM server given by
+# its host and port, two keys, or as one URL; --report_to both --track and --tensorboard
+FLAG_PARTS = {"vllm_server_host": ("engine_urls host",), "vllm_server_port": ("engine_urls port",),
+              "vllm_server_base_url": ("engine_urls host", "engine_urls port"),
+              "engine_urls": ("engine_urls host", "engine_urls port"), "report_to": ("track", "tensorboard")}
+
+
 CONFIG_LIMITS = {"bytes": 1 << 20, "values": 10_000, "depth": 32, "digits": 100}  # of a --config file: a recipe
 # is a few kB of flags; aliases count each time they are used (an alias bomb), digits of a number (5000-digit ints)
 YAML_NULL = ("~", "null", "Null", "NULL", "")  # YAML 1.2's core schema's null, written plainly (unquoted)
@@ -587,13 +594,15 @@ def config_arguments(argv: list[str], hints: dict, known: set[str]) -> list[str]
                           "as it starts (torch at import, torchrun for every rank): set them in the shell "
                           "(VAR=value python rloo.py ...) and drop the section")
 
-    def canonical(name: str) -> str:
+    def plain(name: str) -> str:  # dashes as underscores, a switch's --no- form as the switch
         name = name.replace("-", "_")
-        name = name[3:] if name.startswith("no_") and name[3:] in known else name
-        return SAME_FLAG.get(name, name)
+        return name[3:] if name.startswith("no_") and name[3:] in known else name
+
+    def canonical(name: str) -> str:
+        return SAME_FLAG.get(plain(name), plain(name))
 
     given = {canonical(arg[2:].partition("=")[0]) for arg in rest if arg.startswith("--")}
-    out = []
+    out, named = [], {}  # named: {what a key sets: the key}
     for key, value in config.items():
         name = str(key).replace("-", "_")
         if name not in known:
@@ -601,6 +610,11 @@ def config_arguments(argv: list[str], hints: dict, known: set[str]) -> list[str]
             raise ConfigError(f"--config {path}: unknown key {key!r}: " + (
                 "a --config file cannot name another" if name == "config" else f"did you mean {close[0]}?" if close
                 else "not a flag of this script, nor of TRL's `trl rloo`"))
+        for part in FLAG_PARTS.get(plain(name), (canonical(name),)):
+            if part in named:  # one flag under two names (an alias, a TRL name, dashes, --no-): which would win?
+                raise ConfigError(f"--config {path}: the keys {named[part]!r} and {key!r} both set --{part.split()[0]}: "
+                                  "keep one")
+            named[part] = key
         if canonical(name) not in given:
             out += [f"--{name}", *yaml_values(value, hints.get(name), str(key), path)]
     return out + rest

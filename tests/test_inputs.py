@@ -591,6 +591,27 @@ def test_a_recipe_is_read_as_data_within_limits_or_refused_in_one_line(capsys, t
     config_refusal(capsys, path, *fragments)
 
 
+@pytest.mark.parametrize("text,keys,flag", [
+    ("response_length: 5\nmax_completion_length: 6\n", ("response_length", "max_completion_length"), "response_length"),
+    ("learning_rate: 1.0e-5\nlearning-rate: 2.0e-5\n", ("learning_rate", "learning-rate"), "learning_rate"),
+    ("beta: 0.2\nkl_coef: 0.1\n", ("beta", "kl_coef"), "kl_coef"),  # TRL's name first
+    ("num_generations: 4\nrloo-k: 2\n", ("num_generations", "rloo-k"), "rloo_k"),
+    ("reward_fn: [a:b]\nreward_funcs: [a.b]\n", ("reward_fn", "reward_funcs"), "reward_fn"),  # TRL's form
+    ("report_to: wandb\ntensorboard: true\n", ("report_to", "tensorboard"), "tensorboard"),
+    ("resume_from: x\nresume_from_checkpoint: y\n", ("resume_from", "resume_from_checkpoint"), "resume_from"),
+    ("num_mini_batches: 2\nsteps_per_generation: 2\n", ("num_mini_batches", "steps_per_generation"),
+     "num_mini_batches"),
+    ("lora_rank: 8\nr: 16\n", ("lora_rank", "r"), "lora_r"),  # two other codebases' names
+    ("<<: {learning_rate: 1.0e-5}\nlearning-rate: 2.0e-5\n", ("learning_rate", "learning-rate"), "learning_rate"),
+])
+def test_a_recipe_naming_one_flag_twice_under_any_of_its_names_is_refused(capsys, tmp_path, text, keys, flag):
+    """Which of the two would win is nowhere to be seen in the file: refused, naming both keys, the flag and the
+    file (the same key twice is refused by the YAML reader)."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    config_refusal(capsys, path, f"the keys {keys[0]!r} and {keys[1]!r} both set --{flag}: keep one")
+
+
 def test_a_recipe_that_is_no_regular_file_is_refused_at_once(capsys, tmp_path):
     """A FIFO without a writer (opened non-blocking, never waited on), a character device, a directory, a file over
     1 MiB: one line each."""
