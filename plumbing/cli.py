@@ -612,8 +612,8 @@ def config_arguments(argv: list[str], hints: dict, known: set[str]) -> list[str]
                 else "not a flag of this script, nor of TRL's `trl rloo`"))
         for part in FLAG_PARTS.get(plain(name), (canonical(name),)):
             if part in named:  # one flag under two names (an alias, a TRL name, dashes, --no-): which would win?
-                raise ConfigError(f"--config {path}: the keys {named[part]!r} and {key!r} both set --{part.split()[0]}: "
-                                  "keep one")
+                raise ConfigError(f"--config {path}: the keys {named[part]!r} and {key!r} both set "
+                                  f"--{part.split()[0]}: keep one")
             named[part] = key
         if canonical(name) not in given:
             out += [f"--{name}", *yaml_values(value, hints.get(name), str(key), path)]

@@ -161,7 +161,7 @@ def read_input(path, what: str, fix: str, limit: int) -> bytes:
     return data
 
 
-TEXT_LIMIT = 256 << 20  # bytes of a small file of a model or a dataset that a library reads whole: a config, a tokenizer
+TEXT_LIMIT = 256 << 20  # bytes of a file of a model or a dataset that a library reads whole: a config, a tokenizer
 WHOLE_FILES = (".json", ".jinja", ".txt", ".model", ".py", ".yaml", ".md")  # what such a library reads whole
 
 

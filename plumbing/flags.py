@@ -21,9 +21,9 @@ import tyro
 from .errors import FLOAT32_MAX, ConfigError, inert, read_input
 
 __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "InputArgs", "RunArgs", "is_finite_number", "number_rules", "PATH_FLAGS", "missing_local_path", "resolve_paths",
-    "check_launch_environment", "validate_args", "in_updates", "MAX_UPDATES", "run_length", "update_intervals",
-    "evaluation_updates", "quantization_config", "policy_options",
+    "InputArgs", "RunArgs", "is_finite_number", "SCALE_LIMIT", "within", "number_rules", "PATH_FLAGS",
+    "missing_local_path", "resolve_paths", "check_launch_environment", "validate_args", "in_updates", "MAX_UPDATES",
+    "run_length", "update_intervals", "evaluation_updates", "quantization_config", "policy_options",
 ]
 
 
@@ -243,6 +243,20 @@ def is_finite_number(x) -> bool:
     return x is not None and abs(x) <= FLOAT32_MAX  # nan too
 
 
+SCALE_LIMIT = 1e6  # a coefficient of the rewards or of the loss (--kl_coef, --reward_weights): beyond it the first
+# updates' advantages, and the gradients' norm that squares them, overflow float32 (within number_rules' checks)
+
+
+def within(args, name: str, low: float, high: Optional[float] = SCALE_LIMIT, why: Optional[str] = None) -> tuple:
+    """A rule of number_rules' form: the flag `name` in [low, high] (None and NaN are not; high None: any finite
+    number >= low), and why where said; a scale (high SCALE_LIMIT) says why."""
+    value = getattr(args, name)
+    why = why or ("beyond, the first updates' gradients overflow float32" if high == SCALE_LIMIT else None)
+    allowed = is_finite_number(value) and low <= value <= (FLOAT32_MAX if high is None else high)
+    return name, value, allowed, (f"a finite number >= {low:g}" if high is None else f"in [{low:g}, {high:g}]") + (
+        f" ({why})" if why else "")
+
+
 def is_interval(x) -> bool:
     """An interval flag's value (--logging_steps, --save_steps, --eval_steps): a whole number >= 1, or a share of the
     run in (0, 1), as transformers takes them."""
@@ -255,7 +269,8 @@ def number_rules(args) -> list[tuple[str, object, bool, str]]:
     finite = is_finite_number
     a = args
     return [
-        ("reward_weights", a.reward_weights, all(finite(w) for w in a.reward_weights or ()), "finite numbers"),
+        ("reward_weights", a.reward_weights, all(abs(w) <= SCALE_LIMIT for w in a.reward_weights or ()),
+         f"numbers of at most {SCALE_LIMIT:g} in magnitude (beyond, the first updates' gradients overflow float32)"),
         ("seed", a.seed, 0 <= a.seed < 2**31, "between 0 and 2**31 - 1 (numpy's seeds are unsigned)"),
         ("max_prompt_length", a.max_prompt_length, a.max_prompt_length >= 1, "at least 1"),
         ("local_rollout_forward_batch_size", a.local_rollout_forward_batch_size,

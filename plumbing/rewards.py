@@ -268,8 +268,8 @@ def exit_bounded(program: str, status: int) -> None:
         time.sleep(limit)
         left = kill_all_below()
         if left:
-            print(f"{program}: the processes of user code's multiprocessing did not end within {limit:g} s of the run's "
-                  f"end (SIGTERM ignored?): killed pid {', '.join(map(str, left))}", file=sys.stderr, flush=True)
+            print(f"{program}: the processes of user code's multiprocessing did not end within {limit:g} s of the "
+                  f"run's end (SIGTERM ignored?): killed pid {', '.join(map(str, left))}", file=sys.stderr, flush=True)
         time.sleep(limit)
         print(f"{program}: the exit did not finish within {2 * limit:g} s of the run's end: exiting with status "
               f"{status} without it", file=sys.stderr, flush=True)

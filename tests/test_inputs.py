@@ -820,7 +820,8 @@ def f(completions, **kwargs):  # pools kept across calls, as a reward service's 
             pools[0].apply_async(time.sleep, (3600,))
         return [1.0] * len(completions)
     if not pools:
-        pools.extend([multiprocessing.get_context("fork").Pool(2), ProcessPoolExecutor(1, multiprocessing.get_context())])
+        pools.extend([multiprocessing.get_context("fork").Pool(2),
+                      ProcessPoolExecutor(1, multiprocessing.get_context("fork"))])
     return [float(sum(sum(pool.map(len, completions)) for pool in pools))] * len(completions)
 """
 RUN_WITH_POOLS = """import multiprocessing, sys, types
@@ -838,7 +839,8 @@ def main(args):
         plumbing.call_reward_function(name, fn, 2, None, completions=["a", "bb"])
     for child in multiprocessing.active_children():  # SIGTERM caught in none: the run's handler given back
         status = Path(f"/proc/{child.pid}/status").read_text()
-        masks = {line.split(":")[0]: int(line.split()[1], 16) for line in status.splitlines() if line[:3] == "Sig" and line[3] != "Q"}
+        masks = {line.split(":")[0]: int(line.split()[1], 16) for line in status.splitlines()
+                 if line.startswith(("SigCgt", "SigBlk"))}
         print(child.name, masks["SigCgt"] >> (signal.SIGTERM - 1) & 1, masks["SigBlk"] >> (signal.SIGTERM - 1) & 1)
     print("finished", flush=True)
 
