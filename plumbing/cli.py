@@ -469,7 +469,7 @@ def read_config(path: str):
     aliases and merge keys expand within CONFIG_LIMITS' values and depth; explicit tags other than YAML's own,
     duplicate keys and numbers of more than CONFIG_LIMITS' digits are refused. Every problem is a ConfigError, one
     line naming the file."""
-    where = f"--config {path}"
+    where = f"--config {path or repr(path)}"
     data = read_input(path, where, "pass a YAML file of flag names and values", CONFIG_LIMITS["bytes"])
     boms = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"), (b"\xef\xbb\xbf", "utf-8-sig"),
             (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16"))

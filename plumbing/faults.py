@@ -215,13 +215,18 @@ def interruptible(work: Callable[[], object], name: str, meanwhile: Optional[tup
 
 
 @contextlib.contextmanager
-def stop_signals_at_once():
+def stop_signals_at_once(came_before: bool = False):
     """While the main thread only waits for a reward function (running in a thread of its own), a stop signal stops
-    the run at once, raising there, instead of after the update: the function may be stuck for good."""
+    the run at once, raising there, instead of after the update: the function may be stuck for good. With
+    `came_before` (user code has processes of its own: a pool's workers), so does one that came before the call, in
+    the update: sent to the process group (Ctrl-C) or by SLURM to every process of the job, it may have ended them,
+    and the function would wait for them until its timeout."""
     stop = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
     if not isinstance(stop, StopSignal) or not stop.training or threading.current_thread() != threading.main_thread():
         yield
         return
+    if came_before and stop.name is not None:
+        raise RewardFunctionError(f"{stop.name} received while a reward function ran", signal_name=stop.name)
     stop.at_once = True
     try:
         yield

@@ -10,6 +10,7 @@ import gc
 import importlib.util
 import inspect
 import math
+import multiprocessing
 import numbers
 import os
 import posix
@@ -199,8 +200,6 @@ def multiprocessings_own() -> set[int]:
     ProcessPoolExecutor's, a Process), its forkserver and resource tracker (which end once this process is gone), and
     what those started. Ended from outside before that, a pool worker holding its queue's lock would leave the pool's
     own end waiting for the lock forever."""
-    import multiprocessing
-
     roots = [child.pid for child in multiprocessing.active_children()]
     for pid in descendants():
         with contextlib.suppress(OSError):
@@ -245,12 +244,11 @@ def end_processes_left(program: str, at_once: bool = False) -> None:
 
 def exit_bounded(program: str, status: int) -> None:
     """As the process goes on to Python's exit: multiprocessing ends its children there (a pool's workers, with
-    SIGTERM) and waits for each; one that does not end (its own code ignores SIGTERM: a pool's initializer) would
-    keep the process from ever exiting. When any is left, a watchdog thread gives the exit the exit handlers' time
-    (EXIT_HANDLER_TIMEOUT for each of user code's, and once more), then names and kills what this process still has
-    below it, and after as long again exits with `status`."""
-    import multiprocessing
-    import threading
+    SIGTERM) and waits for each, and a pool's end waits for its task queue's lock: a worker that does not end (its
+    own code ignores SIGTERM) or one that a signal ended while it held the lock (Ctrl-C reaches every process of the
+    terminal's group) would keep the process from ever exiting. When any of multiprocessing's children is left, a
+    watchdog thread gives the exit the exit handlers' time (EXIT_HANDLER_TIMEOUT for each of user code's, and once
+    more), then names and kills what this process still has below it, and after 2 s more exits with `status`."""
     import time
 
     if not multiprocessing.active_children():
@@ -268,11 +266,12 @@ def exit_bounded(program: str, status: int) -> None:
         time.sleep(limit)
         left = kill_all_below()
         if left:
-            print(f"{program}: the processes of user code's multiprocessing did not end within {limit:g} s of the "
-                  f"run's end (SIGTERM ignored?): killed pid {', '.join(map(str, left))}", file=sys.stderr, flush=True)
-        time.sleep(limit)
-        print(f"{program}: the exit did not finish within {2 * limit:g} s of the run's end: exiting with status "
-              f"{status} without it", file=sys.stderr, flush=True)
+            print(f"{program}: processes of user code's multiprocessing still ran {limit:g} s after the run's end "
+                  f": killed pid {', '.join(map(str, left))}", file=sys.stderr, flush=True)
+        time.sleep(2.0)
+        print(f"{program}: the exit did not finish {limit + 2:g} s after the run's end (a multiprocessing pool's end "
+              f"waits for a lock that a worker ended by a signal held): exiting with status {status} without it",
+              file=sys.stderr, flush=True)
         kill_all_below()
         os._exit(status)
 
@@ -510,7 +509,7 @@ def call_reward_function(name: str, fn: Callable, n: int, timeout: Optional[floa
             return fn(**kwargs)
 
     with user_code(f"reward function {name!r}", RewardFunctionError):
-        with stop_signals_at_once():
+        with stop_signals_at_once(came_before=bool(LEFT_RUNNING or multiprocessing.active_children())):
             outcome = in_a_thread(call, f"reward function {name}", timeout)  # abandoned if it hangs
         if not outcome:
             raise RewardFunctionError(f"reward function {name!r} did not return within --reward_fn_timeout "
