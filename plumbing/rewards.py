@@ -266,8 +266,8 @@ def exit_bounded(program: str, status: int) -> None:
         time.sleep(limit)
         left = kill_all_below()
         if left:
-            print(f"{program}: processes of user code's multiprocessing still ran {limit:g} s after the run's end "
-                  f": killed pid {', '.join(map(str, left))}", file=sys.stderr, flush=True)
+            print(f"{program}: processes of user code's multiprocessing still ran {limit:g} s after the run's end: "
+                  f"killed pid {', '.join(map(str, left))}", file=sys.stderr, flush=True)
         time.sleep(2.0)
         print(f"{program}: the exit did not finish {limit + 2:g} s after the run's end (a multiprocessing pool's end "
               f"waits for a lock that a worker ended by a signal held): exiting with status {status} without it",
