@@ -197,7 +197,7 @@ def algorithm_rules(a: Args) -> list[tuple[str, object, bool, str]]:
     def each(requirement: str, allowed: Callable[[object], bool], *names: str) -> list:  # one rule, several flags
         return [(name, getattr(a, name), allowed(getattr(a, name)), requirement) for name in names]
 
-    within = functools.partial(plumbing.within, a)  # (flag, low, high, why): in [low, high], scales within SCALE_LIMIT
+    within = functools.partial(plumbing.within, a)  # a flag in [low, high], a scale within plumbing.SCALE_LIMIT
     return [
         *each("a finite number > 0", lambda x: finite(x) and x > 0, "cliprange", "vllm_importance_sampling_cap",
               "adam_epsilon", "reward_clip_range", "num_train_epochs"), within("kl_coef", 0),
