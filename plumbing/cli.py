@@ -338,7 +338,9 @@ def trl_arguments(argv: list[str], hints: dict, defaults: dict, prog: str) -> li
         value = values[0] if values else "true"
         own = TRL_NAMES.get(name, name)  # the flag's name here
         default_given = trl_default_given(name, values) and name != "dataset_name"  # TRL's None: none given
-        if name in TRL_LAUNCHER:
+        if name == "num_processes" and values and value.strip() == os.environ.get("WORLD_SIZE", "1"):
+            pass  # asks for the processes the run has (TRL's default is 1 without a launcher's config)
+        elif name in TRL_LAUNCHER:
             count = f" {value}" if name == "num_processes" and values else " GPUS"
             raise ConfigError(f"--{name}: {TRL_LAUNCHER[name]}".replace(" GPUS", count, 1))
         elif name == "bf16" and value.lower() in ("none", "null"):

@@ -79,6 +79,9 @@ def setup_distributed(timeout: float = 1800.0) -> Dist:
     started = time.monotonic()
     try:
         interruptible(join, "init_process_group", meanwhile=(min(RENDEZVOUS_NOTICE, timeout / 2), unanswered))
+    except ValueError as e:  # torch's env:// rendezvous refusing a variable (an empty MASTER_ADDR)
+        raise ConfigError(f"rank {rank}: torch.distributed refused the launch's environment: {first_line(e)}; launch "
+                          "with torchrun, or set MASTER_ADDR and MASTER_PORT") from None
     except dist.DistError as e:  # the store never answered, the other ranks never joined it, or one of them ended
         raise Fault(f"rank {rank}: the rendezvous at {address} failed after {time.monotonic() - started:.0f} s "
                     f"(--ddp_timeout {timeout:g} s): {first_line(e).rstrip('.')}; check the address, and that every "

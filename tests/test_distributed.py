@@ -99,3 +99,14 @@ def test_a_rendezvous_that_does_not_answer_is_said_at_once_then_waited_for_until
     assert [line.partition(": ")[2] for line in said] == [
         f"rank 1: the rendezvous at 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT) does not answer (connection refused: "
         "nothing listens there); waiting on, up to --ddp_timeout 2 s: check the address, and that rank 0 has started"]
+
+
+def test_an_empty_master_addr_is_one_line_not_torchs_traceback(monkeypatch):
+    """MASTER_ADDR set but empty (an unset variable expanded by a job script): torch's env:// rendezvous raises
+    ValueError at once; one line naming it."""
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "",
+                        "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(plumbing.ConfigError, match="^rank 1: torch.distributed refused the launch's environment: .*"
+                                                   "MASTER_ADDR expected, but not set; launch with torchrun"):
+        plumbing.setup_distributed(600.0)
