@@ -386,23 +386,20 @@ def user_code(what: str, error: type):
                     f"{RUN_SETTINGS[name][2]}")
 
 
-def module_source(module_name: str) -> Optional[str]:
-    """The file that `import module_name` would read (a package's __init__.py), found as the import system's path
-    finder finds it, without importing anything (a package's own __init__ included); None for a module imported
-    already, one that no path entry holds (an installed editable finder's, a built-in) or one without a file."""
-    from importlib.machinery import PathFinder
-
+def module_source(module_name: str) -> Optional[Path]:
+    """The source file that `import module_name` reads, of any kind (a FIFO, a device: which the import system skips,
+    as no module, or as a namespace package for a package's __init__.py), found in sys.path's folders in their order
+    as the import system looks there (a package's __init__.py, else the module's .py); None for a module imported
+    already or found nowhere there (an installed editable finder's, a built-in, an extension module)."""
     if module_name in sys.modules:
         return None
-    spec, path = None, None
-    for part in module_name.split("."):
-        if spec is not None and path is None:  # a module, not a package: nothing below it
-            return None
-        spec = PathFinder.find_spec(part, path)
-        if spec is None:
-            return None
-        path = spec.submodule_search_locations
-    return spec.origin if spec.has_location else None
+    *parents, last = module_name.split(".")
+    for folder in (f for f in sys.path if isinstance(f, str)):
+        package, module = Path(folder or ".", *parents, last, "__init__.py"), Path(folder or ".", *parents, f"{last}.py")
+        found = [path for path in (package, module) if os.path.lexists(path)]
+        if found:
+            return next((path for path in found if not not_a_file(path)), found[0])
+    return None
 
 
 SOURCE_LIMIT = 64 << 20  # bytes of a reward module's source file (compiled extension modules: any size)
@@ -420,9 +417,9 @@ def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
         if not module_name or not attr:
             raise ConfigError(f"--reward_fn {spec!r} is not of the form package.module:function")
         source = module_source(module_name)
-        if source is not None:  # a FIFO would block the import forever, /dev/zero fill the memory
-            with input_file(source, f"reward function {spec!r}: its module's file {inert(source, 200)}", "put the "
-                            "module's source there", SOURCE_LIMIT if source.endswith(".py") else 1 << 62):
+        if source is not None:  # a FIFO: no module, or a namespace package, as far as the import system can tell
+            with input_file(source, f"reward function {spec!r}: {inert(source, 200)}", "put the module's source there "
+                            "(Python's import skips a file that is not regular)", SOURCE_LIMIT):
                 pass
         try:
             with user_code(f"reward function {spec!r}: importing {module_name!r}", ConfigError):
@@ -434,14 +431,6 @@ def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
             if e.name is not None and e.name != module_name and not module_name.startswith(e.name + "."):
                 raise ConfigError(f"reward function {spec!r}: importing {module_name!r} failed: it imports "
                                   f"{e.name!r}, which is not installed ({first_line(e)})") from None
-            *parents, last = module_name.split(".")
-            skipped = next(((path, not_a_file(path)) for folder in sys.path if isinstance(folder, str)
-                            for path in (Path(folder or ".", *parents, f"{last}.py"),
-                                         Path(folder or ".", *parents, last, "__init__.py"))
-                            if os.path.lexists(path) and not_a_file(path)), None)
-            if skipped:  # the import system looks for regular files only: not there, as far as it can tell
-                raise ConfigError(f"reward function {spec!r}: {inert(skipped[0], 200)} {skipped[1]}, not a regular "
-                                  "file, which Python's import skips: put the module's source there") from None
             where = os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
             raise ConfigError(f"unknown reward function {spec!r}: cannot import {module_name!r} ({first_line(e)}); "
                               f"looked in the working directory {os.getcwd()}, PYTHONPATH ({where or 'unset'}) and "

@@ -886,10 +886,11 @@ def test_the_runs_stop_signal_handler_does_nothing_outside_the_runs_own_process(
 
 
 @pytest.mark.parametrize("module,kind,line", [
-    ("fifo_rewards", "fifo", r"fifo_rewards.py is a FIFO \(named pipe\), not a regular file, which Python's import "
-                             "skips: put the module's source there"),
+    ("fifo_rewards", "fifo", r"fifo_rewards.py is a FIFO \(named pipe\), not a regular file: put the module's "
+                             r"source there \(Python's import skips a file that is not regular\)"),
     ("zero_rewards", "/dev/zero", "zero_rewards.py is a character device, not a regular file"),
     ("pkg.sub", "fifo", r"pkg/sub.py is a FIFO \(named pipe\)"),  # a package's module
+    ("pkg", "init fifo", r"pkg/__init__.py is a FIFO \(named pipe\)"),  # else a namespace package, without f
     ("big_rewards", "big", "big_rewards.py is 1,100 bytes, over the limit of 1 KiB for this input"),
 ])
 def test_a_reward_modules_file_is_a_regular_file_within_limits(tmp_path, monkeypatch, module, kind, line):
@@ -899,8 +900,10 @@ def test_a_reward_modules_file_is_a_regular_file_within_limits(tmp_path, monkeyp
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
-    path = tmp_path.joinpath(*module.split(".")).with_suffix(".py")
-    if kind == "fifo":
+    path = tmp_path.joinpath(*module.split(".")).with_suffix(".py") if kind != "init fifo" else \
+        tmp_path / "pkg" / "__init__.py"
+    path.unlink(missing_ok=True)
+    if kind.endswith("fifo"):
         os.mkfifo(path)
     elif kind == "big":
         path.write_text("def f(**kwargs):\n    return []\n" + "#" * 1068 + "\n")
