@@ -134,6 +134,10 @@ def input_file(path, what: str, fix: str, limit: int):
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as e:
+        with contextlib.suppress(OSError):  # a socket cannot be opened at all (ENXIO): named as what it is
+            kind = file_kind(os.stat(path).st_mode)
+            if kind:
+                raise ConfigError(f"{what} {kind}, not a regular file: {fix}") from None
         problem = "does not exist" if isinstance(e, FileNotFoundError) and not os.path.islink(path) else \
             "is a broken symbolic link" if isinstance(e, FileNotFoundError) else f"cannot be read ({e.strerror or e})"
         raise ConfigError(f"{what} {problem}: {fix}") from None
