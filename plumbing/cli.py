@@ -612,13 +612,15 @@ def config_arguments(argv: list[str], hints: dict, known: set[str]) -> list[str]
             raise ConfigError(f"--config {path}: unknown key {key!r}: " + (
                 "a --config file cannot name another" if name == "config" else f"did you mean {close[0]}?" if close
                 else "not a flag of this script, nor of TRL's `trl rloo`"))
-        for part in FLAG_PARTS.get(plain(name), (canonical(name),)):
+        words = yaml_values(value, hints.get(name), str(key), path)
+        unset = value is None or (trl_default_given(name, words) and TRL116[name] in NOTHING)  # names no value
+        for part in () if unset else FLAG_PARTS.get(plain(name), (canonical(name),)):
             if part in named:  # one flag under two names (an alias, a TRL name, dashes, --no-): which would win?
                 raise ConfigError(f"--config {path}: the keys {named[part]!r} and {key!r} both set "
                                   f"--{part.split()[0]}: keep one")
             named[part] = key
         if canonical(name) not in given:
-            out += [f"--{name}", *yaml_values(value, hints.get(name), str(key), path)]
+            out += [f"--{name}", *words]
     return out + rest
 
 

@@ -602,6 +602,9 @@ def test_a_recipe_is_read_as_data_within_limits_or_refused_in_one_line(capsys, t
     ("num_mini_batches: 2\nsteps_per_generation: 2\n", ("num_mini_batches", "steps_per_generation"),
      "num_mini_batches"),
     ("lora_rank: 8\nr: 16\n", ("lora_rank", "r"), "lora_r"),  # two other codebases' names
+    ("vllm_server_host: h\nvllm_server_port: 1\nreward_model_path: null\nreward_model_name_or_path: rm\n"
+     "learning_rate: 1.0e-6\nlearning-rate: 2.0e-5\n", ("learning_rate", "learning-rate"), "learning_rate"),  # the
+    # server's host and port are one flag's two parts, and a key at null (TRL's "not set") names no value
     ("<<: {learning_rate: 1.0e-5}\nlearning-rate: 2.0e-5\n", ("learning_rate", "learning-rate"), "learning_rate"),
 ])
 def test_a_recipe_naming_one_flag_twice_under_any_of_its_names_is_refused(capsys, tmp_path, text, keys, flag):

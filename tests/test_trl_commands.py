@@ -325,7 +325,7 @@ def test_a_recipe_that_cannot_run_is_one_line_naming_the_file(capsys, tmp_path, 
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--config", "no_such.yaml"], "--config no_such.yaml cannot be read (No such file or directory)"),
+    (["--config", "no_such.yaml"], "--config no_such.yaml does not exist: pass a YAML file"),
     (["--config"], "--config needs a file"),
     (["--config", "a.yaml", "--config", "b.yaml"], "--config is given twice"),
 ])
