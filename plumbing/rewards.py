@@ -248,7 +248,8 @@ def exit_bounded(program: str, status: int) -> None:
     own code ignores SIGTERM) or one that a signal ended while it held the lock (Ctrl-C reaches every process of the
     terminal's group) would keep the process from ever exiting. When any of multiprocessing's children is left, a
     watchdog thread gives the exit the exit handlers' time (EXIT_HANDLER_TIMEOUT for each of user code's, and once
-    more), then names and kills what this process still has below it, and after 2 s more exits with `status`."""
+    more), then names and kills what this process still has below it, and after 2 s more (at most as long again)
+    exits with `status`."""
     import time
 
     if not multiprocessing.active_children():
@@ -268,10 +269,10 @@ def exit_bounded(program: str, status: int) -> None:
         if left:
             print(f"{program}: processes of user code's multiprocessing still ran {limit:g} s after the run's end: "
                   f"killed pid {', '.join(map(str, left))}", file=sys.stderr, flush=True)
-        time.sleep(2.0)
-        print(f"{program}: the exit did not finish {limit + 2:g} s after the run's end (a multiprocessing pool's end "
-              f"waits for a lock that a worker ended by a signal held): exiting with status {status} without it",
-              file=sys.stderr, flush=True)
+        time.sleep(min(2.0, limit))
+        print(f"{program}: the exit did not finish {limit + min(2.0, limit):g} s after the run's end (a "
+              "multiprocessing pool's end waits for a lock that a worker ended by a signal held): exiting with status "
+              f"{status} without it", file=sys.stderr, flush=True)
         kill_all_below()
         os._exit(status)
 
