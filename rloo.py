@@ -193,40 +193,40 @@ class AlgorithmState(plumbing.FieldsState):
 
 def algorithm_rules(a: Args) -> list[tuple[str, object, bool, str]]:
     """(flag, value, whether it is allowed, what it must be) for every algorithm number a typo or a NaN makes
-    meaningless without any error later: sampling at temperature inf, a clip range of 0, a negative learning rate, a
-    KL coefficient that float32 makes inf. The run's numbers are in plumbing.number_rules."""
+    meaningless, or the first updates non-finite: sampling at temperature 1e-40 or inf, a clip range of 0, a negative
+    learning rate, a KL coefficient beyond plumbing.SCALE_LIMIT. The run's numbers are in plumbing.number_rules."""
     finite = plumbing.is_finite_number
 
     def each(requirement: str, allowed: Callable[[object], bool], *names: str) -> list:  # one rule, several flags
         return [(name, getattr(a, name), allowed(getattr(a, name)), requirement) for name in names]
 
+    within = functools.partial(plumbing.within, a)  # a flag in [low, high], a scale within plumbing.SCALE_LIMIT
     return [
-        *each("a finite number > 0", lambda x: finite(x) and x > 0, "temperature", "cliprange",
-              "vllm_importance_sampling_cap", "adam_epsilon", "reward_clip_range", "num_train_epochs"),
-        *each("a finite number >= 0", lambda x: finite(x) and x >= 0, "learning_rate", "weight_decay", "kl_coef"),
+        *each("a finite number > 0", lambda x: finite(x) and x > 0, "cliprange", "vllm_importance_sampling_cap",
+              "adam_epsilon", "reward_clip_range", "num_train_epochs"), within("kl_coef", 0),
+        within("vllm_importance_sampling_cap", 0), within("learning_rate", 0, 1, "AdamW's step size per weight"),
+        within("temperature", 0.01, None, "vLLM's floor: logits are divided by it; below, log-probs overflow float32"),
+        within("weight_decay", 0, 1 / max(a.learning_rate, 1e-300), "1 / --learning_rate: AdamW multiplies a weight by "
+               "1 - their product"),
         *each("at least 1, or None", lambda x: x is None or x >= 1, "generation_batch_size", "num_generations_eval",
               "num_completions_to_print"),
         ("epsilon_high", a.epsilon_high, a.epsilon_high is None or (finite(a.epsilon_high) and a.epsilon_high > 0),
          "a finite number > 0, or None (then --cliprange)"),
         ("max_grad_norm", a.max_grad_norm, not math.isnan(a.max_grad_norm), "a number (<= 0: no clipping)"),
-        ("missing_eos_penalty", a.missing_eos_penalty, a.missing_eos_penalty is None or finite(a.missing_eos_penalty),
-         "a finite number or None"),
+        ("missing_eos_penalty", a.missing_eos_penalty, a.missing_eos_penalty is None or abs(a.missing_eos_penalty) <=
+         plumbing.SCALE_LIMIT, f"None or at most {plumbing.SCALE_LIMIT:g} in magnitude (beyond, gradients overflow)"),
         ("total_episodes", a.total_episodes, a.total_episodes is None or a.total_episodes >= 1, ">= 1, or None"),
         ("max_steps", a.max_steps, a.max_steps is None or a.max_steps >= 1, ">= 1, or None (then --total_episodes)"),
         ("warmup_ratio", a.warmup_ratio, finite(a.warmup_ratio) and 0 <= a.warmup_ratio <= 1 and not (
             a.warmup_ratio and a.warmup_steps), "in [0, 1], without --warmup_steps (both set the warmup: pass one)"),
         ("warmup_steps", a.warmup_steps, plumbing.is_interval(a.warmup_steps) or a.warmup_steps == 0,
-         "a whole number of steps >= 0, or a share of them in (0, 1)"),
-        ("response_length", a.response_length, a.response_length >= 1, "at least 1"),
+         "a whole number of steps >= 0, or a share of them in (0, 1)"), within("ref_model_mixup_alpha", 0, 1),
         ("stop_token_id", a.stop_token_id, a.stop_token_id is None or a.stop_token_id >= 0, "a token id >= 0 or None"),
-        ("ref_model_mixup_alpha", a.ref_model_mixup_alpha,
-         finite(a.ref_model_mixup_alpha) and 0 <= a.ref_model_mixup_alpha <= 1, "in [0, 1]"),
-        ("ref_model_sync_steps", a.ref_model_sync_steps, a.ref_model_sync_steps >= 1, "at least 1"),
+        *each("at least 1", lambda x: x >= 1, "response_length", "ref_model_sync_steps"),
         ("top_p", a.top_p, finite(a.top_p) and 0 < a.top_p <= 1, "in (0, 1] (1: no nucleus filter)"),
         ("top_k", a.top_k, a.top_k >= 0, ">= 0 (0: no top-k filter)"),
         ("min_p", a.min_p, a.min_p is None or (finite(a.min_p) and 0 <= a.min_p <= 1), "in [0, 1], or None"),
-        ("repetition_penalty", a.repetition_penalty, finite(a.repetition_penalty) and a.repetition_penalty > 0,
-         "a finite number > 0 (1: none)"),
+        within("repetition_penalty", 0.01, 100, "1: none; it divides logits, as the temperature does"),
     ]
 
 

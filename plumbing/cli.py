@@ -13,7 +13,6 @@ import multiprocessing
 import os
 import re
 import signal
-import stat
 import sys
 import threading
 import time
@@ -28,10 +27,10 @@ import tyro._errors  # parse_args' one-line parse errors
 import yaml  # transformers' dependency
 
 from .distributed import stopped_alone
-from .errors import ConfigError, Fault, describe, first_line, inert, not_a_file, shown, write_own
-from .faults import NonFiniteError, StartupInterrupted, StopSignal, console_survives
+from .errors import ConfigError, Fault, describe, first_line, inert, not_a_file, read_input, shown, write_own
+from .faults import NonFiniteError, StartupInterrupted, StopSignal, console_survives, run_only
 from .flags import PATH_FLAGS, RunArgs
-from .rewards import end_processes_left
+from .rewards import end_processes_left, exit_bounded
 
 __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
     "TRL_NAMES", "TRL116", "GRPO_ONLY", "NOTHING", "TRL_DEFAULTS", "algorithm_defaults", "release_defaults",
@@ -362,7 +361,9 @@ def trl_arguments(argv: list[str], hints: dict, defaults: dict, prog: str) -> li
         value = values[0] if values else "true"
         own = TRL_NAMES.get(name, name)  # the flag's name here
         default_given = trl_default_given(name, values) and name != "dataset_name"  # TRL's None: none given
-        if name in TRL_LAUNCHER:
+        if name == "num_processes" and values and value.strip() == os.environ.get("WORLD_SIZE", "1"):
+            pass  # asks for the processes the run has (TRL's default is 1 without a launcher's config)
+        elif name in TRL_LAUNCHER:
             count = f" {value}" if name == "num_processes" and values else " GPUS"
             raise ConfigError(f"--{name}: {TRL_LAUNCHER[name]}".replace(" GPUS", count, 1))
         elif name == "bf16" and value.lower() in ("none", "null"):
@@ -456,6 +457,13 @@ SAME_FLAG = TRL_NAMES | {"reward_funcs": "reward_fn", "report_to": "track", "res
                          "vllm_server_timeout": "engine_timeout", "use_vllm": "engine"} | LORA_NAMES
 
 
+# what a recipe's key sets, where that is not one flag under one of its names (canonical): TRL's vLLM server given by
+# its host and port, two keys, or as one URL; --report_to both --track and --tensorboard
+FLAG_PARTS = {"vllm_server_host": ("engine_urls host",), "vllm_server_port": ("engine_urls port",),
+              "vllm_server_base_url": ("engine_urls host", "engine_urls port"),
+              "engine_urls": ("engine_urls host", "engine_urls port"), "report_to": ("track", "tensorboard")}
+
+
 CONFIG_LIMITS = {"bytes": 1 << 20, "values": 10_000, "depth": 32, "digits": 100}  # of a --config file: a recipe
 # is a few kB of flags; aliases count each time they are used (an alias bomb), digits of a number (5000-digit ints)
 YAML_NULL = ("~", "null", "Null", "NULL", "")  # YAML 1.2's core schema's null, written plainly (unquoted)
@@ -488,26 +496,8 @@ def read_config(path: str):
     aliases and merge keys expand within CONFIG_LIMITS' values and depth; explicit tags other than YAML's own,
     duplicate keys and numbers of more than CONFIG_LIMITS' digits are refused. Every problem is a ConfigError, one
     line naming the file."""
-    where = f"--config {path}"
-    try:  # non-blocking: a FIFO opens at once (and is refused below) instead of waiting for a writer
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
-    except OSError as e:
-        raise ConfigError(f"{where} cannot be read ({e.strerror or e}): pass a YAML file") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        kind = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
-                stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}.get(stat.S_IFMT(mode), "not a file")
-        raise ConfigError(f"{where} is {kind}, not a regular file: pass a YAML file")
-    os.set_blocking(fd, True)
-    with os.fdopen(fd, "rb") as file:
-        try:
-            data = file.read(CONFIG_LIMITS["bytes"] + 1)
-        except OSError as e:
-            raise ConfigError(f"{where} cannot be read ({e.strerror or e}): pass a YAML file") from None
-    if len(data) > CONFIG_LIMITS["bytes"]:
-        raise ConfigError(f"{where} is over {CONFIG_LIMITS['bytes'] >> 20} MiB, not a recipe of flags: pass a YAML "
-                          "file of flag names and values")
+    where = f"--config {path or repr(path)}"
+    data = read_input(path, where, "pass a YAML file of flag names and values", CONFIG_LIMITS["bytes"])
     boms = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"), (b"\xef\xbb\xbf", "utf-8-sig"),
             (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16"))
     encoding = next((name for bom, name in boms if data.startswith(bom)), "utf-8")
@@ -631,13 +621,15 @@ def config_arguments(argv: list[str], hints: dict, known: set[str]) -> list[str]
                           "as it starts (torch at import, torchrun for every rank): set them in the shell "
                           "(VAR=value python rloo.py ...) and drop the section")
 
-    def canonical(name: str) -> str:
+    def plain(name: str) -> str:  # dashes as underscores, a switch's --no- form as the switch
         name = name.replace("-", "_")
-        name = name[3:] if name.startswith("no_") and name[3:] in known else name
-        return SAME_FLAG.get(name, name)
+        return name[3:] if name.startswith("no_") and name[3:] in known else name
+
+    def canonical(name: str) -> str:
+        return SAME_FLAG.get(plain(name), plain(name))
 
     given = {canonical(arg[2:].partition("=")[0]) for arg in rest if arg.startswith("--")}
-    out = []
+    out, named = [], {}  # named: {what a key sets: the key}
     for key, value in config.items():
         name = str(key).replace("-", "_")
         if name not in known:
@@ -645,8 +637,15 @@ def config_arguments(argv: list[str], hints: dict, known: set[str]) -> list[str]
             raise ConfigError(f"--config {path}: unknown key {key!r}: " + (
                 "a --config file cannot name another" if name == "config" else f"did you mean {close[0]}?" if close
                 else "not a flag of this script, nor of TRL's `trl rloo`"))
+        words = yaml_values(value, hints.get(name), str(key), path)
+        unset = value is None or (trl_default_given(name, words) and TRL116[name] in NOTHING)  # names no value
+        for part in () if unset else FLAG_PARTS.get(plain(name), (canonical(name),)):
+            if part in named:  # one flag under two names (an alias, a TRL name, dashes, --no-): which would win?
+                raise ConfigError(f"--config {path}: the keys {named[part]!r} and {key!r} both set "
+                                  f"--{part.split()[0]}: keep one")
+            named[part] = key
         if canonical(name) not in given:
-            out += [f"--{name}", *yaml_values(value, hints.get(name), str(key), path)]
+            out += [f"--{name}", *words]
     return out + rest
 
 
@@ -890,16 +889,19 @@ def run_script(main: Callable, args, program: str) -> None:
         say_how_it_ended(main, args, program)
     except SystemExit as e:
         exit_if_left_running(e.code if isinstance(e.code, int) else int(e.code is not None), program, running)
+        exit_bounded(program, e.code if isinstance(e.code, int) else int(e.code is not None))
         raise
     except BaseException:  # a traceback: Python's own report of it, and its exit status
         if left_running(running):
             sys.excepthook(*sys.exc_info())
             exit_if_left_running(1, program, running)
+        exit_bounded(program, 1)
         raise
     for sig in StopSignal.SIGNALS:  # finished: the handlers that only record a signal for the update loop give way,
         if isinstance(getattr(signal.getsignal(sig), "__self__", None), StopSignal):  # so that a signal ends the exit
             signal.signal(sig, signal.SIG_DFL)  # (an atexit handler of user code that hangs)
     exit_if_left_running(0, program, running)
+    exit_bounded(program, 0)
 
 
 def left_running(running: set) -> list[str]:
@@ -912,19 +914,32 @@ def left_running(running: set) -> list[str]:
 def exit_if_left_running(status: int, program: str, running: set) -> None:
     """Python's exit waits for every thread left running that is not a daemon (a reward function may start one), and
     for multiprocessing's children that are not either, forever if they never end, deaf to signals: those started
-    since `running` are named in one line and the process exits with `status` at once, its console
-    flushed, atexit handlers not run, its multiprocessing children killed (none outlives the run; SIGKILL: a forked
-    child has the run's own signal handlers). Returns when there is none."""
+    since `running` are named in one line. The children are ended (SIGTERM, then SIGKILL after 2 s); a thread cannot
+    be: then the process exits with `status` at once, its console flushed, atexit handlers not run, its
+    multiprocessing children killed (none outlives the run). Returns when no thread is left."""
     left = left_running(running)
     if not left:
         return
     print(f"{program}: exiting with status {status} without waiting for what was left running: {', '.join(left)}",
-          file=sys.stderr)
+          file=sys.stderr, flush=True)
+    if all(name.startswith("process ") for name in left):  # a daemon pool's workers are left to multiprocessing's end
+        for child in multiprocessing.active_children():
+            if not child.daemon and child not in running:
+                child.terminate()
+                child.join(2.0)
+                child.kill()
+                child.join()
+        return
     for child in multiprocessing.active_children():  # what multiprocessing's atexit handler would end or join
         child.kill()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+@run_only
+def ending(signum, frame) -> None:
+    """A stop signal while the run says how it ended: nothing (the exit follows)."""
 
 
 def say_how_it_ended(main: Callable, args, program: str) -> None:
@@ -937,10 +952,12 @@ def say_how_it_ended(main: Callable, args, program: str) -> None:
             gc.freeze()
         except BaseException:
             # the run has ended and says how: a stop signal now (torchrun's SIGTERM to the other ranks once one has
-            # failed) must not cut that line into a traceback. SIGTERM, SIGUSR1, SIGHUP are ignored, the exit follows;
-            # Ctrl-C exits at once. (Not a blocked mask: torch's threads would take the signal for the main thread)
+            # failed) must not cut that line into a traceback. SIGTERM, SIGUSR1, SIGHUP do nothing, the exit follows;
+            # Ctrl-C exits at once. (Not a blocked mask: torch's threads would take the signal for the main thread;
+            # not SIG_IGN, which the processes user code starts meanwhile would inherit, a pool's workers included)
             for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
-                signal.signal(sig, signal.SIG_IGN)
+                if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's SIGHUP stays as it is
+                    signal.signal(sig, ending)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             raise
     except ConfigError as e:
@@ -970,7 +987,7 @@ def say_how_it_ended(main: Callable, args, program: str) -> None:
         if not stopped_alone():
             print(f"{program}: rank {os.environ['RANK']}: {shown(e)}", file=sys.stderr, flush=True)
         stopped_alone(mark=True)
-        end_processes_left(program)
+        end_processes_left(program, at_once=True)
         os._exit(128 + signal.Signals[e.signal_name])  # not sys.exit: no process group teardown that waits
     except RuntimeError as e:  # under torchrun, a collective cut short by a rank that is gone: one line, not a trace
         frames = traceback.extract_tb(e.__traceback__)
@@ -979,7 +996,7 @@ def say_how_it_ended(main: Callable, args, program: str) -> None:
         if not stopped_alone():  # else that rank has said why already
             print(f"{program}: rank {os.environ['RANK']}: error: a collective failed (a rank stopped, was lost or "
                   f"timed out): {first_line(e)}", file=sys.stderr, flush=True)
-        end_processes_left(program)
+        end_processes_left(program, at_once=True)
         os._exit(4)
     finally:  # however it ended: the processes user code left running end with it (they may hold the console)
         end_processes_left(program)

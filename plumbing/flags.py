@@ -2,6 +2,7 @@
 rloo.py's Args extends with the algorithm's, and the checks made before anything loads (validate_args).
 """
 
+import contextlib
 import dataclasses
 import difflib
 import importlib.util
@@ -16,11 +17,12 @@ from typing import ClassVar, Literal, Optional, Union
 import torch
 import tyro
 
-from .errors import FLOAT32_MAX, ConfigError, inert
+from .errors import FLOAT32_MAX, ConfigError, inert, read_input
 
 __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "InputArgs", "RunArgs", "is_finite_number", "is_interval", "number_rules", "PATH_FLAGS", "missing_local_path",
-    "resolve_paths", "check_launch_environment", "validate_args", "quantization_config", "policy_options",
+    "InputArgs", "RunArgs", "is_finite_number", "is_interval", "SCALE_LIMIT", "within", "number_rules", "PATH_FLAGS",
+    "missing_local_path", "resolve_paths", "check_launch_environment", "validate_args", "quantization_config",
+    "policy_options",
 ]
 
 
@@ -242,6 +244,20 @@ def is_finite_number(x) -> bool:
     return x is not None and abs(x) <= FLOAT32_MAX  # nan too
 
 
+SCALE_LIMIT = 1e6  # a coefficient of the rewards or of the loss (--kl_coef, --reward_weights): beyond it the first
+# updates' advantages, and the gradients' norm that squares them, overflow float32 (within number_rules' checks)
+
+
+def within(args, name: str, low: float, high: Optional[float] = SCALE_LIMIT, why: Optional[str] = None) -> tuple:
+    """A rule of number_rules' form: the flag `name` in [low, high] (None and NaN are not; high None: any finite
+    number >= low), and why where said; a scale (high SCALE_LIMIT) says why."""
+    value = getattr(args, name)
+    why = why or ("beyond, the first updates' gradients overflow float32" if high == SCALE_LIMIT else None)
+    allowed = is_finite_number(value) and low <= value <= (FLOAT32_MAX if high is None else high)
+    return name, value, allowed, (f"a finite number >= {low:g}" if high is None else f"in [{low:g}, {high:g}]") + (
+        f" ({why})" if why else "")
+
+
 def is_interval(x) -> bool:
     """An interval flag's value (--logging_steps, --save_steps, --eval_steps): a whole number >= 1, or a share of the
     run in (0, 1), as transformers takes them."""
@@ -254,7 +270,8 @@ def number_rules(args) -> list[tuple[str, object, bool, str]]:
     finite = is_finite_number
     a = args
     return [
-        ("reward_weights", a.reward_weights, all(finite(w) for w in a.reward_weights or ()), "finite numbers"),
+        ("reward_weights", a.reward_weights, all(abs(w) <= SCALE_LIMIT for w in a.reward_weights or ()),
+         f"numbers of at most {SCALE_LIMIT:g} in magnitude (beyond, the first updates' gradients overflow float32)"),
         ("seed", a.seed, 0 <= a.seed < 2**31, "between 0 and 2**31 - 1 (numpy's seeds are unsigned)"),
         ("max_prompt_length", a.max_prompt_length, a.max_prompt_length >= 1, "at least 1"),
         ("local_rollout_forward_batch_size", a.local_rollout_forward_batch_size,
@@ -355,11 +372,12 @@ def check_launch_environment() -> None:
 TASK_COUNTS = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")  # srun's, mpirun's
 
 
-def accelerate_processes() -> Optional[tuple[str, str]]:
+def accelerate_processes(seen: int) -> Optional[tuple[str, str]]:
     """Where `accelerate launch` says how many processes it was asked for, and how many (text), when it started this
     process without torchrun (its simple launcher: a MULTI_CPU config, one `python` whatever num_processes says; it sets
-    MASTER_ADDR only for several): ACCELERATE_NUM_PROCESSES, else its command line's --num_processes or
-    --config_file's num_processes, else the default config file's; None when not launched so or asked for one."""
+    MASTER_ADDR only for several) and asked for another number than `seen`: ACCELERATE_NUM_PROCESSES, else its command
+    line's --num_processes or --config_file's num_processes, else the default config file's (read as an input:
+    read_input, at most 64 KiB, its aliases never expanded); None when not launched so or asked for `seen`."""
     if "ACCELERATE_MIXED_PRECISION" not in os.environ or "WORLD_SIZE" in os.environ \
             or "MASTER_ADDR" not in os.environ or any(name in os.environ for name in TASK_COUNTS):
         return None
@@ -371,17 +389,34 @@ def accelerate_processes() -> Optional[tuple[str, str]]:
                for i, word in enumerate(words) if word in ("--num_processes", "--config_file")
                or word.startswith(("--num_processes=", "--config_file="))}
     if "--num_processes" in options:
-        return "accelerate launch --num_processes", inert(options["--num_processes"], 20)
-    home = os.environ.get("HF_HOME", os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface"))
-    path = Path(options.get("--config_file") or os.path.join(home, "accelerate", "default_config.yaml")).expanduser()
-    try:
-        import yaml  # transformers' dependency
+        where, asked = "accelerate launch --num_processes", options["--num_processes"]
+    else:
+        home = os.environ.get("HF_HOME", os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface"))
+        path = Path(options.get("--config_file") or os.path.join(home, "accelerate", "default_config.yaml"))
+        where, asked = f"accelerate launch's config {path.expanduser()} (num_processes)", None
+        if os.path.lexists(path.expanduser()):
+            text = read_input(path.expanduser(), f"accelerate launch's config {path.expanduser()}", "write it again "
+                              "(accelerate config), or launch with torchrun", 64 << 10).decode(errors="replace")
+            asked = yaml_top_level(text, "num_processes")
+        where, asked = (where, asked) if asked is not None else ("accelerate launch (it set MASTER_ADDR)", "several")
+    with contextlib.suppress(ValueError):
+        if int(asked) == seen:
+            return None
+    return where, inert(asked, 20)
 
-        asked = yaml.safe_load(path.read_text()).get("num_processes")
-    except (OSError, ValueError, AttributeError, yaml.YAMLError):
-        asked = None
-    return (f"accelerate launch's config {path} (num_processes)", inert(str(asked), 20)) if asked is not None \
-        else ("accelerate launch (it set MASTER_ADDR)", "several")
+
+def yaml_top_level(text: str, key: str) -> Optional[str]:
+    """The text of a plain scalar `key:` of a YAML mapping, read as nodes (an alias is never expanded); None when the
+    text is no such mapping."""
+    import yaml  # transformers' dependency
+
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except (yaml.YAMLError, RecursionError, ValueError):
+        return None
+    pairs = node.value if isinstance(node, yaml.MappingNode) else []
+    return next((value.value for name, value in pairs if isinstance(name, yaml.ScalarNode) and name.value == key
+                 and isinstance(value, yaml.ScalarNode)), None)
 
 
 def check_processes_asked() -> None:
@@ -399,7 +434,7 @@ def check_processes_asked() -> None:
     if asked is not None and asked.strip() != str(seen):
         raise ConfigError(f"ACCELERATE_NUM_PROCESSES={inert(asked, 20)} asks for that many processes, but this run "
                           f"has {seen_as}: {fix}")
-    accelerate = accelerate_processes()
+    accelerate = accelerate_processes(seen)
     if accelerate is not None:
         raise ConfigError(f"{accelerate[0]} asks for {accelerate[1]} processes, but this run has {seen_as}: {fix}")
     agents = os.environ.get("GROUP_WORLD_SIZE") if "TORCHELASTIC_RUN_ID" in os.environ else None

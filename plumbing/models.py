@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .errors import WRITE_ERRORS, ConfigError, Fault, first_line, inert, reading
+from .errors import WRITE_ERRORS, ConfigError, Fault, check_input_directory, first_line, inert, reading
 from .flags import missing_local_path, policy_options
 from .folders import Folder
 from .outputdir import MERGED, move_aside
@@ -46,6 +46,8 @@ def load_pretrained(loader: Callable, path: str, what: str, **kwargs):
     problem = missing_local_path(path)
     if problem:
         raise ConfigError(f"could not load {what} from {path!r}: {problem}")
+    if Path(path).is_dir():
+        check_input_directory(path, f"{what} {path!r}", "put the file written by save_pretrained back")
     with transformers_quiet(), reading(f"could not load {what} from {path!r}",
                                        "without network, pass a local directory written by save_pretrained"):
         return loader(path, **kwargs)

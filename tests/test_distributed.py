@@ -3,6 +3,7 @@ and with FSDP2 (with LoRA adapters too); FSDP2's rollout mode uses its public AP
 
 import gc
 import subprocess
+import threading
 
 import pytest
 import torch
@@ -88,3 +89,45 @@ def test_unshard_generation_without_fsdps_public_method_is_one_line(monkeypatch)
                                                    "per_block"):
         with plumbing.gathered_for_rollout(policy, "unshard"):
             pytest.fail("the rollout ran")
+
+
+
+def test_a_rendezvous_that_does_not_answer_is_said_at_once_then_waited_for_until_ddp_timeout(monkeypatch, capsys):
+    """RANK 1 of 2 whose MASTER_ADDR:MASTER_PORT nothing listens on: one line naming the address as soon as the wait
+    has taken RENDEZVOUS_NOTICE (torch says nothing until --ddp_timeout), the wait goes on, and torch's failure at
+    --ddp_timeout is one line (a Fault: exit status 4). init_process_group here waits until the address was tried,
+    then fails as torch's does at its timeout."""
+    port = free_port()
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    tried, probe = threading.Event(), plumbing.distributed.rendezvous_problem
+
+    def init_process_group(**kwargs) -> None:
+        tried.wait()
+        raise dist.DistNetworkError(f"The client socket has timed out after 2000ms while trying to connect to "
+                                    f"(127.0.0.1, {port}).")
+
+    monkeypatch.setattr(plumbing.distributed, "rendezvous_problem", lambda *a: (probe(*a), tried.set())[0])
+    monkeypatch.setattr(plumbing.distributed, "RENDEZVOUS_NOTICE", 0.0)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    with pytest.raises(plumbing.Fault, match=rf"^rank 1: the rendezvous at 127.0.0.1:{port} \(MASTER_ADDR:MASTER_PORT\) "
+                                             r"failed after \d+ s \(--ddp_timeout 2 s\): The client socket has timed "
+                                             rf"out after 2000ms while trying to connect to \(127.0.0.1, {port}\); "
+                                             "check the address, and that every rank starts$"):
+        plumbing.setup_distributed(2.0)
+    said = capsys.readouterr().err.splitlines()
+    assert [line.partition(": ")[2] for line in said] == [
+        f"rank 1: the rendezvous at 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT) does not answer (connection refused: "
+        "nothing listens there); waiting on, up to --ddp_timeout 2 s: check the address, and that rank 0 has started"]
+
+
+def test_an_empty_master_addr_is_one_line_not_torchs_traceback(monkeypatch):
+    """MASTER_ADDR set but empty (an unset variable expanded by a job script): torch's env:// rendezvous raises
+    ValueError at once; one line naming it."""
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "",
+                        "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(plumbing.ConfigError, match="^rank 1: torch.distributed refused the launch's environment: .*"
+                                                   "MASTER_ADDR expected, but not set; launch with torchrun"):
+        plumbing.setup_distributed(600.0)

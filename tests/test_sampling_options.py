@@ -198,7 +198,7 @@ def test_vllm_sampling_parameters_carry_the_filters():
 @pytest.mark.parametrize("values,message", [
     ({"top_p": 0.0}, "top_p = 0.0 must be in (0, 1]"), ({"top_p": 1.5}, "top_p = 1.5 must be in (0, 1]"),
     ({"top_k": -1}, "top_k = -1 must be >= 0"), ({"min_p": 2.0}, "min_p = 2.0 must be in [0, 1]"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty = 0.0 must be a finite number > 0"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty = 0.0 must be in [0.01, 100]"),
     ({"repetition_penalty": math.nan}, "repetition_penalty = nan must be"),
     ({"num_generations_eval": 0}, "num_generations_eval = 0 must be at least 1"),
     ({"num_completions_to_print": 0}, "num_completions_to_print = 0 must be at least 1"),

@@ -220,6 +220,17 @@ def test_the_trl_launchers_options_name_torchrun(capsys, argv, message):
     assert message in error and f"--{argv[0][2:]}" in error, error
 
 
+def test_the_trl_launchers_process_count_of_the_processes_the_run_has_asks_for_nothing(capsys, tmp_path, monkeypatch):
+    """`--num_processes 1` (a `trl rloo` recipe's, or the command line's) asks for the one process `python rloo.py`
+    is; under torchrun, WORLD_SIZE's number. Another number names torchrun."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text("num_processes: 1\n")
+    assert parse("--num_processes", 1).rloo_k == parse("--config", path).rloo_k == parse().rloo_k
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    parse("--num_processes", 2)
+    assert "torchrun --nproc_per_node 1 rloo.py" in refusal(capsys, "--config", path)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--loss_type", "dapo"], "--loss_type is TRL's GRPOTrainer's (GRPOConfig), not RLOO's: RLOO's loss is"),
     (["--scale_rewards", "group"], "--scale_rewards is TRL's GRPOTrainer's (GRPOConfig), not RLOO's: "),
@@ -327,7 +338,7 @@ def test_a_recipe_that_cannot_run_is_one_line_naming_the_file(capsys, tmp_path, 
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--config", "no_such.yaml"], "--config no_such.yaml cannot be read (No such file or directory)"),
+    (["--config", "no_such.yaml"], "--config no_such.yaml does not exist: pass a YAML file"),
     (["--config"], "--config needs a file"),
     (["--config", "a.yaml", "--config", "b.yaml"], "--config is given twice"),
 ])

@@ -468,7 +468,7 @@ def test_with_max_steps_a_run_saves_and_logs_at_trls_optimizer_steps(assets, tmp
     ({"logging_steps": 2.5}, "logging_steps = 2.5 must be a whole number >= 1, or a share of the run"),
     ({"save_steps": 1.0001}, "save_steps = 1.0001 must be"),
     ({"eval_steps": 0, "eval_strategy": "steps", "dataset_test_split": "t"}, "eval_steps = 0 must be"),
-    ({"weight_decay": -0.1}, "weight_decay = -0.1 must be a finite number >= 0"),
+    ({"weight_decay": -0.1}, "weight_decay = -0.1 must be in [0, "),
 ])
 def test_clashing_algorithm_flags_are_refused(flags, message):
     with pytest.raises(plumbing.ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
