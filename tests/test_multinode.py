@@ -642,8 +642,10 @@ def test_a_run_with_hf_engines_and_every_option_equals_rloo_py_s(assets, tmp_pat
                              engine_comparable(read_metrics(tmp_path / "local")), strict=True):
         mismatch = [k for k in local if k.startswith("mismatch/")]
         assert mismatch and engine["mismatch/logprob_diff_max"] < 1e-5  # the engine's filtered log-probs, fp32
+        # a few float32 steps apart at most: the engine process sums its log-probs (1-4 nats, whose float32 step is
+        # 1.2e-7 to 4.8e-7) with its own threads' order; training reads the trainer's, which the rest shows equal
         assert [engine.pop(k) for k in mismatch] == pytest.approx([local.pop(k) for k in mismatch], rel=1e-6,
-                                                                  abs=1e-7)
+                                                                  abs=1e-6)
         assert engine == local
     trained = [AutoModelForCausalLM.from_pretrained(tmp_path / d).state_dict() for d in ("local", "engines")]
     assert all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0])
