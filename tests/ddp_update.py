@@ -1,6 +1,7 @@
 """Two PPO epochs of one minibatch on a fixed global batch of 8 completions (k = 2 of 4 prompts), in one process or
-split by prompt over the ranks of a torchrun, with DDP or (argv[2] == "fsdp", "fsdp_offload") FSDP2; rank 0 saves the updated parameters to argv[1].
-Used by test_distributed.py."""
+split by prompt over the ranks of a torchrun, with DDP or (argv[2] == "fsdp", "fsdp_offload") FSDP2, for each
+family of argv[3] (comma-separated: gpt_neox, the tests' tiny policy, or one of helpers.ARCHITECTURES; default
+gpt_neox); rank 0 saves {family: updated parameters} to argv[1]. Used by test_distributed.py."""
 
 import sys
 
@@ -9,23 +10,32 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import policy_tokenizer, tiny_policy
+from helpers import ARCHITECTURES, tiny_architecture
 import plumbing
 import rloo
 
 GLOBAL_PROMPTS, K = 4, 2  # 8 completions
 
 
-def main(out_path: str, wrapper: str) -> None:
+def main(out_path: str, wrapper: str, families: list[str]) -> None:
     dist_info = plumbing.setup_distributed()
+    states = {family: update(family, wrapper, dist_info) for family in families}
+    if dist_info.master:
+        torch.save(states, out_path)
+    plumbing.barrier()  # no rank tears the group down while another still uses it
+
+
+def update(family: str, wrapper: str, dist_info: plumbing.Dist) -> dict:
     tokenizer = policy_tokenizer()
-    policy = tiny_policy(len(tokenizer), seed=0)
+    policy = tiny_policy(len(tokenizer), seed=0) if family == "gpt_neox" else tiny_architecture(family)
+    share_prompt = family == "gpt_neox" or ARCHITECTURES[family][1] is None  # state-space layers cannot share
     torch.manual_seed(123)  # the same global batch on every rank
     prompts = [tokenizer(p)["input_ids"] for p in ["a b :", "c d e :", "f :", "g h :"]]
     queries, query_mask = plumbing.pad_sequences(prompts, tokenizer.pad_token_id, torch.device("cpu"))  # (4, Tq)
     c = rloo.sample_completions(policy, queries, query_mask, 5, 1.0, tokenizer.eos_token_id, tokenizer.pad_token_id,
                                 k=K)  # (k*B, Tr) responses
     with torch.no_grad():
-        logprobs, _ = rloo.forward_logprobs(policy, c, 1.0, share_prompt=True)
+        logprobs, _ = rloo.forward_logprobs(policy, c, 1.0, share_prompt)
     scores = torch.randn(K * GLOBAL_PROMPTS)
     rollout = rloo.Rollout(c.queries, c.query_mask, c.responses, c.response_mask, logprobs * c.response_mask, None)
 
@@ -41,19 +51,16 @@ def main(out_path: str, wrapper: str) -> None:
     else:
         model = DDP(policy) if dist.is_initialized() else policy
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)  # plain SGD: the update is a multiple of the gradient
-    rloo.ppo_update(model, optimizer, rollout, scores[rows], args, sizes, True,
+    rloo.ppo_update(model, optimizer, rollout, scores[rows], args, sizes, share_prompt,
                     lambda: torch.autocast("cpu", enabled=False))  # whole prompt groups: the same advantages
     if wrapper.startswith("fsdp"):  # every rank sends its shards
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    else:
-        state = policy.state_dict()
-    if dist_info.master:
-        torch.save(state, out_path)
-    plumbing.barrier()  # no rank tears the group down while another still uses it
+        return get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return policy.state_dict()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "ddp")
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "ddp",
+         (sys.argv[3] if len(sys.argv) > 3 else "gpt_neox").split(","))
     plumbing.end_distributed()  # main's DDP wrapper gone first

@@ -1,5 +1,5 @@
 """A 2-process gloo run updates the parameters exactly as one process does on the same global batch, with DDP
-and with FSDP2; FSDP2's rollout mode uses its public API only."""
+and with FSDP2 (FSDP2 on every architecture of the tests' table); FSDP2's rollout mode uses its public API only."""
 
 import gc
 import subprocess
@@ -13,27 +13,45 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import plumbing
 import rloo
 from conftest import REPO, cpu_env, tiny_policy, policy_tokenizer
-from helpers import argv_of, free_port, python, valid_flags
+from helpers import ARCHITECTURES, argv_of, free_port, python, tiny_architecture, valid_flags
+
+TWO_RANKS = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
-def run(script_args: list[str], out, wrapper: str = "ddp") -> None:
+def run(script_args: list[str], out, wrapper: str = "ddp", families: str = "gpt_neox") -> None:
     env = cpu_env({"PYTHONPATH": f"{REPO / 'tests'}:{REPO}"})
-    result = subprocess.run([python(), *script_args, str(REPO / "tests" / "ddp_update.py"), str(out), wrapper],
-                            capture_output=True, text=True, env=env, timeout=180)
+    result = subprocess.run([python(), *script_args, str(REPO / "tests" / "ddp_update.py"), str(out), wrapper,
+                             families], capture_output=True, text=True, env=env, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp", "fsdp_offload"])
-def test_two_rank_update_equals_one_rank_update(tmp_path, wrapper):
-    run([], tmp_path / "one.pt")
-    run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"], tmp_path / "two.pt", wrapper)
-    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
-    initial = tiny_policy(len(policy_tokenizer()), seed=0).state_dict()
+def assert_same_update(one: dict, two: dict, initial: dict) -> None:
     moved = 0
     for name, value in one.items():
         torch.testing.assert_close(two[name], value, atol=1e-6, rtol=1e-5, msg=name)
         moved += not torch.equal(value, initial[name])
     assert moved > len(one) // 2  # the update did change the parameters
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp", "fsdp_offload"])
+def test_two_rank_update_equals_one_rank_update(tmp_path, wrapper):
+    run([], tmp_path / "one.pt")
+    run(TWO_RANKS, tmp_path / "two.pt", wrapper)
+    one, two = torch.load(tmp_path / "one.pt")["gpt_neox"], torch.load(tmp_path / "two.pt")["gpt_neox"]
+    assert_same_update(one, two, tiny_policy(len(policy_tokenizer()), seed=0).state_dict())
+
+
+def test_two_rank_fsdp_update_equals_one_rank_update_on_every_architecture(tmp_path):
+    """Llama, GPT-2 (tied embeddings), Mistral and Gemma 2 (sliding windows), GPT-OSS and Qwen3-MoE (experts),
+    Falcon-H1 (state-space, unshared): FSDP2 shards each by its own transformer blocks and updates it as one process
+    does, in one torchrun for all."""
+    families = ",".join(ARCHITECTURES)
+    run([], tmp_path / "one.pt", "ddp", families)
+    run(TWO_RANKS, tmp_path / "two.pt", "fsdp", families)
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert list(one) == list(two) == list(ARCHITECTURES)
+    for family in ARCHITECTURES:
+        assert_same_update(one[family], two[family], tiny_architecture(family).state_dict())
 
 
 def test_a_run_frees_its_ddp_wrapper_before_the_process_group(assets, tmp_path, monkeypatch):
