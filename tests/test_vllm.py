@@ -170,7 +170,7 @@ def test_a_vllm_engine_samples_from_the_filtered_distribution_the_trainer_scores
     log-probs it returns of the tokens it drew are the trainer's of the filtered distribution (fp32 both sides); the
     trainer sharded with FSDP2 (torchrun, one rank), its weights gathered bucket by bucket for the sync."""
     result = run_rloo("--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *ENGINE_RUN,
-                      "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes", 2 * PER_UPDATE, "--output_dir",
+                      "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes", PER_UPDATE, "--output_dir",
                       tmp_path, "--engine", "vllm", "--engine_port", free_port(), "--top_k", 5, "--top_p", 0.9,
                       "--repetition_penalty", 1.3, *ENGINE_FLAGS, "--fsdp", nproc=1, timeout=900,
                       script="rloo_multinode.py")  # a hang guard
