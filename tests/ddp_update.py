@@ -28,7 +28,7 @@ def main(out_path: str, wrapper: str, families: list[str]) -> None:
 def update(family: str, wrapper: str, dist_info: plumbing.Dist) -> dict:
     tokenizer = policy_tokenizer()
     policy = tiny_policy(len(tokenizer), seed=0) if family == "gpt_neox" else tiny_architecture(family)
-    share_prompt = family == "gpt_neox" or ARCHITECTURES[family][1] is None  # state-space layers cannot share
+    share_prompt = family == "gpt_neox" or ARCHITECTURES[family][2] is None  # state-space layers cannot share
     torch.manual_seed(123)  # the same global batch on every rank
     prompts = [tokenizer(p)["input_ids"] for p in ["a b :", "c d e :", "f :", "g h :"]]
     queries, query_mask = plumbing.pad_sequences(prompts, tokenizer.pad_token_id, torch.device("cpu"))  # (4, Tq)

@@ -67,27 +67,34 @@ def tiny_reward_model(vocab_size: int, seed: int = 0, **config) -> GPTNeoXForSeq
 TINY = {"vocab_size": len(policy_tokenizer()), "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64, "pad_token_id": 0,
         "eos_token_id": 1, "bos_token_id": 1}
-ARCHITECTURES = {  # family: (config, None if it shares prompts, else what its fallback line says)
-    "llama": (transformers.LlamaConfig(**TINY), None),  # full attention
-    "gpt2": (transformers.GPT2Config(**TINY), None),  # learned positions, tied embeddings
-    "mistral": (transformers.MistralConfig(**TINY, sliding_window=4), None),  # every layer sliding
-    "gemma2": (transformers.Gemma2Config(**TINY, head_dim=8, sliding_window=4), None),  # sliding / full, soft-capping
-    "gpt_oss": (transformers.GptOssConfig(**TINY, head_dim=8, sliding_window=4, num_local_experts=4,
-                                          num_experts_per_tok=2), None),  # sliding / full, sinks, experts, eager
-    "qwen3_moe": (transformers.Qwen3MoeConfig(**TINY, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                                              moe_intermediate_size=16), None),  # mixture of experts
-    "falcon_h1": (transformers.FalconH1Config(**TINY, head_dim=8, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,
-                                              mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=8),
+ARCHITECTURES = {  # family: (config class, its settings, None if it shares prompts, else what its fallback line says)
+    "llama": (transformers.LlamaConfig, {}, None),  # full attention
+    "gpt2": (transformers.GPT2Config, {}, None),  # learned positions, tied embeddings
+    "mistral": (transformers.MistralConfig, {"sliding_window": 4}, None),  # every layer sliding
+    "gemma2": (transformers.Gemma2Config, {"head_dim": 8, "sliding_window": 4}, None),  # sliding / full, soft-capping
+    "gpt_oss": (transformers.GptOssConfig, {"head_dim": 8, "sliding_window": 4, "num_local_experts": 4,
+                                            "num_experts_per_tok": 2}, None),  # sliding / full, sinks, experts, eager
+    "qwen3_moe": (transformers.Qwen3MoeConfig, {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                                                "moe_intermediate_size": 16}, None),  # mixture of experts
+    "falcon_h1": (transformers.FalconH1Config, {"head_dim": 8, "mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8,
+                                                "mamba_n_groups": 1, "mamba_d_state": 8, "mamba_chunk_size": 8},
                   "its hybrid layers read the whole row in order"),  # attention + state-space in each layer
 }
 
 
+def architecture_config(family: str, **changes):
+    """The family's tiny config (made when asked for: transformers warns about some of them as it makes them, which
+    a script importing this file would print)."""
+    config_class, settings, _ = ARCHITECTURES[family]
+    return config_class(**TINY, **settings, **changes)
+
+
 def tiny_architecture(family: str, head: str = "ForCausalLM", seed: int = 0, likely_eos: bool = True):
-    config, _ = ARCHITECTURES[family]
     torch.manual_seed(seed)
+    config = architecture_config(family, num_labels=1)
     name = type(config).__name__.removesuffix("Config") + ("LMHeadModel" if family == "gpt2" and head == "ForCausalLM"
                                                            else head)
-    model = getattr(transformers, name)(type(config)(**config.to_dict(), num_labels=1)).eval()
+    model = getattr(transformers, name)(config).eval()
     with torch.no_grad():
         for layer in model.model.layers if family == "falcon_h1" else ():
             layer.mamba.out_proj.weight *= 300  # at init the state-space half barely moves the logits: a lost state

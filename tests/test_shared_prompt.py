@@ -11,7 +11,8 @@ import transformers
 import plumbing
 import rloo
 from conftest import policy_loss_of, policy_tokenizer, read_metrics, run_rloo, tiny_reward_model
-from helpers import ARCHITECTURES, TINY, UNEVEN_PROMPTS, eos_prone_policy, sampled, tiny_architecture, trained
+from helpers import (ARCHITECTURES, TINY, UNEVEN_PROMPTS, architecture_config, eos_prone_policy, sampled,
+                     tiny_architecture, trained)
 
 
 def probe_of(prompt: str) -> rloo.Completions:
@@ -189,7 +190,7 @@ def greedy_without_cache(model, queries: torch.Tensor, query_mask: torch.Tensor,
 @pytest.mark.parametrize("family", ARCHITECTURES)
 def test_every_architecture_shares_exactly_or_says_it_does_not(family):
     tokenizer, k = policy_tokenizer(), 3
-    policy, fallback = tiny_architecture(family), ARCHITECTURES[family][1]
+    policy, fallback = tiny_architecture(family), ARCHITECTURES[family][2]
     queries, query_mask = plumbing.pad_sequences([tokenizer(p)["input_ids"] for p in UNEVEN_PROMPTS], 0,
                                                  torch.device("cpu"))
     # sampling: one prefill per prompt draws what k prefills draw, and greedy decoding what no cache at all gives
@@ -288,7 +289,7 @@ def test_a_state_space_policy_trains_unshared_with_one_line_and_share_prompt_is_
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
 def test_the_probe_is_as_long_as_the_check_needs_and_still_catches_a_broken_mask(family, monkeypatch):
-    config, _ = ARCHITECTURES[family]
+    config = architecture_config(family)
     window = getattr(config, "sliding_window", None)
     policy = tiny_architecture(family)
     # TL;DR's lengths: no window, a short probe; a window, rows one token past it with training's responses
