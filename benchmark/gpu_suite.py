@@ -440,8 +440,8 @@ def vllm_problem(name: str, args: Args) -> str | None:
 
 
 def vllm_modes(args: Args) -> generation_modes.Args:
-    """The vLLM steps' configuration: the throughput steps' at k=2, on a Llama of the same shape (vLLM colocates
-    it)."""
+    """The vLLM steps' configuration: the throughput steps' at k=2, on a Llama of the same shape (TRL 1.16's colocated
+    engine, measured beside rloo_multinode.py's, cannot run GPT-NeoX)."""
     config = run_config(args, 2)
     hidden, layers, heads = throughput.PYTHIA_SHAPES[config.shapes[0]]
     shared = {f: getattr(config, f) for f in throughput.RunConfig.__dataclass_fields__}

@@ -1,10 +1,11 @@
 """Two PPO epochs of one minibatch on a fixed global batch of 8 completions (k = 2 of 4 prompts), in one process or
-split by prompt over the ranks of a torchrun, with DDP or (argv[2] "fsdp", "fsdp_offload") FSDP2; "lora": LoRA
-adapters on a tied Llama-like model, in one process, "fsdp_lora" sharded with them. Rank 0 saves to argv[1] the
-parameters before and after, and after each micro-step whether the sharded trained parameters held a gradient yet
-(FSDP: whether that micro-step reduce-scattered), and the updated policy's log-probs of the whole batch (with LoRA,
-its reference's too: the same module with its adapters off), FSDP's blocks gathered as for a rollout; with LoRA, the
-adapter as a run saves it to argv[1].adapter. Used by test_distributed.py."""
+split by prompt over the ranks of a torchrun, with DDP or (argv[2] "fsdp", "fsdp_offload") FSDP2, for each family of
+argv[3] (comma-separated: gpt_neox, the tests' tiny policy, or one of helpers.ARCHITECTURES; default gpt_neox); "lora":
+LoRA adapters on a tied Llama-like model, in one process, "fsdp_lora" sharded with them. Rank 0 saves to argv[1], for
+each family, the parameters before and after, and after each micro-step whether the sharded trained parameters held a
+gradient yet (FSDP: whether that micro-step reduce-scattered), and the updated policy's log-probs of the whole batch
+(with LoRA, its reference's too: the same module with its adapters off), FSDP's blocks gathered as for a rollout; with
+LoRA, the adapter as a run saves it to argv[1].adapter. Used by test_distributed.py."""
 
 import contextlib
 import sys
@@ -15,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import policy_tokenizer, tiny_policy
+from helpers import ARCHITECTURES, tiny_architecture
 import plumbing
 import rloo
 
@@ -37,10 +39,21 @@ def lora_policy(vocab_size: int) -> LlamaForCausalLM:
     return policy
 
 
-def main(out_path: str, wrapper: str) -> None:
+def main(out_path: str, wrapper: str, families: list[str]) -> None:
     dist_info = plumbing.setup_distributed()
+    results = {family: update(family, wrapper, dist_info, out_path) for family in families}
+    if dist_info.master:
+        torch.save(results, out_path)
+    plumbing.barrier()  # no rank tears the group down while another still uses it
+
+
+def update(family: str, wrapper: str, dist_info: plumbing.Dist, out_path: str) -> dict:
     tokenizer = policy_tokenizer()
-    policy = lora_policy(len(tokenizer)) if "lora" in wrapper else tiny_policy(len(tokenizer), seed=0)
+    if "lora" in wrapper:
+        policy = lora_policy(len(tokenizer))
+    else:
+        policy = tiny_policy(len(tokenizer), seed=0) if family == "gpt_neox" else tiny_architecture(family)
+    share_prompt = family == "gpt_neox" or ARCHITECTURES[family][2] is None  # state-space layers cannot share
     initial = {name: p.detach().clone() for name, p in policy.state_dict().items()}
     torch.manual_seed(123)  # the same global batch on every rank
     prompts = [tokenizer(p)["input_ids"] for p in ["a b :", "c d e :", "f :", "g h :"]]
@@ -48,7 +61,7 @@ def main(out_path: str, wrapper: str) -> None:
     c = rloo.sample_completions(policy, queries, query_mask, 5, 1.0, tokenizer.eos_token_id, tokenizer.pad_token_id,
                                 k=K)  # (k*B, Tr) responses
     with torch.no_grad():
-        logprobs, _ = rloo.forward_logprobs(policy, c, 1.0, share_prompt=True)
+        logprobs, _ = rloo.forward_logprobs(policy, c, 1.0, share_prompt)
     scores = torch.randn(K * GLOBAL_PROMPTS)
     rollout = rloo.Rollout(c.queries, c.query_mask, c.responses, c.response_mask, logprobs * c.response_mask, None)
 
@@ -74,25 +87,27 @@ def main(out_path: str, wrapper: str) -> None:
         synced.append((enabled, all(p.grad is not None for p in trainable)))
 
     plumbing.gradient_sync = observed  # rloo.ppo_update looks it up there at each micro-step
-    rloo.ppo_update(model, optimizer, rollout, scores[rows], args, sizes, True,
-                    lambda: torch.autocast("cpu", enabled=False))  # whole prompt groups: the same advantages
+    try:
+        rloo.ppo_update(model, optimizer, rollout, scores[rows], args, sizes, share_prompt,
+                        lambda: torch.autocast("cpu", enabled=False))  # whole prompt groups: the same advantages
+    finally:
+        plumbing.gradient_sync = gradient_sync
     with torch.no_grad(), plumbing.gathered_for_rollout(policy, "unshard"):  # every rank: FSDP's forward gathers
-        logprobs = {"policy": rloo.forward_logprobs(policy, c, 1.0, share_prompt=True)[0]}  # (k*B, Tr)
+        logprobs = {"policy": rloo.forward_logprobs(policy, c, 1.0, share_prompt)[0]}  # (k*B, Tr)
         if "lora" in wrapper:
-            logprobs["reference"] = rloo.forward_logprobs(plumbing.AdaptersOff(policy), c, 1.0, share_prompt=True)[0]
+            logprobs["reference"] = rloo.forward_logprobs(plumbing.AdaptersOff(policy), c, 1.0, share_prompt)[0]
     if wrapper.startswith("fsdp"):  # every rank sends its shards
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
         state = policy.state_dict()
-    if dist_info.master:
-        torch.save({"initial": initial, "final": state, "synced": synced, "logprobs": logprobs}, out_path)
     if "lora" in wrapper:  # with FSDP a collective
         plumbing.save_policy(policy, tokenizer, f"{out_path}.adapter", dist_info.rank)
-    plumbing.barrier()  # no rank tears the group down while another still uses it
+    return {"initial": initial, "final": state, "synced": synced, "logprobs": logprobs}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "ddp")
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "ddp",
+         (sys.argv[3] if len(sys.argv) > 3 else "gpt_neox").split(","))
     plumbing.end_distributed()  # main's DDP wrapper gone first

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import transformers
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification,
@@ -60,6 +61,47 @@ def tiny_policy(vocab_size: int, seed: int = 0) -> GPTNeoXForCausalLM:
 def tiny_reward_model(vocab_size: int, seed: int = 0, **config) -> GPTNeoXForSequenceClassification:
     torch.manual_seed(seed)
     return GPTNeoXForSequenceClassification(neox_config(vocab_size, num_labels=1, **config)).eval()
+
+
+# tiny models of today's architectures (2 layers, hidden 32); a window of 4 is shorter than every prompt + response
+TINY = {"vocab_size": len(policy_tokenizer()), "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64, "pad_token_id": 0,
+        "eos_token_id": 1, "bos_token_id": 1}
+ARCHITECTURES = {  # family: (config class, its settings, None if it shares prompts, else what its fallback line says)
+    "llama": (transformers.LlamaConfig, {}, None),  # full attention
+    "gpt2": (transformers.GPT2Config, {}, None),  # learned positions, tied embeddings
+    "mistral": (transformers.MistralConfig, {"sliding_window": 4}, None),  # every layer sliding
+    "gemma2": (transformers.Gemma2Config, {"head_dim": 8, "sliding_window": 4}, None),  # sliding / full, soft-capping
+    "gpt_oss": (transformers.GptOssConfig, {"head_dim": 8, "sliding_window": 4, "num_local_experts": 4,
+                                            "num_experts_per_tok": 2}, None),  # sliding / full, sinks, experts, eager
+    "qwen3_moe": (transformers.Qwen3MoeConfig, {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                                                "moe_intermediate_size": 16}, None),  # mixture of experts
+    "falcon_h1": (transformers.FalconH1Config, {"head_dim": 8, "mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8,
+                                                "mamba_n_groups": 1, "mamba_d_state": 8, "mamba_chunk_size": 8},
+                  "its hybrid layers read the whole row in order"),  # attention + state-space in each layer
+}
+
+
+def architecture_config(family: str, **changes):
+    """The family's tiny config (made when asked for: transformers warns about some of them as it makes them, which
+    a script importing this file would print)."""
+    config_class, settings, _ = ARCHITECTURES[family]
+    return config_class(**TINY, **settings, **changes)
+
+
+def tiny_architecture(family: str, head: str = "ForCausalLM", seed: int = 0, likely_eos: bool = True):
+    torch.manual_seed(seed)
+    config = architecture_config(family, num_labels=1)
+    name = type(config).__name__.removesuffix("Config") + ("LMHeadModel" if family == "gpt2" and head == "ForCausalLM"
+                                                           else head)
+    model = getattr(transformers, name)(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers if family == "falcon_h1" else ():
+            layer.mamba.out_proj.weight *= 300  # at init the state-space half barely moves the logits: a lost state
+            # would not change a greedy token
+        if head == "ForCausalLM" and likely_eos:
+            model.get_output_embeddings().weight[1] *= 3  # responses of uneven lengths
+    return model
 
 
 def policy_loss_of(new, old, advantages, mask, cliprange=0.2, per_token=False, entropy=None, in_loss=None,

@@ -1,5 +1,6 @@
 """A 2-process gloo run updates the parameters exactly as one process does on the same global batch, with DDP
-and with FSDP2 (with LoRA adapters too); FSDP2's rollout mode uses its public API only."""
+and with FSDP2 (with LoRA adapters too, and on every architecture of the tests' table); FSDP2's rollout mode uses its
+public API only."""
 
 import gc
 import subprocess
@@ -15,31 +16,38 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import plumbing
 import rloo
 from conftest import REPO, cpu_env
-from helpers import argv_of, free_port, python, valid_flags
+from helpers import ARCHITECTURES, argv_of, free_port, python, valid_flags
+
+TWO_RANKS = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
-def run(script_args: list[str], out, wrapper: str = "ddp") -> None:
+def run(script_args: list[str], out, wrapper: str = "ddp", families: str = "gpt_neox") -> None:
     env = cpu_env({"PYTHONPATH": f"{REPO / 'tests'}:{REPO}"})
-    result = subprocess.run([python(), *script_args, str(REPO / "tests" / "ddp_update.py"), str(out), wrapper],
-                            capture_output=True, text=True, env=env, timeout=180)
+    result = subprocess.run([python(), *script_args, str(REPO / "tests" / "ddp_update.py"), str(out), wrapper,
+                             families], capture_output=True, text=True, env=env, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def assert_same_update(one: dict, two: dict, lora: bool) -> None:
+    """The parameters after the update, and the policy's log-probs then (FSDP's blocks gathered as for a rollout);
+    with LoRA, also the reference's (the adapters off)."""
+    assert one["initial"].keys() == two["final"].keys() == one["final"].keys()
+    for name, value in one["final"].items():
+        torch.testing.assert_close(two["final"][name], value, atol=1e-6, rtol=1e-5, msg=name)
+    assert one["logprobs"].keys() == two["logprobs"].keys() == {"policy", *(["reference"] if lora else [])}
+    for name, value in one["logprobs"].items():  # the policy and (LoRA) the reference, FSDP's blocks gathered
+        torch.testing.assert_close(two["logprobs"][name], value, atol=1e-6, rtol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp", "fsdp_offload", "fsdp_lora"])
 def test_two_rank_update_equals_one_rank_update(tmp_path, wrapper):
-    """The parameters after the update, and the policy's log-probs then (FSDP's blocks gathered as for a rollout). With
-    LoRA adapters (a tied Llama-like model: every block's unit holds frozen and trained weights, the root's only
-    frozen ones) also the reference's (the adapters off) and the adapter saved; FSDP2 reduce-scatters at every
-    micro-step, but with LoRA at an optimizer step's last alone."""
+    """With LoRA adapters (a tied Llama-like model: every block's unit holds frozen and trained weights, the root's only
+    frozen ones) the adapter is saved whole; FSDP2 reduce-scatters at every micro-step, but with LoRA at an optimizer
+    step's last alone."""
     run([], tmp_path / "one.pt", "lora" if "lora" in wrapper else "ddp")
-    run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"], tmp_path / "two.pt", wrapper)
-    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
-    assert one["initial"].keys() == two["final"].keys() == one["final"].keys()
-    for name, value in one["final"].items():
-        torch.testing.assert_close(two["final"][name], value, atol=1e-6, rtol=1e-5, msg=name)
-    assert one["logprobs"].keys() == two["logprobs"].keys() == {"policy", *(["reference"] if "lora" in wrapper else [])}
-    for name, value in one["logprobs"].items():  # the policy and (LoRA) the reference, FSDP's blocks gathered
-        torch.testing.assert_close(two["logprobs"][name], value, atol=1e-6, rtol=1e-5, msg=name)
+    run(TWO_RANKS, tmp_path / "two.pt", wrapper)
+    one, two = (torch.load(tmp_path / f"{run}.pt")["gpt_neox"] for run in ("one", "two"))
+    assert_same_update(one, two, "lora" in wrapper)
     moved = {name for name, value in one["final"].items() if not torch.equal(value, one["initial"][name])}
     if "lora" in wrapper:  # the adapters, all of them, and nothing else; saved whole from the shards
         assert moved == {name for name in one["final"] if ".lora_" in name}
@@ -56,6 +64,21 @@ def test_two_rank_update_equals_one_rank_update(tmp_path, wrapper):
     assert [last for last, _ in two["synced"]] == [False, True] * 2
     if wrapper.startswith("fsdp"):
         assert [reduced for _, reduced in two["synced"]] == ([False, True] * 2 if "lora" in wrapper else [True] * 4)
+
+
+def test_two_rank_fsdp_update_equals_one_rank_update_on_every_architecture(tmp_path):
+    """Llama, GPT-2 (tied embeddings), Mistral and Gemma 2 (sliding windows), GPT-OSS and Qwen3-MoE (experts),
+    Falcon-H1 (state-space, unshared): FSDP2 shards each by its own transformer blocks and updates it as one process
+    does, in one torchrun for all."""
+    families = ",".join(ARCHITECTURES)
+    run([], tmp_path / "one.pt", "ddp", families)
+    run(TWO_RANKS, tmp_path / "two.pt", "fsdp", families)
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert list(one) == list(two) == list(ARCHITECTURES)
+    for family in ARCHITECTURES:
+        assert_same_update(one[family], two[family], lora=False)
+        moved = [not torch.equal(value, one[family]["initial"][name]) for name, value in one[family]["final"].items()]
+        assert sum(moved) > len(moved) // 2  # the update did change the parameters
 
 
 def test_a_run_frees_its_ddp_wrapper_before_the_process_group(assets, tmp_path, monkeypatch):

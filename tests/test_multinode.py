@@ -21,8 +21,8 @@ import plumbing
 import rloo
 import rloo_multinode as mn
 from conftest import REPO, policy_tokenizer, read_metrics, script_env, tiny_policy
-from helpers import (ENGINE_RUN, PER_UPDATE, SECRET, engine_comparable, free_port, listening_sockets,
-                     live_processes_in_group, run_script, wait_for_updates)
+from helpers import (ARCHITECTURES, ENGINE_RUN, PER_UPDATE, SECRET, engine_comparable, free_port, listening_sockets,
+                     live_processes_in_group, run_script, tiny_architecture, wait_for_updates)
 from vllm_standin import BAD_ANSWERS
 
 ENGINE_NEVER_ANSWERS = """import sys, threading
@@ -57,10 +57,13 @@ def tied_llama(vocab_size: int) -> LlamaForCausalLM:
                                         tie_word_embeddings=True))
 
 
-@pytest.mark.parametrize("architecture", ["gpt_neox", "tied_llama"])
+@pytest.mark.parametrize("architecture", ["gpt_neox", "tied_llama", *ARCHITECTURES])
 def test_after_a_sync_every_engine_holds_the_trainers_weights_bit_for_bit(architecture, tmp_path):
+    """Every architecture of the tests' table too (GPT-2, sliding windows, experts, state-space): the hf engine loads
+    it and takes the trainer's weights by name; it samples with rloo.py's own sampler (test_shared_prompt.py)."""
     tokenizer = policy_tokenizer()
-    policy = tiny_policy(len(tokenizer)) if architecture == "gpt_neox" else tied_llama(len(tokenizer))
+    policy = tiny_policy(len(tokenizer)) if architecture == "gpt_neox" else tied_llama(len(tokenizer)) \
+        if architecture == "tied_llama" else tiny_architecture(architecture)
     policy.save_pretrained(tmp_path / "policy")
     args = mn.Args(model_name_or_path=str(tmp_path / "policy"), engine="hf", output_dir=str(tmp_path / "out"),
                    engine_port=free_port(), sync_bucket_mb=0, engine_timeout=120)  # 0 MB: one bucket per tensor

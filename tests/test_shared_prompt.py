@@ -11,7 +11,8 @@ import transformers
 import plumbing
 import rloo
 from conftest import policy_loss_of, policy_tokenizer, read_metrics, run_rloo, tiny_reward_model
-from helpers import UNEVEN_PROMPTS, eos_prone_policy, sampled, trained
+from helpers import (ARCHITECTURES, TINY, UNEVEN_PROMPTS, architecture_config, eos_prone_policy, sampled,
+                     tiny_architecture, trained)
 
 
 def probe_of(prompt: str) -> rloo.Completions:
@@ -173,38 +174,6 @@ def test_chunks_of_whole_groups_pad_to_their_own_lengths():
     torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-5)
 
 
-# tiny models of today's architectures (2 layers, hidden 32); a window of 4 is shorter than every prompt + response
-TINY = {"vocab_size": len(policy_tokenizer()), "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64, "pad_token_id": 0,
-        "eos_token_id": 1, "bos_token_id": 1}
-ARCHITECTURES = {  # family: (config, None if it shares prompts, else what its fallback line says)
-    "llama": (transformers.LlamaConfig(**TINY), None),  # full attention
-    "mistral": (transformers.MistralConfig(**TINY, sliding_window=4), None),  # every layer sliding
-    "gemma2": (transformers.Gemma2Config(**TINY, head_dim=8, sliding_window=4), None),  # sliding / full, soft-capping
-    "gpt_oss": (transformers.GptOssConfig(**TINY, head_dim=8, sliding_window=4, num_local_experts=4,
-                                          num_experts_per_tok=2), None),  # sliding / full, sinks, experts, eager
-    "qwen3_moe": (transformers.Qwen3MoeConfig(**TINY, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                                              moe_intermediate_size=16), None),  # mixture of experts
-    "falcon_h1": (transformers.FalconH1Config(**TINY, head_dim=8, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,
-                                              mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=8),
-                  "its hybrid layers read the whole row in order"),  # attention + state-space in each layer
-}
-
-
-def tiny(family: str, head: str = "ForCausalLM", seed: int = 0, likely_eos: bool = True):
-    config, _ = ARCHITECTURES[family]
-    torch.manual_seed(seed)
-    name = type(config).__name__.removesuffix("Config") + head
-    model = getattr(transformers, name)(type(config)(**config.to_dict(), num_labels=1)).eval()
-    with torch.no_grad():
-        for layer in model.model.layers if family == "falcon_h1" else ():
-            layer.mamba.out_proj.weight *= 300  # at init the state-space half barely moves the logits: a lost state
-            # would not change a greedy token
-        if head == "ForCausalLM" and likely_eos:
-            model.get_output_embeddings().weight[1] *= 3  # responses of uneven lengths
-    return model
-
-
 def greedy_without_cache(model, queries: torch.Tensor, query_mask: torch.Tensor, steps: int) -> torch.Tensor:
     """(N, steps) greedy tokens, each from a whole forward pass of the sequence so far: what sampling must draw."""
     tokens = []
@@ -221,7 +190,7 @@ def greedy_without_cache(model, queries: torch.Tensor, query_mask: torch.Tensor,
 @pytest.mark.parametrize("family", ARCHITECTURES)
 def test_every_architecture_shares_exactly_or_says_it_does_not(family):
     tokenizer, k = policy_tokenizer(), 3
-    policy, fallback = tiny(family), ARCHITECTURES[family][1]
+    policy, fallback = tiny_architecture(family), ARCHITECTURES[family][2]
     queries, query_mask = plumbing.pad_sequences([tokenizer(p)["input_ids"] for p in UNEVEN_PROMPTS], 0,
                                                  torch.device("cpu"))
     # sampling: one prefill per prompt draws what k prefills draw, and greedy decoding what no cache at all gives
@@ -231,14 +200,14 @@ def test_every_architecture_shares_exactly_or_says_it_does_not(family):
         repeated = rloo.generate(policy, queries.repeat(k, 1), query_mask.repeat(k, 1), 6, temperature, None, 0,
                                  torch.Generator().manual_seed(5))
         assert torch.equal(shared, repeated)
-    unbiased = tiny(family, likely_eos=False)  # its greedy tokens are not all EOS
+    unbiased = tiny_architecture(family, likely_eos=False)  # its greedy tokens are not all EOS
     assert torch.equal(rloo.generate(unbiased, queries, query_mask, 8, 0.0, None, 0),
                        greedy_without_cache(unbiased, queries, query_mask, 8))
     c = rloo.sample_completions(policy, queries, query_mask, 6, 1.0, 1, 0, torch.Generator().manual_seed(0), k=k)
     assert len(set(c.response_mask.sum(1).tolist())) > 1 and c.query_mask.sum(1).max() + 6 > 4  # rows > window
 
     probe, notes = probe_of(UNEVEN_PROMPTS[0]), []
-    reward_model = tiny(family, "ForSequenceClassification", seed=1) \
+    reward_model = tiny_architecture(family, "ForSequenceClassification", seed=1) \
         if hasattr(transformers, type(policy).__name__.replace("ForCausalLM", "ForSequenceClassification")) else None
     if fallback is not None:  # off, in one line; refused when asked for
         assert fallback in plumbing.why_not_shared(policy)
@@ -273,7 +242,7 @@ def test_every_architecture_shares_exactly_or_says_it_does_not(family):
 
 @pytest.mark.parametrize("broken", ["window dropped", "responses see each other"])
 def test_the_start_up_check_catches_a_broken_mask_and_falls_back(broken, monkeypatch):
-    policy = tiny("gemma2")
+    policy = tiny_architecture("gemma2")
     probe = probe_of(UNEVEN_PROMPTS[0])
     assert shares(policy, None, probe, [])
     grouped_rows = rloo.grouped_rows
@@ -303,7 +272,7 @@ def test_the_start_up_check_catches_a_broken_mask_and_falls_back(broken, monkeyp
 
 def test_a_state_space_policy_trains_unshared_with_one_line_and_share_prompt_is_refused(assets, tmp_path):
     path = tmp_path / "falcon_h1"
-    tiny("falcon_h1").save_pretrained(path)
+    tiny_architecture("falcon_h1").save_pretrained(path)
     policy_tokenizer().save_pretrained(path)
     common = ("--model_name_or_path", path, "--reward_fn", "reward_fns:count_a", "--dataset_name", assets["train"],
               "--total_episodes", 8, "--rloo_k", 4, "--per_device_train_batch_size", 8, "--response_length", 6,
@@ -320,9 +289,9 @@ def test_a_state_space_policy_trains_unshared_with_one_line_and_share_prompt_is_
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
 def test_the_probe_is_as_long_as_the_check_needs_and_still_catches_a_broken_mask(family, monkeypatch):
-    config, _ = ARCHITECTURES[family]
+    config = architecture_config(family)
     window = getattr(config, "sliding_window", None)
-    policy = tiny(family)
+    policy = tiny_architecture(family)
     # TL;DR's lengths: no window, a short probe; a window, rows one token past it with training's responses
     lengths = plumbing.probe_lengths(512, 53, policy, None)
     assert lengths == ((24, 8) if window is None else (24, 53))
@@ -368,15 +337,15 @@ def test_one_check_for_a_policy_and_reward_model_that_agree(monkeypatch):
     sharing_error = plumbing.sharing_error
     monkeypatch.setattr(plumbing.sharing, "sharing_error",
                         lambda model, *a: calls.append(model) or sharing_error(model, *a))
-    policy, reward_model = tiny("llama"), tiny("llama", "ForSequenceClassification", seed=1)
+    policy, reward_model = tiny_architecture("llama"), tiny_architecture("llama", "ForSequenceClassification", seed=1)
     probe, notes, checked = probe_of(UNEVEN_PROMPTS[0]), [], {}
     assert plumbing.sharing_key(policy) == plumbing.sharing_key(reward_model)  # the heads differ, the backbone not
     assert plumbing.shares_prompts(policy, "policy", None, probe, computed(policy), notes, checked)
     assert plumbing.shares_prompts(reward_model, "reward model", None, probe, computed(reward_model, True), notes,
                                    checked)
     assert calls == [policy] and notes == []  # the reward model's verdict is the policy's check
-    for other in (tiny("llama", "ForSequenceClassification").to(torch.bfloat16),  # another dtype
-                  tiny("mistral", "ForSequenceClassification"),  # another architecture
+    for other in (tiny_architecture("llama", "ForSequenceClassification").to(torch.bfloat16),  # another dtype
+                  tiny_architecture("mistral", "ForSequenceClassification"),  # another architecture
                   transformers.LlamaForSequenceClassification(transformers.LlamaConfig(
                       **{**TINY, "num_hidden_layers": 3}, num_labels=1))):  # another config
         calls.clear()
@@ -386,7 +355,7 @@ def test_one_check_for_a_policy_and_reward_model_that_agree(monkeypatch):
     # a verdict against sharing is carried as well, with its reason in each model's note
     checked, notes = {}, []
     for seed in (0, 1):
-        falcon = tiny("falcon_h1", seed=seed)
+        falcon = tiny_architecture("falcon_h1", seed=seed)
         calls.clear()
         assert not plumbing.shares_prompts(falcon, "policy", None, probe, computed(falcon), notes, checked)
         assert calls == []  # why_not_shared decides before any forward pass
