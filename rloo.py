@@ -191,7 +191,7 @@ class AlgorithmState(plumbing.FieldsState):
 def algorithm_rules(a: Args) -> list[tuple[str, object, bool, str]]:
     """(flag, value, whether it is allowed, what it must be) for every algorithm number a typo or a NaN makes
     meaningless without any error later: sampling at temperature inf, a clip range of 0, a negative learning rate, a
-    KL coefficient that float32 makes inf. The run's numbers are in plumbing.number_rules."""
+    KL coefficient that float32 makes inf. The run's numbers are in plumbing.flags.number_rules."""
     finite = plumbing.is_finite_number
 
     def each(requirement: str, allowed: Callable[[object], bool], *names: str) -> list:  # one rule, several flags

@@ -51,12 +51,8 @@ from .outputdir import (
     take_output_dir,
 )
 
-__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "rng_state", "set_rng_state", "Generators", "load_safely", "save_policy", "read_shards", "file_digests",
-    "model_identity", "run_inputs", "input_identities", "check_same_inputs", "unsafe_metadata", "unsafe_shards",
-    "unreadable_weights", "checkpoint_problem", "save_checkpoint", "save_final_policy", "RANK_FILE",
-    "TRAINER_STATE_KEYS", "read_checkpoint", "resume_checkpoint", "check_resumable", "FieldsState", "fingerprint",
-    "reference_tensors", "Checkpointer",
+__all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tools; tests import the rest from the module
+    "Generators", "run_inputs", "FieldsState", "Checkpointer",
 ]
 
 

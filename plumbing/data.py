@@ -16,12 +16,12 @@ import numpy as np
 import torch
 
 from .errors import ConfigError, describe, first_line, inert, not_a_file, reading
-from .faults import interruptible
+from .models import check_positions
+from .threads import interruptible
 
-__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "PROMPT_IDS", "pad_sequences", "load_split", "has_splits", "check_prompt_values", "describe_dropped",
-    "describe_prompt_lengths", "PROMPT_CHARS_PER_TOKEN", "cut_prompt", "startup_step", "prepare_prompts",
-    "load_prompts", "prompt_token_ids", "PromptSampler",
+__all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tools; tests import the rest from the module
+    "PROMPT_IDS", "pad_sequences", "load_split", "describe_prompt_lengths", "startup_step", "load_prompts",
+    "prompt_token_ids", "PromptSampler",
 ]
 
 PROMPT_IDS = "prompt_input_ids"  # the tokenized prompt column this script adds to the dataset
@@ -363,8 +363,6 @@ def load_prompts(args, tokenizer, vocab_size: Optional[int], prompt_token_ids: C
                                                      tokenizer, args.prompt_column, args.max_prompt_length, source,
                                                      vocab_size, prompt_token_ids)
         longest = max(longest, eval_dropped["longest_kept"])
-    from .models import check_positions  # models.py reads the data's files through this module
-
     check_positions(args, longest)
     return dataset, eval_dataset, dropped
 

@@ -19,11 +19,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .errors import ConfigError, Fault
+from .threads import interruptible
 
-__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "Dist", "setup_distributed", "for_training", "shard_policy", "transformer_blocks", "visiting", "is_fsdp_unit",
-    "gathered_for_rollout", "reshard", "unwrapped", "all_reduce", "global_mean_std", "note_phase", "wait_for_peers",
-    "barrier", "end_distributed", "seed_everything", "gradient_sync",
+__all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tools; tests import the rest from the module
+    "Dist", "setup_distributed", "for_training", "transformer_blocks", "visiting", "is_fsdp_unit",
+    "gathered_for_rollout", "reshard", "unwrapped", "all_reduce", "global_mean_std", "note_phase", "barrier",
+    "end_distributed", "gradient_sync",
 ]
 
 
@@ -55,7 +56,6 @@ def setup_distributed(timeout: float = 1800.0) -> Dist:
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    from .faults import interruptible  # (faults imports this module)
 
     def join() -> None:  # gloo too on GPUs: collectives on CPU tensors (--offload's gradient shards, their norm)
         if device.type == "cuda":

@@ -18,7 +18,7 @@ import torch
 
 __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
     "ConfigError", "Fault", "inert", "describe", "not_a_file", "reading", "first_line", "RewardFunctionError",
-    "without_credentials", "new_file", "write_own", "open_own", "shown",
+    "without_credentials", "new_file", "write_own", "open_own",
 ]
 
 

@@ -19,10 +19,9 @@ import tyro
 
 from .errors import FLOAT32_MAX, ConfigError, inert
 
-__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "InputArgs", "RunArgs", "is_finite_number", "number_rules", "PATH_FLAGS", "missing_local_path", "resolve_paths",
-    "check_launch_environment", "validate_args", "in_updates", "MAX_UPDATES", "run_length", "update_intervals",
-    "evaluation_updates", "quantization_config", "policy_options",
+__all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tools; tests import the rest from the module
+    "RunArgs", "is_finite_number", "check_launch_environment", "validate_args", "run_length", "update_intervals",
+    "evaluation_updates", "policy_options",
 ]
 
 

@@ -19,9 +19,9 @@ from .errors import (ConfigError, Fault, describe, first_line, inert, new_file, 
                      shown, without_credentials)
 from .faults import console_lost
 
-__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "reduce_metrics", "completion_metrics", "read_metrics", "moving_average", "curve_panels", "plot_curves",
-    "CurvesSink", "MetricsWriteError", "run_notes", "RunLogger", "PNG_WRITER",
+__all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tools; tests import the rest from the module
+    "reduce_metrics", "completion_metrics", "read_metrics", "moving_average", "plot_curves", "MetricsWriteError",
+    "run_notes", "RunLogger", "PNG_WRITER",
 ]
 
 SUM_METRICS = ("val/num_eos_tokens", "completions/masked_truncated")

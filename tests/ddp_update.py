@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import policy_tokenizer, tiny_policy
 import plumbing
+from plumbing.distributed import shard_policy
 import rloo
 
 GLOBAL_PROMPTS, K = 4, 2  # 8 completions
@@ -37,7 +38,7 @@ def main(out_path: str, wrapper: str) -> None:
                      num_mini_batches=1, num_ppo_epochs=2, temperature=1.0, max_grad_norm=0.0)
     sizes = rloo.compute_batch_sizes(args, dist_info.world_size)
     if wrapper.startswith("fsdp"):
-        model = plumbing.shard_policy(policy, bf16=False, offload=wrapper == "fsdp_offload")
+        model = shard_policy(policy, bf16=False, offload=wrapper == "fsdp_offload")
     else:
         model = DDP(policy) if dist.is_initialized() else policy
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)  # plain SGD: the update is a multiple of the gradient

@@ -254,8 +254,8 @@ def saved_steps(out: Path, steps, keep=None, run_id: str = "run-a") -> tuple:
     policy = tiny_policy(len(tokenizer))
     optimizer = torch.optim.AdamW(policy.parameters())
     for step in steps:
-        plumbing.save_checkpoint(str(out), step, policy, optimizer, tokenizer, trainer_state(step, run_id), 0, keep,
-                                 {})
+        plumbing.checkpoints.save_checkpoint(str(out), step, policy, optimizer, tokenizer, trainer_state(step, run_id),
+                                             0, keep, {})
     return policy, optimizer, tokenizer
 
 

@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import plumbing
+from plumbing.checkpoints import reference_tensors
+from plumbing.outputdir import latest_checkpoint
 import rloo
 from conftest import REPO, policy_tokenizer, prompt_rows, read_metrics, run_rloo, tiny_policy, tiny_reward_model
 from helpers import (ENGINE_RUN, K, NO_AUTOCAST, PER_UPDATE, PROMPTS, assert_same_run, engine_comparable, free_port,
@@ -421,7 +423,7 @@ def test_an_ema_reference_resumes_bit_identically_on_two_ranks(assets, tmp_path)
     checkpoint saves them (the fingerprint), and the resumed run's KL and weights are the uninterrupted run's."""
     ema = edited_rloo(examples()["An EMA reference"], tmp_path)
     stopped = stopped_and_resumed_on_two_ranks(ema, assets, tmp_path, "--kl_coef", "0.5")
-    step = plumbing.latest_checkpoint(str(stopped))
+    step = latest_checkpoint(str(stopped))
     saved = torch.load(step / "trainer_state.pt", weights_only=True)["reference"]
     initial = AutoModelForCausalLM.from_pretrained(assets["policy"]).state_dict()
     assert saved.keys() == initial.keys() and not all(torch.equal(saved[k], initial[k]) for k in saved)
@@ -432,14 +434,14 @@ def test_the_reference_fingerprint_sees_any_change_and_nothing_else():
     never changed, is not saved); a change of one weight by 1e-7 is seen."""
     tokenizer = policy_tokenizer()
     policy, reference = tiny_policy(len(tokenizer)), tiny_policy(len(tokenizer)).requires_grad_(False)
-    assert plumbing.fingerprint(plumbing.reference_tensors(reference)) == \
-        plumbing.fingerprint(plumbing.reference_tensors(policy))
-    before = plumbing.fingerprint(plumbing.reference_tensors(reference))
+    assert plumbing.checkpoints.fingerprint(reference_tensors(reference)) == \
+        plumbing.checkpoints.fingerprint(reference_tensors(policy))
+    before = plumbing.checkpoints.fingerprint(reference_tensors(reference))
     rloo.sync_reference(reference, policy, 0.5)  # the same weights mixed: unchanged
-    assert plumbing.fingerprint(plumbing.reference_tensors(reference)) == before
+    assert plumbing.checkpoints.fingerprint(reference_tensors(reference)) == before
     with torch.no_grad():
         next(reference.parameters())[0, 0] += 1e-7
-    assert plumbing.fingerprint(plumbing.reference_tensors(reference)) != before
+    assert plumbing.checkpoints.fingerprint(reference_tensors(reference)) != before
 
 
 def test_a_rank_local_statistic_resumes_with_each_ranks_own_value(assets, tmp_path):
@@ -447,7 +449,7 @@ def test_a_rank_local_statistic_resumes_with_each_ranks_own_value(assets, tmp_pa
     resumed run is the uninterrupted one's, bit for bit."""
     local = edited_rloo(examples()["A rank-local statistic"], tmp_path)
     stopped = stopped_and_resumed_on_two_ranks(local, assets, tmp_path)
-    step = plumbing.latest_checkpoint(str(stopped))
+    step = latest_checkpoint(str(stopped))
     scales = [torch.load(step / f"rank{r}.pt", weights_only=True)["algorithm_state"]["score_scale"] for r in (0, 1)]
     assert scales[0] != scales[1] and all(0 < s < 5 for s in scales), scales
 

@@ -53,7 +53,7 @@ def test_make_flags_groups_by_the_args_comments():
     flags_md = (DOCS / "flags.md").read_text()
     headings = re.findall(r"^## (.+)$", flags_md, flags=re.M)
     assert headings[0] == "TRL's names"
-    groups = [group for cls in (plumbing.InputArgs, rloo.Args)  # the inputs' first, then the algorithm's
+    groups = [group for cls in (plumbing.flags.InputArgs, rloo.Args)  # the inputs' first, then the algorithm's
               for group in re.findall(r"# -{3,} (.+?) -{3,}", inspect.getsource(cls))]
     assert [h.lower() for h in headings[1:1 + len(groups)]] == [g.lower() for g in groups]
     assert len(headings) >= 4, headings

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import plumbing
+from plumbing.outputdir import TRAINER_STATE, latest_checkpoint
 import rloo
 import rloo_multinode as mn
 from conftest import REPO, policy_tokenizer, read_metrics, script_env, tiny_policy
@@ -153,8 +154,8 @@ def test_an_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(assets
     assert trainer.returncode == 4, stderr[-3000:]
     assert "engine 0" in stderr and "checkpoint of update" in stderr and "Traceback" not in stderr
     assert "continue with the same command and --resume once the engines are healthy" in stderr, stderr[-3000:]
-    checkpoint = plumbing.latest_checkpoint(str(out))
-    saved = torch.load(checkpoint / plumbing.TRAINER_STATE, weights_only=False)["update"] if checkpoint else 0
+    checkpoint = latest_checkpoint(str(out))
+    saved = torch.load(checkpoint / TRAINER_STATE, weights_only=False)["update"] if checkpoint else 0
     assert saved >= 1
     # the same command with --resume continues with fresh engines, which start from the checkpoint's weights
     resumed = run_script("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name",

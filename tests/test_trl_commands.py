@@ -16,6 +16,8 @@ import torch
 import yaml
 
 import plumbing
+from plumbing.cli import GRPO_ONLY, NOTHING, algorithm_defaults
+from plumbing.models import lora_config
 import rloo
 import rloo_multinode
 from conftest import REPO, read_metrics, run_rloo, tiny_policy, write_jsonl
@@ -71,7 +73,7 @@ def cli_words(value) -> list[str]:
     return [json.dumps(value) if isinstance(value, dict) else str(value)]
 
 
-NOTHING_DEFAULTS = {name: default for name, default in plumbing.TRL116.items() if default in plumbing.NOTHING
+NOTHING_DEFAULTS = {name: default for name, default in plumbing.TRL116.items() if default in NOTHING
                     and name not in ("dataset_name", "bf16")}  # TRL's None: no dataset given; bf16 unless fp16
 
 
@@ -128,9 +130,9 @@ def test_trl_defaults_1_16_gives_every_algorithm_flag_left_out_trl_1_16s_default
     """--trl_defaults 1.16: each algorithm flag whose TRL 1.16 default sets something takes it (num_iterations 1,
     temperature 1.0, learning rate 1e-6, 512 new tokens, 3 epochs); the run's flags keep this script's; a flag given
     wins wherever it stands; a --config file may choose it too."""
-    switched = plumbing.algorithm_defaults(rloo.Args)
+    switched = algorithm_defaults(rloo.Args)
     assert {"num_ppo_epochs", "temperature", "learning_rate", "response_length", "num_train_epochs"} <= switched.keys()
-    assert plumbing.algorithm_defaults(rloo_multinode.Args) == switched  # the algorithm's: not the engines' vllm_mode
+    assert algorithm_defaults(rloo_multinode.Args) == switched  # the algorithm's: not the engines' vllm_mode
     trl_name = {own: trl for trl, own in plumbing.TRL_NAMES.items()}
     args, old = parse("--trl_defaults", "1.16"), rloo.Args()
     for f in dataclasses.fields(rloo.Args):
@@ -225,8 +227,8 @@ def test_every_grpo_only_option_is_named_as_grpos_and_peft_names_of_the_lora_fla
     """Each GRPOConfig field RLOOConfig lacks (TRL 1.16's, in the committed table) that rloo.py does not have; LoRA's
     rank under OpenRLHF's and verl's name and peft's, peft's target names, on the command line and in a recipe."""
     mine = set(rloo.Args.__dataclass_fields__)
-    assert "loss_type" in plumbing.GRPO_ONLY and "vllm_importance_sampling_cap" in plumbing.GRPO_ONLY & mine
-    for name in sorted(plumbing.GRPO_ONLY - mine):
+    assert "loss_type" in GRPO_ONLY and "vllm_importance_sampling_cap" in GRPO_ONLY & mine
+    for name in sorted(GRPO_ONLY - mine):
         assert f"--{name} is TRL's GRPOTrainer's (GRPOConfig), not RLOO's" in refusal(capsys, f"--{name}", "1")
     args = parse("--lora_rank", 8, "--target_modules", "q_proj", "v_proj", "--modules_to_save", "lm_head")
     assert (args.lora_r, args.lora_target_modules, args.lora_modules_to_save) == (8, ("q_proj", "v_proj"), ("lm_head",))
@@ -518,7 +520,7 @@ def test_trl_names_of_the_lora_options_reach_peft():
                        match="take no dropout, and --lora_dropout is 0.05 .* pass --lora_dropout 0"):
         plumbing.validate_args(rloo.Args(model_name_or_path="p", reward_fn=("m:f",), **targets))
     args = rloo.Args(lora_dropout=0.0, **targets)
-    assert plumbing.lora_config(args).target_parameters == ["mlp.dense_h_to_4h.weight"]
+    assert lora_config(args).target_parameters == ["mlp.dense_h_to_4h.weight"]
     policy, base = tiny_policy(15), tiny_policy(15)
     plumbing.add_adapters(policy, args, None)
     adapted = {name.split(".lora_")[0].split(".", 3)[-1] for name, p in policy.named_parameters() if p.requires_grad}

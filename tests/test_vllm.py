@@ -23,6 +23,7 @@ else:
     vllm = pytest.importorskip("vllm", reason="vLLM is not installed: `make test-vllm` builds an environment with it")
 
 import plumbing
+from plumbing.outputdir import latest_checkpoint
 import rloo_multinode as mn  # noqa: E402
 from conftest import REPO, neox_config, policy_tokenizer, read_metrics, run_rloo, script_env  # noqa: E402
 from helpers import (ENGINE_RUN, SECRET, fixed_sequences, free_port, listening_sockets,  # noqa: E402
@@ -192,7 +193,7 @@ def test_a_vllm_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(as
     assert trainer.returncode == 4, stderr[-3000:]
     assert stderr.strip().splitlines()[-1].startswith("rloo_multinode.py: error: engine 0 (pid "), stderr[-3000:]
     assert "checkpoint of update" in stderr and "Traceback" not in stderr, stderr[-3000:]
-    assert plumbing.latest_checkpoint(str(tmp_path)) is not None
+    assert latest_checkpoint(str(tmp_path)) is not None
     assert live_processes_in_group(engine) == []  # the trainer ended what was left of the engine
 
 
@@ -277,7 +278,7 @@ def test_a_colocated_engine_that_fails_stops_the_run_with_a_checkpoint_and_the_r
     assert failed.stderr.strip().splitlines()[-1].startswith(
         "rloo_multinode.py: error: rank 0's vLLM engine failed: RuntimeError: the test's failure; checkpoint of "
         "update 2 saved to"), failed.stderr[-3000:]
-    assert "Traceback" not in failed.stderr and plumbing.latest_checkpoint(str(tmp_path)) is not None
+    assert "Traceback" not in failed.stderr and latest_checkpoint(str(tmp_path)) is not None
     resumed = run_rloo(*command, "--resume", script="tests/colocated_run.py")
     assert resumed.returncode == 0 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
     metrics = read_metrics(tmp_path)

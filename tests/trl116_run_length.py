@@ -17,6 +17,7 @@ from trl import RLOOConfig
 from trl.trainer.rloo_trainer import RLOOTrainer
 
 import plumbing
+from plumbing.cli import algorithm_defaults
 import rloo
 
 SOURCE = inspect.getsource(RLOOTrainer._prepare_inputs)
@@ -56,7 +57,7 @@ def rloo_run(recipe: dict, trl116: bool) -> tuple[dict, dict]:
     sizes = rloo.compute_batch_sizes(args, 1)
     updates = args.max_steps // (args.num_ppo_epochs * sizes.minibatches)  # as rloo.main counts them
     kept = {} if trl116 else {trl: getattr(args, own) for trl, own in SETTINGS.items()
-                              if own in plumbing.algorithm_defaults(rloo.Args) and trl not in recipe}
+                              if own in algorithm_defaults(rloo.Args) and trl not in recipe}
     return {"updates": updates, "episodes": updates * sizes.all_ranks,
             **{trl: getattr(args, own) for trl, own in SETTINGS.items()}}, kept
 
