@@ -177,15 +177,24 @@ class Args(plumbing.RunArgs):
 
 
 @dataclass
-class AlgorithmState(plumbing.FieldsState):
+class AlgorithmState(plumbing.UpdateState):
     """What the algorithm carries from one update to the next (a controller's coefficient, a running statistic); Args
-    never changes during a run. Made by start(args), handed by ppo_update to compute_advantages and policy_loss,
-    changed by main after an update. Each rank saves its own; a resume restores it bit for bit, type-checked: plain
-    values and tensors (back on the CPU). Stock RLOO keeps none; docs/algorithm.md has worked examples."""
+    never changes during a run. Made by start once the prompts are loaded, read anywhere (ppo_update hands it to
+    compute_advantages and policy_loss), changed only in after_update (elsewhere refused, naming the field). Each rank
+    saves its own, finite; a resume restores it bit for bit, type-checked: plain values and tensors (back on the CPU).
+    Stock RLOO keeps none; docs/algorithm.md has worked examples."""
 
     @classmethod
-    def start(cls, args: Args) -> "AlgorithmState":
+    def start(cls, args: Args, num_prompts: int) -> "AlgorithmState":  # num_prompts: the training split's
         return cls()
+
+    def after_update(self, args: Args, rollout: "Rollout", raw_scores: torch.Tensor, trained_on: "Advantages",
+                     metrics: dict[str, float]) -> dict[str, float]:
+        """Called by main on every rank once per update, after training, with this rank's k*B completions (their
+        prompts' rows in the split: rollout.prompt_index), raw_scores (k*B,) before the missing-EOS penalty and
+        normalization, the Advantages trained on, and the update's metrics, reduced over ranks (the same on every
+        rank). Returns metrics of its own, logged as rank 0 holds them."""
+        return {}
 
 
 def algorithm_rules(a: Args) -> list[tuple[str, object, bool, str]]:
@@ -557,8 +566,11 @@ class Completions:
     # what sampled the batch, which every log-prob of it is of (collect_rollout, ppo_update, the mismatch metrics):
     # softmax(sampling_logits / temperature); a batch made by hand is of softmax(logits)
     sampling: SamplingSettings = field(default=SamplingSettings(), kw_only=True)
+    # (B,) each prompt's row in the training split, as main drew it (the prompt's identity, for state kept per prompt:
+    # a prompt is on another rank each epoch); None for a batch made by hand
+    prompt_index: Optional[torch.Tensor] = field(default=None, kw_only=True)
 
-    PER_PROMPT: ClassVar[tuple[str, ...]] = ("queries", "query_mask")  # every other tensor has a row per completion
+    PER_PROMPT: ClassVar[tuple[str, ...]] = ("queries", "query_mask", "prompt_index")  # the others: per completion
 
     @property
     def k(self) -> int:
@@ -582,7 +594,7 @@ class Completions:
         rows = completion_rows(prompts, self.queries.shape[0], self.k)  # (k*g,)
         prompt_width = int(self.query_mask[prompts].sum(1).max())
         response_width = int(self.response_mask[rows].sum(1).max())
-        return self.map_tensors(lambda t: t[prompts, -prompt_width:],
+        return self.map_tensors(lambda t: t[prompts, -prompt_width:] if t.dim() == 2 else t[prompts],
                                 lambda t: t[rows, :response_width] if t.dim() == 2 else t[rows])  # (k*g, ..)
 
     def one_per_row(self, rows: torch.Tensor) -> "Completions":
@@ -759,14 +771,17 @@ def sample_completions(
 
 def completions_of(queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
                    sampling: SamplingSettings, stop_token_id: Optional[int], pad_token_id: int,
-                   sampler_logprobs: Optional[torch.Tensor] = None) -> Completions:
+                   sampler_logprobs: Optional[torch.Tensor] = None, prompt_index: Optional[torch.Tensor] = None
+                   ) -> Completions:
     """Every RolloutSource's Completions: its (k*B, Tr) tokens of the (B, Tq) queries, Tr = sampling.max_new_tokens,
-    cut after the first stop token, carrying `sampling`, with the sampler's log-probs (k*B, Tr) zeroed on padding."""
+    cut after the first stop token, carrying `sampling` and `prompt_index` (B,), with the sampler's log-probs (k*B,
+    Tr) zeroed on padding."""
     if responses.shape[1] != sampling.max_new_tokens:  # a source that sampled another batch's length
         raise ValueError(f"responses of {responses.shape[1]} tokens for a batch of {sampling.max_new_tokens}")
     responses, response_mask = truncate_after_stop(responses.to(queries.device), stop_token_id, pad_token_id)
-    return Completions(queries, query_mask, responses, response_mask, sampling=sampling, sampler_logprobs=None
-                       if sampler_logprobs is None else sampler_logprobs.to(queries.device) * response_mask)
+    return Completions(queries, query_mask, responses, response_mask, sampling=sampling, prompt_index=prompt_index,
+                       sampler_logprobs=None if sampler_logprobs is None else
+                       sampler_logprobs.to(queries.device) * response_mask)
 
 
 def chunks_by_prompt_length(query_mask: torch.Tensor, prompts_per_chunk: int) -> list[torch.Tensor]:
@@ -824,15 +839,17 @@ def sample_in_chunks(
 class RolloutSource(Protocol):
     """Where each update's completions come from (main's `make_rollouts` makes one): LocalRollouts, sampled in this
     process by the policy being trained; rloo_multinode.py's engines (HF or vLLM, served or colocated). `submit` asks
-    for rloo_k completions of each (B, Tq) query with the batch's own settings; `take` gives the oldest batch's
-    (completions_of: carrying its settings, as wide as its max_new_tokens) and metrics of how they were made;
+    for rloo_k completions of each (B, Tq) query with the batch's own settings (one it cannot carry is refused, never
+    dropped); `take` gives the oldest batch's (completions_of: carrying its settings and its (B,) prompt_index, as wide
+    as its max_new_tokens) and metrics of how they were made;
     `behaviour_policy` a with-block's module holding the weights that sampled it; `policy_updated` is called on
     every rank after each update's optimizer steps (returns metrics), `close` at the end, whatever ended the run."""
 
     lookahead: int  # batches sampled ahead of the one trained on (0: on-policy)
     max_metrics: tuple[str, ...]  # metrics of its own that are reduced over ranks by their maximum
 
-    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, sampling: SamplingSettings) -> None: ...
+    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, sampling: SamplingSettings,
+               prompt_index: torch.Tensor) -> None: ...
     def take(self) -> tuple[Completions, dict[str, float]]: ...
     def behaviour_policy(self, policy) -> contextlib.AbstractContextManager: ...
     def policy_updated(self, update: int, policy) -> dict[str, float]: ...
@@ -848,20 +865,22 @@ class LocalRollouts:
     def __init__(self, policy, args: Args, stop_token_id: Optional[int], pad_token_id: int,
                  generator: torch.Generator, autocast):
         self.args, self.stop_token_id, self.pad_token_id, self.generator = args, stop_token_id, pad_token_id, generator
-        self.queued = []  # (B, Tq) queries and mask, sampling settings, oldest first
+        self.queued = []  # submit's arguments, oldest first
         # the module that samples: the policy under autocast, or a bf16 copy of it
         self.sampler = plumbing.bf16_copy(policy) if args.bf16_generation else policy
         self.autocast = contextlib.nullcontext if args.bf16_generation else autocast
         self.decoder = plumbing.StaticDecoder(self.sampler, args.max_prompt_length + args.response_length) \
             if args.compile_generation else None
 
-    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, sampling: SamplingSettings) -> None:
-        self.queued.append((queries, query_mask, sampling))
+    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, sampling: SamplingSettings,
+               prompt_index: torch.Tensor) -> None:
+        self.queued.append((queries, query_mask, sampling, prompt_index))
 
     def take(self) -> tuple[Completions, dict[str, float]]:
-        queries, query_mask, sampling = self.queued.pop(0)
-        return sample_in_chunks(self.sampler, queries, query_mask, self.args.rloo_k, self.args, self.stop_token_id,
-                                self.pad_token_id, self.generator, self.autocast, self.decoder, sampling), {}
+        queries, query_mask, sampling, prompt_index = self.queued.pop(0)
+        return replace(sample_in_chunks(self.sampler, queries, query_mask, self.args.rloo_k, self.args,
+                                        self.stop_token_id, self.pad_token_id, self.generator, self.autocast,
+                                        self.decoder, sampling), prompt_index=prompt_index), {}
 
     @contextlib.contextmanager
     def behaviour_policy(self, policy):
@@ -1273,7 +1292,7 @@ def ppo_update(
     rollout.logprobs). Returns its metrics, averaged over micro-steps, and what it trained on (k*B rows).
     --sync_ref_model: after every ref_model_sync_steps-th optimizer step of the run, ref_policy mixes in the policy.
     `state`: the run's AlgorithmState (None: its start), handed to compute_advantages and policy_loss."""
-    state = AlgorithmState.start(args) if state is None else state
+    state = AlgorithmState.start(args, 0) if state is None else state
     stats: dict[str, list[torch.Tensor]] = {}
     ratios, grad_norms = [], []
     device, k = scores.device, rollout.k
@@ -1282,8 +1301,9 @@ def ppo_update(
     if in_update:  # filled below, a micro-batch at a time, as is every value compute_advantages returns
         rollout.logprobs = torch.zeros(rollout.responses.shape, device=device)  # (k*B, Tr)
     trained_on, gathered = None if in_update else compute_advantages(rollout, scores, args, state), {}  # all at once
-    for _ in range(args.num_ppo_epochs):
-        for minibatch in minibatch_plan(rollout, sizes, k):
+    for epoch in range(args.num_ppo_epochs):
+        for minibatch in minibatch_plan(rollout, sizes, k):  # every rank's the same, or each rank's named at once
+            plumbing.same_plan(f"takes step {steps_done + 1} (epoch {epoch + 1}): micro-batches {len(minibatch)}")
             normalizer = loss_normalizer(rollout, minibatch)  # counted once: every micro-batch divides by it
             losses = []
             for micro_step, rows in enumerate(minibatch):
@@ -1318,6 +1338,7 @@ def ppo_update(
             steps_done += 1
             if args.sync_ref_model and steps_done % args.ref_model_sync_steps == 0:
                 sync_reference(ref_policy, plumbing.unwrapped(model), args.ref_model_mixup_alpha)
+    plumbing.same_plan(f"ends its update after step {steps_done}")
     ratios = torch.cat(ratios)  # (num_ppo_epochs * k*B,) sequence-level ratios, whatever the loss's level
     out = {key: torch.stack(values).mean().item() for key, values in stats.items()}
     out["val/ratio"] = ratios.mean().item()
@@ -1418,7 +1439,6 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
     dist_info = plumbing.setup_distributed(args.ddp_timeout)
     sizes = compute_batch_sizes(args, dist_info.world_size)
     device, master = dist_info.device, dist_info.master
-    state = AlgorithmState.start(args)
     checkpoints = plumbing.Checkpointer(args, dist_info, lock, reward_functions)  # output_dir locked, where to resume
     with checkpoints.refusal_leaves_nothing():
         plumbing.choose_kernels()
@@ -1431,6 +1451,7 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
             said.append(f"{len(dataset)} train" + (f", {len(eval_dataset)} test" if eval_dataset else "")
                         + f"; {plumbing.describe_prompt_lengths(dropped, args.max_prompt_length)}")
         sampler = plumbing.PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)
+        state = AlgorithmState.start(args, len(dataset))
         plumbing.check_reward_function_arguments(reward_functions, [
             (args.dataset_name, dataset), (args.dataset_test_split, eval_dataset)], args.prompt_column)
         steps_per_update = args.num_ppo_epochs * sizes.minibatches  # optimizer steps
@@ -1503,7 +1524,7 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
         for update in range(checkpoints.start_update + 1, num_updates + 1):
             timer.start_update()
             update_start = time.perf_counter()
-            restart = dict(sampler=data_position(), generators=generators.state_dict())  # a reward fault's
+            restart = dict(checkpoints.states(), sampler=data_position())  # what a stop or fault in the update saves
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate_at(update, num_updates, args)
 
@@ -1513,15 +1534,16 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
             policy.eval()
             with plumbing.gathered_for_rollout(policy, args.fsdp_generation):
                 while len(queued) <= min(rollouts.lookahead, num_updates - update):
-                    sampler_state, examples = sampler.state_dict(), dataset[sampler.next_indices()]
+                    sampler_state, drawn = sampler.state_dict(), sampler.next_indices()  # (B,) rows of the split
+                    examples = dataset[drawn]
                     queries, query_mask = plumbing.pad_sequences(examples[plumbing.PROMPT_IDS],
                                                                  tokenizer.pad_token_id, device)  # (B, Tq)
                     # what samples the batch of update `update + len(queued)`, which carries it to every log-prob
                     # of it (Completions.sampling): a schedule of a sampling setting or the length is this line
                     sampling = SamplingSettings.of(args)
-                    rollouts.submit(queries, query_mask, sampling)  # k completions each, (k, B) layout
+                    rollouts.submit(queries, query_mask, sampling, torch.tensor(drawn, device=device))  # k each
                     queued.append(PromptBatch(examples, sampler_state))
-                with checkpoints.kept_if_rollouts_fail(update - 1, data_position), timer("generation"):
+                with checkpoints.kept_if_rollouts_fail(update - 1, restart), timer("generation"):
                     completions, rollout_metrics = rollouts.take()  # (B, Tq) queries, (k*B, Tr) responses
                 prompt_batch = queued.pop(0)
                 with rollouts.behaviour_policy(policy) as behaviour:
@@ -1583,7 +1605,8 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
                 "time/update": time.perf_counter() - update_start,  # all of the update but evaluation and saving
             }
             episode = update * sizes.all_ranks
-            metrics = plumbing.reduce_metrics(metrics, device, rollouts.max_metrics)  # AlgorithmState's changes: here
+            metrics = plumbing.reduce_metrics(metrics, device, rollouts.max_metrics)
+            metrics.update(state.after_update(args, rollout, raw_scores, trained_on, metrics))  # where state changes
             metrics.update(eps=episode / (time.time() - checkpoints.start_time), lr=optimizer.param_groups[0]["lr"],
                            episode=episode)
             if logger is not None:

@@ -24,6 +24,7 @@ by those below it:
   runlog        metrics over ranks, the console, metrics.jsonl, wandb, curves.png
   checkpoints   verified saves, resume, RNG states, the algorithm's state, the inputs' identities, nothing run
                 from a checkpoint
+  state         the algorithm's state across updates, changed in one method once per update, finite
   cli           the command line, TRL's names, exit statuses; run_tool, every helper script's boundary
 """
 
@@ -42,6 +43,7 @@ from .rewards import *  # noqa: F401,F403
 from .measure import *  # noqa: F401,F403
 from .runlog import *  # noqa: F401,F403
 from .checkpoints import *  # noqa: F401,F403
+from .state import *  # noqa: F401,F403
 from .cli import *  # noqa: F401,F403
 
 

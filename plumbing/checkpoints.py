@@ -5,6 +5,7 @@ calls.
 """
 
 import contextlib
+import copy
 import hashlib
 import inspect
 import io
@@ -960,14 +961,18 @@ class Checkpointer:
         path = path if path.is_dir() else self.save(finished, **states)
         return f"checkpoint of update {finished} saved to {path}; fix it, then continue with --resume"
 
+    def states(self) -> dict:
+        """Every per-rank part's state now, copied: at an update's start, what a stop or a fault during it saves."""
+        return copy.deepcopy({name: part.state_dict() for name, part in self.own.items()})
+
     @contextlib.contextmanager
-    def kept_if_rollouts_fail(self, finished: int, data_position: Callable[[], dict]):
+    def kept_if_rollouts_fail(self, finished: int, states: dict):
         """Around taking a batch from the rollout source: where it fails (RolloutSourceError), the state after update
-        `finished` is intact: saved (the sampler at data_position()), and the error says where, then stops the run."""
+        `finished` is intact: saved (with `states`: save's), and the error says where, then stops the run."""
         try:
             yield
         except RolloutSourceError as e:
-            path = self.save(finished, sampler=data_position())
+            path = self.save(finished, **states)
             raise RolloutSourceError(f"{e}; checkpoint of update {finished} saved to {path}") from None
 
     def fault(self, e: Fault, update: int, after: dict, restart: dict, logger) -> None:

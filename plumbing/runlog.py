@@ -46,8 +46,18 @@ def reduce_metrics(metrics: dict[str, float], device: torch.device,
                    max_metrics: tuple[str, ...] = ()) -> dict[str, float]:
     """Metrics over all ranks: sums for counts, min/max for extremes and peak memory, means for everything else
     (a mean over the ranks that have data, for optional metrics); also the maximum of `max_metrics` (the rollout
-    source's). Every rank must pass the same keys."""
+    source's). Every rank must pass the same keys: one that some ranks log and others not is a Fault naming it (the
+    sums of another size would fail in gloo or NCCL without saying why)."""
     keys = sorted(metrics)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, keys)
+        apart = sorted(set().union(*every) - set.intersection(*map(set, every)))
+        if apart:
+            ranks = ", ".join(str(rank) for rank, logged in enumerate(every) if apart[0] in logged)
+            raise Fault(f"the metric {apart[0]!r} is logged on rank {ranks} only: every rank must log the same "
+                        "metrics, which are reduced over ranks together; log it on every rank",
+                        announce=dist.get_rank() == 0)
     # peak memory: the fullest rank's
     maxima = [k for k in keys if k in MAX_METRICS + max_metrics or k.startswith("memory/")]
     means = [k for k in keys if k not in SUM_METRICS + MIN_METRICS + tuple(maxima)]

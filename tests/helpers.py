@@ -208,12 +208,13 @@ def comparable(metrics: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if not k.startswith(NOT_REPRODUCIBLE)} for m in metrics]
 
 
-def launch(args: list, nproc: int = 0, script: Path = REPO / "rloo.py") -> subprocess.Popen:
-    """`script` (rloo.py, or an edited copy elsewhere: the repository is on its path) with `args`, on `nproc` ranks."""
+def launch(args: list, nproc: int = 0, script: Path = REPO / "rloo.py", env: dict | None = None) -> subprocess.Popen:
+    """`script` (rloo.py, or an edited copy elsewhere: the repository is on its path) with `args`, on `nproc` ranks,
+    with `env`'s variables added."""
     launcher = [python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                 "--signals_to_handle", "SIGTERM,SIGINT,SIGUSR1"] if nproc else [python()]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)]), "HF_HUB_OFFLINE": "1",
-           "WANDB_MODE": "offline"}
+           "WANDB_MODE": "offline", **(env or {})}
     return subprocess.Popen([*launcher, str(script), *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
 

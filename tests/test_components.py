@@ -418,9 +418,9 @@ def test_the_bf16_sampling_copy_holds_the_new_weights_after_every_update():
         for s, p in zip(rollouts.sampler.parameters(), policy.parameters()):
             assert s.dtype == torch.bfloat16 and torch.equal(s, p.to(torch.bfloat16))
     queries, mask = left_padded(tokenizer, ["a b :", "c :"])
-    rollouts.submit(queries, mask, rloo.SamplingSettings.of(args))
+    rollouts.submit(queries, mask, rloo.SamplingSettings.of(args), torch.tensor([7, 3]))
     completions, _ = rollouts.take()
-    assert completions.responses.shape == (4, 4)
+    assert completions.responses.shape == (4, 4) and completions.prompt_index.tolist() == [7, 3]  # carried
 
 
 def test_the_bf16_copy_samples_from_the_distribution_of_the_fp32_policy_under_autocast():

@@ -47,7 +47,7 @@ def test_the_first_updates_check_runs_compute_advantages_on_the_batch_itself(tok
     rollout, scores = random_rollout(k=3)  # 5 prompts
     args = rloo.Args(rloo_k=3, per_device_train_batch_size=3, gradient_accumulation_steps=5, num_ppo_epochs=1,
                      kl_coef=0.3, token_level_kl=token_level_kl)
-    sizes, state, draws = rloo.compute_batch_sizes(args, 1), rloo.AlgorithmState.start(args), torch.get_rng_state()
+    sizes, state, draws = rloo.compute_batch_sizes(args, 1), rloo.AlgorithmState.start(args, 5), torch.get_rng_state()
     assert rloo.logprobs_from_update(args, sizes, 0)  # the settings allow the shortcut
     whole = rloo.compute_advantages(rollout, scores, args, state)
     assert rloo.advantages_apart(rollout, scores, whole, args, sizes, state) is None
