@@ -190,10 +190,9 @@ class AlgorithmState(plumbing.UpdateState):
 
     def after_update(self, args: Args, rollout: "Rollout", raw_scores: torch.Tensor, trained_on: "Advantages",
                      metrics: dict[str, float]) -> dict[str, float]:
-        """Called by main on every rank once per update, after training, with this rank's k*B completions (their
-        prompts' rows in the split: rollout.prompt_index), raw_scores (k*B,) before the missing-EOS penalty and
-        normalization, the Advantages trained on, and the update's metrics, reduced over ranks (the same on every
-        rank). Returns metrics of its own, logged as rank 0 holds them."""
+        """main's call on every rank once per update, after training: this rank's k*B completions (rows of the split:
+        rollout.prompt_index), raw_scores (k*B,) as scored, the Advantages trained on, the update's metrics reduced
+        over ranks (every rank's alike). Returns metrics of its own, logged as rank 0 holds them."""
         return {}
 
 
@@ -566,8 +565,7 @@ class Completions:
     # what sampled the batch, which every log-prob of it is of (collect_rollout, ppo_update, the mismatch metrics):
     # softmax(sampling_logits / temperature); a batch made by hand is of softmax(logits)
     sampling: SamplingSettings = field(default=SamplingSettings(), kw_only=True)
-    # (B,) each prompt's row in the training split, as main drew it (the prompt's identity, for state kept per prompt:
-    # a prompt is on another rank each epoch); None for a batch made by hand
+    # (B,) each prompt's row in the training split, main's draw (its identity, for state kept per prompt); by hand: None
     prompt_index: Optional[torch.Tensor] = field(default=None, kw_only=True)
 
     PER_PROMPT: ClassVar[tuple[str, ...]] = ("queries", "query_mask", "prompt_index")  # the others: per completion
@@ -774,8 +772,7 @@ def completions_of(queries: torch.Tensor, query_mask: torch.Tensor, responses: t
                    sampler_logprobs: Optional[torch.Tensor] = None, prompt_index: Optional[torch.Tensor] = None
                    ) -> Completions:
     """Every RolloutSource's Completions: its (k*B, Tr) tokens of the (B, Tq) queries, Tr = sampling.max_new_tokens,
-    cut after the first stop token, carrying `sampling` and `prompt_index` (B,), with the sampler's log-probs (k*B,
-    Tr) zeroed on padding."""
+    cut after the first stop token, carrying `sampling` and `prompt_index`, the sampler's log-probs 0 on padding."""
     if responses.shape[1] != sampling.max_new_tokens:  # a source that sampled another batch's length
         raise ValueError(f"responses of {responses.shape[1]} tokens for a batch of {sampling.max_new_tokens}")
     responses, response_mask = truncate_after_stop(responses.to(queries.device), stop_token_id, pad_token_id)
@@ -1408,24 +1405,6 @@ def evaluate(
 
 
 # ===================================================================== main
-def table_rows(args: Args, sizes: BatchSizes) -> list[int]:
-    """The completions (rows of the (k, B) layout) of the sample table: --num_completions_to_print of them, each
-    prompt's k together (TRL prints them so); by default the first completion of 5 prompts, or with
-    --log_completions every completion of this rank."""
-    if args.num_completions_to_print is None and not args.log_completions:
-        return list(range(min(5, sizes.prompts)))
-    by_prompt = [j * sizes.prompts + i for i in range(sizes.prompts) for j in range(args.rloo_k)]  # prompt-major
-    return by_prompt[: args.num_completions_to_print]
-
-
-@dataclass
-class PromptBatch:
-    """B prompts drawn for one update, their k completions asked for and not yet trained on."""
-
-    examples: dict  # the dataset's B rows: PROMPT_IDS, the prompt column, any column a reward function takes
-    sampler_state: dict  # the sampler before drawing them: where a resume starts while the batch is in flight
-
-
 def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts) -> None:
     """Train: set up, then the six steps of each update. `make_rollouts(policy, args, stop_token_id, pad_token_id,
     generator, autocast)` gives the RolloutSource (LocalRollouts); rloo_multinode.py passes its engines'."""
@@ -1504,7 +1483,7 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
     eval_at = plumbing.evaluation_updates(args, num_updates, steps_per_update, len(dataset) // sampler.per_update) \
         if eval_dataset is not None else set()
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0
-    queued: list[PromptBatch] = []  # drawn, sampled or being sampled, not yet trained on
+    queued: list[plumbing.PromptBatch] = []  # drawn, sampled or being sampled, not yet trained on
 
     def data_position() -> dict:  # the sampler before the oldest batch not yet trained on: where a resume draws again
         return queued[0].sampler_state if queued else sampler.state_dict()
@@ -1534,15 +1513,13 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
             policy.eval()
             with plumbing.gathered_for_rollout(policy, args.fsdp_generation):
                 while len(queued) <= min(rollouts.lookahead, num_updates - update):
-                    sampler_state, drawn = sampler.state_dict(), sampler.next_indices()  # (B,) rows of the split
-                    examples = dataset[drawn]
-                    queries, query_mask = plumbing.pad_sequences(examples[plumbing.PROMPT_IDS],
-                                                                 tokenizer.pad_token_id, device)  # (B, Tq)
+                    sampler_state, rows = sampler.state_dict(), sampler.next_indices()  # B rows of the split
+                    batch = plumbing.PromptBatch.of(dataset, rows, sampler_state, tokenizer.pad_token_id, device)
                     # what samples the batch of update `update + len(queued)`, which carries it to every log-prob
                     # of it (Completions.sampling): a schedule of a sampling setting or the length is this line
                     sampling = SamplingSettings.of(args)
-                    rollouts.submit(queries, query_mask, sampling, torch.tensor(drawn, device=device))  # k each
-                    queued.append(PromptBatch(examples, sampler_state))
+                    rollouts.submit(batch.queries, batch.query_mask, sampling, batch.prompt_index)  # k each
+                    queued.append(batch)
                 with checkpoints.kept_if_rollouts_fail(update - 1, restart), timer("generation"):
                     completions, rollout_metrics = rollouts.take()  # (B, Tq) queries, (k*B, Tr) responses
                 prompt_batch = queued.pop(0)
@@ -1615,9 +1592,9 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
                     logger.print_notes(plumbing.on_policy_notes(update, apart, metrics, args.cliprange,
                                                                 args.cliprange_high))
                 if args.log_completions or (sample_every and (update - 1) % sample_every == 0):
-                    logger.sample_table([(tokenizer.decode(rollout.queries[i % sizes.prompts][
-                        rollout.query_mask[i % sizes.prompts]]), tokenizer.decode(rollout.responses[i][
-                            rollout.response_mask[i]]), scores[i].item()) for i in table_rows(args, sizes)], episode)
+                    logger.sample_table([(tokenizer.decode(rollout.queries[i % sizes.prompts][rollout.query_mask[
+                        i % sizes.prompts]]), tokenizer.decode(rollout.responses[i][rollout.response_mask[i]]),
+                        scores[i].item()) for i in plumbing.table_rows(args, sizes.prompts)], episode)
             if update in eval_at:
                 evaluation(update, episode)
             stop = stop_signal.requested(device)  # on every rank as soon as any rank got a signal

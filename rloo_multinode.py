@@ -857,9 +857,9 @@ def vllm_sampling(args: Args, stop_token_id: Optional[int],
         value = getattr(owner, f.name)
         if isinstance(value, torch.Tensor) or f.name not in mapped and value != f.default:
             raise plumbing.ConfigError(f"{type(owner).__name__}.{f.name} = {shown_value(value)}: vLLM engines are "
-                                       "sent one number for each setting vllm_sampling maps (temperature, top_k, top_p, "
-                                       "min_p, repetition_penalty, max_new_tokens) and nothing else, so this one would "
-                                       "be dropped: map it in vllm_sampling, or pass --engine hf")
+                                       "sent one number for each setting vllm_sampling maps (temperature, top_k, "
+                                       "top_p, min_p, repetition_penalty, max_new_tokens) and nothing else, so this "
+                                       "one would be dropped: map it in vllm_sampling, or pass --engine hf")
     return {"temperature": sampling.temperature, "top_p": filters.top_p,
             "top_k": filters.top_k, "min_p": filters.min_p or 0.0, "repetition_penalty": filters.repetition_penalty,
             "max_tokens": sampling.max_new_tokens,

@@ -9,6 +9,7 @@ import gzip
 import json
 import lzma
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
@@ -21,7 +22,7 @@ from .threads import interruptible
 
 __all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tools; tests import the rest from the module
     "PROMPT_IDS", "pad_sequences", "load_split", "describe_prompt_lengths", "startup_step", "load_prompts",
-    "prompt_token_ids", "PromptSampler",
+    "prompt_token_ids", "PromptSampler", "PromptBatch",
 ]
 
 PROMPT_IDS = "prompt_input_ids"  # the tokenized prompt column this script adds to the dataset
@@ -415,3 +416,22 @@ class PromptSampler:
         start = self.position + self.rank * self.prompts_per_rank
         self.position += self.per_update
         return self._permutation[start : start + self.prompts_per_rank].tolist()
+
+
+@dataclass
+class PromptBatch:
+    """B prompts drawn for one update (of: the dataset's rows `rows`), their k completions asked for and not yet
+    trained on."""
+
+    examples: dict  # the dataset's B rows: PROMPT_IDS, the prompt column, any column a reward function takes
+    sampler_state: dict  # the sampler before drawing them: where a resume starts while the batch is in flight
+    queries: torch.Tensor  # (B, Tq) their token ids, left-padded
+    query_mask: torch.Tensor  # (B, Tq) bool: real tokens
+    prompt_index: torch.Tensor  # (B,) their rows in the training split (Completions.prompt_index)
+
+    @classmethod
+    def of(cls, dataset, rows: list[int], sampler_state: dict, pad_token_id: int,
+           device: torch.device) -> "PromptBatch":
+        examples = dataset[rows]
+        queries, query_mask = pad_sequences(examples[PROMPT_IDS], pad_token_id, device)  # (B, Tq)
+        return cls(examples, sampler_state, queries, query_mask, torch.tensor(rows, dtype=torch.long, device=device))

@@ -189,8 +189,9 @@ def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 def same_plan(plan: str) -> None:
     """Collective: every rank's `plan` of what it does next in an update's training (its next optimizer step and the
     micro-batches it takes, or the end of its steps: what decides the collectives it calls) is the same, or every rank
-    raises a Fault naming what each rank would do. Ranks that went on apart would meet in collectives of other sizes ("Received data size
-    doesn't match") or wait until --ddp_timeout, far from the cause; one small all_gather here names it."""
+    raises a Fault naming what each rank would do. Ranks that went on apart would meet in collectives of other sizes
+    ("Received data size doesn't match") or wait until --ddp_timeout, far from the cause; one small all_gather here
+    names it."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     plans = [None] * dist.get_world_size()

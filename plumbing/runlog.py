@@ -21,7 +21,7 @@ from .faults import console_lost
 
 __all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tools; tests import the rest from the module
     "reduce_metrics", "completion_metrics", "read_metrics", "moving_average", "plot_curves", "MetricsWriteError",
-    "run_notes", "RunLogger", "PNG_WRITER",
+    "run_notes", "RunLogger", "PNG_WRITER", "table_rows",
 ]
 
 SUM_METRICS = ("val/num_eos_tokens", "completions/masked_truncated")
@@ -71,6 +71,16 @@ def reduce_metrics(metrics: dict[str, float], device: torch.device,
         extremes = all_reduce(torch.tensor([metrics[k] for k in selected], dtype=torch.float64, device=device), op)
         out.update(zip(selected, extremes.tolist()))
     return out
+
+
+def table_rows(args, num_prompts: int) -> list[int]:
+    """The completions (rows of the (k, B) layout, B = num_prompts) of the sample table: --num_completions_to_print of
+    them, each prompt's k together (TRL prints them so); by default the first completion of 5 prompts, or with
+    --log_completions every completion of this rank."""
+    if args.num_completions_to_print is None and not args.log_completions:
+        return list(range(min(5, num_prompts)))
+    by_prompt = [j * num_prompts + i for i in range(num_prompts) for j in range(args.rloo_k)]  # prompt-major
+    return by_prompt[: args.num_completions_to_print]
 
 
 def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, grouped: torch.Tensor) -> dict:

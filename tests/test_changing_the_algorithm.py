@@ -533,8 +533,8 @@ DRAWN_INTO_THE_STATE = """
      Stock RLOO keeps none; docs/algorithm.md has worked examples.\"\"\"
 +    drawn: list = field(default_factory=list)  # every prompt drawn so far
 @@ main
-                     examples = dataset[drawn]
-+                    state.drawn = state.drawn + drawn  # where the batch is drawn
+                     batch = plumbing.PromptBatch.of(dataset, rows, sampler_state, tokenizer.pad_token_id, device)
++                    state.drawn = state.drawn + rows  # where the batch is drawn
 """
 
 
@@ -564,8 +564,8 @@ OWN_PART = """
              algorithm_state=state,  # this and every part below: per rank, each rank's own
 +            drawn=so_far,
 @@ main
-                     examples = dataset[drawn]
-+                    so_far.count += len(drawn)  # changed where the batch is drawn
+                     batch = plumbing.PromptBatch.of(dataset, rows, sampler_state, tokenizer.pad_token_id, device)
++                    so_far.count += len(rows)  # changed where the batch is drawn
 @@ main
                  scores = apply_missing_eos_penalty(raw_scores, has_stop, args.missing_eos_penalty)  # (k*B,)
 +                scores = scores + 0.01 * so_far.count

@@ -21,7 +21,7 @@ from plumbing.outputdir import TRAINER_STATE, latest_checkpoint
 import rloo
 import rloo_multinode as mn
 from conftest import REPO, policy_tokenizer, read_metrics, script_env, tiny_policy
-from helpers import (ENGINE_RUN, PER_UPDATE, SECRET, engine_comparable, free_port, listening_sockets,
+from helpers import (ENGINE_RUN, PER_UPDATE, SECRET, engine_comparable, free_port, left_padded, listening_sockets,
                      live_processes_in_group, run_script, wait_for_updates)
 
 ENGINE_NEVER_ANSWERS = """import sys, threading
@@ -77,6 +77,10 @@ def test_after_a_sync_every_engine_holds_the_trainers_weights_bit_for_bit(archit
             assert torch.equal(engine[name], tensor), name
         if architecture == "tied_llama":  # one tensor sent, both ends of the tie updated
             assert torch.equal(engine["lm_head.weight"], policy.model.embed_tokens.weight)
+        queries, query_mask = left_padded(tokenizer, ["a b :", "c :", "d e f :"])  # a batch, its prompts' rows
+        rollouts.submit(queries, query_mask, rloo.SamplingSettings.of(args), torch.tensor([9, 2, 5]))
+        completions, _ = rollouts.take()
+        assert completions.prompt_index.tolist() == [9, 2, 5] and completions.responses.shape[0] == 3 * args.rloo_k
     finally:
         rollouts.close()
 

@@ -263,9 +263,10 @@ def test_generation_batch_size_sets_the_minibatches():
 
 def test_the_sample_table_shows_each_prompts_completions_together():
     sizes = rloo.compute_batch_sizes(rloo.Args(per_device_train_batch_size=8, rloo_k=2), 1)  # B = 4
-    assert rloo.table_rows(rloo.Args(), sizes) == [0, 1, 2, 3]  # the first completion of (up to 5) prompts
-    assert rloo.table_rows(rloo.Args(log_completions=True), sizes) == [0, 4, 1, 5, 2, 6, 3, 7]
-    assert rloo.table_rows(rloo.Args(num_completions_to_print=3), sizes) == [0, 4, 1]
+    prompts = sizes.prompts
+    assert plumbing.table_rows(rloo.Args(rloo_k=2), prompts) == [0, 1, 2, 3]  # the first completion of (up to 5)
+    assert plumbing.table_rows(rloo.Args(rloo_k=2, log_completions=True), prompts) == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert plumbing.table_rows(rloo.Args(rloo_k=2, num_completions_to_print=3), prompts) == [0, 4, 1]
 
 
 # ----- end to end: tiny runs of rloo.py

@@ -242,8 +242,8 @@ def llama_policy(tmp_path_factory):
 
 def assert_every_load_exact(out, rank: int, versions: list[int]) -> None:
     """tests/colocated_run.py's record: after each load the engine scores fixed completions as the trainer does, and
-    its sampler's log-probs of the tokens it drew are the trainer's; after each optimizer step, before the load, the
-    engine's are far from them."""
+    its sampler's log-probs of the tokens it drew are the trainer's, and the completions carry their prompts' rows;
+    after each optimizer step, before the load, the engine's are far from them."""
     checks = [json.loads(line) for line in (out / f"sync_check_rank{rank}.jsonl").read_text().splitlines()]
     after = [c for c in checks if c["when"] == "after the load"]
     before = [c for c in checks if c["when"] == "before the load"]
@@ -252,6 +252,7 @@ def assert_every_load_exact(out, rank: int, versions: list[int]) -> None:
           f"{min(c['difference'] for c in before):.2e}")
     assert [c["version"] for c in after] == versions
     assert all(c["difference"] < LOGPROB_TOLERANCE and c["sampled_difference"] < LOGPROB_TOLERANCE for c in after)
+    assert all(c["carried"] for c in after)
     assert before and all(c["difference"] > 100 * LOGPROB_TOLERANCE for c in before)
 
 
