@@ -1,14 +1,12 @@
 """README.md's "Changing the algorithm" and docs/algorithm.md's "Worked examples": each diff, an edit of one function,
 applied to a copy of rloo.py and trained with for a few updates on the tiny models, does what it says."""
 
-import functools
-import importlib.util
 import math
 import os
 import re
 import signal
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -20,11 +18,10 @@ import plumbing
 from plumbing.checkpoints import reference_tensors
 from plumbing.outputdir import latest_checkpoint
 import rloo
-from conftest import REPO, policy_tokenizer, prompt_rows, read_metrics, run_rloo, tiny_policy, tiny_reward_model
-from helpers import (ENGINE_RUN, K, NO_AUTOCAST, PER_UPDATE, PROMPTS, assert_same_run, engine_comparable, free_port,
-                     interrupt_after_first_update, launch, left_padded, run_main, write_jsonl)
-
-CPU = torch.device("cpu")
+from conftest import REPO, policy_tokenizer, prompt_rows, read_metrics, run_rloo, tiny_policy
+from helpers import (ENGINE_RUN, K, NO_AUTOCAST, PER_UPDATE, PROMPTS, TWO_RANKS, assert_same_run, edited_rloo,
+                     engine_comparable, free_port, launch, left_padded, reward_model_score, run_main,
+                     stopped_and_resumed_on_two_ranks, train, write_jsonl)
 
 
 def examples() -> dict[str, list[str]]:
@@ -37,68 +34,6 @@ def examples() -> dict[str, list[str]]:
             title = re.findall(r"\*\*([^*]+)\*\*", prose)[-1]
             found.setdefault(" ".join(title.split()), []).append(block.group(1))
     return found
-
-
-def edited_rloo(diffs: list[str], tmp_path):
-    """rloo.py with the diffs applied (each one's context and removed lines found exactly once), imported as a
-    module."""
-    source = (REPO / "rloo.py").read_text()
-    for diff in (hunk for block in diffs for hunk in re.split(r"^@@.*\n", block, flags=re.M)):  # @@: a new hunk
-        lines = diff.splitlines()
-        old = "".join(line[1:] + "\n" for line in lines if line[:1] in (" ", "-"))
-        new = "".join(line[1:] + "\n" for line in lines if line[:1] in (" ", "+"))
-        assert source.count(old) == 1, f"the example's lines are not in rloo.py once:\n{old}"
-        source = source.replace(old, new)
-    path = tmp_path / "rloo.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(f"rloo_edited_{tmp_path.name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def train(module, updates: int, score, **flags) -> tuple[torch.nn.Module, list]:
-    """`updates` updates of the tiny policy on 4 prompts x 4 completions with module's functions as main calls them:
-    sample, log-probs (unless the update computes them: on-policy settings, from the second update on, once the first
-    found compute_advantages the same apart; the reference's with kl_coef > 0), score(completions), which count in
-    the loss, ppo_update. Returns the policy and each update's (rollout, stats, the Advantages it trained on)."""
-    tokenizer = policy_tokenizer()
-    policy = tiny_policy(len(tokenizer), seed=0)
-    reference = tiny_policy(len(tokenizer), seed=0).requires_grad_(False) if flags.get("kl_coef") else None
-    args = module.Args(**{"rloo_k": K, "per_device_train_batch_size": K * PROMPTS, "num_ppo_epochs": 1,
-                          "temperature": 1.0, "response_length": 5, "kl_coef": 0.0,
-                          "local_rollout_forward_batch_size": K * PROMPTS} | flags)
-    sizes = module.compute_batch_sizes(args, 1)
-    optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
-    generator = torch.Generator().manual_seed(0)
-    rows = prompt_rows(PROMPTS * updates, seed=3)
-    history, state = [], module.AlgorithmState.start(args, len(rows))
-    shortcut, in_update = module.logprobs_from_update(args, sizes, 0), False
-    for update in range(updates):
-        queries, query_mask = left_padded(tokenizer, [r["prompt"] for r in rows[update * PROMPTS:][:PROMPTS]])
-        c = replace(module.sample_completions(policy, queries, query_mask, args.response_length, 1.0, 1, 0, generator,
-                                              k=K, filters=module.SamplingFilters.of(args)),
-                    prompt_index=torch.arange(update * PROMPTS, (update + 1) * PROMPTS))  # their rows of `rows`
-        rollout = module.collect_rollout(policy, reference, c, args, True, in_update, NO_AUTOCAST,
-                                         plumbing.PhaseTimer(CPU))
-        scores = score(c)  # (k*B,)
-        rollout.in_loss = module.completions_in_loss(scores, rollout.ended(1), args)
-        torch.manual_seed(update)
-        stats, values = module.ppo_update(policy, optimizer, rollout, scores, args, sizes, True, NO_AUTOCAST,
-                                          state=state)
-        if shortcut and not in_update:  # as main decides it
-            in_update = shortcut = module.advantages_apart(rollout, scores, values, args, sizes, state) is None
-        history.append((rollout, stats, values))
-    return policy, history
-
-
-@functools.cache
-def reward_model() -> torch.nn.Module:
-    return tiny_reward_model(len(policy_tokenizer()))
-
-
-def reward_model_score(c) -> torch.Tensor:
-    return 10 * rloo.reward_model_scores(reward_model(), c, True)  # (k*B,): groups with a spread of rewards
 
 
 def test_the_sections_have_the_examples():
@@ -395,30 +330,6 @@ def test_an_on_policy_run_resumes_with_its_shortcut_verdict_bit_identically(asse
     saved = torch.load(tmp_path / "resumed" / "checkpoints" / "step_2" / "rank0.pt", weights_only=True)
     assert saved["on_policy_shortcut"] == {"checked": True, "on": True}
     assert_same_run(tmp_path / "full", tmp_path / "resumed")
-
-
-TWO_RANKS = ["--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train_batch_size", "16",
-             "--response_length", "6", "--temperature", "1.0", "--max_prompt_length", "16", "--num_ppo_epochs", "2",
-             "--learning_rate", "3e-3", "--num_sample_generations", "0", "--total_episodes", 4 * 16 * 2]  # 4 updates
-
-
-def stopped_and_resumed_on_two_ranks(module, assets, tmp_path, *flags) -> Path:
-    """The edited rloo.py (`module`'s file) trained for 4 updates on two ranks (torchrun, gloo, CPU), and again
-    stopped by SIGTERM after an update and resumed: the same metrics and bit-identical weights. Returns the
-    resumed run's output_dir."""
-    script = Path(module.__file__)
-    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *TWO_RANKS, *flags]
-    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
-    full, stopped = tmp_path / "full", tmp_path / "stopped"
-    result = run_rloo(*common, "--output_dir", full, nproc=2, env=env, script=str(script))
-    assert result.returncode == 0, result.stderr[-3000:]
-    _, stdout, stderr = interrupt_after_first_update([*common, "--output_dir", stopped], signal.SIGTERM, 2,
-                                                     script=script)
-    assert "SIGTERM received" in stdout and not (stopped / "model.safetensors").exists(), stdout + stderr[-3000:]
-    result = run_rloo(*common, "--output_dir", stopped, "--resume", nproc=2, env=env, script=str(script))
-    assert result.returncode == 0 and "resuming from" in result.stdout, result.stderr[-3000:]
-    assert_same_run(full, stopped)
-    return stopped
 
 
 def test_an_ema_reference_resumes_bit_identically_on_two_ranks(assets, tmp_path):

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 import check_change
 import plumbing
 from conftest import REPO
+from helpers import stock_text_differs
 
 
 def fake_run(root, name: str, metrics: list[dict], weight: float = 1.0):
@@ -81,7 +82,8 @@ def test_the_check_finds_a_buffer_no_checkpoint_saves_and_passes_a_copy_that_cha
     source = (REPO / "rloo.py").read_text()
     (tmp_path / "rloo_same.py").write_text(source)
     for line, added in LOCAL_BUFFER:
-        assert source.count(line) == 1, line
+        if source.count(line) != 1:
+            stock_text_differs(f"the buffer's lines go after {line.strip()!r}, which is not in rloo.py once")
         source = source.replace(line, line + added)
     (tmp_path / "rloo_buffer.py").write_text(source)
     for name, status in (("rloo_same.py", 0), ("rloo_buffer.py", 1)):

@@ -445,7 +445,7 @@ def test_no_file_of_a_checkpoint_can_run_code(tmp_path, forged):
         start = resume_checkpoint(args)
         policy, _, _, _ = rloo.load_policy(args, torch.device("cpu"), start.checkpoint, policy_tokenizer())
         read_shards(get_optimizer_state_dict(policy, torch.optim.AdamW(policy.parameters())),
-                             step / "optimizer")
+                    step / "optimizer")
         load_safely(step / "rank0.pt")
         problem = None
     except plumbing.ConfigError as e:
@@ -688,7 +688,7 @@ def test_a_signal_while_prompts_are_tokenized_stops_the_start_up_at_once(tmp_pat
     try:
         with pytest.raises(StartupInterrupted, match="SIGTERM received during start-up"):
             prepare_prompts(datasets.Dataset.from_list([{"prompt": "a :"}]), policy_tokenizer(), "prompt", 4,
-                                     "d", None, stuck)
+                            "d", None, stuck)
         assert not returned  # stopped while the tokenizer still ran
     finally:
         release.set()

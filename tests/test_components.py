@@ -322,7 +322,7 @@ def test_over_long_and_empty_prompts_are_dropped_and_counted_apart():
     assert describe_dropped(dropped, 3) == "1 dropped as longer than 3 tokens, 1 empty"
     with pytest.raises(plumbing.ConfigError, match="longer than max_prompt_length"):
         prepare_prompts(ds.remove_columns("prompt_input_ids"), tokenizer, "prompt", 1, "d", None,
-                                 plumbing.prompt_token_ids)  # the prompts as read: the ids' column is the script's
+                        plumbing.prompt_token_ids)  # the prompts as read: the ids' column is the script's
 
 
 def test_a_prompt_longer_by_far_is_tokenized_that_far_only_and_the_drops_still_count_right():

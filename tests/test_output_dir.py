@@ -222,10 +222,10 @@ def test_a_checkpoint_of_another_run_or_another_update_is_refused(tmp_path):
         resume_checkpoint(args)
     with pytest.raises(plumbing.ConfigError, match="it holds update 2, not that of its directory step_3"):
         resume_checkpoint(rloo.Args(output_dir=str(tmp_path / "c"),
-                                             resume_from=str(tmp_path / "a" / "checkpoints" / "step_3")))
+                                    resume_from=str(tmp_path / "a" / "checkpoints" / "step_3")))
     # run b's checkpoint continued in a directory of its own: accepted
     start = resume_checkpoint(rloo.Args(output_dir=str(tmp_path / "c"),
-                                                 resume_from=str(tmp_path / "b" / "checkpoints" / "step_3")))
+                                        resume_from=str(tmp_path / "b" / "checkpoints" / "step_3")))
     assert start.state["run_id"] == "run-b"
     # metrics lines of another run are never kept as this run's
     (tmp_path / "c").mkdir()
@@ -353,7 +353,7 @@ def test_a_malformed_trainer_state_is_one_line_naming_the_checkpoint_never_a_tra
     assert read_checkpoint(one_checkpoint)[0] is None
     with pytest.raises(plumbing.ConfigError) as refused:
         resume_checkpoint(rloo.Args(output_dir=str(one_checkpoint.parent.parent / "new"),
-                                             resume_from=str(one_checkpoint)))
+                                    resume_from=str(one_checkpoint)))
     message = str(refused.value)
     assert "\n" not in message and message.startswith(f"--resume_from {one_checkpoint} is damaged: ")
     assert not Path("/tmp/rloo-test-ran").exists()

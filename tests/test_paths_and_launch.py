@@ -156,7 +156,7 @@ def test_a_context_shorter_than_prompt_and_response_is_refused_where_positions_a
     config.save_pretrained(tmp_path / "reward_model")  # a reward model's table too
     with pytest.raises(plumbing.ConfigError, match="but the reward model has 64 positions"):
         check_reward_model_config(str(tmp_path / "reward_model"), False, None,
-                                           replace(args, response_length=6), 60)
+                                  replace(args, response_length=6), 60)
 
 
 def test_the_context_check_reads_the_datas_longest_prompt_not_the_flags_cap(assets, tmp_path, capsys):

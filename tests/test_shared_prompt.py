@@ -374,7 +374,7 @@ def test_one_check_for_a_policy_and_reward_model_that_agree(monkeypatch):
     assert sharing_key(policy) == sharing_key(reward_model)  # the heads differ, the backbone not
     assert shares_prompts(policy, "policy", None, probe, computed(policy), notes, checked)
     assert shares_prompts(reward_model, "reward model", None, probe, computed(reward_model, True), notes,
-                                   checked)
+                          checked)
     assert calls == [policy] and notes == []  # the reward model's verdict is the policy's check
     for other in (tiny("llama", "ForSequenceClassification").to(torch.bfloat16),  # another dtype
                   tiny("mistral", "ForSequenceClassification"),  # another architecture
