@@ -466,8 +466,7 @@ OWN_PART = """
 +    count: int = 0
 +
 +
- @dataclass
- class PromptBatch:
+ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts) -> None:
 @@ main
          generators = plumbing.Generators(args.seed + dist_info.rank, device)
 +        so_far = Drawn()
