@@ -36,8 +36,6 @@ from typing import Optional
 import tyro
 
 REPO = Path(__file__).resolve().parent
-HANG_AT = "CHECK_CHANGE_HANG_AT"  # the reward function's call (on each rank) that waits for the stop signal
-MARKERS = "CHECK_CHANGE_MARKERS"  # where each rank's waiting reward function says so
 STOP_AFTER = "_stop_after"  # check_change.py's own command: run a script, stopped by SIGTERM after update N
 PROMPTS = 16
 NOT_COMPARED = ("eps", "time/", "run_id")  # wall-clock measurements, and each run's own id
@@ -65,21 +63,6 @@ class CheckArgs:
 
 
 # ---------------------------------------------------------------- inside the runs
-def true_reward(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
-    """The demo's true score, as a reward function of the check's runs; at the call numbered $CHECK_CHANGE_HANG_AT
-    (each rank counts its own) it says so in $CHECK_CHANGE_MARKERS and waits for good: the check then sends SIGTERM,
-    which stops the run at once (the stop while a reward function runs)."""
-    from benchmark.synthetic_task import true_reward as score
-
-    true_reward.calls = getattr(true_reward, "calls", 0) + 1
-    if str(true_reward.calls) == os.environ.get(HANG_AT):
-        Path(os.environ[MARKERS], f"rank{os.environ.get('RANK', '0')}").write_text("waiting\n")
-        import threading
-
-        threading.Event().wait()
-    return score(prompts, completions)
-
-
 def run_stopped_after(update: int, script: str, argv: list[str]) -> None:
     """`script` run as __main__ with `argv`, SIGTERM sent to the run (by rank 0: to torchrun, which sends it to every
     rank; or to itself) as update `update` ends, where its loop asks whether to stop; each rank waits for the signal
@@ -115,7 +98,7 @@ class Run:
 def task_flags(assets: dict[str, str], prompts: Path, nproc: int, updates: int) -> list[str]:
     """The check's flags: the demo's task and settings, 16 completions per rank and update."""
     flags = {"model_name_or_path": assets["policy"], "reward_model_path": assets["reward_model"],
-             "dataset_name": str(prompts), "reward_fn": "check_change:true_reward", "rloo_k": 4,
+             "dataset_name": str(prompts), "reward_fn": "benchmark.synthetic_task:stoppable_true_reward", "rloo_k": 4,
              "per_device_train_batch_size": 8, "num_mini_batches": 2, "num_ppo_epochs": 2, "learning_rate": 3e-4,
              "kl_coef": 0.05, "response_length": 8, "max_prompt_length": 16, "temperature": 1.0,
              "missing_eos_penalty": 1.0, "total_episodes": updates * 16 * nproc, "num_sample_generations": 0,
@@ -145,8 +128,9 @@ def finished(process: subprocess.Popen, log: Path, output_dir: Path, wanted: str
         return Run(output_dir, f"it hung for {HANG_GUARD_S} s (log: {log})")
     text = log.read_text(errors="replace")
     if (status != 0 and not stopped) or wanted not in text:
-        last = [line for line in text.splitlines() if line.strip() and "Traceback" not in line][-1:] or ["no output"]
-        return Run(output_dir, f"exit status {status}: {last[0].strip()[:300]} (log: {log})")
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        said = [line for line in lines if ": error: " in line] or lines[-1:] or ["no output"]  # the run's own line
+        return Run(output_dir, f"exit status {status}: {said[-1][:300]} (log: {log})")
     return Run(output_dir)
 
 
@@ -164,8 +148,10 @@ def stopped_in_reward_call(script: Path, args: list[str], nproc: int, output_dir
     markers = output_dir.with_name(output_dir.name + ".waiting")
     markers.mkdir(parents=True)
     log = output_dir.with_name(output_dir.name + ".log")
-    process = launch(script, [*args, "--output_dir", str(output_dir)], nproc, {**env, HANG_AT: str(call),
-                                                                               MARKERS: str(markers)}, log)
+    from benchmark.synthetic_task import WAIT_AT_CALL, WAITING_IN
+
+    process = launch(script, [*args, "--output_dir", str(output_dir)], nproc, {**env, WAIT_AT_CALL: str(call),
+                                                                               WAITING_IN: str(markers)}, log)
     deadline = time.time() + HANG_GUARD_S  # a hang guard only
     while len(list(markers.iterdir())) < nproc and process.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -194,7 +180,8 @@ def difference(expected: Path, got: Path, what: str, keys: Optional[set] = None)
         apart.sort(key=lambda k: FIRST_SAID.index(k) if k in FIRST_SAID else len(FIRST_SAID))  # the telling ones first
         if apart:
             more = f" (and {len(apart) - 1} other metrics)" if len(apart) > 1 else ""
-            return f"from update {x['update']}: {apart[0]} {y.get(apart[0])!r} against {what}'s {x.get(apart[0])!r}{more}"
+            first = apart[0]
+            return f"from update {x['update']}: {first} {y.get(first)!r} against {what}'s {x.get(first)!r}{more}"
     weights = [load_file(d / "model.safetensors") for d in (expected, got)]
     if weights[0].keys() != weights[1].keys():
         return f"its final weights have other tensors than {what}'s"
@@ -258,7 +245,8 @@ def check(args: CheckArgs) -> int:
     own = shlex.split(args.flags)
     copy = load_copy(script)
     plumbing.validate_args(plumbing.parse_args(copy.Args, argv=own + ["--model_name_or_path", ".", "--dataset_name",
-                                                                      ".", "--reward_fn", "check_change:true_reward"],
+                                                                      ".", "--reward_fn",
+                                                                      "benchmark.synthetic_task:true_reward"],
                                                prog=f"{script.name} (its --flags)"))
     assets = ensure_assets(args.cache_dir)
     runs_root = REPO / "runs" / "check-change"
@@ -282,11 +270,12 @@ def check(args: CheckArgs) -> int:
         start = time.time()
         stock = stock_run(common, nproc, work, env)
         copy = train(script, common, nproc, work / f"neutral-{nproc}", env)
-        failed = stock.failed and f"rloo.py's run failed: {stock.failed}" or copy.failed and f"the copy's run failed: " \
-            f"{copy.failed}"
+        failed = stock.failed and f"rloo.py's run failed: {stock.failed}" or \
+            copy.failed and f"the copy's run failed: {copy.failed}"
         keys = {k for m in read_metrics(stock.output_dir) for k in m}
         extra = sorted({k for m in read_metrics(copy.output_dir) for k in m} - keys)
-        say(f"neutral settings, {ranks}", start, failed or difference(stock.output_dir, copy.output_dir, "rloo.py", keys),
+        problem = failed or difference(stock.output_dir, copy.output_dir, "rloo.py", keys)
+        say(f"neutral settings, {ranks}", start, problem,
             "the same as rloo.py, bit for bit (metrics and final weights)" + (
                 f"; its own metrics, not compared: {', '.join(extra)}" if extra else ""))
         start = time.time()
