@@ -309,11 +309,9 @@ def main(args: CheckArgs) -> None:
         sys.exit(status)
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == [STOP_AFTER]:
-        run_stopped_after(int(sys.argv[2]), sys.argv[3], sys.argv[4:])
-    else:
-        sys.path.insert(0, str(REPO))
-        import plumbing
+if __name__ == "__main__" and sys.argv[1:2] == [STOP_AFTER]:  # one of the check's runs: its script's own boundary
+    run_stopped_after(int(sys.argv[2]), sys.argv[3], sys.argv[4:])
+if __name__ == "__main__" and sys.argv[1:2] != [STOP_AFTER]:
+    import plumbing  # here, not above: a stopped run imports its copy's plumbing, beside the copy
 
-        plumbing.run_tool("check_change.py", CheckArgs, main)
+    plumbing.run_tool("check_change.py", CheckArgs, main)
