@@ -52,7 +52,8 @@ def test_a_difference_is_said_at_its_first_update_with_the_telling_metric_first(
                     "FILE=rloo_mine.py)"),
     (["rloo.py", "--updates", "3"], "check_change.py: error: --updates 3 --ranks 1 2: at least 4 updates (the stops "
                                     "come in update 3), on 1 rank or more"),
-    (["rloo.py", "--flags=--kl_coef -1"], "check_change.py: error: kl_coef = -1.0 must be a finite number >= 0"),
+    (["rloo.py", "--flags=--kl_coef -1"], "check_change.py: error: kl_coef = -1.0 must be in [0, 1e+06] (beyond, the "
+                                          "first updates' gradients overflow float32)"),
     (["rloo.py", "--flags=--no_such 1"], "rloo.py (its --flags): error: unrecognized argument '--no_such': see --help"),
 ])
 def test_what_cannot_be_checked_is_one_line_before_any_run(argv, said, tmp_path, capsys, monkeypatch):
