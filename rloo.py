@@ -180,21 +180,29 @@ class Args(plumbing.RunArgs):
 
 
 @dataclass
-class AlgorithmState(plumbing.FieldsState):
+class AlgorithmState(plumbing.UpdateState):
     """What the algorithm carries from one update to the next (a controller's coefficient, a running statistic); Args
-    never changes during a run. Made by start(args), handed by ppo_update to compute_advantages and policy_loss,
-    changed by main after an update. Each rank saves its own; a resume restores it bit for bit, type-checked: plain
-    values and tensors (back on the CPU). Stock RLOO keeps none; docs/algorithm.md has worked examples."""
+    never changes during a run. Made by start once the prompts are loaded, read anywhere (ppo_update hands it to
+    compute_advantages and policy_loss), changed only in after_update (elsewhere refused, naming the field). Each rank
+    saves its own, finite; a resume restores it bit for bit, type-checked: plain values and tensors (back on the CPU).
+    Stock RLOO keeps none; docs/algorithm.md has worked examples."""
 
     @classmethod
-    def start(cls, args: Args) -> "AlgorithmState":
+    def start(cls, args: Args, num_prompts: int) -> "AlgorithmState":  # num_prompts: the training split's
         return cls()
+
+    def after_update(self, args: Args, rollout: "Rollout", raw_scores: torch.Tensor, trained_on: "Advantages",
+                     metrics: dict[str, float]) -> dict[str, float]:
+        """main's call on every rank once per update, after training: this rank's k*B completions (rows of the split:
+        rollout.prompt_index), raw_scores (k*B,) as scored, the Advantages trained on, the update's metrics reduced
+        over ranks (every rank's alike). Returns metrics of its own, logged as rank 0 holds them."""
+        return {}
 
 
 def algorithm_rules(a: Args) -> list[tuple[str, object, bool, str]]:
     """(flag, value, whether it is allowed, what it must be) for every algorithm number a typo or a NaN makes
     meaningless, or the first updates non-finite: sampling at temperature 1e-40 or inf, a clip range of 0, a negative
-    learning rate, a KL coefficient beyond plumbing.SCALE_LIMIT. The run's numbers are in plumbing.number_rules."""
+    learning rate, a KL coefficient beyond plumbing.SCALE_LIMIT. The run's numbers: plumbing.flags.number_rules."""
     finite = plumbing.is_finite_number
 
     def each(requirement: str, allowed: Callable[[object], bool], *names: str) -> list:  # one rule, several flags
@@ -559,8 +567,10 @@ class Completions:
     # what sampled the batch, which every log-prob of it is of (collect_rollout, ppo_update, the mismatch metrics):
     # softmax(sampling_logits / temperature); a batch made by hand is of softmax(logits)
     sampling: SamplingSettings = field(default=SamplingSettings(), kw_only=True)
+    # (B,) each prompt's row in the training split, main's draw (its identity, for state kept per prompt); by hand: None
+    prompt_index: Optional[torch.Tensor] = field(default=None, kw_only=True)
 
-    PER_PROMPT: ClassVar[tuple[str, ...]] = ("queries", "query_mask")  # every other tensor has a row per completion
+    PER_PROMPT: ClassVar[tuple[str, ...]] = ("queries", "query_mask", "prompt_index")  # the others: per completion
 
     @property
     def k(self) -> int:
@@ -584,7 +594,7 @@ class Completions:
         rows = completion_rows(prompts, self.queries.shape[0], self.k)  # (k*g,)
         prompt_width = int(self.query_mask[prompts].sum(1).max())
         response_width = int(self.response_mask[rows].sum(1).max())
-        return self.map_tensors(lambda t: t[prompts, -prompt_width:],
+        return self.map_tensors(lambda t: t[prompts, -prompt_width:] if t.dim() == 2 else t[prompts],
                                 lambda t: t[rows, :response_width] if t.dim() == 2 else t[rows])  # (k*g, ..)
 
     def one_per_row(self, rows: torch.Tensor) -> "Completions":
@@ -761,14 +771,16 @@ def sample_completions(
 
 def completions_of(queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
                    sampling: SamplingSettings, stop_token_id: Optional[int], pad_token_id: int,
-                   sampler_logprobs: Optional[torch.Tensor] = None) -> Completions:
+                   sampler_logprobs: Optional[torch.Tensor] = None, prompt_index: Optional[torch.Tensor] = None
+                   ) -> Completions:
     """Every RolloutSource's Completions: its (k*B, Tr) tokens of the (B, Tq) queries, Tr = sampling.max_new_tokens,
-    cut after the first stop token, carrying `sampling`, with the sampler's log-probs (k*B, Tr) zeroed on padding."""
+    cut after the first stop token, carrying `sampling` and `prompt_index`, the sampler's log-probs 0 on padding."""
     if responses.shape[1] != sampling.max_new_tokens:  # a source that sampled another batch's length
         raise ValueError(f"responses of {responses.shape[1]} tokens for a batch of {sampling.max_new_tokens}")
     responses, response_mask = truncate_after_stop(responses.to(queries.device), stop_token_id, pad_token_id)
-    return Completions(queries, query_mask, responses, response_mask, sampling=sampling, sampler_logprobs=None
-                       if sampler_logprobs is None else sampler_logprobs.to(queries.device) * response_mask)
+    return Completions(queries, query_mask, responses, response_mask, sampling=sampling, prompt_index=prompt_index,
+                       sampler_logprobs=None if sampler_logprobs is None else
+                       sampler_logprobs.to(queries.device) * response_mask)
 
 
 def chunks_by_prompt_length(query_mask: torch.Tensor, prompts_per_chunk: int) -> list[torch.Tensor]:
@@ -826,15 +838,17 @@ def sample_in_chunks(
 class RolloutSource(Protocol):
     """Where each update's completions come from (main's `make_rollouts` makes one): LocalRollouts, sampled in this
     process by the policy being trained; rloo_multinode.py's engines (HF or vLLM, served or colocated). `submit` asks
-    for rloo_k completions of each (B, Tq) query with the batch's own settings; `take` gives the oldest batch's
-    (completions_of: carrying its settings, as wide as its max_new_tokens) and metrics of how they were made;
+    for rloo_k completions of each (B, Tq) query with the batch's own settings (one it cannot carry is refused, never
+    dropped); `take` gives the oldest batch's (completions_of: carrying its settings and its (B,) prompt_index, as wide
+    as its max_new_tokens) and metrics of how they were made;
     `behaviour_policy` a with-block's module holding the weights that sampled it; `policy_updated` is called on
     every rank after each update's optimizer steps (returns metrics), `close` at the end, whatever ended the run."""
 
     lookahead: int  # batches sampled ahead of the one trained on (0: on-policy)
     max_metrics: tuple[str, ...]  # metrics of its own that are reduced over ranks by their maximum
 
-    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, sampling: SamplingSettings) -> None: ...
+    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, sampling: SamplingSettings,
+               prompt_index: torch.Tensor) -> None: ...
     def take(self) -> tuple[Completions, dict[str, float]]: ...
     def behaviour_policy(self, policy) -> contextlib.AbstractContextManager: ...
     def policy_updated(self, update: int, policy) -> dict[str, float]: ...
@@ -850,20 +864,22 @@ class LocalRollouts:
     def __init__(self, policy, args: Args, stop_token_id: Optional[int], pad_token_id: int,
                  generator: torch.Generator, autocast):
         self.args, self.stop_token_id, self.pad_token_id, self.generator = args, stop_token_id, pad_token_id, generator
-        self.queued = []  # (B, Tq) queries and mask, sampling settings, oldest first
+        self.queued = []  # submit's arguments, oldest first
         # the module that samples: the policy under autocast, or a bf16 copy of it
         self.sampler = plumbing.bf16_copy(policy) if args.bf16_generation else policy
         self.autocast = contextlib.nullcontext if args.bf16_generation else autocast
         self.decoder = plumbing.StaticDecoder(self.sampler, args.max_prompt_length + args.response_length) \
             if args.compile_generation else None
 
-    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, sampling: SamplingSettings) -> None:
-        self.queued.append((queries, query_mask, sampling))
+    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, sampling: SamplingSettings,
+               prompt_index: torch.Tensor) -> None:
+        self.queued.append((queries, query_mask, sampling, prompt_index))
 
     def take(self) -> tuple[Completions, dict[str, float]]:
-        queries, query_mask, sampling = self.queued.pop(0)
-        return sample_in_chunks(self.sampler, queries, query_mask, self.args.rloo_k, self.args, self.stop_token_id,
-                                self.pad_token_id, self.generator, self.autocast, self.decoder, sampling), {}
+        queries, query_mask, sampling, prompt_index = self.queued.pop(0)
+        return replace(sample_in_chunks(self.sampler, queries, query_mask, self.args.rloo_k, self.args,
+                                        self.stop_token_id, self.pad_token_id, self.generator, self.autocast,
+                                        self.decoder, sampling), prompt_index=prompt_index), {}
 
     @contextlib.contextmanager
     def behaviour_policy(self, policy):
@@ -1278,8 +1294,8 @@ def ppo_update(
     --sync_ref_model: after every ref_model_sync_steps-th optimizer step of the run, ref_policy mixes in the policy.
     `state`: the run's AlgorithmState (None: its start), handed to compute_advantages and policy_loss. Optimizer step
     s of the run (steps_done before this update's) takes learning_rate(s) (None: the optimizer's); `steps`: the first
-    this many steps only (the run's last update under TRL 1.16's arithmetic, plumbing.RunLength; None: all)."""
-    state = AlgorithmState.start(args) if state is None else state
+    this many steps only (the run's last update under TRL 1.16's arithmetic, plumbing.schedule.RunLength; None: all)."""
+    state = AlgorithmState.start(args, 0) if state is None else state
     stats: dict[str, list[torch.Tensor]] = {}
     ratios, grad_norms = [], []
     device, k = scores.device, rollout.k
@@ -1290,7 +1306,8 @@ def ppo_update(
     trained_on, gathered = None if in_update else compute_advantages(rollout, scores, args, state), {}  # all at once
     steps = args.num_ppo_epochs * sizes.minibatches if steps is None else steps  # optimizer steps of this update
     for epoch in range(-(-steps // sizes.minibatches)):
-        for minibatch in minibatch_plan(rollout, sizes, k)[: steps - epoch * sizes.minibatches]:
+        for minibatch in minibatch_plan(rollout, sizes, k)[: steps - epoch * sizes.minibatches]:  # alike on every rank
+            plumbing.same_plan(f"takes step {steps_done + 1} (epoch {epoch + 1}): micro-batches {len(minibatch)}")
             normalizer = loss_normalizer(rollout, minibatch)  # counted once: every micro-batch divides by it
             losses = []
             for micro_step, rows in enumerate(minibatch):
@@ -1328,6 +1345,7 @@ def ppo_update(
             steps_done += 1
             if args.sync_ref_model and steps_done % args.ref_model_sync_steps == 0:
                 sync_reference(ref_policy, plumbing.unwrapped(model), args.ref_model_mixup_alpha)
+    plumbing.same_plan(f"ends its update after step {steps_done}")
     ratios = torch.cat(ratios)  # (num_ppo_epochs * k*B,) sequence-level ratios, whatever the loss's level
     out = {key: torch.stack(values).mean().item() for key, values in stats.items()}
     out["val/ratio"] = ratios.mean().item()
@@ -1382,24 +1400,6 @@ def evaluate(
 
 
 # ===================================================================== main
-def table_rows(args: Args, sizes: BatchSizes) -> list[int]:
-    """The completions (rows of the (k, B) layout) of the sample table: --num_completions_to_print of them, each
-    prompt's k together (TRL prints them so); by default the first completion of 5 prompts, or with
-    --log_completions every completion of this rank."""
-    if args.num_completions_to_print is None and not args.log_completions:
-        return list(range(min(5, sizes.prompts)))
-    by_prompt = [j * sizes.prompts + i for i in range(sizes.prompts) for j in range(args.rloo_k)]  # prompt-major
-    return by_prompt[: args.num_completions_to_print]
-
-
-@dataclass
-class PromptBatch:
-    """B prompts drawn for one update, their k completions asked for and not yet trained on."""
-
-    examples: dict  # the dataset's B rows: PROMPT_IDS, the prompt column, any column a reward function takes
-    sampler_state: dict  # the sampler before drawing them: where a resume starts while the batch is in flight
-
-
 def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts) -> None:
     """Train: set up, then the six steps of each update. `make_rollouts(policy, args, stop_token_id, pad_token_id,
     generator, autocast)` gives the RolloutSource (LocalRollouts); rloo_multinode.py passes its engines'."""
@@ -1413,7 +1413,6 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
     dist_info = plumbing.setup_distributed(args.ddp_timeout)
     sizes = compute_batch_sizes(args, dist_info.world_size)
     device, master = dist_info.device, dist_info.master
-    state = AlgorithmState.start(args)
     checkpoints = plumbing.Checkpointer(args, dist_info, lock, reward_functions)  # output_dir locked, where to resume
     with checkpoints.refusal_leaves_nothing():
         plumbing.choose_kernels()
@@ -1426,6 +1425,7 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
             said.append(f"{len(dataset)} train" + (f", {len(eval_dataset)} test" if eval_dataset else "")
                         + f"; {plumbing.describe_prompt_lengths(dropped, args.max_prompt_length)}")
         sampler = plumbing.PromptSampler(len(dataset), sizes.prompts, dist_info.rank, dist_info.world_size, args.seed)
+        state = AlgorithmState.start(args, len(dataset))
         plumbing.check_reward_function_arguments(reward_functions, [
             (args.dataset_name, dataset), (args.dataset_test_split, eval_dataset)], args.prompt_column)
         steps_per_update = args.num_ppo_epochs * sizes.minibatches  # optimizer steps
@@ -1479,7 +1479,7 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
     eval_at = plumbing.evaluation_updates(args, run, len(dataset) // sampler.per_update) \
         if eval_dataset is not None else set()
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0
-    queued: list[PromptBatch] = []  # drawn, sampled or being sampled, not yet trained on
+    queued: list[plumbing.PromptBatch] = []  # drawn, sampled or being sampled, not yet trained on
 
     def data_position() -> dict:  # the sampler before the oldest batch not yet trained on: where a resume draws again
         return queued[0].sampler_state if queued else sampler.state_dict()
@@ -1499,7 +1499,7 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
         for update in range(checkpoints.start_update + 1, num_updates + 1):
             timer.start_update()
             update_start = time.perf_counter()
-            restart = dict(sampler=data_position(), generators=generators.state_dict())  # a reward fault's
+            restart = dict(checkpoints.states(), sampler=data_position())  # what a stop or fault in the update saves
 
             # ALGO LOGIC 1-3. k completions of each of B prompts, then their log-probs under the sampling policy and
             # the reference. The rollout source may sample ahead (rollouts.lookahead batches: rloo_multinode.py's
@@ -1507,15 +1507,14 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
             policy.eval()
             with plumbing.gathered_for_rollout(policy, args.fsdp_generation):
                 while len(queued) <= min(rollouts.lookahead, num_updates - update):
-                    sampler_state, examples = sampler.state_dict(), dataset[sampler.next_indices()]
-                    queries, query_mask = plumbing.pad_sequences(examples[plumbing.PROMPT_IDS],
-                                                                 tokenizer.pad_token_id, device)  # (B, Tq)
+                    sampler_state, rows = sampler.state_dict(), sampler.next_indices()  # B rows of the split
+                    batch = plumbing.PromptBatch.of(dataset, rows, sampler_state, tokenizer.pad_token_id, device)
                     # what samples the batch of update `update + len(queued)`, which carries it to every log-prob
                     # of it (Completions.sampling): a schedule of a sampling setting or the length is this line
                     sampling = SamplingSettings.of(args)
-                    rollouts.submit(queries, query_mask, sampling)  # k completions each, (k, B) layout
-                    queued.append(PromptBatch(examples, sampler_state))
-                with checkpoints.kept_if_rollouts_fail(update - 1, data_position), timer("generation"):
+                    rollouts.submit(batch.queries, batch.query_mask, sampling, batch.prompt_index)  # k each
+                    queued.append(batch)
+                with checkpoints.kept_if_rollouts_fail(update - 1, restart), timer("generation"):
                     completions, rollout_metrics = rollouts.take()  # (B, Tq) queries, (k*B, Tr) responses
                 prompt_batch = queued.pop(0)
                 with rollouts.behaviour_policy(policy) as behaviour:
@@ -1580,7 +1579,8 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
                 "time/update": time.perf_counter() - update_start,  # all of the update but evaluation and saving
             }
             episode = update * sizes.all_ranks
-            metrics = plumbing.reduce_metrics(metrics, device, rollouts.max_metrics)  # AlgorithmState's changes: here
+            metrics = plumbing.reduce_metrics(metrics, device, rollouts.max_metrics)
+            metrics.update(state.after_update(args, rollout, raw_scores, trained_on, metrics))  # where state changes
             lr = optimizer.param_groups[0]["lr"]  # the update's last optimizer step's: TRL 1.16's learning_rate too
             metrics.update(eps=episode / (time.time() - checkpoints.start_time), lr=lr, learning_rate=lr,
                            episode=episode)
@@ -1590,9 +1590,9 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
                     logger.print_notes(plumbing.on_policy_notes(update, apart, metrics, args.cliprange,
                                                                 args.cliprange_high))
                 if args.log_completions or (sample_every and (update - 1) % sample_every == 0):
-                    logger.sample_table([(tokenizer.decode(rollout.queries[i % sizes.prompts][
-                        rollout.query_mask[i % sizes.prompts]]), tokenizer.decode(rollout.responses[i][
-                            rollout.response_mask[i]]), scores[i].item()) for i in table_rows(args, sizes)], episode)
+                    logger.sample_table([(tokenizer.decode(rollout.queries[i % sizes.prompts][rollout.query_mask[
+                        i % sizes.prompts]]), tokenizer.decode(rollout.responses[i][rollout.response_mask[i]]),
+                        scores[i].item()) for i in plumbing.table_rows(args, sizes.prompts)], episode)
             if update in eval_at:
                 evaluation(update, episode)
             stop = stop_signal.requested(device)  # on every rank as soon as any rank got a signal

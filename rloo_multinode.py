@@ -86,7 +86,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Literal, NamedTuple, Optional, Protocol
 
@@ -955,10 +955,25 @@ def vllm_engine_kwargs(args: Args, index: int, backend: str) -> dict:
     return kwargs
 
 
+def shown_value(value) -> str:
+    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+
+
 def sampling_request(sampling: rloo.SamplingSettings, args: Args) -> dict:
     """The settings that sample a batch, as an engine request carries them (plain values: they cross the control
     store as JSON); an engine samples each batch with its own (a schedule of them in rloo.main reaches engines), at
-    most --response_length tokens (what engines and their caches are sized for)."""
+    most --response_length tokens (what engines and their caches are sized for). What a request cannot carry is
+    refused, never dropped: a value per row or prompt (a request holds one value per setting, for the part of the
+    batch an engine samples), or for vLLM a setting vllm_sampling does not map."""
+    for owner, name, value in [("SamplingSettings", f.name, getattr(sampling, f.name)) for f in fields(sampling)] + [
+            ("SamplingFilters", f.name, getattr(sampling.filters, f.name)) for f in fields(sampling.filters)]:
+        if not (value is None or isinstance(value, (bool, int, float, str, rloo.SamplingFilters))):
+            raise plumbing.ConfigError(
+                f"{owner}.{name} is {shown_value(value)}: a value per row or prompt, which the engines "
+                "cannot carry (a request holds one value per setting for the part of the batch an engine samples): "
+                "give it one value per batch, or sample with rloo.py's own source")
+    if args.engine == "vllm" or args.vllm_mode == "colocate":
+        vllm_sampling(args, None, sampling)  # refuses what vLLM would sample otherwise, here on the trainer
     if not 1 <= sampling.max_new_tokens <= args.response_length:
         raise plumbing.ConfigError(f"a batch of {sampling.max_new_tokens} new tokens: the engines are sized for "
                                    f"--response_length {args.response_length}; raise it, or sample at most that many")
@@ -987,11 +1002,20 @@ def vllm_sampling(args: Args, stop_token_id: Optional[int],
     --repetition_penalty, --response_length), whatever the model's generation config says; vLLM's meaning of each is
     transformers' (the penalty on the raw logits of the prompt's and the output's tokens; ties at the k-th logit kept), and with
     logprobs_mode "processed_logprobs" the log-probs it returns are of the filtered distribution, as the trainer's. Its
-    one difference, min-p before top-p, is refused (check_vllm_filters). max_new_tokens tokens unless the stop token
-    comes first, and EOS stops a response only when it is the stop token."""
+    one difference, min-p before top-p, is refused (check_vllm_filters), as is a setting it does not map (a field
+    added to SamplingSettings or SamplingFilters, off its default) or a value per row: never dropped. max_new_tokens
+    tokens unless the stop token comes first, and EOS stops a response only when it is the stop token."""
     sampling = rloo.SamplingSettings.of(args) if sampling is None else sampling
     filters = sampling.filters
     check_vllm_filters(filters)
+    mapped = {"temperature", "filters", "max_new_tokens", "top_k", "top_p", "min_p", "repetition_penalty"}
+    for owner, f in [(sampling, f) for f in fields(sampling)] + [(filters, f) for f in fields(filters)]:
+        value = getattr(owner, f.name)
+        if isinstance(value, torch.Tensor) or f.name not in mapped and value != f.default:
+            raise plumbing.ConfigError(f"{type(owner).__name__}.{f.name} = {shown_value(value)}: vLLM engines are "
+                                       "sent one number for each setting vllm_sampling maps (temperature, top_k, "
+                                       "top_p, min_p, repetition_penalty, max_new_tokens) and nothing else, so this "
+                                       "one would be dropped: map it in vllm_sampling, or pass --engine hf")
     return {"temperature": sampling.temperature, "top_p": filters.top_p,
             "top_k": filters.top_k, "min_p": filters.min_p or 0.0, "repetition_penalty": filters.repetition_penalty,
             "max_tokens": sampling.max_new_tokens,
@@ -1215,6 +1239,7 @@ class BatchInFlight:
     parts: list[torch.Tensor]  # the prompt indices into B of each part (split_by_prompt), one part per engine
     asked: list[Asked]  # what each part asked of its engine
     sampling: rloo.SamplingSettings  # what samples it, carried by its completions
+    prompt_index: torch.Tensor  # (B,) its prompts' rows in the training split, carried by its completions
 
 
 class EngineRollouts:
@@ -1301,7 +1326,8 @@ class EngineRollouts:
         return wait, time.perf_counter() - start
 
     # ---- the rollout source
-    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, sampling: rloo.SamplingSettings) -> None:
+    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, sampling: rloo.SamplingSettings,
+               prompt_index: torch.Tensor) -> None:
         parts = split_by_prompt(queries.shape[0], self.num_parts)  # [(B/parts,)] prompt indices
         if self.num_parts == 1:  # one engine continues this rank's random stream, as rloo.py would draw it
             states = [self.generator.get_state()]
@@ -1318,7 +1344,7 @@ class EngineRollouts:
         self.submitted += 1
         asked = [Asked(self.engines.names[engine], self.args.rloo_k * len(prompts), sampling.max_new_tokens)
                  for engine, prompts in zip(self.my_engines, parts)]
-        self.queued.append(BatchInFlight(queries, query_mask, parts, asked, sampling))
+        self.queued.append(BatchInFlight(queries, query_mask, parts, asked, sampling, prompt_index))
 
     def take(self) -> tuple[rloo.Completions, dict[str, float]]:
         in_flight = self.queued.pop(0)
@@ -1346,7 +1372,8 @@ class EngineRollouts:
             responses[rloo.completion_rows(prompts, num_prompts, k)] = answer.responses
             sampler_logprobs[rloo.completion_rows(prompts, num_prompts, k)] = answer.sampler_logprobs
         completions = rloo.completions_of(queries, in_flight.query_mask, responses, in_flight.sampling,
-                                          self.stop_token_id, self.pad_token_id, sampler_logprobs)
+                                          self.stop_token_id, self.pad_token_id, sampler_logprobs,
+                                          in_flight.prompt_index)
         self.sampled_by = self.batch_versions.pop(0)
         self.taken += 1
         for old in [v for v in self.snapshots if v < self.sampled_by]:  # no batch in flight was sampled by these
@@ -1927,7 +1954,7 @@ class ColocatedRollouts:
             os.environ.setdefault("LOCAL_RANK", "0")
         self.policy, self.args, self.stop_token_id, self.pad_token_id = policy, args, stop_token_id, pad_token_id
         self.generator, self.dist_info = generator, dist_info
-        self.queued: list[tuple] = []  # (B, Tq) queries and mask, sampling settings, oldest first
+        self.queued: list[tuple] = []  # submit's arguments, oldest first
         self.version, self.engine_version = 0, None  # the updates the policy has had; those whose weights it holds
         shapes = [(name, p.shape) for name, p in named_parameters(policy).items()]  # a DTensor's: the full one
         self.buckets = plan_buckets(weights_info(shapes, engine_dtype(args)), args.sync_bucket_mb * 2**20)
@@ -1981,11 +2008,13 @@ class ColocatedRollouts:
                 error = e
         return error
 
-    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, sampling: rloo.SamplingSettings) -> None:
-        self.queued.append((queries, query_mask, sampling))
+    def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, sampling: rloo.SamplingSettings,
+               prompt_index: torch.Tensor) -> None:
+        sampling_request(sampling, self.args)  # a setting the engine cannot carry: refused here, before sampling
+        self.queued.append((queries, query_mask, sampling, prompt_index))
 
     def take(self) -> tuple[rloo.Completions, dict[str, float]]:
-        queries, query_mask, sampling = self.queued.pop(0)  # (B, Tq) each
+        queries, query_mask, sampling, prompt_index = self.queued.pop(0)  # (B, Tq) each, (B,)
         k, num_prompts = self.args.rloo_k, queries.shape[0]
         start, error, result = time.perf_counter(), None, None
         if self.engine_version != self.version:
@@ -2013,7 +2042,7 @@ class ColocatedRollouts:
         if failure is not None:
             raise failure
         return rloo.completions_of(queries, query_mask, result.responses, sampling, self.stop_token_id,
-                                   self.pad_token_id, result.sampler_logprobs), {"time/weight_sync": sync}
+                                   self.pad_token_id, result.sampler_logprobs, prompt_index), {"time/weight_sync": sync}
 
     @contextlib.contextmanager
     def behaviour_policy(self, policy):

@@ -9,7 +9,9 @@ demonstrations), a reward model regressed on the true score, and prompt datasets
 """
 
 import json
+import os
 import random
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -101,6 +103,21 @@ def true_score(prompt: str, completion: str) -> float:
 def true_reward(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
     """Reward function for `rloo.py --reward_fn benchmark.synthetic_task:true_reward`."""
     return [true_score(p, c) for p, c in zip(prompts, completions)]
+
+
+WAIT_AT_CALL = "TRUE_REWARD_WAITS_AT_CALL"  # stoppable_true_reward's call (each rank counts its own) that waits
+WAITING_IN = "TRUE_REWARD_WAITING_IN"  # the folder where each rank's waiting call says so
+
+
+def stoppable_true_reward(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
+    """true_reward, for check_change.py's runs: at the call numbered $TRUE_REWARD_WAITS_AT_CALL (each rank counts
+    its own) it writes $TRUE_REWARD_WAITING_IN/rank<r> and waits for good, for the signal that stops the run at once
+    (the stop while a reward function runs)."""
+    stoppable_true_reward.calls = getattr(stoppable_true_reward, "calls", 0) + 1
+    if str(stoppable_true_reward.calls) == os.environ.get(WAIT_AT_CALL):
+        Path(os.environ[WAITING_IN], f"rank{os.environ.get('RANK', '0')}").write_text("waiting\n")
+        threading.Event().wait()
+    return true_reward(prompts, completions)
 
 
 def make_prompt_rows(n: int, seed: int) -> list[dict]:

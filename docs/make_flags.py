@@ -5,7 +5,7 @@ InputArgs, which rloo.py's Args extends), so a flag is written once.
     python docs/make_flags.py --check    # exit status 1 when docs/flags.md is not what this script writes
 
 A table per group: the groups are the `# ----- name -----` comments in each `Args` class's source, in order, the inputs
-(plumbing.InputArgs) first, the run's (plumbing.RunArgs) last; a subclass's own fields (rloo_multinode.py's engine flags) get groups of their own, named with
+(plumbing.flags.InputArgs) first, the run's (plumbing.RunArgs) last; a subclass's own fields (rloo_multinode.py's engine flags) get groups of their own, named with
 its file. A field whose type is a dataclass is a group too (its flags keep their own names). Only the project and the
 standard library are imported.
 """

@@ -8,41 +8,60 @@ by those below it:
   startup       before torch loads: OpenMP's waiting threads sleep; Ctrl-C while a script imports is one line
   errors        ConfigError (bad input: one line, exit 2), Fault (a run stopped: one line, exit 4), reading an input,
                 outside words made inert
+  threads       work in a thread of its own, so that a stop signal acts while the main thread waits for it
   folders       the run's folders by handle: new files only, never through a link, libraries' files put in place
   flags         InputArgs (models, data) and RunArgs (the run's flags), which rloo.py's Args extends; their checks
   schedule      the run's length in updates and optimizer steps, the interval flags' unit, the learning rate of each
                 optimizer step: TRL <= 0.21's arithmetic or TRL 1.16's Trainer's (--trl_defaults 1.16)
   distributed   torchrun's ranks, their devices and seeds, FSDP2, all-reduce, late ranks named
   faults        stop signals, NaN/inf on every rank and the offending batch, the rollout source's failure, the
-                console that cannot stop a run, work in a thread a signal can stop
+                console that cannot stop a run
+  outputdir     one run per output_dir, the files a run writes and owns, nothing of another run overwritten
+  models        models and tokenizers loaded and checked, LoRA adapters and their reference, the bf16 sampling copy
   data          the prompt files and datasets, with one-line diagnostics; tokenized, held to --max_prompt_length;
                 the prompt sampler
-  models        models and tokenizers loaded and checked, LoRA adapters and their reference, the bf16 sampling copy
   kernels       the fused log-softmax, logits where needed, KV caches, what a model's attention is
   sharing       the shortcuts' checks: prompt sharing per model, the on-policy update's advantages (first update)
   rewards       reward model and functions: loaded, called in a thread with a timeout, failures raised on every rank
   measure       phase times, token-forwards against the minimum, rows per forward pass, sampler/trainer mismatch
   runlog        metrics over ranks, the console, metrics.jsonl, wandb, curves.png
-  outputdir     one run per output_dir, the files a run writes and owns, nothing of another run overwritten
   checkpoints   verified saves, resume, RNG states, the algorithm's state, the inputs' identities, nothing run
                 from a checkpoint
+  state         the algorithm's state across updates, changed in one method once per update, finite
   cli           the command line, TRL's names, exit statuses; run_tool, every helper script's boundary
 """
 
 from .startup import *  # noqa: F401,F403  first: before anything imports torch
 from .errors import *  # noqa: F401,F403
+from .threads import *  # noqa: F401,F403
 from .folders import *  # noqa: F401,F403
 from .flags import *  # noqa: F401,F403
 from .schedule import *  # noqa: F401,F403
 from .distributed import *  # noqa: F401,F403
 from .faults import *  # noqa: F401,F403
-from .data import *  # noqa: F401,F403
+from .outputdir import *  # noqa: F401,F403
 from .models import *  # noqa: F401,F403
+from .data import *  # noqa: F401,F403
 from .kernels import *  # noqa: F401,F403
 from .sharing import *  # noqa: F401,F403
 from .rewards import *  # noqa: F401,F403
 from .measure import *  # noqa: F401,F403
 from .runlog import *  # noqa: F401,F403
-from .outputdir import *  # noqa: F401,F403
 from .checkpoints import *  # noqa: F401,F403
+from .state import *  # noqa: F401,F403
 from .cli import *  # noqa: F401,F403
+
+
+
+def __getattr__(name: str):
+    """plumbing.NAME for a name that a module defines but keeps to itself (not in its __all__: the tests import it from
+    the module): the error says where it is."""
+    import inspect
+    import types
+
+    homes = [f"plumbing.{stem}.{name}" for stem, module in list(globals().items())
+             if isinstance(module, types.ModuleType) and module.__name__ == f"{__name__}.{stem}"
+             and not name.startswith("__") and name in vars(module)
+             and getattr(inspect.getmodule(vars(module)[name]), "__name__", module.__name__) == module.__name__]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}" + (
+        f": it is {homes[0]}, a name its module keeps to itself (import it from there)" if homes else ""))

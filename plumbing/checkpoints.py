@@ -55,12 +55,8 @@ from .outputdir import (
     take_output_dir,
 )
 
-__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "rng_state", "set_rng_state", "Generators", "load_safely", "save_policy", "read_shards", "file_digests",
-    "model_identity", "run_inputs", "input_identities", "check_same_inputs", "unsafe_metadata", "unsafe_shards",
-    "unreadable_weights", "checkpoint_problem", "save_checkpoint", "save_final_policy", "RANK_FILE",
-    "TRAINER_STATE_KEYS", "read_checkpoint", "resume_checkpoint", "check_resumable", "FieldsState", "fingerprint",
-    "reference_tensors", "Checkpointer", "Verdict",
+__all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tools; tests import the rest from the module
+    "Generators", "run_inputs", "Checkpointer", "Verdict",
 ]
 
 
@@ -1114,7 +1110,8 @@ class Checkpointer:
         for name, part in self.own.items():
             if not (callable(getattr(part, "state_dict", None)) and callable(getattr(part, "load_state_dict", None))):
                 raise TypeError(f"the checkpoint's part {name!r} is a {type(part).__name__}, which has no state_dict() "
-                                "and load_state_dict(): give it those (plumbing.FieldsState does, for a dataclass)")
+                                "and load_state_dict(): give it those (plumbing.checkpoints.FieldsState does, for a "
+                                "dataclass)")
         reference = parts.get("reference")
         self.reference_loaded = None if reference is None else fingerprint(reference_tensors(reference))
         self.start_time = time.time()
@@ -1236,14 +1233,18 @@ class Checkpointer:
         path = path if path.is_dir() else self.save(finished, **states)
         return f"checkpoint of update {finished} saved to {path}; fix it, then continue with --resume"
 
+    def states(self) -> dict:
+        """Every per-rank part's state now, copied: at an update's start, what a stop or a fault during it saves."""
+        return copy.deepcopy({name: part.state_dict() for name, part in self.own.items()})
+
     @contextlib.contextmanager
-    def kept_if_rollouts_fail(self, finished: int, data_position: Callable[[], dict]):
+    def kept_if_rollouts_fail(self, finished: int, states: dict):
         """Around taking a batch from the rollout source: where it fails (RolloutSourceError), the state after update
-        `finished` is intact: saved (the sampler at data_position()), and the error says where, then stops the run."""
+        `finished` is intact: saved (with `states`: save's), and the error says where, then stops the run."""
         try:
             yield
         except RolloutSourceError as e:
-            path = self.save(finished, sampler=data_position())
+            path = self.save(finished, **states)
             raise RolloutSourceError(f"{e}; checkpoint of update {finished} saved to {path}") from None
 
     def fault(self, e: Fault, update: int, after: dict, restart: dict, logger) -> None:

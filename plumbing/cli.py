@@ -32,10 +32,8 @@ from .faults import NonFiniteError, StartupInterrupted, StopSignal, console_surv
 from .flags import PATH_FLAGS, RunArgs
 from .rewards import end_processes_left, exit_bounded
 
-__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "TRL_NAMES", "TRL116", "GRPO_ONLY", "NOTHING", "TRL_DEFAULTS", "algorithm_defaults", "release_defaults",
-    "TRL_FIXED", "TRL_REFUSED", "TRL_LAUNCHER", "trl_default_given", "trl_arguments", "config_arguments", "help_groups", "parse_args", "run_script",
-    "run_tool", "write_generated",
+__all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tools; tests import the rest from the module
+    "TRL_NAMES", "TRL116", "TRL_FIXED", "TRL_REFUSED", "parse_args", "run_script", "run_tool", "write_generated",
 ]
 
 # TRL >= 0.22's names for flags of the same meaning, tyro aliases of this project's (README, "Flags": both TRL

@@ -9,6 +9,7 @@ import gzip
 import json
 import lzma
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
@@ -16,12 +17,12 @@ import numpy as np
 import torch
 
 from .errors import ConfigError, check_input_directory, describe, first_line, inert, input_file, reading, sized
-from .faults import interruptible
+from .models import check_positions
+from .threads import interruptible
 
-__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "PROMPT_IDS", "pad_sequences", "load_split", "has_splits", "check_prompt_values", "describe_dropped",
-    "describe_prompt_lengths", "PROMPT_CHARS_PER_TOKEN", "cut_prompt", "startup_step", "prepare_prompts",
-    "load_prompts", "prompt_token_ids", "PromptSampler",
+__all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tools; tests import the rest from the module
+    "PROMPT_IDS", "pad_sequences", "load_split", "describe_prompt_lengths", "startup_step", "load_prompts",
+    "prompt_token_ids", "PromptSampler", "PromptBatch",
 ]
 
 PROMPT_IDS = "prompt_input_ids"  # the tokenized prompt column this script adds to the dataset
@@ -375,8 +376,6 @@ def load_prompts(args, tokenizer, vocab_size: Optional[int], prompt_token_ids: C
                                                      tokenizer, args.prompt_column, args.max_prompt_length, source,
                                                      vocab_size, prompt_token_ids)
         longest = max(longest, eval_dropped["longest_kept"])
-    from .models import check_positions  # models.py reads the data's files through this module
-
     check_positions(args, longest)
     return dataset, eval_dataset, dropped
 
@@ -441,3 +440,22 @@ class PromptSampler:
         start = self.position + self.rank * self.prompts_per_rank
         self.position += self.per_update
         return self._permutation[start : start + self.prompts_per_rank].tolist()
+
+
+@dataclass
+class PromptBatch:
+    """B prompts drawn for one update (of: the dataset's rows `rows`), their k completions asked for and not yet
+    trained on."""
+
+    examples: dict  # the dataset's B rows: PROMPT_IDS, the prompt column, any column a reward function takes
+    sampler_state: dict  # the sampler before drawing them: where a resume starts while the batch is in flight
+    queries: torch.Tensor  # (B, Tq) their token ids, left-padded
+    query_mask: torch.Tensor  # (B, Tq) bool: real tokens
+    prompt_index: torch.Tensor  # (B,) their rows in the training split (Completions.prompt_index)
+
+    @classmethod
+    def of(cls, dataset, rows: list[int], sampler_state: dict, pad_token_id: int,
+           device: torch.device) -> "PromptBatch":
+        examples = dataset[rows]
+        queries, query_mask = pad_sequences(examples[PROMPT_IDS], pad_token_id, device)  # (B, Tq)
+        return cls(examples, sampler_state, queries, query_mask, torch.tensor(rows, dtype=torch.long, device=device))

@@ -21,11 +21,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .errors import ConfigError, Fault, first_line
+from .threads import interruptible
 
-__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "Dist", "setup_distributed", "for_training", "shard_policy", "transformer_blocks", "visiting", "is_fsdp_unit",
-    "gathered_for_rollout", "reshard", "unwrapped", "all_reduce", "global_mean_std", "note_phase", "wait_for_peers",
-    "barrier", "end_distributed", "seed_everything", "gradient_sync",
+__all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tools; tests import the rest from the module
+    "Dist", "setup_distributed", "for_training", "transformer_blocks", "visiting", "is_fsdp_unit",
+    "gathered_for_rollout", "reshard", "unwrapped", "all_reduce", "same_plan", "global_mean_std", "note_phase",
+    "barrier", "end_distributed", "gradient_sync",
 ]
 
 
@@ -57,7 +58,6 @@ def setup_distributed(timeout: float = 1800.0) -> Dist:
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    from .faults import interruptible  # (faults imports this module)
 
     def join() -> None:  # gloo too on GPUs: collectives on CPU tensors (--offload's gradient shards, their norm)
         if device.type == "cuda":
@@ -224,6 +224,27 @@ def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(x, op=op)
     return x
+
+
+def same_plan(plan: str) -> None:
+    """Collective: every rank's `plan` of what it does next in an update's training (its next optimizer step and the
+    micro-batches it takes, or the end of its steps: what decides the collectives it calls) is the same, or every rank
+    raises a Fault naming what each rank would do. Ranks that went on apart would meet in collectives of other sizes
+    ("Received data size doesn't match") or wait until --ddp_timeout, far from the cause; one small all_gather here
+    names it."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    plans = [None] * dist.get_world_size()
+    dist.all_gather_object(plans, plan)
+    if len(set(plans)) == 1:
+        return
+    ranks = {}
+    for rank, each in enumerate(plans):
+        ranks.setdefault(each, []).append(str(rank))
+    raise Fault("the ranks would diverge at an optimizer step: " + "; ".join(
+        f"rank{'s' * (len(r) > 1)} {', '.join(r)}: {each}" for each, r in ranks.items()) + "; every rank must take the "
+        "same path through an update (decide it from values reduced over ranks, which every rank holds alike)",
+        announce=dist.get_rank() == 0)
 
 
 def global_mean_std(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:

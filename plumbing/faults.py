@@ -19,9 +19,8 @@ from .distributed import all_reduce
 from .errors import RewardFunctionError, describe
 from .folders import Folder
 
-__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "RolloutSourceError", "NonFiniteError", "check_finite", "batch_kept_if_nonfinite", "StartupInterrupted",
-    "StopSignal", "signals_held", "in_a_thread", "interruptible", "ConsoleStream", "console_survives", "run_only",
+__all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tools; tests import the rest from the module
+    "RolloutSourceError", "check_finite", "batch_kept_if_nonfinite", "StopSignal", "signals_held",
 ]
 
 
@@ -177,40 +176,6 @@ def signals_held():
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, StopSignal.SIGNALS)
-
-
-def in_a_thread(work: Callable[[], object], name: str, timeout: Optional[float] = None,
-                meanwhile: Optional[tuple[float, Callable[[], None]]] = None) -> dict:
-    """work() in a daemon thread of its own while this thread waits for it, at most `timeout` seconds: {"out": what
-    it returned} or {"error": what it raised, of any type}, or {} while it still runs (it is left running). Python
-    runs signal handlers in the main thread only, between bytecodes: a call into C code there (tokenizers' Rust, a
-    reward function's sleep) keeps a stop signal from acting for as long as it runs; waiting for a thread, the main
-    thread takes it at once. `meanwhile` (seconds, say): say() once the work has taken that long, then wait on."""
-    outcome = {}
-
-    def call() -> None:
-        try:
-            outcome["out"] = work()
-        except BaseException as e:  # noqa: BLE001: any type, sys.exit included, goes to the waiting thread
-            outcome["error"] = e
-
-    thread = threading.Thread(target=call, name=name, daemon=True)  # abandoned if the process stops meanwhile
-    thread.start()
-    if meanwhile is not None:
-        thread.join(meanwhile[0])
-        if thread.is_alive():
-            meanwhile[1]()
-    thread.join(timeout)
-    return dict(outcome) if not thread.is_alive() else {}
-
-
-def interruptible(work: Callable[[], object], name: str, meanwhile: Optional[tuple[float, Callable]] = None):
-    """work(), done in a thread (in_a_thread, with `meanwhile`) so that a stop signal during it ends the start-up at
-    once: what it returns or raises."""
-    outcome = in_a_thread(work, name, meanwhile=meanwhile)
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["out"]
 
 
 @contextlib.contextmanager

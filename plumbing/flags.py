@@ -19,9 +19,8 @@ import tyro
 
 from .errors import FLOAT32_MAX, ConfigError, inert, read_input
 
-__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "InputArgs", "RunArgs", "is_finite_number", "is_interval", "SCALE_LIMIT", "within", "number_rules", "PATH_FLAGS",
-    "missing_local_path", "resolve_paths", "check_launch_environment", "validate_args", "quantization_config",
+__all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tools; tests import the rest from the module
+    "RunArgs", "is_finite_number", "is_interval", "SCALE_LIMIT", "within", "check_launch_environment", "validate_args",
     "policy_options",
 ]
 

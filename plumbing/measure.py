@@ -12,9 +12,9 @@ import torch
 
 from .distributed import all_reduce, note_phase
 
-__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "PhaseTimer", "minimum_forward_tokens", "forward_bytes_per_row", "rows_per_forward", "mismatch_metrics",
-    "sum_over_updates", "movement_note", "EvalTotals",
+__all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tools; tests import the rest from the module
+    "PhaseTimer", "minimum_forward_tokens", "rows_per_forward", "mismatch_metrics", "sum_over_updates", "movement_note",
+    "EvalTotals",
 ]
 
 

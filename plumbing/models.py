@@ -17,12 +17,10 @@ from .flags import missing_local_path, policy_options
 from .folders import Folder
 from .outputdir import MERGED, move_aside
 
-__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "load_pretrained", "ensure_pad_token", "load_config", "check_reward_model_config", "same_vocabulary",
-    "ADAPTER_WEIGHTS", "ADAPTER_CONFIG", "load_tokenizer", "load_causal_lm", "load_reward_model", "stop_token_id_of",
-    "prepare_tokenizer", "check_model_configs", "check_context", "save_merged_policy", "lora_config",
-    "weight_decay_groups", "add_adapters", "disable_dropout", "peft_layers", "AdaptersOff", "bf16_copy", "copy_weights",
-    "quiet_hub_progress_bars",
+__all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tools; tests import the rest from the module
+    "load_pretrained", "ensure_pad_token", "load_config", "same_vocabulary", "load_tokenizer", "load_causal_lm",
+    "load_reward_model", "stop_token_id_of", "prepare_tokenizer", "check_model_configs", "weight_decay_groups",
+    "add_adapters", "disable_dropout", "AdaptersOff", "bf16_copy", "copy_weights", "quiet_hub_progress_bars",
 ]
 
 

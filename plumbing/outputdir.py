@@ -23,11 +23,9 @@ from .errors import ConfigError, inert, not_a_file
 from .folders import Folder
 from .faults import signals_held
 
-__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "TRAINER_STATE", "MANIFEST", "LOCK", "ABANDONED", "MERGED", "RUN_OUTPUTS", "OutputDirLock", "take_output_dir",
-    "steps_to_prune", "checkpoint_dirs", "latest_checkpoint", "run_record", "run_owned", "check_outputs",
-    "check_new_output_dir", "check_output_dir", "move_aside", "settle_output_dir", "written_by",
-    "check_no_input_inside", "foreign_entries", "marked_png", "marked_text", "read_json",
+__all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tools; tests import the rest from the module
+    "LOCK", "ABANDONED", "OutputDirLock", "run_record", "run_owned", "check_outputs", "check_new_output_dir",
+    "written_by", "marked_text",
 ]
 
 CHECKPOINTS = "checkpoints"

@@ -28,13 +28,13 @@ from .data import PROMPT_IDS, pad_sequences
 from .distributed import all_reduce, seed_everything, wait_for_peers
 from .errors import (FLOAT32_MAX, ConfigError, RewardFunctionError, describe, first_line, inert, input_file,
                      not_a_file)
-from .faults import StopSignal, in_a_thread, run_only, stop_signals_at_once
+from .faults import StopSignal, run_only, stop_signals_at_once
+from .threads import in_a_thread
 from .models import disable_dropout, has_tokenizer, load_reward_model, load_tokenizer, same_vocabulary
 
-__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "RewardSources", "load_reward_sources", "TIMER_SIGNALS", "RUN_SETTINGS", "user_code", "load_reward_functions",
-    "check_reward_function_arguments", "call_reward_function", "reward_faults", "said_if_unscored", "retokenize",
-    "prompt_values",
+__all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tools; tests import the rest from the module
+    "RewardSources", "load_reward_sources", "load_reward_functions", "check_reward_function_arguments",
+    "call_reward_function", "reward_faults", "said_if_unscored", "retokenize", "prompt_values",
 ]
 
 

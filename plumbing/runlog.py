@@ -23,9 +23,9 @@ from .folders import Folder
 from .outputdir import marked_png
 from .schedule import RunLength, trl116_arithmetic
 
-__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "reduce_metrics", "completion_metrics", "read_metrics", "moving_average", "curve_panels", "plot_curves",
-    "CurvesSink", "MetricsWriteError", "run_notes", "RunLogger", "save_png",
+__all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tools; tests import the rest from the module
+    "reduce_metrics", "completion_metrics", "read_metrics", "moving_average", "plot_curves", "MetricsWriteError",
+    "run_notes", "RunLogger", "save_png", "table_rows",
 ]
 
 METRICS = "metrics.jsonl"  # in output_dir: one JSON line per update and per evaluation
@@ -54,8 +54,18 @@ def reduce_metrics(metrics: dict[str, float | tuple[float, float]], device: torc
     """Metrics over all ranks: sums for counts, min/max for extremes and peak memory, means for everything else
     (a mean over the ranks that have data, for optional metrics); a (numerator, denominator) pair is a mean over
     every rank's items (tokens, completions): both summed over ranks, then divided (by at least 1, as TRL's); also the
-    maximum of `max_metrics` (the rollout source's). Every rank must pass the same keys."""
+    maximum of `max_metrics` (the rollout source's). Every rank must pass the same keys: one that some ranks log and
+    others not is a Fault naming it (the sums of another size would fail in gloo or NCCL without saying why)."""
     keys = sorted(metrics)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, keys)
+        apart = sorted(set().union(*every) - set.intersection(*map(set, every)))
+        if apart:
+            ranks = ", ".join(str(rank) for rank, logged in enumerate(every) if apart[0] in logged)
+            raise Fault(f"the metric {apart[0]!r} is logged on rank {ranks} only: every rank must log the same "
+                        "metrics, which are reduced over ranks together; log it on every rank",
+                        announce=dist.get_rank() == 0)
     # peak memory: the fullest rank's
     maxima = [k for k in keys if k in MAX_METRICS + max_metrics or k.startswith("memory/")]
     means = [k for k in keys if k not in SUM_METRICS + MIN_METRICS + tuple(maxima)]
@@ -72,6 +82,16 @@ def reduce_metrics(metrics: dict[str, float | tuple[float, float]], device: torc
         extremes = all_reduce(torch.tensor([metrics[k] for k in selected], dtype=torch.float64, device=device), op)
         out.update(zip(selected, extremes.tolist()))
     return out
+
+
+def table_rows(args, num_prompts: int) -> list[int]:
+    """The completions (rows of the (k, B) layout, B = num_prompts) of the sample table: --num_completions_to_print of
+    them, each prompt's k together (TRL prints them so); by default the first completion of 5 prompts, or with
+    --log_completions every completion of this rank."""
+    if args.num_completions_to_print is None and not args.log_completions:
+        return list(range(min(5, num_prompts)))
+    by_prompt = [j * num_prompts + i for i in range(num_prompts) for j in range(args.rloo_k)]  # prompt-major
+    return by_prompt[: args.num_completions_to_print]
 
 
 def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, rewards: torch.Tensor,
@@ -201,7 +221,7 @@ def plot_curves(metrics_paths: list[Path] | Path, png_path: Path, smooth: int = 
 
 def save_png(fig, png_path: Path, writer: str, dpi: int, folder: Optional[Folder] = None) -> None:
     """A matplotlib figure as a PNG at `png_path` (in `folder`, by its name, where given), written whole (a viewer
-    never sees half), never through a link, and signed by `writer` (plumbing.marked_png: a text chunk of this
+    never sees half), never through a link, and signed by `writer` (plumbing.outputdir.marked_png: a text chunk of this
     project's with a digest of the rest), by which a run or a script tells its own drawing from a file it must not
     write over."""
     buffer = io.BytesIO()

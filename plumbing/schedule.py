@@ -12,9 +12,8 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "trl116_arithmetic", "RunLength", "MAX_UPDATES", "run_length", "in_updates", "firing_updates", "update_intervals",
-    "evaluation_updates", "warmup_length", "learning_rates",
+__all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tools; tests import the rest from the module
+    "run_length", "update_intervals", "evaluation_updates", "learning_rates",
 ]
 
 

@@ -18,8 +18,7 @@ from .distributed import all_reduce, unwrapped, visiting
 from .errors import ConfigError, first_line
 from .kernels import attention_implementation, attention_windows
 
-__all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "why_not_shared", "probe_lengths", "sharing_probe", "sharing_error", "sharing_key", "shares_prompts",
+__all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tools; tests import the rest from the module
     "prompt_sharing", "rows_of", "put_rows_of", "apart_difference", "on_policy_notes",
 ]
 

@@ -1,12 +1,13 @@
 """rloo_multinode.py's command line with its colocated rollout source watched, for test_vllm.py. On every rank,
 output_dir/sync_check_rank<r>.jsonl gets, after each optimizer step and after the engine's next weight load, the
 largest |engine - trainer| log-prob of fixed completions (vLLM's prompt log-probs against a plain forward of the
-policy), and after the load the largest |sampler - trainer| log-prob of the tokens drawn. With FAIL_AT_BATCH=n,
-rank FAIL_RANK's (default 0) vLLM engine raises when it samples its n-th batch; with BAD_ANSWER=case too, it answers
-that batch wrongly instead, as vllm_standin.BAD_ANSWERS' case makes an answer wrong. With a --reward_model_path,
-output_dir/models_rank<r>.json gets, once the engine has started, how far the losses and gradients of a forward and
-backward of a reference and a reward model, both loaded before the engine started (as rloo.py loads them), moved from
-what they were before the start."""
+policy), and after the load the largest |sampler - trainer| log-prob of the tokens drawn and whether the completions
+carry the rows of the prompts submitted (prompt_index). With FAIL_AT_BATCH=n, rank FAIL_RANK's (default 0) vLLM
+engine raises when it samples its n-th batch; with BAD_ANSWER=case too, it answers that batch wrongly instead, as
+vllm_standin.BAD_ANSWERS' case makes an answer wrong. With a --reward_model_path, output_dir/models_rank<r>.json
+gets, once the engine has started, how far the losses and gradients of a forward and backward of a reference and a
+reward model, both loaded before the engine started (as rloo.py loads them), moved from what they were before the
+start."""
 
 import json
 import os
@@ -52,6 +53,10 @@ class WatchedRollouts(mn.ColocatedRollouts):
         with open(Path(self.args.output_dir) / f"sync_check_rank{self.dist_info.rank}.jsonl", "a") as f:
             f.write(json.dumps({"version": self.version, "when": when, "difference": difference, **more}) + "\n")
 
+    def submit(self, queries, query_mask, sampling, prompt_index):
+        self.submitted = prompt_index
+        super().submit(queries, query_mask, sampling, prompt_index)
+
     def take(self):
         self.batches += 1
         if self.batches == int(os.environ.get("FAIL_AT_BATCH", 0)) and \
@@ -76,7 +81,8 @@ class WatchedRollouts(mn.ColocatedRollouts):
             plumbing.reshard(self.policy)
             sampled = (completions.sampler_logprobs - trainer).abs().masked_fill(~completions.response_mask, 0)
             sampled = sampled.max().item()
-            self.record("after the load", sampled_difference=sampled)
+            self.record("after the load", sampled_difference=sampled,
+                        carried=torch.equal(completions.prompt_index.cpu(), self.submitted.cpu()))
         return completions, metrics
 
     def policy_updated(self, update: int, policy):

@@ -18,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from conftest import policy_tokenizer, tiny_policy
 from helpers import ARCHITECTURES, tiny_architecture
 import plumbing
+from plumbing.distributed import shard_policy
 import rloo
 
 GLOBAL_PROMPTS, K = 4, 2  # 8 completions
@@ -73,7 +74,7 @@ def update(family: str, wrapper: str, dist_info: plumbing.Dist, out_path: str) -
                      num_mini_batches=1, num_ppo_epochs=2, temperature=1.0, max_grad_norm=0.0)
     sizes = rloo.compute_batch_sizes(args, dist_info.world_size)
     if wrapper.startswith("fsdp"):
-        model = plumbing.shard_policy(policy, bf16=False, offload=wrapper.endswith("offload"))
+        model = shard_policy(policy, bf16=False, offload=wrapper.endswith("offload"))
     else:
         model = DDP(policy) if dist.is_initialized() else policy
     trainable = [p for p in policy.parameters() if p.requires_grad]
@@ -103,7 +104,7 @@ def update(family: str, wrapper: str, dist_info: plumbing.Dist, out_path: str) -
     else:
         state = policy.state_dict()
     if "lora" in wrapper:  # with FSDP a collective
-        plumbing.save_policy(policy, tokenizer, f"{out_path}.adapter", dist_info.rank)
+        plumbing.checkpoints.save_policy(policy, tokenizer, f"{out_path}.adapter", dist_info.rank)
     return {"initial": initial, "final": state, "synced": synced, "logprobs": logprobs}
 
 

@@ -6,6 +6,7 @@ fixtures (the tiny assets, built once per session) and keeps these names importa
 import atexit
 import contextlib
 import functools
+import importlib.util
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -27,6 +29,21 @@ from transformers import (GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceC
                           PreTrainedTokenizerFast)
 
 REPO = Path(__file__).resolve().parent.parent
+# The repository's own text (.ci/run sets it): the tests pinned to rloo.py's documented text fail where it differs
+STOCK = os.environ.get("RLOO_STOCK") == "1"
+
+
+def stock_text_differs(why: str) -> None:
+    """For a test pinned to rloo.py's documented text (a worked example's lines, a mutant's snippet, the metrics and
+    shapes the docs explain), where this checkout's text differs: in a copy that changed it, one line saying so and the
+    test skipped (it checks the stock text, not the change); with RLOO_STOCK=1, the project's CI, a failure (there the
+    text is the documented one, and a difference is documentation to bring up to date)."""
+    import pytest
+
+    said = f"the copy's text differs from the documented text: {why}"
+    if STOCK:
+        pytest.fail(f"{said} (RLOO_STOCK=1: this repository's text must be the documented one)", pytrace=False)
+    pytest.skip(f"{said}; this test pins the stock rloo.py (RLOO_STOCK=1 makes it fail)")
 sys.path.insert(0, str(REPO))  # rloo.py is a script at the top level, not a package
 LETTERS = "abcdefghijkl"
 
@@ -250,12 +267,13 @@ def comparable(metrics: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if not k.startswith(NOT_REPRODUCIBLE)} for m in metrics]
 
 
-def launch(args: list, nproc: int = 0, script: Path = REPO / "rloo.py") -> subprocess.Popen:
-    """`script` (rloo.py, or an edited copy elsewhere: the repository is on its path) with `args`, on `nproc` ranks."""
+def launch(args: list, nproc: int = 0, script: Path = REPO / "rloo.py", env: dict | None = None) -> subprocess.Popen:
+    """`script` (rloo.py, or an edited copy elsewhere: the repository is on its path) with `args`, on `nproc` ranks,
+    with `env`'s variables added."""
     launcher = [python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                 "--signals_to_handle", "SIGTERM,SIGINT,SIGUSR1"] if nproc else [python()]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)]), "HF_HUB_OFFLINE": "1",
-           "WANDB_MODE": "offline"}
+           "WANDB_MODE": "offline", **(env or {})}
     return subprocess.Popen([*launcher, str(script), *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
 
@@ -296,8 +314,8 @@ def saved_steps(out: Path, steps, keep=None, run_id: str = "run-a") -> tuple:
     policy = tiny_policy(len(tokenizer))
     optimizer = torch.optim.AdamW(policy.parameters())
     for step in steps:
-        plumbing.save_checkpoint(str(out), step, policy, optimizer, tokenizer, trainer_state(step, run_id), 0, keep,
-                                 {})
+        plumbing.checkpoints.save_checkpoint(str(out), step, policy, optimizer, tokenizer, trainer_state(step, run_id),
+                                             0, keep, {})
     return policy, optimizer, tokenizer
 
 
@@ -325,7 +343,7 @@ def forge_manifest(step: Path) -> None:
     except (OSError, ValueError, AttributeError):
         kept = {}
     (step / "manifest.json").unlink(missing_ok=True)
-    (step / "manifest.json").write_text(json.dumps({"files": plumbing.file_digests(step), **kept}))
+    (step / "manifest.json").write_text(json.dumps({"files": plumbing.checkpoints.file_digests(step), **kept}))
 
 
 def tree(root: Path) -> dict[str, bytes]:
@@ -399,6 +417,96 @@ def run_main(module, in_update: list | None = None, **flags) -> list:
     finally:
         module.collect_rollout = collect
     return rollouts
+
+
+# ---------------------------------------------------------------- a changed algorithm: edited copies of rloo.py, trained
+def edited_rloo(diffs: list[str], tmp_path):
+    """rloo.py with the diffs applied (each one's context and removed lines found exactly once: the README's and
+    docs/algorithm.md's worked examples, or a test's own), imported as a module (its file in tmp_path)."""
+    source = (REPO / "rloo.py").read_text()
+    for diff in (hunk for block in diffs for hunk in re.split(r"^@@.*\n", block, flags=re.M)):  # @@: a new hunk
+        lines = diff.splitlines()
+        old = "".join(line[1:] + "\n" for line in lines if line[:1] in (" ", "-"))
+        new = "".join(line[1:] + "\n" for line in lines if line[:1] in (" ", "+"))
+        if source.count(old) != 1:
+            stock_text_differs(f"an example's lines are in rloo.py {source.count(old)} times, not once: "
+                               f"{old.strip().splitlines()[0]!r}")
+        source = source.replace(old, new)
+    path = tmp_path / "rloo.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"rloo_edited_{tmp_path.name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def train(module, updates: int, score, **flags) -> tuple[torch.nn.Module, list]:
+    """`updates` updates of the tiny policy on 4 prompts x 4 completions with module's functions as main calls them:
+    sample, log-probs (unless the update computes them: on-policy settings, from the second update on, once the first
+    found compute_advantages the same apart; the reference's with kl_coef > 0), score(completions), which count in
+    the loss, ppo_update. Returns the policy and each update's (rollout, stats, the Advantages it trained on)."""
+    tokenizer = policy_tokenizer()
+    policy = tiny_policy(len(tokenizer), seed=0)
+    reference = tiny_policy(len(tokenizer), seed=0).requires_grad_(False) if flags.get("kl_coef") else None
+    args = module.Args(**{"rloo_k": K, "per_device_train_batch_size": K * PROMPTS, "num_ppo_epochs": 1,
+                          "temperature": 1.0, "response_length": 5, "kl_coef": 0.0,
+                          "local_rollout_forward_batch_size": K * PROMPTS} | flags)
+    sizes = module.compute_batch_sizes(args, 1)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
+    generator = torch.Generator().manual_seed(0)
+    rows = prompt_rows(PROMPTS * updates, seed=3)
+    history, state = [], module.AlgorithmState.start(args, len(rows))
+    shortcut, in_update = module.logprobs_from_update(args, sizes, 0), False
+    for update in range(updates):
+        queries, query_mask = left_padded(tokenizer, [r["prompt"] for r in rows[update * PROMPTS:][:PROMPTS]])
+        c = replace(module.sample_completions(policy, queries, query_mask, args.response_length, 1.0, 1, 0, generator,
+                                              k=K, filters=module.SamplingFilters.of(args)),
+                    prompt_index=torch.arange(update * PROMPTS, (update + 1) * PROMPTS))  # their rows of `rows`
+        rollout = module.collect_rollout(policy, reference, c, args, True, in_update, NO_AUTOCAST,
+                                         plumbing.PhaseTimer(torch.device("cpu")))
+        scores = score(c)  # (k*B,)
+        rollout.in_loss = module.completions_in_loss(scores, rollout.ended(1), args)
+        torch.manual_seed(update)
+        stats, values = module.ppo_update(policy, optimizer, rollout, scores, args, sizes, True, NO_AUTOCAST,
+                                          state=state)
+        if shortcut and not in_update:  # as main decides it
+            in_update = shortcut = module.advantages_apart(rollout, scores, values, args, sizes, state) is None
+        history.append((rollout, stats, values))
+    return policy, history
+
+
+@functools.cache
+def reward_model() -> torch.nn.Module:
+    return tiny_reward_model(len(policy_tokenizer()))
+
+
+def reward_model_score(c) -> torch.Tensor:
+    """(k*B,) 10 x a tiny reward model's scores of the completions: groups with a spread of rewards."""
+    return 10 * rloo.reward_model_scores(reward_model(), c, True)
+
+
+TWO_RANKS = ["--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train_batch_size", "16",
+             "--response_length", "6", "--temperature", "1.0", "--max_prompt_length", "16", "--num_ppo_epochs", "2",
+             "--learning_rate", "3e-3", "--num_sample_generations", "0", "--total_episodes", 4 * 16 * 2]  # 4 updates
+
+
+def stopped_and_resumed_on_two_ranks(module, assets, tmp_path, *flags) -> Path:
+    """The edited rloo.py (`module`'s file) trained for 4 updates on two ranks (torchrun, gloo, CPU), and again
+    stopped by SIGTERM after an update and resumed: the same metrics and bit-identical weights. Returns the
+    resumed run's output_dir."""
+    script = Path(module.__file__)
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *TWO_RANKS, *flags]
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    result = run_rloo(*common, "--output_dir", full, nproc=2, env=env, script=str(script))
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, stdout, stderr = interrupt_after_first_update([*common, "--output_dir", stopped], signal.SIGTERM, 2,
+                                                     script=script)
+    assert "SIGTERM received" in stdout and not (stopped / "model.safetensors").exists(), stdout + stderr[-3000:]
+    result = run_rloo(*common, "--output_dir", stopped, "--resume", nproc=2, env=env, script=str(script))
+    assert result.returncode == 0 and "resuming from" in result.stdout, result.stderr[-3000:]
+    assert_same_run(full, stopped)
+    return stopped
 
 
 # ---------------------------------------------------------------- engines (rloo_multinode.py): runs, sockets, processes

@@ -7,7 +7,7 @@ import sys
 import torch
 
 from conftest import policy_tokenizer, tiny_policy
-import plumbing
+from plumbing.checkpoints import save_checkpoint
 
 if __name__ == "__main__":
     tokenizer = policy_tokenizer()
@@ -15,5 +15,4 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(policy.parameters())
     ballast = torch.randn(4_000_000)  # 16 MB of state, so that a save takes long enough to be interrupted
     for step in itertools.count(1):
-        plumbing.save_checkpoint(sys.argv[1], step, policy, optimizer, tokenizer, {"update": step, "ballast": ballast}, 0, 3,
-                             {})
+        save_checkpoint(sys.argv[1], step, policy, optimizer, tokenizer, {"update": step, "ballast": ballast}, 0, 3, {})

@@ -1,12 +1,11 @@
 """README.md's "Changing the algorithm" and docs/algorithm.md's "Worked examples": each diff, an edit of one function,
 applied to a copy of rloo.py and trained with for a few updates on the tiny models, does what it says."""
 
-import functools
-import importlib.util
 import math
 import os
 import re
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,12 +15,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import plumbing
+from plumbing.checkpoints import reference_tensors
+from plumbing.outputdir import latest_checkpoint
 import rloo
-from conftest import REPO, policy_tokenizer, prompt_rows, read_metrics, run_rloo, tiny_policy, tiny_reward_model
-from helpers import (ENGINE_RUN, K, NO_AUTOCAST, PER_UPDATE, PROMPTS, assert_same_run, engine_comparable, free_port,
-                     interrupt_after_first_update, left_padded, run_main)
-
-CPU = torch.device("cpu")
+from conftest import REPO, policy_tokenizer, prompt_rows, read_metrics, run_rloo, tiny_policy
+from helpers import (ENGINE_RUN, K, NO_AUTOCAST, PER_UPDATE, PROMPTS, TWO_RANKS, assert_same_run, edited_rloo,
+                     engine_comparable, free_port, launch, left_padded, reward_model_score, run_main,
+                     stopped_and_resumed_on_two_ranks, train, write_jsonl)
 
 
 def examples() -> dict[str, list[str]]:
@@ -36,72 +36,12 @@ def examples() -> dict[str, list[str]]:
     return found
 
 
-def edited_rloo(diffs: list[str], tmp_path):
-    """rloo.py with the diffs applied (each one's context and removed lines found exactly once), imported as a
-    module."""
-    source = (REPO / "rloo.py").read_text()
-    for diff in (hunk for block in diffs for hunk in re.split(r"^@@.*\n", block, flags=re.M)):  # @@: a new hunk
-        lines = diff.splitlines()
-        old = "".join(line[1:] + "\n" for line in lines if line[:1] in (" ", "-"))
-        new = "".join(line[1:] + "\n" for line in lines if line[:1] in (" ", "+"))
-        assert source.count(old) == 1, f"the example's lines are not in rloo.py once:\n{old}"
-        source = source.replace(old, new)
-    path = tmp_path / "rloo.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(f"rloo_edited_{tmp_path.name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def train(module, updates: int, score, **flags) -> tuple[torch.nn.Module, list]:
-    """`updates` updates of the tiny policy on 4 prompts x 4 completions with module's functions as main calls them:
-    sample, log-probs (unless the update computes them: on-policy settings, from the second update on, once the first
-    found compute_advantages the same apart; the reference's with kl_coef > 0), score(completions), which count in
-    the loss, ppo_update. Returns the policy and each update's (rollout, stats, the Advantages it trained on)."""
-    tokenizer = policy_tokenizer()
-    policy = tiny_policy(len(tokenizer), seed=0)
-    reference = tiny_policy(len(tokenizer), seed=0).requires_grad_(False) if flags.get("kl_coef") else None
-    args = module.Args(**{"rloo_k": K, "per_device_train_batch_size": K * PROMPTS, "num_ppo_epochs": 1,
-                          "temperature": 1.0, "response_length": 5, "kl_coef": 0.0,
-                          "local_rollout_forward_batch_size": K * PROMPTS} | flags)
-    sizes = module.compute_batch_sizes(args, 1)
-    optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
-    generator = torch.Generator().manual_seed(0)
-    rows = prompt_rows(PROMPTS * updates, seed=3)
-    history, state = [], module.AlgorithmState.start(args)
-    shortcut, in_update = module.logprobs_from_update(args, sizes, 0), False
-    for update in range(updates):
-        queries, query_mask = left_padded(tokenizer, [r["prompt"] for r in rows[update * PROMPTS:][:PROMPTS]])
-        c = module.sample_completions(policy, queries, query_mask, args.response_length, 1.0, 1, 0, generator, k=K,
-                                      filters=module.SamplingFilters.of(args))
-        rollout = module.collect_rollout(policy, reference, c, args, True, in_update, NO_AUTOCAST,
-                                         plumbing.PhaseTimer(CPU))
-        scores = score(c)  # (k*B,)
-        rollout.in_loss = module.completions_in_loss(scores, rollout.ended(1), args)
-        torch.manual_seed(update)
-        stats, values = module.ppo_update(policy, optimizer, rollout, scores, args, sizes, True, NO_AUTOCAST,
-                                          state=state)
-        if shortcut and not in_update:  # as main decides it
-            in_update = shortcut = module.advantages_apart(rollout, scores, values, args, sizes, state) is None
-        history.append((rollout, stats, values))
-    return policy, history
-
-
-@functools.cache
-def reward_model() -> torch.nn.Module:
-    return tiny_reward_model(len(policy_tokenizer()))
-
-
-def reward_model_score(c) -> torch.Tensor:
-    return 10 * rloo.reward_model_scores(reward_model(), c, True)  # (k*B,): groups with a spread of rewards
-
-
 def test_the_sections_have_the_examples():
     assert list(examples()) == ["Equal-reward groups leave the loss", "GRPO's group-normalized advantage",
                                 "Another KL estimator", "Dual-clip PPO", "Epsilon sampling",
                                 "An entropy bonus", "DAPO's token mean", "A z-score over the batch",
                                 "An adaptive KL controller", "An EMA reference", "A rank-local statistic",
+                                "A per-prompt running baseline",
                                 "A temperature schedule", "A response-length schedule"]
 
 
@@ -307,7 +247,7 @@ def test_an_estimator_reading_a_field_added_to_the_rollout_is_checked_on_the_fir
 
 
 @dataclass
-class KLState(plumbing.FieldsState):  # an AlgorithmState as a researcher extends it
+class KLState(plumbing.checkpoints.FieldsState):  # an AlgorithmState as a researcher extends it
     kl_coef: float = 0.05
     steps: int = 0
     history: list = field(default_factory=list)
@@ -364,7 +304,7 @@ def test_an_adaptive_kl_controller_resumes_bit_identically(assets, tmp_path):
     2 and resumed ends with the metrics and the weights of a run of 4 updates."""
     controller = edited_rloo(examples()["An adaptive KL controller"], tmp_path)
     flags = {"model_name_or_path": str(assets["policy"]), "dataset_name": str(assets["train"]), "kl_coef": 0.5,
-             "kl_target": 0.05, "kl_horizon": 64, "num_ppo_epochs": 2}
+             "kl_target": 0.05, "kl_horizon": 2, "num_ppo_epochs": 2}
     run_main(controller, **flags, output_dir=str(tmp_path / "full"), total_episodes=4 * K * PROMPTS)
     run_main(controller, **flags, output_dir=str(tmp_path / "resumed"), total_episodes=2 * K * PROMPTS)
     run_main(controller, **flags, output_dir=str(tmp_path / "resumed"), total_episodes=4 * K * PROMPTS, resume=True)
@@ -392,36 +332,12 @@ def test_an_on_policy_run_resumes_with_its_shortcut_verdict_bit_identically(asse
     assert_same_run(tmp_path / "full", tmp_path / "resumed")
 
 
-TWO_RANKS = ["--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train_batch_size", "16",
-             "--response_length", "6", "--temperature", "1.0", "--max_prompt_length", "16", "--num_ppo_epochs", "2",
-             "--learning_rate", "3e-3", "--num_sample_generations", "0", "--total_episodes", 4 * 16 * 2]  # 4 updates
-
-
-def stopped_and_resumed_on_two_ranks(module, assets, tmp_path, *flags) -> Path:
-    """The edited rloo.py (`module`'s file) trained for 4 updates on two ranks (torchrun, gloo, CPU), and again
-    stopped by SIGTERM after an update and resumed: the same metrics and bit-identical weights. Returns the
-    resumed run's output_dir."""
-    script = Path(module.__file__)
-    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *TWO_RANKS, *flags]
-    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
-    full, stopped = tmp_path / "full", tmp_path / "stopped"
-    result = run_rloo(*common, "--output_dir", full, nproc=2, env=env, script=str(script))
-    assert result.returncode == 0, result.stderr[-3000:]
-    _, stdout, stderr = interrupt_after_first_update([*common, "--output_dir", stopped], signal.SIGTERM, 2,
-                                                     script=script)
-    assert "SIGTERM received" in stdout and not (stopped / "model.safetensors").exists(), stdout + stderr[-3000:]
-    result = run_rloo(*common, "--output_dir", stopped, "--resume", nproc=2, env=env, script=str(script))
-    assert result.returncode == 0 and "resuming from" in result.stdout, result.stderr[-3000:]
-    assert_same_run(full, stopped)
-    return stopped
-
-
 def test_an_ema_reference_resumes_bit_identically_on_two_ranks(assets, tmp_path):
     """The reference mixed with the policy after every update: its weights differ from the initial model's, so every
     checkpoint saves them (the fingerprint), and the resumed run's KL and weights are the uninterrupted run's."""
     ema = edited_rloo(examples()["An EMA reference"], tmp_path)
     stopped = stopped_and_resumed_on_two_ranks(ema, assets, tmp_path, "--kl_coef", "0.5")
-    step = plumbing.latest_checkpoint(str(stopped))
+    step = latest_checkpoint(str(stopped))
     saved = torch.load(step / "trainer_state.pt", weights_only=True)["reference"]
     initial = AutoModelForCausalLM.from_pretrained(assets["policy"]).state_dict()
     assert saved.keys() == initial.keys() and not all(torch.equal(saved[k], initial[k]) for k in saved)
@@ -432,14 +348,14 @@ def test_the_reference_fingerprint_sees_any_change_and_nothing_else():
     never changed, is not saved); a change of one weight by 1e-7 is seen."""
     tokenizer = policy_tokenizer()
     policy, reference = tiny_policy(len(tokenizer)), tiny_policy(len(tokenizer)).requires_grad_(False)
-    assert plumbing.fingerprint(plumbing.reference_tensors(reference)) == \
-        plumbing.fingerprint(plumbing.reference_tensors(policy))
-    before = plumbing.fingerprint(plumbing.reference_tensors(reference))
+    assert plumbing.checkpoints.fingerprint(reference_tensors(reference)) == \
+        plumbing.checkpoints.fingerprint(reference_tensors(policy))
+    before = plumbing.checkpoints.fingerprint(reference_tensors(reference))
     rloo.sync_reference(reference, policy, 0.5)  # the same weights mixed: unchanged
-    assert plumbing.fingerprint(plumbing.reference_tensors(reference)) == before
+    assert plumbing.checkpoints.fingerprint(reference_tensors(reference)) == before
     with torch.no_grad():
         next(reference.parameters())[0, 0] += 1e-7
-    assert plumbing.fingerprint(plumbing.reference_tensors(reference)) != before
+    assert plumbing.checkpoints.fingerprint(reference_tensors(reference)) != before
 
 
 def test_a_rank_local_statistic_resumes_with_each_ranks_own_value(assets, tmp_path):
@@ -447,10 +363,187 @@ def test_a_rank_local_statistic_resumes_with_each_ranks_own_value(assets, tmp_pa
     resumed run is the uninterrupted one's, bit for bit."""
     local = edited_rloo(examples()["A rank-local statistic"], tmp_path)
     stopped = stopped_and_resumed_on_two_ranks(local, assets, tmp_path)
-    step = plumbing.latest_checkpoint(str(stopped))
+    step = latest_checkpoint(str(stopped))
     scales = [torch.load(step / f"rank{r}.pt", weights_only=True)["parts"]["algorithm_state"]["score_scale"]
               for r in (0, 1)]
     assert scales[0] != scales[1] and all(0 < s < 5 for s in scales), scales
+
+
+def test_a_per_prompt_running_baseline_resumes_bit_identically_on_two_ranks(assets, tmp_path):
+    """Each prompt's mean reward over its earlier updates, in one table every rank holds alike: 8 prompts on two ranks
+    of 4 each, so every update is an epoch and every prompt is trained in each, on the rank the epoch's shuffle
+    deals it to; stopped by SIGTERM and resumed, the run is the uninterrupted one's bit for bit, and at the end both
+    ranks hold the same table, each prompt counted once per update."""
+    baseline = edited_rloo(examples()["A per-prompt running baseline"], tmp_path)
+    eight = write_jsonl(tmp_path / "eight.jsonl", prompt_rows(8, seed=5))
+    stopped = stopped_and_resumed_on_two_ranks(baseline, {**assets, "train": eight}, tmp_path)
+    tables = [torch.load(stopped / "checkpoints" / "step_4" / f"rank{r}.pt", weights_only=True)["parts"][
+        "algorithm_state"] for r in (0, 1)]
+    assert tables[0]["visits"].tolist() == [4] * 8 and torch.equal(tables[1]["visits"], tables[0]["visits"])
+    assert torch.equal(tables[0]["prompt_reward"], tables[1]["prompt_reward"])
+    assert tables[0]["prompt_reward"].abs().sum() > 0
+
+
+def test_every_batch_carries_the_rows_its_prompts_were_drawn_from(assets, tmp_path):
+    """Completions.prompt_index, from main's draw through the rollout source (LocalRollouts) into every chunk and
+    micro-batch: each prompt of each update's batch is the text of the dataset row it names."""
+    import json
+
+    rows = [json.loads(line)["prompt"] for line in assets["train"].read_text().splitlines()]
+    tokenizer = policy_tokenizer()
+    for rollout in run_main(rloo, model_name_or_path=str(assets["policy"]), dataset_name=str(assets["train"]),
+                            output_dir=str(tmp_path / "out"), total_episodes=2 * K * PROMPTS, **ON_POLICY):
+        assert rollout.prompt_index.dtype == torch.long and rollout.prompt_index.shape == (PROMPTS,)
+        texts = [tokenizer.decode(q[m]) for q, m in zip(rollout.queries, rollout.query_mask)]
+        assert texts == [tokenizer.decode(tokenizer(rows[i])["input_ids"]) for i in rollout.prompt_index.tolist()]
+        part = rloo.micro_batch(rollout, rloo.completion_rows(torch.tensor([2, 0]), PROMPTS, K), K)
+        assert part.prompt_index.tolist() == rollout.prompt_index[[2, 0]].tolist()
+        single = rollout.one_per_row(torch.tensor([1, PROMPTS + 3]))  # completion 1 of prompt 1, 1 of prompt 3
+        assert single.prompt_index.tolist() == rollout.prompt_index[[1, 3]].tolist()
+
+
+@dataclass
+class Counted(plumbing.UpdateState):  # a state of the same rules as AlgorithmState
+    count: int = 0
+    running: torch.Tensor = field(default_factory=lambda: torch.zeros(2))
+
+    def after_update(self, step: float) -> dict:
+        self.count += 1
+        self.running = self.running + step
+        return {"count": self.count}
+
+
+def test_the_algorithm_state_changes_only_in_after_update_and_only_to_finite_values():
+    """An assignment outside after_update is refused at once, naming the field, the place and the method; a change
+    in place is found at the next call; a value that is not finite is refused when the call returns; a restore sets
+    the fields."""
+    state = Counted()
+    assert state.after_update(1.0) == {"count": 1} and state.count == 1
+    with pytest.raises(AttributeError) as refused:
+        state.count = 5
+    assert re.fullmatch(r"Counted\.count is assigned in test_the_algorithm_state_changes_only_in_after_update_and_only_"
+                        r"to_finite_values \(test_changing_the_algorithm\.py:\d+\): the algorithm's state changes only in "
+                        r"Counted\.after_update, which main calls once per update after training \(so that a stop, a "
+                        r"fault and a resume find it as it was at the update's start\): make the change there",
+                        str(refused.value)), str(refused.value)
+    assert state.count == 1
+    state.running.add_(1.0)  # in place: seen at the next call
+    with pytest.raises(RuntimeError, match=r"^Counted\.running changed in place outside Counted\.after_update "):
+        state.after_update(1.0)
+    restored = Counted()
+    restored.load_state_dict({"count": 3, "running": torch.ones(2)})
+    assert restored.after_update(0.5) == {"count": 4} and restored.running.tolist() == [1.5, 1.5]
+    with pytest.raises(plumbing.Fault, match=r"^Counted\.running holds a value that is not finite after "
+                                             r"Counted\.after_update: a checkpoint keeps finite state only, so the run "
+                                             r"stops here with nothing saved"):
+        Counted().after_update(float("nan"))
+    stock = rloo.AlgorithmState.start(rloo.Args(), 3)
+    assert stock.after_update(rloo.Args(), None, None, None, {}) == {} and stock.state_dict() == {}
+
+
+DRAWN_INTO_THE_STATE = """
+     Stock RLOO keeps none; docs/algorithm.md has worked examples.\"\"\"
++    drawn: list = field(default_factory=list)  # every prompt drawn so far
+@@ main
+                     batch = plumbing.PromptBatch.of(dataset, rows, sampler_state, tokenizer.pad_token_id, device)
++                    state.drawn = state.drawn + rows  # where the batch is drawn
+"""
+
+
+def test_the_algorithm_state_changed_where_a_batch_is_drawn_is_refused_at_once(assets, tmp_path):
+    """The natural place for a replay buffer, where main draws a batch: a stop during the update would save the state
+    of after the draw with the sampler of before it. Refused on the first update, naming the field and the line."""
+    edited = edited_rloo([DRAWN_INTO_THE_STATE], tmp_path)
+    line = next(i for i, text in enumerate(Path(edited.__file__).read_text().splitlines(), 1) if "state.drawn =" in text)
+    with pytest.raises(AttributeError, match=rf"^AlgorithmState\.drawn is assigned in main \(rloo\.py:{line}\): the "
+                                             r"algorithm's state changes only in AlgorithmState\.after_update, "):
+        run_main(edited, model_name_or_path=str(assets["policy"]), dataset_name=str(assets["train"]),
+                 output_dir=str(tmp_path / "out"), total_episodes=2 * K * PROMPTS)
+
+
+OWN_PART = """
++@dataclass
++class Drawn(plumbing.checkpoints.FieldsState):  # a stateful part of the researcher's own: the prompts drawn so far
++    count: int = 0
++
++
+ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts) -> None:
+@@ main
+         generators = plumbing.Generators(args.seed + dist_info.rank, device)
++        so_far = Drawn()
+@@ main
+             algorithm_state=state,  # this and every part below: per rank, each rank's own
++            drawn=so_far,
+@@ main
+                     batch = plumbing.PromptBatch.of(dataset, rows, sampler_state, tokenizer.pad_token_id, device)
++                    so_far.count += len(rows)  # changed where the batch is drawn
+@@ main
+                 scores = apply_missing_eos_penalty(raw_scores, has_stop, args.missing_eos_penalty)  # (k*B,)
++                scores = scores + 0.01 * so_far.count
+"""
+
+
+def test_a_stop_while_a_reward_function_runs_saves_every_part_as_the_update_found_it(assets, tmp_path):
+    """SIGTERM while update 3's reward function runs (it hangs there) stops the run at once with the checkpoint of
+    update 2, every part of it as update 3 found it: a part of the researcher's own that changes where each batch is
+    drawn (before the reward call), the adaptive KL controller's state, the sampler, the generators. So the resumed
+    run is the uninterrupted one, bit for bit (a part saved as the stop found it would count update 3's draw twice)."""
+    edited = edited_rloo(examples()["An adaptive KL controller"] + [OWN_PART], tmp_path)
+    script = Path(edited.__file__)
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--reward_fn",
+              "reward_fns:misbehaving", *TWO_RANKS[2:], "--kl_coef", "0.5", "--kl_target", "0.05", "--kl_horizon", "2",
+              "--total_episodes", 3 * 16]  # 3 updates: the stopped run ends in the third, the resumed one runs it
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
+    full, stopped, hanging = tmp_path / "full", tmp_path / "stopped", tmp_path / "hanging"
+    result = run_rloo(*common, "--output_dir", full, env=env, script=str(script))
+    assert result.returncode == 0, result.stderr[-3000:]
+    process = launch([*common, "--output_dir", stopped], script=script, env={
+        "REWARD_MISBEHAVES_AT_CALL": "3", "REWARD_MISBEHAVIOUR": "hang", "REWARD_HANGING": str(hanging)})
+    try:
+        deadline = time.time() + 600  # a hang guard only
+        while not hanging.exists():
+            assert time.time() < deadline and process.poll() is None, process.communicate()[1][-3000:]
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=600)
+    finally:
+        process.kill()
+    assert "SIGTERM received while a reward function ran: stopped at once; checkpoint of update 2" in stdout, stderr
+    saved = torch.load(stopped / "checkpoints" / "step_2" / "rank0.pt", weights_only=True)
+    assert saved["parts"]["drawn"] == {"count": 2 * 4}  # 4 prompts an update: update 3's draw is not in it
+    result = run_rloo(*common, "--output_dir", stopped, "--resume", env=env, script=str(script))
+    assert result.returncode == 0 and "resuming from" in result.stdout, result.stderr[-3000:]
+    assert_same_run(full, stopped)
+
+
+DIVERGING = {
+    "epochs stopped on one rank": ("""
+     for epoch in range(-(-steps // sizes.minibatches)):
++        if epoch == 1 and dist.get_rank() == 1:  # its own early stop
++            break
+""", "the ranks would diverge at an optimizer step: rank 0: takes step 2 (epoch 2): micro-batches 1; rank 1: ends "
+     "its update after step 1; every rank must take the same path through an update (decide it from values reduced "
+     "over ranks, which every rank holds alike)"),
+    "a metric logged on one rank": ("""
+             episode = update * sizes.all_ranks
++            metrics.update({"objective/rank_zero": 1.0} if dist.get_rank() == 0 else {})
+""", "the metric 'objective/rank_zero' is logged on rank 0 only: every rank must log the same metrics, which are "
+     "reduced over ranks together; log it on every rank"),
+}
+
+
+@pytest.mark.parametrize("case", DIVERGING, ids=list(DIVERGING))
+def test_ranks_that_would_diverge_stop_at_once_saying_what_differs_on_which_rank(assets, tmp_path, case):
+    """Two ranks of a copy that takes another path on one rank: before the collectives that would not match (gloo's
+    "Received data size doesn't match", or a wait until --ddp_timeout), every rank stops with one line naming the
+    difference and the ranks, on the first update."""
+    edit, said = DIVERGING[case]
+    script = edited_rloo([edit], tmp_path).__file__
+    result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *TWO_RANKS,
+                      "--output_dir", tmp_path / "out", nproc=2, script=script,
+                      env={"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])})
+    assert result.returncode != 0 and f"rloo.py: error: {said}" in result.stderr.splitlines(), result.stderr[-3000:]
+    assert read_metrics(tmp_path / "out") == []  # the first update
 
 
 @pytest.mark.parametrize("example,flags", [("A response-length schedule", ()),

@@ -25,6 +25,12 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from transformers import AutoModelForCausalLM
 
 import plumbing
+from plumbing.checkpoints import (RANK_FILE, check_same_inputs, checkpoint_problem, load_safely,
+                                  model_identity, read_shards, resume_checkpoint, save_final_policy, set_rng_state,
+                                  unsafe_metadata)
+from plumbing.data import prepare_prompts
+from plumbing.faults import ConsoleStream, NonFiniteError, StartupInterrupted
+from plumbing.outputdir import TRAINER_STATE, checkpoint_dirs, latest_checkpoint, settle_output_dir, steps_to_prune
 import rloo
 from helpers import (K, NOT_REPRODUCIBLE, PER_UPDATE, PROMPTS, REPO, RUN, assert_same_run,  # noqa: F401 (kept here)
                      comparable, fake_run, forge_manifest, hub_cache_repo, interrupt_after_first_update, launch,
@@ -65,8 +71,8 @@ def test_signal_saves_and_resume_is_exact(assets, tmp_path, nproc, sig, extra):
     if nproc == 0:
         assert returncode == 0  # (torchrun's own agent exits non-zero after forwarding a signal)
     assert not (interrupted / "model.safetensors").exists()  # not a finished run
-    assert (interrupted / "preempted").read_text().strip() == str(plumbing.latest_checkpoint(str(interrupted)))
-    stopped_at = plumbing.latest_checkpoint(str(interrupted))
+    assert (interrupted / "preempted").read_text().strip() == str(latest_checkpoint(str(interrupted)))
+    stopped_at = latest_checkpoint(str(interrupted))
     assert stopped_at is not None and len(read_metrics(interrupted)) < len(read_metrics(full))
 
     result = run_rloo(*common, "--output_dir", interrupted, "--resume", nproc=nproc)
@@ -120,7 +126,7 @@ def test_resume_refuses_meaning_changes_reports_harmless_ones_and_continues_wand
             "total_episodes (96 -> 128)") in result.stdout
     assert [m["update"] for m in read_metrics(out)] == [1, 2, 3, 4]  # appended, never truncated
     assert (out / "model.safetensors").samefile(out / "checkpoints" / "step_4" / "model.safetensors")
-    assert plumbing.checkpoint_problem(final) is None  # its policy files unchanged by the new final policy
+    assert checkpoint_problem(final) is None  # its policy files unchanged by the new final policy
     run_ids = {p.name.rsplit("-", 1)[1] for p in (out / "wandb").glob("offline-run-*")}
     assert len(list((out / "wandb").glob("offline-run-*"))) == 2 and len(run_ids) == 1  # the same wandb run
 
@@ -156,7 +162,7 @@ def test_no_flag_restart_or_damage_loses_a_checkpoint(assets, tmp_path):
     result = run_rloo(*common, "--total_episodes", PER_UPDATE * 4, "--resume_from", checkpoints / "step_2",
                       "--save_total_limit", 1)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert [p.name for p in checkpoints.iterdir()] == ["step_4"] and plumbing.latest_checkpoint(str(out)).name == "step_4"
+    assert [p.name for p in checkpoints.iterdir()] == ["step_4"] and latest_checkpoint(str(out)).name == "step_4"
     (branched,) = [p for p in (out / "abandoned").iterdir() if p != aside]
     assert sorted(p.name for p in (branched / "checkpoints").iterdir()) == ["step_3", "step_5"]  # step_5: the last
     assert [m["update"] for m in read_metrics(out)] == [1, 2, 3, 4]
@@ -180,21 +186,22 @@ def test_sigkill_during_saves_never_leaves_a_broken_latest_checkpoint(tmp_path):
     for attempt in range(4):
         process = subprocess.Popen([python(), str(REPO / "tests" / "save_loop.py"), str(out)], env=env)
         deadline = time.time() + 600  # a hang guard only
-        while plumbing.latest_checkpoint(str(out)) is None or attempt == 0 and len(list((out / "checkpoints").glob("step_*"))) < 2:
+        while latest_checkpoint(str(out)) is None or \
+                attempt == 0 and len(list((out / "checkpoints").glob("step_*"))) < 2:
             assert time.time() < deadline and process.poll() is None
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 0.5))
         os.kill(pid_of(process), signal.SIGKILL)  # the process that saves (a fork: not its client)
         process.wait()
-        latest = plumbing.latest_checkpoint(str(out))
+        latest = latest_checkpoint(str(out))
         assert latest is not None and latest.name.startswith("step_")
-        state = torch.load(latest / plumbing.TRAINER_STATE, weights_only=False)
+        state = torch.load(latest / TRAINER_STATE, weights_only=False)
         assert f"step_{state['update']}" == latest.name
         assert AutoModelForCausalLM.from_pretrained(latest).num_parameters() > 0
     # debris of a killed save, and a directory that merely looks like a checkpoint, are never picked up
     (out / "checkpoints" / ".tmp_step_999").mkdir(exist_ok=True)
     (out / "checkpoints" / "step_1000").mkdir()
-    assert plumbing.latest_checkpoint(str(out)) == latest
+    assert latest_checkpoint(str(out)) == latest
 
 
 @pytest.mark.parametrize("disk_full", [False, True], ids=["batch-written", "disk-full"])
@@ -237,7 +244,7 @@ def test_no_optimizer_step_on_a_nonfinite_loss():
     args = rloo.Args(rloo_k=2, per_device_train_batch_size=4, num_ppo_epochs=1, temperature=1.0)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1.0)
-    with pytest.raises(plumbing.NonFiniteError, match="non-finite loss on rank 0"):
+    with pytest.raises(NonFiniteError, match="non-finite loss on rank 0"):
         rloo.ppo_update(policy, optimizer, rollout, torch.tensor([1.0, float("inf"), 0.0, 0.0]), args,  # NaN: unscored
                         rloo.compute_batch_sizes(args, 1), True, lambda: torch.autocast("cpu", enabled=False))
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
@@ -245,15 +252,15 @@ def test_no_optimizer_step_on_a_nonfinite_loss():
 
 # ---------------------------------------------------------------- checkpoints in this process
 def test_save_total_limit_keeps_the_newest_and_never_deletes_it(tmp_path):
-    assert plumbing.steps_to_prune([1, 2, 3], 2, newest=3) == [1]
-    assert plumbing.steps_to_prune([1, 2, 3], 1, newest=3) == [1, 2]
-    assert plumbing.steps_to_prune([4, 9], 1, newest=4) == [9]  # the one just written stays, whatever its number
-    assert plumbing.steps_to_prune([1, 2], None, newest=2) == []
+    assert steps_to_prune([1, 2, 3], 2, newest=3) == [1]
+    assert steps_to_prune([1, 2, 3], 1, newest=3) == [1, 2]
+    assert steps_to_prune([4, 9], 1, newest=4) == [9]  # the one just written stays, whatever its number
+    assert steps_to_prune([1, 2], None, newest=2) == []
     for limit in (0, -1):  # refused as flags too (test_cli.py)
         with pytest.raises(ValueError, match="would remove the checkpoint just written"):
-            plumbing.steps_to_prune([1, 2], limit, newest=2)
+            steps_to_prune([1, 2], limit, newest=2)
     saved_steps(tmp_path, [1, 2, 3], keep=1)
-    assert [p.name for p in plumbing.checkpoint_dirs(str(tmp_path))] == ["step_3"]
+    assert [p.name for p in checkpoint_dirs(str(tmp_path))] == ["step_3"]
 
 
 def no_hard_links(source, target, **where):
@@ -269,22 +276,22 @@ def test_the_final_policy_is_the_final_checkpoints_stored_once_where_the_filesys
     (tmp_path / "config.json").write_text("a user's, come while the run ran")
     monkeypatch.setattr(os, "link", link)
     with pytest.raises(plumbing.Fault, match="config.json appeared while the run ran and is not this run's: the "):
-        plumbing.save_final_policy(policy, tokenizer, str(tmp_path), 0, step, "run-a")
+        save_final_policy(policy, tokenizer, str(tmp_path), 0, step, "run-a")
     assert (tmp_path / "config.json").read_text() == "a user's, come while the run ran"
     (tmp_path / "config.json").unlink()
     (tmp_path / "args.json").unlink()
     with pytest.raises(plumbing.Fault, match="model.safetensors appeared while the run ran"):  # no record lists it
-        plumbing.save_final_policy(policy, tokenizer, str(tmp_path), 0, step, "run-b")
+        save_final_policy(policy, tokenizer, str(tmp_path), 0, step, "run-b")
     (tmp_path / "args.json").write_text(json.dumps({"run_id": "run-a", "files": ["model.safetensors"]}))
-    plumbing.save_final_policy(policy, tokenizer, str(tmp_path), 0, step, "run-a")
+    save_final_policy(policy, tokenizer, str(tmp_path), 0, step, "run-a")
     (tmp_path / "args.json").unlink()
     names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
     assert names == sorted(p.name for p in step.iterdir() if p.name not in ("trainer_state.pt", "manifest.json")
-                           and not plumbing.RANK_FILE.fullmatch(p.name) and p.is_file())
+                           and not RANK_FILE.fullmatch(p.name) and p.is_file())
     for name in names:
         assert (tmp_path / name).samefile(step / name) == (link is not no_hard_links), name
         assert (tmp_path / name).read_bytes() == (step / name).read_bytes(), name
-    assert plumbing.checkpoint_problem(step) is None
+    assert checkpoint_problem(step) is None
     assert AutoModelForCausalLM.from_pretrained(tmp_path).num_parameters() == policy.num_parameters()
 
 
@@ -323,16 +330,16 @@ def test_resume_skips_a_damaged_newest_checkpoint_and_names_it(tmp_path, damage)
     damage_step, reason = DAMAGE[damage]
     step_3 = tmp_path / "checkpoints" / "step_3"
     damage_step(step_3)
-    start = plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True))
+    start = resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True))
     assert start.checkpoint == tmp_path / "checkpoints" / "step_2" and start.state["update"] == 2
     assert list(start.skipped) == [step_3] and reason in start.skipped[step_3]
     with pytest.raises(plumbing.ConfigError, match=re.escape(f"--resume_from {step_3} is damaged: {reason}")):
-        plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume_from=str(step_3)))
-    notes = plumbing.settle_output_dir(rloo.Args(output_dir=str(tmp_path), resume=True), 2, start.skipped)
+        resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume_from=str(step_3)))
+    notes = settle_output_dir(rloo.Args(output_dir=str(tmp_path), resume=True), 2, start.skipped)
     assert any(f"skipped damaged checkpoint step_3: {reason}" in note for note in notes)
     (aside,) = (tmp_path / "abandoned").iterdir()  # moved, not deleted
     assert (aside / "checkpoints" / "step_3").is_dir() and reason in (aside / "why.txt").read_text()
-    assert plumbing.latest_checkpoint(str(tmp_path)) == tmp_path / "checkpoints" / "step_2"
+    assert latest_checkpoint(str(tmp_path)) == tmp_path / "checkpoints" / "step_2"
     assert not (tmp_path / "ran").exists()  # nothing was unpickled
 
 
@@ -341,7 +348,7 @@ def test_a_step_directory_without_manifest_or_trainer_state_is_no_checkpoint(tmp
     step_2 = tmp_path / "checkpoints" / "step_2"
     (step_2 / "manifest.json").unlink()
     (step_2 / "trainer_state.pt").unlink()
-    start = plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True))
+    start = resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True))
     assert start.checkpoint == tmp_path / "checkpoints" / "step_1" and start.skipped == {}
 
 
@@ -361,18 +368,18 @@ def test_checkpoints_cannot_run_code(tmp_path):
     torch.save({"update": 1, "note": Payload(marker)}, step / "trainer_state.pt")
     torch.save({"generators": {"python": Payload(marker)}}, step / "rank0.pt")
     forge_manifest(step)
-    assert plumbing.checkpoint_problem(step) is None  # the manifest matches: only what the files hold can tell
+    assert checkpoint_problem(step) is None  # the manifest matches: only what the files hold can tell
     with pytest.raises(plumbing.ConfigError, match="trainer_state.pt holds io.open, not only tensors"):
-        plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume_from=str(step)))
+        resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume_from=str(step)))
     with pytest.raises(plumbing.ConfigError, match="rank0.pt holds io.open"):
-        plumbing.load_safely(step / "rank0.pt")
+        load_safely(step / "rank0.pt")
     # torch.distributed.checkpoint unpickles its metadata with pickle: read by an allow-list first
     dcp.save({"optimizer": optimizer.state_dict()}, checkpoint_id=str(step / "optimizer"))
     forge_manifest(step)
-    assert plumbing.unsafe_metadata(step / "optimizer" / ".metadata") is None  # a real one passes
+    assert unsafe_metadata(step / "optimizer" / ".metadata") is None  # a real one passes
     (step / "optimizer" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     forge_manifest(step)
-    assert "refers to io.open, which could run code" in plumbing.checkpoint_problem(step)
+    assert "refers to io.open, which could run code" in checkpoint_problem(step)
     assert not marker.exists()
     torch.load(step / "trainer_state.pt", weights_only=False)  # what loading used to do
     assert marker.exists()  # the payload is real
@@ -440,11 +447,11 @@ def test_no_file_of_a_checkpoint_can_run_code(tmp_path, forged):
     args = rloo.Args(model_name_or_path=str(tmp_path / "initial"), output_dir=str(tmp_path / "run"),
                      resume_from=str(step))
     try:  # what a resume reads: at start-up, then the weights and each rank's optimizer shard and generators
-        start = plumbing.resume_checkpoint(args)
+        start = resume_checkpoint(args)
         policy, _, _, _ = rloo.load_policy(args, torch.device("cpu"), start.checkpoint, policy_tokenizer())
-        plumbing.read_shards(get_optimizer_state_dict(policy, torch.optim.AdamW(policy.parameters())),
-                             step / "optimizer")
-        plumbing.load_safely(step / "rank0.pt")
+        read_shards(get_optimizer_state_dict(policy, torch.optim.AdamW(policy.parameters())),
+                    step / "optimizer")
+        load_safely(step / "rank0.pt")
         problem = None
     except plumbing.ConfigError as e:
         problem = str(e)
@@ -599,7 +606,7 @@ def test_a_checkpoint_cannot_choose_the_code_that_runs(tmp_path):
     forge_manifest(step)
     args = rloo.Args(model_name_or_path=str(initial), output_dir=str(tmp_path / "run"), resume=True,
                      trust_remote_code=True)
-    start = plumbing.resume_checkpoint(args)
+    start = resume_checkpoint(args)
     assert start.checkpoint == step
     policy, reference, _, _ = rloo.load_policy(args, torch.device("cpu"), start.checkpoint, tokenizer)
     assert not marker.exists()
@@ -634,16 +641,16 @@ def test_a_resume_refuses_an_initial_model_that_changed(tmp_path, change):
     else:
         tiny_policy(len(tokenizer)).save_pretrained(root)
         tokenizer.save_pretrained(root)
-    identity = lambda: plumbing.model_identity(model)  # noqa: E731
+    identity = lambda: model_identity(model)  # noqa: E731
     saved = {"model_name_or_path": identity()}
-    assert plumbing.check_same_inputs(saved, {"model_name_or_path": identity()}, ()) == []  # unchanged: resumes
+    assert check_same_inputs(saved, {"model_name_or_path": identity()}, ()) == []  # unchanged: resumes
     apply, fragment = INITIAL_MODEL_CHANGES[change]
     apply(root)
     with pytest.raises(plumbing.ConfigError, match=re.escape(
             f"cannot resume: the input --model_name_or_path is not the one the run started with ({fragment}): restore "
             "it, or pass --allow_changed_inputs model_name_or_path to continue with it as it is now")):
-        plumbing.check_same_inputs(saved, {"model_name_or_path": identity()}, ())
-    (note,) = plumbing.check_same_inputs(saved, {"model_name_or_path": identity()}, ("model_name_or_path",))
+        check_same_inputs(saved, {"model_name_or_path": identity()}, ())
+    (note,) = check_same_inputs(saved, {"model_name_or_path": identity()}, ("model_name_or_path",))
     assert note.startswith(f"model_name_or_path changed ({fragment}), allowed by --allow_changed_inputs")
 
 
@@ -656,35 +663,35 @@ def test_rng_states_survive_a_safe_round_trip(tmp_path):
     def draws() -> tuple:
         return random.random(), np.random.rand(), torch.rand(1).item(), torch.rand(1, generator=sampling).item()
 
-    torch.save(plumbing.rng_state(sampling), tmp_path / "rng.pt")
+    torch.save(plumbing.checkpoints.rng_state(sampling), tmp_path / "rng.pt")
     expected = draws()
-    plumbing.set_rng_state(plumbing.load_safely(tmp_path / "rng.pt"), sampling)
+    set_rng_state(load_safely(tmp_path / "rng.pt"), sampling)
     assert draws() == expected
 
 
 def test_another_timeline_is_moved_aside_and_an_overwrite_moves_only_the_runs_files(tmp_path):
     fake_run(tmp_path, [1, 2, 3])
     with pytest.raises(plumbing.ConfigError, match="holds another run's files .checkpoints up to step_3.: pass --resume"):
-        plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path)))
+        resume_checkpoint(rloo.Args(output_dir=str(tmp_path)))
     saved_steps(tmp_path / "other_run", [1])  # another run's checkpoint would mix two runs in one directory
     with pytest.raises(plumbing.ConfigError, match="holds an earlier run .*, not .*other_run.*'s: pass another"):
-        plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path),
+        resume_checkpoint(rloo.Args(output_dir=str(tmp_path),
                                          resume_from=str(tmp_path / "other_run" / "checkpoints" / "step_1")))
     # --resume_from step_1: steps 2, 3 and the metrics after update 1 are another timeline
-    notes = plumbing.settle_output_dir(rloo.Args(output_dir=str(tmp_path), resume_from="step_1"), 1, {}, "run-a")
+    notes = settle_output_dir(rloo.Args(output_dir=str(tmp_path), resume_from="step_1"), 1, {}, "run-a")
     (aside,) = (tmp_path / "abandoned").iterdir()
     assert aside.name.endswith("_after_update_1") and str(aside) in notes[-1]
     assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == ["step_2", "step_3"]
-    assert [p.name for p in plumbing.checkpoint_dirs(str(tmp_path))] == ["step_1"]
+    assert [p.name for p in checkpoint_dirs(str(tmp_path))] == ["step_1"]
     assert (tmp_path / "metrics.jsonl").read_text() == '{"update": 1, "run_id": "run-a"}\n'
     assert (aside / "metrics.jsonl").read_text().splitlines()[0] == '{"update": 2, "run_id": "run-a"}'
-    assert plumbing.settle_output_dir(rloo.Args(output_dir=str(tmp_path)), 1, {}, "run-a") == []  # nothing later
+    assert settle_output_dir(rloo.Args(output_dir=str(tmp_path)), 1, {}, "run-a") == []  # nothing later
     # --overwrite_output_dir: the run's files move aside, and nothing else (the user's plot, notes, .git, the
     # other directory stay where they are)
     users = {name: data for name, data in tree(tmp_path).items() if not name.startswith(("abandoned/", "checkpoints/"))
              and name not in ("args.json", "metrics.jsonl", "model.safetensors", "config.json", "tokenizer.json")}
-    plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), overwrite_output_dir=True))
-    plumbing.settle_output_dir(rloo.Args(output_dir=str(tmp_path), overwrite_output_dir=True), 0, {}, "run-b")
+    resume_checkpoint(rloo.Args(output_dir=str(tmp_path), overwrite_output_dir=True))
+    settle_output_dir(rloo.Args(output_dir=str(tmp_path), overwrite_output_dir=True), 0, {}, "run-b")
     overwritten = next(p for p in (tmp_path / "abandoned").iterdir() if p.name.endswith("_overwritten"))
     assert sorted(p.name for p in overwritten.iterdir()) == ["args.json", "checkpoints", "config.json",
                                                             "metrics.jsonl", "model.safetensors", "tokenizer.json"]
@@ -697,11 +704,11 @@ def test_a_signal_during_start_up_stops_at_once_and_marks_a_preemption(tmp_path)
     try:
         lock = plumbing.OutputDirLock(str(tmp_path))
         stop = plumbing.StopSignal(lock, announce=False)
-        with pytest.raises(plumbing.StartupInterrupted, match="SIGUSR1 received during start-up"):
+        with pytest.raises(StartupInterrupted, match="SIGUSR1 received during start-up"):
             os.kill(os.getpid(), signal.SIGUSR1)  # before output_dir is this run's: no marker
         assert not (tmp_path / "preempted").exists()
         lock.acquire()  # the marker is written only by the run holding output_dir
-        with pytest.raises(plumbing.StartupInterrupted, match="SIGTERM received during start-up: .*nothing was trained"):
+        with pytest.raises(StartupInterrupted, match="SIGTERM received during start-up: .*nothing was trained"):
             os.kill(os.getpid(), signal.SIGTERM)
         assert (tmp_path / "preempted").exists()
         stop.training = True  # from then on a signal is only recorded, for the update loop to act on
@@ -726,9 +733,9 @@ def test_a_signal_while_prompts_are_tokenized_stops_the_start_up_at_once(tmp_pat
 
     plumbing.StopSignal(plumbing.OutputDirLock(str(tmp_path)), announce=False)
     try:
-        with pytest.raises(plumbing.StartupInterrupted, match="SIGTERM received during start-up"):
-            plumbing.prepare_prompts(datasets.Dataset.from_list([{"prompt": "a :"}]), policy_tokenizer(), "prompt", 4,
-                                     "d", None, stuck)
+        with pytest.raises(StartupInterrupted, match="SIGTERM received during start-up"):
+            prepare_prompts(datasets.Dataset.from_list([{"prompt": "a :"}]), policy_tokenizer(), "prompt", 4,
+                            "d", None, stuck)
         assert not returned  # stopped while the tokenizer still ran
     finally:
         release.set()
@@ -741,7 +748,7 @@ def test_sighup_stops_a_run_as_sigterm_does_unless_ignored_at_start(tmp_path):
     lock = plumbing.OutputDirLock(str(tmp_path))
     lock.acquire()
     stop = plumbing.StopSignal(lock, announce=False)
-    with pytest.raises(plumbing.StartupInterrupted, match="SIGHUP received during start-up: .*nothing was trained"):
+    with pytest.raises(StartupInterrupted, match="SIGHUP received during start-up: .*nothing was trained"):
         signal.raise_signal(signal.SIGHUP)
     assert (tmp_path / "preempted").exists()
     stop.training = True
@@ -776,9 +783,9 @@ def test_a_console_gone_or_a_thread_left_running_never_keeps_a_run_from_stopping
         assert process.wait(timeout=600) == 0
     finally:  # a run that hangs does not outlive the test
         process.kill()
-    stopped_at = plumbing.latest_checkpoint(str(out))
+    stopped_at = latest_checkpoint(str(out))
     assert stopped_at is not None and (out / "preempted").read_text().strip() == str(stopped_at)
-    assert plumbing.resume_checkpoint(rloo.Args(output_dir=str(out), resume=True)).checkpoint == stopped_at
+    assert resume_checkpoint(rloo.Args(output_dir=str(out), resume=True)).checkpoint == stopped_at
     assert all("stdout: BrokenPipeError" in line["console_lost"] for line in read_metrics(out))
 
 
@@ -793,7 +800,7 @@ def test_a_console_write_that_fails_is_dropped_and_remembered(tmp_path):
              "a closed file": (open(tmp_path / "closed", "w"), "I/O operation on closed file")}
     cases["a closed file"][0].close()
     for case, (stream, why) in cases.items():
-        console = plumbing.ConsoleStream(stream, "stdout")
+        console = ConsoleStream(stream, "stdout")
         assert console.write("x" * 100_000) == 100_000 and console.flush() is None, case
         console.write("later\n")
         console.flush()
@@ -803,7 +810,7 @@ def test_a_console_write_that_fails_is_dropped_and_remembered(tmp_path):
             stream.close()
     ascii_file = tmp_path / "ascii"
     with open(ascii_file, "w", encoding="ascii") as stream:
-        console = plumbing.ConsoleStream(stream, "stdout")
+        console = ConsoleStream(stream, "stdout")
         console.write("score \u2713 \u00e9\n")
         assert console.lost is None
     assert ascii_file.read_text() == "score \\u2713 \\xe9\n"
@@ -822,14 +829,14 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp
         "optimizer = torch.optim.AdamW(policy.parameters())\n"
         "from helpers import trainer_state\n"
         "full, os.environ['FULL_DISK'] = os.environ.get('FULL_DISK'), ''\n"
-        "plumbing.save_checkpoint(out, 1, policy, optimizer, tokenizer, trainer_state(1), 0, None, {})\n"
+        "plumbing.checkpoints.save_checkpoint(out, 1, policy, optimizer, tokenizer, trainer_state(1), 0, None, {})\n"
         "os.environ['FULL_DISK'] = full or ''\n"
         "if not full:\n"
         "    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails (EFBIG)\n"
         "    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))\n"
         "state = {'update': 2, 'run_id': 'run-a', 'ballast': torch.zeros(1 << 20)}  # 4 MB\n"
-        "plumbing.run_script(lambda _: plumbing.save_checkpoint(out, 2, policy, optimizer, tokenizer, state, 0, None,\n"
-        "                                               {}), None, 'rloo.py')\n")
+        "save = plumbing.checkpoints.save_checkpoint\n"
+        "plumbing.run_script(lambda _: save(out, 2, policy, optimizer, tokenizer, state, 0, None, {}), None, 'rloo.py')\n")
     env = script_env({"PYTHONPATH": f"{REPO / 'tests'}:{REPO}"} if limit == "a file size limit" else {
         **full_disk("trainer_state.pt"), "PYTHONPATH": f"{REPO / 'tests' / 'full_disk'}:{REPO / 'tests'}:{REPO}"})
     result = subprocess.run([python(), "-c", script, str(tmp_path)], capture_output=True, text=True, env=env,
@@ -841,7 +848,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp
             f"{why} (") in result.stderr, result.stderr
     assert "free on its filesystem); " in result.stderr and f"the newest, {step_1}, is intact" in result.stderr
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]  # the partial one removed
-    assert plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True)).checkpoint == step_1
+    assert resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True)).checkpoint == step_1
 
 
 def full_disk(*names: str) -> dict:
@@ -858,7 +865,7 @@ def test_a_full_disk_outside_a_save_stops_with_a_checkpoint_and_one_line(assets,
     assert result.stderr.strip().splitlines()[-1] == (
         f"rloo.py: error: could not write {out / 'metrics.jsonl'} (No space left on device) after update 1; "
         f"checkpoint of update 1 saved to {out / 'checkpoints' / 'step_1'}; fix it, then continue with --resume")
-    assert plumbing.latest_checkpoint(str(out)).name == "step_1"
+    assert latest_checkpoint(str(out)).name == "step_1"
     script = (  # a line that does not fit is cut off again: metrics.jsonl never ends in half a line
         "import resource, signal, sys\n"
         "from pathlib import Path\n"
@@ -955,7 +962,7 @@ class Late(plumbing.ConfigError):
         os.kill(os.getpid(), getattr(signal, sys.argv[1]))
         return "the input is wrong"
 def stop(signum, frame):  # what plumbing.StopSignal does before training
-    raise plumbing.StartupInterrupted(signal.Signals(signum).name)
+    raise plumbing.faults.StartupInterrupted(signal.Signals(signum).name)
 for sig in (signal.SIGTERM, signal.SIGUSR1):
     signal.signal(sig, stop)
 def main(args):
@@ -1095,7 +1102,7 @@ def test_a_reward_function_that_exits_returns_no_float32_or_hangs_stops_with_the
     assert process.returncode == status and "Traceback" not in stderr, stderr[-3000:]
     said = (stdout if status == 0 else stderr).strip().splitlines()[-1]
     assert said == "rloo.py: " + line.format(step_2=out / "checkpoints" / "step_2")
-    assert plumbing.latest_checkpoint(str(out)).name == "step_2" and [m["update"] for m in read_metrics(out)] == [1, 2]
+    assert latest_checkpoint(str(out)).name == "step_2" and [m["update"] for m in read_metrics(out)] == [1, 2]
     assert (out / "preempted").exists() == (status == 0)  # a signal: requeue; a fault: fix it first
 
 
@@ -1136,7 +1143,7 @@ def test_ctrl_c_twice_exits_at_once_and_a_signal_during_start_up_trains_nothing(
         process.send_signal(signal.SIGINT)
         process.wait(timeout=600)
     assert process.returncode == -signal.SIGINT  # killed in the middle of the update, which is not saved
-    assert len(read_metrics(out)) == 1 and plumbing.latest_checkpoint(str(out)).name == "step_1"
+    assert len(read_metrics(out)) == 1 and latest_checkpoint(str(out)).name == "step_1"
     assert not (out / "preempted").exists()
 
     ready = tmp_path / "importing"

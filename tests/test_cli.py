@@ -13,6 +13,9 @@ import tyro
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import plumbing
+from plumbing.checkpoints import file_digests, input_identities, save_checkpoint
+from plumbing.cli import TRL_DEFAULTS, help_groups
+from plumbing.outputdir import MANIFEST
 import rloo
 from helpers import argv_of, valid_flags  # noqa: F401 (kept importable from here)
 from conftest import (REPO, neox_config, policy_tokenizer, read_metrics, run_rloo, tiny_policy, word_tokenizer,
@@ -269,13 +272,13 @@ def test_help_shows_the_args_groups_with_flat_names_aliases_and_whole_sentences(
     assert titles == ["", "models", "data", "RLOO", "generation", "optimization", "engines", "experiment",
                       "memory and speed", "LoRA adapters", "samples and evaluation",
                       "checkpoints and faults"]  # the `# ----- x -----` lines: the inputs', Args's, the run's
-    assert plumbing.help_groups(plan_memory.PlanArgs, "plan_memory.py")["world_size"] == "plan_memory.py"
+    assert help_groups(plan_memory.PlanArgs, "plan_memory.py")["world_size"] == "plan_memory.py"
     text = " ".join(" ".join(lines).split())
     for trl_name, own in plumbing.TRL_NAMES.items():
         assert f"--{trl_name}" in text and f"--{own}" in text, trl_name
-    assert "--steps_per_generation {None}|INT" in text and plumbing.TRL_DEFAULTS.split("\n")[0] in printed
-    docs = {p.arg_name: p.description for c in (plumbing.InputArgs, plumbing.RunArgs, rloo.Args, rloo_multinode.Args)
-            for p in docstring_parser.parse_from_object(c).params}
+    assert "--steps_per_generation {None}|INT" in text and TRL_DEFAULTS.split("\n")[0] in printed
+    docs = {p.arg_name: p.description for c in (plumbing.flags.InputArgs, plumbing.RunArgs, rloo.Args,
+            rloo_multinode.Args) for p in docstring_parser.parse_from_object(c).params}
     for f in fields(rloo_multinode.Args):  # every docstring, its source lines joined
         assert " ".join(docs[f.name].split()) in text, f.name
     # a description line ends only where the next word would not fit (no sentence broken where a source line was)
@@ -320,7 +323,7 @@ def checkpoint_of(output_dir: Path, update: int, args: rloo.Args, inputs: dict) 
     policy = tiny_policy(len(tokenizer))
     state = {"update": update, "episode": 0, "sampler": {"epoch": 0, "position": 0}, "elapsed": 0.0, "world_size": 1,
              "args": asdict(args), "wandb_run_id": None, "run_id": "run-a", "inputs": inputs}
-    return plumbing.save_checkpoint(str(output_dir), update, policy, torch.optim.AdamW(policy.parameters()), tokenizer,
+    return save_checkpoint(str(output_dir), update, policy, torch.optim.AdamW(policy.parameters()), tokenizer,
                                 state, 0, None, {})
 
 
@@ -368,7 +371,7 @@ def bad_files(assets, tmp_path_factory) -> dict[str, Path]:
     files["a_file"].write_text("not a directory\n")
     files["earlier_run"] = root / "earlier_run"
     (files["earlier_run"] / "checkpoints" / "step_3").mkdir(parents=True)
-    (files["earlier_run"] / "checkpoints" / "step_3" / plumbing.MANIFEST).write_text('{"files": {}}\n')
+    (files["earlier_run"] / "checkpoints" / "step_3" / MANIFEST).write_text('{"files": {}}\n')
     files["policy"], files["a_model"], files["new_dir"] = assets["policy"], root / "a_model", root / "new" / "dir"
     files["above_policy"] = assets["policy"].parent
     tiny_policy(15).save_pretrained(files["a_model"])
@@ -380,15 +383,15 @@ def bad_files(assets, tmp_path_factory) -> dict[str, Path]:
     for name, edited in (("resumable", None), ("edited_initial_model", "model.safetensors")):
         files[name] = root / name  # the table's valid command, checkpointed after update 5 (8 episodes each)
         args = tyro.cli(rloo.Args, args=argv_of(valid_flags(assets, files[name])))
-        inputs = plumbing.input_identities(args, plumbing.load_reward_functions(args.reward_fn))  # their sha256
+        inputs = input_identities(args, plumbing.load_reward_functions(args.reward_fn))  # their sha256
         if edited:
             inputs["model_name_or_path"]["files"][edited]["sha256"] = "0" * 64
         checkpoint_of(files[name], 5, args, inputs)
     step = checkpoint_of(root / "pickled", 1, rloo.Args(), {})
     torch.save(tiny_policy(15).state_dict(), step / "pytorch_model.bin")  # the weights as a pickle
     (step / "model.safetensors").unlink()
-    (step / plumbing.MANIFEST).unlink()
-    (step / plumbing.MANIFEST).write_text(json.dumps({"files": plumbing.file_digests(step)}))  # true to what it holds
+    (step / MANIFEST).unlink()
+    (step / MANIFEST).write_text(json.dumps({"files": file_digests(step)}))  # true to what it holds
     files["pickled_step"] = step
     return files
 

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import plumbing
+from plumbing.data import describe_dropped, prepare_prompts
+from plumbing.measure import forward_bytes_per_row
 import rloo
 from helpers import left_padded  # noqa: F401 (kept importable from here)
 from conftest import LETTERS, policy_tokenizer, tiny_policy, tiny_reward_model, word_tokenizer
@@ -64,11 +66,11 @@ def test_forward_chunks_are_sized_to_the_free_memory(monkeypatch):
     policy = tiny_policy(len(tokenizer))
     config, cpu = policy.config, torch.device("cpu")
     h, i, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
-    assert plumbing.forward_bytes_per_row(config, "generation", 16, 8, 4) == \
+    assert forward_bytes_per_row(config, "generation", 16, 8, 4) == \
         (4 * h + i) * 24 * 4 + 2 * layers * h * 24 * 4 + 3 * vocab * 4  # activations + KV cache + a step's logits
-    assert plumbing.forward_bytes_per_row(config, "logprobs", 16, 8, 2) == (4 * h + i) * 24 * 2 + 2 * 8 * vocab * 4
+    assert forward_bytes_per_row(config, "logprobs", 16, 8, 2) == (4 * h + i) * 24 * 2 + 2 * 8 * vocab * 4
     args = rloo.Args(local_rollout_forward_batch_size=0, max_prompt_length=16, response_length=8)
-    per_row = plumbing.forward_bytes_per_row(config, "generation", 16, 8, 4)
+    per_row = forward_bytes_per_row(config, "generation", 16, 8, 4)
     monkeypatch.setattr(plumbing.measure, "free_memory_bytes", lambda device: int(10.5 * per_row / 0.9))
     assert plumbing.rows_per_forward(args, policy, "generation", cpu, 64) == 10  # 90% of what is free
     assert plumbing.rows_per_forward(args, policy, "generation", cpu, 4) == 4  # never more than there are
@@ -289,18 +291,18 @@ def test_prompt_sources_string_chat_and_pretokenized(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ds = plumbing.load_split(str(path), "ignored", None)
-    ds, dropped = plumbing.prepare_prompts(ds, tokenizer, "prompt", 16, "p.jsonl", None, plumbing.prompt_token_ids)
+    ds, dropped = prepare_prompts(ds, tokenizer, "prompt", 16, "p.jsonl", None, plumbing.prompt_token_ids)
     assert ds[plumbing.PROMPT_IDS] == [[2, 3, 14], [4, 14]] and dropped | {"empty": 0, "too_long": 0} == dropped
     assert ds["extra"] == [1, 2]
 
     chat = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "a b"}]}])
-    chat, _ = plumbing.prepare_prompts(chat, tokenizer, "messages", 16, "chat", None, plumbing.prompt_token_ids)
+    chat, _ = prepare_prompts(chat, tokenizer, "messages", 16, "chat", None, plumbing.prompt_token_ids)
     assert chat[plumbing.PROMPT_IDS] == [[2, 3, 14]]
 
     pretokenized = datasets.Dataset.from_dict({"query_token": [[0, 0, 2, 3, 14], [0, 4, 5, 6, 14]]})
     pretokenized.save_to_disk(str(tmp_path / "disk"))
     ds = plumbing.load_split(str(tmp_path / "disk"), "train", None)
-    ds, _ = plumbing.prepare_prompts(ds, tokenizer, "prompt", 16, "disk", None, plumbing.prompt_token_ids)
+    ds, _ = prepare_prompts(ds, tokenizer, "prompt", 16, "disk", None, plumbing.prompt_token_ids)
     assert ds[plumbing.PROMPT_IDS] == [[2, 3, 14], [4, 5, 6, 14]]
 
     datasets.DatasetDict({"train": chat}).save_to_disk(str(tmp_path / "dict"))
@@ -315,12 +317,12 @@ def test_prompt_sources_string_chat_and_pretokenized(tmp_path):
 def test_over_long_and_empty_prompts_are_dropped_and_counted_apart():
     tokenizer = policy_tokenizer()
     ds = datasets.Dataset.from_list([{"prompt": "a b c d :"}, {"prompt": "a :"}, {"prompt": ""}, {"prompt": "b c :"}])
-    ds, dropped = plumbing.prepare_prompts(ds, tokenizer, "prompt", 3, "d", None, plumbing.prompt_token_ids)
+    ds, dropped = prepare_prompts(ds, tokenizer, "prompt", 3, "d", None, plumbing.prompt_token_ids)
     assert {k: dropped[k] for k in ("empty", "too_long")} == {"empty": 1, "too_long": 1} and ds["prompt"] == ["a :", "b c :"]
-    assert plumbing.describe_dropped(dropped, 3) == "1 dropped as longer than 3 tokens, 1 empty"
+    assert describe_dropped(dropped, 3) == "1 dropped as longer than 3 tokens, 1 empty"
     with pytest.raises(plumbing.ConfigError, match="longer than max_prompt_length"):
-        plumbing.prepare_prompts(ds.remove_columns("prompt_input_ids"), tokenizer, "prompt", 1, "d", None,
-                                 plumbing.prompt_token_ids)  # the prompts as read: the ids' column is the script's
+        prepare_prompts(ds.remove_columns("prompt_input_ids"), tokenizer, "prompt", 1, "d", None,
+                        plumbing.prompt_token_ids)  # the prompts as read: the ids' column is the script's
 
 
 def test_a_prompt_longer_by_far_is_tokenized_that_far_only_and_the_drops_still_count_right():
@@ -329,7 +331,7 @@ def test_a_prompt_longer_by_far_is_tokenized_that_far_only_and_the_drops_still_c
     the tokenizer makes few tokens of many characters (here an unknown word of 1000 letters is one token)."""
     tokenizer, given = policy_tokenizer(), []
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}:"
-    limit = 4 * plumbing.PROMPT_CHARS_PER_TOKEN
+    limit = 4 * plumbing.data.PROMPT_CHARS_PER_TOKEN
 
     def token_ids(rows: dict, tokenizer, column: str) -> list[list[int]]:
         given.extend(rows[column])
@@ -337,7 +339,7 @@ def test_a_prompt_longer_by_far_is_tokenized_that_far_only_and_the_drops_still_c
 
     many_words, one_word = "a " * 100_000 + ":", "a " + "x" * 1000 + " :"
     ds = datasets.Dataset.from_list([{"prompt": many_words}, {"prompt": "a b :"}, {"prompt": one_word}])
-    ds, dropped = plumbing.prepare_prompts(ds, tokenizer, "prompt", 4, "d", None, token_ids)
+    ds, dropped = prepare_prompts(ds, tokenizer, "prompt", 4, "d", None, token_ids)
     assert ds["prompt"] == ["a b :", one_word] and ds[plumbing.PROMPT_IDS] == [[2, 3, 14], [2, 0, 14]]
     assert (dropped["too_long"], dropped["cut"]) == (1, 1) and many_words not in given
     assert max(len(prompt) for prompt in given if prompt != one_word) == limit
@@ -347,7 +349,7 @@ def test_a_prompt_longer_by_far_is_tokenized_that_far_only_and_the_drops_still_c
     chat = datasets.Dataset.from_list([{"messages": [{"role": "system", "content": "b " * 100},
                                                      {"role": "user", "content": "c " * 100_000}]},
                                        {"messages": [{"role": "user", "content": "a b"}]}])
-    chat, dropped = plumbing.prepare_prompts(chat, tokenizer, "messages", 4, "chat", None, token_ids)
+    chat, dropped = prepare_prompts(chat, tokenizer, "messages", 4, "chat", None, token_ids)
     assert chat[plumbing.PROMPT_IDS] == [[2, 3, 14]] and (dropped["too_long"], dropped["cut"]) == (1, 1)
     assert max(sum(len(m["content"]) for m in messages) for messages in given) == limit
 
@@ -355,7 +357,7 @@ def test_a_prompt_longer_by_far_is_tokenized_that_far_only_and_the_drops_still_c
 def test_missing_prompt_column_is_named():
     ds = datasets.Dataset.from_list([{"text": "a"}])
     with pytest.raises(plumbing.ConfigError, match="no 'prompt' column .* columns are \\['text'\\]"):
-        plumbing.prepare_prompts(ds, policy_tokenizer(), "prompt", 8, "d", None, plumbing.prompt_token_ids)
+        prepare_prompts(ds, policy_tokenizer(), "prompt", 8, "d", None, plumbing.prompt_token_ids)
 
 
 @pytest.mark.parametrize("column", ["completions", "prompts", "completion_ids"])
@@ -374,7 +376,7 @@ def test_a_column_named_as_a_reward_functions_argument_is_refused_naming_it(colu
 def test_a_column_named_as_the_prompt_ids_column_is_refused_not_replaced():
     ds = datasets.Dataset.from_list([{"prompt": "a b", plumbing.PROMPT_IDS: [9, 9, 9]}])
     with pytest.raises(plumbing.ConfigError, match="dataset d\\\\x1b has a column 'prompt_input_ids'.*rename it"):
-        plumbing.prepare_prompts(ds, policy_tokenizer(), "prompt", 8, "d\x1b", None, plumbing.prompt_token_ids)
+        prepare_prompts(ds, policy_tokenizer(), "prompt", 8, "d\x1b", None, plumbing.prompt_token_ids)
 
 
 def test_sampler_cycles_reshuffles_and_splits_ranks():
@@ -416,9 +418,9 @@ def test_the_bf16_sampling_copy_holds_the_new_weights_after_every_update():
         for s, p in zip(rollouts.sampler.parameters(), policy.parameters()):
             assert s.dtype == torch.bfloat16 and torch.equal(s, p.to(torch.bfloat16))
     queries, mask = left_padded(tokenizer, ["a b :", "c :"])
-    rollouts.submit(queries, mask, rloo.SamplingSettings.of(args))
+    rollouts.submit(queries, mask, rloo.SamplingSettings.of(args), torch.tensor([7, 3]))
     completions, _ = rollouts.take()
-    assert completions.responses.shape == (4, 4)
+    assert completions.responses.shape == (4, 4) and completions.prompt_index.tolist() == [7, 3]  # carried
 
 
 def test_the_bf16_copy_samples_from_the_distribution_of_the_fp32_policy_under_autocast():
@@ -479,17 +481,23 @@ def top_level_names(path) -> set[str]:
 
 
 def plumbing_names_used(path) -> set[str]:
-    """Every NAME of `plumbing.NAME` in a file's code (not its docstrings or comments)."""
+    """Every NAME of `plumbing.NAME` and `from plumbing import NAME` in a file's code (not its docstrings or
+    comments)."""
     import ast
 
-    return {node.attr for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
-            and isinstance(node.value, ast.Name) and node.value.id == "plumbing"}
+    tree = ast.parse(path.read_text())
+    return {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name) and node.value.id == "plumbing"} | {
+        alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "plumbing"
+        and node.level == 0 for alias in node.names}
 
 
 def test_each_plumbing_module_names_its_exports_and_every_name_the_scripts_use_is_one_of_them():
     """plumbing/__init__.py star-imports every module: each names what it gives in __all__, only what it defines
-    itself (never a module or a name it imports), no name is given by two modules, and every plumbing.NAME that
-    the repository's scripts and tests use is given by one. A failure names the name and the module whose __all__ to fix."""
+    itself (never a module or a name it imports), no name is given by two modules, every plumbing.NAME that the
+    repository's scripts use is given by one, and every name given is used by a script (not the tests alone, which
+    import a module's other names from the module: plumbing.checkpoints.NAME). A failure names the name and the module
+    whose __all__ to fix."""
     import importlib
     from pathlib import Path
 
@@ -514,11 +522,36 @@ def test_each_plumbing_module_names_its_exports_and_every_name_the_scripts_use_i
     scripts = [path.relative_to(root) for pattern in ("*.py", "benchmark/**/*.py", "tests/*.py", "docs/*.py")
                for path in sorted(root.glob(pattern)) if path.name != "test_components.py"
                and not any(part.startswith(".") for part in path.relative_to(root).parts)]  # not the environments
+    used_by_scripts = set()
     for script in scripts:
-        for name in sorted(plumbing_names_used(root / script) - set(defined)):  # plumbing.module.x: a path
+        names = plumbing_names_used(root / script) - set(defined)  # plumbing.module.x: a path
+        used_by_scripts |= names if script.parts[0] != "tests" else set()
+        for name in sorted(names):
             if name not in given:
                 home = [stem for stem, names in defined.items() if name in names]
                 problems.append(f"plumbing.{name}, used in {script}, is missing from the __all__ of " +
-                                (f"plumbing/{home[0]}.py" if home else "any module (no plumbing module defines it)"))
+                                (f"plumbing/{home[0]}.py" if home else "any module (no plumbing module defines it)")
+                                + (f" (a test: use plumbing.{home[0]}.{name})" if home and script.parts[0] == "tests"
+                                   else ""))
+    problems += [f"plumbing.{name} is used by no script, only by tests (or nothing): drop it from the __all__ of "
+                 f"plumbing/{given[name]}.py" for name in sorted(set(given) - used_by_scripts)]
     assert not problems, "\n".join(problems)
     assert set(given) <= set(dir(plumbing))  # all of them reach the package's namespace
+    with pytest.raises(AttributeError, match="it is plumbing.checkpoints.save_checkpoint, a name its module keeps"):
+        plumbing.save_checkpoint  # noqa: B018  a name kept to its module: where it is, said
+
+
+def test_each_plumbing_module_imports_only_the_modules_before_it():
+    """The package's rooms, in plumbing/__init__.py's order: a module imports (at its top or inside a function) only
+    modules listed before it, so that nothing imports in a cycle."""
+    import ast
+    import re
+    from pathlib import Path
+
+    folder = Path(plumbing.__file__).parent
+    order = re.findall(r"^from \.(\w+) import \*", (folder / "__init__.py").read_text(), flags=re.M)
+    assert sorted(order) == sorted(p.stem for p in folder.glob("*.py") if p.name != "__init__.py")
+    late = [f"plumbing/{module}.py imports .{node.module} (line {node.lineno}), which comes after it"
+            for module in order for node in ast.walk(ast.parse((folder / f"{module}.py").read_text()))
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and order.index(node.module) >= order.index(module)]
+    assert not late, late

@@ -52,7 +52,7 @@ def test_two_rank_update_equals_one_rank_update(tmp_path, wrapper):
     if "lora" in wrapper:  # the adapters, all of them, and nothing else; saved whole from the shards
         assert moved == {name for name in one["final"] if ".lora_" in name}
         assert not torch.allclose(two["logprobs"]["reference"], two["logprobs"]["policy"])  # the adapters count
-        unsharded, saved = (load_file(tmp_path / f"{run}.pt.adapter" / plumbing.ADAPTER_WEIGHTS)
+        unsharded, saved = (load_file(tmp_path / f"{run}.pt.adapter" / plumbing.models.ADAPTER_WEIGHTS)
                             for run in ("one", "two"))
         assert saved.keys() == unsharded.keys() and len(saved) == len(moved)
         for name, value in unsharded.items():

@@ -13,6 +13,7 @@ import plumbing
 import rloo
 import rloo_multinode
 from conftest import REPO
+from helpers import stock_text_differs
 
 DOCS = REPO / "docs"
 README_MAX_LINES = 300  # the sampling worked example and the GPU section
@@ -53,7 +54,7 @@ def test_make_flags_groups_by_the_args_comments():
     flags_md = (DOCS / "flags.md").read_text()
     headings = re.findall(r"^## (.+)$", flags_md, flags=re.M)
     assert headings[0] == "TRL's names"
-    groups = [group for cls in (plumbing.InputArgs, rloo.Args)  # the inputs' first, then the algorithm's
+    groups = [group for cls in (plumbing.flags.InputArgs, rloo.Args)  # the inputs' first, then the algorithm's
               for group in re.findall(r"# -{3,} (.+?) -{3,}", inspect.getsource(cls))]
     assert [h.lower() for h in headings[1:1 + len(groups)]] == [g.lower() for g in groups]
     assert len(headings) >= 4, headings
@@ -64,6 +65,8 @@ def test_make_flags_groups_by_the_args_comments():
 
 
 def test_docs_explain_every_logged_metric_name():
+    """docs/metrics.md explains every metric the code logs; a copy's own new metric is said in one line, its test
+    skipped (RLOO_STOCK=1, the project's CI: failed)."""
     metrics_md = (DOCS / "metrics.md").read_text()
     source = "".join(path.read_text() for path in [REPO / "rloo.py", REPO / "rloo_multinode.py",
                                                      *sorted((REPO / "plumbing").glob("*.py"))])
@@ -71,7 +74,8 @@ def test_docs_explain_every_logged_metric_name():
     logged = set(re.findall(rf'"((?:{groups})/[a-z_]+)"', source))
     assert len(logged) > 30, logged
     missing = [m for m in sorted(logged) if f"`{m}`" not in metrics_md and f"`{m.split('/')[1]}`" not in metrics_md]
-    assert not missing, missing
+    if missing:
+        stock_text_differs(f"it logs metrics docs/metrics.md does not explain: {', '.join(missing)}")
 
 
 def test_flags_md_maps_every_trl_name():

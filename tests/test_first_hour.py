@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 import plumbing
+from plumbing.runlog import CurvesSink, curve_panels
+from plumbing.schedule import RunLength
 import rloo
 from conftest import REPO, cpu_env, read_metrics
 from helpers import python
@@ -90,7 +92,7 @@ def test_openmp_threads_sleep_unless_the_user_says_otherwise(script, own):
     (7, 4, {2, 4, 6, 7}), (7, 0, {7}), (7, 1, {7}), (7, 7, set(range(1, 8))), (7, 20, set(range(1, 8))),
     (40, 2, {20, 40}), (10, 3, {4, 7, 10}), (1, 4, {1}), (245, 4, {62, 123, 184, 245})])
 def test_num_evals_is_the_number_of_evaluations(num_updates, num_evals, expected):
-    at = plumbing.evaluation_updates(rloo.Args(num_evals=num_evals), plumbing.RunLength(num_updates, 1), 1)
+    at = plumbing.evaluation_updates(rloo.Args(num_evals=num_evals), RunLength(num_updates, 1), 1)
     assert at == expected
     assert len(at) == min(max(num_evals, 1), num_updates) and max(at) == num_updates
 
@@ -114,7 +116,7 @@ def metrics_file(path: Path, sources: list[str], evals: bool = True, mismatch: f
 def test_curve_titles_say_what_the_score_is(tmp_path, sources, title):
     runs = [(plumbing.read_metrics(path), plumbing.read_metrics(path, evals=True))
             for path in [metrics_file(tmp_path / "metrics.jsonl", sources)]]
-    panels = plumbing.curve_panels(runs)
+    panels = curve_panels(runs)
     assert panels[0][1] == title and panels[1][0] == "eval/scores" and title[6:-1] in panels[1][1]
     assert len(panels) == 6  # no mismatch logged, no mismatch panel
 
@@ -127,7 +129,7 @@ def test_curves_panels_follow_what_was_logged(tmp_path):
     for mismatch, panels in ((1e-7, first), (2e-2, [*first, "mismatch/logprob_diff_mean"])):
         path = metrics_file(tmp_path / f"{mismatch}" / "metrics.jsonl", ["count_a"], evals=False, mismatch=mismatch)
         runs = [(plumbing.read_metrics(path), plumbing.read_metrics(path, evals=True))]
-        assert [key for key, _, _ in plumbing.curve_panels(runs)] == panels
+        assert [key for key, _, _ in curve_panels(runs)] == panels
     plumbing.plot_curves([path, metrics_file(tmp_path / "b" / "metrics.jsonl", ["count_a"])], tmp_path / "c.png")
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
     from PIL import Image
@@ -139,7 +141,7 @@ def test_a_run_without_matplotlib_says_so_once_and_goes_on(tmp_path, monkeypatch
     path = metrics_file(tmp_path / "metrics.jsonl", ["count_a"])
     said = []
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import matplotlib.figure raises ImportError
-    sink = plumbing.CurvesSink(path, said.append)
+    sink = CurvesSink(path, said.append)
     for _ in range(3):
         sink.draw(force=True)
     assert len(said) == 1 and "matplotlib" in said[0] and not (tmp_path / "curves.png").exists()
@@ -149,7 +151,7 @@ def test_a_failing_drawing_never_stops_a_run(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"update": 1, "episode": 1, "objective/scores": "not a number"\n')  # a cut-off line
     said = []
-    sink = plumbing.CurvesSink(path, said.append)
+    sink = CurvesSink(path, said.append)
     sink.draw(force=True)
     sink.draw(force=True)
     assert len(said) == 1 and said[0].startswith("warning: drawing")

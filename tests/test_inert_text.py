@@ -12,6 +12,11 @@ import pytest
 import torch
 
 import plumbing
+from plumbing.checkpoints import resume_checkpoint
+from plumbing.data import check_prompt_values
+from plumbing.faults import NonFiniteError
+from plumbing.models import check_reward_model_config
+from plumbing.outputdir import check_no_input_inside, take_output_dir
 import rloo
 import rloo_multinode as mn
 from benchmark.tldr import judge
@@ -175,13 +180,13 @@ def test_a_datasets_values_a_models_config_and_a_loaders_error_are_inert(tmp_pat
     hostile = HOSTILE["OSC window title"][0] + HOSTILE["bidi override"][0]
     rows = {"prompt": [{"x": hostile}]}  # neither a string nor chat messages
     with pytest.raises(plumbing.ConfigError, match="row 7: column 'prompt' holds") as refused:
-        plumbing.check_prompt_values(rows, [7], "prompt", "data.jsonl")
+        check_prompt_values(rows, [7], "prompt", "data.jsonl")
     assert_inert(str(refused.value))
     model = tiny_reward_model(len(policy_tokenizer()))  # a config naming a causal LM with escapes in its class name
     model.config.architectures = [f"Evil{hostile}ForCausalLM"]
     model.config.save_pretrained(tmp_path / "reward_model")
     with pytest.raises(plumbing.ConfigError, match="not a reward model") as refused:
-        plumbing.check_reward_model_config(str(tmp_path / "reward_model"), False)
+        check_reward_model_config(str(tmp_path / "reward_model"), False)
     assert_inert(str(refused.value))
     (tmp_path / "policy").mkdir()  # transformers' own error quotes the file's model_type
     (tmp_path / "policy" / "config.json").write_text(json.dumps({"model_type": hostile}))
@@ -229,17 +234,17 @@ def test_the_sample_table_shows_prompts_and_completions_as_inert_text_never_as_m
 
 def test_a_path_holding_escapes_is_inert_in_every_message_that_shows_it(tmp_path, capsys):
     """Issue 47: ESC and RLO characters in a path reached the terminal raw. Each message is printed at one boundary
-    (run_script's error line, the run's notes: plumbing.shown), whatever formatted the path."""
+    (run_script's error line, the run's notes: plumbing.errors.shown), whatever formatted the path."""
     out = tmp_path / "out\x1b[2J\u202egnp.exe\nrloo.py: done"
     out.mkdir()
     fake_run(out, [1])
     (out / "curves.png").write_text("mine")
     refusals = [  # (what is run, an args object with output_dir for run_script)
-        lambda: plumbing.resume_checkpoint(rloo.Args(output_dir=str(out))),  # another run's files
-        lambda: plumbing.take_output_dir(plumbing.OutputDirLock(str(out)), 0, {}),  # a foreign curves.png
+        lambda: resume_checkpoint(rloo.Args(output_dir=str(out))),  # another run's files
+        lambda: take_output_dir(plumbing.OutputDirLock(str(out)), 0, {}),  # a foreign curves.png
         lambda: plumbing.check_outputs([("--png-path", out / "args.json")], [], "x.py"),
         lambda: plumbing.check_new_output_dir(str(out), {}),
-        lambda: plumbing.check_no_input_inside(str(out), {"model_name_or_path": (str(out), out)}),
+        lambda: check_no_input_inside(str(out), {"model_name_or_path": (str(out), out)}),
     ]
     for refused in refusals:
         with pytest.raises(SystemExit):
@@ -247,7 +252,7 @@ def test_a_path_holding_escapes_is_inert_in_every_message_that_shows_it(tmp_path
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "\x1b" not in err and "\u202e" not in err, repr(err)
         assert "out\\x1b[2J\\u202egnp.exe rloo.py: done" in err, repr(err)
-    for error in (plumbing.NonFiniteError("loss", [0]), plumbing.Fault(f"could not write {out}")):
+    for error in (NonFiniteError("loss", [0]), plumbing.Fault(f"could not write {out}")):
         with pytest.raises(SystemExit):
             plumbing.run_script(lambda _: (_ for _ in ()).throw(error), rloo.Args(output_dir=str(out)), "rloo.py")
         err = capsys.readouterr().err

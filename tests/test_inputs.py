@@ -27,6 +27,11 @@ from hypothesis import strategies as st
 
 import plan_memory
 import plumbing
+from plumbing.data import prepare_prompts
+from plumbing.models import check_reward_model_config, save_merged_policy
+from plumbing.outputdir import MERGED
+from plumbing.rewards import RUN_SETTINGS, TIMER_SIGNALS, user_code
+from plumbing.schedule import MAX_UPDATES, RunLength
 import rloo
 from conftest import (REPO, policy_tokenizer, run_rloo, script_command, script_env, tiny_policy, tiny_reward_model)
 from helpers import python
@@ -61,7 +66,7 @@ def chat_tokenizer():
 def load_and_tokenize(path: Path, tokenizer) -> None:
     """What rloo.main does with --dataset_name path: load the file, tokenize and filter its prompts."""
     dataset = plumbing.load_split(str(path), "train", None)
-    plumbing.prepare_prompts(dataset, tokenizer, "prompt", 16, str(path), len(tokenizer), plumbing.prompt_token_ids)
+    prepare_prompts(dataset, tokenizer, "prompt", 16, str(path), len(tokenizer), plumbing.prompt_token_ids)
 
 
 def loads_or_says_one_line(path: Path, tokenizer) -> None:
@@ -246,18 +251,18 @@ def test_a_reward_function_that_leaves_a_setting_of_the_run_changed_is_a_fault(t
     """The run's settings are put back whatever the function did, and a change is one line naming it: putting it back
     silently would change what the function's next calls compute."""
     change, fragment = SETTINGS_CHANGED[setting]
-    before = {name: read() for name, (read, _, _) in plumbing.RUN_SETTINGS.items()}
+    before = {name: read() for name, (read, _, _) in RUN_SETTINGS.items()}
     for name, value in SETTINGS_AT_START.items():  # the values the fragments name, whatever tests ran before
-        plumbing.RUN_SETTINGS[name][1](value)
+        RUN_SETTINGS[name][1](value)
     try:
-        start = {name: read() for name, (read, _, _) in plumbing.RUN_SETTINGS.items()}
+        start = {name: read() for name, (read, _, _) in RUN_SETTINGS.items()}
         with pytest.raises(plumbing.RewardFunctionError) as error:
             plumbing.call_reward_function("judge", lambda **kwargs: change(tmp_path) or [1.0] * N, N, None)
         assert_one_line(error.value, "reward function 'judge' " + fragment)
-        assert {name: read() for name, (read, _, _) in plumbing.RUN_SETTINGS.items()} == start
+        assert {name: read() for name, (read, _, _) in RUN_SETTINGS.items()} == start
     finally:
         for name in SETTINGS_AT_START:
-            plumbing.RUN_SETTINGS[name][1](before[name])
+            RUN_SETTINGS[name][1](before[name])
 
 
 def test_a_reward_function_draws_from_a_copy_of_the_runs_torch_generators_and_changes_no_speed_setting():
@@ -322,12 +327,12 @@ def test_a_reward_module_that_changes_a_setting_of_the_run_at_import_is_refused(
     (tmp_path / f"{module}.py").write_text(f"{change}\ndef f(completions, **kwargs):\n    return [0.0]\n")
     monkeypatch.syspath_prepend(tmp_path)
     plumbing.StopSignal(plumbing.OutputDirLock(str(tmp_path)), announce=False)  # the run's handlers, as main sets them
-    before = {name: read() for name, (read, _, _) in plumbing.RUN_SETTINGS.items()}
+    before = {name: read() for name, (read, _, _) in RUN_SETTINGS.items()}
     with pytest.raises(plumbing.ConfigError) as error:
         plumbing.load_reward_functions((f"{module}:f",))
     assert_one_line(error.value, f"reward function '{module}:f': importing '{module}' {fragment} and did not set it "
                                  "back")
-    assert {name: read() for name, (read, _, _) in plumbing.RUN_SETTINGS.items()} == before
+    assert {name: read() for name, (read, _, _) in RUN_SETTINGS.items()} == before
 
 
 def test_a_ctrl_c_while_a_reward_function_runs_is_the_runs_not_a_change_the_function_made(tmp_path):
@@ -336,12 +341,12 @@ def test_a_ctrl_c_while_a_reward_function_runs_is_the_runs_not_a_change_the_func
     blamed on the code; the code's own changes still are."""
     stop = plumbing.StopSignal(plumbing.OutputDirLock(str(tmp_path)), announce=False)
     stop.training = True
-    with plumbing.user_code("reward function 'judge'", plumbing.RewardFunctionError):
+    with user_code("reward function 'judge'", plumbing.RewardFunctionError):
         os.kill(os.getpid(), signal.SIGINT)
     assert stop.name == "SIGINT" and signal.getsignal(signal.SIGINT) is signal.SIG_DFL
     for sig, handler in ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGINT, lambda *_: None)):
         with pytest.raises(plumbing.RewardFunctionError, match=f"changed the {sig.name} handler"):
-            with plumbing.user_code("reward function 'judge'", plumbing.RewardFunctionError):
+            with user_code("reward function 'judge'", plumbing.RewardFunctionError):
                 signal.signal(sig, handler)
 
 
@@ -454,7 +459,7 @@ def test_a_causal_lm_as_reward_model_is_refused_from_its_config(tmp_path):
     tiny_policy(15).save_pretrained(path)
     with pytest.raises(plumbing.ConfigError, match="is a GPTNeoXForCausalLM, not a reward model: its score head would "
                                                    "be newly initialized"):
-        plumbing.check_reward_model_config(str(path), False)
+        check_reward_model_config(str(path), False)
 
 
 def test_a_policy_without_its_lm_head_is_refused(tmp_path):
@@ -484,8 +489,8 @@ def test_merged_lora_weights_are_as_readable_as_the_other_files(tmp_path):
     tiny_policy(len(tokenizer)).save_pretrained(base)
     get_peft_model(tiny_policy(len(tokenizer)), LoraConfig(r=2, target_modules=["query_key_value"])).save_pretrained(out)
     args = rloo.Args(model_name_or_path=str(base), output_dir=str(out), use_peft=True, merge_lora=True)
-    plumbing.save_merged_policy(args, tiny_policy(len(tokenizer)).config, tokenizer)
-    merged = out / plumbing.MERGED
+    save_merged_policy(args, tiny_policy(len(tokenizer)).config, tokenizer)
+    merged = out / MERGED
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in merged.iterdir()}
     assert modes["model.safetensors"] == modes["config.json"], modes
 
@@ -690,30 +695,30 @@ def test_the_learning_rates_sum_is_exact_for_a_short_run_and_bounded_for_a_long_
     calls = []
 
     def rate(num_updates):
-        schedule = plumbing.learning_rates(args, plumbing.RunLength(num_updates, 1))
+        schedule = plumbing.learning_rates(args, RunLength(num_updates, 1))
 
         def at(update):
             calls.append(update)
             return schedule(update)
         return at
 
-    short = plumbing.learning_rates(args, plumbing.RunLength(10_000, 1))
+    short = plumbing.learning_rates(args, RunLength(10_000, 1))
     assert plumbing.sum_over_updates(rate(10_000), 10_000) == sum(short(u) for u in range(1, 10_001))
     calls.clear()
-    n = plumbing.MAX_UPDATES
+    n = MAX_UPDATES
     estimate = plumbing.sum_over_updates(rate(n), n)
     assert len(calls) == 10_000 and all(1 <= u <= n for u in calls)
-    long = plumbing.learning_rates(args, plumbing.RunLength(n, 1))
+    long = plumbing.learning_rates(args, RunLength(n, 1))
     exact = math.fsum(long(u) for u in range(1, n + 1))
     assert abs(estimate - exact) <= 1e-6 * exact
 
 
 def test_a_run_of_more_updates_than_it_can_count_is_refused_with_what_fits():
     args = rloo.Args(num_train_epochs=2.0)
-    assert plumbing.update_intervals(args, plumbing.RunLength(plumbing.MAX_UPDATES, 4)) == (0, 1)  # the most
+    assert plumbing.update_intervals(args, RunLength(MAX_UPDATES, 4)) == (0, 1)  # the most
     with pytest.raises(plumbing.ConfigError, match=r"--num_train_epochs 2 is 1,000,001 updates, more than the "
                                                    r"1,000,000 a run takes: pass --num_train_epochs 1.99 or less"):
-        plumbing.update_intervals(args, plumbing.RunLength(plumbing.MAX_UPDATES + 1, 4))
+        plumbing.update_intervals(args, RunLength(MAX_UPDATES + 1, 4))
 
 
 # ---------------------------------------------------------------- user code cannot end or hold the run
@@ -737,8 +742,8 @@ def test_a_timer_that_fires_while_a_reward_function_runs_is_a_fault_not_the_end_
     with pytest.raises(plumbing.RewardFunctionError) as error:
         plumbing.call_reward_function(name, fn, 1, None)
     assert_one_line(error.value, "reward function 'f' set a timer whose SIG")
-    assert [signal.getitimer(which) for which in plumbing.TIMER_SIGNALS] == [(0.0, 0.0)] * 3
-    assert [signal.getsignal(sig) for sig in plumbing.TIMER_SIGNALS.values()] == [signal.SIG_DFL] * 3
+    assert [signal.getitimer(which) for which in TIMER_SIGNALS] == [(0.0, 0.0)] * 3
+    assert [signal.getsignal(sig) for sig in TIMER_SIGNALS.values()] == [signal.SIG_DFL] * 3
 
 
 def test_a_timer_left_armed_or_a_timer_handler_set_by_user_code_is_put_back_and_named(tmp_path, monkeypatch):
@@ -936,6 +941,6 @@ def test_eval_strategy_epoch_on_a_run_shorter_than_an_epoch_evaluates_at_its_end
     """TRL's Trainer evaluates at the end of the last pass, whole or not: before, a run of 3 updates in an epoch of 4
     never evaluated."""
     args = rloo.Args(eval_strategy="epoch", dataset_test_split="test")
-    assert plumbing.evaluation_updates(args, plumbing.RunLength(3, 1), 4) == {3}
-    assert plumbing.evaluation_updates(args, plumbing.RunLength(9, 1), 4) == {4, 8, 9}
-    assert plumbing.evaluation_updates(args, plumbing.RunLength(3, 1), 0) == {1, 2, 3}  # an epoch shorter than an update: each update
+    assert plumbing.evaluation_updates(args, RunLength(3, 1), 4) == {3}
+    assert plumbing.evaluation_updates(args, RunLength(9, 1), 4) == {4, 8, 9}
+    assert plumbing.evaluation_updates(args, RunLength(3, 1), 0) == {1, 2, 3}  # an epoch shorter than an update: each update

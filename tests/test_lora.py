@@ -15,6 +15,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import plumbing
+from plumbing.checkpoints import save_policy
+from plumbing.models import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from plumbing.outputdir import MERGED, latest_checkpoint
+from plumbing.sharing import why_not_shared
 import rloo
 from conftest import REPO, cpu_env, policy_tokenizer, read_metrics, run_rloo, script_env, tiny_policy
 from helpers import comparable, interrupt_after_first_update, python
@@ -47,7 +51,7 @@ def test_only_adapters_train_and_the_reference_is_the_untouched_base(assets):
     trained = [name for name, p in policy.named_parameters() if p.requires_grad]
     assert trained and all(".lora_" in n or ".modules_to_save." in n for n in trained)
     assert list(ref.state_dict()) == [] and not list(ref.children())  # no second copy: the policy's own weights
-    assert ref.config is policy.config and plumbing.accepts_logits_to_keep(ref) and plumbing.why_not_shared(ref) is None
+    assert ref.config is policy.config and plumbing.accepts_logits_to_keep(ref) and why_not_shared(ref) is None
     assert plumbing.attention_windows(ref) == plumbing.attention_windows(policy)
 
     c = some_completions(len(tokenizer))
@@ -109,36 +113,36 @@ def test_a_lora_run_resumes_bit_identical_and_both_saved_forms_load(assets, tmp_
     returncode, stdout, stderr = interrupt_after_first_update([*common, "--output_dir", interrupted], signal.SIGINT)
     # a fast run may be inside a later update, or in its reward function (stopped at once, its start kept)
     assert returncode == 0 and "SIGINT received" in stdout, stdout[-2000:] + stderr[-3000:]
-    stopped_at = plumbing.latest_checkpoint(str(interrupted))
+    stopped_at = latest_checkpoint(str(interrupted))
     assert stopped_at.name != "step_4"  # stopped before the end
-    assert sorted(p.name for p in stopped_at.glob("*.safetensors")) == [plumbing.ADAPTER_WEIGHTS]  # the adapter only
+    assert sorted(p.name for p in stopped_at.glob("*.safetensors")) == [ADAPTER_WEIGHTS]  # the adapter only
     result = run_rloo(*common, "--output_dir", interrupted, "--resume")
     assert result.returncode == 0 and f"resuming from {stopped_at}" in result.stdout, result.stderr[-3000:]
     metrics = read_metrics(full)
     assert comparable(read_metrics(interrupted)) == comparable(metrics)
     train = [m for m in metrics if "objective/kl" in m]  # the update lines; eval lines from update 0 on
     assert metrics[0]["update"] == 0 and "eval/scores" in metrics[0] and train[0]["objective/kl"] == 0.0  # lora_B: 0
-    a, b = load_file(full / plumbing.ADAPTER_WEIGHTS), load_file(interrupted / plumbing.ADAPTER_WEIGHTS)
+    a, b = load_file(full / ADAPTER_WEIGHTS), load_file(interrupted / ADAPTER_WEIGHTS)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-identical
 
     # the adapter in peft's format on the base, and the merged model with transformers alone, compute the same
-    assert json.loads((full / plumbing.ADAPTER_CONFIG).read_text())["r"] == 4
+    assert json.loads((full / ADAPTER_CONFIG).read_text())["r"] == 4
     # its base is recorded absolute: the adapter alone loads from another folder (peft reads the base from there)
-    assert json.loads((full / plumbing.ADAPTER_CONFIG).read_text())["base_model_name_or_path"] == str(
+    assert json.loads((full / ADAPTER_CONFIG).read_text())["base_model_name_or_path"] == str(
         Path(assets["policy"]).resolve())
     loaded = subprocess.run([python(), "-c", "import sys; from peft import AutoPeftModelForCausalLM; "
                              "AutoPeftModelForCausalLM.from_pretrained(sys.argv[1])", str(full)], cwd=tmp_path,
                             capture_output=True, text=True, env=cpu_env())
     assert loaded.returncode == 0, loaded.stderr[-2000:]
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(assets["policy"]), full).eval()
-    merged = AutoModelForCausalLM.from_pretrained(full / plumbing.MERGED).eval()
+    merged = AutoModelForCausalLM.from_pretrained(full / MERGED).eval()
     base = AutoModelForCausalLM.from_pretrained(assets["policy"]).eval()
     ids = torch.tensor([[3, 4, 5, 14, 6, 7]])
     with torch.no_grad():
         logits = adapted(input_ids=ids).logits
         torch.testing.assert_close(merged(input_ids=ids).logits, logits, atol=1e-5, rtol=1e-5)
         assert not torch.allclose(base(input_ids=ids).logits, logits)  # it learned something
-    assert (full / plumbing.MERGED / "tokenizer.json").is_file()
+    assert (full / MERGED / "tokenizer.json").is_file()
 
 
 def test_torchrun_lora_on_policy_with_bf16(assets, tmp_path):
@@ -151,7 +155,7 @@ def test_torchrun_lora_on_policy_with_bf16(assets, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(out)
     assert len(metrics) == 3 and abs(metrics[0]["objective/kl"]) < 1e-6
-    config = json.loads((out / plumbing.ADAPTER_CONFIG).read_text())
+    config = json.loads((out / ADAPTER_CONFIG).read_text())
     adapted = {name.split(".")[-1] for name in config["target_modules"]}  # all-linear: every one but the head
     assert adapted == {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"}
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(assets["policy"]), out)
@@ -172,20 +176,20 @@ def test_an_fsdp_lora_run_saves_the_adapter_whole_and_resumes_bit_identical(asse
     assert result.returncode == 0, result.stderr[-3000:]
     base = AutoModelForCausalLM.from_pretrained(assets["policy"])
     adapted = PeftModel.from_pretrained(base, full).eval()  # a rank's shard of a tensor would not fit its layer
-    merged = AutoModelForCausalLM.from_pretrained(full / plumbing.MERGED).eval()
+    merged = AutoModelForCausalLM.from_pretrained(full / MERGED).eval()
     with torch.no_grad():
         ids = torch.tensor([[3, 4, 5, 14, 6, 7]])
         torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
 
     _, stdout, stderr = interrupt_after_first_update([*common, "--output_dir", interrupted], signal.SIGUSR1, nproc=2)
-    stopped_at = plumbing.latest_checkpoint(str(interrupted))
+    stopped_at = latest_checkpoint(str(interrupted))
     assert stopped_at is not None and stopped_at.name != "step_3", stdout[-2000:] + stderr[-3000:]
-    assert sorted(p.name for p in stopped_at.glob("*.safetensors")) == [plumbing.ADAPTER_WEIGHTS]  # the adapter only
+    assert sorted(p.name for p in stopped_at.glob("*.safetensors")) == [ADAPTER_WEIGHTS]  # the adapter only
     assert (stopped_at / plumbing.checkpoints.OPTIMIZER_SHARDS).is_dir()  # AdamW's state: each rank its shard
     result = run_rloo(*common, "--output_dir", interrupted, "--resume", nproc=2)
     assert result.returncode == 0 and f"resuming from {stopped_at}" in result.stdout, result.stderr[-3000:]
     assert comparable(read_metrics(interrupted)) == comparable(read_metrics(full))
-    a, b = load_file(full / plumbing.ADAPTER_WEIGHTS), load_file(interrupted / plumbing.ADAPTER_WEIGHTS)
+    a, b = load_file(full / ADAPTER_WEIGHTS), load_file(interrupted / ADAPTER_WEIGHTS)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-identical
 
 
@@ -205,7 +209,7 @@ def test_the_demo_task_learns_with_lora(tmp_path, synthetic_sft):
                       "--num_sample_generations", "0", "--merge_lora", env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
     assert result.returncode == 0, result.stderr[-3000:]
     before = synthetic_task.mean_true_score(sft, tokenizer, prompts)
-    after = synthetic_task.mean_true_score(AutoModelForCausalLM.from_pretrained(out / plumbing.MERGED), tokenizer, prompts)
+    after = synthetic_task.mean_true_score(AutoModelForCausalLM.from_pretrained(out / MERGED), tokenizer, prompts)
     assert after > before + 0.05, (before, after)
 
 
@@ -261,7 +265,7 @@ def test_an_adapter_that_does_not_match_the_flags_is_refused_and_a_matching_one_
         for p in policy.parameters():
             if p.requires_grad:
                 p.normal_()
-    plumbing.save_policy(policy, tokenizer, tmp_path, 0)
+    save_policy(policy, tokenizer, tmp_path, 0)
     loaded, _, _, _ = rloo.load_policy(lora_args(assets), torch.device("cpu"), checkpoint=tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(policy.state_dict().values(), loaded.state_dict().values()))
     with pytest.raises(plumbing.ConfigError, match="cannot resume: the adapter in .* does not match --lora_"):
@@ -338,12 +342,12 @@ def test_a_qlora_run_resumes_bit_identical_and_merges_the_4bit_base(assets, tmp_
     assert result.returncode == 0 and "resuming from" in result.stdout, result.stderr[-3000:]
     metrics = read_metrics(full)
     assert comparable(read_metrics(resumed)) == comparable(metrics[2:]) and metrics[-1]["objective/kl"] != 0
-    a, b = load_file(full / plumbing.ADAPTER_WEIGHTS), load_file(resumed / plumbing.ADAPTER_WEIGHTS)
+    a, b = load_file(full / ADAPTER_WEIGHTS), load_file(resumed / ADAPTER_WEIGHTS)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-identical
 
     adapted = PeftModel.from_pretrained(quantized_base(assets, bnb_4bit_use_double_quant=True), full).eval()
-    merged = AutoModelForCausalLM.from_pretrained(full / plumbing.MERGED).eval()  # plain transformers, fp32
-    assert "quantization_config" not in json.loads((full / plumbing.MERGED / "config.json").read_text())
+    merged = AutoModelForCausalLM.from_pretrained(full / MERGED).eval()  # plain transformers, fp32
+    assert "quantization_config" not in json.loads((full / MERGED / "config.json").read_text())
     ids = torch.tensor([[3, 4, 5, 14, 6, 7]])
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
@@ -384,7 +388,7 @@ def test_bitsandbytes_imports_with_hub_kernels_blocked(tmp_path):
     (tmp_path / "bitsandbytes" / "__init__.py").write_text(
         "try:\n    import kernels\n    REACHED = 'kernels'\nexcept ImportError:\n    REACHED = 'blocked'\n")
     code = ("import sys, plumbing, rloo\n"
-            "try:\n    plumbing.quantization_config(rloo.Args(load_in_4bit=True, use_peft=True))\n"
+            "try:\n    plumbing.flags.quantization_config(rloo.Args(load_in_4bit=True, use_peft=True))\n"
             "except Exception:\n    pass  # the stand-in is no real bitsandbytes for transformers' config\n"
             "import bitsandbytes, kernels\nprint(bitsandbytes.REACHED, kernels.__name__)\n")
     result = subprocess.run([python(), "-c", code], capture_output=True, text=True, cwd=REPO,
@@ -407,7 +411,7 @@ def test_bnb_4bit_quant_storage_is_the_dtype_the_4bit_weights_are_packed_in(asse
     bnb = bitsandbytes()
     args = lora_args(assets, load_in_4bit=True, bnb_4bit_quant_storage="bfloat16")
     plumbing.validate_args(args)
-    assert plumbing.quantization_config(args).bnb_4bit_quant_storage == torch.bfloat16
+    assert plumbing.flags.quantization_config(args).bnb_4bit_quant_storage == torch.bfloat16
     policy, _, _, _ = rloo.load_policy(args, torch.device("cpu"))
     layers = [m for m in policy.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert layers and all(m.weight.dtype == torch.bfloat16 for m in layers)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import plumbing
+from plumbing.schedule import RunLength
 import rloo
 from conftest import policy_loss_of
 
@@ -259,9 +260,9 @@ def test_reduce_metrics_single_process():
 
 def test_linear_learning_rate_decay():
     args = rloo.Args(learning_rate=1.0)
-    assert [plumbing.learning_rates(args, plumbing.RunLength(4, 1))(u) for u in (1, 2, 4)] == [1.0, 0.75, 0.25]
+    assert [plumbing.learning_rates(args, RunLength(4, 1))(u) for u in (1, 2, 4)] == [1.0, 0.75, 0.25]
     args = dataclasses.replace(args, lr_scheduler_type="constant")
-    assert plumbing.learning_rates(args, plumbing.RunLength(4, 1))(4) == 1.0
+    assert plumbing.learning_rates(args, RunLength(4, 1))(4) == 1.0
 
 
 # ---------------------------------------------------------------- sampling and log-probs kernels

@@ -18,11 +18,12 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import plumbing
+from plumbing.outputdir import TRAINER_STATE, latest_checkpoint
 import rloo
 import rloo_multinode as mn
 from conftest import REPO, policy_tokenizer, read_metrics, script_env, tiny_policy
-from helpers import (ARCHITECTURES, ENGINE_RUN, PER_UPDATE, SECRET, engine_comparable, free_port, listening_sockets,
-                     live_processes_in_group, run_script, tiny_architecture, wait_for_updates)
+from helpers import (ARCHITECTURES, ENGINE_RUN, PER_UPDATE, SECRET, engine_comparable, free_port, left_padded,
+                     listening_sockets, live_processes_in_group, run_script, tiny_architecture, wait_for_updates)
 from vllm_standin import BAD_ANSWERS
 
 ENGINE_NEVER_ANSWERS = """import sys, threading
@@ -81,6 +82,10 @@ def test_after_a_sync_every_engine_holds_the_trainers_weights_bit_for_bit(archit
             assert torch.equal(engine[name], tensor), name
         if architecture == "tied_llama":  # one tensor sent, both ends of the tie updated
             assert torch.equal(engine["lm_head.weight"], policy.model.embed_tokens.weight)
+        queries, query_mask = left_padded(tokenizer, ["a b :", "c :", "d e f :"])  # a batch, its prompts' rows
+        rollouts.submit(queries, query_mask, rloo.SamplingSettings.of(args), torch.tensor([9, 2, 5]))
+        completions, _ = rollouts.take()
+        assert completions.prompt_index.tolist() == [9, 2, 5] and completions.responses.shape[0] == 3 * args.rloo_k
     finally:
         rollouts.close()
 
@@ -158,8 +163,8 @@ def test_an_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(assets
     assert trainer.returncode == 4, stderr[-3000:]
     assert "engine 0" in stderr and "checkpoint of update" in stderr and "Traceback" not in stderr
     assert "continue with the same command and --resume once the engines are healthy" in stderr, stderr[-3000:]
-    checkpoint = plumbing.latest_checkpoint(str(out))
-    saved = torch.load(checkpoint / plumbing.TRAINER_STATE, weights_only=False)["update"] if checkpoint else 0
+    checkpoint = latest_checkpoint(str(out))
+    saved = torch.load(checkpoint / TRAINER_STATE, weights_only=False)["update"] if checkpoint else 0
     assert saved >= 1
     # the same command with --resume continues with fresh engines, which start from the checkpoint's weights
     resumed = run_script("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name",
@@ -688,7 +693,7 @@ def assert_stopped_at_update_2(result: subprocess.CompletedProcess, out: Path, n
         assert result.returncode == 1 and result.stderr.count("exitcode  : 4 ") == ranks, result.stderr[-3000:]
         assert 'rloo_multinode.py", line' not in result.stderr, result.stderr[-3000:]  # no rank's traceback
     assert [m["update"] for m in read_metrics(out)] == [1]
-    assert plumbing.latest_checkpoint(str(out)).name == "step_1"
+    assert latest_checkpoint(str(out)).name == "step_1"
     return lines[0]
 
 

@@ -6,17 +6,23 @@ import subprocess
 import sys
 
 import mutation
-from helpers import REPO
+from helpers import REPO, stock_text_differs
 
 
 def test_snippet_lines_are_the_lines_a_snippet_spans():
     text = "a\n    kl = kl * mask\nb\nc = 1\nd = 2\n"
     assert mutation.snippet_lines(text, "    kl = kl * mask\n") == range(2, 3)
     assert mutation.snippet_lines(text, "\nc = 1\nd") == range(4, 6)  # a leading newline belongs to the line before
+    elsewhere = []  # a copy's change: snippets no longer there once
     for name, path, snippet, _ in mutation.MUTANTS:  # every mutant's first line is where its snippet starts
         source = (REPO / path).read_text()
+        if source.count(snippet) != 1:
+            elsewhere.append(name)
+            continue
         first = source.splitlines()[mutation.snippet_lines(source, snippet)[0] - 1]
         assert snippet.strip("\n").splitlines()[0].strip() in first, name
+    if elsewhere:
+        stock_text_differs(f"the snippets of {len(elsewhere)} mutants are not in it once ({', '.join(elsewhere)})")
 
 
 def test_the_tracer_finds_the_tests_that_run_a_line_and_a_line_run_at_import_selects_every_test(tmp_path):

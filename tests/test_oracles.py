@@ -16,6 +16,7 @@ import tyro
 from transformers import AutoModelForCausalLM
 
 import plumbing
+from plumbing.schedule import RunLength
 import rloo
 from conftest import REPO, cpu_env, policy_loss_of, policy_tokenizer, tiny_policy
 from helpers import argv_of, python, valid_flags
@@ -257,7 +258,7 @@ def test_a_token_of_zero_probability_is_never_drawn_even_at_the_edge_of_the_cdf(
 
 def test_the_learning_rate_schedule_by_hand():
     args = rloo.Args(learning_rate=0.8)
-    rate = plumbing.learning_rates(args, plumbing.RunLength(4, 1))
+    rate = plumbing.learning_rates(args, RunLength(4, 1))
     assert [rate(u) for u in (1, 2, 3, 4)] == pytest.approx([0.8, 0.6, 0.4, 0.2])
 
 

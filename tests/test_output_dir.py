@@ -20,6 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import plumbing
+from plumbing.checkpoints import (TRAINER_STATE_KEYS, check_resumable, check_same_inputs, file_digests,
+                                  input_identities, load_safely, read_checkpoint, resume_checkpoint, save_checkpoint)
+from plumbing.outputdir import MANIFEST, TRAINER_STATE, foreign_entries, settle_output_dir
 import rloo
 from conftest import REPO, read_metrics, script_command, script_env
 from helpers import PER_UPDATE, RUN, fake_run, forge_manifest, policy_tokenizer, saved_steps, trainer_state, tree
@@ -143,7 +146,7 @@ def test_the_output_dir_rules_over_layouts_touch_nothing_but_the_runs_files(tmp_
     assert tree(tmp_path) == before  # the checks move, write and delete nothing
     assert not (work / plumbing.LOCK).exists() and not (work / "out" / plumbing.LOCK).exists()
     if verdict is None and args.overwrite_output_dir:  # exactly the run's own files move aside, nothing else
-        plumbing.settle_output_dir(args, 0, {}, "run-b")
+        settle_output_dir(args, 0, {}, "run-b")
         after = tree(tmp_path)
         moved = {n for n in before if n not in after}
         assert moved == {n for n in before if n.startswith("work/out/") and (
@@ -166,8 +169,8 @@ def test_an_overwrite_of_dot_in_a_git_checkout_moves_only_the_runs_files(tmp_pat
             entry.rename(tmp_path / entry.name)
     monkeypatch.chdir(tmp_path)
     args = rloo.Args(output_dir=".", overwrite_output_dir=True)
-    plumbing.resume_checkpoint(args)
-    plumbing.settle_output_dir(args, 0, {}, "run-b")
+    resume_checkpoint(args)
+    settle_output_dir(args, 0, {}, "run-b")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".git", "abandoned", "notes.md", "plumbing", "rloo.py",
                                                           "tmp"]
     (aside,) = (tmp_path / "abandoned").iterdir()
@@ -190,7 +193,7 @@ def test_a_foreign_log_is_no_reason_to_refuse_the_run_carries_its_id_and_leaves_
     record = json.loads((out / "args.json").read_text())
     run_id = record["run_id"]
     assert {m["run_id"] for m in read_metrics(out)} == {run_id}
-    state = plumbing.load_safely(out / "checkpoints" / "step_1" / plumbing.TRAINER_STATE)
+    state = load_safely(out / "checkpoints" / "step_1" / TRAINER_STATE)
     assert state["run_id"] == run_id and set(state["inputs"]) == {"model_name_or_path", "dataset_name",
                                                                   "reward_fn reward_fns:count_a"}
     assert "model.safetensors" in record["files"] and plumbing.run_owned(out) == sorted(
@@ -212,24 +215,24 @@ def test_a_checkpoint_of_another_run_or_another_update_is_refused(tmp_path):
     args = rloo.Args(output_dir=str(tmp_path / "a"), resume=True)
     with pytest.raises(plumbing.ConfigError, match=r"it is a checkpoint of run run-b, but .* holds run run-a's "
                                                    r"\(checkpoints/step_1\): move step_3 out of .*--resume_from it"):
-        plumbing.resume_checkpoint(args)
+        resume_checkpoint(args)
     # renamed: step_3 of run a holds update 2
     os.replace(tmp_path / "a" / "checkpoints" / "step_3", tmp_path / "b" / "checkpoints" / "step_3")
     os.replace(tmp_path / "a" / "checkpoints" / "step_2", tmp_path / "a" / "checkpoints" / "step_3")
     with pytest.raises(plumbing.ConfigError, match="it holds update 2, not that of its directory step_3 .renamed"):
-        plumbing.resume_checkpoint(args)
+        resume_checkpoint(args)
     with pytest.raises(plumbing.ConfigError, match="it holds update 2, not that of its directory step_3"):
-        plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path / "c"),
-                                             resume_from=str(tmp_path / "a" / "checkpoints" / "step_3")))
+        resume_checkpoint(rloo.Args(output_dir=str(tmp_path / "c"),
+                                    resume_from=str(tmp_path / "a" / "checkpoints" / "step_3")))
     # run b's checkpoint continued in a directory of its own: accepted
-    start = plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path / "c"),
-                                                 resume_from=str(tmp_path / "b" / "checkpoints" / "step_3")))
+    start = resume_checkpoint(rloo.Args(output_dir=str(tmp_path / "c"),
+                                        resume_from=str(tmp_path / "b" / "checkpoints" / "step_3")))
     assert start.state["run_id"] == "run-b"
     # metrics lines of another run are never kept as this run's
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "metrics.jsonl").write_text('{"update": 1, "run_id": "run-x"}\n'
                                                   '{"update": 2, "run_id": "run-b"}\n')
-    plumbing.settle_output_dir(rloo.Args(output_dir=str(tmp_path / "c")), 3, {}, "run-b")
+    settle_output_dir(rloo.Args(output_dir=str(tmp_path / "c")), 3, {}, "run-b")
     assert read_metrics(tmp_path / "c") == [{"update": 2, "run_id": "run-b"}]
 
 
@@ -240,7 +243,7 @@ def test_a_legacy_checkpoint_without_a_run_id_is_refused_in_one_line(tmp_path):
     del state["run_id"]
     write_state(step, state)
     with pytest.raises(plumbing.ConfigError, match="trainer_state.pt has no run_id: written by an older rloo.py"):
-        plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume_from=str(step)))
+        resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume_from=str(step)))
 
 
 def test_every_input_is_fingerprinted_and_a_change_is_refused_unless_allowed(assets, tmp_path, monkeypatch):
@@ -259,13 +262,13 @@ def test_every_input_is_fingerprinted_and_a_change_is_refused_unless_allowed(ass
                  dataset_test_split="test.jsonl", reward_fn=("my_rewards:f",))
     args = rloo.Args(**flags)
     functions = plumbing.load_reward_functions(args.reward_fn)
-    saved = plumbing.input_identities(args, functions)
+    saved = input_identities(args, functions)
     assert set(saved) == {"model_name_or_path", "reward_model_path", "dataset_name", "dataset_test_split",
                           "reward_fn my_rewards:f"}
     same = rloo.Args(**{**flags, "model_name_or_path": str(tmp_path / "a" / "policy"),
                         "reward_model_path": "a/reward_model/"})
-    assert plumbing.check_same_inputs(saved, plumbing.input_identities(same, functions), ()) == []
-    assert plumbing.check_resumable(dataclasses.asdict(args), same, 1, 1) == []  # the same inputs, other spellings
+    assert check_same_inputs(saved, input_identities(same, functions), ()) == []
+    assert check_resumable(dataclasses.asdict(args), same, 1, 1) == []  # the same inputs, other spellings
     edits = {"reward_model_path": tmp_path / "a" / "reward_model" / "model.safetensors",
              "dataset_name": tmp_path / "train.jsonl", "dataset_test_split": tmp_path / "test.jsonl",
              "reward_fn my_rewards:f": tmp_path / "my_rewards.py"}
@@ -275,13 +278,13 @@ def test_every_input_is_fingerprinted_and_a_change_is_refused_unless_allowed(ass
         with pytest.raises(plumbing.ConfigError, match=(
                 f"the input --{name} is not the one the run started with .these files differ: {path.name}.: restore "
                 f"it, or pass --allow_changed_inputs {name.split()[0]} to continue")):
-            plumbing.check_same_inputs(saved, plumbing.input_identities(args, functions), ())
-        (note,) = plumbing.check_same_inputs(saved, plumbing.input_identities(args, functions), (name.split()[0],))
+            check_same_inputs(saved, input_identities(args, functions), ())
+        (note,) = check_same_inputs(saved, input_identities(args, functions), (name.split()[0],))
         assert "allowed by --allow_changed_inputs" in note
         path.write_bytes(original)
     hub = rloo.Args(**{**flags, "dataset_name": "org/data"})  # a Hub id is compared as a string
     with pytest.raises(plumbing.ConfigError, match="the input --dataset_name is not the one"):
-        plumbing.check_same_inputs(saved, plumbing.input_identities(hub, functions), ())
+        check_same_inputs(saved, input_identities(hub, functions), ())
 
 
 # ---------------------------------------------------------------- the checkpoint reader, under malformed states
@@ -289,11 +292,11 @@ def write_state(step: Path, state) -> None:
     """trainer_state.pt holding `state` (or these raw bytes), with a manifest that matches: only what the file holds
     can tell it is wrong."""
     if isinstance(state, bytes):
-        (step / plumbing.TRAINER_STATE).write_bytes(state)
+        (step / TRAINER_STATE).write_bytes(state)
     else:
-        torch.save(state, step / plumbing.TRAINER_STATE)
-    (step / plumbing.MANIFEST).write_text(json.dumps({"files": plumbing.file_digests(step, sorted(
-        p.name for p in step.iterdir() if p.is_file() and p.name != plumbing.MANIFEST)), "run_id": "run-a",
+        torch.save(state, step / TRAINER_STATE)
+    (step / MANIFEST).write_text(json.dumps({"files": file_digests(step, sorted(
+        p.name for p in step.iterdir() if p.is_file() and p.name != MANIFEST)), "run_id": "run-a",
         "update": 1}))
 
 
@@ -305,7 +308,7 @@ class Payload:
 plain = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8) |
                      st.binary(max_size=8), lambda children: st.lists(children, max_size=3) |
                      st.dictionaries(st.text(max_size=5), children, max_size=3), max_leaves=8)
-field_values = {key: plain for key in plumbing.TRAINER_STATE_KEYS}
+field_values = {key: plain for key in TRAINER_STATE_KEYS}
 
 
 @st.composite
@@ -314,11 +317,11 @@ def malformed_states(draw):
     short, random bytes, a pickle of code."""
     kind = draw(st.sampled_from(["missing", "wrong", "huge", "not a dict", "truncated", "random", "code"]))
     state = trainer_state(1, optimizer={})
-    key = draw(st.sampled_from(sorted(plumbing.TRAINER_STATE_KEYS)))
+    key = draw(st.sampled_from(sorted(TRAINER_STATE_KEYS)))
     if kind == "missing":
         del state[key]
     elif kind == "wrong":
-        kinds = plumbing.TRAINER_STATE_KEYS[key]
+        kinds = TRAINER_STATE_KEYS[key]
         kinds = (int, float) if kinds is float else kinds
         state[key] = draw(plain.filter(lambda v: isinstance(v, bool) or not isinstance(v, kinds)))
     elif kind == "huge":
@@ -349,10 +352,10 @@ def one_checkpoint(tmp_path_factory) -> Path:
 @given(state=malformed_states())
 def test_a_malformed_trainer_state_is_one_line_naming_the_checkpoint_never_a_traceback_or_code(one_checkpoint, state):
     write_state(one_checkpoint, state)
-    assert plumbing.read_checkpoint(one_checkpoint)[0] is None
+    assert read_checkpoint(one_checkpoint)[0] is None
     with pytest.raises(plumbing.ConfigError) as refused:
-        plumbing.resume_checkpoint(rloo.Args(output_dir=str(one_checkpoint.parent.parent / "new"),
-                                             resume_from=str(one_checkpoint)))
+        resume_checkpoint(rloo.Args(output_dir=str(one_checkpoint.parent.parent / "new"),
+                                    resume_from=str(one_checkpoint)))
     message = str(refused.value)
     assert "\n" not in message and message.startswith(f"--resume_from {one_checkpoint} is damaged: ")
     assert not Path("/tmp/rloo-test-ran").exists()
@@ -360,7 +363,7 @@ def test_a_malformed_trainer_state_is_one_line_naming_the_checkpoint_never_a_tra
 
 def test_the_reader_accepts_what_a_run_writes(one_checkpoint):
     write_state(one_checkpoint, trainer_state(1, optimizer={}))
-    state, problem = plumbing.read_checkpoint(one_checkpoint)
+    state, problem = read_checkpoint(one_checkpoint)
     assert problem is None and state["run_id"] == "run-a"
 
 
@@ -403,7 +406,7 @@ def test_a_symlinked_checkpoints_folder_is_where_checkpoints_live_links_inside_o
     out.mkdir()
     scratch.mkdir()
     (out / "checkpoints").symlink_to(scratch)  # a larger disk: the documented use
-    assert plumbing.foreign_entries(out) == []
+    assert foreign_entries(out) == []
     (out / "nonfinite").mkdir()
     (out / "nonfinite" / "update_2_rank_0.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")
     assert refusal(out).startswith(f"--output_dir {out} holds nonfinite (holds the symbolic link update_2_rank_0")
@@ -458,17 +461,17 @@ def test_what_a_run_writes_under_its_names_is_its_own(tmp_path):
     lock = plumbing.OutputDirLock(str(out))
     lock.acquire()
     lock.mark_preempted(str(out / "checkpoints" / "step_2"))
-    assert plumbing.foreign_entries(out) == []
+    assert foreign_entries(out) == []
     for note in ("checkpoints/step_3", "stopped during start-up, before any update",
                  "no update had finished, nothing to save"):
         lock.mark_preempted(note)
-        assert plumbing.foreign_entries(out) == []
+        assert foreign_entries(out) == []
     lock.release()
     (out / "run.lock").write_text("")  # a run killed between its open and its write
     (out / "tensorboard").mkdir()
     (out / "tensorboard" / "events.out.tfevents.1.host.1.0").write_bytes(b"")
     (out / "checkpoints" / ".tmp_step_3").mkdir()
-    assert plumbing.foreign_entries(out) == [] and plumbing.written_by(out / "curves.png") == "rloo.py"
+    assert foreign_entries(out) == [] and plumbing.written_by(out / "curves.png") == "rloo.py"
 
 
 def test_an_overwrite_never_moves_wandb_which_holds_other_projects_runs(tmp_path):
@@ -479,8 +482,8 @@ def test_an_overwrite_never_moves_wandb_which_holds_other_projects_runs(tmp_path
     (home / "wandb" / "run-20250101_000000-otherproj" / "files").write_text("theirs")
     fake_run(home, [1])
     args = rloo.Args(output_dir=str(home), overwrite_output_dir=True)
-    plumbing.resume_checkpoint(args)
-    lines = plumbing.settle_output_dir(args, 0, {}, "run-b")
+    resume_checkpoint(args)
+    lines = settle_output_dir(args, 0, {}, "run-b")
     assert "wandb" not in lines[0] and (home / "wandb" / "run-20250101_000000-otherproj" / "files").exists()
 
 
@@ -562,14 +565,14 @@ def test_links_planted_in_a_checkpoint_being_written_are_never_written_through(t
 
     for name, plant in plants.items():
         with pytest.raises(plumbing.Fault, match=r"could not write checkpoint step_2 \(.*\.tmp_step_2") as failed:
-            plumbing.save_checkpoint(str(out), 2, policy, optimizer, Planting(plant), trainer_state(2), 0, None, {})
+            save_checkpoint(str(out), 2, policy, optimizer, Planting(plant), trainer_state(2), 0, None, {})
         assert "\n" not in str(failed.value) and ("File exists" in str(failed.value) or "appeared while the run wrote "
                                                   "it" in str(failed.value)), (name, str(failed.value))
         assert all(path.read_text() == "precious\n" for path in outside.values()), name
         assert not list(tmp_path.glob("new_*")) and sorted(os.listdir(out / "checkpoints")) == ["step_1"], name
     (out / "checkpoints" / ".tmp_step_2").symlink_to(tmp_path)  # the temporary folder's own name: a link
     with pytest.raises(plumbing.Fault, match="checkpoints/.tmp_step_2 exists and is not this run's: move it"):
-        plumbing.save_checkpoint(str(out), 2, policy, optimizer, tokenizer, trainer_state(2), 0, None, {})
+        save_checkpoint(str(out), 2, policy, optimizer, tokenizer, trainer_state(2), 0, None, {})
     assert (out / "checkpoints" / ".tmp_step_2").is_symlink() and (tmp_path / "out").is_dir()
 
 
@@ -588,15 +591,15 @@ def test_pruning_removes_only_this_runs_checkpoints_and_a_swapped_folder_stops_t
     a link to a folder of the user's, a folder without a manifest are kept; a link to this run's own is unlinked."""
     out = tmp_path / "out"
     policy, optimizer, tokenizer = saved_steps(out, [1])
-    with plumbing.Folder.at(out) as root, root.folder("checkpoints") as checkpoints:
+    with plumbing.folders.Folder.at(out) as root, root.folder("checkpoints") as checkpoints:
         identities = {"output_dir": root.identity, "checkpoints": checkpoints.identity}
     theirs = other_runs_checkpoints(tmp_path / "theirs", [1, 2])
     (out / "checkpoints").rename(tmp_path / "ours")
     (out / "checkpoints").symlink_to(theirs)
     with pytest.raises(plumbing.Fault, match="checkpoints is no longer the folder the run started with"):
-        plumbing.save_checkpoint(str(out), 2, policy, optimizer, tokenizer, trainer_state(2), 0, 1, {}, identities)
+        save_checkpoint(str(out), 2, policy, optimizer, tokenizer, trainer_state(2), 0, 1, {}, identities)
     assert sorted(os.listdir(theirs)) == ["step_1", "step_2"]
-    plumbing.save_checkpoint(str(out), 3, policy, optimizer, tokenizer, trainer_state(3), 0, 1, {})  # a link from
+    save_checkpoint(str(out), 3, policy, optimizer, tokenizer, trainer_state(3), 0, 1, {})  # a link from
     assert sorted(os.listdir(theirs)) == ["step_1", "step_2", "step_3"]  # the start: where checkpoints live
     (out / "checkpoints").unlink()
     (tmp_path / "ours").rename(out / "checkpoints")
@@ -605,7 +608,7 @@ def test_pruning_removes_only_this_runs_checkpoints_and_a_swapped_folder_stops_t
     (out / "checkpoints" / "step_0").symlink_to(theirs / "step_3")  # this run's, kept elsewhere
     (out / "checkpoints" / "step_5").mkdir()  # no manifest: no run's
     (out / "checkpoints" / "step_5" / "notes").write_text("mine")
-    plumbing.save_checkpoint(str(out), 6, policy, optimizer, tokenizer, trainer_state(6), 0, 1, {})
+    save_checkpoint(str(out), 6, policy, optimizer, tokenizer, trainer_state(6), 0, 1, {})
     assert sorted(os.listdir(out / "checkpoints")) == ["step_2", "step_5", "step_6"]
     assert (tmp_path / "mine").is_dir() and (theirs / "step_3" / "manifest.json").is_file()
 
@@ -661,7 +664,7 @@ def test_a_rank_file_proves_whose_it_is(tmp_path):
     for name, (damage, said) in cases.items():
         damage()
         forge_manifest(step)
-        state, problem = plumbing.read_checkpoint(step)
+        state, problem = read_checkpoint(step)
         assert state is None and problem.startswith(said), (name, problem)
         for extra in step.glob("rank*.pt"):
             extra.unlink()
@@ -670,7 +673,7 @@ def test_a_rank_file_proves_whose_it_is(tmp_path):
     forge_manifest(step)
     manifest = json.loads((step / "manifest.json").read_text())
     (step / "manifest.json").write_text(json.dumps({**manifest, "run_id": "run-b"}))
-    assert plumbing.read_checkpoint(step)[1] == "manifest.json is of run id 'run-b', but trainer_state.pt of 'run-a'"
+    assert read_checkpoint(step)[1] == "manifest.json is of run id 'run-b', but trainer_state.pt of 'run-a'"
 
 
 def test_output_dir_renamed_or_replaced_while_the_run_writes_is_one_line(tmp_path):
@@ -774,6 +777,6 @@ def test_a_fifo_or_a_link_where_a_checkpoint_has_its_manifest_never_blocks_a_res
     os.mkfifo(tmp_path / "checkpoints" / "step_3" / "manifest.json")
     (tmp_path / "checkpoints" / "step_2" / "manifest.json").rename(tmp_path / "manifest.json")
     (tmp_path / "checkpoints" / "step_2" / "manifest.json").symlink_to(tmp_path / "manifest.json")
-    start = plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True))
+    start = resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True))
     assert start.checkpoint == tmp_path / "checkpoints" / "step_1"
     assert [why.split(" (")[0] for why in start.skipped.values()] == ["manifest.json cannot be read"] * 2

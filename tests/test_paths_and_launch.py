@@ -24,6 +24,10 @@ from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, MambaConfig, OP
 
 import plan_memory
 import plumbing
+from plumbing.data import has_splits
+from plumbing.flags import PATH_FLAGS, missing_local_path, resolve_paths
+from plumbing.models import check_context, check_reward_model_config
+from plumbing.outputdir import MANIFEST, take_output_dir
 import rloo
 import rloo_multinode as mn
 from conftest import REPO, policy_tokenizer, prompt_rows, tiny_reward_model, write_jsonl
@@ -46,7 +50,7 @@ def test_a_quoted_tilde_is_the_home_directory_in_every_path_flag(assets, tmp_pat
                    dataset_name="~/train.jsonl", dataset_test_split="~/test.jsonl", output_dir="~/runs/x",
                    resume_from="~/runs/x/checkpoints/step_1")
     plumbing.validate_args(args)
-    for flag in plumbing.PATH_FLAGS:
+    for flag in PATH_FLAGS:
         assert getattr(args, flag).startswith(str(tmp_path) + "/"), (flag, getattr(args, flag))
     assert not (tmp_path / "~").exists()
 
@@ -56,7 +60,7 @@ def test_a_shell_variable_left_unexpanded_is_refused(assets, tmp_path, flag):
     with pytest.raises(plumbing.ConfigError, match=rf"^--{flag} \$HOME/x: \$HOME was not expanded \(quoted\?\)"):
         plumbing.validate_args(args_of(assets, **{flag: "$HOME/x"}))
     (tmp_path / "a$b").mkdir()  # a name that holds a $ and exists is taken as it is
-    plumbing.resolve_paths(args_of(assets, output_dir=str(tmp_path / "a$b")))
+    resolve_paths(args_of(assets, output_dir=str(tmp_path / "a$b")))
 
 
 @pytest.mark.parametrize("flag,typo,closest", [
@@ -77,12 +81,12 @@ def test_a_relative_typo_and_hub_ids_are_told_apart(assets, tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     (tmp_path / "policy").symlink_to(assets["policy"])
     for typo in ("./polcy", f"../{tmp_path.name}/polcy", "polcy/x/y"):
-        assert plumbing.missing_local_path(typo).startswith("no such file or directory"), typo
-    assert plumbing.missing_local_path("./polcy") == "no such file or directory (the closest that exists: policy)"
+        assert missing_local_path(typo).startswith("no such file or directory"), typo
+    assert missing_local_path("./polcy") == "no such file or directory (the closest that exists: policy)"
     (tmp_path / "models").mkdir()
-    assert plumbing.missing_local_path("models/pythia")  # its owner is a local directory
+    assert missing_local_path("models/pythia")  # its owner is a local directory
     for hub_id in ("EleutherAI/pythia-1b-deduped", "gpt2", "trl-lib/tldr", "policy"):
-        assert plumbing.missing_local_path(hub_id) is None, hub_id
+        assert missing_local_path(hub_id) is None, hub_id
     with pytest.raises(plumbing.ConfigError, match=r"could not load tokenizer from './polcy': no such file or dir"):
         plumbing.load_tokenizer("./polcy", False)  # judge.py's and plan_memory.py's loads too
 
@@ -100,7 +104,7 @@ def test_compressed_json_lines_and_csv_load_and_other_kinds_are_named(tmp_path):
     for name in ("a.jsonl.gz", "a.json.gz", "a.csv", "a.csv.bz2", "B.JSONL.XZ"):
         loaded = plumbing.load_split(str(tmp_path / name), "train", None)
         assert loaded["prompt"] == [r["prompt"] for r in rows], name
-        assert not plumbing.has_splits(str(tmp_path / name))
+        assert not has_splits(str(tmp_path / name))
     os.mkfifo(tmp_path / "pipe.jsonl")
     os.mkfifo(tmp_path / "pipe")
     (tmp_path / "prompts.txt").write_text("a b :\n")
@@ -195,12 +199,12 @@ def test_a_context_shorter_than_prompt_and_response_is_refused_where_positions_a
         with pytest.raises(plumbing.ConfigError, match=r"the longest prompt, 100 tokens, \+ --response_length 53 = 153 "
                                                        r"tokens, but the policy has 128 positions .*a learned "
                                                        r"table .*lower --max_prompt_length to 75 or less"):
-            plumbing.check_context(config, "policy", args, 100)
+            check_context(config, "policy", args, 100)
     for config in (GPTNeoXConfig(max_position_embeddings=64), LlamaConfig(max_position_embeddings=64)):  # rotary
-        plumbing.check_context(config, "policy", args, 100)
+        check_context(config, "policy", args, 100)
         assert "exceed the policy's 64 positions" in capsys.readouterr().err
     for config in (MambaConfig(), GPT2Config(n_positions=153)):  # no limit; a limit that holds them
-        plumbing.check_context(config, "policy", args, 100)
+        check_context(config, "policy", args, 100)
         assert capsys.readouterr().err == ""
     config = GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=4, n_positions=64)
     config.save_pretrained(tmp_path / "short")
@@ -210,8 +214,8 @@ def test_a_context_shorter_than_prompt_and_response_is_refused_where_positions_a
         plan_memory.main(plan)
     config.save_pretrained(tmp_path / "reward_model")  # a reward model's table too
     with pytest.raises(plumbing.ConfigError, match="but the reward model has 64 positions"):
-        plumbing.check_reward_model_config(str(tmp_path / "reward_model"), False, None,
-                                           replace(args, response_length=6), 60)
+        check_reward_model_config(str(tmp_path / "reward_model"), False, None,
+                                  replace(args, response_length=6), 60)
 
 
 def test_the_context_check_reads_the_datas_longest_prompt_not_the_flags_cap(assets, tmp_path, capsys):
@@ -302,7 +306,7 @@ def test_an_output_dir_no_file_system_can_hold_is_one_line_and_leaves_nothing(tm
     for name, line in cases.items():
         lock = plumbing.OutputDirLock(str(tmp_path / name))
         with pytest.raises(plumbing.ConfigError, match=f"^--output_dir .*{line}: pass a directory$"):
-            plumbing.take_output_dir(lock, 0, {})
+            take_output_dir(lock, 0, {})
         assert not lock.held
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "pipe"]
     # issue 47: a 4,069-byte output_dir trained, then could not save (said: free space); `/` was a StopIteration
@@ -316,14 +320,14 @@ def test_an_output_dir_no_file_system_can_hold_is_one_line_and_leaves_nothing(tm
                               r"system takes at most 4095"), ("/", root), ("//", root)):
         lock = plumbing.OutputDirLock(path)
         with pytest.raises(plumbing.ConfigError, match=f"^--output_dir .*{line}: pass a directory$"):
-            plumbing.take_output_dir(lock, 0, {})
+            take_output_dir(lock, 0, {})
         assert not lock.held
     with pytest.raises(plumbing.ConfigError, match="^--png-path / is a directory"):
         plumbing.check_outputs([("--png-path", Path("/"))], [], "x.py")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "pipe"]
     if Path("/proc/self").is_dir():  # a file system that makes no directory: the kernel's own words, one line
         with pytest.raises(plumbing.ConfigError, match="^cannot write to --output_dir /proc/rloo: "):
-            plumbing.take_output_dir(plumbing.OutputDirLock("/proc/rloo"), 0, {})
+            take_output_dir(plumbing.OutputDirLock("/proc/rloo"), 0, {})
 
 
 # ---------------------------------------------------------------- pruning and symbolic links
@@ -339,7 +343,7 @@ def test_pruning_removes_a_symlinked_checkpoint_never_what_it_points_to(tmp_path
     (out / "checkpoints" / "step_0").symlink_to(tmp_path / "precious")
     saved_steps(out, [3], keep=1)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0", "step_3"]  # the user's link: kept
-    assert (kept / plumbing.MANIFEST).is_file() and (tmp_path / "precious" / "notes.txt").read_text() == "keep"
+    assert (kept / MANIFEST).is_file() and (tmp_path / "precious" / "notes.txt").read_text() == "keep"
 
 
 def test_a_symlinked_checkpoints_directory_holds_the_runs_checkpoints(tmp_path):

@@ -5,6 +5,7 @@ trainer score one distribution, neutral settings change nothing, active ones cha
 import contextlib
 import math
 import signal
+from dataclasses import replace
 
 import pytest
 import torch
@@ -167,7 +168,7 @@ def test_the_hf_engine_samples_with_the_filters(assets):
     """rloo_multinode.py's hf engine draws through rloo.sample_in_chunks: the same tokens and log-probs."""
     import rloo_multinode
 
-    args = rloo_multinode.Args(model_name_or_path=str(assets["policy"]), rloo_k=2, response_length=6,
+    args = rloo_multinode.Args(model_name_or_path=str(assets["policy"]), engine="hf", rloo_k=2, response_length=6,
                                temperature=0.7, **ALL)
     engine = rloo_multinode.HFEngine(args, CPU)
     q, mask = queries()
@@ -193,6 +194,36 @@ def test_vllm_sampling_parameters_carry_the_filters():
     # vLLM applies min-p before top-p, the trainer after: refused together
     with pytest.raises(plumbing.ConfigError, match="vLLM filters by min-p before top-p"):
         rloo_multinode.validate_engine_args(rloo_multinode.Args(min_p=0.1, top_p=0.9), 1)
+
+
+def test_a_setting_an_engine_cannot_carry_is_refused_not_dropped():
+    """A value per row (a per-row temperature, as a researcher's copy may give SamplingSettings) cannot go in an engine
+    request, which holds one value per setting for a part of the batch: refused at submit, on every engine kind; a
+    setting vllm_sampling does not map (a field added to SamplingFilters, off its default) is refused for vLLM, where it
+    would be dropped, and goes to the hf engines, which sample with rloo.py's own sampling_logits."""
+    import dataclasses
+
+    import rloo_multinode
+
+    per_row = replace(rloo.SamplingSettings.of(rloo.Args()), temperature=torch.full((8,), 0.7))
+    for flags in ({"engine": "hf"}, {"engine": "vllm"}, {"vllm_mode": "colocate"}):
+        with pytest.raises(plumbing.ConfigError, match=r"^SamplingSettings\.temperature is a tensor of shape \(8,\): a "
+                                                       "value per row or prompt, which the engines cannot carry"):
+            rloo_multinode.sampling_request(per_row, rloo_multinode.Args(**flags))
+    with pytest.raises(plumbing.ConfigError, match=r"SamplingSettings\.temperature = a tensor of shape \(8,\): vLLM"):
+        rloo_multinode.vllm_sampling(rloo_multinode.Args(), 1, per_row)
+
+    @dataclasses.dataclass(frozen=True)
+    class WithEpsilon(rloo.SamplingFilters):  # a filter of a researcher's own
+        epsilon_cutoff: float = 0.0
+
+    added = rloo.SamplingSettings(0.7, WithEpsilon(epsilon_cutoff=3e-4), 6)
+    assert rloo_multinode.sampling_request(added, rloo_multinode.Args(engine="hf", response_length=6))
+    for flags in ({"engine": "vllm"}, {"vllm_mode": "colocate"}):
+        with pytest.raises(plumbing.ConfigError, match=r"^WithEpsilon\.epsilon_cutoff = 0\.0003: vLLM engines are sent "
+                                                       "one number for each setting vllm_sampling maps"):
+            rloo_multinode.sampling_request(added, rloo_multinode.Args(response_length=6, **flags))
+    assert rloo_multinode.vllm_sampling(rloo_multinode.Args(), 1, replace(added, filters=WithEpsilon()))  # default
 
 
 @pytest.mark.parametrize("values,message", [
@@ -234,9 +265,10 @@ def test_generation_batch_size_sets_the_minibatches():
 
 def test_the_sample_table_shows_each_prompts_completions_together():
     sizes = rloo.compute_batch_sizes(rloo.Args(per_device_train_batch_size=8, rloo_k=2), 1)  # B = 4
-    assert rloo.table_rows(rloo.Args(), sizes) == [0, 1, 2, 3]  # the first completion of (up to 5) prompts
-    assert rloo.table_rows(rloo.Args(log_completions=True), sizes) == [0, 4, 1, 5, 2, 6, 3, 7]
-    assert rloo.table_rows(rloo.Args(num_completions_to_print=3), sizes) == [0, 4, 1]
+    prompts = sizes.prompts
+    assert plumbing.table_rows(rloo.Args(rloo_k=2), prompts) == [0, 1, 2, 3]  # the first completion of (up to 5)
+    assert plumbing.table_rows(rloo.Args(rloo_k=2, log_completions=True), prompts) == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert plumbing.table_rows(rloo.Args(rloo_k=2, num_completions_to_print=3), prompts) == [0, 4, 1]
 
 
 # ----- end to end: tiny runs of rloo.py

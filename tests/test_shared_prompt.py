@@ -9,6 +9,7 @@ import torch
 import transformers
 
 import plumbing
+from plumbing.sharing import probe_lengths, shares_prompts, sharing_key, sharing_probe
 import rloo
 from conftest import policy_loss_of, policy_tokenizer, read_metrics, run_rloo, tiny_reward_model
 from helpers import (ARCHITECTURES, TINY, UNEVEN_PROMPTS, architecture_config, eos_prone_policy, sampled,
@@ -17,7 +18,7 @@ from helpers import (ARCHITECTURES, TINY, UNEVEN_PROMPTS, architecture_config, e
 
 def probe_of(prompt: str) -> rloo.Completions:
     ids = policy_tokenizer()(prompt)["input_ids"]
-    return rloo.Completions(**plumbing.sharing_probe(ids, 8, 6, torch.device("cpu")))
+    return rloo.Completions(**sharing_probe(ids, 8, 6, torch.device("cpu")))
 
 
 def computed(model, reward_model=False):
@@ -31,7 +32,7 @@ def computed(model, reward_model=False):
 def shares(model, requested, probe, notes, reward_model=False) -> bool:
     """The start-up decision as main makes it: the model's prompt sharing, checked on the probe."""
     name = "reward model" if reward_model else "policy"
-    return plumbing.shares_prompts(model, name, requested, probe, computed(model, reward_model), notes)
+    return shares_prompts(model, name, requested, probe, computed(model, reward_model), notes)
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -210,12 +211,12 @@ def test_every_architecture_shares_exactly_or_says_it_does_not(family):
     reward_model = tiny_architecture(family, "ForSequenceClassification", seed=1) \
         if hasattr(transformers, type(policy).__name__.replace("ForCausalLM", "ForSequenceClassification")) else None
     if fallback is not None:  # off, in one line; refused when asked for
-        assert fallback in plumbing.why_not_shared(policy)
+        assert fallback in plumbing.sharing.why_not_shared(policy)
         # grouped rows would be wrong: each response sees the ones before it through the state
-        assert plumbing.sharing_error(policy, probe, computed(policy)) > 1e-3
+        assert plumbing.sharing.sharing_error(policy, probe, computed(policy)) > 1e-3
         assert not shares(policy, None, probe, notes)
-        assert notes == [f"prompt sharing is off for the policy: {plumbing.why_not_shared(policy)}; it computes one "
-                         "row per completion"]
+        assert notes == [f"prompt sharing is off for the policy: {plumbing.sharing.why_not_shared(policy)}; it "
+                         "computes one row per completion"]
         with pytest.raises(plumbing.ConfigError, match="--share_prompt: the policy cannot share prompts exactly"):
             shares(policy, True, probe, notes)
         return
@@ -293,17 +294,17 @@ def test_the_probe_is_as_long_as_the_check_needs_and_still_catches_a_broken_mask
     window = getattr(config, "sliding_window", None)
     policy = tiny_architecture(family)
     # TL;DR's lengths: no window, a short probe; a window, rows one token past it with training's responses
-    lengths = plumbing.probe_lengths(512, 53, policy, None)
+    lengths = probe_lengths(512, 53, policy, None)
     assert lengths == ((24, 8) if window is None else (24, 53))
     with_window = type(config)(**{**config.to_dict(), "sliding_window": 100}) if window else None
     if with_window is not None:  # a window longer than the default probe: the probe passes it
-        assert plumbing.probe_lengths(512, 53, type(policy)(with_window)) == (101, 53)
-        assert plumbing.probe_lengths(64, 53, type(policy)(with_window)) == (64, 53)  # never past training's prompts
-        assert plumbing.probe_lengths(512, 53, policy, type(policy)(with_window)) == (101, 53)  # both models'
-    assert plumbing.probe_lengths(10, 3, policy) == (10, 3)  # never longer than training's rows
+        assert probe_lengths(512, 53, type(policy)(with_window)) == (101, 53)
+        assert probe_lengths(64, 53, type(policy)(with_window)) == (64, 53)  # never past training's prompts
+        assert probe_lengths(512, 53, policy, type(policy)(with_window)) == (101, 53)  # both models'
+    assert probe_lengths(10, 3, policy) == (10, 3)  # never longer than training's rows
     ids = policy_tokenizer()(UNEVEN_PROMPTS[0])["input_ids"] * 40
-    lengths = plumbing.probe_lengths(512, 53, policy)
-    probe = rloo.Completions(**plumbing.sharing_probe(ids, *lengths, torch.device("cpu")))
+    lengths = probe_lengths(512, 53, policy)
+    probe = rloo.Completions(**sharing_probe(ids, *lengths, torch.device("cpu")))
     assert shares(policy, None, probe, [])
     grouped_rows = rloo.grouped_rows
 
@@ -334,29 +335,29 @@ def test_the_probe_is_as_long_as_the_check_needs_and_still_catches_a_broken_mask
 
 def test_one_check_for_a_policy_and_reward_model_that_agree(monkeypatch):
     calls = []
-    sharing_error = plumbing.sharing_error
+    sharing_error = plumbing.sharing.sharing_error
     monkeypatch.setattr(plumbing.sharing, "sharing_error",
                         lambda model, *a: calls.append(model) or sharing_error(model, *a))
     policy, reward_model = tiny_architecture("llama"), tiny_architecture("llama", "ForSequenceClassification", seed=1)
     probe, notes, checked = probe_of(UNEVEN_PROMPTS[0]), [], {}
-    assert plumbing.sharing_key(policy) == plumbing.sharing_key(reward_model)  # the heads differ, the backbone not
-    assert plumbing.shares_prompts(policy, "policy", None, probe, computed(policy), notes, checked)
-    assert plumbing.shares_prompts(reward_model, "reward model", None, probe, computed(reward_model, True), notes,
-                                   checked)
+    assert sharing_key(policy) == sharing_key(reward_model)  # the heads differ, the backbone not
+    assert shares_prompts(policy, "policy", None, probe, computed(policy), notes, checked)
+    assert shares_prompts(reward_model, "reward model", None, probe, computed(reward_model, True), notes,
+                          checked)
     assert calls == [policy] and notes == []  # the reward model's verdict is the policy's check
     for other in (tiny_architecture("llama", "ForSequenceClassification").to(torch.bfloat16),  # another dtype
                   tiny_architecture("mistral", "ForSequenceClassification"),  # another architecture
                   transformers.LlamaForSequenceClassification(transformers.LlamaConfig(
                       **{**TINY, "num_hidden_layers": 3}, num_labels=1))):  # another config
         calls.clear()
-        assert plumbing.sharing_key(other) != plumbing.sharing_key(policy)
-        assert plumbing.shares_prompts(other, "reward model", None, probe, computed(other, True), notes, checked)
+        assert sharing_key(other) != sharing_key(policy)
+        assert shares_prompts(other, "reward model", None, probe, computed(other, True), notes, checked)
         assert calls == [other]
     # a verdict against sharing is carried as well, with its reason in each model's note
     checked, notes = {}, []
     for seed in (0, 1):
         falcon = tiny_architecture("falcon_h1", seed=seed)
         calls.clear()
-        assert not plumbing.shares_prompts(falcon, "policy", None, probe, computed(falcon), notes, checked)
+        assert not shares_prompts(falcon, "policy", None, probe, computed(falcon), notes, checked)
         assert calls == []  # why_not_shared decides before any forward pass
     assert len(checked) == 1 and len(notes) == 2 and notes[0] == notes[1]

@@ -16,6 +16,9 @@ import torch
 import yaml
 
 import plumbing
+from plumbing.cli import GRPO_ONLY, NOTHING, algorithm_defaults
+from plumbing.models import lora_config
+from plumbing.schedule import RunLength, warmup_length
 import rloo
 import rloo_multinode
 from conftest import REPO, read_metrics, run_rloo, tiny_policy, write_jsonl
@@ -71,7 +74,7 @@ def cli_words(value) -> list[str]:
     return [json.dumps(value) if isinstance(value, dict) else str(value)]
 
 
-NOTHING_DEFAULTS = {name: default for name, default in plumbing.TRL116.items() if default in plumbing.NOTHING
+NOTHING_DEFAULTS = {name: default for name, default in plumbing.TRL116.items() if default in NOTHING
                     and name not in ("dataset_name", "bf16")}  # TRL's None: no dataset given; bf16 unless fp16
 
 
@@ -129,10 +132,10 @@ def test_trl_defaults_1_16_gives_every_algorithm_flag_left_out_trl_1_16s_default
     temperature 1.0, learning rate 1e-6, 512 new tokens, 3 epochs), and of the run's flags those that change what it
     computes (gradient checkpointing, seed 42, bf16 where there is a GPU: on this CPU a line says it is off); the
     others keep this script's; a flag given wins wherever it stands; a --config file may choose it too."""
-    switched = plumbing.algorithm_defaults(rloo.Args) | {"gradient_checkpointing": (False, True), "seed": (1, 42)}
-    assert plumbing.release_defaults(rloo.Args, "1.16") == switched  # bf16: (False, False) on a CPU, not switched
+    switched = algorithm_defaults(rloo.Args) | {"gradient_checkpointing": (False, True), "seed": (1, 42)}
+    assert plumbing.cli.release_defaults(rloo.Args, "1.16") == switched  # bf16: (False, False) on a CPU, not switched
     assert {"num_ppo_epochs", "temperature", "learning_rate", "response_length", "num_train_epochs"} <= switched.keys()
-    assert plumbing.algorithm_defaults(rloo_multinode.Args) == plumbing.algorithm_defaults(rloo.Args)  # not vllm_mode
+    assert algorithm_defaults(rloo_multinode.Args) == algorithm_defaults(rloo.Args)  # not vllm_mode
     trl_name = {own: trl for trl, own in plumbing.TRL_NAMES.items()}
     args, old = parse("--trl_defaults", "1.16"), rloo.Args()
     for f in dataclasses.fields(rloo.Args):
@@ -249,8 +252,8 @@ def test_every_grpo_only_option_is_named_as_grpos_and_peft_names_of_the_lora_fla
     """Each GRPOConfig field RLOOConfig lacks (TRL 1.16's, in the committed table) that rloo.py does not have; LoRA's
     rank under OpenRLHF's and verl's name and peft's, peft's target names, on the command line and in a recipe."""
     mine = set(rloo.Args.__dataclass_fields__)
-    assert "loss_type" in plumbing.GRPO_ONLY and "vllm_importance_sampling_cap" in plumbing.GRPO_ONLY & mine
-    for name in sorted(plumbing.GRPO_ONLY - mine):
+    assert "loss_type" in GRPO_ONLY and "vllm_importance_sampling_cap" in GRPO_ONLY & mine
+    for name in sorted(GRPO_ONLY - mine):
         assert f"--{name} is TRL's GRPOTrainer's (GRPOConfig), not RLOO's" in refusal(capsys, f"--{name}", "1")
     args = parse("--lora_rank", 8, "--target_modules", "q_proj", "v_proj", "--modules_to_save", "lm_head")
     assert (args.lora_r, args.lora_target_modules, args.lora_modules_to_save) == (8, ("q_proj", "v_proj"), ("lm_head",))
@@ -445,7 +448,7 @@ def test_evaluation_schedules():
     """--eval_strategy steps every --eval_steps (--logging_steps when None, fractions of the run, optimizer steps
     with --max_steps), epoch at each pass's end, no never; by default --num_evals spread over the run."""
     at = lambda steps_per_update=1, updates_per_epoch=4, **flags: plumbing.evaluation_updates(  # noqa: E731
-        rloo.Args(**flags), plumbing.RunLength(10, steps_per_update), updates_per_epoch)
+        rloo.Args(**flags), RunLength(10, steps_per_update), updates_per_epoch)
     assert at(eval_strategy="steps", eval_steps=3) == {3, 6, 9}
     assert at(eval_strategy="steps", logging_steps=5) == {5, 10}  # TRL: eval_steps defaults to logging_steps
     assert at(eval_strategy="steps", eval_steps=0.25) == {3, 6, 9}  # ceil(2.5)
@@ -542,7 +545,7 @@ def test_trl_names_of_the_lora_options_reach_peft():
                        match="take no dropout, and --lora_dropout is 0.05 .* pass --lora_dropout 0"):
         plumbing.validate_args(rloo.Args(model_name_or_path="p", reward_fn=("m:f",), **targets))
     args = rloo.Args(lora_dropout=0.0, **targets)
-    assert plumbing.lora_config(args).target_parameters == ["mlp.dense_h_to_4h.weight"]
+    assert lora_config(args).target_parameters == ["mlp.dense_h_to_4h.weight"]
     policy, base = tiny_policy(15), tiny_policy(15)
     plumbing.add_adapters(policy, args, None)
     adapted = {name.split(".lora_")[0].split(".", 3)[-1] for name, p in policy.named_parameters() if p.requires_grad}
@@ -590,7 +593,7 @@ def test_warmup_steps_is_transformers_5s_and_one_warmup_is_asked_for(tmp_path):
         args = parse("--trl_defaults", "1.16", "--warmup_steps", value)
         assert args.warmup_steps == value
         expected = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, warmup_steps=value).get_warmup_steps(21)
-        assert plumbing.warmup_length(args, 21) == expected
+        assert warmup_length(args, 21) == expected
     for flags, message in (({"warmup_ratio": 0.1, "warmup_steps": 2}, "without --warmup_steps"),
                            ({"warmup_steps": 2.5}, "warmup_steps = 2.5 must be a whole number of steps >= 0")):
         with pytest.raises(plumbing.ConfigError, match=message):
@@ -607,7 +610,7 @@ def test_the_context_check_offers_only_fixes_that_fit():
                                    (53, 300, "lower --max_prompt_length to 75 or less (longer prompts are dropped)"),
                                    (512, 300, "lower --max_prompt_length and --response_length to a sum of 128")):
         with pytest.raises(plumbing.ConfigError) as refused:
-            plumbing.check_context(config, "policy", rloo.Args(response_length=response), longest)
+            plumbing.models.check_context(config, "policy", rloo.Args(response_length=response), longest)
         assert str(refused.value).endswith(fix + (" or less" if "sum" in fix else "")), str(refused.value)
 
 

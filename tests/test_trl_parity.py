@@ -13,6 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 import plumbing
+from plumbing.models import lora_config, peft_layers
+from plumbing.schedule import RunLength
+from plumbing.sharing import shares_prompts, sharing_probe
 import rloo
 import rloo_multinode
 from conftest import (policy_loss_of, policy_tokenizer, prompt_rows, read_metrics, run_rloo, tiny_policy,
@@ -345,7 +348,7 @@ def test_model_revision_loads_that_revision_of_a_hub_policy_and_takes_part_in_it
             "('m:f',), model_revision=sys.argv[1]); plumbing.validate_args(args); policy, ref, _, _ = "
             "rloo.load_policy(args, torch.device('cpu')); print(json.dumps({'weights': policy.gpt_neox.embed_in.weight"
             "[:2, :2].tolist(), 'reference': torch.equal(ref.gpt_neox.embed_in.weight, policy.gpt_neox.embed_in."
-            "weight), 'identity': plumbing.input_identities(args)['model_name_or_path']}))")
+            "weight), 'identity': plumbing.checkpoints.input_identities(args)['model_name_or_path']}))")
     seen = {}
     for revision in ("main", "v1", "missing"):
         result = subprocess.run([python(), "-c", code, revision], capture_output=True, text=True, cwd=REPO,
@@ -398,7 +401,7 @@ def test_attn_implementation_reaches_both_models_and_prompt_sharing_passes_its_c
     plumbing.validate_args(args)
     policy, ref, tokenizer, _ = rloo.load_policy(args, CPU)
     sources = plumbing.load_reward_sources(args, tokenizer, [], CPU)
-    probe = rloo.Completions(**plumbing.sharing_probe(list(range(2, 14)), 12, 6, CPU))
+    probe = rloo.Completions(**sharing_probe(list(range(2, 14)), 12, 6, CPU))
     notes = []
     for model, name, compute in ((policy, "policy", lambda c, share: rloo.forward_logprobs(
                                       policy, c, 1.0, share)[0][c.response_mask]),
@@ -407,14 +410,14 @@ def test_attn_implementation_reaches_both_models_and_prompt_sharing_passes_its_c
                                  (sources.model, "reward model",
                                   lambda c, share: rloo.reward_model_scores(sources.model, c, share))):
         assert plumbing.attention_implementation(model) == implementation
-        assert plumbing.shares_prompts(model, name, None, probe, compute, notes), notes
+        assert shares_prompts(model, name, None, probe, compute, notes), notes
 
 
 def test_save_and_logging_steps_count_updates_or_with_max_steps_optimizer_steps():
     """TRL <= 0.21's unit (updates) by default; with --max_steps, TRL >= 0.22's (optimizer steps), as max_steps;
     below 1, TRL's share of the run (here in whole updates, rounded up)."""
     args = lambda **flags: rloo.Args(**{"save_steps": 8, "logging_steps": 6, **flags})  # noqa: E731
-    run = plumbing.RunLength
+    run = RunLength
     assert plumbing.update_intervals(args(), run(40, 4)) == (8, 6)  # every 8th update, a line every 6th
     assert plumbing.update_intervals(args(max_steps=16), run(4, 4)) == (2, {2, 3})  # the updates reaching 6, 12
     assert plumbing.update_intervals(args(max_steps=16), run(16, 1)) == (8, 6)
@@ -489,10 +492,10 @@ def test_max_steps_not_a_multiple_of_an_updates_steps_is_refused(flags):
 
 
 def test_the_algorithm_rules_live_beside_args():
-    """rloo.algorithm_rules holds the algorithm's numbers, plumbing.number_rules the run's: no flag in both."""
+    """rloo.algorithm_rules holds the algorithm's numbers, plumbing.flags.number_rules the run's: no flag in both."""
     args = rloo.Args()
     algorithm = {name for name, *_ in rloo.algorithm_rules(args)}
-    run = {name for name, *_ in plumbing.number_rules(args)}
+    run = {name for name, *_ in plumbing.flags.number_rules(args)}
     assert not algorithm & run
     assert {"cliprange", "epsilon_high", "kl_coef", "temperature", "ref_model_mixup_alpha"} <= algorithm
     assert not {f for f in algorithm if f in plumbing.RunArgs.__dataclass_fields__}
@@ -682,7 +685,7 @@ def test_warmup_ratio_rises_then_decays():
     """TRL <= 0.21's arithmetic: one rate per update (every optimizer step of an update at it), the warmup from
     learning_rate / warmup updates; --warmup_steps as transformers 5 takes it (>= 1 steps, below 1 a share)."""
     def rates(updates, steps_per_update=1, **flags):
-        rate = plumbing.learning_rates(rloo.Args(learning_rate=1.0, **flags), plumbing.RunLength(updates,
+        rate = plumbing.learning_rates(rloo.Args(learning_rate=1.0, **flags), RunLength(updates,
                                                                                                  steps_per_update))
         return [rate(s) for s in range(1, updates * steps_per_update + 1)]
 
@@ -763,9 +766,9 @@ def test_rslora_and_dora_adapters_train_and_their_reference_is_the_base(kind):
     tokenizer = policy_tokenizer()
     base, policy = tiny_policy(len(tokenizer)), tiny_policy(len(tokenizer))
     args = rloo.Args(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=("all-linear",), **{kind: True})
-    assert getattr(plumbing.lora_config(args), kind) is True
+    assert getattr(lora_config(args), kind) is True
     plumbing.add_adapters(policy, args, None)
-    layer = plumbing.peft_layers(policy)[0]
+    layer = peft_layers(policy)[0]
     assert layer.scaling["default"] == (8 / 2 if kind == "use_rslora" else 8 / 4)  # alpha / sqrt(r), or alpha / r
     assert bool(layer.lora_magnitude_vector) == (kind == "use_dora")
     with torch.no_grad():

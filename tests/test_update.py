@@ -47,7 +47,7 @@ def test_the_first_updates_check_runs_compute_advantages_on_the_batch_itself(tok
     rollout, scores = random_rollout(k=3)  # 5 prompts
     args = rloo.Args(rloo_k=3, per_device_train_batch_size=3, gradient_accumulation_steps=5, num_ppo_epochs=1,
                      kl_coef=0.3, token_level_kl=token_level_kl)
-    sizes, state, draws = rloo.compute_batch_sizes(args, 1), rloo.AlgorithmState.start(args), torch.get_rng_state()
+    sizes, state, draws = rloo.compute_batch_sizes(args, 1), rloo.AlgorithmState.start(args, 5), torch.get_rng_state()
     assert rloo.logprobs_from_update(args, sizes, 0)  # the settings allow the shortcut
     whole = rloo.compute_advantages(rollout, scores, args, state)
     assert rloo.advantages_apart(rollout, scores, whole, args, sizes, state) is None
@@ -147,7 +147,7 @@ def test_the_update_steps_the_optimizer_at_the_schedules_rates_and_stops_where_t
     _, c = sampled(k=2)
     args = rloo.Args(rloo_k=2, num_ppo_epochs=2, num_mini_batches=2, per_device_train_batch_size=4, kl_coef=0.0,
                      trl_defaults="1.16", learning_rate=1.0)
-    run = plumbing.RunLength(2, 4, 7)  # 7 optimizer steps: 4, then 3
+    run = plumbing.schedule.RunLength(2, 4, 7)  # 7 optimizer steps: 4, then 3
     assert [run.steps_in(u) for u in (1, 2)] == [4, 3]
     schedule = plumbing.learning_rates(args, run)
     assert [schedule(s) for s in range(1, 8)] == pytest.approx([1 - s / 7 for s in range(7)])  # linear, from s - 1

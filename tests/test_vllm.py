@@ -24,6 +24,7 @@ else:
     vllm = pytest.importorskip("vllm", reason="vLLM is not installed: `make test-vllm` builds an environment with it")
 
 import plumbing
+from plumbing.outputdir import latest_checkpoint
 import rloo_multinode as mn  # noqa: E402
 from conftest import REPO, neox_config, policy_tokenizer, read_metrics, run_rloo, script_env  # noqa: E402
 from helpers import (ENGINE_RUN, SECRET, fixed_sequences, free_port, listening_sockets,  # noqa: E402
@@ -196,7 +197,7 @@ def test_a_vllm_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(as
     assert trainer.returncode == 4, stderr[-3000:]
     assert stderr.strip().splitlines()[-1].startswith("rloo_multinode.py: error: engine 0 (pid "), stderr[-3000:]
     assert "checkpoint of update" in stderr and "Traceback" not in stderr, stderr[-3000:]
-    assert plumbing.latest_checkpoint(str(tmp_path)) is not None
+    assert latest_checkpoint(str(tmp_path)) is not None
     assert live_processes_in_group(engine) == []  # the trainer ended what was left of the engine
 
 
@@ -293,8 +294,8 @@ def llama_policy(tmp_path_factory):
 
 def assert_every_load_exact(out, rank: int, versions: list[int]) -> None:
     """tests/colocated_run.py's record: after each load the engine scores fixed completions as the trainer does, and
-    its sampler's log-probs of the tokens it drew are the trainer's; after each optimizer step, before the load, the
-    engine's are far from them."""
+    its sampler's log-probs of the tokens it drew are the trainer's, and the completions carry their prompts' rows;
+    after each optimizer step, before the load, the engine's are far from them."""
     checks = [json.loads(line) for line in (out / f"sync_check_rank{rank}.jsonl").read_text().splitlines()]
     after = [c for c in checks if c["when"] == "after the load"]
     before = [c for c in checks if c["when"] == "before the load"]
@@ -303,6 +304,7 @@ def assert_every_load_exact(out, rank: int, versions: list[int]) -> None:
           f"{min(c['difference'] for c in before):.2e}")
     assert [c["version"] for c in after] == versions
     assert all(c["difference"] < LOGPROB_TOLERANCE and c["sampled_difference"] < LOGPROB_TOLERANCE for c in after)
+    assert all(c["carried"] for c in after)
     assert before and all(c["difference"] > 100 * LOGPROB_TOLERANCE for c in before)
 
 

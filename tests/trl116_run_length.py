@@ -22,6 +22,7 @@ from trl.trainer.rloo_trainer import RLOOTrainer
 from trl.trainer.utils import RepeatSampler
 
 import plumbing
+from plumbing.cli import algorithm_defaults
 import rloo
 from helpers import TRL116_RECIPES, trl116_run
 
@@ -62,7 +63,7 @@ def rloo_run(recipe: dict, trl116: bool) -> tuple[dict, dict]:
     sizes = rloo.compute_batch_sizes(args, 1)
     updates = args.max_steps // (args.num_ppo_epochs * sizes.minibatches)  # as rloo.main counts them
     kept = {} if trl116 else {trl: getattr(args, own) for trl, own in SETTINGS.items()
-                              if own in plumbing.algorithm_defaults(rloo.Args) and trl not in recipe}
+                              if own in algorithm_defaults(rloo.Args) and trl not in recipe}
     return {"updates": updates, "episodes": updates * sizes.all_ranks,
             **{trl: getattr(args, own) for trl, own in SETTINGS.items()}}, kept
 
