@@ -73,7 +73,7 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 8 ? n :
 PYTEST_WORKERS = -n $(TEST_WORKERS) --dist worksteal
 
 test: $(INSTALLED)  ## CPU, no network, within 4 min on 2 idle cores; a skipped test's line says what it needs (-rs)
-	$(PYTHON) -m pytest -q -rs $(PYTEST_WORKERS) -m "not bench" tests --ignore tests/test_multinode.py
+	$(PYTHON) -m pytest -q -rs $(PYTEST_WORKERS) -m "not bench and not engines" tests
 
 # The benchmark scripts end to end at tiny shapes: throughput and learning beside TRL 0.21 and 1.16, the options'
 # cost, the GPU suite's dry run (each step's trainers). They need make bench-env's TRL environments
@@ -99,7 +99,7 @@ test-newest:  ## newest releases requirements.txt allows (.venv-newest), fast te
 	$(NEWEST_ENV)/bin/python -m pytest -q -rs -p no:cacheprovider $(NEWEST_TESTS)
 
 test-engines: $(INSTALLED)  ## rloo_multinode.py with engines in processes of their own (hf, stand-in vllm serve), ~4 min
-	$(PYTHON) -m pytest -q -rs tests/test_multinode.py
+	$(PYTHON) -m pytest -q -rs -m engines tests/test_multinode.py tests/test_changing_the_algorithm.py
 
 # QLoRA (--load_in_4bit) needs bitsandbytes, which requirements.txt leaves out (an option few runs take, 43 MB):
 # make test skips its tests. This installs it beside the environment, in $(BNB_SITE) (pip --target: the environment

@@ -38,6 +38,8 @@ def pytest_sessionstart(session):
 def pytest_configure(config):
     config.addinivalue_line("markers", "bench: a benchmark script run end to end (its trainers, TRL's too): make "
                             "test-bench, kept out of make test's 4 minutes")
+    config.addinivalue_line("markers", "engines: rloo_multinode.py with engines in processes of their own (every "
+                            "test of test_multinode.py too): make test-engines, kept out of make test's 4 minutes")
 
 
 @pytest.fixture(scope="session")

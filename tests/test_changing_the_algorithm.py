@@ -595,6 +595,7 @@ def test_a_response_length_schedule_samples_each_batch_at_its_length_on_the_loca
     assert max(m["mismatch/logprob_diff_max"] for m in metrics) < 1e-4
 
 
+@pytest.mark.engines
 def test_a_response_length_schedule_through_the_hf_engines_trains_as_the_local_run(assets, tmp_path):
     """The same schedule run by rloo_multinode.py's HF engines (a copy of the repository with the edited rloo.py):
     the engines sample each batch at its length, and the run is the local run's, bit for bit."""

@@ -26,6 +26,8 @@ from helpers import (ARCHITECTURES, ENGINE_RUN, PER_UPDATE, SECRET, engine_compa
                      listening_sockets, live_processes_in_group, run_script, tiny_architecture, wait_for_updates)
 from vllm_standin import BAD_ANSWERS
 
+pytestmark = pytest.mark.engines  # make test-engines
+
 ENGINE_NEVER_ANSWERS = """import sys, threading
 if sys.argv[1:2] == ["serve"]:  # an engine process: it never starts, however fast the machine
     threading.Event().wait()
