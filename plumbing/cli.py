@@ -1023,11 +1023,12 @@ def say_how_it_ended(main: Callable, args, program: str) -> None:
         end_processes_left(program)
 
 
-def run_tool(program: str, target: Callable, main: Optional[Callable] = None, argv: Optional[list[str]] = None) -> None:
+def run_tool(program: str, target: Callable, main: Optional[Callable] = None, argv: Optional[list[str]] = None,
+             end_process: bool = True) -> None:
     """A helper script's command line and end, behind rloo.py's boundary: tyro parses `target` (a dataclass, which
     `main` then gets; or a function, called with its flags), a parse error is one line and exit status 2
     (parse_error_line), and the rest ends as a run does (run_script: bad input one line, exit 2; a file that
-    cannot be read or written one line, exit 4)."""
+    cannot be read or written one line, exit 4; `end_process` as run_script's)."""
     flags = [f"--{name}" for name in inspect.signature(target).parameters]
 
     def parsed_and_run(argv: Optional[list[str]]) -> None:
@@ -1039,7 +1040,7 @@ def run_tool(program: str, target: Callable, main: Optional[Callable] = None, ar
         except OSError as e:  # a file it reads or writes: the disk, a permission, a path through a file
             raise Fault(describe(e)) from None
 
-    run_script(parsed_and_run, argv, program)
+    run_script(parsed_and_run, argv, program, end_process)
 
 
 def write_generated(path: Path, text: str, check: bool, wrote: str) -> None:
