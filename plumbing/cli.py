@@ -3,6 +3,7 @@ meaning or refused with the reason, TRL 1.16's defaults accepted as asking for n
 format, and run_script: a run's end as an exit status and one line.
 """
 
+import atexit
 import contextlib
 import difflib
 import functools
@@ -874,20 +875,25 @@ def say(line: str, argv: Optional[list[str]] = None) -> None:
                                                                       "timestamp": str(int(time.time()))}}}, file)
 
 
-def run_script(main: Callable, args, program: str) -> None:
+def run_script(main: Callable, args, program: str, end_process: bool = True) -> None:
     """main(args), with bad input (ConfigError) turned into one line on stderr and exit status 2, a non-finite
     value before an optimizer step (NonFiniteError) into one line and exit status 3, a fault that stopped the run
     (Fault) into one line and exit status 4, and a signal before training (or a KeyboardInterrupt before its
     handler is set) into one line and exit status 0 (130 for SIGINT; under torchrun 128 + the signal's number);
     and the process ends then, whatever user code left running (exit_if_left_running; the processes it started are
-    ended, end_processes_left). The console cannot stop it (console_survives). Shared by this project's scripts."""
+    ended, end_processes_left), with that status whatever signal comes during the exit (exit_process). The console
+    cannot stop it (console_survives). Shared by this project's scripts. `end_process` False: SystemExit is raised
+    instead, for a caller that goes on (a test)."""
     console_survives()
     running = {*threading.enumerate(), *multiprocessing.active_children()}  # not of this run (a test's process)
     try:
         say_how_it_ended(main, args, program)
     except SystemExit as e:
-        exit_if_left_running(e.code if isinstance(e.code, int) else int(e.code is not None), program, running)
-        exit_bounded(program, e.code if isinstance(e.code, int) else int(e.code is not None))
+        status = e.code if isinstance(e.code, int) else int(e.code is not None)
+        exit_if_left_running(status, program, running)
+        exit_bounded(program, status)
+        if end_process:
+            exit_process(status)
         raise
     except BaseException:  # a traceback: Python's own report of it, and its exit status
         if left_running(running):
@@ -900,6 +906,24 @@ def run_script(main: Callable, args, program: str) -> None:
             signal.signal(sig, signal.SIG_DFL)  # (an atexit handler of user code that hangs)
     exit_if_left_running(0, program, running)
     exit_bounded(program, 0)
+    if end_process:
+        exit_process(0)
+
+
+def exit_process(status: int) -> None:
+    """The process's exit as Python's, less the interpreter's finalization: the atexit handlers (the output_dir
+    lock's release, multiprocessing's end of its children, user code's, each bounded: rewards.ExitHandler, an
+    in-process vLLM engine's end), the console flushed, then the exit status. Python's finalization that would follow
+    first gives every signal its default action back, then frees every object left (a colocated engine's process:
+    seconds of C++ teardown on a busy CPU): torchrun's SIGTERM to the other ranks, once one has failed, then ended a
+    rank that had stopped with its fault and status 4 with -15 instead. Nothing of the run is left to it: its files
+    are closed by then, and the process's memory, devices and sockets are the kernel's to free."""
+    gc.freeze()  # the run is over: the handlers' collections (vLLM's end collects) need not search the models' objects
+    atexit._run_exitfuncs()  # what Python's exit runs first (its threads are not waited for: exit_if_left_running)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a console gone (console_survives) or replaced
+            stream.flush()
+    os._exit(status)
 
 
 def left_running(running: set) -> list[str]:
@@ -945,9 +969,6 @@ def say_how_it_ended(main: Callable, args, program: str) -> None:
     try:
         try:
             main(args)
-            # the run is over: the interpreter's exit need not search the models' and libraries' millions of objects
-            # for reference cycles (seconds of a busy CPU after the last line); atexit handlers and finalizers still run
-            gc.freeze()
         except BaseException:
             # the run has ended and says how: a stop signal now (torchrun's SIGTERM to the other ranks once one has
             # failed) must not cut that line into a traceback. SIGTERM, SIGUSR1, SIGHUP do nothing, the exit follows;
@@ -1000,11 +1021,12 @@ def say_how_it_ended(main: Callable, args, program: str) -> None:
         end_processes_left(program)
 
 
-def run_tool(program: str, target: Callable, main: Optional[Callable] = None, argv: Optional[list[str]] = None) -> None:
+def run_tool(program: str, target: Callable, main: Optional[Callable] = None, argv: Optional[list[str]] = None,
+             end_process: bool = True) -> None:
     """A helper script's command line and end, behind rloo.py's boundary: tyro parses `target` (a dataclass, which
     `main` then gets; or a function, called with its flags), a parse error is one line and exit status 2
     (parse_error_line), and the rest ends as a run does (run_script: bad input one line, exit 2; a file that
-    cannot be read or written one line, exit 4)."""
+    cannot be read or written one line, exit 4; `end_process` as run_script's)."""
     flags = [f"--{name}" for name in inspect.signature(target).parameters]
 
     def parsed_and_run(argv: Optional[list[str]]) -> None:
@@ -1016,7 +1038,7 @@ def run_tool(program: str, target: Callable, main: Optional[Callable] = None, ar
         except OSError as e:  # a file it reads or writes: the disk, a permission, a path through a file
             raise Fault(describe(e)) from None
 
-    run_script(parsed_and_run, argv, program)
+    run_script(parsed_and_run, argv, program, end_process)
 
 
 def write_generated(path: Path, text: str, check: bool, wrote: str) -> None:

@@ -546,7 +546,7 @@ def test_bad_input_is_one_line_before_any_model_loads_and_changes_nothing(case, 
     argv = argv_of(flags)
     capfd.readouterr()
     with pytest.raises(SystemExit) as exit_status:
-        plumbing.run_script(rloo.main, tyro.cli(rloo.Args, args=argv), "rloo.py")
+        plumbing.run_script(rloo.main, tyro.cli(rloo.Args, args=argv), "rloo.py", end_process=False)
     stderr = capfd.readouterr().err
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert exit_status.value.code == 2 and len(lines) == 1, stderr

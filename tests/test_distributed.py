@@ -97,7 +97,7 @@ def test_a_run_frees_its_ddp_wrapper_before_the_process_group(assets, tmp_path, 
 
     monkeypatch.setattr(dist, "destroy_process_group", destroy_and_count)
     argv = argv_of(valid_flags(assets, tmp_path / "out") | {"total_episodes": 8, "num_ppo_epochs": 1})
-    plumbing.run_script(rloo.main, tyro.cli(rloo.Args, args=argv), "rloo.py")
+    plumbing.run_script(rloo.main, tyro.cli(rloo.Args, args=argv), "rloo.py", end_process=False)
     assert alive == [before] and not dist.is_initialized()
     assert (tmp_path / "out" / "model.safetensors").exists()  # the run finished
 

@@ -210,7 +210,8 @@ def test_a_run_whose_reward_function_raises_escapes_says_one_inert_line(tmp_path
             "--response_length", 4, "--max_prompt_length", 8, "--num_sample_generations", 0]
     capfd.readouterr()
     with pytest.raises(SystemExit) as exit_status:
-        plumbing.run_script(rloo.main, plumbing.parse_args(rloo.Args, [str(a) for a in argv]), "rloo.py")
+        plumbing.run_script(rloo.main, plumbing.parse_args(rloo.Args, [str(a) for a in argv]), "rloo.py",
+                            end_process=False)
     out, err = capfd.readouterr()
     assert exit_status.value.code == 4, err[-3000:]
     assert_inert(err.strip(), "rloo.py: error: reward function 'score' raised RuntimeError")
@@ -248,13 +249,14 @@ def test_a_path_holding_escapes_is_inert_in_every_message_that_shows_it(tmp_path
     ]
     for refused in refusals:
         with pytest.raises(SystemExit):
-            plumbing.run_script(lambda _: refused(), rloo.Args(output_dir=str(out)), "rloo.py")
+            plumbing.run_script(lambda _: refused(), rloo.Args(output_dir=str(out)), "rloo.py", end_process=False)
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "\x1b" not in err and "\u202e" not in err, repr(err)
         assert "out\\x1b[2J\\u202egnp.exe rloo.py: done" in err, repr(err)
     for error in (NonFiniteError("loss", [0]), plumbing.Fault(f"could not write {out}")):
         with pytest.raises(SystemExit):
-            plumbing.run_script(lambda _: (_ for _ in ()).throw(error), rloo.Args(output_dir=str(out)), "rloo.py")
+            plumbing.run_script(lambda _: (_ for _ in ()).throw(error), rloo.Args(output_dir=str(out)), "rloo.py",
+                                end_process=False)
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "\x1b" not in err and "\u202e" not in err, repr(err)
     logger = object.__new__(plumbing.RunLogger)

@@ -431,7 +431,7 @@ def test_plan_memory_refuses_numbers_without_meaning_in_one_line(flags, line, ca
     argv = ["--model_name_or_path", "unused", "--reward_fn", "a:b", *flags]
     with pytest.raises(SystemExit) as status:
         plumbing.run_script(plan_memory.main, plumbing.parse_args(plan_memory.PlanArgs, argv, prog="plan_memory.py"),
-                            "plan_memory.py")
+                            "plan_memory.py", end_process=False)
     captured = capsys.readouterr()
     assert status.value.code == 2 and captured.out == "", captured.out
     assert captured.err.startswith("plan_memory.py: error: ") and line in captured.err, captured.err
@@ -874,6 +874,42 @@ def test_a_finished_run_exits_whatever_pools_its_reward_function_keeps(tmp_path,
     assert len(workers) == (1 if deaf else 3) and all(line.endswith(" 0 0") for line in workers), workers
     watchdog = "rloo.py: processes of user code's multiprocessing still ran 0.2 s after the run's end"
     assert (watchdog in result.stderr) == deaf and "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+STOPPED_WITH_A_FAULT = """import atexit, os, sys
+import plumbing
+
+class Engine:  # kept to the process's end, as a colocated vLLM engine is: freed as Python finalizes
+    def __del__(self, write=os.write, read=os.read):
+        write(1, b"freed\\n")
+        read(0, 1)  # until the signal has been sent
+
+engine = Engine()
+
+def main(args):
+    atexit.register(lambda: (print("exit handler", flush=True), sys.stdin.readline()))
+    raise plumbing.Fault("the engine failed")
+
+plumbing.run_script(main, None, "rloo.py")
+"""
+
+
+def test_a_run_stopped_by_a_fault_exits_with_status_4_whatever_signal_comes_during_its_exit():
+    """torchrun sends SIGTERM to the other ranks once one has exited: a rank that stopped with a fault is then in its
+    exit, and ends with its own status 4, whether the signal comes during its atexit handlers or after them (where
+    Python's finalization, which gives SIGTERM its default action back, freed a colocated engine's objects for
+    seconds, and the signal ended the rank with -15)."""
+    child = subprocess.Popen([python(), "-c", STOPPED_WITH_A_FAULT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=script_env(), cwd=REPO)
+    seen = []
+    for line in child.stdout:  # at each step of the exit that waits for it: the signal, then the step goes on
+        seen.append(line.strip())
+        child.send_signal(signal.SIGTERM)
+        child.stdin.write("\n")
+        child.stdin.flush()
+    stderr = child.stderr.read()
+    assert child.wait(timeout=300) == 4 and seen == ["exit handler"], (seen, stderr[-3000:])
+    assert stderr == "rloo.py: error: the engine failed\n", stderr[-3000:]
 
 
 FORKED_IN_C = """import os, signal, sys, threading, types

@@ -58,7 +58,7 @@ def test_every_helper_script_says_a_parse_error_in_one_line_with_exit_2(script, 
     program, *targets = [ast.literal_eval(a) if isinstance(a, ast.Constant) else getattr(module, a.id)
                          for a in call.args]
     with pytest.raises(SystemExit) as exit_status:
-        plumbing.run_tool(program, *targets, argv=["--no_such_flag", "1"])
+        plumbing.run_tool(program, *targets, argv=["--no_such_flag", "1"], end_process=False)
     err = capsys.readouterr().err
     assert exit_status.value.code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"{program}: error: ") and "Traceback" not in err, err
@@ -98,7 +98,7 @@ def run_tool(script, program: str, argv: list, capsys) -> tuple[int, str]:
     """A script's run_tool in this process: its exit status (0 when it returned) and stderr."""
     target = (script.Args, script.main) if hasattr(script, "Args") else (script.main,)
     try:
-        plumbing.run_tool(program, *target, argv=[str(a) for a in argv])
+        plumbing.run_tool(program, *target, argv=[str(a) for a in argv], end_process=False)
         code = 0
     except SystemExit as e:
         code = e.code
