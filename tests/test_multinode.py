@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import plumbing
@@ -78,6 +79,83 @@ def test_after_a_sync_every_engine_holds_the_trainers_weights_bit_for_bit(archit
             assert torch.equal(engine["lm_head.weight"], policy.model.embed_tokens.weight)
     finally:
         rollouts.close()
+
+
+LORA = ("--use_peft", "--lora_r", 4, "--lora_alpha", 8)
+
+
+@pytest.mark.parametrize("lora_sync", ["merged", "adapters"])
+def test_after_a_lora_sync_an_hf_engine_holds_the_merged_weights_or_the_adapters_bit_for_bit(assets, tmp_path,
+                                                                                             lora_sync):
+    """merged: the engine's plain model holds base + scale * B @ A (peft's own merge, bit for bit), sent whole at the
+    first sync and after it only for the adapted modules and their siblings, the trainer's base untouched. adapters:
+    the engine holds the trainer's own peft modules, and only the adapters travel."""
+    args = mn.Args(model_name_or_path=str(assets["policy"]), engine="hf", output_dir=str(tmp_path / "out"),
+                   engine_port=free_port(), engine_timeout=120, use_peft=True, lora_r=4, lora_alpha=8,
+                   lora_target_modules=("query_key_value", "dense_h_to_4h"), lora_sync=lora_sync)
+    policy, _, _, _ = rloo.load_policy(args, torch.device("cpu"))
+    base = {name: p.detach().clone() for name, p in policy.named_parameters() if not p.requires_grad}
+    dist_info = plumbing.Dist(0, 0, 1, torch.device("cpu"))
+    store = mn.control_store(args, dist_info, torch.device("cpu"), mn.secret_key(SECRET))
+    engines = mn.ServedEngines(args, dist_info, store, mn.launch_engines(args, dist_info, store, SECRET))
+    commands = []
+    command = engines.command
+    engines.command = lambda **c: commands.append(c) or command(**c)  # what each sync announces to the engines
+    rollouts = mn.EngineRollouts(policy, args, None, 0, torch.Generator(), dist_info, engines)
+    try:
+        with torch.no_grad():  # trained adapters (and a trained lm_head copy would be trained too)
+            for p in policy.parameters():
+                if p.requires_grad:
+                    p.normal_(0, 0.3)
+        rollouts.policy_updated(1, policy)
+        engine = engines.engine_state_dict(0, 1)
+        expected = {name: w.value() for name, w in mn.engine_weights(policy).items()} if lora_sync == "merged" \
+            else policy.state_dict()
+        assert engine.keys() == expected.keys()
+        assert all(torch.equal(engine[name], expected[name]) for name in expected)
+        assert all(torch.equal(base[name], p) for name, p in policy.named_parameters() if name in base)
+        first, later = [c["info"]["names"] for c in commands if c["kind"] == "sync"]
+        if lora_sync == "merged":
+            assert first == list(mn.engine_weights(policy)) and "gpt_neox.embed_in.weight" in first
+            assert later == [f"gpt_neox.layers.{i}.{module}.{kind}" for i in range(2) for module in (
+                "attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
+                for kind in ("weight", "bias")]  # the adapted modules and their siblings, whole
+            assert not torch.equal(engine["gpt_neox.layers.0.attention.query_key_value.weight"],
+                                   base["gpt_neox.layers.0.attention.query_key_value.base_layer.weight"])
+        else:
+            assert first == later == [name for name, p in policy.named_parameters() if p.requires_grad]
+            assert all(".lora_" in name for name in later)
+    finally:
+        rollouts.close()
+
+
+def test_lora_runs_with_hf_engines_equal_rloo_py_s_and_resume_with_the_other_sync(assets, tmp_path):
+    """Two ranks, LoRA. rloo_multinode.py with hf engines, 2 updates sending the adapters (the engine holds the
+    trainer's own peft modules: it samples as rloo.py, bit for bit), then resumed for a third sending merged weights
+    (the engine's plain model samples from base + scale * B @ A: its log-probs the trainer's within fp32 rounding,
+    about 1e-6, the tokens drawn the same): the metrics and the trained adapter are rloo.py's."""
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *ENGINE_RUN, *LORA,
+              "--kl_coef", 0.05, "--lr_scheduler_type", "constant"]  # the same steps, however long the run
+    local = run_script("rloo.py", *common, "--total_episodes", 3 * 2 * PER_UPDATE, "--output_dir", tmp_path / "local",
+                       nproc=2)
+    assert local.returncode == 0, local.stderr[-3000:]
+    out, metrics = tmp_path / "engines", []
+    for updates, lora_sync in ((2, "adapters"), (3, "merged")):
+        engines = run_script("rloo_multinode.py", *common, "--total_episodes", updates * 2 * PER_UPDATE,
+                             "--output_dir", out, "--engine", "hf", "--engine_port", free_port(), "--lora_sync",
+                             lora_sync, *(["--resume"] if lora_sync == "merged" else []), nproc=2)
+        assert engines.returncode == 0, engines.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert [m["update"] for m in metrics] == [1, 2, 3]
+    for update, (engine, local) in enumerate(zip(engine_comparable(metrics),
+                                                 engine_comparable(read_metrics(tmp_path / "local")), strict=True)):
+        mismatch = {k: (engine.pop(k), local.pop(k)) for k in list(local) if k.startswith("mismatch/")}
+        assert engine == local  # the same tokens, rewards, losses
+        assert all(abs(e - l) < 1e-5 for e, l in mismatch.values()), mismatch
+        print(f"update {update + 1}: sampler - trainer log-prob, max {mismatch['mismatch/logprob_diff_max'][0]:.1e}")
+        assert mismatch["mismatch/logprob_diff_max"][0] < 1e-5  # merged or not: fp32 rounding
+    trained = [load_file(tmp_path / d / plumbing.ADAPTER_WEIGHTS) for d in ("local", "engines")]
+    assert trained[0].keys() == trained[1].keys() and all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0])
 
 
 @pytest.mark.parametrize("nproc,flags", [(0, []), (2, ["--fsdp", "--num_engines", 2, "--sync_bucket_mb", 1])],
