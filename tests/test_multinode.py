@@ -339,12 +339,15 @@ def test_vllm_servers_that_cannot_serve_the_run_are_refused_with_the_fix(assets,
              "nccl": (["--weight_transfer", "nccl"], "takes weights over nccl but this trainer sends them over gloo"),
              "too_short": (["--max_model_len", 20], "restart it with --max-model-len 22"),
              "raw_logprobs": (["--logprobs_mode", "raw_logprobs"],
-                              "restart it with --logprobs-mode processed_logprobs")}
+                              "restart it with --logprobs-mode processed_logprobs"),
+             "no_lora": ([], "serves no LoRA adapter, but --lora_sync adapters loads rank-4 adapters into it at every "
+                             "sync: restart it with --enable-lora --max-lora-rank 8")}
     servers = {name: vllm_standin(tmp_path, name, assets["policy"], *flags) for name, (flags, _) in cases.items()}
     try:
         for name, (_, fix) in cases.items():
+            lora = {"use_peft": True, "lora_r": 4, "lora_sync": "adapters"} if name == "no_lora" else {}
             args = mn.Args(model_name_or_path=str(assets["policy"]), engine_urls=servers[name][1],
-                           engine_port=free_port(), max_prompt_length=16, response_length=6, engine_timeout=60)
+                           engine_port=free_port(), max_prompt_length=16, response_length=6, **lora)
             attached = mn.VLLMServers(args, plumbing.Dist(0, 0, 1, torch.device("cpu")))
             with pytest.raises(mn.EngineError, match=re.escape(fix)):
                 attached.connect("gloo", 2**20)
