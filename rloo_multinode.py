@@ -28,7 +28,9 @@ colocated engine is a rollout source of its own. Shared by all:
   - Weights: vLLM's weight-transfer protocol (init_weight_transfer_engine once; start_weight_update, update_weights,
     finish_weight_update at each sync): packed buckets of Hugging Face weights cast to the engine's dtype, broadcast
     by trainer rank 0 over one group with every engine worker (gloo registered with vLLM by name, as vLLM registers
-    its own).
+    its own). With LoRA (--use_peft) the weights are merged (the first sync every weight, then the adapted modules
+    and their siblings: SyncedWeights), or with --lora_sync adapters the adapters alone: hf engines hold the same
+    peft modules; vLLM engines load each sync's adapter files under a new name (load_adapter).
   - Trust: the control store and the weight group's rendezvous listen on MASTER_ADDR's address alone; every
     control-store message is JSON and raw tensors (no pickle) under an HMAC-SHA256 tag of the run's secret
     ($RLOO_ENGINE_SECRET, or one rank 0 draws and hands the engines it starts in their environment), and one
@@ -43,7 +45,8 @@ colocated engine is a rollout source of its own. Shared by all:
 Sections, in file order:
   flags                          Args, ServeArgs, engine placement, checks before anything loads
   control store                  a TCPStore bound to MASTER_ADDR; HMAC-signed messages of JSON and tensors
-  weight sync                    update info, packed buckets, weight groups, the backends registered with vLLM
+  weight sync                    update info, packed buckets, what a sync sends (LoRA merged or as adapters), weight
+                                 groups, the backends registered with vLLM
   engines                        Engine, HFEngine, VLLMEngine (vLLM set to sample as rloo.py does)
   rollout source                 EngineRollouts over an EngineClient; the ranks agree on every engine failure
   transport: `serve` engines     serve (the engine's loop), ServedEngines (the trainer's end), launch_engines

@@ -349,20 +349,20 @@ def http(url: str, body=None, key=None) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"null")
 
 
-@pytest.fixture(scope="module")
-def vllm_server(vllm_policy, tmp_path_factory):
-    """docs/scaling-out.md's attach-mode command on this machine: vLLM's OpenAI server (`python -m
-    vllm.entrypoints.openai.api_server`: the CPU build's `vllm` command looks for a distribution named vllm) in
-    development mode, with the gloo weight-transfer backend and an API key, bound to loopback."""
-    port, log = free_port(), tmp_path_factory.mktemp("server") / "vllm_serve.log"
+@contextlib.contextmanager
+def cpu_vllm_server(policy, log, *flags, env: dict | None = None):
+    """docs/scaling-out.md's CPU command for `vllm serve` (`python -m vllm.entrypoints.openai.api_server`: the CPU
+    build's `vllm` command looks for a distribution named vllm) in development mode, with the gloo weight-transfer
+    backend, bound to loopback, and `flags`: its URL, once it serves."""
+    port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_policy), "--host",
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(policy), "--host",
          "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "64", "--seed", "0",
          "--enforce-eager", "--gpu-memory-utilization", "0.2", "--enable-prefix-caching",
          "--weight-transfer-config", '{"backend": "gloo"}', "--worker-extension-cls",
-         "rloo_multinode.VLLMWorkerExtension", "--logprobs-mode", "processed_logprobs", "--api-key", API_KEY],
+         "rloo_multinode.VLLMWorkerExtension", "--logprobs-mode", "processed_logprobs", *flags],
         stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-        env=script_env({"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(REPO), **CPU_ENGINE_ENV}))
+        env=script_env({"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(REPO), **CPU_ENGINE_ENV, **(env or {})}))
     url, deadline = f"http://127.0.0.1:{port}", time.time() + 300
     try:
         while True:
@@ -371,10 +371,18 @@ def vllm_server(vllm_policy, tmp_path_factory):
                 if http(f"{url}/health")[0] == 200:
                     break
             time.sleep(1)
-        yield url, log
+        yield url
     finally:
         os.killpg(server.pid, signal.SIGKILL)  # the server and vLLM's engine-core and worker processes
         server.wait()
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_policy, tmp_path_factory):
+    """A `vllm serve` with an API key."""
+    log = tmp_path_factory.mktemp("server") / "vllm_serve.log"
+    with cpu_vllm_server(vllm_policy, log, "--api-key", API_KEY) as url:
+        yield url, log
 
 
 def server_logprobs(url: str, sequences: list[list[int]], key=API_KEY) -> list[list[float]]:
@@ -436,29 +444,10 @@ def test_a_run_attached_to_a_vllm_server_leaves_it_scoring_as_the_trained_policy
 def lora_server(vllm_policy, tmp_path_factory):
     """`vllm serve` as docs/scaling-out.md starts it for --lora_sync adapters: LoRA enabled for rank-8 adapters,
     loaded while it runs (VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), beside the weight transfer (--lora_sync merged)."""
-    port, log = free_port(), tmp_path_factory.mktemp("lora_server") / "vllm_serve.log"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_policy), "--host",
-         "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "64", "--seed", "0",
-         "--enforce-eager", "--gpu-memory-utilization", "0.2", "--enable-prefix-caching",
-         "--weight-transfer-config", '{"backend": "gloo"}', "--worker-extension-cls",
-         "rloo_multinode.VLLMWorkerExtension", "--logprobs-mode", "processed_logprobs", "--enable-lora",
-         "--max-lora-rank", "8"],
-        stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-        env=script_env({"VLLM_SERVER_DEV_MODE": "1", mn.RUNTIME_LORA: "1", "PYTHONPATH": str(REPO),
-                        **CPU_ENGINE_ENV}))
-    url, deadline = f"http://127.0.0.1:{port}", time.time() + 300
-    try:
-        while True:
-            assert server.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-            with contextlib.suppress(OSError):
-                if http(f"{url}/health")[0] == 200:
-                    break
-            time.sleep(1)
+    log = tmp_path_factory.mktemp("lora_server") / "vllm_serve.log"
+    with cpu_vllm_server(vllm_policy, log, "--enable-lora", "--max-lora-rank", "8",
+                         env={mn.RUNTIME_LORA: "1"}) as url:
         yield url, log
-    finally:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
 
 
 @on_cpu
