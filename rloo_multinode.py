@@ -613,9 +613,20 @@ def engine_weights(policy) -> dict[str, EngineWeight]:
             continue  # what a trained copy replaces, and the adapters
         hf_name = name.replace(".modules_to_save." + ADAPTER, "").replace(".base_layer", "")
         wrapper = merging_wrapper(policy, name)
-        value = (lambda p=p: p) if wrapper is None else functools.partial(merged_weight, wrapper)
+        value = (lambda p=p: p) if wrapper is None else \
+            functools.partial(merged_weight, wrapper, fsdp_unit(policy, name) if isinstance(p, DTensor) else None)
         weights[hf_name] = EngineWeight(p.shape, value)
     return weights
+
+
+def fsdp_unit(policy, name: str):
+    """The FSDP2 unit (fully_shard) that holds parameter `name`: the innermost one around it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    module = name.rpartition(".")[0]
+    while not isinstance(policy.get_submodule(module), FSDPModule):
+        module = module.rpartition(".")[0]
+    return policy.get_submodule(module)
 
 
 def merging_wrapper(policy, name: str):
@@ -631,22 +642,29 @@ def merging_wrapper(policy, name: str):
 
 
 @torch.no_grad()
-def merged_weight(layer) -> torch.Tensor:
+def merged_weight(layer, unit=None) -> torch.Tensor:
     """A LoRA layer's base weight with its adapter merged in, as peft merges it (W + scale * B @ A; DoRA's rescaling
     too), the layer left as it was: peft's safe merge works on a copy of the weight and makes it the weight's data,
     which is taken, and the original data put back. peft's unmerge would subtract the adapter again instead, leaving
-    its rounding in the trainer's base after every sync. With FSDP (DTensor parameters) every rank calls it, in the
-    same order."""
-    weight = layer.get_param() if hasattr(layer, "parameter_name") else layer.get_base_layer().weight
-    original = weight.data
-    if layer.merged:
-        raise RuntimeError(f"{type(layer).__name__} has its adapter merged already: its base is not the trained one")
-    layer.merge(safe_merge=True, adapter_names=[ADAPTER])
+    its rounding in the trainer's base after every sync. With FSDP, `unit` is the FSDP2 unit holding the layer: it
+    is gathered for the merge (peft's arithmetic on sharded DTensors is wrong) and resharded after, a collective
+    every rank makes, in the same order."""
+    if unit is not None:
+        unit.unshard()  # its parameters whole, as plain tensors, until reshard
     try:
-        return weight.data
+        weight = layer.get_param() if hasattr(layer, "parameter_name") else layer.get_base_layer().weight
+        original = weight.data
+        if layer.merged:
+            raise RuntimeError(f"{type(layer).__name__} has its adapter merged already: its base is not the trained one")
+        layer.merge(safe_merge=True, adapter_names=[ADAPTER])
+        try:
+            return weight.data
+        finally:
+            weight.data = original
+            layer.merged_adapters.clear()
     finally:
-        weight.data = original
-        layer.merged_adapters.clear()
+        if unit is not None:
+            unit.reshard()
 
 
 def adapted_weights(policy, names: list[str]) -> list[str]:
