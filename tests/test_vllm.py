@@ -186,7 +186,10 @@ def test_a_vllm_engine_samples_from_the_filtered_distribution_the_trainer_scores
     print("mismatch of the filtering vLLM engine:", [{k: v for k, v in m.items() if k.startswith("mismatch/")}
                                                      for m in metrics])
     assert all(m["mismatch/logprob_diff_max"] < 1e-4 for m in metrics)  # unfiltered, they would differ by ~1
-    assert [m["update"] for m in metrics] == [1, 2] and metrics[1]["objective/kl"] > 0  # the adapters count
+    # update 2's batch is sampled with update 1's adapter (at --learning_rate 3e-2): had the engine ignored it, the
+    # mismatch would be the adapter's whole effect (0.37 and more in the colocated test's checks before a load), so the
+    # bound above shows the adapter loaded; objective/kl says nothing of it (above 1 from the filtering alone)
+    assert [m["update"] for m in metrics] == [1, 2]
     log = (tmp_path / "engine_0.log").read_text()
     assert "'enable_lora': True" in log and "'max_lora_rank': 8" in log, log[-3000:]
     assert metrics[0]["objective/kl"] > 1.0  # the reference is unfiltered: top-5 of 15 tokens is ~1.1 nats a token
