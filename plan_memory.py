@@ -19,7 +19,9 @@ It takes rloo.py's flags (paste your command) plus the world size and the GPU's 
   micro / k rows of prompt + k x response tokens; else micro rows of prompt + response.
 - --use_peft (LoRA): the base's fp32 weights stay, but gradients, AdamW state and DDP's buckets are those of the
   adapters (and --lora_modules_to_save) only, counted on the model with peft's adapters added; there is no
-  reference (the base with the adapters off is the reference). Activations are taken as full fine-tuning's.
+  reference (the base with the adapters off is the reference). Activations are taken as full fine-tuning's. With
+  --fsdp the base is sharded as the weights of full fine-tuning are, and so is AdamW's state; the adapters'
+  gradients are held whole (summed over an optimizer step's micro-batches, reduce-scattered at its last).
 - --offload (with --fsdp): the policy's weights, gradients and AdamW state and the frozen models stay in CPU
   memory; the rollout counts the reference and reward models visiting the GPU together (an upper bound: the
   reward model comes after the reference has left).
@@ -129,7 +131,7 @@ def plan(args: PlanArgs, policy: Shape, reward: Shape | None) -> dict[str, dict[
     frozen_bytes = (frozen * p if with_reference else 0.0) + (frozen * reward.parameters if reward else 0.0)
     resident = {
         "policy weights (fp32)": on_gpu * 4 * p / shards,
-        "policy gradients (fp32)": on_gpu * 4 * trained / shards,
+        "policy gradients (fp32)": on_gpu * 4 * trained / (1 if args.use_peft else shards),
         "AdamW m and v (fp32)": on_gpu * 8 * trained / shards,
         "DDP gradient buckets": 4 * trained if not args.fsdp and args.world_size > 1 else 0.0,
         "reference policy": on_gpu * frozen * p if with_reference else 0.0,
@@ -175,11 +177,11 @@ def options_that_fit(args: PlanArgs, policy: Shape, reward: Shape | None) -> lis
     checkpointing = [("", {})] + ([("--gradient_checkpointing", {"gradient_checkpointing": True})]
                                   if not args.gradient_checkpointing else [])
     sharding = [("", {})]
-    if args.world_size > 1 and not args.fsdp and not args.use_peft:  # LoRA: not with --fsdp yet
+    if args.world_size > 1 and not args.fsdp:
         sharding.append(("--fsdp", {"fsdp": True}))
-    if args.world_size > 1 and args.fsdp_generation != "per_block" and not args.use_peft:
+    if args.world_size > 1 and args.fsdp_generation != "per_block":
         sharding.append(("--fsdp --fsdp_generation per_block", {"fsdp": True, "fsdp_generation": "per_block"}))
-    if not args.offload and not args.use_peft:  # last resort, on any GPU count: slower, so listed after the others
+    if not args.offload:  # last resort, on any GPU count: slower, so listed after the others
         sharding += [("--fsdp --offload", {"fsdp": True, "offload": True}),
                      ("--fsdp --fsdp_generation per_block --offload",
                       {"fsdp": True, "fsdp_generation": "per_block", "offload": True})]
@@ -229,8 +231,7 @@ def main(args: PlanArgs) -> None:
     if peak > args.gpu_gib * GIB:
         fitting = options_that_fit(args, policy, reward)
         print("  options that fit:" if fitting else "  no combination of --bf16, --gradient_checkpointing, --fsdp, "
-              "--offload and smaller micro-batches fits: use more GPUs"
-              + (" (--use_peft: tried --bf16, --gradient_checkpointing and micro-batches)" if args.use_peft else ""))
+              "--offload and smaller micro-batches fits: use more GPUs")
         for label, value in fitting[:6]:
             print(f"    {label}: ~{value / GIB:.1f} GiB")
 

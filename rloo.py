@@ -154,11 +154,14 @@ class Args(plumbing.RunArgs):
     learning_rate: float = 3e-6
     """AdamW learning rate"""
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
-    """linear or cosine decay to 0 over the run (after --warmup_ratio's updates), or constant (constant_with_warmup:
-    the same, TRL's name for it with --warmup_ratio)"""
+    """linear or cosine decay to 0 over the run (after the warmup), or constant (constant_with_warmup: the same, TRL's
+    name for it with a warmup; with --trl_defaults 1.16 transformers' schedules, stepped every optimizer step)"""
     warmup_ratio: float = 0.0
     """share of the updates over which the learning rate rises linearly from learning_rate / warmup updates to
-    learning_rate (then decays, or stays constant)"""
+    learning_rate, then decays or stays (--trl_defaults 1.16: of the optimizer steps, from 0, as transformers')"""
+    warmup_steps: float = 0
+    """the warmup in scheduler steps (updates; --trl_defaults 1.16: optimizer steps), or below 1 a share of them
+    (transformers 5's meaning; --warmup_ratio is transformers 4's)"""
     adam_epsilon: float = 1e-8
     """AdamW epsilon"""
     weight_decay: float = 0.0
@@ -190,37 +193,40 @@ class AlgorithmState(plumbing.FieldsState):
 
 def algorithm_rules(a: Args) -> list[tuple[str, object, bool, str]]:
     """(flag, value, whether it is allowed, what it must be) for every algorithm number a typo or a NaN makes
-    meaningless without any error later: sampling at temperature inf, a clip range of 0, a negative learning rate, a
-    KL coefficient that float32 makes inf. The run's numbers are in plumbing.number_rules."""
+    meaningless, or the first updates non-finite: sampling at temperature 1e-40 or inf, a clip range of 0, a negative
+    learning rate, a KL coefficient beyond plumbing.SCALE_LIMIT. The run's numbers are in plumbing.number_rules."""
     finite = plumbing.is_finite_number
 
     def each(requirement: str, allowed: Callable[[object], bool], *names: str) -> list:  # one rule, several flags
         return [(name, getattr(a, name), allowed(getattr(a, name)), requirement) for name in names]
 
+    within = functools.partial(plumbing.within, a)  # a flag in [low, high], a scale within plumbing.SCALE_LIMIT
     return [
-        *each("a finite number > 0", lambda x: finite(x) and x > 0, "temperature", "cliprange",
-              "vllm_importance_sampling_cap", "adam_epsilon", "reward_clip_range", "num_train_epochs"),
-        *each("a finite number >= 0", lambda x: finite(x) and x >= 0, "learning_rate", "weight_decay", "kl_coef"),
+        *each("a finite number > 0", lambda x: finite(x) and x > 0, "cliprange", "vllm_importance_sampling_cap",
+              "adam_epsilon", "reward_clip_range", "num_train_epochs"), within("kl_coef", 0),
+        within("vllm_importance_sampling_cap", 0), within("learning_rate", 0, 1, "AdamW's step size per weight"),
+        within("temperature", 0.01, None, "vLLM's floor: logits are divided by it; below, log-probs overflow float32"),
+        within("weight_decay", 0, 1 / max(a.learning_rate, 1e-300), "1 / --learning_rate: AdamW multiplies a weight by "
+               "1 - their product"),
         *each("at least 1, or None", lambda x: x is None or x >= 1, "generation_batch_size", "num_generations_eval",
               "num_completions_to_print"),
         ("epsilon_high", a.epsilon_high, a.epsilon_high is None or (finite(a.epsilon_high) and a.epsilon_high > 0),
          "a finite number > 0, or None (then --cliprange)"),
         ("max_grad_norm", a.max_grad_norm, not math.isnan(a.max_grad_norm), "a number (<= 0: no clipping)"),
-        ("missing_eos_penalty", a.missing_eos_penalty, a.missing_eos_penalty is None or finite(a.missing_eos_penalty),
-         "a finite number or None"),
+        ("missing_eos_penalty", a.missing_eos_penalty, a.missing_eos_penalty is None or abs(a.missing_eos_penalty) <=
+         plumbing.SCALE_LIMIT, f"None or at most {plumbing.SCALE_LIMIT:g} in magnitude (beyond, gradients overflow)"),
         ("total_episodes", a.total_episodes, a.total_episodes is None or a.total_episodes >= 1, ">= 1, or None"),
         ("max_steps", a.max_steps, a.max_steps is None or a.max_steps >= 1, ">= 1, or None (then --total_episodes)"),
-        ("warmup_ratio", a.warmup_ratio, finite(a.warmup_ratio) and 0 <= a.warmup_ratio <= 1, "in [0, 1]"),
-        ("response_length", a.response_length, a.response_length >= 1, "at least 1"),
+        ("warmup_ratio", a.warmup_ratio, finite(a.warmup_ratio) and 0 <= a.warmup_ratio <= 1 and not (
+            a.warmup_ratio and a.warmup_steps), "in [0, 1], without --warmup_steps (both set the warmup: pass one)"),
+        ("warmup_steps", a.warmup_steps, plumbing.is_interval(a.warmup_steps) or a.warmup_steps == 0,
+         "a whole number of steps >= 0, or a share of them in (0, 1)"), within("ref_model_mixup_alpha", 0, 1),
         ("stop_token_id", a.stop_token_id, a.stop_token_id is None or a.stop_token_id >= 0, "a token id >= 0 or None"),
-        ("ref_model_mixup_alpha", a.ref_model_mixup_alpha,
-         finite(a.ref_model_mixup_alpha) and 0 <= a.ref_model_mixup_alpha <= 1, "in [0, 1]"),
-        ("ref_model_sync_steps", a.ref_model_sync_steps, a.ref_model_sync_steps >= 1, "at least 1"),
+        *each("at least 1", lambda x: x >= 1, "response_length", "ref_model_sync_steps"),
         ("top_p", a.top_p, finite(a.top_p) and 0 < a.top_p <= 1, "in (0, 1] (1: no nucleus filter)"),
         ("top_k", a.top_k, a.top_k >= 0, ">= 0 (0: no top-k filter)"),
         ("min_p", a.min_p, a.min_p is None or (finite(a.min_p) and 0 <= a.min_p <= 1), "in [0, 1], or None"),
-        ("repetition_penalty", a.repetition_penalty, finite(a.repetition_penalty) and a.repetition_penalty > 0,
-         "a finite number > 0 (1: none)"),
+        within("repetition_penalty", 0.01, 100, "1: none; it divides logits, as the temperature does"),
     ]
 
 
@@ -291,10 +297,6 @@ def compute_batch_sizes(args: Args, world_size: int) -> BatchSizes:
                 f"({args.gradient_accumulation_steps}) x {world_size} ranks = {per_step}, and sets num_mini_batches to "
                 f"the quotient: pass a multiple, and not --num_mini_batches {args.num_mini_batches} with it")
     local = mini * minibatches
-    if args.max_steps is not None and args.max_steps % (args.num_ppo_epochs * minibatches):
-        raise plumbing.ConfigError(f"--max_steps {args.max_steps} is not a multiple of an update's optimizer steps "
-                                   f"(num_ppo_epochs {args.num_ppo_epochs} x num_mini_batches {minibatches}): pass a "
-                                   "multiple, or --num_iterations 1 (TRL 1.16's default; --trl_defaults 1.16: all)")
     if local % args.rloo_k:
         raise plumbing.ConfigError(f"per_device_train_batch_size ({micro}) x gradient_accumulation_steps "
                                    f"({args.gradient_accumulation_steps}) x num_mini_batches ({minibatches})"
@@ -885,7 +887,7 @@ def logprobs_from_update(args: Args, sizes: BatchSizes, lookahead: int) -> bool:
 
 
 @dataclass
-class OnPolicyShortcut(plumbing.FieldsState):
+class OnPolicyShortcut(plumbing.Verdict):
     """The shortcut's verdict, a part of the checkpoint: a resume goes on with the run's own, not a check of another
     batch (whose plain path would differ by rounding). Checked from the start where the settings rule it out."""
 
@@ -1208,7 +1210,8 @@ def policy_loss(new_logprobs: torch.Tensor, batch: Rollout, values: Advantages, 
                  "policy/approxkl_avg": 0.5 * masked_mean(log_ratio**2, weight),
                  "clip_ratio/low_mean": masked_mean(low.float(), weight),  # TRL 1.x's names
                  "clip_ratio/high_mean": masked_mean(high.float(), weight),
-                 "clip_ratio/region_mean": masked_mean((low | high).float(), weight)}
+                 "clip_ratio/region_mean": masked_mean((low | high).float(), weight),
+                 "clip_ratio/low_min": low.float().min(), "clip_ratio/high_max": high.float().max()}  # TRL 1.16's
         if args.kl_in_loss:  # the loss's KL term under the policy as it trains, per completion
             stats[f"policy/kl_{estimator}_avg"] = kl.sum(1).mean()
         if entropy is not None:
@@ -1266,13 +1269,16 @@ def advantages_apart(rollout: Rollout, scores: torch.Tensor, whole: Advantages, 
 def ppo_update(
     model, optimizer: torch.optim.Optimizer, rollout: Rollout, scores: torch.Tensor, args: Args, sizes: BatchSizes,
     share_prompt: bool, autocast, ref_policy=None, steps_done: int = 0, state: Optional[AlgorithmState] = None,
+    learning_rate: Optional[Callable[[int], float]] = None, steps: Optional[int] = None,
 ) -> tuple[dict[str, float], Advantages]:
     """num_ppo_epochs x shuffled minibatches (an optimizer step each) x micro-batches (minibatch_plan) of policy_loss.
     Advantages come from the scores (k*B,) by compute_advantages, before the first step; or on-policy (rollout.logprobs
     None) per micro-batch from its own forward, whose detached log-probs are the ratio's denominator (put in
     rollout.logprobs). Returns its metrics, averaged over micro-steps, and what it trained on (k*B rows).
     --sync_ref_model: after every ref_model_sync_steps-th optimizer step of the run, ref_policy mixes in the policy.
-    `state`: the run's AlgorithmState (None: its start), handed to compute_advantages and policy_loss."""
+    `state`: the run's AlgorithmState (None: its start), handed to compute_advantages and policy_loss. Optimizer step
+    s of the run (steps_done before this update's) takes learning_rate(s) (None: the optimizer's); `steps`: the first
+    this many steps only (the run's last update under TRL 1.16's arithmetic, plumbing.RunLength; None: all)."""
     state = AlgorithmState.start(args) if state is None else state
     stats: dict[str, list[torch.Tensor]] = {}
     ratios, grad_norms = [], []
@@ -1282,8 +1288,9 @@ def ppo_update(
     if in_update:  # filled below, a micro-batch at a time, as is every value compute_advantages returns
         rollout.logprobs = torch.zeros(rollout.responses.shape, device=device)  # (k*B, Tr)
     trained_on, gathered = None if in_update else compute_advantages(rollout, scores, args, state), {}  # all at once
-    for _ in range(args.num_ppo_epochs):
-        for minibatch in minibatch_plan(rollout, sizes, k):
+    steps = args.num_ppo_epochs * sizes.minibatches if steps is None else steps  # optimizer steps of this update
+    for epoch in range(-(-steps // sizes.minibatches)):
+        for minibatch in minibatch_plan(rollout, sizes, k)[: steps - epoch * sizes.minibatches]:
             normalizer = loss_normalizer(rollout, minibatch)  # counted once: every micro-batch divides by it
             losses = []
             for micro_step, rows in enumerate(minibatch):
@@ -1313,6 +1320,9 @@ def ppo_update(
             plumbing.check_finite({"loss": torch.stack(losses), "gradient norm": grad_norm}, device)
             stats.setdefault("loss/policy_avg", []).append(torch.stack(losses).sum())  # the minibatch's loss
             grad_norms.append(grad_norm)
+            if learning_rate is not None:  # the run's schedule: this optimizer step's rate
+                for group in optimizer.param_groups:
+                    group["lr"] = learning_rate(steps_done + 1)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             steps_done += 1
@@ -1323,7 +1333,7 @@ def ppo_update(
     out["val/ratio"] = ratios.mean().item()
     out["val/ratio_var"] = ratios.var().item() if ratios.numel() > 1 else 0.0
     out["policy/grad_norm"] = torch.stack(grad_norms).mean().item()
-    out["clip_ratio/low_min"], out["clip_ratio/high_max"] = out["clip_ratio/low_mean"], out["clip_ratio/high_mean"]
+    out |= {"loss": out["loss/policy_avg"], "grad_norm": grad_norms[-1].item()}  # TRL 1.16's names: at the last step
     if rollout.in_loss is not None:  # reduced over ranks by a sum
         out["completions/masked_truncated"] = float((~rollout.in_loss).sum())
     return out, trained_on or Advantages(**gathered)
@@ -1335,21 +1345,6 @@ def sync_reference(ref_policy, policy, alpha: float) -> None:
     in the reference's own dtype (bf16 with --bf16). Every rank computes the same: the reference stays replicated."""
     for ref, new in zip(ref_policy.parameters(), policy.parameters(), strict=True):
         ref.copy_(alpha * new.float() + (1 - alpha) * ref.float())
-
-
-def learning_rate_at(update: int, num_updates: int, args: Args) -> float:
-    """With --warmup_ratio, a linear rise over the first ceil(warmup_ratio x num_updates) updates (update u of w:
-    learning_rate x u / w); then linear or cosine decay from learning_rate towards 0 over the other updates, or
-    constant."""
-    warmup = math.ceil(args.warmup_ratio * num_updates)
-    if update <= warmup:
-        return args.learning_rate * update / warmup
-    if args.lr_scheduler_type in ("constant", "constant_with_warmup"):
-        return args.learning_rate
-    progress = (update - 1 - warmup) / (num_updates - warmup)  # 0 at the first update after the warmup
-    if args.lr_scheduler_type == "cosine":
-        return args.learning_rate * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return args.learning_rate * (1.0 - progress)
 
 
 # ===================================================================== evaluation
@@ -1434,9 +1429,10 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
         plumbing.check_reward_function_arguments(reward_functions, [
             (args.dataset_name, dataset), (args.dataset_test_split, eval_dataset)], args.prompt_column)
         steps_per_update = args.num_ppo_epochs * sizes.minibatches  # optimizer steps
-        num_updates = plumbing.run_length(args, len(dataset) * args.rloo_k, sizes.all_ranks, steps_per_update)
-        save_every, log_every = plumbing.update_intervals(args, steps_per_update, num_updates)  # in updates
-        checkpoints.check_continues(num_updates, sizes.all_ranks)
+        run = plumbing.run_length(args, len(dataset) * args.rloo_k, sizes.all_ranks, steps_per_update)
+        num_updates, learning_rate = run.updates, plumbing.learning_rates(args, run)  # of each optimizer step
+        save_every, log_every = plumbing.update_intervals(args, run)  # in updates
+        checkpoints.check_continues(num_updates, sizes.all_ranks, algorithm_state=state, sampler=sampler)
         reference = "" if args.kl_coef == 0 else " and its reference" + (" (adapters off)" if args.use_peft else "")
         with plumbing.startup_step(f"loaded the policy{reference}", master):
             policy, ref_policy, tokenizer, stop_token_id = load_policy(args, device, checkpoints.path, tokenizer)
@@ -1457,16 +1453,10 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
                                       fused=device.type == "cuda" and not args.offload)  # one kernel for all tensors
         # python's, numpy's and torch's generators seeded (each rank differently), and .sampling, only sampling's own
         generators = plumbing.Generators(args.seed + dist_info.rank, device)
-        notes = (checkpoints.notes() if master else []) + notes  # output_dir settled for this run's timeline
         run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
         logger = plumbing.RunLogger(args, run_name, num_updates, checkpoints.start_update, checkpoints.wandb_run_id,
                                     checkpoints.run_id, log_every) if master else None
         checkpoints.wandb_run_id = logger and logger.wandb_run_id  # saved with each checkpoint, for a resume
-        if logger is not None:  # the run's shape and its learning rates' reach, after the checks' notes
-            logger.print_notes(notes + plumbing.run_notes(
-                run_name, num_updates, sizes.prompts, args.rloo_k, dist_info.world_size, len(dataset), sources.names,
-                policy, trainable, args) + plumbing.movement_note(trainable, args, steps_per_update * plumbing.
-                sum_over_updates(functools.partial(learning_rate_at, num_updates=num_updates, args=args), num_updates)))
         rollouts = make_rollouts(policy, args, stop_token_id, tokenizer.pad_token_id, generators.sampling, autocast)
         # the update's forward may give the log-probs: checked on the first update's batch, which takes the plain path
         shortcut, apart = OnPolicyShortcut(checked=not logprobs_from_update(args, sizes, rollouts.lookahead)), ""
@@ -1480,7 +1470,13 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
             sampler=sampler,  # where the oldest batch not yet trained on was drawn (data_position)
             rollouts=rollouts if hasattr(rollouts, "state_dict") else None,  # the rollout source's own, if any
             generators=generators)  # restored last: as seeded, or the checkpoint's (nothing draws in between)
-    eval_at = plumbing.evaluation_updates(args, num_updates, steps_per_update, len(dataset) // sampler.per_update) \
+        notes = (checkpoints.notes() if master else []) + notes  # output_dir settled, once no refusal can come
+        if logger is not None:  # the run's shape and its learning rates' reach, after the checks' notes
+            logger.print_notes(notes + plumbing.run_notes(
+                run_name, num_updates, sizes.prompts, args.rloo_k, dist_info.world_size, len(dataset), sources.names,
+                policy, trainable, args, run) + plumbing.movement_note(trainable, args, plumbing.sum_over_updates(
+                learning_rate, run.steps)))
+    eval_at = plumbing.evaluation_updates(args, run, len(dataset) // sampler.per_update) \
         if eval_dataset is not None else set()
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0
     queued: list[PromptBatch] = []  # drawn, sampled or being sampled, not yet trained on
@@ -1504,8 +1500,6 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
             timer.start_update()
             update_start = time.perf_counter()
             restart = dict(sampler=data_position(), generators=generators.state_dict())  # a reward fault's
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate_at(update, num_updates, args)
 
             # ALGO LOGIC 1-3. k completions of each of B prompts, then their log-probs under the sampling policy and
             # the reference. The rollout source may sample ahead (rollouts.lookahead batches: rloo_multinode.py's
@@ -1552,17 +1546,19 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
                     "reward": raw_scores if sources.model else raw_scores[~raw_scores.isnan()],
                     "log-prob": rollout.logprobs, "reference log-prob": rollout.ref_logprobs}, device)  # every rank
                 train_stats, trained_on = ppo_update(trained, optimizer, rollout, scores, args, sizes, share_prompt,
-                                                     autocast, ref_policy, (update - 1) * steps_per_update, state)
+                                                     autocast, ref_policy, (update - 1) * steps_per_update, state,
+                                                     learning_rate, run.steps_in(update))
             if not shortcut.checked:  # the first update: the shortcut from the next one on, or never
                 apart = advantages_apart(rollout, scores, trained_on, args, sizes, state)
                 shortcut.checked, shortcut.on = True, apart is None
             rollout_metrics.update(rollouts.policy_updated(update, policy))  # rloo_multinode.py: the engines' sync
 
             # log (this rank's metrics under TRL's names, then reduced over ranks), evaluate, save
-            mean_kl = (kl_to_reference(rollout) * rollout.response_mask).sum(1).mean().item()  # k1, of the sequences
+            kl = kl_to_reference(rollout) * rollout.response_mask  # (k*B, Tr) k1 of each valid token
             metrics = {
-                "objective/kl": mean_kl,
-                **({"kl": mean_kl} if ref_policy is not None else {}),  # TRL 1.x's name, only with a reference
+                "objective/kl": kl.sum(1).mean().item(),  # TRL <= 0.21's: of the sequences
+                **({"kl": (kl.sum().item(), rollout.response_mask.sum().item())} if ref_policy is not None else {}),
+                # ^ TRL 1.16's, only with a reference: per token, over every rank's (a pair: plumbing.reduce_metrics)
                 **({f"objective/kl_{args.kl_estimator}": trained_on.reward_kl.mean().item()} if ref_policy is not None
                    and not args.kl_in_loss and args.kl_estimator not in (None, "k1") else {}),  # the reward's
                 "objective/entropy": (-rollout.logprobs * rollout.response_mask).sum(1).mean().item(),
@@ -1572,7 +1568,8 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
                 "objective/raw_scores": raw_scores.nanmean().item(),
                 "reward": raw_scores.nanmean().item(),  # TRL 1.x: the sources' weighted sum
                 **train_stats,  # policy/*, loss/policy_avg, val/ratio*
-                **plumbing.completion_metrics(rollout.response_mask, has_stop, in_groups(scores, args.rloo_k)),
+                **plumbing.completion_metrics(rollout.response_mask, has_stop, raw_scores,
+                                              in_groups(trained_on.rlhf_reward, args.rloo_k)),  # TRL 1.16's
                 **({} if rollout.sampler_logprobs is None else plumbing.mismatch_metrics(rollout, args.cliprange,
                    args.cliprange_high, args.vllm_importance_sampling_cap, functools.partial(importance_weights,
                    mode=args.vllm_importance_sampling_mode, cap=args.vllm_importance_sampling_cap)
@@ -1584,7 +1581,8 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
             }
             episode = update * sizes.all_ranks
             metrics = plumbing.reduce_metrics(metrics, device, rollouts.max_metrics)  # AlgorithmState's changes: here
-            metrics.update(eps=episode / (time.time() - checkpoints.start_time), lr=optimizer.param_groups[0]["lr"],
+            lr = optimizer.param_groups[0]["lr"]  # the update's last optimizer step's: TRL 1.16's learning_rate too
+            metrics.update(eps=episode / (time.time() - checkpoints.start_time), lr=lr, learning_rate=lr,
                            episode=episode)
             if logger is not None:
                 logger.log(update, metrics)

@@ -37,6 +37,12 @@ colocated engine is a rollout source of its own. Shared by all:
     without a valid tag stops the run; an engine loads only the model its own command line names, trusting its code
     only with its own --trust_remote_code; the engines rank 0 starts are killed on every way out. vLLM's
     development routes are unauthenticated: a private network.
+  - Bounds: every wait on the engines is bounded (an Exchange: the call on a daemon thread, the engines' health
+    checked beside it), start-up and each batch by --engine_timeout, each weight sync as a whole, the weight group's
+    set-up included, by --weight_sync_timeout; an engine that fails, dies or stalls stops every rank at the same
+    update, with a checkpoint and a line naming it (exit 4).
+  - Answers: every engine answers as vLLM's completions API does, and each answer is checked before any of it is
+    used (answered: the choices asked for, token ids of the vocabulary, finite log-probs at most 0).
   - The trainer recomputes every log-prob it trains on (never the engine's), so the PPO ratio is exact.
   - --async_generation (engines in processes of their own): batch t+1 is sampled with the weights of update t-1
     while the trainer trains on batch t (one step off-policy); the trainer recomputes the log-probs of the weights
@@ -44,10 +50,12 @@ colocated engine is a rollout source of its own. Shared by all:
 
 Sections, in file order:
   flags                          Args, ServeArgs, engine placement, checks before anything loads
+  exchanges                      Deadline, wait_until, Exchange: every wait on the engines, bounded
   control store                  a TCPStore bound to MASTER_ADDR; HMAC-signed messages of JSON and tensors
   weight sync                    update info, packed buckets, what a sync sends (LoRA merged or as adapters), weight
                                  groups, the backends registered with vLLM
   engines                        Engine, HFEngine, VLLMEngine (vLLM set to sample as rloo.py does)
+  engines' answers               answered: every answer checked before use
   rollout source                 EngineRollouts over an EngineClient; the ranks agree on every engine failure
   transport: `serve` engines     serve (the engine's loop), ServedEngines (the trainer's end), launch_engines
   transport: `vllm serve` by URL VLLMServers
@@ -71,9 +79,9 @@ import http.client
 import itertools
 import json
 import math
+import queue
 import secrets
 import socket
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -82,10 +90,9 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, ClassVar, Literal, NamedTuple, Optional, Protocol
+from typing import Any, Callable, ClassVar, Literal, NamedTuple, Optional, Protocol
 
 import safetensors
 import safetensors.torch
@@ -101,7 +108,7 @@ API_KEY_VARIABLE = "VLLM_API_KEY"  # the trainer sends it to `vllm serve --api-k
 SECRET_VARIABLE = "RLOO_ENGINE_SECRET"  # the control store's secret: the trainer's (rank 0's) and every engine's
 NEW_SECRET = "export RLOO_ENGINE_SECRET=$(openssl rand -hex 32)"
 HEARTBEAT_SECONDS = 1.0  # an engine proves it is alive this often
-HEARTBEAT_TIMEOUT = 30.0  # an engine silent this long is declared dead
+HEARTBEAT_TIMEOUT = 30.0  # an engine silent this long after its first heartbeat is declared dead
 POLL_SECONDS = 0.01
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 takes (LoRAConfig)
 
@@ -111,8 +118,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank va
 class Args(rloo.Args):
     resumable_changes: ClassVar[frozenset] = rloo.Args.resumable_changes | {
         "num_engines", "engine_urls", "launch_engines", "engine_devices", "engine_port", "engine_timeout",
-        "sync_bucket_mb", "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization", "vllm_enforce_eager",
-        "vllm_mode", "vllm_enable_sleep_mode", "lora_sync"}
+        "weight_sync_timeout", "sync_bucket_mb", "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization",
+        "vllm_enforce_eager", "vllm_mode", "vllm_enable_sleep_mode", "lora_sync"}
 
     # ----- engines -----
     engine: Literal["vllm", "hf"] = "vllm"
@@ -133,7 +140,12 @@ class Args(rloo.Args):
     engine_port: int = 29600
     """port of the engines' control store at trainer rank 0's MASTER_ADDR; the weight group uses engine_port + 1"""
     engine_timeout: float = 600.0
-    """seconds any wait on the engines may last (start-up, a weight sync) before the run stops with an error"""
+    """seconds the engines may take to start, and each request to them (a batch's completions), before the run stops
+    with an error naming the engine"""
+    weight_sync_timeout: Optional[float] = None
+    """seconds a weight sync may take (the weight group's set-up, then every sync: each bucket's broadcast and the
+    engines' load), before the run stops with a checkpoint and an error naming the engines; < --ddp_timeout (the
+    other ranks wait for the sync that long); None: half of --ddp_timeout"""
     async_generation: bool = False
     """sample batch t+1 while training on batch t, with the weights of update t-1 (staleness 1, logged as
     rollout/staleness); the PPO ratio is taken against those weights' log-probs, recomputed by the trainer"""
@@ -187,6 +199,131 @@ class EngineError(plumbing.RolloutSourceError):
 
 class UntrustedMessageError(plumbing.ConfigError):
     """A control-store message without a valid tag of the run's secret, or not in this file's format."""
+
+
+# ===================================================================== exchanges: every wait on the engines, bounded
+class Deadline(NamedTuple):
+    """When a wait on the engines gives up, and the flag that set it (for the error's line)."""
+
+    at: float  # time.monotonic()
+    flag: str  # "--weight_sync_timeout 300 s"
+
+    @classmethod
+    def after(cls, seconds: float, flag: str) -> "Deadline":
+        return cls(time.monotonic() + seconds, f"{flag} {seconds:g} s")
+
+    def left(self) -> float:
+        return max(0.0, self.at - time.monotonic())
+
+
+def wait_until(arrived: Callable[[float], bool], what: str, deadline: Deadline,
+               check: Optional[Callable[[], None]] = None) -> None:
+    """The one wait on the engines: until arrived(seconds), which waits at most that long for what is awaited and
+    says whether it came; check() (which raises EngineError naming an engine found dead, failed or silent) about
+    every HEARTBEAT_SECONDS meanwhile; EngineError naming `what` and the flag that set the deadline once it passes."""
+    checked = time.monotonic()
+    while not arrived(min(HEARTBEAT_SECONDS, deadline.left())):
+        if check is not None and time.monotonic() - checked >= HEARTBEAT_SECONDS:
+            check()
+            checked = time.monotonic()
+        if deadline.left() == 0:
+            raise EngineError(f"{what} did not answer within {deadline.flag}")
+
+
+class EngineThread:
+    """A daemon thread on which every call to one in-process engine runs, in order: vLLM keeps state per thread
+    (the CUDA stream it captures and replays graphs on), so the engine is built and called on the same one."""
+
+    def __init__(self, name: str):
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self.serve, name=name, daemon=True).start()
+
+    def serve(self) -> None:
+        while True:
+            self.calls.get()()
+
+
+class Exchange:
+    """One call to the engines (a weight group's set-up or broadcast, an HTTP request, a colocated engine's load or
+    sampling) running on a daemon thread (a thread of its own, or `on` an in-process engine's EngineThread), so that
+    waiting for it is bounded whatever it does: NCCL's collectives have no timeout and cannot be interrupted, and a
+    socket's timeout bounds each read, not a server that trickles. A call given up on is left to end or not: its
+    thread never keeps the process alive. It runs on the caller's CUDA device with the caller's grad mode; `on` an
+    engine's thread, after the GPU work the caller queued, and its own is done when it returns. Every exchange with
+    the engines that can block goes through one (or, for the control store's keys, through wait_until, as
+    Exchange.result does)."""
+
+    def __init__(self, what: str, call: Callable[[], Any], on: Optional[EngineThread] = None):
+        self.what, self.done, self.value, self.error = what, threading.Event(), None, None
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        device = torch.cuda.current_device() if cuda else None
+        stream = torch.cuda.current_stream() if cuda and on is not None else None  # what to order the call after
+        run = functools.partial(self.run, call, device, stream, torch.is_grad_enabled())
+        if on is None:
+            threading.Thread(target=run, name=f"exchange: {what}", daemon=True).start()
+        else:
+            on.calls.put(run)
+
+    def run(self, call: Callable[[], Any], device: Optional[int], stream, grad: bool) -> None:
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)
+            if stream is not None:
+                torch.cuda.current_stream().wait_stream(stream)
+            with torch.set_grad_enabled(grad):
+                self.value = call()
+            if stream is not None:
+                torch.cuda.current_stream().synchronize()
+        except BaseException as e:  # the caller's to raise
+            self.error = e
+        finally:
+            self.done.set()
+
+    def failure(self) -> Optional[EngineError]:
+        """What the call raised, as an EngineError naming the engine (an error of this file's passes as it is)."""
+        if self.error is None or isinstance(self.error, EngineError):
+            return self.error
+        return EngineError(f"{self.what} failed: {plumbing.describe(self.error)}")
+
+    def raise_if_failed(self) -> None:
+        """A check for wait_until beside another exchange: raises at once if this one has failed."""
+        if self.done.is_set() and self.error is not None:
+            raise self.failure()
+
+    def result(self, deadline: Deadline, check: Optional[Callable[[], None]] = None):
+        """The call's value once it returns; EngineError if it raised, if `check` raises meanwhile, or at the
+        deadline."""
+        wait_until(self.done.wait, self.what, deadline, check)
+        if self.error is not None:
+            raise self.failure() from None
+        return self.value
+
+
+def bounded(what: str, call: Callable[[], Any], deadline: Deadline, check: Optional[Callable[[], None]] = None,
+            on: Optional[EngineThread] = None):
+    """call(), an Exchange waited for until the deadline (check beside it)."""
+    return Exchange(what, call, on).result(deadline, check)
+
+
+def sync_seconds(args: Args) -> float:
+    """--weight_sync_timeout, or its default: half of --ddp_timeout."""
+    return args.weight_sync_timeout or args.ddp_timeout / 2
+
+
+def sync_deadline(args: Args) -> Deadline:
+    """The deadline of a weight sync (and of the weight group's set-up) starting now."""
+    return Deadline.after(sync_seconds(args), "--weight_sync_timeout")
+
+
+def gloo_timeout(args: Args) -> float:
+    """gloo's own timeout in the weight group, at every member: twice --weight_sync_timeout, a backstop (an engine's,
+    for a trainer gone), so that the trainer's deadline comes first and says why."""
+    return 2 * sync_seconds(args)
+
+
+def engine_deadline(args: Args) -> Deadline:
+    """The deadline of the engines' start-up, or of a request to them, starting now."""
+    return Deadline.after(args.engine_timeout, "--engine_timeout")
 
 
 def engine_urls(args: Args) -> list[str]:
@@ -247,6 +384,9 @@ def validate_engine_args(args: Args, world_size: int) -> None:
         raise plumbing.ConfigError(f"num_engines = {args.num_engines} must be at least 1")
     if not 0 < args.engine_timeout < float("inf"):
         raise plumbing.ConfigError(f"engine_timeout = {args.engine_timeout} must be a finite number of seconds > 0")
+    if args.weight_sync_timeout is not None and not 0 < args.weight_sync_timeout < args.ddp_timeout:
+        raise plumbing.ConfigError(f"weight_sync_timeout = {args.weight_sync_timeout} must be a number of seconds > 0 "
+                                   f"and below --ddp_timeout ({args.ddp_timeout:g}; raise it too), or None")
     urls = engine_urls(args)
     if args.vllm_enable_sleep_mode and args.vllm_mode != "colocate":
         raise plumbing.ConfigError("--vllm_enable_sleep_mode frees a colocated engine's memory while the trainer "
@@ -747,17 +887,18 @@ def weight_backend(args: Args, device: torch.device) -> str:
 
 
 def init_info(backend: str, host: str, port: int, rank_offset: int, world_size: int, packed_bytes: int,
-              timeout: float) -> dict:
+              args: Args) -> dict:
     """An engine's init info for vLLM's init_weight_transfer_engine: its workers take ranks rank_offset, ... of a
     group of world_size whose rank 0, trainer rank 0, serves the rendezvous at host:port. The NCCL backend's fields
-    (vLLM's NCCLWeightTransferInitInfo), packed in buckets of packed_bytes; gloo's are the same plus a timeout."""
+    (vLLM's NCCLWeightTransferInitInfo), packed in buckets of packed_bytes; gloo's are the same plus its timeout."""
     info = {"master_address": host, "master_port": port, "rank_offset": rank_offset, "world_size": world_size,
             "packed_buffer_size_bytes": packed_bytes}
-    return info | ({"packed": True} if backend == "nccl" else {"timeout": timeout})
+    return info | ({"packed": True} if backend == "nccl" else {"timeout": gloo_timeout(args)})
 
 
 def trainer_weight_group(backend: str, host: str, port: int, size: int, timeout: float):
-    """Trainer rank 0's end of the weight group: rank 0, serving the rendezvous at host:port."""
+    """Trainer rank 0's end of the weight group: rank 0, serving the rendezvous at host:port. It returns once every
+    member has joined: the caller bounds the wait (an Exchange)."""
     if backend == "nccl":
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
@@ -788,13 +929,22 @@ class GlooWeightGroup:
 
 
 class NcclWeightGroup:
-    """vLLM's stateless NCCL communicator, as vLLM's NCCL weight-transfer backend opens it on the trainer."""
+    """vLLM's stateless NCCL communicator, as vLLM's NCCL weight-transfer backend opens it on the trainer, broadcasting
+    on a CUDA stream of its own: a broadcast that never ends (a member died mid-sync: NCCL has no timeout) blocks that
+    stream alone, and the trainer's own still saves the checkpoint."""
 
     def __init__(self, communicator):
         self.communicator = communicator
+        self.stream = torch.cuda.Stream(communicator.device) if torch.cuda.is_available() else None
 
     def broadcast(self, flat: torch.Tensor) -> torch.Tensor:
-        self.communicator.broadcast(flat, src=0, stream=torch.cuda.current_stream())
+        """Returns once the bucket has gone (NCCL's call only queues it): the caller bounds the wait (an Exchange)."""
+        if self.stream is None:  # a stand-in communicator (tests on CPU)
+            self.communicator.broadcast(flat, src=0, stream=None)
+            return flat
+        self.stream.wait_stream(torch.cuda.current_stream(flat.device))  # the bucket, packed on the trainer's
+        self.communicator.broadcast(flat, src=0, stream=self.stream)
+        self.stream.synchronize()
         return flat
 
 
@@ -905,8 +1055,9 @@ class Engine(Protocol):
 
     def generate(self, request: dict) -> dict:
         """k completions of each query, sampled with the request's "sampling" (the batch's own SamplingSettings,
-        sampling_request): {"responses": (k*b, Tr) in the (k, b) layout (Tr: its max_new_tokens), "sampler_logprobs"
-        (k*b, Tr) each drawn token's log-prob at that temperature (0 after a response's end), "rng_state"}."""
+        sampling_request), as vLLM's completions API answers: {"choices": [choice(i, token ids up to and with the
+        stop token, at most max_new_tokens, each drawn token's log-prob at that temperature)] for i in the (k, b)
+        layout, "rng_state"}."""
 
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token t | tokens < t) of every token but the first of each sequence, at temperature 1."""
@@ -962,8 +1113,11 @@ class HFEngine:
             self.args, request["stop_token_id"], request["pad_token_id"], generator,
             lambda: torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16), self.decoder,
             settings_of(request))
-        return {"responses": c.responses.cpu(), "sampler_logprobs": c.sampler_logprobs.cpu(),
-                "rng_state": generator.get_state()}
+        choices = []
+        for i, (tokens, logprobs) in enumerate(zip(c.responses.tolist(), c.sampler_logprobs.tolist())):
+            end = tokens.index(request["stop_token_id"]) + 1 if request["stop_token_id"] in tokens else len(tokens)
+            choices.append(choice(i, tokens[:end], logprobs[:end]))  # up to its stop token, as vLLM answers
+        return {"choices": choices, "rng_state": generator.get_state()}
 
     @torch.no_grad()
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
@@ -1043,15 +1197,10 @@ def vllm_sampling(args: Args, stop_token_id: Optional[int],
             "stop_token_ids": [] if stop_token_id is None else [stop_token_id], "ignore_eos": True}
 
 
-def padded_responses(token_ids: list[list[int]], length: int, pad_token_id: int,
-                     dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """(N, length) responses from an engine's token lists, each ending at its stop token or at `length` (or, with
-    a float dtype, the sampled tokens' log-probs, padded with pad_token_id = 0)."""
-    responses = torch.full((len(token_ids), length), pad_token_id, dtype=dtype)
-    for i, ids in enumerate(token_ids):
-        ids = ids[:length]
-        responses[i, : len(ids)] = torch.tensor(ids, dtype=dtype)
-    return responses
+def choice(index: int, token_ids: list[int], logprobs: list[float]) -> dict:
+    """One completion as vLLM's completions API answers it (the part of it the trainer reads): every engine answers
+    in this form ({"choices": [choice, ...]}), so one function checks every answer (answered)."""
+    return {"index": index, "token_ids": token_ids, "logprobs": {"token_logprobs": logprobs}}
 
 
 def prompt_logprobs(prompt_logprobs: list, ids: list[int]) -> list[float]:
@@ -1070,7 +1219,8 @@ class VLLMEngine:
         self.args = args
         self.llm = LLM(**vllm_engine_kwargs(args, index, backend))
         self.adapter = None  # the LoRARequest it samples with (--lora_sync adapters), in a folder of its own
-        self.adapters_folder = tempfile.mkdtemp(prefix="rloo-adapters-") if sends_adapter_files(args) else None
+        self.adapters = plumbing.Folder.at(tempfile.mkdtemp(prefix="rloo-adapters-")) if sends_adapter_files(args) \
+            else None  # private (mode 0o700), held by its handle
 
     def init_weight_transfer_engine(self, info: dict) -> None:
         self.llm.init_weight_transfer_engine({"init_info": info})
@@ -1091,20 +1241,24 @@ class VLLMEngine:
         it removed, its files deleted."""
         from vllm.lora.request import LoRARequest
 
-        folder = Path(self.adapters_folder) / f"v{version}"
-        folder.mkdir()
-        for name, data in files.items():
-            (folder / name).write_bytes(data)
-        previous, self.adapter = self.adapter, LoRARequest(f"policy-v{version}", version + 1, str(folder))
+        with self.adapters.new_folder(f"v{version}") as folder:
+            for name, data in files.items():
+                folder.write(name, data)
+        previous = self.adapter
+        self.adapter = LoRARequest(f"policy-v{version}", version + 1, str(self.adapters.path / f"v{version}"))
         self.llm.llm_engine.add_lora(self.adapter)  # now: a bad adapter fails the sync, not a later batch
         if previous is not None:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)
-            shutil.rmtree(previous.lora_path, ignore_errors=True)
+            self.adapters.remove_tree(f"v{previous.lora_int_id - 1}")
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
-        if self.adapters_folder is not None:
-            shutil.rmtree(self.adapters_folder, ignore_errors=True)
+        if self.adapters is not None:
+            with contextlib.suppress(OSError):
+                for name in self.adapters.entries():
+                    self.adapters.remove_tree(name)
+                os.rmdir(self.adapters.path)  # the folder it made
+            self.adapters.close()
 
     def generate(self, request: dict) -> dict:
         """As Engine.generate; with request["seeds"] (one per completion, in the (k, b) layout) each completion is
@@ -1118,10 +1272,8 @@ class VLLMEngine:
         params = [SamplingParams(n=1, detokenize=False, logprobs=0, seed=seed, **sampling) for seed in seeds]
         outputs = [o.outputs[0] for o in self.llm.generate(prompts, params, use_tqdm=False,
                                                            lora_request=self.adapter)]
-        length = sampling["max_tokens"]
-        out = {"responses": padded_responses([list(o.token_ids) for o in outputs], length, request["pad_token_id"]),
-               "sampler_logprobs": padded_responses([[p[t].logprob for p, t in zip(o.logprobs, o.token_ids)]
-                                                     for o in outputs], length, 0.0, torch.float32)}
+        out = {"choices": [choice(i, list(o.token_ids), [p[t].logprob for p, t in zip(o.logprobs, o.token_ids)])
+                           for i, o in enumerate(outputs)]}
         return out | ({"rng_state": request["rng_state"]} if "rng_state" in request else {})  # vLLM seeds its own
 
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
@@ -1133,10 +1285,109 @@ class VLLMEngine:
         return [prompt_logprobs(o.prompt_logprobs, ids) for o, ids in zip(outputs, sequences)]
 
 
+# ===================================================================== engines' answers, checked before use
+class Asked(NamedTuple):
+    """What a request asked an engine for: its answer is checked against it (answered)."""
+
+    engine: str  # the engine, as the run's errors name it
+    completions: int  # k * b choices, indexed 0 .. k*b - 1 in the (k, b) layout
+    length: int  # tokens each: exactly this many, or fewer ending with the stop token (max_new_tokens)
+
+
+class Answer(NamedTuple):
+    """An engine's answer, checked, as tensors."""
+
+    responses: torch.Tensor  # (k*b, length) token ids, padded after the stop token
+    sampler_logprobs: torch.Tensor  # (k*b, length) each token's log-prob under the sampler, 0 after the end
+    rng_state: Optional[torch.Tensor]  # where the engine left the requesting rank's sampling RNG (the hf engine)
+
+
+def answered(answer, asked: Asked, vocab_size: int, stop_token_id: Optional[int], pad_token_id: int,
+             generator: Optional[torch.Generator] = None) -> Answer:
+    """An engine's answer ({"choices": [choice, ...], "rng_state"}: every engine's, vLLM's by URL, `serve`'s through
+    the control store, the colocated one's) checked before any of it is used, then as tensors: one choice per
+    completion asked, each index once; each token id an integer of the policy's vocabulary; exactly asked.length
+    tokens, or fewer ending with the stop token (nothing after it); a log-prob per token, each a finite number at
+    most 0 (in float32); an RNG state the sampling generator takes (checked only where `generator` is given: where it
+    is used). Anything else is an EngineError naming the engine and what it sent, which stops the run."""
+    engine, n, length = asked
+
+    def refusal(what: str) -> EngineError:
+        return EngineError(f"{engine} sent {what}")
+
+    def shown(value) -> str:
+        return plumbing.inert(repr(value), 80)
+
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list):
+        raise refusal(f"an answer without a list of choices: {plumbing.inert(repr(answer), 200)}")
+    if len(choices) != n:
+        raise refusal(f"{len(choices)} choices for the {n} completions asked")
+    ordered: list[Optional[dict]] = [None] * n
+    for c in choices:
+        if not isinstance(c, dict):
+            raise refusal(f"a choice that is no JSON object: {shown(c)}")
+        index = c.get("index")
+        if type(index) is not int or not 0 <= index < n:
+            raise refusal(f"a choice with the index {shown(index)}, not one of the {n} asked (0 to {n - 1})")
+        if ordered[index] is not None:
+            raise refusal(f"the choice index {index} twice")
+        ordered[index] = c
+    responses = torch.full((n, length), pad_token_id, dtype=torch.long)  # (k*b, length)
+    sampler_logprobs = torch.zeros(n, length)  # (k*b, length) float32, as the trainer's
+    for i, c in enumerate(ordered):
+        ids, logprobs = c.get("token_ids"), c.get("logprobs")
+        logprobs = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+        if not isinstance(ids, list):
+            raise refusal(f"choice {i} without a list of token ids: {shown(ids)}")
+        if any(type(t) is not int for t in ids):
+            raise refusal(f"the token id {shown(next(t for t in ids if type(t) is not int))} in choice {i}, not an "
+                          "integer")
+        if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
+            bad = next(t for t in ids if not 0 <= t < vocab_size)
+            raise refusal(f"the token id {shown(bad)} in choice {i}, outside the policy's vocabulary (0 to "
+                          f"{vocab_size - 1})")
+        tokens = f"{len(ids)} token{'' if len(ids) == 1 else 's'} in choice {i}"
+        if len(ids) > length:
+            raise refusal(f"{tokens}, for at most {length} asked")
+        if stop_token_id in ids and ids.index(stop_token_id) < len(ids) - 1:
+            raise refusal(f"tokens after the stop token {stop_token_id} in choice {i}")
+        if len(ids) < length and (not ids or ids[-1] != stop_token_id):
+            ending = "" if stop_token_id is None else f" without the stop token {stop_token_id} at their end"
+            raise refusal(f"{tokens}{ending}, for {length} asked")
+        if not isinstance(logprobs, list):
+            raise refusal(f"choice {i} without a list of log-probs: {shown(c.get('logprobs'))}")
+        if len(logprobs) != len(ids):
+            raise refusal(f"{len(logprobs)} log-probs for the {len(ids)} tokens of choice {i}")
+        if any(type(x) not in (float, int) for x in logprobs):
+            raise refusal(f"the log-prob {shown(next(x for x in logprobs if type(x) not in (float, int)))} in choice "
+                          f"{i}, not a number")
+        responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        try:
+            sampler_logprobs[i, : len(ids)] = torch.tensor(logprobs, dtype=torch.float64)  # 1e300: inf in float32
+        except OverflowError:  # an integer beyond any float
+            raise refusal(f"a log-prob beyond any float in choice {i}") from None
+    bad = ~(sampler_logprobs.isfinite() & (sampler_logprobs <= 0))  # (k*b, length)
+    if bad.any():
+        i, t = bad.nonzero()[0].tolist()
+        raise refusal(f"the log-prob {shown(ordered[i]['logprobs']['token_logprobs'][t])} for token {t} of choice {i}: "
+                      "a sampled token's log-prob is finite and at most 0")
+    state = answer.get("rng_state") if generator is not None else None
+    if state is not None:
+        try:
+            torch.Generator(generator.device).set_state(state)
+        except (RuntimeError, TypeError) as e:
+            raise refusal(f"a sampling RNG state the generator does not take ({plumbing.describe(e)})") from None
+    return Answer(responses, sampler_logprobs, state)
+
+
 # ===================================================================== rollout source over engine processes
 class EngineClient(Protocol):
     """What EngineRollouts asks of its engines (ServedEngines: `serve` engines through the control store;
-    VLLMServers: `vllm serve` processes over HTTP). Failures raise EngineError."""
+    VLLMServers: `vllm serve` processes over HTTP). Failures raise EngineError; every wait is bounded (a Deadline:
+    --engine_timeout for start-up and each batch, the sync's own, --weight_sync_timeout, for the weights)."""
+
+    names: list[str]  # every engine, by index, as errors name it
 
     def connect(self, backend: str, packed_bytes: int) -> GlooWeightGroup | NcclWeightGroup:
         """Rank 0: wait until every engine is up, then open the weight group with them; returns rank 0's end."""
@@ -1145,23 +1396,27 @@ class EngineClient(Protocol):
         """Hand batch `batch` of this rank to its engines, one request per part (in engines_of_ranks' order)."""
 
     def receive(self, batch: int) -> list[dict]:
-        """Wait for a batch sent: each part's {"responses": (k*b, Tr), "sampler_logprobs": (k*b, Tr)[, "rng_state"]}."""
+        """Wait for a batch sent: each part's answer as the engine sent it, unchecked (answered checks it)."""
 
-    def begin_sync(self, version: int, info: dict) -> None:
+    def begin_sync(self, version: int, info: dict, deadline: Deadline) -> None:
         """Rank 0: every engine has started weight update `version` (update info `info`), ready for the buckets."""
 
-    def end_sync(self, version: int) -> None:
-        """Rank 0, after the last bucket: the engines finish the update before they sample again."""
+    def check(self) -> None:
+        """Rank 0, beside a broadcast: raise EngineError naming an engine known to have failed or died."""
 
-    def load_adapter(self, version: int, files: dict[str, bytes]) -> None:
+    def end_sync(self, version: int, deadline: Deadline) -> None:
+        """Rank 0, after the last bucket: every engine has loaded the update (and emptied its caches)."""
+
+    def load_adapter(self, version: int, files: dict[str, bytes], deadline: Deadline) -> None:
         """Rank 0, vLLM engines with --lora_sync adapters: every engine has loaded the adapter of weight update
-        `version` (adapter_files) under a name of its own, and samples with it from now on."""
+        `version` (adapter_files) under a name of its own, and samples with it from now on (the sync's deadline)."""
 
     def explain(self, failure: EngineError) -> EngineError:
         """Rank 0: the error to report for a failed broadcast, with the engines' own account when they have one."""
 
-    def close(self) -> None:
-        """Every rank, at the end: let go of the engines (rank 0: stop them, or free the servers' weight group)."""
+    def close(self, failed: bool) -> None:
+        """Every rank, at the end: let go of the engines (rank 0: stop them, or free the servers' weight group);
+        `failed`: after an engine failure, so without waiting for them to stop."""
 
 
 def split_by_prompt(num_prompts: int, parts: int) -> list[torch.Tensor]:
@@ -1190,6 +1445,7 @@ class BatchInFlight:
     queries: torch.Tensor  # (B, Tq), on the trainer's device
     query_mask: torch.Tensor  # (B, Tq)
     parts: list[torch.Tensor]  # the prompt indices into B of each part (split_by_prompt), one part per engine
+    asked: list[Asked]  # what each part asked of its engine
     sampling: rloo.SamplingSettings  # what samples it, carried by its completions
 
 
@@ -1207,7 +1463,9 @@ class EngineRollouts:
         self.generator = generator
         self.queued: list[BatchInFlight] = []  # the batches in flight, oldest first
         self.dist_info, self.engines = dist_info, engines
-        self.num_parts = len(engines_of_ranks(dist_info.world_size, engine_count(args))[dist_info.rank])  # its engines
+        self.my_engines = engines_of_ranks(dist_info.world_size, engine_count(args))[dist_info.rank]
+        self.num_parts = len(self.my_engines)
+        self.vocab_size = policy.config.vocab_size  # every token id an engine sends is one of these
         self.lookahead = 1 if args.async_generation else 0
         self.submitted = self.taken = 0  # batches asked for and received
         self.results = {}  # completions received before their take() (async: before a sync)
@@ -1234,8 +1492,10 @@ class EngineRollouts:
         """Every rank: the batch still being sampled (async) is finished on the old weights; then rank 0 broadcasts
         the new ones bucket by bucket (with FSDP every rank gathers each bucket's parameters first, one bucket
         unsharded at a time, never the whole model), or hands vLLM engines the adapter (--lora_sync adapters); no
-        rank asks for completions before the engines hold them. Returns seconds waiting for the engines and seconds
-        sending."""
+        rank asks for completions before the engines hold them. Rank 0's part, from the engines' start of the update
+        to their load of it, is bounded by --weight_sync_timeout, each broadcast or adapter load an Exchange checked
+        beside by the engines' health, so a failed or stalled sync stops every rank here. Returns seconds waiting for
+        the engines and seconds sending."""
         start, error = time.perf_counter(), None
         try:
             for batch in range(self.taken, self.submitted):
@@ -1246,11 +1506,11 @@ class EngineRollouts:
         self.failure = agree(self.dist_info, error)
         if self.failure is not None:
             return time.perf_counter() - start, 0.0
-        master, error = self.dist_info.master, None
+        master, error, deadline = self.dist_info.master, None, sync_deadline(self.args)
         transfer = None if self.synced is None else self.synced.first if version == 0 else self.synced.later
         if master and transfer is not None:
             try:
-                self.engines.begin_sync(version, transfer.info)
+                self.engines.begin_sync(version, transfer.info, deadline)
             except EngineError as e:
                 error = e
         wait, start = time.perf_counter() - start, time.perf_counter()
@@ -1258,20 +1518,22 @@ class EngineRollouts:
             files = adapter_files(self.policy) if master or self.args.fsdp else {}  # (FSDP: all ranks gather)
             if master:
                 try:
-                    self.engines.load_adapter(version, files)
+                    self.engines.load_adapter(version, files, deadline)
                 except EngineError as e:
                     error = e
-        for bucket in transfer.buckets if transfer is not None and (master or self.args.fsdp) else []:
+        buckets, members = transfer.buckets if transfer is not None else [], ", ".join(self.engines.names)
+        for i, bucket in enumerate(buckets if master or self.args.fsdp else []):
             tensors = self.synced.values(bucket)  # (FSDP: all ranks gather)
-            if master and error is None:
+            if master and error is None:  # after a failure, keep gathering so that no rank hangs
                 try:
-                    self.group.broadcast(pack_bucket(tensors, bucket))
-                except RuntimeError as e:  # a peer died or timed out; keep gathering so no rank hangs
-                    failed = EngineError(f"weight sync {version} failed: {plumbing.first_line(e)}")
-                    error = self.engines.explain(failed)
+                    bounded(f"{members} (weight sync {version}, bucket {i + 1} of {len(buckets)})",
+                            functools.partial(self.group.broadcast, pack_bucket(tensors, bucket)), deadline,
+                            self.engines.check)
+                except EngineError as e:
+                    error = self.engines.explain(e)
         if master and error is None and transfer is not None:
             try:
-                self.engines.end_sync(version)
+                self.engines.end_sync(version, deadline)
             except EngineError as e:
                 error = e
         self.failure = agree(self.dist_info, error)
@@ -1293,7 +1555,9 @@ class EngineRollouts:
             "version": self.version, **sampling_request(sampling, self.args)} for i, state in zip(parts, states)])
         self.batch_versions.append(self.version)
         self.submitted += 1
-        self.queued.append(BatchInFlight(queries, query_mask, parts, sampling))
+        asked = [Asked(self.engines.names[engine], self.args.rloo_k * len(prompts), sampling.max_new_tokens)
+                 for engine, prompts in zip(self.my_engines, parts)]
+        self.queued.append(BatchInFlight(queries, query_mask, parts, asked, sampling))
 
     def take(self) -> tuple[rloo.Completions, dict[str, float]]:
         in_flight = self.queued.pop(0)
@@ -1303,23 +1567,25 @@ class EngineRollouts:
             try:
                 results = self.results.pop(self.taken) if self.taken in self.results else \
                     self.engines.receive(self.taken)
+                answers = [answered(result, asked, self.vocab_size, self.stop_token_id, self.pad_token_id,
+                                    self.generator if self.num_parts == 1 else None)
+                           for result, asked in zip(results, in_flight.asked, strict=True)]
             except EngineError as e:
                 error = e
             error = agree(self.dist_info, error)  # every rank stops at this same point, or none does
         if error is not None:
+            self.failure = error
             raise error
-        if self.num_parts == 1 and "rng_state" in results[0]:  # where the engine left this rank's random stream
-            self.generator.set_state(results[0]["rng_state"])
+        if answers[0].rng_state is not None:  # one engine: where it left this rank's random stream
+            self.generator.set_state(answers[0].rng_state)
         k, num_prompts = self.args.rloo_k, queries.shape[0]
         responses = torch.empty(k * num_prompts, in_flight.sampling.max_new_tokens, dtype=torch.long)  # (k*B, Tr)
         sampler_logprobs = torch.zeros(responses.shape)  # (k*B, Tr) what each engine's sampler gave its tokens
-        measured = all("sampler_logprobs" in result for result in results)
-        for prompts, result in zip(in_flight.parts, results):  # each part's (k*b, Tr) in its own (k, b) layout
-            responses[rloo.completion_rows(prompts, num_prompts, k)] = result["responses"]
-            if measured:
-                sampler_logprobs[rloo.completion_rows(prompts, num_prompts, k)] = result["sampler_logprobs"]
+        for prompts, answer in zip(in_flight.parts, answers):  # each part's (k*b, Tr) in its own (k, b) layout
+            responses[rloo.completion_rows(prompts, num_prompts, k)] = answer.responses
+            sampler_logprobs[rloo.completion_rows(prompts, num_prompts, k)] = answer.sampler_logprobs
         completions = rloo.completions_of(queries, in_flight.query_mask, responses, in_flight.sampling,
-                                          self.stop_token_id, self.pad_token_id, sampler_logprobs if measured else None)
+                                          self.stop_token_id, self.pad_token_id, sampler_logprobs)
         self.sampled_by = self.batch_versions.pop(0)
         self.taken += 1
         for old in [v for v in self.snapshots if v < self.sampled_by]:  # no batch in flight was sampled by these
@@ -1350,7 +1616,7 @@ class EngineRollouts:
         return {"time/engine_wait": wait, "time/weight_sync": broadcast}
 
     def close(self) -> None:
-        self.engines.close()
+        self.engines.close(failed=self.failure is not None)
 
 
 # ===================================================================== transport: `serve` engines
@@ -1431,10 +1697,11 @@ def serve(serve_args: ServeArgs) -> None:
                 store.set(f"engine/{index}/at_sync/{command['version']}", {})
                 engine.update_weights(command["info"])  # until trainer rank 0 has broadcast every bucket
                 engine.finish_weight_update()
+                store.set(f"engine/{index}/synced/{command['version']}", {})
             elif command["kind"] == "adapter":  # vLLM, --lora_sync adapters: the adapter's files
                 files = store.get(f"adapter/{command['version']}")
                 engine.load_adapter(command["version"], {name: t.numpy().tobytes() for name, t in files.items()})
-                store.set(f"engine/{index}/adapter/{command['version']}", {})
+                store.set(f"engine/{index}/synced/{command['version']}", {})
             elif command["kind"] == "generate":
                 for rank, part in parts:
                     part_of = f"{command['batch']}/{rank}/{part}"
@@ -1467,8 +1734,10 @@ class ServedEngines:
     def __init__(self, args: Args, dist_info: plumbing.Dist, store: ControlStore,
                  processes: dict[int, subprocess.Popen]):
         self.args, self.dist_info, self.store, self.processes = args, dist_info, store, processes
+        self.names = [f"engine {index}" for index in range(args.num_engines)]
         self.next_command, self.beats = 0, {}  # rank 0's next command; each engine's (last beat, since when)
-        self.parts_sent: dict[int, int] = {}  # batch -> how many parts this rank sent (and receives)
+        self.parts_sent: dict[int, tuple[int, Deadline]] = {}  # batch -> how many parts this rank sent, and by when
+        # their completions are due
 
     def command(self, **command) -> None:
         self.store.set(f"cmd/{self.next_command}", command)
@@ -1484,7 +1753,9 @@ class ServedEngines:
     def check(self) -> None:
         """Raise EngineError naming the first engine found dead, failed or silent."""
         if self.store.check("failed"):
-            raise EngineError(plumbing.inert(self.read("failed")["error"]))
+            failed = self.read("failed")
+            raise EngineError(plumbing.inert(failed["error"]) if isinstance(failed.get("error"), str) else
+                              f"an engine reported a failure in another shape: {plumbing.inert(repr(failed), 200)}")
         for index, process in self.processes.items():
             if process.poll() is not None:
                 end_engine(process)
@@ -1492,25 +1763,31 @@ class ServedEngines:
         now = time.monotonic()
         for index in range(self.args.num_engines):
             key = f"engine/{index}/beat"
-            beat = self.read(key)["beat"] if self.store.check(key) else 0
+            if not self.store.check(key):  # still starting (its imports may take long): --engine_timeout bounds that
+                continue
+            beat = self.read(key).get("beat")
+            if type(beat) is not int:
+                raise EngineError(f"engine {index} sent the heartbeat {plumbing.inert(repr(beat), 60)}, not a count")
             last_beat, since = self.beats.get(index, (-1, now))
             if beat > last_beat:
                 self.beats[index] = (beat, now)
             elif now - since > HEARTBEAT_TIMEOUT:
                 raise EngineError(f"engine {index} sent no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s")
 
-    def wait_for(self, key: str, what: str, timeout: Optional[float]) -> dict:
-        """The message under `key` once some engine sets it; EngineError if an engine fails meanwhile or `timeout`
-        seconds pass (None: as long as the engines are alive)."""
-        start = checked = time.monotonic()
+    def wait_for(self, key: str, what: str, deadline: Deadline) -> dict:
+        """The message under `key` once an engine sets it; EngineError if an engine fails meanwhile (check) or at
+        the deadline, naming `what` (the engine and what it was to do)."""
+
+        def arrived(seconds: float) -> bool:
+            until = time.monotonic() + seconds
+            while not self.store.check(key):
+                if time.monotonic() >= until:
+                    return False
+                time.sleep(POLL_SECONDS)
+            return True
+
         self.check()
-        while not self.store.check(key):
-            if time.monotonic() - checked > HEARTBEAT_SECONDS:  # a few store calls per engine; not at every poll
-                self.check()
-                checked = time.monotonic()
-            if timeout is not None and time.monotonic() - start > timeout:
-                raise EngineError(f"no engine answered within --engine_timeout {timeout:.0f} s: waiting for {what}")
-            time.sleep(POLL_SECONDS)
+        wait_until(arrived, what, deadline, self.check)
         value = self.read(key)
         self.store.delete_key(key)
         return value
@@ -1518,39 +1795,46 @@ class ServedEngines:
     def connect(self, backend: str, packed_bytes: int) -> GlooWeightGroup | NcclWeightGroup:
         """Rank 0: every engine loaded; then the weight group, every member joining at once (the engines take their
         init infos, packed_bytes included, from the run's configuration in the store)."""
-        for index in range(self.args.num_engines):
-            self.wait_for(f"engine/{index}/ready", f"engine {index} to load its model", self.args.engine_timeout)
-        size = 1 + sum(engine_workers(self.args))
-        return trainer_weight_group(backend, self.store.host, self.store.port + 1, size, self.args.engine_timeout)
+        deadline = engine_deadline(self.args)
+        for index, name in enumerate(self.names):
+            self.wait_for(f"engine/{index}/ready", f"{name} (loading its model)", deadline)
+        size, port = 1 + sum(engine_workers(self.args)), self.store.port + 1
+        deadline = sync_deadline(self.args)
+        return bounded(f"{', '.join(self.names)} (joining the weight group at {self.store.host}:{port})",
+                       functools.partial(trainer_weight_group, backend, self.store.host, port, size,
+                                         gloo_timeout(self.args)),
+                       deadline, self.check)
 
     def send(self, batch: int, parts: list[dict]) -> None:
         for part, request in enumerate(parts):
             self.store.set(f"gen/{batch}/{self.dist_info.rank}/{part}", request)
-        self.parts_sent[batch] = len(parts)
+        self.parts_sent[batch] = (len(parts), engine_deadline(self.args))
         if self.dist_info.master:
             self.command(kind="generate", batch=batch)
 
     def receive(self, batch: int) -> list[dict]:
-        return [self.wait_for(f"out/{batch}/{self.dist_info.rank}/{part}", "completions", None)
-                for part in range(self.parts_sent.pop(batch))]
+        parts, deadline = self.parts_sent.pop(batch)
+        engines = engines_of_ranks(self.dist_info.world_size, self.args.num_engines)[self.dist_info.rank]
+        return [self.wait_for(f"out/{batch}/{self.dist_info.rank}/{part}", f"{self.names[engines[part]]} "
+                              f"(sampling batch {batch})", deadline) for part in range(parts)]
 
-    def begin_sync(self, version: int, info: dict) -> None:
+    def begin_sync(self, version: int, info: dict, deadline: Deadline) -> None:
         self.command(kind="sync", version=version, info=info)  # an engine still sampling finishes first
-        for index in range(self.args.num_engines):
-            self.wait_for(f"engine/{index}/at_sync/{version}", f"engine {index} to receive weights",
-                          self.args.engine_timeout)
+        for index, name in enumerate(self.names):
+            self.wait_for(f"engine/{index}/at_sync/{version}", f"{name} (starting weight sync {version})", deadline)
 
-    def end_sync(self, version: int) -> None:
-        pass  # each engine finishes the update (and resets its caches) before its next command
+    def end_sync(self, version: int, deadline: Deadline) -> None:
+        for index, name in enumerate(self.names):  # each has loaded the weights (and reset its caches)
+            self.wait_for(f"engine/{index}/synced/{version}", f"{name} (loading weight sync {version})", deadline)
 
-    def load_adapter(self, version: int, files: dict[str, bytes]) -> None:
-        """The adapter's files through the store, signed like every message (no shared file system needed)."""
+    def load_adapter(self, version: int, files: dict[str, bytes], deadline: Deadline) -> None:
+        """The adapter's files through the store, signed like every message (no shared file system needed); each
+        engine acknowledges its load as it does a sync's weights."""
         self.store.set(f"adapter/{version}", {name: torch.frombuffer(bytearray(data), dtype=torch.uint8)
                                               for name, data in files.items()})
         self.command(kind="adapter", version=version)
-        for index in range(self.args.num_engines):
-            self.wait_for(f"engine/{index}/adapter/{version}", f"engine {index} to load adapter {version}",
-                          self.args.engine_timeout)
+        for index, name in enumerate(self.names):
+            self.wait_for(f"engine/{index}/synced/{version}", f"{name} (loading adapter {version})", deadline)
         self.store.delete_key(f"adapter/{version}")
 
     def explain(self, failure: EngineError) -> EngineError:
@@ -1563,22 +1847,23 @@ class ServedEngines:
     def engine_state_dict(self, index: int, version: int) -> dict:
         """Rank 0: hf engine `index`'s weights as it holds them now (to check a sync)."""
         self.command(kind="state_dict", version=version)
-        return self.wait_for(f"engine/{index}/state_dict/{version}", f"engine {index}'s weights",
-                             self.args.engine_timeout)
+        return self.wait_for(f"engine/{index}/state_dict/{version}", f"engine {index} (sending its weights)",
+                             engine_deadline(self.args))
 
     def engine_logprobs(self, index: int, version: int, sequences: list[list[int]]) -> list[list[float]]:
         """Rank 0: engine `index`'s log p(token t | tokens < t) of each sequence, t >= 1 (to check a sync)."""
         self.command(kind="logprobs", version=version, sequences=sequences)
-        return self.wait_for(f"engine/{index}/logprobs/{version}", f"engine {index}'s log-probs",
-                             self.args.engine_timeout)["logprobs"]
+        return self.wait_for(f"engine/{index}/logprobs/{version}", f"engine {index} (computing log-probs)",
+                             engine_deadline(self.args))["logprobs"]
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self.dist_info.master:
             with contextlib.suppress(dist.DistError):
                 self.command(kind="stop")
         for process in self.processes.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=30)
+            if not failed:  # healthy engines stop on their own (vLLM's teardown); a failed or stalled one is ended
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=30)
             end_engine(process)
 
 
@@ -1596,8 +1881,8 @@ def control_store(args: Args, dist_info: plumbing.Dist, device: torch.device, ke
         workers = engine_workers(args)
         offsets = [1 + sum(workers[:i]) for i in range(args.num_engines)]
         backend, size = weight_backend(args, device), 1 + sum(workers)
-        init_infos = [init_info(backend, host, args.engine_port + 1, offset, size, args.sync_bucket_mb * 2**20,
-                                args.engine_timeout) for offset in offsets]
+        init_infos = [init_info(backend, host, args.engine_port + 1, offset, size, args.sync_bucket_mb * 2**20, args)
+                      for offset in offsets]
         store.set("config", {"args": asdict(args), "world_size": dist_info.world_size,
                              "trainer_device_type": device.type, "backend": backend, "init_infos": init_infos})
     return store
@@ -1721,13 +2006,7 @@ def completions_body(model: str, queries: torch.Tensor, query_mask: torch.Tensor
             **vllm_sampling(args, stop_token_id, sampling)}
 
 
-@dataclass
-class AnswerDue:
-    """A completions request sent to a `vllm serve` server (VLLMServers.send), its answer still to come."""
-
-    answer: Future  # http_json's result: the server's JSON answer
-    pad_token_id: int  # what pads the part's responses
-    length: int  # ... to the batch's max_new_tokens
+MAX_WORKERS = 4096  # weight-group members one `vllm serve` may report (/get_world_size): 512 nodes of 8 GPUs
 
 
 class VLLMServers:
@@ -1739,51 +2018,66 @@ class VLLMServers:
     /finish_weight_update: what vLLM's HTTPVLLMWeightSyncClient calls) and sends the weights as to the other
     engines. With --lora_sync adapters it writes each sync's adapter to output_dir/lora_sync/<name> and has every
     server load it from there (/v1/load_lora_adapter: the servers must see that folder, on this machine or a shared
-    file system) under a new name, <run's prefix>-v<version>, which every rank's requests then name as their model."""
+    file system) under a new name, <run's prefix>-v<version>, which every rank's requests then name as their model.
+    Every request is an Exchange, bounded by its deadline as a whole."""
 
     def __init__(self, args: Args, dist_info: plumbing.Dist):
         self.args, self.dist_info, self.timeout = args, dist_info, args.engine_timeout
         self.urls = engine_urls(args)
+        self.names = [f"vLLM server {url}" for url in self.urls]
         my_engines = engines_of_ranks(dist_info.world_size, len(self.urls))[dist_info.rank]
         self.mine = [self.urls[e] for e in my_engines]  # the servers of this rank's batches
-        self.requests = ThreadPoolExecutor(len(self.mine))  # this rank's completions requests, one per server
-        self.calls = ThreadPoolExecutor(len(self.urls))  # rank 0's calls to every server at once
-        self.answers_due: dict[int, list[AnswerDue]] = {}  # batch -> its parts' requests, answers to come
-        self.updating: list[Future] = []  # rank 0's update_weights calls of the sync under way
+        self.answers_due: dict[int, list[tuple[Exchange, Deadline]]] = {}  # batch -> its parts' requests
+        self.updating: list[Exchange] = []  # rank 0's update_weights calls of the sync under way
         self.connected = False
         self.adapter: Optional[str] = None  # rank 0: the name of the adapter the servers hold (--lora_sync adapters)
+        self.lora_sync = Path(args.output_dir).resolve() / LORA_SYNC_FOLDER  # where the servers read it from
+        self.output_identity = None  # rank 0: output_dir's (plumbing.Folder.identity), where adapters are written
+        if sends_adapter_files(args) and dist_info.master:
+            with plumbing.Folder.at(args.output_dir) as root:  # the folder the run holds (its lock is in it)
+                self.output_identity = root.identity
         self.adapter_prefix = f"rloo-{secrets.token_hex(4)}"  # rank 0's, the run's: a name no earlier run used
         if sends_adapter_files(args) and dist_info.world_size > 1:
             prefix = [self.adapter_prefix]
             dist.broadcast_object_list(prefix, src=0)
             self.adapter_prefix = prefix[0]
+        deadline = engine_deadline(args)
         for url in self.urls if dist_info.master else self.mine:
-            self.wait_until_up(url)
+            self.wait_until_up(url, deadline)
         with answer_of(self.mine[0]):  # the served model's name
-            self.model = str(http_json(f"{self.mine[0]}/v1/models", None, self.timeout)["data"][0]["id"])
+            self.model = str(self.ask(self.mine[0], "v1/models")["data"][0]["id"])
 
-    def wait_until_up(self, url: str) -> None:
+    def call(self, url: str, route: str, body: Optional[dict], deadline: Deadline,
+             json_answer: bool = True) -> Exchange:
+        """GET a server's route (body None) or POST `body` to it, on an Exchange of its own (http_json)."""
+        return Exchange(f"vLLM server {url} (/{route.split('?')[0]})",
+                        functools.partial(http_json, f"{url}/{route}", body, max(1.0, deadline.left()), json_answer))
+
+    def ask(self, url: str, route: str, body: Optional[dict] = None, deadline: Optional[Deadline] = None):
+        """A server's answer (call), within the deadline (None: --engine_timeout from now)."""
+        deadline = deadline or engine_deadline(self.args)
+        return self.call(url, route, body, deadline).result(deadline)
+
+    def wait_until_up(self, url: str, deadline: Deadline) -> None:
         """A server may still be loading its model: its /health answers once it serves."""
-        deadline = time.monotonic() + self.timeout
         while True:
             try:
-                http_json(f"{url}/health", None, self.timeout)
+                self.ask(url, "health", deadline=deadline)
                 return
             except EngineError as e:
-                if time.monotonic() > deadline:
-                    raise EngineError(f"{e} (not up within --engine_timeout {self.timeout:.0f} s)") from None
-                time.sleep(1.0)
+                if deadline.left() == 0:
+                    raise EngineError(f"{e} (not up within {deadline.flag})") from None
+                time.sleep(min(1.0, deadline.left()))
 
-    def on_all(self, route: str, body: Optional[dict] = None, json_answer: bool = True) -> list:
+    def on_all(self, route: str, body: Optional[dict], deadline: Deadline, json_answer: bool = True) -> list:
         """POST `body` to `route` of every server at once; their answers, once all have answered."""
-        calls = [self.calls.submit(http_json, f"{url}/{route}", body or {}, self.timeout, json_answer)
-                 for url in self.urls]
-        return [call.result() for call in calls]
+        calls = [self.call(url, route, body or {}, deadline, json_answer) for url in self.urls]
+        return [call.result(deadline) for call in calls]
 
     def check_server(self, url: str, backend: str) -> None:
         """Refuse a server whose configuration cannot serve this run, with the flag that fixes it."""
         with answer_of(url):
-            info = http_json(f"{url}/server_info?config_format=json", None, self.timeout)
+            info = self.ask(url, "server_info?config_format=json")
             config = info["vllm_config"]
             served = (config.get("weight_transfer_config") or {}).get("backend")
             logprobs_mode = config["model_config"].get("logprobs_mode")
@@ -1812,101 +2106,127 @@ class VLLMServers:
             raise EngineError(f"vLLM server {url} {lacks}, but --lora_sync adapters loads rank-{self.args.lora_r} "
                               f"adapters into it at every sync: restart it with {fix}")
 
+    def workers(self, url: str) -> int:
+        """The members a server brings to the weight group (its tensor x pipeline x data parallel workers)."""
+        with answer_of(url):
+            count = self.ask(url, "get_world_size")["world_size"]
+        if type(count) is not int or not 1 <= count <= MAX_WORKERS:
+            raise EngineError(f"vLLM server {url} sent the world size {plumbing.inert(repr(count), 80)}, not a number "
+                              f"of workers from 1 to {MAX_WORKERS}")
+        return count
+
     def connect(self, backend: str, packed_bytes: int) -> GlooWeightGroup | NcclWeightGroup:
         """Rank 0: each server's workers (tensor x pipeline x data parallel) join the weight group after the
-        trainer's rank 0, in the order of the URLs."""
+        trainer's rank 0, in the order of the URLs; a server whose join fails stops the wait at once."""
         for url in self.urls:
             self.check_server(url, backend)
-        workers = []
-        for url in self.urls:
-            with answer_of(url):
-                workers.append(int(http_json(f"{url}/get_world_size", None, self.timeout)["world_size"]))
+        workers = [self.workers(url) for url in self.urls]
         offsets = [1 + sum(workers[:i]) for i in range(len(self.urls))]
         host, port, size = trainer_host(), self.args.engine_port + 1, 1 + sum(workers)
-        joins = []
-        for url, offset in zip(self.urls, offsets):
-            info = init_info(backend, host, port, offset, size, packed_bytes, self.timeout)
-            joins.append(self.calls.submit(http_json, f"{url}/init_weight_transfer_engine", {"init_info": info},
-                                           self.timeout))
-        group = trainer_weight_group(backend, host, port, size, self.timeout)  # complete once all have joined
+        deadline = sync_deadline(self.args)
+        joins = [self.call(url, "init_weight_transfer_engine", {"init_info": init_info(
+            backend, host, port, offset, size, packed_bytes, self.args)}, deadline)
+                 for url, offset in zip(self.urls, offsets)]
+
+        def check() -> None:
+            for join in joins:
+                join.raise_if_failed()
+
+        group = bounded(f"{', '.join(self.names)} (joining the weight group at {host}:{port})", functools.partial(
+            trainer_weight_group, backend, host, port, size, gloo_timeout(self.args)), deadline, check)
         for join in joins:
-            join.result()
+            join.result(deadline)
         self.connected = True
         return group
 
     def send(self, batch: int, parts: list[dict]) -> None:
-        answers_due = []
-        for url, part in zip(self.mine, parts):
-            model = self.adapter_name(part["version"]) if sends_adapter_files(self.args) else self.model
-            body = completions_body(model, part["queries"], part["query_mask"], part["k"], self.args,
-                                    part["stop_token_id"], settings_of(part))
-            answer = self.requests.submit(http_json, f"{url}/v1/completions", body, self.timeout)
-            answers_due.append(AnswerDue(answer, part["pad_token_id"], body["max_tokens"]))
-        self.answers_due[batch] = answers_due
+        deadline = engine_deadline(self.args)  # of each request as a whole
+        self.answers_due[batch] = [(self.call(url, "v1/completions", completions_body(
+            self.adapter_name(part["version"]) if sends_adapter_files(self.args) else self.model, part["queries"],
+            part["query_mask"], part["k"], self.args, part["stop_token_id"], settings_of(part)), deadline), deadline)
+            for url, part in zip(self.mine, parts)]
 
     def receive(self, batch: int) -> list[dict]:
-        results = []
-        for url, due in zip(self.mine, self.answers_due.pop(batch)):
-            with answer_of(url):
-                choices = sorted(due.answer.result()["choices"], key=lambda c: c["index"])  # one per prompt, in order
-                results.append({"responses": padded_responses([c["token_ids"] for c in choices], due.length,
-                                                              due.pad_token_id),
-                                "sampler_logprobs": padded_responses([c["logprobs"]["token_logprobs"]
-                                                                      for c in choices], due.length, 0, torch.float32)})
-        return results  # vLLM seeds its own sampler: no RNG state
+        return [answer.result(deadline) for answer, deadline in self.answers_due.pop(batch)]  # no RNG state: vLLM
+        # seeds its own sampler
 
-    def begin_sync(self, version: int, info: dict) -> None:
+    def begin_sync(self, version: int, info: dict, deadline: Deadline) -> None:
         """Rank 0: every server has started the update; their update_weights calls wait for the buckets."""
-        self.on_all("start_weight_update")
-        self.updating = [self.calls.submit(http_json, f"{url}/update_weights", {"update_info": info},
-                                           self.timeout) for url in self.urls]
+        self.on_all("start_weight_update", None, deadline)
+        self.updating = [self.call(url, "update_weights", {"update_info": info}, deadline) for url in self.urls]
 
-    def end_sync(self, version: int) -> None:
+    def check(self) -> None:
         for call in self.updating:
-            call.result()
-        self.on_all("finish_weight_update", {"weight_version": str(version)})
-        self.on_all("reset_prefix_cache")  # cached prompt KV was computed by the old weights
+            call.raise_if_failed()
+
+    def end_sync(self, version: int, deadline: Deadline) -> None:
+        for call in self.updating:
+            call.result(deadline)
+        self.on_all("finish_weight_update", {"weight_version": str(version)}, deadline)
+        self.on_all("reset_prefix_cache", None, deadline)  # cached prompt KV was computed by the old weights
 
     def adapter_name(self, version: int) -> str:
         return f"{self.adapter_prefix}-v{version}"
 
-    def load_adapter(self, version: int, files: dict[str, bytes]) -> None:
-        """Every server loads the adapter from output_dir/lora_sync/<its new name>; the one before is unloaded (vLLM
-        keeps at most --max-loras in its memory, evicting the least recently used) and its files deleted."""
+    def load_adapter(self, version: int, files: dict[str, bytes], deadline: Deadline) -> None:
+        """Every server loads the adapter from output_dir/lora_sync/<its new name> (written through the folders'
+        handles, never through a link); the one before is unloaded (vLLM keeps at most --max-loras in its memory,
+        evicting the least recently used) and its files deleted."""
         name = self.adapter_name(version)
-        folder = (Path(self.args.output_dir) / LORA_SYNC_FOLDER / name).resolve()
-        folder.mkdir(parents=True)
-        for file, data in files.items():
-            plumbing.write_own(folder / file, data)
-        self.on_all("v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}, json_answer=False)
+        try:
+            with plumbing.Folder.at(self.args.output_dir, self.output_identity) as root, \
+                    root.folder(LORA_SYNC_FOLDER, create=True) as syncs, syncs.new_folder(name, 0o777) as folder:
+                for file, data in files.items():
+                    folder.write(file, data)
+        except OSError as e:
+            raise EngineError(f"could not write adapter {version} for the vLLM servers to {self.lora_sync / name}: "
+                              f"{plumbing.describe(e)}") from None
+        self.on_all("v1/load_lora_adapter", {"lora_name": name, "lora_path": str(self.lora_sync / name)}, deadline,
+                    json_answer=False)
         previous, self.adapter = self.adapter, name
         if previous is not None:
-            self.on_all("v1/unload_lora_adapter", {"lora_name": previous}, json_answer=False)
-            shutil.rmtree(folder.parent / previous, ignore_errors=True)
+            self.on_all("v1/unload_lora_adapter", {"lora_name": previous}, deadline, json_answer=False)
+            self.remove_adapter_files(previous)
+
+    def remove_adapter_files(self, name: str) -> None:
+        """The folder of adapter `name` deleted (the run's own: its name carries the run's prefix), and
+        output_dir/lora_sync too once nothing else is in it."""
+        with contextlib.suppress(OSError), plumbing.Folder.at(self.args.output_dir, self.output_identity) as root:
+            with root.folder(LORA_SYNC_FOLDER) as syncs:
+                syncs.remove_tree(name)
+                if syncs.entries():
+                    return
+            os.rmdir(LORA_SYNC_FOLDER, dir_fd=root.fd)
 
     def explain(self, failure: EngineError) -> EngineError:
-        """The first server that no longer answers, when one does not."""
-        for url in self.urls:
+        """The server whose update_weights failed, or the first that no longer answers, when one does not."""
+        try:
+            self.check()
+        except EngineError as e:
+            return e
+        deadline = Deadline.after(min(self.timeout, 10.0), "--engine_timeout")
+        health = [self.call(url, "health", None, deadline) for url in self.urls]
+        for call in health:
             try:
-                http_json(f"{url}/health", None, min(self.timeout, 10.0))
+                call.result(deadline)
             except EngineError as e:
                 return e
-        return EngineError(f"{failure} (servers {', '.join(self.urls)})")
+        return failure
 
-    def close(self) -> None:
-        """Rank 0 releases the servers' end of the weight group, so that they serve a later trainer."""
+    def close(self, failed: bool = False) -> None:
+        """Rank 0 releases the servers' end of the weight group, so that they serve a later trainer (also after a
+        failure: a server that answers is freed, within 10 s)."""
         if self.connected:
-            for url in self.urls:
+            deadline = Deadline.after(min(self.timeout, 10.0), "--engine_timeout")
+            releases = [self.call(url, "shutdown_weight_transfer_engine", {}, deadline) for url in self.urls]
+            for release in releases:
                 with contextlib.suppress(EngineError):
-                    http_json(f"{url}/shutdown_weight_transfer_engine", {}, min(self.timeout, 10.0))
-                if self.adapter is not None:
-                    with contextlib.suppress(EngineError):
-                        http_json(f"{url}/v1/unload_lora_adapter", {"lora_name": self.adapter},
-                                  min(self.timeout, 10.0), json_answer=False)
-        if self.dist_info.master and sends_adapter_files(self.args):
-            shutil.rmtree(Path(self.args.output_dir) / LORA_SYNC_FOLDER, ignore_errors=True)
-        self.requests.shutdown(wait=False, cancel_futures=True)
-        self.calls.shutdown(wait=False, cancel_futures=True)
+                    release.result(deadline)
+        if self.adapter is not None:  # rank 0: its last adapter unloaded, within 10 s, and its files deleted
+            deadline = Deadline.after(min(self.timeout, 10.0), "--engine_timeout")
+            with contextlib.suppress(EngineError):
+                self.on_all("v1/unload_lora_adapter", {"lora_name": self.adapter}, deadline, json_answer=False)
+            self.remove_adapter_files(self.adapter)
 
 
 # ===================================================================== transport: colocated vLLM
@@ -1934,54 +2254,60 @@ class ColocatedRollouts:
         self.version, self.engine_version = 0, None  # the updates the policy has had; those whose weights it holds
         self.synced = None if sends_adapter_files(args) else SyncedWeights(policy, args)
         check_native_in_vllm(policy)
+        self.name = f"rank {dist_info.rank}'s vLLM engine"
+        self.thread = EngineThread(self.name)  # where the engine is built and every call to it runs
         self.engine, error = None, None
         try:
             register_weight_transfer_backends()
-            self.engine = VLLMEngine(args, dist_info.rank, "in_process")
-            if args.vllm_enable_sleep_mode:
-                self.engine.llm.sleep(level=2)  # its weights come from the trainer before it samples
-        except Exception as e:
-            error = self.failed(e)
+            self.engine = self.call(f"{self.name} (starting)", functools.partial(
+                VLLMEngine, args, dist_info.rank, "in_process"), engine_deadline(args))
+            if args.vllm_enable_sleep_mode:  # its weights come from the trainer before it samples
+                self.call(self.name, functools.partial(self.engine.llm.sleep, level=2), engine_deadline(args))
+        except EngineError as e:
+            error = e
         failure = agree(dist_info, error)
         if failure is not None:
             raise failure
 
-    def failed(self, error: Exception) -> EngineError:
-        return EngineError(f"rank {self.dist_info.rank}'s vLLM engine failed: {plumbing.describe(error)}")
+    def call(self, what: str, call: Callable[[], Any], deadline: Deadline):
+        """call() on the engine's thread, bounded (an Exchange)."""
+        return bounded(what, call, deadline, on=self.thread)
 
     def load_weights(self) -> Optional[EngineError]:
-        """The policy's weights into the engine, bucket by bucket (with FSDP every rank gathers each bucket's
-        parameters, one bucket unsharded at a time, and keeps gathering after a failure so that no rank hangs): all
-        at the first load and after a sleep (which drops them), else those an update changed (SyncedWeights); or,
-        with --lora_sync adapters, the adapter's files."""
+        """The policy's weights into the engine, bucket by bucket, within --weight_sync_timeout (with FSDP every rank
+        gathers each bucket's parameters, one bucket unsharded at a time, and keeps gathering after a failure so
+        that no rank hangs): all at the first load and after a sleep (which drops them), else those an update changed
+        (SyncedWeights); or, with --lora_sync adapters, the adapter's files."""
+        deadline = sync_deadline(self.args)
         if self.synced is None:
             files = adapter_files(self.policy)  # (FSDP: all ranks gather)
             try:
-                self.engine.load_adapter(self.version, files)
-            except Exception as e:
-                return self.failed(e)
+                self.call(f"{self.name} (loading update {self.version}'s adapter)",
+                          functools.partial(self.engine.load_adapter, self.version, files), deadline)
+            except EngineError as e:
+                return e
             return None
-        error = None
+        what, error = f"{self.name} (loading update {self.version}'s weights)", None
         first = self.engine_version is None or self.args.vllm_enable_sleep_mode
         try:
             if self.args.vllm_enable_sleep_mode:
-                self.engine.llm.wake_up(tags=["weights"])
-            self.engine.start_weight_update()
-        except Exception as e:
-            error = self.failed(e)
+                self.call(what, functools.partial(self.engine.llm.wake_up, tags=["weights"]), deadline)
+            self.call(what, self.engine.start_weight_update, deadline)
+        except EngineError as e:
+            error = e
         with torch.no_grad():
             for bucket in (self.synced.first if first else self.synced.later).buckets:
                 weights = list(zip([entry.name for entry in bucket], self.synced.values(bucket)))
                 if error is None:
                     try:
-                        self.engine.update_weights({"weights": weights})
-                    except Exception as e:
-                        error = self.failed(e)
+                        self.call(what, functools.partial(self.engine.update_weights, {"weights": weights}), deadline)
+                    except EngineError as e:
+                        error = e
         if error is None:
             try:
-                self.engine.finish_weight_update()  # and its prefix cache emptied
-            except Exception as e:
-                error = self.failed(e)
+                self.call(what, self.engine.finish_weight_update, deadline)  # and its prefix cache emptied
+            except EngineError as e:
+                error = e
         return error
 
     def submit(self, queries: torch.Tensor, query_mask: torch.Tensor, sampling: rloo.SamplingSettings) -> None:
@@ -1998,22 +2324,25 @@ class ColocatedRollouts:
         seeds = torch.randint(2**62, (k * num_prompts,), generator=self.generator,
                               device=self.generator.device).tolist()  # one per completion, in the (k, B) layout
         if error is None:
+            request = {"queries": queries.cpu(), "query_mask": query_mask.cpu(), "k": k, "seeds": seeds,
+                       "stop_token_id": self.stop_token_id, "pad_token_id": self.pad_token_id,
+                       **sampling_request(sampling, self.args)}
+            deadline = engine_deadline(self.args)
             try:
                 if self.args.vllm_enable_sleep_mode:
-                    self.engine.llm.wake_up(tags=["kv_cache"])
-                result = self.engine.generate({"queries": queries.cpu(), "query_mask": query_mask.cpu(), "k": k,
-                                               "stop_token_id": self.stop_token_id, "seeds": seeds,
-                                               "pad_token_id": self.pad_token_id,
-                                               **sampling_request(sampling, self.args)})
+                    self.call(self.name, functools.partial(self.engine.llm.wake_up, tags=["kv_cache"]), deadline)
+                result = answered(self.call(self.name, functools.partial(self.engine.generate, request), deadline),
+                                  Asked(self.name, k * num_prompts, sampling.max_new_tokens),
+                                  self.policy.config.vocab_size, self.stop_token_id, self.pad_token_id)
                 if self.args.vllm_enable_sleep_mode:
-                    self.engine.llm.sleep(level=2)
-            except Exception as e:
-                error = self.failed(e)
+                    self.call(self.name, functools.partial(self.engine.llm.sleep, level=2), deadline)
+            except EngineError as e:
+                error = e
         failure = agree(self.dist_info, error)  # every rank stops at this same point, or none does
         if failure is not None:
             raise failure
-        return rloo.completions_of(queries, query_mask, result["responses"], sampling, self.stop_token_id,
-                                   self.pad_token_id, result["sampler_logprobs"]), {"time/weight_sync": sync}
+        return rloo.completions_of(queries, query_mask, result.responses, sampling, self.stop_token_id,
+                                   self.pad_token_id, result.sampler_logprobs), {"time/weight_sync": sync}
 
     @contextlib.contextmanager
     def behaviour_policy(self, policy):

@@ -353,8 +353,11 @@ def throughput_step(k: int, variant: str) -> Step:
                                                 batch_of(config) // k * config.updates, config)
         run_dir = throughput.fresh_run_dir(REPO_ROOT / config.runs_dir / f"throughput_k{k}_{variant}")
         full = trainer_command(args, trainer) + throughput.trainer_flags(config, k, assets, run_dir) + own
-        seconds, rss = throughput.run_trainer(full, run_dir.parent / f"{run_dir.name}.log", "gpu_suite",
-                                              timeout=deadline - time.time())
+        try:
+            seconds, rss = throughput.run_trainer(full, run_dir.parent / f"{run_dir.name}.log", "gpu_suite",
+                                                  timeout=deadline - time.time())
+        finally:  # measured from metrics.jsonl: the weights only fill the disk
+            throughput.drop_weights(run_dir)
         summary = throughput.summarize_run(run_dir / "metrics.jsonl", config, rss)
         peaks = json.loads((results / "limits.json").read_text())["bf16" if config.bf16 else "fp32"]
         summary.update(accounting.achieved(summary, accounting.block_parameters(throughput.pythia_config(shape)),
@@ -474,8 +477,11 @@ def vllm_step(name: str) -> Step:
         else:
             command = generation_modes.mode_command("colocate", modes)
         full = command + throughput.trainer_flags(modes, 2, assets, run_dir)
-        seconds, rss = throughput.run_trainer(full, run_dir.parent / f"{run_dir.name}.log", "gpu_suite",
-                                              timeout=deadline - time.time())
+        try:
+            seconds, rss = throughput.run_trainer(full, run_dir.parent / f"{run_dir.name}.log", "gpu_suite",
+                                                  timeout=deadline - time.time())
+        finally:
+            throughput.drop_weights(run_dir)
         summary = throughput.summarize_run(run_dir / "metrics.jsonl", modes, rss)
         rows = read_rows(run_dir / "metrics.jsonl", modes.warmup_updates)
         summary["weight_sync_s"] = statistics.mean(row.get("time/weight_sync", 0.0) for row in rows)
@@ -652,7 +658,7 @@ def table(args: Args, results: Path) -> str:
                      f"{step['score_first_3']:.3f} (first 3 updates) -> {step['score_last_3']:.3f} (last 3): "
                      + ("learns" if step["learns"] else f"rose less than {demo.MIN_RISE}"))
     text = "\n".join(lines) + "\n"
-    plumbing.write_own(results / "table.md", text + TABLE_MARK)  # never through a link
+    plumbing.write_own(results / "table.md", plumbing.marked_text(text + "\n", WRITER))  # never through a link
     return text
 
 
@@ -679,12 +685,12 @@ def check_args(args: Args, results: Path, now: float) -> None:
                                    "pass a --results_dir outside it")
     table_md = results / "table.md"  # the suite's own (its mark), or none: a user's table.md is never replaced
     if not args.estimate_only and (table_md.is_symlink() or table_md.exists()) and (
-            table_md.is_symlink() or plumbing.written_by(table_md) != "benchmark/gpu_suite.py"):
+            table_md.is_symlink() or plumbing.written_by(table_md) != WRITER):
         raise plumbing.ConfigError(f"{plumbing.inert(table_md, 200)} exists and the suite did not write it: it "
                                    "would be replaced; move it, or pass another --results_dir")
 
 
-TABLE_MARK = "\n<!-- written by benchmark/gpu_suite.py -->\n"  # plumbing.written_by reads it
+WRITER = "benchmark/gpu_suite.py"  # the mark of its table.md (plumbing.marked_text), which it alone replaces
 
 
 WRAP_UP_S = 5.0  # kept from the budget for what follows the last step (the table, the exit)

@@ -156,8 +156,9 @@ def main(args: Args) -> None:
               "trl_final_true_score_sampled": trl_final, "trl_final_training_true_score": trl_curve_final,
               "results": results, "seconds": time.time() - start}
     plumbing.write_own(output_dir / "learning.json", json.dumps({"written_by": WRITER, **report}, indent=2) + "\n")
-    plumbing.write_own(output_dir / "learning.md", f"Mean (min to max) over seeds {list(args.seeds)}, "
-                       f"{args.total_episodes} episodes each.\n\n{table}\n\n<!-- written by {WRITER} -->\n")
+    plumbing.write_own(output_dir / "learning.md", plumbing.marked_text(
+        f"Mean (min to max) over seeds {list(args.seeds)}, {args.total_episodes} episodes each.\n\n{table}\n\n",
+        WRITER))
     print(f"wrote {output_dir}/learning.json, .md and the PNGs ({time.time() - start:.0f}s)")
 
 

@@ -13,7 +13,6 @@ taken over seeds on that grid. A run that lacks a metric is left out of that pan
 
 import csv
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -162,11 +161,7 @@ def plot_grid(methods: dict[str, dict[str, Run]], png_path: Path, metrics: tuple
     handles = [Line2D([], [], color=colors[name], label=f"{name} ({len(runs)} runs)") for name, runs in methods.items()]
     fig.legend(handles=handles, loc="upper center", ncol=len(handles), title="mean over seeds; band: min to max")
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.8 / fig.get_figheight()))  # ~0.8 inch on top for the legend
-    Path(png_path).parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(png_path).with_name(f".{Path(png_path).name}.partial")
-    with plumbing.new_file(partial, binary=True) as f:  # never through a link; whole or not at all
-        fig.savefig(f, dpi=120, format="png", metadata={"Software": plumbing.PNG_WRITER + writer})
-    os.replace(partial, png_path)
+    plumbing.save_png(fig, png_path, writer, dpi=120)  # never through a link; whole or not at all
     plt.close(fig)
 
 

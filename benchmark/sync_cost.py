@@ -218,7 +218,7 @@ def main(args: Args) -> None:
     text = tables(args)
     print(text)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    plumbing.write_own(Path(args.output), text + f"\n<!-- written by {WRITER} -->\n")
+    plumbing.write_own(Path(args.output), plumbing.marked_text(text + "\n", WRITER))
 
 
 if __name__ == "__main__":

@@ -338,6 +338,18 @@ def trl116_command(site: str) -> tuple[list[str], Optional[str]]:
     return ["env", f"PYTHONPATH={path}", sys.executable, "benchmark/trl116_rloo.py"], problem
 
 
+def drop_weights(run_dir: Path) -> None:
+    """A measured run's weights removed (its checkpoints, and the final model's weight files), its metrics, args and
+    log kept: a pythia-1b run writes about 12 GB (the fp32 policy, and the last checkpoint with AdamW's moments), and
+    a GPU machine's disk holds only a few such runs (a 64 GiB disk filled at the fifth). Only inside a run directory
+    this module made (fresh_run_dir); a link is removed as a link, never followed."""
+    for path in run_dir.iterdir():
+        if path.name == "checkpoints" and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.suffix in (".safetensors", ".bin", ".pt") and (path.is_file() or path.is_symlink()):
+            path.unlink()
+
+
 def fresh_run_dir(path: Path) -> Path:
     """An empty run directory: rloo.py refuses to start over a directory that holds an earlier run. What is there
     is removed only if it is an earlier run's (a trainer's metrics.jsonl, or only what an rloo.py run writes,
@@ -569,8 +581,8 @@ def write_report(name: str, args, batch: int, results: dict, table: str, start: 
     report = report or {"hardware": {**hardware(), **({"measured": peaks} if peaks else {})}, "config": asdict(args),
                         "completions_per_update": batch, "results": results, "seconds": time.time() - start}
     plumbing.write_own(json_path, json.dumps({"written_by": writer, **report}, indent=2) + "\n")
-    plumbing.write_own(md_path, f"Hardware: {json.dumps(report['hardware'])}\n\nConfig: {json.dumps(asdict(args))}\n\n"
-                       f"{table}\n" + f"\n<!-- written by {writer} -->\n")
+    plumbing.write_own(md_path, plumbing.marked_text(f"Hardware: {json.dumps(report['hardware'])}\n\nConfig: "
+                                                     f"{json.dumps(asdict(args))}\n\n{table}\n\n", writer))
     print(f"wrote {json_path.parent}/{name}.json and .md ({time.time() - start:.0f}s)")
 
 

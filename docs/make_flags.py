@@ -100,8 +100,8 @@ TRL_OTHER_ROWS = [  # (rloo.py's name, TRL >= 0.22's, what rloo.py does with it)
      "tensorboard`, refused in one line without it"),
     ("`--config FILE.yaml`", "`--config FILE.yaml` (the `trl` command's)",
      "the same format: a mapping of flag names to values, TRL's names and rloo.py's alike; a flag on the command "
-     "line wins over the file's, under either name; an unknown key, an `env:` section or a launcher key is one line "
-     "naming the file"),
+     "line wins over the file's, under either name; an unknown key, an `env:` section, a launcher key or one flag "
+     "under two of its names is one line naming the file"),
     ("`--num_train_epochs`", "`--num_train_epochs`",
      "TRL 1.16's meaning: passes over the prompts, each sampled k times (`num_train_epochs x prompts x k` episodes); "
      "TRL <= 0.21 counted `num_train_epochs x prompts` episodes, 1/k of it. The start-up line says what an epoch is "

@@ -8,7 +8,10 @@ by those below it:
   startup       before torch loads: OpenMP's waiting threads sleep; Ctrl-C while a script imports is one line
   errors        ConfigError (bad input: one line, exit 2), Fault (a run stopped: one line, exit 4), reading an input,
                 outside words made inert
+  folders       the run's folders by handle: new files only, never through a link, libraries' files put in place
   flags         InputArgs (models, data) and RunArgs (the run's flags), which rloo.py's Args extends; their checks
+  schedule      the run's length in updates and optimizer steps, the interval flags' unit, the learning rate of each
+                optimizer step: TRL <= 0.21's arithmetic or TRL 1.16's Trainer's (--trl_defaults 1.16)
   distributed   torchrun's ranks, their devices and seeds, FSDP2, all-reduce, late ranks named
   faults        stop signals, NaN/inf on every rank and the offending batch, the rollout source's failure, the
                 console that cannot stop a run, work in a thread a signal can stop
@@ -28,7 +31,9 @@ by those below it:
 
 from .startup import *  # noqa: F401,F403  first: before anything imports torch
 from .errors import *  # noqa: F401,F403
+from .folders import *  # noqa: F401,F403
 from .flags import *  # noqa: F401,F403
+from .schedule import *  # noqa: F401,F403
 from .distributed import *  # noqa: F401,F403
 from .faults import *  # noqa: F401,F403
 from .data import *  # noqa: F401,F403

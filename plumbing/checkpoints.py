@@ -5,12 +5,13 @@ calls.
 """
 
 import contextlib
+import copy
+import errno
 import hashlib
 import inspect
 import io
 import json
 import math
-import os
 import pickle
 import random
 import re
@@ -28,11 +29,12 @@ import torch
 import torch.distributed as dist
 
 from .distributed import barrier, is_fsdp_unit, note_phase, rank0_view, seed_everything, unwrapped
-from .errors import (WRITE_ERRORS, ConfigError, Fault, RewardFunctionError, describe, first_line, reading,
-                     without_credentials, write_own)
+from .errors import (WRITE_ERRORS, ConfigError, Fault, RewardFunctionError, describe, first_line, inert, reading,
+                     without_credentials)
 from .faults import RolloutSourceError
+from .folders import Folder, FolderMoved, own_file_system
 from .runlog import MetricsWriteError
-from .models import AdaptersOff, load_pretrained, save_merged_policy, weights_readable_as_the_rest
+from .models import AdaptersOff, load_pretrained, save_merged_policy
 from .outputdir import (
     ABANDONED,
     CHECKPOINTS,
@@ -44,7 +46,9 @@ from .outputdir import (
     check_output_dir,
     checkpoint_dirs,
     latest_checkpoint,
-    remove_checkpoint,
+    move_aside,
+    read_json,
+    run_record,
     run_ids,
     settle_output_dir,
     steps_to_prune,
@@ -56,7 +60,7 @@ __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.
     "model_identity", "run_inputs", "input_identities", "check_same_inputs", "unsafe_metadata", "unsafe_shards",
     "unreadable_weights", "checkpoint_problem", "save_checkpoint", "save_final_policy", "RANK_FILE",
     "TRAINER_STATE_KEYS", "read_checkpoint", "resume_checkpoint", "check_resumable", "FieldsState", "fingerprint",
-    "reference_tensors", "Checkpointer",
+    "reference_tensors", "Checkpointer", "Verdict",
 ]
 
 
@@ -97,7 +101,31 @@ class Generators:
         return rng_state(self.sampling)
 
     def load_state_dict(self, state: dict) -> None:
+        problem = generators_problem(state, self.sampling.device)
+        if problem is not None:  # never half set
+            raise ValueError(problem)
         set_rng_state(state, self.sampling)
+
+
+def generators_problem(state, device: torch.device) -> Optional[str]:
+    """Why `state` (Generators.state_dict()'s) cannot set a rank's generators (on `device`), or None: each state tried
+    on a scratch generator of its kind, so that a forged or foreign one is refused as a whole, and before any model
+    loads (Checkpointer.check_continues)."""
+    names = {"python", "torch", "sampling", "numpy"}
+    if not isinstance(state, dict) or not names <= state.keys() <= names | {"cuda"}:
+        return f"the generators' states are {describe_value(state)}, not {sorted(names)} (and 'cuda' on a GPU)"
+    try:
+        random.Random().setstate(state["python"])
+        numpy_state = state["numpy"]
+        np.random.RandomState().set_state(("MT19937", numpy_state["keys"].numpy().astype(np.uint32),
+                                           numpy_state["position"], numpy_state["has_gauss"], numpy_state["gauss"]))
+        torch.Generator().set_state(state["torch"])
+        torch.Generator(device).set_state(state["sampling"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.Generator("cuda").set_state(state["cuda"])
+    except Exception as e:  # whatever each kind's own check raises (TypeError, ValueError, RuntimeError, KeyError)
+        return f"the generators' states cannot be set ({describe(e)})"
+    return None
 
 
 MAX_PICKLE_BYTES = 16 * 2**20  # the values outside tensors of one checkpoint file (the optimizer's layout, flags)
@@ -126,39 +154,66 @@ def load_safely(source: Path | io.BytesIO, name: Optional[str] = None):
         raise ConfigError(f"{name} cannot be read ({first_line(e)})") from None
 
 
-def save_policy(policy, tokenizer, path: Path, rank: int) -> None:
-    """The policy in HF format (with --use_peft, its adapter in peft's format) and its tokenizer at `path`, written
-    by rank 0. With FSDP a collective: every rank sends its shards to rank 0's CPU first."""
-    state = None
+def save_policy(policy, tokenizer, path: Path | Folder, rank: int) -> None:
+    """The policy in HF format (with --use_peft, its adapter in peft's format) and its tokenizer in the folder `path`,
+    written by rank 0: the libraries write into a private folder of the run's, whose files then take their names in
+    `path` (Folder.adopt: none over a name that is taken, none through a link). With FSDP a collective: every rank
+    sends its shards to rank 0's CPU first, of the trained parameters alone with LoRA (the adapters whole; the frozen
+    base, never saved, stays sharded)."""
+    state, adapters = None, hasattr(policy, "peft_config")
     if is_fsdp_unit(policy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:
-        policy.save_pretrained(path, state_dict=state)
-        tokenizer.save_pretrained(path)
-        weights_readable_as_the_rest(Path(path))
-        if state is not None:  # fully_shard renamed the class FSDP<Model>: record the model's own name
-            config_path = Path(path) / "config.json"
-            config = json.loads(config_path.read_text())
-            config["architectures"] = [name.removeprefix("FSDP") for name in config.get("architectures") or []]
-            config_path.write_text(json.dumps(config, indent=2) + "\n")
+        state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                      ignore_frozen_params=adapters))
+    if rank != 0:
+        return
+    with contextlib.ExitStack() as held:
+        folder = path if isinstance(path, Folder) else held.enter_context(Folder.at(path, create=True))
+        private = held.enter_context(folder.private(PRIVATE))
+        try:
+            policy.save_pretrained(private.os_path, state_dict=state)
+            tokenizer.save_pretrained(private.os_path)
+            if state is not None and not adapters:  # fully_shard renamed the class FSDP<Model>: record the model's own name
+                with private.open_read("config.json") as f:
+                    config = json.loads(f.read())
+                config["architectures"] = [name.removeprefix("FSDP") for name in config.get("architectures") or []]
+                private.write("config.json", json.dumps(config, indent=2) + "\n")
+            folder.adopt(private)
+        finally:
+            folder.remove_tree(private.path.name)
+
+
+PRIVATE = ".partial-"  # the start of the name of a private folder a library writes into (Folder.private)
 
 
 OPTIMIZER_SHARDS = "optimizer"  # a checkpoint's directory of sharded optimizer state (FSDP)
 
 
-def save_optimizer_state(model, optimizer, directory: Path, trainer_state: dict) -> None:
-    """With FSDP every rank writes its own shard of the optimizer state under directory/optimizer (a collective,
-    torch.distributed.checkpoint: no rank ever holds the whole); otherwise it goes into trainer_state."""
-    if is_fsdp_unit(model):
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(directory / OPTIMIZER_SHARDS))
-        trainer_state["optimizer"] = OPTIMIZER_SHARDS
-    else:
+def save_optimizer_state(model, optimizer, folder: Folder, trainer_state: dict, rank: int) -> None:
+    """With FSDP every rank writes its own shard of the optimizer state into the folder's optimizer/ (a collective,
+    torch.distributed.checkpoint, through new files only: own_file_system; no rank ever holds the whole); otherwise
+    it goes into trainer_state."""
+    if not is_fsdp_unit(model):
         trainer_state["optimizer"] = optimizer.state_dict()
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    if rank == 0:
+        folder.new_folder(OPTIMIZER_SHARDS).close()
+    barrier("saving the optimizer's shards")
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with folder.folder(OPTIMIZER_SHARDS) as shards:
+        writer = dcp.FileSystemWriter(shards.os_path)
+        writer.fs = own_file_system()
+        try:
+            dcp.save(get_optimizer_state_dict(model, optimizer), storage_writer=writer)
+        except CheckpointException as e:  # a BaseException holding each rank's failure: a full disk, a planted link
+            failures = [failure for failure, _ in e.failures.values()]
+            raise next((f for f in failures if isinstance(f, WRITE_ERRORS)), OSError(describe(failures[0]))) from None
+    trainer_state["optimizer"] = OPTIMIZER_SHARDS
 
 
 def load_optimizer_state(model, optimizer, checkpoint: Path, trainer_state: dict) -> None:
@@ -392,7 +447,7 @@ def checkpoint_problem(path: Path) -> Optional[str]:
     more than tensors and plain values (unsafe_shards). Collective when distributed."""
     shards = path / OPTIMIZER_SHARDS
     try:
-        listed = json.loads((path / MANIFEST).read_text())["files"]
+        listed = read_json(path, MANIFEST)["files"]
     except FileNotFoundError:
         return f"no {MANIFEST}, which every save writes: a copy that did not finish, or a damaged checkpoint"
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -419,89 +474,224 @@ def rank_file(rank: int) -> str:
     return f"rank{rank}.pt"
 
 
+RANK_FILE_KEYS = ("run_id", "update", "rank", "parts")  # what a rank file holds: whose parts, and the parts
+
+
+def rank_file_contents(run_id: Optional[str], update: int, rank: int, parts: dict) -> dict:
+    """What rank<r>.pt holds: the rank's own parts ({name: state_dict()}) and what proves whose they are (the run id,
+    the update and the rank), checked against the checkpoint's manifest on resume (rank_file_problem)."""
+    return {"run_id": run_id, "update": update, "rank": rank, "parts": parts}
+
+
+def rank_file_problem(saved, name: str, manifest: dict) -> Optional[str]:
+    """Why the rank file `name`, as loaded, is not that rank's file of the checkpoint whose manifest is `manifest`
+    (another run's, another update's, another rank's, an older format), or None."""
+    if not isinstance(saved, dict) or sorted(saved) != sorted(RANK_FILE_KEYS):
+        return (f"{name} holds {describe_value(saved) if not isinstance(saved, dict) else sorted(saved)}, not "
+                f"{list(RANK_FILE_KEYS)} (written by an older rloo.py, or not by a run)")
+    rank = int(name.removeprefix("rank").removesuffix(".pt"))
+    for key, expected in (("run_id", manifest.get("run_id")), ("update", manifest.get("update")), ("rank", rank)):
+        value = saved[key]
+        if type(value) is not type(expected) or value != expected:
+            where = "its name" if key == "rank" else MANIFEST
+            return f"{name} is of {key.replace('_', ' ')} {inert(repr(value), 80)}, but {where} says {expected!r}"
+    if not isinstance(saved["parts"], dict) or not all(isinstance(k, str) for k in saved["parts"]):
+        return f"{name}'s parts are {describe_value(saved['parts'])}, not a dict of parts by name"
+    return None
+
+
+def checkpoint_run_id(folder: Folder, name: str) -> Optional[str]:
+    """The run id that the checkpoint `name` in `folder` (a step_<n>, or the debris of a save, .tmp_step_<n>) names:
+    its manifest's, else its rank0.pt's; None where it names none (a folder of the user's, a link to one, a file)."""
+    with contextlib.suppress(OSError, ValueError, ConfigError, AttributeError), folder.folder(
+            name, follow=True) as checkpoint:
+        if checkpoint.lstat(MANIFEST) is not None:
+            with checkpoint.open_read(MANIFEST) as f:
+                run_id = json.loads(f.read(1 << 20)).get("run_id")
+        else:
+            run_id = load_safely(Path(checkpoint.os_path) / rank_file(0), f"{name}/{rank_file(0)}").get("run_id")
+        return run_id if isinstance(run_id, str) else None
+    return None
+
+
+def holds_no_file(folder: Folder, name: str) -> bool:
+    """Whether the folder `name` (not a link) holds no file at any depth: the debris of a save killed before it wrote
+    anything, which removing loses nothing."""
+    if not folder.is_folder(name):
+        return False
+    with folder.folder(name) as inner:
+        return all(holds_no_file(inner, entry) for entry in inner.entries())
+
+
+def remove_own_checkpoint(folder: Folder, name: str, run_id: Optional[str]) -> bool:
+    """The checkpoint `name` in `folder` (checkpoints/) removed if it is this run's (checkpoint_run_id: a link by its
+    name alone, never followed to remove) or holds no file; False, and nothing removed, otherwise."""
+    if folder.lstat(name) is None:
+        return True
+    if not (run_id is not None and checkpoint_run_id(folder, name) == run_id) and not holds_no_file(folder, name):
+        return False
+    folder.remove_tree(name)
+    return True
+
+
+def open_checkpoints(output_dir: str, identities: dict, create: bool = False) -> Folder:
+    """output_dir/checkpoints, held (a link to a folder followed: on another disk, where the checkpoints live); with
+    `identities` ({"output_dir": ..., CHECKPOINTS: ...}, the Folder identities taken at the run's start or first
+    save), FolderMoved if either is no longer the folder it was."""
+    with Folder.at(output_dir, identities.get("output_dir"), create=create) as root:
+        checkpoints = root.folder(CHECKPOINTS, create=create, follow=True)
+    if identities.get(CHECKPOINTS) is not None and checkpoints.identity != identities[CHECKPOINTS]:
+        checkpoints.close()
+        raise FolderMoved(errno.ESTALE, f"{inert(Path(output_dir) / CHECKPOINTS, 200)} is no longer the folder the "
+                                        "run started with (renamed, moved or replaced while the run wrote it)")
+    return checkpoints
+
+
 def save_checkpoint(output_dir: str, update: int, model, optimizer, tokenizer, trainer_state: dict, rank: int,
-                    save_total_limit: Optional[int], rank_state: dict) -> Path:
+                    save_total_limit: Optional[int], rank_state: dict, identities: Optional[dict] = None) -> Path:
     """Write output_dir/checkpoints/step_<update>: the policy in HF format (loadable on its own) and its
     tokenizer, trainer_state.pt (counters, args; the optimizer, or with FSDP the optimizer/ directory of shards;
-    the reference's weights where they changed), every rank's own parts `rank_state` in rank<r>.pt and, last,
-    manifest.json
-    with the size and sha256 of every file, by which a resume tells an intact checkpoint from a damaged one.
-    Everything goes into a temporary directory first, renamed into place once complete, so a process killed
-    mid-save leaves the previous checkpoints intact and no half-written step_<n>; a save that fails (a full disk)
-    removes its temporary directory and raises a Fault saying so. Multi-node runs need output_dir on a shared
-    filesystem: every rank writes its own file there."""
-    root = Path(output_dir) / CHECKPOINTS
-    final, partial = root / f"step_{update}", root / f".tmp_step_{update}"
-    what = f"saving checkpoint step_{update}"
+    the reference's weights where they changed), every rank's own parts `rank_state` in rank<r>.pt (with the run
+    id, the update and the rank: rank_file_contents) and, last, manifest.json with the size and sha256 of every
+    file, by which a resume tells an intact checkpoint from a damaged one. Everything goes into a private temporary
+    folder first (mode 0700, each file new: no link is followed, nothing is written over), renamed into place once
+    complete, so a process killed mid-save leaves the previous checkpoints intact and no half-written step_<n>; a
+    save that fails (a full disk) removes its temporary folder and raises a Fault saying so. --save_total_limit
+    removes only checkpoints of this run (their run id). `identities`: see open_checkpoints. Multi-node runs need
+    output_dir on a shared filesystem: every rank writes its own file there."""
+    name, partial = f"step_{update}", f".tmp_step_{update}"
+    run_id, what, identities = trainer_state.get("run_id"), f"saving checkpoint {name}", identities or {}
+    where = Path(output_dir) / CHECKPOINTS
+    writing = f"{where / partial / rank_file(rank)}"
     note_phase(what)
     try:
         if rank == 0:
-            remove_checkpoint(partial)  # debris of an earlier save that was killed (a link: removed, not followed)
-            partial.mkdir(parents=True)
+            with open_checkpoints(output_dir, identities, create=True) as checkpoints:
+                if not remove_own_checkpoint(checkpoints, partial, run_id):  # debris of an earlier save of this run
+                    raise Fault(f"{Path(output_dir) / CHECKPOINTS / partial} exists and is not this run's: move it "
+                                "out of the run's folder, then continue with --resume")
+                checkpoints.new_folder(partial).close()  # private while written: 0700
         barrier(what)
-        torch.save(rank_state, partial / rank_file(rank))
-        barrier(what)
-        save_optimizer_state(model, optimizer, partial, trainer_state)
-        save_policy(unwrapped(model), tokenizer, partial, rank)
-        if rank == 0:
-            torch.save(trainer_state, partial / TRAINER_STATE)
-        barrier(what)
-        digests = file_digests(partial)
-        if rank == 0:
-            (partial / MANIFEST).write_text(json.dumps({"files": digests, "run_id": trainer_state.get("run_id"),
-                                                        "update": update}, indent=1) + "\n")
+        with open_checkpoints(output_dir, identities) as checkpoints, checkpoints.folder(partial) as folder:
+            with folder.create(rank_file(rank)) as f:
+                torch.save(rank_file_contents(run_id, update, rank, rank_state), f)
+            barrier(what)
+            writing = f"{where / partial / OPTIMIZER_SHARDS}/" if is_fsdp_unit(model) else "the optimizer's state"
+            save_optimizer_state(model, optimizer, folder, trainer_state, rank)
+            writing = f"the policy and tokenizer in {where / partial}"
+            save_policy(unwrapped(model), tokenizer, folder, rank)
+            writing = f"{where / partial / TRAINER_STATE}"
+            if rank == 0:
+                with folder.create(TRAINER_STATE) as f:
+                    torch.save(trainer_state, f)
+            barrier(what)
+            writing = f"{where / partial / MANIFEST}"
+            strange = rank0_view(folder.strange_entries() if rank == 0 else [])
+            if strange:  # planted while it was written: nothing was written through it, but it is no checkpoint
+                raise OSError(errno.EPERM, f"{partial} holds {inert(strange[0], 120)}, which the run did not write: "
+                                           "something else writes in the run's folders")
+            digests = file_digests(Path(folder.os_path))
+            if rank == 0:
+                with folder.create(MANIFEST, binary=False) as f:
+                    f.write(json.dumps({"files": digests, "run_id": run_id, "update": update}, indent=1) + "\n")
+                folder.chmod()  # readable as the umask says, now that it is whole
+                writing = f"{where / name} (renamed from {partial})"
+                if not remove_own_checkpoint(checkpoints, name, run_id):  # this run's, written again after a fault
+                    raise Fault(f"{Path(output_dir) / CHECKPOINTS / name} exists and is not this run's: the "
+                                "checkpoint cannot take its name; move it out of the run's folder, then continue "
+                                "with --resume")
+                checkpoints.move(partial, checkpoints, name)  # atomic: step_<update> appears complete or not at all
+                ours = [int(m.group(1)) for n in checkpoints.entries() if (m := STEP_DIR.match(n))
+                        and checkpoint_run_id(checkpoints, n) == run_id]
+                for old in steps_to_prune(ours, save_total_limit, update):
+                    remove_own_checkpoint(checkpoints, f"step_{old}", run_id)
+    except FolderMoved as e:
+        raise Fault(f"could not write checkpoint {name}: {e.strerror}; the run's checkpoints are where it left them: "
+                    "put the folder back, then continue with --resume") from None
     except WRITE_ERRORS as e:
         if rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        previous, free = latest_checkpoint(output_dir), shutil.disk_usage(root).free / 2**30
-        raise Fault(f"could not write checkpoint step_{update} ({free:.3g} GiB free on its filesystem): "
-                    f"{first_line(e)}; the partial one is removed and "
-                    + (f"the newest, {previous}, is intact" if previous else "there is no earlier checkpoint")
-                    + ": free space (or fix the filesystem) and continue with --resume") from e
-    if rank == 0:
-        remove_checkpoint(final)  # the same update of this timeline, written again after a fault
-        os.replace(partial, final)  # atomic: step_<update> appears complete or not at all
-        steps = [int(m.group(1)) for d in root.iterdir() if (m := STEP_DIR.match(d.name))]
-        for old in steps_to_prune(steps, save_total_limit, update):
-            remove_checkpoint(root / f"step_{old}")
+            with contextlib.suppress(OSError), open_checkpoints(output_dir, identities) as checkpoints:
+                checkpoints.remove_tree(partial)
+        raise save_failed(e, f"checkpoint {name}", writing, output_dir) from e
     barrier(what)
-    return final
+    return Path(output_dir) / CHECKPOINTS / name
 
 
-def save_final_policy(policy, tokenizer, output_dir: str, rank: int, checkpoint: Optional[Path] = None) -> list[str]:
+def save_failed(e: BaseException, what: str, writing: str, output_dir: str) -> Fault:
+    """A failed save's one line: what could not be written (`writing`) and why, and which checkpoint is intact."""
+    previous = latest_checkpoint(output_dir)
+    return Fault(f"could not write {what} ({inert(writing, 160)}): {why_not_written(e, output_dir)}; the partial one "
+                 "is removed and " + (f"the newest, {previous}, is intact" if previous else "there is no earlier "
+                                      "checkpoint") + ": free space (or fix the filesystem) and continue with --resume")
+
+
+def why_not_written(e: BaseException, output_dir: str) -> str:
+    """Why a write failed, in words (torch hides a full disk's ENOSPC in 'unexpected pos 64 vs 0': the OSError it
+    met is its context), with the space left on output_dir's filesystem."""
+    cause = e if isinstance(e, OSError) else e.__context__ if isinstance(e.__context__, OSError) else e
+    why = (cause.strerror + (f": {inert(cause.filename, 120)}" if cause.filename else "")) if isinstance(
+        cause, OSError) and cause.strerror else first_line(cause)
+    with contextlib.suppress(OSError):
+        why += f" ({shutil.disk_usage(output_dir).free / 2**30:.3g} GiB free on its filesystem)"
+    return why
+
+
+def save_final_policy(policy, tokenizer, output_dir: str, rank: int, checkpoint: Optional[Path] = None,
+                      run_id: Optional[str] = None) -> list[str]:
     """The finished run's policy and tokenizer in output_dir: hard links to those of `checkpoint`, the final one
     (stored once; a change to either shows in the checkpoint's manifest), copies where the filesystem has no hard
-    links, or written (save_policy) when there is no checkpoint. A failed write says how to redo it. Returns the
-    names written (on rank 0), which the run record lists as the run's own."""
+    links, or written (save_policy) when there is no checkpoint. A name that is taken is replaced only if this run
+    wrote it (its run record, run `run_id`'s, lists it: an earlier finish); anything else there stops the save. A
+    failed write says how to redo it. Returns the names written (on rank 0), which the run record lists as the run's
+    own."""
     written = []
     try:
-        if checkpoint is None:  # written into a new folder of its own, then moved: no link at a name is followed
-            fresh = Path(output_dir) / ".tmp_final_policy"
-            if rank == 0:
-                remove_checkpoint(fresh)
-                fresh.mkdir()
-            barrier("saving the final policy")
-            save_policy(policy, tokenizer, fresh, rank)
-            if rank == 0:
-                written = sorted(p.name for p in fresh.iterdir())
+        with contextlib.ExitStack() as held:
+            root = held.enter_context(Folder.at(output_dir)) if rank == 0 else None
+            if checkpoint is None:  # written by the libraries into a private folder, then moved into place
+                with (root.private(PRIVATE) if rank == 0 else contextlib.nullcontext()) as fresh:
+                    try:
+                        save_policy(policy, tokenizer, fresh, rank)
+                        if rank == 0:
+                            written = fresh.entries()
+                            clear_own_names(root, written, output_dir, run_id)
+                            for name in written:
+                                fresh.move(name, root)
+                    finally:
+                        if rank == 0:
+                            root.remove_tree(fresh.path.name)
+            elif rank == 0:
+                source = held.enter_context(Folder.at(checkpoint))
+                written = [n for n in source.entries() if not source.is_folder(n) and not source.is_link(n)
+                           and n not in (TRAINER_STATE, MANIFEST) and not RANK_FILE.fullmatch(n)]
+                clear_own_names(root, written, output_dir, run_id)
                 for name in written:
-                    os.replace(fresh / name, Path(output_dir) / name)
-                fresh.rmdir()
-        elif rank == 0:
-            for file in sorted(checkpoint.iterdir()):
-                if not file.is_file() or file.name in (TRAINER_STATE, MANIFEST) or RANK_FILE.fullmatch(file.name):
-                    continue
-                written.append(file.name)
-                (Path(output_dir) / file.name).unlink(missing_ok=True)  # this run's own, of an earlier finish
-                try:
-                    os.link(file, Path(output_dir) / file.name)
-                except OSError:
-                    shutil.copy2(file, Path(output_dir) / file.name)
+                    try:
+                        source.link(name, root)
+                    except OSError as e:
+                        if e.errno == errno.EEXIST:
+                            raise
+                        root.copy_from(source, name)  # a filesystem without hard links
     except WRITE_ERRORS as e:
-        raise Fault(f"could not write the final policy to {output_dir}: {first_line(e)}; the final checkpoint "
-                    f"{latest_checkpoint(output_dir)} is intact: free space and run the same command with --resume "
-                    "to write it") from e
+        raise Fault(f"could not write the final policy to {output_dir}: {why_not_written(e, output_dir)}; the final "
+                    f"checkpoint {latest_checkpoint(output_dir)} is intact: free space and run the same command with "
+                    "--resume to write it") from e
     return written
+
+
+def clear_own_names(root: Folder, names: list[str], output_dir: str, run_id: Optional[str]) -> None:
+    """The final policy's `names` free in output_dir: each one there removed if this run's record lists it (an
+    earlier finish of this run); one that no record of this run lists (it appeared while the run ran) is a Fault."""
+    record = run_record(Path(root.os_path))
+    own = set(record.get("files", [])) if record and record.get("run_id") == run_id else set()
+    for name in names:
+        if root.lstat(name) is None:
+            continue
+        if name not in own:
+            raise Fault(f"{inert(Path(output_dir) / name, 160)} appeared while the run ran and is not this run's: "
+                        "the final policy would take its name; move it, then run the same command with --resume to "
+                        "write the final policy")
+        root.unlink(name)
 
 
 RANK_FILE = re.compile(r"rank\d+\.pt")  # rank_file's names
@@ -535,22 +725,37 @@ def trainer_state_problem(state) -> Optional[str]:
 
 
 def read_checkpoint(path: Path) -> tuple[Optional[dict], Optional[str]]:
-    """(its trainer state, None), or (None, why it cannot be resumed from, in one line). Collective when
-    distributed."""
+    """(its trainer state, None), or (None, why it cannot be resumed from, in one line): intact (checkpoint_problem),
+    a trainer state this version writes, of the run and update its manifest names, and one rank file per rank of
+    its world size, each of that run, update and rank (rank_file_problem). Collective when distributed."""
     problem = checkpoint_problem(path)
     if problem is not None:
         return None, problem
     try:
         state = load_safely(path / TRAINER_STATE)
-        for own in sorted(p for p in path.iterdir() if RANK_FILE.fullmatch(p.name)):  # read again by restore():
-            if not isinstance(load_safely(own), dict):  # refused here, before any model loads
-                raise ConfigError(f"{own.name} holds no dict of parts")
+        problem = trainer_state_problem(state)
+        if problem is not None:
+            return None, problem
+        manifest = read_json(path, MANIFEST)
+        for key in ("run_id", "update"):
+            if manifest.get(key) != state[key]:
+                return None, (f"{MANIFEST} is of {key.replace('_', ' ')} {inert(repr(manifest.get(key)), 80)}, but "
+                              f"{TRAINER_STATE} of {state[key]!r}")
+        found = sorted((p.name for p in path.iterdir() if RANK_FILE.fullmatch(p.name)), key=lambda n: (len(n), n))
+        world = state["world_size"]
+        if found != [rank_file(rank) for rank in range(len(found))] or len(found) != world:
+            return None, (f"holds {len(found)} rank files ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''})"
+                          f", but a run of world size {world} writes {rank_file(0)} to {rank_file(world - 1)}")
+        for name in found:  # read again by restore(): refused here, before any model loads
+            if problem := rank_file_problem(load_safely(path / name), name, manifest):
+                return None, problem
     except ConfigError as e:
         return None, " ".join(str(e).split())
     except RecursionError:
         return None, f"{TRAINER_STATE} is nested too deeply"
-    problem = trainer_state_problem(state)
-    return (None, problem) if problem else (state, None)
+    except (OSError, ValueError, AttributeError) as e:
+        return None, f"{MANIFEST} cannot be read ({describe(e)})"
+    return state, None
 
 
 @dataclass
@@ -704,6 +909,24 @@ def value_problem(value, like, where: str, counted: Optional[list] = None) -> Op
     return f"{where} is {describe_value(value)}, not {describe_value(like)}"
 
 
+def weights_problem(saved, own: dict) -> Optional[str]:
+    """Why `saved` ({name: tensor}) cannot be loaded into a module whose state_dict() is `own`, in words, or None: a
+    name missing or extra, a tensor of another shape or dtype, a value that is not finite (value_problem)."""
+    if not isinstance(saved, dict):
+        return f"are {describe_value(saved)}, not a dict of tensors"
+    missing, extra = sorted(own.keys() - saved.keys()), sorted(saved.keys() - own.keys(), key=str)
+    if missing or extra:
+        return (f"lack {len(missing)} of the reference's tensors ({missing[0]!r}, ...)" if missing else
+                f"hold {len(extra)} tensors the reference does not have ({inert(repr(extra[0]), 80)}, ...)")
+    for name, tensor in own.items():
+        value = saved[name]
+        if torch.is_tensor(value) and value.shape != tensor.shape:
+            return f"hold {name!r} of shape {tuple(value.shape)}, but the reference's is {tuple(tensor.shape)}"
+        if problem := value_problem(value, tensor, f"hold {name!r}, which"):
+            return problem
+    return None
+
+
 def describe_value(value) -> str:
     """A value as a one-line message shows it: a short one itself, else its type and size."""
     if torch.is_tensor(value):
@@ -735,6 +958,19 @@ class FieldsState:
                 raise ValueError(problem)
         for name in names:
             setattr(self, name, saved[name])
+
+
+class Verdict(FieldsState):
+    """A shortcut's verdict (a dataclass with the bools `checked` and `on`), a part of the checkpoint: made with
+    checked=True where the run's settings rule the shortcut out, then `checked` by the run's first update, which
+    turns it `on` where its check passed. A saved verdict is taken only where these settings could have reached it:
+    `on` after a check, and never where the settings rule the shortcut out (a forged verdict, or another run's)."""
+
+    def load_state_dict(self, saved: dict) -> None:
+        if isinstance(saved, dict) and saved.get("on") is True and (self.checked or saved.get("checked") is not True):
+            raise ValueError(f"{type(self).__name__} says the shortcut is on, which " + (
+                "this run's settings rule out" if self.checked else "no check of a first update turned on"))
+        super().load_state_dict(saved)
 
 
 def optimizer_state_problem(saved, optimizer: torch.optim.Optimizer) -> Optional[str]:
@@ -836,9 +1072,13 @@ class Checkpointer:
         self.wandb_run_id = self.state["wandb_run_id"] if self.state else None
         # the run's identity: drawn at its first start, in args.json, every checkpoint and every metrics line
         self.run_id = self.state["run_id"] if self.state else rank0_view(uuid.uuid4().hex)
+        with Folder.at(args.output_dir) as root:  # the folders the run writes in: the same ones until it ends
+            self.identities = {"output_dir": root.identity}
 
-    def check_continues(self, num_updates: int, episodes_per_update: int) -> None:
-        """Refuse a resume past this run's end, or of a run whose inputs changed since its first start."""
+    def check_continues(self, num_updates: int, episodes_per_update: int, **parts) -> None:
+        """Refuse, before any model loads, a resume past this run's end, of a run whose inputs changed since its
+        first start, or whose rank file holds what these `parts` (the per-rank ones the run has by now, by name:
+        restore's) or the generators cannot take: each is tried on a copy."""
         if self.state and self.start_update > num_updates:
             raise ConfigError(f"cannot resume: {self.path} is after update {self.start_update}, but this run ends "
                               f"after update {num_updates}: pass --total_episodes "
@@ -848,6 +1088,12 @@ class Checkpointer:
         self.inputs = input_identities(self.args, self.reward_functions)
         if self.state:
             self.changes += check_same_inputs(self.state["inputs"], self.inputs, self.args.allow_changed_inputs)
+            saved = load_safely(self.path / rank_file(self.dist_info.rank))["parts"]  # read_checkpoint checked it
+            for name, part in parts.items():
+                self.restore_part(name, copy.deepcopy(part), saved)
+            if problem := generators_problem(saved.get("generators"), self.dist_info.device):
+                raise ConfigError(f"cannot resume from {self.path}: {rank_file(self.dist_info.rank)}'s part "
+                                  f"'generators': {problem}: {self.refuse}")
 
     @contextlib.contextmanager
     def refusal_leaves_nothing(self):
@@ -878,11 +1124,14 @@ class Checkpointer:
                     part.load_state_dict(part.seeded)
             return
         model, optimizer = parts["policy"], parts["optimizer"]
-        refuse = f"resume with the code and flags that wrote {self.path}, or start a new run in another --output_dir"
+        refuse = self.refuse
         if "reference" in self.state:
             if reference is None or isinstance(reference, AdaptersOff):
                 raise ConfigError(f"cannot resume from {self.path}: it holds weights of a reference, which this run "
                                   f"does not have (part 'reference'): {refuse}")
+            if problem := weights_problem(self.state["reference"], reference.state_dict()):
+                raise ConfigError(f"cannot resume from {self.path}: the reference's weights in {TRAINER_STATE} "
+                                  f"{problem}: {refuse}")
             with reading(f"cannot resume from {self.path}: the reference's weights in {TRAINER_STATE}", refuse):
                 reference.load_state_dict(self.state["reference"])
         if is_fsdp_unit(model):
@@ -898,28 +1147,45 @@ class Checkpointer:
             with reading(f"cannot resume from {self.path}: the optimizer's state in {TRAINER_STATE}", refuse):
                 optimizer.load_state_dict(self.state["optimizer"])
         own_file = self.path / rank_file(self.dist_info.rank)
-        saved = load_safely(own_file) if own_file.is_file() else None
-        if saved is None:
-            raise ConfigError(f"cannot resume from {self.path}: it has no {own_file.name} (written by an older "
-                              f"rloo.py, or by fewer ranks): {refuse}")
+        saved = load_safely(own_file)["parts"]  # of this run, update and rank: read_checkpoint checked them all
         for name in sorted(saved.keys() ^ self.own.keys()):
             raise ConfigError(f"cannot resume from {self.path}: part {name!r} is "
                               + (f"in {own_file.name} but not in this run" if name in saved else
                                  f"in this run but not in {own_file.name} (added since it was saved)") + f": {refuse}")
         last = [name for name, part in self.own.items() if isinstance(part, Generators)]
         for name in sorted(self.own, key=lambda name: name in last):  # the generators last
-            try:
-                self.own[name].load_state_dict(saved[name])
-            except Exception as e:  # a part's own check (FieldsState's), or whatever a part that does not fit raises
-                raise ConfigError(f"cannot resume from {self.path}: {own_file.name}'s part {name!r}: "
-                                  f"{describe(e) if not isinstance(e, (ValueError, ConfigError)) else first_line(e)}"
-                                  ) from None
+            self.restore_part(name, self.own[name], saved)
         self.start_time -= self.state["elapsed"]
 
+    @property
+    def refuse(self) -> str:
+        return f"resume with the code and flags that wrote {self.path}, or start a new run in another --output_dir"
+
+    def restore_part(self, name: str, part, saved: dict) -> None:
+        """`part` set to its state in this rank's file (`saved`: its parts), or one line saying why it cannot be."""
+        if name not in saved:
+            raise ConfigError(f"cannot resume from {self.path}: part {name!r} is in this run but not in "
+                              f"{rank_file(self.dist_info.rank)} (added since it was saved): {self.refuse}")
+        try:
+            part.load_state_dict(saved[name])
+        except Exception as e:  # a part's own check (FieldsState's), or whatever a part that does not fit raises
+            raise ConfigError(f"cannot resume from {self.path}: {rank_file(self.dist_info.rank)}'s part {name!r}: "
+                              f"{describe(e) if not isinstance(e, (ValueError, ConfigError)) else first_line(e)}"
+                              ) from None
+
     def notes(self) -> list[str]:
-        """Rank 0, before the run writes anything: output_dir settled for this timeline (settle_output_dir); what
-        to print about it."""
+        """Rank 0, before the run writes anything: output_dir settled for this timeline (settle_output_dir), the
+        temporary folders of killed saves removed where they are this run's (they can be as large as a checkpoint)
+        and set aside in abandoned/ where not; what to print about it."""
         notes = settle_output_dir(self.args, self.start_update, self.skipped, self.run_id)
+        with contextlib.suppress(FileNotFoundError), open_checkpoints(self.args.output_dir, self.identities) as \
+                checkpoints:
+            debris = [name for name in checkpoints.entries() if name.startswith(".tmp_step_")
+                      and not remove_own_checkpoint(checkpoints, name, self.run_id)]
+            if debris:
+                folder = move_aside(self.args.output_dir, [f"{CHECKPOINTS}/{name}" for name in debris], "debris")
+                notes.append(f"the temporary folders of saves that did not finish, not this run's ("
+                             f"{', '.join(debris)}), moved to {folder}")
         if self.state:
             notes.append(f"resuming from {self.path} after update {self.start_update}"
                          + (f"; changed: {', '.join(self.changes)}" if self.changes else ""))
@@ -951,9 +1217,15 @@ class Checkpointer:
             # the same on every rank: rank 0's copy is every rank's
             trainer_state["reference"] = {name: t.detach().cpu() for name, t in reference.state_dict().items()}
         rank_state = {name: states[name] if name in states else part.state_dict() for name, part in self.own.items()}
-        return save_checkpoint(self.args.output_dir, update, self.parts["policy"], self.parts["optimizer"],
+        if not rank0_view((Path(self.args.output_dir) / CHECKPOINTS).exists()):  # removed meanwhile: a new one
+            self.identities.pop(CHECKPOINTS, None)
+        path = save_checkpoint(self.args.output_dir, update, self.parts["policy"], self.parts["optimizer"],
                                self.parts["tokenizer"], trainer_state, self.dist_info.rank,
-                               self.args.save_total_limit, rank_state)
+                               self.args.save_total_limit, rank_state, self.identities)
+        if CHECKPOINTS not in self.identities:  # the folder of the first save: the one of every later save
+            with open_checkpoints(self.args.output_dir, self.identities) as checkpoints:
+                self.identities[CHECKPOINTS] = checkpoints.identity
+        return path
 
     def keep(self, finished: int, **states) -> str:
         """After a fault: the state after update `finished` saved (unless it is already; `states`: save's), and how
@@ -1004,14 +1276,20 @@ class Checkpointer:
         this run wrote, or resumed from, as rank 0 sees it)."""
         final = Path(self.args.output_dir) / CHECKPOINTS / f"step_{num_updates}"
         self.final_files = save_final_policy(policy, self.parts["tokenizer"], self.args.output_dir, self.dist_info.rank,
-                                             final if rank0_view(final.is_dir()) else None)
+                                             final if rank0_view(final.is_dir()) else None, self.run_id)
 
     def mark_finished(self) -> None:
         """Rank 0, last: the run record args.json (its flags, run_id and the files it wrote at the top of output_dir,
         which run_owned reads), whose presence with the policy marks a finished run."""
         flags = {k: without_credentials(v) if isinstance(v, str) else v for k, v in asdict(self.args).items()}
         record = {**flags, "run_id": self.run_id, "files": getattr(self, "final_files", [])}
-        write_own(Path(self.args.output_dir) / RUN_RECORD, json.dumps(record, indent=2))
+        try:
+            with Folder.at(self.args.output_dir, self.identities["output_dir"]) as root:
+                root.write(RUN_RECORD, json.dumps(record, indent=2))
+        except WRITE_ERRORS as e:
+            raise Fault(f"could not write {Path(self.args.output_dir) / RUN_RECORD}: "
+                        f"{why_not_written(e, self.args.output_dir)}; the final policy is written: run the same "
+                        "command with --resume to finish") from None
 
     def stopped(self, logger, what: str) -> None:
         """After a stop signal, on rank 0 (the one with a logger): the marker job scripts requeue on, naming the newest
@@ -1021,5 +1299,8 @@ class Checkpointer:
         path = latest_checkpoint(self.args.output_dir)
         where = "no update had finished, nothing to save" if path is None else \
             f"checkpoint of update {path.name.removeprefix('step_')} saved to {path}"
-        self.lock.mark_preempted(str(path or where))
+        try:
+            self.lock.mark_preempted(str(path or where))
+        except OSError as e:  # output_dir moved away meanwhile, a full disk: said, the stop stands
+            where += f" (output_dir/preempted could not be written: {e.strerror or e})"
         logger.say(f"rloo.py: {what}; {where}; continue with the same command and --resume")

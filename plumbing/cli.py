@@ -13,9 +13,9 @@ import multiprocessing
 import os
 import re
 import signal
-import stat
 import sys
 import threading
+import time
 import traceback
 from dataclasses import field, fields, is_dataclass, make_dataclass
 from pathlib import Path
@@ -27,14 +27,14 @@ import tyro._errors  # parse_args' one-line parse errors
 import yaml  # transformers' dependency
 
 from .distributed import stopped_alone
-from .errors import ConfigError, Fault, describe, first_line, inert, not_a_file, shown, write_own
-from .faults import NonFiniteError, StartupInterrupted, StopSignal, console_survives
+from .errors import ConfigError, Fault, describe, first_line, inert, not_a_file, read_input, shown, write_own
+from .faults import NonFiniteError, StartupInterrupted, StopSignal, console_survives, run_only
 from .flags import PATH_FLAGS, RunArgs
-from .rewards import end_processes_left
+from .rewards import end_processes_left, exit_bounded
 
 __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "TRL_NAMES", "TRL116", "GRPO_ONLY", "NOTHING", "TRL_DEFAULTS", "algorithm_defaults", "TRL_FIXED", "TRL_REFUSED",
-    "TRL_LAUNCHER", "trl_default_given", "trl_arguments", "config_arguments", "help_groups", "parse_args", "run_script",
+    "TRL_NAMES", "TRL116", "GRPO_ONLY", "NOTHING", "TRL_DEFAULTS", "algorithm_defaults", "release_defaults",
+    "TRL_FIXED", "TRL_REFUSED", "TRL_LAUNCHER", "trl_default_given", "trl_arguments", "config_arguments", "help_groups", "parse_args", "run_script",
     "run_tool", "write_generated",
 ]
 
@@ -108,6 +108,29 @@ def algorithm_defaults(cls) -> dict[str, tuple]:
             and TRL116[trl] not in NOTHING and TRL116[trl] != getattr(base, f.name)}
 
 
+TRL116_RUN = ("bf16", "gradient_checkpointing", "seed")  # the run's flags whose TRL 1.16 defaults --trl_defaults 1.16
+# takes too: they change what the run computes (bf16: where the device has it, TRL's None being bf16 unless fp16)
+
+
+def bf16_here() -> bool:
+    """Whether this process's device computes in bf16 where TRL 1.16's default asks for it: a GPU (rloo.py trains on
+    CUDA or the CPU; on the CPU TRL refuses bf16 without --use_cpu, and autocast's bf16 is slow there)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def release_defaults(cls, release: str) -> dict[str, tuple]:
+    """{flag: (TRL <= 0.21's default, TRL 1.16's)} of what --trl_defaults switches: the algorithm's flags
+    (algorithm_defaults) and, of the run's, TRL116_RUN's; bf16 only where this device has it (bf16_here). Only
+    under --trl_defaults 1.16 is the device asked: not otherwise, nor for --help's listing."""
+    base, run = cls(), {"gradient_checkpointing": TRL116["gradient_checkpointing"], "seed": TRL116["seed"]}
+    if release == "1.16":
+        run["bf16"] = bf16_here()
+    return algorithm_defaults(cls) | {name: (getattr(base, name), value) for name, value in run.items()
+                                      if value != getattr(base, name)}
+
+
 def release_asked(argv: list[str]) -> str:
     """The last --trl_defaults of argv ("0.21" when none; a value that is neither is left to tyro to refuse)."""
     release = "0.21"
@@ -127,7 +150,7 @@ def defaults_in_force_line(cls, values: dict, given: set[str], release: str, pro
     trl_name = {own: trl for trl, own in TRL_NAMES.items()}
     changed = [f"--{name}" + (f" (--{trl_name[name]})" if name in trl_name else "")
                + f" {values[name]} ({TRL_RELEASES[other]}: {pair[other == '1.16']})"
-               for name, pair in algorithm_defaults(cls).items() if name not in given
+               for name, pair in release_defaults(cls, release).items() if name not in given
                and not (name == "num_train_epochs" and (values.get("max_steps") or values.get("total_episodes")))]
     return changed and (f"{prog}: {TRL_RELEASES[release]} defaults in force (--trl_defaults {release}): "
                         f"{', '.join(changed)}; --trl_defaults {other} takes {TRL_RELEASES[other]}") or None
@@ -164,7 +187,6 @@ TRL_FIXED = {
     "adam_beta1": (("0.9",), "AdamW's betas are torch's (0.9, 0.999)"),
     "adam_beta2": (("0.999",), "AdamW's betas are torch's (0.9, 0.999)"),
     "optim": (("adamw_torch", "adamw_torch_fused"), "the optimizer is torch's AdamW (fused on CUDA)"),
-    "warmup_steps": (("0",), "pass --warmup_ratio (a share of the updates)"),
     "torch_dtype": (("auto", "float32"), DTYPE_REASON),
     "dtype": (("auto", "float32"), DTYPE_REASON),
     "lora_task_type": (("causal_lm",), "the adapters are a causal LM's"),
@@ -239,7 +261,7 @@ TRL_REFUSED |= {name: reason for names, reason in (  # the rest of transformers'
       "torch_empty_cache_steps", "torch_compile_backend", "torch_compile_mode", "liger_kernel_config"),
      "the loss and optimizer are rloo.py's own (torch's AdamW: --learning_rate, --adam_epsilon, --max_grad_norm)"),
     (("ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend", "accelerator_config",
-      "parallelism_config", "use_cpu", "save_on_each_node", "enable_jit_checkpoint",
+      "parallelism_config", "save_on_each_node", "enable_jit_checkpoint",
       "restore_callback_states_from_checkpoint"),
      "rloo.py sets up torch.distributed itself under torchrun (NCCL on GPUs, gloo on CPUs: CUDA_VISIBLE_DEVICES= "
      "runs on the CPU) and writes its own checkpoints"),
@@ -339,11 +361,15 @@ def trl_arguments(argv: list[str], hints: dict, defaults: dict, prog: str) -> li
         value = values[0] if values else "true"
         own = TRL_NAMES.get(name, name)  # the flag's name here
         default_given = trl_default_given(name, values) and name != "dataset_name"  # TRL's None: none given
-        if name in TRL_LAUNCHER:
+        if name == "num_processes" and values and value.strip() == os.environ.get("WORLD_SIZE", "1"):
+            pass  # asks for the processes the run has (TRL's default is 1 without a launcher's config)
+        elif name in TRL_LAUNCHER:
             count = f" {value}" if name == "num_processes" and values else " GPUS"
             raise ConfigError(f"--{name}: {TRL_LAUNCHER[name]}".replace(" GPUS", count, 1))
         elif name == "bf16" and value.lower() in ("none", "null"):
             out.append("--bf16")  # TRL's None: bf16 wherever fp16 is not asked for, which is refused here
+        elif name == "use_cpu":
+            pass  # TRL's: taken by use_cpu() before the defaults were chosen
         elif default_given and own not in hints and name not in converted:
             pass  # a flag this script does not have, at TRL's default: asks for nothing
         elif default_given and own in defaults and TRL116[name] in NOTHING and not takes_as_own(hints[own], value):
@@ -431,6 +457,13 @@ SAME_FLAG = TRL_NAMES | {"reward_funcs": "reward_fn", "report_to": "track", "res
                          "vllm_server_timeout": "engine_timeout", "use_vllm": "engine"} | LORA_NAMES
 
 
+# what a recipe's key sets, where that is not one flag under one of its names (canonical): TRL's vLLM server given by
+# its host and port, two keys, or as one URL; --report_to both --track and --tensorboard
+FLAG_PARTS = {"vllm_server_host": ("engine_urls host",), "vllm_server_port": ("engine_urls port",),
+              "vllm_server_base_url": ("engine_urls host", "engine_urls port"),
+              "engine_urls": ("engine_urls host", "engine_urls port"), "report_to": ("track", "tensorboard")}
+
+
 CONFIG_LIMITS = {"bytes": 1 << 20, "values": 10_000, "depth": 32, "digits": 100}  # of a --config file: a recipe
 # is a few kB of flags; aliases count each time they are used (an alias bomb), digits of a number (5000-digit ints)
 YAML_NULL = ("~", "null", "Null", "NULL", "")  # YAML 1.2's core schema's null, written plainly (unquoted)
@@ -463,26 +496,8 @@ def read_config(path: str):
     aliases and merge keys expand within CONFIG_LIMITS' values and depth; explicit tags other than YAML's own,
     duplicate keys and numbers of more than CONFIG_LIMITS' digits are refused. Every problem is a ConfigError, one
     line naming the file."""
-    where = f"--config {path}"
-    try:  # non-blocking: a FIFO opens at once (and is refused below) instead of waiting for a writer
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
-    except OSError as e:
-        raise ConfigError(f"{where} cannot be read ({e.strerror or e}): pass a YAML file") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        kind = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
-                stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}.get(stat.S_IFMT(mode), "not a file")
-        raise ConfigError(f"{where} is {kind}, not a regular file: pass a YAML file")
-    os.set_blocking(fd, True)
-    with os.fdopen(fd, "rb") as file:
-        try:
-            data = file.read(CONFIG_LIMITS["bytes"] + 1)
-        except OSError as e:
-            raise ConfigError(f"{where} cannot be read ({e.strerror or e}): pass a YAML file") from None
-    if len(data) > CONFIG_LIMITS["bytes"]:
-        raise ConfigError(f"{where} is over {CONFIG_LIMITS['bytes'] >> 20} MiB, not a recipe of flags: pass a YAML "
-                          "file of flag names and values")
+    where = f"--config {path or repr(path)}"
+    data = read_input(path, where, "pass a YAML file of flag names and values", CONFIG_LIMITS["bytes"])
     boms = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"), (b"\xef\xbb\xbf", "utf-8-sig"),
             (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16"))
     encoding = next((name for bom, name in boms if data.startswith(bom)), "utf-8")
@@ -606,13 +621,15 @@ def config_arguments(argv: list[str], hints: dict, known: set[str]) -> list[str]
                           "as it starts (torch at import, torchrun for every rank): set them in the shell "
                           "(VAR=value python rloo.py ...) and drop the section")
 
-    def canonical(name: str) -> str:
+    def plain(name: str) -> str:  # dashes as underscores, a switch's --no- form as the switch
         name = name.replace("-", "_")
-        name = name[3:] if name.startswith("no_") and name[3:] in known else name
-        return SAME_FLAG.get(name, name)
+        return name[3:] if name.startswith("no_") and name[3:] in known else name
+
+    def canonical(name: str) -> str:
+        return SAME_FLAG.get(plain(name), plain(name))
 
     given = {canonical(arg[2:].partition("=")[0]) for arg in rest if arg.startswith("--")}
-    out = []
+    out, named = [], {}  # named: {what a key sets: the key}
     for key, value in config.items():
         name = str(key).replace("-", "_")
         if name not in known:
@@ -620,8 +637,15 @@ def config_arguments(argv: list[str], hints: dict, known: set[str]) -> list[str]
             raise ConfigError(f"--config {path}: unknown key {key!r}: " + (
                 "a --config file cannot name another" if name == "config" else f"did you mean {close[0]}?" if close
                 else "not a flag of this script, nor of TRL's `trl rloo`"))
+        words = yaml_values(value, hints.get(name), str(key), path)
+        unset = value is None or (trl_default_given(name, words) and TRL116[name] in NOTHING)  # names no value
+        for part in () if unset else FLAG_PARTS.get(plain(name), (canonical(name),)):
+            if part in named:  # one flag under two names (an alias, a TRL name, dashes, --no-): which would win?
+                raise ConfigError(f"--config {path}: the keys {named[part]!r} and {key!r} both set "
+                                  f"--{part.split()[0]}: keep one")
+            named[part] = key
         if canonical(name) not in given:
-            out += [f"--{name}", *yaml_values(value, hints.get(name), str(key), path)]
+            out += [f"--{name}", *words]
     return out + rest
 
 
@@ -663,8 +687,9 @@ def parse_error_line(event, flags: list[str]) -> Optional[str]:
     if isinstance(event, events.BadValue):
         return f"{flag_of(event.argument)} " + ("needs a value" if event.offending_value is None else
                                                  f"takes no value, given {event.offending_value!r}") + "; see --help"
-    if isinstance(event, events.InvalidChoice):
-        return f"{flag_of(event.argument)} {event.value!r} is not one of {', '.join(event.choices)}"
+    if isinstance(event, events.InvalidChoice):  # an Optional[Literal]'s come from a set (any order): sorted, None last
+        choices = sorted(event.choices, key=lambda c: (c == "None", c)) if "None" in event.choices else event.choices
+        return f"{flag_of(event.argument)} {event.value!r} is not one of {', '.join(choices)}"
     if isinstance(event, events.MissingArgs):
         return f"missing {', '.join(flag_of(a.arg) for a in event.missing_arguments)}; see --help"
     return None
@@ -710,7 +735,9 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     try:
         argv = config_arguments(argv, plain, known)
         release = release_asked(argv)  # whose defaults the algorithm's flags left out take
-        defaults = cls(**{name: pair[1] for name, pair in algorithm_defaults(cls).items()} if release == "1.16" else {})
+        use_cpu(argv)  # before bf16_here asks for the device
+        defaults = cls(**{name: pair[1] for name, pair in release_defaults(cls, release).items()}
+                       if release == "1.16" else {})
         names = {arg[2:].partition("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
         trl_forms = any(name in TRL_NAMES or name in TRL_NEWER or (name in known and name not in plain)
                         for name in names)  # TRL >= 0.22's names, or TRL's forms of this script's flags
@@ -718,7 +745,7 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     except ConfigError as e:
         flag = re.match(r"--(\w+)", str(e))  # a flag the --config file gave (the launcher's, `datasets:`): named so
         where = f"--config {from_file}: " if from_file and flag and flag[1] not in on_command_line else ""
-        print(f"{prog}: error: {where}{shown(e)}", file=sys.stderr)
+        say(f"{prog}: error: {where}{shown(e)}", argv)
         sys.exit(2)
     starts = help_groups(cls, prog)
     docs = field_docs(cls)
@@ -767,14 +794,86 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
         elif values.get("eval_strategy") and values["dataset_test_split"] is None:
             values["dataset_test_split"] = TRL116["dataset_test_split"]  # where TRL's `trl rloo` evaluates
     except ConfigError as e:
-        print(f"{prog}: error: {shown(e)}", file=sys.stderr)
+        say(f"{prog}: error: {shown(e)}", argv)
         sys.exit(2)
     given = {TRL_NAMES.get(name, name) for name in (arg[2:].partition("=")[0].replace("-", "_").removeprefix("no_")
                                                     for arg in argv if arg.startswith("--"))}
     line = defaults_in_force_line(cls, values, given, release, prog) if from_file or trl_forms else None
     if line and os.environ.get("RANK", "0") == "0":  # a TRL 1.x user is told which of TRL's defaults are not in force
         print(line, flush=True)
+    if release == "1.16" and "bf16" not in given and not values["bf16"] and os.environ.get("RANK", "0") == "0":
+        print(f"{prog}: TRL 1.16's default bf16 is off here: no GPU (on the CPU, --bf16 computes in bf16 anyway, "
+              "slowly)", flush=True)
     return cls(**values)
+
+
+def use_cpu(argv: list[str]) -> None:
+    """TRL's --use_cpu [True] (its last occurrence): train on the CPU where a GPU is visible. This process then sees
+    no GPU (CUDA_VISIBLE_DEVICES=, read by torch when it first looks for one, so that nothing of the run uses one), set
+    before anything of the run looks; where something looked already, one line with the variable to set instead."""
+    at = [i for i, arg in enumerate(argv) if arg.partition("=")[0].replace("-", "_") == "__use_cpu"]
+    if not at:
+        return
+    name, has_eq, value = argv[at[-1]].partition("=")
+    value = value if has_eq else argv[at[-1] + 1] if at[-1] + 1 < len(argv) and not argv[at[-1] + 1].startswith(
+        "--") else "true"
+    if value.lower() not in ("true", "false", "1", "0"):
+        raise ConfigError(f"--use_cpu {value}: pass --use_cpu (True) to train on the CPU, or leave it out")
+    if value.lower() in ("true", "1"):
+        import torch
+
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        if torch.cuda.is_available():
+            raise ConfigError("--use_cpu: a GPU was found before the flag was read: set CUDA_VISIBLE_DEVICES= in the "
+                              "environment instead (CUDA_VISIBLE_DEVICES= python rloo.py ...)")
+
+
+def as_given(line: str, argv: Optional[list[str]] = None) -> str:
+    """A line that names a flag this script's way (--kl_coef, kl_coef) named as the command line gave it where that
+    used TRL >= 0.22's name (--beta), on the command line or as a --config file's key; `argv`: the command line
+    (this process's)."""
+    argv = sys.argv[1:] if argv is None else argv
+    names = {arg[2:].partition("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+    at = [i for i, arg in enumerate(argv) if arg.partition("=")[0] == "--config"]
+    path = at and (argv[at[0]].partition("=")[2] or (argv[at[0] + 1] if at[0] + 1 < len(argv) else ""))
+    with contextlib.suppress(ConfigError):  # the file's own refusal is said by parse_args
+        config = read_config(path) if path else None
+        names |= {str(key).replace("-", "_") for key in config} if isinstance(config, dict) else set()
+    for trl, own in TRL_NAMES.items():
+        if trl in names and own not in names:
+            line = re.sub(rf"(?<![\w-])(--)?{own}\b", lambda m: (m.group(1) or "") + trl, line)
+    return line
+
+
+def accelerate_quiet() -> Optional[bool]:
+    """Whether `accelerate launch`'s single-process launcher (no torchrun inside) started this process with --quiet;
+    None when it did not start it. Without --quiet it follows a failed run with its own traceback."""
+    if "ACCELERATE_MIXED_PRECISION" not in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        return None
+    try:
+        words = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    launch = next((i for i, word in enumerate(words) if word == "launch"), None)
+    return None if launch is None else any(word in ("--quiet", "-q") for word in words[launch:])
+
+
+def say(line: str, argv: Optional[list[str]] = None) -> None:
+    """The run's last line (why it ended; stderr), its flags named as given (as_given), and where its launcher shows
+    it last: torchrun (and accelerate launch of several processes, which runs torchrun's launcher) ends with its
+    summary of the failed ranks, whose `traceback :` entry is the line (the rank's error file, TORCHELASTIC_ERROR_FILE,
+    created for it); accelerate launch of one process follows the line with its own traceback, which nothing in the
+    process can prevent, so the line names the option that leaves it out."""
+    line = as_given(line, argv)
+    if accelerate_quiet() is False:
+        line += " (accelerate launch's traceback follows it: accelerate launch --quiet leaves that out)"
+    print(line, file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE") if "TORCHELASTIC_RUN_ID" in os.environ else None
+    with contextlib.suppress(OSError):  # never another file: a new one, or nothing
+        if path:
+            with open(path, "x") as file:  # torchrun's format (the @record decorator's), read by its summary
+                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                      "timestamp": str(int(time.time()))}}}, file)
 
 
 def run_script(main: Callable, args, program: str) -> None:
@@ -790,16 +889,19 @@ def run_script(main: Callable, args, program: str) -> None:
         say_how_it_ended(main, args, program)
     except SystemExit as e:
         exit_if_left_running(e.code if isinstance(e.code, int) else int(e.code is not None), program, running)
+        exit_bounded(program, e.code if isinstance(e.code, int) else int(e.code is not None))
         raise
     except BaseException:  # a traceback: Python's own report of it, and its exit status
         if left_running(running):
             sys.excepthook(*sys.exc_info())
             exit_if_left_running(1, program, running)
+        exit_bounded(program, 1)
         raise
     for sig in StopSignal.SIGNALS:  # finished: the handlers that only record a signal for the update loop give way,
         if isinstance(getattr(signal.getsignal(sig), "__self__", None), StopSignal):  # so that a signal ends the exit
             signal.signal(sig, signal.SIG_DFL)  # (an atexit handler of user code that hangs)
     exit_if_left_running(0, program, running)
+    exit_bounded(program, 0)
 
 
 def left_running(running: set) -> list[str]:
@@ -812,19 +914,32 @@ def left_running(running: set) -> list[str]:
 def exit_if_left_running(status: int, program: str, running: set) -> None:
     """Python's exit waits for every thread left running that is not a daemon (a reward function may start one), and
     for multiprocessing's children that are not either, forever if they never end, deaf to signals: those started
-    since `running` are named in one line and the process exits with `status` at once, its console
-    flushed, atexit handlers not run, its multiprocessing children killed (none outlives the run; SIGKILL: a forked
-    child has the run's own signal handlers). Returns when there is none."""
+    since `running` are named in one line. The children are ended (SIGTERM, then SIGKILL after 2 s); a thread cannot
+    be: then the process exits with `status` at once, its console flushed, atexit handlers not run, its
+    multiprocessing children killed (none outlives the run). Returns when no thread is left."""
     left = left_running(running)
     if not left:
         return
     print(f"{program}: exiting with status {status} without waiting for what was left running: {', '.join(left)}",
-          file=sys.stderr)
+          file=sys.stderr, flush=True)
+    if all(name.startswith("process ") for name in left):  # a daemon pool's workers are left to multiprocessing's end
+        for child in multiprocessing.active_children():
+            if not child.daemon and child not in running:
+                child.terminate()
+                child.join(2.0)
+                child.kill()
+                child.join()
+        return
     for child in multiprocessing.active_children():  # what multiprocessing's atexit handler would end or join
         child.kill()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+@run_only
+def ending(signum, frame) -> None:
+    """A stop signal while the run says how it ended: nothing (the exit follows)."""
 
 
 def say_how_it_ended(main: Callable, args, program: str) -> None:
@@ -837,26 +952,26 @@ def say_how_it_ended(main: Callable, args, program: str) -> None:
             gc.freeze()
         except BaseException:
             # the run has ended and says how: a stop signal now (torchrun's SIGTERM to the other ranks once one has
-            # failed) must not cut that line into a traceback. SIGTERM, SIGUSR1, SIGHUP are ignored, the exit follows;
-            # Ctrl-C exits at once. (Not a blocked mask: torch's threads would take the signal for the main thread)
+            # failed) must not cut that line into a traceback. SIGTERM, SIGUSR1, SIGHUP do nothing, the exit follows;
+            # Ctrl-C exits at once. (Not a blocked mask: torch's threads would take the signal for the main thread;
+            # not SIG_IGN, which the processes user code starts meanwhile would inherit, a pool's workers included)
             for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
-                signal.signal(sig, signal.SIG_IGN)
+                if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's SIGHUP stays as it is
+                    signal.signal(sig, ending)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             raise
     except ConfigError as e:
-        print(f"{program}: error: {shown(e)}", file=sys.stderr)
+        say(f"{program}: error: {shown(e)}")
         sys.exit(2)
     except NonFiniteError as e:
         where = Path(args.output_dir) / "nonfinite"
-        print(f"{program}: error: {shown(e)}: stopped before any optimizer step on it; the offending "
-              "batch " + (
+        say(f"{program}: error: {shown(e)}: stopped before any optimizer step on it; the offending batch " + (
             f"is in {inert(where, 200)}" if e.unwritten is None else
-            f"could not be written to {inert(where, 200)} ({e.unwritten})"),
-            file=sys.stderr)
+            f"could not be written to {inert(where, 200)} ({e.unwritten})"))
         sys.exit(3)
     except Fault as e:
         if e.announce:
-            print(f"{program}: error: {shown(e)}", file=sys.stderr)
+            say(f"{program}: error: {shown(e)}")
         sys.exit(4)
     except KeyboardInterrupt:  # Ctrl-C before the stop signals' handler is in place (a reward module's import)
         print(f"{program}: SIGINT received while starting: stopped, nothing trained; run the same command again",
@@ -872,7 +987,7 @@ def say_how_it_ended(main: Callable, args, program: str) -> None:
         if not stopped_alone():
             print(f"{program}: rank {os.environ['RANK']}: {shown(e)}", file=sys.stderr, flush=True)
         stopped_alone(mark=True)
-        end_processes_left(program)
+        end_processes_left(program, at_once=True)
         os._exit(128 + signal.Signals[e.signal_name])  # not sys.exit: no process group teardown that waits
     except RuntimeError as e:  # under torchrun, a collective cut short by a rank that is gone: one line, not a trace
         frames = traceback.extract_tb(e.__traceback__)
@@ -881,7 +996,7 @@ def say_how_it_ended(main: Callable, args, program: str) -> None:
         if not stopped_alone():  # else that rank has said why already
             print(f"{program}: rank {os.environ['RANK']}: error: a collective failed (a rank stopped, was lost or "
                   f"timed out): {first_line(e)}", file=sys.stderr, flush=True)
-        end_processes_left(program)
+        end_processes_left(program, at_once=True)
         os._exit(4)
     finally:  # however it ended: the processes user code left running end with it (they may hold the console)
         end_processes_left(program)

@@ -15,7 +15,7 @@ from typing import Callable, Literal, Optional
 import numpy as np
 import torch
 
-from .errors import ConfigError, describe, first_line, inert, not_a_file, reading
+from .errors import ConfigError, check_input_directory, describe, first_line, inert, input_file, reading, sized
 from .faults import interruptible
 
 __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
@@ -53,6 +53,10 @@ FORMATS = ".jsonl/.json/.csv (also .gz/.bz2/.xz) or .parquet file"
 DATA_FIX = f"pass a {FORMATS} (UTF-8) or a save_to_disk directory with a prompt column of strings"
 
 
+DATA_LIMIT = 16 << 30  # bytes of a prompt file, read line by line (and decompressed): larger, a save_to_disk directory
+LINE_LIMIT = 64 << 20  # bytes of one line of a JSON lines file
+
+
 def local_format(path: Path) -> Optional[str]:
     """The datasets builder that reads a local file of this name (x.jsonl, x.csv.gz, x.parquet), None for a name of
     another format."""
@@ -88,6 +92,7 @@ def _load_split(name: str, split: str, config: Optional[str]):
     if is_local_file(name):
         return load_local_file(path)
     if path.is_dir():
+        check_input_directory(path, f"dataset directory {name}", "put the files written by save_to_disk back")
         try:
             loaded = datasets.load_from_disk(str(path))
         except (FileNotFoundError, ValueError) as e:
@@ -122,9 +127,8 @@ def load_local_file(path: Path):
     another format) is named as what it is."""
     import datasets
 
-    problem = not_a_file(path)
-    if problem:
-        raise ConfigError(f"dataset {path} {problem}" + ("" if problem == "does not exist" else f": {DATA_FIX}"))
+    with input_file(path, f"dataset {path}", DATA_FIX, DATA_LIMIT):  # a regular file, of at most DATA_LIMIT bytes
+        pass
     if local_format(path) is None:
         raise ConfigError(f"dataset file {path}: {''.join(path.suffixes[-2:]) or 'a name without a suffix'} is not a "
                           f"format read here; {DATA_FIX}")
@@ -153,13 +157,18 @@ def load_local_file(path: Path):
 
 def not_utf8(path: Path, chunk: int = 1 << 20) -> Optional[str]:
     """`line N is not UTF-8 text (...)` for the first bytes of the file that are not UTF-8, else None; read in
-    chunks by the codec (C speed, constant memory)."""
+    chunks by the codec (C speed, constant memory). A compressed file that holds more than DATA_LIMIT bytes is
+    refused (a decompression bomb)."""
     import codecs
 
-    decoder, lines = codecs.getincrementaldecoder("utf-8")(), 1
+    decoder, lines, read = codecs.getincrementaldecoder("utf-8")(), 1, 0
     with open_bytes(path) as f:
         while True:
             data = f.read(chunk)
+            read += len(data)
+            if read > DATA_LIMIT:
+                raise ConfigError(f"dataset file {path} holds more than {sized(DATA_LIMIT)} once decompressed: pass a "
+                                  "save_to_disk directory of its prompts")
             pending = decoder.getstate()[0]  # a character cut by the chunk's end: its first bytes
             try:
                 decoder.decode(data, final=not data)
@@ -179,10 +188,9 @@ def bad_json_line(path: Path) -> Optional[str]:
     datasets 4 with pyarrow 22), which no except clause catches."""
     if local_format(path) != "json":
         return None
-    with open_bytes(path) as f:  # a byte-order mark is read, as datasets does
-        text = f.read().decode("utf-8-sig", errors="replace")
-    lines = text.split("\n")  # not splitlines(): JSON strings may hold U+2028 and its kin
     if ".json" in [suffix.lower() for suffix in path.suffixes[-2:]]:
+        with open_bytes(path) as f:  # one JSON document: read whole (a byte-order mark too, as datasets does)
+            text = f.read().decode("utf-8-sig", errors="replace")
         try:
             whole = json.loads(text)
             if isinstance(whole, list):
@@ -193,18 +201,22 @@ def bad_json_line(path: Path) -> Optional[str]:
                                                          "objects with a prompt column")
         except json.JSONDecodeError as whole:
             try:  # JSON lines under a .json name have a valid first line
-                json.loads(next((line for line in lines if line.strip()), ""))
+                json.loads(next((line for line in text.split("\n") if line.strip()), ""))
             except json.JSONDecodeError:
                 return f"line {whole.lineno} is not valid JSON ({whole.msg}, column {whole.colno})"
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            return f"line {number} is not valid JSON ({e.msg}, column {e.colno})"
-        if not isinstance(row, dict):
-            return f"line {number} is a JSON {type(row).__name__}, not an object with a prompt column"
+    with open_bytes(path) as f:  # line by line: constant memory, whatever the file's size
+        for number, raw in enumerate(iter(lambda: f.readline(LINE_LIMIT + 1), b""), 1):  # split at b"\n" only:
+            if len(raw) > LINE_LIMIT:  # JSON strings may hold U+2028 and its kin
+                return f"line {number} is over {sized(LINE_LIMIT)}, not a row of prompts"
+            line = raw.decode("utf-8-sig" if number == 1 else "utf-8", errors="replace")
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                return f"line {number} is not valid JSON ({e.msg}, column {e.colno})"
+            if not isinstance(row, dict):
+                return f"line {number} is a JSON {type(row).__name__}, not an object with a prompt column"
     return None
 
 
@@ -407,6 +419,18 @@ class PromptSampler:
         return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict) -> None:
+        """A saved position, checked against this run's data and batch (a forged or another run's state would draw
+        other prompts, or none): an epoch >= 0 and a position that the draws reach, a multiple of the prompts per
+        update within the training split."""
+        if not isinstance(state, dict) or sorted(state) != ["epoch", "position"] or not all(
+                type(state[key]) is int for key in state):
+            raise ValueError(f"the sampler's state is {inert(repr(state), 80)}, not {{'epoch': int, 'position': int}}")
+        if not 0 <= state["epoch"] < 2**62 or not 0 <= state["position"] <= self.num_prompts or \
+                state["position"] % self.per_update:
+            raise ValueError(f"the sampler's position {state['position']} (epoch {state['epoch']}) is none that this "
+                             f"run reaches: a multiple of its {self.per_update} prompts per update within its "
+                             f"{self.num_prompts} prompts, in an epoch >= 0 (the training split or the batch changed "
+                             "since it was saved?)")
         self.epoch, self.position = state["epoch"], state["position"]
         self._permutation = self._shuffle()
 

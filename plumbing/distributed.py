@@ -8,9 +8,11 @@ import gc
 import json
 import os
 import random
+import socket
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -18,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .errors import ConfigError, Fault
+from .errors import ConfigError, Fault, first_line
 
 __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
     "Dist", "setup_distributed", "for_training", "shard_policy", "transformer_blocks", "visiting", "is_fsdp_unit",
@@ -63,10 +65,47 @@ def setup_distributed(timeout: float = 1800.0) -> Dist:
         dist.init_process_group(backend="cuda:nccl,cpu:gloo" if backend == "nccl" else backend,
                                 timeout=datetime.timedelta(seconds=timeout))
 
+    address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} (MASTER_ADDR:MASTER_PORT)"
+
+    def unanswered() -> None:  # said once, by each rank that waits: the wait itself goes on
+        problem = rendezvous_problem(os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0")))
+        if problem:
+            print(f"{Path(sys.argv[0]).name}: rank {rank}: the rendezvous at {address} does not answer ({problem}); "
+                  f"waiting on, up to --ddp_timeout {timeout:g} s: check the address, and that rank 0 has started",
+                  file=sys.stderr, flush=True)
+
     # waited for in a thread: the wait for the other ranks, in C++, would keep a stop signal's handler from running
     # until every rank had joined (torchrun's SIGTERM once a rank failed while starting: 30 s, then SIGKILL)
-    interruptible(join, "init_process_group")
+    started = time.monotonic()
+    try:
+        interruptible(join, "init_process_group", meanwhile=(min(RENDEZVOUS_NOTICE, timeout / 2), unanswered))
+    except ValueError as e:  # torch's env:// rendezvous refusing a variable (an empty MASTER_ADDR)
+        raise ConfigError(f"rank {rank}: torch.distributed refused the launch's environment: {first_line(e)}; launch "
+                          "with torchrun, or set MASTER_ADDR and MASTER_PORT") from None
+    except dist.DistError as e:  # the store never answered, the other ranks never joined it, or one of them ended
+        raise Fault(f"rank {rank}: the rendezvous at {address} failed after {time.monotonic() - started:.0f} s "
+                    f"(--ddp_timeout {timeout:g} s): {first_line(e).rstrip('.')}; check the address, and that every "
+                    "rank starts", announce=not stopped_alone()) from None
     return Dist(rank, local_rank, world_size, device)
+
+
+RENDEZVOUS_NOTICE = 3.0  # seconds init_process_group waits before the rendezvous's address is tried and, silent, said
+
+
+def rendezvous_problem(host: str, port: int) -> Optional[str]:
+    """Why nothing answers a TCP connection to the rendezvous at host:port within 3 s, in words; None when it
+    answers (the other ranks may still be on their way: a wait of their own)."""
+    try:
+        with socket.create_connection((host, port), timeout=3.0):
+            return None
+    except socket.gaierror as e:
+        return f"{host!r} does not resolve: {e.strerror}"
+    except ConnectionRefusedError:
+        return "connection refused: nothing listens there"
+    except TimeoutError:
+        return "no answer within 3 s"
+    except OSError as e:
+        return e.strerror or str(e)
 
 
 def for_training(policy, fsdp: bool, bf16: bool, offload: bool, device: torch.device):
@@ -83,7 +122,8 @@ def shard_policy(policy, bf16: bool, offload: bool = False):
     """FSDP2 over all ranks: one unit per transformer block (the classes in the model's `_no_split_modules`), the
     embeddings and head in the root unit. fp32 master weights; bf16 compute with --bf16; gradients reduced in fp32
     (they sum log-prob gradients over thousands of tokens). With `offload` the shards, their gradients and so the
-    optimizer state stay in CPU memory; a unit's weights visit the GPU while it computes."""
+    optimizer state stay in CPU memory; a unit's weights visit the GPU while it computes. LoRA adapters, added
+    before, are sharded and gathered with the block they sit in, beside its frozen base weights (sharded too)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     blocks = transformer_blocks(policy)
@@ -299,9 +339,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+@contextlib.contextmanager
 def gradient_sync(model, enabled: bool):
     """DDP all-reduces gradients only when `enabled` (an optimizer step's last micro-step). FSDP reduce-scatters at
-    every micro-step, as ZeRO-3 does: more traffic, but no rank ever holds a full-size gradient."""
+    every micro-step, as ZeRO-3 does: more traffic, but no rank ever holds a full-size gradient; but when it trains
+    LoRA adapters (peft's, whose full gradients are small) it too only when `enabled`, the micro-steps' gradients
+    summed unsharded in fp32 meanwhile."""
     if isinstance(model, DDP) and not enabled:
-        return model.no_sync()
-    return contextlib.nullcontext()
+        with model.no_sync():
+            yield
+    elif is_fsdp_unit(model) and hasattr(model, "peft_config") and not enabled:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield

@@ -1,6 +1,7 @@
 """How a run ends when it cannot go on, in one line: ConfigError (bad input: the problem and its fix, exit 2), Fault (a
 run stopped by a fault, exit 4) and RewardFunctionError; `reading` turns a library's exception while an input is read
-into such a line; `inert` makes what an outside party wrote (a server, a file, a library, a reward function) safe to
+into such a line, and read_input (input_file) is how the run reads an input's bytes by path: a regular file within a
+size limit; `inert` makes what an outside party wrote (a server, a file, a library, a reward function) safe to
 show in one; open_own, new_file and write_own write a file without following a link. It imports no other module
 of this package.
 """
@@ -17,8 +18,9 @@ from typing import Optional
 import torch
 
 __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "ConfigError", "Fault", "inert", "describe", "not_a_file", "reading", "first_line", "RewardFunctionError",
-    "without_credentials", "new_file", "write_own", "open_own", "shown",
+    "ConfigError", "Fault", "inert", "describe", "not_a_file", "reading", "input_file", "read_input",
+    "check_input_directory", "first_line", "RewardFunctionError", "without_credentials", "new_file", "write_own",
+    "open_own", "shown",
 ]
 
 
@@ -84,6 +86,14 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {first_line(e)}"
 
 
+def file_kind(mode: int) -> Optional[str]:
+    """What a file of this st_mode is, in words (`is a FIFO (named pipe)`, ...); None for a regular file."""
+    kinds = ((stat.S_ISREG, None), (stat.S_ISDIR, "is a directory"), (stat.S_ISFIFO, "is a FIFO (named pipe)"),
+             (stat.S_ISSOCK, "is a socket"), (stat.S_ISCHR, "is a character device"),
+             (stat.S_ISBLK, "is a block device"))
+    return next((kind for test, kind in kinds if test(mode)), "is not a file")
+
+
 def not_a_file(path: Path) -> Optional[str]:
     """Why `path` cannot be read as a file, in words (`does not exist`, `is a FIFO (named pipe)`, ...); None for a
     regular file (or a link to one)."""
@@ -92,22 +102,86 @@ def not_a_file(path: Path) -> Optional[str]:
     except OSError as e:
         return "is a broken symbolic link" if path.is_symlink() else \
             "does not exist" if isinstance(e, FileNotFoundError) else f"cannot be read ({e.strerror or e})"
-    kinds = ((stat.S_ISREG, None), (stat.S_ISDIR, "is a directory"), (stat.S_ISFIFO, "is a FIFO (named pipe)"),
-             (stat.S_ISSOCK, "is a socket"), (stat.S_ISCHR, "is a character device"),
-             (stat.S_ISBLK, "is a block device"))
-    return next((kind for test, kind in kinds if test(mode)), "is not a file")
+    return file_kind(mode)
 
 
 @contextlib.contextmanager
 def reading(what: str, fix: str):
     """The one boundary of an input: whatever reading `what` raises (an error of this project's passes as it is)
-    becomes a ConfigError, one line naming the input, what is wrong and `fix`. Each input is read inside one."""
+    becomes a ConfigError, one line naming the input, what is wrong and `fix`. Each input is read inside one; its
+    bytes, where the run reads them itself, through read_input."""
     try:
         yield
     except (ConfigError, Fault):
         raise
     except Exception as e:  # any library's, any type: the user needs the input, the first line, the fix
         raise ConfigError(f"{what}: {describe(e)}; {fix}") from None
+
+
+def sized(limit: int) -> str:
+    """A byte count in words: 1 MiB, 256 MiB, 4 GiB."""
+    unit = next(u for u in range(4, -1, -1) if limit >= 1 << (10 * u))
+    return f"{limit / (1 << (10 * unit)):g} {('bytes', 'KiB', 'MiB', 'GiB', 'TiB')[unit]}"
+
+
+@contextlib.contextmanager
+def input_file(path, what: str, fix: str, limit: int):
+    """An input the run reads by path (a --config recipe, accelerate's config, a prompt file, a reward module's
+    source, a model's or a dataset's files), opened for reading: only a regular file (or a link to one) of at most
+    `limit` bytes, opened without blocking (a FIFO never waits for a writer, a terminal never becomes the run's),
+    anything else one ConfigError naming `what` (the input and its path), what it is instead, and `fix`. Yields the
+    binary file. read_input reads one whole."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as e:
+        with contextlib.suppress(OSError):  # a socket cannot be opened at all (ENXIO): named as what it is
+            kind = file_kind(os.stat(path).st_mode)
+            if kind:
+                raise ConfigError(f"{what} {kind}, not a regular file: {fix}") from None
+        problem = "does not exist" if isinstance(e, FileNotFoundError) and not os.path.islink(path) else \
+            "is a broken symbolic link" if isinstance(e, FileNotFoundError) else f"cannot be read ({e.strerror or e})"
+        raise ConfigError(f"{what} {problem}: {fix}") from None
+    info = os.fstat(fd)
+    problem = file_kind(info.st_mode) and f"{file_kind(info.st_mode)}, not a regular file" or (
+        f"is {info.st_size:,} bytes, over the limit of {sized(limit)} for this input" if info.st_size > limit else None)
+    if problem:
+        os.close(fd)
+        raise ConfigError(f"{what} {problem}: {fix}")
+    os.set_blocking(fd, True)
+    with os.fdopen(fd, "rb") as file:
+        yield file
+
+
+def read_input(path, what: str, fix: str, limit: int) -> bytes:
+    """The bytes of an input the run reads by path, whole (input_file: a regular file within `limit`, or one line);
+    a file that grows past `limit` while it is read is refused as well."""
+    with input_file(path, what, fix, limit) as file:
+        try:
+            data = file.read(limit + 1)
+        except OSError as e:
+            raise ConfigError(f"{what} cannot be read ({e.strerror or e}): {fix}") from None
+    if len(data) > limit:
+        raise ConfigError(f"{what} is over the limit of {sized(limit)} for this input: {fix}")
+    return data
+
+
+TEXT_LIMIT = 256 << 20  # bytes of a file of a model or a dataset that a library reads whole: a config, a tokenizer
+WHOLE_FILES = (".json", ".jinja", ".txt", ".model", ".py", ".yaml", ".md")  # what such a library reads whole
+
+
+def check_input_directory(path, what: str, fix: str) -> None:
+    """A model's or a dataset's local directory, before a library reads it: each file in it and in its
+    subdirectories (a DatasetDict's splits, additional chat templates) a regular file, or a link to one, and
+    those read whole (WHOLE_FILES: configs, tokenizers, chat templates) at most TEXT_LIMIT bytes (input_file's
+    line, naming the file): a FIFO never blocks a loader, /dev/zero never fills the memory. The weights (any other
+    name) may be of any size. A broken link is left to the library (it reads only the files it needs)."""
+    for entry in sorted(Path(path).iterdir()) + sorted(p for d in Path(path).iterdir() if d.is_dir() and not
+                                                       d.name.startswith(".") for p in d.iterdir()):
+        if entry.is_dir() or not entry.exists():
+            continue
+        limit = TEXT_LIMIT if entry.suffix.lower() in WHOLE_FILES else 1 << 62
+        with input_file(entry, f"{what}: {inert(entry, 200)}", fix, limit):
+            pass
 
 
 # ---- files of one's own: never written through a link, never a file made by another
@@ -160,9 +234,12 @@ FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4e38: beyond it a value
 
 def first_line(e: BaseException, limit: int = SHOWN) -> str:
     """An exception's message in one line of inert text (a library's or user code's words: inert), for one-line
-    errors."""
-    text = str(e).strip()
-    return inert(text.splitlines()[0], limit) if text else type(e).__name__
+    errors: its first line, or where that is a heading ending in a colon (torch's "Error(s) in loading state_dict
+    for X:"), the lines under it too."""
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    return inert(" ".join(lines) if lines[0].rstrip().endswith(":") else lines[0], limit)
 
 
 class RewardFunctionError(Fault):

@@ -10,18 +10,18 @@ import os
 import signal
 import sys
 import threading
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from .distributed import all_reduce
-from .errors import RewardFunctionError, describe, new_file
+from .errors import RewardFunctionError, describe
+from .folders import Folder
 
 __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
     "RolloutSourceError", "NonFiniteError", "check_finite", "batch_kept_if_nonfinite", "StartupInterrupted",
-    "StopSignal", "signals_held", "in_a_thread", "interruptible", "ConsoleStream", "console_survives",
+    "StopSignal", "signals_held", "in_a_thread", "interruptible", "ConsoleStream", "console_survives", "run_only",
 ]
 
 
@@ -53,20 +53,20 @@ def check_finite(named: dict[str, Optional[torch.Tensor]], device: torch.device)
             raise NonFiniteError(name, ranks.nonzero().flatten().tolist())
 
 
-def dump_batch(path: Path, tokenizer, rollout, scores: torch.Tensor) -> None:
-    """One JSON line per completion of the offending batch: prompt, completion, score and log-prob sum (null where
-    the update had not computed them yet; the advantages are the update's own, computed from these)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    num_prompts = rollout.queries.shape[0]
-    with new_file(path) as f:  # never through a link planted under the name
-        for i in range(len(scores)):
-            prompt = rollout.queries[i % num_prompts][rollout.query_mask[i % num_prompts]]
-            completion = rollout.responses[i][rollout.response_mask[i]]
-            f.write(json.dumps({
-                "prompt": tokenizer.decode(prompt), "completion": tokenizer.decode(completion),
-                "score": scores[i].item(),
-                "logprob_sum": None if rollout.logprobs is None else rollout.logprobs[i].sum().item(),
-            }) + "\n")
+def dump_batch(output_dir: str, name: str, tokenizer, rollout, scores: torch.Tensor) -> None:
+    """One JSON line per completion of the offending batch, in output_dir/nonfinite/`name` (written whole, never
+    through a link): prompt, completion, score and log-prob sum (null where the update had not computed them yet; the
+    advantages are the update's own, computed from these)."""
+    num_prompts, lines = rollout.queries.shape[0], []
+    for i in range(len(scores)):
+        prompt = rollout.queries[i % num_prompts][rollout.query_mask[i % num_prompts]]
+        completion = rollout.responses[i][rollout.response_mask[i]]
+        lines.append(json.dumps({
+            "prompt": tokenizer.decode(prompt), "completion": tokenizer.decode(completion), "score": scores[i].item(),
+            "logprob_sum": None if rollout.logprobs is None else rollout.logprobs[i].sum().item(),
+        }) + "\n")
+    with Folder.at(output_dir) as root, root.folder("nonfinite", create=True) as folder:
+        folder.write(name, "".join(lines))
 
 
 @contextlib.contextmanager
@@ -79,8 +79,7 @@ def batch_kept_if_nonfinite(output_dir: str, update: int, rank: int, tokenizer, 
         unwritten = None
         if rank in e.ranks:
             try:
-                dump_batch(Path(output_dir) / "nonfinite" / f"update_{update}_rank_{rank}.jsonl", tokenizer, rollout,
-                           scores)
+                dump_batch(output_dir, f"update_{update}_rank_{rank}.jsonl", tokenizer, rollout, scores)
             except OSError as error:  # a full disk: the run stops all the same, and says the batch is not there
                 unwritten = error.strerror or str(error)
         raise NonFiniteError(f"{e.quantity} at update {update}", e.ranks, unwritten) from None
@@ -94,6 +93,30 @@ class StartupInterrupted(BaseException):
         super().__init__(f"{signal_name} received during start-up: stopped before the first update, nothing was "
                          "trained; run the same command again to start")
         self.signal_name = signal_name
+
+
+def run_only(handler: Callable) -> Callable:
+    """Marks a signal handler as the run's own process's: a process forked from the run does not keep it
+    (given_back_in_child)."""
+    handler.run_only = True
+    return handler
+
+
+def given_back_in_child() -> None:
+    """In a process forked from the run (a reward function's multiprocessing pool, fork or forkserver, os.fork): each
+    signal whose handler is the run's (run_only: the stop signals', a timer's while user code runs, the end's) gets
+    the disposition a Python process starts with (SIGINT: KeyboardInterrupt; the others: their default action), and
+    the stop signals are unblocked. The run's handlers only record a signal for its update loop: a worker keeping them
+    would outlive SIGTERM (multiprocessing's own terminate() included), and a run's end would wait for it forever. A
+    disposition the run found (nohup's ignored SIGHUP) is kept. A child that exec's a program (subprocess) gets the
+    default actions from exec itself."""
+    for sig in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}:
+        if getattr(signal.getsignal(sig), "run_only", False):
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, StopSignal.SIGNALS)
+
+
+os.register_at_fork(after_in_child=given_back_in_child)  # os.fork, which multiprocessing's fork and forkserver use
 
 
 class StopSignal:
@@ -113,12 +136,18 @@ class StopSignal:
         self.at_once = False  # the main thread only waits for a reward function (stop_signals_at_once)
         self.lock = lock  # the run's OutputDirLock: output_dir marked as preempted only by the run holding it
         self.announce = announce
+        self.pid = os.getpid()  # the run's process: in any other (a child forked by user code) the signal is its own
         self.disarmed: set[int] = set()  # signals whose handler this object gave back to the default itself
         for sig in self.SIGNALS:
             if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's choice is kept
                 signal.signal(sig, self._record)
 
+    @run_only
     def _record(self, signum, frame) -> None:
+        if os.getpid() != self.pid:  # a child forked by user code that kept the handler (a fork in C code): its own
+            given_back_in_child()
+            os.kill(os.getpid(), signum)  # delivered again, to the handler it now has (SIGINT: KeyboardInterrupt)
+            return
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             self.disarmed.add(signum)
@@ -150,12 +179,13 @@ def signals_held():
         signal.pthread_sigmask(signal.SIG_UNBLOCK, StopSignal.SIGNALS)
 
 
-def in_a_thread(work: Callable[[], object], name: str, timeout: Optional[float] = None) -> dict:
+def in_a_thread(work: Callable[[], object], name: str, timeout: Optional[float] = None,
+                meanwhile: Optional[tuple[float, Callable[[], None]]] = None) -> dict:
     """work() in a daemon thread of its own while this thread waits for it, at most `timeout` seconds: {"out": what
     it returned} or {"error": what it raised, of any type}, or {} while it still runs (it is left running). Python
     runs signal handlers in the main thread only, between bytecodes: a call into C code there (tokenizers' Rust, a
     reward function's sleep) keeps a stop signal from acting for as long as it runs; waiting for a thread, the main
-    thread takes it at once."""
+    thread takes it at once. `meanwhile` (seconds, say): say() once the work has taken that long, then wait on."""
     outcome = {}
 
     def call() -> None:
@@ -166,27 +196,36 @@ def in_a_thread(work: Callable[[], object], name: str, timeout: Optional[float] 
 
     thread = threading.Thread(target=call, name=name, daemon=True)  # abandoned if the process stops meanwhile
     thread.start()
+    if meanwhile is not None:
+        thread.join(meanwhile[0])
+        if thread.is_alive():
+            meanwhile[1]()
     thread.join(timeout)
     return dict(outcome) if not thread.is_alive() else {}
 
 
-def interruptible(work: Callable[[], object], name: str):
-    """work(), done in a thread (in_a_thread) so that a stop signal during it ends the start-up at once: what it
-    returns or raises."""
-    outcome = in_a_thread(work, name)
+def interruptible(work: Callable[[], object], name: str, meanwhile: Optional[tuple[float, Callable]] = None):
+    """work(), done in a thread (in_a_thread, with `meanwhile`) so that a stop signal during it ends the start-up at
+    once: what it returns or raises."""
+    outcome = in_a_thread(work, name, meanwhile=meanwhile)
     if "error" in outcome:
         raise outcome["error"]
     return outcome["out"]
 
 
 @contextlib.contextmanager
-def stop_signals_at_once():
+def stop_signals_at_once(came_before: bool = False):
     """While the main thread only waits for a reward function (running in a thread of its own), a stop signal stops
-    the run at once, raising there, instead of after the update: the function may be stuck for good."""
+    the run at once, raising there, instead of after the update: the function may be stuck for good. With
+    `came_before` (user code has processes of its own: a pool's workers), so does one that came before the call, in
+    the update: sent to the process group (Ctrl-C) or by SLURM to every process of the job, it may have ended them,
+    and the function would wait for them until its timeout."""
     stop = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
     if not isinstance(stop, StopSignal) or not stop.training or threading.current_thread() != threading.main_thread():
         yield
         return
+    if came_before and stop.name is not None:
+        raise RewardFunctionError(f"{stop.name} received while a reward function ran", signal_name=stop.name)
     stop.at_once = True
     try:
         yield

@@ -2,11 +2,11 @@
 rloo.py's Args extends with the algorithm's, and the checks made before anything loads (validate_args).
 """
 
+import contextlib
 import dataclasses
 import difflib
 import importlib.util
 import logging
-import math
 import os
 import re
 import sys
@@ -17,12 +17,12 @@ from typing import ClassVar, Literal, Optional, Union
 import torch
 import tyro
 
-from .errors import FLOAT32_MAX, ConfigError, inert
+from .errors import FLOAT32_MAX, ConfigError, inert, read_input
 
 __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
-    "InputArgs", "RunArgs", "is_finite_number", "number_rules", "PATH_FLAGS", "missing_local_path", "resolve_paths",
-    "check_launch_environment", "validate_args", "in_updates", "MAX_UPDATES", "run_length", "update_intervals",
-    "evaluation_updates", "quantization_config", "policy_options",
+    "InputArgs", "RunArgs", "is_finite_number", "is_interval", "SCALE_LIMIT", "within", "number_rules", "PATH_FLAGS",
+    "missing_local_path", "resolve_paths", "check_launch_environment", "validate_args", "quantization_config",
+    "policy_options",
 ]
 
 
@@ -115,7 +115,9 @@ class RunArgs(InputArgs):
     trl_defaults: Literal["0.21", "1.16"] = "0.21"
     """whose defaults the algorithm's flags left out take: TRL <= 0.21's (the TL;DR recipe's: 4 PPO epochs,
     temperature 0.7, learning rate 3e-6, 53 new tokens, 1 epoch) or TRL 1.16's RLOOConfig's (num_iterations 1,
-    temperature 1.0, learning rate 1e-6, max_completion_length 512, 3 epochs); the run's flags keep this project's"""
+    temperature 1.0, learning rate 1e-6, max_completion_length 512, 3 epochs; of the run's flags gradient
+    checkpointing, seed 42, bf16 on a GPU), and whose arithmetic the run follows: TRL 1.16's counts its length,
+    intervals and learning rate in optimizer steps, as its Trainer does"""
     output_dir: str = "models/rloo"
     """where `metrics.jsonl`, `args.json`, the final policy and its tokenizer are written"""
     track: bool = False
@@ -242,6 +244,20 @@ def is_finite_number(x) -> bool:
     return x is not None and abs(x) <= FLOAT32_MAX  # nan too
 
 
+SCALE_LIMIT = 1e6  # a coefficient of the rewards or of the loss (--kl_coef, --reward_weights): beyond it the first
+# updates' advantages, and the gradients' norm that squares them, overflow float32 (within number_rules' checks)
+
+
+def within(args, name: str, low: float, high: Optional[float] = SCALE_LIMIT, why: Optional[str] = None) -> tuple:
+    """A rule of number_rules' form: the flag `name` in [low, high] (None and NaN are not; high None: any finite
+    number >= low), and why where said; a scale (high SCALE_LIMIT) says why."""
+    value = getattr(args, name)
+    why = why or ("beyond, the first updates' gradients overflow float32" if high == SCALE_LIMIT else None)
+    allowed = is_finite_number(value) and low <= value <= (FLOAT32_MAX if high is None else high)
+    return name, value, allowed, (f"a finite number >= {low:g}" if high is None else f"in [{low:g}, {high:g}]") + (
+        f" ({why})" if why else "")
+
+
 def is_interval(x) -> bool:
     """An interval flag's value (--logging_steps, --save_steps, --eval_steps): a whole number >= 1, or a share of the
     run in (0, 1), as transformers takes them."""
@@ -254,7 +270,8 @@ def number_rules(args) -> list[tuple[str, object, bool, str]]:
     finite = is_finite_number
     a = args
     return [
-        ("reward_weights", a.reward_weights, all(finite(w) for w in a.reward_weights or ()), "finite numbers"),
+        ("reward_weights", a.reward_weights, all(abs(w) <= SCALE_LIMIT for w in a.reward_weights or ()),
+         f"numbers of at most {SCALE_LIMIT:g} in magnitude (beyond, the first updates' gradients overflow float32)"),
         ("seed", a.seed, 0 <= a.seed < 2**31, "between 0 and 2**31 - 1 (numpy's seeds are unsigned)"),
         ("max_prompt_length", a.max_prompt_length, a.max_prompt_length >= 1, "at least 1"),
         ("local_rollout_forward_batch_size", a.local_rollout_forward_batch_size,
@@ -355,11 +372,12 @@ def check_launch_environment() -> None:
 TASK_COUNTS = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")  # srun's, mpirun's
 
 
-def accelerate_processes() -> Optional[tuple[str, str]]:
+def accelerate_processes(seen: int) -> Optional[tuple[str, str]]:
     """Where `accelerate launch` says how many processes it was asked for, and how many (text), when it started this
     process without torchrun (its simple launcher: a MULTI_CPU config, one `python` whatever num_processes says; it sets
-    MASTER_ADDR only for several): ACCELERATE_NUM_PROCESSES, else its command line's --num_processes or
-    --config_file's num_processes, else the default config file's; None when not launched so or asked for one."""
+    MASTER_ADDR only for several) and asked for another number than `seen`: ACCELERATE_NUM_PROCESSES, else its command
+    line's --num_processes or --config_file's num_processes, else the default config file's (read as an input:
+    read_input, at most 64 KiB, its aliases never expanded); None when not launched so or asked for `seen`."""
     if "ACCELERATE_MIXED_PRECISION" not in os.environ or "WORLD_SIZE" in os.environ \
             or "MASTER_ADDR" not in os.environ or any(name in os.environ for name in TASK_COUNTS):
         return None
@@ -371,17 +389,34 @@ def accelerate_processes() -> Optional[tuple[str, str]]:
                for i, word in enumerate(words) if word in ("--num_processes", "--config_file")
                or word.startswith(("--num_processes=", "--config_file="))}
     if "--num_processes" in options:
-        return "accelerate launch --num_processes", inert(options["--num_processes"], 20)
-    home = os.environ.get("HF_HOME", os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface"))
-    path = Path(options.get("--config_file") or os.path.join(home, "accelerate", "default_config.yaml")).expanduser()
-    try:
-        import yaml  # transformers' dependency
+        where, asked = "accelerate launch --num_processes", options["--num_processes"]
+    else:
+        home = os.environ.get("HF_HOME", os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface"))
+        path = Path(options.get("--config_file") or os.path.join(home, "accelerate", "default_config.yaml"))
+        where, asked = f"accelerate launch's config {path.expanduser()} (num_processes)", None
+        if os.path.lexists(path.expanduser()):
+            text = read_input(path.expanduser(), f"accelerate launch's config {path.expanduser()}", "write it again "
+                              "(accelerate config), or launch with torchrun", 64 << 10).decode(errors="replace")
+            asked = yaml_top_level(text, "num_processes")
+        where, asked = (where, asked) if asked is not None else ("accelerate launch (it set MASTER_ADDR)", "several")
+    with contextlib.suppress(ValueError):
+        if int(asked) == seen:
+            return None
+    return where, inert(asked, 20)
 
-        asked = yaml.safe_load(path.read_text()).get("num_processes")
-    except (OSError, ValueError, AttributeError, yaml.YAMLError):
-        asked = None
-    return (f"accelerate launch's config {path} (num_processes)", inert(str(asked), 20)) if asked is not None \
-        else ("accelerate launch (it set MASTER_ADDR)", "several")
+
+def yaml_top_level(text: str, key: str) -> Optional[str]:
+    """The text of a plain scalar `key:` of a YAML mapping, read as nodes (an alias is never expanded); None when the
+    text is no such mapping."""
+    import yaml  # transformers' dependency
+
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except (yaml.YAMLError, RecursionError, ValueError):
+        return None
+    pairs = node.value if isinstance(node, yaml.MappingNode) else []
+    return next((value.value for name, value in pairs if isinstance(name, yaml.ScalarNode) and name.value == key
+                 and isinstance(value, yaml.ScalarNode)), None)
 
 
 def check_processes_asked() -> None:
@@ -399,7 +434,7 @@ def check_processes_asked() -> None:
     if asked is not None and asked.strip() != str(seen):
         raise ConfigError(f"ACCELERATE_NUM_PROCESSES={inert(asked, 20)} asks for that many processes, but this run "
                           f"has {seen_as}: {fix}")
-    accelerate = accelerate_processes()
+    accelerate = accelerate_processes(seen)
     if accelerate is not None:
         raise ConfigError(f"{accelerate[0]} asks for {accelerate[1]} processes, but this run has {seen_as}: {fix}")
     agents = os.environ.get("GROUP_WORLD_SIZE") if "TORCHELASTIC_RUN_ID" in os.environ else None
@@ -467,9 +502,6 @@ def validate_args(args, launching: bool = True) -> None:
                           "--nproc_per_node 1 for one GPU)")
     # ----- LoRA (--use_peft) -----
     if args.use_peft:
-        if args.fsdp:
-            raise ConfigError("--use_peft with --fsdp is not supported yet: the adapters' base is not sharded; drop "
-                              "--fsdp (LoRA's states are small: DDP replicates them)")
         if args.lora_r < 1 or args.lora_alpha <= 0 or not 0 <= args.lora_dropout < 1:
             raise ConfigError(f"--lora_r {args.lora_r}, --lora_alpha {args.lora_alpha}, --lora_dropout "
                               f"{args.lora_dropout}: the rank must be >= 1, alpha > 0 and dropout in [0, 1)")
@@ -485,6 +517,10 @@ def validate_args(args, launching: bool = True) -> None:
         option = next(name for name in ("use_rslora", "use_dora", "lora_target_parameters") if getattr(args, name))
         raise ConfigError(f"--{option} is an option of LoRA adapters: add --use_peft")
     if args.load_in_4bit:
+        if args.fsdp:
+            raise ConfigError("--load_in_4bit with --fsdp: FSDP2 would shard bitsandbytes' 4-bit weights as plain "
+                              "bytes, without the quantization state their layers compute with: drop --fsdp (DDP "
+                              "replicates the 4-bit base, half a byte per weight)")
         if importlib.util.find_spec("bitsandbytes") is None:
             raise ConfigError("--load_in_4bit quantizes the base with bitsandbytes, which is not installed: pip "
                               "install bitsandbytes (or drop the flag)")
@@ -499,75 +535,6 @@ def validate_args(args, launching: bool = True) -> None:
     if launching and args.fsdp and "RANK" not in os.environ:
         raise ConfigError("--fsdp shards the policy over torchrun's processes: launch with torchrun")
     check_model_options(args)
-
-
-def in_updates(steps, args, steps_per_update: int, num_updates: int) -> int:
-    """An interval flag (--save_steps, --logging_steps, --eval_steps) in updates: below 1, that share of the run's
-    updates, rounded up (TRL's fractions); else updates, as in TRL <= 0.21, whose names the flags keep, but in a
-    command that sets the run's length with --max_steps, optimizer steps, as TRL >= 0.22's Trainer counts them (an
-    update is num_ppo_epochs x num_mini_batches of them): the first update that reaches the step."""
-    if 0 < steps < 1:
-        return math.ceil(steps * num_updates)
-    return int(steps) if args.max_steps is None else math.ceil(steps / steps_per_update)
-
-
-def round_down(x: float, digits: int = 3) -> float:
-    """x > 0 rounded down to `digits` significant digits: a limit shown as a number that stays within it."""
-    unit = 10.0 ** (math.floor(math.log10(x)) - digits + 1)
-    return math.floor(x / unit) * unit
-
-
-MAX_UPDATES = 1_000_000  # a run's updates: a million at 0.1 s each is 28 hours of the fastest tiny run
-
-
-def run_length(args, epoch: int, per_update: int, steps_per_update: int) -> int:
-    """The run's updates: --max_steps optimizer steps (steps_per_update an update), else --total_episodes or
-    --num_train_epochs epochs of `epoch` completions (each prompt sampled k times: TRL 1.16's epoch), `per_update`
-    completions an update. None is refused: saving the input weights as a finished run would hide a tiny epoch."""
-    episodes = args.total_episodes or int(args.num_train_epochs * epoch)
-    num_updates = args.max_steps // steps_per_update if args.max_steps else math.ceil(episodes / per_update)
-    if num_updates < 1:
-        raise ConfigError(f"--num_train_epochs {args.num_train_epochs:g} of {epoch // args.rloo_k} prompts x "
-                          f"k={args.rloo_k} is {episodes} episodes: no update (one takes {per_update}); pass "
-                          f"--num_train_epochs {per_update / epoch:.3g} or more, or --total_episodes {per_update}")
-    return num_updates
-
-
-def update_intervals(args, steps_per_update: int, num_updates: int) -> tuple[int, int]:
-    """--save_steps and --logging_steps in updates (in_updates); with --max_steps a checkpoint needs a whole update:
-    --save_steps a multiple of its optimizer steps. A run of more than MAX_UPDATES updates is refused, naming the
-    most the flag that set its length can take: what start-up counts over updates (the evaluation updates, the
-    learning rates' sum) stays bounded."""
-    if num_updates > MAX_UPDATES:
-        scale = MAX_UPDATES / num_updates
-        flag, most = ("max_steps", f"{MAX_UPDATES * steps_per_update}") if args.max_steps is not None else (
-            "total_episodes", f"{int(args.total_episodes * scale)}") if args.total_episodes is not None else (
-            "num_train_epochs", f"{round_down(args.num_train_epochs * scale):g}")
-        value = getattr(args, flag)
-        raise ConfigError(f"--{flag} {f'{value:g}' if isinstance(value, float) else value} is {num_updates:,} "
-                          f"updates, more than the {MAX_UPDATES:,} a run takes: pass --{flag} {most} or less")
-    if args.max_steps is not None and args.save_steps >= 1 and args.save_steps % steps_per_update:
-        raise ConfigError(f"--save_steps {args.save_steps} counts optimizer steps with --max_steps (TRL >= 0.22's "
-                          f"unit), and a checkpoint comes after a whole update of {steps_per_update} steps "
-                          f"(num_ppo_epochs x num_mini_batches): pass a multiple of {steps_per_update}")
-    return (in_updates(args.save_steps, args, steps_per_update, num_updates),
-            in_updates(args.logging_steps, args, steps_per_update, num_updates))
-
-
-def evaluation_updates(args, num_updates: int, steps_per_update: int, updates_per_epoch: int) -> set[int]:
-    """The updates after which the policy is evaluated (the initial policy's evaluation, update 0, comes on top).
-    --eval_strategy steps: every --eval_steps (else --logging_steps; in_updates); epoch: at the end of each pass over
-    the prompts (updates_per_epoch) and at the end of the run, the end of its last pass, whole or not (TRL's
-    Trainer's: a run shorter than an epoch evaluates at its end); no: none. By default --num_evals of them spread
-    evenly over the run, the last at its end (--num_evals 0: only the end)."""
-    if args.eval_strategy in ("steps", "epoch"):
-        every = max(1, updates_per_epoch) if args.eval_strategy == "epoch" else in_updates(
-            args.logging_steps if args.eval_steps is None else args.eval_steps, args, steps_per_update, num_updates)
-        return set(range(every, num_updates + 1, every)) | ({num_updates} if args.eval_strategy == "epoch" else set())
-    if args.eval_strategy == "no":
-        return set()
-    return {math.ceil(i * num_updates / args.num_evals) for i in range(1, args.num_evals + 1)} if args.num_evals \
-        else {num_updates}
 
 
 NO_4D_MASK = ("takes no 4D mask, and rloo.py's grouped rows (each prompt computed once for its k completions, in "

@@ -12,9 +12,10 @@ from typing import Callable, Optional
 
 import torch
 
-from .errors import WRITE_ERRORS, ConfigError, Fault, first_line, inert, reading
+from .errors import WRITE_ERRORS, ConfigError, Fault, check_input_directory, first_line, inert, reading
 from .flags import missing_local_path, policy_options
-from .outputdir import MERGED
+from .folders import Folder
+from .outputdir import MERGED, move_aside
 
 __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
     "load_pretrained", "ensure_pad_token", "load_config", "check_reward_model_config", "same_vocabulary",
@@ -45,6 +46,8 @@ def load_pretrained(loader: Callable, path: str, what: str, **kwargs):
     problem = missing_local_path(path)
     if problem:
         raise ConfigError(f"could not load {what} from {path!r}: {problem}")
+    if Path(path).is_dir():
+        check_input_directory(path, f"{what} {path!r}", "put the file written by save_pretrained back")
     with transformers_quiet(), reading(f"could not load {what} from {path!r}",
                                        "without network, pass a local directory written by save_pretrained"):
         return loader(path, **kwargs)
@@ -283,17 +286,18 @@ def check_context(config, what: str, args, longest_prompt: int) -> None:
     computed = getattr(text, "alibi", False) or getattr(text, "position_embedding_type", "absolute") != "absolute" \
         or any(getattr(text, name, None) is not None for name in ("rope_parameters", "rope_scaling", "rope_theta",
                                                                    "rotary_dim", "rotary_pct", "rotary_emb_base"))
+    fixes = [f"--max_prompt_length to {positions - args.response_length} or less (longer prompts are dropped)"] \
+        if positions > args.response_length else []  # only a fix that leaves room for the other length is offered
+    fixes += [f"--response_length to {positions - longest_prompt} or less"] if positions > longest_prompt else []
+    fix = " or ".join(fixes) if fixes else f"--max_prompt_length and --response_length to a sum of {positions} or less"
     if not computed:
         raise ConfigError(f"the longest prompt, {longest_prompt} tokens, + --response_length {args.response_length} = "
                           f"{needed} tokens, but the {what} has {positions} positions (max_position_embeddings), "
-                          f"a learned table with no row past them: lower --max_prompt_length to "
-                          f"{max(positions - args.response_length, 1)} or less (longer prompts are dropped), or "
-                          "--response_length")
+                          f"a learned table with no row past them: lower {fix}")
     if os.environ.get("RANK", "0") == "0":
         print(f"rloo.py: warning: the longest prompt, {longest_prompt} tokens, + --response_length = {needed} tokens "
               f"exceed the {what}'s {positions} positions (max_position_embeddings), where it was not trained: lower "
-              f"--max_prompt_length to {max(positions - args.response_length, 1)} (longer prompts are dropped) or "
-              "--response_length", file=sys.stderr)
+              f"{fix}", file=sys.stderr)
 
 
 def save_merged_policy(args, config, tokenizer) -> None:
@@ -311,10 +315,19 @@ def save_merged_policy(args, config, tokenizer) -> None:
             base = base.dequantize()
     merged = PeftModel.from_pretrained(base, args.output_dir).merge_and_unload()
     merged.config.pad_token_id = config.pad_token_id
-    try:
-        merged.save_pretrained(merged_dir)
-        tokenizer.save_pretrained(merged_dir)
-        weights_readable_as_the_rest(merged_dir)
+    try:  # written by the libraries into a private folder, whose checked files then take the name merged
+        with Folder.at(args.output_dir) as root, root.private(".partial-") as private:
+            try:
+                merged.save_pretrained(private.os_path)
+                tokenizer.save_pretrained(private.os_path)
+                with root.private(".partial-") as files:  # each file checked (one name, no link), the umask's mode
+                    files.adopt(private)
+                    files.chmod()
+                if root.lstat(MERGED) is not None:  # an earlier finish's: set aside, never written over
+                    move_aside(args.output_dir, [MERGED], "merged_replaced")
+                root.move(files.path.name, root, MERGED)
+            finally:
+                root.remove_tree(private.path.name)
     except WRITE_ERRORS as e:
         raise Fault(f"could not write the merged policy to {merged_dir}: {first_line(e)}; the adapter in "
                     f"{args.output_dir} is intact: merge it with peft's merge_and_unload") from e
@@ -438,15 +451,6 @@ def copy_weights(source, target) -> None:
     """target's parameters := source's, cast to target's dtype (the same module structure)."""
     for to, value in zip(target.parameters(), source.parameters(), strict=True):
         to.copy_(value)
-
-
-def weights_readable_as_the_rest(path: Path) -> None:
-    """The *.safetensors that save_pretrained wrote at `path` (through a temporary file, so 0600) get the mode the
-    umask gives its other files (config.json, or peft's adapter config)."""
-    written = path / ("config.json" if (path / "config.json").is_file() else ADAPTER_CONFIG)
-    mode = written.stat().st_mode & 0o777
-    for weights in path.glob("*.safetensors"):
-        weights.chmod(mode)
 
 
 def quiet_hub_progress_bars() -> None:

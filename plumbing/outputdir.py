@@ -6,26 +6,28 @@ import atexit
 import contextlib
 import fcntl
 import fnmatch
+import hashlib
 import itertools
 import json
 import os
 import re
-import shutil
 import socket
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Optional
 
 from .distributed import rank0_view
-from .errors import ConfigError, inert, new_file, not_a_file, open_own, write_own
+from .errors import ConfigError, inert, not_a_file
+from .folders import Folder
 from .faults import signals_held
 
 __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
     "TRAINER_STATE", "MANIFEST", "LOCK", "ABANDONED", "MERGED", "RUN_OUTPUTS", "OutputDirLock", "take_output_dir",
     "steps_to_prune", "checkpoint_dirs", "latest_checkpoint", "run_record", "run_owned", "check_outputs",
     "check_new_output_dir", "check_output_dir", "move_aside", "settle_output_dir", "written_by",
-    "check_no_input_inside", "foreign_entries",
+    "check_no_input_inside", "foreign_entries", "marked_png", "marked_text", "read_json",
 ]
 
 CHECKPOINTS = "checkpoints"
@@ -68,6 +70,7 @@ class OutputDirLock:
     def __init__(self, output_dir: str):
         self.output_dir = output_dir
         self.file = None  # the lock file, open while held
+        self.identity = None  # output_dir's (Folder.identity), once held: the folder the run writes in
         self.created: list[Path] = []  # the directories made for it, the deepest first
 
     @property
@@ -80,15 +83,17 @@ class OutputDirLock:
         path = Path(self.output_dir)
         created = [d for d in (path, *path.parents) if not d.exists()]
         try:
-            path.mkdir(parents=True, exist_ok=True)
-            lock = open_own(path / LOCK, "a+")
+            with Folder.at(path, create=True) as root:
+                lock = root.append(LOCK, "a+")  # a backup's hard link (cp -al) keeps the old file
+                self.identity = root.identity
+                at_path = root.lstat(LOCK)
         except OSError as e:
             raise ConfigError(f"cannot write to --output_dir {inert(self.output_dir, 120)}: {e.strerror or e}"
                               ) from None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.fstat(lock.fileno()).st_ino != os.stat(path / LOCK).st_ino:  # removed by the run that held it
-                lock.close()  # between our open and our flock: lock the file now at that path instead
+            if at_path is None or os.fstat(lock.fileno()).st_ino != os.stat(path / LOCK).st_ino:  # removed by the
+                lock.close()  # run that held it between our open and our flock: lock the file now at that path
                 return self.acquire()
         except FileNotFoundError:  # removed by the run that held it after our flock: the same
             lock.close()
@@ -112,7 +117,8 @@ class OutputDirLock:
 
     def mark_preempted(self, note: str) -> None:
         """The marker job scripts requeue on (PREEMPTED), saying what a resume starts from."""
-        write_own(Path(self.output_dir) / PREEMPTED, f"{note}\n")
+        with Folder.at(self.output_dir, self.identity) as root:
+            root.write(PREEMPTED, f"{note}\n")
 
     def release(self) -> None:
         """When the run ends (finished, refused, stopped, failed), by the process that holds it: the lock file
@@ -120,7 +126,10 @@ class OutputDirLock:
         a refused start the directories made for it if they are empty."""
         if not self.held:
             return
-        (Path(self.output_dir) / LOCK).unlink(missing_ok=True)
+        with contextlib.suppress(OSError), Folder.at(self.output_dir, self.identity) as root:  # moved: left there
+            at_path = root.lstat(LOCK)
+            if at_path is not None and at_path.st_ino == os.fstat(self.file.fileno()).st_ino:
+                root.unlink(LOCK)  # its own lock file, never one that another run made since
         self.file.close()
         self.file = None
         for directory in self.created:
@@ -155,9 +164,10 @@ OWN_ENTRIES = {  # what a run's entry at the top of output_dir holds when a run 
     # directory's entries (rloo_multinode.py's engine logs and placement: any regular file)
     LOCK: re.compile(rb"(pid \d+ on .*, since |$)"),
     "metrics.jsonl*": re.compile(rb'(\{"update": |$)'),
-    "curves.png": re.compile(rb"\x89PNG\r\n\x1a\n.{0,4000}tEXtSoftware\x00rloo ", re.S),
+    "curves.png": lambda path: written_by(path) is not None,  # a PNG of this project's: its mark
     PREEMPTED: re.compile(rb"(.*/)?checkpoints/step_\d+\n|stopped during start-up|no update had finished"),
-    CHECKPOINTS: re.compile(r"\.?(tmp_)?step_\d+"), "nonfinite": re.compile(r"update_\d+_rank_\d+\.jsonl"),
+    CHECKPOINTS: re.compile(r"\.?(tmp_)?step_\d+"),
+    "nonfinite": re.compile(r"\.?update_\d+_rank_\d+\.jsonl(\.partial)?"),  # (a batch written whole: .partial first)
     "tensorboard": re.compile(r"events\.out\.tfevents\..*"), ABANDONED: re.compile(r"\d{8}-\d{6}_.*"),
     "engine_*.log": None, "engines.json": None, "lora_sync": re.compile(r"rloo-[0-9a-f]{8}-v\d+"),
 }
@@ -182,10 +192,10 @@ def foreign_entry(entry: Path) -> Optional[str]:
             f"holds the symbolic link {inert(links[0], 80)}" if links else None
     if not entry.is_file():
         return "is not a regular file"
-    if entry.stat().st_nlink > 1:  # appended to, the other name's file would change too
-        return "has another name (a hard link)"
-    if pattern is None:
+    if pattern is None:  # a file with other names (a backup by `cp -al`) is fine: the run writes a copy of its own
         return None
+    if not isinstance(pattern, re.Pattern):
+        return None if pattern(entry) else "holds what no run of this project wrote"
     try:
         with open(entry, "rb") as f:
             head = f.read(4096)
@@ -211,9 +221,8 @@ RUN_PATHS_BELOW = 200  # bytes: the longest path a run writes below output_dir, 
 def take_output_dir(lock: OutputDirLock, rank: int, inputs: Optional[dict] = None) -> None:
     """Before anything is read from output_dir, rank 0 makes it this run's: refused if empty or if it is, holds or
     lies inside one of the run's `inputs` (run_inputs), so that not even the lock is written there; locked (`lock`
-    acquired), the marker of
-    an earlier stop removed (a resume that then fails or is refused is not requeued forever), the temporary
-    directories of killed saves removed (they can be as large as a checkpoint)."""
+    acquired), the marker of an earlier stop removed (a resume that then fails or is refused is not requeued
+    forever). The temporary folders of killed saves are the Checkpointer's (notes)."""
     if not lock.output_dir.strip():
         raise ConfigError(f"--output_dir {lock.output_dir!r} is empty: pass a directory (`.` for this one)")
     path = Path(lock.output_dir)
@@ -233,21 +242,8 @@ def take_output_dir(lock: OutputDirLock, rank: int, inputs: Optional[dict] = Non
                           "name of a file a run writes, which no run wrote: a run writes only files it made; move "
                           "it, or pass another --output_dir")
     lock.acquire()
-    (path / PREEMPTED).unlink(missing_ok=True)
-    for debris in (path / CHECKPOINTS).glob(".tmp_step_*"):
-        with contextlib.suppress(OSError):
-            remove_checkpoint(debris)
-
-
-def remove_checkpoint(path: Path) -> None:
-    """A checkpoint directory of this run removed, if there is one (pruned by --save_total_limit, written again, the
-    debris of a killed save): a symbolic link is removed, never followed, so that what it points to (another run's
-    checkpoint, a directory of the user's) stays whole. A symbolic link above it (output_dir, output_dir/checkpoints
-    on another disk) is where the run's checkpoints live: followed."""
-    if path.is_symlink():
-        path.unlink()
-    elif path.exists():
-        shutil.rmtree(path)
+    with Folder.at(path, lock.identity) as root:
+        root.unlink(PREEMPTED)  # a run's (foreign_entries said so)
 
 
 def steps_to_prune(steps: list[int], keep: Optional[int], newest: int) -> list[int]:
@@ -282,11 +278,21 @@ POLICY_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.saf
                 "*.model", "adapter_config.json")  # what a finished run may write at the top of output_dir
 
 
+def read_json(folder: Path, name: str, limit: int = 64 << 20):
+    """The JSON file `name` in `folder` (a manifest, a run record), read only where it is a regular file (never
+    through a link, never a FIFO, which would block) of at most `limit` bytes. OSError or ValueError otherwise."""
+    with Folder.at(folder) as held, held.open_read(name) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{name} is larger than {limit} bytes")
+    return json.loads(data)
+
+
 def run_record(root: Path) -> Optional[dict]:
     """A finished run's record (args.json holding a run_id), or None: an args.json without one is not this
     project's, as a user's model directory may hold one."""
     try:
-        record = json.loads((root / RUN_RECORD).read_text())
+        record = read_json(root, RUN_RECORD)
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) and isinstance(record.get("run_id"), str) else None
@@ -320,29 +326,87 @@ def same_file(a: Path, b: Path) -> bool:
         return False
 
 
-WRITTEN_BY = re.compile(rb'"written_by": "([^"]{1,200})"|<!-- written by (\S{1,200}) -->')  # a text file's mark
+# ---- a script's mark: in the metadata of what it writes, never found in a file's text
+PNG_MARK = b"rloo written by"  # the keyword of a PNG text chunk of this project's own: `SCRIPT sha256 <digest>`
+TEXT_MARK = re.compile(r"<!-- written by (\S{1,200}); sha256 of the text above: ([0-9a-f]{64}) -->\n?")  # last line
+MARK_READ = 64 << 20  # bytes of a file read to find its mark: more is no file a script of this project writes
+
+
+def png_chunks(data: bytes) -> Optional[list[tuple[int, int, bytes, bytes]]]:
+    """A PNG's chunks as (start, end, type, data), or None for bytes that are not a whole PNG."""
+    if not data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return None
+    chunks, at = [], 8
+    while at + 12 <= len(data):
+        length, kind = int.from_bytes(data[at:at + 4], "big"), data[at + 4:at + 8]
+        end = at + 12 + length
+        if end > len(data):
+            return None
+        chunks.append((at, end, kind, data[at + 8:at + 8 + length]))
+        at = end
+        if kind == b"IEND":
+            return chunks if at == len(data) else None
+    return None
+
+
+def marked_png(data: bytes, writer: str) -> bytes:
+    """A PNG (as matplotlib writes it) with `writer`'s mark: a text chunk of this project's own after the header,
+    holding the script's name and the sha256 of the file without that chunk. The digest is what proves the file is
+    the script's: a text chunk alone can be copied into any picture, or kept by an editor that changed the image; a
+    mark whose digest matches says the bytes are exactly what the script drew, so that replacing them loses nothing
+    it cannot draw again."""
+    header_end = png_chunks(data)[0][1]
+    text = PNG_MARK + b"\x00" + f"{writer} sha256 {hashlib.sha256(data).hexdigest()}".encode()
+    chunk = len(text).to_bytes(4, "big") + b"tEXt" + text + zlib.crc32(b"tEXt" + text).to_bytes(4, "big")
+    return data[:header_end] + chunk + data[header_end:]
+
+
+def marked_text(text: str, writer: str) -> str:
+    """A Markdown report with `writer`'s mark as its last line: the script's name and the sha256 of the text above
+    it, so that a quote of the mark in a user's notes, or a report edited since, is no mark."""
+    text = text if text.endswith("\n") else text + "\n"
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    return f"{text}<!-- written by {writer}; sha256 of the text above: {digest} -->\n"
 
 
 def written_by(path: Path) -> Optional[str]:
-    """Which script of this project wrote the file at `path`, from the mark it left: a PNG's Software text
-    `rloo SCRIPT` (plot_curves), a JSON report's `"written_by": "SCRIPT"`, a Markdown table's
-    `<!-- written by SCRIPT -->`, in its first 64 KiB; None for a file without one (a user's, a model's)."""
+    """Which script of this project wrote the file at `path`, from the mark it left in what it wrote, or None (a
+    user's file, a model's, one edited since): a PNG's own text chunk whose digest matches the rest (marked_png); a
+    Markdown report's last line whose digest matches the text above (marked_text); a JSON file whose top-level
+    object's first key is "written_by" (a report), or whose first line is such an object (a JSON-lines file the
+    script appends to). A mark quoted anywhere else in a file is text, not a mark."""
     try:
         with open(path, "rb") as f:
-            head = f.read(1 << 16)
+            data = f.read(MARK_READ + 1)
     except OSError:
         return None
-    if head.startswith(b"\x89PNG\r\n\x1a\n"):  # its chunks: length, type, data, CRC; text before the image
-        at = 8
-        while at + 8 <= len(head) and head[at + 4:at + 8] != b"IDAT":
-            length, kind = int.from_bytes(head[at:at + 4], "big"), head[at + 4:at + 8]
-            key, _, text = head[at + 8:at + 8 + length].partition(b"\x00")
-            if kind == b"tEXt" and key == b"Software" and text.startswith(b"rloo "):
-                return text[5:].decode(errors="replace")
-            at += 12 + length
-        return None
-    found = WRITTEN_BY.search(head)
-    return (found.group(1) or found.group(2)).decode(errors="replace") if found else None
+    if len(data) > MARK_READ:
+        data = data[:MARK_READ]
+        chunks = None
+    else:
+        chunks = png_chunks(data)
+    if chunks is not None:
+        marks = [(start, end, body) for start, end, kind, body in chunks if kind == b"tEXt"
+                 and body.partition(b"\x00")[0] == PNG_MARK]
+        if len(marks) != 1:
+            return None
+        start, end, body = marks[0]
+        writer, _, digest = body.partition(b"\x00")[2].decode("latin-1").rpartition(" sha256 ")
+        return writer if digest == hashlib.sha256(data[:start] + data[end:]).hexdigest() and writer else None
+    text = data.decode("utf-8", errors="replace")
+    head, _, last = text.rstrip("\n").rpartition("\n")
+    found = TEXT_MARK.fullmatch(last + "\n")
+    if found and found.group(2) == hashlib.sha256((head + "\n").encode()).hexdigest():
+        return found.group(1)
+    for candidate in (text, text.partition("\n")[0]):  # a whole JSON report, or a JSON-lines file's first line
+        try:
+            value = json.loads(candidate)
+        except ValueError:
+            continue
+        if isinstance(value, dict) and next(iter(value), None) == "written_by" and isinstance(
+                value["written_by"], str):
+            return value["written_by"]
+    return None
 
 
 def check_outputs(outputs: list[tuple[str, Path]], inputs: list[tuple[str, Path]], writer: str,
@@ -439,7 +503,7 @@ def run_ids(root: Path) -> dict[str, str]:
     ids = {}
     for path in checkpoint_dirs(str(root)):
         with contextlib.suppress(OSError, ValueError, AttributeError):
-            ids[f"{CHECKPOINTS}/{path.name}"] = json.loads((path / MANIFEST).read_text()).get("run_id")
+            ids[f"{CHECKPOINTS}/{path.name}"] = read_json(path, MANIFEST).get("run_id")
     if (record := run_record(root)) is not None:
         ids[RUN_RECORD] = record["run_id"]
     with contextlib.suppress(OSError):
@@ -450,20 +514,29 @@ def run_ids(root: Path) -> dict[str, str]:
 
 
 def move_aside(output_dir: str, names: list[str], why: str) -> Path:
-    """Move these entries of output_dir (paths relative to it) into a new output_dir/abandoned/<time>_<why>/,
-    where they keep their relative paths. Signals wait until every entry has moved."""
+    """Move these entries of output_dir (paths relative to it, none through a link but output_dir/checkpoints) into
+    a new output_dir/abandoned/<time>_<why>/, where they keep their relative paths. Signals wait until every entry
+    has moved."""
     root = Path(output_dir)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    folder = root / ABANDONED / f"{stamp}_{why}"
-    for n in itertools.count(2):
-        if not folder.exists():
-            break
-        folder = root / ABANDONED / f"{stamp}_{why}_{n}"
-    with signals_held():
-        for name in names:
-            (folder / name).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(root / name, folder / name)
-    return folder
+    with Folder.at(output_dir) as top, top.folder(ABANDONED, create=True) as abandoned:
+        for n in itertools.count(1):
+            try:
+                folder = f"{stamp}_{why}" + (f"_{n}" if n > 1 else "")
+                abandoned.new_folder(folder, 0o777).close()
+                break
+            except FileExistsError:
+                continue
+        with abandoned.folder(folder) as into, signals_held():
+            for name in names:
+                *parents, entry = name.split("/")
+                with contextlib.ExitStack() as held:
+                    source, target = top, into
+                    for part in parents:
+                        source = held.enter_context(source.folder(part, follow=part == CHECKPOINTS))
+                        target = held.enter_context(target.folder(part, create=True))
+                    source.move(entry, target)
+    return root / ABANDONED / folder
 
 
 def settle_output_dir(args, start_update: int, skipped: dict, run_id: Optional[str] = None) -> list[str]:
@@ -494,13 +567,15 @@ def settle_output_dir(args, start_update: int, skipped: dict, run_id: Optional[s
     if not later and not dropped:
         return []
     folder = move_aside(args.output_dir, [f"{CHECKPOINTS}/{d.name}" for d in later], f"after_update_{start_update}")
-    if dropped:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "metrics.jsonl").write_text("".join(dropped))
-        write_own(metrics, "".join(kept))
     reasons = [f"{d.name}: {skipped[d]}" for d in later if d in skipped]
-    (folder / "why.txt").write_text(f"set aside when a run continued from update {start_update}, on "
-                                    f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n" + "".join(f"{r}\n" for r in reasons))
+    with Folder.at(args.output_dir) as top, top.folder(ABANDONED) as abandoned, abandoned.folder(folder.name) as into:
+        if dropped:
+            with into.create("metrics.jsonl", binary=False) as f:
+                f.write("".join(dropped))
+            top.write("metrics.jsonl", "".join(kept))
+        with into.create("why.txt", binary=False) as f:
+            f.write(f"set aside when a run continued from update {start_update}, on "
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n" + "".join(f"{r}\n" for r in reasons))
     lines = [f"skipped damaged checkpoint {r}" for r in reasons]
     return lines + [f"continuing from update {start_update}: moved what lies after it ("
                     + ", ".join([d.name for d in later] + ([f"{len(dropped)} metrics.jsonl lines"] if dropped else []))

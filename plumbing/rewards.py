@@ -10,6 +10,7 @@ import gc
 import importlib.util
 import inspect
 import math
+import multiprocessing
 import numbers
 import os
 import posix
@@ -25,8 +26,9 @@ import torch.distributed as dist
 
 from .data import PROMPT_IDS, pad_sequences
 from .distributed import all_reduce, seed_everything, wait_for_peers
-from .errors import FLOAT32_MAX, ConfigError, RewardFunctionError, describe, first_line, inert
-from .faults import StopSignal, in_a_thread, stop_signals_at_once
+from .errors import (FLOAT32_MAX, ConfigError, RewardFunctionError, describe, first_line, inert, input_file,
+                     not_a_file)
+from .faults import StopSignal, in_a_thread, run_only, stop_signals_at_once
 from .models import disable_dropout, has_tokenizer, load_reward_model, load_tokenizer, same_vocabulary
 
 __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
@@ -163,6 +165,7 @@ RUN_SETTINGS = {
 
 
 EXIT_HANDLER_TIMEOUT = 10.0  # seconds an atexit handler that user code registered may take as the process exits
+EXIT_HANDLERS = [0]  # how many atexit handlers user code registered (ExitHandler): the exit's time (exit_bounded)
 LEFT_RUNNING: dict[int, tuple[str, str]] = {}  # the processes user code started and left running, ended as the script
 # ends (end_processes_left): {pid: (its start time, what started it)}. Process-wide as the processes are
 
@@ -188,14 +191,34 @@ def descendants(roots: Optional[list[int]] = None) -> dict[int, str]:
     return found
 
 
-def end_processes_left(program: str) -> None:
+MULTIPROCESSING_HELPERS = (b"from multiprocessing.forkserver import main", b"from multiprocessing.resource_tracker "
+                           b"import main")  # the command lines of multiprocessing's helper processes
+
+
+def multiprocessings_own() -> set[int]:
+    """The processes multiprocessing itself ends as Python exits: its children (a Pool's workers, a
+    ProcessPoolExecutor's, a Process), its forkserver and resource tracker (which end once this process is gone), and
+    what those started. Ended from outside before that, a pool worker holding its queue's lock would leave the pool's
+    own end waiting for the lock forever."""
+    roots = [child.pid for child in multiprocessing.active_children()]
+    for pid in descendants():
+        with contextlib.suppress(OSError):
+            if any(helper in Path(f"/proc/{pid}/cmdline").read_bytes() for helper in MULTIPROCESSING_HELPERS):
+                roots.append(pid)
+    return {*roots, *descendants(roots)} if roots else set()
+
+
+def end_processes_left(program: str, at_once: bool = False) -> None:
     """Ends the processes that user code started and left running (user_code records them), whatever they hold (the
     console's pipe: `rloo.py | cat` would wait for them): SIGTERM, then SIGKILL to those still running after 2 s,
-    and one line naming them. A pid now another process's (another start time) is left alone."""
+    and one line naming them. A pid now another process's (another start time) is left alone. Multiprocessing's
+    own (multiprocessings_own) are left to Python's exit, where multiprocessing ends them (its workers take SIGTERM:
+    given_back_in_child), unless the process exits `at_once` (os._exit, which runs no exit handler)."""
     import time
 
+    spared = set() if at_once else multiprocessings_own()
     alive = lambda: {pid: what for pid, (start, what) in LEFT_RUNNING.items()  # noqa: E731
-                     if descendants().get(pid) == start}
+                     if descendants().get(pid) == start and pid not in spared}
     left = alive()
     if not left:
         return
@@ -219,6 +242,43 @@ def end_processes_left(program: str) -> None:
     LEFT_RUNNING.clear()
 
 
+def exit_bounded(program: str, status: int) -> None:
+    """As the process goes on to Python's exit: multiprocessing ends its children there (a pool's workers, with
+    SIGTERM) and waits for each, and a pool's end waits for its task queue's lock: a worker that does not end (its
+    own code ignores SIGTERM) or one that a signal ended while it held the lock (Ctrl-C reaches every process of the
+    terminal's group) would keep the process from ever exiting. When any of multiprocessing's children is left, a
+    watchdog thread gives the exit the exit handlers' time (EXIT_HANDLER_TIMEOUT for each of user code's, and once
+    more), then names and kills what this process still has below it, and after 2 s more (at most as long again)
+    exits with `status`."""
+    import time
+
+    if not multiprocessing.active_children():
+        return
+    limit = EXIT_HANDLER_TIMEOUT * (1 + EXIT_HANDLERS[0])
+
+    def kill_all_below() -> list[int]:  # a pool replaces a worker that died: what it started meanwhile too
+        left = sorted(descendants())
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        return left
+
+    def watch() -> None:
+        time.sleep(limit)
+        left = kill_all_below()
+        if left:
+            print(f"{program}: processes of user code's multiprocessing still ran {limit:g} s after the run's end: "
+                  f"killed pid {', '.join(map(str, left))}", file=sys.stderr, flush=True)
+        time.sleep(min(2.0, limit))
+        print(f"{program}: the exit did not finish {limit + min(2.0, limit):g} s after the run's end (a "
+              "multiprocessing pool's end waits for a lock that a worker ended by a signal held): exiting with status "
+              f"{status} without it", file=sys.stderr, flush=True)
+        kill_all_below()
+        os._exit(status)
+
+    threading.Thread(target=watch, name="exit watchdog", daemon=True).start()
+
+
 class ExitHandler:
     """An atexit handler that user code registered, run as the process exits for at most EXIT_HANDLER_TIMEOUT
     seconds (in a thread of its own): one that sleeps or waits would keep a finished run from exiting. Equal to the
@@ -226,6 +286,7 @@ class ExitHandler:
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict):
         self.fn, self.args, self.kwargs = fn, args, kwargs
+        EXIT_HANDLERS[0] += 1
 
     def __eq__(self, other) -> bool:
         return other is self or other == self.fn
@@ -270,7 +331,11 @@ def user_code(what: str, error: type):
     speed = torch.get_num_threads(), gc.isenabled(), sys.getrecursionlimit()
     real_exit, pid, real_register, processes = os._exit, os.getpid(), atexit.register, descendants()
     fired = []  # a timer's signal while the code runs: by default the end of the run (SIGALRM: exit 142)
-    recorder = lambda signum, frame: fired.append(signal.Signals(signum).name)  # noqa: E731
+
+    @run_only  # a process the code forks meanwhile gets the default back
+    def recorder(signum, frame) -> None:
+        fired.append(signal.Signals(signum).name)
+
     caught = [sig for sig in TIMER_SIGNALS.values() if threading.current_thread() is threading.main_thread()
               and signal.getsignal(sig) == signal.SIG_DFL]
     for sig in caught:
@@ -322,6 +387,25 @@ def user_code(what: str, error: type):
                     f"{RUN_SETTINGS[name][2]}")
 
 
+def module_source(module_name: str) -> Optional[Path]:
+    """The source file that `import module_name` reads, of any kind (a FIFO, a device: which the import system skips,
+    as no module, or as a namespace package for a package's __init__.py), found in sys.path's folders in their order
+    as the import system looks there (a package's __init__.py, else the module's .py); None for a module imported
+    already or found nowhere there (an installed editable finder's, a built-in, an extension module)."""
+    if module_name in sys.modules:
+        return None
+    *parents, last = module_name.split(".")
+    for folder in (f for f in sys.path if isinstance(f, str)):
+        package, module = Path(folder or ".", *parents, last, "__init__.py"), Path(folder or ".", *parents, f"{last}.py")
+        found = [path for path in (package, module) if os.path.lexists(path)]
+        if found:
+            return next((path for path in found if not not_a_file(path)), found[0])
+    return None
+
+
+SOURCE_LIMIT = 64 << 20  # bytes of a reward module's source file (compiled extension modules: any size)
+
+
 def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
     """Import each `package.module:function` spec; each must take **kwargs (it is called with every column)."""
     functions = []
@@ -333,6 +417,11 @@ def load_reward_functions(specs: tuple[str, ...]) -> list[tuple[str, Callable]]:
         module_name, _, attr = spec.partition(":")
         if not module_name or not attr:
             raise ConfigError(f"--reward_fn {spec!r} is not of the form package.module:function")
+        source = module_source(module_name)
+        if source is not None:  # a FIFO: no module, or a namespace package, as far as the import system can tell
+            with input_file(source, f"reward function {spec!r}: {inert(source, 200)}", "put the module's source there "
+                            "(Python's import skips a file that is not regular)", SOURCE_LIMIT):
+                pass
         try:
             with user_code(f"reward function {spec!r}: importing {module_name!r}", ConfigError):
                 module = importlib.import_module(module_name)
@@ -410,7 +499,7 @@ def call_reward_function(name: str, fn: Callable, n: int, timeout: Optional[floa
             return fn(**kwargs)
 
     with user_code(f"reward function {name!r}", RewardFunctionError):
-        with stop_signals_at_once():
+        with stop_signals_at_once(came_before=bool(LEFT_RUNNING or multiprocessing.active_children())):
             outcome = in_a_thread(call, f"reward function {name}", timeout)  # abandoned if it hangs
         if not outcome:
             raise RewardFunctionError(f"reward function {name!r} did not return within --reward_fn_timeout "

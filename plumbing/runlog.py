@@ -3,6 +3,7 @@ metrics.jsonl as the run goes.
 """
 
 import contextlib
+import io
 import json
 import math
 import os
@@ -14,15 +15,21 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .distributed import all_reduce
-from .errors import (ConfigError, Fault, describe, first_line, inert, new_file, not_a_file, open_own, reading,
+from .distributed import all_reduce, global_mean_std
+from .errors import (ConfigError, Fault, describe, first_line, inert, new_file, not_a_file, reading,
                      shown, without_credentials)
 from .faults import console_lost
+from .folders import Folder
+from .outputdir import marked_png
+from .schedule import RunLength, trl116_arithmetic
 
 __all__ = [  # what this module gives as plumbing.NAME (rloo.py, rloo_multinode.py, the tools, the tests)
     "reduce_metrics", "completion_metrics", "read_metrics", "moving_average", "curve_panels", "plot_curves",
-    "CurvesSink", "MetricsWriteError", "run_notes", "RunLogger", "PNG_WRITER",
+    "CurvesSink", "MetricsWriteError", "run_notes", "RunLogger", "save_png",
 ]
+
+METRICS = "metrics.jsonl"  # in output_dir: one JSON line per update and per evaluation
+
 
 SUM_METRICS = ("val/num_eos_tokens", "completions/masked_truncated")
 
@@ -42,20 +49,24 @@ def is_optional_metric(key: str, value: float) -> bool:
     return key.startswith("reward/") and math.isnan(value)
 
 
-def reduce_metrics(metrics: dict[str, float], device: torch.device,
+def reduce_metrics(metrics: dict[str, float | tuple[float, float]], device: torch.device,
                    max_metrics: tuple[str, ...] = ()) -> dict[str, float]:
     """Metrics over all ranks: sums for counts, min/max for extremes and peak memory, means for everything else
-    (a mean over the ranks that have data, for optional metrics); also the maximum of `max_metrics` (the rollout
-    source's). Every rank must pass the same keys."""
+    (a mean over the ranks that have data, for optional metrics); a (numerator, denominator) pair is a mean over
+    every rank's items (tokens, completions): both summed over ranks, then divided (by at least 1, as TRL's); also the
+    maximum of `max_metrics` (the rollout source's). Every rank must pass the same keys."""
     keys = sorted(metrics)
     # peak memory: the fullest rank's
     maxima = [k for k in keys if k in MAX_METRICS + max_metrics or k.startswith("memory/")]
     means = [k for k in keys if k not in SUM_METRICS + MIN_METRICS + tuple(maxima)]
-    has_data = [0.0 if is_optional_metric(k, metrics[k]) else 1.0 for k in means]
-    values = [metrics[k] if w else 0.0 for k, w in zip(means, has_data)]
+    pairs = {k for k in means if isinstance(metrics[k], tuple)}
+    has_data = [float(metrics[k][1]) if k in pairs else 0.0 if is_optional_metric(k, metrics[k]) else 1.0
+                for k in means]
+    values = [metrics[k][0] if k in pairs else metrics[k] if w else 0.0 for k, w in zip(means, has_data)]
     sums = all_reduce(torch.tensor(values + has_data + [metrics[k] for k in SUM_METRICS if k in metrics],
                                    dtype=torch.float64, device=device))
-    out = {k: sums[i].item() / sums[len(means) + i].item() for i, k in enumerate(means) if sums[len(means) + i] > 0}
+    out = {k: sums[i].item() / max(sums[len(means) + i].item(), k in pairs) for i, k in enumerate(means)
+           if sums[len(means) + i] > 0 or k in pairs}
     out.update({k: v.item() for k, v in zip([k for k in SUM_METRICS if k in metrics], sums[2 * len(means):])})
     for op, selected in ((dist.ReduceOp.MIN, [k for k in MIN_METRICS if k in metrics]), (dist.ReduceOp.MAX, maxima)):
         extremes = all_reduce(torch.tensor([metrics[k] for k in selected], dtype=torch.float64, device=device), op)
@@ -63,11 +74,14 @@ def reduce_metrics(metrics: dict[str, float], device: torch.device,
     return out
 
 
-def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, grouped: torch.Tensor) -> dict:
-    """Length and spread statistics of one rank's (N, Tr) completions (TRL's names; a rank with no completion that
-    stopped has mean_terminated_length 0, as TRL logs it), and of their scores `grouped` (k, B) by prompt (column i
-    prompt i's k, as rloo.in_groups gives them). The spread of a prompt's scores is over the scored ones (a NaN
-    score: no source scored it), as TRL's nanstd."""
+def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, rewards: torch.Tensor,
+                       grouped: torch.Tensor) -> dict:
+    """Length and spread statistics of one rank's (N, Tr) completions, under TRL 1.16's names with TRL 1.16's
+    meanings (a collective: reward_std is over every rank's): the lengths; mean_terminated_length over every rank's
+    completions that stopped (0 when none did); reward_std, the spread of the sources' combined rewards (N,) over all
+    completions; frac_reward_zero_std, the share of prompts whose `grouped` (k, B) rewards (column i prompt i's k, as
+    rloo.in_groups gives them: TRL's are the KL-penalized rewards the advantages come from) have a spread of 0. A
+    spread is over the scored completions (NaN: no source scored it), unbiased, as TRL's nanstd."""
     lengths = response_mask.sum(1).float()  # (N,)
     scored = ~grouped.isnan()
     mean = grouped.nansum(0) / scored.sum(0)  # (B,)
@@ -76,11 +90,11 @@ def completion_metrics(response_mask: torch.Tensor, has_stop: torch.Tensor, grou
         "completions/mean_length": lengths.mean().item(),
         "completions/min_length": lengths.min().item(),
         "completions/max_length": lengths.max().item(),
-        "completions/mean_terminated_length": lengths[has_stop].mean().item() if has_stop.any() else 0.0,
+        "completions/mean_terminated_length": (lengths[has_stop].sum().item(), has_stop.sum().item()),
         "completions/clipped_ratio": (~has_stop).float().mean().item(),
         "val/num_eos_tokens": has_stop.sum().item(),
-        "reward_std": per_prompt_std.nanmean().item(),
-        "frac_reward_zero_std": (per_prompt_std < 1e-6).float().mean().item(),
+        "reward_std": global_mean_std(rewards, ~rewards.isnan())[1].item(),
+        "frac_reward_zero_std": torch.isclose(per_prompt_std, torch.zeros(())).float().mean().item(),
     }
 
 
@@ -144,14 +158,11 @@ def curve_panels(runs: list[tuple[list[dict], list[dict]]]) -> list[tuple[str, s
     return panels
 
 
-PNG_WRITER = "rloo "  # the start of the PNG's Software text: `rloo <the script that drew it>` (written_by)
-
-
-def plot_curves(metrics_paths: list[Path] | Path, png_path: Path, smooth: int = 10, writer: str = "rloo.py") -> None:
+def plot_curves(metrics_paths: list[Path] | Path, png_path: Path, smooth: int = 10, writer: str = "rloo.py",
+                folder: Optional[Folder] = None) -> None:
     """One panel per metric (curve_panels) against episode, in a grid of rows of 3, one line per metrics.jsonl (its
     directory's name); per-update values faint, a `smooth`-update trailing mean solid; eval scores as points.
-    Written whole (a viewer never sees half), never through a link, and signed by `writer` (the PNG's Software
-    text), by which a run or a script tells its own drawing from a file it must not write over."""
+    Written by save_png, signed by `writer`."""
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state; Agg draws the file
 
     metrics_paths = [metrics_paths] if isinstance(metrics_paths, (str, Path)) else list(metrics_paths)
@@ -185,11 +196,23 @@ def plot_curves(metrics_paths: list[Path] | Path, png_path: Path, smooth: int = 
     if axes[0].get_legend_handles_labels()[0]:  # nothing to name before the first update's line
         axes[0].legend(fontsize=8)
     fig.tight_layout()
+    save_png(fig, png_path, writer, dpi=100, folder=folder)
+
+
+def save_png(fig, png_path: Path, writer: str, dpi: int, folder: Optional[Folder] = None) -> None:
+    """A matplotlib figure as a PNG at `png_path` (in `folder`, by its name, where given), written whole (a viewer
+    never sees half), never through a link, and signed by `writer` (plumbing.marked_png: a text chunk of this
+    project's with a digest of the rest), by which a run or a script tells its own drawing from a file it must not
+    write over."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=dpi, format="png")
+    if folder is not None:
+        return folder.write(Path(png_path).name, marked_png(buffer.getvalue(), writer))
     png_path = Path(png_path)
     png_path.parent.mkdir(parents=True, exist_ok=True)
     partial = png_path.with_name(f".{png_path.name}.partial")
     with new_file(partial, binary=True) as f:
-        fig.savefig(f, dpi=100, format="png", metadata={"Software": PNG_WRITER + writer})
+        f.write(marked_png(buffer.getvalue(), writer))
     os.replace(partial, png_path)
 
 
@@ -203,8 +226,9 @@ class CurvesSink:
     SHARE = 0.05
     FIRST_COST = 2.0  # seconds, measured on 2 busy CPU cores: matplotlib's import and a first grid; later ones ~1 s
 
-    def __init__(self, metrics_path: Path, say: Callable[[str], None]):
+    def __init__(self, metrics_path: Path, say: Callable[[str], None], identity: Optional[tuple] = None):
         self.metrics_path, self.png_path, self.say = metrics_path, metrics_path.with_name("curves.png"), say
+        self.identity = identity  # output_dir's: drawn only into the folder the run started in
         self.enabled, self.started, self.spent, self.cost = True, time.perf_counter(), 0.0, self.FIRST_COST
 
     def draw(self, force: bool = False) -> None:
@@ -212,7 +236,8 @@ class CurvesSink:
         if not self.enabled or (not force and self.spent + self.cost > self.SHARE * (start - self.started)):
             return
         try:
-            plot_curves(self.metrics_path, self.png_path)
+            with Folder.at(self.png_path.parent, self.identity) as folder:
+                plot_curves(self.metrics_path, self.png_path, folder=folder)
         except ImportError as e:
             self.enabled = False
             self.say(f"no curves.png: matplotlib cannot be imported ({first_line(e)}); pip install matplotlib")
@@ -232,16 +257,24 @@ class MetricsWriteError(Fault):
 
 
 def run_notes(run_name: str, num_updates: int, prompts: int, k: int, world_size: int, dataset_prompts: int,
-              source_names, policy, trainable: list, args) -> list[str]:
+              source_names, policy, trainable: list, args, run: Optional[RunLength] = None) -> list[str]:
     """Start-up lines: with --use_peft the adapters' size, then the run's shape: its updates of `prompts` x k
-    completions per rank, an epoch's prompts (their counts: the start-up line that loaded them) and reward sources."""
+    completions per rank, its optimizer steps (`run`), an epoch's prompts (their counts: the start-up line that loaded
+    them) and reward sources."""
     per_update, epoch = prompts * k * world_size, dataset_prompts * k
+    run = run or RunLength(num_updates, 1)
+    last = run.steps_in(run.updates)
+    steps = f"{run.steps} optimizer steps ({run.steps_per_update} an update" + (
+        f", {last} in the last" if last < run.steps_per_update else "") + ")"
     lora = [f"LoRA: {sum(p.numel() for p in trainable):,} trainable parameters of "
             f"{sum(p.numel() for p in policy.parameters()):,}; adapted modules "
             f"{sorted(policy.peft_config['default'].target_modules)}"] if args.use_peft else []
+    whole, left = divmod(dataset_prompts, prompts * world_size)  # TRL 1.16's epoch: the batches its prompts fill
+    length = f"{whole} updates ({left} prompts left out, as TRL 1.16's sampler)" if trl116_arithmetic(args) else \
+        f"{epoch / per_update:.3g} updates"
     return lora + [f"{run_name}: {num_updates} updates x {per_update} completions ({prompts} prompts x k={k} per rank "
-                   f"x {world_size} ranks); an epoch: {dataset_prompts} prompts x k={k} = {epoch} completions = "
-                   f"{epoch / per_update:.3g} updates; reward sources {source_names}"]
+                   f"x {world_size} ranks), {steps}; an epoch: {dataset_prompts} prompts x k={k} = {epoch} "
+                   f"completions = {length}; reward sources {source_names}"]
 
 
 class RunLogger:
@@ -253,13 +286,14 @@ class RunLogger:
                  ("eps", "eps"))
 
     def __init__(self, args, run_name: str, num_updates: int, start_update: int, wandb_run_id: Optional[str],
-                 run_id: Optional[str] = None, logging_steps: Optional[int] = None):
+                 run_id: Optional[str] = None, logging_steps: Optional[int | set[int]] = None):
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        self.metrics_path = Path(args.output_dir) / "metrics.jsonl"
-        open_own(self.metrics_path).close()  # never through a link: take_output_dir refused a foreign one
+        self.output_dir, self.metrics_path = args.output_dir, Path(args.output_dir) / METRICS
+        with Folder.at(args.output_dir, create=True) as root:  # the folder it writes in, to its end
+            self.identity = root.identity
+            root.append(METRICS).close()  # never through a link: take_output_dir refused a foreign one
         self.wandb = None
         if args.track:
             import wandb
@@ -268,17 +302,18 @@ class RunLogger:
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name,
                        config={k: without_credentials(v) if isinstance(v, str) else v
                                for k, v in asdict(args).items()}, dir=args.output_dir, id=wandb_run_id, resume="allow")
-        self.tensorboard_dir = Path(args.output_dir) / "tensorboard" if args.tensorboard else None
+        self.to_tensorboard, self.tensorboard_folder = args.tensorboard, None  # output_dir/tensorboard, held
         self.tensorboard, self.resumed = None, start_update > 0  # the writer, opened by publish
         self.console = Console(markup=False)  # a path, a prompt or a completion holding `[/]` is text, not markup
         self.progress = Progress(TextColumn("update"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                                  console=self.console, transient=True)
         self.task = self.progress.add_task("updates", total=num_updates, completed=start_update)
         self.progress.start()
-        self.num_updates, self.logging_steps = num_updates, logging_steps or args.logging_steps  # in updates
+        # the updates with a console line: every this many, or these (plumbing.update_intervals), and the last
+        self.num_updates, self.logging_steps = num_updates, logging_steps or args.logging_steps
         self.run_id = run_id  # on every metrics.jsonl line: a line of another run is never taken for this one's
         self.mismatch_warned = False
-        self.curves = CurvesSink(self.metrics_path, self.say)
+        self.curves = CurvesSink(self.metrics_path, self.say, self.identity)
 
     def say(self, line: str) -> None:
         """A line of the run's own (a note, a warning) on the console, as inert text (shown): a path in it holding
@@ -288,7 +323,8 @@ class RunLogger:
     def log(self, update: int, metrics: dict[str, float]) -> None:
         self.write_metrics({"update": update, **metrics})
         self.publish(metrics, int(metrics["episode"]))
-        if update % self.logging_steps and update != self.num_updates:
+        if (update not in self.logging_steps if isinstance(self.logging_steps, set) else update % self.logging_steps) \
+                and update != self.num_updates:
             self.progress.advance(self.task)
             return
         parts = " ".join(f"{short} {metrics[key]:.0f}" if abs(metrics[key]) >= 100 else f"{short} {metrics[key]:.3g}"
@@ -321,27 +357,37 @@ class RunLogger:
         at the first: a resumed run's drops the events its earlier timeline wrote from that step on (purge_step)."""
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
-        if self.tensorboard_dir is not None:
-            if self.tensorboard is None:
+        if self.to_tensorboard:
+            if self.tensorboard is None:  # written into the folder it was opened in, through its handle
+                try:
+                    with Folder.at(self.output_dir, self.identity) as root:
+                        self.tensorboard_folder = root.folder("tensorboard", create=True)
+                except OSError as e:  # a link planted there, output_dir moved away
+                    raise MetricsWriteError(f"could not write {Path(self.output_dir) / 'tensorboard'} "
+                                            f"({e.strerror or e})") from None
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tensorboard = SummaryWriter(str(self.tensorboard_dir), purge_step=step if self.resumed else None,
-                                                 flush_secs=30)
+                self.tensorboard = SummaryWriter(self.tensorboard_folder.os_path, flush_secs=30,
+                                                 purge_step=step if self.resumed else None)
             for key, value in metrics.items():
                 self.tensorboard.add_scalar(key, value, step)
 
     def write_metrics(self, record: dict) -> None:
         """One line of metrics.jsonl, whole or not at all: a write that fails (a full disk, a quota) is cut off again
         and stops the run (MetricsWriteError). Once the console went away, each line says so (`console_lost`)."""
-        size = self.metrics_path.stat().st_size
+        lost = console_lost()  # the console went away: the run went on, its lines unseen
+        line = json.dumps({**record, "run_id": self.run_id, **({"console_lost": lost} if lost else {})}) + "\n"
         try:
-            lost = console_lost()  # the console went away: the run went on, its lines unseen
-            with open_own(self.metrics_path) as f:
-                f.write(json.dumps({**record, "run_id": self.run_id, **({"console_lost": lost} if lost else {})})
-                        + "\n")
+            with Folder.at(self.output_dir, self.identity) as root, root.append(METRICS) as f:
+                size, data = os.fstat(f.fileno()).st_size, memoryview(line.encode())
+                try:
+                    while data:
+                        data = data[os.write(f.fileno(), data):]
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(f.fileno(), size)
+                    raise
         except OSError as e:
-            with contextlib.suppress(OSError):
-                os.truncate(self.metrics_path, size)
             raise MetricsWriteError(f"could not write {self.metrics_path} ({e.strerror or e})") from None
 
     def sample_table(self, rows: list[tuple[str, str, float]], episode: int) -> None:
@@ -377,3 +423,4 @@ class RunLogger:
             self.wandb.finish()
         if self.tensorboard is not None:
             self.tensorboard.close()
+            self.tensorboard_folder.close()

@@ -24,6 +24,7 @@ def stopped_while_starting(script: str):
         with contextlib.suppress(OSError):
             os.write(2, f"{script}: SIGINT received while starting: stopped, nothing written\n".encode())
         os._exit(130)
+    handler.run_only = True  # the script's own process only: a process forked from it gets Python's (plumbing.faults)
     return handler
 
 

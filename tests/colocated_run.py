@@ -3,7 +3,8 @@ output_dir/sync_check_rank<r>.jsonl gets, after each optimizer step and after th
 largest |engine - trainer| log-prob of fixed completions (vLLM's prompt log-probs against a plain forward of the
 policy; not with --lora_sync adapters, whose LoRA-enabled engine vLLM 0.32's CPU build cannot ask for prompt
 log-probs), and after the load the largest |sampler - trainer| log-prob of the tokens drawn. With FAIL_AT_BATCH=n,
-rank FAIL_RANK's (default 0) vLLM engine raises when it samples its n-th batch."""
+rank FAIL_RANK's (default 0) vLLM engine raises when it samples its n-th batch; with BAD_ANSWER=case too, it answers
+that batch wrongly instead, as vllm_standin.BAD_ANSWERS' case makes an answer wrong."""
 
 import json
 import os
@@ -15,6 +16,7 @@ import conftest  # noqa: F401  (puts the repository on the path)
 import rloo
 import rloo_multinode as mn
 from helpers import fixed_sequences, max_difference, trainer_logprobs
+from vllm_standin import BAD_ANSWERS
 
 
 class WatchedRollouts(mn.ColocatedRollouts):
@@ -34,7 +36,15 @@ class WatchedRollouts(mn.ColocatedRollouts):
             def fail(*args, **kwargs):
                 raise RuntimeError("the test's failure")
 
-            self.engine.llm.generate = fail
+            def answer_badly(request, generate=self.engine.generate):
+                answer = generate(request)
+                BAD_ANSWERS[os.environ["BAD_ANSWER"]](answer, request["stop_token_id"], self.policy.config.vocab_size)
+                return answer
+
+            if "BAD_ANSWER" in os.environ:
+                self.engine.generate = answer_badly
+            else:
+                self.engine.llm.generate = fail
         loads = self.engine_version != self.version
         completions, metrics = super().take()
         if loads:  # and the sampler's own log-probs of the tokens it drew against the trainer's, at its temperature

@@ -1,12 +1,18 @@
 """Two PPO epochs of one minibatch on a fixed global batch of 8 completions (k = 2 of 4 prompts), in one process or
-split by prompt over the ranks of a torchrun, with DDP or (argv[2] == "fsdp", "fsdp_offload") FSDP2; rank 0 saves the updated parameters to argv[1].
-Used by test_distributed.py."""
+split by prompt over the ranks of a torchrun, with DDP or (argv[2] "fsdp", "fsdp_offload") FSDP2; "lora": LoRA
+adapters on a tied Llama-like model, in one process, "fsdp_lora" sharded with them. Rank 0 saves to argv[1] the
+parameters before and after, and after each micro-step whether the sharded trained parameters held a gradient yet
+(FSDP: whether that micro-step reduce-scattered), and the updated policy's log-probs of the whole batch (with LoRA,
+its reference's too: the same module with its adapters off), FSDP's blocks gathered as for a rollout; with LoRA, the
+adapter as a run saves it to argv[1].adapter. Used by test_distributed.py."""
 
+import contextlib
 import sys
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import policy_tokenizer, tiny_policy
 import plumbing
@@ -15,10 +21,27 @@ import rloo
 GLOBAL_PROMPTS, K = 4, 2  # 8 completions
 
 
+def lora_policy(vocab_size: int) -> LlamaForCausalLM:
+    """A tied Llama-like model with adapters on every linear layer, their B matrices drawn (peft starts them at 0,
+    which gives A no gradient in a first step)."""
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          tie_word_embeddings=True, pad_token_id=0, eos_token_id=1)).eval()
+    plumbing.add_adapters(policy, rloo.Args(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                                            lora_target_modules=("all-linear",)), None)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(std=0.1)
+    return policy
+
+
 def main(out_path: str, wrapper: str) -> None:
     dist_info = plumbing.setup_distributed()
     tokenizer = policy_tokenizer()
-    policy = tiny_policy(len(tokenizer), seed=0)
+    policy = lora_policy(len(tokenizer)) if "lora" in wrapper else tiny_policy(len(tokenizer), seed=0)
+    initial = {name: p.detach().clone() for name, p in policy.state_dict().items()}
     torch.manual_seed(123)  # the same global batch on every rank
     prompts = [tokenizer(p)["input_ids"] for p in ["a b :", "c d e :", "f :", "g h :"]]
     queries, query_mask = plumbing.pad_sequences(prompts, tokenizer.pad_token_id, torch.device("cpu"))  # (4, Tq)
@@ -37,12 +60,26 @@ def main(out_path: str, wrapper: str) -> None:
                      num_mini_batches=1, num_ppo_epochs=2, temperature=1.0, max_grad_norm=0.0)
     sizes = rloo.compute_batch_sizes(args, dist_info.world_size)
     if wrapper.startswith("fsdp"):
-        model = plumbing.shard_policy(policy, bf16=False, offload=wrapper == "fsdp_offload")
+        model = plumbing.shard_policy(policy, bf16=False, offload=wrapper.endswith("offload"))
     else:
         model = DDP(policy) if dist.is_initialized() else policy
-    optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)  # plain SGD: the update is a multiple of the gradient
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(trainable, lr=0.1)  # plain SGD: the update is a multiple of the gradient
+    synced, gradient_sync = [], plumbing.gradient_sync
+
+    @contextlib.contextmanager
+    def observed(module, enabled: bool):
+        with gradient_sync(module, enabled):
+            yield
+        synced.append((enabled, all(p.grad is not None for p in trainable)))
+
+    plumbing.gradient_sync = observed  # rloo.ppo_update looks it up there at each micro-step
     rloo.ppo_update(model, optimizer, rollout, scores[rows], args, sizes, True,
                     lambda: torch.autocast("cpu", enabled=False))  # whole prompt groups: the same advantages
+    with torch.no_grad(), plumbing.gathered_for_rollout(policy, "unshard"):  # every rank: FSDP's forward gathers
+        logprobs = {"policy": rloo.forward_logprobs(policy, c, 1.0, share_prompt=True)[0]}  # (k*B, Tr)
+        if "lora" in wrapper:
+            logprobs["reference"] = rloo.forward_logprobs(plumbing.AdaptersOff(policy), c, 1.0, share_prompt=True)[0]
     if wrapper.startswith("fsdp"):  # every rank sends its shards
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -50,7 +87,9 @@ def main(out_path: str, wrapper: str) -> None:
     else:
         state = policy.state_dict()
     if dist_info.master:
-        torch.save(state, out_path)
+        torch.save({"initial": initial, "final": state, "synced": synced, "logprobs": logprobs}, out_path)
+    if "lora" in wrapper:  # with FSDP a collective
+        plumbing.save_policy(policy, tokenizer, f"{out_path}.adapter", dist_info.rank)
     plumbing.barrier()  # no rank tears the group down while another still uses it
 
 

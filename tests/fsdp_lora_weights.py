@@ -1,6 +1,7 @@
-"""Two gloo ranks under torchrun: what rloo_multinode.py sends engines from a LoRA policy sharded by FSDP2 (every
-block a unit, and the root) is what it sends from the same policy unsharded, bit for bit: the merged weights
-(engine_weights: peft's merge of each adapted weight, plain LoRA and DoRA) and the adapter's files (adapter_files).
+"""Two gloo ranks under torchrun: what rloo_multinode.py sends engines from a LoRA policy sharded by FSDP2 as --fsdp
+shards it (plumbing.shard_policy: every block a unit, and the root) is what it sends from the same policy unsharded,
+bit for bit: the merged weights (engine_weights: peft's merge of each adapted weight, plain LoRA and DoRA) and the
+adapter's files (adapter_files).
 Rank 0 prints one line per case: `<case> ok`, or the weights that differ. Used by test_multinode.py."""
 
 import sys
@@ -8,10 +9,10 @@ import sys
 import torch
 import torch.distributed as dist
 from peft import LoraConfig
-from torch.distributed.fsdp import fully_shard
 from transformers import GPTNeoXForCausalLM
 
 import conftest  # noqa: F401  (puts the repository on the path)
+import plumbing
 import rloo_multinode as mn
 from helpers import neox_config
 
@@ -27,9 +28,7 @@ if __name__ == "__main__":
                     p.normal_(0, 0.1)
         whole = {name: w.value().clone() for name, w in mn.engine_weights(policy).items()}
         files = mn.adapter_files(policy)
-        for layer in policy.gpt_neox.layers:
-            fully_shard(layer)
-        fully_shard(policy)
+        plumbing.shard_policy(policy, bf16=False)  # as --fsdp shards it: a unit per block, the root
         sharded = {name: mn.unsharded(w.value()) for name, w in mn.engine_weights(policy).items()}
         differ = [name for name in whole if not torch.equal(whole[name], sharded[name])]
         differ += [name for name, data in mn.adapter_files(policy).items() if data != files[name]]

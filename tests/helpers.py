@@ -275,6 +275,17 @@ def fake_run(out: Path, steps: list[int], run_id: str = "run-a") -> None:
     (out / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
 
 
+def forge_manifest(step: Path) -> None:
+    """What a checkpoint made elsewhere can do: list its files, payload included, with their true hashes, under the run
+    id and update its manifest named (none where it was unreadable)."""
+    try:
+        kept = {k: v for k, v in json.loads((step / "manifest.json").read_text()).items() if k != "files"}
+    except (OSError, ValueError, AttributeError):
+        kept = {}
+    (step / "manifest.json").unlink(missing_ok=True)
+    (step / "manifest.json").write_text(json.dumps({"files": plumbing.file_digests(step), **kept}))
+
+
 def tree(root: Path) -> dict[str, bytes]:
     """Every file under root (but the lock) with its bytes: what a run may not have changed."""
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
@@ -449,6 +460,90 @@ def run_benchmark_script(*args) -> None:
     result = subprocess.run([python(), *map(str, args)], capture_output=True, text=True, cwd=REPO, timeout=600,
                             env=cpu_env({"OMP_WAIT_POLICY": "PASSIVE"}))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- TRL 1.16's run of a recipe (tests/test_trl116_run.py)
+TRL116_TABLE = json.loads((REPO / "plumbing" / "trl116_defaults.json").read_text())["fields"]["RLOOConfig"]
+
+TRL116_RECIPES = [  # TRL 1.16's flags, and the prompts the recipe trains on
+    ({"num_generations": 4, "per_device_train_batch_size": 8, "max_steps": 6, "learning_rate": 1e-3}, 44),
+    ({"num_generations": 4, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+      "steps_per_generation": 4, "max_steps": 7, "warmup_steps": 2, "lr_scheduler_type": "constant_with_warmup",
+      "learning_rate": 1e-3}, 44),
+    ({"num_generations": 2, "per_device_train_batch_size": 4, "num_iterations": 2, "max_steps": 5, "save_steps": 2,
+      "logging_steps": 3}, 19),
+    ({"num_generations": 4, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 2,
+      "steps_per_generation": 4, "num_train_epochs": 2, "save_steps": 4}, 44),
+    ({"num_generations": 4, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 2,
+      "steps_per_generation": 4, "num_train_epochs": 1.5, "logging_steps": 0.2, "warmup_steps": 0.1}, 44),
+    ({"num_generations": 2, "per_device_train_batch_size": 4, "steps_per_generation": 2, "num_iterations": 2,
+      "num_train_epochs": 1, "lr_scheduler_type": "cosine"}, 19),
+    ({"num_generations": 4, "per_device_train_batch_size": 4, "generation_batch_size": 16, "num_iterations": 2,
+      "num_train_epochs": 0.7, "warmup_steps": 0.2, "lr_scheduler_type": "cosine", "learning_rate": 1e-4}, 45),
+    ({"num_generations": 2, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+      "eval_strategy": "steps", "eval_steps": 4, "save_steps": 4, "logging_steps": 2}, 13),
+]
+
+
+def trl116_run(recipe: dict, num_prompts: int, tmp_path, world_size: int = 1) -> dict:
+    """TRL 1.16's run of a recipe on `num_prompts` prompts, from the committed table of its RLOOConfig's defaults and
+    TRL's own arithmetic (its RLOOConfig's generation batch, its RepeatSampler's length, _prepare_inputs' generations;
+    tests/trl116_run_length.py checks these against TRL 1.16 itself) and the installed transformers' own Trainer code:
+    its optimizer steps, generations (rloo.py's updates) and completions, the learning rate of each optimizer step, the
+    steps that log, save and evaluate, its bf16, gradient checkpointing and seed."""
+    from types import SimpleNamespace
+
+    from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments, get_scheduler
+    from transformers.trainer_callback import DefaultFlowCallback
+
+    c = TRL116_TABLE | recipe
+    micro, accumulation, k = c["per_device_train_batch_size"], c["gradient_accumulation_steps"], c["num_generations"]
+    per_generation, generation_batch = c["steps_per_generation"], c["generation_batch_size"]
+    if per_generation is None and generation_batch is None:  # RLOOConfig.__post_init__
+        per_generation = accumulation
+        generation_batch = micro * world_size * per_generation
+    elif per_generation is None:
+        per_generation = generation_batch // (micro * world_size)
+    else:
+        generation_batch = micro * world_size * per_generation
+    generate_every = per_generation * c["num_iterations"]  # RLOOTrainer._prepare_inputs
+    # RepeatSampler(mini_repeat_count=k, batch_size=generation_batch // k, repeat_count=generate_every): whole batches
+    # of prompts only, each prompt k times, each batch generate_every times; the dataloader's batches of micro x
+    # steps_per_generation completions per process
+    prompts_per_batch = generation_batch // k
+    samples = num_prompts // prompts_per_batch * prompts_per_batch * k * generate_every
+    batches = samples // (micro * per_generation * world_size)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none", per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accumulation, num_train_epochs=c["num_train_epochs"], max_steps=c["max_steps"],
+        learning_rate=c["learning_rate"], lr_scheduler_type=c["lr_scheduler_type"], warmup_steps=c["warmup_steps"],
+        logging_steps=c["logging_steps"], save_steps=c["save_steps"], eval_strategy=c["eval_strategy"],
+        eval_steps=c["eval_steps"])
+    trainer = SimpleNamespace(get_total_train_batch_size=lambda _: micro * accumulation * world_size,
+                              get_sp_size=lambda: 1, num_examples=lambda _: samples)
+    max_steps = Trainer.set_initial_training_values(trainer, args, range(batches))[-1]
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.learning_rate)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.get_warmup_steps(max_steps),
+                              num_training_steps=max_steps)  # Trainer.create_scheduler
+    state, flow, rates, acts = TrainerState(max_steps=max_steps), DefaultFlowCallback(), [], {}
+    state.compute_steps(args, max_steps)
+    for step in range(1, max_steps + 1):  # the Trainer's loop: the rate of the step, then the scheduler's step
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+        state.global_step, control = step, TrainerControl()
+        flow.on_step_end(args, state, control)
+        for act in ("log", "save", "evaluate"):
+            if getattr(control, f"should_{act}"):
+                acts.setdefault(act, []).append(step)
+    generations = sum(step % generate_every == 0 for step in range(max_steps * accumulation))  # TRL's _step
+    bf16 = (c["bf16"] if c["bf16"] is not None else not c["fp16"]) and torch.cuda.is_available()  # where it can be
+    return {"steps": max_steps, "updates": generations, "completions": generations * generation_batch,
+            "steps_per_update": generate_every // accumulation, "rates": rates, "log": acts.get("log", []),
+            "save": acts.get("save", []), "evaluate": acts.get("evaluate", []), "bf16": bf16,
+            "gradient_checkpointing": c["gradient_checkpointing"], "seed": c["seed"], "samples": samples,
+            "steps_per_generation": per_generation, "generation_batch_size": generation_batch}
+
 
 
 # ---------------------------------------------------------------- the Makefile

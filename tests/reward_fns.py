@@ -125,3 +125,16 @@ def count_a_torch_noise(completions, **kwargs):
     import torch
 
     return [count_a([c])[0] + torch.rand(()).item() for c in completions]
+
+
+_moving_calls = 0
+
+
+def count_a_moving_the_run(completions, **kwargs):
+    """count_a, but the call numbered REWARD_MOVES_AT_CALL renames the folder REWARD_MOVES (the run's output_dir) to
+    <it>.moved: a user tidying up while the run writes."""
+    global _moving_calls
+    _moving_calls += 1
+    if str(_moving_calls) == os.environ.get("REWARD_MOVES_AT_CALL"):
+        os.rename(os.environ["REWARD_MOVES"], os.environ["REWARD_MOVES"] + ".moved")
+    return count_a(completions)

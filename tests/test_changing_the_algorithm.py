@@ -371,7 +371,7 @@ def test_an_adaptive_kl_controller_resumes_bit_identically(assets, tmp_path):
     coefficients = [m["objective/kl_coef"] for m in read_metrics(tmp_path / "full")]
     assert coefficients[0] == 0.5 and len(set(coefficients)) == 4, coefficients
     saved = torch.load(tmp_path / "resumed" / "checkpoints" / "step_2" / "rank0.pt", weights_only=True)
-    assert saved["algorithm_state"] == {"kl_coef": coefficients[2]}
+    assert saved["parts"]["algorithm_state"] == {"kl_coef": coefficients[2]}
     assert_same_run(tmp_path / "full", tmp_path / "resumed")
 
 
@@ -388,7 +388,7 @@ def test_an_on_policy_run_resumes_with_its_shortcut_verdict_bit_identically(asse
              resume=True)
     assert full == [False, True, True, True] and stopped + resumed == full, (full, stopped, resumed)
     saved = torch.load(tmp_path / "resumed" / "checkpoints" / "step_2" / "rank0.pt", weights_only=True)
-    assert saved["on_policy_shortcut"] == {"checked": True, "on": True}
+    assert saved["parts"]["on_policy_shortcut"] == {"checked": True, "on": True}
     assert_same_run(tmp_path / "full", tmp_path / "resumed")
 
 
@@ -448,7 +448,8 @@ def test_a_rank_local_statistic_resumes_with_each_ranks_own_value(assets, tmp_pa
     local = edited_rloo(examples()["A rank-local statistic"], tmp_path)
     stopped = stopped_and_resumed_on_two_ranks(local, assets, tmp_path)
     step = plumbing.latest_checkpoint(str(stopped))
-    scales = [torch.load(step / f"rank{r}.pt", weights_only=True)["algorithm_state"]["score_scale"] for r in (0, 1)]
+    scales = [torch.load(step / f"rank{r}.pt", weights_only=True)["parts"]["algorithm_state"]["score_scale"]
+              for r in (0, 1)]
     assert scales[0] != scales[1] and all(0 < s < 5 for s in scales), scales
 
 

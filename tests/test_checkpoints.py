@@ -27,8 +27,8 @@ from transformers import AutoModelForCausalLM
 import plumbing
 import rloo
 from helpers import (K, NOT_REPRODUCIBLE, PER_UPDATE, PROMPTS, REPO, RUN, assert_same_run,  # noqa: F401 (kept here)
-                     comparable, fake_run, hub_cache_repo, interrupt_after_first_update, launch, pid_of,
-                     policy_tokenizer, prompt_rows, python, read_metrics, run_main, run_rloo, saved_steps,
+                     comparable, fake_run, forge_manifest, hub_cache_repo, interrupt_after_first_update, launch,
+                     pid_of, policy_tokenizer, prompt_rows, python, read_metrics, run_main, run_rloo, saved_steps,
                      script_command, script_env, tiny_policy, trainer_state, tree, write_jsonl)
 
 
@@ -256,7 +256,7 @@ def test_save_total_limit_keeps_the_newest_and_never_deletes_it(tmp_path):
     assert [p.name for p in plumbing.checkpoint_dirs(str(tmp_path))] == ["step_3"]
 
 
-def no_hard_links(source, target):
+def no_hard_links(source, target, **where):
     raise OSError(18, "Invalid cross-device link")
 
 
@@ -265,8 +265,19 @@ def test_the_final_policy_is_the_final_checkpoints_stored_once_where_the_filesys
     policy, _, tokenizer = saved_steps(tmp_path, [1])
     step = tmp_path / "checkpoints" / "step_1"
     (tmp_path / "model.safetensors").write_text("this run's, of an earlier finish")
+    (tmp_path / "args.json").write_text(json.dumps({"run_id": "run-a", "files": ["model.safetensors"]}))
+    (tmp_path / "config.json").write_text("a user's, come while the run ran")
     monkeypatch.setattr(os, "link", link)
-    plumbing.save_final_policy(policy, tokenizer, str(tmp_path), 0, step)
+    with pytest.raises(plumbing.Fault, match="config.json appeared while the run ran and is not this run's: the "):
+        plumbing.save_final_policy(policy, tokenizer, str(tmp_path), 0, step, "run-a")
+    assert (tmp_path / "config.json").read_text() == "a user's, come while the run ran"
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "args.json").unlink()
+    with pytest.raises(plumbing.Fault, match="model.safetensors appeared while the run ran"):  # no record lists it
+        plumbing.save_final_policy(policy, tokenizer, str(tmp_path), 0, step, "run-b")
+    (tmp_path / "args.json").write_text(json.dumps({"run_id": "run-a", "files": ["model.safetensors"]}))
+    plumbing.save_final_policy(policy, tokenizer, str(tmp_path), 0, step, "run-a")
+    (tmp_path / "args.json").unlink()
     names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
     assert names == sorted(p.name for p in step.iterdir() if p.name not in ("trainer_state.pt", "manifest.json")
                            and not plumbing.RANK_FILE.fullmatch(p.name) and p.is_file())
@@ -342,12 +353,6 @@ class Payload:
 
     def __reduce__(self):
         return open, (self.marker, "w")
-
-
-def forge_manifest(step: Path) -> None:
-    """What a checkpoint made elsewhere can do: list its files, payload included, with their true hashes."""
-    (step / "manifest.json").unlink()
-    (step / "manifest.json").write_text(json.dumps({"files": plumbing.file_digests(step)}))
 
 
 def test_checkpoints_cannot_run_code(tmp_path):
@@ -477,12 +482,20 @@ def forged_optimizer(change: Callable) -> Callable:
 
 
 def forged_part(name: str, value) -> Callable:
-    """A forgery of rank 0's part `name` in its rank0.pt."""
+    """A forgery of rank 0's part `name` in its rank0.pt (a rank file of another run, update or rank:
+    test_output_dir.py's test_a_rank_file_proves_whose_it_is)."""
     def forge(step: Path) -> None:
-        parts = torch.load(step / "rank0.pt", weights_only=True)
-        parts[name] = value
-        torch.save(parts, step / "rank0.pt")
+        saved = torch.load(step / "rank0.pt", weights_only=True)
+        saved["parts"][name] = value
+        torch.save(saved, step / "rank0.pt")
     return forge
+
+
+def forged_reference(step: Path) -> None:
+    """A trainer state holding reference weights of another shape (the reference's are saved once they change)."""
+    state = torch.load(step / "trainer_state.pt", weights_only=True)
+    state["reference"] = {"gpt_neox.embed_in.weight": torch.zeros(3, 4)}
+    torch.save(state, step / "trainer_state.pt")
 
 
 FORGED_CONTENTS = {  # a forgery of the right kinds of values (a weights_only load reads it): what it says
@@ -503,12 +516,29 @@ FORGED_CONTENTS = {  # a forgery of the right kinds of values (a weights_only lo
                                              "AlgorithmState has []"),
     "a sampler's epoch as a string": (forged_part("sampler", {"epoch": "x", "position": 0}),
                                       "rank0.pt's part 'sampler': "),
-    "a part the run does not have": (forged_part("replay", [0] * 10), "part 'replay' is in rank0.pt but not in this run"),
+    "a part the run does not have": (forged_part("replay", [0] * 10),
+                                     "part 'replay' is in rank0.pt but not in this run"),
     "an absurd size": (forged_part("algorithm_state", {"notes": "x" * 17_000_000}),
                        "rank0.pt holds 16.2 MiB of values outside tensors, more than a checkpoint of this code writes "
                        "(16 MiB): not read"),
     "no generators": (forged_part("generators", None), "rank0.pt's part 'generators': "),
+    "a sampler position of 10^15": (forged_part("sampler", {"epoch": 0, "position": 10**15}), "rank0.pt's part "
+                                    "'sampler': the sampler's position 1000000000000000 (epoch 0) is none that this "
+                                    "run "
+                                    "reaches: a multiple of its 8 prompts per update within its"),
+    "a sampler position of -3": (forged_part("sampler", {"epoch": 0, "position": -3}), "the sampler's position -3"),
+    "generators of another kind": (forged_part("generators", {"python": 1, "torch": 2, "sampling": 3, "numpy": 4}),
+                                   "rank0.pt's part 'generators': the generators' states cannot be set (TypeError"),
+    # found once the models are loaded (they need them), before anything in output_dir moves
+    "a forged verdict for settings that rule the shortcut out": (
+        forged_part("on_policy_shortcut", {"checked": True, "on": True}), "rank0.pt's part 'on_policy_shortcut': "
+        "OnPolicyShortcut says the shortcut is on, which this run's settings rule out"),
+    "reference weights of another shape": (forged_reference, "the reference's weights in trainer_state.pt lack "),
 }
+AFTER_THE_MODELS_LOAD = ("a wrong-shaped exp_avg", "three betas", "a negative step", "a NaN in exp_avg_sq",
+                         "a string lr", "a state of no parameter", "a part the run does not have",
+                         "a forged verdict for settings that rule the shortcut out",
+                         "reference weights of another shape")  # what needs the models (or the rollout source)
 
 
 @pytest.fixture(scope="module")
@@ -535,6 +565,23 @@ def test_a_checkpoints_contents_are_checked_by_type_and_shape_before_training(as
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
     assert str(step) in result.stderr and refusal in result.stderr, result.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run")
+    assert ("loaded the policy" in result.stdout) == (forged in AFTER_THE_MODELS_LOAD), result.stdout
+
+
+def test_a_refused_resume_moves_nothing_in_output_dir(assets, tmp_path, one_update):
+    """Issue 56: a refusal made while restoring came after the metrics lines past the checkpoint were moved into
+    abandoned/. Every refusal comes before output_dir is settled for the timeline continued."""
+    out = tmp_path / "run"
+    shutil.copytree(one_update.parent.parent, out)
+    with open(out / "metrics.jsonl", "a") as f:  # an update logged, not checkpointed, before a kill
+        f.write(json.dumps({"update": 2, "episode": 2 * PER_UPDATE, "run_id": read_metrics(out)[0]["run_id"]}) + "\n")
+    forged_part("on_policy_shortcut", {"checked": True, "on": True})(out / "checkpoints" / "step_1")
+    forge_manifest(out / "checkpoints" / "step_1")
+    before = tree(out)
+    result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir", out,
+                      *RUN[:-2], "--total_episodes", 2 * PER_UPDATE, "--resume")
+    assert result.returncode == 2 and "'on_policy_shortcut': OnPolicyShortcut says the shortcut is on" in result.stderr
+    assert tree(out) == before and not (out / "abandoned").exists() and not (out / "run.lock").exists()
 
 
 def test_a_checkpoint_cannot_choose_the_code_that_runs(tmp_path):
@@ -762,9 +809,11 @@ def test_a_console_write_that_fails_is_dropped_and_remembered(tmp_path):
     assert ascii_file.read_text() == "score \\u2713 \\xe9\n"
 
 
-def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp_path):
+@pytest.mark.parametrize("limit", ["a file size limit", "a full disk"])
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp_path, limit):
+    """Issue 56: a full disk showed torch's "unexpected pos 64 vs 0": the line says what the disk said, and where."""
     script = (
-        "import resource, signal, sys, torch\n"
+        "import os, resource, signal, sys, torch\n"
         "from conftest import policy_tokenizer, tiny_policy\n"
         "import plumbing\n"
         "plumbing.quiet_hub_progress_bars()\n"
@@ -772,19 +821,25 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp
         "policy = tiny_policy(len(tokenizer))\n"
         "optimizer = torch.optim.AdamW(policy.parameters())\n"
         "from helpers import trainer_state\n"
+        "full, os.environ['FULL_DISK'] = os.environ.get('FULL_DISK'), ''\n"
         "plumbing.save_checkpoint(out, 1, policy, optimizer, tokenizer, trainer_state(1), 0, None, {})\n"
-        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails (EFBIG), as on a full disk\n"
-        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))\n"
-        "state = {'update': 2, 'ballast': torch.zeros(1 << 20)}  # 4 MB\n"
+        "os.environ['FULL_DISK'] = full or ''\n"
+        "if not full:\n"
+        "    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails (EFBIG)\n"
+        "    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))\n"
+        "state = {'update': 2, 'run_id': 'run-a', 'ballast': torch.zeros(1 << 20)}  # 4 MB\n"
         "plumbing.run_script(lambda _: plumbing.save_checkpoint(out, 2, policy, optimizer, tokenizer, state, 0, None,\n"
         "                                               {}), None, 'rloo.py')\n")
-    env = script_env({"PYTHONPATH": f"{REPO / 'tests'}:{REPO}"})  # offline: as the server of forks
+    env = script_env({"PYTHONPATH": f"{REPO / 'tests'}:{REPO}"} if limit == "a file size limit" else {
+        **full_disk("trainer_state.pt"), "PYTHONPATH": f"{REPO / 'tests' / 'full_disk'}:{REPO / 'tests'}:{REPO}"})
     result = subprocess.run([python(), "-c", script, str(tmp_path)], capture_output=True, text=True, env=env,
                             timeout=600)
     assert result.returncode == 4 and result.stderr.strip().count("\n") == 0, result.stderr[-3000:]
     step_1 = tmp_path / "checkpoints" / "step_1"
-    assert "rloo.py: error: could not write checkpoint step_2 (" in result.stderr
-    assert "free on its filesystem): " in result.stderr and f"the newest, {step_1}, is intact" in result.stderr
+    why = "File too large" if limit == "a file size limit" else "No space left on device"
+    assert (f"rloo.py: error: could not write checkpoint step_2 ({tmp_path}/checkpoints/.tmp_step_2/trainer_state.pt): "
+            f"{why} (") in result.stderr, result.stderr
+    assert "free on its filesystem); " in result.stderr and f"the newest, {step_1}, is intact" in result.stderr
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]  # the partial one removed
     assert plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True)).checkpoint == step_1
 
@@ -811,7 +866,7 @@ def test_a_full_disk_outside_a_save_stops_with_a_checkpoint_and_one_line(assets,
         "logger = object.__new__(plumbing.RunLogger)\n"
         "logger.metrics_path = Path(sys.argv[1])\n"
         "logger.metrics_path.touch()\n"
-        "logger.run_id = None\n"
+        "logger.output_dir, logger.identity, logger.run_id = sys.argv[1].rpartition('/')[0], None, None\n"
         "logger.write_metrics({'update': 1})\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails (EFBIG)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))\n"
@@ -821,6 +876,23 @@ def test_a_full_disk_outside_a_save_stops_with_a_checkpoint_and_one_line(assets,
                             text=True, env=env, timeout=600)
     assert result.returncode == 4 and result.stderr.startswith("rloo.py: error: could not write "), result.stderr
     assert (tmp_path / "metrics.jsonl").read_text() == '{"update": 1, "run_id": null}\n'
+
+
+def test_output_dir_renamed_while_the_run_writes_stops_it_in_one_line(assets, tmp_path):
+    """Issue 56: output_dir renamed mid-run gave a FileNotFoundError traceback. The next write there says which folder
+    went, in one line, exit 4; nothing is written elsewhere, and the moved folder holds the run up to then."""
+    out = tmp_path / "run"
+    result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--output_dir", out,
+                      "--reward_fn", "reward_fns:count_a_moving_the_run", *RUN[2:-2], "--num_evals", "0",
+                      "--total_episodes", PER_UPDATE * 3, "--save_steps", "1",
+                      env={"REWARD_MOVES_AT_CALL": "2", "REWARD_MOVES": str(out)})
+    assert result.returncode == 4 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"rloo.py: error: could not write checkpoint step_2: {out} is gone (renamed, moved or removed while the run "
+        "wrote it); the run's checkpoints are where it left them: put the folder back, then continue with --resume")
+    moved = tmp_path / "run.moved"
+    assert not out.exists() and [p.name for p in (moved / "checkpoints").iterdir()] == ["step_1"]
+    assert [m["update"] for m in read_metrics(moved)] == [1]
 
 
 RANK_0_IN_COLLECTIVES = """import os

@@ -397,7 +397,9 @@ BAD_INPUTS = {  # case: (flags that replace or add to a valid command, fragments
     "save_total_limit -1": ({"save_total_limit": "-1"}, ["save_total_limit = -1", "at least 1"]),
     "save_total_limit 0": ({"save_total_limit": "0"}, ["save_total_limit = 0", "None to keep every"]),
     "save_steps -1": ({"save_steps": "-1"}, ["save_steps = -1"]),
-    "temperature inf": ({"temperature": "inf"}, ["temperature = inf", "finite number > 0"]),
+    "temperature inf": ({"temperature": "inf"}, ["temperature = inf", "a finite number >= 0.01"]),
+    "temperature 1e-40": ({"temperature": "1e-40"}, ["temperature = 1e-40", ">= 0.01 (vLLM's floor: logits are divided "
+                                                     "by it; below, log-probs overflow float32)"]),  # update 1's NaN
     "temperature nan": ({"temperature": "nan"}, ["temperature = nan"]),
     "temperature -1": ({"temperature": "-1"}, ["temperature = -1.0"]),
     "cliprange 0": ({"cliprange": "0"}, ["cliprange = 0.0", "> 0"]),
@@ -405,12 +407,21 @@ BAD_INPUTS = {  # case: (flags that replace or add to a valid command, fragments
                                           ["vllm_importance_sampling_cap = nan", "finite number > 0"]),
     "token importance weights without per-token actions": ({"vllm_importance_sampling_mode": "token_mask"},
                                                            ["token_mask weights tokens", "add --token_level_kl"]),
-    "learning_rate -1e-3": ({"learning_rate": "-1e-3"}, ["learning_rate = -0.001", ">= 0"]),
+    "learning_rate -1e-3": ({"learning_rate": "-1e-3"}, ["learning_rate = -0.001", "in [0, 1]"]),
+    "learning_rate 2": ({"learning_rate": "2"}, ["learning_rate = 2.0", "in [0, 1] (AdamW's step size per weight)"]),
+    "weight_decay past 1 / learning_rate": ({"weight_decay": "2000", "learning_rate": "1e-3"},
+                                             ["weight_decay = 2000.0", "in [0, 1000] (1 / --learning_rate"]),
+    "repetition_penalty 1e-30": ({"repetition_penalty": "1e-30"}, ["repetition_penalty = 1e-30", "in [0.01, 100]"]),
     "learning_rate nan": ({"learning_rate": "nan"}, ["learning_rate = nan"]),
     "kl_coef nan": ({"kl_coef": "nan"}, ["kl_coef = nan"]),
-    "kl_coef beyond float32": ({"kl_coef": "1e39"}, ["kl_coef = 1e+39", "a finite number >= 0"]),
+    "kl_coef beyond float32": ({"kl_coef": "1e39"}, ["kl_coef = 1e+39", "in [0, 1e+06]"]),
+    "kl_coef 1e30": ({"kl_coef": "1e30"}, ["kl_coef = 1e+30", "in [0, 1e+06] (beyond, the first updates' gradients "
+                                                             "overflow float32)"]),  # update 2's NaN
+    "missing_eos_penalty 1e30": ({"missing_eos_penalty": "1e30"}, ["missing_eos_penalty = 1e+30", "at most 1e+06"]),
     "learning_rate beyond float32": ({"learning_rate": "1e50"}, ["learning_rate = 1e+50"]),
-    "reward_weights beyond float32": ({"reward_weights": "-1e39"}, ["reward_weights = (-1e+39,)", "finite numbers"]),
+    "reward_weights beyond float32": ({"reward_weights": "-1e39"}, ["reward_weights = (-1e+39,)", "at most 1e+06 in "
+                                                                                                 "magnitude"]),
+    "reward_weights 1e30": ({"reward_weights": "1e30"}, ["reward_weights = (1e+30,)", "the first updates' gradients"]),
     "reward_fn_timeout beyond ddp_timeout": ({"reward_fn_timeout": "600"},
                                              ["reward_fn_timeout = 600.0", "below --ddp_timeout (600; raise it too)"]),
     "reward_fn_timeout 0": ({"reward_fn_timeout": "0"}, ["reward_fn_timeout = 0.0", "seconds > 0"]),
@@ -504,7 +515,8 @@ BAD_INPUTS = {  # case: (flags that replace or add to a valid command, fragments
                                         ["take no dropout", "pass --lora_dropout 0"]),
     "reward model with two labels": ({"reward_model_path": "two_label_rm"},
                                      ["two_label_rm", "2-label classification head", "num_labels=1"]),
-    "LoRA with FSDP": ({"use_peft": None, "fsdp": None}, ["--use_peft with --fsdp is not supported yet"]),
+    "QLoRA with FSDP": ({"use_peft": None, "load_in_4bit": None, "fsdp": None}, ["--load_in_4bit with --fsdp",
+                                                                                 "drop --fsdp"]),
     "LoRA rank 0": ({"use_peft": None, "lora_r": "0"}, ["--lora_r 0", "the rank must be >= 1"]),
     "merge_lora without LoRA": ({"merge_lora": None}, ["--merge_lora merges LoRA adapters", "add --use_peft"]),
 }

@@ -1,18 +1,20 @@
 """A 2-process gloo run updates the parameters exactly as one process does on the same global batch, with DDP
-and with FSDP2; FSDP2's rollout mode uses its public API only."""
+and with FSDP2 (with LoRA adapters too); FSDP2's rollout mode uses its public API only."""
 
 import gc
 import subprocess
+import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 import tyro
+from safetensors.torch import load_file
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import plumbing
 import rloo
-from conftest import REPO, cpu_env, tiny_policy, policy_tokenizer
+from conftest import REPO, cpu_env
 from helpers import argv_of, free_port, python, valid_flags
 
 
@@ -23,17 +25,37 @@ def run(script_args: list[str], out, wrapper: str = "ddp") -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp", "fsdp_offload"])
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp", "fsdp_offload", "fsdp_lora"])
 def test_two_rank_update_equals_one_rank_update(tmp_path, wrapper):
-    run([], tmp_path / "one.pt")
+    """The parameters after the update, and the policy's log-probs then (FSDP's blocks gathered as for a rollout). With
+    LoRA adapters (a tied Llama-like model: every block's unit holds frozen and trained weights, the root's only
+    frozen ones) also the reference's (the adapters off) and the adapter saved; FSDP2 reduce-scatters at every
+    micro-step, but with LoRA at an optimizer step's last alone."""
+    run([], tmp_path / "one.pt", "lora" if "lora" in wrapper else "ddp")
     run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"], tmp_path / "two.pt", wrapper)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
-    initial = tiny_policy(len(policy_tokenizer()), seed=0).state_dict()
-    moved = 0
-    for name, value in one.items():
-        torch.testing.assert_close(two[name], value, atol=1e-6, rtol=1e-5, msg=name)
-        moved += not torch.equal(value, initial[name])
-    assert moved > len(one) // 2  # the update did change the parameters
+    assert one["initial"].keys() == two["final"].keys() == one["final"].keys()
+    for name, value in one["final"].items():
+        torch.testing.assert_close(two["final"][name], value, atol=1e-6, rtol=1e-5, msg=name)
+    assert one["logprobs"].keys() == two["logprobs"].keys() == {"policy", *(["reference"] if "lora" in wrapper else [])}
+    for name, value in one["logprobs"].items():  # the policy and (LoRA) the reference, FSDP's blocks gathered
+        torch.testing.assert_close(two["logprobs"][name], value, atol=1e-6, rtol=1e-5, msg=name)
+    moved = {name for name, value in one["final"].items() if not torch.equal(value, one["initial"][name])}
+    if "lora" in wrapper:  # the adapters, all of them, and nothing else; saved whole from the shards
+        assert moved == {name for name in one["final"] if ".lora_" in name}
+        assert not torch.allclose(two["logprobs"]["reference"], two["logprobs"]["policy"])  # the adapters count
+        unsharded, saved = (load_file(tmp_path / f"{run}.pt.adapter" / plumbing.ADAPTER_WEIGHTS)
+                            for run in ("one", "two"))
+        assert saved.keys() == unsharded.keys() and len(saved) == len(moved)
+        for name, value in unsharded.items():
+            torch.testing.assert_close(saved[name], value, atol=1e-6, rtol=1e-5, msg=name)
+    else:
+        assert len(moved) > len(one["final"]) // 2  # the update did change the parameters
+    # two epochs of one minibatch, of two micro-steps each on each of the two ranks; FSDP2: whether a micro-step
+    # left gradient shards (it reduce-scattered), at each one, or with LoRA at each step's last alone
+    assert [last for last, _ in two["synced"]] == [False, True] * 2
+    if wrapper.startswith("fsdp"):
+        assert [reduced for _, reduced in two["synced"]] == ([False, True] * 2 if "lora" in wrapper else [True] * 4)
 
 
 def test_a_run_frees_its_ddp_wrapper_before_the_process_group(assets, tmp_path, monkeypatch):
@@ -67,3 +89,45 @@ def test_unshard_generation_without_fsdps_public_method_is_one_line(monkeypatch)
                                                    "per_block"):
         with plumbing.gathered_for_rollout(policy, "unshard"):
             pytest.fail("the rollout ran")
+
+
+
+def test_a_rendezvous_that_does_not_answer_is_said_at_once_then_waited_for_until_ddp_timeout(monkeypatch, capsys):
+    """RANK 1 of 2 whose MASTER_ADDR:MASTER_PORT nothing listens on: one line naming the address as soon as the wait
+    has taken RENDEZVOUS_NOTICE (torch says nothing until --ddp_timeout), the wait goes on, and torch's failure at
+    --ddp_timeout is one line (a Fault: exit status 4). init_process_group here waits until the address was tried,
+    then fails as torch's does at its timeout."""
+    port = free_port()
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    tried, probe = threading.Event(), plumbing.distributed.rendezvous_problem
+
+    def init_process_group(**kwargs) -> None:
+        tried.wait()
+        raise dist.DistNetworkError(f"The client socket has timed out after 2000ms while trying to connect to "
+                                    f"(127.0.0.1, {port}).")
+
+    monkeypatch.setattr(plumbing.distributed, "rendezvous_problem", lambda *a: (probe(*a), tried.set())[0])
+    monkeypatch.setattr(plumbing.distributed, "RENDEZVOUS_NOTICE", 0.0)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    with pytest.raises(plumbing.Fault, match=rf"^rank 1: the rendezvous at 127.0.0.1:{port} \(MASTER_ADDR:MASTER_PORT\) "
+                                             r"failed after \d+ s \(--ddp_timeout 2 s\): The client socket has timed "
+                                             rf"out after 2000ms while trying to connect to \(127.0.0.1, {port}\); "
+                                             "check the address, and that every rank starts$"):
+        plumbing.setup_distributed(2.0)
+    said = capsys.readouterr().err.splitlines()
+    assert [line.partition(": ")[2] for line in said] == [
+        f"rank 1: the rendezvous at 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT) does not answer (connection refused: "
+        "nothing listens there); waiting on, up to --ddp_timeout 2 s: check the address, and that rank 0 has started"]
+
+
+def test_an_empty_master_addr_is_one_line_not_torchs_traceback(monkeypatch):
+    """MASTER_ADDR set but empty (an unset variable expanded by a job script): torch's env:// rendezvous raises
+    ValueError at once; one line naming it."""
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "",
+                        "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(plumbing.ConfigError, match="^rank 1: torch.distributed refused the launch's environment: .*"
+                                                   "MASTER_ADDR expected, but not set; launch with torchrun"):
+        plumbing.setup_distributed(600.0)

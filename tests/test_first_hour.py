@@ -90,7 +90,7 @@ def test_openmp_threads_sleep_unless_the_user_says_otherwise(script, own):
     (7, 4, {2, 4, 6, 7}), (7, 0, {7}), (7, 1, {7}), (7, 7, set(range(1, 8))), (7, 20, set(range(1, 8))),
     (40, 2, {20, 40}), (10, 3, {4, 7, 10}), (1, 4, {1}), (245, 4, {62, 123, 184, 245})])
 def test_num_evals_is_the_number_of_evaluations(num_updates, num_evals, expected):
-    at = plumbing.evaluation_updates(rloo.Args(num_evals=num_evals), num_updates, 1, 1)
+    at = plumbing.evaluation_updates(rloo.Args(num_evals=num_evals), plumbing.RunLength(num_updates, 1), 1)
     assert at == expected
     assert len(at) == min(max(num_evals, 1), num_updates) and max(at) == num_updates
 

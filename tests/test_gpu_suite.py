@@ -51,6 +51,21 @@ def test_measured_limits_are_positive_and_sized():
     assert "| run | 1.0 (50%) | - | - | - | - | 0.1 (25.0%) |" in table
 
 
+def test_a_measured_runs_weights_are_dropped_its_metrics_kept_and_no_link_followed(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "model.safetensors").write_bytes(b"another's")
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_2").mkdir(parents=True)
+    (run / "checkpoints" / "step_2" / "rank0.pt").write_bytes(b"x")
+    for name in ("model.safetensors", "pytorch_model.bin", "metrics.jsonl", "args.json", "config.json"):
+        (run / name).write_text("x")
+    (run / "linked.safetensors").symlink_to(outside / "model.safetensors")
+    gpu_suite.throughput.drop_weights(run)
+    assert sorted(p.name for p in run.iterdir()) == ["args.json", "config.json", "metrics.jsonl"]
+    assert (outside / "model.safetensors").read_bytes() == b"another's"
+
+
 @pytest.mark.bench
 def test_the_dry_run_starts_every_step_writes_its_results_and_resumes(tmp_path, monkeypatch, capsys):
     """The first run in this process (its trainers are processes of their own, on the CPU), the second from the
@@ -86,6 +101,9 @@ def test_the_dry_run_starts_every_step_writes_its_results_and_resumes(tmp_path, 
     assert records["limits"]["bf16"]["matmul_tflop_per_s"] > 0 and records["limits"]["fp32"]["copy_gb_per_s"] > 0
     for variant in ("rloo", "rloo_bf16_generation", "rloo_compile_generation"):
         record = records[f"throughput_k2_{variant}"]
+        run_dir = runs / f"throughput_k2_{variant}"  # measured, then its weights dropped: the disk holds few
+        assert (run_dir / "metrics.jsonl").is_file() and not (run_dir / "checkpoints").exists()
+        assert not [p.name for p in run_dir.iterdir() if p.suffix in (".safetensors", ".bin", ".pt")]
         run = record["result"]
         assert record["status"] == "measured" and run["seconds_per_update"] > 0 and run["training_tflop_per_s"] > 0
         assert 0 < run["training_of_matmul"] and run["training_tokens"] > 0
@@ -115,7 +133,7 @@ def test_the_dry_run_starts_every_step_writes_its_results_and_resumes(tmp_path, 
     assert records["learning"]["status"] == "measured" and records["learning"]["updates"] == 2
     table = (results / "table.md").read_text()
     assert plumbing.written_by(results / "table.md") == "benchmark/gpu_suite.py"  # its own: the next call rewrites it
-    table = table.removesuffix(gpu_suite.TABLE_MARK)
+    whole, table = table, table.rpartition("\n<!-- written by ")[0]  # without its mark
     assert all(f"| {name} |" in table for name in names if name.startswith(("throughput_", "vllm_")))
     assert f", measured {records['limits']['finished_at'][:10]}" in table.splitlines()[0]
     assert f"({len(names)} of {len(names)} steps done)" in table.splitlines()[0]
@@ -130,7 +148,7 @@ def test_the_dry_run_starts_every_step_writes_its_results_and_resumes(tmp_path, 
         assert f"== {name}: done earlier ({name}.json), skipped" in second.stdout
     assert "\n$ " not in second.stdout  # no trainer started
     assert {name: (results / f"{name}.json").stat().st_mtime_ns for name in names} == written
-    assert (results / "table.md").read_text() == table + gpu_suite.TABLE_MARK
+    assert (results / "table.md").read_text() == whole
 
 
 def test_the_order_is_by_value_the_headline_pair_first():

@@ -138,7 +138,7 @@ def test_an_engine_answer_of_another_shape_is_one_inert_line_naming_the_server(r
             queries = torch.ones(1, 2, dtype=torch.long)
             servers.send(0, [{"queries": queries, "query_mask": queries.bool(), "k": 1, "stop_token_id": None,
                               "pad_token_id": 0, **mn.sampling_request(mn.rloo.SamplingSettings.of(args), args)}])
-            servers.receive(0)
+            mn.answered(servers.receive(0)[0], mn.Asked(f"vLLM server {raw_server.url}", 1, 4), 16, None, 0)
         finally:
             servers.close()
     assert_inert(str(failed.value))

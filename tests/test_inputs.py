@@ -591,17 +591,41 @@ def test_a_recipe_is_read_as_data_within_limits_or_refused_in_one_line(capsys, t
     config_refusal(capsys, path, *fragments)
 
 
+@pytest.mark.parametrize("text,keys,flag", [
+    ("response_length: 5\nmax_completion_length: 6\n", ("response_length", "max_completion_length"), "response_length"),
+    ("learning_rate: 1.0e-5\nlearning-rate: 2.0e-5\n", ("learning_rate", "learning-rate"), "learning_rate"),
+    ("beta: 0.2\nkl_coef: 0.1\n", ("beta", "kl_coef"), "kl_coef"),  # TRL's name first
+    ("num_generations: 4\nrloo-k: 2\n", ("num_generations", "rloo-k"), "rloo_k"),
+    ("reward_fn: [a:b]\nreward_funcs: [a.b]\n", ("reward_fn", "reward_funcs"), "reward_fn"),  # TRL's form
+    ("report_to: wandb\ntensorboard: true\n", ("report_to", "tensorboard"), "tensorboard"),
+    ("resume_from: x\nresume_from_checkpoint: y\n", ("resume_from", "resume_from_checkpoint"), "resume_from"),
+    ("num_mini_batches: 2\nsteps_per_generation: 2\n", ("num_mini_batches", "steps_per_generation"),
+     "num_mini_batches"),
+    ("lora_rank: 8\nr: 16\n", ("lora_rank", "r"), "lora_r"),  # two other codebases' names
+    ("vllm_server_host: h\nvllm_server_port: 1\nreward_model_path: null\nreward_model_name_or_path: rm\n"
+     "learning_rate: 1.0e-6\nlearning-rate: 2.0e-5\n", ("learning_rate", "learning-rate"), "learning_rate"),  # the
+    # server's host and port are one flag's two parts, and a key at null (TRL's "not set") names no value
+    ("<<: {learning_rate: 1.0e-5}\nlearning-rate: 2.0e-5\n", ("learning_rate", "learning-rate"), "learning_rate"),
+])
+def test_a_recipe_naming_one_flag_twice_under_any_of_its_names_is_refused(capsys, tmp_path, text, keys, flag):
+    """Which of the two would win is nowhere to be seen in the file: refused, naming both keys, the flag and the
+    file (the same key twice is refused by the YAML reader)."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    config_refusal(capsys, path, f"the keys {keys[0]!r} and {keys[1]!r} both set --{flag}: keep one")
+
+
 def test_a_recipe_that_is_no_regular_file_is_refused_at_once(capsys, tmp_path):
     """A FIFO without a writer (opened non-blocking, never waited on), a character device, a directory, a file over
     1 MiB: one line each."""
     fifo = tmp_path / "recipe.yaml"
     os.mkfifo(fifo)
-    config_refusal(capsys, fifo, "is a FIFO, not a regular file")
+    config_refusal(capsys, fifo, "is a FIFO (named pipe), not a regular file")
     config_refusal(capsys, "/dev/zero", "is a character device, not a regular file")
     config_refusal(capsys, tmp_path, "is a directory, not a regular file")
     big = tmp_path / "big.yaml"
     big.write_text("exp_name: " + "x" * (1 << 20) + "\n")
-    config_refusal(capsys, big, "is over 1 MiB")
+    config_refusal(capsys, big, "is 1,048,587 bytes, over the limit of 1 MiB for this input")
     link = tmp_path / "link.yaml"  # a symlink to a recipe is read as the recipe
     (tmp_path / "real.yaml").write_text("seed: 5\n")
     link.symlink_to(tmp_path / "real.yaml")
@@ -666,27 +690,30 @@ def test_the_learning_rates_sum_is_exact_for_a_short_run_and_bounded_for_a_long_
     calls = []
 
     def rate(num_updates):
+        schedule = plumbing.learning_rates(args, plumbing.RunLength(num_updates, 1))
+
         def at(update):
             calls.append(update)
-            return rloo.learning_rate_at(update, num_updates, args)
+            return schedule(update)
         return at
 
-    assert plumbing.sum_over_updates(rate(10_000), 10_000) == sum(rloo.learning_rate_at(u, 10_000, args)
-                                                                  for u in range(1, 10_001))
+    short = plumbing.learning_rates(args, plumbing.RunLength(10_000, 1))
+    assert plumbing.sum_over_updates(rate(10_000), 10_000) == sum(short(u) for u in range(1, 10_001))
     calls.clear()
     n = plumbing.MAX_UPDATES
     estimate = plumbing.sum_over_updates(rate(n), n)
     assert len(calls) == 10_000 and all(1 <= u <= n for u in calls)
-    exact = math.fsum(rloo.learning_rate_at(u, n, args) for u in range(1, n + 1))
+    long = plumbing.learning_rates(args, plumbing.RunLength(n, 1))
+    exact = math.fsum(long(u) for u in range(1, n + 1))
     assert abs(estimate - exact) <= 1e-6 * exact
 
 
 def test_a_run_of_more_updates_than_it_can_count_is_refused_with_what_fits():
     args = rloo.Args(num_train_epochs=2.0)
-    assert plumbing.update_intervals(args, 4, plumbing.MAX_UPDATES) == (0, 1)  # the most: accepted
+    assert plumbing.update_intervals(args, plumbing.RunLength(plumbing.MAX_UPDATES, 4)) == (0, 1)  # the most
     with pytest.raises(plumbing.ConfigError, match=r"--num_train_epochs 2 is 1,000,001 updates, more than the "
                                                    r"1,000,000 a run takes: pass --num_train_epochs 1.99 or less"):
-        plumbing.update_intervals(args, 4, plumbing.MAX_UPDATES + 1)
+        plumbing.update_intervals(args, plumbing.RunLength(plumbing.MAX_UPDATES + 1, 4))
 
 
 # ---------------------------------------------------------------- user code cannot end or hold the run
@@ -788,6 +815,111 @@ def test_the_run_exits_whatever_exit_handlers_and_processes_user_code_left(tmp_p
             assert Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] in "ZX", pid
 
 
+POOLS = """import multiprocessing, signal, time
+from concurrent.futures import ProcessPoolExecutor
+pools = []
+
+def f(completions, **kwargs):  # pools kept across calls, as a reward service's client keeps them
+    if DEAF:  # a pool whose workers ignore SIGTERM (their own choice), one busy for good: its end waits for it
+        if not pools:
+            pools.append(multiprocessing.get_context("fork").Pool(1, signal.signal, (signal.SIGTERM, signal.SIG_IGN)))
+            pools[0].apply_async(time.sleep, (3600,))
+        return [1.0] * len(completions)
+    if not pools:
+        pools.extend([multiprocessing.get_context("fork").Pool(2),
+                      ProcessPoolExecutor(1, multiprocessing.get_context("fork"))])
+    return [float(sum(sum(pool.map(len, completions)) for pool in pools))] * len(completions)
+"""
+RUN_WITH_POOLS = """import multiprocessing, sys, types
+from pathlib import Path
+import plumbing
+plumbing.rewards.EXIT_HANDLER_TIMEOUT = 0.2 if sys.argv[3] == "True" else 10  # the deaf worker's wait: cut short
+sys.path.insert(0, sys.argv[1])
+Path(sys.argv[1], "pools.py").write_text(f"DEAF = {sys.argv[3]}\\n" + sys.argv[2])
+
+def main(args):
+    stop = plumbing.StopSignal(types.SimpleNamespace(held=False), announce=True)  # the run's handlers
+    stop.training = True
+    [(name, fn)] = plumbing.load_reward_functions(("pools:f",))
+    for _ in range(2):
+        plumbing.call_reward_function(name, fn, 2, None, completions=["a", "bb"])
+    for child in multiprocessing.active_children():  # SIGTERM caught in none: the run's handler given back
+        status = Path(f"/proc/{child.pid}/status").read_text()
+        masks = {line.split(":")[0]: int(line.split()[1], 16) for line in status.splitlines()
+                 if line.startswith(("SigCgt", "SigBlk"))}
+        print(child.name, masks["SigCgt"] >> (signal.SIGTERM - 1) & 1, masks["SigBlk"] >> (signal.SIGTERM - 1) & 1)
+    print("finished", flush=True)
+
+import signal
+plumbing.run_script(main, None, "rloo.py")
+"""
+
+
+@pytest.mark.parametrize("deaf", [False, True])
+def test_a_finished_run_exits_whatever_pools_its_reward_function_keeps(tmp_path, deaf):
+    """A reward function's multiprocessing pools kept across calls (a fork Pool, a ProcessPoolExecutor): their workers
+    start with SIGTERM's default action, not the run's handler that only records it, and the finished
+    run exits, its console's pipe closed (communicate() here returns). Ended from outside before multiprocessing's
+    own end, a fork pool's worker holding its queue's lock left that end waiting forever; a worker that ignores
+    SIGTERM itself, busy for good, is named and killed once the exit handlers' time has passed."""
+    result = subprocess.run([python(), "-c", RUN_WITH_POOLS, str(tmp_path), POOLS, str(deaf)], capture_output=True,
+                            text=True, env=script_env(), cwd=REPO, timeout=300)
+    assert result.returncode == 0 and result.stdout.endswith("finished\n"), result.stderr[-3000:]
+    workers = result.stdout.splitlines()[:-1]
+    assert len(workers) == (1 if deaf else 3) and all(line.endswith(" 0 0") for line in workers), workers
+    watchdog = "rloo.py: processes of user code's multiprocessing still ran 0.2 s after the run's end"
+    assert (watchdog in result.stderr) == deaf and "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+FORKED_IN_C = """import os, signal, sys, threading, types
+import plumbing
+stop = plumbing.StopSignal(types.SimpleNamespace(held=False), announce=True)
+stop.training = True
+stop.pid = -1  # as in a child forked where Python's fork hooks do not run (a fork in C code): not the run's process
+os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+threading.Event().wait(600)  # a hang guard only: the signal ends the process before
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_the_runs_stop_signal_handler_does_nothing_outside_the_runs_own_process(sig):
+    """In a process that is not the run's own, the run's handler gives the signal its default back and delivers it
+    again: SIGTERM ends the process, SIGINT raises KeyboardInterrupt (which ends it by SIGINT)."""
+    result = subprocess.run([python(), "-c", FORKED_IN_C, sig], capture_output=True, text=True, env=script_env(),
+                            cwd=REPO, timeout=300)
+    assert result.returncode == -getattr(signal, sig), result.stderr[-2000:]  # Python ends by the signal itself
+    assert ("KeyboardInterrupt" in result.stderr) == (sig == "SIGINT"), result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("module,kind,line", [
+    ("fifo_rewards", "fifo", r"fifo_rewards.py is a FIFO \(named pipe\), not a regular file: put the module's "
+                             r"source there \(Python's import skips a file that is not regular\)"),
+    ("zero_rewards", "/dev/zero", "zero_rewards.py is a character device, not a regular file"),
+    ("pkg.sub", "fifo", r"pkg/sub.py is a FIFO \(named pipe\)"),  # a package's module
+    ("pkg", "init fifo", r"pkg/__init__.py is a FIFO \(named pipe\)"),  # else a namespace package, without f
+    ("big_rewards", "big", "big_rewards.py is 1,100 bytes, over the limit of 1 KiB for this input"),
+])
+def test_a_reward_modules_file_is_a_regular_file_within_limits(tmp_path, monkeypatch, module, kind, line):
+    """A reward module's file that is no regular file (the import system skips it: it was "no module named") or is
+    over SOURCE_LIMIT is one line naming the file, before any import."""
+    monkeypatch.setattr(plumbing.rewards, "SOURCE_LIMIT", 1024)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    path = tmp_path.joinpath(*module.split(".")).with_suffix(".py") if kind != "init fifo" else \
+        tmp_path / "pkg" / "__init__.py"
+    path.unlink(missing_ok=True)
+    if kind.endswith("fifo"):
+        os.mkfifo(path)
+    elif kind == "big":
+        path.write_text("def f(**kwargs):\n    return []\n" + "#" * 1068 + "\n")
+    else:
+        path.symlink_to(kind)
+    with pytest.raises(plumbing.ConfigError, match=line):
+        plumbing.load_reward_functions((f"{module}:f",))
+    assert module not in sys.modules
+
+
 # ---------------------------------------------------------------- odd values: one line, or working
 @pytest.mark.parametrize("argv,fragment", [
     (["--pad_token", ""], "--pad_token '' is empty"),  # a TypeError in the tokenizer, before
@@ -804,6 +936,6 @@ def test_eval_strategy_epoch_on_a_run_shorter_than_an_epoch_evaluates_at_its_end
     """TRL's Trainer evaluates at the end of the last pass, whole or not: before, a run of 3 updates in an epoch of 4
     never evaluated."""
     args = rloo.Args(eval_strategy="epoch", dataset_test_split="test")
-    assert plumbing.evaluation_updates(args, 3, 1, 4) == {3}
-    assert plumbing.evaluation_updates(args, 9, 1, 4) == {4, 8, 9}
-    assert plumbing.evaluation_updates(args, 3, 1, 0) == {1, 2, 3}  # an epoch shorter than an update: each update
+    assert plumbing.evaluation_updates(args, plumbing.RunLength(3, 1), 4) == {3}
+    assert plumbing.evaluation_updates(args, plumbing.RunLength(9, 1), 4) == {4, 8, 9}
+    assert plumbing.evaluation_updates(args, plumbing.RunLength(3, 1), 0) == {1, 2, 3}  # an epoch shorter than an update: each update

@@ -158,6 +158,38 @@ def test_torchrun_lora_on_policy_with_bf16(assets, tmp_path):
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(assets["policy"]), out)
 
 
+def test_an_fsdp_lora_run_saves_the_adapter_whole_and_resumes_bit_identical(assets, tmp_path):
+    """Two ranks with --fsdp and --offload, the adapters and lm_head's trained copy (beside the frozen head, in the
+    root's unit), gradients summed over two micro-steps, gradient checkpointing, evaluation: the adapter saved is
+    whole (gathered from both ranks' shards; test_distributed.py compares it with the unsharded one's) and loads in
+    plain peft, merged as the adapter computes; a run stopped by a signal after its first update and resumed ends bit
+    for bit as the uninterrupted one."""
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], "--dataset_test_split",
+              assets["test"], "--total_episodes", 2 * 32 * 3, *RUN, *LORA, "--lora_modules_to_save", "lm_head",
+              "--gradient_accumulation_steps", "2", "--num_evals", "2", "--gradient_checkpointing", "--merge_lora",
+              "--fsdp", "--offload"]
+    full, interrupted = tmp_path / "full", tmp_path / "interrupted"
+    result = run_rloo(*common, "--output_dir", full, nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    base = AutoModelForCausalLM.from_pretrained(assets["policy"])
+    adapted = PeftModel.from_pretrained(base, full).eval()  # a rank's shard of a tensor would not fit its layer
+    merged = AutoModelForCausalLM.from_pretrained(full / plumbing.MERGED).eval()
+    with torch.no_grad():
+        ids = torch.tensor([[3, 4, 5, 14, 6, 7]])
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+    _, stdout, stderr = interrupt_after_first_update([*common, "--output_dir", interrupted], signal.SIGUSR1, nproc=2)
+    stopped_at = plumbing.latest_checkpoint(str(interrupted))
+    assert stopped_at is not None and stopped_at.name != "step_3", stdout[-2000:] + stderr[-3000:]
+    assert sorted(p.name for p in stopped_at.glob("*.safetensors")) == [plumbing.ADAPTER_WEIGHTS]  # the adapter only
+    assert (stopped_at / plumbing.checkpoints.OPTIMIZER_SHARDS).is_dir()  # AdamW's state: each rank its shard
+    result = run_rloo(*common, "--output_dir", interrupted, "--resume", nproc=2)
+    assert result.returncode == 0 and f"resuming from {stopped_at}" in result.stdout, result.stderr[-3000:]
+    assert comparable(read_metrics(interrupted)) == comparable(read_metrics(full))
+    a, b = load_file(full / plumbing.ADAPTER_WEIGHTS), load_file(interrupted / plumbing.ADAPTER_WEIGHTS)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-identical
+
+
 def test_the_demo_task_learns_with_lora(tmp_path, synthetic_sft):
     """The demo's synthetic task, its true score as the reward: a LoRA run raises the true score of its samples."""
     from benchmark import synthetic_task
@@ -217,6 +249,17 @@ def test_plan_memory_counts_the_adapters_state_and_no_reference(assets):
     full = plan_memory.plan(replace(args, use_peft=False), plan_memory.model_shape(args.model_name_or_path, False,
                                                                                     False), None)["resident"]
     assert full["reference policy"] == 4 * plan_memory.model_shape(args.model_name_or_path, False, False).parameters
+    sharded = plan_memory.plan(replace(args, fsdp=True), shape, None)["resident"]  # the base sharded, the adapters'
+    assert sharded["policy weights (fp32)"] == 4 * shape.parameters / 2  # gradients held whole between micro-steps
+    assert sharded["policy gradients (fp32)"] == 4 * shape.trainable and sharded["DDP gradient buckets"] == 0.0
+    assert sharded["AdamW m and v (fp32)"] == 8 * shape.trainable / 2
+    # pythia-6.9b with adapters of rank 16 on its attention: its fp32 base alone is 27 GB, over a 24 GiB GPU
+    pythia_6p9b = plan_memory.Shape(parameters=6_865_690_624, hidden=4096, intermediate=16384, layers=32,
+                                    vocab=50304, trainable=32 * 16 * (4096 + 3 * 4096))
+    planned = replace(args, world_size=8, gpu_gib=24, bf16=True, per_device_train_batch_size=8,
+                      local_rollout_forward_batch_size=16, response_length=53)
+    assert plan_memory.peak_bytes(plan_memory.plan(planned, pythia_6p9b, None)) > 24 * plan_memory.GIB
+    assert any(label.startswith("--fsdp") for label, _ in plan_memory.options_that_fit(planned, pythia_6p9b, None))
 
 
 def test_plan_memory_refuses_a_4bit_base_it_would_count_in_fp32(assets):

@@ -259,9 +259,9 @@ def test_reduce_metrics_single_process():
 
 def test_linear_learning_rate_decay():
     args = rloo.Args(learning_rate=1.0)
-    assert [rloo.learning_rate_at(u, 4, args) for u in (1, 2, 4)] == [1.0, 0.75, 0.25]
+    assert [plumbing.learning_rates(args, plumbing.RunLength(4, 1))(u) for u in (1, 2, 4)] == [1.0, 0.75, 0.25]
     args = dataclasses.replace(args, lr_scheduler_type="constant")
-    assert rloo.learning_rate_at(4, 4, args) == 1.0
+    assert plumbing.learning_rates(args, plumbing.RunLength(4, 1))(4) == 1.0
 
 
 # ---------------------------------------------------------------- sampling and log-probs kernels

@@ -9,8 +9,9 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ import rloo_multinode as mn
 from conftest import REPO, policy_tokenizer, read_metrics, script_env, tiny_policy
 from helpers import (ENGINE_RUN, PER_UPDATE, SECRET, engine_comparable, free_port, listening_sockets,
                      live_processes_in_group, run_script, wait_for_updates)
+from vllm_standin import BAD_ANSWERS
 
 ENGINE_NEVER_ANSWERS = """import sys, threading
 if sys.argv[1:2] == ["serve"]:  # an engine process: it never starts, however fast the machine
@@ -132,7 +134,7 @@ def test_after_a_lora_sync_an_hf_engine_holds_the_merged_weights_or_the_adapters
 def test_the_merged_weights_and_adapter_files_of_an_fsdp_sharded_lora_policy_are_the_unsharded_ones():
     """engine_weights gathers each FSDP2 unit around an adapted layer for peft's merge (peft's arithmetic on the
     sharded DTensors gives other numbers), then reshards it; adapter_files gathers the adapters. Checked on 2 ranks for
-    plain LoRA and DoRA (rloo.py refuses --use_peft with --fsdp for now: this is what its engines will get)."""
+    plain LoRA and DoRA, the policy sharded as --fsdp shards it."""
     result = run_script("tests/fsdp_lora_weights.py", nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [line for line in result.stderr.splitlines() if line.startswith(("lora ", "dora "))] == ["lora ok",
@@ -355,9 +357,11 @@ def test_vllm_servers_that_cannot_serve_the_run_are_refused_with_the_fix(assets,
     servers = {name: vllm_standin(tmp_path, name, assets["policy"], *flags) for name, (flags, _) in cases.items()}
     try:
         for name, (_, fix) in cases.items():
-            lora = {"use_peft": True, "lora_r": 4, "lora_sync": "adapters"} if name == "no_lora" else {}
+            lora = {"use_peft": True, "lora_r": 4, "lora_sync": "adapters", "output_dir": str(tmp_path)} \
+                if name == "no_lora" else {}
             args = mn.Args(model_name_or_path=str(assets["policy"]), engine_urls=servers[name][1],
-                           engine_port=free_port(), max_prompt_length=16, response_length=6, **lora)
+                           engine_port=free_port(), max_prompt_length=16, response_length=6, engine_timeout=300,
+                           **lora)
             attached = mn.VLLMServers(args, plumbing.Dist(0, 0, 1, torch.device("cpu")))
             with pytest.raises(mn.EngineError, match=re.escape(fix)):
                 attached.connect("gloo", 2**20)
@@ -546,11 +550,18 @@ def test_the_trainer_refuses_a_forged_or_moved_engine_message_and_a_replayed_hea
     assert engines.beats[0] == last and last[0] == 3
     engine.set("out/0/0/0", {"responses": torch.zeros(2, 3, dtype=torch.long)})
     store.store.set("out/1/0/0", store.store.get("out/0/0/0"))  # batch 0's completions offered as batch 1's
-    engines.parts_sent = {1: 1}
+    engines.parts_sent = {1: (1, mn.engine_deadline(args))}
     with pytest.raises(mn.EngineError, match="refused a control-store message under 'out/1/0/0'"):
         engines.receive(1)
+    engine.set("engine/0/beat", {"beat": "4"})  # a count of another type: no sign of life either, but said
+    with pytest.raises(mn.EngineError, match=r"^engine 0 sent the heartbeat '4', not a count$"):
+        engines.check()
+    engine.set("engine/0/beat", {"beat": 4})
     store.store.set("failed", b"engine 0 failed: stop the run")  # anyone who reaches the port could write this
     with pytest.raises(mn.EngineError, match="^refused a control-store message under 'failed' at 127.0.0.1"):
+        engines.check()
+    engine.set("failed", {"account": "not the field an engine writes"})  # signed, of another shape: still a failure
+    with pytest.raises(mn.EngineError, match=r"^an engine reported a failure in another shape: \{'account': "):
         engines.check()
 
 
@@ -602,7 +613,8 @@ def test_engines_started_at_start_up_are_ended_when_start_up_fails_or_is_signall
         trainer.send_signal(signal.SIGTERM)
     _, stderr = trainer.communicate(timeout=600)
     if how == "error":
-        assert trainer.returncode == 4 and "no engine answered within --engine_timeout 1 s" in stderr, stderr[-3000:]
+        assert trainer.returncode == 4, stderr[-3000:]
+        assert "engine 0 (loading its model) did not answer within --engine_timeout 1 s" in stderr, stderr[-3000:]
     else:
         assert trainer.returncode == 0 and "SIGTERM received during start-up" in stderr, stderr[-3000:]
     deadline = time.time() + 600  # the trainer kills the group as it exits; the kernel's reaping, a hang guard only
@@ -723,8 +735,353 @@ def test_a_run_with_hf_engines_and_every_option_equals_rloo_py_s(assets, tmp_pat
                              engine_comparable(read_metrics(tmp_path / "local")), strict=True):
         mismatch = [k for k in local if k.startswith("mismatch/")]
         assert mismatch and engine["mismatch/logprob_diff_max"] < 1e-5  # the engine's filtered log-probs, fp32
+        # a few float32 steps apart at most: the engine process sums its log-probs (1-4 nats, whose float32 step is
+        # 1.2e-7 to 4.8e-7) with its own threads' order; training reads the trainer's, which the rest shows equal
         assert [engine.pop(k) for k in mismatch] == pytest.approx([local.pop(k) for k in mismatch], rel=1e-6,
-                                                                  abs=1e-7)
+                                                                  abs=1e-6)
         assert engine == local
     trained = [AutoModelForCausalLM.from_pretrained(tmp_path / d).state_dict() for d in ("local", "engines")]
     assert all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0])
+
+
+# ----- no weight sync can hang: every exchange with the engines bounded, an engine failing mid-sync named
+ENGINE_FAULT_AT_BUCKET = """import os, signal, sys, threading
+if sys.argv[1:2] == ["serve"]:  # an engine process: at its {at}-th weight bucket (counted over the run), {what}
+    import torch.distributed as dist
+    broadcast, calls = dist.ProcessGroupGloo.broadcast, []
+    def fault(self, *args, **kwargs):
+        calls.append(None)
+        if len(calls) == {at}:
+            {fault}
+        return broadcast(self, *args, **kwargs)
+    dist.ProcessGroupGloo.broadcast = fault
+"""
+FAULTS = {"dies": ("it kills itself", "os.kill(os.getpid(), signal.SIGKILL)"),
+          "stalls": ("it stops for good, its heartbeats going on", "threading.Event().wait()")}
+
+
+def parameters_of(policy) -> int:
+    """The buckets of a sync with --sync_bucket_mb 0: one per parameter."""
+    return len(list(AutoModelForCausalLM.from_pretrained(policy).parameters()))
+
+
+def assert_stopped_at_update_2(result: subprocess.CompletedProcess, out: Path, names: str, ranks: int = 1) -> str:
+    """The run stopped with exit 4 (on every rank) in one line naming the engine(s), having saved update 1: the sync
+    after update 1 failed, and update 2 never sampled. Its line is returned."""
+    lines = [line for line in result.stderr.splitlines() if line.startswith("rloo_multinode.py: error: ")]
+    assert len(lines) == 1 and lines[0].startswith(f"rloo_multinode.py: error: {names}"), result.stderr[-3000:]
+    assert "; checkpoint of update 1 saved to" in lines[0], lines[0]
+    if ranks == 1:
+        assert result.returncode == 4 and lines[0] == result.stderr.strip().splitlines()[-1], result.stderr[-3000:]
+        assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    else:  # torchrun's report of each rank's status (and its own traceback, its way of saying so)
+        assert result.returncode == 1 and result.stderr.count("exitcode  : 4 ") == ranks, result.stderr[-3000:]
+        assert 'rloo_multinode.py", line' not in result.stderr, result.stderr[-3000:]  # no rank's traceback
+    assert [m["update"] for m in read_metrics(out)] == [1]
+    assert plumbing.latest_checkpoint(str(out)).name == "step_1"
+    return lines[0]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_an_hf_engine_that_dies_or_stalls_mid_sync_stops_every_rank_with_a_checkpoint(assets, tmp_path, fault):
+    """The engine's second bucket of the sync after update 1: killed there, the run stops as soon as the trainer
+    notices (the process gone), naming it; stalled there (alive, its heartbeats going on), it stops at
+    --weight_sync_timeout, naming it. On 2 ranks: both stop at the same update."""
+    out, hook = tmp_path / "out", tmp_path / "hook"
+    hook.mkdir()
+    what, code = FAULTS[fault]
+    (hook / "sitecustomize.py").write_text(ENGINE_FAULT_AT_BUCKET.format(
+        at=parameters_of(assets["policy"]) + 2, what=what, fault=code))
+    result = run_script("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name",
+                        assets["train"], *ENGINE_RUN, "--total_episodes", 100 * 2 * PER_UPDATE, "--output_dir", out,
+                        "--engine", "hf", "--engine_port", free_port(), "--sync_bucket_mb", 0,
+                        "--weight_sync_timeout", 5, nproc=2, env={"PYTHONPATH": f"{hook}:{REPO}:{REPO / 'tests'}"})
+    line = assert_stopped_at_update_2(result, out, "engine 0", ranks=2)
+    print(line)
+    if fault == "dies":  # the process found gone, or (its sockets close before it is) the broadcast's failure
+        assert re.search(r"engine 0 \(pid \d+\) exited with status -9|engine 0 \(weight sync 1, bucket \d+ of \d+\) "
+                         r"failed: ", line), line
+    else:
+        assert "did not answer within --weight_sync_timeout 5 s" in line, line
+    engine = json.loads((out / "engines.json").read_text())["0"]["pid"]
+    deadline = time.time() + 600  # the trainer kills the group as it exits; the kernel's reaping, a hang guard only
+    while live_processes_in_group(engine) and time.time() < deadline:
+        time.sleep(0.1)
+    assert live_processes_in_group(engine) == []
+
+
+def test_a_weight_transfer_that_never_returns_is_bounded_and_leaves_the_process_free_to_exit(assets, tmp_path):
+    """NCCL's broadcast has no timeout: rank 0's weight group is vLLM's NCCL one (NcclWeightGroup) around a stand-in
+    communicator whose broadcast of the sync after update 1's second bucket never returns. The bound fires at
+    --weight_sync_timeout, the run saves update 1 and exits: the thread still blocked in the broadcast keeps nothing
+    alive (this test waits for the process's exit)."""
+    out = tmp_path / "out"
+    result = run_script("tests/faulty_engines.py", "--model_name_or_path", assets["policy"], "--dataset_name",
+                        assets["train"], *ENGINE_RUN, "--total_episodes", 100 * PER_UPDATE, "--output_dir", out,
+                        "--engine", "hf", "--engine_port", free_port(), "--sync_bucket_mb", 0,
+                        "--weight_sync_timeout", 5,
+                        env={"NCCL_BLOCKS_AT": str(parameters_of(assets["policy"]) + 2)})
+    line = assert_stopped_at_update_2(result, out, "engine 0 (weight sync 1, bucket 2 of ")
+    assert "did not answer within --weight_sync_timeout 5 s" in line, line
+    assert "without waiting for what was left running" not in result.stderr  # a daemon thread: nothing to wait for
+
+
+@pytest.mark.parametrize("fault", ["die_at_sync", "stall_at_sync"])
+def test_a_vllm_server_that_dies_or_stalls_mid_sync_stops_the_run_with_a_checkpoint(assets, tmp_path, fault):
+    """A `vllm serve` (the stand-in) killed, or stalled for good, once its worker took the first bucket of its second
+    sync (the one after update 1)."""
+    out = tmp_path / "out"
+    server, url, _ = vllm_standin(tmp_path, "a", assets["policy"], f"--{fault}", 2)
+    try:
+        result = run_script("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name",
+                            assets["train"], *ENGINE_RUN, "--total_episodes", 100 * PER_UPDATE, "--output_dir", out,
+                            "--engine_urls", url, "--engine_port", free_port(), "--sync_bucket_mb", 0,
+                            "--weight_sync_timeout", 5)
+    finally:
+        server.kill()
+    line = assert_stopped_at_update_2(result, out, f"vLLM server {url}")
+    print(line)
+    if fault == "stall_at_sync":
+        assert "did not answer within --weight_sync_timeout 5 s" in line, line
+
+
+@pytest.mark.parametrize("fault", ["fail_init", "no_join"])
+def test_a_weight_group_that_fails_or_never_forms_stops_start_up_naming_the_server(url_transport, fault):
+    """A server whose /init_weight_transfer_engine fails (its workers cannot join): the wait for the group stops at
+    once with the server's account, long before --weight_sync_timeout; one that answers but never joins the group:
+    at --weight_sync_timeout, naming it and the group's address. (An EngineError at start-up is the run's one line,
+    exit 4, as test_a_vllm_server_without_development_mode_is_refused_with_the_fix shows.)"""
+    args, url, _, _ = url_transport
+    mn.http_json(f"{url}/standin/set", {"fail_init": True} if fault == "fail_init" else {"join": False}, 60)
+    args = replace(args, engine_port=free_port(), weight_sync_timeout=290 if fault == "fail_init" else 3)
+    try:
+        servers = mn.VLLMServers(args, plumbing.Dist(0, 0, 1, torch.device("cpu")))
+        with pytest.raises(mn.EngineError) as failed:
+            servers.connect("gloo", 2**20)
+    finally:
+        mn.http_json(f"{url}/standin/set", {"fail_init": False, "join": True}, 60)
+    print(failed.value)
+    if fault == "fail_init":
+        assert str(failed.value).startswith(f"vLLM server {url}/init_weight_transfer_engine answered 500: ")
+        assert "cannot join the weight group" in str(failed.value)
+    else:
+        assert str(failed.value) == (f"vLLM server {url} (joining the weight group at 127.0.0.1:{args.engine_port + 1}"
+                                     ") did not answer within --weight_sync_timeout 3 s")
+
+
+def test_a_served_engine_whose_weight_transfer_init_fails_stops_start_up_in_one_line(assets, tmp_path, monkeypatch):
+    """An engine started by hand (tests/faulty_engines.py) whose init_weight_transfer_engine raises: the trainer,
+    waiting for the weight group, stops with the engine's own account, not at --weight_sync_timeout."""
+    port, log = free_port(), tmp_path / "engine.log"
+    engine = subprocess.Popen([sys.executable, str(REPO / "tests" / "faulty_engines.py"), "serve", "--trainer_address",
+                               f"127.0.0.1:{port}", "--engine_index", "0", "--model", str(assets["policy"])],
+                              stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO,
+                              env=script_env({mn.SECRET_VARIABLE: SECRET, "INIT_FAILS": "1"}))
+    monkeypatch.setenv(mn.SECRET_VARIABLE, SECRET)
+    try:
+        result = run_script("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name",
+                            assets["train"], *ENGINE_RUN, "--total_episodes", PER_UPDATE, "--output_dir",
+                            tmp_path / "out", "--engine", "hf", "--engine_port", port, "--no-launch_engines",
+                            "--weight_sync_timeout", 290)
+    finally:
+        engine.kill()
+    assert result.returncode == 4 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert re.match(r"rloo_multinode.py: error: engine 0 \(.*, pid \d+\) failed: RuntimeError: the test's failure",
+                    line), line
+
+
+def test_a_weight_sync_timeout_at_or_above_the_ddp_timeout_is_refused_before_anything_loads():
+    for timeout in (0.0, -1.0, float("nan"), float("inf"), 600.0, 601.0):
+        with pytest.raises(plumbing.ConfigError, match=r"weight_sync_timeout = .* must be a number of seconds > 0 "
+                                                       r"and below --ddp_timeout \(600; raise it too\), or None"):
+            mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", weight_sync_timeout=timeout), 1)
+    mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", weight_sync_timeout=599.0), 1)
+    assert mn.sync_seconds(mn.Args(model_name_or_path="m", ddp_timeout=1800)) == 900  # the default: half of it
+
+
+# ----- what an engine answers: every answer checked at the one boundary (mn.answered) before anything uses it
+ASKED = dict(rloo_k=2, response_length=6, max_prompt_length=16)  # 3 prompts: 6 choices of 6 tokens at most
+BAD_ANSWER_LINES = {  # what the run says each engine sent (after "<engine> sent ")
+    "one_choice_fewer": "5 choices for the 6 completions asked",
+    "one_choice_more": "7 choices for the 6 completions asked",
+    "no_choices": "an answer without a list of choices: ",
+    "choices_not_a_list": "an answer without a list of choices: ",
+    "choice_not_an_object": "a choice that is no JSON object: [0]",
+    "duplicate_index": "the choice index 0 twice",
+    "index_out_of_range": "a choice with the index 1000000, not one of the 6 asked (0 to 5)",
+    "negative_index": "a choice with the index -1, not one of the 6 asked (0 to 5)",
+    "index_as_text": "a choice with the index '0', not one of the 6 asked (0 to 5)",
+    "index_as_float": "a choice with the index 0.0, not one of the 6 asked (0 to 5)",
+    "index_as_bool": "a choice with the index False, not one of the 6 asked (0 to 5)",
+    "no_index": "a choice with the index None, not one of the 6 asked (0 to 5)",
+    "float_token_id": "the token id 2.0 in choice 0, not an integer",
+    "token_id_as_text": "the token id '2' in choice 0, not an integer",
+    "token_id_as_bool": "the token id True in choice 0, not an integer",
+    "null_token_id": "the token id None in choice 0, not an integer",
+    "token_id_as_list": "the token id [2] in choice 0, not an integer",
+    "token_id_of_a_million": "the token id 1000000 in choice 0, outside the policy's vocabulary (0 to 14)",
+    "negative_token_id": "the token id -5 in choice 0, outside the policy's vocabulary (0 to 14)",
+    "token_id_beyond_int64": f"the token id {2**70} in choice 0, outside the policy's vocabulary (0 to 14)",
+    "token_id_of_the_vocabulary_size": "the token id 15 in choice 0, outside the policy's vocabulary (0 to 14)",
+    "token_ids_as_text": "choice 0 without a list of token ids: 'ab'",
+    "more_tokens_than_asked": "64 tokens in choice 0, for at most 6 asked",
+    "fewer_tokens_without_the_stop_token": "1 token in choice 0 without the stop token 1 at their end, for 6 asked",
+    "no_tokens": "0 tokens in choice 0 without the stop token 1 at their end, for 6 asked",
+    "tokens_after_the_stop_token": "tokens after the stop token 1 in choice 0",
+    **{case: f"the log-prob {value} for token 0 of choice 0: a sampled token's log-prob is finite and at most 0"
+       for case, value in [("nan_logprob", "nan"), ("logprob_of_plus_50", "50.0"), ("tiny_positive_logprob", "1e-30"),
+                           ("infinite_logprob", "inf"), ("minus_infinite_logprob", "-inf"),
+                           ("logprob_beyond_float32", "-1e+300")]},
+    "logprob_as_text": "the log-prob '-0.5' in choice 0, not a number",
+    "null_logprob": "the log-prob None in choice 0, not a number",
+    "logprob_as_bool": "the log-prob False in choice 0, not a number",
+    "one_logprob_fewer": " log-probs for the ",
+    "no_logprobs": "choice 0 without a list of log-probs: None",
+}
+RNG_STATES = {  # a served hf engine's RNG state, which the requesting rank's sampling generator takes
+    "rng_state_of_another_size": torch.zeros(10, dtype=torch.uint8),
+    "rng_state_of_floats": torch.zeros(5056),
+    "rng_state_not_mt19937": torch.full((5056,), 255, dtype=torch.uint8),
+    "rng_state_as_text": "ab",
+}
+
+
+def asked_request(args: mn.Args) -> dict:
+    """A part of a batch as a rank sends it: 3 prompts of different lengths, k=2."""
+    tokenizer = policy_tokenizer()
+    queries = torch.tensor([[0, 0, 2, 3, 14], [0, 4, 5, 6, 14], [7, 8, 9, 10, 14]])  # (3, 5) left-padded, ":" last
+    assert len(tokenizer) == 15 and tokenizer.convert_ids_to_tokens(14) == ":"
+    return {"queries": queries, "query_mask": queries != 0, "k": 2, "stop_token_id": 1, "pad_token_id": 0,
+            "rng_state": torch.Generator().manual_seed(0).get_state(),
+            **mn.sampling_request(rloo.SamplingSettings.of(args), args)}
+
+
+def good_answer() -> dict:
+    """What an engine answers to asked_request: 6 choices, each 6 tokens or fewer ending with the stop token 1."""
+    return {"choices": [mn.choice(i, [2, 3, 1] if i % 2 else [4, 5, 6, 7, 8, 9], [-0.5] * (3 if i % 2 else 6))
+                        for i in range(6)], "rng_state": torch.Generator().manual_seed(1).get_state()}
+
+
+@pytest.fixture(scope="module")
+def served_transport(tmp_path_factory):
+    """Rank 0's end of the control store, and a malicious engine's: it signs whatever it sends with the run's
+    secret, as an engine does."""
+    args = mn.Args(model_name_or_path="m", engine="hf", engine_port=free_port(), engine_timeout=60,
+                   output_dir=str(tmp_path_factory.mktemp("served")), **ASKED)
+    dist_info = plumbing.Dist(0, 0, 1, torch.device("cpu"))
+    engines = mn.ServedEngines(args, dist_info, mn.control_store(args, dist_info, torch.device("cpu"),
+                                                                 mn.secret_key(SECRET)), {})
+    engine = mn.ControlStore(torch.distributed.TCPStore("127.0.0.1", args.engine_port), mn.secret_key(SECRET))
+    return args, engines, engine, iter(range(10**6))
+
+
+def served_answer(served_transport, answer: dict) -> dict:
+    """`answer` sent by a served engine through the control store, as the trainer receives it."""
+    args, engines, engine, batches = served_transport
+    batch = next(batches)
+    engine.set("engine/0/beat", {"beat": batch + 1})  # alive
+    engines.send(batch, [asked_request(args)])
+    engine.set(f"out/{batch}/0/0", answer)
+    return engines.receive(batch)[0]
+
+
+@pytest.fixture(scope="module")
+def url_transport(assets, tmp_path_factory):
+    """A stand-in `vllm serve`, attached by URL, made to answer wrongly as each case asks (/standin/set)."""
+    server, url, _ = vllm_standin(tmp_path_factory.mktemp("standin"), "a", assets["policy"])
+    args = mn.Args(model_name_or_path=str(assets["policy"]), engine_urls=url, engine_timeout=300, **ASKED)
+    try:
+        yield args, url, mn.VLLMServers(args, plumbing.Dist(0, 0, 1, torch.device("cpu"))), iter(range(10**6))
+    finally:
+        server.kill()
+
+
+def url_answer(url_transport, case: Optional[str]) -> dict:
+    """The stand-in's answer to asked_request, made wrong as `case` makes it (None: as it sampled)."""
+    args, url, servers, batches = url_transport
+    mn.http_json(f"{url}/standin/set", {"bad_answer": case}, 60)
+    batch = next(batches)
+    servers.send(batch, [asked_request(args)])
+    return servers.receive(batch)[0]
+
+
+def checked(answer: dict, engine: str) -> mn.Answer:
+    return mn.answered(answer, mn.Asked(engine, 6, 6), 15, 1, 0, torch.Generator())
+
+
+@pytest.mark.parametrize("transport", ["served", "url"])
+@pytest.mark.parametrize("case", [None, *BAD_ANSWER_LINES])
+def test_an_engines_answer_is_checked_before_use_and_a_bad_one_named_in_one_line(request, transport, case):
+    """Each way an answer can be other than what was asked, sent by a served engine through the control store and by
+    a `vllm serve` over HTTP (JSON: NaN, infinities and big integers survive it): refused naming the engine and what
+    it sent. (None: a good answer, taken as it is.)"""
+    if transport == "served":
+        answer = good_answer()
+        if case is not None:
+            BAD_ANSWERS[case](answer, 1, 15)
+        answer, engine = served_answer(request.getfixturevalue("served_transport"), answer), "engine 0"
+    else:
+        url_transport = request.getfixturevalue("url_transport")
+        answer, engine = url_answer(url_transport, case), f"vLLM server {url_transport[1]}"
+    if case is None:
+        taken = checked(answer, engine)
+        assert taken.responses.shape == taken.sampler_logprobs.shape == (6, 6)
+        assert (taken.sampler_logprobs <= 0).all() and (taken.responses < 15).all()
+        return
+    with pytest.raises(mn.EngineError) as refused:
+        checked(answer, engine)
+    assert str(refused.value).startswith(f"{engine} sent ") and BAD_ANSWER_LINES[case] in str(refused.value), \
+        str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("case", RNG_STATES)
+def test_a_served_engines_rng_state_is_checked_before_the_generator_takes_it(served_transport, case):
+    answer = served_answer(served_transport, good_answer() | {"rng_state": RNG_STATES[case]})
+    with pytest.raises(mn.EngineError, match="^engine 0 sent a sampling RNG state the generator does not take"):
+        checked(answer, "engine 0")
+    assert mn.answered(answer, mn.Asked("engine 0", 6, 6), 15, 1, 0).rng_state is None  # used only with one engine
+
+
+@pytest.mark.parametrize("world_size", [10**9, 0, -1, "2", 2.0, True, None, [2]])
+def test_a_world_size_a_server_reports_is_checked_before_the_weight_group_is_sized(url_transport, world_size):
+    _, url, servers, _ = url_transport
+    mn.http_json(f"{url}/standin/set", {"world_size_answer": json.dumps(world_size)}, 60)
+    try:
+        with pytest.raises(mn.EngineError, match=re.escape(f"vLLM server {url} sent the world size {world_size!r}, "
+                                                           f"not a number of workers from 1 to {mn.MAX_WORKERS}")):
+            servers.workers(url)
+    finally:
+        mn.http_json(f"{url}/standin/set", {"world_size_answer": None}, 60)
+    assert servers.workers(url) == 1
+
+
+@pytest.mark.parametrize("transport", ["served", "url"])
+def test_a_bad_answer_mid_run_stops_every_rank_with_a_checkpoint_naming_the_engine(assets, tmp_path, transport,
+                                                                                   monkeypatch):
+    """The boundary in a run: the second batch's answer is bad (a NaN log-prob from a `vllm serve`; a duplicate
+    choice index from a served engine started by hand): update 1 is saved, the run stops in one line, exit 4."""
+    out = tmp_path / "out"
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *ENGINE_RUN,
+              "--total_episodes", 100 * PER_UPDATE, "--output_dir", out, "--engine_port", free_port()]
+    if transport == "url":
+        server, url, _ = vllm_standin(tmp_path, "a", assets["policy"], "--bad_answer", "nan_logprob", "--bad_from", 2)
+        names, sent = f"vLLM server {url}", BAD_ANSWER_LINES["nan_logprob"]
+        flags = ["--engine_urls", url]
+    else:
+        port = common[-1]
+        server = subprocess.Popen([sys.executable, str(REPO / "tests" / "faulty_engines.py"), "serve",
+                                   "--trainer_address", f"127.0.0.1:{port}", "--engine_index", "0", "--model",
+                                   str(assets["policy"])], stdout=open(tmp_path / "engine.log", "w"),
+                                  stderr=subprocess.STDOUT, cwd=REPO, env=script_env({
+                                      mn.SECRET_VARIABLE: SECRET, "BAD_ANSWER": "duplicate_index", "BAD_FROM": "2"}))
+        monkeypatch.setenv(mn.SECRET_VARIABLE, SECRET)
+        names, sent = "engine 0", BAD_ANSWER_LINES["duplicate_index"]
+        flags = ["--engine", "hf", "--no-launch_engines"]
+    try:
+        result = run_script("rloo_multinode.py", *common, *flags)
+    finally:
+        server.kill()
+    line = assert_stopped_at_update_2(result, out, f"{names} sent {sent}")
+    assert line.endswith("; continue with the same command and --resume once the engines are healthy"), line

@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import signal
+import statistics
 import subprocess
 
 import datasets
@@ -160,14 +161,15 @@ def test_completion_metrics_values_in_the_k_b_layout(k):
     lengths = [3, 1, 4, 2, 4, 4, 0, 2]
     mask = torch.arange(4) < torch.tensor(lengths)[:, None]
     has_stop = torch.tensor([True, False, True, True, False, False, True, True])
-    out = plumbing.completion_metrics(mask, has_stop, rloo.in_groups(scores, k))
+    out = plumbing.completion_metrics(mask, has_stop, scores, rloo.in_groups(scores, k))
     # prompt i's samples are rows j*B + i
     groups = [[scores[j * b + i].item() for j in range(k)] for i in range(b)]
     stds = [math.sqrt(sum((x - sum(g) / k) ** 2 for x in g) / (k - 1)) for g in groups]
-    assert out["reward_std"] == pytest.approx(sum(stds) / b)
-    assert out["frac_reward_zero_std"] == pytest.approx(sum(s < 1e-6 for s in stds) / b)
+    assert out["reward_std"] == pytest.approx(statistics.stdev(scores.tolist()))  # TRL 1.16's: over all completions
+    assert out["frac_reward_zero_std"] == pytest.approx(sum(s == 0 for s in stds) / b)
     if k == 2:  # by hand: prompts (1, 1), (1, 1), (3, 7), (5, 9): two with zero spread
-        assert out["frac_reward_zero_std"] == 0.5 and out["reward_std"] == pytest.approx(2 * math.sqrt(8) / 4)
+        assert out["frac_reward_zero_std"] == 0.5
+    assert out["completions/mean_terminated_length"] == (3 + 4 + 2 + 0 + 2, 5)  # a pair: over every rank's (TRL's)
     assert out["completions/mean_length"] == pytest.approx(20 / 8)
     assert (out["completions/min_length"], out["completions/max_length"]) == (0, 4)
     assert out["completions/clipped_ratio"] == pytest.approx(3 / 8) and out["val/num_eos_tokens"] == 5
@@ -255,7 +257,8 @@ def test_a_token_of_zero_probability_is_never_drawn_even_at_the_edge_of_the_cdf(
 
 def test_the_learning_rate_schedule_by_hand():
     args = rloo.Args(learning_rate=0.8)
-    assert [rloo.learning_rate_at(u, 4, args) for u in (1, 2, 3, 4)] == pytest.approx([0.8, 0.6, 0.4, 0.2])
+    rate = plumbing.learning_rates(args, plumbing.RunLength(4, 1))
+    assert [rate(u) for u in (1, 2, 3, 4)] == pytest.approx([0.8, 0.6, 0.4, 0.2])
 
 
 def test_the_minibatch_plan_covers_every_completion_once_in_minibatches_of_mini():
@@ -332,6 +335,13 @@ def test_the_logged_objective_metrics_against_a_naive_loop_over_the_rollouts(sho
         assert metrics["objective/scores"] == pytest.approx(scores.mean().item(), abs=1e-5)
         assert metrics["objective/rlhf_reward"] == pytest.approx(
             sum(scores[i].item() - kl_coef * kl[i] for i in range(n)) / n, abs=1e-5)
+        # TRL 1.16's names, TRL 1.16's meanings: kl per token; reward_std over all completions; frac_reward_zero_std
+        # of the prompts whose k KL-penalized rewards (the (k, B) layout: prompt i's are rows i, i + B) are all equal
+        assert metrics["kl"] == pytest.approx(sum(kl) / sum(map(sum, mask)), abs=1e-6)
+        assert metrics["reward_std"] == pytest.approx(statistics.stdev(scores.tolist()), abs=1e-5)
+        rlhf, b = [scores[i].item() - kl_coef * kl[i] for i in range(n)], n // 2
+        same = [math.isclose(rlhf[i], rlhf[i + b], abs_tol=1e-7) for i in range(b)]
+        assert metrics["frac_reward_zero_std"] == pytest.approx(sum(same) / b)
 
 
 def test_the_rollouts_log_probs_are_the_models_and_the_kl_to_the_initial_policy_grows_positive(short_run, assets):

@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 import plumbing
 import rloo
 from conftest import REPO, read_metrics, script_command, script_env
-from helpers import PER_UPDATE, RUN, fake_run, saved_steps, trainer_state, tree
+from helpers import PER_UPDATE, RUN, fake_run, forge_manifest, policy_tokenizer, saved_steps, trainer_state, tree
 
 
 # ---------------------------------------------------------------- the output directory's rules, over layouts
@@ -292,7 +293,8 @@ def write_state(step: Path, state) -> None:
     else:
         torch.save(state, step / plumbing.TRAINER_STATE)
     (step / plumbing.MANIFEST).write_text(json.dumps({"files": plumbing.file_digests(step, sorted(
-        p.name for p in step.iterdir() if p.is_file() and p.name != plumbing.MANIFEST))}))
+        p.name for p in step.iterdir() if p.is_file() and p.name != plumbing.MANIFEST)), "run_id": "run-a",
+        "update": 1}))
 
 
 class Payload:
@@ -505,11 +507,274 @@ def test_the_writers_never_follow_a_link_into_a_fifo_or_through_a_hard_link(tmp_
     assert outside.read_text() == "precious\n"
 
 
-def test_a_run_file_hard_linked_to_a_file_elsewhere_is_refused(tmp_path):
-    """A metrics.jsonl in the run's own words that is also a file elsewhere: appending would change that file."""
-    out = tmp_path / "out"
+def test_a_hard_linked_backup_of_the_run_folder_is_never_written_through_and_no_reason_to_refuse(tmp_path):
+    """Issue 56: `cp -al out backup` stopped the run (metrics.jsonl has two names) and its resume was refused "which
+    no run wrote" about the run's own files. A hard-linked copy is the user's backup: the run goes on and resumes,
+    writing a file of its own wherever a name is shared, so that the backup keeps its bytes."""
+    out, backup = tmp_path / "out", tmp_path / "backup"
     out.mkdir()
-    (tmp_path / "elsewhere.jsonl").write_text('{"update": 1, "run_id": "a"}\n')
-    os.link(tmp_path / "elsewhere.jsonl", out / "metrics.jsonl")
-    assert "holds metrics.jsonl (has another name (a hard link)) under the name" in refusal(out, resume=True)
-    assert (tmp_path / "elsewhere.jsonl").read_text() == '{"update": 1, "run_id": "a"}\n'
+    saved_steps(out, [1])
+    (out / "metrics.jsonl").write_text('{"update": 1, "run_id": "run-a"}\n')
+    (out / "preempted").write_text(f"{out}/checkpoints/step_1\n")
+    (out / "run.lock").write_text("pid 1 on node7, since 2025-01-10 09:12:03\n")
+    subprocess.run(["cp", "-al", str(out), str(backup)], check=True)
+    before = tree(backup) | {"run.lock": (backup / "run.lock").read_bytes()}
+    args = rloo.Args(output_dir=str(out), resume=True)
+    lock = plumbing.OutputDirLock(args.output_dir)
+    try:
+        checkpoints = plumbing.Checkpointer(args, SimpleNamespace(rank=0, world_size=1), lock, [])  # resumes
+        assert checkpoints.start_update == 1 and lock.held and not (out / "preempted").exists()
+        logger = plumbing.RunLogger(args, "run", 2, 1, None, "run-a", 1)
+        logger.write_metrics({"update": 2, "episode": 2})
+        logger.progress.stop()
+        lock.mark_preempted("checkpoints/step_2")
+    finally:
+        lock.release()
+    assert tree(backup) | {"run.lock": (backup / "run.lock").read_bytes()} == before  # the backup unchanged
+    assert [m["update"] for m in read_metrics(out)] == [1, 2] and (out / "metrics.jsonl").stat().st_nlink == 1
+    assert (backup / "preempted").exists() and (out / "preempted").read_text() == "checkpoints/step_2\n"
+
+
+def test_links_planted_in_a_checkpoint_being_written_are_never_written_through(tmp_path):
+    """Issue 56: symbolic links planted in checkpoints/.tmp_step_N while it was written got files outside output_dir
+    overwritten with trainer_state.pt, manifest.json and tokenizer.json. Every file of a save is new (O_EXCL) in the
+    folder the run made (held by its handle), or written by a library into a private folder of a random name and
+    then linked in, never over a name that is taken: a planted link (symbolic or hard, to a file or dangling), a
+    FIFO, or a link in place of the folder itself stops the save in one line, and nothing outside is written."""
+    out = tmp_path / "out"
+    policy, optimizer, tokenizer = saved_steps(out, [1])
+    outside = {name: tmp_path / f"outside_{name}" for name in ("trainer_state.pt", "manifest.json", "tokenizer.json")}
+    for path in outside.values():
+        path.write_text("precious\n")
+    plants = {  # what is planted in .tmp_step_2 as the policy is saved (by a wrapper of the tokenizer's save)
+        "symbolic links": lambda folder: [(folder / n).symlink_to(outside[n]) for n in outside],
+        "dangling links": lambda folder: [(folder / n).symlink_to(tmp_path / f"new_{n}") for n in outside],
+        "a hard link": lambda folder: os.link(outside["tokenizer.json"], folder / "tokenizer.json"),
+        "a FIFO": lambda folder: os.mkfifo(folder / "trainer_state.pt"),
+    }
+
+    class Planting:  # the tokenizer, whose save plants `plant` in the checkpoint's temporary folder first
+        def __init__(self, plant):
+            self.plant = plant
+
+        def save_pretrained(self, path):
+            self.plant(Path(os.path.realpath(path)).parent)  # the private folder's parent: .tmp_step_2
+            return tokenizer.save_pretrained(path)
+
+    for name, plant in plants.items():
+        with pytest.raises(plumbing.Fault, match=r"could not write checkpoint step_2 \(.*\.tmp_step_2") as failed:
+            plumbing.save_checkpoint(str(out), 2, policy, optimizer, Planting(plant), trainer_state(2), 0, None, {})
+        assert "\n" not in str(failed.value) and ("File exists" in str(failed.value) or "appeared while the run wrote "
+                                                  "it" in str(failed.value)), (name, str(failed.value))
+        assert all(path.read_text() == "precious\n" for path in outside.values()), name
+        assert not list(tmp_path.glob("new_*")) and sorted(os.listdir(out / "checkpoints")) == ["step_1"], name
+    (out / "checkpoints" / ".tmp_step_2").symlink_to(tmp_path)  # the temporary folder's own name: a link
+    with pytest.raises(plumbing.Fault, match="checkpoints/.tmp_step_2 exists and is not this run's: move it"):
+        plumbing.save_checkpoint(str(out), 2, policy, optimizer, tokenizer, trainer_state(2), 0, None, {})
+    assert (out / "checkpoints" / ".tmp_step_2").is_symlink() and (tmp_path / "out").is_dir()
+
+
+def other_runs_checkpoints(root: Path, steps: list[int]) -> Path:
+    """A folder holding checkpoints of run-b (their manifests), as another run leaves it."""
+    for step in steps:
+        (root / f"step_{step}").mkdir(parents=True)
+        (root / f"step_{step}" / "manifest.json").write_text(json.dumps({"files": {}, "run_id": "run-b"}))
+    return root
+
+
+def test_pruning_removes_only_this_runs_checkpoints_and_a_swapped_folder_stops_the_save(tmp_path):
+    """Issue 56: checkpoints/ replaced mid-run by a link to a folder of another run's checkpoints, with
+    --save_total_limit 1, deleted them (pruning went by name). The folders a run saves into are those it started
+    with (a swap stops the save in one line), and pruning removes only checkpoints of its own run id: another run's,
+    a link to a folder of the user's, a folder without a manifest are kept; a link to this run's own is unlinked."""
+    out = tmp_path / "out"
+    policy, optimizer, tokenizer = saved_steps(out, [1])
+    with plumbing.Folder.at(out) as root, root.folder("checkpoints") as checkpoints:
+        identities = {"output_dir": root.identity, "checkpoints": checkpoints.identity}
+    theirs = other_runs_checkpoints(tmp_path / "theirs", [1, 2])
+    (out / "checkpoints").rename(tmp_path / "ours")
+    (out / "checkpoints").symlink_to(theirs)
+    with pytest.raises(plumbing.Fault, match="checkpoints is no longer the folder the run started with"):
+        plumbing.save_checkpoint(str(out), 2, policy, optimizer, tokenizer, trainer_state(2), 0, 1, {}, identities)
+    assert sorted(os.listdir(theirs)) == ["step_1", "step_2"]
+    plumbing.save_checkpoint(str(out), 3, policy, optimizer, tokenizer, trainer_state(3), 0, 1, {})  # a link from
+    assert sorted(os.listdir(theirs)) == ["step_1", "step_2", "step_3"]  # the start: where checkpoints live
+    (out / "checkpoints").unlink()
+    (tmp_path / "ours").rename(out / "checkpoints")
+    (tmp_path / "mine").mkdir()
+    (out / "checkpoints" / "step_2").symlink_to(tmp_path / "mine")  # a folder of the user's
+    (out / "checkpoints" / "step_0").symlink_to(theirs / "step_3")  # this run's, kept elsewhere
+    (out / "checkpoints" / "step_5").mkdir()  # no manifest: no run's
+    (out / "checkpoints" / "step_5" / "notes").write_text("mine")
+    plumbing.save_checkpoint(str(out), 6, policy, optimizer, tokenizer, trainer_state(6), 0, 1, {})
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_2", "step_5", "step_6"]
+    assert (tmp_path / "mine").is_dir() and (theirs / "step_3" / "manifest.json").is_file()
+
+
+def test_the_debris_of_a_killed_save_is_removed_only_where_it_is_this_runs(tmp_path):
+    """A save killed midway leaves checkpoints/.tmp_step_N: removed at the next start (it can be as large as a
+    checkpoint) where its rank file names this run, or it holds no file; moved to abandoned/ otherwise."""
+    out = tmp_path / "out"
+    saved_steps(out, [1])
+    saved_steps(tmp_path / "other", [4], run_id="run-b")
+    checkpoints = out / "checkpoints"
+    shutil.copytree(checkpoints / "step_1", checkpoints / ".tmp_step_2")  # this run's
+    (checkpoints / ".tmp_step_2" / "manifest.json").unlink()
+    (checkpoints / ".tmp_step_3" / ".partial-0123456789abcdef").mkdir(parents=True)  # killed at once: nothing in it
+    shutil.copytree(tmp_path / "other" / "checkpoints" / "step_4", checkpoints / ".tmp_step_4")  # another run's
+    (checkpoints / ".tmp_step_5").mkdir()
+    (checkpoints / ".tmp_step_5" / "notes.txt").write_text("mine")  # a file no run wrote
+    args = rloo.Args(output_dir=str(out), resume=True)
+    lock = plumbing.OutputDirLock(args.output_dir)
+    try:
+        notes = plumbing.Checkpointer(args, SimpleNamespace(rank=0, world_size=1), lock, []).notes()
+    finally:
+        lock.release()
+    assert sorted(os.listdir(checkpoints)) == ["step_1"]
+    moved = next((out / "abandoned").iterdir())
+    assert sorted(os.listdir(moved / "checkpoints")) == [".tmp_step_4", ".tmp_step_5"] and moved.name.endswith("debris")
+    assert (moved / "checkpoints" / ".tmp_step_5" / "notes.txt").read_text() == "mine"
+    assert any("(.tmp_step_4, .tmp_step_5), moved to" in note for note in notes), notes
+
+
+def test_a_rank_file_proves_whose_it_is(tmp_path):
+    """Issue 56: a rank file of another run, or of an earlier step of this one, resumed silently. Each carries the
+    run id, the update and the rank, checked against the manifest before any model loads, as is their number."""
+    saved_steps(tmp_path / "a", [1, 2])
+    saved_steps(tmp_path / "b", [2], run_id="run-b")
+    step = tmp_path / "a" / "checkpoints" / "step_2"
+    original = (step / "rank0.pt").read_bytes()
+    cases = {
+        "another run's": (lambda: shutil.copy(tmp_path / "b" / "checkpoints" / "step_2" / "rank0.pt", step),
+                          "rank0.pt is of run id 'run-b', but manifest.json says 'run-a'"),
+        "an earlier step's": (lambda: shutil.copy(step.parent / "step_1" / "rank0.pt", step),
+                              "rank0.pt is of update 1, but manifest.json says 2"),
+        "another rank's name": (lambda: (step / "rank0.pt").rename(step / "rank1.pt"),
+                                "holds 1 rank files (rank1.pt), but a run of world size 1 writes rank0.pt to rank0.pt"),
+        "one more": (lambda: shutil.copy(step / "rank0.pt", step / "rank1.pt"),
+                     "holds 2 rank files (rank0.pt, rank1.pt), but a run of world size 1 writes rank0.pt to rank0.pt"),
+        "an older format": (lambda: torch.save({"sampler": {}}, step / "rank0.pt"),
+                            "rank0.pt holds ['sampler'], not ['run_id', 'update', 'rank', 'parts'] (written by an "),
+        "a world size of 10^9": (lambda: torch.save(trainer_state(2, world_size=10**9, optimizer={}),
+                                                    step / "trainer_state.pt"),
+                                 "holds 1 rank files (rank0.pt), but a run of world size 1000000000 writes"),
+    }
+    for name, (damage, said) in cases.items():
+        damage()
+        forge_manifest(step)
+        state, problem = plumbing.read_checkpoint(step)
+        assert state is None and problem.startswith(said), (name, problem)
+        for extra in step.glob("rank*.pt"):
+            extra.unlink()
+        (step / "rank0.pt").write_bytes(original)
+        torch.save(trainer_state(2, optimizer={}), step / "trainer_state.pt")
+    forge_manifest(step)
+    manifest = json.loads((step / "manifest.json").read_text())
+    (step / "manifest.json").write_text(json.dumps({**manifest, "run_id": "run-b"}))
+    assert plumbing.read_checkpoint(step)[1] == "manifest.json is of run id 'run-b', but trainer_state.pt of 'run-a'"
+
+
+def test_output_dir_renamed_or_replaced_while_the_run_writes_is_one_line(tmp_path):
+    """Issue 56: output_dir renamed mid-run gave a FileNotFoundError traceback. The run writes in the folders it
+    started with: renamed, removed or replaced by another (or a link to one), the next write says so in one line and
+    writes nothing elsewhere; the lock file of a run that took the old name since is never removed."""
+    out = tmp_path / "out"
+    args = rloo.Args(output_dir=str(out))
+    lock = plumbing.OutputDirLock(args.output_dir)
+    lock.acquire()
+    logger = plumbing.RunLogger(args, "run", 2, 0, None, "run-a", 1)
+    for swap in ("renamed", "replaced by a link"):
+        out.rename(tmp_path / f"moved_{swap}")
+        if swap == "replaced by a link":
+            (tmp_path / "elsewhere").mkdir()
+            out.symlink_to(tmp_path / "elsewhere")
+        with pytest.raises(plumbing.MetricsWriteError) as failed:
+            logger.write_metrics({"update": 1, "episode": 1})
+        assert "\n" not in str(failed.value) and str(failed.value).startswith(f"could not write {out}/metrics.jsonl ("
+                                                                               f"{out} "), str(failed.value)
+        assert "(renamed, moved or" in str(failed.value)
+        with pytest.raises(OSError, match="renamed, moved or"):
+            lock.mark_preempted("checkpoints/step_1")
+        if swap == "renamed":
+            (tmp_path / "moved_renamed").rename(out)
+            logger.write_metrics({"update": 1, "episode": 1})  # put back: the same folder, written again
+    (tmp_path / "elsewhere" / "run.lock").write_text("pid 2 on node7, since 2025-01-10 09:12:03\n")  # another run's
+    lock.release()
+    assert (tmp_path / "elsewhere" / "run.lock").exists() and os.listdir(tmp_path / "elsewhere") == ["run.lock"]
+    logger.progress.stop()  # (close would draw curves.png: into no folder but the one the run started in)
+
+
+def test_links_planted_in_the_runs_other_files_and_folders_are_never_followed(tmp_path):
+    """Neighbours of the planted checkpoint: metrics.jsonl made a symbolic link or a FIFO mid-run, tensorboard/ and
+    nonfinite/ made links to folders elsewhere, preempted a link: one line each (MetricsWriteError for what the
+    logger writes), no wait on the FIFO, and nothing elsewhere written; preempted's link is replaced, not followed."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "metrics.jsonl").write_text("precious\n")
+    args = rloo.Args(output_dir=str(out), tensorboard=True)
+    lock = plumbing.OutputDirLock(args.output_dir)
+    lock.acquire()
+    logger = plumbing.RunLogger(args, "run", 2, 0, None, "run-a", 1)
+    logger.progress.stop()
+    (out / "metrics.jsonl").unlink()
+    (out / "metrics.jsonl").symlink_to(elsewhere / "metrics.jsonl")
+    with pytest.raises(plumbing.MetricsWriteError, match="metrics.jsonl is a symbolic link, which a run never"):
+        logger.write_metrics({"update": 1, "episode": 1})
+    (out / "metrics.jsonl").unlink()
+    os.mkfifo(out / "metrics.jsonl")
+    with pytest.raises(plumbing.MetricsWriteError, match="metrics.jsonl is not a regular file"):
+        logger.write_metrics({"update": 1, "episode": 1})
+    (out / "tensorboard").symlink_to(elsewhere)
+    with pytest.raises(plumbing.MetricsWriteError, match="tensorboard is a symbolic link, which a run never follows"):
+        logger.publish({"objective/scores": 0.5}, 1)
+    (out / "nonfinite").symlink_to(elsewhere)
+    ids, mask = torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2, dtype=torch.bool)
+    rollout = SimpleNamespace(queries=ids[:1], query_mask=mask[:1], responses=ids, response_mask=mask, logprobs=None)
+    with pytest.raises(OSError, match="nonfinite is a symbolic link"):
+        plumbing.faults.dump_batch(str(out), "update_1_rank_0.jsonl", policy_tokenizer(), rollout, torch.zeros(2))
+    (out / "preempted").symlink_to(elsewhere / "metrics.jsonl")
+    lock.mark_preempted("checkpoints/step_1")
+    lock.release()
+    assert os.listdir(elsewhere) == ["metrics.jsonl"] and (elsewhere / "metrics.jsonl").read_text() == "precious\n"
+    assert not (out / "preempted").is_symlink() and (out / "preempted").read_text() == "checkpoints/step_1\n"
+
+
+def test_a_verdict_is_taken_only_where_the_settings_could_have_reached_it():
+    """plumbing.Verdict (rloo.OnPolicyShortcut): "on" only after a check, and never where the settings rule the
+    shortcut out (made checked=True)."""
+    for checked_at_start, saved, taken in ((True, {"checked": True, "on": True}, False),
+                                           (False, {"checked": False, "on": True}, False),
+                                           (False, {"checked": True, "on": True}, True),
+                                           (True, {"checked": True, "on": False}, True),
+                                           (False, {"checked": False, "on": False}, True)):
+        verdict = rloo.OnPolicyShortcut(checked=checked_at_start)
+        if taken:
+            verdict.load_state_dict(saved)
+            assert (verdict.checked, verdict.on) == (saved["checked"], saved["on"])
+        else:
+            with pytest.raises(ValueError, match="OnPolicyShortcut says the shortcut is on, which"):
+                verdict.load_state_dict(saved)
+
+
+def test_a_load_error_under_a_heading_says_its_whole_reason_in_one_line():
+    """Issue 56: the reference's load error was cut to "Error(s) in loading state_dict for GPTNeoXForCausalLM:;" (its
+    first line): a first line that is a heading (ending in a colon) is said with the lines under it."""
+    with pytest.raises(RuntimeError) as failed:
+        torch.nn.Linear(2, 2).load_state_dict({"weight": torch.zeros(3, 2), "bias": torch.zeros(2)})
+    line = plumbing.first_line(failed.value)
+    assert line.startswith("Error(s) in loading state_dict for Linear: size mismatch for weight: copying a param with "
+                           "shape torch.Size([3, 2]) from checkpoint"), line
+    assert plumbing.first_line(ValueError("one line\nand a second")) == "one line"
+
+
+def test_a_fifo_or_a_link_where_a_checkpoint_has_its_manifest_never_blocks_a_resume(tmp_path):
+    """What a resume reads of each checkpoint (its manifest, the run record) is read only as a regular file: a FIFO
+    there, which would block the read forever, makes that checkpoint damaged, and --resume goes to the one before."""
+    saved_steps(tmp_path, [1, 2, 3])
+    (tmp_path / "checkpoints" / "step_3" / "manifest.json").unlink()
+    os.mkfifo(tmp_path / "checkpoints" / "step_3" / "manifest.json")
+    (tmp_path / "checkpoints" / "step_2" / "manifest.json").rename(tmp_path / "manifest.json")
+    (tmp_path / "checkpoints" / "step_2" / "manifest.json").symlink_to(tmp_path / "manifest.json")
+    start = plumbing.resume_checkpoint(rloo.Args(output_dir=str(tmp_path), resume=True))
+    assert start.checkpoint == tmp_path / "checkpoints" / "step_1"
+    assert [why.split(" (")[0] for why in start.skipped.values()] == ["manifest.json cannot be read"] * 2

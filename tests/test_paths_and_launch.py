@@ -9,6 +9,7 @@ import gzip
 import json
 import lzma
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -105,16 +106,74 @@ def test_compressed_json_lines_and_csv_load_and_other_kinds_are_named(tmp_path):
     (tmp_path / "prompts.txt").write_text("a b :\n")
     (tmp_path / "dir.jsonl").mkdir()
     (tmp_path / "bad.jsonl.gz").write_bytes(b"not gzip")
-    for name, line in (("pipe.jsonl", r"is a FIFO \(named pipe\): pass a .jsonl/.json/.csv"),
+    (tmp_path / "zero.jsonl").symlink_to("/dev/zero")
+    for name, line in (("pipe.jsonl", r"is a FIFO \(named pipe\), not a regular file: pass a .jsonl/.json/.csv"),
                        ("pipe", r"is a FIFO \(named pipe\)"), ("prompts.txt", ".txt is not a format read here"),
                        ("dir.jsonl", "is a directory"), ("bad.jsonl.gz", "BadGzipFile: Not a gzipped file"),
-                       ("nope.csv.xz", "does not exist")):
+                       ("nope.csv.xz", "does not exist"), ("zero.jsonl", "is a character device, not a regular file")):
         with pytest.raises(plumbing.ConfigError, match=line) as refused:  # a FIFO is never opened: no wait
             plumbing.load_split(str(tmp_path / name), "train", None)
         assert "\n" not in str(refused.value)
 
 
+def test_a_prompt_file_is_read_within_limits(monkeypatch, tmp_path):
+    """A prompt file larger than DATA_LIMIT, on disk or once decompressed (a decompression bomb), and a JSON line
+    longer than LINE_LIMIT are one line each, read in constant memory."""
+    monkeypatch.setattr(plumbing.data, "DATA_LIMIT", 4096)
+    monkeypatch.setattr(plumbing.data, "LINE_LIMIT", 1024)
+    (tmp_path / "big.jsonl").write_text('{"prompt": "a"}\n' * 300)
+    (tmp_path / "bomb.jsonl.gz").write_bytes(gzip.compress(b'{"prompt": "a"}\n' * 300))
+    (tmp_path / "long.jsonl").write_text('{"prompt": "a"}\n{"prompt": "' + "a" * 2000 + '"}\n')
+    for name, line in (("big.jsonl", "is 4,800 bytes, over the limit of 4 KiB for this input"),
+                       ("bomb.jsonl.gz", "holds more than 4 KiB once decompressed: pass a save_to_disk directory"),
+                       ("long.jsonl", "line 2 is over 1 KiB, not a row of prompts")):
+        with pytest.raises(plumbing.ConfigError, match=line):
+            plumbing.load_split(str(tmp_path / name), "train", None)
+
+
 # ---------------------------------------------------------------- the models' configs
+@pytest.mark.parametrize("name,kind,line", [
+    ("config.json", "fifo", r"config.json is a FIFO \(named pipe\), not a regular file: put the file"),
+    ("chat_template.jinja", "/dev/zero", "chat_template.jinja is a character device, not a regular file"),
+    ("tokenizer_config.json", "big", "tokenizer_config.json is .* bytes, over the limit of 4 KiB for this input"),
+    ("model.safetensors", "/dev/urandom", "model.safetensors is a character device"),
+    ("additional_chat_templates/tool.jinja", "fifo", r"tool.jinja is a FIFO"),  # a subdirectory's file
+])
+def test_a_model_directory_holds_regular_files_within_limits_or_is_one_line(assets, tmp_path, monkeypatch, name, kind,
+                                                                           line):
+    """What transformers would read of a local model directory: a FIFO (which would block the load), a device (which
+    would fill the memory) or a config over TEXT_LIMIT bytes is one line naming the file, before any loader runs
+    (the config, the tokenizer, the model: load_pretrained). Weights may be of any size."""
+    monkeypatch.setattr(plumbing.errors, "TEXT_LIMIT", 4096)
+    policy = tmp_path / "policy"
+    shutil.copytree(assets["policy"], policy)
+    path = policy / name
+    path.parent.mkdir(exist_ok=True)
+    path.unlink(missing_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "big":
+        path.write_text(json.dumps({"padding": "x" * 5000}))
+    else:
+        path.symlink_to(kind)
+    with pytest.raises(plumbing.ConfigError, match=line) as refused:
+        plumbing.load_config(str(policy), "policy", False)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_dataset_directory_holds_regular_files(tmp_path):
+    """A save_to_disk directory whose files are not regular (a FIFO for its state.json) is one line naming the file,
+    never a load that waits for a writer."""
+    import datasets
+
+    datasets.Dataset.from_list([{"prompt": "a b :"}]).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "saved" / "state.json").unlink()
+    os.mkfifo(tmp_path / "saved" / "state.json")
+    with pytest.raises(plumbing.ConfigError, match=r"state.json is a FIFO \(named pipe\), not a regular file: put "
+                                                   "the files written by save_to_disk back"):
+        plumbing.load_split(str(tmp_path / "saved"), "train", None)
+
+
 def test_a_reward_model_without_tokenizer_files_must_share_the_policys_vocabulary(assets, tmp_path):
     vocab = len(policy_tokenizer())
     tiny_reward_model(vocab + 7).save_pretrained(tmp_path / "other_vocab")  # no tokenizer saved
@@ -279,7 +338,7 @@ def test_pruning_removes_a_symlinked_checkpoint_never_what_it_points_to(tmp_path
     (tmp_path / "precious" / "notes.txt").write_text("keep")
     (out / "checkpoints" / "step_0").symlink_to(tmp_path / "precious")
     saved_steps(out, [3], keep=1)
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_3"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0", "step_3"]  # the user's link: kept
     assert (kept / plumbing.MANIFEST).is_file() and (tmp_path / "precious" / "notes.txt").read_text() == "keep"
 
 
@@ -367,6 +426,48 @@ def test_a_launch_that_asked_for_other_processes_is_one_line_naming_both(monkeyp
     assert "\n" not in str(e.value)
 
 
+BOMB = "a: &a [x, x, x, x, x, x, x, x]\n" + "".join(f"{n}: &{n} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+                                                    for p, n in zip("abcdefgh", "bcdefghi"))
+
+
+@pytest.mark.parametrize("config,line", [
+    ("num_processes: 1\n", None), ("num_processes: '1'\n", None),  # the one process this run has: asked for
+    ("{num_processes: 1, distributed_type: MULTI_CPU}\n", None),
+    ("fifo", r"default_config.yaml is a FIFO \(named pipe\), not a regular file: write it again"),
+    ("/dev/zero", "default_config.yaml is a character device, not a regular file"),  # a MemoryError before
+    ("dir", "default_config.yaml is a directory, not a regular file"),
+    ("num_processes: 4\n" + "#" * (64 << 10), "is 65,553 bytes, over the limit of 64 KiB for this input"),
+    (BOMB + "num_processes: 4\n", r"\(num_processes\) asks for 4 processes"),  # aliases never expanded
+    ("- a list\n", r"accelerate launch \(it set MASTER_ADDR\) asks for several processes"),
+    ("[" * 60_000, "asks for several processes"),  # YAML nested past the parser's recursion
+])
+def test_accelerates_default_config_is_read_as_an_input(monkeypatch, tmp_path, config, line):
+    """accelerate's default config, read where `accelerate launch` may have started this process without torchrun:
+    a config asking for the one process the run has passes; anything but a regular file of at most 64 KiB is one
+    line at once (a FIFO never waited on, /dev/zero never read to the end)."""
+    for name in (*TORCHRUN, *LAUNCHERS):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"HF_HOME": str(tmp_path), "ACCELERATE_MIXED_PRECISION": "no", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    path = tmp_path / "accelerate" / "default_config.yaml"
+    path.parent.mkdir()
+    if config == "fifo":
+        os.mkfifo(path)
+    elif config == "dir":
+        path.mkdir()
+    elif config.startswith("/"):
+        path.symlink_to(config)
+    else:
+        path.write_text(config)
+    if line is None:
+        plumbing.check_launch_environment()
+        return
+    with pytest.raises(plumbing.ConfigError, match=line) as e:
+        plumbing.check_launch_environment()
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("env", [
     {"ACCELERATE_NUM_PROCESSES": "1"},
     {**TORCHRUN, "WORLD_SIZE": "2", "ACCELERATE_NUM_PROCESSES": "2", "ACCELERATE_MIXED_PRECISION": "no"},  # its
@@ -387,18 +488,23 @@ def test_a_launch_that_got_what_it_asked_for_passes(monkeypatch, env):
 
 
 def test_accelerate_launch_of_a_multi_cpu_config_is_refused_naming_its_processes(tmp_path):
-    """The real launcher: `accelerate launch --config_file` of a MULTI_CPU config of 2 processes ran one process."""
+    """The real launcher: `accelerate launch --config_file` of a MULTI_CPU config of 2 processes ran one process. Its
+    traceback follows the refusal, which names --quiet (with it, accelerate exits 1 saying nothing more: its
+    simple_launcher)."""
     config = tmp_path / "multi_cpu.yaml"
     config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\n"
                       "num_machines: 1\nmachine_rank: 0\nmixed_precision: 'no'\nuse_cpu: true\n")
     probe = tmp_path / "probe.py"
     probe.write_text(f"import sys\nsys.path.insert(0, {str(REPO)!r})\nimport plumbing\n"
-                     "plumbing.check_launch_environment()\n")
+                     "plumbing.run_script(lambda _: plumbing.check_launch_environment(), None, 'probe.py')\n")
     env = {name: value for name, value in os.environ.items() if name not in (*TORCHRUN, *LAUNCHERS)}
     # real interpreters, not forks: the probe reads its launcher's command line (/proc/PPID/cmdline), and a fork's
     # parent is the server of forks; the tests' Hugging Face home has no default config of accelerate's
     result = subprocess.run([str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
                              str(config), str(probe)], capture_output=True, text=True, cwd=tmp_path, env=env,
                             timeout=300)
+    line = next(line for line in result.stderr.splitlines() if line.startswith("probe.py: error: "))
     assert f"accelerate launch's config {config} (num_processes) asks for 2 processes, but this run has 1 " \
-           "process" in result.stderr, result.stderr[-2000:]
+           "process" in line, result.stderr[-2000:]
+    assert line.endswith("(accelerate launch's traceback follows it: accelerate launch --quiet leaves that out)")
+    assert "CalledProcessError" in result.stderr.split(line)[1]

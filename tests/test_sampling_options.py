@@ -176,9 +176,11 @@ def test_the_hf_engine_samples_with_the_filters(assets):
                            "rng_state": generator.get_state(),
                            **rloo_multinode.sampling_request(rloo.SamplingSettings.of(args), args)})
     c = rloo.sample_in_chunks(engine.model, q, mask, 2, args, 1, 0, generator, NO_AUTOCAST)
-    assert torch.equal(out["responses"], c.responses)
+    answer = rloo_multinode.answered(out, rloo_multinode.Asked("engine 0", 2 * len(q), 6),
+                                     engine.model.config.vocab_size, 1, 0)  # as the trainer takes it
+    assert torch.equal(answer.responses, c.responses)
     trainer = rloo.forward_logprobs(engine.model, c, 0.7, True, filters=rloo.SamplingFilters.of(args))[0]
-    torch.testing.assert_close(out["sampler_logprobs"], trainer * c.response_mask, atol=2e-6, rtol=0)
+    torch.testing.assert_close(answer.sampler_logprobs, trainer * c.response_mask, atol=2e-6, rtol=0)
 
 
 def test_vllm_sampling_parameters_carry_the_filters():
@@ -196,7 +198,7 @@ def test_vllm_sampling_parameters_carry_the_filters():
 @pytest.mark.parametrize("values,message", [
     ({"top_p": 0.0}, "top_p = 0.0 must be in (0, 1]"), ({"top_p": 1.5}, "top_p = 1.5 must be in (0, 1]"),
     ({"top_k": -1}, "top_k = -1 must be >= 0"), ({"min_p": 2.0}, "min_p = 2.0 must be in [0, 1]"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty = 0.0 must be a finite number > 0"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty = 0.0 must be in [0.01, 100]"),
     ({"repetition_penalty": math.nan}, "repetition_penalty = nan must be"),
     ({"num_generations_eval": 0}, "num_generations_eval = 0 must be at least 1"),
     ({"num_completions_to_print": 0}, "num_completions_to_print = 0 must be at least 1"),

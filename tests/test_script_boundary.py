@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
@@ -280,6 +281,49 @@ def test_plot_metrics_never_replaces_a_file_it_did_not_write(tmp_path, capsys, m
     assert code == 2 and "benchmark/plot_runs.py did not write it" in err and "Traceback" not in err, err
 
 
+def test_a_scripts_mark_is_in_the_metadata_it_wrote_never_a_quote_in_a_files_text(tmp_path, capsys):
+    """Issue 56: plot_metrics.py --png-path notes.md replaced a user's notes that quoted the `written_by` mark (it was
+    searched anywhere in a file's first 64 KiB); a PNG with a forged text chunk too. A mark is what the script wrote
+    where it writes it: a PNG's own text chunk, a Markdown report's last line, each with the sha256 of the rest (a
+    copied chunk, an edited picture or report, no longer match), a JSON object's first key."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(metrics_lines(1, 2))
+    plumbing.plot_curves(metrics, tmp_path / "ours.png", writer="benchmark/plot_metrics.py")
+    ours = (tmp_path / "ours.png").read_bytes()
+    assert plumbing.written_by(tmp_path / "ours.png") == "benchmark/plot_metrics.py"
+    mark = next(ours[start:end] for start, end, kind, body in plumbing.outputdir.png_chunks(ours)
+                if body.startswith(b"rloo written by\x00"))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
+    theirs = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", bytes([0, 0, 0, 1] * 2 + [8, 0, 0, 0, 0])) + chunk(
+        b"IDAT", zlib.compress(b"\x00\x00")) + chunk(b"IEND", b"")  # a picture of one pixel
+    report = plumbing.marked_text("| a table |\n", "benchmark/sync_cost.py")
+    files = {  # a file of the user's that quotes or copies a mark: no mark
+        "notes.md": f"My notes. The scripts sign their files so:\n{report}\nand `\"written_by\": "
+                    f"\"benchmark/plot_metrics.py\"` in JSON.\n",
+        "edited.md": report.replace("a table", "my table"),
+        "late.json": json.dumps({"results": 1, "written_by": "benchmark/plot_metrics.py"}),
+        "nested.json": json.dumps({"notes": {"written_by": "benchmark/plot_metrics.py"}}),
+        "copied_chunk.png": theirs[:33] + mark + theirs[33:],  # its own picture under another's mark
+        "edited.png": ours[:-12] + chunk(b"tEXt", b"Comment\x00mine") + ours[-12:],  # a note added by an editor
+        "two_marks.png": ours[:33] + mark + ours[33:],
+        "cut.png": ours[: len(ours) // 2],
+    }
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content.encode() if isinstance(content, str) else content)
+        assert plumbing.written_by(tmp_path / name) is None, name
+    code, err = run_tool(plot_metrics, "plot_metrics.py", ["--metrics-paths", metrics, "--png-path",
+                                                           tmp_path / "notes.md"], capsys)
+    assert code == 2 and "benchmark/plot_metrics.py did not write it" in err, err
+    assert (tmp_path / "notes.md").read_text() == files["notes.md"]
+    (tmp_path / "report.md").write_text(report)
+    (tmp_path / "report.json").write_text(json.dumps({"written_by": "benchmark/learning.py", "results": {}}))
+    (tmp_path / "cache.jsonl").write_text('{"written_by": "benchmark/tldr/judge.py"}\n{"a": 1}\n')
+    assert [plumbing.written_by(tmp_path / n) for n in ("report.md", "report.json", "cache.jsonl")] == [
+        "benchmark/sync_cost.py", "benchmark/learning.py", "benchmark/tldr/judge.py"]
+
+
 def test_plot_runs_refuses_a_file_it_did_not_write_in_one_line_and_redraws_its_own(tmp_path, capsys):
     """Issue 47: plot_runs.py refused with a traceback."""
     metrics = tmp_path / "metrics.jsonl"
@@ -365,7 +409,7 @@ def test_a_benchmark_replaces_only_its_own_reports_and_refuses_before_any_run(na
         elif file.endswith(".json"):
             (tmp_path / file).write_text(json.dumps({"written_by": writer, "results": {}}, indent=2) + "\n")
         else:
-            (tmp_path / file).write_text(f"| table |\n\n<!-- written by {writer} -->\n")
+            (tmp_path / file).write_text(plumbing.marked_text("| table |\n\n", writer))
     if name != "learning":
         args = module.Args(output_dir=str(tmp_path), **({"output_name": "mine"} if name == "options_cost" else {}))
         throughput.write_report(files[0].removesuffix(".json"), args, 4, {}, "| table |", 0.0, writer,
@@ -379,8 +423,10 @@ def test_the_committed_benchmark_reports_carry_their_scripts_mark():
     """So that `make bench-results` (and a rerun into the folders of benchmark/results) replaces them."""
     results = REPO / "benchmark" / "results"
     marks = {path.relative_to(results): plumbing.written_by(path) for path in results.rglob("*")
-             if path.name.startswith(("throughput_", "generation_modes_", "options_cost_", "learning", "sync_cost"))}
+             if path.name.startswith(("throughput_", "generation_modes_", "options_cost_", "learning", "sync_cost"))
+             and "gpu" not in path.relative_to(results).parts}  # gpu/: the suite's step records, and its table
     assert len(marks) >= 23, marks
+    assert {plumbing.written_by(table) for table in results.glob("gpu/*/table.md")} == {"benchmark/gpu_suite.py"}
     script = {"throughput": "throughput", "generation": "generation_modes", "options": "options_cost",
               "learning": "learning", "sync": "sync_cost"}
     wrong = {path: mark for path, mark in marks.items()

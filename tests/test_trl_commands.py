@@ -19,7 +19,7 @@ import plumbing
 import rloo
 import rloo_multinode
 from conftest import REPO, read_metrics, run_rloo, tiny_policy, write_jsonl
-from helpers import cpu_env, python
+from helpers import TRL116_RECIPES, cpu_env, python
 
 SITE = "benchmark/.trl116-site"
 
@@ -126,18 +126,21 @@ def test_a_recipe_of_every_trl_default_runs_through_the_parser(tmp_path):
 
 def test_trl_defaults_1_16_gives_every_algorithm_flag_left_out_trl_1_16s_default(tmp_path):
     """--trl_defaults 1.16: each algorithm flag whose TRL 1.16 default sets something takes it (num_iterations 1,
-    temperature 1.0, learning rate 1e-6, 512 new tokens, 3 epochs); the run's flags keep this script's; a flag given
-    wins wherever it stands; a --config file may choose it too."""
-    switched = plumbing.algorithm_defaults(rloo.Args)
+    temperature 1.0, learning rate 1e-6, 512 new tokens, 3 epochs), and of the run's flags those that change what it
+    computes (gradient checkpointing, seed 42, bf16 where there is a GPU: on this CPU a line says it is off); the
+    others keep this script's; a flag given wins wherever it stands; a --config file may choose it too."""
+    switched = plumbing.algorithm_defaults(rloo.Args) | {"gradient_checkpointing": (False, True), "seed": (1, 42)}
+    assert plumbing.release_defaults(rloo.Args, "1.16") == switched  # bf16: (False, False) on a CPU, not switched
     assert {"num_ppo_epochs", "temperature", "learning_rate", "response_length", "num_train_epochs"} <= switched.keys()
-    assert plumbing.algorithm_defaults(rloo_multinode.Args) == switched  # the algorithm's: not the engines' vllm_mode
+    assert plumbing.algorithm_defaults(rloo_multinode.Args) == plumbing.algorithm_defaults(rloo.Args)  # not vllm_mode
     trl_name = {own: trl for trl, own in plumbing.TRL_NAMES.items()}
     args, old = parse("--trl_defaults", "1.16"), rloo.Args()
     for f in dataclasses.fields(rloo.Args):
         trl = trl_name.get(f.name, f.name)
         if f.name in switched:
+            trl = trl if trl in plumbing.TRL116 else f.name  # gradient_checkpointing: TRL 1.16's transformers' name
             assert getattr(args, f.name) == plumbing.TRL116[trl] == switched[f.name][1] != getattr(old, f.name)
-        else:  # the same default in both releases, a "not set" of TRL's, or a run's flag (seed 1, not TRL's 42)
+        else:  # the same default in both releases, a "not set" of TRL's, or a run's flag (output_dir, save_steps)
             assert getattr(args, f.name) == getattr(old, f.name) or f.name == "trl_defaults", f.name
     assert (args.num_ppo_epochs, args.temperature, args.learning_rate, args.response_length) == (1, 1.0, 1e-6, 512)
     for argv in (["--num_iterations", 2, "--trl_defaults", "1.16"], ["--trl-defaults=1.16", "--num_ppo_epochs", 2]):
@@ -167,25 +170,35 @@ def test_trl_names_or_a_config_file_bring_a_line_naming_the_defaults_in_force(ca
     parse("--config", path)
     assert "--num_train_epochs 1.0 (TRL 1.16's: 3.0)" in capsys.readouterr().out
     parse("--num_generations", 4, "--trl_defaults", "1.16", "--learning_rate", 1e-6)
-    line = capsys.readouterr().out
+    line, bf16 = capsys.readouterr().out.splitlines()
     assert "TRL 1.16's defaults in force (--trl_defaults 1.16): " in line and "(TRL <= 0.21's: 4)" in line
     assert "--learning_rate" not in line and line.strip().endswith("--trl_defaults 0.21 takes TRL <= 0.21's")
+    for named in ("--gradient_checkpointing (--activation_checkpointing) True (TRL <= 0.21's: False)",
+                  "--seed 42 (TRL <= 0.21's: 1)"):  # the run's flags it switches too
+        assert named in line, line
+    # said even without TRL's names; not with --bf16 given
+    assert bf16 == "rloo.py: TRL 1.16's default bf16 is off here: no GPU (on the CPU, --bf16 computes in bf16 " \
+                   "anyway, slowly)"
+    parse("--trl_defaults", "1.16", "--seed", 3, "--gradient_checkpointing")
+    assert capsys.readouterr().out == bf16 + "\n"
+    parse("--trl_defaults", "1.16", "--no-bf16")
+    assert capsys.readouterr().out == ""
     parse("--num_generations", 4, "--num_iterations", 4, "--temperature", 1, "--learning_rate", 1, "--num_train_epochs",
-          1, "--max_completion_length", 8)
+          1, "--max_completion_length", 8, "--seed", 42, "--gradient_checkpointing", "False")
     assert capsys.readouterr().out == ""  # every switched setting given: nothing to say
 
 
 def test_a_trl_recipe_runs_trls_updates_and_episodes_with_and_without_trl_1_16s_defaults():
-    """Against TRL 1.16's RLOOConfig and RLOOTrainer._prepare_inputs' own line (tests/trl116_run_length.py)."""
+    """Against TRL 1.16's RLOOConfig and RLOOTrainer._prepare_inputs' own line (tests/trl116_run_length.py); and the
+    arithmetic of TRL 1.16 that tests/test_trl116_run.py computes from the committed table, against TRL 1.16's."""
     result = with_trl116("tests/trl116_run_length.py")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.count(": same") == 8
+    assert result.stdout.count(": same") == 8 + len(TRL116_RECIPES)
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--fp16", "True"], "fp16 needs loss scaling"),
     (["--push_to_hub", "True"], "nothing is uploaded"),
-    (["--warmup_steps", "10"], "pass --warmup_ratio"),
     (["--per_device_eval_batch_size", "4"], "--local_rollout_forward_batch_size"),
     (["--disable_dropout", "False", "--shuffle_dataset", "False"], "reshuffled every epoch"),
     (["--tf32", "False"], "matmul precision"),
@@ -205,6 +218,17 @@ def test_a_trl_value_other_than_its_default_still_needs_a_meaning_here(capsys, a
 def test_the_trl_launchers_options_name_torchrun(capsys, argv, message):
     error = refusal(capsys, *argv)
     assert message in error and f"--{argv[0][2:]}" in error, error
+
+
+def test_the_trl_launchers_process_count_of_the_processes_the_run_has_asks_for_nothing(capsys, tmp_path, monkeypatch):
+    """`--num_processes 1` (a `trl rloo` recipe's, or the command line's) asks for the one process `python rloo.py`
+    is; under torchrun, WORLD_SIZE's number. Another number names torchrun."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text("num_processes: 1\n")
+    assert parse("--num_processes", 1).rloo_k == parse("--config", path).rloo_k == parse().rloo_k
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    parse("--num_processes", 2)
+    assert "torchrun --nproc_per_node 1 rloo.py" in refusal(capsys, "--config", path)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -314,7 +338,7 @@ def test_a_recipe_that_cannot_run_is_one_line_naming_the_file(capsys, tmp_path, 
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--config", "no_such.yaml"], "--config no_such.yaml cannot be read (No such file or directory)"),
+    (["--config", "no_such.yaml"], "--config no_such.yaml does not exist: pass a YAML file"),
     (["--config"], "--config needs a file"),
     (["--config", "a.yaml", "--config", "b.yaml"], "--config is given twice"),
 ])
@@ -421,7 +445,7 @@ def test_evaluation_schedules():
     """--eval_strategy steps every --eval_steps (--logging_steps when None, fractions of the run, optimizer steps
     with --max_steps), epoch at each pass's end, no never; by default --num_evals spread over the run."""
     at = lambda steps_per_update=1, updates_per_epoch=4, **flags: plumbing.evaluation_updates(  # noqa: E731
-        rloo.Args(**flags), 10, steps_per_update, updates_per_epoch)
+        rloo.Args(**flags), plumbing.RunLength(10, steps_per_update), updates_per_epoch)
     assert at(eval_strategy="steps", eval_steps=3) == {3, 6, 9}
     assert at(eval_strategy="steps", logging_steps=5) == {5, 10}  # TRL: eval_steps defaults to logging_steps
     assert at(eval_strategy="steps", eval_steps=0.25) == {3, 6, 9}  # ceil(2.5)
@@ -472,7 +496,7 @@ def test_tensorboard_gets_every_metric_at_its_episode_and_a_resume_purges_the_la
     class Writer:
         def __init__(self, log_dir, purge_step=None, flush_secs=120):
             made.append(self)
-            self.log_dir, self.purge_step, self.scalars, self.closed = log_dir, purge_step, [], False
+            self.log_dir, self.purge_step, self.scalars, self.closed = os.path.realpath(log_dir), purge_step, [], False
 
         def add_scalar(self, key, value, step):
             self.scalars.append((key, value, step))
@@ -488,7 +512,7 @@ def test_tensorboard_gets_every_metric_at_its_episode_and_a_resume_purges_the_la
         logger.log_eval(start_update + 1, {"eval/scores": 0.25}, 16 * (start_update + 1))
         logger.close()
     fresh, resumed = made
-    assert fresh.log_dir == str(tmp_path / "tensorboard") and fresh.purge_step is None and fresh.closed
+    assert fresh.log_dir == str(tmp_path / "tensorboard") and fresh.purge_step is None and fresh.closed  # by handle
     assert ("objective/scores", 0.5, 16) in fresh.scalars and ("eval/scores", 0.25, 16) in fresh.scalars
     assert resumed.purge_step == 64  # the first episode the resumed timeline writes again
 
@@ -554,3 +578,91 @@ def test_num_train_epochs_is_passes_over_the_prompts_and_the_start_up_says_it_in
     assert all(m["objective/scores"] == 1.0 and m["reward"] == 1.0 for m in metrics if "objective/scores" in m)
     assert all(m["eval/scores"] == 1.0 for m in metrics if "eval/scores" in m)  # over the scored completions
     assert [line.split()[1] for line in result.stdout.splitlines() if line.startswith("update ")] == ["2/4,", "4/4,"]
+
+
+# ---------------------------------------------------------------- a TRL 1.16 user's small frictions, each answered
+def test_warmup_steps_is_transformers_5s_and_one_warmup_is_asked_for(tmp_path):
+    """transformers 5 (TRL 1.16's) has --warmup_steps only: >= 1 a number of steps, below 1 a share of them; the
+    warmup of TRL 1.16's arithmetic is the installed transformers' own count."""
+    from transformers import TrainingArguments
+
+    for value in (0.1, 3, 0.25, 0):
+        args = parse("--trl_defaults", "1.16", "--warmup_steps", value)
+        assert args.warmup_steps == value
+        expected = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, warmup_steps=value).get_warmup_steps(21)
+        assert plumbing.warmup_length(args, 21) == expected
+    for flags, message in (({"warmup_ratio": 0.1, "warmup_steps": 2}, "without --warmup_steps"),
+                           ({"warmup_steps": 2.5}, "warmup_steps = 2.5 must be a whole number of steps >= 0")):
+        with pytest.raises(plumbing.ConfigError, match=message):
+            plumbing.validate_args(rloo.Args(model_name_or_path="p", reward_fn=("m:f",), **flags))
+
+
+def test_the_context_check_offers_only_fixes_that_fit():
+    """TRL 1.16's 512 new tokens on a model of 128 positions: a shorter prompt cannot make room; nor, when the
+    longest prompt alone fills them, a shorter response."""
+    from transformers import GPT2Config
+
+    config = GPT2Config(n_positions=128)  # a learned table of positions
+    for response, longest, fix in ((512, 100, "lower --response_length to 28 or less"),
+                                   (53, 300, "lower --max_prompt_length to 75 or less (longer prompts are dropped)"),
+                                   (512, 300, "lower --max_prompt_length and --response_length to a sum of 128")):
+        with pytest.raises(plumbing.ConfigError) as refused:
+            plumbing.check_context(config, "policy", rloo.Args(response_length=response), longest)
+        assert str(refused.value).endswith(fix + (" or less" if "sum" in fix else "")), str(refused.value)
+
+
+def test_an_invalid_choice_lists_the_choices_in_one_order(capsys):
+    """tyro gives an Optional[Literal]'s choices from a set: their order changed from process to process."""
+    event = plumbing.cli.tyro._errors.InvalidChoice(
+        prog="rloo.py", argument=types.SimpleNamespace(lowered=types.SimpleNamespace(name_or_flags=["--kl_estimator"])),
+        value="k4", choices=("k3", "None", "k1", "k2"))
+    assert plumbing.cli.parse_error_line(event, []) == "--kl_estimator 'k4' is not one of k1, k2, k3, None"
+    assert refusal(capsys, "--kl_estimator", "k4").endswith("--kl_estimator 'k4' is not one of k1, k2, k3, None")
+
+
+def test_a_refusal_names_each_flag_as_the_command_gave_it(tmp_path, capsys):
+    """--beta 0 --kl_in_loss was refused naming --kl_coef; a recipe's key counts as given; a flag given under this
+    script's name keeps it."""
+    with pytest.raises(plumbing.ConfigError) as refused:
+        rloo.algorithm_checks(parse("--beta", 0, "--kl_in_loss"))
+    line = f"rloo.py: error: {refused.value}"
+    plumbing.cli.say(line, ["--beta", "0", "--kl_in_loss"])
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and "with beta 0 there is no reference: set --beta (the KL term's weight)" in said
+    assert "kl_coef" not in said
+    path = tmp_path / "recipe.yaml"
+    path.write_text("beta: 0\nnum_generations: 4\n")
+    assert "set --beta" in plumbing.cli.as_given(line, ["--config", str(path), "--kl_in_loss"])
+    assert plumbing.cli.as_given(line, ["--kl_coef", "0", "--kl_in_loss"]) == line
+    assert plumbing.cli.as_given("rloo_k = 1: pass --rloo_k 2 or more", ["--num_generations=1"]) == \
+        "num_generations = 1: pass --num_generations 2 or more"
+
+
+def test_use_cpu_hides_the_gpus_before_anything_looks_for_one(tmp_path):
+    """TRL's --use_cpu trains on the CPU (it was refused): the process sees no GPU from the parse on; every look for
+    a GPU comes after it (each one recorded with the CUDA_VISIBLE_DEVICES it saw)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import json, os, sys\nsys.path.insert(0, sys.argv[1])\nimport torch\nseen = []\n\n\n"
+        "def recorded(look):\n    return lambda *a: seen.append(os.environ.get('CUDA_VISIBLE_DEVICES')) or look(*a)"
+        "\n\n\n"
+        "torch.cuda.is_available = recorded(torch.cuda.is_available)\n"
+        "torch.cuda.device_count = recorded(torch.cuda.device_count)\n"
+        "import plumbing, rloo\n"
+        "args = plumbing.parse_args(rloo.Args, ['--use_cpu', '--trl_defaults', '1.16'])\n"
+        "print(json.dumps([seen, os.environ['CUDA_VISIBLE_DEVICES'], args.bf16]))\n")
+    env = {name: value for name, value in cpu_env().items() if name != "CUDA_VISIBLE_DEVICES"}
+    result = subprocess.run([python(), str(probe), str(REPO)], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    seen, visible, bf16 = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen and set(seen) == {""} and visible == "" and not bf16, result.stdout  # looked, after the flag only
+    assert parse("--use_cpu", "False").rloo_k == 2  # TRL's default: asks for nothing
+
+
+def test_a_refusal_under_torchrun_is_the_last_entry_of_its_summary(tmp_path):
+    """torchrun ends a failed run with its own traceback and a summary of the failed ranks: the rank's one line is the
+    summary's last entry (torchrun's error file), not a pointer to its docs."""
+    result = run_rloo("--rloo_k", "1", "--output_dir", tmp_path / "out", nproc=1)
+    assert result.returncode != 0
+    tail = result.stderr.rstrip().splitlines()[-2:]
+    assert tail[0].strip().startswith("traceback : rloo.py: error: ") and set(tail[1]) == {"="}, tail

@@ -1,8 +1,10 @@
 """TRL 1.16 parity: clip-higher, TRL 1.x's metrics, --mask_truncated_completions, TR-DPO's reference sync, the Trainer's
 and the `trl rloo` script's names, and TRL 1.16's whole RLOOConfig field list against both scripts' parsers."""
 
+import dataclasses
 import json
 import math
+import os
 import subprocess
 from pathlib import Path
 
@@ -103,7 +105,7 @@ TRAINING_ARGUMENTS = {  # transformers' TrainingArguments, as RLOOConfig inherit
     "lr_scheduler_type": (["constant"], ("lr_scheduler_type", "constant")),
     "lr_scheduler_kwargs": (['{"min_lr": 0}'], REFUSED),
     "warmup_ratio": (["0.1"], ("warmup_ratio", 0.1)),
-    "warmup_steps": (["10"], REFUSED),
+    "warmup_steps": (["10"], ("warmup_steps", 10)),
     "logging_dir": (["logs"], REFUSED),
     "logging_strategy": (["steps"], NOOP),
     "logging_first_step": (["True"], REFUSED),
@@ -213,8 +215,9 @@ def test_the_tables_above_hold_every_field_of_trl_1_16s_table():
 
 
 @pytest.mark.parametrize("script", ["rloo.py", "rloo_multinode.py"])
-def test_every_training_arguments_field_parses_or_is_refused_in_one_line(script, capsys):
+def test_every_training_arguments_field_parses_or_is_refused_in_one_line(script, capsys, monkeypatch):
     cls = rloo.Args if script == "rloo.py" else rloo_multinode.Args
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", ""))  # --use_cpu 1 sets it
     for name in TRANSFORMERS_TRAINING_ARGUMENTS:
         if name in TRL_FIELDS:
             continue  # checked value by value above
@@ -411,14 +414,19 @@ def test_save_and_logging_steps_count_updates_or_with_max_steps_optimizer_steps(
     """TRL <= 0.21's unit (updates) by default; with --max_steps, TRL >= 0.22's (optimizer steps), as max_steps;
     below 1, TRL's share of the run (here in whole updates, rounded up)."""
     args = lambda **flags: rloo.Args(**{"save_steps": 8, "logging_steps": 6, **flags})  # noqa: E731
-    assert plumbing.update_intervals(args(), 4, 40) == (8, 6)
-    assert plumbing.update_intervals(args(max_steps=16), 4, 4) == (2, 2)  # a console line from the update reaching 6
-    assert plumbing.update_intervals(args(max_steps=16), 1, 16) == (8, 6)
-    assert plumbing.update_intervals(rloo.Args(max_steps=16), 4, 4) == (0, 1)  # defaults: only at the end; every update
+    run = plumbing.RunLength
+    assert plumbing.update_intervals(args(), run(40, 4)) == (8, 6)  # every 8th update, a line every 6th
+    assert plumbing.update_intervals(args(max_steps=16), run(4, 4)) == (2, {2, 3})  # the updates reaching 6, 12
+    assert plumbing.update_intervals(args(max_steps=16), run(16, 1)) == (8, 6)
+    assert plumbing.update_intervals(rloo.Args(max_steps=16), run(4, 4)) == (0, 1)  # defaults: at the end; every update
     with pytest.raises(plumbing.ConfigError, match="pass a multiple of 4"):
-        plumbing.update_intervals(args(max_steps=16, save_steps=6), 4, 4)
-    assert plumbing.update_intervals(args(save_steps=0.25, logging_steps=0.1), 4, 30) == (8, 3)  # ceil(7.5), ceil(3)
-    assert plumbing.update_intervals(args(save_steps=0.5, logging_steps=0.5, max_steps=12), 4, 3) == (2, 2)
+        plumbing.update_intervals(args(max_steps=16, save_steps=6), run(4, 4))
+    assert plumbing.update_intervals(args(save_steps=0.25, logging_steps=0.1), run(30, 4)) == (8, 3)  # ceil 7.5, 3
+    assert plumbing.update_intervals(args(save_steps=0.5, logging_steps=0.5, max_steps=12), run(3, 4)) == (2, {2, 3})
+    trl116 = args(trl_defaults="1.16")  # TRL 1.16's units without --max_steps too, and shares of its optimizer steps
+    assert plumbing.update_intervals(trl116, run(10, 4)) == (2, {2, 3, 5, 6, 8, 9})  # steps 6, 12, ..., 36
+    assert plumbing.update_intervals(dataclasses.replace(trl116, save_steps=0.5, logging_steps=0.3), run(8, 2, 15)) \
+        == (4, {3, 5, 8})  # ceil(7.5) = 8 steps: update 4; every ceil(4.5) = 5 steps: 5, 10, 15
 
 
 def test_with_max_steps_a_run_saves_and_logs_at_trls_optimizer_steps(assets, tmp_path):
@@ -460,7 +468,7 @@ def test_with_max_steps_a_run_saves_and_logs_at_trls_optimizer_steps(assets, tmp
     ({"logging_steps": 2.5}, "logging_steps = 2.5 must be a whole number >= 1, or a share of the run"),
     ({"save_steps": 1.0001}, "save_steps = 1.0001 must be"),
     ({"eval_steps": 0, "eval_strategy": "steps", "dataset_test_split": "t"}, "eval_steps = 0 must be"),
-    ({"weight_decay": -0.1}, "weight_decay = -0.1 must be a finite number >= 0"),
+    ({"weight_decay": -0.1}, "weight_decay = -0.1 must be in [0, "),
 ])
 def test_clashing_algorithm_flags_are_refused(flags, message):
     with pytest.raises(plumbing.ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
@@ -474,9 +482,10 @@ def test_max_steps_not_a_multiple_of_an_updates_steps_is_refused(flags):
     (--generation_batch_size 24 / micro-batch 4)."""
     args = rloo.Args(model_name_or_path="p", reward_fn=("m:f",), max_steps=6, **flags)
     plumbing.validate_args(args)
+    sizes = rloo.compute_batch_sizes(args, 1)
     with pytest.raises(plumbing.ConfigError, match="--max_steps 6 is not a multiple of an update's optimizer steps .*"
-                                                   r"or --num_iterations 1 \(TRL 1.16's default"):
-        rloo.compute_batch_sizes(args, 1)
+                                                   r"or --num_iterations 1 \(TRL 1.16's default\), or --trl_defaults"):
+        plumbing.run_length(args, 256, sizes.all_ranks, args.num_ppo_epochs * sizes.minibatches)
 
 
 def test_the_algorithm_rules_live_beside_args():
@@ -670,15 +679,19 @@ def test_non_score_reward_is_what_the_estimator_added_to_the_score(plain):
 
 
 def test_warmup_ratio_rises_then_decays():
-    args = rloo.Args(learning_rate=1.0, warmup_ratio=0.25)
-    assert [rloo.learning_rate_at(u, 8, args) for u in range(1, 9)] == pytest.approx(
-        [0.5, 1.0, 1.0, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6])
-    plain = rloo.Args(learning_rate=1.0)
-    assert [rloo.learning_rate_at(u, 8, plain) for u in range(1, 9)] == [1.0 - (u - 1) / 8 for u in range(1, 9)]
-    cosine = rloo.Args(learning_rate=1.0, warmup_ratio=0.5, lr_scheduler_type="cosine")
-    assert [rloo.learning_rate_at(u, 4, cosine) for u in range(1, 5)] == pytest.approx([0.5, 1.0, 1.0, 0.5])
-    constant = rloo.Args(learning_rate=1.0, warmup_ratio=0.5, lr_scheduler_type="constant_with_warmup")
-    assert [rloo.learning_rate_at(u, 4, constant) for u in range(1, 5)] == pytest.approx([0.5, 1.0, 1.0, 1.0])
+    """TRL <= 0.21's arithmetic: one rate per update (every optimizer step of an update at it), the warmup from
+    learning_rate / warmup updates; --warmup_steps as transformers 5 takes it (>= 1 steps, below 1 a share)."""
+    def rates(updates, steps_per_update=1, **flags):
+        rate = plumbing.learning_rates(rloo.Args(learning_rate=1.0, **flags), plumbing.RunLength(updates,
+                                                                                                 steps_per_update))
+        return [rate(s) for s in range(1, updates * steps_per_update + 1)]
+
+    assert rates(8, warmup_ratio=0.25) == pytest.approx([0.5, 1.0, 1.0, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6])
+    assert rates(8, warmup_steps=2) == rates(8, warmup_steps=0.25) == rates(8, warmup_ratio=0.25)
+    assert rates(8) == [1.0 - (u - 1) / 8 for u in range(1, 9)]
+    assert rates(4, 3) == [r for r in rates(4) for _ in range(3)]  # once per update, whatever its steps
+    assert rates(4, warmup_ratio=0.5, lr_scheduler_type="cosine") == pytest.approx([0.5, 1.0, 1.0, 0.5])
+    assert rates(4, warmup_ratio=0.5, lr_scheduler_type="constant_with_warmup") == pytest.approx([0.5, 1.0, 1.0, 1.0])
 
 
 # ---------------------------------------------------------------- whole runs: resume, TRL's command

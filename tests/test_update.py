@@ -128,3 +128,34 @@ def test_kl_in_the_loss_trains_otherwise_and_the_same_on_policy_in_the_update(to
     for name, value in in_loss.items():
         if name != "stats":
             torch.testing.assert_close(on_policy[name], value, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_the_update_steps_the_optimizer_at_the_schedules_rates_and_stops_where_the_run_ends():
+    """ppo_update sets each optimizer step's learning rate (step s of the run: learning_rate(s)) and takes the first
+    `steps` of its num_ppo_epochs x minibatches (TRL 1.16's last update stops at the run's max_steps); TRL 1.16's
+    schedule is transformers' stepped after each optimizer step, so the run's first step has the full rate."""
+    import plumbing
+    from helpers import NO_AUTOCAST, policy_tokenizer, tiny_policy
+
+    rates = []
+
+    class Recorded(torch.optim.SGD):
+        def step(self, closure=None):
+            rates.append(self.param_groups[0]["lr"])
+            return super().step(closure)
+
+    _, c = sampled(k=2)
+    args = rloo.Args(rloo_k=2, num_ppo_epochs=2, num_mini_batches=2, per_device_train_batch_size=4, kl_coef=0.0,
+                     trl_defaults="1.16", learning_rate=1.0)
+    run = plumbing.RunLength(2, 4, 7)  # 7 optimizer steps: 4, then 3
+    assert [run.steps_in(u) for u in (1, 2)] == [4, 3]
+    schedule = plumbing.learning_rates(args, run)
+    assert [schedule(s) for s in range(1, 8)] == pytest.approx([1 - s / 7 for s in range(7)])  # linear, from s - 1
+    policy = tiny_policy(len(policy_tokenizer()), seed=3)
+    with torch.no_grad():
+        logprobs = rloo.forward_logprobs(policy, c, 1.0, False)[0] * c.response_mask  # (k*B, Tr)
+    rollout = rloo.Rollout(c.queries, c.query_mask, c.responses, c.response_mask, logprobs, None)
+    scores = torch.randn(c.responses.shape[0], generator=torch.Generator().manual_seed(2))
+    rloo.ppo_update(policy, Recorded(policy.parameters(), lr=5.0), rollout, scores, args,
+                    rloo.compute_batch_sizes(args, 1), False, NO_AUTOCAST, None, 4, None, schedule, run.steps_in(2))
+    assert rates == pytest.approx([schedule(s) for s in (5, 6, 7)])  # the second update: steps 5 to 7 of the run

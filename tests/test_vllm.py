@@ -212,6 +212,54 @@ def test_a_vllm_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(as
     assert live_processes_in_group(engine) == []  # the trainer ended what was left of the engine
 
 
+WORKER_DIES_AT_BUCKET = """import importlib.abc, importlib.util, os, signal, sys
+class DiesAtBucket(importlib.abc.MetaPathFinder):  # a vLLM worker imports rloo_multinode by name (its extension)
+    def find_spec(self, name, path, target=None):
+        if name != "rloo_multinode":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        execute = spec.loader.exec_module
+        def exec_module(module):
+            execute(module)
+            broadcast, calls = module.GlooWeightGroup.broadcast, []
+            def dies(self, flat):  # the worker's {at}-th bucket (counted over the run) is its last
+                calls.append(None)
+                if len(calls) == {at}:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return broadcast(self, flat)
+            module.GlooWeightGroup.broadcast = dies
+        spec.loader.exec_module = exec_module
+        return spec
+sys.meta_path.insert(0, DiesAtBucket())
+"""
+
+
+@on_cpu
+def test_a_vllm_engine_whose_worker_dies_mid_sync_stops_the_run_with_a_checkpoint(assets, vllm_policy, tmp_path):
+    """vLLM's worker killed once it took the second bucket of the sync after update 1: the run stops at update 2
+    with update 1 saved, naming the engine, and none of the engine's processes is left."""
+    hook, out = tmp_path / "hook", tmp_path / "out"
+    hook.mkdir()
+    buckets = len(list(GPTNeoXForCausalLM.from_pretrained(vllm_policy).parameters()))  # per sync, --sync_bucket_mb 0
+    (hook / "sitecustomize.py").write_text(WORKER_DIES_AT_BUCKET.format(at=buckets + 2))
+    trainer = run_script("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"],
+                         *ENGINE_RUN, "--total_episodes", 1000 * PER_UPDATE, "--output_dir", out, "--engine", "vllm",
+                         "--engine_port", free_port(), "--sync_bucket_mb", 0, "--weight_sync_timeout", 60,
+                         *ENGINE_FLAGS, wait=False, env={"PYTHONPATH": f"{hook}:{REPO}:{REPO / 'tests'}"})
+    _, stderr = trainer.communicate(timeout=600)  # a hang guard only
+    assert trainer.returncode == 4, stderr[-3000:] + (out / "engine_0.log").read_text()[-3000:]
+    line = stderr.strip().splitlines()[-1]
+    print(line)
+    assert line.startswith("rloo_multinode.py: error: engine 0 ") and "; checkpoint of update 1 saved to" in line
+    assert "Traceback" not in stderr and [m["update"] for m in read_metrics(out)] == [1], stderr[-3000:]
+    engine = json.loads((out / "engines.json").read_text())["0"]["pid"]
+    deadline = time.time() + 60  # the trainer kills the group as it exits; the kernel's reaping, a hang guard only
+    while live_processes_in_group(engine) and time.time() < deadline:
+        time.sleep(0.2)
+    assert live_processes_in_group(engine) == []
+
+
 @on_cpu
 def test_a_vllm_engine_started_at_start_up_is_ended_by_a_sigterm_while_it_loads(assets, vllm_policy, tmp_path):
     """SIGTERM to the trainer while its vLLM engine loads (vLLM's engine core already started): nothing was
@@ -325,6 +373,20 @@ def test_colocated_engines_on_two_ranks_sample_each_update_s_lora_merged_then_re
         assert all(c["difference"] is None and c["sampled_difference"] < LOGPROB_TOLERANCE
                    for c in adapters if c["when"] == "after the load")
     assert not (tmp_path / "engines.json").exists()  # no engine process of its own
+
+
+@on_cpu
+def test_a_colocated_engines_bad_answer_stops_the_run_with_a_checkpoint_naming_it(assets, llama_policy, tmp_path):
+    """The colocated engine's answer is checked as every engine's is (rloo_multinode.answered): a NaN log-prob in the
+    second batch stops the run with update 1 saved."""
+    failed = run_rloo("--model_name_or_path", llama_policy, "--dataset_name", assets["train"], *ENGINE_RUN,
+                      *COLOCATED, "--total_episodes", 4 * COLOCATED_PER_UPDATE, "--output_dir", tmp_path,
+                      env={"FAIL_AT_BATCH": "2", "BAD_ANSWER": "nan_logprob"}, script="tests/colocated_run.py")
+    assert failed.returncode == 4, failed.stderr[-3000:]
+    assert failed.stderr.strip().splitlines()[-1].startswith(
+        "rloo_multinode.py: error: rank 0's vLLM engine sent the log-prob nan for token 0 of choice 0: a sampled "
+        "token's log-prob is finite and at most 0; checkpoint of update 1 saved to"), failed.stderr[-3000:]
+    assert "Traceback" not in failed.stderr and [m["update"] for m in read_metrics(tmp_path)] == [1]
 
 
 @on_cpu

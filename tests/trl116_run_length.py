@@ -3,8 +3,10 @@
 generation_batch_size) and RLOOTrainer._prepare_inputs' own line that says how often a generation batch is made
 (one per `generate_every` micro-steps, reused num_iterations times). With --trl_defaults 1.16 rloo.py must run TRL's
 run: the same updates, episodes and settings; without it, the run TRL makes when given the TRL <= 0.21 defaults that
-rloo.py keeps (the values its start-up line names). Run with TRL 1.16 first on PYTHONPATH (tests/test_trl_commands.py
-does); prints one line per case, exits 1 on a difference.
+rloo.py keeps (the values its start-up line names). And the arithmetic tests/test_trl116_run.py computes of TRL 1.16
+from the committed table (helpers.trl116_run: the generation batch, RepeatSampler's length, the generations) against
+TRL 1.16's own RLOOConfig, RepeatSampler and that line, for its eight recipes. Run with TRL 1.16 first on PYTHONPATH
+(tests/test_trl_commands.py does); prints one line per case, exits 1 on a difference.
 """
 
 import inspect
@@ -13,11 +15,15 @@ import sys
 import tempfile
 from types import SimpleNamespace
 
+from pathlib import Path
+
 from trl import RLOOConfig
 from trl.trainer.rloo_trainer import RLOOTrainer
+from trl.trainer.utils import RepeatSampler
 
 import plumbing
 import rloo
+from helpers import TRL116_RECIPES, trl116_run
 
 SOURCE = inspect.getsource(RLOOTrainer._prepare_inputs)
 GENERATE_EVERY = re.search(r"generate_every = (.+)", SOURCE).group(1)  # TRL's own expression
@@ -61,9 +67,30 @@ def rloo_run(recipe: dict, trl116: bool) -> tuple[dict, dict]:
             **{trl: getattr(args, own) for trl, own in SETTINGS.items()}}, kept
 
 
+def arithmetic_of_the_tests(recipe: dict, num_prompts: int, output_dir: str) -> tuple[dict, dict]:
+    """What tests/test_trl116_run.py computes of TRL 1.16 from the committed table (helpers.trl116_run), and what TRL
+    1.16 itself makes of the recipe: its RLOOConfig's generation batch, its RepeatSampler's length (the prompts of
+    whole generation batches), and the generations of _prepare_inputs' own line."""
+    ours = trl116_run(recipe, num_prompts, Path(output_dir))
+    config = RLOOConfig(output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", **recipe)
+    sampler = RepeatSampler(range(num_prompts), mini_repeat_count=config.num_generations,
+                            batch_size=config.generation_batch_size // config.num_generations,
+                            repeat_count=config.num_iterations * config.steps_per_generation, seed=config.seed)
+    generate_every = eval(GENERATE_EVERY, {"self": SimpleNamespace(args=config, num_iterations=config.num_iterations)})
+    theirs = {"steps_per_generation": config.steps_per_generation, "generation_batch_size": config.generation_batch_size,
+              "samples": len(list(sampler)), "updates": sum(step % generate_every == 0 for step in range(
+                  ours["steps"] * config.gradient_accumulation_steps))}
+    return {key: ours[key] for key in theirs}, theirs
+
+
 def main() -> int:
     failed = 0
     with tempfile.TemporaryDirectory() as output_dir:
+        for i, (recipe, num_prompts) in enumerate(TRL116_RECIPES, 1):
+            ours, theirs = arithmetic_of_the_tests(recipe, num_prompts, output_dir)
+            failed += ours != theirs
+            print(f"tests' recipe {i} ({num_prompts} prompts, {ours['samples']} sampled): "
+                  + ("same" if ours == theirs else f"the tests' {ours} != TRL's {theirs}"))
         for i, recipe in enumerate(RECIPES):
             for trl116 in (True, False):
                 ours, kept = rloo_run(recipe, trl116)

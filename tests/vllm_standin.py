@@ -11,17 +11,22 @@ answers every one of these routes.
     python tests/vllm_standin.py --model PATH --port PORT [--workers 2] [--no-dev_mode] --log LOG.jsonl
 
 Each request is logged (path and body) to --log; after every /reset_prefix_cache (the end of a
-weight sync) every worker's weights are saved to --log with the suffix .pt, as a list.
+weight sync) every worker's weights are saved to --log with the suffix .pt, as a list. It can also misbehave as a
+server may, for the trainer's checks: answer completions wrongly (--bad_answer, one of BAD_ANSWERS), report another
+world size (POST /standin/set {"bad_answer": ..., "world_size_answer": ...} changes them), fail or never complete
+the weight group's set-up, die or stall in the middle of a sync.
 """
 
 import json
+import os
+import signal
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import tyro
@@ -36,7 +41,56 @@ COMPLETIONS_FIELDS = {"model", "prompt", "n", "return_token_ids", "temperature",
                       "repetition_penalty", "max_tokens", "stop_token_ids", "ignore_eos", "logprobs"}
 GET_ROUTES = {"/health", "/v1/models", "/get_world_size", "/server_info"}
 POST_ROUTES = {"/v1/completions", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-               "/finish_weight_update", "/shutdown_weight_transfer_engine", "/reset_prefix_cache"}
+               "/finish_weight_update", "/shutdown_weight_transfer_engine", "/reset_prefix_cache",
+               "/standin/set"}
+
+
+def set_logprob(value) -> Callable[[dict, Optional[int], int], None]:
+    return lambda a, stop, vocab: a["choices"][0]["logprobs"]["token_logprobs"].__setitem__(0, value)
+
+
+def set_token(value) -> Callable[[dict, Optional[int], int], None]:
+    return lambda a, stop, vocab: a["choices"][0]["token_ids"].__setitem__(0, value(vocab) if callable(value)
+                                                                            else value)
+
+
+def set_index(value) -> Callable[[dict, Optional[int], int], None]:
+    return lambda a, stop, vocab: a["choices"][0].__setitem__("index", value)
+
+
+def cut(choice: dict, tokens: list[int]) -> None:
+    choice["token_ids"], choice["logprobs"]["token_logprobs"] = tokens, [-1.0] * len(tokens)
+
+
+# What an engine may send that is not what it was asked for: each makes a good answer (an OpenAI completions answer,
+# {"choices": [{"index", "token_ids", "logprobs": {"token_logprobs"}}, ...]}, the form every engine of
+# rloo_multinode.py answers in) wrong in one way, in place, given the stop token and the vocabulary's size. This
+# stand-in sends them (--bad_answer), and so does a served engine in the tests (tests/faulty_engines.py)
+BAD_ANSWERS: dict[str, Callable[[dict, Optional[int], int], None]] = {
+    "one_choice_fewer": lambda a, stop, vocab: a["choices"].pop(),
+    "one_choice_more": lambda a, stop, vocab: a["choices"].append(a["choices"][0] | {"index": len(a["choices"])}),
+    "no_choices": lambda a, stop, vocab: a.pop("choices"),
+    "choices_not_a_list": lambda a, stop, vocab: a.__setitem__("choices", {"0": a["choices"][0]}),
+    "choice_not_an_object": lambda a, stop, vocab: a["choices"].__setitem__(0, [0]),
+    "duplicate_index": lambda a, stop, vocab: a["choices"][1].__setitem__("index", a["choices"][0]["index"]),
+    "index_out_of_range": set_index(10**6), "negative_index": set_index(-1), "index_as_text": set_index("0"),
+    "index_as_float": set_index(0.0), "index_as_bool": set_index(False), "no_index": set_index(None),
+    "float_token_id": set_token(2.0), "token_id_as_text": set_token("2"), "token_id_as_bool": set_token(True),
+    "null_token_id": set_token(None), "token_id_as_list": set_token([2]), "token_id_of_a_million": set_token(10**6),
+    "negative_token_id": set_token(-5), "token_id_beyond_int64": set_token(2**70),
+    "token_id_of_the_vocabulary_size": set_token(lambda vocab: vocab),
+    "token_ids_as_text": lambda a, stop, vocab: a["choices"][0].__setitem__("token_ids", "ab"),
+    "more_tokens_than_asked": lambda a, stop, vocab: cut(a["choices"][0], [2] * 64),
+    "fewer_tokens_without_the_stop_token": lambda a, stop, vocab: cut(a["choices"][0], [2]),
+    "no_tokens": lambda a, stop, vocab: cut(a["choices"][0], []),
+    "tokens_after_the_stop_token": lambda a, stop, vocab: cut(a["choices"][0], [stop, 2]),
+    "nan_logprob": set_logprob(float("nan")), "logprob_of_plus_50": set_logprob(50.0),
+    "tiny_positive_logprob": set_logprob(1e-30), "infinite_logprob": set_logprob(float("inf")),
+    "minus_infinite_logprob": set_logprob(float("-inf")), "logprob_beyond_float32": set_logprob(-1e300),
+    "logprob_as_text": set_logprob("-0.5"), "null_logprob": set_logprob(None), "logprob_as_bool": set_logprob(False),
+    "one_logprob_fewer": lambda a, stop, vocab: a["choices"][0]["logprobs"]["token_logprobs"].pop(),
+    "no_logprobs": lambda a, stop, vocab: a["choices"][0].__setitem__("logprobs", None),
+}
 
 
 @dataclass
@@ -54,22 +108,46 @@ class StandInArgs:
     logprobs_mode: str = "processed_logprobs"
     """what /server_info reports as the server's --logprobs-mode"""
     seed: int = 0
+    bad_answer: Optional[str] = None
+    """a case of BAD_ANSWERS: completions answered wrongly in that way ..."""
+    bad_from: int = 1
+    """... from this completions request on (the first is 1)"""
+    world_size_answer: Optional[str] = None
+    """the JSON that /get_world_size reports as the world size (None: the workers')"""
+    fail_init: bool = False
+    """/init_weight_transfer_engine fails (500), as vLLM's does when its workers cannot join the group"""
+    join: bool = True
+    """False: /init_weight_transfer_engine answers at once and no worker ever joins the weight group"""
+    die_at_sync: int = 0
+    """the process kills itself with SIGKILL once its workers took the first bucket of this /update_weights (1: the
+    first; 0: never)"""
+    stall_at_sync: int = 0
+    """... or its workers stop receiving there, forever, the server answering everything else"""
 
 
 class Worker:
-    def __init__(self, model, rank: int):
-        self.model, self.rank, self.receiver = model, rank, None
+    def __init__(self, model, rank: int, args: StandInArgs):
+        self.model, self.rank, self.receiver, self.args = model, rank, None, args
         self.params = dict(model.named_parameters())
+        self.updates = 0  # update_weights calls
 
     def init_weight_transfer_engine(self, info: dict) -> None:
-        self.receiver = mn.GlooWeightReceiver(info, int(info["rank_offset"]) + self.rank)
+        if self.args.fail_init:
+            raise RuntimeError("the stand-in's workers cannot join the weight group")
+        if self.args.join:
+            self.receiver = mn.GlooWeightReceiver(info, int(info["rank_offset"]) + self.rank)
 
     @torch.no_grad()
     def load_weights(self, weights) -> None:
         for name, tensor in weights:
             self.params[name].copy_(tensor)
+        if self.updates == self.args.die_at_sync:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.updates == self.args.stall_at_sync:
+            threading.Event().wait()
 
     def update_weights(self, info: dict) -> None:
+        self.updates += 1
         self.receiver.receive(info, self.load_weights)
 
 
@@ -77,10 +155,11 @@ class StandIn:
     def __init__(self, args: StandInArgs):
         self.args, self.lock = args, threading.Lock()
         load = lambda: plumbing.load_causal_lm(args.model, torch.float32, False).eval().requires_grad_(False)  # noqa: E731
-        self.workers = [Worker(load(), rank) for rank in range(args.workers)]
+        self.workers = [Worker(load(), rank, args) for rank in range(args.workers)]
         self.pool = ThreadPoolExecutor(args.workers)  # vLLM runs each call on every worker at once
         self.generator = torch.Generator().manual_seed(args.seed)
         self.updating = False
+        self.completions = 0  # completions requests answered
 
     def log(self, path: str, body: dict) -> None:
         with self.lock, open(self.args.log, "a") as f:
@@ -96,7 +175,8 @@ class StandIn:
         if path == "/v1/models":
             return {"object": "list", "data": [{"id": self.args.model, "object": "model"}]}
         if path == "/get_world_size":
-            return {"world_size": self.args.workers}
+            reported = self.args.world_size_answer
+            return {"world_size": self.args.workers if reported is None else json.loads(reported)}
         backend = self.args.weight_transfer
         return {"vllm_config": {"weight_transfer_config": backend and {"backend": backend},  # /server_info
                                 "model_config": {"max_model_len": self.args.max_model_len,
@@ -104,7 +184,17 @@ class StandIn:
 
     def post(self, path: str, body: dict):
         if path == "/v1/completions":
-            return self.complete(body)
+            answer = self.complete(body)
+            self.completions += 1
+            if self.args.bad_answer is not None and self.completions >= self.args.bad_from:
+                stop = body["stop_token_ids"][0] if body["stop_token_ids"] else None
+                BAD_ANSWERS[self.args.bad_answer](answer, stop, self.workers[0].model.config.vocab_size)
+            return answer
+        if path == "/standin/set":  # the stand-in's own: its flags changed (a bad answer from the next request on)
+            for name, value in body.items():
+                setattr(self.args, name, value)
+            self.args.bad_from = self.completions + 1 if "bad_answer" in body else self.args.bad_from
+            return {}
         if path == "/init_weight_transfer_engine":
             self.on_workers("init_weight_transfer_engine", body["init_info"])
         elif path == "/start_weight_update":
