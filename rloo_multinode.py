@@ -1549,10 +1549,11 @@ class EngineRollouts:
                      for _ in parts]
             states = [torch.Generator(self.generator.device).manual_seed(seed).get_state() for seed in seeds]
         cpu_queries, cpu_query_mask = queries.cpu(), query_mask.cpu()
-        self.engines.send(self.submitted, [{
-            "queries": cpu_queries[i], "query_mask": cpu_query_mask[i], "k": self.args.rloo_k,
-            "stop_token_id": self.stop_token_id, "pad_token_id": self.pad_token_id, "rng_state": state,
-            "version": self.version, **sampling_request(sampling, self.args)} for i, state in zip(parts, states)])
+        if self.failure is None:  # after a failed sync the engines are asked nothing: take() raises the failure
+            self.engines.send(self.submitted, [{
+                "queries": cpu_queries[i], "query_mask": cpu_query_mask[i], "k": self.args.rloo_k,
+                "stop_token_id": self.stop_token_id, "pad_token_id": self.pad_token_id, "rng_state": state,
+                "version": self.version, **sampling_request(sampling, self.args)} for i, state in zip(parts, states)])
         self.batch_versions.append(self.version)
         self.submitted += 1
         asked = [Asked(self.engines.names[engine], self.args.rloo_k * len(prompts), sampling.max_new_tokens)
