@@ -2031,7 +2031,7 @@ class VLLMServers:
         self.answers_due: dict[int, list[tuple[Exchange, Deadline]]] = {}  # batch -> its parts' requests
         self.updating: list[Exchange] = []  # rank 0's update_weights calls of the sync under way
         self.connected = False
-        self.adapter: Optional[str] = None  # rank 0: the name of the adapter the servers hold (--lora_sync adapters)
+        self.adapters: list[str] = []  # rank 0: the adapters the servers hold or were given to load, oldest first
         self.lora_sync = Path(args.output_dir).resolve() / LORA_SYNC_FOLDER  # where the servers read it from
         self.output_identity = None  # rank 0: output_dir's (plumbing.Folder.identity), where adapters are written
         if sends_adapter_files(args) and dist_info.master:
@@ -2174,6 +2174,7 @@ class VLLMServers:
         handles, never through a link); the one before is unloaded (vLLM keeps at most --max-loras in its memory,
         evicting the least recently used) and its files deleted."""
         name = self.adapter_name(version)
+        self.adapters.append(name)  # from here on, its files and its load are the run's to undo
         try:
             with plumbing.Folder.at(self.args.output_dir, self.output_identity) as root, \
                     root.folder(LORA_SYNC_FOLDER, create=True) as syncs, syncs.new_folder(name, 0o777) as folder:
@@ -2184,10 +2185,10 @@ class VLLMServers:
                               f"{plumbing.describe(e)}") from None
         self.on_all("v1/load_lora_adapter", {"lora_name": name, "lora_path": str(self.lora_sync / name)}, deadline,
                     json_answer=False)
-        previous, self.adapter = self.adapter, name
-        if previous is not None:
+        for previous in self.adapters[:-1]:
             self.on_all("v1/unload_lora_adapter", {"lora_name": previous}, deadline, json_answer=False)
             self.remove_adapter_files(previous)
+        self.adapters = [name]
 
     def remove_adapter_files(self, name: str) -> None:
         """The folder of adapter `name` deleted (the run's own: its name carries the run's prefix), and
@@ -2215,19 +2216,19 @@ class VLLMServers:
         return failure
 
     def close(self, failed: bool = False) -> None:
-        """Rank 0 releases the servers' end of the weight group, so that they serve a later trainer (also after a
-        failure: a server that answers is freed, within 10 s)."""
+        """Rank 0 releases the servers' end of the weight group and unloads its adapters, so that they serve a later
+        trainer (also after a failure: a server that answers is freed, within 10 s a call)."""
         if self.connected:
             deadline = Deadline.after(min(self.timeout, 10.0), "--engine_timeout")
             releases = [self.call(url, "shutdown_weight_transfer_engine", {}, deadline) for url in self.urls]
             for release in releases:
                 with contextlib.suppress(EngineError):
                     release.result(deadline)
-        if self.adapter is not None:  # rank 0: its last adapter unloaded, within 10 s, and its files deleted
+        for name in self.adapters:  # rank 0: the adapters the servers hold unloaded, within 10 s, their files deleted
             deadline = Deadline.after(min(self.timeout, 10.0), "--engine_timeout")
             with contextlib.suppress(EngineError):
-                self.on_all("v1/unload_lora_adapter", {"lora_name": self.adapter}, deadline, json_answer=False)
-            self.remove_adapter_files(self.adapter)
+                self.on_all("v1/unload_lora_adapter", {"lora_name": name}, deadline, json_answer=False)
+            self.remove_adapter_files(name)
 
 
 # ===================================================================== transport: colocated vLLM

@@ -351,21 +351,33 @@ def test_vllm_servers_that_cannot_serve_the_run_are_refused_with_the_fix(assets,
              "nccl": (["--weight_transfer", "nccl"], "takes weights over nccl but this trainer sends them over gloo"),
              "too_short": (["--max_model_len", 20], "restart it with --max-model-len 22"),
              "raw_logprobs": (["--logprobs_mode", "raw_logprobs"],
-                              "restart it with --logprobs-mode processed_logprobs"),
-             "no_lora": ([], "serves no LoRA adapter, but --lora_sync adapters loads rank-4 adapters into it at every "
-                             "sync: restart it with --enable-lora --max-lora-rank 8")}
+                              "restart it with --logprobs-mode processed_logprobs")}
     servers = {name: vllm_standin(tmp_path, name, assets["policy"], *flags) for name, (flags, _) in cases.items()}
+
+    def refused(url: str, fix: str, **flags) -> None:
+        args = mn.Args(model_name_or_path=str(assets["policy"]), engine_urls=url, engine_port=free_port(),
+                       max_prompt_length=16, response_length=6, engine_timeout=300, **flags)
+        attached = mn.VLLMServers(args, plumbing.Dist(0, 0, 1, torch.device("cpu")))
+        with pytest.raises(mn.EngineError, match=re.escape(fix)):
+            attached.connect("gloo", 2**20)
+        attached.close()
+
     try:
         for name, (_, fix) in cases.items():
-            lora = {"use_peft": True, "lora_r": 4, "lora_sync": "adapters", "output_dir": str(tmp_path)} \
-                if name == "no_lora" else {}
-            args = mn.Args(model_name_or_path=str(assets["policy"]), engine_urls=servers[name][1],
-                           engine_port=free_port(), max_prompt_length=16, response_length=6, engine_timeout=300,
-                           **lora)
-            attached = mn.VLLMServers(args, plumbing.Dist(0, 0, 1, torch.device("cpu")))
-            with pytest.raises(mn.EngineError, match=re.escape(fix)):
-                attached.connect("gloo", 2**20)
-            attached.close()
+            refused(servers[name][1], fix)
+        # --lora_sync adapters: a server that serves the run but for LoRA (the last one, its --logprobs-mode fixed),
+        # then with LoRA of rank 8 fixed at start-up, then loading LoRA while it runs, of rank 1 at most
+        url, lora = servers["raw_logprobs"][1], {"use_peft": True, "lora_r": 4, "lora_sync": "adapters",
+                                                 "output_dir": str(tmp_path)}
+        start = "but --lora_sync adapters loads rank-4 adapters into it at every sync: restart it with"
+        for changes, fix in (({"logprobs_mode": "processed_logprobs"}, "serves no LoRA adapter, " + start +
+                              " --enable-lora --max-lora-rank 8"),
+                             ({"max_lora_rank": 8}, "loads no adapter while it runs, " + start +
+                              " VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 in its environment"),
+                             ({"max_lora_rank": 1, "runtime_lora": True}, "serves LoRA ranks up to 1, " + start +
+                              " --enable-lora --max-lora-rank 8")):
+            mn.http_json(f"{url}/standin/set", changes, 60)
+            refused(url, fix, **lora)
     finally:
         for process, _, _ in servers.values():
             process.kill()
@@ -826,23 +838,35 @@ def test_a_weight_transfer_that_never_returns_is_bounded_and_leaves_the_process_
     assert "without waiting for what was left running" not in result.stderr  # a daemon thread: nothing to wait for
 
 
-@pytest.mark.parametrize("fault", ["die_at_sync", "stall_at_sync"])
+@pytest.mark.parametrize("fault", ["die_at_sync", "stall_at_sync", "stall_at_adapter"])
 def test_a_vllm_server_that_dies_or_stalls_mid_sync_stops_the_run_with_a_checkpoint(assets, tmp_path, fault):
     """A `vllm serve` (the stand-in) killed, or stalled for good, once its worker took the first bucket of its second
-    sync (the one after update 1)."""
+    sync (the one after update 1); or, with --lora_sync adapters, stalled in its second adapter load."""
     out = tmp_path / "out"
-    server, url, _ = vllm_standin(tmp_path, "a", assets["policy"], f"--{fault}", 2)
+    lora = fault.endswith("adapter")
+    server, url, log = vllm_standin(tmp_path, "a", assets["policy"], f"--{fault}", 2,
+                                    *(["--max_lora_rank", 8, "--runtime_lora"] if lora else []))
     try:
         result = run_script("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name",
                             assets["train"], *ENGINE_RUN, "--total_episodes", 100 * PER_UPDATE, "--output_dir", out,
                             "--engine_urls", url, "--engine_port", free_port(), "--sync_bucket_mb", 0,
-                            "--weight_sync_timeout", 5)
+                            "--weight_sync_timeout", 5,
+                            *(["--use_peft", "--lora_r", 4, "--lora_sync", "adapters"] if lora else []))
     finally:
         server.kill()
     line = assert_stopped_at_update_2(result, out, f"vLLM server {url}")
     print(line)
-    if fault == "stall_at_sync":
+    if fault.startswith("stall"):
         assert "did not answer within --weight_sync_timeout 5 s" in line, line
+    if lora:  # the first adapter loaded and named by the first batch's requests; the second's load never answered;
+        # both unloaded as the run stopped, their files removed
+        assert f"vLLM server {url} (/v1/load_lora_adapter) did not answer" in line, line
+        requests = logged_requests(log)
+        loads = [r["body"]["lora_name"] for r in requests if r["path"] == "/v1/load_lora_adapter"]
+        assert len(loads) == 2 and loads[0].endswith("-v0") and loads[1].endswith("-v1"), loads
+        assert {r["body"]["model"] for r in requests if r["path"] == "/v1/completions"} == {loads[0]}
+        assert [r["body"]["lora_name"] for r in requests if r["path"] == "/v1/unload_lora_adapter"] == loads
+        assert not (out / mn.LORA_SYNC_FOLDER).exists()
 
 
 @pytest.mark.parametrize("fault", ["fail_init", "no_join"])
