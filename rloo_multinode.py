@@ -2033,10 +2033,7 @@ class VLLMServers:
         self.connected = False
         self.adapters: list[str] = []  # rank 0: the adapters the servers hold or were given to load, oldest first
         self.lora_sync = Path(args.output_dir).resolve() / LORA_SYNC_FOLDER  # where the servers read it from
-        self.output_identity = None  # rank 0: output_dir's (plumbing.Folder.identity), where adapters are written
-        if sends_adapter_files(args) and dist_info.master:
-            with plumbing.Folder.at(args.output_dir) as root:  # the folder the run holds (its lock is in it)
-                self.output_identity = root.identity
+        self.output_identity = None  # rank 0: output_dir's (plumbing.Folder.identity) at the first adapter's write
         self.adapter_prefix = f"rloo-{secrets.token_hex(4)}"  # rank 0's, the run's: a name no earlier run used
         if sends_adapter_files(args) and dist_info.world_size > 1:
             prefix = [self.adapter_prefix]
@@ -2178,6 +2175,7 @@ class VLLMServers:
         try:
             with plumbing.Folder.at(self.args.output_dir, self.output_identity) as root, \
                     root.folder(LORA_SYNC_FOLDER, create=True) as syncs, syncs.new_folder(name, 0o777) as folder:
+                self.output_identity = root.identity  # the folder the run holds (its lock is in it): every later one
                 for file, data in files.items():
                     folder.write(file, data)
         except OSError as e:
