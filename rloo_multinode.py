@@ -2047,9 +2047,11 @@ class VLLMServers:
 
     def call(self, url: str, route: str, body: Optional[dict], deadline: Deadline,
              json_answer: bool = True) -> Exchange:
-        """GET a server's route (body None) or POST `body` to it, on an Exchange of its own (http_json)."""
-        return Exchange(f"vLLM server {url} (/{route.split('?')[0]})",
-                        functools.partial(http_json, f"{url}/{route}", body, max(1.0, deadline.left()), json_answer))
+        """GET a server's route (body None) or POST `body` to it, on an Exchange of its own (http_json). The socket's
+        timeout, twice what is left of the deadline, is a backstop: a server that stalls meets the deadline first, and
+        the error says which flag bounds the wait (a socket timing out at the deadline's instant raced it)."""
+        return Exchange(f"vLLM server {url} (/{route.split('?')[0]})", functools.partial(
+            http_json, f"{url}/{route}", body, max(1.0, 2 * deadline.left()), json_answer))
 
     def ask(self, url: str, route: str, body: Optional[dict] = None, deadline: Optional[Deadline] = None):
         """A server's answer (call), within the deadline (None: --engine_timeout from now)."""
