@@ -28,7 +28,9 @@ colocated engine is a rollout source of its own. Shared by all:
   - Weights: vLLM's weight-transfer protocol (init_weight_transfer_engine once; start_weight_update, update_weights,
     finish_weight_update at each sync): packed buckets of Hugging Face weights cast to the engine's dtype, broadcast
     by trainer rank 0 over one group with every engine worker (gloo registered with vLLM by name, as vLLM registers
-    its own).
+    its own). With LoRA (--use_peft) the weights are merged (the first sync every weight, then the adapted modules
+    and their siblings: SyncedWeights), or with --lora_sync adapters the adapters alone: hf engines hold the same
+    peft modules; vLLM engines load each sync's adapter files under a new name (load_adapter).
   - Trust: the control store and the weight group's rendezvous listen on MASTER_ADDR's address alone; every
     control-store message is JSON and raw tensors (no pickle) under an HMAC-SHA256 tag of the run's secret
     ($RLOO_ENGINE_SECRET, or one rank 0 draws and hands the engines it starts in their environment), and one
@@ -50,7 +52,8 @@ Sections, in file order:
   flags                          Args, ServeArgs, engine placement, checks before anything loads
   exchanges                      Deadline, wait_until, Exchange: every wait on the engines, bounded
   control store                  a TCPStore bound to MASTER_ADDR; HMAC-signed messages of JSON and tensors
-  weight sync                    update info, packed buckets, weight groups, the backends registered with vLLM
+  weight sync                    update info, packed buckets, what a sync sends (LoRA merged or as adapters), weight
+                                 groups, the backends registered with vLLM
   engines                        Engine, HFEngine, VLLMEngine (vLLM set to sample as rloo.py does)
   engines' answers               answered: every answer checked before use
   rollout source                 EngineRollouts over an EngineClient; the ranks agree on every engine failure
@@ -81,6 +84,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -106,6 +110,7 @@ NEW_SECRET = "export RLOO_ENGINE_SECRET=$(openssl rand -hex 32)"
 HEARTBEAT_SECONDS = 1.0  # an engine proves it is alive this often
 HEARTBEAT_TIMEOUT = 30.0  # an engine silent this long after its first heartbeat is declared dead
 POLL_SECONDS = 0.01
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 takes (LoRAConfig)
 
 
 # ===================================================================== flags, checked before anything loads
@@ -114,7 +119,7 @@ class Args(rloo.Args):
     resumable_changes: ClassVar[frozenset] = rloo.Args.resumable_changes | {
         "num_engines", "engine_urls", "launch_engines", "engine_devices", "engine_port", "engine_timeout",
         "weight_sync_timeout", "sync_bucket_mb", "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization",
-        "vllm_enforce_eager", "vllm_mode", "vllm_enable_sleep_mode"}
+        "vllm_enforce_eager", "vllm_mode", "vllm_enable_sleep_mode", "lora_sync"}
 
     # ----- engines -----
     engine: Literal["vllm", "hf"] = "vllm"
@@ -160,6 +165,10 @@ class Args(rloo.Args):
     trainer's). On CPUs a fraction of host memory"""
     vllm_enforce_eager: bool = False
     """vLLM without CUDA graphs or torch.compile: a faster start, slower decoding (on CPUs, minutes less start-up)"""
+    lora_sync: Literal["merged", "adapters"] = "merged"
+    """with --use_peft, what a sync sends. merged: the adapted modules' weights with the adapters merged in (the
+    first sync: every weight), as TRL does; the engines sample from plain weights. adapters: the adapters alone (hf
+    engines hold the same peft modules; vLLM loads each sync's adapter under a new name, its LoRA kernels sampling)"""
 
 
 @dataclass
@@ -370,9 +379,7 @@ def duties(engine: int, world_size: int, num_engines: int) -> list[tuple[int, in
 
 def validate_engine_args(args: Args, world_size: int) -> None:
     """Refuse engine flags that clash, before anything is loaded."""
-    if args.use_peft:
-        raise plumbing.ConfigError("--use_peft with rloo_multinode.py is not supported yet: its engines would need "
-                                   "the merged weights after every update; train LoRA adapters with rloo.py")
+    validate_lora_sync(args)
     if args.num_engines < 1:
         raise plumbing.ConfigError(f"num_engines = {args.num_engines} must be at least 1")
     if not 0 < args.engine_timeout < float("inf"):
@@ -415,6 +422,33 @@ def validate_engine_args(args: Args, world_size: int) -> None:
         except ImportError:
             raise plumbing.ConfigError(f"--engine vllm needs vLLM {VLLM_VERSION} on the trainer too (pip install -r "
                                        "requirements-vllm.txt); without it pass --engine hf") from None
+
+
+def validate_lora_sync(args: Args) -> None:
+    """--use_peft: what the engines can take (lora_sync), refused in one line where they cannot."""
+    if not args.use_peft:
+        if args.lora_sync != "merged":
+            raise plumbing.ConfigError(f"--lora_sync {args.lora_sync} says how LoRA adapters reach the engines: add "
+                                       "--use_peft, or drop it")
+        return
+    if args.load_in_4bit:
+        raise plumbing.ConfigError("--load_in_4bit with rloo_multinode.py is not supported yet: the engines would "
+                                   "need the 4-bit base dequantized; drop it, or train QLoRA with rloo.py")
+    if args.lora_sync != "adapters" or args.engine == "hf":
+        return  # hf engines hold the policy's own peft modules: every adapter loads there as it trains
+    unsupported = [flag for flag, given in (("--use_dora", args.use_dora), ("--lora_modules_to_save",
+                                            args.lora_modules_to_save), ("--lora_target_parameters",
+                                            args.lora_target_parameters)) if given]
+    if unsupported:
+        raise plumbing.ConfigError(f"--lora_sync adapters: vLLM {VLLM_VERSION} cannot load an adapter with "
+                                   f"{unsupported[0]}; drop one of them (--lora_sync merged sends it merged)")
+    if args.lora_r > max(VLLM_LORA_RANKS):
+        raise plumbing.ConfigError(f"--lora_sync adapters: vLLM serves LoRA ranks up to {max(VLLM_LORA_RANKS)}, "
+                                   f"not --lora_r {args.lora_r}; use --lora_sync merged")
+    if args.vllm_enable_sleep_mode:
+        raise plumbing.ConfigError("--lora_sync adapters with --vllm_enable_sleep_mode is not supported yet: vLLM's "
+                                   "deep sleep drops the base weights, which an adapters-only sync never resends; "
+                                   "drop one of them")
 
 
 def validate_colocated_args(args: Args) -> None:
@@ -695,6 +729,157 @@ def named_parameters(policy) -> dict[str, torch.Tensor]:
     return dict(policy.named_parameters())
 
 
+# ---- what a sync sends: the engine weights, with LoRA adapters merged in, or the adapters alone
+ADAPTER = "default"  # the name peft gives the policy's one adapter (plumbing.add_adapters)
+
+
+class EngineWeight(NamedTuple):
+    """One weight an engine holds, by its Hugging Face name in the base model."""
+
+    shape: torch.Size  # its whole shape (a DTensor's global one)
+    value: Callable[[], torch.Tensor]  # its value now: the parameter, or computed (with FSDP a DTensor: unsharded)
+
+
+def engine_weights(policy) -> dict[str, EngineWeight]:
+    """The weights an engine holds, by the base model's Hugging Face names, in the policy's order: its parameters;
+    with LoRA adapters (--use_peft), each adapted weight with its adapter merged in (merged_weight, computed when the
+    sync reads it, the trainer's base untouched), each trained copy (--lora_modules_to_save) in its module's place,
+    and no adapter of its own. peft's wrappers add `base_layer`, `modules_to_save.default` and `original_module` to
+    the names; the engines know the base model's."""
+    weights = {}
+    for name, p in named_parameters(policy).items():
+        parts = name.split(".")
+        if "original_module" in parts or any(part.startswith("lora_") for part in parts):
+            continue  # what a trained copy replaces, and the adapters
+        hf_name = name.replace(".modules_to_save." + ADAPTER, "").replace(".base_layer", "")
+        wrapper = merging_wrapper(policy, name)
+        value = (lambda p=p: p) if wrapper is None else \
+            functools.partial(merged_weight, wrapper, fsdp_unit(policy, name) if isinstance(p, DTensor) else None)
+        weights[hf_name] = EngineWeight(p.shape, value)
+    return weights
+
+
+def fsdp_unit(policy, name: str):
+    """The FSDP2 unit (fully_shard) that holds parameter `name`: the innermost one around it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    module = name.rpartition(".")[0]
+    while not isinstance(policy.get_submodule(module), FSDPModule):
+        module = module.rpartition(".")[0]
+    return policy.get_submodule(module)
+
+
+def merging_wrapper(policy, name: str):
+    """The peft LoRA layer that merges its adapter into parameter `name` (nested wrappers adapt one parameter each,
+    --lora_target_parameters), or None."""
+    module, _, attribute = name.rpartition(".")
+    while module.endswith(".base_layer"):
+        module = module.removesuffix(".base_layer")
+        layer = policy.get_submodule(module)
+        if getattr(layer, "parameter_name", "weight") == attribute:
+            return layer
+    return None
+
+
+@torch.no_grad()
+def merged_weight(layer, unit=None) -> torch.Tensor:
+    """A LoRA layer's base weight with its adapter merged in, as peft merges it (W + scale * B @ A; DoRA's rescaling
+    too), the layer left as it was: peft's safe merge works on a copy of the weight and makes it the weight's data,
+    which is taken, and the original data put back. peft's unmerge would subtract the adapter again instead, leaving
+    its rounding in the trainer's base after every sync. With FSDP, `unit` is the FSDP2 unit holding the layer: it
+    is gathered for the merge (peft's arithmetic on sharded DTensors is wrong) and resharded after, a collective
+    every rank makes, in the same order."""
+    if unit is not None:
+        unit.unshard()  # its parameters whole, as plain tensors, until reshard
+    try:
+        weight = layer.get_param() if hasattr(layer, "parameter_name") else layer.get_base_layer().weight
+        original = weight.data
+        if layer.merged:
+            raise RuntimeError(f"{type(layer).__name__} has its adapter merged already: its base is not the trained one")
+        layer.merge(safe_merge=True, adapter_names=[ADAPTER])
+        try:
+            return weight.data
+        finally:
+            weight.data = original
+            layer.merged_adapters.clear()
+    finally:
+        if unit is not None:
+            unit.reshard()
+
+
+def adapted_weights(policy, names: list[str]) -> list[str]:
+    """Of the engine weights `names`, those a LoRA update changes, with the weights of their sibling modules (the
+    other children of the adapted module's parent): a vLLM engine loads a layer only whole, and it fuses siblings
+    into one layer (q, k and v projections into qkv_proj, gate and up into gate_up_proj), so sending q_proj alone
+    would leave the rest of qkv_proj undefined. Everything else is what the engines hold already (the first sync
+    sends it)."""
+    adapted = set()  # the module paths peft adapted or gave a trained copy
+    for name in named_parameters(policy):
+        parts = name.split(".")
+        cut = next((i for i, part in enumerate(parts) if part.startswith("lora_") or part == "modules_to_save"), None)
+        if cut is not None:
+            adapted.add(".".join(part for part in parts[:cut] if part != "base_layer"))
+    parents = {module.rpartition(".")[0] for module in adapted}
+    return [name for name in names if name.rpartition(".")[0].rpartition(".")[0] in parents]
+
+
+def adapter_weights(policy) -> dict[str, EngineWeight]:
+    """--lora_sync adapters to hf engines, which hold the same peft modules: every trained tensor by its own name."""
+    return {name: EngineWeight(p.shape, lambda p=p: p) for name, p in named_parameters(policy).items()
+            if p.requires_grad}
+
+
+def adapter_files(policy) -> dict[str, bytes]:
+    """The policy's adapter as the files of peft's format that vLLM loads (plumbing.ADAPTER_WEIGHTS, its tensors
+    named as save_pretrained names them, and plumbing.ADAPTER_CONFIG). With FSDP a collective."""
+    state = {name: unsharded(p).detach().cpu() for name, p in named_parameters(policy).items() if p.requires_grad}
+    tensors = {f"base_model.model.{name}": t.contiguous()
+               for name, t in policy.get_adapter_state_dict(state_dict=state).items()}
+    config = policy.peft_config[ADAPTER].to_dict()
+    return {plumbing.ADAPTER_WEIGHTS: safetensors.torch.save(tensors),
+            plumbing.ADAPTER_CONFIG: json.dumps(config, indent=2, sort_keys=True, default=sorted).encode()}
+
+
+class Transfer(NamedTuple):
+    """What one sync sends over the weight group."""
+
+    info: dict  # the update info (weights_info): names, wire dtypes and shapes, in the order sent
+    buckets: list[list[BucketEntry]]  # ... packed (plan_buckets)
+
+
+class SyncedWeights:
+    """What the syncs send to engines that take weights (all but vLLM engines with --lora_sync adapters): each
+    weight by its Hugging Face name, and the transfers of the first sync (every weight, whatever the engines
+    loaded) and of each later one (with LoRA adapters merged in, only what an update changes: adapted_weights).
+    With --lora_sync adapters (hf engines) the weights are the adapters themselves, every time."""
+
+    def __init__(self, policy, args: Args):
+        adapters = args.use_peft and args.lora_sync == "adapters"
+        self.weights = adapter_weights(policy) if adapters else engine_weights(policy)
+        names = list(self.weights)
+        later = adapted_weights(policy, names) if args.use_peft and not adapters else names
+        self.first, self.later = (self.transfer(n, engine_dtype(args), args.sync_bucket_mb * 2**20)
+                                  for n in (names, later))
+
+    def transfer(self, names: list[str], dtype: torch.dtype, bucket_bytes: int) -> Transfer:
+        info = weights_info([(name, self.weights[name].shape) for name in names], dtype)
+        return Transfer(info, plan_buckets(info, bucket_bytes))
+
+    def values(self, bucket: list[BucketEntry]) -> list[torch.Tensor]:
+        """A bucket's weights, whole (with FSDP a collective: every rank calls it, bucket by bucket in order)."""
+        return [unsharded(self.weights[entry.name].value()) for entry in bucket]
+
+
+def sends_adapter_files(args: Args) -> bool:
+    """vLLM engines with --lora_sync adapters: each sync's adapter loads as files (adapter_files) under a new name."""
+    return args.use_peft and args.lora_sync == "adapters" and (args.engine == "vllm" or args.vllm_mode == "colocate")
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """vLLM's max_lora_rank for adapters of `rank`: the smallest value it takes that is at least the rank."""
+    return next(r for r in VLLM_LORA_RANKS if r >= rank)
+
+
 def weight_backend(args: Args, device: torch.device) -> str:
     """vLLM's own NCCL backend between a CUDA trainer and vLLM engines; this file's gloo backend otherwise (hf
     engines, CPUs)."""
@@ -865,6 +1050,9 @@ class Engine(Protocol):
     def finish_weight_update(self) -> None:
         """Complete the sync: the new weights sample from now on (vLLM: its prefix cache emptied)."""
 
+    def load_adapter(self, version: int, files: dict[str, bytes]) -> None:
+        """vLLM, --lora_sync adapters: the adapter of weight update `version` (adapter_files) samples from now on."""
+
     def generate(self, request: dict) -> dict:
         """k completions of each query, sampled with the request's "sampling" (the batch's own SamplingSettings,
         sampling_request), as vLLM's completions API answers: {"choices": [choice(i, token ids up to and with the
@@ -873,6 +1061,9 @@ class Engine(Protocol):
 
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token t | tokens < t) of every token but the first of each sequence, at temperature 1."""
+
+    def close(self) -> None:
+        """Let go of what it holds outside its process (vLLM: its adapters' folder)."""
 
 
 class HFEngine:
@@ -887,6 +1078,9 @@ class HFEngine:
                                              args.trust_remote_code, **plumbing.policy_options(args)
                                              ).to(device).eval().requires_grad_(False)
         plumbing.disable_dropout(self.model)
+        if args.use_peft and args.lora_sync == "adapters":  # the trainer's own peft modules, which syncs fill
+            plumbing.add_adapters(self.model, args, None)
+            self.model.requires_grad_(False)
         self.params = dict(self.model.named_parameters())
         self.decoder = plumbing.StaticDecoder(self.model, args.max_prompt_length + args.response_length) \
             if args.compile_generation else None
@@ -901,6 +1095,9 @@ class HFEngine:
         self.receiver.receive(info, self.load_weights)
 
     def finish_weight_update(self) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
     @torch.no_grad()
@@ -949,6 +1146,8 @@ def vllm_engine_kwargs(args: Args, index: int, backend: str) -> dict:
               "trust_remote_code": args.trust_remote_code, "weight_transfer_config": {"backend": backend},
               "worker_extension_cls": "rloo_multinode.VLLMWorkerExtension",
               "logprobs_mode": "processed_logprobs"}  # a drawn token's log-prob at the sampling temperature
+    if sends_adapter_files(args):  # one adapter at a time: each sync's, under a new name, the last one removed
+        kwargs |= {"enable_lora": True, "max_lora_rank": vllm_lora_rank(args.lora_r), "max_loras": 1}
     if colocated:  # in this training process, over torchrun's group
         kwargs |= {"distributed_executor_backend": "external_launcher",
                    "enable_sleep_mode": args.vllm_enable_sleep_mode}
@@ -1043,6 +1242,9 @@ class VLLMEngine:
 
         self.args = args
         self.llm = LLM(**vllm_engine_kwargs(args, index, backend))
+        self.adapter = None  # the LoRARequest it samples with (--lora_sync adapters), in a folder of its own
+        self.adapters = plumbing.Folder.at(tempfile.mkdtemp(prefix="rloo-adapters-")) if sends_adapter_files(args) \
+            else None  # private (mode 0o700), held by its handle
 
     def init_weight_transfer_engine(self, info: dict) -> None:
         self.llm.init_weight_transfer_engine({"init_info": info})
@@ -1057,6 +1259,31 @@ class VLLMEngine:
         self.llm.finish_weight_update()
         self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
 
+    def load_adapter(self, version: int, files: dict[str, bytes]) -> None:
+        """The adapter's files in this engine's own folder, loaded under a name no earlier adapter had (vLLM's prefix
+        cache keys blocks by adapter name: a reused name could serve KV computed by the old adapter); the one before
+        it removed, its files deleted."""
+        from vllm.lora.request import LoRARequest
+
+        with self.adapters.new_folder(f"v{version}") as folder:
+            for name, data in files.items():
+                folder.write(name, data)
+        previous = self.adapter
+        self.adapter = LoRARequest(f"policy-v{version}", version + 1, str(self.adapters.path / f"v{version}"))
+        self.llm.llm_engine.add_lora(self.adapter)  # now: a bad adapter fails the sync, not a later batch
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            self.adapters.remove_tree(f"v{previous.lora_int_id - 1}")
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        if self.adapters is not None:
+            with contextlib.suppress(OSError):
+                for name in self.adapters.entries():
+                    self.adapters.remove_tree(name)
+                os.rmdir(self.adapters.path)  # the folder it made
+            self.adapters.close()
+
     def generate(self, request: dict) -> dict:
         """As Engine.generate; with request["seeds"] (one per completion, in the (k, b) layout) each completion is
         drawn from its own seed (the same weights and seeds, the same tokens), without from vLLM's seeded sampler."""
@@ -1067,7 +1294,8 @@ class VLLMEngine:
                    for q, m in zip(request["queries"], request["query_mask"].bool())] * request["k"]  # (k, b) layout
         seeds = request.get("seeds") or [None] * len(prompts)
         params = [SamplingParams(n=1, detokenize=False, logprobs=0, seed=seed, **sampling) for seed in seeds]
-        outputs = [o.outputs[0] for o in self.llm.generate(prompts, params, use_tqdm=False)]
+        outputs = [o.outputs[0] for o in self.llm.generate(prompts, params, use_tqdm=False,
+                                                           lora_request=self.adapter)]
         out = {"choices": [choice(i, list(o.token_ids), [p[t].logprob for p, t in zip(o.logprobs, o.token_ids)])
                            for i, o in enumerate(outputs)]}
         return out | ({"rng_state": request["rng_state"]} if "rng_state" in request else {})  # vLLM seeds its own
@@ -1077,7 +1305,7 @@ class VLLMEngine:
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in sequences]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.adapter)
         return [prompt_logprobs(o.prompt_logprobs, ids) for o, ids in zip(outputs, sequences)]
 
 
@@ -1203,6 +1431,10 @@ class EngineClient(Protocol):
     def end_sync(self, version: int, deadline: Deadline) -> None:
         """Rank 0, after the last bucket: every engine has loaded the update (and emptied its caches)."""
 
+    def load_adapter(self, version: int, files: dict[str, bytes], deadline: Deadline) -> None:
+        """Rank 0, vLLM engines with --lora_sync adapters: every engine has loaded the adapter of weight update
+        `version` (adapter_files) under a name of its own, and samples with it from now on (the sync's deadline)."""
+
     def explain(self, failure: EngineError) -> EngineError:
         """Rank 0: the error to report for a failed broadcast, with the engines' own account when they have one."""
 
@@ -1267,13 +1499,11 @@ class EngineRollouts:
         self.batch_versions = []  # the weight version that sampled each batch in flight
         self.sampled_by = 0  # ... and the one that sampled the batch last taken
         self.snapshots = {0: local_copy(policy)} if args.async_generation else {}  # version -> weights on the CPU
-        shapes = [(name, p.shape) for name, p in named_parameters(policy).items()]  # a DTensor's: the full one
-        self.info, packed_bytes = weights_info(shapes, engine_dtype(args)), args.sync_bucket_mb * 2**20
-        self.buckets = plan_buckets(self.info, packed_bytes)
+        self.synced = None if sends_adapter_files(args) else SyncedWeights(policy, args)
         self.group, error = None, None
         if dist_info.master:
             try:
-                self.group = engines.connect(weight_backend(args, dist_info.device), packed_bytes)
+                self.group = engines.connect(weight_backend(args, dist_info.device), args.sync_bucket_mb * 2**20)
             except EngineError as e:
                 error = e
         self.failure = agree(self.dist_info, error)
@@ -1286,10 +1516,11 @@ class EngineRollouts:
     def sync_weights(self, version: int) -> tuple[float, float]:
         """Every rank: the batch still being sampled (async) is finished on the old weights; then rank 0 broadcasts
         the new ones bucket by bucket (with FSDP every rank gathers each bucket's parameters first, one bucket
-        unsharded at a time, never the whole model); no rank asks for completions before the engines hold them.
-        Rank 0's part, from the engines' start of the update to their load of it, is bounded by
-        --weight_sync_timeout, each broadcast an Exchange checked beside by the engines' health, so a failed or
-        stalled sync stops every rank here. Returns seconds waiting for the engines and seconds sending."""
+        unsharded at a time, never the whole model), or hands vLLM engines the adapter (--lora_sync adapters); no
+        rank asks for completions before the engines hold them. Rank 0's part, from the engines' start of the update
+        to their load of it, is bounded by --weight_sync_timeout, each broadcast or adapter load an Exchange checked
+        beside by the engines' health, so a failed or stalled sync stops every rank here. Returns seconds waiting for
+        the engines and seconds sending."""
         start, error = time.perf_counter(), None
         try:
             for batch in range(self.taken, self.submitted):
@@ -1301,23 +1532,31 @@ class EngineRollouts:
         if self.failure is not None:
             return time.perf_counter() - start, 0.0
         master, error, deadline = self.dist_info.master, None, sync_deadline(self.args)
-        if master:
+        transfer = None if self.synced is None else self.synced.first if version == 0 else self.synced.later
+        if master and transfer is not None:
             try:
-                self.engines.begin_sync(version, self.info, deadline)
+                self.engines.begin_sync(version, transfer.info, deadline)
             except EngineError as e:
                 error = e
         wait, start = time.perf_counter() - start, time.perf_counter()
-        parameters, members = named_parameters(self.policy), ", ".join(self.engines.names)
-        for i, bucket in enumerate(self.buckets if master or self.args.fsdp else []):
-            tensors = [unsharded(parameters[entry.name]) for entry in bucket]  # (FSDP: all ranks gather)
+        if transfer is None:  # vLLM engines, --lora_sync adapters
+            files = adapter_files(self.policy) if master or self.args.fsdp else {}  # (FSDP: all ranks gather)
+            if master:
+                try:
+                    self.engines.load_adapter(version, files, deadline)
+                except EngineError as e:
+                    error = e
+        buckets, members = transfer.buckets if transfer is not None else [], ", ".join(self.engines.names)
+        for i, bucket in enumerate(buckets if master or self.args.fsdp else []):
+            tensors = self.synced.values(bucket)  # (FSDP: all ranks gather)
             if master and error is None:  # after a failure, keep gathering so that no rank hangs
                 try:
-                    bounded(f"{members} (weight sync {version}, bucket {i + 1} of {len(self.buckets)})",
+                    bounded(f"{members} (weight sync {version}, bucket {i + 1} of {len(buckets)})",
                             functools.partial(self.group.broadcast, pack_bucket(tensors, bucket)), deadline,
                             self.engines.check)
                 except EngineError as e:
                     error = self.engines.explain(e)
-        if master and error is None:
+        if master and error is None and transfer is not None:
             try:
                 self.engines.end_sync(version, deadline)
             except EngineError as e:
@@ -1336,10 +1575,11 @@ class EngineRollouts:
                      for _ in parts]
             states = [torch.Generator(self.generator.device).manual_seed(seed).get_state() for seed in seeds]
         cpu_queries, cpu_query_mask = queries.cpu(), query_mask.cpu()
-        self.engines.send(self.submitted, [{
-            "queries": cpu_queries[i], "query_mask": cpu_query_mask[i], "k": self.args.rloo_k,
-            "stop_token_id": self.stop_token_id, "pad_token_id": self.pad_token_id, "rng_state": state,
-            **sampling_request(sampling, self.args)} for i, state in zip(parts, states)])
+        if self.failure is None:  # after a failed sync the engines are asked nothing: take() raises the failure
+            self.engines.send(self.submitted, [{
+                "queries": cpu_queries[i], "query_mask": cpu_query_mask[i], "k": self.args.rloo_k,
+                "stop_token_id": self.stop_token_id, "pad_token_id": self.pad_token_id, "rng_state": state,
+                "version": self.version, **sampling_request(sampling, self.args)} for i, state in zip(parts, states)])
         self.batch_versions.append(self.version)
         self.submitted += 1
         asked = [Asked(self.engines.names[engine], self.args.rloo_k * len(prompts), sampling.max_new_tokens)
@@ -1458,7 +1698,7 @@ def serve(serve_args: ServeArgs) -> None:
     store = ControlStore(tcp_store(host, int(port), False, serve_args.connect_timeout), key)
     index = serve_args.engine_index
     plumbing.quiet_hub_progress_bars()
-    stop_beating = threading.Event()
+    stop_beating, engine = threading.Event(), None
     try:
         config = store.get("config")  # blocks until the trainer has published it
         args = engine_args(serve_args, config["args"])
@@ -1486,6 +1726,10 @@ def serve(serve_args: ServeArgs) -> None:
                 engine.update_weights(command["info"])  # until trainer rank 0 has broadcast every bucket
                 engine.finish_weight_update()
                 store.set(f"engine/{index}/synced/{command['version']}", {})
+            elif command["kind"] == "adapter":  # vLLM, --lora_sync adapters: the adapter's files
+                files = store.get(f"adapter/{command['version']}")
+                engine.load_adapter(command["version"], {name: t.numpy().tobytes() for name, t in files.items()})
+                store.set(f"engine/{index}/synced/{command['version']}", {})
             elif command["kind"] == "generate":
                 for rank, part in parts:
                     part_of = f"{command['batch']}/{rank}/{part}"
@@ -1506,6 +1750,8 @@ def serve(serve_args: ServeArgs) -> None:
         raise
     finally:
         stop_beating.set()
+        if engine is not None:
+            engine.close()
 
 
 class ServedEngines:
@@ -1608,6 +1854,16 @@ class ServedEngines:
     def end_sync(self, version: int, deadline: Deadline) -> None:
         for index, name in enumerate(self.names):  # each has loaded the weights (and reset its caches)
             self.wait_for(f"engine/{index}/synced/{version}", f"{name} (loading weight sync {version})", deadline)
+
+    def load_adapter(self, version: int, files: dict[str, bytes], deadline: Deadline) -> None:
+        """The adapter's files through the store, signed like every message (no shared file system needed); each
+        engine acknowledges its load as it does a sync's weights."""
+        self.store.set(f"adapter/{version}", {name: torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                                              for name, data in files.items()})
+        self.command(kind="adapter", version=version)
+        for index, name in enumerate(self.names):
+            self.wait_for(f"engine/{index}/synced/{version}", f"{name} (loading adapter {version})", deadline)
+        self.store.delete_key(f"adapter/{version}")
 
     def explain(self, failure: EngineError) -> EngineError:
         try:
@@ -1714,14 +1970,18 @@ def end_engine(process: subprocess.Popen) -> None:
 
 
 # ===================================================================== transport: `vllm serve` by URL
-# the routes a vLLM server has only with VLLM_SERVER_DEV_MODE=1
+# the routes a vLLM server has only with VLLM_SERVER_DEV_MODE=1, and those only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1
 DEV_ROUTES = ("get_world_size", "server_info", "init_weight_transfer_engine", "start_weight_update",
               "update_weights", "finish_weight_update", "shutdown_weight_transfer_engine", "reset_prefix_cache")
+RUNTIME_LORA = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+LORA_ROUTES = ("load_lora_adapter", "unload_lora_adapter")
+LORA_SYNC_FOLDER = "lora_sync"  # output_dir/lora_sync/<adapter name>/: the adapter `vllm serve` loads at a sync
 
 
-def http_json(url: str, body: Optional[dict], timeout: float):
+def http_json(url: str, body: Optional[dict], timeout: float, json_answer: bool = True):
     """GET `url` (body None) or POST `body` as JSON, with the API key of $VLLM_API_KEY when set; the JSON answer
-    (None if empty). Any failure (refused, reset, timed out, an error status) is an EngineError naming the server."""
+    (None if empty; with json_answer False, any answer is None: vLLM's LoRA routes answer in words). Any failure
+    (refused, reset, timed out, an error status) is an EngineError naming the server."""
     headers = {"Content-Type": "application/json"}
     parts = urllib.parse.urlsplit(url)
     if parts.username is not None:  # http://USER:PASSWORD@HOST: HTTP basic authentication, the URL without them
@@ -1735,12 +1995,14 @@ def http_json(url: str, body: Optional[dict], timeout: float):
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             data = response.read()
-        return json.loads(data) if data else None
+        return json.loads(data) if data and json_answer else None
     except urllib.error.HTTPError as e:
         route = url.rsplit("/", 1)[-1].split("?")[0]
         hint = ""
         if e.code == 404 and route in DEV_ROUTES:
             hint = "; start the server with VLLM_SERVER_DEV_MODE=1, which enables it"
+        elif e.code == 404 and route in LORA_ROUTES:
+            hint = f"; start the server with {RUNTIME_LORA}=1, which enables it"
         elif e.code == 401:
             hint = f"; set {API_KEY_VARIABLE} to the server's --api-key"
         # the server's words, inert and on one line
@@ -1782,7 +2044,10 @@ class VLLMServers:
     server r % n through the OpenAI completions API (token ids in and out); rank 0 drives vLLM's weight-transfer
     routes of every server (/init_weight_transfer_engine, /start_weight_update, /update_weights,
     /finish_weight_update: what vLLM's HTTPVLLMWeightSyncClient calls) and sends the weights as to the other
-    engines. Every request is an Exchange, bounded by its deadline as a whole."""
+    engines. With --lora_sync adapters it writes each sync's adapter to output_dir/lora_sync/<name> and has every
+    server load it from there (/v1/load_lora_adapter: the servers must see that folder, on this machine or a shared
+    file system) under a new name, <run's prefix>-v<version>, which every rank's requests then name as their model.
+    Every request is an Exchange, bounded by its deadline as a whole."""
 
     def __init__(self, args: Args, dist_info: plumbing.Dist):
         self.args, self.dist_info, self.timeout = args, dist_info, args.engine_timeout
@@ -1793,16 +2058,27 @@ class VLLMServers:
         self.answers_due: dict[int, list[tuple[Exchange, Deadline]]] = {}  # batch -> its parts' requests
         self.updating: list[Exchange] = []  # rank 0's update_weights calls of the sync under way
         self.connected = False
+        self.adapters: list[str] = []  # rank 0: the adapters the servers hold or were given to load, oldest first
+        self.lora_sync = Path(args.output_dir).resolve() / LORA_SYNC_FOLDER  # where the servers read it from
+        self.output_identity = None  # rank 0: output_dir's (plumbing.Folder.identity) at the first adapter's write
+        self.adapter_prefix = f"rloo-{secrets.token_hex(4)}"  # rank 0's, the run's: a name no earlier run used
+        if sends_adapter_files(args) and dist_info.world_size > 1:
+            prefix = [self.adapter_prefix]
+            dist.broadcast_object_list(prefix, src=0)
+            self.adapter_prefix = prefix[0]
         deadline = engine_deadline(args)
         for url in self.urls if dist_info.master else self.mine:
             self.wait_until_up(url, deadline)
         with answer_of(self.mine[0]):  # the served model's name
             self.model = str(self.ask(self.mine[0], "v1/models")["data"][0]["id"])
 
-    def call(self, url: str, route: str, body: Optional[dict], deadline: Deadline) -> Exchange:
-        """GET a server's route (body None) or POST `body` to it, on an Exchange of its own."""
-        return Exchange(f"vLLM server {url} (/{route.split('?')[0]})",
-                        functools.partial(http_json, f"{url}/{route}", body, max(1.0, deadline.left())))
+    def call(self, url: str, route: str, body: Optional[dict], deadline: Deadline,
+             json_answer: bool = True) -> Exchange:
+        """GET a server's route (body None) or POST `body` to it, on an Exchange of its own (http_json). The socket's
+        timeout, twice what is left of the deadline, is a backstop: a server that stalls meets the deadline first, and
+        the error says which flag bounds the wait (a socket timing out at the deadline's instant raced it)."""
+        return Exchange(f"vLLM server {url} (/{route.split('?')[0]})", functools.partial(
+            http_json, f"{url}/{route}", body, max(1.0, 2 * deadline.left()), json_answer))
 
     def ask(self, url: str, route: str, body: Optional[dict] = None, deadline: Optional[Deadline] = None):
         """A server's answer (call), within the deadline (None: --engine_timeout from now)."""
@@ -1820,18 +2096,21 @@ class VLLMServers:
                     raise EngineError(f"{e} (not up within {deadline.flag})") from None
                 time.sleep(min(1.0, deadline.left()))
 
-    def on_all(self, route: str, body: Optional[dict], deadline: Deadline) -> list:
+    def on_all(self, route: str, body: Optional[dict], deadline: Deadline, json_answer: bool = True) -> list:
         """POST `body` to `route` of every server at once; their answers, once all have answered."""
-        calls = [self.call(url, route, body or {}, deadline) for url in self.urls]
+        calls = [self.call(url, route, body or {}, deadline, json_answer) for url in self.urls]
         return [call.result(deadline) for call in calls]
 
     def check_server(self, url: str, backend: str) -> None:
         """Refuse a server whose configuration cannot serve this run, with the flag that fixes it."""
         with answer_of(url):
-            config = self.ask(url, "server_info?config_format=json")["vllm_config"]
+            info = self.ask(url, "server_info?config_format=json")
+            config = info["vllm_config"]
             served = (config.get("weight_transfer_config") or {}).get("backend")
             logprobs_mode = config["model_config"].get("logprobs_mode")
             longest = int(config["model_config"]["max_model_len"])
+            lora_rank = int((config.get("lora_config") or {}).get("max_lora_rank") or 0)
+            runtime_lora = str((info.get("vllm_env") or {}).get(RUNTIME_LORA, "")).lower() in ("1", "true")
         if served != backend:
             fix = f"--weight-transfer-config '{{\"backend\": \"{backend}\"}}'"
             if backend == "gloo":  # the worker extension registers gloo with vLLM
@@ -1846,6 +2125,13 @@ class VLLMServers:
         if longest < needed:
             raise EngineError(f"vLLM server {url} has --max-model-len {longest} but a prompt and its response "
                               f"take up to {needed} tokens: restart it with --max-model-len {needed}")
+        if sends_adapter_files(self.args) and (lora_rank < self.args.lora_r or not runtime_lora):
+            fix = f"--enable-lora --max-lora-rank {vllm_lora_rank(self.args.lora_r)}"
+            lacks = f"serves LoRA ranks up to {lora_rank}" if lora_rank else "serves no LoRA adapter"
+            if lora_rank >= self.args.lora_r:
+                lacks, fix = "loads no adapter while it runs", f"{RUNTIME_LORA}=1 in its environment"
+            raise EngineError(f"vLLM server {url} {lacks}, but --lora_sync adapters loads rank-{self.args.lora_r} "
+                              f"adapters into it at every sync: restart it with {fix}")
 
     def workers(self, url: str) -> int:
         """The members a server brings to the weight group (its tensor x pipeline x data parallel workers)."""
@@ -1883,8 +2169,9 @@ class VLLMServers:
     def send(self, batch: int, parts: list[dict]) -> None:
         deadline = engine_deadline(self.args)  # of each request as a whole
         self.answers_due[batch] = [(self.call(url, "v1/completions", completions_body(
-            self.model, part["queries"], part["query_mask"], part["k"], self.args, part["stop_token_id"],
-            settings_of(part)), deadline), deadline) for url, part in zip(self.mine, parts)]
+            self.adapter_name(part["version"]) if sends_adapter_files(self.args) else self.model, part["queries"],
+            part["query_mask"], part["k"], self.args, part["stop_token_id"], settings_of(part)), deadline), deadline)
+            for url, part in zip(self.mine, parts)]
 
     def receive(self, batch: int) -> list[dict]:
         return [answer.result(deadline) for answer, deadline in self.answers_due.pop(batch)]  # no RNG state: vLLM
@@ -1905,6 +2192,41 @@ class VLLMServers:
         self.on_all("finish_weight_update", {"weight_version": str(version)}, deadline)
         self.on_all("reset_prefix_cache", None, deadline)  # cached prompt KV was computed by the old weights
 
+    def adapter_name(self, version: int) -> str:
+        return f"{self.adapter_prefix}-v{version}"
+
+    def load_adapter(self, version: int, files: dict[str, bytes], deadline: Deadline) -> None:
+        """Every server loads the adapter from output_dir/lora_sync/<its new name> (written through the folders'
+        handles, never through a link); the one before is unloaded (vLLM keeps at most --max-loras in its memory,
+        evicting the least recently used) and its files deleted."""
+        name = self.adapter_name(version)
+        self.adapters.append(name)  # from here on, its files and its load are the run's to undo
+        try:
+            with plumbing.Folder.at(self.args.output_dir, self.output_identity) as root, \
+                    root.folder(LORA_SYNC_FOLDER, create=True) as syncs, syncs.new_folder(name, 0o777) as folder:
+                self.output_identity = root.identity  # the folder the run holds (its lock is in it): every later one
+                for file, data in files.items():
+                    folder.write(file, data)
+        except OSError as e:
+            raise EngineError(f"could not write adapter {version} for the vLLM servers to {self.lora_sync / name}: "
+                              f"{plumbing.describe(e)}") from None
+        self.on_all("v1/load_lora_adapter", {"lora_name": name, "lora_path": str(self.lora_sync / name)}, deadline,
+                    json_answer=False)
+        for previous in self.adapters[:-1]:
+            self.on_all("v1/unload_lora_adapter", {"lora_name": previous}, deadline, json_answer=False)
+            self.remove_adapter_files(previous)
+        self.adapters = [name]
+
+    def remove_adapter_files(self, name: str) -> None:
+        """The folder of adapter `name` deleted (the run's own: its name carries the run's prefix), and
+        output_dir/lora_sync too once nothing else is in it."""
+        with contextlib.suppress(OSError), plumbing.Folder.at(self.args.output_dir, self.output_identity) as root:
+            with root.folder(LORA_SYNC_FOLDER) as syncs:
+                syncs.remove_tree(name)
+                if syncs.entries():
+                    return
+            os.rmdir(LORA_SYNC_FOLDER, dir_fd=root.fd)
+
     def explain(self, failure: EngineError) -> EngineError:
         """The server whose update_weights failed, or the first that no longer answers, when one does not."""
         try:
@@ -1921,14 +2243,19 @@ class VLLMServers:
         return failure
 
     def close(self, failed: bool = False) -> None:
-        """Rank 0 releases the servers' end of the weight group, so that they serve a later trainer (also after a
-        failure: a server that answers is freed, within 10 s)."""
+        """Rank 0 releases the servers' end of the weight group and unloads its adapters, so that they serve a later
+        trainer (also after a failure: a server that answers is freed, within 10 s a call)."""
         if self.connected:
             deadline = Deadline.after(min(self.timeout, 10.0), "--engine_timeout")
             releases = [self.call(url, "shutdown_weight_transfer_engine", {}, deadline) for url in self.urls]
             for release in releases:
                 with contextlib.suppress(EngineError):
                     release.result(deadline)
+        for name in self.adapters:  # rank 0: the adapters the servers hold unloaded, within 10 s, their files deleted
+            deadline = Deadline.after(min(self.timeout, 10.0), "--engine_timeout")
+            with contextlib.suppress(EngineError):
+                self.on_all("v1/unload_lora_adapter", {"lora_name": name}, deadline, json_answer=False)
+            self.remove_adapter_files(name)
 
 
 # ===================================================================== transport: colocated vLLM
@@ -1956,8 +2283,7 @@ class ColocatedRollouts:
         self.generator, self.dist_info = generator, dist_info
         self.queued: list[tuple] = []  # submit's arguments, oldest first
         self.version, self.engine_version = 0, None  # the updates the policy has had; those whose weights it holds
-        shapes = [(name, p.shape) for name, p in named_parameters(policy).items()]  # a DTensor's: the full one
-        self.buckets = plan_buckets(weights_info(shapes, engine_dtype(args)), args.sync_bucket_mb * 2**20)
+        self.synced = None if sends_adapter_files(args) else SyncedWeights(policy, args)
         self.name = f"rank {dist_info.rank}'s vLLM engine"
         self.thread = EngineThread(self.name)  # where the engine is built and every call to it runs
         self.engine, error, classes = None, None, module_classes()
@@ -1984,9 +2310,19 @@ class ColocatedRollouts:
     def load_weights(self) -> Optional[EngineError]:
         """The policy's weights into the engine, bucket by bucket, within --weight_sync_timeout (with FSDP every rank
         gathers each bucket's parameters, one bucket unsharded at a time, and keeps gathering after a failure so
-        that no rank hangs)."""
-        parameters, error = named_parameters(self.policy), None
-        what, deadline = f"{self.name} (loading update {self.version}'s weights)", sync_deadline(self.args)
+        that no rank hangs): all at the first load and after a sleep (which drops them), else those an update changed
+        (SyncedWeights); or, with --lora_sync adapters, the adapter's files."""
+        deadline = sync_deadline(self.args)
+        if self.synced is None:
+            files = adapter_files(self.policy)  # (FSDP: all ranks gather)
+            try:
+                self.call(f"{self.name} (loading update {self.version}'s adapter)",
+                          functools.partial(self.engine.load_adapter, self.version, files), deadline)
+            except EngineError as e:
+                return e
+            return None
+        what, error = f"{self.name} (loading update {self.version}'s weights)", None
+        first = self.engine_version is None or self.args.vllm_enable_sleep_mode
         try:
             if self.args.vllm_enable_sleep_mode:
                 self.call(what, functools.partial(self.engine.llm.wake_up, tags=["weights"]), deadline)
@@ -1994,8 +2330,8 @@ class ColocatedRollouts:
         except EngineError as e:
             error = e
         with torch.no_grad():
-            for bucket in self.buckets:
-                weights = [(entry.name, unsharded(parameters[entry.name])) for entry in bucket]
+            for bucket in (self.synced.first if first else self.synced.later).buckets:
+                weights = list(zip([entry.name for entry in bucket], self.synced.values(bucket)))
                 if error is None:
                     try:
                         self.call(what, functools.partial(self.engine.update_weights, {"weights": weights}), deadline)
@@ -2058,6 +2394,7 @@ class ColocatedRollouts:
         if self.engine is not None:
             from vllm.distributed.parallel_state import destroy_model_parallel, get_world_group
 
+            self.engine.close()
             destroy_model_parallel()
             get_world_group().destroy()
 

@@ -53,8 +53,8 @@ MERGED = "merged"  # output_dir/merged: --merge_lora's policy, written with the 
 
 
 RUN_OUTPUTS = (CHECKPOINTS, "metrics.jsonl*", "curves.png", PREEMPTED, "nonfinite", "wandb", "tensorboard", LOCK,
-               ABANDONED, "engine_*.log", "engines.json")  # what a run writes before it ends (the last two:
-# rloo_multinode.py's)
+               ABANDONED, "engine_*.log", "engines.json", "lora_sync")  # what a run writes before it ends (the last
+# three: rloo_multinode.py's; lora_sync/ holds the adapter `vllm serve` loads at a sync)
 
 
 # ---- output_dir: one run at a time, nothing deleted
@@ -167,7 +167,7 @@ OWN_ENTRIES = {  # what a run's entry at the top of output_dir holds when a run 
     CHECKPOINTS: re.compile(r"\.?(tmp_)?step_\d+"),
     "nonfinite": re.compile(r"\.?update_\d+_rank_\d+\.jsonl(\.partial)?"),  # (a batch written whole: .partial first)
     "tensorboard": re.compile(r"events\.out\.tfevents\..*"), ABANDONED: re.compile(r"\d{8}-\d{6}_.*"),
-    "engine_*.log": None, "engines.json": None,
+    "engine_*.log": None, "engines.json": None, "lora_sync": re.compile(r"rloo-[0-9a-f]{8}-v\d+"),
 }
 
 

@@ -1,10 +1,11 @@
 """rloo_multinode.py's command line with its colocated rollout source watched, for test_vllm.py. On every rank,
 output_dir/sync_check_rank<r>.jsonl gets, after each optimizer step and after the engine's next weight load, the
 largest |engine - trainer| log-prob of fixed completions (vLLM's prompt log-probs against a plain forward of the
-policy), and after the load the largest |sampler - trainer| log-prob of the tokens drawn and whether the completions
-carry the rows of the prompts submitted (prompt_index). With FAIL_AT_BATCH=n, rank FAIL_RANK's (default 0) vLLM
-engine raises when it samples its n-th batch; with BAD_ANSWER=case too, it answers that batch wrongly instead, as
-vllm_standin.BAD_ANSWERS' case makes an answer wrong. With a --reward_model_path, output_dir/models_rank<r>.json
+policy; not with --lora_sync adapters, whose LoRA-enabled engine vLLM 0.32's CPU build cannot ask for prompt
+log-probs), and after the load the largest |sampler - trainer| log-prob of the tokens drawn and whether the
+completions carry the rows of the prompts submitted (prompt_index). With FAIL_AT_BATCH=n, rank FAIL_RANK's (default
+0) vLLM engine raises when it samples its n-th batch; with BAD_ANSWER=case too, it answers that batch wrongly instead,
+as vllm_standin.BAD_ANSWERS' case makes an answer wrong. With a --reward_model_path, output_dir/models_rank<r>.json
 gets, once the engine has started, how far the losses and gradients of a forward and backward of a reference and a
 reward model, both loaded before the engine started (as rloo.py loads them), moved from what they were before the
 start."""
@@ -47,9 +48,10 @@ class WatchedRollouts(mn.ColocatedRollouts):
             (Path(args.output_dir) / f"models_rank{self.dist_info.rank}.json").write_text(json.dumps(moved))
 
     def record(self, when: str, **more) -> None:
-        sequences = fixed_sequences()
-        difference = max_difference(self.engine.logprobs(sequences), trainer_logprobs(self.policy, sequences))
-        plumbing.reshard(self.policy)  # with FSDP, the parameters the optimizer holds (a forward leaves the root's)
+        sequences, difference = fixed_sequences(), None
+        if not mn.sends_adapter_files(self.args):  # vLLM 0.32's CPU build fails prompt log-probs with LoRA enabled
+            difference = max_difference(self.engine.logprobs(sequences), trainer_logprobs(self.policy, sequences))
+            plumbing.reshard(self.policy)  # with FSDP, the parameters the optimizer holds (a forward leaves the root's)
         with open(Path(self.args.output_dir) / f"sync_check_rank{self.dist_info.rank}.jsonl", "a") as f:
             f.write(json.dumps({"version": self.version, "when": when, "difference": difference, **more}) + "\n")
 

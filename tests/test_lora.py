@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 from dataclasses import replace
@@ -213,13 +214,28 @@ def test_the_demo_task_learns_with_lora(tmp_path, synthetic_sft):
     assert after > before + 0.05, (before, after)
 
 
-def test_rloo_multinode_with_lora_is_refused_before_models_load(assets, tmp_path):
+@pytest.mark.parametrize("flags,message", [
+    ({"lora_sync": "adapters", "use_dora": True}, "vLLM 0.32 cannot load an adapter with --use_dora"),
+    ({"lora_sync": "adapters", "lora_modules_to_save": ("lm_head",)}, "cannot load an adapter with --lora_modules_to"),
+    ({"lora_sync": "adapters", "lora_r": 600}, "vLLM serves LoRA ranks up to 512, not --lora_r 600"),
+    ({"lora_sync": "adapters", "vllm_mode": "colocate", "lora_target_parameters": ("mlp.experts.gate_up_proj",),
+      "lora_dropout": 0.0}, "cannot load an adapter with --lora_target_parameters"),
+    ({"load_in_4bit": True}, "--load_in_4bit with rloo_multinode.py is not supported yet"),
+    ({"use_peft": False, "lora_sync": "adapters"}, "--lora_sync adapters says how LoRA adapters reach the engines"),
+], ids=["dora", "modules_to_save", "rank", "target_parameters_colocated", "qlora", "without_use_peft"])
+def test_lora_with_engines_that_cannot_take_it_is_refused_in_one_line_before_models_load(assets, tmp_path, flags,
+                                                                                         message):
+    """What vLLM cannot load as an adapter (--lora_sync adapters: DoRA, trained copies of modules, adapted
+    parameters, ranks above 512) is refused with the fix (--lora_sync merged sends it merged); hf engines hold the
+    trainer's own peft modules and take every adapter."""
     import rloo_multinode
 
     args = lora_args(assets, dataset_name=str(assets["train"]), output_dir=str(tmp_path / "out"))
-    with pytest.raises(plumbing.ConfigError, match="--use_peft with rloo_multinode.py is not supported yet"):
-        rloo_multinode.main(rloo_multinode.Args(**vars(args), engine="hf"))
+    with pytest.raises(plumbing.ConfigError, match=re.escape(message)):
+        rloo_multinode.main(rloo_multinode.Args(**(vars(args) | flags)))
     assert not (tmp_path / "out").exists()
+    if "use_dora" in flags or "lora_modules_to_save" in flags:  # the hf engine takes them
+        rloo_multinode.validate_lora_sync(rloo_multinode.Args(**(vars(args) | flags | {"engine": "hf"})))
 
 
 def test_plan_memory_counts_the_adapters_state_and_no_reference(assets):

@@ -15,6 +15,7 @@ from typing import Optional
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import plumbing
@@ -90,6 +91,93 @@ def test_after_a_sync_every_engine_holds_the_trainers_weights_bit_for_bit(archit
         assert completions.prompt_index.tolist() == [9, 2, 5] and completions.responses.shape[0] == 3 * args.rloo_k
     finally:
         rollouts.close()
+
+
+LORA = ("--use_peft", "--lora_r", 4, "--lora_alpha", 8)
+
+
+@pytest.mark.parametrize("lora_sync", ["merged", "adapters"])
+def test_after_a_lora_sync_an_hf_engine_holds_the_merged_weights_or_the_adapters_bit_for_bit(assets, tmp_path,
+                                                                                             lora_sync):
+    """merged: the engine's plain model holds base + scale * B @ A (peft's own merge, bit for bit), sent whole at the
+    first sync and after it only for the adapted modules and their siblings, the trainer's base untouched. adapters:
+    the engine holds the trainer's own peft modules, and only the adapters travel."""
+    args = mn.Args(model_name_or_path=str(assets["policy"]), engine="hf", output_dir=str(tmp_path / "out"),
+                   engine_port=free_port(), engine_timeout=120, use_peft=True, lora_r=4, lora_alpha=8,
+                   lora_target_modules=("query_key_value", "dense_h_to_4h"), lora_sync=lora_sync)
+    policy, _, _, _ = rloo.load_policy(args, torch.device("cpu"))
+    base = {name: p.detach().clone() for name, p in policy.named_parameters() if not p.requires_grad}
+    dist_info = plumbing.Dist(0, 0, 1, torch.device("cpu"))
+    store = mn.control_store(args, dist_info, torch.device("cpu"), mn.secret_key(SECRET))
+    engines = mn.ServedEngines(args, dist_info, store, mn.launch_engines(args, dist_info, store, SECRET))
+    commands = []
+    command = engines.command
+    engines.command = lambda **c: commands.append(c) or command(**c)  # what each sync announces to the engines
+    rollouts = mn.EngineRollouts(policy, args, None, 0, torch.Generator(), dist_info, engines)
+    try:
+        with torch.no_grad():  # trained adapters (and a trained lm_head copy would be trained too)
+            for p in policy.parameters():
+                if p.requires_grad:
+                    p.normal_(0, 0.3)
+        rollouts.policy_updated(1, policy)
+        engine = engines.engine_state_dict(0, 1)
+        expected = {name: w.value() for name, w in mn.engine_weights(policy).items()} if lora_sync == "merged" \
+            else policy.state_dict()
+        assert engine.keys() == expected.keys()
+        assert all(torch.equal(engine[name], expected[name]) for name in expected)
+        assert all(torch.equal(base[name], p) for name, p in policy.named_parameters() if name in base)
+        first, later = [c["info"]["names"] for c in commands if c["kind"] == "sync"]
+        if lora_sync == "merged":
+            assert first == list(mn.engine_weights(policy)) and "gpt_neox.embed_in.weight" in first
+            assert later == [f"gpt_neox.layers.{i}.{module}.{kind}" for i in range(2) for module in (
+                "attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
+                for kind in ("weight", "bias")]  # the adapted modules and their siblings, whole
+            assert not torch.equal(engine["gpt_neox.layers.0.attention.query_key_value.weight"],
+                                   base["gpt_neox.layers.0.attention.query_key_value.base_layer.weight"])
+        else:
+            assert first == later == [name for name, p in policy.named_parameters() if p.requires_grad]
+            assert all(".lora_" in name for name in later)
+    finally:
+        rollouts.close()
+
+
+def test_the_merged_weights_and_adapter_files_of_an_fsdp_sharded_lora_policy_are_the_unsharded_ones():
+    """engine_weights gathers each FSDP2 unit around an adapted layer for peft's merge (peft's arithmetic on the
+    sharded DTensors gives other numbers), then reshards it; adapter_files gathers the adapters. Checked on 2 ranks for
+    plain LoRA and DoRA, the policy sharded as --fsdp shards it."""
+    result = run_script("tests/fsdp_lora_weights.py", nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [line for line in result.stderr.splitlines() if line.startswith(("lora ", "dora "))] == ["lora ok",
+                                                                                                  "dora ok"]
+
+
+def test_lora_runs_with_hf_engines_equal_rloo_py_s_and_resume_with_the_other_sync(assets, tmp_path):
+    """Two ranks, LoRA. rloo_multinode.py with hf engines, 2 updates sending the adapters (the engine holds the
+    trainer's own peft modules: it samples as rloo.py, bit for bit), then resumed for a third sending merged weights
+    (the engine's plain model samples from base + scale * B @ A: its log-probs the trainer's within fp32 rounding,
+    about 1e-6, the tokens drawn the same): the metrics and the trained adapter are rloo.py's."""
+    common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *ENGINE_RUN, *LORA,
+              "--kl_coef", 0.05, "--lr_scheduler_type", "constant"]  # the same steps, however long the run
+    local = run_script("rloo.py", *common, "--total_episodes", 3 * 2 * PER_UPDATE, "--output_dir", tmp_path / "local",
+                       nproc=2)
+    assert local.returncode == 0, local.stderr[-3000:]
+    out, metrics = tmp_path / "engines", []
+    for updates, lora_sync in ((2, "adapters"), (3, "merged")):
+        engines = run_script("rloo_multinode.py", *common, "--total_episodes", updates * 2 * PER_UPDATE,
+                             "--output_dir", out, "--engine", "hf", "--engine_port", free_port(), "--lora_sync",
+                             lora_sync, *(["--resume"] if lora_sync == "merged" else []), nproc=2)
+        assert engines.returncode == 0, engines.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert [m["update"] for m in metrics] == [1, 2, 3]
+    for update, (engine, local) in enumerate(zip(engine_comparable(metrics),
+                                                 engine_comparable(read_metrics(tmp_path / "local")), strict=True)):
+        mismatch = {k: (engine.pop(k), local.pop(k)) for k in list(local) if k.startswith("mismatch/")}
+        assert engine == local  # the same tokens, rewards, losses
+        assert all(abs(e - l) < 1e-5 for e, l in mismatch.values()), mismatch
+        print(f"update {update + 1}: sampler - trainer log-prob, max {mismatch['mismatch/logprob_diff_max'][0]:.1e}")
+        assert mismatch["mismatch/logprob_diff_max"][0] < 1e-5  # merged or not: fp32 rounding
+    trained = [load_file(tmp_path / d / plumbing.ADAPTER_WEIGHTS) for d in ("local", "engines")]
+    assert trained[0].keys() == trained[1].keys() and all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0])
 
 
 @pytest.mark.parametrize("nproc,flags", [(0, []), (2, ["--fsdp", "--num_engines", 2, "--sync_bucket_mb", 1])],
@@ -275,14 +363,31 @@ def test_vllm_servers_that_cannot_serve_the_run_are_refused_with_the_fix(assets,
              "raw_logprobs": (["--logprobs_mode", "raw_logprobs"],
                               "restart it with --logprobs-mode processed_logprobs")}
     servers = {name: vllm_standin(tmp_path, name, assets["policy"], *flags) for name, (flags, _) in cases.items()}
+
+    def refused(url: str, fix: str, **flags) -> None:
+        args = mn.Args(model_name_or_path=str(assets["policy"]), engine_urls=url, engine_port=free_port(),
+                       max_prompt_length=16, response_length=6, engine_timeout=300, **flags)
+        attached = mn.VLLMServers(args, plumbing.Dist(0, 0, 1, torch.device("cpu")))
+        with pytest.raises(mn.EngineError, match=re.escape(fix)):
+            attached.connect("gloo", 2**20)
+        attached.close()
+
     try:
         for name, (_, fix) in cases.items():
-            args = mn.Args(model_name_or_path=str(assets["policy"]), engine_urls=servers[name][1],
-                           engine_port=free_port(), max_prompt_length=16, response_length=6, engine_timeout=300)
-            attached = mn.VLLMServers(args, plumbing.Dist(0, 0, 1, torch.device("cpu")))
-            with pytest.raises(mn.EngineError, match=re.escape(fix)):
-                attached.connect("gloo", 2**20)
-            attached.close()
+            refused(servers[name][1], fix)
+        # --lora_sync adapters: a server that serves the run but for LoRA (the last one, its --logprobs-mode fixed),
+        # then with LoRA of rank 8 fixed at start-up, then loading LoRA while it runs, of rank 1 at most
+        url, lora = servers["raw_logprobs"][1], {"use_peft": True, "lora_r": 4, "lora_sync": "adapters",
+                                                 "output_dir": str(tmp_path)}
+        start = "but --lora_sync adapters loads rank-4 adapters into it at every sync: restart it with"
+        for changes, fix in (({"logprobs_mode": "processed_logprobs"}, "serves no LoRA adapter, " + start +
+                              " --enable-lora --max-lora-rank 8"),
+                             ({"max_lora_rank": 8}, "loads no adapter while it runs, " + start +
+                              " VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 in its environment"),
+                             ({"max_lora_rank": 1, "runtime_lora": True}, "serves LoRA ranks up to 1, " + start +
+                              " --enable-lora --max-lora-rank 8")):
+            mn.http_json(f"{url}/standin/set", changes, 60)
+            refused(url, fix, **lora)
     finally:
         for process, _, _ in servers.values():
             process.kill()
@@ -743,23 +848,35 @@ def test_a_weight_transfer_that_never_returns_is_bounded_and_leaves_the_process_
     assert "without waiting for what was left running" not in result.stderr  # a daemon thread: nothing to wait for
 
 
-@pytest.mark.parametrize("fault", ["die_at_sync", "stall_at_sync"])
+@pytest.mark.parametrize("fault", ["die_at_sync", "stall_at_sync", "stall_at_adapter"])
 def test_a_vllm_server_that_dies_or_stalls_mid_sync_stops_the_run_with_a_checkpoint(assets, tmp_path, fault):
     """A `vllm serve` (the stand-in) killed, or stalled for good, once its worker took the first bucket of its second
-    sync (the one after update 1)."""
+    sync (the one after update 1); or, with --lora_sync adapters, stalled in its second adapter load."""
     out = tmp_path / "out"
-    server, url, _ = vllm_standin(tmp_path, "a", assets["policy"], f"--{fault}", 2)
+    lora = fault.endswith("adapter")
+    server, url, log = vllm_standin(tmp_path, "a", assets["policy"], f"--{fault}", 2,
+                                    *(["--max_lora_rank", 8, "--runtime_lora"] if lora else []))
     try:
         result = run_script("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name",
                             assets["train"], *ENGINE_RUN, "--total_episodes", 100 * PER_UPDATE, "--output_dir", out,
                             "--engine_urls", url, "--engine_port", free_port(), "--sync_bucket_mb", 0,
-                            "--weight_sync_timeout", 5)
+                            "--weight_sync_timeout", 5,
+                            *(["--use_peft", "--lora_r", 4, "--lora_sync", "adapters"] if lora else []))
     finally:
         server.kill()
     line = assert_stopped_at_update_2(result, out, f"vLLM server {url}")
     print(line)
-    if fault == "stall_at_sync":
+    if fault.startswith("stall"):
         assert "did not answer within --weight_sync_timeout 5 s" in line, line
+    if lora:  # the first adapter loaded and named by the first batch's requests; the second's load never answered;
+        # both unloaded as the run stopped, their files removed
+        assert f"vLLM server {url} (/v1/load_lora_adapter) did not answer" in line, line
+        requests = logged_requests(log)
+        loads = [r["body"]["lora_name"] for r in requests if r["path"] == "/v1/load_lora_adapter"]
+        assert len(loads) == 2 and loads[0].endswith("-v0") and loads[1].endswith("-v1"), loads
+        assert {r["body"]["model"] for r in requests if r["path"] == "/v1/completions"} == {loads[0]}
+        assert [r["body"]["lora_name"] for r in requests if r["path"] == "/v1/unload_lora_adapter"] == loads
+        assert not (out / mn.LORA_SYNC_FOLDER).exists()
 
 
 @pytest.mark.parametrize("fault", ["fail_init", "no_join"])

@@ -369,7 +369,8 @@ def test_the_reader_accepts_what_a_run_writes(one_checkpoint):
 
 # ---------------------------------------------------------------- the run writes only files it made
 RUN_NAMES = ["run.lock", "metrics.jsonl", "args.json", "curves.png", "preempted", "model.safetensors", "config.json",
-             "tokenizer.json", "metrics.jsonl.tmp", "abandoned", "tensorboard", "nonfinite", "merged", "engines.json"]
+             "tokenizer.json", "metrics.jsonl.tmp", "abandoned", "tensorboard", "nonfinite", "merged", "engines.json",
+             "lora_sync"]
 
 
 def refusal(out: Path, **flags) -> str:

@@ -226,8 +226,8 @@ def test_the_judge_never_writes_over_its_dataset_model_or_cache(assets, tmp_path
 ])
 def test_a_script_that_cannot_write_its_output_says_so_in_one_line(tmp_path, capsys, output, status, line):
     (tmp_path / "file").write_text("")
-    code, err = run_tool(sync_cost, "sync_cost.py", ["--shapes", "pythia-14m", "--output", output.format(tmp=tmp_path)],
-                         capsys)
+    code, err = run_tool(sync_cost, "sync_cost.py", ["--shapes", "pythia-14m", "--measured_shape", "None", "--output",
+                                                     output.format(tmp=tmp_path)], capsys)
     assert code == status and err == f"sync_cost.py: error: {line.format(tmp=tmp_path)}\n", err
 
 
@@ -350,7 +350,8 @@ def test_sync_cost_and_the_judge_replace_only_their_own_outputs(tmp_path, capsys
     assert code == 2 and "benchmark/sync_cost.py did not write it" in err and err.count("\n") == 1, err
     assert (tmp_path / "notes.md").read_text() == "my notes\n"
     for _ in range(2):
-        code, err = run_tool(sync_cost, "sync_cost.py", ["--output", tmp_path / "sync.md"], capsys)
+        code, err = run_tool(sync_cost, "sync_cost.py", ["--output", tmp_path / "sync.md", "--shapes", "pythia-14m",
+                                                         "--measured_shape", "None"], capsys)
         assert code == 0 and plumbing.written_by(tmp_path / "sync.md") == "benchmark/sync_cost.py", err
     assert plumbing.written_by(REPO / "benchmark" / "results" / "sync_cost.md") == "benchmark/sync_cost.py"
     (tmp_path / "result.json").write_text('{"mine": 1}')

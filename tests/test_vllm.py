@@ -34,6 +34,10 @@ LOGPROB_TOLERANCE = 1e-5  # fp32 on both sides, on CPU: measured after a sync, u
 ENGINE_FLAGS = ("--vllm_gpu_memory_utilization", 0.2, "--vllm_enforce_eager")  # on CPU: host memory, no compile
 CPU_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache per engine; vLLM's CPU default is far larger
 PER_UPDATE = 32  # completions per update and rank with ENGINE_RUN
+# LoRA adapters, trained fast enough that one update moves the log-probs far beyond the tolerance; merged into the
+# weights (--lora_sync merged), they differ from the trainer's unmerged forward by fp32 rounding alone (measured up to
+# 2e-6 on a 6-layer, 512-wide GPT-NeoX, against 0.5-1.0 of the adapters' own effect): LOGPROB_TOLERANCE holds
+LORA = ("--use_peft", "--lora_r", 4, "--lora_alpha", 8, "--learning_rate", 3e-2, "--lora_dropout", 0)
 on_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU engines (the vllm-cpu build): run `make test-vllm` "
                             "on a machine without a GPU; on GPUs the NCCL tests run instead")
 on_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs and vLLM's CUDA build: run "
@@ -147,12 +151,15 @@ def test_after_a_sync_a_vllm_engine_scores_completions_as_the_trainer_does(vllm_
 
 
 @on_cpu
-def test_a_run_generates_with_a_bf16_vllm_engine_and_finishes(assets, vllm_policy, tmp_path):
-    """With --bf16 the engine runs in bf16 and the weights travel in bf16 (the decisive check above is fp32)."""
+def test_a_lora_run_generates_with_a_bf16_vllm_engine_taking_merged_weights_and_finishes(assets, vllm_policy, tmp_path):
+    """With --bf16 the engine runs in bf16 and the weights travel in bf16 (the decisive check above is fp32); with
+    LoRA, merged (the default --lora_sync): bf16 weights of base + scale * B @ A against the trainer's bf16 autocast
+    of the unmerged modules differ by bf16 rounding, which merging raises by a quarter to a half (measured on
+    GPT-NeoX of 2 and 6 layers: mean |difference| 0.0016-0.0042 merged, 0.0012-0.0032 without adapters)."""
     result = run_script("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"],
                         *ENGINE_RUN, "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes",
                         3 * PER_UPDATE // 2, "--output_dir", tmp_path, "--engine", "vllm", "--engine_port",
-                        free_port(), "--bf16", *ENGINE_FLAGS)
+                        free_port(), "--bf16", *ENGINE_FLAGS, *LORA)
     assert result.returncode == 0, result.stderr[-3000:] + (tmp_path / "engine_0.log").read_text()[-3000:]
     metrics = read_metrics(tmp_path)
     assert [m["update"] for m in metrics] == [1, 2, 3]  # 16 completions each, one optimizer step
@@ -168,19 +175,26 @@ def test_a_run_generates_with_a_bf16_vllm_engine_and_finishes(assets, vllm_polic
 @on_cpu
 def test_a_vllm_engine_samples_from_the_filtered_distribution_the_trainer_scores(assets, vllm_policy, tmp_path):
     """--top_k, --top_p and --repetition_penalty reach vLLM's SamplingParams, and with processed_logprobs the
-    log-probs it returns of the tokens it drew are the trainer's of the filtered distribution (fp32 both sides); the
-    trainer sharded with FSDP2 (torchrun, one rank), its weights gathered bucket by bucket for the sync."""
+    log-probs it returns of the tokens it drew are the trainer's of the filtered distribution (fp32 both sides), here
+    through LoRA adapters loaded as adapters (--lora_sync adapters: each sync's files through the control store, a new
+    name per sync, vLLM's LoRA kernels sampling); the trainer sharded with FSDP2 (torchrun, one rank), the adapters
+    gathered whole for each sync."""
     result = run_rloo("--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *ENGINE_RUN,
                       "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes", PER_UPDATE, "--output_dir",
                       tmp_path, "--engine", "vllm", "--engine_port", free_port(), "--top_k", 5, "--top_p", 0.9,
-                      "--repetition_penalty", 1.3, *ENGINE_FLAGS, "--fsdp", nproc=1, timeout=900,
-                      script="rloo_multinode.py")  # a hang guard
+                      "--repetition_penalty", 1.3, *ENGINE_FLAGS, *LORA, "--lora_sync", "adapters", "--fsdp", nproc=1,
+                      timeout=900, script="rloo_multinode.py")  # a hang guard
     assert result.returncode == 0, result.stderr[-3000:] + (tmp_path / "engine_0.log").read_text()[-3000:]
     metrics = read_metrics(tmp_path)
     print("mismatch of the filtering vLLM engine:", [{k: v for k, v in m.items() if k.startswith("mismatch/")}
                                                      for m in metrics])
     assert [m["update"] for m in metrics] == [1, 2]  # the second batch sampled with the trained weights
     assert all(m["mismatch/logprob_diff_max"] < 1e-4 for m in metrics)  # unfiltered, they would differ by ~1
+    # update 2's batch is sampled with update 1's adapter (at --learning_rate 3e-2): had the engine ignored it, the
+    # mismatch would be the adapter's whole effect (0.37 and more in the colocated test's checks before a load), so the
+    # bound above shows the adapter loaded; objective/kl says nothing of it (above 1 from the filtering alone)
+    log = (tmp_path / "engine_0.log").read_text()
+    assert "'enable_lora': True" in log and "'max_lora_rank': 8" in log, log[-3000:]
     assert metrics[0]["objective/kl"] > 1.0  # the reference is unfiltered: top-5 of 15 tokens is ~1.1 nats a token
 
 
@@ -309,19 +323,6 @@ def assert_every_load_exact(out, rank: int, versions: list[int]) -> None:
 
 
 @on_cpu
-def test_colocated_engines_on_two_ranks_sample_with_each_update_s_weights(assets, llama_policy, tmp_path):
-    result = run_script("tests/colocated_run.py", "--model_name_or_path", llama_policy, "--dataset_name",
-                        assets["train"], *ENGINE_RUN, *COLOCATED, "--total_episodes", 3 * 2 * COLOCATED_PER_UPDATE,
-                        "--output_dir", tmp_path, nproc=2)
-    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert all(abs(m["val/ratio"] - 1) < 1e-5 for m in read_metrics(tmp_path))
-    assert [m["update"] for m in read_metrics(tmp_path)] == [1, 2, 3]
-    for rank in (0, 1):
-        assert_every_load_exact(tmp_path, rank, [0, 1, 2])
-    assert not (tmp_path / "engines.json").exists()  # no engine process of its own
-
-
-@on_cpu
 def test_colocated_gpt_neox_engines_leave_the_trainer_s_models_running_stop_at_a_failure_and_resume(
         assets, vllm_policy, tmp_path):
     """GPT-NeoX (Pythia), which vLLM 0.32 runs through its Transformers backend, on 2 ranks with FSDP and a GPT-NeoX
@@ -356,6 +357,42 @@ def test_colocated_gpt_neox_engines_leave_the_trainer_s_models_running_stop_at_a
 EXACT_FAMILIES = ("mistral", "gemma2", "falcon_h1", "phi", "olmo2")
 INEXACT_FAMILIES = {"gpt2": "tied input and output embeddings: the output layer keeps the weights it was loaded with",
                     "qwen3_moe": "the experts: transformers' fused expert tensors reach vLLM's experts otherwise"}
+
+
+@on_cpu
+def test_colocated_engines_on_two_ranks_sample_each_update_s_lora_merged_then_resumed_as_adapters(assets, llama_policy,
+                                                                                                  tmp_path):
+    """Two ranks, each with its engine, LoRA on peft's default modules for Llama (q_proj and v_proj, which vLLM
+    fuses with k_proj into one qkv_proj: a sync after the first sends the whole attention block). Merged: after each
+    load the engine scores fixed completions as the trainer does (fp32), and far from it before the load; the third
+    batch fails and every rank stops with a checkpoint. Resumed with --lora_sync adapters: each update's adapter
+    loads under a new name, the sampler's log-probs of the tokens it drew the trainer's (its prompt log-probs cannot
+    be asked of vLLM 0.32's CPU build with LoRA enabled). Without LoRA, on one rank: the test before."""
+    command = ("--model_name_or_path", llama_policy, "--dataset_name", assets["train"], *ENGINE_RUN, *COLOCATED,
+               *LORA, "--total_episodes", 4 * 2 * COLOCATED_PER_UPDATE, "--output_dir", tmp_path)
+    failed = run_script("tests/colocated_run.py", *command, nproc=2, env={"FAIL_AT_BATCH": "3"})
+    exits = dict(re.findall(r"rank +: (\d+) \(local_rank: \d+\)\n +exitcode +: (-?\d+)", failed.stderr))  # torchrun's
+    assert exits == {"0": "4", "1": "4"}, failed.stderr[-3000:]
+    assert "the test's failure; checkpoint of update 2 saved to" in failed.stderr, failed.stderr[-3000:]
+    resumed = run_script("tests/colocated_run.py", *command, "--lora_sync", "adapters", "--resume", nproc=2)
+    assert resumed.returncode == 0 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
+    metrics = read_metrics(tmp_path)
+    assert [m["update"] for m in metrics] == [1, 2, 3, 4]
+    print("sampler - trainer log-prob, max per update:", [f"{m['mismatch/logprob_diff_max']:.1e}" for m in metrics])
+    assert all(abs(m["val/ratio"] - 1) < 1e-5 and m["mismatch/logprob_diff_max"] < LOGPROB_TOLERANCE
+               for m in metrics)
+    for rank in (0, 1):
+        checks = [json.loads(line) for line in (tmp_path / f"sync_check_rank{rank}.jsonl").read_text().splitlines()]
+        assert [(c["when"], c["version"]) for c in checks] == [
+            ("after the load", 0), ("before the load", 1), ("after the load", 1), ("before the load", 2),
+            ("after the load", 0), ("before the load", 1), ("after the load", 1), ("before the load", 2)]
+        merged, adapters = checks[:4], checks[4:]  # the first run's (its third batch failed), the resumed run's
+        assert all(c["difference"] < LOGPROB_TOLERANCE and c["sampled_difference"] < LOGPROB_TOLERANCE
+                   for c in merged if c["when"] == "after the load")
+        assert all(c["difference"] > 100 * LOGPROB_TOLERANCE for c in merged if c["when"] == "before the load")
+        assert all(c["difference"] is None and c["sampled_difference"] < LOGPROB_TOLERANCE
+                   for c in adapters if c["when"] == "after the load")
+    assert not (tmp_path / "engines.json").exists()  # no engine process of its own
 
 
 @on_cpu
@@ -430,20 +467,20 @@ def http(url: str, body=None, key=None) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"null")
 
 
-@pytest.fixture(scope="module")
-def vllm_server(vllm_policy, tmp_path_factory):
-    """docs/scaling-out.md's attach-mode command on this machine: vLLM's OpenAI server (`python -m
-    vllm.entrypoints.openai.api_server`: the CPU build's `vllm` command looks for a distribution named vllm) in
-    development mode, with the gloo weight-transfer backend and an API key, bound to loopback."""
-    port, log = free_port(), tmp_path_factory.mktemp("server") / "vllm_serve.log"
+@contextlib.contextmanager
+def cpu_vllm_server(policy, log, *flags, env: dict | None = None):
+    """docs/scaling-out.md's CPU command for `vllm serve` (`python -m vllm.entrypoints.openai.api_server`: the CPU
+    build's `vllm` command looks for a distribution named vllm) in development mode, with the gloo weight-transfer
+    backend, bound to loopback, and `flags`: its URL, once it serves."""
+    port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_policy), "--host",
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(policy), "--host",
          "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "64", "--seed", "0",
          "--enforce-eager", "--gpu-memory-utilization", "0.2", "--enable-prefix-caching",
          "--weight-transfer-config", '{"backend": "gloo"}', "--worker-extension-cls",
-         "rloo_multinode.VLLMWorkerExtension", "--logprobs-mode", "processed_logprobs", "--api-key", API_KEY],
+         "rloo_multinode.VLLMWorkerExtension", "--logprobs-mode", "processed_logprobs", *flags],
         stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-        env=script_env({"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(REPO), **CPU_ENGINE_ENV}))
+        env=script_env({"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(REPO), **CPU_ENGINE_ENV, **(env or {})}))
     url, deadline = f"http://127.0.0.1:{port}", time.time() + 300
     try:
         while True:
@@ -452,10 +489,18 @@ def vllm_server(vllm_policy, tmp_path_factory):
                 if http(f"{url}/health")[0] == 200:
                     break
             time.sleep(1)
-        yield url, log
+        yield url
     finally:
         os.killpg(server.pid, signal.SIGKILL)  # the server and vLLM's engine-core and worker processes
         server.wait()
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_policy, tmp_path_factory):
+    """A `vllm serve` with an API key."""
+    log = tmp_path_factory.mktemp("server") / "vllm_serve.log"
+    with cpu_vllm_server(vllm_policy, log, "--api-key", API_KEY) as url:
+        yield url, log
 
 
 def server_logprobs(url: str, sequences: list[list[int]], key=API_KEY) -> list[list[float]]:
@@ -511,6 +556,60 @@ def test_a_run_attached_to_a_vllm_server_leaves_it_scoring_as_the_trained_policy
           f"after {max_difference(after, trained):.2e}")
     assert max_difference(after, trained) < LOGPROB_TOLERANCE
     assert max_difference(before, trained) > 100 * LOGPROB_TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def lora_server(vllm_policy, tmp_path_factory):
+    """`vllm serve` as docs/scaling-out.md starts it for --lora_sync adapters: LoRA enabled for rank-8 adapters,
+    loaded while it runs (VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), beside the weight transfer (--lora_sync merged)."""
+    log = tmp_path_factory.mktemp("lora_server") / "vllm_serve.log"
+    with cpu_vllm_server(vllm_policy, log, "--enable-lora", "--max-lora-rank", "8",
+                         env={mn.RUNTIME_LORA: "1"}) as url:
+        yield url, log
+
+
+@on_cpu
+def test_a_lora_run_attached_to_a_vllm_server_loads_an_adapter_per_sync_and_resumes_merged(assets, lora_server,
+                                                                                            vllm_policy, tmp_path):
+    """Two ranks, --lora_sync adapters: at every sync the trainer writes the adapter under output_dir/lora_sync and
+    the server loads it under a new name (the one before unloaded), which both ranks' requests name; the sampler's
+    log-probs are the trainer's. Resumed with --lora_sync merged into the same server: its weights take the merged
+    modules. At the end the server holds no adapter of the run, and output_dir/lora_sync is gone."""
+    url, log = lora_server
+    common = ("--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *ENGINE_RUN, *LORA,
+              "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--output_dir", tmp_path, "--engine_urls", url)
+    for updates, lora_sync in ((2, "adapters"), (3, "merged")):
+        result = run_script("rloo_multinode.py", *common, "--total_episodes", updates * PER_UPDATE, "--lora_sync",
+                            lora_sync, "--engine_port", free_port(), *(["--resume"] if updates == 3 else []),
+                            nproc=2)
+        assert result.returncode == 0, result.stderr[-3000:] + log.read_text()[-3000:]
+        assert not (tmp_path / mn.LORA_SYNC_FOLDER).exists()
+    metrics = read_metrics(tmp_path)
+    print("sampler - trainer log-prob, max per update:", [f"{m['mismatch/logprob_diff_max']:.1e}" for m in metrics])
+    assert [m["update"] for m in metrics] == [1, 2, 3] and metrics[1]["objective/kl"] > 0
+    assert all(abs(m["val/ratio"] - 1) < 1e-5 and m["mismatch/logprob_diff_max"] < LOGPROB_TOLERANCE
+               for m in metrics)
+    loaded = re.findall(r"Loaded new LoRA adapter: name '(rloo-[0-9a-f]{8}-v\d+)'", log.read_text())
+    assert [name.rsplit("-", 1)[1] for name in loaded] == ["v0", "v1", "v2"]  # the start's, each update's
+    assert len({name.rsplit("-", 1)[0] for name in loaded}) == 1
+    assert log.read_text().count("Removed LoRA adapter: name 'rloo-") == 3
+    models = [m["id"] for m in http(f"{url}/v1/models")[1]["data"]]
+    assert models == [str(vllm_policy)]
+
+
+@on_cpu
+def test_a_vllm_server_without_lora_is_refused_for_lora_sync_adapters_with_the_fix(vllm_server, vllm_policy,
+                                                                                     monkeypatch):
+    url, _ = vllm_server
+    monkeypatch.setenv(mn.API_KEY_VARIABLE, API_KEY)
+    args = mn.Args(model_name_or_path=str(vllm_policy), engine_urls=url, engine_port=free_port(), use_peft=True,
+                   lora_r=16, lora_sync="adapters", max_prompt_length=16, response_length=6, engine_timeout=60)
+    attached = mn.VLLMServers(args, plumbing.Dist(0, 0, 1, torch.device("cpu")))
+    with pytest.raises(mn.EngineError, match=re.escape(f"vLLM server {url} serves no LoRA adapter, but --lora_sync "
+                                                       "adapters loads rank-16 adapters into it at every sync: "
+                                                       "restart it with --enable-lora --max-lora-rank 16")):
+        attached.connect("gloo", 2**20)
+    attached.close()
 
 
 # ----- GPUs: vLLM's own NCCL backend (not run by this project: its CI machines have no GPU)

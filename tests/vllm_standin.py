@@ -3,7 +3,8 @@ real server cannot show on a 2-core CPU machine: several workers per server (ten
 at once. It speaks the part of vLLM 0.32's HTTP server that rloo_multinode.py uses (GET /health, /v1/models,
 /get_world_size and /server_info; POST /v1/completions with token-id prompts and return_token_ids, the weight-transfer
 routes /init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update and
-/shutdown_weight_transfer_engine, and /reset_prefix_cache), and its workers receive weights with the project's own
+/shutdown_weight_transfer_engine, and /reset_prefix_cache; with --runtime_lora /v1/load_lora_adapter and
+/v1/unload_lora_adapter, which check the adapter's files and record its name, sampling on from the base), and its workers receive weights with the project's own
 GlooWeightReceiver (the receiving end of its gloo backend) into transformers models: the trainer's side and the
 receiver are the code under test, not this file. tests/test_vllm.py attaches the trainer to a real server, which
 answers every one of these routes.
@@ -14,7 +15,7 @@ Each request is logged (path and body) to --log; after every /reset_prefix_cache
 weight sync) every worker's weights are saved to --log with the suffix .pt, as a list. It can also misbehave as a
 server may, for the trainer's checks: answer completions wrongly (--bad_answer, one of BAD_ANSWERS), report another
 world size (POST /standin/set {"bad_answer": ..., "world_size_answer": ...} changes them), fail or never complete
-the weight group's set-up, die or stall in the middle of a sync.
+the weight group's set-up, die or stall in the middle of a sync or an adapter's load.
 """
 
 import json
@@ -40,9 +41,10 @@ import rloo_multinode as mn  # noqa: E402
 COMPLETIONS_FIELDS = {"model", "prompt", "n", "return_token_ids", "temperature", "top_p", "top_k", "min_p",
                       "repetition_penalty", "max_tokens", "stop_token_ids", "ignore_eos", "logprobs"}
 GET_ROUTES = {"/health", "/v1/models", "/get_world_size", "/server_info"}
-POST_ROUTES = {"/v1/completions", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-               "/finish_weight_update", "/shutdown_weight_transfer_engine", "/reset_prefix_cache",
-               "/standin/set"}
+LORA_ROUTES = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}  # with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 only
+POST_ROUTES = LORA_ROUTES | {"/v1/completions", "/init_weight_transfer_engine", "/start_weight_update",
+                             "/update_weights", "/finish_weight_update", "/shutdown_weight_transfer_engine",
+                             "/reset_prefix_cache", "/standin/set"}
 
 
 def set_logprob(value) -> Callable[[dict, Optional[int], int], None]:
@@ -123,6 +125,12 @@ class StandInArgs:
     first; 0: never)"""
     stall_at_sync: int = 0
     """... or its workers stop receiving there, forever, the server answering everything else"""
+    max_lora_rank: int = 0
+    """what /server_info reports as its --max-lora-rank (0: started without --enable-lora)"""
+    runtime_lora: bool = False
+    """as with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 in its environment: the LoRA routes answer, /server_info says so"""
+    stall_at_adapter: int = 0
+    """its n-th /v1/load_lora_adapter never answers (0: none), the server answering everything else"""
 
 
 class Worker:
@@ -160,6 +168,7 @@ class StandIn:
         self.generator = torch.Generator().manual_seed(args.seed)
         self.updating = False
         self.completions = 0  # completions requests answered
+        self.adapters_loaded = 0  # /v1/load_lora_adapter calls
 
     def log(self, path: str, body: dict) -> None:
         with self.lock, open(self.args.log, "a") as f:
@@ -177,10 +186,12 @@ class StandIn:
         if path == "/get_world_size":
             reported = self.args.world_size_answer
             return {"world_size": self.args.workers if reported is None else json.loads(reported)}
-        backend = self.args.weight_transfer
+        backend, lora_rank = self.args.weight_transfer, self.args.max_lora_rank
         return {"vllm_config": {"weight_transfer_config": backend and {"backend": backend},  # /server_info
                                 "model_config": {"max_model_len": self.args.max_model_len,
-                                                 "logprobs_mode": self.args.logprobs_mode}}}
+                                                 "logprobs_mode": self.args.logprobs_mode},
+                                "lora_config": lora_rank and {"max_lora_rank": lora_rank}},
+                "vllm_env": {mn.RUNTIME_LORA: "1"} if self.args.runtime_lora else {}}
 
     def post(self, path: str, body: dict):
         if path == "/v1/completions":
@@ -195,7 +206,14 @@ class StandIn:
                 setattr(self.args, name, value)
             self.args.bad_from = self.completions + 1 if "bad_answer" in body else self.args.bad_from
             return {}
-        if path == "/init_weight_transfer_engine":
+        if path == "/v1/load_lora_adapter":
+            self.adapters_loaded += 1
+            if self.adapters_loaded == self.args.stall_at_adapter:
+                threading.Event().wait()
+            for name in (plumbing.ADAPTER_CONFIG, plumbing.ADAPTER_WEIGHTS):
+                if not (Path(body["lora_path"]) / name).is_file():
+                    raise FileNotFoundError(f"no {name} in {body['lora_path']}")
+        elif path == "/init_weight_transfer_engine":
             self.on_workers("init_weight_transfer_engine", body["init_info"])
         elif path == "/start_weight_update":
             if self.updating:
@@ -250,7 +268,9 @@ def handler(standin: StandIn):
             self.wfile.write(data)
 
         def routes(self, all_routes: set) -> set:
-            return all_routes if standin.args.dev_mode else all_routes & {"/health", "/v1/models", "/v1/completions"}
+            routes = all_routes if standin.args.dev_mode else \
+                all_routes & {"/health", "/v1/models", "/v1/completions", *LORA_ROUTES}
+            return routes if standin.args.runtime_lora else routes - LORA_ROUTES
 
         def do_GET(self):
             path = self.path.split("?")[0]
