@@ -21,6 +21,7 @@ __all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tool
     "load_pretrained", "ensure_pad_token", "load_config", "same_vocabulary", "load_tokenizer", "load_causal_lm",
     "load_reward_model", "stop_token_id_of", "prepare_tokenizer", "check_model_configs", "weight_decay_groups",
     "add_adapters", "disable_dropout", "AdaptersOff", "bf16_copy", "copy_weights", "quiet_hub_progress_bars",
+    "ADAPTER_WEIGHTS", "ADAPTER_CONFIG",
 ]
 
 

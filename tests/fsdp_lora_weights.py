@@ -28,7 +28,7 @@ if __name__ == "__main__":
                     p.normal_(0, 0.1)
         whole = {name: w.value().clone() for name, w in mn.engine_weights(policy).items()}
         files = mn.adapter_files(policy)
-        plumbing.shard_policy(policy, bf16=False)  # as --fsdp shards it: a unit per block, the root
+        plumbing.distributed.shard_policy(policy, bf16=False)  # as --fsdp shards it: a unit per block, the root
         sharded = {name: mn.unsharded(w.value()) for name, w in mn.engine_weights(policy).items()}
         differ = [name for name in whole if not torch.equal(whole[name], sharded[name])]
         differ += [name for name, data in mn.adapter_files(policy).items() if data != files[name]]
