@@ -210,12 +210,16 @@ def stock_run(args: list[str], nproc: int, work: Path, env: dict) -> Run:
         run = train(REPO / "rloo.py", args, nproc, work / f"stock-{nproc}", env)
         if run.failed:
             return run
-        fresh = kept.with_name(kept.name + ".tmp")
-        shutil.rmtree(fresh, ignore_errors=True)
-        fresh.mkdir(parents=True)
-        for name in ("metrics.jsonl", "model.safetensors"):
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        fresh = Path(tempfile.mkdtemp(prefix=f"{kept.name}.", dir=kept.parent))  # this check's own: another check
+        for name in ("metrics.jsonl", "model.safetensors"):  # of a copy, running now, may be keeping the same run
             shutil.copy(run.output_dir / name, fresh / name)
-        os.replace(fresh, kept)
+        try:
+            os.replace(fresh, kept)
+        except OSError:  # the other check kept it first: the same code and flags, so the same run, bit for bit
+            shutil.rmtree(fresh)
+            if not (kept / "model.safetensors").exists():
+                raise
     return Run(kept)
 
 

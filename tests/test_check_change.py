@@ -45,6 +45,28 @@ def test_a_difference_is_said_at_its_first_update_with_the_telling_metric_first(
     assert check_change.difference(fake_run(tmp_path, "nan_a", nan), fake_run(tmp_path, "nan_b", nan), "x") is None
 
 
+def test_two_checks_at_once_keep_rloo_py_s_run_once(tmp_path, monkeypatch):
+    """Two checks (of two copies, at once) that both ran rloo.py with the same code and flags: the one that finishes
+    second finds the run kept by the other, uses it, and leaves no folder of its own behind."""
+    monkeypatch.setattr(check_change, "REPO", tmp_path)
+    args, kept = ["--seed", "1"], tmp_path / ".cache" / "rloo_check_change"
+    metrics = [{"update": 1, "objective/scores": 0.5}]
+
+    def train(script, run_args, nproc, output_dir, env):  # the other check keeps its run while this one trains
+        other = fake_run(tmp_path, "other", metrics)
+        kept.mkdir(parents=True)
+        other.rename(kept / f"{check_change.code_key(run_args)}-{nproc}")
+        return check_change.Run(fake_run(tmp_path, output_dir.name, metrics))
+
+    (tmp_path / "plumbing").mkdir()
+    (tmp_path / "rloo.py").write_text("# rloo.py\n")
+    monkeypatch.setattr(check_change, "train", train)
+    run = check_change.stock_run(args, 2, tmp_path, {})
+    assert run.failed is None and (run.output_dir / "model.safetensors").exists()
+    assert [p.name for p in kept.iterdir()] == [run.output_dir.name]  # no half-kept copy of its own
+    assert check_change.stock_run(args, 2, tmp_path, {}).output_dir == run.output_dir  # kept: not run again
+
+
 @pytest.mark.parametrize("argv,said", [
     (["nothing.py"], "check_change.py: error: nothing.py: no such file: pass your copy of rloo.py (make check-change "
                      "FILE=rloo_mine.py)"),
