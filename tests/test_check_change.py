@@ -83,7 +83,7 @@ def test_what_cannot_be_checked_is_one_line_before_any_run(argv, said, tmp_path,
     monkeypatch.chdir(REPO)
     with pytest.raises(SystemExit) as exited:
         plumbing.run_tool("check_change.py", check_change.CheckArgs, check_change.main,
-                          argv=[*argv, "--cache_dir", str(tmp_path)])
+                          argv=[*argv, "--cache_dir", str(tmp_path)], end_process=False)
     assert exited.value.code == 2 and capsys.readouterr().err.strip() == said
     assert not any(tmp_path.iterdir())  # the task was not built
 
