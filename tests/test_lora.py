@@ -222,7 +222,8 @@ def test_the_demo_task_learns_with_lora(tmp_path, synthetic_sft):
       "lora_dropout": 0.0}, "cannot load an adapter with --lora_target_parameters"),
     ({"load_in_4bit": True}, "--load_in_4bit with rloo_multinode.py is not supported yet"),
     ({"use_peft": False, "lora_sync": "adapters"}, "--lora_sync adapters says how LoRA adapters reach the engines"),
-], ids=["dora", "modules_to_save", "rank", "target_parameters_colocated", "qlora", "without_use_peft"])
+    ({"lora_sync": "adapters", "fsdp": True}, "--lora_sync adapters with --fsdp and vLLM engines is not supported yet"),
+], ids=["dora", "modules_to_save", "rank", "target_parameters_colocated", "qlora", "without_use_peft", "fsdp"])
 def test_lora_with_engines_that_cannot_take_it_is_refused_in_one_line_before_models_load(assets, tmp_path, flags,
                                                                                          message):
     """What vLLM cannot load as an adapter (--lora_sync adapters: DoRA, trained copies of modules, adapted
@@ -234,7 +235,7 @@ def test_lora_with_engines_that_cannot_take_it_is_refused_in_one_line_before_mod
     with pytest.raises(plumbing.ConfigError, match=re.escape(message)):
         rloo_multinode.main(rloo_multinode.Args(**(vars(args) | flags)))
     assert not (tmp_path / "out").exists()
-    if "use_dora" in flags or "lora_modules_to_save" in flags:  # the hf engine takes them
+    if "use_dora" in flags or "lora_modules_to_save" in flags or "fsdp" in flags:  # the hf engine takes them
         rloo_multinode.validate_lora_sync(rloo_multinode.Args(**(vars(args) | flags | {"engine": "hf"})))
 
 

@@ -173,17 +173,20 @@ def test_a_lora_run_generates_with_a_bf16_vllm_engine_taking_merged_weights_and_
 
 
 @on_cpu
-def test_a_vllm_engine_samples_from_the_filtered_distribution_the_trainer_scores(assets, vllm_policy, tmp_path):
+@pytest.mark.parametrize("sharding", ["fsdp", "lora_adapters"])
+def test_a_vllm_engine_samples_from_the_filtered_distribution_the_trainer_scores(assets, vllm_policy, tmp_path,
+                                                                                sharding):
     """--top_k, --top_p and --repetition_penalty reach vLLM's SamplingParams, and with processed_logprobs the
-    log-probs it returns of the tokens it drew are the trainer's of the filtered distribution (fp32 both sides), here
-    through LoRA adapters loaded as adapters (--lora_sync adapters: each sync's files through the control store, a new
-    name per sync, vLLM's LoRA kernels sampling); the trainer sharded with FSDP2 (torchrun, one rank), the adapters
-    gathered whole for each sync."""
+    log-probs it returns of the tokens it drew are the trainer's of the filtered distribution (fp32 both sides): the
+    trainer sharded with FSDP2 (torchrun, one rank), its weights gathered bucket by bucket for each sync; or with
+    LoRA adapters loaded as adapters (--lora_sync adapters: each sync's files through the control store, a new name
+    per sync, vLLM's LoRA kernels sampling)."""
+    flags = ["--fsdp"] if sharding == "fsdp" else [*LORA, "--lora_sync", "adapters"]
     result = run_rloo("--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *ENGINE_RUN,
                       "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes", PER_UPDATE, "--output_dir",
                       tmp_path, "--engine", "vllm", "--engine_port", free_port(), "--top_k", 5, "--top_p", 0.9,
-                      "--repetition_penalty", 1.3, *ENGINE_FLAGS, *LORA, "--lora_sync", "adapters", "--fsdp", nproc=1,
-                      timeout=900, script="rloo_multinode.py")  # a hang guard
+                      "--repetition_penalty", 1.3, *ENGINE_FLAGS, *flags, nproc=1, timeout=900,
+                      script="rloo_multinode.py")  # a hang guard
     assert result.returncode == 0, result.stderr[-3000:] + (tmp_path / "engine_0.log").read_text()[-3000:]
     metrics = read_metrics(tmp_path)
     print("mismatch of the filtering vLLM engine:", [{k: v for k, v in m.items() if k.startswith("mismatch/")}
@@ -194,7 +197,7 @@ def test_a_vllm_engine_samples_from_the_filtered_distribution_the_trainer_scores
     # mismatch would be the adapter's whole effect (0.37 and more in the colocated test's checks before a load), so the
     # bound above shows the adapter loaded; objective/kl says nothing of it (above 1 from the filtering alone)
     log = (tmp_path / "engine_0.log").read_text()
-    assert "'enable_lora': True" in log and "'max_lora_rank': 8" in log, log[-3000:]
+    assert ("'enable_lora': True" in log and "'max_lora_rank': 8" in log) == (sharding != "fsdp"), log[-3000:]
     assert metrics[0]["objective/kl"] > 1.0  # the reference is unfiltered: top-5 of 15 tokens is ~1.1 nats a token
 
 
