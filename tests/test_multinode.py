@@ -152,12 +152,13 @@ def test_the_merged_weights_and_adapter_files_of_an_fsdp_sharded_lora_policy_are
 
 
 def test_lora_runs_with_hf_engines_equal_rloo_py_s_and_resume_with_the_other_sync(assets, tmp_path):
-    """Two ranks, LoRA. rloo_multinode.py with hf engines, 2 updates sending the adapters (the engine holds the
-    trainer's own peft modules: it samples as rloo.py, bit for bit), then resumed for a third sending merged weights
-    (the engine's plain model samples from base + scale * B @ A: its log-probs the trainer's within fp32 rounding,
-    about 1e-6, the tokens drawn the same): the metrics and the trained adapter are rloo.py's."""
+    """Two ranks, LoRA with --fsdp (the adapters sharded with their blocks: every sync gathers them, and the merged
+    weights gather each adapted layer's unit). rloo_multinode.py with hf engines, 2 updates sending the adapters (the
+    engine holds the trainer's own peft modules: it samples as rloo.py, bit for bit), then resumed for a third
+    sending merged weights (the engine's plain model samples from base + scale * B @ A: its log-probs the trainer's
+    within fp32 rounding, about 1e-6, the tokens drawn the same): the metrics and the trained adapter are rloo.py's."""
     common = ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *ENGINE_RUN, *LORA,
-              "--kl_coef", 0.05, "--lr_scheduler_type", "constant"]  # the same steps, however long the run
+              "--kl_coef", 0.05, "--lr_scheduler_type", "constant", "--fsdp"]  # the same steps, however long the run
     local = run_script("rloo.py", *common, "--total_episodes", 3 * 2 * PER_UPDATE, "--output_dir", tmp_path / "local",
                        nproc=2)
     assert local.returncode == 0, local.stderr[-3000:]
