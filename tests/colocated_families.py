@@ -95,7 +95,7 @@ def check(family: str, root: Path, refused: bool) -> dict:
             p.add_(0.05 * torch.randn_like(p))
     rollouts.policy_updated(1, policy)
     queries = torch.tensor([[0, 2, 3, 4, 14], [5, 6, 7, 8, 14]])  # (2, 5): "a b c :", "d e f g :", left-padded
-    rollouts.submit(queries, queries != 0, rloo.SamplingSettings.of(args))
+    rollouts.submit(queries, queries != 0, rloo.SamplingSettings.of(args), torch.arange(queries.shape[0]))  # rows
     c, _ = rollouts.take()  # the load, then the batch
     out["after_the_load"] = max_difference(rollouts.engine.logprobs(fixed_sequences()),
                                            trainer_logprobs(policy, fixed_sequences()))
