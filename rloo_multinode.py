@@ -479,7 +479,15 @@ def validate_colocated_args(args: Args) -> None:
 
 
 def check_port(host: str, port: int, engine_port: int) -> None:
-    """Refuse a port rank 0 cannot listen on at host's address: in use, or host not an address of this machine."""
+    """Refuse a port rank 0 cannot listen on at host's address: in use, host not an address of this machine, or in
+    the range the kernel hands to outgoing connections (any of which, the engines' own included, may take it before
+    the weight group listens there)."""
+    low, high = ephemeral_ports()
+    if low <= port <= high and port not in reserved_ports():
+        raise plumbing.ConfigError(
+            f"--engine_port {engine_port}: port {port} lies in this host's ephemeral range {low}-{high} "
+            "(net.ipv4.ip_local_port_range), where an outgoing connection can take it while the run starts (the run "
+            f"uses --engine_port and the one after it): pass an --engine_port below {low - 1}")
     try:
         os.close(listening_socket(host, port, listen=False))
     except OSError as e:
@@ -490,6 +498,40 @@ def check_port(host: str, port: int, engine_port: int) -> None:
         raise plumbing.ConfigError(
             f"MASTER_ADDR {host}: rank 0 cannot listen there for the engines ({e.strerror or e}): set MASTER_ADDR to "
             "this host's address on the network the engines reach (127.0.0.1 when they run here)") from None
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (Linux; elsewhere none is assumed)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    except OSError:
+        return 0, -1
+    return int(low), int(high)
+
+
+def reserved_ports() -> set[int]:
+    """Ports the kernel keeps out of its ephemeral range (net.ipv4.ip_local_reserved_ports: "8000,9000-9010")."""
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_reserved_ports").read_text().strip()
+    except OSError:
+        return set()
+    spans = [tuple(map(int, part.split("-"))) for part in text.split(",") if part]
+    return {port for span in spans for port in range(span[0], span[-1] + 1)}
+
+
+def free_engine_port(host: str = "127.0.0.1") -> int:
+    """An --engine_port for host (scripts and tests): it and the one after it free, and outside the ephemeral range."""
+    low, high = ephemeral_ports()
+    top = low - 2 if high >= low else 65534
+    for _ in range(1000):
+        port = 10000 + secrets.randbelow(top - 10000)
+        try:
+            for p in (port, port + 1):
+                check_port(host, p, port)
+            return port
+        except plumbing.ConfigError:
+            continue
+    raise RuntimeError(f"no free pair of ports at {host} in 10000-{top + 1}")
 
 
 def check_engine_secret(args: Args) -> None:

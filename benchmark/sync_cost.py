@@ -124,7 +124,7 @@ def measured_lora_syncs(args: Args) -> str:
             for rank in args.lora_ranks:
                 for lora_sync in ("merged", "adapters"):
                     run = mn.Args(model_name_or_path=str(policy_path), engine="hf", output_dir=f"{folder}/out",
-                                  engine_port=free_port(), use_peft=True, lora_r=rank, lora_alpha=2 * rank,
+                                  engine_port=mn.free_engine_port(), use_peft=True, lora_r=rank, lora_alpha=2 * rank,
                                   lora_dropout=0.0, lora_sync=lora_sync,
                                   lora_target_modules=None if target == "peft's default" else (target,))
                     policy = plumbing.load_causal_lm(str(policy_path), torch.float32, False)
@@ -152,14 +152,6 @@ def measured_lora_syncs(args: Args) -> str:
                     rows.append(f"| {target} | {rank} | {lora_sync} | {params / 1e6:.2f} M | {size(4 * params)} | "
                                 f"{statistics.median(seconds) * 1e3:.0f} | {min(seconds) * 1e3:.0f} | {size(files)} |")
     return "\n".join(rows)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def size(nbytes: float) -> str:

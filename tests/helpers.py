@@ -50,6 +50,7 @@ LETTERS = "abcdefghijkl"
 import plumbing  # noqa: E402  (from REPO, put on the path above)
 import forked_python  # noqa: E402
 import rloo  # noqa: E402
+import rloo_multinode  # noqa: E402
 
 
 def word_tokenizer(words: list[str], pad: str | None = "<pad>", eos: str = "<eos>") -> PreTrainedTokenizerFast:
@@ -229,10 +230,9 @@ def run_rloo_in_process(*args: str) -> None:
 
 
 def free_port() -> int:
-    """A port with nothing listening on it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port with nothing listening on it, nor on the one after it (an --engine_port's weight group), both outside the
+    ephemeral range, where the runs' own outgoing connections would take them."""
+    return rloo_multinode.free_engine_port()
 
 
 def valid_flags(assets, output_dir: Path) -> dict:

@@ -671,12 +671,18 @@ def test_an_engine_started_by_hand_with_the_secret_and_the_model_serves_a_run(as
         engine.kill()
 
 
-def test_an_engine_timeout_of_zero_and_a_port_in_use_are_refused_before_anything_loads():
+def test_an_engine_timeout_of_zero_and_a_port_in_use_or_ephemeral_are_refused_before_anything_loads():
     for timeout in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(plumbing.ConfigError, match="engine_timeout = .* must be a finite number of seconds > 0"):
             mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", engine_timeout=timeout), 1)
+    low, high = mn.ephemeral_ports()
+    if high >= low:  # Linux: a port an outgoing connection may take before the weight group listens there
+        for engine_port in (low - 1, low, high):  # the weight group's port in the range, or both
+            with pytest.raises(plumbing.ConfigError, match=rf"^--engine_port {engine_port}: port \d+ lies in this "
+                               rf"host's ephemeral range {low}-{high} .* below {low - 1}$"):
+                mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", engine_port=engine_port), 1)
     with socket.socket() as taken:  # what an earlier run, or anything else, listening there looks like
-        taken.bind(("127.0.0.1", 0))
+        taken.bind(("127.0.0.1", free_port()))
         taken.listen()
         port = taken.getsockname()[1]
         for engine_port in (port, port - 1):  # the control store's port, or the weight group's after it
