@@ -110,12 +110,17 @@ def test_options_cost_runs_an_option_set(tmp_path):
 
 
 def test_sync_cost_counts_the_parameters_it_sends(tmp_path):
-    run_benchmark_script("benchmark/sync_cost.py", "--shapes", "pythia-70m", "--output", tmp_path / "cost.md")
+    """The computed tables at one shape, and the measured LoRA syncs at one rank and target (each case an engine
+    process of its own: the committed table's eight take a minute)."""
+    run_benchmark_script("benchmark/sync_cost.py", "--shapes", "pythia-70m", "--output", tmp_path / "cost.md",
+                         "--lora_ranks", "8", "--lora_targets", "all-linear", "--syncs", "2")
     text = (tmp_path / "cost.md").read_text()
     from benchmark.sync_cost import parameter_count
     params = parameter_count("pythia-70m")
     assert 70e6 < params < 71e6  # pythia-70m: 70.4M parameters
     assert f"| pythia-70m | {params / 1e9:.2f} B | {2 * params / 1e9:.1f} GB |" in text
+    measured = [line for line in text.splitlines() if line.startswith("| all-linear | 8 | ")]
+    assert [line.split(" | ")[2] for line in measured] == ["merged", "adapters"], text
 
 
 def test_make_bench_writes_where_git_does_not_track_and_only_bench_results_replaces_the_committed(tmp_path):
