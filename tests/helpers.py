@@ -284,10 +284,8 @@ def interrupt_after_first_update(args: list, sig: signal.Signals, nproc: int = 0
     """Start a run, once it has logged an update call `meanwhile` and send it a real signal, wait for it to end."""
     process = launch(args, nproc, script)
     metrics = Path(args[args.index("--output_dir") + 1]) / "metrics.jsonl"
-    deadline = time.time() + 600  # a hang guard only
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 1) and process.poll() is None:
-        assert time.time() < deadline, "the run never logged an update"
-        time.sleep(0.05)
+    wait_until(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1 or process.poll() is not None,
+               what="an update logged")
     meanwhile(process)
     process.send_signal(sig)
     stdout, stderr = process.communicate(timeout=600)
@@ -529,12 +527,23 @@ def run_script(script: str, *args, nproc: int = 0, wait: bool = True,
                             stderr=subprocess.PIPE, text=True, env=script_env(env), cwd=REPO)
 
 
-def wait_for_updates(trainer: subprocess.Popen, out: Path, count: int, timeout: float) -> None:
+def wait_until(ready: Callable[[], bool], process: subprocess.Popen | None = None, what: str = "the event",
+               log: Path | None = None) -> None:
+    """Until ready() holds, looked at every 50 ms: the tests wait for events, never for seconds. A failure if
+    `process` exits first, with the end of its stderr (piped, or written to `log`); or after 600 s, a hang guard."""
+    deadline = time.monotonic() + 600
+    while not ready():
+        if process is not None and process.poll() is not None:
+            stderr = log.read_text() if log is not None else process.communicate()[1] if process.stderr else ""
+            raise AssertionError(f"the process exited ({process.returncode}) before {what}: {stderr[-3000:]}")
+        assert time.monotonic() < deadline, f"{what}: not within 600 s, a hang guard"
+        time.sleep(0.05)
+
+
+def wait_for_updates(trainer: subprocess.Popen, out: Path, count: int) -> None:
     """Until the running trainer has logged `count` updates to out/metrics.jsonl; a failure if it exits first."""
-    deadline = time.time() + timeout
-    while not ((out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= count):
-        assert time.time() < deadline and trainer.poll() is None, trainer.communicate()[1][-3000:]
-        time.sleep(0.1)
+    wait_until(lambda: (out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= count, trainer,
+               f"{count} updates logged")
 
 
 def engine_comparable(metrics: list[dict]) -> list[dict]:

@@ -5,7 +5,6 @@ import math
 import os
 import re
 import signal
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import rloo
 from conftest import REPO, policy_tokenizer, prompt_rows, read_metrics, run_rloo, tiny_policy
 from helpers import (ENGINE_RUN, K, NO_AUTOCAST, PER_UPDATE, PROMPTS, TWO_RANKS, assert_same_run, edited_rloo,
                      engine_comparable, free_port, launch, left_padded, reward_model_score, run_main,
-                     stopped_and_resumed_on_two_ranks, train, write_jsonl)
+                     stopped_and_resumed_on_two_ranks, train, wait_until, write_jsonl)
 
 
 def examples() -> dict[str, list[str]]:
@@ -500,10 +499,7 @@ def test_a_stop_while_a_reward_function_runs_saves_every_part_as_the_update_foun
     process = launch([*common, "--output_dir", stopped], script=script, env={
         "REWARD_MISBEHAVES_AT_CALL": "3", "REWARD_MISBEHAVIOUR": "hang", "REWARD_HANGING": str(hanging)})
     try:
-        deadline = time.time() + 600  # a hang guard only
-        while not hanging.exists():
-            assert time.time() < deadline and process.poll() is None, process.communicate()[1][-3000:]
-            time.sleep(0.05)
+        wait_until(hanging.exists, process, "the reward function hanging")
         process.send_signal(signal.SIGTERM)
         stdout, stderr = process.communicate(timeout=600)
     finally:

@@ -10,7 +10,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ import rloo
 from helpers import (K, NOT_REPRODUCIBLE, PER_UPDATE, PROMPTS, REPO, RUN, assert_same_run,  # noqa: F401 (kept here)
                      comparable, fake_run, forge_manifest, hub_cache_repo, interrupt_after_first_update, launch,
                      pid_of, policy_tokenizer, prompt_rows, python, read_metrics, run_main, run_rloo, saved_steps,
-                     script_command, script_env, tiny_policy, trainer_state, tree, write_jsonl)
+                     script_command, script_env, tiny_policy, trainer_state, tree, wait_until, write_jsonl)
 
 
 
@@ -185,11 +184,8 @@ def test_sigkill_during_saves_never_leaves_a_broken_latest_checkpoint(tmp_path):
     out = tmp_path / "out"
     for attempt in range(4):
         process = subprocess.Popen([python(), str(REPO / "tests" / "save_loop.py"), str(out)], env=env)
-        deadline = time.time() + 600  # a hang guard only
-        while latest_checkpoint(str(out)) is None or \
-                attempt == 0 and len(list((out / "checkpoints").glob("step_*"))) < 2:
-            assert time.time() < deadline and process.poll() is None
-            time.sleep(0.02)
+        wait_until(lambda: latest_checkpoint(str(out)) is not None and (
+            attempt > 0 or len(list((out / "checkpoints").glob("step_*"))) >= 2), process, "a checkpoint saved")
         time.sleep(rng.uniform(0.0, 0.5))
         os.kill(pid_of(process), signal.SIGKILL)  # the process that saves (a fork: not its client)
         process.wait()
@@ -775,10 +771,8 @@ def test_a_console_gone_or_a_thread_left_running_never_keeps_a_run_from_stopping
         4000), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=script_env(), cwd=REPO)  # 1000 updates
     process.stdout.close()  # the reader is gone before the run writes a line
     try:
-        deadline = time.time() + 600  # a hang guard only
-        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 1):
-            assert time.time() < deadline and process.poll() is None, "the run never logged an update"
-            time.sleep(0.05)
+        wait_until(lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 1,
+                   process, "an update logged")
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=600) == 0
     finally:  # a run that hangs does not outlive the test
@@ -998,12 +992,13 @@ def test_a_signal_to_one_rank_during_start_up_stops_every_rank_with_one_line(ass
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
                                start_new_session=True)
     try:
-        deadline = time.time() + 600  # a hang guard only: the events below decide when to go on
-        asleep = 0  # rank 1 stalled, rank 0 seen asleep in a collective on consecutive looks (not on a moment's lock)
-        while asleep < 3:
-            assert time.time() < deadline and process.poll() is None, process.communicate()[1][-3000:]
-            asleep = asleep + 1 if ready.exists() and blocked_in_a_collective(waiting) else 0
-            time.sleep(0.1)
+        looks = []
+
+        def asleep() -> bool:  # rank 1 stalled, rank 0 seen in a collective on 3 looks running (not a moment's lock)
+            looks.append(ready.exists() and blocked_in_a_collective(waiting))
+            return looks[-3:] == [True] * 3
+
+        wait_until(asleep, process, "rank 0 waiting in a collective")
         started = time.time()
         os.kill(int(ready.read_text()), sig)  # rank 1's process, not torchrun's
         _, stderr = process.communicate(timeout=600)
@@ -1091,10 +1086,7 @@ def test_a_reward_function_that_exits_returns_no_float32_or_hangs_stops_with_the
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     try:
         if sig is not None:
-            deadline = time.time() + 600  # a hang guard only
-            while not hanging.exists():
-                assert time.time() < deadline and process.poll() is None, process.communicate()[1][-3000:]
-                time.sleep(0.05)
+            wait_until(hanging.exists, process, "the reward function hanging")
             process.send_signal(sig)
         stdout, stderr = process.communicate(timeout=600)
     finally:  # a run that hangs does not outlive the test
@@ -1135,11 +1127,9 @@ def test_ctrl_c_twice_exits_at_once_and_a_signal_during_start_up_trains_nothing(
         process = subprocess.Popen(script_command("rloo.py", *common, "--output_dir", out, "--reward_fn",
                                                   "reward_fns:misbehaving"),
                                    stdout=subprocess.DEVNULL, stderr=stderr, env=env, cwd=REPO)
-        deadline = time.time() + 600  # a hang guard only
-        while "rloo.py: SIGINT received: stopping after this update with a checkpoint; Ctrl-C again exits at once " \
-                "without one" not in stderr_path.read_text() or not hanging.exists():
-            assert time.time() < deadline and process.poll() is None, stderr_path.read_text()[-3000:]
-            time.sleep(0.05)
+        wait_until(lambda: "rloo.py: SIGINT received: stopping after this update with a checkpoint; Ctrl-C again "
+                   "exits at once without one" in stderr_path.read_text() and hanging.exists(), process,
+                   "the first SIGINT's line, the reward function hanging", log=stderr_path)
         process.send_signal(signal.SIGINT)
         process.wait(timeout=600)
     assert process.returncode == -signal.SIGINT  # killed in the middle of the update, which is not saved
@@ -1151,10 +1141,7 @@ def test_ctrl_c_twice_exits_at_once_and_a_signal_during_start_up_trains_nothing(
                                               "reward_fns_blocking_import:count_a"), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=script_env({"BLOCKING_IMPORT_READY": str(ready)}),
                                cwd=REPO)
-    deadline = time.time() + 600  # a hang guard only
-    while not ready.exists():
-        assert time.time() < deadline and process.poll() is None, process.communicate()[1][-3000:]
-        time.sleep(0.05)
+    wait_until(ready.exists, process, "the reward function's module importing")
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=600)
     assert process.returncode == 0 and stderr.strip().splitlines() == [

@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Optional
@@ -24,7 +23,8 @@ import rloo
 import rloo_multinode as mn
 from conftest import REPO, policy_tokenizer, read_metrics, script_env, tiny_policy
 from helpers import (ARCHITECTURES, ENGINE_RUN, PER_UPDATE, SECRET, engine_comparable, free_port, left_padded,
-                     listening_sockets, live_processes_in_group, run_script, tiny_architecture, wait_for_updates)
+                     listening_sockets, live_processes_in_group, run_script, tiny_architecture, wait_for_updates,
+                     wait_until)
 from vllm_standin import BAD_ANSWERS
 
 pytestmark = pytest.mark.engines  # make test-engines
@@ -248,7 +248,7 @@ def test_an_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(assets
     trainer = run_script("rloo_multinode.py", "--model_name_or_path", assets["policy"], "--dataset_name",
                          assets["train"], *ENGINE_RUN, "--total_episodes", 1000 * PER_UPDATE, "--output_dir", out,
                          "--engine", "hf", "--engine_port", free_port(), wait=False)
-    wait_for_updates(trainer, out, 1, timeout=120)
+    wait_for_updates(trainer, out, 1)
     os.kill(json.loads((out / "engines.json").read_text())["0"]["pid"], signal.SIGKILL)
     stdout, stderr = trainer.communicate(timeout=60)  # never a hang
     assert trainer.returncode == 4, stderr[-3000:]
@@ -326,7 +326,7 @@ def test_one_rank_over_two_vllm_servers_splits_by_prompt_and_stops_with_a_checkp
                          "--engine_urls", ",".join(url for _, url, _ in servers), "--async_generation",
                          "--engine_port", free_port(), wait=False)
     try:
-        wait_for_updates(trainer, out, 2, timeout=120)
+        wait_for_updates(trainer, out, 2)
     finally:
         servers[1][0].kill()
     assert [m["rollout/staleness"] for m in read_metrics(out)[:2]] == [0, 1]
@@ -627,10 +627,7 @@ def test_engines_started_at_start_up_are_ended_when_start_up_fails_or_is_signall
                          assets["train"], *ENGINE_RUN, "--total_episodes", PER_UPDATE, "--output_dir", out, "--engine",
                          "hf", "--engine_port", free_port(), *(["--engine_timeout", 1] if how == "error" else []),
                          wait=False, env={"PYTHONPATH": f"{hook}:{REPO}:{REPO / 'tests'}"})
-    deadline = time.time() + 600  # a hang guard only
-    while not (out / "engines.json").is_file():
-        assert trainer.poll() is None and time.time() < deadline, trainer.communicate()[1][-3000:]
-        time.sleep(0.05)
+    wait_until((out / "engines.json").is_file, trainer, "the engines started")
     engine = json.loads((out / "engines.json").read_text())["0"]["pid"]
     if how == "signal":
         trainer.send_signal(signal.SIGTERM)
@@ -640,10 +637,7 @@ def test_engines_started_at_start_up_are_ended_when_start_up_fails_or_is_signall
         assert "engine 0 (loading its model) did not answer within --engine_timeout 1 s" in stderr, stderr[-3000:]
     else:
         assert trainer.returncode == 0 and "SIGTERM received during start-up" in stderr, stderr[-3000:]
-    deadline = time.time() + 600  # the trainer kills the group as it exits; the kernel's reaping, a hang guard only
-    while live_processes_in_group(engine) and time.time() < deadline:
-        time.sleep(0.1)
-    assert live_processes_in_group(engine) == []
+    wait_until(lambda: live_processes_in_group(engine) == [], what="the engine's group reaped")  # the trainer killed it
 
 
 def test_an_engine_started_by_hand_with_the_secret_and_the_model_serves_a_run(assets, tmp_path, monkeypatch):
@@ -833,10 +827,7 @@ def test_an_hf_engine_that_dies_or_stalls_mid_sync_stops_every_rank_with_a_check
     else:
         assert "did not answer within --weight_sync_timeout 5 s" in line, line
     engine = json.loads((out / "engines.json").read_text())["0"]["pid"]
-    deadline = time.time() + 600  # the trainer kills the group as it exits; the kernel's reaping, a hang guard only
-    while live_processes_in_group(engine) and time.time() < deadline:
-        time.sleep(0.1)
-    assert live_processes_in_group(engine) == []
+    wait_until(lambda: live_processes_in_group(engine) == [], what="the engine's group reaped")  # the trainer killed it
 
 
 def test_a_weight_transfer_that_never_returns_is_bounded_and_leaves_the_process_free_to_exit(assets, tmp_path):
