@@ -1618,4 +1618,5 @@ def main(args: Args, make_rollouts: Callable[..., RolloutSource] = LocalRollouts
 
 # ===================================================================== command line
 if __name__ == "__main__":
-    plumbing.run_script(main, plumbing.parse_args(Args, prog="rloo.py"), "rloo.py")
+    program = Path(__file__).name  # a copy's errors and --help name the copy
+    plumbing.run_script(main, plumbing.parse_args(Args, prog=program), program)

@@ -449,10 +449,6 @@ def validate_lora_sync(args: Args) -> None:
         raise plumbing.ConfigError("--lora_sync adapters with --vllm_enable_sleep_mode is not supported yet: vLLM's "
                                    "deep sleep drops the base weights, which an adapters-only sync never resends; "
                                    "drop one of them")
-    if args.fsdp:
-        raise plumbing.ConfigError("--lora_sync adapters with --fsdp and vLLM engines is not supported yet: its "
-                                   "first update failed in the tests (the loss without a gradient); use --lora_sync "
-                                   "merged, or --engine hf")
 
 
 def validate_colocated_args(args: Args) -> None:
@@ -2540,14 +2536,15 @@ def main(args: Args) -> None:
 
 
 def cli() -> None:
+    program = Path(__file__).name  # a copy's errors and --help name the copy
     if sys.argv[1:2] == ["serve"]:
         # engines rank 0 starts inherit its stop signals held (launch_engines); one started by hand changes nothing
         signal.pthread_sigmask(signal.SIG_UNBLOCK, plumbing.StopSignal.SIGNALS)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's, as the engine expects (not start-up's)
-        serve_args = tyro.cli(ServeArgs, args=sys.argv[2:], prog="rloo_multinode.py serve")
-        plumbing.run_script(serve, serve_args, "rloo_multinode.py serve")
+        serve_args = tyro.cli(ServeArgs, args=sys.argv[2:], prog=f"{program} serve")
+        plumbing.run_script(serve, serve_args, f"{program} serve")
         return
-    plumbing.run_script(main, plumbing.parse_args(Args, prog="rloo_multinode.py"), "rloo_multinode.py")
+    plumbing.run_script(main, plumbing.parse_args(Args, prog=program), program)
 
 
 if __name__ == "__main__":

@@ -419,14 +419,20 @@ class AdaptersOff(torch.nn.Module):
     def _forward(self, *args, **kwargs):
         policy = self._policy[0]
         layers = peft_layers(policy)
+        # peft's enable_adapters sets requires_grad on the tensors registered at the time; FSDP2 registers the shards
+        # before the forward and, where a unit stays gathered (gathered_for_rollout), the whole tensors after it, and
+        # gathers with the shards' flag: so the trainable tensors are set trainable again themselves
+        trainable = [p for layer in layers for p in layer.parameters() if p.requires_grad]
         with torch.no_grad():
             for layer in layers:
                 layer.enable_adapters(False)
             try:
                 return policy(*args, **kwargs)
-            finally:  # back on, trainable again (peft's enable_adapters sets requires_grad as it was)
+            finally:  # back on, trainable again
                 for layer in layers:
                     layer.enable_adapters(True)
+                for p in trainable:
+                    p.requires_grad_(True)
 
     def parameters(self, recurse: bool = True):
         return self._policy[0].parameters(recurse)

@@ -418,9 +418,9 @@ def run_main(module, in_update: list | None = None, **flags) -> list:
 
 
 # ---------------------------------------------------------------- a changed algorithm: edited copies of rloo.py, trained
-def edited_rloo(diffs: list[str], tmp_path):
+def edited_rloo(diffs: list[str], tmp_path, name: str = "rloo.py"):
     """rloo.py with the diffs applied (each one's context and removed lines found exactly once: the README's and
-    docs/algorithm.md's worked examples, or a test's own), imported as a module (its file in tmp_path)."""
+    docs/algorithm.md's worked examples, or a test's own), imported as a module (its file tmp_path/name)."""
     source = (REPO / "rloo.py").read_text()
     for diff in (hunk for block in diffs for hunk in re.split(r"^@@.*\n", block, flags=re.M)):  # @@: a new hunk
         lines = diff.splitlines()
@@ -430,7 +430,7 @@ def edited_rloo(diffs: list[str], tmp_path):
             stock_text_differs(f"an example's lines are in rloo.py {source.count(old)} times, not once: "
                                f"{old.strip().splitlines()[0]!r}")
         source = source.replace(old, new)
-    path = tmp_path / "rloo.py"
+    path = tmp_path / name
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(f"rloo_edited_{tmp_path.name}", path)
     module = importlib.util.module_from_spec(spec)

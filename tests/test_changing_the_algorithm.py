@@ -532,13 +532,13 @@ DIVERGING = {
 def test_ranks_that_would_diverge_stop_at_once_saying_what_differs_on_which_rank(assets, tmp_path, case):
     """Two ranks of a copy that takes another path on one rank: before the collectives that would not match (gloo's
     "Received data size doesn't match", or a wait until --ddp_timeout), every rank stops with one line naming the
-    difference and the ranks, on the first update."""
+    difference and the ranks, on the first update. The copy has a name of its own, which its errors carry."""
     edit, said = DIVERGING[case]
-    script = edited_rloo([edit], tmp_path).__file__
+    script = edited_rloo([edit], tmp_path, "my_rloo.py").__file__
     result = run_rloo("--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *TWO_RANKS,
                       "--output_dir", tmp_path / "out", nproc=2, script=script,
                       env={"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])})
-    assert result.returncode != 0 and f"rloo.py: error: {said}" in result.stderr.splitlines(), result.stderr[-3000:]
+    assert result.returncode != 0 and f"my_rloo.py: error: {said}" in result.stderr.splitlines(), result.stderr[-3000:]
     assert read_metrics(tmp_path / "out") == []  # the first update
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -222,8 +223,7 @@ def test_the_demo_task_learns_with_lora(tmp_path, synthetic_sft):
       "lora_dropout": 0.0}, "cannot load an adapter with --lora_target_parameters"),
     ({"load_in_4bit": True}, "--load_in_4bit with rloo_multinode.py is not supported yet"),
     ({"use_peft": False, "lora_sync": "adapters"}, "--lora_sync adapters says how LoRA adapters reach the engines"),
-    ({"lora_sync": "adapters", "fsdp": True}, "--lora_sync adapters with --fsdp and vLLM engines is not supported yet"),
-], ids=["dora", "modules_to_save", "rank", "target_parameters_colocated", "qlora", "without_use_peft", "fsdp"])
+], ids=["dora", "modules_to_save", "rank", "target_parameters_colocated", "qlora", "without_use_peft"])
 def test_lora_with_engines_that_cannot_take_it_is_refused_in_one_line_before_models_load(assets, tmp_path, flags,
                                                                                          message):
     """What vLLM cannot load as an adapter (--lora_sync adapters: DoRA, trained copies of modules, adapted
@@ -235,7 +235,7 @@ def test_lora_with_engines_that_cannot_take_it_is_refused_in_one_line_before_mod
     with pytest.raises(plumbing.ConfigError, match=re.escape(message)):
         rloo_multinode.main(rloo_multinode.Args(**(vars(args) | flags)))
     assert not (tmp_path / "out").exists()
-    if "use_dora" in flags or "lora_modules_to_save" in flags or "fsdp" in flags:  # the hf engine takes them
+    if "use_dora" in flags or "lora_modules_to_save" in flags:  # the hf engine takes them
         rloo_multinode.validate_lora_sync(rloo_multinode.Args(**(vars(args) | flags | {"engine": "hf"})))
 
 
@@ -421,6 +421,28 @@ def test_the_adapters_come_in_eval_mode_so_that_their_dropout_waits_for_training
     policy = tiny_policy(len(policy_tokenizer()))
     plumbing.add_adapters(policy, rloo.Args(use_peft=True, lora_r=4), None)
     assert rloo.Args().lora_dropout > 0 and not any(module.training for module in policy.modules())
+
+
+def test_the_reference_of_a_sharded_lora_policy_leaves_its_adapters_trainable_when_it_runs_first(tmp_path):
+    """--fsdp: the reference (AdaptersOff) switches the adapters off and on, and peft sets requires_grad on whatever
+    tensors are registered at the time: the shards before a forward, the gathered tensors after one that keeps its
+    units gathered (gathered_for_rollout). Its forward first in a rollout (rloo_multinode.py with vLLM engines and
+    --lora_sync adapters: the sampler's log-probs, no policy forward before it) left the shards frozen, and the
+    update's loss without a gradient. One rank, in this process."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        policy = tiny_policy(len(policy_tokenizer()))
+        plumbing.add_adapters(policy, rloo.Args(use_peft=True, lora_r=4, lora_dropout=0.0), None)
+        plumbing.distributed.shard_policy(policy, bf16=False)
+        reference, tokens = plumbing.AdaptersOff(policy), torch.arange(8).view(2, 4)
+        with plumbing.gathered_for_rollout(policy, "unshard"), torch.no_grad():
+            reference(tokens)
+            policy(tokens)
+        policy(tokens).logits.sum().backward()
+        adapters = [p for name, p in policy.named_parameters() if "lora_" in name]
+        assert adapters and all(p.requires_grad and p.grad is not None for p in adapters)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_bnb_4bit_quant_storage_is_the_dtype_the_4bit_weights_are_packed_in(assets):

@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -28,7 +27,8 @@ from plumbing.outputdir import latest_checkpoint
 import rloo_multinode as mn  # noqa: E402
 from conftest import REPO, neox_config, policy_tokenizer, read_metrics, run_rloo, script_env  # noqa: E402
 from helpers import (ENGINE_RUN, SECRET, fixed_sequences, free_port, listening_sockets,  # noqa: E402
-                     live_processes_in_group, max_difference, run_script, trainer_logprobs, wait_for_updates)
+                     live_processes_in_group, max_difference, run_script, trainer_logprobs, wait_for_updates,
+                     wait_until)
 
 LOGPROB_TOLERANCE = 1e-5  # fp32 on both sides, on CPU: measured after a sync, up to 7e-7 (and 1.4 before it)
 ENGINE_FLAGS = ("--vllm_gpu_memory_utilization", 0.2, "--vllm_enforce_eager")  # on CPU: host memory, no compile
@@ -173,15 +173,16 @@ def test_a_lora_run_generates_with_a_bf16_vllm_engine_taking_merged_weights_and_
 
 
 @on_cpu
-@pytest.mark.parametrize("sharding", ["fsdp", "lora_adapters"])
+@pytest.mark.parametrize("sharding", ["fsdp", "fsdp_lora_merged", "fsdp_lora_adapters"])
 def test_a_vllm_engine_samples_from_the_filtered_distribution_the_trainer_scores(assets, vllm_policy, tmp_path,
                                                                                 sharding):
     """--top_k, --top_p and --repetition_penalty reach vLLM's SamplingParams, and with processed_logprobs the
     log-probs it returns of the tokens it drew are the trainer's of the filtered distribution (fp32 both sides): the
-    trainer sharded with FSDP2 (torchrun, one rank), its weights gathered bucket by bucket for each sync; or with
-    LoRA adapters loaded as adapters (--lora_sync adapters: each sync's files through the control store, a new name
-    per sync, vLLM's LoRA kernels sampling)."""
-    flags = ["--fsdp"] if sharding == "fsdp" else [*LORA, "--lora_sync", "adapters"]
+    trainer sharded with FSDP2 (torchrun, one rank), its weights gathered bucket by bucket for each sync (with LoRA,
+    the adapted weights merged); or with LoRA adapters loaded as adapters (--lora_sync adapters: each sync's files
+    through the control store, a new name per sync, vLLM's LoRA kernels sampling)."""
+    flags = {"fsdp": ["--fsdp"], "fsdp_lora_merged": ["--fsdp", *LORA],
+             "fsdp_lora_adapters": ["--fsdp", *LORA, "--lora_sync", "adapters"]}[sharding]
     result = run_rloo("--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *ENGINE_RUN,
                       "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--total_episodes", PER_UPDATE, "--output_dir",
                       tmp_path, "--engine", "vllm", "--engine_port", free_port(), "--top_k", 5, "--top_p", 0.9,
@@ -197,7 +198,7 @@ def test_a_vllm_engine_samples_from_the_filtered_distribution_the_trainer_scores
     # mismatch would be the adapter's whole effect (0.37 and more in the colocated test's checks before a load), so the
     # bound above shows the adapter loaded; objective/kl says nothing of it (above 1 from the filtering alone)
     log = (tmp_path / "engine_0.log").read_text()
-    assert ("'enable_lora': True" in log and "'max_lora_rank': 8" in log) == (sharding != "fsdp"), log[-3000:]
+    assert ("'enable_lora': True" in log and "'max_lora_rank': 8" in log) == sharding.endswith("adapters"), log[-3000:]
     assert metrics[0]["objective/kl"] > 1.0  # the reference is unfiltered: top-5 of 15 tokens is ~1.1 nats a token
 
 
@@ -206,7 +207,7 @@ def test_a_vllm_engine_that_dies_stops_the_run_with_a_checkpoint_and_names_it(as
     trainer = run_script("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"],
                          *ENGINE_RUN, "--total_episodes", 1000 * PER_UPDATE, "--output_dir", tmp_path, "--engine",
                          "vllm", "--engine_port", free_port(), *ENGINE_FLAGS, wait=False)
-    wait_for_updates(trainer, tmp_path, 1, timeout=300)  # vLLM's start-up, then one update
+    wait_for_updates(trainer, tmp_path, 1)  # vLLM's start-up, then one update
     engine = json.loads((tmp_path / "engines.json").read_text())["0"]["pid"]
     assert len(live_processes_in_group(engine)) >= 3  # `serve`, vLLM's engine core and its worker
     os.kill(engine, signal.SIGKILL)  # the `serve` process alone: vLLM's processes outlive it
@@ -260,10 +261,7 @@ def test_a_vllm_engine_whose_worker_dies_mid_sync_stops_the_run_with_a_checkpoin
     assert line.startswith("rloo_multinode.py: error: engine 0 ") and "; checkpoint of update 1 saved to" in line
     assert "Traceback" not in stderr and [m["update"] for m in read_metrics(out)] == [1], stderr[-3000:]
     engine = json.loads((out / "engines.json").read_text())["0"]["pid"]
-    deadline = time.time() + 60  # the trainer kills the group as it exits; the kernel's reaping, a hang guard only
-    while live_processes_in_group(engine) and time.time() < deadline:
-        time.sleep(0.2)
-    assert live_processes_in_group(engine) == []
+    wait_until(lambda: live_processes_in_group(engine) == [], what="the engine's group reaped")  # the trainer killed it
 
 
 @on_cpu
@@ -273,20 +271,14 @@ def test_a_vllm_engine_started_at_start_up_is_ended_by_a_sigterm_while_it_loads(
     trainer = run_script("rloo_multinode.py", "--model_name_or_path", vllm_policy, "--dataset_name", assets["train"],
                          *ENGINE_RUN, "--total_episodes", PER_UPDATE, "--output_dir", tmp_path, "--engine", "vllm",
                          "--engine_port", free_port(), *ENGINE_FLAGS, wait=False)
-    deadline, engine = time.time() + 300, None
-    while engine is None or len(live_processes_in_group(engine)) < 2:  # `serve`, then vLLM's engine core
-        assert trainer.poll() is None and time.time() < deadline, trainer.communicate()[1][-3000:]
-        if engine is None and (tmp_path / "engines.json").is_file():
-            engine = json.loads((tmp_path / "engines.json").read_text())["0"]["pid"]
-        time.sleep(0.2)
+    wait_until((tmp_path / "engines.json").is_file, trainer, "the engine started")
+    engine = json.loads((tmp_path / "engines.json").read_text())["0"]["pid"]
+    wait_until(lambda: len(live_processes_in_group(engine)) >= 2, trainer, "vLLM's engine core started")  # and `serve`
     print(f"processes of the engine when signalled: {len(live_processes_in_group(engine))}")
     trainer.send_signal(signal.SIGTERM)
     _, stderr = trainer.communicate(timeout=120)
     assert trainer.returncode == 0 and "SIGTERM received during start-up" in stderr, stderr[-3000:]
-    deadline = time.time() + 10
-    while live_processes_in_group(engine) and time.time() < deadline:
-        time.sleep(0.2)
-    assert live_processes_in_group(engine) == []
+    wait_until(lambda: live_processes_in_group(engine) == [], what="the engine's group reaped")  # the trainer killed it
 
 
 # ----- --vllm_mode colocate: a vLLM engine in every training process
@@ -399,17 +391,29 @@ def test_colocated_engines_on_two_ranks_sample_each_update_s_lora_merged_then_re
 
 
 @on_cpu
-def test_a_colocated_engines_bad_answer_stops_the_run_with_a_checkpoint_naming_it(assets, llama_policy, tmp_path):
-    """The colocated engine's answer is checked as every engine's is (rloo_multinode.answered): a NaN log-prob in the
-    second batch stops the run with update 1 saved."""
-    failed = run_rloo("--model_name_or_path", llama_policy, "--dataset_name", assets["train"], *ENGINE_RUN,
-                      *COLOCATED, "--total_episodes", 4 * COLOCATED_PER_UPDATE, "--output_dir", tmp_path,
-                      env={"FAIL_AT_BATCH": "2", "BAD_ANSWER": "nan_logprob"}, script="tests/colocated_run.py")
+def test_a_colocated_gpt_neox_engine_samples_lora_adapters_and_its_bad_answer_stops_the_run(assets, vllm_policy,
+                                                                                              tmp_path):
+    """GPT-NeoX, colocated, --lora_sync adapters (the LoRA cell of the mission's model; the Llama test above runs both
+    syncs on 2 ranks): after update 1's adapter loads, the sampler's log-probs of the tokens it drew are the trainer's.
+    The colocated engine's answer is checked as every engine's is (rloo_multinode.answered): a NaN log-prob in the
+    third batch stops the run with update 2 saved."""
+    failed = run_rloo("--model_name_or_path", vllm_policy, "--dataset_name", assets["train"], *ENGINE_RUN,
+                      *COLOCATED, *LORA, "--lora_sync", "adapters", "--total_episodes", 4 * COLOCATED_PER_UPDATE,
+                      "--output_dir", tmp_path, env={"FAIL_AT_BATCH": "3", "BAD_ANSWER": "nan_logprob"},
+                      script="tests/colocated_run.py")
     assert failed.returncode == 4, failed.stderr[-3000:]
     assert failed.stderr.strip().splitlines()[-1].startswith(
         "rloo_multinode.py: error: rank 0's vLLM engine sent the log-prob nan for token 0 of choice 0: a sampled "
-        "token's log-prob is finite and at most 0; checkpoint of update 1 saved to"), failed.stderr[-3000:]
-    assert "Traceback" not in failed.stderr and [m["update"] for m in read_metrics(tmp_path)] == [1]
+        "token's log-prob is finite and at most 0; checkpoint of update 2 saved to"), failed.stderr[-3000:]
+    assert "Traceback" not in failed.stderr and [m["update"] for m in read_metrics(tmp_path)] == [1, 2]
+    checks = [json.loads(line) for line in (tmp_path / "sync_check_rank0.jsonl").read_text().splitlines()]
+    assert [(c["when"], c["version"]) for c in checks] == [
+        ("after the load", 0), ("before the load", 1), ("after the load", 1), ("before the load", 2)]
+    print("sampler - trainer log-prob of the sampled tokens after each load:",
+          [c["sampled_difference"] for c in checks if c["when"] == "after the load"])
+    assert all(c["difference"] is None and c["sampled_difference"] < LOGPROB_TOLERANCE and c["carried"]
+               for c in checks if c["when"] == "after the load")
+    assert read_metrics(tmp_path)[1]["mismatch/logprob_diff_max"] < LOGPROB_TOLERANCE  # update 1's adapter sampled
 
 
 @on_cpu
@@ -484,14 +488,15 @@ def cpu_vllm_server(policy, log, *flags, env: dict | None = None):
          "rloo_multinode.VLLMWorkerExtension", "--logprobs-mode", "processed_logprobs", *flags],
         stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
         env=script_env({"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(REPO), **CPU_ENGINE_ENV, **(env or {})}))
-    url, deadline = f"http://127.0.0.1:{port}", time.time() + 300
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        with contextlib.suppress(OSError):
+            return http(f"{url}/health")[0] == 200
+        return False
+
     try:
-        while True:
-            assert server.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-            with contextlib.suppress(OSError):
-                if http(f"{url}/health")[0] == 200:
-                    break
-            time.sleep(1)
+        wait_until(healthy, server, "`vllm serve` answered /health", log=log)
         yield url
     finally:
         os.killpg(server.pid, signal.SIGKILL)  # the server and vLLM's engine-core and worker processes
