@@ -1,11 +1,11 @@
 """Two PPO epochs of one minibatch on a fixed global batch of 8 completions (k = 2 of 4 prompts), in one process or
 split by prompt over the ranks of a torchrun, with DDP or (argv[2] "fsdp", "fsdp_offload") FSDP2, for each family of
 argv[3] (comma-separated: gpt_neox, the tests' tiny policy, or one of helpers.ARCHITECTURES; default gpt_neox); "lora":
-LoRA adapters on a tied Llama-like model, in one process, "fsdp_lora" sharded with them. Rank 0 saves to argv[1], for
-each family, the parameters before and after, and after each micro-step whether the sharded trained parameters held a
-gradient yet (FSDP: whether that micro-step reduce-scattered), and the updated policy's log-probs of the whole batch
+LoRA adapters on the family's model (for gpt_neox a tied Llama-like one), in one process, "fsdp_lora" sharded with
+them. Rank 0 saves to argv[1], for each family, the parameters before and after, and after each micro-step whether
+the sharded trained parameters held a gradient yet (FSDP: whether that micro-step reduce-scattered), and the updated policy's log-probs of the whole batch
 (with LoRA, its reference's too: the same module with its adapters off), FSDP's blocks gathered as for a rollout; with
-LoRA, the adapter as a run saves it to argv[1].adapter. Used by test_distributed.py."""
+LoRA, the adapter as a run saves it to argv[1].<family>.adapter. Used by test_distributed.py."""
 
 import contextlib
 import sys
@@ -24,15 +24,17 @@ import rloo
 GLOBAL_PROMPTS, K = 4, 2  # 8 completions
 
 
-def lora_policy(vocab_size: int) -> LlamaForCausalLM:
-    """A tied Llama-like model with adapters on every linear layer, their B matrices drawn (peft starts them at 0,
-    which gives A no gradient in a first step)."""
+def lora_policy(vocab_size: int, family: str) -> torch.nn.Module:
+    """For gpt_neox, a tied Llama-like model; else the family's tiny model: with adapters on every linear layer (peft
+    refuses Mamba's out_proj: Falcon-H1's go on its attention and its Mamba in_proj), their B matrices drawn (peft
+    starts them at 0, which gives A no gradient in a first step)."""
     torch.manual_seed(0)
-    policy = LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
-                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                          tie_word_embeddings=True, pad_token_id=0, eos_token_id=1)).eval()
+    policy = tiny_architecture(family) if family != "gpt_neox" else LlamaForCausalLM(LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1)).eval()
     plumbing.add_adapters(policy, rloo.Args(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
-                                            lora_target_modules=("all-linear",)), None)
+                                            lora_target_modules=("q_proj", "v_proj", "in_proj") if family ==
+                                            "falcon_h1" else ("all-linear",)), None)
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if ".lora_B." in name:
@@ -51,7 +53,7 @@ def main(out_path: str, wrapper: str, families: list[str]) -> None:
 def update(family: str, wrapper: str, dist_info: plumbing.Dist, out_path: str) -> dict:
     tokenizer = policy_tokenizer()
     if "lora" in wrapper:
-        policy = lora_policy(len(tokenizer))
+        policy = lora_policy(len(tokenizer), family)
     else:
         policy = tiny_policy(len(tokenizer), seed=0) if family == "gpt_neox" else tiny_architecture(family)
     share_prompt = family == "gpt_neox" or ARCHITECTURES[family][2] is None  # state-space layers cannot share
@@ -104,7 +106,7 @@ def update(family: str, wrapper: str, dist_info: plumbing.Dist, out_path: str) -
     else:
         state = policy.state_dict()
     if "lora" in wrapper:  # with FSDP a collective
-        plumbing.checkpoints.save_policy(policy, tokenizer, f"{out_path}.adapter", dist_info.rank)
+        plumbing.checkpoints.save_policy(policy, tokenizer, f"{out_path}.{family}.adapter", dist_info.rank)
     return {"initial": initial, "final": state, "synced": synced, "logprobs": logprobs}
 
 

@@ -52,7 +52,7 @@ def test_two_rank_update_equals_one_rank_update(tmp_path, wrapper):
     if "lora" in wrapper:  # the adapters, all of them, and nothing else; saved whole from the shards
         assert moved == {name for name in one["final"] if ".lora_" in name}
         assert not torch.allclose(two["logprobs"]["reference"], two["logprobs"]["policy"])  # the adapters count
-        unsharded, saved = (load_file(tmp_path / f"{run}.pt.adapter" / plumbing.models.ADAPTER_WEIGHTS)
+        unsharded, saved = (load_file(tmp_path / f"{run}.pt.gpt_neox.adapter" / plumbing.models.ADAPTER_WEIGHTS)
                             for run in ("one", "two"))
         assert saved.keys() == unsharded.keys() and len(saved) == len(moved)
         for name, value in unsharded.items():
@@ -66,19 +66,25 @@ def test_two_rank_update_equals_one_rank_update(tmp_path, wrapper):
         assert [reduced for _, reduced in two["synced"]] == ([False, True] * 2 if "lora" in wrapper else [True] * 4)
 
 
-def test_two_rank_fsdp_update_equals_one_rank_update_on_every_architecture(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_two_rank_fsdp_update_equals_one_rank_update_on_every_architecture(tmp_path, lora):
     """Llama, GPT-2 (tied embeddings), Mistral and Gemma 2 (sliding windows), GPT-OSS and Qwen3-MoE (experts),
     Falcon-H1 (state-space, unshared): FSDP2 shards each by its own transformer blocks and updates it as one process
-    does, in one torchrun for all."""
+    does, in one torchrun for all; with LoRA adapters on every linear layer too, the adapters alone moving, the
+    reference (adapters off) the base's."""
     families = ",".join(ARCHITECTURES)
-    run([], tmp_path / "one.pt", "ddp", families)
-    run(TWO_RANKS, tmp_path / "two.pt", "fsdp", families)
+    run([], tmp_path / "one.pt", "lora" if lora else "ddp", families)
+    run(TWO_RANKS, tmp_path / "two.pt", "fsdp_lora" if lora else "fsdp", families)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert list(one) == list(two) == list(ARCHITECTURES)
     for family in ARCHITECTURES:
-        assert_same_update(one[family], two[family], lora=False)
-        moved = [not torch.equal(value, one[family]["initial"][name]) for name, value in one[family]["final"].items()]
-        assert sum(moved) > len(moved) // 2  # the update did change the parameters
+        assert_same_update(one[family], two[family], lora)
+        moved = {name for name, value in one[family]["final"].items()
+                 if not torch.equal(value, one[family]["initial"][name])}
+        if lora:  # the adapters, all of them, and nothing else
+            assert moved == {name for name in one[family]["final"] if ".lora_" in name}, family
+        else:  # the update did change the parameters
+            assert len(moved) > len(one[family]["final"]) // 2, family
 
 
 def test_a_run_frees_its_ddp_wrapper_before_the_process_group(assets, tmp_path, monkeypatch):
