@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import policy_tokenizer, tiny_policy
-from helpers import ARCHITECTURES, tiny_architecture
+from helpers import ARCHITECTURES, lora_targets, tiny_architecture
 import plumbing
 from plumbing.distributed import shard_policy
 import rloo
@@ -25,16 +25,14 @@ GLOBAL_PROMPTS, K = 4, 2  # 8 completions
 
 
 def lora_policy(vocab_size: int, family: str) -> torch.nn.Module:
-    """For gpt_neox, a tied Llama-like model; else the family's tiny model: with adapters on every linear layer (peft
-    refuses Mamba's out_proj: Falcon-H1's go on its attention and its Mamba in_proj), their B matrices drawn (peft
-    starts them at 0, which gives A no gradient in a first step)."""
+    """For gpt_neox, a tied Llama-like model; else the family's tiny model: with adapters on every linear layer
+    (lora_targets), their B matrices drawn (peft starts them at 0, which gives A no gradient in a first step)."""
     torch.manual_seed(0)
     policy = tiny_architecture(family) if family != "gpt_neox" else LlamaForCausalLM(LlamaConfig(
         vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1)).eval()
     plumbing.add_adapters(policy, rloo.Args(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
-                                            lora_target_modules=("q_proj", "v_proj", "in_proj") if family ==
-                                            "falcon_h1" else ("all-linear",)), None)
+                                            lora_target_modules=lora_targets(family)), None)
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if ".lora_B." in name:

@@ -100,6 +100,12 @@ ARCHITECTURES = {  # family: (config class, its settings, None if it shares prom
 }
 
 
+def lora_targets(family: str) -> tuple[str, ...]:
+    """--lora_target_modules for adapters on every linear layer of the family's model: all-linear, but for Falcon-H1
+    its attention and its Mamba in_proj (peft refuses Mamba's out_proj, which all-linear reaches, in one line)."""
+    return ("q_proj", "v_proj", "in_proj") if family == "falcon_h1" else ("all-linear",)
+
+
 def architecture_config(family: str, **changes):
     """The family's tiny config (made when asked for: transformers warns about some of them as it makes them, which
     a script importing this file would print)."""

@@ -25,6 +25,7 @@ from conftest import REPO, policy_tokenizer, read_metrics, script_env, tiny_poli
 from helpers import (ARCHITECTURES, ENGINE_RUN, PER_UPDATE, SECRET, engine_comparable, free_port, left_padded,
                      listening_sockets, live_processes_in_group, run_script, tiny_architecture, wait_for_updates,
                      wait_until)
+import fsdp_lora_weights
 from vllm_standin import BAD_ANSWERS
 
 pytestmark = pytest.mark.engines  # make test-engines
@@ -141,14 +142,17 @@ def test_after_a_lora_sync_an_hf_engine_holds_the_merged_weights_or_the_adapters
         rollouts.close()
 
 
-def test_the_merged_weights_and_adapter_files_of_an_fsdp_sharded_lora_policy_are_the_unsharded_ones():
-    """engine_weights gathers each FSDP2 unit around an adapted layer for peft's merge (peft's arithmetic on the
-    sharded DTensors gives other numbers), then reshards it; adapter_files gathers the adapters. Checked on 2 ranks for
-    plain LoRA and DoRA, the policy sharded as --fsdp shards it."""
+def test_the_weights_merged_weights_and_adapter_files_of_an_fsdp_sharded_policy_are_the_unsharded_ones():
+    """engine_weights gathers each weight of the sharded policy by its name; with LoRA it gathers each FSDP2 unit
+    around an adapted layer for peft's merge (peft's arithmetic on the sharded DTensors gives other numbers), then
+    reshards it; adapter_files gathers the adapters. Checked on 2 ranks for every family, without LoRA and with
+    adapters on every linear layer (merged as merge_and_unload merges; on GPT-NeoX DoRA too), the policy sharded as
+    --fsdp shards it."""
     result = run_script("tests/fsdp_lora_weights.py", nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert [line for line in result.stderr.splitlines() if line.startswith(("lora ", "dora "))] == ["lora ok",
-                                                                                                  "dora ok"]
+    expected = [f"{family} {case} ok" for family, cases in fsdp_lora_weights.CASES.items() for case in cases]
+    assert [line for line in result.stderr.splitlines() if line.startswith(tuple(fsdp_lora_weights.CASES))] == \
+        expected, result.stderr[-3000:]
 
 
 def test_lora_runs_with_hf_engines_equal_rloo_py_s_and_resume_with_the_other_sync(assets, tmp_path):
