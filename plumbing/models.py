@@ -371,9 +371,11 @@ def add_adapters(policy, args, checkpoint: Optional[Path]) -> None:
         torch.manual_seed(args.seed)
         try:
             policy.add_adapter(lora_config(args))
-        except ValueError as e:  # no target modules known for the architecture, or a name that matches nothing
-            raise ConfigError(f"--use_peft: {first_line(e)} - pass --lora_target_modules (module names, or "
-                              "all-linear)") from None
+        except ValueError as e:  # no target modules known for the architecture, a name that matches nothing, or a
+            # module peft cannot adapt in this model (Mamba's out_proj, which all-linear reaches)
+            other = "" if "all-linear" in (args.lora_target_modules or ()) else ", or all-linear"
+            raise ConfigError(f"--use_peft: {first_line(e)} - pass --lora_target_modules (module names{other})") \
+                from None
     policy.eval()  # peft's new modules come in train mode, their --lora_dropout on: off until training switches it on
     base = policy.peft_config["default"].base_model_name_or_path  # the path as typed; a Hub id stays as it is
     if base and Path(base).is_dir():  # absolute: the saved adapter loads its base from any folder

@@ -23,7 +23,7 @@ from plumbing.outputdir import MERGED, latest_checkpoint
 from plumbing.sharing import why_not_shared
 import rloo
 from conftest import REPO, cpu_env, policy_tokenizer, read_metrics, run_rloo, script_env, tiny_policy
-from helpers import comparable, interrupt_after_first_update, python
+from helpers import comparable, interrupt_after_first_update, python, tiny_architecture
 
 LORA = ("--use_peft", "--lora_r", "4", "--lora_alpha", "8")
 RUN = ("--reward_fn", "reward_fns:count_a", "--rloo_k", "4", "--per_device_train_batch_size", "16",
@@ -443,6 +443,15 @@ def test_the_reference_of_a_sharded_lora_policy_leaves_its_adapters_trainable_wh
         assert adapters and all(p.requires_grad and p.grad is not None for p in adapters)
     finally:
         dist.destroy_process_group()
+
+
+def test_all_linear_on_a_state_space_hybrid_is_refused_in_one_line_naming_the_module():
+    """peft cannot adapt Mamba's out_proj, which all-linear reaches in Falcon-H1: one line, peft's reason and the
+    flag to change (not all-linear again); its attention and in_proj take adapters (tests/ddp_update.py)."""
+    with pytest.raises(plumbing.ConfigError, match=r"^--use_peft: .*'out_proj' is incompatible with Mamba-based "
+                                                   r"models.* - pass --lora_target_modules \(module names\)$"):
+        plumbing.add_adapters(tiny_architecture("falcon_h1"), rloo.Args(use_peft=True, lora_target_modules=(
+            "all-linear",)), None)
 
 
 def test_bnb_4bit_quant_storage_is_the_dtype_the_4bit_weights_are_packed_in(assets):
