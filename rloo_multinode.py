@@ -138,7 +138,8 @@ class Args(rloo.Args):
     """comma-separated GPU ids on rank 0's node for the engines it starts, vllm_tensor_parallel_size per engine, in
     order; default: the GPUs after the training ranks' (LOCAL_WORLD_SIZE on), or the CPU"""
     engine_port: int = 29600
-    """port of the engines' control store at trainer rank 0's MASTER_ADDR; the weight group uses engine_port + 1"""
+    """port of the engines' control store at trainer rank 0's MASTER_ADDR; the weight group uses engine_port + 1
+    (both below the host's ephemeral range)"""
     engine_timeout: float = 600.0
     """seconds the engines may take to start, and each request to them (a batch's completions), before the run stops
     with an error naming the engine"""
