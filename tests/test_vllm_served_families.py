@@ -1,0 +1,47 @@
+"""`vllm serve` of each family that vLLM's CPU build runs exactly when colocated (test_vllm.py's families test: Llama;
+Mistral, every layer sliding; Gemma 2, sliding and full; Falcon-H1, attention and state-space): a run attached to
+the server trains an update and syncs, and the server then scores fixed completions as the trained policy does, and
+its sampler's log-probs are the trainer's. One server per family, about a minute each on 2 cores: `make
+test-vllm-families`, kept out of `make test-vllm` and CI (GPT-NeoX, served, is in test_vllm.py)."""
+
+import pytest
+import torch
+import transformers
+
+from test_vllm import (ENGINE_FLAGS, LOGPROB_TOLERANCE, PER_UPDATE, cpu_vllm_server, on_cpu,  # noqa: F401 (vllm first)
+                       server_logprobs)
+import plumbing
+from colocated_families import FAMILIES, TINY
+from conftest import policy_tokenizer, read_metrics
+from helpers import ENGINE_RUN, fixed_sequences, free_port, max_difference, run_script, trainer_logprobs
+
+CONFIGS = {"llama": transformers.LlamaConfig(**TINY), **{family: FAMILIES[family][0]
+                                                          for family in ("mistral", "gemma2", "falcon_h1")}}
+
+
+@on_cpu
+@pytest.mark.parametrize("family", CONFIGS)
+def test_a_run_attached_to_a_vllm_server_of_each_family_leaves_it_scoring_as_the_trained_policy(family, assets,
+                                                                                              tmp_path):
+    config = CONFIGS[family]
+    torch.manual_seed(0)
+    policy = getattr(transformers, type(config).__name__.removesuffix("Config") + "ForCausalLM")(config)
+    policy.save_pretrained(tmp_path / "policy")
+    policy_tokenizer().save_pretrained(tmp_path / "policy")
+    sequences, log = fixed_sequences(), tmp_path / "vllm_serve.log"
+    with cpu_vllm_server(tmp_path / "policy", log) as url:
+        before = server_logprobs(url, sequences, key=None)
+        result = run_script("rloo_multinode.py", "--model_name_or_path", tmp_path / "policy", "--dataset_name",
+                            assets["train"], *ENGINE_RUN, "--num_ppo_epochs", 1, "--num_mini_batches", 1,
+                            "--total_episodes", PER_UPDATE // 2, "--output_dir", tmp_path / "out", "--engine_urls",
+                            url, "--engine_port", free_port())
+        assert result.returncode == 0, result.stderr[-3000:] + log.read_text()[-3000:]
+        after = server_logprobs(url, sequences, key=None)
+    [metrics] = read_metrics(tmp_path / "out")
+    trained = trainer_logprobs(plumbing.load_causal_lm(str(tmp_path / "out"), torch.float32, False).eval(), sequences)
+    print(f"{family}: max |vLLM server - trained policy| log-prob: before the run "
+          f"{max_difference(before, trained):.2e}, after {max_difference(after, trained):.2e}; sampled tokens "
+          f"{metrics['mismatch/logprob_diff_max']:.2e}")
+    assert abs(metrics["val/ratio"] - 1) < 1e-5 and metrics["mismatch/logprob_diff_max"] < LOGPROB_TOLERANCE
+    assert max_difference(after, trained) < LOGPROB_TOLERANCE
+    assert max_difference(before, trained) > 100 * LOGPROB_TOLERANCE
