@@ -23,8 +23,8 @@ import rloo
 import rloo_multinode as mn
 from conftest import REPO, policy_tokenizer, read_metrics, script_env, tiny_policy
 from helpers import (ARCHITECTURES, ENGINE_RUN, PER_UPDATE, SECRET, engine_comparable, free_port, left_padded,
-                     listening_sockets, live_processes_in_group, run_script, tiny_architecture, wait_for_updates,
-                     wait_until)
+                     listening_sockets, live_processes_in_group, lora_targets, run_script, tiny_architecture,
+                     wait_for_updates, wait_until)
 import fsdp_lora_weights
 from vllm_standin import BAD_ANSWERS
 
@@ -92,6 +92,38 @@ def test_after_a_sync_every_engine_holds_the_trainers_weights_bit_for_bit(archit
         assert completions.prompt_index.tolist() == [9, 2, 5] and completions.responses.shape[0] == 3 * args.rloo_k
     finally:
         rollouts.close()
+
+
+@pytest.mark.parametrize("family", ["tied_llama", *ARCHITECTURES])
+def test_an_hf_engine_of_every_family_takes_a_lora_sync_merged_or_as_adapters(family, tmp_path):
+    """What the syncs send (SyncedWeights: the merged weights, or the adapters alone), loaded by an hf engine of each
+    family (HFEngine, in this process: its load by name is the one its process runs, test_after_a_sync_...'s engines
+    show the transfer): with the adapters its peft modules give the trainer's logits bit for bit, merged its plain
+    model gives them within fp32 rounding. GPT-NeoX: the test below, with engine processes."""
+    tokenizer = policy_tokenizer()
+    base = tied_llama(len(tokenizer)) if family == "tied_llama" else tiny_architecture(family)
+    base.save_pretrained(tmp_path / "policy")
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    for lora_sync in ("adapters", "merged"):
+        args = mn.Args(model_name_or_path=str(tmp_path / "policy"), engine="hf", use_peft=True, lora_r=4,
+                       lora_alpha=8, lora_dropout=0.0, lora_sync=lora_sync,
+                       lora_target_modules=lora_targets("llama" if family == "tied_llama" else family))
+        policy = plumbing.load_causal_lm(str(tmp_path / "policy"), torch.float32, False).eval()
+        plumbing.add_adapters(policy, args, None)
+        with torch.no_grad():  # trained adapters: peft starts B at 0, which merges to the base
+            for p in policy.parameters():
+                if p.requires_grad:
+                    p.normal_(0, 0.1)
+        engine = mn.HFEngine(args, torch.device("cpu"))
+        synced = mn.SyncedWeights(policy, args)
+        engine.load_weights([(name, weight.value().detach()) for name, weight in synced.weights.items()])
+        with torch.no_grad():
+            trainer, served = policy(tokens).logits, engine.model(tokens).logits
+        if lora_sync == "adapters":
+            assert torch.equal(served, trainer), family
+        else:
+            torch.testing.assert_close(served, trainer, rtol=1e-5, atol=1e-5, msg=family)
+        assert not torch.allclose(served, base(tokens).logits, atol=1e-3)  # the adapters count
 
 
 LORA = ("--use_peft", "--lora_r", 4, "--lora_alpha", 8)
