@@ -134,7 +134,8 @@ def client(address: str, python: str, argv: list[str]) -> None:
         f.write(str(pid))  # Interpreter.pid_of
     end = replies.readline().split()  # "exit CODE" or "signal N", once the run has ended
     if len(end) == 2 and end[0] == "signal":
-        signal.signal(int(end[1]), signal.SIG_DFL)
+        if int(end[1]) != signal.SIGKILL:  # its handler cannot be set, nor need be
+            signal.signal(int(end[1]), signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [int(end[1])])
         os.kill(os.getpid(), int(end[1]))
     os._exit(int(end[1]) if len(end) == 2 and end[0] == "exit" else 1)

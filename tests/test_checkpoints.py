@@ -182,10 +182,12 @@ def test_sigkill_during_saves_never_leaves_a_broken_latest_checkpoint(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
     rng = random.Random(0)
     out = tmp_path / "out"
-    for attempt in range(4):
+    for attempt in range(4):  # each attempt resumes the run, and is killed once it has saved (the first: twice)
+        latest = latest_checkpoint(str(out))
+        before = 1 if latest is None else int(latest.name.removeprefix("step_"))
         process = subprocess.Popen([python(), str(REPO / "tests" / "save_loop.py"), str(out)], env=env)
-        wait_until(lambda: latest_checkpoint(str(out)) is not None and (
-            attempt > 0 or len(list((out / "checkpoints").glob("step_*"))) >= 2), process, "a checkpoint saved")
+        wait_until(lambda: latest_checkpoint(str(out)) is not None and
+                   int(latest_checkpoint(str(out)).name.removeprefix("step_")) > before, process, "a checkpoint saved")
         time.sleep(rng.uniform(0.0, 0.5))
         os.kill(pid_of(process), signal.SIGKILL)  # the process that saves (a fork: not its client)
         process.wait()
