@@ -182,12 +182,15 @@ def test_sigkill_during_saves_never_leaves_a_broken_latest_checkpoint(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
     rng = random.Random(0)
     out = tmp_path / "out"
-    for attempt in range(4):  # each attempt resumes the run, and is killed once it has saved (the first: twice)
+
+    def latest_step() -> int:
         latest = latest_checkpoint(str(out))
-        before = 1 if latest is None else int(latest.name.removeprefix("step_"))
+        return 0 if latest is None else int(latest.name.removeprefix("step_"))
+
+    for _ in range(4):  # each attempt resumes the run, and is killed once it has saved (the first: twice)
+        before = max(latest_step(), 1)
         process = subprocess.Popen([python(), str(REPO / "tests" / "save_loop.py"), str(out)], env=env)
-        wait_until(lambda: latest_checkpoint(str(out)) is not None and
-                   int(latest_checkpoint(str(out)).name.removeprefix("step_")) > before, process, "a checkpoint saved")
+        wait_until(lambda: latest_step() > before, process, "a checkpoint saved")
         time.sleep(rng.uniform(0.0, 0.5))
         os.kill(pid_of(process), signal.SIGKILL)  # the process that saves (a fork: not its client)
         process.wait()
