@@ -26,7 +26,9 @@ for, atexit handlers, its modules' objects finalized, stdout flushed) but withou
 libraries (0.3 s of every run): what only they still hold is not finalized. The other differences from a new
 interpreter: the runs share the server's hash seed (PYTHONHASHSEED), and a run's parent process is the server, not
 the process that started it (a test whose run reads its launcher's command line, /proc/PPID/cmdline, uses
-sys.executable). `TESTS_FORK=0 make test` runs every test with real interpreters.
+sys.executable). The server keeps no thread but its own, nor a multiprocessing lock (tqdm's, made by the loading
+bars, is unmade): a run would inherit it held, or share it with every other run (check_nothing_shared).
+`TESTS_FORK=0 make test` runs every test with real interpreters.
 """
 
 import gc
@@ -214,6 +216,8 @@ def warm_up() -> None:
             os.dup2(saved_fd, fd)
             os.close(saved_fd)
         os.close(devnull)
+    if "tqdm.std" in sys.modules:
+        unmade(sys.modules["tqdm.std"])
     for once in ("warning_once", "info_once"):
         getattr(getattr(transformers.utils.logging, once, None), "cache_clear", lambda: None)()
     for module in list(sys.modules.values()):  # (vars: a lazy module's getattr would import)
@@ -222,11 +226,45 @@ def warm_up() -> None:
             registry.clear()
 
 
+def unmade(std: types.ModuleType) -> None:
+    """tqdm as a new interpreter has it, once the loading bars are closed: its lock and its monitor thread not made
+    yet. Made here, the lock would be a semaphore shared with every run (a run killed while drawing a bar leaves it
+    held: every later run's bar waits forever), and the thread could hold it at a fork (held in that run forever)."""
+    classes = [std.tqdm]
+    for cls in classes:  # get_lock and a bar set _lock and monitor on the class they are called on
+        classes.extend(cls.__subclasses__())
+        if vars(cls).get("monitor") is not None:
+            cls.monitor.exit()  # wakes its thread and waits for it
+        for name in ("_lock", "monitor"):
+            if name in vars(cls):
+                delattr(cls, name)
+    std.tqdm.monitor = None  # (tqdm's own default)
+    if "mp_lock" in vars(std.TqdmDefaultWriteLock):
+        del std.TqdmDefaultWriteLock.mp_lock
+    unclosed = list(std.tqdm._instances)
+    assert not unclosed, f"a progress bar left open by the server's imports: {unclosed}"
+
+
+def check_nothing_shared() -> None:
+    """What a run would share with the other runs or inherit held, which a new interpreter never does: a thread
+    besides this one (a lock it holds as the server forks stays held in that run) or a multiprocessing lock (a
+    semaphore of every process forked after it is made). The server stops, named in its log, rather than serve."""
+    import threading
+
+    synchronize = sys.modules.get("multiprocessing.synchronize")
+    shared = [o for o in gc.get_objects() if synchronize and issubclass(type(o), synchronize.SemLock)]
+    threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if shared or threads:
+        raise SystemExit(f"the preloaded libraries left threads {threads} and multiprocessing locks {shared}: "
+                         "a fork would share or inherit them held; make them in each run instead (see unmade)")
+
+
 def serve(address: str, client_path: str) -> None:
     """Preload, listen at `address`, fork a run per client; end when stdin (the pytest worker's pipe) closes. A run's
     torchrun starts its ranks through `client_path` too (PYTHON_EXEC), unless the run names its own."""
     said = preload()
     warm_up()
+    check_nothing_shared()
     preloaded = {name.partition(".")[0] for name in sys.modules} | {"usercustomize"}  # sitecustomize: site_customizes
     gc.freeze()  # the collector of each run leaves the preloaded objects alone: no copy-on-write of all their pages
     env = effective(dict(os.environ))
@@ -546,7 +584,7 @@ class Interpreter:
         import time
 
         deadline = time.monotonic() + 600  # a hang guard only
-        while not open(self.log).read().startswith("ready\n"):
+        while "ready" not in open(self.log).read().splitlines():  # (after what the imports may warn)
             if self.server.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the server of forked interpreters did not start: {open(self.log).read()[-2000:]}")
             time.sleep(0.05)

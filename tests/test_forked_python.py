@@ -160,6 +160,20 @@ def test_the_client_killed_ends_the_run(tmp_path):
         time.sleep(0.02)
 
 
+def test_a_run_killed_inside_a_progress_bar_never_stops_a_later_runs_bar():
+    """A run killed while it holds tqdm's lock (drawing a bar: datasets' and transformers' loading bars) leaves it
+    held: the lock is a semaphore shared with every process forked after it is made. Each run makes its own, as a new
+    interpreter does, so the next run's bar is drawn (it hung, in load_prompts, for the rest of a pytest worker)."""
+    take = ("import os, signal\nfrom tqdm.auto import tqdm\ntqdm.get_lock().acquire()\nprint(os.getpid(), flush=True)"
+            "\nos.kill(os.getpid(), signal.SIGKILL)")
+    killed = subprocess.Popen([python(), "-c", take], env=script_env(), stdout=subprocess.PIPE, text=True)
+    run = int(killed.communicate(timeout=300)[0])
+    assert killed.returncode == -signal.SIGKILL and fork_served(killed.pid, run)
+    bar = started(python(), "-c", "from tqdm.auto import tqdm\nfor _ in tqdm(range(2)): pass\nprint('drawn')",
+                  env=script_env())  # (its timeout: a hang guard only)
+    assert bar.returncode == 0 and bar.stdout == "drawn\n", bar.stderr[-2000:]
+
+
 def test_torchruns_ranks_are_forks_too_and_a_sitecustomize_runs_in_them(tmp_path):
     (tmp_path / "hook").mkdir()
     (tmp_path / "hook" / "sitecustomize.py").write_text("import os\nos.environ['CUSTOMIZED'] = 'yes'\n")
