@@ -16,6 +16,7 @@ import pickle
 import random
 import re
 import shutil
+import sys
 import time
 import uuid
 import warnings
@@ -1304,4 +1305,4 @@ class Checkpointer:
             self.lock.mark_preempted(str(path or where))
         except OSError as e:  # output_dir moved away meanwhile, a full disk: said, the stop stands
             where += f" (output_dir/preempted could not be written: {e.strerror or e})"
-        logger.say(f"rloo.py: {what}; {where}; continue with the same command and --resume")
+        logger.say(f"{Path(sys.argv[0]).name}: {what}; {where}; continue with the same command and --resume")

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -160,8 +161,8 @@ class StopSignal:
             raise RewardFunctionError(f"{name} received while a reward function ran", signal_name=name)
         if signum == signal.SIGINT and self.announce:  # os.write: print() is not safe inside a signal handler
             with contextlib.suppress(OSError):  # stderr gone (a closed pipe: Ctrl-C reached `| tee` too)
-                os.write(2, b"rloo.py: SIGINT received: stopping after this update with a checkpoint; Ctrl-C again "
-                            b"exits at once without one\n")
+                os.write(2, f"{Path(sys.argv[0]).name}: SIGINT received: stopping after this update with a checkpoint; "
+                            "Ctrl-C again exits at once without one\n".encode())
 
     def requested(self, device: torch.device) -> bool:
         """Collective: True on every rank as soon as any rank got a signal."""

@@ -294,9 +294,9 @@ def check_context(config, what: str, args, longest_prompt: int) -> None:
                           f"{needed} tokens, but the {what} has {positions} positions (max_position_embeddings), "
                           f"a learned table with no row past them: lower {fix}")
     if os.environ.get("RANK", "0") == "0":
-        print(f"rloo.py: warning: the longest prompt, {longest_prompt} tokens, + --response_length = {needed} tokens "
-              f"exceed the {what}'s {positions} positions (max_position_embeddings), where it was not trained: lower "
-              f"{fix}", file=sys.stderr)
+        print(f"{Path(sys.argv[0]).name}: warning: the longest prompt, {longest_prompt} tokens, + --response_length = "
+              f"{needed} tokens exceed the {what}'s {positions} positions (max_position_embeddings), where it was not "
+              f"trained: lower {fix}", file=sys.stderr)
 
 
 def save_merged_policy(args, config, tokenizer) -> None:

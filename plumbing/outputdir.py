@@ -104,8 +104,8 @@ class OutputDirLock:
                               f"({inert(holder)}): wait for it to end or stop it, or pass another --output_dir"
                               ) from None
         except OSError as e:  # a filesystem without locks (Lustre without -o flock, some NFS setups)
-            print(f"rloo.py: warning: cannot lock --output_dir {inert(self.output_dir, 120)} ({e.strerror or e}): a "
-                  "second run into it would not be stopped", file=sys.stderr)
+            print(f"{Path(sys.argv[0]).name}: warning: cannot lock --output_dir {inert(self.output_dir, 120)} "
+                  f"({e.strerror or e}): a second run into it would not be stopped", file=sys.stderr)
         lock.seek(0)
         lock.truncate()
         lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")

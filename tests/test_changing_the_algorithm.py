@@ -18,9 +18,9 @@ from plumbing.checkpoints import reference_tensors
 from plumbing.outputdir import latest_checkpoint
 import rloo
 from conftest import REPO, policy_tokenizer, prompt_rows, read_metrics, run_rloo, tiny_policy
-from helpers import (ENGINE_RUN, K, NO_AUTOCAST, PER_UPDATE, PROMPTS, TWO_RANKS, assert_same_run, edited_rloo,
-                     engine_comparable, free_port, launch, left_padded, reward_model_score, run_main,
-                     stopped_and_resumed_on_two_ranks, train, wait_until, write_jsonl)
+from helpers import (ENGINE_RUN, K, NO_AUTOCAST, PER_UPDATE, PROMPTS, RUN, TWO_RANKS, assert_same_run, edited_rloo,
+                     engine_comparable, free_port, interrupt_after_first_update, launch, left_padded,
+                     reward_model_score, run_main, stopped_and_resumed_on_two_ranks, train, wait_until, write_jsonl)
 
 
 def examples() -> dict[str, list[str]]:
@@ -540,6 +540,24 @@ def test_ranks_that_would_diverge_stop_at_once_saying_what_differs_on_which_rank
                       env={"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])})
     assert result.returncode != 0 and f"my_rloo.py: error: {said}" in result.stderr.splitlines(), result.stderr[-3000:]
     assert read_metrics(tmp_path / "out") == []  # the first update
+
+
+def test_a_copy_names_itself_in_the_plumbing_s_warnings_and_stop_lines(assets, tmp_path):
+    """Every line a copy (my_rloo.py) prints starts with its own name, the plumbing's too: the warning on positions
+    before the run, Ctrl-C's two lines (the first from the signal handler, the last once the update is saved)."""
+    script = edited_rloo([], tmp_path, "my_rloo.py").__file__
+    flags = [*RUN]
+    flags[flags.index("--response_length") + 1] = "60"  # + the 5-token prompts: past the tiny policy's 64 positions
+    returncode, stdout, stderr = interrupt_after_first_update(
+        ["--model_name_or_path", assets["policy"], "--dataset_name", assets["train"], *flags, "--total_episodes",
+         PER_UPDATE * 50, "--output_dir", tmp_path / "out"], signal.SIGINT, script=script)
+    assert returncode == 0, stderr[-3000:]
+    lines = (stdout + stderr).splitlines()
+    for said in ("my_rloo.py: warning: the longest prompt, 5 tokens, + --response_length = 65 tokens exceed",
+                 "my_rloo.py: SIGINT received: stopping after this update with a checkpoint",
+                 "my_rloo.py: SIGINT received: stopped after update"):
+        assert any(line.startswith(said) for line in lines), (said, lines[-20:])
+    assert not any(line.startswith("rloo.py") for line in lines), lines
 
 
 @pytest.mark.parametrize("example,flags", [("A response-length schedule", ()),
