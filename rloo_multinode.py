@@ -506,13 +506,15 @@ def ephemeral_ports() -> tuple[int, int]:
     return int(low), int(high)
 
 
-def reserved_ports() -> set[int]:
-    """Ports the kernel keeps out of its ephemeral range (net.ipv4.ip_local_reserved_ports: "8000,9000-9010")."""
-    try:
-        text = Path("/proc/sys/net/ipv4/ip_local_reserved_ports").read_text().strip()
-    except OSError:
-        return set()
-    spans = [tuple(map(int, part.split("-"))) for part in text.split(",") if part]
+def reserved_ports(text: Optional[str] = None) -> set[int]:
+    """Ports the kernel keeps out of its ephemeral range: `text` as net.ipv4.ip_local_reserved_ports says them
+    ("8000,9000-9010", or nothing), by default this host's."""
+    if text is None:
+        try:
+            text = Path("/proc/sys/net/ipv4/ip_local_reserved_ports").read_text()
+        except OSError:
+            return set()
+    spans = [tuple(map(int, part.split("-"))) for part in text.strip().split(",") if part]
     return {port for span in spans for port in range(span[0], span[-1] + 1)}
 
 

@@ -720,6 +720,20 @@ def test_an_engine_timeout_of_zero_and_a_port_in_use_or_ephemeral_are_refused_be
                 mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", engine_port=engine_port), 1)
 
 
+def test_a_port_the_kernel_reserves_inside_its_ephemeral_range_is_taken(monkeypatch):
+    """net.ipv4.ip_local_reserved_ports: ports of the ephemeral range no outgoing connection takes ("8000,9000-9010",
+    or nothing): an --engine_port whose pair is reserved there is taken, one a port short of it refused."""
+    assert mn.reserved_ports("") == mn.reserved_ports("\n") == set()
+    assert mn.reserved_ports("8000,9000-9002\n") == {8000, 9000, 9001, 9002}
+    port, parse = mn.free_engine_port(), mn.reserved_ports
+    monkeypatch.setattr(mn, "ephemeral_ports", lambda: (port - 4, port + 4))
+    monkeypatch.setattr(mn, "reserved_ports", lambda: parse(f"{port - 1}-{port + 1}"))
+    mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", engine_port=port), 1)  # port and port + 1
+    with pytest.raises(plumbing.ConfigError, match=rf"^--engine_port {port - 2}: port {port - 2} lies in this host's "
+                       rf"ephemeral range {port - 4}-{port + 4} "):
+        mn.validate_engine_args(mn.Args(model_name_or_path="m", engine="hf", engine_port=port - 2), 1)
+
+
 def test_a_master_addr_not_of_this_host_and_a_missing_or_short_secret_are_refused_in_one_line(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "192.0.2.1")  # TEST-NET-1: no address of this host
     with pytest.raises(plumbing.ConfigError, match=r"^MASTER_ADDR 192.0.2.1: rank 0 cannot listen there .* set MASTER"):
