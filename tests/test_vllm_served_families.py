@@ -1,33 +1,40 @@
 """`vllm serve` of each family that vLLM's CPU build runs exactly when colocated (test_vllm.py's families test: Llama;
 Mistral, every layer sliding; Gemma 2, sliding and full; Falcon-H1, attention and state-space): a run attached to
 the server trains an update and syncs, and the server then scores fixed completions as the trained policy does, and
-its sampler's log-probs are the trainer's. One server per family, about a minute each on 2 cores: `make
-test-vllm-families`, kept out of `make test-vllm` and CI (GPT-NeoX, served, is in test_vllm.py)."""
+its sampler's log-probs are the trainer's; a LoRA run's adapters (--lora_sync adapters) sample as the trainer's
+adapters score. One server per family and mode, about a minute each on 2 cores: `make test-vllm-families`, kept
+out of `make test-vllm` and CI (GPT-NeoX, served, is in test_vllm.py)."""
 
 import pytest
 import torch
 import transformers
 
-from test_vllm import (ENGINE_FLAGS, LOGPROB_TOLERANCE, PER_UPDATE, cpu_vllm_server, on_cpu,  # noqa: F401 (vllm first)
-                       server_logprobs)
+from test_vllm import (ENGINE_FLAGS, LOGPROB_TOLERANCE, LORA, PER_UPDATE, cpu_vllm_server,  # noqa: F401 (vllm first)
+                       on_cpu, server_logprobs)
 import plumbing
+import rloo_multinode as mn
 from colocated_families import FAMILIES, TINY
 from conftest import policy_tokenizer, read_metrics
-from helpers import ENGINE_RUN, fixed_sequences, free_port, max_difference, run_script, trainer_logprobs
+from helpers import (ENGINE_RUN, fixed_sequences, free_port, lora_targets, max_difference, run_script,
+                     trainer_logprobs)
 
 CONFIGS = {"llama": transformers.LlamaConfig(**TINY), **{family: FAMILIES[family][0]
                                                           for family in ("mistral", "gemma2", "falcon_h1")}}
+
+
+def saved_policy(family: str, folder) -> None:
+    config = CONFIGS[family]
+    torch.manual_seed(0)
+    policy = getattr(transformers, type(config).__name__.removesuffix("Config") + "ForCausalLM")(config)
+    policy.save_pretrained(folder)
+    policy_tokenizer().save_pretrained(folder)
 
 
 @on_cpu
 @pytest.mark.parametrize("family", CONFIGS)
 def test_a_run_attached_to_a_vllm_server_of_each_family_leaves_it_scoring_as_the_trained_policy(family, assets,
                                                                                               tmp_path):
-    config = CONFIGS[family]
-    torch.manual_seed(0)
-    policy = getattr(transformers, type(config).__name__.removesuffix("Config") + "ForCausalLM")(config)
-    policy.save_pretrained(tmp_path / "policy")
-    policy_tokenizer().save_pretrained(tmp_path / "policy")
+    saved_policy(family, tmp_path / "policy")
     sequences, log = fixed_sequences(), tmp_path / "vllm_serve.log"
     with cpu_vllm_server(tmp_path / "policy", log) as url:
         before = server_logprobs(url, sequences, key=None)
@@ -45,3 +52,29 @@ def test_a_run_attached_to_a_vllm_server_of_each_family_leaves_it_scoring_as_the
     assert abs(metrics["val/ratio"] - 1) < 1e-5 and metrics["mismatch/logprob_diff_max"] < LOGPROB_TOLERANCE
     assert max_difference(after, trained) < LOGPROB_TOLERANCE
     assert max_difference(before, trained) > 100 * LOGPROB_TOLERANCE
+
+
+@on_cpu
+@pytest.mark.parametrize("family", CONFIGS)
+def test_a_lora_run_attached_to_a_vllm_server_of_each_family_samples_with_the_trainer_s_adapters(family, assets,
+                                                                                                 tmp_path):
+    """--use_peft --lora_sync adapters on every linear layer the family's adapters reach (lora_targets): the server
+    loads the adapters at each sync, and the second update's completions, sampled with the first update's adapters,
+    have the trainer's log-probs."""
+    saved_policy(family, tmp_path / "policy")
+    log = tmp_path / "vllm_serve.log"
+    with cpu_vllm_server(tmp_path / "policy", log, "--enable-lora", "--max-lora-rank", "8",
+                         env={mn.RUNTIME_LORA: "1"}) as url:
+        result = run_script("rloo_multinode.py", "--model_name_or_path", tmp_path / "policy", "--dataset_name",
+                            assets["train"], *ENGINE_RUN, *LORA, "--lora_target_modules", *lora_targets(family),
+                            "--lora_sync", "adapters", "--num_ppo_epochs", 1, "--num_mini_batches", 1,
+                            "--total_episodes", PER_UPDATE, "--output_dir", tmp_path / "out", "--engine_urls", url,
+                            "--engine_port", free_port())
+        assert result.returncode == 0, result.stderr[-3000:] + log.read_text()[-3000:]
+    metrics = read_metrics(tmp_path / "out")
+    print(f"{family}: sampler - trainer log-prob, max per update:",
+          [f"{m['mismatch/logprob_diff_max']:.1e}" for m in metrics])
+    assert [m["update"] for m in metrics] == [1, 2] and metrics[1]["objective/kl"] > 100 * LOGPROB_TOLERANCE  # moved
+    assert all(abs(m["val/ratio"] - 1) < 1e-5 and m["mismatch/logprob_diff_max"] < LOGPROB_TOLERANCE
+               for m in metrics)
+    assert log.read_text().count("Loaded new LoRA adapter: name 'rloo-") >= 2  # the start's, update 1's
