@@ -289,9 +289,8 @@ def interrupt_after_first_update(args: list, sig: signal.Signals, nproc: int = 0
                                  script: Path = REPO / "rloo.py") -> tuple[int, str, str]:
     """Start a run, once it has logged an update call `meanwhile` and send it a real signal, wait for it to end."""
     process = launch(args, nproc, script)
-    metrics = Path(args[args.index("--output_dir") + 1]) / "metrics.jsonl"
-    wait_until(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1 or process.poll() is not None,
-               what="an update logged")
+    out = Path(args[args.index("--output_dir") + 1])
+    wait_until(lambda: updates_logged(out) >= 1 or process.poll() is not None, what="an update logged")
     meanwhile(process)
     process.send_signal(sig)
     stdout, stderr = process.communicate(timeout=600)
@@ -546,10 +545,15 @@ def wait_until(ready: Callable[[], bool], process: subprocess.Popen | None = Non
         time.sleep(0.05)
 
 
+def updates_logged(out: Path) -> int:
+    """How many updates a run has logged to out/metrics.jsonl so far, read as plumbing reads it: the evaluations'
+    lines left out (the initial policy's comes before the first update), and a line still being written."""
+    return len(plumbing.runlog.read_metrics(out / "metrics.jsonl")) if (out / "metrics.jsonl").is_file() else 0
+
+
 def wait_for_updates(trainer: subprocess.Popen, out: Path, count: int) -> None:
     """Until the running trainer has logged `count` updates to out/metrics.jsonl; a failure if it exits first."""
-    wait_until(lambda: (out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= count, trainer,
-               f"{count} updates logged")
+    wait_until(lambda: updates_logged(out) >= count, trainer, f"{count} updates logged")
 
 
 def engine_comparable(metrics: list[dict]) -> list[dict]:

@@ -34,7 +34,8 @@ import rloo
 from helpers import (K, NOT_REPRODUCIBLE, PER_UPDATE, PROMPTS, REPO, RUN, assert_same_run,  # noqa: F401 (kept here)
                      comparable, fake_run, forge_manifest, hub_cache_repo, interrupt_after_first_update, launch,
                      pid_of, policy_tokenizer, prompt_rows, python, read_metrics, run_main, run_rloo, saved_steps,
-                     script_command, script_env, tiny_policy, trainer_state, tree, wait_until, write_jsonl)
+                     script_command, script_env, tiny_policy, trainer_state, tree, updates_logged, wait_until,
+                     write_jsonl)
 
 
 
@@ -776,8 +777,7 @@ def test_a_console_gone_or_a_thread_left_running_never_keeps_a_run_from_stopping
         4000), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=script_env(), cwd=REPO)  # 1000 updates
     process.stdout.close()  # the reader is gone before the run writes a line
     try:
-        wait_until(lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 1,
-                   process, "an update logged")
+        wait_until(lambda: updates_logged(out) >= 1, process, "an update logged")
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=600) == 0
     finally:  # a run that hangs does not outlive the test
