@@ -1057,6 +1057,7 @@ def register_weight_transfer_backends() -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
             finalize_layerwise_reload(self.model, self.model_config)
+            reprocess_tied_heads(self.model)
 
         def shutdown(self) -> None:
             self.receiver = None  # the group goes with it
@@ -1072,6 +1073,22 @@ def register_weight_transfer_backends() -> None:
     for name, engine in (("gloo", GlooWeightTransferEngine), ("in_process", InProcessWeightTransferEngine)):
         with contextlib.suppress(ValueError):  # registered already, by another copy of this file in the process
             WeightTransferEngineFactory.register_engine(name, engine)
+
+
+def reprocess_tied_heads(model: torch.nn.Module) -> None:
+    """An output layer tied to the input embeddings (GPT-2, a tied Llama) is sent no weight of its own: vLLM's
+    layerwise reload writes the new embeddings into the tensor the head shares, but leaves what the head's loading
+    made from it as it was. On CPU that is a packed copy of the weight (its GEMM's), so the engine kept computing
+    logits with the weights it started with. Made again here from the shared tensor (elsewhere it makes nothing)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead, UnquantizedEmbeddingMethod,
+                                                                     VocabParallelEmbedding)
+
+    embeddings = {m.weight.data_ptr() for m in model.modules()
+                  if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)}
+    for head in model.modules():
+        if isinstance(head, ParallelLMHead) and isinstance(head.quant_method, UnquantizedEmbeddingMethod) \
+                and head.weight.data_ptr() in embeddings:
+            head.quant_method.process_weights_after_loading(head)
 
 
 if "vllm" in sys.modules:  # this file imported inside a vLLM process (a worker resolving the extension above)

@@ -349,9 +349,8 @@ def test_colocated_gpt_neox_engines_leave_the_trainer_s_models_running_stop_at_a
 
 # tests/colocated_families.py's families: those whose engine takes the trainer's weights exactly, those known not to
 # (vLLM 0.32's CPU build), and one built from transformers' own classes, whose start is refused
-EXACT_FAMILIES = ("mistral", "gemma2", "falcon_h1", "phi", "olmo2")
-INEXACT_FAMILIES = {"gpt2": "tied input and output embeddings: the output layer keeps the weights it was loaded with",
-                    "qwen3_moe": "the experts: transformers' fused expert tensors reach vLLM's experts otherwise"}
+EXACT_FAMILIES = ("gpt2", "mistral", "gemma2", "falcon_h1", "phi", "olmo2")  # GPT-2: tied (reprocess_tied_heads)
+INEXACT_FAMILIES = {"qwen3_moe": "the experts: transformers' fused expert tensors reach vLLM's experts otherwise"}
 
 
 @on_cpu
@@ -418,12 +417,13 @@ def test_a_colocated_gpt_neox_engine_samples_lora_adapters_and_its_bad_answer_st
 
 @on_cpu
 def test_colocated_engines_of_each_family_take_the_trainer_s_weights_and_leave_its_models_running(tmp_path):
-    """One colocated engine after another in one process (tests/colocated_families.py): sliding windows (Mistral;
-    Gemma 2, sliding and full), state-space hybrids (Falcon-H1), and models vLLM runs through its Transformers backend
-    (Phi, OLMo 2): started, each leaves a reference copied before the start and a reward model of the family giving the
-    losses and gradients they gave, scores fixed completions as the trainer does as loaded and after a load of moved
-    weights, and samples with the trainer's log-probs. GPT-2 and Qwen3-MoE start and score as loaded, but a load of
-    moved weights does not reach all of them. Starcoder2 built from transformers' own classes is refused."""
+    """One colocated engine after another in one process (tests/colocated_families.py): tied input and output
+    embeddings (GPT-2), sliding windows (Mistral; Gemma 2, sliding and full), state-space hybrids (Falcon-H1), and
+    models vLLM runs through its Transformers backend (Phi, OLMo 2): started, each leaves a reference copied before
+    the start and a reward model of the family giving the losses and gradients they gave, scores fixed completions as
+    the trainer does as loaded and after a load of moved weights, and samples with the trainer's log-probs. Qwen3-MoE
+    starts and scores as loaded, but a load of moved weights does not reach all of it. Starcoder2 built from
+    transformers' own classes is refused."""
     out = tmp_path / "families.json"
     result = run_rloo(out, ",".join([*EXACT_FAMILIES, *INEXACT_FAMILIES]), "--refused", "starcoder2", timeout=1200,
                       script="tests/colocated_families.py")  # a hang guard: one process, eight engines in turn
