@@ -59,48 +59,32 @@ def test_a_run_attached_to_a_vllm_server_of_each_family_leaves_it_scoring_as_the
 
 
 @on_cpu
+@pytest.mark.parametrize("mode", ["served", "colocated"])
 @pytest.mark.parametrize("family", LORA_FAMILIES)
-def test_a_lora_run_attached_to_a_vllm_server_of_each_family_samples_with_the_trainer_s_adapters(family, assets,
-                                                                                                 tmp_path):
-    """--use_peft --lora_sync adapters on every linear layer the family's adapters reach (lora_targets): the server
-    loads the adapters at each sync, and the second update's completions, sampled with the first update's adapters,
-    have the trainer's log-probs."""
+def test_a_lora_run_with_an_engine_of_each_family_samples_with_the_trainer_s_adapters(family, mode, assets, tmp_path):
+    """--use_peft --lora_sync adapters on every linear layer the family's adapters reach (lora_targets), with a
+    `vllm serve` attached or an engine in the training process (--vllm_mode colocate): the engine loads the adapters
+    at each sync, and the second update's completions, sampled with the first update's adapters, have the trainer's
+    log-probs."""
     saved_policy(family, tmp_path / "policy")
+    command = ["rloo_multinode.py", "--model_name_or_path", tmp_path / "policy", "--dataset_name", assets["train"],
+               *ENGINE_RUN, *LORA, "--lora_target_modules", *lora_targets(family), "--lora_sync", "adapters",
+               "--total_episodes", 2 * COLOCATED_PER_UPDATE, "--output_dir", tmp_path / "out"]  # 2 updates
     log = tmp_path / "vllm_serve.log"
-    with cpu_vllm_server(tmp_path / "policy", log, "--enable-lora", "--max-lora-rank", "8",
-                         env={mn.RUNTIME_LORA: "1"}) as url:
-        result = run_script("rloo_multinode.py", "--model_name_or_path", tmp_path / "policy", "--dataset_name",
-                            assets["train"], *ENGINE_RUN, *LORA, "--lora_target_modules", *lora_targets(family),
-                            "--lora_sync", "adapters", "--num_ppo_epochs", 1, "--num_mini_batches", 1,
-                            "--total_episodes", PER_UPDATE, "--output_dir", tmp_path / "out", "--engine_urls", url,
-                            "--engine_port", free_port())
-        assert result.returncode == 0, result.stderr[-3000:] + log.read_text()[-3000:]
+    if mode == "colocated":
+        result = run_script(*command, *COLOCATED)
+    else:
+        with cpu_vllm_server(tmp_path / "policy", log, "--enable-lora", "--max-lora-rank", "8",
+                             env={mn.RUNTIME_LORA: "1"}) as url:
+            result = run_script(*command, "--num_ppo_epochs", 1, "--num_mini_batches", 1, "--engine_urls", url,
+                                "--engine_port", free_port())
+    assert result.returncode == 0, result.stderr[-3000:] + (log.read_text()[-3000:] if log.exists() else "")
     metrics = read_metrics(tmp_path / "out")
-    print(f"{family}: sampler - trainer log-prob, max per update:",
+    print(f"{family}, {mode}: sampler - trainer log-prob, max per update:",
           [f"{m['mismatch/logprob_diff_max']:.1e}" for m in metrics])
     moved = abs(metrics[1]["objective/kl"])  # the adapters' log-probs apart from the reference's (k1: of any sign)
     assert [m["update"] for m in metrics] == [1, 2] and moved > 100 * LOGPROB_TOLERANCE
     assert all(abs(m["val/ratio"] - 1) < 1e-5 and m["mismatch/logprob_diff_max"] < LOGPROB_TOLERANCE
                for m in metrics)
-    assert log.read_text().count("Loaded new LoRA adapter: name 'rloo-") >= 2  # the start's, update 1's
-
-
-@on_cpu
-@pytest.mark.parametrize("family", LORA_FAMILIES)
-def test_a_colocated_engine_of_each_family_samples_with_the_trainer_s_adapters(family, assets, tmp_path):
-    """--vllm_mode colocate with --lora_sync adapters on every linear layer the family's adapters reach: the engine in
-    the training process loads each sync's adapters, and the second update's completions, sampled with the first
-    update's, have the trainer's log-probs."""
-    saved_policy(family, tmp_path / "policy")
-    result = run_script("rloo_multinode.py", "--model_name_or_path", tmp_path / "policy", "--dataset_name",
-                        assets["train"], *ENGINE_RUN, *COLOCATED, *LORA, "--lora_target_modules", *lora_targets(family),
-                        "--lora_sync", "adapters", "--total_episodes", 2 * COLOCATED_PER_UPDATE, "--output_dir",
-                        tmp_path / "out")
-    assert result.returncode == 0, result.stderr[-3000:]
-    metrics = read_metrics(tmp_path / "out")
-    print(f"{family}, colocated: sampler - trainer log-prob, max per update:",
-          [f"{m['mismatch/logprob_diff_max']:.1e}" for m in metrics])
-    moved = abs(metrics[1]["objective/kl"])  # the adapters' log-probs apart from the reference's (k1: of any sign)
-    assert [m["update"] for m in metrics] == [1, 2] and moved > 100 * LOGPROB_TOLERANCE
-    assert all(abs(m["val/ratio"] - 1) < 1e-5 and m["mismatch/logprob_diff_max"] < LOGPROB_TOLERANCE
-               for m in metrics)
+    if mode == "served":
+        assert log.read_text().count("Loaded new LoRA adapter: name 'rloo-") >= 2  # the start's, update 1's
