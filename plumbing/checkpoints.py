@@ -16,7 +16,6 @@ import pickle
 import random
 import re
 import shutil
-import sys
 import time
 import uuid
 import warnings
@@ -30,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from .distributed import barrier, is_fsdp_unit, note_phase, rank0_view, seed_everything, unwrapped
-from .errors import (WRITE_ERRORS, ConfigError, Fault, RewardFunctionError, describe, first_line, inert, reading,
-                     without_credentials)
+from .errors import (WRITE_ERRORS, ConfigError, Fault, RewardFunctionError, describe, first_line, inert, program,
+                     reading, without_credentials)
 from .faults import RolloutSourceError
 from .folders import Folder, FolderMoved, own_file_system
 from .runlog import MetricsWriteError
@@ -1305,4 +1304,4 @@ class Checkpointer:
             self.lock.mark_preempted(str(path or where))
         except OSError as e:  # output_dir moved away meanwhile, a full disk: said, the stop stands
             where += f" (output_dir/preempted could not be written: {e.strerror or e})"
-        logger.say(f"{Path(sys.argv[0]).name}: {what}; {where}; continue with the same command and --resume")
+        logger.say(f"{program()}: {what}; {where}; continue with the same command and --resume")

@@ -28,7 +28,7 @@ import tyro._errors  # parse_args' one-line parse errors
 import yaml  # transformers' dependency
 
 from .distributed import stopped_alone
-from .errors import ConfigError, Fault, describe, first_line, inert, not_a_file, read_input, shown, write_own
+from .errors import ConfigError, Fault, describe, first_line, inert, not_a_file, program, read_input, shown, write_own
 from .faults import NonFiniteError, StartupInterrupted, StopSignal, console_survives, run_only
 from .flags import PATH_FLAGS, RunArgs
 from .rewards import end_processes_left, exit_bounded
@@ -721,7 +721,7 @@ def parse_args(cls, argv: Optional[list[str]] = None, prog: Optional[str] = None
     TRL's --eval_strategy no loads no test split, steps or epoch evaluate on TRL's default split (test) when
     --dataset_test_split is not given. Bad input is one line on stderr and exit status 2, tyro's parse errors
     included (parse_error_line)."""
-    prog = prog or Path(sys.argv[0]).name
+    prog = prog or program()
     console_survives()  # from the first line it may write
     hints = get_type_hints(cls, include_extras=True)
     plain = get_type_hints(cls) | {"steps_per_generation": Optional[int]}  # the types without tyro's markers

@@ -12,7 +12,6 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .errors import ConfigError, Fault, first_line
+from .errors import ConfigError, Fault, first_line, program
 from .threads import interruptible
 
 __all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tools; tests import the rest from the module
@@ -70,7 +69,7 @@ def setup_distributed(timeout: float = 1800.0) -> Dist:
     def unanswered() -> None:  # said once, by each rank that waits: the wait itself goes on
         problem = rendezvous_problem(os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0")))
         if problem:
-            print(f"{Path(sys.argv[0]).name}: rank {rank}: the rendezvous at {address} does not answer ({problem}); "
+            print(f"{program()}: rank {rank}: the rendezvous at {address} does not answer ({problem}); "
                   f"waiting on, up to --ddp_timeout {timeout:g} s: check the address, and that rank 0 has started",
                   file=sys.stderr, flush=True)
 

@@ -11,6 +11,7 @@ import errno
 import os
 import re
 import stat
+import sys
 import unicodedata
 from pathlib import Path
 from typing import Optional
@@ -21,6 +22,12 @@ __all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tool
     "ConfigError", "Fault", "inert", "describe", "not_a_file", "reading", "first_line", "RewardFunctionError",
     "without_credentials", "new_file", "write_own", "open_own",
 ]
+
+
+def program() -> str:
+    """The running script's name, which the lines a run prints start with (argparse's prog): a copy of rloo.py says
+    its own."""
+    return Path(sys.argv[0]).name
 
 
 class ConfigError(Exception):

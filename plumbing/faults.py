@@ -10,14 +10,13 @@ import os
 import signal
 import sys
 import threading
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from .distributed import all_reduce
-from .errors import RewardFunctionError, describe
+from .errors import RewardFunctionError, describe, program
 from .folders import Folder
 
 __all__ = [  # given as plumbing.NAME to rloo.py, rloo_multinode.py and the tools; tests import the rest from the module
@@ -161,7 +160,7 @@ class StopSignal:
             raise RewardFunctionError(f"{name} received while a reward function ran", signal_name=name)
         if signum == signal.SIGINT and self.announce:  # os.write: print() is not safe inside a signal handler
             with contextlib.suppress(OSError):  # stderr gone (a closed pipe: Ctrl-C reached `| tee` too)
-                os.write(2, f"{Path(sys.argv[0]).name}: SIGINT received: stopping after this update with a checkpoint; "
+                os.write(2, f"{program()}: SIGINT received: stopping after this update with a checkpoint; "
                             "Ctrl-C again exits at once without one\n".encode())
 
     def requested(self, device: torch.device) -> bool:

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .errors import WRITE_ERRORS, ConfigError, Fault, check_input_directory, first_line, inert, reading
+from .errors import WRITE_ERRORS, ConfigError, Fault, check_input_directory, first_line, inert, program, reading
 from .flags import missing_local_path, policy_options
 from .folders import Folder
 from .outputdir import MERGED, move_aside
@@ -294,7 +294,7 @@ def check_context(config, what: str, args, longest_prompt: int) -> None:
                           f"{needed} tokens, but the {what} has {positions} positions (max_position_embeddings), "
                           f"a learned table with no row past them: lower {fix}")
     if os.environ.get("RANK", "0") == "0":
-        print(f"{Path(sys.argv[0]).name}: warning: the longest prompt, {longest_prompt} tokens, + --response_length = "
+        print(f"{program()}: warning: the longest prompt, {longest_prompt} tokens, + --response_length = "
               f"{needed} tokens exceed the {what}'s {positions} positions (max_position_embeddings), where it was not "
               f"trained: lower {fix}", file=sys.stderr)
 

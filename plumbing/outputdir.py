@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from .distributed import rank0_view
-from .errors import ConfigError, inert, not_a_file
+from .errors import ConfigError, inert, not_a_file, program
 from .folders import Folder
 from .faults import signals_held
 
@@ -104,7 +104,7 @@ class OutputDirLock:
                               f"({inert(holder)}): wait for it to end or stop it, or pass another --output_dir"
                               ) from None
         except OSError as e:  # a filesystem without locks (Lustre without -o flock, some NFS setups)
-            print(f"{Path(sys.argv[0]).name}: warning: cannot lock --output_dir {inert(self.output_dir, 120)} "
+            print(f"{program()}: warning: cannot lock --output_dir {inert(self.output_dir, 120)} "
                   f"({e.strerror or e}): a second run into it would not be stopped", file=sys.stderr)
         lock.seek(0)
         lock.truncate()

@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from .data import PROMPT_IDS, pad_sequences
 from .distributed import all_reduce, seed_everything, wait_for_peers
-from .errors import (FLOAT32_MAX, ConfigError, RewardFunctionError, describe, first_line, inert, input_file,
-                     not_a_file)
+from .errors import (FLOAT32_MAX, ConfigError, RewardFunctionError, describe, first_line, inert, input_file, not_a_file,
+                     program)
 from .faults import StopSignal, run_only, stop_signals_at_once
 from .threads import in_a_thread
 from .models import disable_dropout, has_tokenizer, load_reward_model, load_tokenizer, same_vocabulary
@@ -297,7 +297,7 @@ class ExitHandler:
         name = getattr(self.fn, "__qualname__", None) or repr(self.fn)
         outcome = in_a_thread(lambda: self.fn(*self.args, **self.kwargs), f"atexit {name}", EXIT_HANDLER_TIMEOUT)
         if not outcome:
-            print(f"{Path(sys.argv[0]).name}: an exit handler of user code ({name}) did not return within "
+            print(f"{program()}: an exit handler of user code ({name}) did not return within "
                   f"{EXIT_HANDLER_TIMEOUT:g} s: exiting without it", file=sys.stderr, flush=True)
         elif "error" in outcome:
             raise outcome["error"]
@@ -591,7 +591,7 @@ def said_if_unscored(update: int, sources: RewardSources, scores: torch.Tensor,
     for name, _ in sources.functions:
         if math.isnan(per_source[f"reward/{name}/mean"]) and name not in sources.said_unscored:
             sources.said_unscored.add(name)
-            print(f"{Path(sys.argv[0]).name}: warning: reward function {name!r} scored none of the {len(scores)} "
+            print(f"{program()}: warning: reward function {name!r} scored none of the {len(scores)} "
                   f"completions of update {update}{rank}: it returned only None (said once a run)", file=sys.stderr,
                   flush=True)
     sources.scored_any = sources.scored_any or not unscored
